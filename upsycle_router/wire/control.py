@@ -1,0 +1,107 @@
+"""Router control messages (seed 003 §Message interface of the router, PROTOCOL.md §7).
+
+They travel as the BODY of a unicast message whose ``dst`` is the router's id: ``enc([type, map])``.
+Types 1-5 are the seed's JOIN, JOIN_ACK, LEAVE, LEAVE_ACK and PULL; 6-8 are our extensions: PULL_NACK (the
+router does not have the requested message) and the SYNC barrier with its SYNC_ACK.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from upsycle_router.wire.cbor import check_bool, check_hash, check_pubkey, check_uint
+from upsycle_router.wire.tagged import Kind, TaggedCodec
+
+
+class Result(enum.IntEnum):
+    """Result codes of the ACK messages."""
+
+    SUCCESS = 0
+    FAILURE = 1
+
+
+def check_result(v: Any, field: str) -> int:
+    """A result code: 0 success, 1 failure."""
+    return check_uint(v, field, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """Subscribe the sender to group ``addr``; ``local`` = do not ask the pub/sub service to SUB."""
+
+    addr: bytes
+    local: bool
+
+
+@dataclass(frozen=True, slots=True)
+class JoinAck:
+    """Answer to JOIN."""
+
+    addr: bytes
+    result: int
+
+
+@dataclass(frozen=True, slots=True)
+class Leave:
+    """Unsubscribe the sender from group ``addr``."""
+
+    addr: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveAck:
+    """Answer to LEAVE."""
+
+    addr: bytes
+    result: int
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Ask for stored message ``id`` of group ``addr``."""
+
+    addr: bytes
+    id: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PullNack:
+    """The router has no message ``id`` in group ``addr`` (our extension, type 6)."""
+
+    addr: bytes
+    id: bytes
+    result: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    """Barrier: answer SYNC_ACK once everything sent before it is processed and committed (type 7)."""
+
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class SyncAck:
+    """Answer to SYNC (type 8)."""
+
+    n: int
+    result: int = 0
+
+
+RouterMessage = Join | JoinAck | Leave | LeaveAck | Pull | PullNack | Sync | SyncAck
+
+ROUTER_CODEC: TaggedCodec[RouterMessage] = TaggedCodec(
+    "router message",
+    [
+        Kind(1, Join, {"addr": check_pubkey, "local": check_bool}),
+        Kind(2, JoinAck, {"addr": check_pubkey, "result": check_result}),
+        Kind(3, Leave, {"addr": check_pubkey}),
+        Kind(4, LeaveAck, {"addr": check_pubkey, "result": check_result}),
+        Kind(5, Pull, {"addr": check_pubkey, "id": check_hash}),
+        Kind(6, PullNack, {"addr": check_pubkey, "id": check_hash, "result": check_result}),
+        Kind(7, Sync, {"n": check_uint}),
+        Kind(8, SyncAck, {"n": check_uint, "result": check_result}),
+    ],
+)
