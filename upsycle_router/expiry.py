@@ -32,7 +32,12 @@ def expires_at(arrival: float, ttl: int, exp: int) -> float:
     return min(arrival + ttl, exp_to_unix(exp))
 
 
+_GREGORIAN_CYCLE_DAYS = 146097  # the Gregorian calendar repeats every 400 years
+
+
 def exp_iso(exp: int) -> str:
-    """An ``exp`` value as ISO 8601 UTC, e.g. ``2026-11-22T05:00:00Z``."""
-    t = _dt.datetime(2020, 1, 1, tzinfo=_dt.UTC) + _dt.timedelta(minutes=exp)
-    return t.strftime("%Y-%m-%dT%H:%M:%SZ")
+    """An ``exp`` value as ISO 8601 UTC, e.g. ``2026-11-22T05:00:00Z`` (years past 9999 get more digits)."""
+    days, minutes = divmod(exp, 24 * 60)
+    cycles, days = divmod(days, _GREGORIAN_CYCLE_DAYS)  # keep within datetime's range (year <= 9999)
+    t = _dt.datetime(2020, 1, 1, tzinfo=_dt.UTC) + _dt.timedelta(days=days, minutes=minutes)
+    return f"{t.year + 400 * cycles:04d}-{t.month:02d}-{t.day:02d}T{t.hour:02d}:{t.minute:02d}:00Z"

@@ -83,6 +83,8 @@ def body_from_cbor(v: Any) -> AppBody:
     if not isinstance(v, list) or len(v) != 2:
         raise RemoteProtocolError(f"expected [type, value], got {type_name(v)}", field="body")
     t, val = v
+    if isinstance(t, bool) or not isinstance(t, int):
+        raise RemoteProtocolError(f"expected uint application body type, got {type_name(t)}", field="type")
     if t == 0 and not isinstance(t, bool):
         check_map(val, "ACK", frozenset())
         return AppAck()

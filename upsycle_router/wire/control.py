@@ -11,7 +11,8 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from upsycle_router.wire.cbor import check_bool, check_hash, check_pubkey, check_uint
+from upsycle_router.wire.cbor import check_bool, check_deterministic, check_hash, check_pubkey, check_uint, decode_item
+from upsycle_router.wire.discovery import ADVERT_TYPE, PeerAdvertisement, decode_discovery
 from upsycle_router.wire.tagged import Kind, TaggedCodec
 
 
@@ -25,6 +26,11 @@ class Result(enum.IntEnum):
 def check_result(v: Any, field: str) -> int:
     """A result code: 0 success, 1 failure."""
     return check_uint(v, field, 1)
+
+
+def check_uint64(v: Any, field: str) -> int:
+    """A CDDL ``uint``: any CBOR unsigned integer (0 .. 2^64-1)."""
+    return check_uint(v, field, 2**64 - 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +107,33 @@ ROUTER_CODEC: TaggedCodec[RouterMessage] = TaggedCodec(
         Kind(4, LeaveAck, {"addr": check_pubkey, "result": check_result}),
         Kind(5, Pull, {"addr": check_pubkey, "id": check_hash}),
         Kind(6, PullNack, {"addr": check_pubkey, "id": check_hash, "result": check_result}),
-        Kind(7, Sync, {"n": check_uint}),
-        Kind(8, SyncAck, {"n": check_uint, "result": check_result}),
+        Kind(7, Sync, {"n": check_uint64}),
+        Kind(8, SyncAck, {"n": check_uint64, "result": check_result}),
     ],
 )
+
+
+def decode_control(body: bytes) -> RouterMessage | PeerAdvertisement:
+    """Decode the BODY of a unicast addressed to a router.
+
+    Router control messages and the discovery interface's ``[1, PEER_ADVERTISEMENT]`` (sent router to router
+    on connect, PROTOCOL.md §7) share type number 1; an advertisement is told from JOIN by its ``sig`` key.
+    """
+    obj = decode_item(body, "router message")
+    if (
+        isinstance(obj, list)
+        and len(obj) == 2
+        and obj[0] == ADVERT_TYPE
+        and not isinstance(obj[0], bool)
+        and isinstance(obj[1], dict)
+        and "sig" in obj[1]
+    ):
+        return decode_discovery(body)
+    msg = ROUTER_CODEC.from_cbor(obj)
+    check_deterministic(body, obj, ["type", "router message"], "router message")
+    return msg
+
+
+def encode_router(msg: RouterMessage) -> bytes:
+    """``enc([type, map])`` of a router control message."""
+    return ROUTER_CODEC.encode(msg)

@@ -163,7 +163,7 @@ def decode_discovery(data: bytes) -> PeerAdvertisement:
     obj = decode_item(data, "discovery message")
     if not isinstance(obj, list) or len(obj) != 2:
         raise RemoteProtocolError(f"expected [1, advertisement], got {type_name(obj)}", field="discovery message")
-    if isinstance(obj[0], bool) or obj[0] != ADVERT_TYPE:
+    if isinstance(obj[0], bool) or not isinstance(obj[0], int) or obj[0] != ADVERT_TYPE:
         raise RemoteProtocolError(f"unknown discovery message type {obj[0]!r}", field="type")
     adv = PeerAdvertisement.from_cbor(obj[1])
     check_deterministic(data, obj, ["type", "advertisement"], "discovery message")

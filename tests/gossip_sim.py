@@ -1,0 +1,250 @@
+"""An N-node deterministic simulator for the gossip core: in-memory links, a virtual clock, seeded rngs.
+
+Each :class:`SimNode` is one node: a router modelled just far enough for the pub/sub service (group
+subscriptions of its PS, the multicast duplicate check and message store of seed 003's multicast algorithm,
+PULL answers) and a :class:`GossipCore`. Effects travel with a random latency drawn from the simulator's rng:
+
+- ``SendRpc`` is encoded with the real codec and arrives as ``rpc_received(sender router, decode_rpc(bytes))``;
+- ``Forward(router=X, message)`` arrives at router X, which drops it if its PS has not joined the group or
+  (``router_dedup``) it saw the id before, else stores it, counts one delivery to local subscribers and hands
+  it to X's PS as ``message_received(msg with VIA = sender, via = sender router)``;
+- ``Pull(router=Y, group, id)`` reaches router Y, which answers with the stored message (arriving like a
+  forward from Y) or a PULL_NACK (``pull_failed`` at the requester);
+- ``JoinGroup``/``LeaveGroup`` change the router's subscriptions for the node's PS.
+
+``drop(kind, src, dst, payload)`` (kind ``"data"``, ``"rpc"`` or ``"pull"``) may discard a transmission.
+Timers: the loop always runs the earliest of the next queued arrival and the earliest core deadline, so every
+``handle_timer`` call happens exactly at ``next_deadline()``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from upsycle_router.crypto import Identity, sign_message
+from upsycle_router.services.pubsub import (
+    Effect,
+    Forward,
+    GossipCore,
+    GossipParams,
+    GroupPolicy,
+    JoinGroup,
+    LeaveGroup,
+    Peer,
+    Pull,
+    SendRpc,
+    Trace,
+)
+from upsycle_router.wire.gossip import decode_rpc
+from upsycle_router.wire.messages import Message, MulticastHeader
+
+DropFn = Callable[[str, "SimNode", "SimNode", object], bool]
+
+
+def make_message(group: Identity, body: bytes, sn: tuple[bytes, ...] = (), ttl: int = 600) -> Message:
+    """A real multicast message of ``group``, signed with the group key."""
+    return sign_message(MulticastHeader(group.public, ttl, 10_000_000, sn), body, group)
+
+
+@dataclass
+class SimNode:
+    """One simulated node: router state and the pub/sub service's core."""
+
+    index: int
+    router: bytes
+    service: bytes
+    core: GossipCore
+    router_groups: set[bytes] = field(default_factory=set)
+    router_seen: set[bytes] = field(default_factory=set)
+    store: dict[bytes, Message] = field(default_factory=dict)
+    delivered: Counter[bytes] = field(default_factory=Counter)
+    ps_received: Counter[bytes] = field(default_factory=Counter)
+    traces: list[Trace] = field(default_factory=list)
+    pulls: list[Pull] = field(default_factory=list)
+
+    @property
+    def peer(self) -> Peer:
+        """This node's pub/sub service as a peer of the others."""
+        return Peer(self.router, self.service)
+
+
+class Sim:
+    """N gossip cores wired through in-memory links with latency, on a virtual clock."""
+
+    def __init__(
+        self,
+        n: int,
+        *,
+        seed: int = 1,
+        params: GossipParams | None = None,
+        latency: tuple[float, float] = (0.005, 0.05),
+        router_dedup: bool = True,
+        default_policy: GroupPolicy | None = None,
+        start_jitter: bool = True,
+    ) -> None:
+        self.rng = random.Random(seed)
+        self.now = 0.0
+        self.latency = latency
+        self.router_dedup = router_dedup
+        self.drop: DropFn | None = None
+        self._queue: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self.nodes: list[SimNode] = []
+        # (time, sender router, receiver router, message id) for every data transmission, including drops.
+        self.forwards: list[tuple[float, bytes, bytes, bytes]] = []
+        self.rpc_count = 0
+        for i in range(n):
+            router = self.rng.randbytes(32)
+            service = self.rng.randbytes(32)
+            start = self.rng.random() * (params or GossipParams()).heartbeat_interval if start_jitter else 0.0
+            core = GossipCore(
+                router,
+                now=start,
+                rng=random.Random(seed * 1_000_003 + i),
+                params=params,
+                default_policy=default_policy,
+            )
+            self.nodes.append(SimNode(i, router, service, core))
+        self.by_router = {node.router: node for node in self.nodes}
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._queue, (t, next(self._seq), fn))
+
+    def _delay(self) -> float:
+        lo, hi = self.latency
+        return lo + (hi - lo) * self.rng.random()
+
+    def run_until(self, until: float) -> None:
+        """Process arrivals and timers in time order up to and including ``until``."""
+        while True:
+            t_event = self._queue[0][0] if self._queue else math.inf
+            t_timer, timer_node = math.inf, None
+            for node in self.nodes:
+                d = node.core.next_deadline()
+                if d is not None and d < t_timer:
+                    t_timer, timer_node = d, node
+            t = min(t_event, t_timer)
+            if t > until:
+                break
+            self.now = t
+            if timer_node is not None and t_timer <= t_event:
+                self.apply(timer_node, timer_node.core.handle_timer(t))
+            else:
+                _, _, fn = heapq.heappop(self._queue)
+                fn()
+        self.now = max(self.now, until)
+
+    def run_for(self, dt: float) -> None:
+        """Advance the virtual clock by ``dt`` seconds."""
+        self.run_until(self.now + dt)
+
+    # ------------------------------------------------------------------ effects
+
+    def apply(self, node: SimNode, effects: list[Effect]) -> None:
+        """Carry out ``node``'s effects."""
+        for e in effects:
+            if isinstance(e, SendRpc):
+                self._send_rpc(node, e)
+            elif isinstance(e, Forward):
+                self._send_data(node, self.by_router[e.router], e.message)
+            elif isinstance(e, JoinGroup):
+                node.router_groups.add(e.group)
+            elif isinstance(e, LeaveGroup):
+                node.router_groups.discard(e.group)
+            elif isinstance(e, Pull):
+                node.pulls.append(e)
+                self._send_pull(node, e)
+            elif isinstance(e, Trace):
+                node.traces.append(e)
+
+    def _dropped(self, kind: str, src: SimNode, dst: SimNode, payload: object) -> bool:
+        return self.drop is not None and self.drop(kind, src, dst, payload)
+
+    def _send_rpc(self, node: SimNode, e: SendRpc) -> None:
+        dst = self.by_router[e.peer.router]
+        assert e.peer.service == dst.service
+        data = e.rpc.encode()
+        self.rpc_count += 1
+        if self._dropped("rpc", node, dst, e.rpc):
+            return
+
+        def arrive() -> None:
+            self.apply(dst, dst.core.rpc_received(node.router, decode_rpc(data), self.now))
+
+        self._at(self.now + self._delay(), arrive)
+
+    def _send_data(self, src: SimNode, dst: SimNode, msg: Message) -> None:
+        self.forwards.append((self.now, src.router, dst.router, msg.id))
+        if self._dropped("data", src, dst, msg):
+            return
+        self._at(self.now + self._delay(), lambda: self._router_receive(dst, msg, src.router))
+
+    def _send_pull(self, node: SimNode, e: Pull) -> None:
+        target = self.by_router[e.router]
+        if self._dropped("pull", node, target, e):
+            return
+
+        def at_target() -> None:
+            msg = target.store.get(e.id)
+            if msg is not None and isinstance(msg.header, MulticastHeader) and msg.header.grp == e.group:
+                self._send_data(target, node, msg)
+            else:
+                back = self.now + self._delay()
+                self._at(back, lambda: self.apply(node, node.core.pull_failed(e.id, self.now)))
+
+        self._at(self.now + self._delay(), at_target)
+
+    def _router_receive(self, node: SimNode, msg: Message, via: bytes) -> None:
+        assert isinstance(msg.header, MulticastHeader)
+        if msg.header.grp not in node.router_groups:
+            return
+        if self.router_dedup and msg.id in node.router_seen:
+            return
+        node.router_seen.add(msg.id)
+        node.store[msg.id] = msg
+        node.delivered[msg.id] += 1
+        node.ps_received[msg.id] += 1
+        self.apply(node, node.core.message_received(msg.with_via(via), via, self.now))
+
+    # ------------------------------------------------------------------ scenario helpers
+
+    def connect_all(self) -> None:
+        """Every node learns every other node's pub/sub service (as from peer advertisements)."""
+        for node in self.nodes:
+            for other in self.nodes:
+                if other is not node:
+                    self.apply(node, node.core.peer_added(other.peer, self.now))
+
+    def join(self, index: int, group: bytes) -> None:
+        """The router of node ``index`` sends its PS SUB ``group``."""
+        node = self.nodes[index]
+        self.apply(node, node.core.join(group, self.now))
+
+    def leave(self, index: int, group: bytes) -> None:
+        """The router of node ``index`` sends its PS UNSUB ``group``."""
+        node = self.nodes[index]
+        self.apply(node, node.core.leave(group, self.now))
+
+    def publish(self, index: int, msg: Message) -> None:
+        """A local app of node ``index`` publishes ``msg``: via the router when PS joined, else through PS."""
+        node = self.nodes[index]
+        assert isinstance(msg.header, MulticastHeader)
+        if msg.header.grp in node.router_groups:
+            node.router_seen.add(msg.id)
+            node.store[msg.id] = msg
+            node.delivered[msg.id] += 1
+            self.apply(node, node.core.message_received(msg, None, self.now))
+        else:
+            self.apply(node, node.core.publish(msg, self.now))
+
+    def mesh_sizes(self, group: bytes) -> list[int]:
+        """The mesh degree of every node that joined ``group``."""
+        return [len(n.core.mesh_peers(group)) for n in self.nodes if group in n.core.joined]

@@ -1,0 +1,106 @@
+"""``upsycle-router run`` and ``id``: start the daemon, print the router's id."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import sys
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+from upsycle_router.config import DaemonConfig, load_config
+from upsycle_router.crypto import load_or_create_key_file
+from upsycle_router.errors import ConfigError, KeyFileError
+from upsycle_router.runtime.daemon import run_daemon
+from upsycle_router.runtime.logs import setup_logging
+from upsycle_router.store.lmdb_store import Durability
+from upsycle_router.wire.discovery import TransportAddr
+
+
+def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine on uvloop when available, else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    """The config file (or defaults) with command-line overrides applied."""
+    cfg = load_config(getattr(args, "config", None))
+    over: dict[str, Any] = {}
+    if getattr(args, "data_dir", None):
+        over["data_dir"] = Path(args.data_dir)
+    if getattr(args, "unix", None):
+        over["unix"] = Path(args.unix)
+    if getattr(args, "listen", None):
+        try:
+            TransportAddr.parse(args.listen)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"--listen: {e}") from None
+        over["tls"] = args.listen
+    if getattr(args, "durability", None):
+        over["durability"] = Durability(args.durability)
+    if getattr(args, "trace", None):
+        over["trace_dir"] = Path(args.trace)
+    if getattr(args, "log_level", None):
+        over["log_level"] = args.log_level
+    return dataclasses.replace(cfg, **over) if over else cfg
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run the daemon until SIGTERM/SIGINT."""
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        print(f"error: config: {e}", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_level)
+    try:
+        run_async(run_daemon(cfg))
+    except (KeyFileError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def cmd_id(args: argparse.Namespace) -> int:
+    """Print the router's public key (creating the key on first use)."""
+    try:
+        cfg = config_from_args(args)
+        cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        print(load_or_create_key_file(cfg.key_path).hex)
+    except (KeyFileError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def add_daemon_options(p: argparse.ArgumentParser) -> None:
+    """``--config`` and ``--data-dir``, shared by commands that read the daemon's state."""
+    p.add_argument("--config", help="YAML config file (default: embedded defaults)")
+    p.add_argument("--data-dir", help="data directory (overrides the config)")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``run`` and ``id``."""
+    p = sub.add_parser("run", help="run the router daemon")
+    add_daemon_options(p)
+    p.add_argument("--unix", help="Unix socket path (overrides the config)")
+    p.add_argument("--listen", metavar="HOST:PORT", help="TLS listen address for remote routers")
+    p.add_argument("--durability", choices=[d.value for d in Durability], help="when writes reach the disk")
+    p.add_argument("--trace", metavar="DIR", help="write the trace journal to DIR")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("id", help="print the router's public key")
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_id)

@@ -1,0 +1,298 @@
+"""An app's connection to its router.
+
+Theory of operation
+-------------------
+:meth:`Client.connect` opens the Unix socket, runs the session handshake (the same pure
+:class:`~upsycle_router.transport.session.Session` the router uses) and starts one reader task. The reader
+decodes every frame: router replies (unicast from the router's id whose BODY is JOIN_ACK, LEAVE_ACK,
+PULL_NACK or SYNC_ACK) resolve the future of the request that asked for them; the answer to a PULL (the
+pulled message itself) resolves that PULL; everything else goes to the incoming queue that ``recv()`` and
+``async for`` read. Requests are matched to replies by group (JOIN/LEAVE), by ``n`` (SYNC) and by id (PULL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import ssl
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from upsycle_router.crypto import Identity, message_signature_valid, sign_message
+from upsycle_router.errors import RemoteProtocolError, UpsycleError
+from upsycle_router.expiry import UINT32_MAX, exp_in
+from upsycle_router.transport.session import FrameReceived, HandshakeComplete, PeerError, Session
+from upsycle_router.wire.control import (
+    Join,
+    JoinAck,
+    Leave,
+    LeaveAck,
+    Pull,
+    PullNack,
+    Result,
+    RouterMessage,
+    Sync,
+    SyncAck,
+    decode_control,
+    encode_router,
+)
+from upsycle_router.wire.discovery import PeerAdvertisement
+from upsycle_router.wire.framing import frame
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
+from upsycle_router.wire.session import Error, decode_frame
+
+DEFAULT_TTL = 3600
+DEFAULT_LIFETIME = 7 * 24 * 3600.0
+
+
+class ClientError(UpsycleError):
+    """The router refused a request, the connection ended, or a reply did not come in time."""
+
+
+class Client:
+    """One app connection to a router."""
+
+    def __init__(self, identity: Identity, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.identity = identity
+        self._reader = reader
+        self._writer = writer
+        self._session = Session(identity)
+        self.router_id: bytes = b""
+        self._incoming: asyncio.Queue[Message | None] = asyncio.Queue()
+        self._waiters: dict[tuple[str, bytes | int], asyncio.Future[RouterMessage | Message]] = {}
+        self._sync_n = itertools.count(1)
+        self._task: asyncio.Task[None] | None = None
+        self._opened: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self.closed_reason: str | None = None
+        self.error: Error | None = None
+
+    # ------------------------------------------------------------ connecting
+
+    @classmethod
+    async def connect(
+        cls, path: str | os.PathLike[str], identity: Identity, *, timeout: float = 10.0, limit: int = 2**22
+    ) -> Client:
+        """Connect over a Unix socket and complete the handshake."""
+        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(Path(path)), limit=limit), timeout)
+        return await cls._start(identity, reader, writer, timeout)
+
+    @classmethod
+    async def connect_tls(
+        cls, host: str, port: int, identity: Identity, *, router_id: bytes | None = None, timeout: float = 10.0
+    ) -> Client:
+        """Connect to a router over TLS 1.3; check its certificate key against its HELLO (and ``router_id``)."""
+        from upsycle_router.transport.tls import client_context, peer_cert_key
+
+        ctx: ssl.SSLContext = client_context()
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ctx), timeout)
+        client = await cls._start(identity, reader, writer, timeout, expected=router_id)
+        cert_key = peer_cert_key(writer.get_extra_info("ssl_object"))
+        if cert_key != client.router_id:
+            await client.close()
+            raise ClientError("the router's certificate key does not match its HELLO id")
+        return client
+
+    @classmethod
+    async def _start(
+        cls,
+        identity: Identity,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        timeout: float,
+        expected: bytes | None = None,
+    ) -> Client:
+        self = cls(identity, reader, writer)
+        self._session = Session(identity, expected_peer=expected)
+        writer.write(self._session.data_to_send())
+        self._task = asyncio.get_running_loop().create_task(self._read_loop())
+        try:
+            self.router_id = await asyncio.wait_for(asyncio.shield(self._opened), timeout)
+        except (TimeoutError, ClientError):
+            await self.close()
+            raise
+        return self
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                data = await self._reader.read(65536)
+                if not data:
+                    break
+                for ev in self._session.receive_data(data):
+                    if isinstance(ev, HandshakeComplete):
+                        if not self._opened.done():
+                            self._opened.set_result(ev.peer)
+                    elif isinstance(ev, FrameReceived):
+                        self._on_frame(ev.payload)
+                    elif isinstance(ev, PeerError):
+                        self.error = Error(ev.code, ev.reason)
+                        self.closed_reason = f"router sent ERROR {ev.code}: {ev.reason}"
+                        return
+                out = self._session.data_to_send()
+                if out:
+                    self._writer.write(out)
+        except RemoteProtocolError as e:
+            self.closed_reason = f"protocol error: {e}"
+            with contextlib.suppress(Exception):
+                self._writer.write(Session.error_frame(e.code, str(e)))
+        except (ConnectionError, OSError) as e:
+            self.closed_reason = f"connection lost: {e}"
+        finally:
+            if self.closed_reason is None:
+                self.closed_reason = "connection closed"
+            if not self._opened.done():
+                self._opened.set_exception(ClientError(self.closed_reason))
+                self._opened.exception()
+            for fut in self._waiters.values():
+                if not fut.done():
+                    fut.set_exception(ClientError(self.closed_reason))
+                    fut.exception()
+            self._incoming.put_nowait(None)
+
+    def _on_frame(self, payload: bytes) -> None:
+        item = decode_frame(payload)
+        if isinstance(item, Error):
+            self.error = item
+            return
+        h = item.header
+        if isinstance(h, UnicastHeader) and h.src == self.router_id and message_signature_valid(item):
+            try:
+                ctl = decode_control(item.body)
+            except RemoteProtocolError:
+                ctl = None
+            key: tuple[str, bytes | int] | None = None
+            if isinstance(ctl, JoinAck):
+                key = ("join", ctl.addr)
+            elif isinstance(ctl, LeaveAck):
+                key = ("leave", ctl.addr)
+            elif isinstance(ctl, SyncAck):
+                key = ("sync", ctl.n)
+            elif isinstance(ctl, PullNack):
+                key = ("pull", ctl.id)
+            if key is not None:
+                fut = self._waiters.pop(key, None)
+                if fut is not None and not fut.done() and not isinstance(ctl, PeerAdvertisement) and ctl is not None:
+                    fut.set_result(ctl)
+                return
+        fut = self._waiters.pop(("pull", item.id), None)
+        if fut is not None and not fut.done():
+            fut.set_result(item)
+            return
+        self._incoming.put_nowait(item)
+
+    # ------------------------------------------------------------ sending
+
+    def send_message(self, msg: Message) -> None:
+        """Write one routed message (no waiting)."""
+        if self.closed_reason is not None:
+            raise ClientError(self.closed_reason)
+        data = msg.encode()
+        self._writer.write(frame(data))
+
+    async def drain(self) -> None:
+        """Wait until the socket buffer drained."""
+        await self._writer.drain()
+
+    def _lifetime(self, ttl: int, exp: int | None) -> tuple[int, int]:
+        if not 0 <= ttl <= UINT32_MAX:
+            raise ValueError("ttl must be 0..2^32-1 seconds")
+        return ttl, exp if exp is not None else exp_in(time.time(), max(float(ttl), DEFAULT_LIFETIME))
+
+    async def send(
+        self, dst: bytes, body: bytes, ttl: int = DEFAULT_TTL, *, exp: int | None = None, via: bytes | None = None
+    ) -> bytes:
+        """Send a signed unicast to ``dst``; return its id."""
+        ttl, exp = self._lifetime(ttl, exp)
+        msg = sign_message(UnicastHeader(self.identity.public, dst, ttl, exp), body, self.identity, via)
+        self.send_message(msg)
+        await self._writer.drain()
+        return msg.id
+
+    async def publish(
+        self,
+        group: Identity,
+        body: bytes,
+        ttl: int = DEFAULT_TTL,
+        *,
+        exp: int | None = None,
+        sn: tuple[bytes, ...] = (),
+        via: bytes | None = None,
+    ) -> bytes:
+        """Publish ``body`` to a group (signed with the group's key); return the message id."""
+        ttl, exp = self._lifetime(ttl, exp)
+        msg = sign_message(MulticastHeader(group.public, ttl, exp, sn), body, group, via)
+        self.send_message(msg)
+        await self._writer.drain()
+        return msg.id
+
+    async def _request(
+        self, key: tuple[str, bytes | int], body: RouterMessage, timeout: float
+    ) -> RouterMessage | Message:
+        fut: asyncio.Future[RouterMessage | Message] = asyncio.get_running_loop().create_future()
+        self._waiters[key] = fut
+        await self.send(self.router_id, encode_router(body), ttl=60)
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            self._waiters.pop(key, None)
+            raise ClientError(f"no answer from the router to {type(body).__name__} within {timeout} s") from None
+
+    async def join(self, group: bytes, local: bool = True, *, timeout: float = 10.0) -> bool:
+        """JOIN a group; True on success (``local=False`` also asks the pub/sub service to SUB)."""
+        reply = await self._request(("join", group), Join(group, local), timeout)
+        return isinstance(reply, JoinAck) and reply.result == Result.SUCCESS
+
+    async def leave(self, group: bytes, *, timeout: float = 10.0) -> bool:
+        """LEAVE a group; True on success."""
+        reply = await self._request(("leave", group), Leave(group), timeout)
+        return isinstance(reply, LeaveAck) and reply.result == Result.SUCCESS
+
+    async def pull(self, group: bytes, mid: bytes, *, timeout: float = 10.0) -> Message | None:
+        """PULL a stored message of ``group`` by id; None when the router does not have it."""
+        reply = await self._request(("pull", mid), Pull(group, mid), timeout)
+        return reply if isinstance(reply, Message) else None
+
+    async def sync(self, *, timeout: float = 30.0) -> None:
+        """Wait until everything sent before is processed and committed by the router (SYNC / SYNC_ACK)."""
+        n = next(self._sync_n)
+        reply = await self._request(("sync", n), Sync(n), timeout)
+        if not isinstance(reply, SyncAck) or reply.result != Result.SUCCESS:
+            raise ClientError("SYNC failed")
+
+    # ------------------------------------------------------------ receiving
+
+    async def recv(self, timeout: float | None = None) -> Message:
+        """The next incoming message; raise ClientError once the connection is closed."""
+        item = await asyncio.wait_for(self._incoming.get(), timeout)
+        if item is None:
+            self._incoming.put_nowait(None)
+            raise ClientError(self.closed_reason or "connection closed")
+        return item
+
+    async def __aiter__(self) -> AsyncIterator[Message]:
+        while True:
+            try:
+                yield await self.recv()
+            except ClientError:
+                return
+
+    # ------------------------------------------------------------ closing
+
+    async def close(self) -> None:
+        """Close the connection."""
+        with contextlib.suppress(Exception):
+            self._writer.close()
+            await self._writer.wait_closed()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

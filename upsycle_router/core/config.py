@@ -1,0 +1,36 @@
+"""Policy knobs of the routing core (the daemon's YAML config maps onto this)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class CoreConfig:
+    """Who may do what, and how much the router keeps."""
+
+    # Keys allowed to be local services on the Unix socket; None: every authenticated Unix peer is local.
+    local_services: frozenset[bytes] | None = None
+    # Remote nodes this router serves (JOIN, PULL and store-and-forward for them).
+    edge_nodes: frozenset[bytes] = frozenset()
+    # Accept JOIN from any authenticated node, not only local services and edge nodes.
+    accept_join_from_any: bool = False
+    # Routers we peer with (static peers); their services may PULL from us.
+    peers: frozenset[bytes] = frozenset()
+    # Accept PULL from any authenticated router.
+    accept_pull_from_any: bool = False
+    # The local pub/sub service and peer discovery service, if any.
+    pubsub_service: bytes | None = None
+    discovery_service: bytes | None = None
+    # Bounded recently-seen id list (multicast step 5; also replay protection for unicast).
+    seen_max: int = 100_000
+    # Per-recipient queue quota.
+    queue_max_count: int = 100_000
+    queue_max_bytes: int = 256 * 1024 * 1024
+    # How many queued messages are sent at once when a recipient connects.
+    flush_batch: int = 512
+    # Lifetime of routes learned from messages of remote nodes.
+    learned_route_ttl: float = 24 * 3600.0
+    # ttl (seconds) and lifetime of the router's own replies.
+    reply_ttl: int = 300
+    reply_lifetime: float = 3600.0

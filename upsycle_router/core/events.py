@@ -1,0 +1,117 @@
+"""Inputs to and outputs of the routing core.
+
+Inputs are named in the past tense (what happened); effects are commands (what the driver must do). The
+driver feeds inputs in arrival order inside one store transaction per batch, commits, and only then carries
+out the effects, so nothing is sent, acknowledged or delivered before the state it depends on is durable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from upsycle_router.wire.messages import Message
+
+ConnId = int
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionOpened:
+    """A session handshake completed: ``peer`` is authenticated; ``local`` was decided at the handshake."""
+
+    conn: ConnId
+    peer: bytes
+    local: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionClosed:
+    """A connection ended (either side)."""
+
+    conn: ConnId
+
+
+@dataclass(frozen=True, slots=True)
+class MessageReceived:
+    """A routed message arrived on ``conn``; ``verified`` says whether its signature checked out."""
+
+    conn: ConnId
+    message: Message
+    verified: bool
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class QueueSent:
+    """Queued messages the driver has written to their recipient's connection: remove them from the queue."""
+
+    refs: tuple[tuple[bytes, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class DialFailed:
+    """The driver could not reach router ``router``."""
+
+    router: bytes
+
+
+Event = ConnectionOpened | ConnectionClosed | MessageReceived | QueueSent | DialFailed
+
+
+# ---------------------------------------------------------------- effects
+
+
+@dataclass(frozen=True, slots=True)
+class Send:
+    """Write one routed message to ``conn``; ``queue_ref`` names the queue entry it drains, if any."""
+
+    conn: ConnId
+    data: bytes
+    queue_ref: tuple[bytes, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Dial:
+    """Open a connection to remote router ``router`` (the pool knows its address, or gives up)."""
+
+    router: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CloseConnection:
+    """Send ERROR ``code``/``reason`` on ``conn`` and close it."""
+
+    conn: ConnId
+    code: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    """One trace journal record (docs/trace.md); the driver adds ``ts`` and ``node``."""
+
+    event: str
+    id: bytes | None = None
+    type: str = "unicast"
+    group: bytes | None = None
+    src: bytes | None = None
+    dst: bytes | None = None
+    peer: bytes | None = None
+    size: int = 0
+    reason: str | None = None
+    local: bool | None = None
+    role: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PeerLearned:
+    """A verified peer advertisement arrived from router ``advert.id``: the driver may record its address."""
+
+    router: bytes
+    host: str
+    port: int
+
+
+Effect = Send | Dial | CloseConnection | Trace | PeerLearned

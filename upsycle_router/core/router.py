@@ -1,0 +1,562 @@
+"""The routing core: seed 003's unicast and multicast algorithms as a sans-I/O state machine.
+
+Theory of operation
+-------------------
+:class:`Router` is driven by :meth:`Router.handle` with an input event and ``now``; it returns the effects
+the driver must carry out (send a message on a connection, dial a router, close a connection, write a trace
+record). It never touches a socket or a clock. State lives in two places: in memory (connections, the
+recently-seen ids, subscribers and routes mirrored from the store) and in the injected store (LMDB), which
+the driver wraps in one write transaction per batch of events. Effects are carried out after that
+transaction commits, so an acknowledgement (JOIN_ACK, SYNC_ACK) never precedes the state it reports.
+
+Unicast (seed §Unicast routing algorithm): (1) drop on a bad signature; (2) from a remote router R, set
+VIA = R and learn ``src -> R``; (3) ``dst`` is this router: process control; ``dst`` is a registered local
+service: deliver or queue; ``src`` is a local service on a local connection: forward to VIA or to the routing
+table's router for ``dst``; (4) otherwise drop (``no_route``): nobody is relayed for strangers.
+
+Multicast (seed §Multicast routing algorithm): (1) verify the group signature; (2) from a local service with
+VIA = V: forward unchanged to router V and stop; (3) drop with no local subscriber; (4-5) drop a seen id,
+else remember it; (6) store; (7) from remote router R, set VIA = R; (8) deliver to connected subscribers and
+queue for the others (``ttl`` 0: never queue).
+
+Queues drain when a recipient connects: entries are sent with a ``queue_ref`` and removed only when the
+driver reports them written (:class:`QueueSent`), so a crash redelivers rather than loses (at least once;
+a subscriber's session never gets the same entry twice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.events import (
+    CloseConnection,
+    ConnectionClosed,
+    ConnectionOpened,
+    ConnId,
+    Dial,
+    DialFailed,
+    Effect,
+    Event,
+    MessageReceived,
+    PeerLearned,
+    QueueSent,
+    Send,
+    Trace,
+)
+from upsycle_router.core.seen import SeenIds
+from upsycle_router.crypto import Identity, advert_valid, sign_message
+from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.expiry import exp_in, exp_to_unix, expires_at
+from upsycle_router.store.lmdb_store import LmdbStore, RouteEntry
+from upsycle_router.wire.control import (
+    Join,
+    JoinAck,
+    Leave,
+    LeaveAck,
+    Pull,
+    PullNack,
+    Result,
+    RouterMessage,
+    Sync,
+    SyncAck,
+    decode_control,
+    encode_router,
+)
+from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
+from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub, Unsub
+
+ROUTE_CONNECTION = 1
+ROUTE_MESSAGE = 2
+ROUTE_ADVERT = 3
+
+
+class _Conn:
+    __slots__ = ("id", "peer", "local", "inflight")
+
+    def __init__(self, conn: ConnId, peer: bytes, local: bool) -> None:
+        self.id = conn
+        self.peer = peer
+        self.local = local
+        self.inflight: set[int] = set()  # queue seqs sent on this connection, not yet acknowledged
+
+
+class Router:
+    """One router's routing state machine."""
+
+    def __init__(self, identity: Identity, store: LmdbStore, config: CoreConfig | None = None) -> None:
+        self.identity = identity
+        self.id = identity.public
+        self.store = store
+        self.config = config or CoreConfig()
+        self.seen = SeenIds(self.config.seen_max)
+        self._conns: dict[ConnId, _Conn] = {}
+        self._by_key: dict[bytes, list[ConnId]] = {}
+        self.locals: set[bytes] = set(self.config.local_services or ()) | store.locals()
+        self.subs: dict[bytes, dict[bytes, bool]] = store.subscriptions()
+        self.routes: dict[bytes, RouteEntry] = store.routes()
+        self.pubsub_groups: set[bytes] = store.pubsub_subscribed()
+        self._dialing: set[bytes] = set()
+
+    # ------------------------------------------------------------------ driver interface
+
+    def handle(self, event: Event, now: float) -> list[Effect]:
+        """Process one input event; return the effects, in order."""
+        out: list[Effect] = []
+        if isinstance(event, MessageReceived):
+            self._on_message(event, now, out)
+        elif isinstance(event, ConnectionOpened):
+            self._on_open(event, now, out)
+        elif isinstance(event, ConnectionClosed):
+            self._on_close(event, out)
+        elif isinstance(event, QueueSent):
+            self._on_queue_sent(event, now, out)
+        elif isinstance(event, DialFailed):
+            self._dialing.discard(event.router)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`handle_timer` must run next (earliest message, queue or route expiry)."""
+        t = self.store.next_expiry()
+        route_exp = [r.expires for r in self.routes.values() if r.expires is not None]
+        if route_exp:
+            r = min(route_exp)
+            t = r if t is None else min(t, r)
+        return t
+
+    def handle_timer(self, now: float) -> list[Effect]:
+        """Expire queued and stored messages and routes whose time has come."""
+        out: list[Effect] = []
+        for e in self.store.sweep(now):
+            out.append(Trace("expired", e.id, "unicast", None, None, e.recipient, None, e.size, "expired",
+                             role=self._role(e.recipient)))
+        for dst in [d for d, r in self.routes.items() if r.expires is not None and r.expires <= now]:
+            del self.routes[dst]
+            self.store.delete_route(dst)
+        return out
+
+    def connected(self, key: bytes) -> ConnId | None:
+        """The newest open connection of ``key``, if any."""
+        conns = self._by_key.get(key)
+        return conns[-1] if conns else None
+
+    def connections(self) -> int:
+        """Number of open connections."""
+        return len(self._conns)
+
+    # ------------------------------------------------------------------ connections
+
+    def _on_open(self, ev: ConnectionOpened, now: float, out: list[Effect]) -> None:
+        c = _Conn(ev.conn, ev.peer, ev.local)
+        self._conns[ev.conn] = c
+        self._by_key.setdefault(ev.peer, []).append(ev.conn)
+        if ev.local:
+            if ev.peer not in self.locals:
+                self.locals.add(ev.peer)
+            self.store.add_local(ev.peer)
+        else:
+            self._dialing.discard(ev.peer)
+            advert = self._own_advert_message(ev.peer, now)
+            if advert is not None:
+                out.append(Send(ev.conn, advert.encode()))
+        self._flush(c, now, out)
+
+    def _on_close(self, ev: ConnectionClosed, out: list[Effect]) -> None:
+        c = self._conns.pop(ev.conn, None)
+        if c is None:
+            return
+        lst = self._by_key.get(c.peer)
+        if lst is not None:
+            if ev.conn in lst:
+                lst.remove(ev.conn)
+            if not lst:
+                del self._by_key[c.peer]
+
+    def _on_queue_sent(self, ev: QueueSent, now: float, out: list[Effect]) -> None:
+        drained: set[bytes] = set()
+        for recipient, seq in ev.refs:
+            entry_msg = None
+            for e in self.store.queue(recipient, limit=1):
+                if e.seq == seq:
+                    entry_msg = e.id
+            self.store.dequeue(recipient, seq)
+            if entry_msg is not None:
+                stored = self.store.get_message(entry_msg)
+                if stored is not None and stored.group is None:
+                    self.store.delete_message(entry_msg)
+            drained.add(recipient)
+            for cid in self._by_key.get(recipient, ()):
+                self._conns[cid].inflight.discard(seq)
+        for recipient in drained:
+            conn = self.connected(recipient)
+            if conn is not None and not self._conns[conn].inflight:
+                self._flush(self._conns[conn], now, out)
+
+    def _flush(self, c: _Conn, now: float, out: list[Effect]) -> None:
+        """Send the next batch of ``c.peer``'s queue on ``c``."""
+        if c.inflight:
+            return
+        for e in self.store.queue(c.peer, limit=self.config.flush_batch):
+            stored = self.store.get_message(e.id)
+            if stored is None or stored.expires <= now:
+                self.store.dequeue(c.peer, e.seq)
+                continue
+            c.inflight.add(e.seq)
+            out.append(Send(c.id, stored.data, (c.peer, e.seq)))
+            kind = "multicast" if stored.group is not None else "unicast"
+            event = "delivered" if c.local or c.peer in self._subscribed_anywhere() else "forwarded"
+            out.append(Trace(event, e.id, kind, stored.group, None, c.peer, c.peer, len(stored.data),
+                             role=self._role(c.peer) if event == "delivered" else None))
+
+    def _subscribed_anywhere(self) -> set[bytes]:
+        return {m for members in self.subs.values() for m in members}
+
+    # ------------------------------------------------------------------ messages
+
+    def _on_message(self, ev: MessageReceived, now: float, out: list[Effect]) -> None:
+        c = self._conns.get(ev.conn)
+        msg = ev.message
+        if c is None:
+            return
+        h = msg.header
+        kind = "multicast" if isinstance(h, MulticastHeader) else "unicast"
+        grp = h.grp if isinstance(h, MulticastHeader) else None
+        src = h.src if isinstance(h, UnicastHeader) else None
+        dst = h.dst if isinstance(h, UnicastHeader) else None
+        if isinstance(h, UnicastHeader) and h.dst == self.id:
+            kind = "control"
+        out.append(Trace("received", msg.id, kind, grp, src, dst, c.peer, ev.size, local=c.local))
+        if exp_to_unix(h.exp) <= now:
+            out.append(Trace("dropped", msg.id, kind, grp, src, dst, c.peer, ev.size, "expired"))
+            return
+        if not ev.verified:
+            out.append(Trace("dropped", msg.id, kind, grp, src, dst, c.peer, ev.size, "bad_signature"))
+            return
+        if isinstance(h, MulticastHeader):
+            self._multicast(c, msg, h, ev.size, now, out)
+        else:
+            self._unicast(c, msg, h, ev.size, now, out)
+
+    def _unicast(self, c: _Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
+        kind = "control" if h.dst == self.id else "unicast"
+
+        def drop(reason: str) -> None:
+            out.append(Trace("dropped", msg.id, kind, None, h.src, h.dst, c.peer, size, reason))
+
+        if msg.id in self.seen:
+            out.append(Trace("duplicate", msg.id, kind, None, h.src, h.dst, c.peer, size, "duplicate"))
+            return
+        self.seen.add(msg.id)
+        if not c.local:
+            # Step 2: remember where replies go, and mark the last hop.
+            msg = msg.with_via(c.peer)
+            if h.src != c.peer:
+                self._learn_route(h.src, c.peer, ROUTE_MESSAGE, now + self.config.learned_route_ttl)
+        if h.dst == self.id:  # 3.1
+            self._control(c, msg, h, size, now, out)
+            return
+        if h.dst in self.locals:  # 3.2
+            self._deliver(h.dst, msg, None, size, now, out, kind="unicast")
+            return
+        src_local = c.local and h.src in self.locals
+        if not src_local:  # 3.3 only relays for local services
+            drop("not_local" if h.src in self.locals else "no_route")
+            return
+        router = msg.via if msg.via is not None and msg.via != self.id else None  # 3.3.1
+        if router is None:  # 3.3.2
+            router = self._route(h.dst, now)
+        if router is None:
+            drop("no_route")
+            return
+        self._to_router(router, msg, None, size, now, out, kind="unicast")
+
+    def _multicast(self, c: _Conn, msg: Message, h: MulticastHeader, size: int, now: float, out: list[Effect]) -> None:
+        if c.local and msg.via is not None and msg.via != self.id:  # step 2: source routing by a local service
+            self._to_router(msg.via, msg, h.grp, size, now, out, kind="multicast")
+            return
+        members = self.subs.get(h.grp)
+        recipients = [m for m in members if m != c.peer] if members else []
+        if not members:  # step 3
+            out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "no_subscribers"))
+            return
+        if msg.id in self.seen or self.store.has_message(msg.id):  # step 4
+            out.append(Trace("duplicate", msg.id, "multicast", h.grp, None, None, c.peer, size, "duplicate"))
+            return
+        self.seen.add(msg.id)  # step 5
+        if not c.local:  # step 7 (before storing, so stored copies carry VIA = R)
+            msg = msg.with_via(c.peer)
+        else:
+            msg = msg.with_via(None)
+        data = msg.encode()
+        expiry = expires_at(now, h.ttl, h.exp)
+        if expiry > now:  # step 6
+            self.store.put_message(msg.id, data, h.grp, expiry)
+        for m in recipients:  # step 8
+            self._deliver(m, msg, h.grp, size, now, out, kind="multicast", data=data)
+
+    # ------------------------------------------------------------------ delivery
+
+    def _deliver(
+        self,
+        key: bytes,
+        msg: Message,
+        group: bytes | None,
+        size: int,
+        now: float,
+        out: list[Effect],
+        *,
+        kind: str,
+        data: bytes | None = None,
+    ) -> None:
+        """Hand ``msg`` to recipient ``key`` now, or queue it while ``key`` is away."""
+        data = data if data is not None else msg.encode()
+        src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
+        conn = self.connected(key)
+        if conn is not None:
+            c = self._conns[conn]
+            out.append(Send(conn, data))
+            event = "delivered" if c.local or group is not None else "forwarded"
+            out.append(Trace(event, msg.id, kind, group, src, key, key, size,
+                             role=self._role(key) if event == "delivered" else None))
+            return
+        self._enqueue(key, msg, group, data, size, now, out, kind=kind)
+
+    def _enqueue(
+        self,
+        key: bytes,
+        msg: Message,
+        group: bytes | None,
+        data: bytes,
+        size: int,
+        now: float,
+        out: list[Effect],
+        *,
+        kind: str,
+    ) -> bool:
+        h = msg.header
+        src = h.src if isinstance(h, UnicastHeader) else None
+
+        def drop(reason: str) -> bool:
+            out.append(Trace("dropped", msg.id, kind, group, src, key, None, size, reason, role=self._role(key)))
+            return False
+
+        if h.ttl == 0:
+            return drop("ttl_zero_offline")
+        expiry = expires_at(now, h.ttl, h.exp)
+        if expiry <= now:
+            return drop("expired")
+        count, nbytes = self.store.queue_usage(key)
+        if count + 1 > self.config.queue_max_count or nbytes + len(data) > self.config.queue_max_bytes:
+            return drop("quota")
+        self.store.put_message(msg.id, data, group, expiry)
+        self.store.enqueue(key, msg.id, expiry, len(data))
+        out.append(Trace("queued", msg.id, kind, group, src, key, None, size, role=self._role(key)))
+        return True
+
+    def _to_router(
+        self, router: bytes, msg: Message, group: bytes | None, size: int, now: float, out: list[Effect], *, kind: str
+    ) -> None:
+        """Forward to a remote router: over its open connection, or queued while the pool dials it."""
+        conn = self.connected(router)
+        src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
+        dst = msg.header.dst if isinstance(msg.header, UnicastHeader) else None
+        if conn is not None:
+            out.append(Send(conn, msg.encode()))
+            out.append(Trace("forwarded", msg.id, kind, group, src, dst, router, size))
+            return
+        if self._enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind) and router not in self._dialing:
+            self._dialing.add(router)
+            out.append(Dial(router))
+
+    def _route(self, dst: bytes, now: float) -> bytes | None:
+        if self.connected(dst) is not None and dst not in self.locals:
+            return dst  # a directly connected router
+        r = self.routes.get(dst)
+        if r is None:
+            return None
+        if r.expires is not None and r.expires <= now:
+            return None
+        return r.router
+
+    def _learn_route(self, dst: bytes, router: bytes, source: int, expires: float | None) -> None:
+        if dst == self.id or dst in self.locals:
+            return
+        old = self.routes.get(dst)
+        if old is not None and old.router == router and old.source == source and old.expires is not None and (
+            expires is not None and expires - old.expires < 60.0
+        ):
+            return  # avoid a store write per message for an unchanged route
+        entry = RouteEntry(router, expires, source)
+        self.routes[dst] = entry
+        self.store.put_route(dst, entry)
+
+    def _role(self, key: bytes | None) -> str | None:
+        if key is None:
+            return None
+        if key in (self.config.pubsub_service, self.config.discovery_service):
+            return "service"
+        return "app"
+
+    # ------------------------------------------------------------------ control (dst = this router)
+
+    def _reply(self, c: _Conn, to: bytes, body: bytes, now: float, out: list[Effect]) -> None:
+        """Send a router-signed unicast ``body`` to ``to`` (over ``c``, or via the normal delivery path)."""
+        header = UnicastHeader(self.id, to, self.config.reply_ttl, exp_in(now, self.config.reply_lifetime))
+        reply = sign_message(header, body, self.identity)
+        if c.id in self._conns and (c.peer == to or not c.local):
+            out.append(Send(c.id, reply.encode()))
+            return
+        if to in self.locals:
+            self._deliver(to, reply, None, len(reply.encode()), now, out, kind="control")
+
+    def _send_to_service(self, service: bytes, body: bytes, now: float, out: list[Effect]) -> None:
+        header = UnicastHeader(self.id, service, self.config.reply_ttl, exp_in(now, self.config.reply_lifetime))
+        m = sign_message(header, body, self.identity)
+        self._deliver(service, m, None, len(m.encode()), now, out, kind="control")
+
+    def _control(self, c: _Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
+        def drop(reason: str) -> None:
+            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, reason))
+
+        try:
+            body = decode_control(msg.body)
+        except RemoteProtocolError:
+            body = None
+        if body is None:
+            try:  # encapsulation: a multicast message in a unicast BODY (PROTOCOL.md §7)
+                inner = decode_message(msg.body)
+            except RemoteProtocolError:
+                drop("unknown_control")
+                return
+            if not isinstance(inner.header, MulticastHeader):
+                drop("unknown_control")
+                return
+            from upsycle_router.crypto import message_signature_valid
+
+            if not message_signature_valid(inner):
+                out.append(Trace("dropped", inner.id, "multicast", inner.header.grp, None, None, c.peer,
+                                 len(msg.body), "bad_signature"))
+                return
+            self._multicast(c, inner.with_via(None) if c.local else inner, inner.header, len(msg.body), now, out)
+            return
+        if isinstance(body, PeerAdvertisement):
+            self._advert(c, msg, body, h, size, now, out)
+        elif isinstance(body, Join):
+            self._join(c, msg, body, h, size, now, out)
+        elif isinstance(body, Leave):
+            self._leave(c, msg, body, h, now, out)
+        elif isinstance(body, Pull):
+            self._pull(c, msg, body, h, size, now, out)
+        elif isinstance(body, Sync):
+            self._reply(c, h.src, encode_router(SyncAck(body.n, Result.SUCCESS)), now, out)
+        elif isinstance(body, JoinAck | LeaveAck) and h.src == self.config.pubsub_service:
+            pass  # SUB_ACK / UNSUB_ACK from our pub/sub service (same shape as JOIN_ACK / LEAVE_ACK)
+        else:
+            drop("unknown_control")
+
+    def _may_join(self, c: _Conn, requester: bytes) -> bool:
+        if c.local:
+            return requester in self.locals
+        if requester != c.peer:
+            return False
+        return self.config.accept_join_from_any or requester in self.config.edge_nodes
+
+    def _join(
+        self, c: _Conn, msg: Message, j: Join, h: UnicastHeader, size: int, now: float, out: list[Effect]
+    ) -> None:
+        requester = h.src
+        if not self._may_join(c, requester):
+            out.append(Trace("dropped", msg.id, "control", j.addr, h.src, h.dst, c.peer, size, "not_authorized"))
+            self._reply(c, requester, encode_router(JoinAck(j.addr, Result.FAILURE)), now, out)
+            return
+        members = self.subs.setdefault(j.addr, {})
+        if members.get(requester) != j.local:
+            members[requester] = j.local
+            self.store.add_subscriber(j.addr, requester, j.local)
+        out.append(Trace("joined", None, "control", j.addr, requester, None, c.peer, 0, role=self._role(requester)))
+        self._reply(c, requester, encode_router(JoinAck(j.addr, Result.SUCCESS)), now, out)
+        ps = self.config.pubsub_service
+        if not j.local and ps is not None and requester != ps and j.addr not in self.pubsub_groups:
+            self.pubsub_groups.add(j.addr)
+            self.store.set_pubsub_subscribed(j.addr, True)
+            self._send_to_service(ps, PUBSUB_CODEC.encode(Sub(j.addr)), now, out)
+
+    def _leave(self, c: _Conn, msg: Message, lv: Leave, h: UnicastHeader, now: float, out: list[Effect]) -> None:
+        requester = h.src
+        members = self.subs.get(lv.addr, {})
+        if requester not in members or not (c.local or requester == c.peer):
+            self._reply(c, requester, encode_router(LeaveAck(lv.addr, Result.FAILURE)), now, out)
+            return
+        del members[requester]
+        self.store.remove_subscriber(lv.addr, requester)
+        out.append(Trace("left", None, "control", lv.addr, requester, None, c.peer, 0, role=self._role(requester)))
+        self._reply(c, requester, encode_router(LeaveAck(lv.addr, Result.SUCCESS)), now, out)
+        ps = self.config.pubsub_service
+        remaining = set(members) - ({ps} if ps else set())
+        if not members:
+            del self.subs[lv.addr]
+        if not remaining and lv.addr in self.pubsub_groups and ps is not None:
+            self.pubsub_groups.discard(lv.addr)
+            self.store.set_pubsub_subscribed(lv.addr, False)
+            self._send_to_service(ps, PUBSUB_CODEC.encode(Unsub(lv.addr)), now, out)
+
+    def _may_pull(self, c: _Conn, requester: bytes) -> bool:
+        if c.local:
+            return requester in self.locals
+        cfg = self.config
+        return cfg.accept_pull_from_any or c.peer in cfg.edge_nodes or c.peer in cfg.peers
+
+    def _pull(
+        self, c: _Conn, msg: Message, p: Pull, h: UnicastHeader, size: int, now: float, out: list[Effect]
+    ) -> None:
+        if not self._may_pull(c, h.src):
+            out.append(Trace("dropped", msg.id, "control", p.addr, h.src, h.dst, c.peer, size, "not_authorized"))
+            self._reply(c, h.src, encode_router(PullNack(p.addr, p.id)), now, out)
+            return
+        stored = self.store.get_message(p.id)
+        if stored is None or stored.group != p.addr or stored.expires <= now:
+            self._reply(c, h.src, encode_router(PullNack(p.addr, p.id)), now, out)
+            return
+        out.append(Send(c.id, stored.data))
+        out.append(Trace("pulled", p.id, "multicast", p.addr, None, h.src, c.peer, len(stored.data)))
+
+    def _advert(
+        self, c: _Conn, msg: Message, adv: PeerAdvertisement, h: UnicastHeader, size: int, now: float, out: list[Effect]
+    ) -> None:
+        if not advert_valid(adv) or adv.id != h.src:
+            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, "bad_signature"))
+            return
+        expiry = expires_at(now, adv.ttl, adv.exp)
+        if expiry <= now:
+            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, "expired"))
+            return
+        via = c.peer if not c.local else adv.id
+        self._learn_route(adv.id, via, ROUTE_ADVERT, expiry)
+        for _, svc in adv.svcs:
+            self._learn_route(svc, adv.id, ROUTE_ADVERT, expiry)
+        out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port))
+        for service in (self.config.pubsub_service, self.config.discovery_service):
+            if service is not None:
+                self._send_to_service(service, encode_discovery(adv), now, out)
+
+    # ------------------------------------------------------------------ own advertisement
+
+    advert: PeerAdvertisement | None = None
+
+    def _own_advert_message(self, to: bytes, now: float) -> Message | None:
+        if self.advert is None:
+            return None
+        header = UnicastHeader(self.id, to, self.config.reply_ttl, exp_in(now, self.config.reply_lifetime))
+        return sign_message(header, encode_discovery(self.advert), self.identity)
+
+
+def effects_of(router: Router, events: Iterable[Event], now: float) -> list[Effect]:
+    """Run several events through ``router`` and concatenate their effects (tests and simple drivers)."""
+    out: list[Effect] = []
+    for ev in events:
+        out.extend(router.handle(ev, now))
+    return out
+
+
+__all__ = ["Router", "effects_of", "ErrorCode", "CloseConnection", "RouterMessage"]

@@ -1,0 +1,192 @@
+"""The daemon: config in, a running router out; SIGTERM/SIGINT stop it cleanly.
+
+Start-up: create the data directory (0700), load or create the router key, open the LMDB store, restore the
+routing core from it, listen on the Unix socket (file mode from the config, 0600 by default) and, when
+configured, on TLS. Shutdown: stop accepting, tell every peer ``ERROR 7 shutting down``, process what is
+pending, commit, sync and close LMDB, remove the socket file; bounded by ``STOP_TIMEOUT`` seconds.
+With ``NOTIFY_SOCKET`` set (systemd ``Type=notify``) it reports ``READY=1`` and ``STOPPING=1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+from upsycle_router.config import DaemonConfig
+from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.router import Router
+from upsycle_router.crypto import Identity, load_or_create_key_file
+from upsycle_router.errors import ErrorCode
+from upsycle_router.runtime.driver import Driver
+from upsycle_router.store.lmdb_store import LmdbStore
+from upsycle_router.trace.journal import TraceJournal
+from upsycle_router.transport.stream import StreamConnection
+
+log = logging.getLogger("upsycle_router.daemon")
+STOP_TIMEOUT = 10.0
+
+
+def sd_notify(state: str) -> None:
+    """Tell systemd about our state when started with ``Type=notify``."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.sendto(state.encode(), addr)
+
+
+def core_config(cfg: DaemonConfig, pubsub_service: bytes | None = None) -> CoreConfig:
+    """The routing core's policy from the daemon config."""
+    return CoreConfig(
+        local_services=cfg.local_services,
+        edge_nodes=cfg.edge_nodes,
+        accept_join_from_any=cfg.accept_join_from_any,
+        peers=frozenset(p.id for p in cfg.peers),
+        accept_pull_from_any=cfg.accept_pull_from_any,
+        pubsub_service=pubsub_service,
+        seen_max=cfg.seen_max,
+        queue_max_count=cfg.queue_max_count,
+        queue_max_bytes=cfg.queue_max_bytes,
+    )
+
+
+class Daemon:
+    """One running router."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.identity: Identity | None = None
+        self.store: LmdbStore | None = None
+        self.driver: Driver | None = None
+        self.journal: TraceJournal | None = None
+        self._servers: list[asyncio.AbstractServer] = []
+        self._stopped = asyncio.Event()
+        self._extra_stop: list[Any] = []
+
+    async def start(self) -> None:
+        """Open state and start listening."""
+        cfg = self.config
+        cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.identity = ident = load_or_create_key_file(cfg.key_path)
+        self.store = LmdbStore(cfg.data_dir / "store", cfg.durability, cfg.map_size)
+        if cfg.trace_dir is not None:
+            self.journal = TraceJournal(cfg.trace_dir, ident.public, cfg.trace_max_bytes)
+        router = Router(ident, self.store, core_config(cfg))
+        self.driver = Driver(
+            router,
+            self.store,
+            local_services=cfg.local_services,
+            journal=self.journal,
+            sync_interval=cfg.sync_interval,
+            outbound_buffer_max=cfg.outbound_buffer_max,
+        )
+        loop = asyncio.get_running_loop()
+        if cfg.unix is not None:
+            await self._listen_unix(cfg.unix)
+        log.info(
+            "started id=%s data_dir=%s unix=%s durability=%s", ident.hex, cfg.data_dir, cfg.unix, cfg.durability.value
+        )
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+        sd_notify("READY=1")
+
+    def _connection(self, kind: str) -> StreamConnection:
+        assert self.driver is not None and self.identity is not None
+        c = StreamConnection(
+            self.driver,
+            self.identity,
+            kind=kind,
+            handshake_timeout=self.config.handshake_timeout,
+            max_frame=self.config.max_frame,
+        )
+        if len(self.driver.conns) >= self.config.max_connections:
+            log.warning("connection limit %d reached: refusing", self.config.max_connections)
+            asyncio.get_running_loop().call_soon(c.close_with_error, ErrorCode.OVERLOADED, "too many connections")
+        return c
+
+    async def _listen_unix(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if path.exists() or path.is_symlink():
+            if await _socket_alive(path):
+                raise RuntimeError(f"{path}: another router is listening on this socket")
+            path.unlink()
+        loop = asyncio.get_running_loop()
+        old = os.umask(0o177)
+        try:
+            server = await loop.create_unix_server(lambda: self._connection("unix"), str(path))
+        finally:
+            os.umask(old)
+        os.chmod(path, self.config.unix_mode)
+        self._servers.append(server)
+
+    def request_stop(self) -> None:
+        """Ask the daemon to stop (signal handlers call this)."""
+        self._stopped.set()
+
+    async def serve(self) -> None:
+        """Run until asked to stop, then stop."""
+        await self._stopped.wait()
+        await self.stop()
+
+    async def stop(self) -> None:
+        """Stop accepting, close connections, flush and close the store."""
+        sd_notify("STOPPING=1")
+        log.info("stopping")
+        for s in self._servers:
+            s.close()
+        for fn in self._extra_stop:
+            with contextlib.suppress(Exception):
+                await fn()
+        if self.driver is not None:
+            for conn in list(self.driver.conns.values()):
+                conn.close_with_error(ErrorCode.SHUTTING_DOWN, "shutting down")
+            await asyncio.sleep(0)
+            self.driver.close()
+        if self.journal is not None:
+            self.journal.close()
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        if self.config.unix is not None:
+            with contextlib.suppress(OSError):
+                self.config.unix.unlink()
+        log.info("stopped")
+
+
+async def _socket_alive(path: Path) -> bool:
+    try:
+        _, w = await asyncio.wait_for(asyncio.open_unix_connection(str(path)), 1.0)
+    except (OSError, TimeoutError):
+        return False
+    w.close()
+    return True
+
+
+async def run_daemon(config: DaemonConfig) -> None:
+    """Start a daemon and serve until SIGTERM/SIGINT."""
+    d = Daemon(config)
+    await d.start()
+    try:
+        await asyncio.wait_for(d.serve(), None)
+    finally:
+        if d.store is not None:
+            await asyncio.wait_for(d.stop(), STOP_TIMEOUT)
+
+
+def install_uvloop() -> bool:
+    """Use uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        return False
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    return True

@@ -1,0 +1,264 @@
+"""The driver: connection events in, routing-core effects out, one store transaction per batch.
+
+Theory of operation
+-------------------
+Connections report frames to :class:`Driver`, which decodes them (a malformed one closes only that
+connection with an ERROR frame), verifies signatures (each id once: a verified-id cache skips repeats) and
+appends :class:`~upsycle_router.core.events.MessageReceived` events to a pending batch. The batch runs on the
+next loop iteration (``call_soon``), so everything that arrived in one iteration shares one LMDB write
+transaction (group commit). Only after that transaction commits are the effects carried out: frames written,
+dials started, trace records written. Queued messages written to a recipient are reported back to the core
+(:class:`QueueSent`) in the next batch, which removes them from the queue. One timer (``call_at``) is armed at
+the core's next deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Protocol
+
+from upsycle_router.core.events import (
+    CloseConnection,
+    ConnectionClosed,
+    ConnectionOpened,
+    Dial,
+    DialFailed,
+    Effect,
+    Event,
+    MessageReceived,
+    PeerLearned,
+    QueueSent,
+    Send,
+    Trace,
+)
+from upsycle_router.core.router import Router
+from upsycle_router.crypto import message_signature_valid
+from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.store.lmdb_store import Durability, LmdbStore
+from upsycle_router.trace.journal import TraceJournal
+from upsycle_router.transport.stream import StreamConnection
+from upsycle_router.wire.messages import Message
+from upsycle_router.wire.session import Error, decode_frame
+
+log = logging.getLogger("upsycle_router.driver")
+
+
+class Dialer(Protocol):
+    """The connection pool, as the driver sees it."""
+
+    def dial(self, router: bytes) -> bool:
+        """Start connecting to ``router``; False if its address is unknown."""
+
+    def learn(self, router: bytes, host: str, port: int) -> None:
+        """Remember a router's transport address."""
+
+
+class VerifiedCache:
+    """Ids whose signature already verified (an id covers the signed bytes and the signature)."""
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._ids: OrderedDict[bytes, None] = OrderedDict()
+
+    def check(self, msg: Message) -> bool:
+        """Verify ``msg`` unless its id verified before."""
+        if msg.id in self._ids:
+            return True
+        ok = message_signature_valid(msg)
+        if ok:
+            self._ids[msg.id] = None
+            if len(self._ids) > self.capacity:
+                self._ids.popitem(last=False)
+        return ok
+
+
+class Driver:
+    """Feeds the core; carries out its effects."""
+
+    def __init__(
+        self,
+        router: Router,
+        store: LmdbStore,
+        *,
+        local_services: frozenset[bytes] | None = None,
+        journal: TraceJournal | None = None,
+        clock: Callable[[], float] = time.time,
+        sync_interval: float = 0.05,
+        outbound_buffer_max: int = 8 * 1024 * 1024,
+    ) -> None:
+        self.router = router
+        self.store = store
+        self.local_services = local_services
+        self.journal = journal
+        self.clock = clock
+        self.sync_interval = sync_interval
+        self.outbound_buffer_max = outbound_buffer_max
+        self.dialer: Dialer | None = None
+        self.loop = asyncio.get_running_loop()
+        self.conns: dict[int, StreamConnection] = {}
+        self.verified = VerifiedCache()
+        self._pending: list[Event] = []
+        self._queue_sent: list[tuple[bytes, int]] = []
+        self._flush_handle: asyncio.Handle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._sync_handle: asyncio.TimerHandle | None = None
+        self._dirty = False
+        self.stats = {"received": 0, "malformed": 0, "bad_signature": 0, "batches": 0}
+
+    # ------------------------------------------------------------ ConnectionHandler
+
+    def on_open(self, conn: StreamConnection, peer: bytes) -> None:
+        """A session completed its handshake: decide local or remote, tell the core."""
+        if conn.kind == "unix":
+            conn.local = self.local_services is None or peer in self.local_services
+        self.conns[conn.id] = conn
+        log.info("connection open conn=%d peer=%s kind=%s local=%s", conn.id, peer.hex(), conn.kind, conn.local)
+        self._push(ConnectionOpened(conn.id, peer, conn.local))
+
+    def on_frame(self, conn: StreamConnection, payload: bytes) -> None:
+        """Decode and verify one frame; queue it for the core."""
+        try:
+            item = decode_frame(payload)
+        except RemoteProtocolError as e:
+            self.stats["malformed"] += 1
+            self._trace_now(Trace("dropped", None, "unicast", peer=conn.peer, size=len(payload), reason="malformed"))
+            log.warning("malformed frame conn=%d peer=%s: %s", conn.id, (conn.peer or b"").hex(), e)
+            conn.close_with_error(e.code, str(e))
+            return
+        if isinstance(item, Error):
+            log.info("peer error conn=%d code=%d reason=%s", conn.id, item.code, item.reason)
+            conn.close()
+            return
+        self.stats["received"] += 1
+        verified = self.verified.check(item)
+        if not verified:
+            self.stats["bad_signature"] += 1
+        self._push(MessageReceived(conn.id, item, verified, len(payload)))
+
+    def on_close(self, conn: StreamConnection) -> None:
+        """A connection ended."""
+        if self.conns.pop(conn.id, None) is not None:
+            log.info("connection closed conn=%d peer=%s", conn.id, (conn.peer or b"").hex())
+            self._push(ConnectionClosed(conn.id))
+
+    def on_protocol_error(self, conn: StreamConnection, error: RemoteProtocolError) -> None:
+        """Log and trace a session-level violation (the connection closes itself)."""
+        log.warning("protocol error conn=%d peer=%s: %s", conn.id, (conn.peer or b"").hex(), error)
+        reason = "overloaded" if error.code == ErrorCode.OVERLOADED else "malformed"
+        self._trace_now(Trace("dropped", None, "unicast", peer=conn.peer, reason=reason))
+
+    # ------------------------------------------------------------ batching
+
+    def _push(self, ev: Event) -> None:
+        self._pending.append(ev)
+        if self._flush_handle is None:
+            self._flush_handle = self.loop.call_soon(self.flush)
+
+    def flush(self) -> None:
+        """Run the pending batch through the core in one transaction, then carry out the effects."""
+        self._flush_handle = None
+        events = self._pending
+        self._pending = []
+        if self._queue_sent:
+            events.append(QueueSent(tuple(self._queue_sent)))
+            self._queue_sent = []
+        if not events:
+            return
+        now = self.clock()
+        effects: list[Effect] = []
+        with self.store.transaction():
+            for ev in events:
+                try:
+                    effects.extend(self.router.handle(ev, now))
+                except Exception:  # noqa: BLE001 - one bad event must not stop the router
+                    log.exception("internal error handling %s", type(ev).__name__)
+        self.stats["batches"] += 1
+        self._after_commit()
+        self._apply(effects, now)
+        self._arm_timer()
+
+    def _after_commit(self) -> None:
+        if self.store.durability is Durability.BATCH:
+            self._dirty = True
+            if self._sync_handle is None:
+                self._sync_handle = self.loop.call_later(self.sync_interval, self._sync)
+
+    def _sync(self) -> None:
+        self._sync_handle = None
+        if self._dirty:
+            self._dirty = False
+            self.store.sync()
+
+    def _apply(self, effects: list[Effect], now: float) -> None:
+        for e in effects:
+            if isinstance(e, Send):
+                conn = self.conns.get(e.conn)
+                if conn is not None and conn.send(e.data):
+                    if e.queue_ref is not None:
+                        self._queue_sent.append(e.queue_ref)
+                        if self._flush_handle is None:
+                            self._flush_handle = self.loop.call_soon(self.flush)
+                    if conn.buffered() > self.outbound_buffer_max:
+                        log.warning("conn=%d outbound buffer over %d bytes: disconnecting slow reader", conn.id,
+                                    self.outbound_buffer_max)
+                        conn.close_with_error(ErrorCode.OVERLOADED, "outbound buffer full (not reading)")
+            elif isinstance(e, Trace):
+                if self.journal is not None:
+                    self.journal.record(e, now)
+            elif isinstance(e, Dial):
+                if self.dialer is None or not self.dialer.dial(e.router):
+                    self._push(DialFailed(e.router))
+            elif isinstance(e, CloseConnection):
+                conn = self.conns.get(e.conn)
+                if conn is not None:
+                    conn.close_with_error(e.code, e.reason)
+            elif isinstance(e, PeerLearned):
+                if self.dialer is not None:
+                    self.dialer.learn(e.router, e.host, e.port)
+        if self.journal is not None:
+            self.journal.flush()
+
+    def _trace_now(self, t: Trace) -> None:
+        if self.journal is not None:
+            self.journal.record(t, self.clock())
+            self.journal.flush()
+
+    # ------------------------------------------------------------ timer
+
+    def _arm_timer(self) -> None:
+        deadline = self.router.next_deadline()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if deadline is None:
+            return
+        delay = max(0.0, deadline - self.clock())
+        self._timer = self.loop.call_at(self.loop.time() + delay + 0.001, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        now = self.clock()
+        with self.store.transaction():
+            effects = self.router.handle_timer(now)
+        self._after_commit()
+        self._apply(effects, now)
+        self._arm_timer()
+
+    # ------------------------------------------------------------ shutdown
+
+    def close(self) -> None:
+        """Process what is pending, cancel timers."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+        self.flush()
+        if self._queue_sent:
+            self.flush()
+        for h in (self._timer, self._sync_handle):
+            if h is not None:
+                h.cancel()
+        if self.journal is not None:
+            self.journal.flush()

@@ -1,0 +1,489 @@
+"""The sans-I/O gossip core of the pub/sub service: gossipsub v1.0 (seed 004) over upsycle routers (seed 003).
+
+Where it sits
+    Each node runs a router and a pub/sub service (PS) with its own key. PS is an app of its router: it gets
+    SUB/UNSUB from the router, JOINs and LEAVEs groups there, and receives the group's multicast messages
+    like any subscriber. Its gossip peers are the pub/sub services of other nodes (:class:`Peer`: the node's
+    router id and the service's address), which the adapter learns from peer advertisements. This class
+    holds everything PS decides; the adapter moves bytes and calls it.
+
+Inputs and effects
+    Every input takes ``now`` (seconds, never decreasing) and returns a list of effects
+    (:mod:`~upsycle_router.services.pubsub.effects`): ``peer_added``/``peer_removed`` (ambient discovery),
+    ``join``/``leave`` (after SUB/UNSUB), ``message_received(msg, via)`` (a multicast delivery from our
+    router: ``via`` is the remote router it came from, or None when a local app published it here),
+    ``publish(msg)`` (a local app hands PS a message for a group PS may not have joined), ``rpc_received``
+    (a gossip RPC from a peer), ``pull_failed`` (PULL_NACK), and ``handle_timer`` whenever
+    ``next_deadline()`` is reached. Randomness comes from the injected ``rng``; nothing here reads a clock,
+    opens a socket or touches a disk, so a seeded simulation replays exactly.
+
+Dissemination (seed 004 §Message Processing)
+    A message from a remote router is dropped if its id is in the seen cache; otherwise it is validated
+    against its group's :class:`~upsycle_router.services.pubsub.validation.GroupPolicy` (invalid ones are
+    traced and, since an id names exact bytes, remembered as seen), put in the seen cache and the mcache, and
+    forwarded (:class:`Forward`) to every mesh peer of its group except the router it came from. A local
+    publish goes to the mesh when we joined the group, else to ``fanout[group]``, filled with up to D peers
+    known to be subscribed when empty, and stamps the group's last-publish time. Data never travels in RPCs.
+
+Membership and the mesh (seed 004 §Topic Membership, §Heartbeat)
+    ``join`` moves the group's fanout peers into the mesh, fills it up to D from peers known to be subscribed,
+    GRAFTs them all and announces the subscription to every known peer; ``leave`` PRUNEs the mesh, forgets it
+    and announces the unsubscription. A new peer gets a hello: our current subscriptions. A GRAFT for a group
+    we have not joined is answered with PRUNE; a PRUNE or an unsubscription removes the peer from our mesh.
+    The heartbeat (every ``heartbeat_interval`` on a fixed grid from the creation time) keeps each mesh within
+    [D_low, D_high] (grafting up to D below D_low, pruning down to D above D_high), drops fanout state unused
+    for more than ``fanout_ttl`` and tops the rest up to D, emits IHAVE with the ids of the newest
+    ``mcache_gossip`` windows to D_lazy random subscribed peers outside the group's mesh and fanout (chosen
+    among those outside, as go-libp2p does), and shifts the mcache.
+
+Gossip and recovery
+    An IHAVE for a joined group is answered with IWANT for the ids not seen; an id asked for is not asked of
+    another peer for ``iwant_timeout`` seconds. An IWANT is answered with a Forward of every requested message
+    still in the mcache. Independently, the ``sn`` header of an accepted message lists ids its publisher had
+    seen; ids we have not seen ``pull_delay`` seconds later become :class:`Pull` effects addressed to the
+    router the message came via, at most ``max_pending_pulls`` outstanding (``pull_timeout`` each).
+
+Determinism
+    Sets are only iterated in sorted order and random choices are ``rng.sample`` of sorted lists, so effects
+    depend only on the inputs and the rng seed, not on hash randomization. All control one input produces for
+    a peer is coalesced into one :class:`SendRpc` (see :mod:`~upsycle_router.services.pubsub.outbox`).
+
+Traces
+    ``duplicate`` (already seen), ``rejected`` (reason from validation), ``ignored`` (not a multicast
+    message), ``unknown_peer`` (an RPC from a router we have no peer for), ``deprecated_policy`` (joined a
+    group with a Lax signature policy), ``pull_skipped`` (too many PULLs outstanding), ``pull_failed``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+
+from upsycle_router.services.pubsub.caches import MessageCache, SeenCache
+from upsycle_router.services.pubsub.effects import Effect, JoinGroup, LeaveGroup, Peer, Pull
+from upsycle_router.services.pubsub.outbox import Outbox
+from upsycle_router.services.pubsub.params import GossipParams
+from upsycle_router.services.pubsub.validation import GroupPolicy, validate
+from upsycle_router.wire.gossip import GossipRpc
+from upsycle_router.wire.messages import Message, MulticastHeader
+
+
+def _expire_front(d: OrderedDict[bytes, float], now: float) -> None:
+    """Pop entries from the front of an id -> expiry dict kept in expiry order while they are due."""
+    while d:
+        first = next(iter(d))
+        if d[first] > now:
+            return
+        del d[first]
+
+
+class GossipCore:
+    """The pub/sub service's gossip mesh: inputs in, effects out, one timer."""
+
+    def __init__(
+        self,
+        router: bytes,
+        *,
+        now: float,
+        rng: random.Random,
+        params: GossipParams | None = None,
+        default_policy: GroupPolicy | None = None,
+        policies: Mapping[bytes, GroupPolicy] | None = None,
+    ) -> None:
+        self._router = router
+        self._rng = rng
+        self._params = p = params or GossipParams()
+        self._default_policy = default_policy or GroupPolicy()
+        self._policies: dict[bytes, GroupPolicy] = dict(policies or {})
+        self._peers: dict[bytes, Peer] = {}
+        self._peer_groups: dict[bytes, set[bytes]] = {}
+        self._group_peers: dict[bytes, set[bytes]] = {}
+        self._mesh: dict[bytes, set[bytes]] = {}
+        self._fanout: dict[bytes, set[bytes]] = {}
+        self._last_pub: dict[bytes, float] = {}
+        self._seen = SeenCache(p.seen_ttl, p.seen_max)
+        self._mcache = MessageCache(p.mcache_len, p.mcache_gossip)
+        self._iwant_sent: OrderedDict[bytes, float] = OrderedDict()
+        self._missing: OrderedDict[bytes, tuple[float, bytes, bytes]] = OrderedDict()
+        self._pulls: OrderedDict[bytes, float] = OrderedDict()
+        self._hb_origin = now
+        self._hb_count = 1
+
+    # ------------------------------------------------------------------ read-only views
+
+    @property
+    def router(self) -> bytes:
+        """Our node's router id."""
+        return self._router
+
+    @property
+    def params(self) -> GossipParams:
+        """The parameters in force."""
+        return self._params
+
+    @property
+    def peers(self) -> Mapping[bytes, Peer]:
+        """Known peers by router id (a copy)."""
+        return dict(self._peers)
+
+    @property
+    def joined(self) -> frozenset[bytes]:
+        """Groups we have joined (each has a mesh, possibly empty)."""
+        return frozenset(self._mesh)
+
+    def mesh_peers(self, group: bytes) -> frozenset[bytes]:
+        """Router ids in our mesh of ``group``."""
+        return frozenset(self._mesh.get(group, ()))
+
+    def fanout_peers(self, group: bytes) -> frozenset[bytes]:
+        """Router ids in our fanout of ``group`` (empty when there is no fanout state)."""
+        return frozenset(self._fanout.get(group, ()))
+
+    def has_fanout(self, group: bytes) -> bool:
+        """Whether fanout state exists for ``group``."""
+        return group in self._fanout
+
+    def peer_groups(self, router: bytes) -> frozenset[bytes]:
+        """The groups the peer at ``router`` announced it subscribes to."""
+        return frozenset(self._peer_groups.get(router, ()))
+
+    def has_seen(self, msg_id: bytes) -> bool:
+        """Whether ``msg_id`` is in the seen cache."""
+        return msg_id in self._seen
+
+    def cached(self, msg_id: bytes) -> Message | None:
+        """The message with this id if it is still in the mcache."""
+        return self._mcache.get(msg_id)
+
+    @property
+    def pending_pulls(self) -> frozenset[bytes]:
+        """Ids with an outstanding PULL."""
+        return frozenset(self._pulls)
+
+    def policy(self, group: bytes) -> GroupPolicy:
+        """The validation policy of ``group``."""
+        return self._policies.get(group, self._default_policy)
+
+    def set_policy(self, group: bytes, policy: GroupPolicy | None) -> list[Effect]:
+        """Set (None: reset to the default) the validation policy of ``group``; traces a deprecated policy."""
+        ob = Outbox()
+        if policy is None:
+            self._policies.pop(group, None)
+        else:
+            self._policies[group] = policy
+        self._trace_deprecated(group, ob)
+        return ob.effects()
+
+    def next_deadline(self) -> float | None:
+        """When ``handle_timer`` must next be called: the next heartbeat or the first due missing-id check."""
+        t = self._hb_origin + self._hb_count * self._params.heartbeat_interval
+        if self._missing:
+            t = min(t, next(iter(self._missing.values()))[0])
+        return t
+
+    # ------------------------------------------------------------------ helpers
+
+    def _select(self, candidates: Iterable[bytes], k: int) -> list[bytes]:
+        """Up to ``k`` routers chosen at random from ``candidates`` (returned sorted)."""
+        pool = sorted(candidates)
+        if k <= 0 or not pool:
+            return []
+        if k >= len(pool):
+            return pool
+        return sorted(self._rng.sample(pool, k))
+
+    def _subscribed(self, group: bytes) -> set[bytes]:
+        return self._group_peers.get(group, set())
+
+    def _expire(self, now: float) -> None:
+        self._seen.expire(now)
+        _expire_front(self._iwant_sent, now)
+        _expire_front(self._pulls, now)
+
+    def _trace_deprecated(self, group: bytes, ob: Outbox) -> None:
+        warning = self.policy(group).deprecation()
+        if warning is not None:
+            ob.trace("deprecated_policy", group=group, reason=warning)
+
+    def _note_subscription(self, router: bytes, group: bytes, subscribe: bool) -> None:
+        groups = self._peer_groups.setdefault(router, set())
+        if subscribe:
+            groups.add(group)
+            self._group_peers.setdefault(group, set()).add(router)
+            return
+        groups.discard(group)
+        members = self._group_peers.get(group)
+        if members is not None:
+            members.discard(router)
+            if not members:
+                del self._group_peers[group]
+        if group in self._mesh:
+            self._mesh[group].discard(router)
+        if group in self._fanout:
+            self._fanout[group].discard(router)
+
+    def _add_peer(self, peer: Peer, ob: Outbox) -> None:
+        if peer.router == self._router:
+            return
+        old = self._peers.get(peer.router)
+        self._peers[peer.router] = peer
+        self._peer_groups.setdefault(peer.router, set())
+        if old != peer:
+            for group in sorted(self._mesh):
+                ob.announce(peer, group, True)
+
+    def _accepted(self, msg: Message, now: float) -> None:
+        self._seen.add(msg.id, now)
+        self._mcache.put(msg)
+        self._missing.pop(msg.id, None)
+        self._pulls.pop(msg.id, None)
+        self._iwant_sent.pop(msg.id, None)
+
+    # ------------------------------------------------------------------ inputs: peers and membership
+
+    def peer_added(self, peer: Peer, now: float) -> list[Effect]:
+        """A peer's pub/sub service became known (or changed address): greet it with our subscriptions."""
+        ob = Outbox()
+        self._expire(now)
+        self._add_peer(peer, ob)
+        return ob.effects()
+
+    def peer_removed(self, router: bytes, now: float) -> list[Effect]:
+        """The peer at ``router`` is gone: forget it everywhere."""
+        self._expire(now)
+        if self._peers.pop(router, None) is None:
+            return []
+        for group in sorted(self._peer_groups.pop(router, set())):
+            members = self._group_peers.get(group)
+            if members is not None:
+                members.discard(router)
+                if not members:
+                    del self._group_peers[group]
+        for table in (self._mesh, self._fanout):
+            for members in table.values():
+                members.discard(router)
+        return []
+
+    def join(self, group: bytes, now: float) -> list[Effect]:
+        """JOIN(group) after a SUB: build the mesh from fanout then subscribed peers, GRAFT, announce."""
+        ob = Outbox()
+        self._expire(now)
+        ob.add(JoinGroup(group))
+        self._trace_deprecated(group, ob)
+        if group in self._mesh:
+            return ob.effects()
+        for router in sorted(self._peers):
+            ob.announce(self._peers[router], group, True)
+        mesh = {r for r in self._fanout.pop(group, set()) if r in self._peers}
+        self._last_pub.pop(group, None)
+        D = self._params.D
+        if len(mesh) < D:
+            mesh.update(self._select(self._subscribed(group) - mesh, D - len(mesh)))
+        self._mesh[group] = mesh
+        for router in sorted(mesh):
+            ob.graft(self._peers[router], group)
+        return ob.effects()
+
+    def leave(self, group: bytes, now: float) -> list[Effect]:
+        """LEAVE(group) after an UNSUB: PRUNE the mesh, forget it, announce."""
+        ob = Outbox()
+        self._expire(now)
+        ob.add(LeaveGroup(group))
+        mesh = self._mesh.pop(group, None)
+        if mesh is None:
+            return ob.effects()
+        for router in sorted(mesh):
+            ob.prune(self._peers[router], group)
+        for router in sorted(self._peers):
+            ob.announce(self._peers[router], group, False)
+        for msg_id in [i for i, (_, g, _) in self._missing.items() if g == group]:
+            del self._missing[msg_id]
+        return ob.effects()
+
+    # ------------------------------------------------------------------ inputs: messages
+
+    def message_received(self, msg: Message, via: bytes | None, now: float) -> list[Effect]:
+        """A multicast delivery from our router: ``via`` = the remote router, None = published locally."""
+        ob = Outbox()
+        self._expire(now)
+        header = msg.header
+        if not isinstance(header, MulticastHeader):
+            ob.trace("ignored", id=msg.id, peer=via, reason="not a multicast message")
+            return ob.effects()
+        if via is None:
+            self._publish(msg, now, ob)
+            return ob.effects()
+        group = header.grp
+        if msg.id in self._seen:
+            ob.trace("duplicate", group=group, id=msg.id, peer=via)
+            return ob.effects()
+        reason = validate(msg, self.policy(group))
+        if reason is not None:
+            self._seen.add(msg.id, now)
+            ob.trace("rejected", group=group, id=msg.id, peer=via, reason=reason)
+            return ob.effects()
+        self._accepted(msg, now)
+        mesh = self._mesh.get(group)
+        if mesh is None:
+            return ob.effects()
+        for router in sorted(mesh):
+            if router != via:
+                ob.forward(router, msg)
+        self._note_missing(header, group, via, now, ob)
+        return ob.effects()
+
+    def publish(self, msg: Message, now: float) -> list[Effect]:
+        """A local app publishes ``msg`` through us: to the mesh if we joined its group, else to fanout."""
+        ob = Outbox()
+        self._expire(now)
+        if not msg.is_multicast:
+            ob.trace("ignored", id=msg.id, reason="not a multicast message")
+        else:
+            self._publish(msg, now, ob)
+        return ob.effects()
+
+    def _publish(self, msg: Message, now: float, ob: Outbox) -> None:
+        assert isinstance(msg.header, MulticastHeader)
+        group = msg.header.grp
+        if msg.id in self._seen:
+            ob.trace("duplicate", group=group, id=msg.id)
+            return
+        reason = validate(msg, self.policy(group))
+        if reason is not None:
+            self._seen.add(msg.id, now)
+            ob.trace("rejected", group=group, id=msg.id, reason=reason)
+            return
+        self._accepted(msg, now)
+        targets = self._mesh.get(group)
+        if targets is None:
+            targets = self._fanout.get(group)
+            if not targets:
+                targets = self._fanout[group] = set(self._select(self._subscribed(group), self._params.D))
+            self._last_pub[group] = now
+        for router in sorted(targets):
+            ob.forward(router, msg)
+
+    def _note_missing(self, header: MulticastHeader, group: bytes, via: bytes, now: float, ob: Outbox) -> None:
+        """Schedule a PULL check for ids in ``sn`` we have not seen."""
+        due = now + self._params.pull_delay
+        for msg_id in header.sn:
+            if msg_id in self._seen or msg_id in self._missing or msg_id in self._pulls:
+                continue
+            if len(self._missing) >= self._params.max_missing:
+                ob.trace("pull_skipped", group=group, id=msg_id, peer=via, reason="too many missing ids")
+                continue
+            self._missing[msg_id] = (due, group, via)
+
+    def pull_failed(self, msg_id: bytes, now: float) -> list[Effect]:
+        """The router answered a PULL with PULL_NACK: free its slot."""
+        ob = Outbox()
+        self._expire(now)
+        if self._pulls.pop(msg_id, None) is not None:
+            ob.trace("pull_failed", id=msg_id)
+        return ob.effects()
+
+    # ------------------------------------------------------------------ inputs: gossip RPCs
+
+    def rpc_received(
+        self, from_router: bytes, rpc: GossipRpc, now: float, *, service: bytes | None = None
+    ) -> list[Effect]:
+        """A gossip RPC from the peer at ``from_router``; ``service`` (the unicast's ``src``) adds it if new."""
+        ob = Outbox()
+        self._expire(now)
+        peer = self._peers.get(from_router)
+        if peer is None and service is not None and from_router != self._router:
+            peer = Peer(from_router, service)
+            self._add_peer(peer, ob)
+        if peer is None or (service is not None and peer.service != service):
+            ob.trace("unknown_peer", peer=from_router, reason="gossip RPC from no known peer's pub/sub service")
+            return ob.effects()
+        router = peer.router
+        for s in rpc.subs:
+            self._note_subscription(router, s.group, s.subscribe)
+        for group in rpc.graft:
+            mesh = self._mesh.get(group)
+            if mesh is None:
+                ob.prune(peer, group)
+            else:
+                self._note_subscription(router, group, True)
+                mesh.add(router)
+        for group in rpc.prune:
+            if group in self._mesh:
+                self._mesh[group].discard(router)
+        want: dict[bytes, None] = {}
+        for have in rpc.ihave:
+            if have.group not in self._mesh:
+                continue
+            for msg_id in have.ids:
+                if msg_id not in self._seen and msg_id not in self._iwant_sent:
+                    want[msg_id] = None
+        if want:
+            expiry = now + self._params.iwant_timeout
+            for msg_id in want:
+                self._iwant_sent[msg_id] = expiry
+            ob.iwant(peer, list(want))
+        for msg_id in rpc.iwant:
+            msg = self._mcache.get(msg_id)
+            if msg is not None:
+                ob.forward(router, msg)
+        return ob.effects()
+
+    # ------------------------------------------------------------------ timer
+
+    def handle_timer(self, now: float) -> list[Effect]:
+        """Run what is due at ``now``: missing-id PULLs, and the heartbeat when its time has come."""
+        ob = Outbox()
+        self._expire(now)
+        self._pull_due(now, ob)
+        interval = self._params.heartbeat_interval
+        if now >= self._hb_origin + self._hb_count * interval:
+            self._heartbeat(now, ob)
+            count = max(self._hb_count + 1, math.floor((now - self._hb_origin) / interval) + 1)
+            while self._hb_origin + count * interval <= now:
+                count += 1
+            self._hb_count = count
+        return ob.effects()
+
+    def _pull_due(self, now: float, ob: Outbox) -> None:
+        p = self._params
+        while self._missing:
+            msg_id, (due, group, router) = next(iter(self._missing.items()))
+            if due > now:
+                return
+            del self._missing[msg_id]
+            if msg_id in self._seen or msg_id in self._pulls or group not in self._mesh:
+                continue
+            if len(self._pulls) >= p.max_pending_pulls:
+                ob.trace("pull_skipped", group=group, id=msg_id, peer=router, reason="too many pulls outstanding")
+                continue
+            self._pulls[msg_id] = now + p.pull_timeout
+            ob.add(Pull(router, group, msg_id))
+
+    def _heartbeat(self, now: float, ob: Outbox) -> None:
+        p = self._params
+        for group in sorted(self._mesh):
+            mesh = self._mesh[group]
+            if len(mesh) < p.D_low:
+                for router in self._select(self._subscribed(group) - mesh, p.D - len(mesh)):
+                    mesh.add(router)
+                    ob.graft(self._peers[router], group)
+            if len(mesh) > p.D_high:
+                for router in self._select(mesh, len(mesh) - p.D):
+                    mesh.discard(router)
+                    ob.prune(self._peers[router], group)
+        for group in sorted(self._fanout):
+            fanout = self._fanout[group]
+            if now - self._last_pub[group] > p.fanout_ttl:
+                del self._fanout[group], self._last_pub[group]
+            elif len(fanout) < p.D:
+                fanout.update(self._select(self._subscribed(group) - fanout, p.D - len(fanout)))
+        for group in sorted(set(self._mesh) | set(self._fanout)):
+            ids = self._mcache.gossip_ids(group)
+            if not ids:
+                continue
+            exclude = self._mesh.get(group, set()) | self._fanout.get(group, set())
+            for router in self._select(self._subscribed(group) - exclude, p.D_lazy):
+                ob.ihave(self._peers[router], group, ids)
+        self._mcache.shift()

@@ -1,0 +1,62 @@
+"""Tunable parameters of the gossip core.
+
+The first nine are gossipsub v1.0's parameters with the spec's defaults (seed 004 §Parameters); ``D_lazy``
+defaults to ``D`` as the spec suggests. The rest bound the state the core keeps and drive the recovery of
+messages detected as missing from the ``sn`` header (seed 003 §Seen), which gossipsub does not have:
+
+- ``seen_max``: most ids the seen cache holds (the oldest are forgotten first beyond it);
+- ``iwant_timeout``: an id asked for with IWANT is not asked of another peer again before this many seconds;
+- ``pull_delay``: how long an id named in ``sn`` may stay unseen (it may still be on its way) before a PULL;
+- ``pull_timeout``: how long an unanswered PULL counts against ``max_pending_pulls``;
+- ``max_pending_pulls``: most PULLs outstanding at once; ``max_missing``: most ids waiting for ``pull_delay``.
+
+Times are in seconds of the clock the caller passes as ``now``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class GossipParams:
+    """gossipsub v1.0 parameters (seed defaults) plus our cache and PULL bounds."""
+
+    D: int = 6
+    D_low: int = 4
+    D_high: int = 12
+    D_lazy: int = 6
+    heartbeat_interval: float = 1.0
+    fanout_ttl: float = 60.0
+    mcache_len: int = 5
+    mcache_gossip: int = 3
+    seen_ttl: float = 120.0
+    seen_max: int = 100_000
+    iwant_timeout: float = 3.0
+    pull_delay: float = 1.0
+    pull_timeout: float = 10.0
+    max_pending_pulls: int = 64
+    max_missing: int = 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.D_low <= self.D <= self.D_high:
+            raise ValueError(f"need 0 <= D_low <= D <= D_high, got {self.D_low}, {self.D}, {self.D_high}")
+        if self.D < 1:
+            raise ValueError(f"D must be at least 1, got {self.D}")
+        if self.D_lazy < 0:
+            raise ValueError(f"D_lazy must not be negative, got {self.D_lazy}")
+        if not 1 <= self.mcache_gossip <= self.mcache_len:
+            raise ValueError(
+                f"need 1 <= mcache_gossip <= mcache_len, got {self.mcache_gossip}, {self.mcache_len}"
+            )
+        for name in ("heartbeat_interval", "fanout_ttl", "seen_ttl"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("iwant_timeout", "pull_delay", "pull_timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        for name in ("seen_max", "max_pending_pulls", "max_missing"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.seen_max < 1:
+            raise ValueError("seen_max must be at least 1")

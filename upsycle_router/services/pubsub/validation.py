@@ -1,0 +1,142 @@
+"""Group-level message validation (libp2p pubsub semantics, seed 000), applied before anything is forwarded.
+
+Every multicast message that reaches the pub/sub service already carries a valid group signature: the router
+checked it (seed 003, multicast step 1), so only holders of the group key can publish at all. A
+:class:`GroupPolicy` adds the topic-level rules of libp2p pubsub on top, in this order (first failure wins;
+the reason string is what the core puts in its ``rejected`` trace):
+
+1. ``max_size`` (default 1 MiB): the encoded message, without VIA, may not be larger (``too_large``).
+2. ``signature_policy``, read against the BODY. In upsycle the origin stamp libp2p puts in ``from``, ``seqno``
+   and ``signature`` lives in an application message (seed 003 §Application messages: ``from``, ``seq``,
+   ``sig``), which always has all three. So "the fields are present" means "the BODY decodes as an
+   application message", and "the signature verifies" means ``sig`` is valid for ``from`` and ``to`` names
+   the message's group:
+
+   ================ ======================================= ======================================
+   policy           BODY is an application message          BODY is anything else
+   ================ ======================================= ======================================
+   ``None``         accepted, not inspected                 accepted
+   StrictSign       accepted iff ``sig`` verifies            rejected (``unsigned``)
+   StrictNoSign     rejected (``signed``)                    accepted
+   LaxSign          accepted iff ``sig`` verifies            accepted
+   LaxNoSign        accepted iff ``sig`` verifies            accepted
+   ================ ======================================= ======================================
+
+   ``None`` (the default) leaves authentication to the group signature, as the seed's design does.
+   StrictNoSign is for groups whose bodies are opaque (for example end-to-end encrypted, or anonymous):
+   a body that exposes a sender is refused rather than spread. The two Lax policies behave alike when
+   consuming (they differ only in what a libp2p publisher would produce) and are deprecated, as the spec
+   asks; :meth:`GroupPolicy.deprecation` gives the warning text, which the core traces on join.
+   Failures: ``bad_signature``, ``wrong_group`` (``to`` is another group).
+3. ``allowed_senders`` (libp2p AuthOpts mode KEY): when set, the BODY must be an application message whose
+   signature verifies and whose ``from`` is in the set (``not_application_message``, ``bad_signature``,
+   ``sender_not_allowed``). An unverified ``from`` would prove nothing, so the signature is checked whatever
+   the policy says; combining the set with StrictNoSign is a contradiction and raises ``ValueError``.
+4. ``validator``: an embedder's hook ``(Message) -> bool``, run last; False rejects (``validator``), an
+   exception rejects too (``validator_error``) instead of escaping into the core.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from upsycle_router.crypto import app_message_valid
+from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.wire.app import AppMessage, decode_app_message
+from upsycle_router.wire.cbor import PUBKEY_LEN, SIG_LEN
+from upsycle_router.wire.messages import Message, MulticastHeader
+
+MAX_MESSAGE_SIZE = 1 << 20
+
+
+class SignaturePolicy(enum.Enum):
+    """libp2p pubsub signature policies (seed 000 §Signature Policy Options); values are the spec's names."""
+
+    STRICT_SIGN = "StrictSign"
+    STRICT_NO_SIGN = "StrictNoSign"
+    LAX_SIGN = "LaxSign"
+    LAX_NO_SIGN = "LaxNoSign"
+
+    @property
+    def deprecated(self) -> bool:
+        """True for the legacy Lax policies."""
+        return self in (SignaturePolicy.LAX_SIGN, SignaturePolicy.LAX_NO_SIGN)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupPolicy:
+    """What a group accepts: size bound, signature policy, allowed senders and an optional validator hook."""
+
+    max_size: int = MAX_MESSAGE_SIZE
+    allowed_senders: frozenset[bytes] | None = None
+    signature_policy: SignaturePolicy | None = None
+    validator: Callable[[Message], bool] | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.signature_policy, str):
+            object.__setattr__(self, "signature_policy", SignaturePolicy(self.signature_policy))
+        if isinstance(self.max_size, bool) or not isinstance(self.max_size, int) or self.max_size < 1:
+            raise ValueError(f"max_size must be a positive integer, got {self.max_size!r}")
+        if self.allowed_senders is not None:
+            if not isinstance(self.allowed_senders, frozenset):
+                object.__setattr__(self, "allowed_senders", frozenset(self.allowed_senders))
+            for k in self.allowed_senders or ():
+                if not isinstance(k, bytes) or len(k) != PUBKEY_LEN:
+                    raise ValueError("allowed_senders must be 32-byte public keys")
+            if self.signature_policy is SignaturePolicy.STRICT_NO_SIGN:
+                raise ValueError("allowed_senders needs signed application messages; StrictNoSign forbids them")
+
+    def deprecation(self) -> str | None:
+        """A warning when the signature policy is a deprecated Lax one, else None."""
+        p = self.signature_policy
+        if p is not None and p.deprecated:
+            return f"signature policy {p.value} is deprecated (libp2p pubsub); use StrictSign or StrictNoSign"
+        return None
+
+
+def message_size(msg: Message) -> int:
+    """The size of the message's encoding without VIA (``len(msg.with_via(None).encode())``)."""
+    return 1 + len(msg.signed) + 2 + SIG_LEN
+
+
+def _app_message(body: bytes) -> AppMessage | None:
+    try:
+        return decode_app_message(body)
+    except RemoteProtocolError:
+        return None
+
+
+def validate(msg: Message, policy: GroupPolicy) -> str | None:
+    """None if ``msg`` passes ``policy``, else the reason it fails (a short snake_case word)."""
+    header = msg.header
+    if not isinstance(header, MulticastHeader):
+        return "not_multicast"
+    if message_size(msg) > policy.max_size:
+        return "too_large"
+    sp = policy.signature_policy
+    inspect = sp is not None or policy.allowed_senders is not None
+    app = _app_message(msg.body) if inspect else None
+    if app is not None and sp is SignaturePolicy.STRICT_NO_SIGN:
+        return "signed"
+    if app is None and sp is SignaturePolicy.STRICT_SIGN:
+        return "unsigned"
+    if app is not None:
+        if not app_message_valid(app):
+            return "bad_signature"
+        if app.header.to != header.grp:
+            return "wrong_group"
+    if policy.allowed_senders is not None:
+        if app is None:
+            return "not_application_message"
+        if app.header.from_ not in policy.allowed_senders:
+            return "sender_not_allowed"
+    if policy.validator is not None:
+        try:
+            ok = policy.validator(msg)
+        except Exception as e:
+            return f"validator_error: {type(e).__name__}"
+        if not ok:
+            return "validator"
+    return None

@@ -1,0 +1,408 @@
+"""The router's LMDB store.
+
+Theory of operation
+-------------------
+One LMDB environment holds every piece of state the router must not lose, in named sub-databases:
+
+``meta``       small values (schema version, the next queue sequence number)
+``locals``     keys of services known to be local (so messages for them queue while they are away)
+``subs``       ``group || member`` -> ``local flag`` (one record per subscription)
+``psubs``      groups this router asked its pub/sub service to SUB to
+``routes``     ``dst`` -> ``router || expires_ms || source``
+``msgs``       ``id`` -> ``expires_ms || group-or-empty || message bytes``
+``msg_exp``    ``expires_ms || id`` -> ``b""``: the expiry index of ``msgs``
+``queues``     ``recipient || seq`` -> ``id || expires_ms || size``: per-recipient FIFO queues
+``queue_exp``  ``expires_ms || recipient || seq`` -> ``b""``: the expiry index of ``queues``
+``qstats``     ``recipient`` -> ``count || bytes``: quota accounting
+
+All writes happen inside :meth:`LmdbStore.transaction`, one write transaction that the driver opens around a
+batch of events (group commit). Reads outside a transaction use a short read transaction. Durability:
+
+``fsync``  every commit is synced to disk before :meth:`transaction` returns (LMDB ``sync=True``);
+``batch``  commits are not synced; :meth:`sync` (called by the driver on a timer) flushes them;
+``none``   commits are never synced explicitly (the OS writes them back eventually; closed cleanly on exit).
+
+Times are Unix seconds in the API and whole milliseconds (big-endian uint64) inside keys so that the
+expiry indexes iterate in time order.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+SCHEMA_VERSION = b"1"
+_U64 = struct.Struct(">Q")
+_QVAL = struct.Struct(">32sQI")  # id, expires_ms, size
+_QSTAT = struct.Struct(">QQ")
+_NEVER_MS = 2**63 - 1
+
+
+class Durability(enum.StrEnum):
+    """When committed writes reach the disk."""
+
+    FSYNC = "fsync"
+    BATCH = "batch"
+    NONE = "none"
+
+
+def _ms(t: float | None) -> int:
+    if t is None:
+        return _NEVER_MS
+    return max(0, int(t * 1000))
+
+
+def _sec(ms: int) -> float | None:
+    return None if ms == _NEVER_MS else ms / 1000.0
+
+
+@dataclass(frozen=True, slots=True)
+class RouteEntry:
+    """``dst`` is reachable through ``router`` until ``expires`` (None: no expiry)."""
+
+    router: bytes
+    expires: float | None
+    source: int  # 1 connection, 2 message from a remote node, 3 peer advertisement
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    """A message in the message store."""
+
+    data: bytes
+    group: bytes | None
+    expires: float
+
+
+@dataclass(frozen=True, slots=True)
+class QueueEntry:
+    """One queued message for a recipient."""
+
+    recipient: bytes
+    seq: int
+    id: bytes
+    expires: float
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """A queue entry that reached its expiry (``recipient`` None: a stored message with no queue entry)."""
+
+    recipient: bytes | None
+    id: bytes
+    size: int
+
+
+class LmdbStore:
+    """The router's persistent state in one LMDB environment."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], durability: Durability = Durability.FSYNC, map_size: int = 1 << 31
+    ) -> None:
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.durability = Durability(durability)
+        self.env = lmdb.open(
+            str(self.path),
+            map_size=map_size,
+            max_dbs=16,
+            sync=self.durability is Durability.FSYNC,
+            metasync=self.durability is Durability.FSYNC,
+            readahead=False,
+        )
+        self._txn: Any = None
+        self._next_seq = 0
+        self._db: dict[str, Any] = {}
+        for name in ("meta", "locals", "subs", "psubs", "routes", "msgs", "msg_exp", "queues", "queue_exp", "qstats"):
+            self._db[name] = self.env.open_db(name.encode())
+        self._next_seq = self._load_seq()
+        with self.transaction():
+            v = self._get("meta", b"schema")
+            if v is None:
+                self._put("meta", b"schema", SCHEMA_VERSION)
+            elif v != SCHEMA_VERSION:
+                raise RuntimeError(f"{self.path}: store schema {v!r} is not supported (expected {SCHEMA_VERSION!r})")
+
+    # ------------------------------------------------------------ transactions
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One write transaction around a batch; nested calls join the outer one."""
+        if self._txn is not None:
+            yield
+            return
+        txn = self.env.begin(write=True)
+        self._txn = txn
+        try:
+            yield
+        except BaseException:
+            txn.abort()
+            raise
+        else:
+            self._put("meta", b"seq", _U64.pack(self._next_seq))
+            txn.commit()
+        finally:
+            self._txn = None
+
+    def sync(self) -> None:
+        """Flush committed transactions to disk."""
+        self.env.sync(True)
+
+    def close(self) -> None:
+        """Sync and close the environment."""
+        if self._txn is not None:
+            raise RuntimeError("close() inside a transaction")
+        self.env.sync(True)
+        self.env.close()
+
+    def _w(self) -> Any:
+        if self._txn is None:
+            raise RuntimeError("store write outside a transaction")
+        return self._txn
+
+    @contextmanager
+    def _r(self) -> Iterator[Any]:
+        if self._txn is not None:
+            yield self._txn
+        else:
+            with self.env.begin() as txn:
+                yield txn
+
+    def _get(self, db: str, key: bytes) -> bytes | None:
+        with self._r() as txn:
+            v = txn.get(key, db=self._db[db])
+            return bytes(v) if v is not None else None
+
+    def _put(self, db: str, key: bytes, value: bytes) -> None:
+        self._w().put(key, value, db=self._db[db])
+
+    def _delete(self, db: str, key: bytes) -> bool:
+        return bool(self._w().delete(key, db=self._db[db]))
+
+    def _prefix(self, db: str, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        with self._r() as txn:
+            cur = txn.cursor(db=self._db[db])
+            if not cur.set_range(prefix):
+                return
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    break
+                yield bytes(k), bytes(v)
+
+    def _load_seq(self) -> int:
+        v = self._get("meta", b"seq")
+        return _U64.unpack(v)[0] if v else 1
+
+    # ------------------------------------------------------------ local services
+
+    def add_local(self, key: bytes) -> bool:
+        """Remember ``key`` as a local service; True if new."""
+        if self._get("locals", key) is not None:
+            return False
+        self._put("locals", key, b"")
+        return True
+
+    def locals(self) -> set[bytes]:
+        """Every key known as a local service."""
+        return {k for k, _ in self._prefix("locals", b"")}
+
+    # ------------------------------------------------------------ subscriptions
+
+    def add_subscriber(self, group: bytes, member: bytes, local: bool) -> bool:
+        """Subscribe ``member`` to ``group``; True if it was not subscribed."""
+        key = group + member
+        new = self._get("subs", key) is None
+        self._put("subs", key, b"\x01" if local else b"\x00")
+        return new
+
+    def remove_subscriber(self, group: bytes, member: bytes) -> bool:
+        """Unsubscribe; True if it was subscribed."""
+        return self._delete("subs", group + member)
+
+    def subscriptions(self) -> dict[bytes, dict[bytes, bool]]:
+        """``group -> {member: local flag}`` for every subscription."""
+        out: dict[bytes, dict[bytes, bool]] = {}
+        for k, v in self._prefix("subs", b""):
+            out.setdefault(k[:32], {})[k[32:]] = v == b"\x01"
+        return out
+
+    def set_pubsub_subscribed(self, group: bytes, on: bool) -> None:
+        """Record whether the pub/sub service was asked to SUB to ``group``."""
+        if on:
+            self._put("psubs", group, b"")
+        else:
+            self._delete("psubs", group)
+
+    def pubsub_subscribed(self) -> set[bytes]:
+        """Groups the pub/sub service was asked to SUB to."""
+        return {k for k, _ in self._prefix("psubs", b"")}
+
+    # ------------------------------------------------------------ routing table
+
+    def put_route(self, dst: bytes, entry: RouteEntry) -> None:
+        """Add or replace the route to ``dst``."""
+        self._put("routes", dst, entry.router + _U64.pack(_ms(entry.expires)) + bytes([entry.source]))
+
+    def delete_route(self, dst: bytes) -> bool:
+        """Remove the route to ``dst``."""
+        return self._delete("routes", dst)
+
+    def routes(self) -> dict[bytes, RouteEntry]:
+        """The whole routing table."""
+        return {
+            k: RouteEntry(v[:32], _sec(_U64.unpack_from(v, 32)[0]), v[40]) for k, v in self._prefix("routes", b"")
+        }
+
+    # ------------------------------------------------------------ message store
+
+    def put_message(self, mid: bytes, data: bytes, group: bytes | None, expires: float) -> None:
+        """Store a message until ``expires``."""
+        old = self._get("msgs", mid)
+        if old is not None:
+            return
+        exp = _ms(expires)
+        self._put("msgs", mid, _U64.pack(exp) + (b"\x01" + group if group else b"\x00") + data)
+        self._put("msg_exp", _U64.pack(exp) + mid, b"")
+
+    def get_message(self, mid: bytes) -> StoredMessage | None:
+        """A stored message, or None."""
+        v = self._get("msgs", mid)
+        if v is None:
+            return None
+        exp = _U64.unpack_from(v, 0)[0]
+        if v[8] == 1:
+            return StoredMessage(v[41:], v[9:41], exp / 1000.0)
+        return StoredMessage(v[9:], None, exp / 1000.0)
+
+    def has_message(self, mid: bytes) -> bool:
+        """Whether ``mid`` is in the message store."""
+        return self._get("msgs", mid) is not None
+
+    def delete_message(self, mid: bytes) -> None:
+        """Remove a message and its expiry index entry."""
+        v = self._get("msgs", mid)
+        if v is None:
+            return
+        self._delete("msgs", mid)
+        self._delete("msg_exp", v[:8] + mid)
+
+    # ------------------------------------------------------------ queues
+
+    def enqueue(self, recipient: bytes, mid: bytes, expires: float, size: int) -> QueueEntry:
+        """Append a message id to ``recipient``'s queue."""
+        seq = self._next_seq
+        self._next_seq += 1
+        exp = _ms(expires)
+        self._put("queues", recipient + _U64.pack(seq), _QVAL.pack(mid, exp, size))
+        self._put("queue_exp", _U64.pack(exp) + recipient + _U64.pack(seq), b"")
+        count, nbytes = self.queue_usage(recipient)
+        self._put("qstats", recipient, _QSTAT.pack(count + 1, nbytes + size))
+        return QueueEntry(recipient, seq, mid, exp / 1000.0, size)
+
+    def queue(self, recipient: bytes, limit: int | None = None) -> list[QueueEntry]:
+        """The oldest entries of ``recipient``'s queue, in order."""
+        out = []
+        for k, v in self._prefix("queues", recipient):
+            mid, exp, size = _QVAL.unpack(v)
+            out.append(QueueEntry(recipient, _U64.unpack_from(k, 32)[0], mid, exp / 1000.0, size))
+            if limit is not None and len(out) >= limit:
+                break
+        return out
+
+    def dequeue(self, recipient: bytes, seq: int) -> bool:
+        """Remove one queue entry; True if it was there."""
+        key = recipient + _U64.pack(seq)
+        v = self._get("queues", key)
+        if v is None:
+            return False
+        mid, exp, size = _QVAL.unpack(v)
+        self._delete("queues", key)
+        self._delete("queue_exp", _U64.pack(exp) + key)
+        count, nbytes = self.queue_usage(recipient)
+        if count <= 1:
+            self._delete("qstats", recipient)
+        else:
+            self._put("qstats", recipient, _QSTAT.pack(count - 1, max(0, nbytes - size)))
+        return True
+
+    def queue_usage(self, recipient: bytes) -> tuple[int, int]:
+        """``(count, bytes)`` queued for ``recipient``."""
+        v = self._get("qstats", recipient)
+        if v is None:
+            return 0, 0
+        c, b = _QSTAT.unpack(v)
+        return int(c), int(b)
+
+    def queue_recipients(self) -> dict[bytes, tuple[int, int]]:
+        """Every recipient with a non-empty queue and its usage."""
+        out: dict[bytes, tuple[int, int]] = {}
+        for k, v in self._prefix("qstats", b""):
+            c, b = _QSTAT.unpack(v)
+            out[k] = (int(c), int(b))
+        return out
+
+    # ------------------------------------------------------------ expiry
+
+    def next_expiry(self) -> float | None:
+        """The earliest expiry of any stored message or queue entry."""
+        best: int | None = None
+        with self._r() as txn:
+            for db in ("msg_exp", "queue_exp"):
+                cur = txn.cursor(db=self._db[db])
+                if cur.first():
+                    t = _U64.unpack_from(cur.key(), 0)[0]
+                    best = t if best is None else min(best, t)
+        return None if best is None else best / 1000.0
+
+    def sweep(self, now: float, limit: int = 10_000) -> list[Expired]:
+        """Delete queue entries and messages whose expiry is at or before ``now``; return the queue entries."""
+        now_ms = _ms(now)
+        out: list[Expired] = []
+        txn = self._w()
+        cur = txn.cursor(db=self._db["queue_exp"])
+        victims: list[bytes] = []
+        if cur.first():
+            for k in cur.iternext(keys=True, values=False):
+                if _U64.unpack_from(k, 0)[0] > now_ms or len(victims) >= limit:
+                    break
+                victims.append(bytes(k))
+        for k in victims:
+            recipient, seq = k[8:40], _U64.unpack_from(k, 40)[0]
+            v = self._get("queues", recipient + k[40:48])
+            if v is not None:
+                mid, _, size = _QVAL.unpack(v)
+                out.append(Expired(recipient, mid, size))
+            self.dequeue(recipient, seq)
+            self._delete("queue_exp", k)
+        cur = txn.cursor(db=self._db["msg_exp"])
+        mvictims: list[bytes] = []
+        if cur.first():
+            for k in cur.iternext(keys=True, values=False):
+                if _U64.unpack_from(k, 0)[0] > now_ms or len(mvictims) >= limit:
+                    break
+                mvictims.append(bytes(k))
+        for k in mvictims:
+            self._delete("msgs", k[8:])
+            self._delete("msg_exp", k)
+        return out
+
+    # ------------------------------------------------------------ statistics
+
+    def stats(self) -> dict[str, int]:
+        """Entry counts and sizes for status and metrics."""
+        with self._r() as txn:
+            out = {f"{name}_entries": int(txn.stat(self._db[name])["entries"]) for name in ("subs", "routes", "msgs")}
+            out["queue_entries"] = int(txn.stat(self._db["queues"])["entries"])
+        info = self.env.info()
+        out["map_size"] = int(info["map_size"])
+        out["used_bytes"] = int((info["last_pgno"] + 1) * self.env.stat()["psize"])
+        return out

@@ -1,0 +1,88 @@
+"""Writes ``trace-NNNNNN.jsonl`` files, rotated by size (schema: docs/trace.md).
+
+Records are buffered in memory and written by :meth:`TraceJournal.flush`, which the driver calls once per
+batch, so tracing costs one ``write`` per batch rather than per record. Files continue after the highest
+existing sequence number on restart.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import IO
+
+from upsycle_router.core.events import Trace
+
+_NAME = re.compile(r"^trace-(\d{6})\.jsonl$")
+
+
+def _hex(b: bytes | None) -> str | None:
+    return b.hex() if b is not None else None
+
+
+class TraceJournal:
+    """An append-only, size-rotated JSON-lines journal."""
+
+    def __init__(self, directory: str | os.PathLike[str], node: bytes, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.node = node.hex()
+        self.max_bytes = max_bytes
+        seqs = [int(m.group(1)) for p in self.dir.iterdir() if (m := _NAME.match(p.name))]
+        self._seq = max(seqs) + 1 if seqs else 0
+        self._file: IO[str] | None = None
+        self._size = 0
+        self._pending: list[str] = []
+
+    def record(self, t: Trace, ts: float) -> None:
+        """Buffer one record."""
+        self._pending.append(
+            json.dumps(
+                {
+                    "ts": ts,
+                    "node": self.node,
+                    "event": t.event,
+                    "id": _hex(t.id),
+                    "type": t.type,
+                    "group": _hex(t.group),
+                    "src": _hex(t.src),
+                    "dst": _hex(t.dst),
+                    "peer": _hex(t.peer),
+                    "size": t.size,
+                    "reason": t.reason,
+                    "local": t.local,
+                    "role": t.role,
+                },
+                separators=(",", ":"),
+            )
+        )
+
+    def flush(self) -> None:
+        """Write buffered records."""
+        if not self._pending:
+            return
+        data = "\n".join(self._pending) + "\n"
+        self._pending.clear()
+        if self._file is None or self._size >= self.max_bytes:
+            self._rotate()
+        assert self._file is not None
+        self._file.write(data)
+        self._file.flush()
+        self._size += len(data)
+
+    def _rotate(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        path = self.dir / f"trace-{self._seq:06d}.jsonl"
+        self._seq += 1
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across flushes
+        self._size = path.stat().st_size
+
+    def close(self) -> None:
+        """Flush and close."""
+        self.flush()
+        if self._file is not None:
+            self._file.close()
+            self._file = None

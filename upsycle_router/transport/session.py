@@ -1,0 +1,165 @@
+"""The session layer (PROTOCOL.md §5-6) as a pure state machine.
+
+Theory of operation
+-------------------
+Both ends send HELLO on connect. On the peer's HELLO an end sends AUTH, a signature over the context string,
+its own id, the peer's id and the peer's nonce; on the peer's AUTH it verifies it against the id the peer
+claimed in its HELLO (and, when dialling a known router, the id it expected). The session is OPEN once the
+peer's AUTH verified. After that every frame is a routed message or an ERROR, handed up unparsed.
+
+Transitions are a table ``(state, input) -> state``; an input with no entry is a protocol error, answered
+with an ERROR frame and a close. Errors are :class:`RemoteProtocolError` (peer's fault) with the wire code.
+:meth:`Session.receive_data` returns events; :meth:`Session.data_to_send` drains bytes for the transport.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from dataclasses import dataclass
+
+from upsycle_router.crypto import Identity, auth_signature, auth_valid
+from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.wire.framing import DEFAULT_MAX_FRAME, FrameBuffer, frame
+from upsycle_router.wire.session import NONCE_LEN, Auth, Error, Hello, decode_session_frame
+
+
+class State(enum.Enum):
+    """Where a session is."""
+
+    AWAIT_HELLO = "await_hello"
+    AWAIT_AUTH = "await_auth"
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+class Input(enum.Enum):
+    """What a session can receive."""
+
+    HELLO = "hello"
+    AUTH = "auth"
+    MESSAGE = "message"
+    ERROR = "error"
+
+
+TRANSITIONS: dict[tuple[State, Input], State] = {
+    (State.AWAIT_HELLO, Input.HELLO): State.AWAIT_AUTH,
+    (State.AWAIT_HELLO, Input.ERROR): State.CLOSED,
+    (State.AWAIT_AUTH, Input.AUTH): State.OPEN,
+    (State.AWAIT_AUTH, Input.ERROR): State.CLOSED,
+    (State.OPEN, Input.MESSAGE): State.OPEN,
+    (State.OPEN, Input.ERROR): State.CLOSED,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeComplete:
+    """The peer proved it holds the key ``peer``."""
+
+    peer: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class FrameReceived:
+    """One post-handshake frame payload (a routed message or an ERROR, not yet decoded)."""
+
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class PeerError:
+    """The peer sent ERROR ``code``/``reason`` (it will close)."""
+
+    code: int
+    reason: str
+
+
+SessionEvent = HandshakeComplete | FrameReceived | PeerError
+
+
+class Session:
+    """One end of a session; the same class serves routers, apps and the client library."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        *,
+        expected_peer: bytes | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        nonce: bytes | None = None,
+    ) -> None:
+        self.identity = identity
+        self.expected_peer = expected_peer
+        self.nonce = nonce if nonce is not None else os.urandom(NONCE_LEN)
+        self.state = State.AWAIT_HELLO
+        self.peer: bytes | None = None
+        self._frames = FrameBuffer(max_frame)
+        self._out = bytearray(frame(Hello(identity.public, self.nonce).encode()))
+
+    def data_to_send(self) -> bytes:
+        """Bytes the transport must write now."""
+        data = bytes(self._out)
+        self._out.clear()
+        return data
+
+    def _advance(self, inp: Input) -> None:
+        nxt = TRANSITIONS.get((self.state, inp))
+        if nxt is None:
+            state = self.state
+            self.state = State.CLOSED
+            raise RemoteProtocolError(f"unexpected {inp.value} in state {state.value}", field="frame")
+        self.state = nxt
+
+    def receive_data(self, data: bytes) -> list[SessionEvent]:
+        """Feed received bytes; raise RemoteProtocolError on any violation (send :meth:`error_frame`)."""
+        events: list[SessionEvent] = []
+        for payload in self._frames.feed(data):
+            if self.state is State.OPEN:
+                if len(payload) > 1 and 0x60 <= payload[1] <= 0x7F:  # a text tag: session frame (ERROR)
+                    f = decode_session_frame(payload)
+                    if not isinstance(f, Error):
+                        self._advance(Input.HELLO if isinstance(f, Hello) else Input.AUTH)
+                    else:
+                        self._advance(Input.ERROR)
+                        events.append(PeerError(f.code, f.reason))
+                        return events
+                    continue
+                events.append(FrameReceived(payload))
+                continue
+            if self.state is State.CLOSED:
+                return events
+            f = decode_session_frame(payload)
+            if isinstance(f, Hello):
+                self._advance(Input.HELLO)
+                if self.expected_peer is not None and f.id != self.expected_peer:
+                    raise RemoteProtocolError(
+                        f"expected router {self.expected_peer.hex()}, got {f.id.hex()}",
+                        field="id",
+                        code=ErrorCode.AUTH_FAILED,
+                    )
+                if f.id == self.identity.public:
+                    raise RemoteProtocolError("peer uses our own key", field="id", code=ErrorCode.AUTH_FAILED)
+                self.peer = f.id
+                self._out += frame(Auth(auth_signature(self.identity, f.id, f.nonce)).encode())
+            elif isinstance(f, Auth):
+                self._advance(Input.AUTH)
+                assert self.peer is not None
+                if not auth_valid(self.peer, self.identity.public, self.nonce, f.sig):
+                    self.state = State.CLOSED
+                    raise RemoteProtocolError("AUTH signature invalid", field="sig", code=ErrorCode.AUTH_FAILED)
+                events.append(HandshakeComplete(self.peer))
+            else:
+                self._advance(Input.ERROR)
+                events.append(PeerError(f.code, f.reason))
+                return events
+        return events
+
+    @property
+    def is_open(self) -> bool:
+        """The handshake completed."""
+        return self.state is State.OPEN
+
+    @staticmethod
+    def error_frame(code: int, reason: str) -> bytes:
+        """A framed ERROR."""
+        return frame(Error(int(code), reason[:500]).encode())
