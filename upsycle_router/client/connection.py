@@ -63,7 +63,7 @@ class Client:
         self.router_id: bytes = b""
         self._incoming: asyncio.Queue[Message | None] = asyncio.Queue()
         self._waiters: dict[tuple[str, bytes | int], asyncio.Future[RouterMessage | Message]] = {}
-        self._sync_n = itertools.count(1)
+        self._sync_n = itertools.count(int.from_bytes(os.urandom(6), "big"))
         self._task: asyncio.Task[None] | None = None
         self._opened: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.closed_reason: str | None = None

@@ -244,10 +244,14 @@ class Router:
         def drop(reason: str) -> None:
             out.append(Trace("dropped", msg.id, kind, None, h.src, h.dst, c.peer, size, reason))
 
-        if msg.id in self.seen:
-            out.append(Trace("duplicate", msg.id, kind, None, h.src, h.dst, c.peer, size, "duplicate"))
-            return
-        self.seen.add(msg.id)
+        if kind == "unicast":
+            # Replay protection. Control messages are exempt: deterministic signatures give two identical
+            # requests (the same JOIN twice in a minute) the same id, and control is only accepted from the
+            # authenticated connection peer itself, for whom a replay changes nothing.
+            if msg.id in self.seen:
+                out.append(Trace("duplicate", msg.id, kind, None, h.src, h.dst, c.peer, size, "duplicate"))
+                return
+            self.seen.add(msg.id)
         if not c.local:
             # Step 2: remember where replies go, and mark the last hop.
             msg = msg.with_via(c.peer)
@@ -440,6 +444,9 @@ class Router:
                 return
             self._multicast(c, inner.with_via(None) if c.local else inner, inner.header, len(msg.body), now, out)
             return
+        if isinstance(body, Join | Leave | Sync) and h.src != c.peer:
+            drop("not_authorized")  # membership and barriers only for the authenticated peer itself
+            return
         if isinstance(body, PeerAdvertisement):
             self._advert(c, msg, body, h, size, now, out)
         elif isinstance(body, Join):
@@ -458,8 +465,6 @@ class Router:
     def _may_join(self, c: _Conn, requester: bytes) -> bool:
         if c.local:
             return requester in self.locals
-        if requester != c.peer:
-            return False
         return self.config.accept_join_from_any or requester in self.config.edge_nodes
 
     def _join(
@@ -485,7 +490,7 @@ class Router:
     def _leave(self, c: _Conn, msg: Message, lv: Leave, h: UnicastHeader, now: float, out: list[Effect]) -> None:
         requester = h.src
         members = self.subs.get(lv.addr, {})
-        if requester not in members or not (c.local or requester == c.peer):
+        if requester not in members:
             self._reply(c, requester, encode_router(LeaveAck(lv.addr, Result.FAILURE)), now, out)
             return
         del members[requester]

@@ -81,7 +81,7 @@ class StreamConnection(asyncio.Protocol):
             except OSError:  # pragma: no cover - platform dependent
                 pass
         self._timer = asyncio.get_running_loop().call_later(self._handshake_timeout, self._handshake_expired)
-        transport.write(self.session.data_to_send())
+        self.transport.write(self.session.data_to_send())
 
     def data_received(self, data: bytes) -> None:
         """Run the session; hand events to the driver."""

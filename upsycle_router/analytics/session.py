@@ -1,0 +1,211 @@
+"""Starting Spark for the analytics jobs: finding Java, and a session that stays on this machine.
+
+Theory of operation
+-------------------
+PySpark runs the JVM through ``spark-submit``, which takes ``$JAVA_HOME/bin/java`` when ``JAVA_HOME`` is set
+and ``java`` on ``PATH`` otherwise; when neither works it dies with "Java gateway process exited", which says
+nothing useful. :func:`find_java` makes the same search first (``JAVA_HOME``, then ``PATH``) and raises
+:class:`JavaNotFoundError` with a message naming what it looked at. When ``JAVA_HOME`` points nowhere but a
+``java`` is on ``PATH``, ``JAVA_HOME`` is re-pointed at that installation, because ``spark-submit`` would
+otherwise still try the broken one.
+
+:func:`spark_session` is the one way the package builds a :class:`~pyspark.sql.SparkSession`. For a local
+master (``local``, ``local[N]``, ``local[*]``) everything stays on loopback: ``SPARK_LOCAL_IP`` and the driver
+host and bind address are ``127.0.0.1`` (otherwise Spark resolves the host name, which may mean a DNS query
+off the machine), the web UI is off, scratch space (``spark.local.dir``) and the SQL warehouse live in a
+private temporary directory that is removed when the session stops. For any other master (``spark://``,
+``yarn``, ``k8s://``) those are left to the cluster's own configuration, since executors elsewhere must be
+able to reach the driver. The session time zone is UTC and the number of shuffle partitions is small by
+default (trace analytics shuffles little data per key; raise it for big fleets).
+
+Spark's own log output is cut to errors by a log4j2 configuration written to the temporary directory
+(``verbose=True`` keeps Spark's default logging), and the console progress bar is off, so that the job's
+own stage lines on stderr are readable.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, MutableMapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from upsycle_router.errors import UpsycleError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+MIN_JAVA = 17
+"""Spark 4 runs on Java 17 or newer."""
+
+_LOG4J2 = """\
+rootLogger.level = error
+rootLogger.appenderRef.stderr.ref = console
+appender.console.type = Console
+appender.console.name = console
+appender.console.target = SYSTEM_ERR
+appender.console.layout.type = PatternLayout
+appender.console.layout.pattern = spark: %p %c{1}: %m%n%ex
+"""
+
+
+class AnalyticsError(UpsycleError):
+    """An analytics job cannot run: bad input paths, no Java, an unreadable journal directory."""
+
+
+class JavaNotFoundError(AnalyticsError):
+    """No usable Java runtime for Spark."""
+
+
+@dataclass(frozen=True, slots=True)
+class JavaRuntime:
+    """The Java found for Spark: its home, its ``java`` executable and its major version (None if unknown)."""
+
+    home: Path
+    java: Path
+    major: int | None
+    note: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SparkOptions:
+    """How to start Spark: master URL, shuffle partitions, driver memory and extra ``--conf`` settings."""
+
+    master: str = "local[*]"
+    shuffle_partitions: int = 4
+    driver_memory: str | None = None
+    conf: Mapping[str, str] = field(default_factory=dict)
+    verbose: bool = False
+    app_name: str = "upsycle-router analytics"
+
+
+def is_local_master(master: str) -> bool:
+    """Whether ``master`` runs Spark inside this process (``local``, ``local[N]``, ``local[N,F]``)."""
+    return re.fullmatch(r"local(\[[^\]]*\])?", master.strip()) is not None
+
+
+def _java_major(java: Path) -> int | None:
+    """The major version ``java -version`` reports (``"17.0.15"`` -> 17, ``"1.8.0_402"`` -> 8)."""
+    try:
+        r = subprocess.run([str(java), "-version"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    m = re.search(r'version "(\d+)(?:\.(\d+))?', r.stderr + r.stdout)
+    if m is None:
+        return None
+    major = int(m.group(1))
+    if major == 1 and m.group(2) is not None:
+        major = int(m.group(2))
+    return major
+
+
+def find_java(env: Mapping[str, str] | None = None, *, check_version: bool = True) -> JavaRuntime:
+    """Find the Java Spark will run on: ``$JAVA_HOME/bin/java``, else ``java`` on ``PATH``; raise if none."""
+    env = os.environ if env is None else env
+    checked: list[str] = []
+    note: str | None = None
+    java: Path | None = None
+    home_env = env.get("JAVA_HOME", "")
+    if home_env:
+        candidate = Path(home_env) / "bin" / "java"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            java = candidate
+        else:
+            checked.append(f"JAVA_HOME={home_env} has no executable bin/java")
+    else:
+        checked.append("JAVA_HOME is not set")
+    if java is None:
+        on_path = shutil.which("java", path=env.get("PATH", ""))
+        if on_path is None:
+            checked.append(f"no java on PATH={env.get('PATH', '')}")
+            raise JavaNotFoundError(
+                "no Java runtime found for Spark ("
+                + "; ".join(checked)
+                + f"). Install Java {MIN_JAVA} or newer (e.g. 'apt-get install openjdk-17-jre-headless') "
+                "and set JAVA_HOME to it or put its bin/ on PATH"
+            )
+        java = Path(on_path)
+        if home_env:
+            note = f"JAVA_HOME={home_env} has no bin/java; using {java.resolve()} from PATH"
+    real = java.resolve()
+    home = real.parent.parent
+    major = _java_major(java) if check_version else None
+    if major is not None and major < MIN_JAVA:
+        raise JavaNotFoundError(f"Spark needs Java {MIN_JAVA} or newer; {java} is Java {major}")
+    return JavaRuntime(home=home, java=java, major=major, note=note)
+
+
+def prepare_environment(
+    runtime: JavaRuntime, master: str, env: MutableMapping[str, str] | None = None
+) -> None:
+    """Set the variables PySpark's launcher reads: the Python for workers, loopback for local, JAVA_HOME."""
+    env = os.environ if env is None else env
+    env["PYSPARK_PYTHON"] = sys.executable
+    env.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    if is_local_master(master):
+        env["SPARK_LOCAL_IP"] = "127.0.0.1"
+    home = env.get("JAVA_HOME", "")
+    if not home or not (Path(home) / "bin" / "java").is_file():
+        env["JAVA_HOME"] = str(runtime.home)
+
+
+def session_conf(options: SparkOptions, scratch: Path) -> dict[str, str]:
+    """The Spark settings :func:`spark_session` uses (the caller's ``conf`` wins over these)."""
+    conf: dict[str, str] = {
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.sql.session.timeZone": "UTC",
+        "spark.sql.shuffle.partitions": str(options.shuffle_partitions),
+        "spark.sql.warehouse.dir": str(scratch / "warehouse"),
+    }
+    if is_local_master(options.master):
+        conf.update(
+            {
+                "spark.driver.host": "127.0.0.1",
+                "spark.driver.bindAddress": "127.0.0.1",
+                "spark.local.dir": str(scratch / "local"),
+                "spark.default.parallelism": str(options.shuffle_partitions),
+            }
+        )
+    if options.driver_memory:
+        conf["spark.driver.memory"] = options.driver_memory
+    if not options.verbose:
+        log_conf = scratch / "log4j2.properties"
+        conf["spark.driver.extraJavaOptions"] = f"-Dlog4j2.configurationFile={log_conf.as_uri()}"
+    conf.update(options.conf)
+    return conf
+
+
+@contextmanager
+def spark_session(options: SparkOptions | None = None) -> Iterator[SparkSession]:
+    """A configured Spark session; stopped, and its scratch directory removed, on exit."""
+    options = options or SparkOptions()
+    runtime = find_java()
+    if runtime.note:
+        print(f"analytics: note: {runtime.note}", file=sys.stderr)
+    prepare_environment(runtime, options.master)
+    scratch = Path(tempfile.mkdtemp(prefix="upsycle-spark-"))
+    try:
+        (scratch / "local").mkdir()
+        (scratch / "log4j2.properties").write_text(_LOG4J2, encoding="utf-8")
+        from pyspark.sql import SparkSession
+
+        builder: Any = SparkSession.builder.master(options.master).appName(options.app_name)
+        for key, value in session_conf(options, scratch).items():
+            builder = builder.config(key, value)
+        spark: SparkSession = builder.getOrCreate()
+        try:
+            if not options.verbose:
+                spark.sparkContext.setLogLevel("ERROR")
+            yield spark
+        finally:
+            spark.stop()
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

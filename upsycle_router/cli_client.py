@@ -1,0 +1,231 @@
+"""CLI commands built on the client library: ``send``, ``join``, ``leave``, ``publish``, ``pull``, ``listen``.
+
+Each connects to the router's Unix socket with an app key (``--key``, default
+``$XDG_CONFIG_HOME/upsycle-router/client.key``, created on first use), does one thing and exits. ``listen``
+prints one JSON object per incoming message and runs until ``--count`` messages or ``--timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from upsycle_router.cli_daemon import run_async
+from upsycle_router.client import Client, ClientError
+from upsycle_router.config import default_socket, load_config, parse_key
+from upsycle_router.crypto import Identity, load_key_file, load_or_create_key_file
+from upsycle_router.errors import ConfigError, KeyFileError, UpsycleError
+from upsycle_router.wire.messages import Message, MulticastHeader
+
+
+def default_client_key() -> Path:
+    """``$XDG_CONFIG_HOME/upsycle-router/client.key``."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "upsycle-router" / "client.key"
+
+
+def _socket(args: argparse.Namespace) -> Path:
+    if args.socket:
+        return Path(args.socket)
+    if args.config:
+        unix = load_config(args.config).unix
+        if unix is not None:
+            return unix
+    return default_socket()
+
+
+def _identity(args: argparse.Namespace) -> Identity:
+    return load_or_create_key_file(args.key or default_client_key())
+
+
+def _body(args: argparse.Namespace) -> bytes:
+    raw: bytes = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
+    if args.hex:
+        return bytes.fromhex(raw.decode().strip())
+    return raw
+
+
+def message_summary(m: Message) -> dict[str, Any]:
+    """One incoming message as the JSON object ``listen`` prints."""
+    h = m.header
+    try:
+        text: str | None = m.body.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    out: dict[str, Any] = {"type": "multicast" if m.is_multicast else "unicast", "id": m.id.hex()}
+    if isinstance(h, MulticastHeader):
+        out["group"] = h.grp.hex()
+    else:
+        out["src"] = h.src.hex()
+        out["dst"] = h.dst.hex()
+    out.update({"via": m.via.hex() if m.via else None, "body": text, "body_hex": m.body.hex()})
+    return out
+
+
+async def _with_client(args: argparse.Namespace, fn: Any) -> int:
+    ident = _identity(args)
+    try:
+        client = await Client.connect(_socket(args), ident, timeout=args.timeout_connect)
+    except (OSError, TimeoutError) as e:
+        print(f"error: cannot connect to the router at {_socket(args)}: {e}", file=sys.stderr)
+        return 1
+    try:
+        rc: int = await fn(client)
+        return rc
+    finally:
+        await client.close()
+
+
+def _run(args: argparse.Namespace, fn: Any) -> int:
+    try:
+        rc: int = run_async(_with_client(args, fn))
+        return rc
+    except (ClientError, ConfigError, KeyFileError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def cmd_send(args: argparse.Namespace) -> int:
+    """Send one unicast message."""
+
+    async def go(c: Client) -> int:
+        mid = await c.send(parse_key(args.dst, "dst"), _body(args), args.ttl)
+        await c.sync()
+        print(mid.hex())
+        return 0
+
+    return _run(args, go)
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    """JOIN a group with this key."""
+
+    async def go(c: Client) -> int:
+        ok = await c.join(parse_key(args.group, "group"), local=not args.non_local)
+        print("joined" if ok else "refused")
+        return 0 if ok else 1
+
+    return _run(args, go)
+
+
+def cmd_leave(args: argparse.Namespace) -> int:
+    """LEAVE a group."""
+
+    async def go(c: Client) -> int:
+        ok = await c.leave(parse_key(args.group, "group"))
+        print("left" if ok else "refused")
+        return 0 if ok else 1
+
+    return _run(args, go)
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    """Publish one message to a group, signed with the group key file."""
+    try:
+        group = load_key_file(args.group_key)
+    except KeyFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    async def go(c: Client) -> int:
+        mid = await c.publish(group, _body(args), args.ttl)
+        await c.sync()
+        print(mid.hex())
+        return 0
+
+    return _run(args, go)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    """PULL a stored group message by id."""
+
+    async def go(c: Client) -> int:
+        m = await c.pull(parse_key(args.group, "group"), bytes.fromhex(args.id))
+        if m is None:
+            print("not found", file=sys.stderr)
+            return 1
+        print(json.dumps(message_summary(m)))
+        return 0
+
+    return _run(args, go)
+
+
+def cmd_listen(args: argparse.Namespace) -> int:
+    """Print incoming messages as JSON lines."""
+
+    async def go(c: Client) -> int:
+        for g in args.join or []:
+            if not await c.join(parse_key(g, "group"), local=not args.non_local):
+                print(f"error: JOIN {g} refused", file=sys.stderr)
+                return 1
+        n = 0
+        loop = asyncio.get_running_loop()
+        deadline = None if args.timeout is None else loop.time() + args.timeout
+        while args.count is None or n < args.count:
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                m = await c.recv(timeout=left)
+            except TimeoutError:
+                break
+            print(json.dumps(message_summary(m)), flush=True)
+            n += 1
+        return 0
+
+    try:
+        return _run(args, go)
+    except UpsycleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--socket", help="the router's Unix socket (default: the daemon's default path)")
+    p.add_argument("--config", help="read the socket path from this daemon config")
+    p.add_argument("--key", help="this app's key file (default: ~/.config/upsycle-router/client.key)")
+    p.add_argument("--timeout-connect", type=float, default=10.0, help=argparse.SUPPRESS)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the client commands."""
+    p = sub.add_parser("send", help="send a unicast message")
+    _common(p)
+    p.add_argument("dst", help="destination key (hex)")
+    p.add_argument("body", nargs="?", default="-", help="message body, or - for stdin (default)")
+    p.add_argument("--hex", action="store_true", help="the body is hex")
+    p.add_argument("--ttl", type=int, default=3600, help="seconds the router may queue it (default 3600)")
+    p.set_defaults(func=cmd_send)
+
+    for name, fn, helptext in (("join", cmd_join, "join a group"), ("leave", cmd_leave, "leave a group")):
+        p = sub.add_parser(name, help=helptext)
+        _common(p)
+        p.add_argument("group", help="group key (hex)")
+        if name == "join":
+            p.add_argument("--non-local", action="store_true", help="also join the P2P overlay (pub/sub SUB)")
+        p.set_defaults(func=fn)
+
+    p = sub.add_parser("publish", help="publish to a group")
+    _common(p)
+    p.add_argument("--group-key", required=True, help="the group's key file (its private key signs)")
+    p.add_argument("body", nargs="?", default="-", help="message body, or - for stdin (default)")
+    p.add_argument("--hex", action="store_true", help="the body is hex")
+    p.add_argument("--ttl", type=int, default=3600, help="seconds routers may queue it (default 3600)")
+    p.set_defaults(func=cmd_publish)
+
+    p = sub.add_parser("pull", help="fetch a stored group message by id")
+    _common(p)
+    p.add_argument("group", help="group key (hex)")
+    p.add_argument("id", help="message id (hex)")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("listen", help="print incoming messages as JSON lines")
+    _common(p)
+    p.add_argument("--join", action="append", metavar="GROUP", help="join this group first (repeatable)")
+    p.add_argument("--non-local", action="store_true", help="joins also ask the pub/sub service to SUB")
+    p.add_argument("--count", type=int, help="exit after this many messages")
+    p.add_argument("--timeout", type=float, help="exit after this many seconds")
+    p.set_defaults(func=cmd_listen)
