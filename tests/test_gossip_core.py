@@ -1,0 +1,449 @@
+"""The gossip core driven by hand: membership, GRAFT/PRUNE, forwarding, gossip, fanout, PULLs and exact deadlines."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from gossip_sim import make_message
+
+from upsycle_router.crypto import Identity, sign_message
+from upsycle_router.services.pubsub import (
+    Effect,
+    Forward,
+    GossipCore,
+    GossipParams,
+    JoinGroup,
+    LeaveGroup,
+    Peer,
+    Pull,
+    SendRpc,
+    Trace,
+)
+from upsycle_router.services.pubsub.caches import MessageCache, SeenCache
+from upsycle_router.services.pubsub.outbox import Outbox
+from upsycle_router.wire.gossip import GossipRpc, IHave, SubOpt
+from upsycle_router.wire.messages import UnicastHeader
+
+GK = Identity.from_seed(b"\x07" * 32)
+GK2 = Identity.from_seed(b"\x08" * 32)
+G, G2 = GK.public, GK2.public
+ME = b"\xee" * 32
+
+
+def rid(i: int) -> bytes:
+    return bytes([i]) * 32
+
+
+def peer(i: int) -> Peer:
+    return Peer(rid(i), bytes([100 + i]) * 32)
+
+
+def make_core(
+    n_peers: int = 0, subscribed: int = 0, group: bytes = G, params: GossipParams | None = None, now: float = 0.0
+) -> GossipCore:
+    """A core at ``now`` knowing peers 1..n_peers, the first ``subscribed`` of them subscribed to ``group``."""
+    core = GossipCore(ME, now=now, rng=random.Random(5), params=params)
+    for i in range(1, n_peers + 1):
+        core.peer_added(peer(i), now)
+    for i in range(1, subscribed + 1):
+        core.rpc_received(rid(i), GossipRpc(subs=(SubOpt(True, group),)), now)
+    return core
+
+
+def rpcs(effects: list[Effect]) -> dict[bytes, GossipRpc]:
+    out: dict[bytes, GossipRpc] = {}
+    for e in effects:
+        if isinstance(e, SendRpc):
+            assert e.peer.router not in out, "one RPC per peer per step"
+            out[e.peer.router] = e.rpc
+    return out
+
+
+def forwards(effects: list[Effect]) -> list[tuple[bytes, bytes]]:
+    return [(e.router, e.message.id) for e in effects if isinstance(e, Forward)]
+
+
+def traces(effects: list[Effect], event: str) -> list[Trace]:
+    return [e for e in effects if isinstance(e, Trace) and e.event == event]
+
+
+def joined_core(n_peers: int = 10, subscribed: int = 10, params: GossipParams | None = None) -> GossipCore:
+    core = make_core(n_peers, subscribed, params=params)
+    core.join(G, 0.0)
+    return core
+
+
+# ---------------------------------------------------------------- parameters and caches
+
+
+def test_params_defaults_follow_the_seed() -> None:
+    p = GossipParams()
+    assert (p.D, p.D_low, p.D_high, p.D_lazy) == (6, 4, 12, 6)
+    assert (p.heartbeat_interval, p.fanout_ttl, p.mcache_len, p.mcache_gossip, p.seen_ttl) == (1.0, 60.0, 5, 3, 120.0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"D_low": 7},
+        {"D_high": 5},
+        {"D": 0, "D_low": 0},
+        {"D_lazy": -1},
+        {"mcache_gossip": 6},
+        {"mcache_gossip": 0},
+        {"heartbeat_interval": 0.0},
+        {"fanout_ttl": -1.0},
+        {"seen_max": 0},
+        {"pull_delay": -0.1},
+        {"max_pending_pulls": -1},
+    ],
+)
+def test_params_validated(kw: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        GossipParams(**kw)  # type: ignore[arg-type]
+
+
+def test_seen_cache_expires_and_is_bounded() -> None:
+    seen = SeenCache(ttl=10.0, max_size=3)
+    assert seen.add(b"a", 0.0) and not seen.add(b"a", 1.0)
+    seen.add(b"b", 5.0)
+    seen.expire(9.9)
+    assert b"a" in seen
+    seen.expire(10.0)
+    assert b"a" not in seen and b"b" in seen
+    for k in (b"c", b"d", b"e"):
+        seen.add(k, 6.0)
+    assert len(seen) == 3 and b"b" not in seen
+
+
+def test_mcache_windows() -> None:
+    mc = MessageCache(length=3, gossip=2)
+    msgs = [make_message(GK, b"%d" % i) for i in range(4)]
+    other = make_message(GK2, b"other")
+    mc.put(msgs[0])
+    mc.put(other)
+    mc.shift()
+    mc.put(msgs[1])
+    mc.put(msgs[2])
+    assert mc.gossip_ids(G) == [msgs[2].id, msgs[1].id, msgs[0].id]
+    assert mc.gossip_ids(G2) == [other.id]
+    mc.shift()
+    assert mc.gossip_ids(G) == [msgs[2].id, msgs[1].id]
+    assert mc.get(msgs[0].id) == msgs[0]
+    mc.shift()
+    assert mc.get(msgs[0].id) is None and mc.get(msgs[1].id) == msgs[1]
+
+
+def test_outbox_coalesces_last_word_wins() -> None:
+    ob = Outbox()
+    ob.announce(peer(1), G, True)
+    ob.graft(peer(1), G)
+    ob.announce(peer(2), G, True)
+    ob.announce(peer(1), G, False)
+    ob.prune(peer(1), G)
+    ob.ihave(peer(1), G, [b"\x01" * 32])
+    ob.ihave(peer(1), G, [b"\x01" * 32, b"\x02" * 32])
+    ob.iwant(peer(2), [b"\x03" * 32, b"\x03" * 32])
+    ob.trace("x")
+    out = ob.effects()
+    assert isinstance(out[0], Trace)
+    r = rpcs(out)
+    assert list(r) == [rid(1), rid(2)]
+    assert r[rid(1)] == GossipRpc(
+        subs=(SubOpt(False, G),), prune=(G,), ihave=(IHave(G, (b"\x01" * 32, b"\x02" * 32)),)
+    )
+    assert r[rid(2)] == GossipRpc(subs=(SubOpt(True, G),), iwant=(b"\x03" * 32,))
+
+
+# ---------------------------------------------------------------- peers and membership
+
+
+def test_hello_on_peer_added() -> None:
+    core = make_core()
+    assert core.peer_added(peer(1), 0.0) == []  # nothing to announce yet
+    core.join(G, 0.0)
+    core.join(G2, 0.0)
+    r = rpcs(core.peer_added(peer(2), 0.0))
+    assert r == {rid(2): GossipRpc(subs=tuple(SubOpt(True, g) for g in sorted((G, G2))))}
+    assert core.peer_added(peer(2), 1.0) == []  # already known: no second hello
+    moved = Peer(rid(2), b"\x55" * 32)
+    assert rpcs(core.peer_added(moved, 1.0))[rid(2)].subs == r[rid(2)].subs
+    assert core.peer_added(Peer(ME, b"\x56" * 32), 1.0) == [] and ME not in core.peers
+
+
+def test_join_grafts_up_to_D_subscribed_peers_and_announces_to_all() -> None:
+    core = make_core(n_peers=12, subscribed=9)
+    out = core.join(G, 0.0)
+    assert out[0] == JoinGroup(G)
+    r = rpcs(out)
+    assert set(r) == {rid(i) for i in range(1, 13)}
+    assert all(rpc.subs == (SubOpt(True, G),) for rpc in r.values())
+    grafted = {router for router, rpc in r.items() if rpc.graft == (G,)}
+    assert len(grafted) == 6 and grafted <= {rid(i) for i in range(1, 10)}
+    assert core.mesh_peers(G) == grafted
+    assert core.join(G, 0.5) == [JoinGroup(G)]  # idempotent
+
+
+def test_join_takes_fanout_peers_first() -> None:
+    core = make_core(n_peers=12, subscribed=3)
+    out = core.publish(make_message(GK, b"x"), 0.0)
+    fan = core.fanout_peers(G)
+    assert {r for r, _ in forwards(out)} == fan == {rid(1), rid(2), rid(3)}
+    for i in range(4, 13):
+        core.rpc_received(rid(i), GossipRpc(subs=(SubOpt(True, G),)), 0.1)
+    core.join(G, 0.2)
+    assert fan <= core.mesh_peers(G) and len(core.mesh_peers(G)) == 6
+    assert not core.has_fanout(G)
+
+
+def test_graft_for_unjoined_group_answered_with_prune() -> None:
+    core = make_core(n_peers=2)
+    out = core.rpc_received(rid(1), GossipRpc(graft=(G,)), 0.0)
+    assert rpcs(out) == {rid(1): GossipRpc(prune=(G,))}
+    core.join(G, 0.0)
+    assert core.rpc_received(rid(2), GossipRpc(graft=(G,)), 0.1) == []
+    assert rid(2) in core.mesh_peers(G) and G in core.peer_groups(rid(2))
+
+
+def test_leave_prunes_mesh_peers_and_announces() -> None:
+    core = joined_core(n_peers=8, subscribed=8)
+    mesh = core.mesh_peers(G)
+    out = core.leave(G, 1.0)
+    assert out[0] == LeaveGroup(G)
+    r = rpcs(out)
+    assert set(r) == {rid(i) for i in range(1, 9)}
+    for router, rpc in r.items():
+        assert rpc.subs == (SubOpt(False, G),)
+        assert rpc.prune == ((G,) if router in mesh else ())
+    assert G not in core.joined and core.mesh_peers(G) == frozenset()
+    assert rpcs(core.rpc_received(rid(1), GossipRpc(graft=(G,)), 1.1)) == {rid(1): GossipRpc(prune=(G,))}
+    assert core.leave(G, 1.2) == [LeaveGroup(G)]
+
+
+def test_prune_unsubscribe_and_peer_removal_leave_the_mesh() -> None:
+    core = joined_core(n_peers=8, subscribed=8)
+    a, b, c = sorted(core.mesh_peers(G))[:3]
+    core.rpc_received(a, GossipRpc(prune=(G,)), 0.1)
+    core.rpc_received(b, GossipRpc(subs=(SubOpt(False, G),)), 0.1)
+    core.peer_removed(c, 0.1)
+    mesh = core.mesh_peers(G)
+    assert not {a, b, c} & mesh and len(mesh) == 3
+    assert G in core.peer_groups(a) and G not in core.peer_groups(b) and c not in core.peers
+    assert core.peer_removed(c, 0.2) == []
+
+
+def test_rpc_from_unknown_peer() -> None:
+    core = make_core(n_peers=1)
+    core.join(G, 0.0)
+    out = core.rpc_received(rid(9), GossipRpc(graft=(G,)), 0.1)
+    assert traces(out, "unknown_peer") and rid(9) not in core.mesh_peers(G)
+    # with the unicast's src the adapter lets the core learn the peer (and greet it)
+    out = core.rpc_received(rid(9), GossipRpc(graft=(G,)), 0.2, service=b"\x99" * 32)
+    assert rpcs(out) == {rid(9): GossipRpc(subs=(SubOpt(True, G),))}
+    assert rid(9) in core.mesh_peers(G)
+    # a known router but another service: not our peer's pub/sub service
+    out = core.rpc_received(rid(1), GossipRpc(prune=(G,)), 0.3, service=b"\x98" * 32)
+    assert traces(out, "unknown_peer")
+
+
+# ---------------------------------------------------------------- dissemination
+
+
+def test_forward_to_mesh_except_via_and_never_twice() -> None:
+    core = joined_core()
+    mesh = sorted(core.mesh_peers(G))
+    msg = make_message(GK, b"hello")
+    out = core.message_received(msg.with_via(mesh[0]), mesh[0], 0.5)
+    assert forwards(out) == [(r, msg.id) for r in mesh[1:]]
+    again = core.message_received(msg.with_via(mesh[1]), mesh[1], 0.6)
+    assert forwards(again) == [] and traces(again, "duplicate")
+    assert forwards(core.message_received(msg, None, 0.7)) == []
+    local = make_message(GK, b"local")
+    assert forwards(core.message_received(local, None, 0.8)) == [(r, local.id) for r in mesh]
+    assert core.has_seen(msg.id) and core.cached(local.id) == local
+
+
+def test_unicast_and_unjoined_messages() -> None:
+    core = joined_core()
+    src = Identity.from_seed(b"\x09" * 32)
+    uni = sign_message(UnicastHeader(src.public, src.public, 0, 0), b"", src)
+    assert traces(core.message_received(uni, rid(1), 0.1), "ignored")
+    assert traces(core.publish(uni, 0.1), "ignored")
+    other = make_message(GK2, b"other group")
+    assert core.message_received(other, rid(1), 0.2) == [] and core.has_seen(other.id)
+
+
+def test_ihave_answered_with_iwant_for_unseen_ids_once() -> None:
+    core = joined_core(params=GossipParams(iwant_timeout=3.0))
+    known = make_message(GK, b"known")
+    core.message_received(known, None, 0.0)
+    new1, new2 = b"\x51" * 32, b"\x52" * 32
+    ihave = GossipRpc(ihave=(IHave(G, (known.id, new1, new2)), IHave(G2, (b"\x53" * 32,))))
+    out = core.rpc_received(rid(1), ihave, 0.5)
+    assert rpcs(out) == {rid(1): GossipRpc(iwant=(new1, new2))}
+    assert core.rpc_received(rid(2), ihave, 1.0) == []  # already asked of peer 1
+    assert rpcs(core.rpc_received(rid(2), ihave, 3.5)) == {rid(2): GossipRpc(iwant=(new1, new2))}
+
+
+def test_iwant_answered_from_mcache_only() -> None:
+    core = joined_core()
+    msg = make_message(GK, b"cached")
+    core.message_received(msg, None, 0.0)
+    ask = GossipRpc(iwant=(msg.id, b"\x61" * 32))
+    assert forwards(core.rpc_received(rid(3), ask, 0.1)) == [(rid(3), msg.id)]
+    for t in range(1, 6):
+        core.handle_timer(float(t))
+    assert core.cached(msg.id) is None
+    assert core.rpc_received(rid(3), ask, 5.1) == []
+
+
+def test_heartbeat_gossip_to_non_mesh_peers_for_mcache_gossip_windows() -> None:
+    core = joined_core(n_peers=20, subscribed=20)
+    mesh = core.mesh_peers(G)
+    msg = make_message(GK, b"gossip me")
+    core.message_received(msg, None, 0.2)
+    for t in (1.0, 2.0, 3.0):
+        r = rpcs(core.handle_timer(t))
+        assert len(r) == 6 and not set(r) & mesh
+        assert all(rpc == GossipRpc(ihave=(IHave(G, (msg.id,)),)) for rpc in r.values())
+    assert rpcs(core.handle_timer(4.0)) == {}  # beyond mcache_gossip windows
+    assert core.cached(msg.id) == msg  # still in the mcache (mcache_len = 5)
+
+
+def test_heartbeat_keeps_mesh_within_bounds() -> None:
+    core = joined_core(n_peers=20, subscribed=20)
+    for i in range(1, 21):
+        core.rpc_received(rid(i), GossipRpc(graft=(G,)), 0.5)
+    assert len(core.mesh_peers(G)) == 20
+    before = core.mesh_peers(G)
+    r = rpcs(core.handle_timer(1.0))
+    assert len(core.mesh_peers(G)) == 6
+    pruned = {router for router, rpc in r.items() if rpc.prune == (G,)}
+    assert pruned == before - core.mesh_peers(G) and len(pruned) == 14
+    for router in sorted(core.mesh_peers(G))[:3]:
+        core.rpc_received(router, GossipRpc(prune=(G,)), 1.5)
+    assert len(core.mesh_peers(G)) == 3
+    r = rpcs(core.handle_timer(2.0))
+    assert len(core.mesh_peers(G)) == 6
+    assert len([rpc for rpc in r.values() if rpc.graft == (G,)]) == 3
+
+
+def test_fanout_publish_reuse_topup_and_expiry() -> None:
+    core = make_core(n_peers=12, subscribed=2)
+    m1 = make_message(GK, b"one")
+    assert {r for r, _ in forwards(core.publish(m1, 0.5))} == {rid(1), rid(2)}
+    for i in range(3, 13):
+        core.rpc_received(rid(i), GossipRpc(subs=(SubOpt(True, G),)), 0.6)
+    core.handle_timer(1.0)
+    fan = core.fanout_peers(G)
+    assert len(fan) == 6 and {rid(1), rid(2)} <= fan
+    m2 = make_message(GK, b"two")
+    assert {r for r, _ in forwards(core.publish(m2, 1.5))} == fan
+    for t in range(2, 62):
+        core.handle_timer(float(t))
+    assert core.fanout_peers(G) == fan  # at t=61 the last publish (1.5) is 59.5 s old
+    core.handle_timer(62.0)
+    assert not core.has_fanout(G)  # 60.5 s > fanout_ttl
+
+
+def test_fanout_gossip_excludes_fanout_peers() -> None:
+    core = make_core(n_peers=9, subscribed=9)
+    core.publish(make_message(GK, b"fan"), 0.1)
+    r = rpcs(core.handle_timer(1.0))
+    assert set(r) == {rid(i) for i in range(1, 10)} - core.fanout_peers(G)
+
+
+def test_coalesced_rpc_per_peer_in_one_step() -> None:
+    core = make_core(n_peers=3, subscribed=3)
+    r = rpcs(core.join(G, 0.0))
+    assert r[rid(1)] == GossipRpc(subs=(SubOpt(True, G),), graft=(G,))
+
+
+def test_same_seed_same_effects() -> None:
+    def run() -> list[Effect]:
+        core = joined_core(n_peers=30, subscribed=30)
+        out: list[Effect] = []
+        for t in range(1, 8):
+            core.publish(make_message(GK, b"%d" % t), t - 0.5)
+            out += core.handle_timer(float(t))
+        return out
+
+    assert run() == run()
+
+
+# ---------------------------------------------------------------- deadlines and PULLs
+
+
+def test_next_deadline_exact_on_the_heartbeat_grid() -> None:
+    core = make_core(now=0.25)
+    assert core.next_deadline() == 1.25
+    assert core.handle_timer(1.0) == [] and core.next_deadline() == 1.25
+    core.handle_timer(1.25)
+    assert core.next_deadline() == 2.25
+    core.handle_timer(5.5)  # late: skip to the next grid point after now
+    assert core.next_deadline() == 6.25
+    core.handle_timer(6.25)
+    assert core.next_deadline() == 7.25
+
+
+def test_sn_misses_become_pulls_after_pull_delay() -> None:
+    core = joined_core(params=GossipParams(pull_delay=0.5))
+    seen_before = make_message(GK, b"before")
+    core.message_received(seen_before, None, 0.0)
+    x, y = b"\x71" * 32, b"\x72" * 32
+    msg = make_message(GK, b"later", sn=(x, seen_before.id, y))
+    core.message_received(msg, rid(4), 0.25)
+    assert core.next_deadline() == 0.75
+    core.message_received(make_message(GK, b"also names x", sn=(x,)), rid(5), 0.3)  # x already noted
+    assert core.handle_timer(0.5) == [] and core.next_deadline() == 0.75
+    out = core.handle_timer(0.75)
+    assert out == [Pull(rid(4), G, x), Pull(rid(4), G, y)]
+    assert core.pending_pulls == {x, y} and core.next_deadline() == 1.0
+    core.handle_timer(1.0)
+    core.handle_timer(2.0)
+    # an outstanding or answered id is not pulled again
+    core.message_received(make_message(GK, b"names y", sn=(y,)), rid(6), 2.5)
+    assert core.next_deadline() == 3.0
+    assert [e for e in core.handle_timer(3.0) if isinstance(e, Pull)] == []
+    assert traces(core.pull_failed(x, 3.1), "pull_failed") and core.pending_pulls == {y}
+    assert core.pull_failed(x, 3.2) == []
+
+
+def test_pulled_message_arrival_clears_and_local_publish_never_pulls() -> None:
+    core = joined_core(params=GossipParams(pull_delay=0.0))
+    first = make_message(GK, b"first")
+    core.message_received(make_message(GK, b"second", sn=(first.id,)), rid(2), 0.5)
+    assert [e for e in core.handle_timer(0.5) if isinstance(e, Pull)] == [Pull(rid(2), G, first.id)]
+    core.message_received(first.with_via(rid(2)), rid(2), 0.6)
+    assert core.pending_pulls == frozenset()
+    core.message_received(make_message(GK, b"local", sn=(b"\x74" * 32,)), None, 0.7)
+    assert core.next_deadline() == 1.0
+
+
+def test_pulls_are_bounded_and_time_out() -> None:
+    core = joined_core(params=GossipParams(pull_delay=0.0, max_pending_pulls=2, pull_timeout=4.0))
+    ids = tuple(bytes([0x80 + i]) * 32 for i in range(3))
+    core.message_received(make_message(GK, b"names three", sn=ids), rid(1), 0.5)
+    out = core.handle_timer(0.5)
+    assert [e.id for e in out if isinstance(e, Pull)] == list(ids[:2])
+    assert [t.id for t in traces(out, "pull_skipped")] == [ids[2]]
+    core.handle_timer(4.5)  # the two PULLs timed out: slots free again
+    assert core.pending_pulls == frozenset()
+    core.message_received(make_message(GK, b"names it again", sn=(ids[2],)), rid(1), 4.6)
+    assert [e.id for e in core.handle_timer(4.6) if isinstance(e, Pull)] == [ids[2]]
+
+
+def test_leave_cancels_missing_checks() -> None:
+    core = joined_core(params=GossipParams(pull_delay=0.5))
+    core.message_received(make_message(GK, b"m", sn=(b"\x75" * 32,)), rid(1), 0.1)
+    assert core.next_deadline() == 0.6
+    core.leave(G, 0.2)
+    assert core.next_deadline() == 1.0
+
+
+def test_max_missing_bound() -> None:
+    core = joined_core(params=GossipParams(max_missing=2))
+    ids = tuple(bytes([0x90 + i]) * 32 for i in range(3))
+    out = core.message_received(make_message(GK, b"m", sn=ids), rid(1), 0.1)
+    assert [t.id for t in traces(out, "pull_skipped")] == [ids[2]]

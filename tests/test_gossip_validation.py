@@ -1,0 +1,176 @@
+"""Group policies: size bound, allowed senders, the four signature policies, the validator hook, and the core."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from gossip_sim import make_message
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from upsycle_router.crypto import Identity, app_message_valid, sign_app_message
+from upsycle_router.services.pubsub import (
+    Forward,
+    GossipCore,
+    GroupPolicy,
+    Peer,
+    SignaturePolicy,
+    Trace,
+    message_size,
+    validate,
+)
+from upsycle_router.wire.app import AppHeader, AppMessage, AppMulticast
+from upsycle_router.wire.gossip import GossipRpc, SubOpt
+from upsycle_router.wire.messages import Message
+
+GK = Identity.from_seed(b"\x07" * 32)
+OTHER_GROUP = Identity.from_seed(b"\x08" * 32)
+ALICE = Identity.from_seed(b"\xa1" * 32)
+MALLORY = Identity.from_seed(b"\xa2" * 32)
+
+
+def app_body(sender: Identity, to: bytes = GK.public, payload: bytes = b"hi", tamper: bool = False) -> bytes:
+    """An application message signed by ``sender`` (optionally with a broken signature)."""
+    msg = sign_app_message(AppMessage(AppHeader((), sender.public, to, 1), AppMulticast(payload)), sender)
+    assert app_message_valid(msg)
+    if tamper:
+        h = msg.header
+        msg = AppMessage(AppHeader(h.deps, h.from_, h.to, h.seq, bytes(64)), msg.body)
+    return msg.encode()
+
+
+SIGNED = make_message(GK, app_body(ALICE))
+SIGNED_BY_MALLORY = make_message(GK, app_body(MALLORY))
+BAD_SIG = make_message(GK, app_body(ALICE, tamper=True))
+WRONG_GROUP = make_message(GK, app_body(ALICE, to=OTHER_GROUP.public))
+OPAQUE = make_message(GK, b"\x00opaque encrypted bytes")
+
+P = SignaturePolicy
+CASES: list[tuple[SignaturePolicy | None, Message, str | None]] = [
+    (None, SIGNED, None),
+    (None, OPAQUE, None),
+    (None, BAD_SIG, None),  # not inspected: the group signature is the authentication
+    (P.STRICT_SIGN, SIGNED, None),
+    (P.STRICT_SIGN, OPAQUE, "unsigned"),
+    (P.STRICT_SIGN, BAD_SIG, "bad_signature"),
+    (P.STRICT_SIGN, WRONG_GROUP, "wrong_group"),
+    (P.STRICT_NO_SIGN, OPAQUE, None),
+    (P.STRICT_NO_SIGN, SIGNED, "signed"),
+    (P.STRICT_NO_SIGN, BAD_SIG, "signed"),
+    (P.LAX_SIGN, SIGNED, None),
+    (P.LAX_SIGN, OPAQUE, None),
+    (P.LAX_SIGN, BAD_SIG, "bad_signature"),
+    (P.LAX_NO_SIGN, SIGNED, None),
+    (P.LAX_NO_SIGN, OPAQUE, None),
+    (P.LAX_NO_SIGN, BAD_SIG, "bad_signature"),
+    (P.LAX_NO_SIGN, WRONG_GROUP, "wrong_group"),
+]
+
+
+@pytest.mark.parametrize(("policy", "msg", "reason"), CASES)
+def test_signature_policies(policy: SignaturePolicy | None, msg: Message, reason: str | None) -> None:
+    assert validate(msg, GroupPolicy(signature_policy=policy)) == reason
+
+
+def test_policy_names_and_deprecation() -> None:
+    assert [p.value for p in SignaturePolicy] == ["StrictSign", "StrictNoSign", "LaxSign", "LaxNoSign"]
+    assert GroupPolicy(signature_policy="LaxSign").signature_policy is P.LAX_SIGN  # type: ignore[arg-type]
+    assert GroupPolicy().deprecation() is None
+    assert GroupPolicy(signature_policy=P.STRICT_SIGN).deprecation() is None
+    for lax in (P.LAX_SIGN, P.LAX_NO_SIGN):
+        warning = GroupPolicy(signature_policy=lax).deprecation()
+        assert warning is not None and lax.value in warning and "deprecated" in warning
+
+
+def test_size_bound_on_encoded_message_without_via() -> None:
+    msg = make_message(GK, b"x" * 1000)
+    size = message_size(msg)
+    assert size == len(msg.encode()) == len(msg.with_via(b"\x01" * 32).encode()) - 34
+    assert validate(msg, GroupPolicy(max_size=size)) is None
+    assert validate(msg, GroupPolicy(max_size=size - 1)) == "too_large"
+    assert GroupPolicy().max_size == 1 << 20
+    big = make_message(GK, b"x" * (1 << 20))
+    assert validate(big, GroupPolicy()) == "too_large"
+
+
+@given(st.integers(0, 3000), st.integers(1, 4000))
+@settings(max_examples=40, deadline=None)
+def test_size_bound_property(n: int, limit: int) -> None:
+    msg = make_message(GK, b"y" * n)
+    assert (validate(msg, GroupPolicy(max_size=limit)) is None) == (len(msg.encode()) <= limit)
+
+
+def test_allowed_senders() -> None:
+    policy = GroupPolicy(allowed_senders=frozenset({ALICE.public}))
+    assert validate(SIGNED, policy) is None
+    assert validate(SIGNED_BY_MALLORY, policy) == "sender_not_allowed"
+    assert validate(OPAQUE, policy) == "not_application_message"
+    assert validate(BAD_SIG, policy) == "bad_signature"  # an unverified from proves nothing
+    strict = GroupPolicy(allowed_senders=frozenset({ALICE.public}), signature_policy=P.STRICT_SIGN)
+    assert validate(OPAQUE, strict) == "unsigned"
+    assert validate(SIGNED_BY_MALLORY, strict) == "sender_not_allowed"
+
+
+def test_policy_construction_errors() -> None:
+    with pytest.raises(ValueError):
+        GroupPolicy(allowed_senders=frozenset({ALICE.public}), signature_policy=P.STRICT_NO_SIGN)
+    with pytest.raises(ValueError):
+        GroupPolicy(allowed_senders=frozenset({b"short"}))
+    with pytest.raises(ValueError):
+        GroupPolicy(max_size=0)
+    with pytest.raises(ValueError):
+        GroupPolicy(signature_policy="Sign")  # type: ignore[arg-type]
+
+
+def test_validator_hook() -> None:
+    seen: list[bytes] = []
+
+    def only_hi(m: Message) -> bool:
+        seen.append(m.id)
+        return m.body.endswith(b"hi")
+
+    def broken(m: Message) -> bool:
+        raise RuntimeError("bug in the embedder")
+
+    assert validate(SIGNED, GroupPolicy(validator=only_hi)) is None
+    assert validate(OPAQUE, GroupPolicy(validator=only_hi)) == "validator"
+    assert seen == [SIGNED.id, OPAQUE.id]
+    assert validate(SIGNED, GroupPolicy(validator=broken)) == "validator_error: RuntimeError"
+    # the hook runs last: a message failing the signature policy never reaches it
+    assert validate(BAD_SIG, GroupPolicy(signature_policy=P.STRICT_SIGN, validator=only_hi)) == "bad_signature"
+    assert seen == [SIGNED.id, OPAQUE.id]
+
+
+def _core(policy: GroupPolicy) -> tuple[GossipCore, list[bytes]]:
+    core = GossipCore(b"\xee" * 32, now=0.0, rng=random.Random(1), policies={GK.public: policy})
+    routers = [bytes([i]) * 32 for i in range(1, 5)]
+    for r in routers:
+        core.peer_added(Peer(r, r[::-1] + b""), 0.0)
+        core.rpc_received(r, GossipRpc(subs=(SubOpt(True, GK.public),)), 0.0)
+    core.join(GK.public, 0.0)
+    return core, routers
+
+
+def test_core_does_not_forward_invalid_messages() -> None:
+    core, routers = _core(GroupPolicy(signature_policy=P.STRICT_SIGN))
+    out = core.message_received(BAD_SIG, routers[0], 0.1)
+    assert not [e for e in out if isinstance(e, Forward)]
+    assert out == [Trace("rejected", GK.public, BAD_SIG.id, routers[0], "bad_signature")]
+    assert core.has_seen(BAD_SIG.id)  # remembered: never validated or asked for again
+    again = core.message_received(BAD_SIG, routers[1], 0.2)
+    assert [e.event for e in again if isinstance(e, Trace)] == ["duplicate"]
+    out = core.publish(OPAQUE, 0.3)
+    assert [(e.event, e.reason) for e in out if isinstance(e, Trace)] == [("rejected", "unsigned")]
+    assert len([e for e in core.message_received(SIGNED, routers[0], 0.4) if isinstance(e, Forward)]) == 3
+
+
+def test_core_traces_deprecated_policies() -> None:
+    core, _ = _core(GroupPolicy(signature_policy=P.LAX_NO_SIGN))
+    out = core.join(GK.public, 0.5)
+    assert [e.event for e in out if isinstance(e, Trace)] == ["deprecated_policy"]
+    assert core.set_policy(OTHER_GROUP.public, GroupPolicy(signature_policy=P.LAX_SIGN))[0].event == (
+        "deprecated_policy"
+    )
+    assert core.set_policy(OTHER_GROUP.public, None) == []
+    assert core.policy(OTHER_GROUP.public) == GroupPolicy()

@@ -1,0 +1,159 @@
+"""The trace record schema (docs/trace.md) as Spark sees it, and the rules that make a line *bad*.
+
+Theory of operation
+-------------------
+Journals are read as text, one row per line, and each line is parsed with ``from_json`` against
+:data:`RECORD_SCHEMA`, an explicit schema with a corrupt-record column; nothing is inferred. A line is *bad*
+when :func:`problem_column` gives it a problem, checked in this order (the first that applies is kept):
+
+``not_json``
+    not a JSON object (malformed or truncated JSON, an empty line, an array or a scalar).
+``wrong_type``
+    a field has the wrong JSON type: ``ts`` not a finite number, ``size`` not an integer, ``local`` not a
+    boolean (Spark's parser rejects these and fills the corrupt-record column).
+``missing_field:F``
+    ``ts``, ``node``, ``event``, ``type`` or ``size`` is absent or null (the table in docs/trace.md gives
+    them no ``null``), or a field the event needs is null: ``id`` for every message event except ``dropped``
+    (a frame that failed to decode has no id); ``dst`` for ``delivered``, ``queued``, ``expired`` and
+    ``pulled``; ``group`` and ``src`` for ``joined`` and ``left``; ``role`` for ``delivered``, ``queued``,
+    ``expired``, ``joined`` and ``left``; ``local`` for ``received``; ``reason`` for ``dropped`` and
+    ``expired``.
+``unknown_event``
+    ``event`` is not one of :data:`EVENTS`.
+``bad_value:F``
+    a key field (``node``, ``id``, ``group``, ``src``, ``dst``, ``peer``) is not 64 lowercase hex digits (all
+    keys and ids are 32 bytes), ``type`` is not ``unicast``/``multicast``/``control``, ``role`` is not
+    ``app``/``service``, or ``size`` is negative. A string where a key is expected also catches JSON numbers
+    and booleans in those fields, since Spark reads any scalar into a string column.
+
+Unknown extra fields are ignored, ``reason`` may be any string (unknown reasons are counted under their
+own name), and a field that does not apply may hold anything of the right type: the analysis never reads
+it. A line is never fatal: bad lines are kept in the compacted table with their problem, file, line number
+and text (:data:`COMPACT_COLUMNS`) and every analysis skips them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark.sql import Column
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+EVENTS = (
+    "received",
+    "delivered",
+    "queued",
+    "forwarded",
+    "duplicate",
+    "expired",
+    "dropped",
+    "pulled",
+    "joined",
+    "left",
+)
+"""Every ``event`` value of docs/trace.md."""
+
+TYPES = ("unicast", "multicast", "control")
+ROLES = ("app", "service")
+HEX_FIELDS = ("node", "id", "group", "src", "dst", "peer")
+REQUIRED = ("ts", "node", "event", "type", "size")
+
+NEEDS: dict[str, tuple[str, ...]] = {
+    "id": ("received", "delivered", "queued", "forwarded", "duplicate", "expired", "pulled"),
+    "dst": ("delivered", "queued", "expired", "pulled"),
+    "group": ("joined", "left"),
+    "src": ("joined", "left"),
+    "role": ("delivered", "queued", "expired", "joined", "left"),
+    "local": ("received",),
+    "reason": ("dropped", "expired"),
+}
+"""Fields that must not be null for the given events (docs/trace.md says which events carry them)."""
+
+_HEX64 = "^[0-9a-f]{64}$"
+MAX_BAD_TEXT = 1000
+"""The compacted table keeps at most this many characters of a bad line."""
+
+_CORRUPT = "_corrupt_record"
+_JSON_OPTIONS = {"columnNameOfCorruptRecord": _CORRUPT, "allowNonNumericNumbers": "false", "mode": "PERMISSIVE"}
+
+RECORD_FIELDS: tuple[tuple[str, T.DataType], ...] = (
+    ("ts", T.DoubleType()),
+    ("node", T.StringType()),
+    ("event", T.StringType()),
+    ("id", T.StringType()),
+    ("type", T.StringType()),
+    ("group", T.StringType()),
+    ("src", T.StringType()),
+    ("dst", T.StringType()),
+    ("peer", T.StringType()),
+    ("size", T.LongType()),
+    ("reason", T.StringType()),
+    ("local", T.BooleanType()),
+    ("role", T.StringType()),
+)
+"""The record fields in docs/trace.md order, with their Spark types."""
+
+RECORD_SCHEMA = T.StructType(
+    [T.StructField(name, dtype, True) for name, dtype in RECORD_FIELDS] + [T.StructField(_CORRUPT, T.StringType())]
+)
+"""What ``from_json`` parses a line into."""
+
+_SYNTAX_SCHEMA = T.StructType(
+    [T.StructField(name, T.StringType(), True) for name, _ in RECORD_FIELDS] + [T.StructField(_CORRUPT, T.StringType())]
+)
+"""Every field as a string: parses any syntactically valid object, which tells bad JSON from a wrong type."""
+
+SOURCE_FIELDS: tuple[tuple[str, T.DataType], ...] = (
+    ("file", T.StringType()),
+    ("line", T.LongType()),
+    ("problem", T.StringType()),
+    ("text", T.StringType()),
+)
+"""Where a record came from, and for a bad line what is wrong with it and its (truncated) text."""
+
+COMPACT_SCHEMA = T.StructType([T.StructField(n, t, True) for n, t in RECORD_FIELDS + SOURCE_FIELDS])
+"""The compacted event table (``events.parquet``): one row per journal line, good or bad."""
+
+COMPACT_COLUMNS = tuple(f.name for f in COMPACT_SCHEMA.fields)
+
+
+def parse_record(value: Column) -> Column:
+    """The parsed record struct of a journal line (fields of :data:`RECORD_SCHEMA`)."""
+    return F.from_json(value, RECORD_SCHEMA, _JSON_OPTIONS)
+
+
+def _is_hex64(c: Column) -> Column:
+    return c.rlike(_HEX64)
+
+
+def problem_column(value: Column, rec: Column) -> Column:
+    """Why the line ``value`` parsed to ``rec`` is bad, or null when it is a good record (rules above)."""
+    syntax = F.from_json(value, _SYNTAX_SCHEMA, _JSON_OPTIONS)
+    ev = rec["event"]
+    ts = rec["ts"]
+    cases: list[tuple[Column, Any]] = [
+        (rec.isNull(), F.lit("not_json")),
+        (rec[_CORRUPT].isNotNull() & syntax[_CORRUPT].isNotNull(), F.lit("not_json")),
+        (rec[_CORRUPT].isNotNull(), F.lit("wrong_type")),
+        (F.isnan(ts) | (F.abs(ts) == F.lit(float("inf"))), F.lit("wrong_type")),
+    ]
+    cases += [(rec[name].isNull(), F.lit(f"missing_field:{name}")) for name in REQUIRED]
+    cases.append((~ev.isin(*EVENTS), F.lit("unknown_event")))
+    cases += [(ev.isin(*events) & rec[name].isNull(), F.lit(f"missing_field:{name}")) for name, events in NEEDS.items()]
+    cases += [(rec[name].isNotNull() & ~_is_hex64(rec[name]), F.lit(f"bad_value:{name}")) for name in HEX_FIELDS]
+    cases += [
+        (~rec["type"].isin(*TYPES), F.lit("bad_value:type")),
+        (rec["role"].isNotNull() & ~rec["role"].isin(*ROLES), F.lit("bad_value:role")),
+        (rec["size"] < 0, F.lit("bad_value:size")),
+    ]
+    cond, result = cases[0]
+    out = F.when(cond, result)
+    for cond, result in cases[1:]:
+        out = out.when(cond, result)
+    return out
+
+
+def problem_kind(problem: Column) -> Column:
+    """The category of a problem string (``missing_field:dst`` -> ``missing_field``)."""
+    return F.split(problem, ":").getItem(0)
