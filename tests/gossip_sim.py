@@ -12,7 +12,8 @@ PULL answers) and a :class:`GossipCore`. Effects travel with a random latency dr
   forward from Y) or a PULL_NACK (``pull_failed`` at the requester);
 - ``JoinGroup``/``LeaveGroup`` change the router's subscriptions for the node's PS.
 
-``drop(kind, src, dst, payload)`` (kind ``"data"``, ``"rpc"`` or ``"pull"``) may discard a transmission.
+``drop(kind, src, dst, payload)`` (kind ``"data"`` for forwards, ``"pull_reply"`` for a PULL's answer,
+``"rpc"`` or ``"pull"``) may discard a transmission; ``forwards`` and ``rpcs`` log every one sent.
 Timers: the loop always runs the earliest of the next queued arrival and the earliest core deadline, so every
 ``handle_timer`` call happens exactly at ``next_deadline()``.
 """
@@ -41,7 +42,7 @@ from upsycle_router.services.pubsub import (
     SendRpc,
     Trace,
 )
-from upsycle_router.wire.gossip import decode_rpc
+from upsycle_router.wire.gossip import GossipRpc, decode_rpc
 from upsycle_router.wire.messages import Message, MulticastHeader
 
 DropFn = Callable[[str, "SimNode", "SimNode", object], bool]
@@ -98,7 +99,10 @@ class Sim:
         self.nodes: list[SimNode] = []
         # (time, sender router, receiver router, message id) for every data transmission, including drops.
         self.forwards: list[tuple[float, bytes, bytes, bytes]] = []
-        self.rpc_count = 0
+        # (time, sender router, receiver router, rpc) for every RPC sent, including drops.
+        self.rpcs: list[tuple[float, bytes, bytes, GossipRpc]] = []
+        # node index -> message id -> the router its first copy came via (None: published there).
+        self.first_via: dict[int, dict[bytes, bytes | None]] = {}
         for i in range(n):
             router = self.rng.randbytes(32)
             service = self.rng.randbytes(32)
@@ -172,7 +176,7 @@ class Sim:
         dst = self.by_router[e.peer.router]
         assert e.peer.service == dst.service
         data = e.rpc.encode()
-        self.rpc_count += 1
+        self.rpcs.append((self.now, node.router, dst.router, e.rpc))
         if self._dropped("rpc", node, dst, e.rpc):
             return
 
@@ -181,9 +185,9 @@ class Sim:
 
         self._at(self.now + self._delay(), arrive)
 
-    def _send_data(self, src: SimNode, dst: SimNode, msg: Message) -> None:
+    def _send_data(self, src: SimNode, dst: SimNode, msg: Message, kind: str = "data") -> None:
         self.forwards.append((self.now, src.router, dst.router, msg.id))
-        if self._dropped("data", src, dst, msg):
+        if self._dropped(kind, src, dst, msg):
             return
         self._at(self.now + self._delay(), lambda: self._router_receive(dst, msg, src.router))
 
@@ -195,7 +199,7 @@ class Sim:
         def at_target() -> None:
             msg = target.store.get(e.id)
             if msg is not None and isinstance(msg.header, MulticastHeader) and msg.header.grp == e.group:
-                self._send_data(target, node, msg)
+                self._send_data(target, node, msg, "pull_reply")
             else:
                 back = self.now + self._delay()
                 self._at(back, lambda: self.apply(node, node.core.pull_failed(e.id, self.now)))
@@ -212,6 +216,7 @@ class Sim:
         node.store[msg.id] = msg
         node.delivered[msg.id] += 1
         node.ps_received[msg.id] += 1
+        self.first_via.setdefault(node.index, {}).setdefault(msg.id, via)
         self.apply(node, node.core.message_received(msg.with_via(via), via, self.now))
 
     # ------------------------------------------------------------------ scenario helpers
@@ -241,6 +246,8 @@ class Sim:
             node.router_seen.add(msg.id)
             node.store[msg.id] = msg
             node.delivered[msg.id] += 1
+            node.ps_received[msg.id] += 1
+            self.first_via.setdefault(node.index, {}).setdefault(msg.id, None)
             self.apply(node, node.core.message_received(msg, None, self.now))
         else:
             self.apply(node, node.core.publish(msg, self.now))

@@ -9,16 +9,18 @@ framing layer) are checked through their decoders. Bad inputs are built with the
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import independent_codec as ic
 import nacl.signing
 import pytest
 
-import independent_codec as ic
+from upsycle_router import cli
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.wire import control, session
 from upsycle_router.wire.app import decode_app_message
@@ -192,11 +194,46 @@ def test_well_formed_base_messages_decode() -> None:
 # ---------------------------------------------------------------- the same through the CLI
 
 
+def _cli_in_process(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], args: list[str], stdin: bytes
+) -> tuple[int, str, str]:
+    """Run the CLI's ``main`` in this process with ``stdin``; return (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
+    rc = cli.main(args)
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def _assert_cli_error(rc: int, stdout: str | bytes, stderr: str | bytes, field: str) -> None:
+    err = stderr.decode() if isinstance(stderr, bytes) else stderr
+    assert rc == 2, err
+    assert not stdout
+    assert "Traceback" not in err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("error: ")
+    assert f"{field}:" in err, err
+
+
+@pytest.mark.parametrize(("data", "field"), [c[1:] for c in MESSAGE_CASES], ids=[c[0] for c in MESSAGE_CASES])
+def test_cli_decode_names_field(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], data: bytes, field: str
+) -> None:
+    _assert_cli_error(*_cli_in_process(monkeypatch, capsys, ["decode", "--hex"], data.hex().encode()), field)
+
+
+# A sample of the cases, run as users run the tool: a separate process, all started at once.
+SUBPROCESS_SAMPLE = [
+    "src-31", "sn-17-ids", "ttl-2^32", "ttl-bool", "type-7", "extra-key", "missing-dst", "body-text",
+    "trailing-byte", "unsorted-keys", "indefinite-array", "empty",
+]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def cli_results() -> dict[str, subprocess.CompletedProcess[bytes]]:
-    """Run ``upsycle-router decode --hex`` on every case, all subprocesses at once."""
+    """``upsycle-router decode --hex`` on each sampled case, in subprocesses started together."""
+    cases = {name: data for name, data, _ in MESSAGE_CASES}
     procs = {}
-    for name, data, _ in MESSAGE_CASES:
+    for name in SUBPROCESS_SAMPLE:
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "upsycle_router", "decode", "--hex"],
             stdin=subprocess.PIPE,
@@ -204,41 +241,31 @@ def cli_results() -> dict[str, subprocess.CompletedProcess[bytes]]:
             stderr=subprocess.PIPE,
             cwd=ROOT,
         )
-        assert procs[name].stdin is not None
-        procs[name].stdin.write(data.hex().encode() + b"\n")
-        procs[name].stdin.close()
     out = {}
     for name, p in procs.items():
-        assert p.stdout is not None and p.stderr is not None
-        stdout, stderr = p.stdout.read(), p.stderr.read()
-        p.stdout.close()
-        p.stderr.close()
-        out[name] = subprocess.CompletedProcess(p.args, p.wait(timeout=120), stdout, stderr)
+        stdout, stderr = p.communicate(cases[name].hex().encode() + b"\n", timeout=120)
+        out[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
     return out
 
 
-def _assert_cli_error(r: subprocess.CompletedProcess[bytes], field: str) -> None:
-    err = r.stderr.decode()
-    assert r.returncode == 2, err
-    assert r.stdout == b""
-    assert "Traceback" not in err
-    assert err.endswith("\n") and err.count("\n") == 1, err
-    assert err.startswith("error: ")
-    assert f"{field}:" in err, err
+@pytest.mark.parametrize("name", SUBPROCESS_SAMPLE)
+def test_cli_subprocess_names_field(cli_results: dict[str, subprocess.CompletedProcess[bytes]], name: str) -> None:
+    field = next(f for n, _, f in MESSAGE_CASES if n == name)
+    r = cli_results[name]
+    _assert_cli_error(r.returncode, r.stdout, r.stderr, field)
 
 
-@pytest.mark.parametrize(("field", "name"), [(c[2], c[0]) for c in MESSAGE_CASES], ids=[c[0] for c in MESSAGE_CASES])
-def test_cli_decode_names_field(
-    cli_results: dict[str, subprocess.CompletedProcess[bytes]], field: str, name: str
-) -> None:
-    _assert_cli_error(cli_results[name], field)
+CliRunner = Callable[..., tuple[int, str, str]]
 
 
-def _run(args: list[str], stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        [sys.executable, "-m", "upsycle_router", "decode", *args], input=stdin, capture_output=True, cwd=ROOT,
-        timeout=60,
-    )
+@pytest.fixture
+def run_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> CliRunner:
+    """``run_cli(args, stdin=b"")``: the CLI's ``main`` in this process."""
+
+    def run(args: list[str], stdin: bytes = b"") -> tuple[int, str, str]:
+        return _cli_in_process(monkeypatch, capsys, ["decode", *args], stdin)
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -246,41 +273,57 @@ def _run(args: list[str], stdin: bytes = b"") -> subprocess.CompletedProcess[byt
     [(1, b""), (-1, b""), (0, b"\x00"), (100, b"")],
     ids=["prefix-too-long", "prefix-too-short", "trailing-after-frame", "prefix-way-off"],
 )
-def test_cli_framed_wrong_length_prefix(tmp_path: Path, prefix_delta: int, extra: bytes) -> None:
+def test_cli_framed_wrong_length_prefix(run_cli: CliRunner, tmp_path: Path, prefix_delta: int, extra: bytes) -> None:
     msg = uni()
     p = tmp_path / "bad.frame"
     p.write_bytes((len(msg) + prefix_delta).to_bytes(4, "big") + msg + extra)
-    _assert_cli_error(_run(["--framed", str(p)]), "frame")
+    _assert_cli_error(*run_cli(["--framed", str(p)]), "frame")
+    _assert_cli_error(*run_cli(["--framed", "--hex"], p.read_bytes().hex().encode()), "frame")
 
 
-def test_cli_framed_zero_and_oversize(tmp_path: Path) -> None:
+def test_cli_framed_zero_and_oversize(run_cli: CliRunner, tmp_path: Path) -> None:
     p = tmp_path / "zero.frame"
     p.write_bytes(b"\x00\x00\x00\x00")
-    _assert_cli_error(_run(["--framed", str(p)]), "frame")
+    _assert_cli_error(*run_cli(["--framed", str(p)]), "frame")
     p.write_bytes((DEFAULT_MAX_FRAME + 1).to_bytes(4, "big") + b"\x00" * 8)
-    _assert_cli_error(_run(["--framed", str(p)]), "frame")
+    _assert_cli_error(*run_cli(["--framed", str(p)]), "frame")
     p.write_bytes(b"\x00\x00")
-    _assert_cli_error(_run(["--framed", str(p)]), "frame")
+    _assert_cli_error(*run_cli(["--framed", str(p)]), "frame")
 
 
-def test_cli_framed_good_frame_with_bad_message(tmp_path: Path) -> None:
+def test_cli_framed_good_frame_with_bad_message(run_cli: CliRunner, tmp_path: Path) -> None:
     p = tmp_path / "f"
     p.write_bytes(ic.frame(uni(ttl=2**32)))
-    _assert_cli_error(_run(["--framed", str(p)]), "ttl")
+    _assert_cli_error(*run_cli(["--framed", str(p)]), "ttl")
+    # Framed input given without --framed: the length prefix is not CBOR of a message.
+    _assert_cli_error(*run_cli([str(p)]), "message")
 
 
-def test_cli_input_problems(tmp_path: Path) -> None:
-    r = _run(["--hex"], b"not hex at all\n")
-    assert r.returncode == 2 and r.stderr.decode().count("\n") == 1 and "hex" in r.stderr.decode()
-    r = _run(["--hex"], b"\xff\xfe")
-    assert r.returncode == 2 and "Traceback" not in r.stderr.decode()
-    r = _run(["--hex"], b"")
-    _assert_cli_error(r, "message")
-    r = _run([], b"")
-    _assert_cli_error(r, "message")
-    r = _run([str(tmp_path / "missing.cbor")])
-    assert r.returncode == 2 and r.stderr.decode().startswith("error: cannot read")
-    assert r.stderr.decode().count("\n") == 1
+def test_cli_input_problems(run_cli: CliRunner, tmp_path: Path) -> None:
+    rc, out, err = run_cli(["--hex"], b"not hex at all\n")
+    assert rc == 2 and not out and err.count("\n") == 1 and "hex" in err
+    rc, out, err = run_cli(["--hex"], b"\xff\xfe")
+    assert rc == 2 and not out and err.count("\n") == 1 and "hex" in err
+    _assert_cli_error(*run_cli(["--hex"], b""), "message")
+    _assert_cli_error(*run_cli([], b""), "message")
+    rc, out, err = run_cli([str(tmp_path / "missing.cbor")])
+    assert rc == 2 and not out and err.startswith("error: cannot read") and err.count("\n") == 1
+
+
+def test_cli_subprocess_framed_and_missing_file(tmp_path: Path) -> None:
+    p = tmp_path / "bad.frame"
+    msg = uni()
+    p.write_bytes((len(msg) + 1).to_bytes(4, "big") + msg)
+    r = subprocess.run(
+        [sys.executable, "-m", "upsycle_router", "decode", "--framed", str(p)], capture_output=True, cwd=ROOT,
+        timeout=60,
+    )
+    _assert_cli_error(r.returncode, r.stdout, r.stderr, "frame")
+    r = subprocess.run(
+        [sys.executable, "-m", "upsycle_router", "decode", str(tmp_path / "nope")], capture_output=True, cwd=ROOT,
+        timeout=60,
+    )
+    assert r.returncode == 2 and r.stdout == b"" and b"Traceback" not in r.stderr and r.stderr.count(b"\n") == 1
 
 
 # ---------------------------------------------------------------- the other interfaces
@@ -497,7 +540,11 @@ SESSION_CASES: list[tuple[str, bytes, str]] = [
     ("not-array", E("upsycle"), "frame"),
     ("trailing", E(HELLO) + b"\x00", "frame"),
     ("empty", b"", "frame"),
-    ("long-head-version", elements(E("upsycle"), b"\x18\x01", E(PK), E(b"\xaa" * 32)), "frame"),
+    ("long-head-version", elements(E("upsycle"), b"\x18\x01", E(PK), E(b"\xaa" * 32)), "version"),
+    ("long-head-nonce", elements(E("upsycle"), E(1), E(PK), b"\x59\x00\x20" + b"\xaa" * 32), "nonce"),
+    ("long-head-auth-sig", elements(E("auth"), b"\x59\x00\x40" + SIG), "sig"),
+    ("long-head-error-code", elements(E("error"), b"\x18\x01", E("x")), "code"),
+    ("long-head-array", elements(E("auth"), E(SIG), head=b"\x98\x02"), "frame"),
     ("indefinite-text", elements(b"\x7f" + E("upsy") + E("cle") + b"\xff", E(1), E(PK), E(b"\xaa" * 32)), "frame"),
 ]
 

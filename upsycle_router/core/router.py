@@ -98,6 +98,8 @@ class Router:
         self.routes: dict[bytes, RouteEntry] = store.routes()
         self.pubsub_groups: set[bytes] = store.pubsub_subscribed()
         self._dialing: set[bytes] = set()
+        # Routers that proved themselves peers by advertising on their own connection (PULL is allowed).
+        self.peer_routers: set[bytes] = set()
 
     # ------------------------------------------------------------------ driver interface
 
@@ -510,7 +512,9 @@ class Router:
         if c.local:
             return requester in self.locals
         cfg = self.config
-        return cfg.accept_pull_from_any or c.peer in cfg.edge_nodes or c.peer in cfg.peers
+        return (
+            cfg.accept_pull_from_any or c.peer in cfg.edge_nodes or c.peer in cfg.peers or c.peer in self.peer_routers
+        )
 
     def _pull(
         self, c: _Conn, msg: Message, p: Pull, h: UnicastHeader, size: int, now: float, out: list[Effect]
@@ -537,6 +541,8 @@ class Router:
             out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, "expired"))
             return
         via = c.peer if not c.local else adv.id
+        if not c.local and c.peer == adv.id:
+            self.peer_routers.add(adv.id)
         self._learn_route(adv.id, via, ROUTE_ADVERT, expiry)
         for _, svc in adv.svcs:
             self._learn_route(svc, adv.id, ROUTE_ADVERT, expiry)
@@ -548,6 +554,17 @@ class Router:
     # ------------------------------------------------------------------ own advertisement
 
     advert: PeerAdvertisement | None = None
+
+    def readvertise(self, advert: PeerAdvertisement, now: float) -> list[Effect]:
+        """Replace this router's advertisement and send it to every connected remote router."""
+        self.advert = advert
+        out: list[Effect] = []
+        for c in self._conns.values():
+            if not c.local:
+                m = self._own_advert_message(c.peer, now)
+                if m is not None:
+                    out.append(Send(c.id, m.encode()))
+        return out
 
     def _own_advert_message(self, to: bytes, now: float) -> Message | None:
         if self.advert is None:

@@ -15,21 +15,28 @@ import logging
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
 from upsycle_router.config import DaemonConfig
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.router import Router
-from upsycle_router.crypto import Identity, load_or_create_key_file
+from upsycle_router.crypto import Identity, load_or_create_key_file, sign_advert
 from upsycle_router.errors import ErrorCode
+from upsycle_router.expiry import exp_in
 from upsycle_router.runtime.driver import Driver
+from upsycle_router.runtime.pool import ConnectionPool
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.stream import StreamConnection
+from upsycle_router.transport.tls import client_context, server_context
+from upsycle_router.wire.discovery import SERVICE_PUBSUB, PeerAdvertisement, TransportAddr
 
 log = logging.getLogger("upsycle_router.daemon")
 STOP_TIMEOUT = 10.0
+ADVERT_TTL = 3600
+ADVERT_REFRESH = ADVERT_TTL / 3
 
 
 def sd_notify(state: str) -> None:
@@ -70,6 +77,9 @@ class Daemon:
         self._servers: list[asyncio.AbstractServer] = []
         self._stopped = asyncio.Event()
         self._extra_stop: list[Any] = []
+        self.pool: ConnectionPool | None = None
+        self._readvertise_handle: asyncio.TimerHandle | None = None
+        self.pubsub_identity: Identity | None = None
 
     async def start(self) -> None:
         """Open state and start listening."""
@@ -89,8 +99,31 @@ class Daemon:
             outbound_buffer_max=cfg.outbound_buffer_max,
         )
         loop = asyncio.get_running_loop()
+        router.advert = self._own_advert(ident)
+        if cfg.tls is not None or cfg.peers:
+            self.pool = ConnectionPool(
+                self.driver,
+                ident,
+                client_context(),
+                idle_timeout=cfg.idle_timeout,
+                handshake_timeout=cfg.handshake_timeout,
+                max_frame=cfg.max_frame,
+            )
+            for p in cfg.peers:
+                addr = TransportAddr.parse(p.addr)
+                self.pool.add_static(p.id, addr.host, addr.port)
+            self.driver.dialer = self.pool
         if cfg.unix is not None:
             await self._listen_unix(cfg.unix)
+        if cfg.tls is not None:
+            addr = TransportAddr.parse(cfg.tls)
+            ctx = server_context(ident, cfg.data_dir)
+            server = await loop.create_server(lambda: self._connection("tls"), addr.host, addr.port, ssl=ctx)
+            self._servers.append(server)
+            log.info("listening tls=%s", cfg.tls)
+        if self.pool is not None:
+            self.pool.start()
+        self._readvertise_handle = loop.call_later(ADVERT_REFRESH, self._readvertise)
         log.info(
             "started id=%s data_dir=%s unix=%s durability=%s", ident.hex, cfg.data_dir, cfg.unix, cfg.durability.value
         )
@@ -98,6 +131,22 @@ class Daemon:
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.request_stop)
         sd_notify("READY=1")
+
+    def _own_advert(self, ident: Identity) -> PeerAdvertisement:
+        """This router's signed advertisement (sent to every router it connects to)."""
+        cfg = self.config
+        addr = TransportAddr.parse(cfg.tls) if cfg.tls is not None else TransportAddr(1, bytes(4), 0)
+        svcs: tuple[tuple[int, bytes], ...] = ()
+        if self.pubsub_identity is not None:
+            svcs = ((SERVICE_PUBSUB, self.pubsub_identity.public),)
+        now = time.time()
+        adv = PeerAdvertisement(ident.public, addr, svcs, (), int(now * 1000), ADVERT_TTL, exp_in(now, 2 * ADVERT_TTL))
+        return sign_advert(adv, ident)
+
+    def _readvertise(self) -> None:
+        assert self.driver is not None and self.identity is not None
+        self.driver.apply_now(self.driver.router.readvertise(self._own_advert(self.identity), time.time()))
+        self._readvertise_handle = asyncio.get_running_loop().call_later(ADVERT_REFRESH, self._readvertise)
 
     def _connection(self, kind: str) -> StreamConnection:
         assert self.driver is not None and self.identity is not None
@@ -141,8 +190,12 @@ class Daemon:
         """Stop accepting, close connections, flush and close the store."""
         sd_notify("STOPPING=1")
         log.info("stopping")
+        if self._readvertise_handle is not None:
+            self._readvertise_handle.cancel()
         for s in self._servers:
             s.close()
+        if self.pool is not None:
+            await self.pool.close()
         for fn in self._extra_stop:
             with contextlib.suppress(Exception):
                 await fn()

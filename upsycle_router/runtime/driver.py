@@ -153,6 +153,10 @@ class Driver:
 
     # ------------------------------------------------------------ batching
 
+    def push(self, ev: Event) -> None:
+        """Add an event to the next batch."""
+        self._push(ev)
+
     def _push(self, ev: Event) -> None:
         self._pending.append(ev)
         if self._flush_handle is None:
@@ -221,6 +225,10 @@ class Driver:
                     self.dialer.learn(e.router, e.host, e.port)
         if self.journal is not None:
             self.journal.flush()
+
+    def apply_now(self, effects: list[Effect]) -> None:
+        """Carry out effects produced outside a batch (they must not depend on uncommitted state)."""
+        self._apply(effects, self.clock())
 
     def _trace_now(self, t: Trace) -> None:
         if self.journal is not None:

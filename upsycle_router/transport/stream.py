@@ -67,6 +67,7 @@ class StreamConnection(asyncio.Protocol):
         self.write_paused = False
         self.opened = asyncio.get_running_loop().create_future()
         self._handshake_timeout = handshake_timeout
+        self.last_active = asyncio.get_running_loop().time()
         self._timer: asyncio.TimerHandle | None = None
 
     # ---------------------------------------------------------------- asyncio.Protocol
@@ -87,6 +88,7 @@ class StreamConnection(asyncio.Protocol):
         """Run the session; hand events to the driver."""
         if self.closed:
             return
+        self.last_active = asyncio.get_running_loop().time()
         try:
             events = self.session.receive_data(data)
             out = self.session.data_to_send()
@@ -98,6 +100,10 @@ class StreamConnection(asyncio.Protocol):
                 elif isinstance(ev, HandshakeComplete):
                     if self._timer is not None:
                         self._timer.cancel()
+                    if self.kind == "tls" and self.dialled and not self._certificate_matches(ev.peer):
+                        raise RemoteProtocolError(
+                            "the certificate key does not match the router id", field="id", code=ErrorCode.AUTH_FAILED
+                        )
                     self.peer = ev.peer
                     self.handler.on_open(self, ev.peer)
                     if not self.opened.done():
@@ -130,6 +136,12 @@ class StreamConnection(asyncio.Protocol):
         """The transport's buffer drained below its low-water mark."""
         self.write_paused = False
 
+    def _certificate_matches(self, peer: bytes) -> bool:
+        from upsycle_router.transport.tls import peer_cert_key
+
+        t = self.transport
+        return t is not None and peer_cert_key(t.get_extra_info("ssl_object")) == peer
+
     # ---------------------------------------------------------------- driver side
 
     def send(self, payload: bytes) -> bool:
@@ -138,6 +150,7 @@ class StreamConnection(asyncio.Protocol):
         if self.closed or t is None or t.is_closing():
             return False
         t.writelines((_LEN.pack(len(payload)), payload))
+        self.last_active = asyncio.get_running_loop().time()
         return True
 
     def buffered(self) -> int:

@@ -102,8 +102,16 @@ def decode_session_frame(data: bytes) -> SessionFrame:
     """Decode a HELLO, AUTH or ERROR frame payload strictly."""
     obj = decode_item(data, "frame")
     frame = _session_from_cbor(obj)
-    check_deterministic(data, obj, ["frame"], "frame")
+    check_deterministic(data, obj, _ELEMENT_NAMES[type(frame)], "frame")
     return frame
+
+
+# The CDDL name of each element of a session frame, to name the one that is not in deterministic encoding.
+_ELEMENT_NAMES: dict[type, list[str]] = {
+    Hello: ["frame", "version", "id", "nonce"],
+    Auth: ["frame", "sig"],
+    Error: ["frame", "code", "reason"],
+}
 
 
 def decode_frame(data: bytes) -> Message | Error:

@@ -1,0 +1,299 @@
+"""The fleet metrics, as DataFrame transformations over the good rows of the compacted event table.
+
+Theory of operation
+-------------------
+Every function here takes DataFrames and returns a lazy DataFrame; nothing is collected. The definitions are
+those of docs/analytics.md, which this module implements literally:
+
+* :func:`first_receipts` finds, per message id, the earliest ``received`` record on any node (ties at the
+  same ``ts`` go to a ``local: true`` record, then to journal order). That ``ts`` is the message's ``t0``, the
+  zero of its latencies; the id is *published* when that record is local and its type is ``multicast``.
+* :func:`expected_per_message` counts, for each published id of group G, the (node, subscriber) pairs with
+  role ``app`` subscribed to G at the publish time, with a sweep instead of a join: the ``joined``/``left``
+  records of each (node, group, subscriber), in journal order, become +1/-1 changes of the pair's state
+  (a repeated join or a leave without a join changes nothing), and a running sum over each group ordered by
+  ``(ts, kind)`` with publishes before changes at the same ``ts`` gives, at each publish, the number of pairs
+  whose last change strictly before it was a join. Cost: one sort per group, not publishes x subscribers.
+* :func:`app_deliveries` keeps one row per (id, node, dst) of ``delivered`` records with role ``app`` of a
+  published id, with how often it was delivered and the latency of its first delivery.
+* :func:`queue_residency` pairs each ``queued`` record with the first ``delivered`` or ``expired`` record of
+  the same (node, id, dst) after it in journal order (a running ``last`` over the reversed order).
+* :func:`nearest_rank` gives exact nearest-rank percentiles with integer arithmetic: the p-th percentile of n
+  values is the smallest value whose cumulative count c satisfies ``100 * c >= p * n``, that is the value of
+  rank ``ceil(p * n / 100)``. It counts distinct values per key, so memory follows the number of distinct
+  values (latencies are in whole microseconds), not the number of rows.
+
+Durations are in milliseconds rounded to 3 decimals (microseconds): ``ts`` is a double of Unix seconds, whose
+resolution at current dates is about a quarter of a microsecond, so finer digits are noise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+
+ORDER = ("ts", "file", "line")
+"""Journal order: time, then the order the router wrote the records (file name, line)."""
+
+PERCENTILES = (50, 90, 99, 100)
+"""Latency percentiles reported per group (100 is the maximum)."""
+
+RESIDENCY_PERCENTILES = (50, 99, 100)
+
+
+def good_events(events: DataFrame) -> DataFrame:
+    """The rows of the compacted table that are good records."""
+    return events.where(F.col("problem").isNull()).drop("problem", "text")
+
+
+def bad_lines(events: DataFrame) -> DataFrame:
+    """The bad lines: where they are, what is wrong, their text."""
+    return events.where(F.col("problem").isNotNull()).select("file", "line", "problem", "text")
+
+
+def millis(later: Column, earlier: Column) -> Column:
+    """``later - earlier`` (seconds) in milliseconds, rounded to microseconds."""
+    return F.round((later - earlier) * 1000.0, 3)
+
+
+def nearest_rank(df: DataFrame, keys: Sequence[str], value: str, pcts: Sequence[int]) -> DataFrame:
+    """Per key: ``n`` (non-null values) and ``p<P>`` for each P in ``pcts`` (exact nearest-rank, 100 = max)."""
+    keys = list(keys)
+    src = df if keys else df.withColumn("_all", F.lit(0))
+    part = keys or ["_all"]
+    counts = src.where(F.col(value).isNotNull()).groupBy(*part, value).agg(F.count(F.lit(1)).alias("_c"))
+    running = Window.partitionBy(*part).orderBy(value).rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    whole = Window.partitionBy(*part)
+    cum = counts.withColumn("_hi", F.sum("_c").over(running)).withColumn("_n", F.sum("_c").over(whole))
+    aggs = [F.min(F.when(F.col("_hi") * 100 >= F.col("_n") * pct, F.col(value))).alias(f"p{pct}") for pct in pcts]
+    out = cum.groupBy(*part).agg(F.max("_n").alias("n"), *aggs)
+    return out if keys else out.drop("_all")
+
+
+def first_receipts(ev: DataFrame) -> DataFrame:
+    """Per id: ``t0`` (earliest ``received`` ts on any node), ``published``, ``group``, ``origin`` node."""
+    nonlocal_rank = F.when(F.col("local"), 0).otherwise(1)
+    first = (
+        ev.where(F.col("event") == "received")
+        .groupBy("id")
+        .agg(
+            F.min(
+                F.struct(
+                    F.col("ts"),
+                    nonlocal_rank.alias("nonlocal"),
+                    F.col("file"),
+                    F.col("line"),
+                    F.col("node"),
+                    F.col("type"),
+                    F.col("group"),
+                )
+            ).alias("f")
+        )
+    )
+    published = (F.col("f.nonlocal") == 0) & (F.col("f.type") == "multicast") & F.col("f.group").isNotNull()
+    return first.select(
+        "id",
+        F.col("f.ts").alias("t0"),
+        published.alias("published"),
+        F.col("f.group").alias("group"),
+        F.col("f.node").alias("origin"),
+        F.col("f.type").alias("type"),
+    )
+
+
+def published_messages(receipts: DataFrame) -> DataFrame:
+    """The published ids: ``id``, ``group``, ``origin``, ``published_ts``."""
+    return receipts.where(F.col("published")).select("id", "group", "origin", F.col("t0").alias("published_ts"))
+
+
+def subscription_changes(ev: DataFrame) -> DataFrame:
+    """``group``, ``ts``, ``delta``: +1 when an app (node, subscriber) pair becomes subscribed, -1 when it stops."""
+    subs = ev.where(F.col("event").isin("joined", "left") & (F.col("role") == "app"))
+    pair = Window.partitionBy("node", "group", "src").orderBy(*ORDER)
+    state = F.when(F.col("event") == "joined", 1).otherwise(0)
+    delta = state - F.lag(state, 1, 0).over(pair)
+    return subs.select("group", "ts", delta.alias("delta")).where(F.col("delta") != 0)
+
+
+def expected_per_message(ev: DataFrame, published: DataFrame) -> DataFrame:
+    """``id``, ``expected``: app subscribers (distinct node, subscriber) of its group at its publish time."""
+    pubs = published.select(
+        "group", F.col("published_ts").alias("ts"), F.lit(0).alias("kind"), F.lit(0).alias("delta"), "id"
+    )
+    changes = subscription_changes(ev).select(
+        "group", "ts", F.lit(1).alias("kind"), "delta", F.lit(None).cast("string").alias("id")
+    )
+    sweep = Window.partitionBy("group").orderBy("ts", "kind").rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    return (
+        pubs.unionByName(changes)
+        .withColumn("subscribed", F.sum("delta").over(sweep))
+        .where(F.col("kind") == 0)
+        .select("id", F.col("subscribed").cast("long").alias("expected"))
+    )
+
+
+def app_deliveries(ev: DataFrame, published: DataFrame) -> DataFrame:
+    """One row per (id, node, dst) app delivery of a published id: ``group``, ``times``, ``latency_ms``."""
+    delivered = ev.where((F.col("event") == "delivered") & (F.col("role") == "app")).select("id", "node", "dst", "ts")
+    pubs = published.select("id", "group", "published_ts")
+    return (
+        delivered.join(pubs, "id")
+        .groupBy("id", "node", "dst")
+        .agg(
+            F.first("group").alias("group"),
+            F.count(F.lit(1)).alias("times"),
+            F.min("ts").alias("first_ts"),
+            F.first("published_ts").alias("published_ts"),
+        )
+        .withColumn("latency_ms", millis(F.col("first_ts"), F.col("published_ts")))
+    )
+
+
+def _count_by_id(ev: DataFrame, event: str, name: str) -> DataFrame:
+    return ev.where(F.col("event") == event).groupBy("id").agg(F.count(F.lit(1)).alias(name))
+
+
+def message_stats(ev: DataFrame, published: DataFrame, deliveries: DataFrame) -> DataFrame:
+    """Per published id: group, origin, publish ts, expected, delivered, redeliveries, duplicate events, forwards."""
+    per_delivery = deliveries.groupBy("id").agg(
+        F.count(F.lit(1)).alias("delivered"), F.sum(F.col("times") - 1).alias("redeliveries")
+    )
+    out = (
+        published.join(expected_per_message(ev, published), "id", "left")
+        .join(per_delivery, "id", "left")
+        .join(_count_by_id(ev, "duplicate", "duplicate_events"), "id", "left")
+        .join(_count_by_id(ev, "forwarded", "forwards"), "id", "left")
+    )
+    counts = ("expected", "delivered", "redeliveries", "duplicate_events", "forwards")
+    return out.select(
+        "id", "group", "origin", "published_ts", *[F.coalesce(F.col(c), F.lit(0)).cast("long").alias(c) for c in counts]
+    )
+
+
+def group_stats(messages: DataFrame, deliveries: DataFrame) -> DataFrame:
+    """Per group: the summary figures of docs/analytics.md, plus the raw counts they come from."""
+    sums = messages.groupBy("group").agg(
+        F.count(F.lit(1)).alias("published"),
+        *[
+            F.sum(c).cast("long").alias(c)
+            for c in ("expected", "delivered", "redeliveries", "duplicate_events", "forwards")
+        ],
+    )
+    lat = nearest_rank(deliveries, ["group"], "latency_ms", PERCENTILES).select(
+        "group", *[F.col(f"p{p}").alias(f"latency_p{p}_ms" if p < 100 else "latency_max_ms") for p in PERCENTILES]
+    )
+    delivered = F.col("delivered")
+    return (
+        sums.join(lat, "group", "left")
+        .withColumn(
+            "delivery_ratio", F.when(F.col("expected") > 0, delivered / F.col("expected")).cast("double")
+        )
+        .withColumn("duplicates", (F.col("duplicate_events") + F.col("redeliveries")).cast("long"))
+        .withColumn("forwards_per_delivery", F.when(delivered > 0, F.col("forwards") / delivered).cast("double"))
+        .orderBy("group")
+    )
+
+
+def drops_by_node(ev: DataFrame) -> DataFrame:
+    """``node``, ``reason``, ``count`` of ``dropped`` records."""
+    return ev.where(F.col("event") == "dropped").groupBy("node", "reason").agg(F.count(F.lit(1)).alias("count"))
+
+
+def expired_by_node(ev: DataFrame) -> DataFrame:
+    """``node``, ``reason``, ``count`` of ``expired`` records."""
+    return ev.where(F.col("event") == "expired").groupBy("node", "reason").agg(F.count(F.lit(1)).alias("count"))
+
+
+def queue_residency(ev: DataFrame) -> DataFrame:
+    """One row per ``queued`` record: ``node``, ``id``, ``dst``, ``queued_ts``, ``resolution``, ``residency_ms``."""
+    q = ev.where(F.col("event").isin("queued", "delivered", "expired")).select(
+        "node", "id", "dst", "event", *ORDER
+    )
+    after = (
+        Window.partitionBy("node", "id", "dst")
+        .orderBy(*[F.col(c).desc() for c in ORDER])
+        .rowsBetween(Window.unboundedPreceding, -1)
+    )
+    resolution = F.when(F.col("event") != "queued", F.struct(F.col("ts"), F.col("event")))
+    nxt = F.last(resolution, ignorenulls=True).over(after)
+    return (
+        q.withColumn("next", nxt)
+        .where(F.col("event") == "queued")
+        .select(
+            "node",
+            "id",
+            "dst",
+            F.col("ts").alias("queued_ts"),
+            F.col("next.event").alias("resolution"),
+            millis(F.col("next.ts"), F.col("ts")).alias("residency_ms"),
+        )
+    )
+
+
+def residency_by_node(residency: DataFrame) -> DataFrame:
+    """Per node: queued, delivered, expired, pending counts and residency p50/p99/max (ms) of resolved ones."""
+    counts = residency.groupBy("node").agg(
+        F.count(F.lit(1)).alias("queued"),
+        F.sum(F.when(F.col("resolution") == "delivered", 1).otherwise(0)).cast("long").alias("delivered"),
+        F.sum(F.when(F.col("resolution") == "expired", 1).otherwise(0)).cast("long").alias("expired"),
+        F.sum(F.when(F.col("resolution").isNull(), 1).otherwise(0)).cast("long").alias("pending"),
+    )
+    pct = nearest_rank(residency, ["node"], "residency_ms", RESIDENCY_PERCENTILES).select(
+        "node", F.col("p50").alias("residency_p50_ms"), F.col("p99").alias("residency_p99_ms"),
+        F.col("p100").alias("residency_max_ms"),
+    )
+    return counts.join(pct, "node", "left").orderBy("node")
+
+
+def undelivered(ev: DataFrame, receipts: DataFrame) -> DataFrame:
+    """For each (id, node) where a unicast or multicast id was received but never delivered: its last event there."""
+    received = ev.where((F.col("event") == "received") & (F.col("type") != "control")).select("id", "node").distinct()
+    delivered = ev.where(F.col("event") == "delivered").select("id", "node").distinct()
+    pairs = received.join(delivered, ["id", "node"], "left_anti")
+    last = (
+        ev.where(F.col("id").isNotNull())
+        .groupBy("id", "node")
+        .agg(
+            F.max(F.struct(*[F.col(c) for c in ORDER], "event", "reason", "dst", "peer", "role")).alias("l"),
+            F.count(F.lit(1)).alias("events"),
+        )
+    )
+    info = receipts.select("id", F.col("type"), F.col("group").alias("_group"), "published")
+    return (
+        pairs.join(last, ["id", "node"])
+        .join(info, "id", "left")
+        .select(
+            "id",
+            "node",
+            "type",
+            F.col("_group").alias("group"),
+            F.coalesce(F.col("published"), F.lit(False)).alias("published"),
+            F.col("l.event").alias("last_event"),
+            F.col("l.reason").alias("last_reason"),
+            F.col("l.ts").alias("last_ts"),
+            F.col("l.dst").alias("last_dst"),
+            F.col("l.peer").alias("last_peer"),
+            F.col("l.role").alias("last_role"),
+            "events",
+        )
+    )
+
+
+def cdf_points(deliveries: DataFrame, groups: Sequence[str], steps: int = 400) -> DataFrame:
+    """Step points of the latency CDF of each group in ``groups``: ``group``, ``latency_ms``, ``fraction``.
+
+    Keeps, of each group's distinct latencies, those where the cumulative fraction crosses one of ``steps``
+    equal steps (plus the first and the last), so a plot needs at most ``steps + 2`` points per group.
+    """
+    d = deliveries.where(F.col("group").isin(*groups))
+    counts = d.groupBy("group", "latency_ms").agg(F.count(F.lit(1)).alias("_c"))
+    running = Window.partitionBy("group").orderBy("latency_ms").rowsBetween(Window.unboundedPreceding, 0)
+    cum = counts.withColumn("_hi", F.sum("_c").over(running)).withColumn("_n", F.sum("_c").over(
+        Window.partitionBy("group")
+    ))
+    step_hi = F.floor(F.col("_hi") * steps / F.col("_n"))
+    step_lo = F.floor((F.col("_hi") - F.col("_c")) * steps / F.col("_n"))
+    keep = (step_hi != step_lo) | (F.col("_hi") == F.col("_c")) | (F.col("_hi") == F.col("_n"))
+    return cum.where(keep).select("group", "latency_ms", (F.col("_hi") / F.col("_n")).alias("fraction"))

@@ -1,0 +1,132 @@
+"""The connection pool: at most one dialled connection per remote router, dialled on demand, closed when idle.
+
+The core asks for a router with a :class:`~upsycle_router.core.events.Dial` effect when it has something to
+send and no open connection; the messages wait in the LMDB queue meanwhile (bounded by their ttl/exp) and
+drain when the connection opens. Addresses come from the static ``peers`` list and from verified peer
+advertisements. Static peers are dialled at start and re-dialled with backoff while unreachable, so routers
+exchange advertisements (and pub/sub services learn of each other) without waiting for traffic. A dialled
+connection unused for ``idle_timeout`` seconds is closed; the next message re-dials it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import ssl
+
+from upsycle_router.core.events import DialFailed
+from upsycle_router.crypto import Identity
+from upsycle_router.runtime.driver import Driver
+from upsycle_router.transport.stream import StreamConnection
+
+log = logging.getLogger("upsycle_router.pool")
+
+
+class ConnectionPool:
+    """Dials remote routers over TLS for the driver."""
+
+    def __init__(
+        self,
+        driver: Driver,
+        identity: Identity,
+        ssl_context: ssl.SSLContext,
+        *,
+        idle_timeout: float = 300.0,
+        handshake_timeout: float = 10.0,
+        max_frame: int = 1024 * 1024 + 4096,
+    ) -> None:
+        self.driver = driver
+        self.identity = identity
+        self.ssl_context = ssl_context
+        self.idle_timeout = idle_timeout
+        self.handshake_timeout = handshake_timeout
+        self.max_frame = max_frame
+        self.addrs: dict[bytes, tuple[str, int]] = {}
+        self.static: set[bytes] = set()
+        self._dialing: dict[bytes, asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closing = False
+
+    def add_static(self, router: bytes, host: str, port: int) -> None:
+        """A configured peer: remember it and keep it connected."""
+        self.addrs[router] = (host, port)
+        self.static.add(router)
+
+    def start(self) -> None:
+        """Dial the static peers and start the idle/reconnect loop."""
+        for r in self.static:
+            self.dial(r)
+        t = asyncio.get_running_loop().create_task(self._maintain())
+        self._tasks.add(t)
+
+    def learn(self, router: bytes, host: str, port: int) -> None:
+        """Record an advertised address (port 0: not dialable)."""
+        if port and router != self.identity.public and router not in self.static:
+            self.addrs[router] = (host, port)
+
+    def connected(self, router: bytes) -> bool:
+        """Whether some open connection authenticates ``router``."""
+        return any(c.peer == router and not c.closed for c in self.driver.conns.values())
+
+    def dial(self, router: bytes) -> bool:
+        """Start connecting to ``router``; False if no address is known."""
+        if self._closing or router not in self.addrs:
+            return False
+        if router in self._dialing or self.connected(router):
+            return True
+        task = asyncio.get_running_loop().create_task(self._dial(router))
+        self._dialing[router] = task
+        return True
+
+    async def _dial(self, router: bytes) -> None:
+        host, port = self.addrs[router]
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(
+                    lambda: StreamConnection(
+                        self.driver,
+                        self.identity,
+                        kind="tls",
+                        expected_peer=router,
+                        handshake_timeout=self.handshake_timeout,
+                        max_frame=self.max_frame,
+                        dialled=True,
+                    ),
+                    host,
+                    port,
+                    ssl=self.ssl_context,
+                ),
+                self.handshake_timeout,
+            )
+            await asyncio.wait_for(asyncio.shield(conn.opened), self.handshake_timeout)
+            log.info("dialled router=%s addr=%s:%d", router.hex(), host, port)
+        except (OSError, TimeoutError, ConnectionError, ssl.SSLError) as e:
+            log.info("dial failed router=%s addr=%s:%d: %s", router.hex(), host, port, e or type(e).__name__)
+            self.driver.push(DialFailed(router))
+        finally:
+            self._dialing.pop(router, None)
+
+    async def _maintain(self) -> None:
+        backoff = 1.0
+        while not self._closing:
+            await asyncio.sleep(min(backoff, max(1.0, self.idle_timeout / 4)))
+            now = asyncio.get_running_loop().time()
+            for c in list(self.driver.conns.values()):
+                idle = now - c.last_active > self.idle_timeout
+                if c.kind == "tls" and c.dialled and c.peer not in self.static and idle:
+                    log.info("closing idle connection to %s", (c.peer or b"").hex())
+                    c.close()
+            missing = [r for r in self.static if not self.connected(r) and r not in self._dialing]
+            for r in missing:
+                self.dial(r)
+            backoff = min(backoff * 2, 30.0) if missing else 1.0
+
+    async def close(self) -> None:
+        """Stop dialling."""
+        self._closing = True
+        for t in list(self._dialing.values()) + list(self._tasks):
+            t.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
