@@ -150,9 +150,7 @@ def test_outbox_coalesces_last_word_wins() -> None:
     assert isinstance(out[0], Trace)
     r = rpcs(out)
     assert list(r) == [rid(1), rid(2)]
-    assert r[rid(1)] == GossipRpc(
-        subs=(SubOpt(False, G),), prune=(G,), ihave=(IHave(G, (b"\x01" * 32, b"\x02" * 32)),)
-    )
+    assert r[rid(1)] == GossipRpc(subs=(SubOpt(False, G),), prune=(G,), ihave=(IHave(G, (b"\x01" * 32, b"\x02" * 32)),))
     assert r[rid(2)] == GossipRpc(subs=(SubOpt(True, G),), iwant=(b"\x03" * 32,))
 
 
@@ -447,3 +445,13 @@ def test_max_missing_bound() -> None:
     ids = tuple(bytes([0x90 + i]) * 32 for i in range(3))
     out = core.message_received(make_message(GK, b"m", sn=ids), rid(1), 0.1)
     assert [t.id for t in traces(out, "pull_skipped")] == [ids[2]]
+
+
+def test_subscriptions_per_peer_are_bounded() -> None:
+    core = make_core(n_peers=1, params=GossipParams(max_peer_groups=2))
+    groups = [bytes([0xA0 + i]) * 32 for i in range(3)]
+    out = core.rpc_received(rid(1), GossipRpc(subs=tuple(SubOpt(True, g) for g in groups)), 0.1)
+    assert [t.group for t in traces(out, "ignored")] == [groups[2]]
+    assert core.peer_groups(rid(1)) == set(groups[:2])
+    core.rpc_received(rid(1), GossipRpc(subs=(SubOpt(False, groups[0]), SubOpt(True, groups[2]))), 0.2)
+    assert core.peer_groups(rid(1)) == set(groups[1:])

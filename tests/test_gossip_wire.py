@@ -191,13 +191,16 @@ def test_fuzz_decode_or_remote_error(data: bytes) -> None:
     assert rpc.encode() == data
 
 
-@given(st.recursive(
-    st.none() | st.booleans() | st.integers(-5, 20) | st.binary(max_size=33) | st.text(max_size=5),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-        st.sampled_from(["subs", "graft", "prune", "ihave", "iwant", "x"]), inner, max_size=3
-    ),
-    max_leaves=12,
-))
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers(-5, 20) | st.binary(max_size=33) | st.text(max_size=5),
+        lambda inner: (
+            st.lists(inner, max_size=4)
+            | st.dictionaries(st.sampled_from(["subs", "graft", "prune", "ihave", "iwant", "x"]), inner, max_size=3)
+        ),
+        max_leaves=12,
+    )
+)
 @settings(max_examples=300, deadline=None)
 def test_fuzz_structured(value: Any) -> None:
     for obj in (value, [16, value]):

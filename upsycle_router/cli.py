@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from upsycle_router import __version__, cli_client, cli_daemon, cli_decode
+from upsycle_router import __version__, cli_analyze, cli_client, cli_daemon, cli_decode
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"upsycle-router {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     cli_decode.register(sub)
+    cli_analyze.register(sub)
     cli_daemon.register(sub)
     cli_client.register(sub)
     return parser

@@ -142,9 +142,7 @@ def find_java(env: Mapping[str, str] | None = None, *, check_version: bool = Tru
     return JavaRuntime(home=home, java=java, major=major, note=note)
 
 
-def prepare_environment(
-    runtime: JavaRuntime, master: str, env: MutableMapping[str, str] | None = None
-) -> None:
+def prepare_environment(runtime: JavaRuntime, master: str, env: MutableMapping[str, str] | None = None) -> None:
     """Set the variables PySpark's launcher reads: the Python for workers, loopback for local, JAVA_HOME."""
     env = os.environ if env is None else env
     env["PYSPARK_PYTHON"] = sys.executable

@@ -187,9 +187,7 @@ def group_stats(messages: DataFrame, deliveries: DataFrame) -> DataFrame:
     delivered = F.col("delivered")
     return (
         sums.join(lat, "group", "left")
-        .withColumn(
-            "delivery_ratio", F.when(F.col("expected") > 0, delivered / F.col("expected")).cast("double")
-        )
+        .withColumn("delivery_ratio", F.when(F.col("expected") > 0, delivered / F.col("expected")).cast("double"))
         .withColumn("duplicates", (F.col("duplicate_events") + F.col("redeliveries")).cast("long"))
         .withColumn("forwards_per_delivery", F.when(delivered > 0, F.col("forwards") / delivered).cast("double"))
         .orderBy("group")
@@ -208,9 +206,7 @@ def expired_by_node(ev: DataFrame) -> DataFrame:
 
 def queue_residency(ev: DataFrame) -> DataFrame:
     """One row per ``queued`` record: ``node``, ``id``, ``dst``, ``queued_ts``, ``resolution``, ``residency_ms``."""
-    q = ev.where(F.col("event").isin("queued", "delivered", "expired")).select(
-        "node", "id", "dst", "event", *ORDER
-    )
+    q = ev.where(F.col("event").isin("queued", "delivered", "expired")).select("node", "id", "dst", "event", *ORDER)
     after = (
         Window.partitionBy("node", "id", "dst")
         .orderBy(*[F.col(c).desc() for c in ORDER])
@@ -241,7 +237,9 @@ def residency_by_node(residency: DataFrame) -> DataFrame:
         F.sum(F.when(F.col("resolution").isNull(), 1).otherwise(0)).cast("long").alias("pending"),
     )
     pct = nearest_rank(residency, ["node"], "residency_ms", RESIDENCY_PERCENTILES).select(
-        "node", F.col("p50").alias("residency_p50_ms"), F.col("p99").alias("residency_p99_ms"),
+        "node",
+        F.col("p50").alias("residency_p50_ms"),
+        F.col("p99").alias("residency_p99_ms"),
         F.col("p100").alias("residency_max_ms"),
     )
     return counts.join(pct, "node", "left").orderBy("node")
@@ -290,9 +288,9 @@ def cdf_points(deliveries: DataFrame, groups: Sequence[str], steps: int = 400) -
     d = deliveries.where(F.col("group").isin(*groups))
     counts = d.groupBy("group", "latency_ms").agg(F.count(F.lit(1)).alias("_c"))
     running = Window.partitionBy("group").orderBy("latency_ms").rowsBetween(Window.unboundedPreceding, 0)
-    cum = counts.withColumn("_hi", F.sum("_c").over(running)).withColumn("_n", F.sum("_c").over(
-        Window.partitionBy("group")
-    ))
+    cum = counts.withColumn("_hi", F.sum("_c").over(running)).withColumn(
+        "_n", F.sum("_c").over(Window.partitionBy("group"))
+    )
     step_hi = F.floor(F.col("_hi") * steps / F.col("_n"))
     step_lo = F.floor((F.col("_hi") - F.col("_c")) * steps / F.col("_n"))
     keep = (step_hi != step_lo) | (F.col("_hi") == F.col("_c")) | (F.col("_hi") == F.col("_n"))

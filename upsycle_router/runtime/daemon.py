@@ -23,10 +23,13 @@ from upsycle_router.config import DaemonConfig
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, load_or_create_key_file, sign_advert
-from upsycle_router.errors import ErrorCode
+from upsycle_router.errors import ConfigError, ErrorCode
 from upsycle_router.expiry import exp_in
 from upsycle_router.runtime.driver import Driver
 from upsycle_router.runtime.pool import ConnectionPool
+from upsycle_router.runtime.pubsub_service import PubsubService
+from upsycle_router.services.pubsub.params import GossipParams
+from upsycle_router.services.pubsub.validation import GroupPolicy, SignaturePolicy
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.stream import StreamConnection
@@ -50,10 +53,12 @@ def sd_notify(state: str) -> None:
         s.sendto(state.encode(), addr)
 
 
-def core_config(cfg: DaemonConfig, pubsub_service: bytes | None = None) -> CoreConfig:
+def core_config(
+    cfg: DaemonConfig, pubsub_service: bytes | None = None, local_services: frozenset[bytes] | None = None
+) -> CoreConfig:
     """The routing core's policy from the daemon config."""
     return CoreConfig(
-        local_services=cfg.local_services,
+        local_services=local_services,
         edge_nodes=cfg.edge_nodes,
         accept_join_from_any=cfg.accept_join_from_any,
         peers=frozenset(p.id for p in cfg.peers),
@@ -63,6 +68,27 @@ def core_config(cfg: DaemonConfig, pubsub_service: bytes | None = None) -> CoreC
         queue_max_count=cfg.queue_max_count,
         queue_max_bytes=cfg.queue_max_bytes,
     )
+
+
+def gossip_params(cfg: DaemonConfig) -> GossipParams:
+    """Gossip parameters from ``pubsub.params`` (integers where gossipsub counts)."""
+    ints = {"D", "D_low", "D_high", "D_lazy", "mcache_len", "mcache_gossip"}
+    kw = {k: int(v) if k in ints else float(v) for k, v in cfg.pubsub.params.items()}
+    try:
+        return GossipParams(**kw)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise ConfigError(f"pubsub.params: {e}") from None
+
+
+def group_policies(cfg: DaemonConfig) -> dict[bytes, GroupPolicy]:
+    """Per-group validation from ``pubsub.groups``."""
+    out = {}
+    for g, p in cfg.pubsub.groups.items():
+        try:
+            out[g] = GroupPolicy(p.max_size, p.allowed_senders, SignaturePolicy(p.signature_policy))
+        except ValueError as e:
+            raise ConfigError(f"pubsub.groups.{g.hex()}: {e}") from None
+    return out
 
 
 class Daemon:
@@ -80,20 +106,29 @@ class Daemon:
         self.pool: ConnectionPool | None = None
         self._readvertise_handle: asyncio.TimerHandle | None = None
         self.pubsub_identity: Identity | None = None
+        self.pubsub: PubsubService | None = None
+        self._pubsub_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Open state and start listening."""
         cfg = self.config
+        params, policies = gossip_params(cfg), group_policies(cfg)
         cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.identity = ident = load_or_create_key_file(cfg.key_path)
+        if cfg.pubsub.enabled:
+            self.pubsub_identity = load_or_create_key_file(cfg.data_dir / "pubsub.key")
+        ps_key = self.pubsub_identity.public if self.pubsub_identity is not None else None
+        local_services = cfg.local_services
+        if local_services is not None and ps_key is not None:
+            local_services = local_services | {ps_key}
         self.store = LmdbStore(cfg.data_dir / "store", cfg.durability, cfg.map_size)
         if cfg.trace_dir is not None:
             self.journal = TraceJournal(cfg.trace_dir, ident.public, cfg.trace_max_bytes)
-        router = Router(ident, self.store, core_config(cfg))
+        router = Router(ident, self.store, core_config(cfg, ps_key, local_services))
         self.driver = Driver(
             router,
             self.store,
-            local_services=cfg.local_services,
+            local_services=local_services,
             journal=self.journal,
             sync_interval=cfg.sync_interval,
             outbound_buffer_max=cfg.outbound_buffer_max,
@@ -123,6 +158,11 @@ class Daemon:
             log.info("listening tls=%s", cfg.tls)
         if self.pool is not None:
             self.pool.start()
+        if self.pubsub_identity is not None and cfg.unix is not None:
+            self.pubsub = PubsubService(
+                self.pubsub_identity, cfg.unix, params=params, policies=policies
+            )
+            self._pubsub_task = loop.create_task(self.pubsub.run())
         self._readvertise_handle = loop.call_later(ADVERT_REFRESH, self._readvertise)
         log.info(
             "started id=%s data_dir=%s unix=%s durability=%s", ident.hex, cfg.data_dir, cfg.unix, cfg.durability.value
@@ -194,6 +234,11 @@ class Daemon:
             self._readvertise_handle.cancel()
         for s in self._servers:
             s.close()
+        if self.pubsub is not None:
+            await self.pubsub.stop()
+            if self._pubsub_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._pubsub_task, 2.0)
         if self.pool is not None:
             await self.pool.close()
         for fn in self._extra_stop:

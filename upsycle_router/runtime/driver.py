@@ -107,6 +107,7 @@ class Driver:
         self._timer: asyncio.TimerHandle | None = None
         self._sync_handle: asyncio.TimerHandle | None = None
         self._dirty = False
+        self._closed = False
         self.stats = {"received": 0, "malformed": 0, "bad_signature": 0, "batches": 0}
 
     # ------------------------------------------------------------ ConnectionHandler
@@ -158,6 +159,8 @@ class Driver:
         self._push(ev)
 
     def _push(self, ev: Event) -> None:
+        if self._closed:
+            return
         self._pending.append(ev)
         if self._flush_handle is None:
             self._flush_handle = self.loop.call_soon(self.flush)
@@ -165,6 +168,8 @@ class Driver:
     def flush(self) -> None:
         """Run the pending batch through the core in one transaction, then carry out the effects."""
         self._flush_handle = None
+        if self._closed:
+            return
         events = self._pending
         self._pending = []
         if self._queue_sent:
@@ -249,6 +254,8 @@ class Driver:
 
     def _on_timer(self) -> None:
         self._timer = None
+        if self._closed:
+            return
         now = self.clock()
         with self.store.transaction():
             effects = self.router.handle_timer(now)
@@ -270,3 +277,4 @@ class Driver:
                 h.cancel()
         if self.journal is not None:
             self.journal.flush()
+        self._closed = True

@@ -179,7 +179,7 @@ def rpc_from_cbor(obj: Any) -> GossipRpc:
     if not isinstance(obj, list) or len(obj) != 2:
         raise RemoteProtocolError(f"expected [type, map], got {type_name(obj)}", field=_WHAT)
     t = obj[0]
-    if isinstance(t, bool) or t != GOSSIP_RPC:
+    if isinstance(t, bool) or not isinstance(t, int) or t != GOSSIP_RPC:
         raise RemoteProtocolError(f"unknown gossip message type {t!r}", field="type")
     m = check_map(obj[1], _WHAT, frozenset(), _KEYS)
     subs: list[SubOpt] = []
@@ -214,7 +214,13 @@ def decode_rpc(data: bytes) -> GossipRpc:
 def decode_service_body(data: bytes) -> PubSubMessage | GossipRpc:
     """Decode the BODY of a unicast to a pub/sub service: SUB .. UNSUB_ACK from the router, or a gossip RPC."""
     obj = decode_item(data, "pubsub message")
-    if isinstance(obj, list) and obj and obj[0] == GOSSIP_RPC and not isinstance(obj[0], bool):
+    if (
+        isinstance(obj, list)
+        and obj
+        and isinstance(obj[0], int)
+        and not isinstance(obj[0], bool)
+        and obj[0] == GOSSIP_RPC
+    ):
         rpc = rpc_from_cbor(obj)
         check_deterministic(data, obj, ["type", _WHAT], _WHAT)
         return rpc

@@ -94,7 +94,7 @@ def _session_from_cbor(obj: Any) -> SessionFrame:
     if tag == "error":
         if len(obj) != 3:
             raise RemoteProtocolError("ERROR must have 3 elements", field="error")
-        return Error(check_uint(obj[1], "code"), check_text(obj[2], "reason"))
+        return Error(check_uint(obj[1], "code", 2**64 - 1), check_text(obj[2], "reason"))
     raise RemoteProtocolError(f"unknown session frame {tag!r}", field="frame")
 
 

@@ -50,8 +50,9 @@ Determinism
 
 Traces
     ``duplicate`` (already seen), ``rejected`` (reason from validation), ``ignored`` (not a multicast
-    message), ``unknown_peer`` (an RPC from a router we have no peer for), ``deprecated_policy`` (joined a
-    group with a Lax signature policy), ``pull_skipped`` (too many PULLs outstanding), ``pull_failed``.
+    message, or a subscription beyond ``max_peer_groups``), ``unknown_peer`` (an RPC from a router we have
+    no peer for), ``deprecated_policy`` (joined a group with a Lax signature policy), ``pull_skipped`` (too
+    many PULLs outstanding or ids missing), ``pull_failed`` (PULL_NACK).
 """
 
 from __future__ import annotations
@@ -207,9 +208,12 @@ class GossipCore:
         if warning is not None:
             ob.trace("deprecated_policy", group=group, reason=warning)
 
-    def _note_subscription(self, router: bytes, group: bytes, subscribe: bool) -> None:
+    def _note_subscription(self, router: bytes, group: bytes, subscribe: bool, ob: Outbox) -> None:
         groups = self._peer_groups.setdefault(router, set())
         if subscribe:
+            if group not in groups and len(groups) >= self._params.max_peer_groups:
+                ob.trace("ignored", group=group, peer=router, reason="peer announced too many groups")
+                return
             groups.add(group)
             self._group_peers.setdefault(group, set()).add(router)
             return
@@ -401,13 +405,13 @@ class GossipCore:
             return ob.effects()
         router = peer.router
         for s in rpc.subs:
-            self._note_subscription(router, s.group, s.subscribe)
+            self._note_subscription(router, s.group, s.subscribe, ob)
         for group in rpc.graft:
             mesh = self._mesh.get(group)
             if mesh is None:
                 ob.prune(peer, group)
             else:
-                self._note_subscription(router, group, True)
+                self._note_subscription(router, group, True, ob)
                 mesh.add(router)
         for group in rpc.prune:
             if group in self._mesh:

@@ -8,7 +8,8 @@ messages detected as missing from the ``sn`` header (seed 003 §Seen), which gos
 - ``iwant_timeout``: an id asked for with IWANT is not asked of another peer again before this many seconds;
 - ``pull_delay``: how long an id named in ``sn`` may stay unseen (it may still be on its way) before a PULL;
 - ``pull_timeout``: how long an unanswered PULL counts against ``max_pending_pulls``;
-- ``max_pending_pulls``: most PULLs outstanding at once; ``max_missing``: most ids waiting for ``pull_delay``.
+- ``max_pending_pulls``: most PULLs outstanding at once; ``max_missing``: most ids waiting for ``pull_delay``;
+- ``max_peer_groups``: most groups remembered as subscribed per peer (further announcements are ignored).
 
 Times are in seconds of the clock the caller passes as ``now``.
 """
@@ -37,6 +38,7 @@ class GossipParams:
     pull_timeout: float = 10.0
     max_pending_pulls: int = 64
     max_missing: int = 1024
+    max_peer_groups: int = 10_000
 
     def __post_init__(self) -> None:
         if not 0 <= self.D_low <= self.D <= self.D_high:
@@ -46,16 +48,14 @@ class GossipParams:
         if self.D_lazy < 0:
             raise ValueError(f"D_lazy must not be negative, got {self.D_lazy}")
         if not 1 <= self.mcache_gossip <= self.mcache_len:
-            raise ValueError(
-                f"need 1 <= mcache_gossip <= mcache_len, got {self.mcache_gossip}, {self.mcache_len}"
-            )
+            raise ValueError(f"need 1 <= mcache_gossip <= mcache_len, got {self.mcache_gossip}, {self.mcache_len}")
         for name in ("heartbeat_interval", "fanout_ttl", "seen_ttl"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("iwant_timeout", "pull_delay", "pull_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("seen_max", "max_pending_pulls", "max_missing"):
+        for name in ("seen_max", "max_pending_pulls", "max_missing", "max_peer_groups"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.seen_max < 1:

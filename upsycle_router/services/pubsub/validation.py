@@ -67,7 +67,11 @@ class SignaturePolicy(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class GroupPolicy:
-    """What a group accepts: size bound, signature policy, allowed senders and an optional validator hook."""
+    """What a group accepts: size bound, signature policy, allowed senders and an optional validator hook.
+
+    ``signature_policy`` may also be given by its spec name (``"StrictSign"`` ...), as a configuration file
+    would; ``allowed_senders`` may be any iterable of 32-byte keys and is stored as a frozenset.
+    """
 
     max_size: int = MAX_MESSAGE_SIZE
     allowed_senders: frozenset[bytes] | None = None

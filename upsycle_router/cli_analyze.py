@@ -1,0 +1,120 @@
+"""``upsycle-router analyze`` and ``compact``: the fleet analytics jobs over trace journals.
+
+Both start a Spark session (embedded ``local[*]`` unless ``--master`` says otherwise), print stage lines on
+stderr and exit 0 on success, 1 when the Spark job fails and 2 for unusable input or a missing Java. PySpark
+is imported only when one of these commands runs, so registering them costs the other commands nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def _conf(items: list[str]) -> dict[str, str]:
+    conf: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"--conf {item}: expected KEY=VALUE")
+        conf[key.strip()] = value
+    return conf
+
+
+def _spark_options(args: argparse.Namespace, app: str) -> Any:
+    from upsycle_router.analytics.session import SparkOptions
+
+    return SparkOptions(
+        master=args.master,
+        shuffle_partitions=args.shuffle_partitions,
+        driver_memory=args.driver_memory,
+        conf=_conf(args.conf),
+        verbose=args.verbose,
+        app_name=f"upsycle-router {app}",
+    )
+
+
+def _run(args: argparse.Namespace, app: str) -> int:
+    try:
+        options = _spark_options(args, app)
+    except argparse.ArgumentTypeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from upsycle_router.analytics.session import AnalyticsError, find_java, spark_session
+
+    try:
+        find_java()  # before importing PySpark: the common failure gets a clear message fast
+        from py4j.protocol import Py4JError  # type: ignore[import-untyped]
+        from pyspark.errors import PySparkException
+
+        from upsycle_router.analytics.job import Progress, run_analyze, run_compact
+        from upsycle_router.analytics.report import text_summary
+        from upsycle_router.analytics.sources import discover
+
+        discover(args.paths)  # fail on a bad path before Spark starts
+        progress = Progress(app, enabled=not args.quiet)
+        progress(f"starting Spark ({args.master})")
+        out = Path(args.out)
+        try:
+            with spark_session(options) as spark:
+                if app == "compact":
+                    run_compact(spark, args.paths, out, progress)
+                    return 0
+                result = run_analyze(spark, args.paths, out, progress)
+        except (PySparkException, Py4JError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            print(f"error: the Spark job failed: {first}", file=sys.stderr)
+            return 1
+    except AnalyticsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(text_summary(result.summary, [str(out / name) for name in result.outputs]))
+    return 0
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    """Compact the journals into OUT/events.parquet and write every analytics output into OUT."""
+    return _run(args, "analyze")
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    """Compact the journals into one Parquet table."""
+    return _run(args, "compact")
+
+
+def _spark_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--master", default="local[*]", help="Spark master URL (default: embedded local[*])")
+    p.add_argument(
+        "--shuffle-partitions", type=int, default=4, metavar="N", help="spark.sql.shuffle.partitions (default: 4)"
+    )
+    p.add_argument("--driver-memory", metavar="SIZE", help="spark.driver.memory, e.g. 4g")
+    p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="any other Spark setting")
+    p.add_argument("-q", "--quiet", action="store_true", help="no stage lines on stderr")
+    p.add_argument("-v", "--verbose", action="store_true", help="keep Spark's own log output")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``analyze`` and ``compact`` to the CLI."""
+    p = sub.add_parser(
+        "analyze",
+        help="fleet analytics over trace journals (Spark): Parquet tables, summary.json, report.html",
+        description="Read trace-*.jsonl journals (directories are searched recursively) or compacted Parquet "
+        "tables of any number of routers and write the analytics of docs/analytics.md into --out.",
+    )
+    p.add_argument("paths", nargs="+", metavar="JOURNAL_DIR", help="journal directory, trace file or Parquet table")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created; outputs replaced)")
+    _spark_args(p)
+    p.set_defaults(func=cmd_analyze)
+
+    p = sub.add_parser(
+        "compact",
+        help="compact trace journals into one Parquet table (bad lines kept and marked)",
+        description="Read trace-*.jsonl journals (directories are searched recursively) and write them as one "
+        "Parquet table that analyze accepts as input.",
+    )
+    p.add_argument("paths", nargs="+", metavar="JOURNAL_DIR", help="journal directory, trace file or Parquet table")
+    p.add_argument("--out", required=True, metavar="FILE.parquet", help="the Parquet table to write (a directory)")
+    _spark_args(p)
+    p.set_defaults(func=cmd_compact)

@@ -1,0 +1,220 @@
+"""The pub/sub service's asyncio adapter: the gossip core, connected to its router like any app.
+
+Theory of operation
+-------------------
+The service holds its own key and connects to its router's Unix socket with the client library, so
+everything between them is ordinary signed CBOR messages (seed 003 §Publish-Subscribe Service):
+
+- from the router: SUB/UNSUB (answered SUB_ACK/UNSUB_ACK; the core then JOINs/LEAVEs the group locally),
+  peer advertisements of connected routers (their ``svcs`` name the peers' pub/sub services), PULL_NACKs;
+- multicast messages of joined groups, with VIA = the remote router they came from, or none when a local
+  app published them (then the core publishes them into the mesh);
+- gossip RPCs from other nodes' pub/sub services (unicast; VIA = their router);
+- a unicast from a local app whose BODY is a multicast message: publish it through fanout (groups this
+  node has not joined).
+
+Core effects become messages: ``SendRpc`` a unicast to the peer's service with VIA = its router,
+``Forward`` the multicast message with VIA = the next router, ``JoinGroup``/``LeaveGroup`` JOIN/LEAVE with
+``local = true``, ``Pull`` a PULL to the router that has the message. One timer follows the core's deadline.
+The service runs in-process by default (a task of the daemon) or as ``upsycle-router pubsub``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import time
+from pathlib import Path
+
+from upsycle_router.client import Client, ClientError
+from upsycle_router.crypto import Identity, advert_valid, message_signature_valid, sign_message
+from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.expiry import exp_in
+from upsycle_router.services.pubsub.core import GossipCore
+from upsycle_router.services.pubsub.effects import Effect, Forward, JoinGroup, LeaveGroup, Peer, Pull, SendRpc
+from upsycle_router.services.pubsub.params import GossipParams
+from upsycle_router.services.pubsub.validation import GroupPolicy
+from upsycle_router.wire.control import Join, Leave, PullNack, decode_control, encode_router
+from upsycle_router.wire.control import Pull as PullMsg
+from upsycle_router.wire.discovery import SERVICE_PUBSUB, PeerAdvertisement
+from upsycle_router.wire.gossip import GossipRpc, decode_service_body
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
+from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub, SubAck, Unsub, UnsubAck
+
+log = logging.getLogger("upsycle_router.pubsub")
+RPC_TTL = 30
+
+
+class PubsubService:
+    """Runs a :class:`GossipCore` against a router's Unix socket."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        socket_path: str | os.PathLike[str],
+        *,
+        params: GossipParams | None = None,
+        policies: dict[bytes, GroupPolicy] | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.identity = identity
+        self.socket_path = Path(socket_path)
+        self.params = params or GossipParams()
+        self.policies = policies or {}
+        self.rng = rng or random.Random()
+        self.client: Client | None = None
+        self.core: GossipCore | None = None
+        self._stop = asyncio.Event()
+        self._peer_expiry: dict[bytes, float] = {}  # router -> monotonic time its advertisement lapses
+
+    async def run(self) -> None:
+        """Connect (retrying while the router starts) and serve until :meth:`stop`."""
+        while not self._stop.is_set():
+            try:
+                self.client = await Client.connect(self.socket_path, self.identity)
+            except (OSError, TimeoutError, ClientError) as e:
+                log.debug("pubsub: router not reachable yet: %s", e)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), 0.2)
+                continue
+            try:
+                await self._serve(self.client)
+            finally:
+                await self.client.close()
+            if not self._stop.is_set():
+                log.warning("pubsub: connection to the router lost (%s); reconnecting", self.client.closed_reason)
+
+    async def stop(self) -> None:
+        """Stop serving."""
+        self._stop.set()
+        if self.client is not None:
+            await self.client.close()
+
+    async def _serve(self, client: Client) -> None:
+        core = self.core
+        if core is None or core.router != client.router_id:
+            core = self.core = GossipCore(
+                client.router_id, now=time.monotonic(), rng=self.rng, params=self.params, policies=self.policies
+            )
+        else:
+            for g in core.joined:  # after a reconnect, make sure the router still delivers our groups
+                self._send_router(client, encode_router(Join(g, True)))
+        log.info("pubsub service %s serving router %s", self.identity.hex, client.router_id.hex())
+        while not self._stop.is_set():
+            deadline = core.next_deadline()
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                msg = await client.recv(timeout=timeout)
+            except TimeoutError:
+                self._apply(client, self._timer(core, time.monotonic()))
+                continue
+            except ClientError:
+                return
+            try:
+                self._apply(client, self._on_message(client, core, msg, time.monotonic()))
+            except RemoteProtocolError as e:
+                log.info("pubsub: ignoring malformed message %s: %s", msg.id.hex(), e)
+            now = time.monotonic()
+            d = core.next_deadline()
+            if d is not None and d <= now:
+                self._apply(client, self._timer(core, now))
+
+    def _timer(self, core: GossipCore, now: float) -> list[Effect]:
+        """The core's heartbeat, after dropping peers whose advertisement lapsed (they stopped announcing)."""
+        out: list[Effect] = []
+        for router in [r for r, t in self._peer_expiry.items() if t <= now]:
+            del self._peer_expiry[router]
+            out.extend(core.peer_removed(router, now))
+        out.extend(core.handle_timer(now))
+        return out
+
+    # ------------------------------------------------------------ inbound
+
+    def _on_message(self, client: Client, core: GossipCore, msg: Message, now: float) -> list[Effect]:
+        h = msg.header
+        if isinstance(h, MulticastHeader):
+            return core.message_received(msg, msg.via, now)
+        if h.src == client.router_id:
+            return self._from_router(client, core, msg.body, now)
+        try:
+            body = decode_service_body(msg.body)
+        except RemoteProtocolError:
+            body = None
+        if isinstance(body, GossipRpc):
+            if msg.via is None:
+                return []  # gossip comes from other nodes' services, through their routers
+            return core.rpc_received(msg.via, body, now, service=h.src)
+        if body is None and msg.via is None:
+            inner = _multicast_in(msg.body)  # a local app asks us to publish (fanout)
+            if inner is not None:
+                return core.publish(inner, now)
+        if body is None:
+            with contextlib.suppress(RemoteProtocolError):
+                ctl = decode_control(msg.body)
+                if isinstance(ctl, PullNack):
+                    return core.pull_failed(ctl.id, now)
+        return []
+
+    def _from_router(self, client: Client, core: GossipCore, body: bytes, now: float) -> list[Effect]:
+        try:
+            item = decode_service_body(body)
+        except RemoteProtocolError:
+            item = None
+        if isinstance(item, Sub):
+            self._send_router(client, PUBSUB_CODEC.encode(SubAck(item.addr, 0)))
+            return core.join(item.addr, now)
+        if isinstance(item, Unsub):
+            self._send_router(client, PUBSUB_CODEC.encode(UnsubAck(item.addr, 0)))
+            return core.leave(item.addr, now)
+        if item is not None:
+            return []
+        try:
+            ctl = decode_control(body)
+        except RemoteProtocolError:
+            return []
+        if isinstance(ctl, PeerAdvertisement):
+            svc = ctl.service(SERVICE_PUBSUB)
+            if svc is not None and advert_valid(ctl) and ctl.id != client.router_id:
+                self._peer_expiry[ctl.id] = now + ctl.ttl
+                return core.peer_added(Peer(ctl.id, svc), now)
+        elif isinstance(ctl, PullNack):
+            return core.pull_failed(ctl.id, now)
+        return []
+
+    # ------------------------------------------------------------ outbound
+
+    def _unicast(self, client: Client, dst: bytes, body: bytes, ttl: int, via: bytes | None) -> None:
+        now = time.monotonic()
+        header = UnicastHeader(self.identity.public, dst, ttl, exp_in(now, 3600))
+        client.send_message(sign_message(header, body, self.identity, via))
+
+    def _send_router(self, client: Client, body: bytes) -> None:
+        self._unicast(client, client.router_id, body, 60, None)
+
+    def _apply(self, client: Client, effects: list[Effect]) -> None:
+        for e in effects:
+            if isinstance(e, Forward):
+                client.send_message(e.message.with_via(e.router))
+            elif isinstance(e, SendRpc):
+                self._unicast(client, e.peer.service, e.rpc.encode(), RPC_TTL, e.peer.router)
+            elif isinstance(e, JoinGroup):
+                self._send_router(client, encode_router(Join(e.group, True)))
+            elif isinstance(e, LeaveGroup):
+                self._send_router(client, encode_router(Leave(e.group)))
+            elif isinstance(e, Pull):
+                self._unicast(client, e.router, encode_router(PullMsg(e.group, e.id)), RPC_TTL, e.router)
+            else:
+                log.debug("pubsub: %s", e)
+
+
+def _multicast_in(body: bytes) -> Message | None:
+    try:
+        inner = decode_message(body)
+    except RemoteProtocolError:
+        return None
+    if not isinstance(inner.header, MulticastHeader) or not message_signature_valid(inner):
+        return None
+    return inner
