@@ -187,8 +187,7 @@ class PubsubService:
     # ------------------------------------------------------------ outbound
 
     def _unicast(self, client: Client, dst: bytes, body: bytes, ttl: int, via: bytes | None) -> None:
-        now = time.monotonic()
-        header = UnicastHeader(self.identity.public, dst, ttl, exp_in(now, 3600))
+        header = UnicastHeader(self.identity.public, dst, ttl, exp_in(time.time(), 3600))  # wall clock: on the wire
         client.send_message(sign_message(header, body, self.identity, via))
 
     def _send_router(self, client: Client, body: bytes) -> None:
