@@ -80,6 +80,7 @@ class DaemonConfig:
     accept_join_from_any: bool = False
     accept_pull_from_any: bool = False
     peers: tuple[PeerConfig, ...] = ()
+    core_nodes: tuple[PeerConfig, ...] = ()
     idle_timeout: float = 300.0
     seen_max: int = 100_000
     queue_max_count: int = 100_000
@@ -170,7 +171,8 @@ def _hostport(v: Any, path: str) -> str:
 
 _TOP = {
     "data_dir", "listen", "key_file", "durability", "sync_interval", "max_frame", "handshake_timeout",
-    "local_services", "edge_nodes", "accept_join_from_any", "accept_pull_from_any", "peers", "idle_timeout",
+    "local_services", "edge_nodes", "accept_join_from_any", "accept_pull_from_any", "peers", "core_nodes",
+    "idle_timeout",
     "seen_max", "queue", "store", "limits", "trace", "log", "pubsub",
 }  # fmt: skip
 _GOSSIP_PARAMS = {
@@ -218,17 +220,9 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     for name in ("accept_join_from_any", "accept_pull_from_any"):
         if name in top:
             kw[name] = _bool(top[name], name)
-    if "peers" in top:
-        peers = top["peers"]
-        if not isinstance(peers, list):
-            raise _fail("peers", "expected a list of {id: HEX, addr: HOST:PORT}")
-        out = []
-        for i, p in enumerate(peers):
-            pm = _map(p, f"peers[{i}]", {"id", "addr"})
-            if "id" not in pm or "addr" not in pm:
-                raise _fail(f"peers[{i}]", "needs both id and addr")
-            out.append(PeerConfig(parse_key(pm["id"], f"peers[{i}].id"), _hostport(pm["addr"], f"peers[{i}].addr")))
-        kw["peers"] = tuple(out)
+    for name in ("peers", "core_nodes"):
+        if name in top:
+            kw[name] = _peer_list(top[name], name)
     queue = _map(top.get("queue"), "queue", {"max_count", "max_bytes"})
     if "max_count" in queue:
         kw["queue_max_count"] = _int(queue["max_count"], "queue.max_count")
@@ -256,6 +250,18 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     if "pubsub" in top:
         kw["pubsub"] = _parse_pubsub(top["pubsub"])
     return DaemonConfig(**{**_as_dict(cfg), **kw})
+
+
+def _peer_list(peers: Any, path: str) -> tuple[PeerConfig, ...]:
+    if not isinstance(peers, list):
+        raise _fail(path, "expected a list of {id: HEX, addr: HOST:PORT}")
+    out = []
+    for i, p in enumerate(peers):
+        pm = _map(p, f"{path}[{i}]", {"id", "addr"})
+        if "id" not in pm or "addr" not in pm:
+            raise _fail(f"{path}[{i}]", "needs both id and addr")
+        out.append(PeerConfig(parse_key(pm["id"], f"{path}[{i}].id"), _hostport(pm["addr"], f"{path}[{i}].addr")))
+    return tuple(out)
 
 
 def _parse_pubsub(v: Any) -> PubsubConfig:

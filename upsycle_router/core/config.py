@@ -19,6 +19,9 @@ class CoreConfig:
     peers: frozenset[bytes] = frozenset()
     # Accept PULL from any authenticated router.
     accept_pull_from_any: bool = False
+    # Core nodes this (edge) router uses: non-local JOINs of local apps are joined there too, and local
+    # publishes to those groups are forwarded to them.
+    upstream: frozenset[bytes] = frozenset()
     # The local pub/sub service and peer discovery service, if any.
     pubsub_service: bytes | None = None
     discovery_service: bytes | None = None

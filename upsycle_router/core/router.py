@@ -97,6 +97,7 @@ class Router:
         self.subs: dict[bytes, dict[bytes, bool]] = store.subscriptions()
         self.routes: dict[bytes, RouteEntry] = store.routes()
         self.pubsub_groups: set[bytes] = store.pubsub_subscribed()
+        self.upstream_groups: set[bytes] = store.upstream_subscribed()
         self._dialing: set[bytes] = set()
         # Routers that proved themselves peers by advertising on their own connection (PULL is allowed).
         self.peer_routers: set[bytes] = set()
@@ -162,6 +163,9 @@ class Router:
             advert = self._own_advert_message(ev.peer, now)
             if advert is not None:
                 out.append(Send(ev.conn, advert.encode()))
+            if ev.peer in self.config.upstream:  # re-assert our subscriptions at a core node
+                for g in sorted(self.upstream_groups):
+                    out.append(Send(ev.conn, self._signed_to(ev.peer, encode_router(Join(g, False)), now).encode()))
         self._flush(c, now, out)
 
     def _on_close(self, ev: ConnectionClosed, out: list[Effect]) -> None:
@@ -283,7 +287,7 @@ class Router:
             return
         members = self.subs.get(h.grp)
         recipients = [m for m in members if m != c.peer] if members else []
-        if not members:  # step 3
+        if not members and not (c.local and h.grp in self.upstream_groups):  # step 3
             out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "no_subscribers"))
             return
         if msg.id in self.seen or self.store.has_message(msg.id):  # step 4
@@ -300,6 +304,9 @@ class Router:
             self.store.put_message(msg.id, data, h.grp, expiry)
         for m in recipients:  # step 8
             self._deliver(m, msg, h.grp, size, now, out, kind="multicast", data=data)
+        if c.local and h.grp in self.upstream_groups:  # an edge app published: hand it to our core nodes
+            for core in sorted(self.config.upstream):
+                self._to_router(core, msg, h.grp, size, now, out, kind="multicast")
 
     # ------------------------------------------------------------------ delivery
 
@@ -416,9 +423,13 @@ class Router:
         if to in self.locals:
             self._deliver(to, reply, None, len(reply.encode()), now, out, kind="control")
 
+    def _signed_to(self, dst: bytes, body: bytes, now: float) -> Message:
+        """A unicast from this router to ``dst``."""
+        header = UnicastHeader(self.id, dst, self.config.reply_ttl, exp_in(now, self.config.reply_lifetime))
+        return sign_message(header, body, self.identity)
+
     def _send_to_service(self, service: bytes, body: bytes, now: float, out: list[Effect]) -> None:
-        header = UnicastHeader(self.id, service, self.config.reply_ttl, exp_in(now, self.config.reply_lifetime))
-        m = sign_message(header, body, self.identity)
+        m = self._signed_to(service, body, now)
         self._deliver(service, m, None, len(m.encode()), now, out, kind="control")
 
     def _control(self, c: _Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
@@ -459,8 +470,10 @@ class Router:
             self._pull(c, msg, body, h, size, now, out)
         elif isinstance(body, Sync):
             self._reply(c, h.src, encode_router(SyncAck(body.n, Result.SUCCESS)), now, out)
-        elif isinstance(body, JoinAck | LeaveAck) and h.src == self.config.pubsub_service:
-            pass  # SUB_ACK / UNSUB_ACK from our pub/sub service (same shape as JOIN_ACK / LEAVE_ACK)
+        elif isinstance(body, JoinAck | LeaveAck) and (
+            h.src == self.config.pubsub_service or h.src in self.config.upstream
+        ):
+            pass  # SUB_ACK / UNSUB_ACK from our pub/sub service, or a core node's answer to our JOIN / LEAVE
         else:
             drop("unknown_control")
 
@@ -483,6 +496,12 @@ class Router:
             self.store.add_subscriber(j.addr, requester, j.local)
         out.append(Trace("joined", None, "control", j.addr, requester, None, c.peer, 0, role=self._role(requester)))
         self._reply(c, requester, encode_router(JoinAck(j.addr, Result.SUCCESS)), now, out)
+        if not j.local and c.local and self.config.upstream and j.addr not in self.upstream_groups:
+            self.upstream_groups.add(j.addr)
+            self.store.set_upstream_subscribed(j.addr, True)
+            for core in sorted(self.config.upstream):
+                m = self._signed_to(core, encode_router(Join(j.addr, False)), now)
+                self._to_router(core, m, None, len(m.encode()), now, out, kind="control")
         ps = self.config.pubsub_service
         if not j.local and ps is not None and requester != ps and j.addr not in self.pubsub_groups:
             self.pubsub_groups.add(j.addr)
@@ -503,6 +522,12 @@ class Router:
         remaining = set(members) - ({ps} if ps else set())
         if not members:
             del self.subs[lv.addr]
+        if not remaining and lv.addr in self.upstream_groups:
+            self.upstream_groups.discard(lv.addr)
+            self.store.set_upstream_subscribed(lv.addr, False)
+            for core in sorted(self.config.upstream):
+                m = self._signed_to(core, encode_router(Leave(lv.addr)), now)
+                self._to_router(core, m, None, len(m.encode()), now, out, kind="control")
         if not remaining and lv.addr in self.pubsub_groups and ps is not None:
             self.pubsub_groups.discard(lv.addr)
             self.store.set_pubsub_subscribed(lv.addr, False)

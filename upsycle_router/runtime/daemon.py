@@ -61,7 +61,8 @@ def core_config(
         local_services=local_services,
         edge_nodes=cfg.edge_nodes,
         accept_join_from_any=cfg.accept_join_from_any,
-        peers=frozenset(p.id for p in cfg.peers),
+        peers=frozenset(p.id for p in cfg.peers + cfg.core_nodes),
+        upstream=frozenset(p.id for p in cfg.core_nodes),
         accept_pull_from_any=cfg.accept_pull_from_any,
         pubsub_service=pubsub_service,
         seen_max=cfg.seen_max,
@@ -135,7 +136,7 @@ class Daemon:
         )
         loop = asyncio.get_running_loop()
         router.advert = self._own_advert(ident)
-        if cfg.tls is not None or cfg.peers:
+        if cfg.tls is not None or cfg.peers or cfg.core_nodes:
             self.pool = ConnectionPool(
                 self.driver,
                 ident,
@@ -144,7 +145,7 @@ class Daemon:
                 handshake_timeout=cfg.handshake_timeout,
                 max_frame=cfg.max_frame,
             )
-            for p in cfg.peers:
+            for p in cfg.peers + cfg.core_nodes:
                 addr = TransportAddr.parse(p.addr)
                 self.pool.add_static(p.id, addr.host, addr.port)
             self.driver.dialer = self.pool

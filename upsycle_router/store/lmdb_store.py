@@ -8,6 +8,7 @@ One LMDB environment holds every piece of state the router must not lose, in nam
 ``locals``     keys of services known to be local (so messages for them queue while they are away)
 ``subs``       ``group || member`` -> ``local flag`` (one record per subscription)
 ``psubs``      groups this router asked its pub/sub service to SUB to
+``usubs``      groups this (edge) router joined at its core nodes
 ``routes``     ``dst`` -> ``router || expires_ms || source``
 ``msgs``       ``id`` -> ``expires_ms || group-or-empty || message bytes``
 ``msg_exp``    ``expires_ms || id`` -> ``b""``: the expiry index of ``msgs``
@@ -122,8 +123,9 @@ class LmdbStore:
         self._txn: Any = None
         self._next_seq = 0
         self._db: dict[str, Any] = {}
-        for name in ("meta", "locals", "subs", "psubs", "routes", "msgs", "msg_exp", "queues", "queue_exp", "qstats"):
+        for name in ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "queue_exp"):
             self._db[name] = self.env.open_db(name.encode())
+        self._db["qstats"] = self.env.open_db(b"qstats")
         self._next_seq = self._load_seq()
         with self.transaction():
             v = self._get("meta", b"schema")
@@ -245,6 +247,17 @@ class LmdbStore:
     def pubsub_subscribed(self) -> set[bytes]:
         """Groups the pub/sub service was asked to SUB to."""
         return {k for k, _ in self._prefix("psubs", b"")}
+
+    def set_upstream_subscribed(self, group: bytes, on: bool) -> None:
+        """Record whether this (edge) router asked its core nodes to JOIN ``group`` for it."""
+        if on:
+            self._put("usubs", group, b"")
+        else:
+            self._delete("usubs", group)
+
+    def upstream_subscribed(self) -> set[bytes]:
+        """Groups joined at the core nodes on behalf of local apps."""
+        return {k for k, _ in self._prefix("usubs", b"")}
 
     # ------------------------------------------------------------ routing table
 

@@ -1,0 +1,391 @@
+"""The unicast routing algorithm of seed 003, step by step, through the core's effects and trace records.
+
+Router X has local apps alice and bob; R is a remote router whose service ``remote_svc`` talks to us through it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from core_harness import T0, CoreHarness, control, forged, ident, unicast
+
+from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.router import ROUTE_MESSAGE
+from upsycle_router.expiry import exp_in, unix_to_exp
+from upsycle_router.store.lmdb_store import RouteEntry
+from upsycle_router.wire.control import Sync, SyncAck
+
+X = ident("X")
+R = ident("R")
+R2 = ident("R2")
+ALICE = ident("alice")
+BOB = ident("bob")
+REMOTE_SVC = ident("remote-svc")
+STRANGER = ident("stranger")
+
+
+@pytest.fixture
+def h(tmp_path: Path) -> CoreHarness:
+    return CoreHarness(tmp_path / "x", X)
+
+
+# ---------------------------------------------------------------- step 1: signature
+
+
+def test_bad_signature_is_dropped_and_the_connection_stays_open(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    out = h.receive(a, forged(unicast(ALICE, BOB)))
+    assert out.events() == ["received", "dropped"]
+    assert out.traces("dropped")[0].reason == "bad_signature"
+    assert out.traces("dropped")[0].peer == ALICE.public
+    assert out.sends() == [] and out.closes() == []
+    # The connection still works.
+    ok = unicast(ALICE, BOB, b"second try")
+    assert h.receive(a, ok).sends(b)[0].data == ok.encode()
+
+
+def test_bad_signature_from_a_remote_router_learns_no_route(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    h.open(BOB)
+    out = h.receive(r, forged(unicast(REMOTE_SVC, BOB)))
+    assert [t.reason for t in out.traces("dropped")] == ["bad_signature"]
+    assert out.sends() == [] and out.closes() == []
+    assert REMOTE_SVC.public not in h.router.routes
+
+
+def test_received_trace_describes_the_message(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    m = unicast(ALICE, BOB)
+    t = h.receive(a, m).traces("received")[0]
+    assert (t.id, t.type, t.src, t.dst, t.peer, t.size, t.local) == (
+        m.id, "unicast", ALICE.public, BOB.public, ALICE.public, len(m.encode()), True)
+    t = h.receive(r, unicast(REMOTE_SVC, BOB)).traces("received")[0]
+    assert t.local is False and t.peer == R.public
+
+
+# ---------------------------------------------------------------- step 2: from a remote router
+
+
+def test_message_from_a_remote_router_is_delivered_with_via_set_to_that_router(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    b = h.open(BOB)
+    m = unicast(REMOTE_SVC, BOB, b"hi bob")
+    out = h.receive(r, m)
+    [got] = out.messages(b)
+    assert got.via == R.public
+    assert (got.id, got.body, got.sig) == (m.id, m.body, m.sig)  # VIA is outside signature and id
+    [t] = out.traces("delivered")
+    assert (t.dst, t.peer, t.src, t.role) == (BOB.public, BOB.public, REMOTE_SVC.public, "app")
+
+
+def test_remote_via_is_overwritten_with_the_last_hop(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    b = h.open(BOB)
+    out = h.receive(r, unicast(REMOTE_SVC, BOB, via=R2.public))
+    assert out.messages(b)[0].via == R.public
+
+
+def test_message_from_a_remote_router_learns_a_route_to_its_source(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    h.open(BOB)
+    h.receive(r, unicast(REMOTE_SVC, BOB))
+    assert h.router.routes[REMOTE_SVC.public] == RouteEntry(
+        R.public, T0 + h.config.learned_route_ttl, ROUTE_MESSAGE)
+    assert h.store.routes()[REMOTE_SVC.public].router == R.public
+
+
+def test_learned_route_is_persisted_across_a_restart(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    h.open(BOB)
+    h.receive(r, unicast(REMOTE_SVC, BOB))
+    h.restart()
+    assert h.store.routes()[REMOTE_SVC.public].router == R.public
+    assert h.router.routes[REMOTE_SVC.public].router == R.public
+    # ... and is used: alice's reply goes to R without VIA.
+    r = h.open(R, local=False)
+    a = h.open(ALICE)
+    reply = unicast(ALICE, REMOTE_SVC, b"reply")
+    assert h.receive(a, reply).sends(r)[0].data == reply.encode()
+
+
+def test_message_sent_by_the_remote_router_itself_adds_no_route(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    h.open(BOB)
+    h.receive(r, unicast(R, BOB))
+    assert R.public not in h.router.routes
+
+
+# ---------------------------------------------------------------- step 3.1: to the router itself
+
+
+def test_message_to_the_router_is_processed_as_control(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    out = h.receive(a, control(ALICE, X, Sync(7)))
+    assert out.traces("received")[0].type == "control"
+    [(reply, body)] = out.replies(a)
+    assert body == SyncAck(7, 0)
+    assert (reply.header.src, reply.header.dst) == (X.public, ALICE.public)
+    assert out.traces("dropped") == []
+
+
+# ---------------------------------------------------------------- step 3.2: to a local service
+
+
+def test_local_destination_that_is_connected_gets_the_message(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    m = unicast(ALICE, BOB)
+    out = h.receive(a, m)
+    assert [s.data for s in out.sends()] == [m.encode()]
+    assert out.sends(b)[0].queue_ref is None
+    assert out.events() == ["received", "delivered"]
+
+
+def test_local_destination_that_is_away_gets_it_queued(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    h.close(b)  # bob is a known local service now
+    m = unicast(ALICE, BOB, ttl=120)
+    out = h.receive(a, m)
+    assert out.sends() == []
+    [t] = out.traces("queued")
+    assert (t.id, t.dst, t.role, t.type) == (m.id, BOB.public, "app", "unicast")
+    [e] = h.store.queue(BOB.public)
+    assert (e.id, e.expires) == (m.id, T0 + 120)
+    assert h.store.get_message(m.id).data == m.encode()
+
+
+def test_configured_local_service_that_never_connected_gets_messages_queued(tmp_path: Path) -> None:
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(local_services=frozenset({ALICE.public, BOB.public})))
+    a = h.open(ALICE)
+    assert h.receive(a, unicast(ALICE, BOB)).traces("queued")
+
+
+def test_queue_expiry_is_the_earlier_of_ttl_and_exp(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    h.close(h.open(BOB))
+    m = unicast(ALICE, BOB, ttl=7200, exp=exp_in(T0, 600))
+    h.receive(a, m)
+    assert h.store.queue(BOB.public)[0].expires == T0 + 600
+
+
+def test_ttl_zero_to_an_offline_local_service_is_dropped_not_queued(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    h.close(h.open(BOB))
+    m = unicast(ALICE, BOB, ttl=0)
+    out = h.receive(a, m)
+    assert [t.reason for t in out.traces("dropped")] == ["ttl_zero_offline"]
+    assert out.traces("queued") == []
+    assert h.store.queue(BOB.public) == [] and not h.store.has_message(m.id)
+
+
+def test_ttl_zero_to_a_connected_local_service_is_delivered(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    assert h.receive(a, unicast(ALICE, BOB, ttl=0)).sends(b)
+
+
+def test_message_already_expired_on_arrival_is_dropped(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    h.close(b)
+    m = unicast(ALICE, BOB, exp=unix_to_exp(T0) - 1)
+    out = h.receive(a, m)
+    assert out.events() == ["received", "dropped"]
+    assert out.traces("dropped")[0].reason == "expired"
+    assert h.store.queue(BOB.public) == [] and not h.store.has_message(m.id)
+
+
+def test_message_expiring_exactly_now_is_expired(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    h.open(BOB)
+    out = h.receive(a, unicast(ALICE, BOB, exp=unix_to_exp(T0)))
+    assert [t.reason for t in out.traces("dropped")] == ["expired"]
+    assert out.sends() == []
+
+
+# ---------------------------------------------------------------- step 3.3: from a local service to a remote one
+
+
+def test_local_source_with_via_is_forwarded_to_that_connected_router(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    m = unicast(ALICE, REMOTE_SVC, via=R.public)
+    out = h.receive(a, m)
+    assert [s.data for s in out.sends()] == [m.encode()]  # unchanged, on R's connection
+    assert out.sends(r)
+    [t] = out.traces("forwarded")
+    assert (t.peer, t.src, t.dst) == (R.public, ALICE.public, REMOTE_SVC.public)
+
+
+def test_via_wins_over_the_routing_table(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    r2 = h.open(R2, local=False)
+    h.receive(r, unicast(REMOTE_SVC, BOB))  # learns remote_svc -> R
+    a = h.open(ALICE)
+    out = h.receive(a, unicast(ALICE, REMOTE_SVC, via=R2.public))
+    assert out.sends(r2) and not out.sends(r)
+
+
+def test_local_source_with_via_to_an_unconnected_router_is_queued_and_dialled(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    m = unicast(ALICE, REMOTE_SVC, via=R.public)
+    out = h.receive(a, m)
+    assert out.sends() == []
+    assert out.dials() == [R.public]
+    [t] = out.traces("queued")
+    assert t.dst == R.public
+    assert [e.id for e in h.store.queue(R.public)] == [m.id]
+
+
+def test_second_message_while_dialling_does_not_dial_again(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    assert h.receive(a, unicast(ALICE, REMOTE_SVC, b"1", via=R.public)).dials() == [R.public]
+    assert h.receive(a, unicast(ALICE, REMOTE_SVC, b"2", via=R.public)).dials() == []
+    h.dial_failed(R)
+    assert h.receive(a, unicast(ALICE, REMOTE_SVC, b"3", via=R.public)).dials() == [R.public]
+    assert len(h.store.queue(R.public)) == 3
+
+
+def test_messages_queued_for_a_router_are_forwarded_when_it_connects(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    m1 = unicast(ALICE, REMOTE_SVC, b"1", via=R.public)
+    m2 = unicast(ALICE, REMOTE_SVC, b"2", via=R.public)
+    h.receive(a, m1)
+    h.receive(a, m2)
+    r = h.open(R, local=False)
+    out = h.last
+    assert [s.data for s in out.sends(r)] == [m1.encode(), m2.encode()]
+    assert all(s.queue_ref is not None for s in out.sends(r))
+    assert [t.peer for t in out.traces("forwarded")] == [R.public, R.public]
+    h.queue_sent(out)
+    assert h.store.queue(R.public) == []
+    # A new message for R now goes straight out, and R is no longer being dialled.
+    assert h.receive(a, unicast(ALICE, REMOTE_SVC, b"3", via=R.public)).sends(r)
+
+
+def test_local_source_without_via_uses_the_routing_table(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    h.receive(r, unicast(REMOTE_SVC, BOB))  # learns remote_svc -> R
+    a = h.open(ALICE)
+    m = unicast(ALICE, REMOTE_SVC, b"reply")
+    out = h.receive(a, m)
+    assert [s.data for s in out.sends(r)] == [m.encode()]
+    assert out.traces("forwarded")[0].peer == R.public
+
+
+def test_route_to_an_unconnected_router_queues_and_dials(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    h.receive(r, unicast(REMOTE_SVC, BOB))
+    h.close(r)
+    a = h.open(ALICE)
+    out = h.receive(a, unicast(ALICE, REMOTE_SVC, b"reply"))
+    assert out.dials() == [R.public]
+    assert out.traces("queued")[0].dst == R.public
+
+
+def test_directly_connected_router_is_a_destination(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    a = h.open(ALICE)
+    assert h.receive(a, unicast(ALICE, R, b"to the router R")).sends(r)
+
+
+def test_via_naming_this_router_falls_back_to_the_routing_table(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    h.receive(r, unicast(REMOTE_SVC, BOB))
+    a = h.open(ALICE)
+    assert h.receive(a, unicast(ALICE, REMOTE_SVC, via=X.public)).sends(r)
+
+
+def test_expired_learned_route_is_not_used(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    h.receive(r, unicast(REMOTE_SVC, BOB))
+    a = h.open(ALICE)
+    later = T0 + h.config.learned_route_ttl
+    out = h.receive(a, unicast(ALICE, REMOTE_SVC, now=later), now=later)
+    assert [t.reason for t in out.traces("dropped")] == ["no_route"]
+
+
+# ---------------------------------------------------------------- step 4: no forwarding decision
+
+
+def test_no_route_is_dropped(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    out = h.receive(a, unicast(ALICE, REMOTE_SVC))
+    assert out.events() == ["received", "dropped"]
+    [t] = out.traces("dropped")
+    assert (t.reason, t.src, t.dst) == ("no_route", ALICE.public, REMOTE_SVC.public)
+    assert out.sends() == [] and out.dials() == []
+
+
+def test_remote_message_claiming_a_local_source_is_not_relayed(h: CoreHarness) -> None:
+    h.close(h.open(ALICE))  # alice is one of our local services
+    r = h.open(R, local=False)
+    h.open(R2, local=False)
+    out = h.receive(r, unicast(ALICE, REMOTE_SVC, via=R2.public))
+    assert [t.reason for t in out.traces("dropped")] == ["not_local"]
+    assert out.sends() == [] and out.dials() == []
+
+
+def test_strangers_message_to_an_unknown_destination_is_not_relayed(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    r2 = h.open(R2, local=False)
+    h.receive(r2, unicast(REMOTE_SVC, BOB))  # we even know a route to remote_svc (via R2)
+    out = h.receive(r, unicast(STRANGER, REMOTE_SVC, via=R2.public))
+    assert [t.reason for t in out.traces("dropped")] == ["no_route"]
+    assert out.sends() == [] and out.dials() == []
+
+
+def test_local_connection_cannot_relay_for_a_non_local_source(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    h.open(R, local=False)
+    out = h.receive(a, unicast(STRANGER, REMOTE_SVC, via=R.public))
+    assert [t.reason for t in out.traces("dropped")] == ["no_route"]
+    assert out.sends() == []
+
+
+# ---------------------------------------------------------------- replay protection
+
+
+def test_replayed_unicast_is_a_duplicate(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    m = unicast(ALICE, BOB)
+    assert h.receive(a, m).sends(b)
+    out = h.receive(a, m)
+    assert out.events() == ["received", "duplicate"]
+    [t] = out.traces("duplicate")
+    assert (t.id, t.reason, t.peer) == (m.id, "duplicate", ALICE.public)
+    assert out.sends() == []
+
+
+def test_replay_from_another_connection_is_a_duplicate(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    r2 = h.open(R2, local=False)
+    h.open(BOB)
+    m = unicast(REMOTE_SVC, BOB)
+    assert h.receive(r, m).sends()
+    assert h.receive(r2, m).traces("duplicate")
+
+
+def test_replay_memory_is_bounded_by_seen_max(tmp_path: Path) -> None:
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(seen_max=2))
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    ms = [unicast(ALICE, BOB, bytes([i])) for i in range(3)]
+    for m in ms:
+        assert h.receive(a, m).sends(b)
+    assert h.receive(a, ms[2]).traces("duplicate")
+    assert h.receive(a, ms[0]).sends(b)  # the oldest id was forgotten
+
+
+def test_control_messages_are_exempt_from_replay_protection(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    m = control(ALICE, X, Sync(1))
+    assert h.receive(a, m).replies(a)
+    out = h.receive(a, m)
+    assert out.traces("duplicate") == []
+    assert [b for _, b in out.replies(a)] == [SyncAck(1, 0)]
