@@ -84,6 +84,36 @@ def cmd_id(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pubsub(args: argparse.Namespace) -> int:
+    """Run the pub/sub service as its own process against a router's socket."""
+    from upsycle_router.runtime.daemon import gossip_params, group_policies
+    from upsycle_router.runtime.pubsub_service import PubsubService
+
+    try:
+        cfg = config_from_args(args)
+        ident = load_or_create_key_file(cfg.data_dir / "pubsub.key")
+        params, policies = gossip_params(cfg), group_policies(cfg)
+    except (KeyFileError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.unix is None:
+        print("error: the router has no Unix socket (listen.unix)", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_level)
+    service = PubsubService(ident, cfg.unix, params=params, policies=policies)
+
+    async def main() -> None:
+        import signal
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: loop.create_task(service.stop()))
+        await service.run()
+
+    run_async(main())
+    return 0
+
+
 def add_daemon_options(p: argparse.ArgumentParser) -> None:
     """``--config`` and ``--data-dir``, shared by commands that read the daemon's state."""
     p.add_argument("--config", help="YAML config file (default: embedded defaults)")
@@ -100,6 +130,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--trace", metavar="DIR", help="write the trace journal to DIR")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("pubsub", help="run the pub/sub service as a separate process (pubsub.in_process: false)")
+    add_daemon_options(p)
+    p.add_argument("--unix", help="the router's Unix socket (overrides the config)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_pubsub)
 
     p = sub.add_parser("id", help="print the router's public key")
     add_daemon_options(p)

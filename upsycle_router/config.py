@@ -58,6 +58,7 @@ class PubsubConfig:
     """The in-process pub/sub service."""
 
     enabled: bool = True
+    in_process: bool = True
     params: dict[str, float] = field(default_factory=dict)
     groups: dict[bytes, GroupPolicyConfig] = field(default_factory=dict)
 
@@ -265,8 +266,9 @@ def _peer_list(peers: Any, path: str) -> tuple[PeerConfig, ...]:
 
 
 def _parse_pubsub(v: Any) -> PubsubConfig:
-    pm = _map(v, "pubsub", {"enabled", "params", "groups"})
+    pm = _map(v, "pubsub", {"enabled", "in_process", "params", "groups"})
     enabled = _bool(pm.get("enabled", True), "pubsub.enabled")
+    in_process = _bool(pm.get("in_process", True), "pubsub.in_process")
     params_raw = _map(pm.get("params"), "pubsub.params", _GOSSIP_PARAMS)
     params = {k: _float(x, f"pubsub.params.{k}", 0.0) for k, x in params_raw.items()}
     groups: dict[bytes, GroupPolicyConfig] = {}
@@ -289,7 +291,7 @@ def _parse_pubsub(v: Any) -> PubsubConfig:
             ),
             signature_policy=policy,
         )
-    return PubsubConfig(enabled, params, groups)
+    return PubsubConfig(enabled, in_process, params, groups)
 
 
 def _as_dict(cfg: DaemonConfig) -> dict[str, Any]:

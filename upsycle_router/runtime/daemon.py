@@ -159,7 +159,7 @@ class Daemon:
             log.info("listening tls=%s", cfg.tls)
         if self.pool is not None:
             self.pool.start()
-        if self.pubsub_identity is not None and cfg.unix is not None:
+        if self.pubsub_identity is not None and cfg.unix is not None and cfg.pubsub.in_process:
             self.pubsub = PubsubService(
                 self.pubsub_identity, cfg.unix, params=params, policies=policies
             )
