@@ -19,7 +19,7 @@ import nacl.public
 import nacl.signing
 import pytest
 
-from upsycle_router import expiry
+from upsycle_router import cli, expiry
 from upsycle_router.crypto import (
     Identity,
     blake3_256,
@@ -299,6 +299,46 @@ def test_load_or_create(tmp_path: Path) -> None:
     created = load_or_create_key_file(p)
     assert _mode(p) == 0o600
     assert load_or_create_key_file(p) == created
+
+
+def test_key_file_unusable_paths(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(KeyFileError, match="cannot create key file"):
+        write_key_file(blocker / "k")
+    with pytest.raises(KeyFileError, match="cannot read key file"):
+        load_key_file(blocker / "k")
+    d = tmp_path / "dir"
+    d.mkdir(mode=0o700)
+    with pytest.raises(KeyFileError, match="cannot read key file"):
+        load_key_file(d)
+
+
+def _keygen(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = cli.main(["keygen", *args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_cli_keygen(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = tmp_path / "sub" / "alice.key"
+    rc, out, err = _keygen(capsys, "--out", str(p))
+    assert rc == 0 and err == ""
+    assert len(out) == 65 and out.endswith("\n") and out.strip() == out.strip().lower()
+    assert _mode(p) == 0o600
+    assert load_key_file(p).public.hex() == out.strip()
+    # Refuses to overwrite, with one line on stderr.
+    rc, out2, err = _keygen(capsys, "--out", str(p))
+    assert rc == 2 and out2 == "" and err.count("\n") == 1 and "exists" in err
+    assert load_key_file(p).public.hex() == out.strip()
+    # --force writes a new key.
+    p.chmod(0o644)
+    rc, out3, err = _keygen(capsys, "--out", str(p), "--force")
+    assert rc == 0 and out3 != out and _mode(p) == 0o600
+    assert load_key_file(p).public.hex() == out3.strip()
+    # A path that cannot be created: one line, no traceback.
+    rc, out4, err = _keygen(capsys, "--out", str(p / "x.key"))
+    assert rc == 2 and out4 == "" and err.startswith("error: ") and err.count("\n") == 1
 
 
 # ---------------------------------------------------------------- X25519 conversion

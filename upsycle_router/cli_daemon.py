@@ -114,6 +114,16 @@ def cmd_pubsub(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_testnet(args: argparse.Namespace) -> int:
+    """Run a local testnet."""
+    from upsycle_router.runtime.testnet import main_testnet
+
+    if args.nodes < 1:
+        print("error: --nodes must be at least 1", file=sys.stderr)
+        return 2
+    return main_testnet(args)
+
+
 def add_daemon_options(p: argparse.ArgumentParser) -> None:
     """``--config`` and ``--data-dir``, shared by commands that read the daemon's state."""
     p.add_argument("--config", help="YAML config file (default: embedded defaults)")
@@ -136,6 +146,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--unix", help="the router's Unix socket (overrides the config)")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_pubsub)
+
+    p = sub.add_parser("testnet", help="run N routers on loopback TLS with a publishing workload")
+    p.add_argument("--nodes", type=int, default=5, help="number of routers (default 5)")
+    p.add_argument("--topology", choices=["line", "ring", "random"], default="line")
+    p.add_argument("--groups", type=int, default=1, help="number of groups (default 1)")
+    p.add_argument("--rate", type=float, default=20.0, help="messages per second, in total (default 20)")
+    p.add_argument("--duration", type=float, default=10.0, help="seconds of publishing (default 10)")
+    p.add_argument("--churn", action="store_true", help="stop and restart random routers while publishing")
+    p.add_argument("--seed", type=int, default=1, help="seed of the topology and workload")
+    p.add_argument("--out", default="testnet-out", help="directory for node state and journals")
+    p.set_defaults(func=cmd_testnet)
 
     p = sub.add_parser("id", help="print the router's public key")
     add_daemon_options(p)

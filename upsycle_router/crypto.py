@@ -155,12 +155,17 @@ def write_key_file(path: str | os.PathLike[str], key: Identity | None = None, *,
     """Write a key file (mode 0600, seed as hex) and return its identity."""
     key = key or Identity.generate()
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KeyFileError(f"{p}: cannot create key file: {e.strerror}") from None
     try:
         fd = os.open(p, flags, 0o600)
     except FileExistsError:
         raise KeyFileError(f"{p}: key file exists; refusing to overwrite it") from None
+    except OSError as e:
+        raise KeyFileError(f"{p}: cannot create key file: {e.strerror}") from None
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), 0o600)
         f.write(key.seed.hex() + "\n")
@@ -174,12 +179,17 @@ def load_key_file(path: str | os.PathLike[str]) -> Identity:
         st = p.stat()
     except FileNotFoundError:
         raise KeyFileError(f"{p}: no such key file") from None
+    except OSError as e:
+        raise KeyFileError(f"{p}: cannot read key file: {e.strerror}") from None
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise KeyFileError(
             f"{p}: key file is accessible by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "
             f"run 'chmod 600 {p}'"
         )
-    raw = p.read_bytes()
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise KeyFileError(f"{p}: cannot read key file: {e.strerror}") from None
     text = raw.strip()
     try:
         if len(text) == 2 * SEED_LEN:
