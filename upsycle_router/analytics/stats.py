@@ -73,39 +73,50 @@ def nearest_rank(df: DataFrame, keys: Sequence[str], value: str, pcts: Sequence[
 
 
 def first_receipts(ev: DataFrame) -> DataFrame:
-    """Per id: ``t0`` (earliest ``received`` ts on any node), ``published``, ``group``, ``origin`` node."""
+    """Per received id: ``t0``, ``published``, ``group``, ``origin``, ``type``, ``duplicate_events``, ``forwards``.
+
+    ``t0`` is the earliest ``received`` ts on any node; the first receipt (earliest, a local one on a tie, then
+    journal order) gives the rest. One aggregation also counts the id's ``duplicate`` and ``forwarded`` records.
+    """
+    event = F.col("event")
     nonlocal_rank = F.when(F.col("local"), 0).otherwise(1)
-    first = (
-        ev.where(F.col("event") == "received")
+    receipt = F.struct(
+        F.col("ts"),
+        nonlocal_rank.alias("nonlocal"),
+        F.col("file"),
+        F.col("line"),
+        F.col("node"),
+        F.col("type"),
+        F.col("group"),
+    )
+    per_id = (
+        ev.where(event.isin("received", "duplicate", "forwarded"))
         .groupBy("id")
         .agg(
-            F.min(
-                F.struct(
-                    F.col("ts"),
-                    nonlocal_rank.alias("nonlocal"),
-                    F.col("file"),
-                    F.col("line"),
-                    F.col("node"),
-                    F.col("type"),
-                    F.col("group"),
-                )
-            ).alias("f")
+            F.min(F.when(event == "received", receipt)).alias("f"),
+            F.count(F.when(event == "duplicate", 1)).alias("duplicate_events"),
+            F.count(F.when(event == "forwarded", 1)).alias("forwards"),
         )
+        .where(F.col("f").isNotNull())
     )
     published = (F.col("f.nonlocal") == 0) & (F.col("f.type") == "multicast") & F.col("f.group").isNotNull()
-    return first.select(
+    return per_id.select(
         "id",
         F.col("f.ts").alias("t0"),
         published.alias("published"),
         F.col("f.group").alias("group"),
         F.col("f.node").alias("origin"),
         F.col("f.type").alias("type"),
+        "duplicate_events",
+        "forwards",
     )
 
 
 def published_messages(receipts: DataFrame) -> DataFrame:
-    """The published ids: ``id``, ``group``, ``origin``, ``published_ts``."""
-    return receipts.where(F.col("published")).select("id", "group", "origin", F.col("t0").alias("published_ts"))
+    """The published ids: ``id``, ``group``, ``origin``, ``published_ts``, ``duplicate_events``, ``forwards``."""
+    return receipts.where(F.col("published")).select(
+        "id", "group", "origin", F.col("t0").alias("published_ts"), "duplicate_events", "forwards"
+    )
 
 
 def subscription_changes(ev: DataFrame) -> DataFrame:
@@ -136,23 +147,14 @@ def expected_per_message(ev: DataFrame, published: DataFrame) -> DataFrame:
 
 def app_deliveries(ev: DataFrame, published: DataFrame) -> DataFrame:
     """One row per (id, node, dst) app delivery of a published id: ``group``, ``times``, ``latency_ms``."""
-    delivered = ev.where((F.col("event") == "delivered") & (F.col("role") == "app")).select("id", "node", "dst", "ts")
-    pubs = published.select("id", "group", "published_ts")
-    return (
-        delivered.join(pubs, "id")
+    per_dst = (
+        ev.where((F.col("event") == "delivered") & (F.col("role") == "app"))
         .groupBy("id", "node", "dst")
-        .agg(
-            F.first("group").alias("group"),
-            F.count(F.lit(1)).alias("times"),
-            F.min("ts").alias("first_ts"),
-            F.first("published_ts").alias("published_ts"),
-        )
-        .withColumn("latency_ms", millis(F.col("first_ts"), F.col("published_ts")))
+        .agg(F.count(F.lit(1)).alias("times"), F.min("ts").alias("first_ts"))
     )
-
-
-def _count_by_id(ev: DataFrame, event: str, name: str) -> DataFrame:
-    return ev.where(F.col("event") == event).groupBy("id").agg(F.count(F.lit(1)).alias(name))
+    return per_dst.join(published.select("id", "group", "published_ts"), "id").withColumn(
+        "latency_ms", millis(F.col("first_ts"), F.col("published_ts"))
+    )
 
 
 def message_stats(ev: DataFrame, published: DataFrame, deliveries: DataFrame) -> DataFrame:
@@ -160,12 +162,7 @@ def message_stats(ev: DataFrame, published: DataFrame, deliveries: DataFrame) ->
     per_delivery = deliveries.groupBy("id").agg(
         F.count(F.lit(1)).alias("delivered"), F.sum(F.col("times") - 1).alias("redeliveries")
     )
-    out = (
-        published.join(expected_per_message(ev, published), "id", "left")
-        .join(per_delivery, "id", "left")
-        .join(_count_by_id(ev, "duplicate", "duplicate_events"), "id", "left")
-        .join(_count_by_id(ev, "forwarded", "forwards"), "id", "left")
-    )
+    out = published.join(expected_per_message(ev, published), "id", "left").join(per_delivery, "id", "left")
     counts = ("expected", "delivered", "redeliveries", "duplicate_events", "forwards")
     return out.select(
         "id", "group", "origin", "published_ts", *[F.coalesce(F.col(c), F.lit(0)).cast("long").alias(c) for c in counts]

@@ -132,7 +132,8 @@ class Router:
         """Expire queued and stored messages and routes whose time has come."""
         out: list[Effect] = []
         for e in self.store.sweep(now):
-            out.append(Trace("expired", e.id, "unicast", None, None, e.recipient, None, e.size, "expired",
+            kind = "multicast" if e.group is not None else "unicast"
+            out.append(Trace("expired", e.id, kind, e.group, None, e.recipient, None, e.size, "expired",
                              role=self._role(e.recipient)))
         for dst in [d for d, r in self.routes.items() if r.expires is not None and r.expires <= now]:
             del self.routes[dst]
@@ -205,8 +206,11 @@ class Router:
             return
         for e in self.store.queue(c.peer, limit=self.config.flush_batch):
             stored = self.store.get_message(e.id)
-            if stored is None or stored.expires <= now:
+            if stored is None or stored.expires <= now or e.expires <= now:
                 self.store.dequeue(c.peer, e.seq)
+                group = stored.group if stored is not None else None
+                out.append(Trace("expired", e.id, "multicast" if group else "unicast", group, None, c.peer, None,
+                                 e.size, "expired", role=self._role(c.peer)))
                 continue
             c.inflight.add(e.seq)
             out.append(Send(c.id, stored.data, (c.peer, e.seq)))
@@ -448,6 +452,10 @@ class Router:
                 return
             if not isinstance(inner.header, MulticastHeader):
                 drop("unknown_control")
+                return
+            if exp_to_unix(inner.header.exp) <= now:
+                out.append(Trace("dropped", inner.id, "multicast", inner.header.grp, None, None, c.peer,
+                                 len(msg.body), "expired"))
                 return
             from upsycle_router.crypto import message_signature_valid
 

@@ -96,11 +96,12 @@ class QueueEntry:
 
 @dataclass(frozen=True, slots=True)
 class Expired:
-    """A queue entry that reached its expiry (``recipient`` None: a stored message with no queue entry)."""
+    """A queue entry that reached its expiry; ``group`` is the message's group (None for unicast)."""
 
     recipient: bytes | None
     id: bytes
     size: int
+    group: bytes | None = None
 
 
 class LmdbStore:
@@ -393,7 +394,8 @@ class LmdbStore:
             v = self._get("queues", recipient + k[40:48])
             if v is not None:
                 mid, _, size = _QVAL.unpack(v)
-                out.append(Expired(recipient, mid, size))
+                stored = self.get_message(mid)
+                out.append(Expired(recipient, mid, size, stored.group if stored is not None else None))
             self.dequeue(recipient, seq)
             self._delete("queue_exp", k)
         cur = txn.cursor(db=self._db["msg_exp"])
