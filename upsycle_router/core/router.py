@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.control import ControlPlane
 from upsycle_router.core.events import (
     CloseConnection,
     ConnectionClosed,
@@ -39,40 +40,29 @@ from upsycle_router.core.events import (
     Effect,
     Event,
     MessageReceived,
-    PeerLearned,
     QueueSent,
     Send,
     Trace,
 )
 from upsycle_router.core.seen import SeenIds
-from upsycle_router.crypto import Identity, advert_valid, sign_message
-from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.crypto import Identity, sign_message
+from upsycle_router.errors import ErrorCode
 from upsycle_router.expiry import exp_in, exp_to_unix, expires_at
 from upsycle_router.store.lmdb_store import LmdbStore, RouteEntry
 from upsycle_router.wire.control import (
     Join,
-    JoinAck,
-    Leave,
-    LeaveAck,
-    Pull,
-    PullNack,
-    Result,
     RouterMessage,
-    Sync,
-    SyncAck,
-    decode_control,
     encode_router,
 )
 from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
-from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
-from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub, Unsub
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 
 ROUTE_CONNECTION = 1
 ROUTE_MESSAGE = 2
 ROUTE_ADVERT = 3
 
 
-class _Conn:
+class Conn:
     __slots__ = ("id", "peer", "local", "inflight")
 
     def __init__(self, conn: ConnId, peer: bytes, local: bool) -> None:
@@ -91,7 +81,7 @@ class Router:
         self.store = store
         self.config = config or CoreConfig()
         self.seen = SeenIds(self.config.seen_max)
-        self._conns: dict[ConnId, _Conn] = {}
+        self._conns: dict[ConnId, Conn] = {}
         self._by_key: dict[bytes, list[ConnId]] = {}
         self.locals: set[bytes] = set(self.config.local_services or ()) | store.locals()
         self.subs: dict[bytes, dict[bytes, bool]] = store.subscriptions()
@@ -101,6 +91,7 @@ class Router:
         self._dialing: set[bytes] = set()
         # Routers that proved themselves peers by advertising on their own connection (PULL is allowed).
         self.peer_routers: set[bytes] = set()
+        self.control = ControlPlane(self)
 
     # ------------------------------------------------------------------ driver interface
 
@@ -152,7 +143,7 @@ class Router:
     # ------------------------------------------------------------------ connections
 
     def _on_open(self, ev: ConnectionOpened, now: float, out: list[Effect]) -> None:
-        c = _Conn(ev.conn, ev.peer, ev.local)
+        c = Conn(ev.conn, ev.peer, ev.local)
         self._conns[ev.conn] = c
         self._by_key.setdefault(ev.peer, []).append(ev.conn)
         if ev.local:
@@ -166,7 +157,8 @@ class Router:
                 out.append(Send(ev.conn, advert.encode()))
             if ev.peer in self.config.upstream:  # re-assert our subscriptions at a core node
                 for g in sorted(self.upstream_groups):
-                    out.append(Send(ev.conn, self._signed_to(ev.peer, encode_router(Join(g, False)), now).encode()))
+                    m = self.control.signed_to(ev.peer, encode_router(Join(g, False)), now)
+                    out.append(Send(ev.conn, m.encode()))
         self._flush(c, now, out)
 
     def _on_close(self, ev: ConnectionClosed, out: list[Effect]) -> None:
@@ -200,7 +192,7 @@ class Router:
             if conn is not None and not self._conns[conn].inflight:
                 self._flush(self._conns[conn], now, out)
 
-    def _flush(self, c: _Conn, now: float, out: list[Effect]) -> None:
+    def _flush(self, c: Conn, now: float, out: list[Effect]) -> None:
         """Send the next batch of ``c.peer``'s queue on ``c``."""
         if c.inflight:
             return
@@ -248,7 +240,7 @@ class Router:
         else:
             self._unicast(c, msg, h, ev.size, now, out)
 
-    def _unicast(self, c: _Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
+    def _unicast(self, c: Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
         kind = "control" if h.dst == self.id else "unicast"
 
         def drop(reason: str) -> None:
@@ -268,7 +260,7 @@ class Router:
             if h.src != c.peer:
                 self._learn_route(h.src, c.peer, ROUTE_MESSAGE, now + self.config.learned_route_ttl)
         if h.dst == self.id:  # 3.1
-            self._control(c, msg, h, size, now, out)
+            self.control.handle(c, msg, h, size, now, out)
             return
         if h.dst in self.locals:  # 3.2
             self._deliver(h.dst, msg, None, size, now, out, kind="unicast")
@@ -285,7 +277,7 @@ class Router:
             return
         self._to_router(router, msg, None, size, now, out, kind="unicast")
 
-    def _multicast(self, c: _Conn, msg: Message, h: MulticastHeader, size: int, now: float, out: list[Effect]) -> None:
+    def _multicast(self, c: Conn, msg: Message, h: MulticastHeader, size: int, now: float, out: list[Effect]) -> None:
         if c.local and msg.via is not None and msg.via != self.id:  # step 2: source routing by a local service
             self._to_router(msg.via, msg, h.grp, size, now, out, kind="multicast")
             return
@@ -414,175 +406,6 @@ class Router:
         if key in (self.config.pubsub_service, self.config.discovery_service):
             return "service"
         return "app"
-
-    # ------------------------------------------------------------------ control (dst = this router)
-
-    def _reply(self, c: _Conn, to: bytes, body: bytes, now: float, out: list[Effect]) -> None:
-        """Send a router-signed unicast ``body`` to ``to`` (over ``c``, or via the normal delivery path)."""
-        header = UnicastHeader(self.id, to, self.config.reply_ttl, exp_in(now, self.config.reply_lifetime))
-        reply = sign_message(header, body, self.identity)
-        if c.id in self._conns and (c.peer == to or not c.local):
-            out.append(Send(c.id, reply.encode()))
-            return
-        if to in self.locals:
-            self._deliver(to, reply, None, len(reply.encode()), now, out, kind="control")
-
-    def _signed_to(self, dst: bytes, body: bytes, now: float) -> Message:
-        """A unicast from this router to ``dst``."""
-        header = UnicastHeader(self.id, dst, self.config.reply_ttl, exp_in(now, self.config.reply_lifetime))
-        return sign_message(header, body, self.identity)
-
-    def _send_to_service(self, service: bytes, body: bytes, now: float, out: list[Effect]) -> None:
-        m = self._signed_to(service, body, now)
-        self._deliver(service, m, None, len(m.encode()), now, out, kind="control")
-
-    def _control(self, c: _Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
-        def drop(reason: str) -> None:
-            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, reason))
-
-        try:
-            body = decode_control(msg.body)
-        except RemoteProtocolError:
-            body = None
-        if body is None:
-            try:  # encapsulation: a multicast message in a unicast BODY (PROTOCOL.md §7)
-                inner = decode_message(msg.body)
-            except RemoteProtocolError:
-                drop("unknown_control")
-                return
-            if not isinstance(inner.header, MulticastHeader):
-                drop("unknown_control")
-                return
-            if exp_to_unix(inner.header.exp) <= now:
-                out.append(Trace("dropped", inner.id, "multicast", inner.header.grp, None, None, c.peer,
-                                 len(msg.body), "expired"))
-                return
-            from upsycle_router.crypto import message_signature_valid
-
-            if not message_signature_valid(inner):
-                out.append(Trace("dropped", inner.id, "multicast", inner.header.grp, None, None, c.peer,
-                                 len(msg.body), "bad_signature"))
-                return
-            self._multicast(c, inner.with_via(None) if c.local else inner, inner.header, len(msg.body), now, out)
-            return
-        if isinstance(body, Join | Leave | Sync) and h.src != c.peer:
-            drop("not_authorized")  # membership and barriers only for the authenticated peer itself
-            return
-        if isinstance(body, PeerAdvertisement):
-            self._advert(c, msg, body, h, size, now, out)
-        elif isinstance(body, Join):
-            self._join(c, msg, body, h, size, now, out)
-        elif isinstance(body, Leave):
-            self._leave(c, msg, body, h, now, out)
-        elif isinstance(body, Pull):
-            self._pull(c, msg, body, h, size, now, out)
-        elif isinstance(body, Sync):
-            self._reply(c, h.src, encode_router(SyncAck(body.n, Result.SUCCESS)), now, out)
-        elif isinstance(body, JoinAck | LeaveAck) and (
-            h.src == self.config.pubsub_service or h.src in self.config.upstream
-        ):
-            pass  # SUB_ACK / UNSUB_ACK from our pub/sub service, or a core node's answer to our JOIN / LEAVE
-        else:
-            drop("unknown_control")
-
-    def _may_join(self, c: _Conn, requester: bytes) -> bool:
-        if c.local:
-            return requester in self.locals
-        return self.config.accept_join_from_any or requester in self.config.edge_nodes
-
-    def _join(
-        self, c: _Conn, msg: Message, j: Join, h: UnicastHeader, size: int, now: float, out: list[Effect]
-    ) -> None:
-        requester = h.src
-        if not self._may_join(c, requester):
-            out.append(Trace("dropped", msg.id, "control", j.addr, h.src, h.dst, c.peer, size, "not_authorized"))
-            self._reply(c, requester, encode_router(JoinAck(j.addr, Result.FAILURE)), now, out)
-            return
-        members = self.subs.setdefault(j.addr, {})
-        if members.get(requester) != j.local:
-            members[requester] = j.local
-            self.store.add_subscriber(j.addr, requester, j.local)
-        out.append(Trace("joined", None, "control", j.addr, requester, None, c.peer, 0, role=self._role(requester)))
-        self._reply(c, requester, encode_router(JoinAck(j.addr, Result.SUCCESS)), now, out)
-        if not j.local and c.local and self.config.upstream and j.addr not in self.upstream_groups:
-            self.upstream_groups.add(j.addr)
-            self.store.set_upstream_subscribed(j.addr, True)
-            for core in sorted(self.config.upstream):
-                m = self._signed_to(core, encode_router(Join(j.addr, False)), now)
-                self._to_router(core, m, None, len(m.encode()), now, out, kind="control")
-        ps = self.config.pubsub_service
-        if not j.local and ps is not None and requester != ps and j.addr not in self.pubsub_groups:
-            self.pubsub_groups.add(j.addr)
-            self.store.set_pubsub_subscribed(j.addr, True)
-            self._send_to_service(ps, PUBSUB_CODEC.encode(Sub(j.addr)), now, out)
-
-    def _leave(self, c: _Conn, msg: Message, lv: Leave, h: UnicastHeader, now: float, out: list[Effect]) -> None:
-        requester = h.src
-        members = self.subs.get(lv.addr, {})
-        if requester not in members:
-            self._reply(c, requester, encode_router(LeaveAck(lv.addr, Result.FAILURE)), now, out)
-            return
-        del members[requester]
-        self.store.remove_subscriber(lv.addr, requester)
-        out.append(Trace("left", None, "control", lv.addr, requester, None, c.peer, 0, role=self._role(requester)))
-        self._reply(c, requester, encode_router(LeaveAck(lv.addr, Result.SUCCESS)), now, out)
-        ps = self.config.pubsub_service
-        remaining = set(members) - ({ps} if ps else set())
-        if not members:
-            del self.subs[lv.addr]
-        if not remaining and lv.addr in self.upstream_groups:
-            self.upstream_groups.discard(lv.addr)
-            self.store.set_upstream_subscribed(lv.addr, False)
-            for core in sorted(self.config.upstream):
-                m = self._signed_to(core, encode_router(Leave(lv.addr)), now)
-                self._to_router(core, m, None, len(m.encode()), now, out, kind="control")
-        if not remaining and lv.addr in self.pubsub_groups and ps is not None:
-            self.pubsub_groups.discard(lv.addr)
-            self.store.set_pubsub_subscribed(lv.addr, False)
-            self._send_to_service(ps, PUBSUB_CODEC.encode(Unsub(lv.addr)), now, out)
-
-    def _may_pull(self, c: _Conn, requester: bytes) -> bool:
-        if c.local:
-            return requester in self.locals
-        cfg = self.config
-        return (
-            cfg.accept_pull_from_any or c.peer in cfg.edge_nodes or c.peer in cfg.peers or c.peer in self.peer_routers
-        )
-
-    def _pull(
-        self, c: _Conn, msg: Message, p: Pull, h: UnicastHeader, size: int, now: float, out: list[Effect]
-    ) -> None:
-        if not self._may_pull(c, h.src):
-            out.append(Trace("dropped", msg.id, "control", p.addr, h.src, h.dst, c.peer, size, "not_authorized"))
-            self._reply(c, h.src, encode_router(PullNack(p.addr, p.id)), now, out)
-            return
-        stored = self.store.get_message(p.id)
-        if stored is None or stored.group != p.addr or stored.expires <= now:
-            self._reply(c, h.src, encode_router(PullNack(p.addr, p.id)), now, out)
-            return
-        out.append(Send(c.id, stored.data))
-        out.append(Trace("pulled", p.id, "multicast", p.addr, None, h.src, c.peer, len(stored.data)))
-
-    def _advert(
-        self, c: _Conn, msg: Message, adv: PeerAdvertisement, h: UnicastHeader, size: int, now: float, out: list[Effect]
-    ) -> None:
-        if not advert_valid(adv) or adv.id != h.src:
-            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, "bad_signature"))
-            return
-        expiry = expires_at(now, adv.ttl, adv.exp)
-        if expiry <= now:
-            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, "expired"))
-            return
-        via = c.peer if not c.local else adv.id
-        if not c.local and c.peer == adv.id:
-            self.peer_routers.add(adv.id)
-        self._learn_route(adv.id, via, ROUTE_ADVERT, expiry)
-        for _, svc in adv.svcs:
-            self._learn_route(svc, adv.id, ROUTE_ADVERT, expiry)
-        out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port))
-        for service in (self.config.pubsub_service, self.config.discovery_service):
-            if service is not None:
-                self._send_to_service(service, encode_discovery(adv), now, out)
 
     # ------------------------------------------------------------------ own advertisement
 

@@ -1,0 +1,292 @@
+"""End-to-end: a real daemon (subprocess) and apps using the client library ``upsycle_router.client``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import struct
+import time
+
+import pytest
+from conftest import cli
+from raw_app import MAX_FRAME, RawApp
+from raw_app import Key as RawKey
+
+from upsycle_router.client import Client, ClientError
+from upsycle_router.crypto import Identity
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
+
+pytestmark = pytest.mark.slow
+
+
+async def connect(d, ident: Identity | None = None) -> Client:  # type: ignore[no-untyped-def]
+    return await Client.connect(d.sock, ident or Identity.generate(), timeout=5)
+
+
+async def wait_offline(d, sender: Client, dst: bytes) -> None:  # type: ignore[no-untyped-def]
+    await d.wait_offline(lambda body: sender.send(dst, body, ttl=0), dst)
+
+
+async def test_unicast_between_two_apps(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    a, b = await connect(d), await connect(d)
+    try:
+        mid = await a.send(b.identity.public, b"ping", ttl=60)
+        got = await b.recv(timeout=5)
+        assert got.id == mid and got.body == b"ping" and got.via is None
+        assert isinstance(got.header, UnicastHeader)
+        assert (got.header.src, got.header.dst) == (a.identity.public, b.identity.public)
+        rid = await b.send(a.identity.public, b"pong")
+        back = await a.recv(timeout=5)
+        assert (back.id, back.body) == (rid, b"pong")
+        rec = await d.wait_trace(event="delivered", id=rid)
+        assert rec["dst"] == a.identity.public.hex()
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_multicast_three_subscribers_each_once_no_echo(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    group = Identity.generate()
+    pub = await connect(d)
+    subs = [await connect(d) for _ in range(3)]
+    try:
+        for c in (pub, *subs):
+            assert await c.join(group.public)
+        m1 = await pub.publish(group, b"hello group")
+        for s in subs:
+            got = await s.recv(timeout=5)
+            assert got.id == m1 and got.body == b"hello group"
+            assert isinstance(got.header, MulticastHeader) and got.header.grp == group.public
+        marker = await pub.send(pub.identity.public, b"marker")
+        assert (await pub.recv(timeout=5)).id == marker, "the publisher got its own message echoed"
+        m2 = await pub.publish(group, b"second")
+        for s in subs:
+            assert (await s.recv(timeout=5)).id == m2, "a subscriber got the first message twice"
+        await d.wait_trace(event="delivered", id=m2, dst=subs[-1].identity.public)
+        assert sorted(r["dst"] for r in d.trace(event="delivered", id=m1)) == sorted(
+            s.identity.public.hex() for s in subs
+        )
+    finally:
+        for c in (pub, *subs):
+            await c.close()
+
+
+async def test_async_for_and_offline_queue_in_order(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    group = Identity.generate()
+    b_id = Identity.generate()
+    a = await connect(d)
+    b = await connect(d, b_id)
+    assert await b.join(group.public)
+    await b.close()
+    try:
+        await wait_offline(d, a, b_id.public)
+        sent = []
+        for i in range(4):
+            sent.append(await a.send(b_id.public, f"u{i}".encode()))
+            sent.append(await a.publish(group, f"m{i}".encode()))
+        await a.sync()
+        for mid in sent:
+            await d.wait_trace(event="queued", id=mid, dst=b_id.public)
+        b = await connect(d, b_id)
+        got: list[Message] = []
+
+        async def collect() -> None:
+            async for m in b:
+                got.append(m)
+                if len(got) == len(sent):
+                    return
+
+        await asyncio.wait_for(collect(), 5)
+        assert [m.id for m in got] == sent
+        assert [m.body for m in got] == [f"{k}{i}".encode() for i in range(4) for k in ("u", "m")]
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.parametrize("durability", ["fsync", "batch", "none"])
+async def test_queues_and_subscriptions_survive_restart(daemon, durability: str) -> None:  # type: ignore[no-untyped-def]
+    d = daemon("--durability", durability)
+    group = Identity.generate()
+    a_id, b_id = Identity.generate(), Identity.generate()
+    a = await connect(d, a_id)
+    b = await connect(d, b_id)
+    assert await b.join(group.public)
+    await b.close()
+    await wait_offline(d, a, b_id.public)
+    sent = [
+        await a.send(b_id.public, b"one"),
+        await a.publish(group, b"two"),
+        await a.send(b_id.public, b"three"),
+        await a.publish(group, b"four"),
+    ]
+    await a.sync()
+    await a.close()
+    d.restart()
+    a = await connect(d, a_id)
+    b = await connect(d, b_id)
+    try:
+        got = [await b.recv(timeout=5) for _ in sent]
+        assert [m.id for m in got] == sent
+        assert [m.body for m in got] == [b"one", b"two", b"three", b"four"]
+        live = await a.publish(group, b"live after restart")  # the subscription survived too
+        assert (await b.recv(timeout=5)).id == live
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_ttl_zero_to_offline_app_is_not_queued(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    b_id = Identity.generate()
+    a = await connect(d)
+    b = await connect(d, b_id)
+    await b.close()
+    try:
+        await wait_offline(d, a, b_id.public)
+        zero = await a.send(b_id.public, b"now or never", ttl=0)
+        marker = await a.send(b_id.public, b"marker", ttl=3600)
+        await a.sync()
+        rec = await d.wait_trace(event="dropped", id=zero)
+        assert rec["reason"] == "ttl_zero_offline"
+        b = await connect(d, b_id)
+        assert (await b.recv(timeout=5)).id == marker  # the ttl=0 message (sent first) never arrives
+        assert not d.trace(event="queued", id=zero) and not d.trace(event="delivered", id=zero)
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_ttl_expiry_while_offline(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    b_id = Identity.generate()
+    a = await connect(d)
+    b = await connect(d, b_id)
+    await b.close()
+    try:
+        await wait_offline(d, a, b_id.public)
+        t0 = time.monotonic()
+        short = await a.send(b_id.public, b"short-lived", ttl=1)
+        marker = await a.send(b_id.public, b"marker", ttl=3600)
+        await a.sync()
+        await d.wait_trace(event="queued", id=short)
+        rec = await d.wait_trace(timeout=6, event="expired", id=short)
+        assert rec["dst"] == b_id.public.hex() and rec["reason"] == "expired"
+        assert time.monotonic() - t0 > 1.0
+        b = await connect(d, b_id)
+        assert (await b.recv(timeout=5)).id == marker
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_bad_signature_dropped_sender_keeps_working(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    a, b = await connect(d), await connect(d)
+    try:
+        from upsycle_router.crypto import sign_message
+        from upsycle_router.expiry import exp_in
+
+        good = sign_message(UnicastHeader(a.identity.public, b.identity.public, 60, exp_in(time.time(), 3600)),
+                            b"forged", a.identity)  # fmt: skip
+        forged = Message(good.header, good.body, bytes([good.sig[0] ^ 1]) + good.sig[1:])
+        a.send_message(forged)
+        ok = await a.send(b.identity.public, b"genuine")
+        assert (await b.recv(timeout=5)).id == ok
+        rec = await d.wait_trace(event="dropped", id=forged.id)
+        assert rec["reason"] == "bad_signature" and rec["peer"] == a.identity.public.hex()
+        await a.sync()  # the sender's connection is still open and served
+        assert a.closed_reason is None
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def test_pull_stored_and_unknown(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    group = Identity.generate()
+    sub, other = await connect(d), await connect(d)
+    try:
+        assert await sub.join(group.public)
+        mid = await other.publish(group, b"stored")
+        assert (await sub.recv(timeout=5)).id == mid
+        pulled = await other.pull(group.public, mid)
+        assert pulled is not None and pulled.id == mid and pulled.body == b"stored"
+        assert await other.pull(group.public, os.urandom(32)) is None  # PULL_NACK
+        assert await other.pull(Identity.generate().public, mid) is None  # not in that group
+    finally:
+        await sub.close()
+        await other.close()
+
+
+async def test_join_leave_acks(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    group = Identity.generate().public
+    c = await connect(d)
+    try:
+        assert await c.join(group) is True
+        assert await c.join(group, local=False) is True
+        assert await c.leave(group) is True
+        assert await c.leave(group) is False
+    finally:
+        await c.close()
+
+
+async def test_router_id_matches_cli_and_socket_is_private(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    c = await connect(d)
+    try:
+        r = cli("id", "--data-dir", str(d.dir))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == c.router_id.hex()
+        assert stat.S_IMODE(os.stat(d.sock).st_mode) == 0o600
+    finally:
+        await c.close()
+
+
+async def test_sigterm_exits_zero_quickly_and_restart_works(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    ident = Identity.generate()
+    c = await connect(d, ident)
+    rid = c.router_id
+    took = d.stop()
+    assert took < 5.0
+    with pytest.raises(ClientError):  # the connection ended with the daemon
+        await c.recv(timeout=5)
+    if c.error is not None:
+        assert c.error.code == 7, c.error
+    await c.close()
+    d.start()
+    c = await connect(d, ident)
+    try:
+        assert c.router_id == rid
+        await c.sync()
+    finally:
+        await c.close()
+
+
+async def test_malformed_frame_from_one_app_leaves_others_working(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    a, b = await connect(d), await connect(d)
+    try:
+        cases = (b"\x00\x00\x00\x00", struct.pack(">I", MAX_FRAME + 1), b"\x00\x00\x00\x02\xff\xff")
+        for i, data in enumerate(cases):
+            bad = await RawApp.connect(d.sock, RawKey.generate())
+            try:
+                bad.conn.write(data)
+                await bad.conn.drain()
+                code, _ = await bad.conn.expect_error_and_close(timeout=5)
+                assert code in (1, 4)
+            finally:
+                await bad.close()
+            mid = await a.send(b.identity.public, f"still here {i}".encode())  # distinct: replays are dropped
+            assert (await b.recv(timeout=5)).id == mid
+        await a.sync()
+        await b.sync()
+    finally:
+        await a.close()
+        await b.close()

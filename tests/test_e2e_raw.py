@@ -1,0 +1,497 @@
+"""End-to-end: a real daemon driven by ``raw_app`` (written from PROTOCOL.md alone, no upsycle_router import).
+
+Every test starts ``python -m upsycle_router run`` as a subprocess and talks to it over its Unix socket with
+hand-built frames, so these tests check the wire contract itself, not the router's own client library.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+import struct
+import time
+from pathlib import Path
+
+import cbor2
+import pytest
+from conftest import cli
+from raw_app import (
+    ERR_AUTH,
+    ERR_FRAME_TOO_LARGE,
+    ERR_HANDSHAKE_TIMEOUT,
+    ERR_PROTOCOL,
+    ERR_SHUTTING_DOWN,
+    FAILURE,
+    MAX_FRAME,
+    MULTICAST,
+    PULL_NACK,
+    SUCCESS,
+    SYNC_ACK,
+    UNICAST,
+    Key,
+    RawApp,
+    RawConn,
+    RawMessage,
+    auth,
+    dec,
+    decode_control,
+    decode_message,
+    enc,
+    frame,
+    hello,
+    join_body,
+    multicast,
+    pull_body,
+    unicast,
+)
+
+VECTORS = Path(__file__).parent / "vectors" / "wire-v1.json"
+MALFORMED_CODES = (ERR_PROTOCOL, ERR_FRAME_TOO_LARGE)
+
+
+def flip_bit(sig: bytes) -> bytes:
+    return bytes([sig[0] ^ 0x01]) + sig[1:]
+
+
+async def wait_offline(d, sender: RawApp, dst: bytes) -> None:  # type: ignore[no-untyped-def]
+    await d.wait_offline(lambda body: sender.send(dst, body, ttl=0), dst)
+
+
+# ----------------------------------------------------------------------------------------- the raw codec itself
+
+
+def test_raw_app_matches_golden_vectors() -> None:
+    """raw_app reproduces shared/vectors/wire-v1.json byte for byte (no daemon needed)."""
+    v = json.loads(VECTORS.read_text())
+    keys = {k["name"]: Key(bytes.fromhex(k["seed"])) for k in v["keys"]}
+    for k in v["keys"]:
+        assert keys[k["name"]].public.hex() == k["public"]
+    msgs = {m["name"]: m for m in v["messages"]}
+    for m in v["messages"]:
+        data = bytes.fromhex(m["message_hex"])
+        msg = decode_message(data)
+        assert msg.encode() == data, m["name"]
+        assert frame(data).hex() == m["frame_hex"], m["name"]
+        assert msg.signed_bytes.hex() == m["signed_bytes_hex"], m["name"]
+        assert msg.id.hex() == m["id_hex"], m["name"]
+        assert msg.signature_valid() is m["signature_valid"], m["name"]
+    alice, bob, group, router = keys["alice"], keys["bob"], keys["group"], keys["router"]
+    built = {
+        "unicast": unicast(alice, bob.public, b"hello bob", ttl=3600, exp=3600000),
+        "unicast-via": unicast(alice, bob.public, b"", ttl=0, exp=3600000, via=keys["router2"].public),
+        "multicast": multicast(group, bytes(range(256)), ttl=600, exp=3600000),
+        "join": unicast(bob, router.public, join_body(group.public, local=False), ttl=60, exp=3600000),
+        "pull": unicast(bob, router.public, pull_body(group.public, bytes(32)), ttl=60, exp=3600000),
+    }
+    for name, msg in built.items():
+        assert msg.encode().hex() == msgs[name]["message_hex"], name
+        assert msg.id.hex() == msgs[name]["id_hex"], name
+    s = v["session"]
+    assert frame(hello(alice, b"\xaa" * 32)).hex() == s["hello_alice_frame_hex"]
+    assert frame(hello(router, b"\xbb" * 32)).hex() == s["hello_router_frame_hex"]
+    assert frame(auth(alice, router.public, b"\xbb" * 32)).hex() == s["auth_alice_frame_hex"]
+    assert frame(auth(router, alice.public, b"\xaa" * 32)).hex() == s["auth_router_frame_hex"]
+
+
+# ----------------------------------------------------------------------------------------- handshake
+
+
+@pytest.mark.slow
+async def test_raw_handshake_router_id_socket_mode_and_sync(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    st = os.stat(d.sock)
+    assert stat.S_ISSOCK(st.st_mode)
+    assert stat.S_IMODE(st.st_mode) == 0o600, oct(st.st_mode)
+    app = await RawApp.connect(d.sock)
+    try:
+        r = cli("id", "--data-dir", str(d.dir))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == app.router_id.hex()
+        ack = await app.sync()
+        assert ack == {"n": 1, "result": SUCCESS}
+    finally:
+        await app.close()
+
+
+@pytest.mark.slow
+async def test_raw_garbage_before_hello_gets_error_and_close(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    observer = await RawApp.connect(d.sock)
+    other = await RawApp.connect(d.sock)
+    stray = unicast(Key.generate(), other.key.public, b"too early")
+    cases = {
+        "http": b"GET / HTTP/1.1\r\nHost: router\r\n\r\n",
+        "framed_garbage_cbor": frame(b"\xff\xfe\xfd\xfc"),
+        "message_before_hello": frame(stray.encode()),
+        "hello_wrong_version": frame(enc(["upsycle", 2, Key.generate().public, os.urandom(32)])),
+    }
+    try:
+        for name, data in cases.items():
+            conn = await RawConn.open(d.sock)
+            try:
+                conn.write(data)
+                await conn.drain()
+                code, reason = await conn.expect_error_and_close(timeout=5)
+                assert code in MALFORMED_CODES, (name, code, reason)
+                assert reason, name
+            finally:
+                await conn.close()
+            # the other connections are untouched
+            mid = await observer.send(other.key.public, name.encode())
+            got = await other.recv(timeout=5)
+            assert (got.id, got.body) == (mid, name.encode())
+        # the message sent before HELLO was never routed: a marker to ourselves is the next thing we get
+        marker = await other.send(other.key.public, b"marker")
+        assert (await other.recv(timeout=5)).id == marker
+        assert not d.trace(id=stray.id)
+    finally:
+        await observer.close()
+        await other.close()
+
+
+@pytest.mark.slow
+async def test_raw_handshake_timeout(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon(config={"handshake_timeout": 1})
+    app = await RawApp.connect(d.sock)  # a completed handshake must not be affected by the timer
+    silent = await RawConn.open(d.sock)
+    half = await RawConn.open(d.sock)
+    try:
+        t0 = time.monotonic()
+        half.send_frame(hello(Key.generate(), os.urandom(32)))  # HELLO but never AUTH
+        await half.drain()
+        (c1, r1), (c2, r2) = await asyncio.gather(
+            silent.expect_error_and_close(timeout=6), half.expect_error_and_close(timeout=6)
+        )
+        elapsed = time.monotonic() - t0
+        assert c1 == ERR_HANDSHAKE_TIMEOUT, r1
+        assert c2 == ERR_HANDSHAKE_TIMEOUT, r2
+        assert 0.8 <= elapsed < 5.0, elapsed
+        assert (await app.sync())["result"] == SUCCESS
+    finally:
+        for c in (silent, half):
+            await c.close()
+        await app.close()
+
+
+@pytest.mark.slow
+async def test_raw_auth_for_another_router_is_refused(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    for variant in ("signed_for_other_router", "signed_by_other_key"):
+        key = Key.generate()
+        conn = await RawConn.open(d.sock)
+        try:
+            nonce = os.urandom(32)
+            conn.send_frame(hello(key, nonce))
+            h = dec(await conn.read_frame(5))  # type: ignore[arg-type]
+            router_id, router_nonce = h[2], h[3]
+            if variant == "signed_for_other_router":
+                conn.send_frame(auth(key, Key.generate().public, router_nonce))
+            else:
+                forged = Key.generate().sign(b"upsycle/1 session" + key.public + router_id + router_nonce)
+                conn.send_frame(enc(["auth", forged]))
+            await conn.drain()
+            code, reason = await conn.expect_error_and_close(timeout=5)
+            assert code == ERR_AUTH, (variant, code, reason)
+        finally:
+            await conn.close()
+
+
+# ----------------------------------------------------------------------------------------- routing
+
+
+@pytest.mark.slow
+async def test_raw_unicast_between_two_apps(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    a = await RawApp.connect(d.sock)
+    b = await RawApp.connect(d.sock)
+    try:
+        mid = await a.send(b.key.public, b"hello b")
+        got = await b.recv(timeout=5)
+        assert got.type == UNICAST
+        assert got.id == mid
+        assert got.header["src"] == a.key.public and got.header["dst"] == b.key.public
+        assert got.body == b"hello b" and got.via is None
+        assert got.signature_valid()
+        rid = await b.send(a.key.public, b"hello a")
+        back = await a.recv(timeout=5)
+        assert (back.id, back.body, back.header["src"]) == (rid, b"hello a", b.key.public)
+        rec = await d.wait_trace(event="delivered", id=mid)
+        assert rec["dst"] == b.key.public.hex() and rec["type"] == "unicast"
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.slow
+async def test_raw_multicast_three_subscribers_each_once_publisher_not_echoed(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    group = Key.generate()
+    pub = await RawApp.connect(d.sock)
+    subs = [await RawApp.connect(d.sock) for _ in range(3)]
+    try:
+        for app in (pub, *subs):  # the publisher is a member too: it still must not get its own message back
+            assert await app.join(group.public) == SUCCESS
+        m1 = await pub.publish(group, b"first")
+        for s in subs:
+            got = await s.recv(timeout=5)
+            assert got.type == MULTICAST
+            assert got.encode() == m1.encode()  # unchanged bytes, no VIA from a local publisher
+            assert got.signature_valid()
+        marker = await pub.send(pub.key.public, b"marker")
+        assert (await pub.recv(timeout=5)).id == marker, "publisher got its own multicast back"
+        m2 = await pub.publish(group, b"second")
+        for s in subs:
+            assert (await s.recv(timeout=5)).id == m2.id, "duplicate delivery of the first message"
+        await pub.sync()
+        await d.wait_trace(event="delivered", id=m2.id, dst=subs[-1].key.public)
+        delivered = d.trace(event="delivered", id=m1.id)
+        assert sorted(r["dst"] for r in delivered) == sorted(s.key.public.hex() for s in subs)
+    finally:
+        for app in (pub, *subs):
+            await app.close()
+
+
+@pytest.mark.slow
+async def test_raw_offline_queue_sync_and_restart(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    group = Key.generate()
+    a = await RawApp.connect(d.sock)
+    b_key = Key.generate()
+    b = await RawApp.connect(d.sock, b_key)
+    assert await b.join(group.public) == SUCCESS
+    await b.close()
+    try:
+        await wait_offline(d, a, b_key.public)
+        # phase 1: queued while B is away, delivered in order on reconnect
+        sent = [
+            await a.send(b_key.public, b"u1"),
+            (await a.publish(group, b"m1")).id,
+            await a.send(b_key.public, b"u2"),
+            (await a.publish(group, b"m2")).id,
+            await a.send(b_key.public, b"u3"),
+        ]
+        ack = await a.sync()
+        assert ack["result"] == SUCCESS
+        for mid in sent:
+            await d.wait_trace(event="queued", id=mid, dst=b_key.public)
+        b = await RawApp.connect(d.sock, b_key)
+        got = [await b.recv(timeout=5) for _ in sent]
+        assert [m.id for m in got] == sent
+        assert [m.body for m in got] == [b"u1", b"m1", b"u2", b"m2", b"u3"]
+        await b.close()
+        await wait_offline(d, a, b_key.public)
+        # phase 2: queued, SYNC_ACK, then the daemon restarts: queue and subscription survive
+        sent2 = [await a.send(b_key.public, b"u4"), (await a.publish(group, b"m3")).id]
+        assert (await a.sync())["result"] == SUCCESS
+        await a.close()
+        d.restart()
+        a = await RawApp.connect(d.sock, a.key)
+        b = await RawApp.connect(d.sock, b_key)
+        got = [await b.recv(timeout=5) for _ in sent2]
+        assert [m.id for m in got] == sent2
+        live = await a.publish(group, b"after restart")
+        assert (await b.recv(timeout=5)).id == live.id
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.slow
+async def test_raw_ttl_zero_and_expiry_offline(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    group = Key.generate()
+    a = await RawApp.connect(d.sock)
+    b_key = Key.generate()
+    b = await RawApp.connect(d.sock, b_key)
+    assert await b.join(group.public) == SUCCESS
+    await b.close()
+    try:
+        await wait_offline(d, a, b_key.public)
+        zero_u = await a.send(b_key.public, b"ttl0", ttl=0)
+        zero_m = (await a.publish(group, b"ttl0 group", ttl=0)).id
+        t0 = time.monotonic()
+        short_u = await a.send(b_key.public, b"ttl1", ttl=1)
+        short_m = (await a.publish(group, b"ttl1 group", ttl=1)).id
+        marker = await a.send(b_key.public, b"marker", ttl=3600)
+        assert (await a.sync())["result"] == SUCCESS
+        for mid in (zero_u, zero_m):
+            rec = await d.wait_trace(event="dropped", id=mid)
+            assert rec["reason"] == "ttl_zero_offline"
+            assert not d.trace(event="queued", id=mid)
+        for mid in (short_u, short_m):
+            await d.wait_trace(event="queued", id=mid, dst=b_key.public)
+            rec = await d.wait_trace(timeout=6, event="expired", id=mid)
+            assert rec["dst"] == b_key.public.hex()
+        assert time.monotonic() - t0 > 1.0
+        b = await RawApp.connect(d.sock, b_key)
+        first = await b.recv(timeout=5)
+        assert first.id == marker, f"got {first.body!r} before the marker"
+        nack = await b.pull(group.public, short_m)
+        assert isinstance(nack, dict) and nack["result"] == FAILURE
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.slow
+async def test_raw_bad_signature_dropped_sender_stays_connected(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    group = Key.generate()
+    a = await RawApp.connect(d.sock)
+    b = await RawApp.connect(d.sock)
+    try:
+        assert await b.join(group.public) == SUCCESS
+        bad_u = unicast(a.key, b.key.public, b"forged")
+        bad_u = bad_u.with_sig(flip_bit(bad_u.sig))
+        good = multicast(group, b"group genuine")
+        bad_m = multicast(Key.generate(), b"wrong signer")
+        bad_m = RawMessage(MULTICAST, {**bad_m.header, "grp": group.public}, bad_m.body, bad_m.sig)
+        assert not bad_u.signature_valid() and not bad_m.signature_valid()
+        await a.send_message(bad_u)
+        await a.send_message(bad_m)
+        ok = await a.send(b.key.public, b"genuine")
+        await a.send_message(good)
+        assert (await b.recv(timeout=5)).id == ok
+        assert (await b.recv(timeout=5)).id == good.id
+        for mid in (bad_u.id, bad_m.id):
+            rec = await d.wait_trace(event="dropped", id=mid)
+            assert rec["reason"] == "bad_signature"
+            assert rec["peer"] == a.key.public.hex()
+        assert (await a.sync())["result"] == SUCCESS  # still connected
+        assert not d.trace(event="delivered", id=bad_u.id) and not d.trace(event="delivered", id=bad_m.id)
+    finally:
+        await a.close()
+        await b.close()
+
+
+def _non_deterministic(key: Key, dst: bytes) -> bytes:
+    """A correctly signed unicast whose header map is sent in non-canonical key order."""
+    msg = unicast(key, dst, b"x")
+    header = dict(reversed(list(msg.header.items())))
+    return cbor2.dumps([UNICAST, header, msg.body, msg.sig])
+
+
+@pytest.mark.slow
+async def test_raw_malformed_frames_close_only_that_connection(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    a = await RawApp.connect(d.sock)
+    b = await RawApp.connect(d.sock)
+    k = Key.generate()
+    cases = {
+        "garbage_cbor": frame(b"\xff\xfe\xfd\xfc"),
+        "trailing_bytes": frame(enc(1) + b"\x00"),
+        "not_a_message": frame(enc({"hello": 1})),
+        "unknown_message_type": frame(enc([2, {"src": k.public}, b"", bytes(64)])),
+        "non_deterministic": frame(_non_deterministic(k, b.key.public)),
+        "zero_length": b"\x00\x00\x00\x00",
+        "oversize_length": struct.pack(">I", MAX_FRAME + 1),
+    }
+    try:
+        for name, data in cases.items():
+            bad = await RawApp.connect(d.sock, k)
+            try:
+                bad.conn.write(data)
+                await bad.conn.drain()
+                code, reason = await bad.conn.expect_error_and_close(timeout=5)
+                assert code in MALFORMED_CODES, (name, code, reason)
+                if name == "oversize_length":
+                    assert code == ERR_FRAME_TOO_LARGE, reason
+            finally:
+                await bad.close()
+            mid = await a.send(b.key.public, name.encode())
+            got = await b.recv(timeout=5)
+            assert (got.id, got.body) == (mid, name.encode()), name
+        assert d.trace(event="dropped", reason="malformed")
+        assert (await a.sync())["result"] == SUCCESS
+    finally:
+        await a.close()
+        await b.close()
+
+
+@pytest.mark.slow
+async def test_raw_pull_stored_message_and_nack(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    group = Key.generate()
+    sub = await RawApp.connect(d.sock)
+    pub = await RawApp.connect(d.sock)
+    try:
+        assert await sub.join(group.public) == SUCCESS
+        m = await pub.publish(group, b"keep me")
+        assert (await sub.recv(timeout=5)).id == m.id
+        pulled = await pub.pull(group.public, m.id)
+        assert isinstance(pulled, RawMessage), pulled
+        assert pulled.encode() == m.encode() and pulled.signature_valid()
+        await d.wait_trace(event="pulled", id=m.id)
+        unknown = os.urandom(32)
+        nack = await pub.pull(group.public, unknown)
+        assert nack == {"addr": group.public, "id": unknown, "result": FAILURE}
+        other_group = Key.generate().public
+        nack2 = await pub.pull(other_group, m.id)
+        assert nack2 == {"addr": other_group, "id": m.id, "result": FAILURE}
+        # the reply is a router-signed unicast whose BODY is enc([6, {...}]) exactly
+        await pub.send_message(unicast(pub.key, pub.router_id, pull_body(group.public, unknown), ttl=60))
+        raw = await pub.conn.read_frame(5)
+        assert raw is not None
+        reply = decode_message(raw)
+        assert reply.header["src"] == pub.router_id and reply.signature_valid()
+        assert decode_control(reply.body) == (PULL_NACK, {"addr": group.public, "id": unknown, "result": 1})
+        assert reply.body == enc([PULL_NACK, {"addr": group.public, "id": unknown, "result": 1}])
+    finally:
+        await sub.close()
+        await pub.close()
+
+
+@pytest.mark.slow
+async def test_raw_join_leave_ack_result_codes(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    group = Key.generate().public
+    app = await RawApp.connect(d.sock)
+    try:
+        assert await app.join(group) == SUCCESS
+        assert await app.join(group) == SUCCESS  # idempotent
+        assert await app.leave(group) == SUCCESS
+        assert await app.leave(group) == FAILURE  # not a member any more
+        await d.wait_trace(event="left", group=group, src=app.key.public)
+        assert d.trace(event="joined", group=group, src=app.key.public)
+    finally:
+        await app.close()
+    # with local_services restricted, a key not in the list is not a local service: JOIN refused
+    allowed = Key.generate()
+    d2 = daemon(config={"local_services": [allowed.public.hex()]})
+    stranger = await RawApp.connect(d2.sock)
+    member = await RawApp.connect(d2.sock, allowed)
+    try:
+        assert await stranger.join(group) == FAILURE
+        assert await member.join(group) == SUCCESS
+        assert not d2.trace(event="joined", src=stranger.key.public)
+    finally:
+        await stranger.close()
+        await member.close()
+
+
+@pytest.mark.slow
+async def test_raw_sigterm_exits_zero_and_restart_works(daemon) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    key = Key.generate()
+    app = await RawApp.connect(d.sock, key)
+    router_id = app.router_id
+    try:
+        took = d.stop()
+        assert took < 5.0, took
+        # the open connection ends; if the router said goodbye it used ERROR 7 (shutting down)
+        while (payload := await app.conn.read_frame(5)) is not None:
+            item = dec(payload)
+            if isinstance(item, list) and item and item[0] == "error":
+                assert item[1] == ERR_SHUTTING_DOWN, item
+    finally:
+        await app.close()
+    d.start()
+    app = await RawApp.connect(d.sock, key)
+    try:
+        assert app.router_id == router_id  # same key, same data directory
+        ack = await app.sync()
+        assert ack["result"] == SUCCESS and SYNC_ACK == 8
+    finally:
+        await app.close()

@@ -1,0 +1,485 @@
+"""The LMDB store on real LMDB files in temporary directories: every method, reopening, sweeping, durability."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import lmdb
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from upsycle_router.store.lmdb_store import (
+    SCHEMA_VERSION,
+    Durability,
+    Expired,
+    LmdbStore,
+    QueueEntry,
+    RouteEntry,
+    StoredMessage,
+)
+
+MAP = 1 << 24
+T = 1_800_000_000.0
+A, B, C = (bytes([i]) * 32 for i in (0xA1, 0xB2, 0xC3))
+G1, G2 = bytes([0x61]) * 32, bytes([0x62]) * 32
+
+
+def mid(n: int) -> bytes:
+    return n.to_bytes(32, "big")
+
+
+def open_store(path: Path, durability: Durability = Durability.NONE) -> LmdbStore:
+    return LmdbStore(path, durability, map_size=MAP)
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "store"
+
+
+@pytest.fixture
+def store(path: Path) -> Iterator[LmdbStore]:
+    s = open_store(path)
+    yield s
+    if s._txn is None:
+        try:
+            s.close()
+        except lmdb.Error:
+            pass
+
+
+def reopen(s: LmdbStore) -> LmdbStore:
+    s.close()
+    return open_store(s.path, s.durability)
+
+
+# ---------------------------------------------------------------- opening, schema, transactions
+
+
+def test_open_creates_the_directory_and_records_the_schema(path: Path) -> None:
+    s = open_store(path)
+    assert (path / "data.mdb").exists()
+    assert s._get("meta", b"schema") == SCHEMA_VERSION
+    s.close()
+    s = open_store(path)  # reopening an existing store
+    assert s._get("meta", b"schema") == SCHEMA_VERSION
+    s.close()
+
+
+def test_unsupported_schema_version_is_refused(path: Path) -> None:
+    open_store(path).close()
+    env = lmdb.open(str(path), max_dbs=16, map_size=MAP)
+    meta = env.open_db(b"meta")
+    with env.begin(write=True) as txn:
+        txn.put(b"schema", b"999", db=meta)
+    env.close()
+    with pytest.raises(RuntimeError, match="schema"):
+        open_store(path)
+
+
+WRITES = {
+    "add_local": lambda s: s.add_local(A),
+    "add_subscriber": lambda s: s.add_subscriber(G1, A, True),
+    "remove_subscriber": lambda s: s.remove_subscriber(G1, A),
+    "set_pubsub_subscribed": lambda s: s.set_pubsub_subscribed(G1, True),
+    "put_route": lambda s: s.put_route(A, RouteEntry(B, None, 1)),
+    "delete_route": lambda s: s.delete_route(A),
+    "put_message": lambda s: s.put_message(mid(1), b"x", None, T),
+    "delete_message": lambda s: s.delete_message(mid(1)),
+    "enqueue": lambda s: s.enqueue(A, mid(1), T, 1),
+    "dequeue": lambda s: s.dequeue(A, 1),
+    "sweep": lambda s: s.sweep(T),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES.values()), ids=list(WRITES))
+def test_writes_outside_a_transaction_raise(store: LmdbStore, write: object) -> None:
+    if write is WRITES["delete_message"] or write is WRITES["dequeue"]:
+        with store.transaction():  # make sure there is something to delete, so the write really happens
+            store.put_message(mid(1), b"x", None, T)
+            store.enqueue(A, mid(1), T, 1)
+    with pytest.raises(RuntimeError, match="outside a transaction"):
+        write(store)  # type: ignore[operator]
+
+
+def test_reads_work_outside_a_transaction(store: LmdbStore) -> None:
+    assert store.locals() == set()
+    assert store.subscriptions() == {}
+    assert store.routes() == {}
+    assert store.get_message(mid(1)) is None
+    assert store.queue(A) == []
+    assert store.queue_usage(A) == (0, 0)
+    assert store.next_expiry() is None
+
+
+def test_exception_aborts_the_transaction(store: LmdbStore) -> None:
+    with pytest.raises(ValueError), store.transaction():
+        store.add_local(A)
+        store.put_message(mid(1), b"x", None, T)
+        raise ValueError("boom")
+    assert store.locals() == set() and not store.has_message(mid(1))
+    with store.transaction():  # the store is usable afterwards
+        store.add_local(B)
+    assert store.locals() == {B}
+
+
+def test_nested_transactions_join_the_outer_one(store: LmdbStore) -> None:
+    with pytest.raises(ValueError), store.transaction():
+        with store.transaction():
+            store.add_local(A)
+        assert store.locals() == {A}  # visible inside
+        raise ValueError
+    assert store.locals() == set()  # the inner block did not commit on its own
+
+
+def test_reads_inside_a_transaction_see_its_writes(store: LmdbStore) -> None:
+    with store.transaction():
+        store.put_message(mid(1), b"x", G1, T)
+        assert store.has_message(mid(1))
+        store.enqueue(A, mid(1), T, 1)
+        assert store.queue_usage(A) == (1, 1)
+
+
+def test_close_inside_a_transaction_is_refused(store: LmdbStore) -> None:
+    with store.transaction(), pytest.raises(RuntimeError):
+        store.close()
+
+
+@pytest.mark.parametrize("durability", list(Durability))
+def test_every_durability_mode_opens_commits_and_reopens(path: Path, durability: Durability) -> None:
+    s = open_store(path, durability)
+    assert s.durability is durability
+    with s.transaction():
+        s.add_local(A)
+        s.put_message(mid(1), b"payload", None, T)
+        s.enqueue(A, mid(1), T, 7)
+    s.sync()
+    s.close()
+    s = open_store(path, Durability(durability.value))
+    assert s.locals() == {A}
+    assert s.get_message(mid(1)) == StoredMessage(b"payload", None, T)
+    assert [e.id for e in s.queue(A)] == [mid(1)]
+    s.close()
+
+
+def test_durability_accepts_its_string_value(path: Path) -> None:
+    s = LmdbStore(path, "batch", map_size=MAP)  # type: ignore[arg-type]
+    assert s.durability is Durability.BATCH
+    s.close()
+
+
+# ---------------------------------------------------------------- locals, subscriptions
+
+
+def test_locals(store: LmdbStore) -> None:
+    with store.transaction():
+        assert store.add_local(A) is True
+        assert store.add_local(A) is False
+        assert store.add_local(B) is True
+    assert store.locals() == {A, B}
+    assert reopen(store).locals() == {A, B}
+
+
+def test_subscriptions(store: LmdbStore) -> None:
+    with store.transaction():
+        assert store.add_subscriber(G1, A, True) is True
+        assert store.add_subscriber(G1, A, False) is False  # update of the local flag
+        assert store.add_subscriber(G1, B, True) is True
+        assert store.add_subscriber(G2, A, True) is True
+    assert store.subscriptions() == {G1: {A: False, B: True}, G2: {A: True}}
+    with store.transaction():
+        assert store.remove_subscriber(G1, A) is True
+        assert store.remove_subscriber(G1, A) is False
+        assert store.remove_subscriber(G1, C) is False
+    s = reopen(store)
+    assert s.subscriptions() == {G1: {B: True}, G2: {A: True}}
+    s.close()
+
+
+def test_pubsub_subscribed(store: LmdbStore) -> None:
+    with store.transaction():
+        store.set_pubsub_subscribed(G1, True)
+        store.set_pubsub_subscribed(G2, True)
+        store.set_pubsub_subscribed(G2, False)
+        store.set_pubsub_subscribed(C, False)  # unknown: no-op
+    assert store.pubsub_subscribed() == {G1}
+    s = reopen(store)
+    assert s.pubsub_subscribed() == {G1}
+    s.close()
+
+
+# ---------------------------------------------------------------- routes
+
+
+def test_routes_with_and_without_expiry(store: LmdbStore) -> None:
+    forever = RouteEntry(B, None, 1)
+    timed = RouteEntry(C, T + 12.345, 3)
+    with store.transaction():
+        store.put_route(A, forever)
+        store.put_route(B, timed)
+    assert store.routes() == {A: forever, B: timed}
+    with store.transaction():
+        store.put_route(A, RouteEntry(C, T, 2))  # replace
+        assert store.delete_route(B) is True
+        assert store.delete_route(B) is False
+    s = reopen(store)
+    assert s.routes() == {A: RouteEntry(C, T, 2)}
+    s.close()
+
+
+def test_route_expiry_has_millisecond_precision(store: LmdbStore) -> None:
+    with store.transaction():
+        store.put_route(A, RouteEntry(B, T + 0.001, 2))
+    assert store.routes()[A].expires == T + 0.001
+
+
+# ---------------------------------------------------------------- messages
+
+
+def test_messages(store: LmdbStore) -> None:
+    with store.transaction():
+        store.put_message(mid(1), b"unicast bytes", None, T + 1)
+        store.put_message(mid(2), b"multicast bytes", G1, T + 2)
+        store.put_message(mid(2), b"other", G2, T + 99)  # first write wins
+    assert store.get_message(mid(1)) == StoredMessage(b"unicast bytes", None, T + 1)
+    assert store.get_message(mid(2)) == StoredMessage(b"multicast bytes", G1, T + 2)
+    assert store.has_message(mid(1)) and not store.has_message(mid(3))
+    assert store.get_message(mid(3)) is None
+    assert store.next_expiry() == T + 1
+    with store.transaction():
+        store.delete_message(mid(1))
+        store.delete_message(mid(3))  # unknown: no-op
+    assert not store.has_message(mid(1))
+    assert store.next_expiry() == T + 2  # the expiry index entry went too
+    s = reopen(store)
+    assert s.get_message(mid(2)) == StoredMessage(b"multicast bytes", G1, T + 2)
+    s.close()
+
+
+def test_empty_message_body_and_group(store: LmdbStore) -> None:
+    with store.transaction():
+        store.put_message(mid(1), b"", None, T)
+        store.put_message(mid(2), b"", G1, T)
+    assert store.get_message(mid(1)) == StoredMessage(b"", None, T)
+    assert store.get_message(mid(2)) == StoredMessage(b"", G1, T)
+
+
+# ---------------------------------------------------------------- queues
+
+
+def test_enqueue_queue_dequeue(store: LmdbStore) -> None:
+    with store.transaction():
+        e1 = store.enqueue(A, mid(1), T + 10, 100)
+        e2 = store.enqueue(A, mid(2), T + 5, 50)
+        eb = store.enqueue(B, mid(3), T + 1, 7)
+    assert e1 == QueueEntry(A, e1.seq, mid(1), T + 10, 100)
+    assert e1.seq < e2.seq < eb.seq
+    assert store.queue(A) == [e1, e2]  # FIFO by sequence, not by expiry
+    assert store.queue(A, limit=1) == [e1]
+    assert store.queue(B) == [eb]
+    assert store.queue(C) == []
+    assert store.queue_usage(A) == (2, 150)
+    assert store.queue_recipients() == {A: (2, 150), B: (1, 7)}
+    with store.transaction():
+        assert store.dequeue(A, e1.seq) is True
+        assert store.dequeue(A, e1.seq) is False
+        assert store.dequeue(A, 123456) is False
+    assert store.queue(A) == [e2]
+    assert store.queue_usage(A) == (1, 50)
+    with store.transaction():
+        store.dequeue(A, e2.seq)
+    assert store.queue_usage(A) == (0, 0)
+    assert store.queue_recipients() == {B: (1, 7)}
+
+
+def test_queue_survives_reopen_and_sequence_numbers_are_never_reused(store: LmdbStore) -> None:
+    with store.transaction():
+        e1 = store.enqueue(A, mid(1), T, 1)
+        e2 = store.enqueue(A, mid(2), T, 1)
+    with store.transaction():
+        store.dequeue(A, e2.seq)
+    s = reopen(store)
+    assert s.queue(A) == [e1]
+    with s.transaction():
+        e3 = s.enqueue(A, mid(3), T, 1)
+    assert e3.seq > e2.seq
+    assert s.queue_usage(A) == (2, 2)
+    s.close()
+
+
+def test_queue_of_one_recipient_does_not_leak_into_a_neighbouring_key(store: LmdbStore) -> None:
+    lo, hi = bytes(31) + b"\x01", bytes(31) + b"\x02"
+    with store.transaction():
+        store.enqueue(lo, mid(1), T, 1)
+        store.enqueue(hi, mid(2), T, 1)
+    assert [e.id for e in store.queue(lo)] == [mid(1)]
+    assert [e.id for e in store.queue(hi)] == [mid(2)]
+
+
+# ---------------------------------------------------------------- expiry and sweep
+
+
+def test_next_expiry_is_the_minimum_over_messages_and_queues(store: LmdbStore) -> None:
+    with store.transaction():
+        store.put_message(mid(1), b"m", None, T + 30)
+        assert store.next_expiry() == T + 30
+        store.enqueue(A, mid(9), T + 20, 1)
+        assert store.next_expiry() == T + 20
+        store.put_message(mid(2), b"m", None, T + 10)
+    assert store.next_expiry() == T + 10
+
+
+def test_sweep_removes_what_expired_at_or_before_now_in_expiry_order(store: LmdbStore) -> None:
+    with store.transaction():
+        for n, (who, dt) in enumerate([(A, 30), (B, 10), (A, 20), (C, 40), (B, 20)], start=1):
+            store.put_message(mid(n), b"m", None, T + dt)
+            store.enqueue(who, mid(n), T + dt, n)
+    with store.transaction():
+        assert store.sweep(T + 9.999) == []
+    with store.transaction():
+        got = store.sweep(T + 20)  # 20 is included
+    assert got == [Expired(B, mid(2), 2), Expired(A, mid(3), 3), Expired(B, mid(5), 5)]
+    assert [e.id for e in store.queue(A)] == [mid(1)]
+    assert store.queue(B) == []
+    assert store.queue_usage(A) == (1, 1) and store.queue_usage(B) == (0, 0)
+    assert not store.has_message(mid(2)) and store.has_message(mid(1))
+    assert store.next_expiry() == T + 30
+    assert store.stats()["queue_entries"] == 2 and store.stats()["msgs_entries"] == 2
+
+
+def test_sweep_respects_its_limit(store: LmdbStore) -> None:
+    with store.transaction():
+        for n in range(5):
+            store.enqueue(A, mid(n), T + n, 1)
+            store.put_message(mid(100 + n), b"m", None, T + n)
+    with store.transaction():
+        first = store.sweep(T + 10, limit=2)
+    assert [e.id for e in first] == [mid(0), mid(1)]
+    assert store.queue_usage(A) == (3, 3)
+    assert store.stats()["msgs_entries"] == 3
+    assert store.next_expiry() == T + 2
+    with store.transaction():
+        rest = store.sweep(T + 10, limit=10)
+    assert [e.id for e in rest] == [mid(2), mid(3), mid(4)]
+    assert store.next_expiry() is None
+
+
+def test_sweep_of_messages_without_queue_entries_returns_nothing(store: LmdbStore) -> None:
+    with store.transaction():
+        store.put_message(mid(1), b"m", G1, T)
+        assert store.sweep(T) == []
+    assert not store.has_message(mid(1))
+
+
+def test_sweep_at_next_expiry_always_removes_the_earliest_entry(store: LmdbStore) -> None:
+    for ms in (1, 999, 1001, 123_456_789, 1_800_000_000_001, 1_800_000_000_999):
+        with store.transaction():
+            store.enqueue(A, mid(ms), ms / 1000.0, 1)
+        t = store.next_expiry()
+        assert t is not None
+        with store.transaction():
+            assert [e.id for e in store.sweep(t)] == [mid(ms)]
+
+
+# ---------------------------------------------------------------- stats
+
+
+def test_stats(store: LmdbStore) -> None:
+    with store.transaction():
+        store.add_subscriber(G1, A, True)
+        store.add_subscriber(G1, B, True)
+        store.put_route(A, RouteEntry(B, None, 1))
+        store.put_message(mid(1), b"m", None, T)
+        store.enqueue(A, mid(1), T, 1)
+        store.enqueue(B, mid(1), T, 1)
+        store.enqueue(B, mid(2), T, 1)
+    s = store.stats()
+    assert {k: s[k] for k in ("subs_entries", "routes_entries", "msgs_entries", "queue_entries")} == {
+        "subs_entries": 2, "routes_entries": 1, "msgs_entries": 1, "queue_entries": 3}
+    assert s["map_size"] == MAP
+    assert 0 < s["used_bytes"] <= MAP
+
+
+# ---------------------------------------------------------------- model-based test of the queues
+
+RECIPIENTS = (A, B, C)
+
+
+class QueueModel(RuleBasedStateMachine):
+    """Queues, usage and expiry of the store against a plain Python model; occasionally reopened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="upsycle-store-"))
+        self.store = open_store(self.dir, Durability.NONE)
+        self.model: dict[bytes, list[QueueEntry]] = {r: [] for r in RECIPIENTS}
+        self.n = 0
+
+    @initialize()
+    def start(self) -> None:
+        pass
+
+    @rule(r=st.sampled_from(RECIPIENTS), dt=st.integers(0, 50), size=st.integers(0, 10_000))
+    def enqueue(self, r: bytes, dt: int, size: int) -> None:
+        self.n += 1
+        with self.store.transaction():
+            e = self.store.enqueue(r, mid(self.n), T + dt, size)
+        assert all(e.seq > x.seq for q in self.model.values() for x in q)
+        self.model[r].append(e)
+
+    @precondition(lambda self: any(self.model.values()))
+    @rule(data=st.data())
+    def dequeue(self, data: st.DataObject) -> None:
+        r = data.draw(st.sampled_from([r for r in RECIPIENTS if self.model[r]]))
+        e = data.draw(st.sampled_from(self.model[r]))
+        with self.store.transaction():
+            assert self.store.dequeue(r, e.seq) is True
+            assert self.store.dequeue(r, e.seq) is False
+        self.model[r].remove(e)
+
+    @rule(dt=st.integers(-1, 51), limit=st.integers(1, 5))
+    def sweep(self, dt: int, limit: int) -> None:
+        now = T + dt
+        due = sorted((e for q in self.model.values() for e in q if e.expires <= now),
+                     key=lambda e: (e.expires, e.recipient, e.seq))[:limit]
+        with self.store.transaction():
+            got = self.store.sweep(now, limit)
+        assert got == [Expired(e.recipient, e.id, e.size) for e in due]
+        for e in due:
+            self.model[e.recipient].remove(e)
+
+    @rule()
+    def reopen(self) -> None:
+        self.store.close()
+        self.store = open_store(self.dir, Durability.NONE)
+
+    @rule(r=st.sampled_from(RECIPIENTS), limit=st.integers(1, 4))
+    def queue_prefix(self, r: bytes, limit: int) -> None:
+        assert self.store.queue(r, limit) == self.model[r][:limit]
+
+    @invariant()
+    def matches_model(self) -> None:
+        for r in RECIPIENTS:
+            q = self.model[r]
+            assert self.store.queue(r) == q
+            assert self.store.queue_usage(r) == (len(q), sum(e.size for e in q))
+        assert self.store.queue_recipients() == {
+            r: (len(q), sum(e.size for e in q)) for r, q in self.model.items() if q}
+        exps = [e.expires for q in self.model.values() for e in q]
+        assert self.store.next_expiry() == (min(exps) if exps else None)
+        assert self.store.stats()["queue_entries"] == sum(len(q) for q in self.model.values())
+
+    def teardown(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+QueueModel.TestCase.settings = settings(
+    max_examples=40, stateful_step_count=25, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+test_queue_matches_model = QueueModel.TestCase

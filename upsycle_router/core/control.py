@@ -1,0 +1,215 @@
+"""The control plane of the routing core: messages addressed to the router itself.
+
+Theory of operation
+-------------------
+A unicast whose ``dst`` is this router carries one control body (PROTOCOL.md §7): JOIN / LEAVE (answered
+JOIN_ACK / LEAVE_ACK, with the seed's authorization: local services, configured edge nodes, or anyone when
+``accept_join_from_any``), PULL (answered with the stored message itself, or PULL_NACK), SYNC (answered SYNC_ACK
+once the batch it arrived in is committed: the driver sends effects only after the commit), a peer
+advertisement (routes to the advertised router and its services), or an encapsulated multicast message.
+Membership changes drive the services: the first non-local JOIN of a group SUBs the local pub/sub service
+and, on an edge router, JOINs the group at its core nodes; the last subscriber leaving undoes both.
+:class:`ControlPlane` shares the :class:`~upsycle_router.core.router.Router`'s state and delivery path.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from upsycle_router.core.events import Effect, PeerLearned, Send, Trace
+from upsycle_router.crypto import advert_valid, message_signature_valid, sign_message
+from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.expiry import exp_in, exp_to_unix, expires_at
+from upsycle_router.wire.control import (
+    Join,
+    JoinAck,
+    Leave,
+    LeaveAck,
+    Pull,
+    PullNack,
+    Result,
+    Sync,
+    SyncAck,
+    decode_control,
+    encode_router,
+)
+from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
+from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub, Unsub
+
+if TYPE_CHECKING:
+    from upsycle_router.core.router import Conn, Router
+
+ROUTE_ADVERT = 3
+
+
+class ControlPlane:
+    """Handles control bodies addressed to the router ``r``."""
+
+    def __init__(self, router: Router) -> None:
+        self.r = router
+
+    def _reply(self, c: Conn, to: bytes, body: bytes, now: float, out: list[Effect]) -> None:
+        """Send a router-signed unicast ``body`` to ``to`` (over ``c``, or via the normal delivery path)."""
+        header = UnicastHeader(self.r.id, to, self.r.config.reply_ttl, exp_in(now, self.r.config.reply_lifetime))
+        reply = sign_message(header, body, self.r.identity)
+        if c.id in self.r._conns and (c.peer == to or not c.local):
+            out.append(Send(c.id, reply.encode()))
+            return
+        if to in self.r.locals:
+            self.r._deliver(to, reply, None, len(reply.encode()), now, out, kind="control")
+
+    def signed_to(self, dst: bytes, body: bytes, now: float) -> Message:
+        """A unicast from this router to ``dst``."""
+        header = UnicastHeader(self.r.id, dst, self.r.config.reply_ttl, exp_in(now, self.r.config.reply_lifetime))
+        return sign_message(header, body, self.r.identity)
+
+    def _send_to_service(self, service: bytes, body: bytes, now: float, out: list[Effect]) -> None:
+        m = self.signed_to(service, body, now)
+        self.r._deliver(service, m, None, len(m.encode()), now, out, kind="control")
+
+    def handle(self, c: Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
+        def drop(reason: str) -> None:
+            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, reason))
+
+        try:
+            body = decode_control(msg.body)
+        except RemoteProtocolError:
+            body = None
+        if body is None:
+            try:  # encapsulation: a multicast message in a unicast BODY (PROTOCOL.md §7)
+                inner = decode_message(msg.body)
+            except RemoteProtocolError:
+                drop("unknown_control")
+                return
+            if not isinstance(inner.header, MulticastHeader):
+                drop("unknown_control")
+                return
+            if exp_to_unix(inner.header.exp) <= now:
+                out.append(Trace("dropped", inner.id, "multicast", inner.header.grp, None, None, c.peer,
+                                 len(msg.body), "expired"))
+                return
+            if not message_signature_valid(inner):
+                out.append(Trace("dropped", inner.id, "multicast", inner.header.grp, None, None, c.peer,
+                                 len(msg.body), "bad_signature"))
+                return
+            self.r._multicast(c, inner.with_via(None) if c.local else inner, inner.header, len(msg.body), now, out)
+            return
+        if isinstance(body, Join | Leave | Sync) and h.src != c.peer:
+            drop("not_authorized")  # membership and barriers only for the authenticated peer itself
+            return
+        if isinstance(body, PeerAdvertisement):
+            self._advert(c, msg, body, h, size, now, out)
+        elif isinstance(body, Join):
+            self._join(c, msg, body, h, size, now, out)
+        elif isinstance(body, Leave):
+            self._leave(c, msg, body, h, now, out)
+        elif isinstance(body, Pull):
+            self._pull(c, msg, body, h, size, now, out)
+        elif isinstance(body, Sync):
+            self._reply(c, h.src, encode_router(SyncAck(body.n, Result.SUCCESS)), now, out)
+        elif isinstance(body, JoinAck | LeaveAck) and (
+            h.src == self.r.config.pubsub_service or h.src in self.r.config.upstream
+        ):
+            pass  # SUB_ACK / UNSUB_ACK from our pub/sub service, or a core node's answer to our JOIN / LEAVE
+        else:
+            drop("unknown_control")
+
+    def _may_join(self, c: Conn, requester: bytes) -> bool:
+        if c.local:
+            return requester in self.r.locals
+        return self.r.config.accept_join_from_any or requester in self.r.config.edge_nodes
+
+    def _join(
+        self, c: Conn, msg: Message, j: Join, h: UnicastHeader, size: int, now: float, out: list[Effect]
+    ) -> None:
+        requester = h.src
+        if not self._may_join(c, requester):
+            out.append(Trace("dropped", msg.id, "control", j.addr, h.src, h.dst, c.peer, size, "not_authorized"))
+            self._reply(c, requester, encode_router(JoinAck(j.addr, Result.FAILURE)), now, out)
+            return
+        members = self.r.subs.setdefault(j.addr, {})
+        if members.get(requester) != j.local:
+            members[requester] = j.local
+            self.r.store.add_subscriber(j.addr, requester, j.local)
+        out.append(Trace("joined", None, "control", j.addr, requester, None, c.peer, 0, role=self.r._role(requester)))
+        self._reply(c, requester, encode_router(JoinAck(j.addr, Result.SUCCESS)), now, out)
+        if not j.local and c.local and self.r.config.upstream and j.addr not in self.r.upstream_groups:
+            self.r.upstream_groups.add(j.addr)
+            self.r.store.set_upstream_subscribed(j.addr, True)
+            for core in sorted(self.r.config.upstream):
+                m = self.signed_to(core, encode_router(Join(j.addr, False)), now)
+                self.r._to_router(core, m, None, len(m.encode()), now, out, kind="control")
+        ps = self.r.config.pubsub_service
+        if not j.local and ps is not None and requester != ps and j.addr not in self.r.pubsub_groups:
+            self.r.pubsub_groups.add(j.addr)
+            self.r.store.set_pubsub_subscribed(j.addr, True)
+            self._send_to_service(ps, PUBSUB_CODEC.encode(Sub(j.addr)), now, out)
+
+    def _leave(self, c: Conn, msg: Message, lv: Leave, h: UnicastHeader, now: float, out: list[Effect]) -> None:
+        requester = h.src
+        members = self.r.subs.get(lv.addr, {})
+        if requester not in members:
+            self._reply(c, requester, encode_router(LeaveAck(lv.addr, Result.FAILURE)), now, out)
+            return
+        del members[requester]
+        self.r.store.remove_subscriber(lv.addr, requester)
+        out.append(Trace("left", None, "control", lv.addr, requester, None, c.peer, 0, role=self.r._role(requester)))
+        self._reply(c, requester, encode_router(LeaveAck(lv.addr, Result.SUCCESS)), now, out)
+        ps = self.r.config.pubsub_service
+        remaining = set(members) - ({ps} if ps else set())
+        if not members:
+            del self.r.subs[lv.addr]
+        if not remaining and lv.addr in self.r.upstream_groups:
+            self.r.upstream_groups.discard(lv.addr)
+            self.r.store.set_upstream_subscribed(lv.addr, False)
+            for core in sorted(self.r.config.upstream):
+                m = self.signed_to(core, encode_router(Leave(lv.addr)), now)
+                self.r._to_router(core, m, None, len(m.encode()), now, out, kind="control")
+        if not remaining and lv.addr in self.r.pubsub_groups and ps is not None:
+            self.r.pubsub_groups.discard(lv.addr)
+            self.r.store.set_pubsub_subscribed(lv.addr, False)
+            self._send_to_service(ps, PUBSUB_CODEC.encode(Unsub(lv.addr)), now, out)
+
+    def _may_pull(self, c: Conn, requester: bytes) -> bool:
+        if c.local:
+            return requester in self.r.locals
+        cfg = self.r.config
+        return (
+            cfg.accept_pull_from_any or c.peer in cfg.edge_nodes or c.peer in cfg.peers or c.peer in self.r.peer_routers
+        )
+
+    def _pull(
+        self, c: Conn, msg: Message, p: Pull, h: UnicastHeader, size: int, now: float, out: list[Effect]
+    ) -> None:
+        if not self._may_pull(c, h.src):
+            out.append(Trace("dropped", msg.id, "control", p.addr, h.src, h.dst, c.peer, size, "not_authorized"))
+            self._reply(c, h.src, encode_router(PullNack(p.addr, p.id)), now, out)
+            return
+        stored = self.r.store.get_message(p.id)
+        if stored is None or stored.group != p.addr or stored.expires <= now:
+            self._reply(c, h.src, encode_router(PullNack(p.addr, p.id)), now, out)
+            return
+        out.append(Send(c.id, stored.data))
+        out.append(Trace("pulled", p.id, "multicast", p.addr, None, h.src, c.peer, len(stored.data)))
+
+    def _advert(
+        self, c: Conn, msg: Message, adv: PeerAdvertisement, h: UnicastHeader, size: int, now: float, out: list[Effect]
+    ) -> None:
+        if not advert_valid(adv) or adv.id != h.src:
+            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, "bad_signature"))
+            return
+        expiry = expires_at(now, adv.ttl, adv.exp)
+        if expiry <= now:
+            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, "expired"))
+            return
+        via = c.peer if not c.local else adv.id
+        if not c.local and c.peer == adv.id:
+            self.r.peer_routers.add(adv.id)
+        self.r._learn_route(adv.id, via, ROUTE_ADVERT, expiry)
+        for _, svc in adv.svcs:
+            self.r._learn_route(svc, adv.id, ROUTE_ADVERT, expiry)
+        out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port))
+        for service in (self.r.config.pubsub_service, self.r.config.discovery_service):
+            if service is not None:
+                self._send_to_service(service, encode_discovery(adv), now, out)
