@@ -301,3 +301,26 @@ def test_queue_sequence_continues_after_a_restart(h: CoreHarness) -> None:
     h.receive(a, unicast(ALICE, BOB, b"after"))
     after = [e.seq for e in h.store.queue(BOB.public)]
     assert after[:2] == before and after[2] > before[1]
+
+
+@pytest.mark.xfail(strict=True, reason="BUG: QueueSent deletes a message another queue entry still references")
+def test_identical_router_messages_queued_twice_are_both_delivered(tmp_path: Path) -> None:
+    # The router's own messages are deterministic: SUB(G) sent twice within one minute has one id. Queued twice
+    # for an absent pub/sub service, the first QueueSent must not take the second entry's message with it.
+    from upsycle_router.wire.control import Leave
+    from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub, Unsub
+
+    ps = ident("pubsub")
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(pubsub_service=ps.public, flush_batch=1))
+    h.close(h.open(ps))
+    a = h.open(ALICE)
+    h.receive(a, control(ALICE, X, Join(G.public, False)))
+    h.receive(a, control(ALICE, X, Leave(G.public)))
+    h.receive(a, control(ALICE, X, Join(G.public, False), now=T0 + 1), now=T0 + 1)
+    entries = h.store.queue(ps.public)
+    assert len(entries) == 3 and entries[0].id == entries[2].id
+    p = h.open(ps)
+    got = h.last.messages(p)
+    for _ in range(3):
+        got += h.queue_sent(h.last).messages(p)
+    assert [PUBSUB_CODEC.decode(m.body) for m in got] == [Sub(G.public), Unsub(G.public), Sub(G.public)]

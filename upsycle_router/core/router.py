@@ -283,7 +283,12 @@ class Router:
             return
         members = self.subs.get(h.grp)
         recipients = [m for m in members if m != c.peer] if members else []
-        if not members and not (c.local and h.grp in self.upstream_groups):  # step 3
+        ps = self.config.pubsub_service
+        if c.local and ps is not None and ps != c.peer and ps not in recipients:
+            # A local publish always reaches the pub/sub service, which disseminates it (fanout when this
+            # node has not joined the group), so apps can publish to groups nobody here subscribes to.
+            recipients.append(ps)
+        if not recipients and not (c.local and h.grp in self.upstream_groups):  # step 3
             out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "no_subscribers"))
             return
         if msg.id in self.seen or self.store.has_message(msg.id):  # step 4

@@ -1,0 +1,137 @@
+"""End-to-end: the ``upsycle-router`` command line against a real daemon (every command a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, cli, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def cli_start(*args: str) -> subprocess.Popen[str]:
+    """Start ``python -m upsycle_router ARGS`` without waiting."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "upsycle_router", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=str(REPO),
+    )  # fmt: skip
+
+
+def finish(p: subprocess.Popen[str], timeout: float = 30) -> str:
+    """Wait (bounded) for a command started with :func:`cli_start`; assert success; return its stdout."""
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate(timeout=5)
+        pytest.fail(f"{p.args} did not finish within {timeout} s")
+    assert p.returncode == 0, (p.args, err)
+    return out.strip()
+
+
+def keygen(path: str) -> str:
+    r = cli("keygen", "--out", path)
+    assert r.returncode == 0, r.stderr
+    pub = r.stdout.strip()
+    assert HEX64.match(pub), r.stdout
+    return pub
+
+
+def test_cli_keygen_writes_private_key_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = str(tmp_path / "app.key")
+    pub = keygen(path)
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    again = cli("keygen", "--out", path)
+    assert again.returncode != 0, "keygen overwrote an existing key without --force"
+    assert "error" in again.stderr.lower()
+    forced = cli("keygen", "--out", path, "--force")
+    assert forced.returncode == 0 and HEX64.match(forced.stdout.strip()) and forced.stdout.strip() != pub
+
+
+def test_cli_id_join_publish_listen_send_pull(daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    sock = str(d.sock)
+    group_key, listener_key, sender_key, other_key = (
+        str(tmp_path / f"{n}.key") for n in ("group", "listener", "sender", "other")
+    )
+    # independent commands run concurrently (each is a Python start-up)
+    procs = [cli_start("id", "--data-dir", str(d.dir))] + [cli_start("keygen", "--out", k) for k in
+                                                           (group_key, listener_key, sender_key)]  # fmt: skip
+    router_id, group, listener, sender = [finish(p) for p in procs]
+    for v in (router_id, group, listener, sender):
+        assert HEX64.match(v), v
+
+    listen = cli_start("listen", "--socket", sock, "--key", listener_key, "--join", group, "--count", "2",
+                       "--timeout", "20")  # fmt: skip
+    try:
+        # meanwhile: join / leave and their result codes
+        j = cli("join", "--socket", sock, "--key", other_key, group)
+        assert (j.returncode, j.stdout.strip()) == (0, "joined"), j.stderr
+        lv = cli("leave", "--socket", sock, "--key", other_key, group)
+        assert (lv.returncode, lv.stdout.strip()) == (0, "left"), lv.stderr
+        lv2 = cli("leave", "--socket", sock, "--key", other_key, group)
+        assert (lv2.returncode, lv2.stdout.strip()) == (1, "refused"), lv2.stderr
+
+        d.wait_trace_sync(timeout=10, event="joined", group=group, src=listener)
+        p = cli("publish", "--socket", sock, "--key", sender_key, "--group-key", group_key, "hello group")
+        assert p.returncode == 0, p.stderr
+        pub_id = p.stdout.strip()
+        assert HEX64.match(pub_id)
+        s = cli("send", "--socket", sock, "--key", sender_key, listener, "-", stdin=b"hello listener")
+        assert s.returncode == 0, s.stderr
+        send_id = s.stdout.strip()
+        out, err = listen.communicate(timeout=20)
+    finally:
+        if listen.poll() is None:
+            listen.kill()
+            listen.communicate(timeout=5)
+    assert listen.returncode == 0, err
+    lines = [json.loads(x) for x in out.splitlines() if x.strip()]
+    assert len(lines) == 2, out
+    mc, uc = lines
+    assert mc["type"] == "multicast" and mc["group"] == group and mc["id"] == pub_id and mc["body"] == "hello group"
+    assert uc["type"] == "unicast" and uc["id"] == send_id and uc["body"] == "hello listener"
+    assert uc["src"] == sender and uc["dst"] == listener
+
+    # PULL the stored group message by id; an unknown id is "not found"
+    pull = cli_start("pull", "--socket", sock, "--key", other_key, group, pub_id)
+    missing = cli("pull", "--socket", sock, "--key", sender_key, group, "00" * 32)
+    pulled = json.loads(finish(pull))
+    assert pulled["id"] == pub_id and pulled["body"] == "hello group" and pulled["group"] == group
+    assert missing.returncode == 1 and "not found" in missing.stderr
+
+    # the router id printed by `id` is the id the daemon's trace journal is written under
+    assert d.trace(event="pulled", id=pub_id)[0]["node"] == router_id
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ("queue:\n  max_count: many\n", "queue.max_count"),
+        ("handshake_timout: 1\n", "handshake_timout"),
+        ("durability: sometimes\n", "durability"),
+        ("listen:\n  unix_mode: rwx\n", "listen.unix_mode"),
+        ("max_frame: [1, 2\n", "YAML"),
+    ],
+    ids=["bad_value", "unknown_key", "bad_enum", "bad_mode", "not_yaml"],
+)
+def test_cli_run_refuses_corrupt_config(tmp_path, text: str, names: str) -> None:  # type: ignore[no-untyped-def]
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(text)
+    sock = tmp_path / "s.sock"
+    try:
+        r = cli("run", "--config", str(cfg), "--data-dir", str(tmp_path / "data"), "--unix", str(sock), timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the daemon started with a corrupt config")
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert names in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert not sock.exists()
