@@ -398,8 +398,12 @@ class RawApp:
             if not (isinstance(h, list) and len(h) == 4 and h[0] == PROTOCOL_NAME and h[1] == PROTOCOL_VERSION):
                 raise HandshakeError(f"not a HELLO: {h!r}")
             router_id, router_nonce = h[2], h[3]
-            if not (isinstance(router_id, bytes) and len(router_id) == 32 and isinstance(router_nonce, bytes)
-                    and len(router_nonce) == 32):
+            if not (
+                isinstance(router_id, bytes)
+                and len(router_id) == 32
+                and isinstance(router_nonce, bytes)
+                and len(router_nonce) == 32
+            ):
                 raise HandshakeError(f"bad HELLO fields: {h!r}")
             conn.send_frame(auth(key, sign_for if sign_for is not None else router_id, router_nonce))
             payload = await conn.read_frame(timeout)
@@ -530,7 +534,8 @@ class RawApp:
         self._sync_n += 1
         n = self._sync_n
         await self._request(sync_body(n))
-        ctl = await self._await_reply(lambda c: isinstance(c, tuple) and c[0] == SYNC_ACK and c[1].get("n") == n,
-                                      timeout)
+        ctl = await self._await_reply(
+            lambda c: isinstance(c, tuple) and c[0] == SYNC_ACK and c[1].get("n") == n, timeout
+        )
         assert isinstance(ctl, tuple)
         return ctl[1]

@@ -317,3 +317,44 @@ def test_received_trace_marks_a_local_publication(h: CoreHarness) -> None:
     t = h.receive(c[ALICE], multicast(G, b"a")).traces("received")[0]
     assert (t.type, t.group, t.local, t.src, t.dst) == ("multicast", G.public, True, None, None)
     assert h.receive(r, multicast(G, b"b")).traces("received")[0].local is False
+
+
+# ---------------------------------------------------------------- the pub/sub service and core nodes
+
+PS = ident("pubsub")
+CORE = ident("core")
+
+
+def test_local_publish_reaches_the_pubsub_service_without_local_subscribers(tmp_path: Path) -> None:
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(pubsub_service=PS.public))
+    p = h.open(PS)
+    a = h.open(ALICE)
+    m = multicast(G)
+    out = h.receive(a, m)
+    assert [s.data for s in out.sends(p)] == [m.encode()]
+    assert out.traces("delivered")[0].role == "service"
+    assert h.receive(p, multicast(G, b"from the ps")).traces("dropped", reason="no_subscribers")  # not back to it
+
+
+def test_remote_multicast_reaches_the_pubsub_service_only_if_it_joined(tmp_path: Path) -> None:
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(pubsub_service=PS.public))
+    p = h.open(PS)
+    r = h.open(R, local=False)
+    assert h.receive(r, multicast(G, b"1")).traces("dropped", reason="no_subscribers")
+    join(h, p, PS)
+    assert h.receive(r, multicast(G, b"2")).sends(p)
+
+
+def test_edge_router_hands_local_publishes_of_upstream_groups_to_its_core(tmp_path: Path) -> None:
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(upstream=frozenset({CORE.public})))
+    k = h.open(CORE, local=False)
+    a = h.open(ALICE)
+    join(h, a, ALICE, local=False)  # G becomes an upstream group (and X JOINs it at the core)
+    m = multicast(G)
+    out = h.receive(a, m)  # no other local subscriber: not dropped, handed to the core
+    assert [s.data for s in out.sends(k)] == [m.encode()]
+    assert out.traces("forwarded")[0].peer == CORE.public
+    # A copy arriving from the core is delivered locally and not sent back up.
+    m2 = multicast(G, b"from the core")
+    out = h.receive(k, m2)
+    assert out.sends(k) == [] and [x.via for x in out.messages(a)] == [CORE.public]

@@ -413,3 +413,57 @@ def test_closing_a_link_is_seen_by_both_routers(tmp_path: Path) -> None:
     net.unlink(R2, R3)
     assert net.nodes[R2.public].router.connections() == 1
     assert net.nodes[R3.public].router.connections() == 1
+
+
+# ---------------------------------------------------------------- edge routers with a shared core node
+
+
+def star(tmp_path: Path, seed: int = 0) -> Net:
+    """R1 and R3 are edge routers whose core node is R2 (``upstream``); R2 serves both (``edge_nodes``)."""
+    net = Net(tmp_path, seed)
+    net.router(R1, CoreConfig(upstream=frozenset({R2.public})))
+    net.router(R2, CoreConfig(edge_nodes=frozenset({R1.public, R3.public})))
+    net.router(R3, CoreConfig(upstream=frozenset({R2.public})))
+    net.link(R1, R2)
+    net.link(R3, R2)
+    net.run()
+    return net
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_apps_on_two_edge_routers_exchange_multicast_through_the_core(tmp_path: Path, seed: int) -> None:
+    net = star(tmp_path, seed)
+    a = net.app(ALICE, R1)
+    b = net.app(BOB, R3)
+    for app in (a, b):
+        net.send(app, control(app.identity, app.router, Join(G.public, False)))
+        app.inbox.clear()
+    assert net.nodes[R2.public].router.subs[G.public] == {R1.public: False, R3.public: False}
+
+    m = multicast(G, b"from bob")
+    net.send(b, m)
+    assert net.traces(R3, m.id) == ["received", "forwarded"]
+    assert net.traces(R2, m.id) == ["received", "delivered"]  # to R1 only: not back to R3
+    assert [(x.id, x.via) for x in a.inbox] == [(m.id, R2.public)]
+    assert b.inbox == []
+
+    m2 = multicast(G, b"from alice")
+    net.send(a, m2)
+    assert [(x.id, x.via) for x in b.inbox] == [(m2.id, R2.public)]
+    assert [x.id for x in a.inbox] == [m.id]
+
+
+def test_core_restart_keeps_the_edge_subscriptions(tmp_path: Path) -> None:
+    net = star(tmp_path)
+    a = net.app(ALICE, R1)
+    b = net.app(BOB, R3)
+    for app in (a, b):
+        net.send(app, control(app.identity, app.router, Join(G.public, False)))
+        app.inbox.clear()
+    net.restart(R2)
+    net.link(R1, R2)
+    net.link(R3, R2)
+    net.run()
+    m = multicast(G, b"after the restart")
+    net.send(b, m)
+    assert [x.id for x in a.inbox] == [m.id]

@@ -241,14 +241,12 @@ def test_entry_found_expired_on_connect_is_not_sent(h: CoreHarness) -> None:
     assert h.store.queue(BOB.public) == []
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: _flush discards an entry it finds expired without an 'expired' trace")
 def test_entry_found_expired_on_connect_is_traced_as_expired(h: CoreHarness) -> None:
     _, [m] = queue_for_bob(h, 1, ttl=60)
     h.open(BOB, now=T0 + 61)
     assert [(t.id, t.dst, t.reason) for t in h.last.traces("expired")] == [(m.id, BOB.public, "expired")]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: expired trace of a queued multicast entry says type unicast, group null")
 def test_expired_multicast_entry_is_traced_as_multicast(h: CoreHarness) -> None:
     a = h.open(ALICE)
     b = h.open(BOB)
@@ -313,10 +311,10 @@ def test_identical_router_messages_queued_twice_are_both_delivered(tmp_path: Pat
     ps = ident("pubsub")
     h = CoreHarness(tmp_path / "x", X, CoreConfig(pubsub_service=ps.public, flush_batch=1))
     h.close(h.open(ps))
-    a = h.open(ALICE)
-    h.receive(a, control(ALICE, X, Join(G.public, False)))
-    h.receive(a, control(ALICE, X, Leave(G.public)))
-    h.receive(a, control(ALICE, X, Join(G.public, False), now=T0 + 1), now=T0 + 1)
+    a = h.open(ALICE, now=T0 - 50)
+    h.receive(a, control(ALICE, X, Join(G.public, False), now=T0 - 50))
+    h.receive(a, control(ALICE, X, Leave(G.public), now=T0 - 40), now=T0 - 40)
+    h.receive(a, control(ALICE, X, Join(G.public, False), now=T0 - 30), now=T0 - 30)
     entries = h.store.queue(ps.public)
     assert len(entries) == 3 and entries[0].id == entries[2].id
     p = h.open(ps)

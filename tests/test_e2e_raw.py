@@ -246,7 +246,7 @@ async def test_raw_multicast_three_subscribers_each_once_publisher_not_echoed(da
             assert (await s.recv(timeout=5)).id == m2.id, "duplicate delivery of the first message"
         await pub.sync()
         await d.wait_trace(event="delivered", id=m2.id, dst=subs[-1].key.public)
-        delivered = d.trace(event="delivered", id=m1.id)
+        delivered = d.trace(event="delivered", id=m1.id, role="app")
         assert sorted(r["dst"] for r in delivered) == sorted(s.key.public.hex() for s in subs)
     finally:
         for app in (pub, *subs):

@@ -118,16 +118,30 @@ def test_fixed_message_bodies() -> None:
     assert good.body.decode() == "grüße, dave"
 
 
+@pytest.fixture(scope="module")
+def cli_runs() -> dict[str, subprocess.CompletedProcess[str]]:
+    """``upsycle-router decode FILE`` on every fixed message, the subprocesses started together."""
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "upsycle_router", "decode", str(DIR / f"{name}.cbor")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for name in NAMES
+    }
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        out[name] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return out
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_cli_decode_file(name: str) -> None:
+def test_cli_decode_file(cli_runs: dict[str, subprocess.CompletedProcess[str]], name: str) -> None:
     exp = EXPECTED[name]
-    r = subprocess.run(
-        [sys.executable, "-m", "upsycle_router", "decode", str(DIR / f"{name}.cbor")],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=60,
-    )
+    r = cli_runs[name]
     assert r.returncode == (0 if exp["signature_valid"] else 1), r.stderr
     assert r.stderr == ""
     out = json.loads(r.stdout)

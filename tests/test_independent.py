@@ -212,16 +212,6 @@ def _iso(exp: int) -> str:
     return (dt.datetime(2020, 1, 1, tzinfo=dt.UTC) + dt.timedelta(minutes=exp)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _run_decode(args: list[str], stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        [sys.executable, "-m", "upsycle_router", "decode", *args],
-        input=stdin,
-        capture_output=True,
-        cwd=ROOT,
-        timeout=60,
-    )
-
-
 def _expected_json(b: ic.Built, valid: bool = True) -> dict[str, Any]:
     header: dict[str, Any] = {}
     for k, v in b.header.items():
@@ -253,61 +243,104 @@ def _assert_cli_output(r: subprocess.CompletedProcess[bytes], b: ic.Built, msg_i
 
 
 CLI_CASES = {
-    "unicast": lambda: ic.unicast(KEYS["alice"], PUB["bob"], 3600, 3_700_000, b"hi bob"),
-    "unicast-empty-ttl0-via": lambda: ic.unicast(KEYS["bob"], PUB["alice"], 0, 0, b"", via=PUB["router"]),
-    "unicast-max": lambda: ic.unicast(KEYS["router"], PUB["router2"], UINT32_MAX, 4_000_000_000, b"\xff" * 70000),
-    "multicast": lambda: ic.multicast(KEYS["group"], 600, 3_650_000, [], b"to the group"),
-    "multicast-sn-via": lambda: ic.multicast(
+    "unicast": ic.unicast(KEYS["alice"], PUB["bob"], 3600, 3_700_000, b"hi bob"),
+    "unicast-empty-ttl0-via": ic.unicast(KEYS["bob"], PUB["alice"], 0, 0, b"", via=PUB["router"]),
+    "unicast-max": ic.unicast(KEYS["router"], PUB["router2"], UINT32_MAX, 4_000_000_000, b"\xff" * 70000),
+    "multicast": ic.multicast(KEYS["group"], 600, 3_650_000, [], b"to the group"),
+    "multicast-sn-via": ic.multicast(
         KEYS["group"], 24, 3_650_001, [bytes([i]) * 32 for i in range(16)], b"\x00" * 24, via=PUB["router2"]
     ),
-    "multicast-one-sn": lambda: ic.multicast(KEYS["alice"], 1, 1439, [b"\xab" * 32], bytes(range(23))),
+    "multicast-one-sn": ic.multicast(KEYS["alice"], 1, 1439, [b"\xab" * 32], bytes(range(23))),
 }
 
 
-@pytest.mark.parametrize("case", sorted(CLI_CASES))
-def test_cli_decode_hex_stdin(case: str) -> None:
-    b = CLI_CASES[case]()
-    r = _run_decode(["--hex"], stdin=b.wire.hex().encode() + b"\n")
-    _assert_cli_output(r, b, b.id, True)
+def _with_sig(b: ic.Built, sig: bytes) -> bytes:
+    return ic.encode([b.mtype, b.header, b.body, sig] + ([b.via] if b.via is not None else []))
+
+
+def _flip(sig: bytes) -> bytes:
+    return bytes([sig[0] ^ 0x01]) + sig[1:]
+
+
+# A unicast whose src is bob but which alice signed.
+FORGED_HEADER = {"src": PUB["bob"], "dst": PUB["router"], "ttl": 5, "exp": 3_700_000}
+FORGED_SIGNED = ic.encode(0) + ic.encode(FORGED_HEADER) + ic.encode(b"forged")
+FORGED_SIG = KEYS["alice"].sign(FORGED_SIGNED).signature
+FORGED = ic.encode([0, FORGED_HEADER, b"forged", FORGED_SIG])
+
+
+def _wrapped_hex(data: bytes) -> bytes:
+    h = data.hex()
+    return ("  " + "\n".join(h[i : i + 64] for i in range(0, len(h), 64)) + "\n\n").encode()
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[bytes]]:
+    """Every ``upsycle-router decode`` run of this module, the subprocesses started together."""
+    d = tmp_path_factory.mktemp("frames")
+    runs: dict[str, tuple[list[str], bytes]] = {}
+    for name, b in CLI_CASES.items():
+        runs[f"hex:{name}"] = (["--hex"], b.wire.hex().encode() + b"\n")
+        path = d / f"{name}.frame"
+        path.write_bytes(ic.frame(b.wire))
+        runs[f"framed:{name}"] = (["--framed", str(path)], b"")
+    sv = CLI_CASES["multicast-sn-via"]
+    runs["hex-framed-stdin"] = (["--hex", "--framed"], ic.frame(sv.wire).hex().encode())
+    runs["raw-stdin"] = ([], sv.wire)
+    runs["raw-stdin-dash"] = (["-"], sv.wire)
+    runs["hex-wrapped"] = (["--hex"], _wrapped_hex(sv.wire))
+    for name in ("unicast", "multicast-sn-via"):
+        runs[f"bad-sig:{name}"] = (["--hex"], _with_sig(CLI_CASES[name], _flip(CLI_CASES[name].sig)).hex().encode())
+    runs["forged"] = (["--hex"], FORGED.hex().encode())
+    procs = {
+        key: subprocess.Popen(
+            [sys.executable, "-m", "upsycle_router", "decode", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+        )
+        for key, (args, _) in runs.items()
+    }
+    out = {}
+    for key, p in procs.items():
+        stdout, stderr = p.communicate(runs[key][1], timeout=120)
+        out[key] = subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr)
+    return out
+
+
+Runs = dict[str, subprocess.CompletedProcess[bytes]]
 
 
 @pytest.mark.parametrize("case", sorted(CLI_CASES))
-def test_cli_decode_framed_file(case: str, tmp_path: Path) -> None:
-    b = CLI_CASES[case]()
-    p = tmp_path / "msg.frame"
-    p.write_bytes(ic.frame(b.wire))
-    _assert_cli_output(_run_decode(["--framed", str(p)]), b, b.id, True)
+def test_cli_decode_hex_stdin(cli_runs: Runs, case: str) -> None:
+    b = CLI_CASES[case]
+    _assert_cli_output(cli_runs[f"hex:{case}"], b, b.id, True)
 
 
-def test_cli_decode_framed_hex_stdin_and_raw_stdin() -> None:
-    b = CLI_CASES["multicast-sn-via"]()
-    _assert_cli_output(_run_decode(["--hex", "--framed"], stdin=ic.frame(b.wire).hex().encode()), b, b.id, True)
-    _assert_cli_output(_run_decode([], stdin=b.wire), b, b.id, True)
-    _assert_cli_output(_run_decode(["-"], stdin=b.wire), b, b.id, True)
-    # Hex split over lines with surrounding whitespace is fine.
-    h = b.wire.hex()
-    text = "\n".join(h[i : i + 64] for i in range(0, len(h), 64))
-    _assert_cli_output(_run_decode(["--hex"], stdin=f"  {text}\n\n".encode()), b, b.id, True)
+@pytest.mark.parametrize("case", sorted(CLI_CASES))
+def test_cli_decode_framed_file(cli_runs: Runs, case: str) -> None:
+    b = CLI_CASES[case]
+    _assert_cli_output(cli_runs[f"framed:{case}"], b, b.id, True)
+
+
+@pytest.mark.parametrize("run", ["hex-framed-stdin", "raw-stdin", "raw-stdin-dash", "hex-wrapped"])
+def test_cli_decode_input_forms(cli_runs: Runs, run: str) -> None:
+    b = CLI_CASES["multicast-sn-via"]
+    _assert_cli_output(cli_runs[run], b, b.id, True)
 
 
 @pytest.mark.parametrize("case", ["unicast", "multicast-sn-via"])
-def test_cli_decode_invalid_signature_exit_1(case: str) -> None:
-    b = CLI_CASES[case]()
-    bad_sig = bytes([b.sig[0] ^ 0x01]) + b.sig[1:]
-    parts = [b.mtype, b.header, b.body, bad_sig] + ([b.via] if b.via is not None else [])
-    wire = ic.encode(parts)
-    bad_id = blake3.blake3(b.signed + ic.encode(bad_sig)).digest()
-    _assert_cli_output(_run_decode(["--hex"], stdin=wire.hex().encode()), b, bad_id, False)
+def test_cli_decode_invalid_signature_exit_1(cli_runs: Runs, case: str) -> None:
+    b = CLI_CASES[case]
+    bad_id = blake3.blake3(b.signed + ic.encode(_flip(b.sig))).digest()
+    _assert_cli_output(cli_runs[f"bad-sig:{case}"], b, bad_id, False)
 
 
-def test_cli_decode_signed_by_wrong_key_exit_1() -> None:
-    # A unicast whose src is bob but which alice signed.
-    header = {"src": PUB["bob"], "dst": PUB["router"], "ttl": 5, "exp": 3_700_000}
-    signed = ic.encode(0) + ic.encode(header) + ic.encode(b"forged")
-    sig = KEYS["alice"].sign(signed).signature
-    wire = ic.encode([0, header, b"forged", sig])
-    r = _run_decode(["--hex"], stdin=wire.hex().encode())
+def test_cli_decode_signed_by_wrong_key_exit_1(cli_runs: Runs) -> None:
+    r = cli_runs["forged"]
     assert r.returncode == 1
     out = json.loads(r.stdout)
     assert out["signature_valid"] is False
-    assert out["id"] == blake3.blake3(signed + ic.encode(sig)).hexdigest()
+    assert out["header"]["src"] == PUB["bob"].hex()
+    assert out["id"] == blake3.blake3(FORGED_SIGNED + ic.encode(FORGED_SIG)).hexdigest()

@@ -28,6 +28,7 @@ from upsycle_router.crypto import (
     sign_app_message,
     sign_message,
 )
+from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.wire import control
 from upsycle_router.wire.app import (
     AppAck,
@@ -284,7 +285,7 @@ def test_session_frame_round_trip(f: Hello | Auth | Error) -> None:
         assert wire == ic.encode(["upsycle", 1, f.id, f.nonce])
     elif isinstance(f, Auth):
         assert wire == ic.encode(["auth", f.sig])
-        with pytest.raises(Exception, match="after the handshake"):
+        with pytest.raises(RemoteProtocolError, match="after the handshake"):
             decode_frame(wire)
     else:
         assert wire == ic.encode(["error", f.code, f.reason])

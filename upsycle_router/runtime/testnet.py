@@ -188,7 +188,7 @@ async def run_testnet(
         say(f"starting {n} routers ({kind})")
         for node in nodes:
             _start(node)
-        await asyncio.gather(*(_wait_socket(node) for node in nodes))
+        await asyncio.gather(*(_wait_socket(node, 20.0 + 2.0 * n) for node in nodes))
         for node in nodes:
             tasks.append(asyncio.create_task(
                 _subscriber(node, Identity.generate(), [g.public for g in groups], counts, stop)
