@@ -35,6 +35,7 @@ from upsycle_router.core.events import (
 )
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, message_signature_valid, sign_advert, sign_message
+from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import EPOCH_2020, exp_in
 from upsycle_router.store.lmdb_store import Durability, LmdbStore
 from upsycle_router.wire.control import RouterMessage, decode_control, encode_router
@@ -179,7 +180,7 @@ class Effects(list[Effect]):
             if isinstance(m.header, UnicastHeader):
                 try:
                     out.append((m, decode_control(m.body)))
-                except Exception:  # noqa: BLE001 - not a control body: not a reply
+                except RemoteProtocolError:  # not a control body: not a reply
                     continue
         return out
 

@@ -561,7 +561,6 @@ def test_a_router_that_advertised_on_its_own_connection_may_pull(h: CoreHarness)
     assert [x.id for x in h.receive(s, pull).messages(s)] == [m.id]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: adverts from the local discovery service are refused (src != advert id)")
 def test_advert_from_the_local_discovery_service_adds_routes(tmp_path: Path) -> None:
     # Seed §Unicast routing, way 3: the router learns routes from the adverts its discovery service passes on.
     h = CoreHarness(tmp_path / "x", X, config(discovery_service=DISC.public))

@@ -301,7 +301,6 @@ def test_queue_sequence_continues_after_a_restart(h: CoreHarness) -> None:
     assert after[:2] == before and after[2] > before[1]
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: QueueSent deletes a message another queue entry still references")
 def test_identical_router_messages_queued_twice_are_both_delivered(tmp_path: Path) -> None:
     # The router's own messages are deterministic: SUB(G) sent twice within one minute has one id. Queued twice
     # for an absent pub/sub service, the first QueueSent must not take the second entry's message with it.
@@ -322,3 +321,22 @@ def test_identical_router_messages_queued_twice_are_both_delivered(tmp_path: Pat
     for _ in range(3):
         got += h.queue_sent(h.last).messages(p)
     assert [PUBSUB_CODEC.decode(m.body) for m in got] == [Sub(G.public), Unsub(G.public), Sub(G.public)]
+
+
+def test_drained_unicast_is_traced_with_its_source(h: CoreHarness) -> None:
+    _, [m] = queue_for_bob(h, 1)
+    h.open(BOB)
+    [t] = h.last.traces("delivered")
+    assert (t.id, t.src, t.dst) == (m.id, ALICE.public, BOB.public)
+
+
+def test_drained_forward_is_traced_like_a_direct_forward(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    svc = ident("remote-svc")
+    m = unicast(ALICE, svc, via=R.public)
+    h.receive(a, m)
+    h.open(R, local=False)
+    [queued] = h.last.traces("forwarded")
+    direct = h.receive(a, unicast(ALICE, svc, b"direct", via=R.public)).traces("forwarded")[0]
+    assert (queued.src, queued.dst, queued.peer) == (direct.src, direct.dst, direct.peer) == (
+        ALICE.public, svc.public, R.public)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
+import time
 
 import pytest
 from conftest import REPO, cli, subprocess_env
@@ -135,3 +137,30 @@ def test_cli_run_refuses_corrupt_config(tmp_path, text: str, names: str) -> None
     assert names in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert not sock.exists()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: nothing locks the data directory: a second `run` on a data dir that a live daemon uses starts a "
+    "second router with the same key and LMDB store (diverging in-memory subscriptions, queues and seen ids)",
+)
+def test_cli_second_daemon_on_same_data_dir_is_refused(daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = daemon()
+    other_sock = tmp_path / "other.sock"
+    second = cli_start("run", "--data-dir", str(d.dir), "--unix", str(other_sock))
+    try:
+        deadline = time.monotonic() + 10
+        while second.poll() is None and not other_sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        started = second.poll() is None
+    finally:
+        if second.poll() is None:
+            second.send_signal(signal.SIGTERM)
+        try:
+            _, err = second.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            second.kill()
+            _, err = second.communicate(timeout=5)
+    assert not started, "a second router started on a data directory that is in use"
+    assert second.returncode != 0
+    assert str(d.dir) in err or "data" in err.lower(), err

@@ -85,6 +85,8 @@ class ControlPlane:
             if not isinstance(inner.header, MulticastHeader):
                 drop("unknown_control")
                 return
+            out.append(Trace("received", inner.id, "multicast", inner.header.grp, None, None, c.peer,
+                             len(msg.body), local=c.local))
             if exp_to_unix(inner.header.exp) <= now:
                 out.append(Trace("dropped", inner.id, "multicast", inner.header.grp, None, None, c.peer,
                                  len(msg.body), "expired"))
@@ -196,7 +198,8 @@ class ControlPlane:
     def _advert(
         self, c: Conn, msg: Message, adv: PeerAdvertisement, h: UnicastHeader, size: int, now: float, out: list[Effect]
     ) -> None:
-        if not advert_valid(adv) or adv.id != h.src:
+        from_discovery = c.local and h.src == self.r.config.discovery_service
+        if not advert_valid(adv) or (adv.id != h.src and not from_discovery):
             out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, "bad_signature"))
             return
         expiry = expires_at(now, adv.ttl, adv.exp)
@@ -211,5 +214,5 @@ class ControlPlane:
             self.r._learn_route(svc, adv.id, ROUTE_ADVERT, expiry)
         out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port))
         for service in (self.r.config.pubsub_service, self.r.config.discovery_service):
-            if service is not None:
+            if service is not None and service != h.src:
                 self._send_to_service(service, encode_discovery(adv), now, out)

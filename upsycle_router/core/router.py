@@ -26,6 +26,7 @@ a subscriber's session never gets the same entry twice).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 from upsycle_router.core.config import CoreConfig
@@ -46,7 +47,7 @@ from upsycle_router.core.events import (
 )
 from upsycle_router.core.seen import SeenIds
 from upsycle_router.crypto import Identity, sign_message
-from upsycle_router.errors import ErrorCode
+from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.expiry import exp_in, exp_to_unix, expires_at
 from upsycle_router.store.lmdb_store import LmdbStore, RouteEntry
 from upsycle_router.wire.control import (
@@ -55,8 +56,10 @@ from upsycle_router.wire.control import (
     encode_router,
 )
 from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
-from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 
+REDIAL_MIN = 2.0
+REDIAL_MAX = 60.0
 ROUTE_CONNECTION = 1
 ROUTE_MESSAGE = 2
 ROUTE_ADVERT = 3
@@ -89,6 +92,8 @@ class Router:
         self.pubsub_groups: set[bytes] = store.pubsub_subscribed()
         self.upstream_groups: set[bytes] = store.upstream_subscribed()
         self._dialing: set[bytes] = set()
+        self._redial: dict[bytes, float] = {}  # router -> when to dial again (messages are waiting)
+        self._backoff: dict[bytes, float] = {}
         # Routers that proved themselves peers by advertising on their own connection (PULL is allowed).
         self.peer_routers: set[bytes] = set()
         self.control = ControlPlane(self)
@@ -107,13 +112,34 @@ class Router:
         elif isinstance(event, QueueSent):
             self._on_queue_sent(event, now, out)
         elif isinstance(event, DialFailed):
-            self._dialing.discard(event.router)
+            self._dial_failed(event.router, now)
         return out
+
+    def start(self, now: float) -> list[Effect]:
+        """Effects to run once at start: dial the remote routers that have messages waiting for them."""
+        out: list[Effect] = []
+        for key in sorted(self.store.queue_recipients()):
+            if key not in self.locals and key not in self._dialing:
+                self._dialing.add(key)
+                out.append(Dial(key))
+        return out
+
+    def _dial_failed(self, router: bytes, now: float) -> None:
+        """Retry later, with exponential backoff, while messages wait for ``router``."""
+        self._dialing.discard(router)
+        if self.store.queue_usage(router)[0] == 0:
+            self._redial.pop(router, None)
+            self._backoff.pop(router, None)
+            return
+        delay = min(REDIAL_MAX, self._backoff.get(router, REDIAL_MIN / 2) * 2)
+        self._backoff[router] = delay
+        self._redial[router] = now + delay
 
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timer` must run next (earliest message, queue or route expiry)."""
         t = self.store.next_expiry()
         route_exp = [r.expires for r in self.routes.values() if r.expires is not None]
+        route_exp.extend(self._redial.values())
         if route_exp:
             r = min(route_exp)
             t = r if t is None else min(t, r)
@@ -126,6 +152,11 @@ class Router:
             kind = "multicast" if e.group is not None else "unicast"
             out.append(Trace("expired", e.id, kind, e.group, None, e.recipient, None, e.size, "expired",
                              role=self._role(e.recipient)))
+        for router in sorted(r for r, t in self._redial.items() if t <= now):
+            del self._redial[router]
+            if self.connected(router) is None and router not in self._dialing and self.store.queue_usage(router)[0]:
+                self._dialing.add(router)
+                out.append(Dial(router))
         for dst in [d for d, r in self.routes.items() if r.expires is not None and r.expires <= now]:
             del self.routes[dst]
             self.store.delete_route(dst)
@@ -152,6 +183,8 @@ class Router:
             self.store.add_local(ev.peer)
         else:
             self._dialing.discard(ev.peer)
+            self._redial.pop(ev.peer, None)
+            self._backoff.pop(ev.peer, None)
             advert = self._own_advert_message(ev.peer, now)
             if advert is not None:
                 out.append(Send(ev.conn, advert.encode()))
@@ -175,15 +208,7 @@ class Router:
     def _on_queue_sent(self, ev: QueueSent, now: float, out: list[Effect]) -> None:
         drained: set[bytes] = set()
         for recipient, seq in ev.refs:
-            entry_msg = None
-            for e in self.store.queue(recipient, limit=1):
-                if e.seq == seq:
-                    entry_msg = e.id
-            self.store.dequeue(recipient, seq)
-            if entry_msg is not None:
-                stored = self.store.get_message(entry_msg)
-                if stored is not None and stored.group is None:
-                    self.store.delete_message(entry_msg)
+            self.store.dequeue(recipient, seq)  # also drops a unicast message with its last entry
             drained.add(recipient)
             for cid in self._by_key.get(recipient, ()):
                 self._conns[cid].inflight.discard(seq)
@@ -196,6 +221,7 @@ class Router:
         """Send the next batch of ``c.peer``'s queue on ``c``."""
         if c.inflight:
             return
+        subscribed = self._subscribed_anywhere()
         for e in self.store.queue(c.peer, limit=self.config.flush_batch):
             stored = self.store.get_message(e.id)
             if stored is None or stored.expires <= now or e.expires <= now:
@@ -207,8 +233,16 @@ class Router:
             c.inflight.add(e.seq)
             out.append(Send(c.id, stored.data, (c.peer, e.seq)))
             kind = "multicast" if stored.group is not None else "unicast"
-            event = "delivered" if c.local or c.peer in self._subscribed_anywhere() else "forwarded"
-            out.append(Trace(event, e.id, kind, stored.group, None, c.peer, c.peer, len(stored.data),
+            event = "delivered" if c.local or c.peer in subscribed else "forwarded"
+            src = dst = None
+            if stored.group is None:
+                with contextlib.suppress(RemoteProtocolError):
+                    hd = decode_message(stored.data).header
+                    if isinstance(hd, UnicastHeader):
+                        src, dst = hd.src, hd.dst
+            if event == "delivered" or dst is None:
+                dst = c.peer
+            out.append(Trace(event, e.id, kind, stored.group, src, dst, c.peer, len(stored.data),
                              role=self._role(c.peer) if event == "delivered" else None))
 
     def _subscribed_anywhere(self) -> set[bytes]:

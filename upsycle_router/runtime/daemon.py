@@ -159,6 +159,7 @@ class Daemon:
             log.info("listening tls=%s", cfg.tls)
         if self.pool is not None:
             self.pool.start()
+        self.driver.apply_now(router.start(time.time()))
         if self.pubsub_identity is not None and cfg.unix is not None and cfg.pubsub.in_process:
             self.pubsub = PubsubService(
                 self.pubsub_identity, cfg.unix, params=params, policies=policies

@@ -15,6 +15,7 @@ One LMDB environment holds every piece of state the router must not lose, in nam
 ``queues``     ``recipient || seq`` -> ``id || expires_ms || size``: per-recipient FIFO queues
 ``queue_exp``  ``expires_ms || recipient || seq`` -> ``b""``: the expiry index of ``queues``
 ``qstats``     ``recipient`` -> ``count || bytes``: quota accounting
+``refs``       ``id`` -> number of queue entries referring to the message
 
 All writes happen inside :meth:`LmdbStore.transaction`, one write transaction that the driver opens around a
 batch of events (group commit). Reads outside a transaction use a short read transaction. Durability:
@@ -124,9 +125,10 @@ class LmdbStore:
         self._txn: Any = None
         self._next_seq = 0
         self._db: dict[str, Any] = {}
-        for name in ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "queue_exp"):
+        for name in ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "refs"):
             self._db[name] = self.env.open_db(name.encode())
         self._db["qstats"] = self.env.open_db(b"qstats")
+        self._db["queue_exp"] = self.env.open_db(b"queue_exp")
         self._next_seq = self._load_seq()
         with self.transaction():
             v = self._get("meta", b"schema")
@@ -318,6 +320,8 @@ class LmdbStore:
         exp = _ms(expires)
         self._put("queues", recipient + _U64.pack(seq), _QVAL.pack(mid, exp, size))
         self._put("queue_exp", _U64.pack(exp) + recipient + _U64.pack(seq), b"")
+        refs = self._get("refs", mid)
+        self._put("refs", mid, _U64.pack((_U64.unpack(refs)[0] if refs else 0) + 1))
         count, nbytes = self.queue_usage(recipient)
         self._put("qstats", recipient, _QSTAT.pack(count + 1, nbytes + size))
         return QueueEntry(recipient, seq, mid, exp / 1000.0, size)
@@ -332,21 +336,34 @@ class LmdbStore:
                 break
         return out
 
-    def dequeue(self, recipient: bytes, seq: int) -> bool:
-        """Remove one queue entry; True if it was there."""
+    def dequeue(self, recipient: bytes, seq: int) -> QueueEntry | None:
+        """Remove one queue entry and return it (None if it was not there).
+
+        A unicast message (stored without a group) is deleted with its last queue entry; group messages stay
+        in the message store until they expire, for PULL.
+        """
         key = recipient + _U64.pack(seq)
         v = self._get("queues", key)
         if v is None:
-            return False
+            return None
         mid, exp, size = _QVAL.unpack(v)
         self._delete("queues", key)
         self._delete("queue_exp", _U64.pack(exp) + key)
+        refs_raw = self._get("refs", mid)
+        refs = (_U64.unpack(refs_raw)[0] if refs_raw else 1) - 1
+        if refs > 0:
+            self._put("refs", mid, _U64.pack(refs))
+        else:
+            self._delete("refs", mid)
+            stored = self._get("msgs", mid)
+            if stored is not None and stored[8] == 0:
+                self.delete_message(mid)
         count, nbytes = self.queue_usage(recipient)
         if count <= 1:
             self._delete("qstats", recipient)
         else:
             self._put("qstats", recipient, _QSTAT.pack(count - 1, max(0, nbytes - size)))
-        return True
+        return QueueEntry(recipient, seq, mid, exp / 1000.0, size)
 
     def queue_usage(self, recipient: bytes) -> tuple[int, int]:
         """``(count, bytes)`` queued for ``recipient``."""

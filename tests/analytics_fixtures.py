@@ -1,0 +1,57 @@
+"""Shared fixtures of the analytics tests: one Spark session for the whole test run.
+
+Import the fixture into a test module with ``from analytics_fixtures import spark  # noqa: F401``. Spark's
+cold start costs about ten seconds, so every Spark test shares one ``local[1]`` session with one shuffle
+partition, built by the same :func:`~upsycle_router.analytics.session.spark_session` the CLI uses. pytest
+registers an imported fixture once per importing module; the module-level cache below makes all of them
+return the same session, which is stopped once, at the end of the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pyspark.sql import SparkSession
+
+from upsycle_router.analytics.session import SparkOptions, spark_session
+
+REPO = Path(__file__).resolve().parents[1]
+JOURNALS = Path(__file__).resolve().parent / "journals"
+SMALL = JOURNALS / "small"
+"""The committed three-node journal whose figures tests/test_analytics_small.py computes by hand."""
+
+_session: list[SparkSession] = []
+
+
+@pytest.fixture(scope="session")
+def spark(request: pytest.FixtureRequest) -> Iterator[SparkSession]:
+    """The one Spark session of the test run (``local[1]``, one shuffle partition)."""
+    if not _session:
+        stack = contextlib.ExitStack()
+        options = SparkOptions(master="local[1]", shuffle_partitions=1, app_name="upsycle-router tests")
+        _session.append(stack.enter_context(spark_session(options)))
+
+        def stop() -> None:
+            _session.clear()
+            stack.close()
+
+        request.session.config.add_cleanup(stop)
+    yield _session[0]
+
+
+def subprocess_env(**overrides: str) -> dict[str, str]:
+    """The environment for a CLI subprocess: this checkout first on the module path."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(overrides)
+    return env
+
+
+def cli(*args: str) -> list[str]:
+    """The command line of ``python -m upsycle_router ARGS``."""
+    return [sys.executable, "-m", "upsycle_router", *args]

@@ -1,0 +1,161 @@
+"""``upsycle-router analyze`` and ``compact`` as users run them: subprocesses, exit codes, files, messages."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from analytics_fixtures import REPO, SMALL, cli, subprocess_env
+
+from upsycle_router.analytics.session import (
+    JavaNotFoundError,
+    JavaRuntime,
+    SparkOptions,
+    find_java,
+    is_local_master,
+    prepare_environment,
+    session_conf,
+)
+
+TIMEOUT = 300
+
+
+@pytest.mark.spark
+def test_analyze_cli_on_the_committed_journals(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    r = subprocess.run(
+        cli("analyze", str(SMALL), "--out", str(out), "--master", "local[1]", "--shuffle-partitions", "1"),
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert r.returncode == 0, r.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    g1 = summary["groups"]["e1" * 32]
+    assert (g1["published"], g1["expected"], g1["delivered"], g1["delivery_ratio"]) == (4, 16, 13, 0.8125)
+    assert g1["latency_ms"] == {"p50": 6.0, "p90": 30.0, "p99": 504.0, "max": 504.0}
+    assert summary["bad_lines"] == 4
+    assert summary["expired"] == 2
+    assert summary["queue_residency_ms"] == {"p50": 500.0, "p99": 1000.0}
+    for name in (
+        "events",
+        "messages",
+        "group_stats",
+        "drops_by_node",
+        "expired_by_node",
+        "queue_residency",
+        "undelivered",
+        "bad_lines",
+    ):
+        table = out / f"{name}.parquet"
+        assert (table / "_SUCCESS").exists(), name
+        assert any(p.suffix == ".parquet" for p in table.iterdir()), name
+    page = (out / "report.html").read_text()
+    assert page.count('src="data:image/png;base64,') == 3
+    # The text summary on stdout, stage lines on stderr, and no Spark chatter left behind in the cwd.
+    assert "e1e1…e1e1" in r.stdout and "bad lines: " in r.stdout
+    assert len(r.stdout.splitlines()) <= 24
+    assert "analyze: [" in r.stderr and "compacting 4 journal files" in r.stderr
+    assert not any(tmp_path.glob("spark-warehouse")) and not any(tmp_path.glob("metastore_db"))
+
+
+def _no_java_env(tmp_path: Path) -> dict[str, str]:
+    empty_bin = tmp_path / "bin"
+    empty_bin.mkdir(exist_ok=True)
+    env = subprocess_env(JAVA_HOME=str(tmp_path / "no-such-jdk"), PATH=str(empty_bin))
+    return env
+
+
+@pytest.mark.parametrize("command", ["analyze", "compact"])
+def test_missing_java_is_a_clear_error(tmp_path: Path, command: str) -> None:
+    out = tmp_path / ("out" if command == "analyze" else "out.parquet")
+    r = subprocess.run(
+        cli(command, str(SMALL), "--out", str(out)),
+        cwd=REPO,
+        env=_no_java_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    assert "error: no Java runtime found for Spark" in r.stderr
+    assert "no-such-jdk has no executable bin/java" in r.stderr
+    assert "no java on PATH" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_bad_input_path_is_a_clear_error(tmp_path: Path) -> None:
+    if find_java_or_none() is None:
+        pytest.skip("no Java here")
+    r = subprocess.run(
+        cli("analyze", str(tmp_path / "nowhere"), "--out", str(tmp_path / "out")),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    assert f"error: {tmp_path / 'nowhere'}: no such file or directory" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def find_java_or_none() -> Path | None:
+    try:
+        return find_java(check_version=False).java
+    except JavaNotFoundError:
+        return None
+
+
+def test_find_java_order(tmp_path: Path) -> None:
+    home = tmp_path / "jdk"
+    (home / "bin").mkdir(parents=True)
+    java = home / "bin" / "java"
+    java.write_text("#!/bin/sh\necho 'openjdk version \"21.0.2\" 2024-01-16' >&2\n")
+    java.chmod(0o755)
+    rt = find_java({"JAVA_HOME": str(home), "PATH": ""})
+    assert (rt.java, rt.home, rt.major, rt.note) == (java, home.resolve(), 21, None)
+    # JAVA_HOME broken, java on PATH: that one, with a note, and its home is where JAVA_HOME will point.
+    rt = find_java({"JAVA_HOME": str(tmp_path / "gone"), "PATH": str(home / "bin")})
+    assert rt.java == java and rt.note is not None and "gone has no bin/java" in rt.note
+    env: dict[str, str] = {"JAVA_HOME": str(tmp_path / "gone")}
+    prepare_environment(rt, "local[*]", env)
+    assert env["JAVA_HOME"] == str(home.resolve()) and env["SPARK_LOCAL_IP"] == "127.0.0.1"
+
+
+def test_old_java_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "bin").mkdir()
+    java = tmp_path / "bin" / "java"
+    java.write_text("#!/bin/sh\necho 'java version \"1.8.0_402\"' >&2\n")
+    java.chmod(0o755)
+    with pytest.raises(JavaNotFoundError, match="needs Java 17 or newer; .* is Java 8"):
+        find_java({"PATH": str(tmp_path / "bin")})
+
+
+def test_session_settings_stay_on_loopback_for_local_masters(tmp_path: Path) -> None:
+    conf = session_conf(SparkOptions(master="local[*]", shuffle_partitions=3), tmp_path)
+    assert conf["spark.driver.host"] == conf["spark.driver.bindAddress"] == "127.0.0.1"
+    assert conf["spark.ui.enabled"] == "false"
+    assert conf["spark.sql.shuffle.partitions"] == "3"
+    assert conf["spark.local.dir"] == str(tmp_path / "local")
+    remote = session_conf(SparkOptions(master="spark://cluster:7077", conf={"spark.executor.memory": "8g"}), tmp_path)
+    assert "spark.driver.host" not in remote and "spark.local.dir" not in remote
+    assert remote["spark.executor.memory"] == "8g"
+    assert is_local_master("local") and is_local_master("local[4]") and is_local_master("local[*, 2]")
+    assert not is_local_master("yarn")
+    env: dict[str, str] = {}
+    prepare_environment(JavaRuntime(home=tmp_path, java=tmp_path / "bin" / "java", major=17), "yarn", env)
+    assert "SPARK_LOCAL_IP" not in env and env["JAVA_HOME"] == str(tmp_path)
+
+
+def test_java_on_this_machine_is_found() -> None:
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        pytest.skip("no Java here")
+    rt = find_java()
+    assert rt.major is None or rt.major >= 17

@@ -1,0 +1,173 @@
+"""Reading journals: which lines are bad and why, line numbers across splits, compaction, input discovery."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from analytics_fixtures import spark  # noqa: F401 - the shared session fixture
+from analytics_reference import classify
+from pyspark.sql import SparkSession
+
+from upsycle_router.analytics.job import Progress, run_compact
+from upsycle_router.analytics.session import AnalyticsError
+from upsycle_router.analytics.sources import discover, is_table
+
+K = "ab" * 32
+
+
+def rec(**fields: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "ts": 1795324800.5,
+        "node": K,
+        "event": "received",
+        "id": K,
+        "type": "multicast",
+        "group": K,
+        "src": None,
+        "dst": None,
+        "peer": K,
+        "size": 10,
+        "reason": None,
+        "local": False,
+        "role": None,
+    }
+    base.update(fields)
+    return base
+
+
+def line(**fields: Any) -> str:
+    return json.dumps(rec(**fields), separators=(",", ":"))
+
+
+def without(name: str) -> str:
+    r = rec()
+    del r[name]
+    return json.dumps(r)
+
+
+CASES: list[tuple[str, str | None]] = [
+    (line(), None),
+    (line(ts=1795324800), None),  # an integer ts is a number
+    (line(event="joined", id=None, type="control", src=K, role="app", local=None), None),
+    (line(event="dropped", id=None, type="unicast", reason="malformed"), None),  # a frame with no id
+    (line(event="duplicate", reason="duplicate"), None),  # a reason where none is needed is fine
+    (line(event="dropped", reason="a_reason_from_the_future"), None),
+    (json.dumps({**rec(), "extra": [1, 2]}), None),  # unknown fields are ignored
+    (without("peer"), None),  # an absent field that may be null reads as null
+    ("", "not_json"),
+    ("   ", "not_json"),
+    ("not json", "not_json"),
+    ('{"ts": 1795324800.5, "node": "' + K + '", "event": "rec', "not_json"),
+    ("[1, 2]", "not_json"),
+    ("42", "not_json"),
+    (line().replace("1795324800.5", "NaN"), "not_json"),
+    (line(ts="yesterday"), "wrong_type"),
+    (line(ts=True), "wrong_type"),
+    (line(size=1.5), "wrong_type"),
+    (line(size="10"), "wrong_type"),
+    (line(local="true"), "wrong_type"),
+    (line(ts=None), "missing_field:ts"),
+    (without("node"), "missing_field:node"),
+    (line(type=None), "missing_field:type"),
+    (without("size"), "missing_field:size"),
+    (line(event="teleported"), "unknown_event"),
+    (line(event=7), "unknown_event"),
+    (line(id=None), "missing_field:id"),
+    (line(local=None), "missing_field:local"),
+    (line(event="delivered", role="app", local=None), "missing_field:dst"),
+    (line(event="queued", dst=K, local=None), "missing_field:role"),
+    (line(event="joined", id=None, type="control", role="app", local=None), "missing_field:src"),
+    (line(event="dropped"), "missing_field:reason"),
+    (line(event="expired", dst=K, role="app", local=None), "missing_field:reason"),
+    (line(node="AB" * 32), "bad_value:node"),
+    (line(node="ab"), "bad_value:node"),
+    (line(node=12345678), "bad_value:node"),
+    (line(group={"k": 1}), "bad_value:group"),
+    (line(dst="zz" * 32), "bad_value:dst"),
+    (line(type="broadcast"), "bad_value:type"),
+    (line(event="delivered", dst=K, role="admin", local=None), "bad_value:role"),
+    (line(size=-1), "bad_value:size"),
+]
+
+
+@pytest.mark.parametrize(("text", "problem"), CASES)
+def test_reference_classifies_the_cases(text: str, problem: str | None) -> None:
+    assert classify(text) == problem
+
+
+@pytest.fixture(scope="module")
+def compacted(spark: SparkSession, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[dict[str, Any]]]:  # noqa: F811
+    root = tmp_path_factory.mktemp("parse")
+    (root / "j").mkdir()
+    (root / "j" / "trace-000000.jsonl").write_text("\n".join(t for t, _ in CASES) + "\n", encoding="utf-8")
+    bad = run_compact(spark, [root / "j"], root / "events.parquet", Progress("t", enabled=False))
+    assert bad == sum(p is not None for _, p in CASES)
+    rows = [r.asDict() for r in spark.read.parquet(str(root / "events.parquet")).orderBy("line").collect()]
+    yield rows
+
+
+@pytest.mark.spark
+def test_problems_and_line_numbers(compacted: list[dict[str, Any]]) -> None:
+    assert [r["line"] for r in compacted] == list(range(1, len(CASES) + 1))
+    assert [r["problem"] for r in compacted] == [p for _, p in CASES]
+    for r, (text, problem) in zip(compacted, CASES, strict=True):
+        assert r["text"] == (text if problem else None)
+
+
+@pytest.mark.spark
+def test_good_records_keep_their_fields(compacted: list[dict[str, Any]]) -> None:
+    first = compacted[0]
+    want = rec()
+    assert {k: first[k] for k in want} == want
+    assert compacted[1]["ts"] == 1795324800.0
+    assert compacted[7]["peer"] is None
+
+
+@pytest.mark.spark
+def test_line_numbers_across_many_splits(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
+    lines = [line(ts=1795324800 + i, size=i) if i % 97 else "garbage" for i in range(1, 3001)]
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "trace-000000.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    old = spark.conf.get("spark.sql.files.maxPartitionBytes")
+    spark.conf.set("spark.sql.files.maxPartitionBytes", "16k")  # about 30 splits per file
+    try:
+        run_compact(spark, [tmp_path / "a", tmp_path / "b"], tmp_path / "out.parquet", Progress("t", enabled=False))
+    finally:
+        spark.conf.set("spark.sql.files.maxPartitionBytes", old)
+    table = spark.read.parquet(str(tmp_path / "out.parquet"))
+    for d in ("a", "b"):
+        rows = table.where(table.file.endswith(f"/{d}/trace-000000.jsonl")).select("line", "size", "problem").collect()
+        assert sorted(r["line"] for r in rows) == list(range(1, 3001))
+        for r in rows:
+            if r["line"] % 97:
+                assert (r["size"], r["problem"]) == (r["line"], None)
+            else:
+                assert r["problem"] == "not_json"
+
+
+def test_discover(tmp_path: Path) -> None:
+    (tmp_path / "fleet" / "n1").mkdir(parents=True)
+    (tmp_path / "fleet" / "n2" / "deep").mkdir(parents=True)
+    for p in ("fleet/n1/trace-000000.jsonl", "fleet/n1/trace-000001.jsonl", "fleet/n2/deep/trace-000000.jsonl"):
+        (tmp_path / p).write_text("")
+    (tmp_path / "fleet" / "n1" / "other.jsonl").write_text("")
+    (tmp_path / "t.parquet").mkdir()
+    found = discover([tmp_path / "fleet", tmp_path / "fleet" / "n1", tmp_path / "t.parquet"])
+    assert [p.relative_to(tmp_path.resolve()).as_posix() for p in found.journals] == [
+        "fleet/n1/trace-000000.jsonl",
+        "fleet/n1/trace-000001.jsonl",
+        "fleet/n2/deep/trace-000000.jsonl",
+    ]
+    assert found.tables == ((tmp_path / "t.parquet").resolve(),)
+    assert is_table(tmp_path / "t.parquet")
+    assert not is_table(tmp_path / "fleet")
+    with pytest.raises(AnalyticsError, match="no such file"):
+        discover([tmp_path / "missing"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AnalyticsError, match=r"no trace-\*\.jsonl files"):
+        discover([tmp_path / "empty"])

@@ -1,0 +1,212 @@
+"""The Spark job against an independent pure-Python computation, on a randomly generated (seeded) fleet journal.
+
+The generator is not a router simulation: it writes plausible records with many ties (timestamps in whole
+milliseconds over a few seconds), joins and leaves around publish times, repeated joins, leaves without
+joins, redeliveries, duplicates, queue entries that are delivered, expire, stay pending or follow an
+earlier delivery, messages from untraced routers, unicast noise, role ``service`` records, file rotation
+and assorted corrupt lines. Both implementations must agree on every figure (percentiles within 1 %).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from analytics_fixtures import spark  # noqa: F401 - the shared session fixture
+from analytics_reference import summary as reference_summary
+from pyspark.sql import SparkSession
+
+from upsycle_router.analytics.job import run_analyze
+
+pytestmark = pytest.mark.spark
+
+T0 = 1795324800.0
+REASONS = ("no_route", "quota", "bad_signature", "overloaded", "not_local", "expired")
+
+
+def _key(rng: random.Random) -> str:
+    return f"{rng.getrandbits(256):064x}"
+
+
+class _Fleet:
+    def __init__(self, rng: random.Random, nodes: int = 3, groups: int = 4) -> None:
+        self.rng = rng
+        self.nodes = [_key(rng) for _ in range(nodes)]
+        self.groups = [_key(rng) for _ in range(groups)]
+        self.apps = {n: [_key(rng) for _ in range(3)] for n in self.nodes}
+        self.service = {n: _key(rng) for n in self.nodes}
+        self.records: dict[str, list[tuple[int, int, dict[str, Any]]]] = {n: [] for n in self.nodes}
+        self.seq = 0
+
+    def add(self, node: str, ms: int, event: str, **fields: Any) -> None:
+        rec: dict[str, Any] = {
+            "ts": round(T0 + ms / 1000.0, 3),
+            "node": node,
+            "event": event,
+            "id": None,
+            "type": "multicast",
+            "group": None,
+            "src": None,
+            "dst": None,
+            "peer": None,
+            "size": 300,
+            "reason": None,
+            "local": None,
+            "role": None,
+        }
+        rec.update(fields)
+        self.seq += 1
+        self.records[node].append((ms, self.seq, rec))
+
+
+def generate(seed: int, root: Path) -> None:
+    """Write a random fleet journal under ``root`` (one directory per node)."""
+    rng = random.Random(seed)
+    f = _Fleet(rng)
+    ext = _key(rng)
+    # Subscriptions: per (node, app, group), a few joins/leaves; some role service joins.
+    for node in f.nodes:
+        for app in f.apps[node]:
+            for group in f.groups[:3]:
+                if rng.random() < 0.35:
+                    continue
+                for _ in range(rng.randint(1, 4)):
+                    ev = "joined" if rng.random() < 0.65 else "left"
+                    f.add(
+                        node,
+                        rng.choice([0, 0, 500, 1000, 1500]) + rng.randint(0, 40),
+                        ev,
+                        type="control",
+                        group=group,
+                        src=app,
+                        peer=app,
+                        size=0,
+                        role="app",
+                    )
+        f.add(node, 0, "joined", type="control", group=f.groups[0], src=f.service[node], size=0, role="service")
+    # Multicast messages.
+    for _ in range(45):
+        mid = _key(rng)
+        group = rng.choice(f.groups)
+        origin = rng.choice(f.nodes)
+        t = rng.choice([500, 1000, 1500]) + rng.randint(0, 40)  # near the subscription changes: ties
+        untraced = rng.random() < 0.1
+        f.add(
+            origin, t, "received", id=mid, group=group, peer=ext if untraced else f.apps[origin][0], local=not untraced
+        )
+        for node in f.nodes:
+            if node != origin:
+                if rng.random() < 0.15:
+                    f.add(origin, t, "dropped", id=mid, group=group, reason="overloaded", peer=node)
+                    continue
+                f.add(origin, t + rng.randint(0, 2), "forwarded", id=mid, group=group, peer=node)
+                arrive = t + rng.choice([0, 1, 5, 20])
+                f.add(node, arrive, "received", id=mid, group=group, peer=origin, local=False)
+                if rng.random() < 0.2:
+                    f.add(node, arrive + 3, "received", id=mid, group=group, peer=origin, local=False)
+                    f.add(node, arrive + 3, "duplicate", id=mid, group=group, peer=origin, reason="duplicate")
+            else:
+                arrive = t
+            if rng.random() < 0.1:
+                f.add(node, arrive, "dropped", id=mid, group=group, reason="no_subscribers", peer=origin)
+                continue
+            if rng.random() < 0.2:
+                f.add(node, arrive + 1, "delivered", id=mid, group=group, dst=f.service[node], role="service")
+            for app in f.apps[node]:
+                r = rng.random()
+                at = arrive + rng.choice([0, 1, 2, 7, 30, 250])
+                if r < 0.45:
+                    f.add(node, at, "delivered", id=mid, group=group, dst=app, peer=app, role="app")
+                    if rng.random() < 0.1:
+                        f.add(node, at + rng.randint(0, 3), "delivered", id=mid, group=group, dst=app, role="app")
+                elif r < 0.65:
+                    if rng.random() < 0.2:  # delivered once before, then queued again
+                        f.add(node, at, "delivered", id=mid, group=group, dst=app, role="app")
+                    f.add(node, at, "queued", id=mid, group=group, dst=app, role="app")
+                    fate = rng.random()
+                    later = at + rng.choice([0, 10, 100, 400, 1000])
+                    if fate < 0.5:
+                        f.add(node, later, "delivered", id=mid, group=group, dst=app, peer=app, role="app")
+                    elif fate < 0.8:
+                        f.add(node, later, "expired", id=mid, type="unicast", dst=app, reason="expired", role="app")
+                elif r < 0.75:
+                    f.add(node, at, "dropped", id=mid, group=group, dst=app, reason="quota", role="app")
+    # Unicast noise and drops.
+    for _ in range(40):
+        node = rng.choice(f.nodes)
+        t = rng.randint(0, 2000)
+        mid = _key(rng)
+        app = rng.choice(f.apps[node])
+        f.add(node, t, "received", id=mid, type="unicast", src=app, dst=ext, peer=app, local=True)
+        if rng.random() < 0.5:
+            f.add(node, t, "forwarded", id=mid, type="unicast", src=app, dst=ext, peer=rng.choice(f.nodes))
+        else:
+            f.add(node, t, "dropped", id=mid, type="unicast", src=app, dst=ext, peer=app, reason=rng.choice(REASONS))
+    for node in f.nodes:
+        f.add(node, 1999, "dropped", type="unicast", peer=ext, size=12, reason="malformed")
+    write(f, root, rng)
+
+
+def write(f: _Fleet, root: Path, rng: random.Random) -> None:
+    corrupt = [
+        lambda line: line[: len(line) // 2],
+        lambda line: line.replace('"event":"', '"event":"x', 1),
+        lambda line: line.replace('"ts":', '"ts":"', 1).replace(',"node"', '","node"', 1),
+        lambda line: line.replace('"node":"', '"node":"zz', 1),
+        lambda line: line.replace('"size":300', '"size":null', 1),
+        lambda line: "",
+    ]
+    for i, node in enumerate(f.nodes):
+        rows = [rec for _, _, rec in sorted(f.records[node], key=lambda x: (x[0], x[1]))]
+        lines = [json.dumps(r, separators=(",", ":")) for r in rows]
+        for _ in range(3):
+            pos = rng.randrange(len(lines))
+            lines.insert(pos, rng.choice(corrupt)(lines[pos]))
+        d = root / f"node-{i}"
+        d.mkdir(parents=True)
+        cut = rng.randrange(len(lines) // 3, len(lines))
+        (d / "trace-000000.jsonl").write_text("\n".join(lines[:cut]) + "\n", encoding="utf-8")
+        (d / "trace-000001.jsonl").write_text("\n".join(lines[cut:]) + "\n", encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    root = tmp_path_factory.mktemp("fleet")
+    generate(20261122, root / "journals")
+    yield root
+
+
+def test_spark_matches_the_reference(spark: SparkSession, fleet: Path) -> None:  # noqa: F811
+    got = run_analyze(spark, [fleet / "journals"], fleet / "out").summary
+    want = reference_summary([fleet / "journals"])
+
+    assert got["bad_lines"] == want["bad_lines"] > 0
+    assert got["bad_lines_by_problem"] == want["bad_lines_by_problem"]
+    assert got["drops"] == want["drops"]
+    assert got["expired"] == want["expired"] > 0
+    for name in ("p50", "p99"):
+        assert got["queue_residency_ms"][name] == pytest.approx(want["queue_residency_ms"][name], rel=0.01)
+    assert set(got["groups"]) == set(want["groups"])
+    assert len(want["groups"]) >= 3
+    for group, w in want["groups"].items():
+        g = got["groups"][group]
+        for name in ("published", "expected", "delivered", "duplicates"):
+            assert g[name] == w[name], (group, name)
+        for name in ("delivery_ratio", "forwards_per_delivery"):
+            assert g[name] == pytest.approx(w[name], rel=1e-12), (group, name)
+        for name in ("p50", "p90", "p99", "max"):
+            assert g["latency_ms"][name] == pytest.approx(w["latency_ms"][name], rel=0.01), (group, name)
+    # The journal exercises what it is meant to: subscribers, redeliveries and duplicates in several groups.
+    assert sum(g["expected"] > 0 for g in want["groups"].values()) >= 2
+    assert sum(g["duplicates"] for g in want["groups"].values()) > 0
+
+
+def test_generator_is_deterministic(tmp_path: Path) -> None:
+    generate(7, tmp_path / "a")
+    generate(7, tmp_path / "b")
+    for p in sorted((tmp_path / "a").rglob("*.jsonl")):
+        assert p.read_bytes() == (tmp_path / "b" / p.relative_to(tmp_path / "a")).read_bytes()

@@ -1,0 +1,326 @@
+"""End-to-end: three to five real router daemons peering over TLS on loopback (helpers in ``netutil.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import time
+from pathlib import Path
+
+import pytest
+from netutil import HOST, Network, collect, drain, wait_for
+
+from upsycle_router.client import Client, ClientError
+from upsycle_router.crypto import Identity
+from upsycle_router.transport.session import Session
+from upsycle_router.transport.tls import client_context, server_context
+from upsycle_router.wire.framing import frame
+from upsycle_router.wire.session import Auth, Error, Hello, auth_payload, decode_session_frame
+
+pytestmark = pytest.mark.slow
+
+
+async def warm_up(pubs: list[Client], group: Identity, subs: list[Client], timeout: float = 20.0) -> None:
+    """Publish probes from every publisher until every subscriber has seen one from each: the mesh is up.
+
+    Probes published before the gossip mesh has formed may be lost; that is why they are repeated. Whatever
+    they leave in the subscribers' queues is read and discarded here.
+    """
+    seen: list[set[int]] = [set() for _ in subs]
+    deadline = time.monotonic() + timeout
+    for attempt in itertools.count():
+        for k, p in enumerate(pubs):
+            # unique bodies: an identical body within the same minute is the same message (same id: a duplicate)
+            await p.publish(group, b"probe %d %d" % (k, attempt))
+        await asyncio.sleep(0.5)
+        for i, s in enumerate(subs):
+            for m in drain(s):
+                if m.body.startswith(b"probe "):
+                    seen[i].add(int(m.body.split()[1]))
+        if all(len(x) == len(pubs) for x in seen):
+            break
+        assert time.monotonic() < deadline, f"gossip mesh not formed after {timeout} s: probes seen {seen}"
+    await asyncio.sleep(1.0)  # let stragglers (repeated probes) arrive, then drop them
+    for s in subs:
+        assert all(m.body.startswith(b"probe ") for m in drain(s))
+
+async def test_five_router_line_every_subscriber_gets_every_message_once(tmp_path: Path) -> None:
+    async with Network(tmp_path) as net:
+        nodes = net.add_nodes(5)
+        net.line(nodes)
+        await net.start_all()
+        await net.wait_line(nodes)
+        group = Identity.generate()
+        subs = [await net.client(n) for n in nodes]
+        for s in subs:
+            assert await s.join(group.public, local=False)
+        pubs = [await net.client(nodes[0]), await net.client(nodes[3])]
+        await warm_up(pubs, group, subs)
+
+        want: dict[bytes, bytes] = {}
+        for k in range(10):
+            for j, p in enumerate(pubs):
+                body = b"msg %d from publisher %d" % (k, j)
+                want[await p.publish(group, body)] = body
+        results = await asyncio.gather(*(collect(s, set(want), timeout=20.0, settle=1.0) for s in subs))
+        for node, got in zip(nodes, results, strict=True):
+            ids = [m.id for m in got]
+            missing = set(want) - set(ids)
+            dups = {i.hex()[:8] for i in ids if ids.count(i) > 1}
+            assert not missing, f"{node.name} missed {len(missing)} of {len(want)} messages"
+            assert not dups, f"{node.name} got duplicates {dups}"
+            assert set(ids) == set(want), f"{node.name} got unexpected messages"
+            assert all(m.body == want[m.id] for m in got)
+        # The journals agree: each message was published once (the first local `received`) and delivered to
+        # the app subscriber on every node exactly once.
+        for node, sub in zip(nodes, subs, strict=True):
+            for mid in want:
+                recs = node.trace(event="delivered", id=mid, dst=sub.identity.public)
+                assert len(recs) == 1, (node.name, mid.hex(), recs)
+
+
+# ------------------------------------------------------------------------------------------ unicast over a line
+
+
+async def test_unicast_line_via_next_hop_reply_routes_and_no_relay_for_strangers(tmp_path: Path) -> None:
+    """Line r1 - r2 - r3 (r1 has no connection to r3).
+
+    * app1 on r1 sends to app2 on r2 with VIA = r2: r1 source-routes it to r2, which delivers it with
+      VIA = r1 (seed step 2) and learns ``app1 -> r1``;
+    * app2 answers without VIA (route learned from the message), and app1 answers that without VIA too;
+    * app1 sends to app3 on r3 with VIA = r2: r2 refuses to relay it, because a router only forwards unicast
+      whose ``src`` is one of its own local services (step 3.3; "nobody is relayed for strangers"): the
+      message is dropped at r2 with reason ``no_route`` and app3 never gets it. Two-hop unicast for a remote
+      source is not a supported path by design.
+    """
+    async with Network(tmp_path) as net:
+        r1, r2, r3 = net.add_nodes(3, heartbeat=None)
+        net.line([r1, r2, r3])
+        await net.start_all()
+        await net.wait_line([r1, r2, r3])
+        app1, app2, app3 = await net.client(r1), await net.client(r2), await net.client(r3)
+        k1, k2, k3 = (a.identity.public for a in (app1, app2, app3))
+
+        # one hop, source-routed
+        mid = await app1.send(k2, b"hello r2", ttl=60, via=r2.id)
+        got = await app2.recv(timeout=10)
+        assert (got.id, got.body, got.via) == (mid, b"hello r2", r1.id)
+        rec = await r1.wait_trace(event="forwarded", id=mid)
+        assert rec["peer"] == r2.id.hex()
+
+        # the reply needs no VIA: r2 learned app1 -> r1 from the message
+        rid = await app2.send(k1, b"reply from app2", ttl=60)
+        back = await app1.recv(timeout=10)
+        assert (back.id, back.body, back.via) == (rid, b"reply from app2", r2.id)
+        assert (await r2.wait_trace(event="forwarded", id=rid))["peer"] == r1.id.hex()
+        # ... and r1 learned app2 -> r2 from that reply
+        rid2 = await app1.send(k2, b"reply to the reply", ttl=60)
+        got2 = await app2.recv(timeout=10)
+        assert (got2.id, got2.body) == (rid2, b"reply to the reply")
+
+        # two hops for a remote source: r2 does not relay for strangers
+        far = await app1.send(k3, b"to r3 via r2", ttl=60, via=r2.id)
+        assert (await r1.wait_trace(event="forwarded", id=far))["peer"] == r2.id.hex()
+        drop = await r2.wait_trace(event="dropped", id=far)
+        assert drop["reason"] == "no_route" and drop["peer"] == r1.id.hex(), drop
+        assert not r2.trace(event="forwarded", id=far)
+        assert not r3.trace(id=far)
+        with pytest.raises(TimeoutError):
+            await app3.recv(timeout=1.0)
+
+        # without VIA r1 has no route to app3 at all
+        none = await app1.send(k3, b"no route", ttl=60)
+        assert (await r1.wait_trace(event="dropped", id=none))["reason"] == "no_route"
+
+
+# ------------------------------------------------------------------------------------------ edge and core
+
+
+async def test_edge_offline_gets_backlog_after_edge_and_core_restart(tmp_path: Path) -> None:
+    async with Network(tmp_path) as net:
+        core, edge = net.add_node("core"), net.add_node("edge")
+        core.config["edge_nodes"] = [edge.id.hex()]
+        edge.config["core_nodes"] = [core.peer_entry()]
+        edge.config["pubsub"] = {"enabled": False}
+        await net.start_all()
+        await net.wait_dialled(edge, core)
+        group, app_key = Identity.generate(), Identity.generate()
+
+        app = await net.client(edge, app_key)
+        assert await app.join(group.public, local=False)
+        # the edge joins the group at its core node on the app's behalf
+        await core.wait_trace(event="joined", group=group.public, src=edge.id)
+        pub = await net.client(core)
+        online = await pub.publish(group, b"online")
+        got = await app.recv(timeout=10)
+        assert (got.id, got.body) == (online, b"online")
+        await net.close_client(app)
+
+        await edge.stop()  # the edge goes offline; the core queues for it
+        backlog = {}
+        for k in range(5):
+            body = b"while the edge is offline %d" % k
+            backlog[await pub.publish(group, body)] = body
+        await pub.sync()  # committed (durability fsync): it must survive the core restart
+        for mid in backlog:
+            rec = await core.wait_trace(event="queued", id=mid, dst=edge.id)
+            assert rec["group"] == group.public.hex()
+        await net.close_client(pub)
+
+        await core.restart()
+        await edge.start()
+        await net.wait_dialled(edge, core)
+        app = await net.client(edge, app_key)
+        msgs = await collect(app, set(backlog), timeout=15.0, settle=1.0)
+        ids = [m.id for m in msgs]
+        assert set(ids) == set(backlog), f"missing {len(set(backlog) - set(ids))}, extra {set(ids) - set(backlog)}"
+        assert len(ids) == len(set(ids)), "duplicates in the backlog"
+        assert all(m.body == backlog[m.id] for m in msgs)
+        assert all(m.via == core.id for m in msgs), "the edge marks its core node as the last hop"
+
+        # the edge app's own publishes go up to the core node
+        core_sub = await net.client(core)
+        assert await core_sub.join(group.public)
+        up = await app.publish(group, b"from the edge")
+        got = await core_sub.recv(timeout=10)
+        assert (got.id, got.body) == (up, b"from the edge")
+
+
+# ------------------------------------------------------------------------------------------ wrong keys
+
+
+async def fake_router(cert_key: Identity, hello_key: Identity, directory: Path) -> asyncio.Server:
+    """A TLS server whose certificate carries ``cert_key`` but whose session speaks as ``hello_key``."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        session = Session(hello_key)
+        writer.write(session.data_to_send())
+        with contextlib.suppress(Exception):
+            while data := await reader.read(65536):
+                session.receive_data(data)
+                writer.write(session.data_to_send())
+        writer.close()
+
+    return await asyncio.start_server(handle, HOST, 0, ssl=server_context(cert_key, directory))
+
+
+async def read_frame(reader: asyncio.StreamReader) -> bytes:
+    n = int.from_bytes(await reader.readexactly(4), "big")
+    return await reader.readexactly(n)
+
+
+async def test_wrong_router_keys_are_refused(tmp_path: Path) -> None:
+    wrong = Identity.generate()
+    async with Network(tmp_path) as net:
+        real = net.add_node("real")
+        cert, claimed = Identity.generate(), Identity.generate()
+        impostor = await fake_router(cert, claimed, tmp_path / "fake")
+        impostor_port = impostor.sockets[0].getsockname()[1]
+        # A router configured with the wrong id for the real router's address; and with the id an impostor
+        # claims in its HELLO, at the impostor's address (whose certificate carries another key).
+        dialler = net.add_node("dialler")
+        dialler.config["peers"] = [
+            {"id": wrong.public.hex(), "addr": real.addr},
+            {"id": claimed.public.hex(), "addr": f"{HOST}:{impostor_port}"},
+        ]
+        try:
+            await net.start_all([real])  # listening before the dialler's first attempt
+            await net.start_all([dialler])
+
+            def failed_handshake(who: bytes) -> bool:
+                return any(f"dial failed router={who.hex()}" in line and "handshake" in line
+                           for line in dialler.log_text().splitlines())  # fmt: skip
+
+            await wait_for(lambda: failed_handshake(wrong.public), 15.0, "the dial with the wrong id to fail")
+            await wait_for(lambda: failed_handshake(claimed.public), 15.0, "the dial to the impostor to fail")
+            log = dialler.log_text()
+            assert "the certificate key does not match the router id" in log
+            assert "dialled router=" not in log
+            assert f"peer={real.id.hex()}" not in log and f"peer={claimed.public.hex()}" not in log
+            assert f"peer={dialler.id.hex()}" not in real.log_text()
+
+            # the client library checks the id it dialled ...
+            ident = Identity.generate()
+            with pytest.raises(ClientError):
+                await Client.connect_tls(HOST, real.port, ident, router_id=wrong.public, timeout=10)
+            ok = await Client.connect_tls(HOST, real.port, ident, router_id=real.id, timeout=10)
+            assert ok.router_id == real.id
+            await ok.close()
+            # ... and the certificate key against the HELLO, whether or not it knew whom it dialled
+            for rid in (None, claimed.public):
+                with pytest.raises(ClientError, match="certificate"):
+                    await Client.connect_tls(HOST, impostor_port, ident, router_id=rid, timeout=10)
+        finally:
+            impostor.close()
+            await impostor.wait_closed()
+
+        # A raw TLS client whose HELLO claims another key cannot AUTH for it: ERROR 2 and close.
+        victim, attacker = Identity.generate(), Identity.generate()
+        reader, writer = await asyncio.open_connection(HOST, real.port, ssl=client_context())
+        try:
+            writer.write(frame(Hello(victim.public, os.urandom(32)).encode()))
+            hello = decode_session_frame(await asyncio.wait_for(read_frame(reader), 10))
+            assert isinstance(hello, Hello) and hello.id == real.id
+            sig = attacker.sign(auth_payload(victim.public, hello.id, hello.nonce))
+            writer.write(frame(Auth(sig).encode()))
+            frames = []
+            with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+                while True:
+                    frames.append(decode_session_frame(await asyncio.wait_for(read_frame(reader), 10)))
+            errors = [f for f in frames if isinstance(f, Error)]
+            assert errors and errors[0].code == 2, frames  # 2: authentication failed
+            # (the router's own AUTH before that is normal: each side sends AUTH on receiving the peer's HELLO)
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+        assert real.running
+        log = real.log_text()
+        assert "protocol error" in log and f"peer={victim.public.hex()}" not in log
+
+
+# ------------------------------------------------------------------------------------------ recovery
+
+
+async def test_subscriber_router_restart_recovers_missed_messages(tmp_path: Path) -> None:
+    """Line r0 - r1 - r2; r2 (a subscriber's router) is down while r0's app publishes; after r2 restarts the
+    subscriber (reconnecting with the same key) gets every message it missed, exactly once.
+
+    The mechanism (checked in the journals): r1's pub/sub service still has r2's in its mesh and source-routes
+    each message to router r2 (VIA = r2); r1's router, with r2 unreachable, queues it for r2 and flushes the
+    queue when r2 is back; r2 queues it for its subscriber (still subscribed: LMDB) until the app reconnects.
+    """
+    async with Network(tmp_path) as net:
+        nodes = net.add_nodes(3)
+        r0, r1, r2 = nodes
+        net.line(nodes)
+        await net.start_all()
+        await net.wait_line(nodes)
+        group, sub_key = Identity.generate(), Identity.generate()
+        subs = [await net.client(r1), await net.client(r2, sub_key)]
+        for s in subs:
+            assert await s.join(group.public, local=False)
+        pub = await net.client(r0)
+        await warm_up([pub], group, subs)
+        await net.close_client(subs[1])
+
+        await r2.stop()
+        missed = {}
+        for k in range(5):
+            body = b"while r2 is down %d" % k
+            missed[await pub.publish(group, body)] = body
+        got1 = await collect(subs[0], set(missed), timeout=10.0, settle=0.0)
+        assert {m.id for m in got1} == set(missed)
+        await r2.start()
+        await net.wait_dialled(r2, r1)
+        sub2 = await net.client(r2, sub_key)
+        msgs = await collect(sub2, set(missed), timeout=15.0, settle=1.0)
+        ids = [m.id for m in msgs]
+        assert set(missed) <= set(ids), f"r2's subscriber missed {len(set(missed) - set(ids))} of {len(missed)}"
+        assert len(ids) == len(set(ids)), "duplicates"
+        assert all(m.body == missed[m.id] for m in msgs if m.id in missed)
+        for mid in missed:
+            assert r1.trace(event="queued", id=mid, dst=r2.id), "r1 queued it for the offline router r2"
+            assert r2.trace(event="queued", id=mid, dst=sub_key.public), "r2 queued it for its offline subscriber"
