@@ -215,11 +215,14 @@ class Daemon:
 
     async def wait_trace(self, timeout: float = 5.0, **fields: Any) -> dict[str, Any]:
         """The first record matching ``fields``, polling the journal for at most ``timeout`` seconds."""
-        found = await async_wait_until(lambda: self.trace(**fields), timeout, f"trace record {fields}")
+        found: list[dict[str, Any]] = await async_wait_until(
+            lambda: self.trace(**fields), timeout, f"trace record {fields}"
+        )
         return found[0]
 
     def wait_trace_sync(self, timeout: float = 5.0, **fields: Any) -> dict[str, Any]:
-        found = wait_until(lambda: self.trace(**fields), timeout, f"trace record {fields}")
+        """:meth:`wait_trace` for synchronous tests."""
+        found: list[dict[str, Any]] = wait_until(lambda: self.trace(**fields), timeout, f"trace record {fields}")
         return found[0]
 
     async def wait_offline(
@@ -246,6 +249,10 @@ class Daemon:
         raise AssertionError(f"router still treats {dst.hex()} as connected after {timeout} s")
 
 
+DaemonFactory = Callable[..., Daemon]
+"""The type of the ``daemon`` fixture: ``daemon(*extra_args, config=None) -> Daemon``."""
+
+
 def _base_dir(tmp_path: Path, n: int, cleanup: list[Path]) -> Path:
     base = tmp_path / f"r{n}"
     if len(str(base / "s.sock")) > _SUN_PATH_MAX:
@@ -257,7 +264,7 @@ def _base_dir(tmp_path: Path, n: int, cleanup: list[Path]) -> Path:
 
 
 @pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+def daemon(tmp_path: Path) -> Iterator[DaemonFactory]:
     """Factory: ``daemon(*extra_args, config=None) -> Daemon`` (started, socket accepting)."""
     started: list[Daemon] = []
     cleanup: list[Path] = []

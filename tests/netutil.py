@@ -254,6 +254,10 @@ class Node:
                 parts.append(p.read_text(encoding="utf-8", errors="replace"))
         return "".join(parts)
 
+    def log_size(self) -> int:
+        """The length of the current start's log so far (for ``Network.wait_dialled(since=...)``)."""
+        return len(self.log_text())
+
     def trace(self, **fields: Any) -> list[dict[str, Any]]:
         return match(read_trace(self.trace_dir), **fields)
 
@@ -329,12 +333,13 @@ class Network:
         for n in todo:
             await n.wait_ready()
 
-    async def wait_dialled(self, dialler: Node, target: Node, timeout: float = 15.0) -> None:
-        """Until ``dialler``'s log reports an authenticated connection it dialled to ``target``."""
+    async def wait_dialled(self, dialler: Node, target: Node, timeout: float = 30.0, since: int = 0) -> None:
+        """Until ``dialler``'s current log reports (after offset ``since``, see :meth:`Node.log_size`) an
+        authenticated connection it dialled to ``target``."""
         needle = f"dialled router={target.id.hex()}"
-        await wait_for(lambda: needle in dialler.log_text(), timeout, f"{dialler.name} to dial {target.name}")
+        await wait_for(lambda: needle in dialler.log_text()[since:], timeout, f"{dialler.name} to dial {target.name}")
 
-    async def wait_line(self, nodes: list[Node], timeout: float = 15.0) -> None:
+    async def wait_line(self, nodes: list[Node], timeout: float = 30.0) -> None:
         for prev, node in zip(nodes, nodes[1:], strict=False):
             await self.wait_dialled(node, prev, timeout)
 
@@ -421,14 +426,11 @@ async def collect(client: Client, want: set[bytes], timeout: float, settle: floa
     return got
 
 
-def drain(client: Client) -> list[Message]:
-    """Whatever the client has already received (no waiting)."""
+async def drain(client: Client, wait: float = 0.01) -> list[Message]:
+    """Whatever the client has already received (each ``recv`` waits at most ``wait`` seconds)."""
     out: list[Message] = []
-    q = client._incoming  # the client library's receive queue
-    while not q.empty():
-        item = q.get_nowait()
-        if item is None:
-            q.put_nowait(None)
-            break
-        out.append(item)
-    return out
+    while True:
+        try:
+            out.append(await client.recv(timeout=wait))
+        except TimeoutError:
+            return out

@@ -150,7 +150,8 @@ class RawMessage:
 
     @property
     def signer(self) -> bytes:
-        return self.header["grp"] if self.type == MULTICAST else self.header["src"]
+        key = self.header["grp"] if self.type == MULTICAST else self.header["src"]
+        return bytes(key)
 
     def signature_valid(self) -> bool:
         return verify(self.signer, self.signed_bytes, self.sig)
@@ -477,10 +478,10 @@ class RawApp:
             return msg
 
     async def _await_reply(self, match: Any, timeout: float) -> tuple[int, dict[str, Any]] | RawMessage:
-        for i, ctl in enumerate(self._controls):
-            if match(ctl):
+        for i, pending in enumerate(self._controls):
+            if match(pending):
                 del self._controls[i]
-                return ctl
+                return pending
         deadline = asyncio.get_running_loop().time() + timeout
         while True:
             msg = await self._next(max(0.0, deadline - asyncio.get_running_loop().time()))
@@ -524,7 +525,7 @@ class RawApp:
         def match(x: Any) -> bool:
             if isinstance(x, RawMessage):
                 return x.id == mid
-            return x[0] == PULL_NACK and x[1].get("id") == mid
+            return bool(x[0] == PULL_NACK and x[1].get("id") == mid)
 
         reply = await self._await_reply(match, timeout)
         return reply if isinstance(reply, RawMessage) else reply[1]

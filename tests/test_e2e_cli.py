@@ -10,9 +10,10 @@ import stat
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import REPO, cli, subprocess_env
+from conftest import REPO, DaemonFactory, cli, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ def finish(p: subprocess.Popen[str], timeout: float = 30) -> str:
     except subprocess.TimeoutExpired:
         p.kill()
         p.communicate(timeout=5)
-        pytest.fail(f"{p.args} did not finish within {timeout} s")
+        pytest.fail(f"{p.args!r} did not finish within {timeout} s")
     assert p.returncode == 0, (p.args, err)
     return out.strip()
 
@@ -47,7 +48,7 @@ def keygen(path: str) -> str:
     return pub
 
 
-def test_cli_keygen_writes_private_key_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cli_keygen_writes_private_key_file(tmp_path: Path) -> None:
     path = str(tmp_path / "app.key")
     pub = keygen(path)
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
@@ -58,7 +59,7 @@ def test_cli_keygen_writes_private_key_file(tmp_path) -> None:  # type: ignore[n
     assert forced.returncode == 0 and HEX64.match(forced.stdout.strip()) and forced.stdout.strip() != pub
 
 
-def test_cli_id_join_publish_listen_send_pull(daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cli_id_join_publish_listen_send_pull(daemon: DaemonFactory, tmp_path: Path) -> None:
     d = daemon()
     sock = str(d.sock)
     group_key, listener_key, sender_key, other_key = (
@@ -125,7 +126,7 @@ def test_cli_id_join_publish_listen_send_pull(daemon, tmp_path) -> None:  # type
     ],
     ids=["bad_value", "unknown_key", "bad_enum", "bad_mode", "not_yaml"],
 )
-def test_cli_run_refuses_corrupt_config(tmp_path, text: str, names: str) -> None:  # type: ignore[no-untyped-def]
+def test_cli_run_refuses_corrupt_config(tmp_path: Path, text: str, names: str) -> None:
     cfg = tmp_path / "router.yaml"
     cfg.write_text(text)
     sock = tmp_path / "s.sock"
@@ -144,7 +145,7 @@ def test_cli_run_refuses_corrupt_config(tmp_path, text: str, names: str) -> None
     reason="BUG: nothing locks the data directory: a second `run` on a data dir that a live daemon uses starts a "
     "second router with the same key and LMDB store (diverging in-memory subscriptions, queues and seen ids)",
 )
-def test_cli_second_daemon_on_same_data_dir_is_refused(daemon, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_cli_second_daemon_on_same_data_dir_is_refused(daemon: DaemonFactory, tmp_path: Path) -> None:
     d = daemon()
     other_sock = tmp_path / "other.sock"
     second = cli_start("run", "--data-dir", str(d.dir), "--unix", str(other_sock))

@@ -9,7 +9,7 @@ import struct
 import time
 
 import pytest
-from conftest import cli
+from conftest import Daemon, DaemonFactory, cli
 from raw_app import MAX_FRAME, RawApp
 from raw_app import Key as RawKey
 
@@ -20,15 +20,15 @@ from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 pytestmark = pytest.mark.slow
 
 
-async def connect(d, ident: Identity | None = None) -> Client:  # type: ignore[no-untyped-def]
+async def connect(d: Daemon, ident: Identity | None = None) -> Client:
     return await Client.connect(d.sock, ident or Identity.generate(), timeout=5)
 
 
-async def wait_offline(d, sender: Client, dst: bytes) -> None:  # type: ignore[no-untyped-def]
+async def wait_offline(d: Daemon, sender: Client, dst: bytes) -> None:
     await d.wait_offline(lambda body: sender.send(dst, body, ttl=0), dst)
 
 
-async def test_unicast_between_two_apps(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_unicast_between_two_apps(daemon: DaemonFactory) -> None:
     d = daemon()
     a, b = await connect(d), await connect(d)
     try:
@@ -47,7 +47,7 @@ async def test_unicast_between_two_apps(daemon) -> None:  # type: ignore[no-unty
         await b.close()
 
 
-async def test_multicast_three_subscribers_each_once_no_echo(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_multicast_three_subscribers_each_once_no_echo(daemon: DaemonFactory) -> None:
     d = daemon()
     group = Identity.generate()
     pub = await connect(d)
@@ -74,7 +74,7 @@ async def test_multicast_three_subscribers_each_once_no_echo(daemon) -> None:  #
             await c.close()
 
 
-async def test_async_for_and_offline_queue_in_order(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_async_for_and_offline_queue_in_order(daemon: DaemonFactory) -> None:
     d = daemon()
     group = Identity.generate()
     b_id = Identity.generate()
@@ -109,7 +109,7 @@ async def test_async_for_and_offline_queue_in_order(daemon) -> None:  # type: ig
 
 
 @pytest.mark.parametrize("durability", ["fsync", "batch", "none"])
-async def test_queues_and_subscriptions_survive_restart(daemon, durability: str) -> None:  # type: ignore[no-untyped-def]
+async def test_queues_and_subscriptions_survive_restart(daemon: DaemonFactory, durability: str) -> None:
     d = daemon("--durability", durability)
     group = Identity.generate()
     a_id, b_id = Identity.generate(), Identity.generate()
@@ -140,7 +140,7 @@ async def test_queues_and_subscriptions_survive_restart(daemon, durability: str)
         await b.close()
 
 
-async def test_ttl_zero_to_offline_app_is_not_queued(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_ttl_zero_to_offline_app_is_not_queued(daemon: DaemonFactory) -> None:
     d = daemon()
     b_id = Identity.generate()
     a = await connect(d)
@@ -161,7 +161,7 @@ async def test_ttl_zero_to_offline_app_is_not_queued(daemon) -> None:  # type: i
         await b.close()
 
 
-async def test_ttl_expiry_while_offline(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_ttl_expiry_while_offline(daemon: DaemonFactory) -> None:
     d = daemon()
     b_id = Identity.generate()
     a = await connect(d)
@@ -184,7 +184,7 @@ async def test_ttl_expiry_while_offline(daemon) -> None:  # type: ignore[no-unty
         await b.close()
 
 
-async def test_bad_signature_dropped_sender_keeps_working(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_bad_signature_dropped_sender_keeps_working(daemon: DaemonFactory) -> None:
     d = daemon()
     a, b = await connect(d), await connect(d)
     try:
@@ -206,7 +206,7 @@ async def test_bad_signature_dropped_sender_keeps_working(daemon) -> None:  # ty
         await b.close()
 
 
-async def test_pull_stored_and_unknown(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_pull_stored_and_unknown(daemon: DaemonFactory) -> None:
     d = daemon()
     group = Identity.generate()
     sub, other = await connect(d), await connect(d)
@@ -223,7 +223,7 @@ async def test_pull_stored_and_unknown(daemon) -> None:  # type: ignore[no-untyp
         await other.close()
 
 
-async def test_join_leave_acks(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_join_leave_acks(daemon: DaemonFactory) -> None:
     d = daemon()
     group = Identity.generate().public
     c = await connect(d)
@@ -236,7 +236,7 @@ async def test_join_leave_acks(daemon) -> None:  # type: ignore[no-untyped-def]
         await c.close()
 
 
-async def test_router_id_matches_cli_and_socket_is_private(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_router_id_matches_cli_and_socket_is_private(daemon: DaemonFactory) -> None:
     d = daemon()
     c = await connect(d)
     try:
@@ -248,7 +248,7 @@ async def test_router_id_matches_cli_and_socket_is_private(daemon) -> None:  # t
         await c.close()
 
 
-async def test_sigterm_exits_zero_quickly_and_restart_works(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_sigterm_exits_zero_quickly_and_restart_works(daemon: DaemonFactory) -> None:
     d = daemon()
     ident = Identity.generate()
     c = await connect(d, ident)
@@ -269,7 +269,7 @@ async def test_sigterm_exits_zero_quickly_and_restart_works(daemon) -> None:  # 
         await c.close()
 
 
-async def test_malformed_frame_from_one_app_leaves_others_working(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_malformed_frame_from_one_app_leaves_others_working(daemon: DaemonFactory) -> None:
     d = daemon()
     a, b = await connect(d), await connect(d)
     try:

@@ -36,7 +36,7 @@ async def warm_up(pubs: list[Client], group: Identity, subs: list[Client], timeo
             await p.publish(group, b"probe %d %d" % (k, attempt))
         await asyncio.sleep(0.5)
         for i, s in enumerate(subs):
-            for m in drain(s):
+            for m in await drain(s):
                 if m.body.startswith(b"probe "):
                     seen[i].add(int(m.body.split()[1]))
         if all(len(x) == len(pubs) for x in seen):
@@ -44,9 +44,12 @@ async def warm_up(pubs: list[Client], group: Identity, subs: list[Client], timeo
         assert time.monotonic() < deadline, f"gossip mesh not formed after {timeout} s: probes seen {seen}"
     await asyncio.sleep(1.0)  # let stragglers (repeated probes) arrive, then drop them
     for s in subs:
-        assert all(m.body.startswith(b"probe ") for m in drain(s))
+        assert all(m.body.startswith(b"probe ") for m in await drain(s))
+
 
 async def test_five_router_line_every_subscriber_gets_every_message_once(tmp_path: Path) -> None:
+    """Five routers in a line (each dials the previous one), a non-local subscriber on every router, publishers
+    on r0 and r3: once the mesh is up, every subscriber gets every one of the 20 messages exactly once."""
     async with Network(tmp_path) as net:
         nodes = net.add_nodes(5)
         net.line(nodes)
@@ -73,8 +76,12 @@ async def test_five_router_line_every_subscriber_gets_every_message_once(tmp_pat
             assert not dups, f"{node.name} got duplicates {dups}"
             assert set(ids) == set(want), f"{node.name} got unexpected messages"
             assert all(m.body == want[m.id] for m in got)
-        # The journals agree: each message was published once (the first local `received`) and delivered to
-        # the app subscriber on every node exactly once.
+        # The journals agree: each message was published once (a local `received` from the publishing app) and
+        # delivered to the app subscriber on every node exactly once.
+        for j, (node, p) in enumerate(((nodes[0], pubs[0]), (nodes[3], pubs[1]))):
+            for mid, body in want.items():
+                n = len(node.trace(event="received", id=mid, local=True, peer=p.identity.public))
+                assert n == (1 if body.endswith(b"publisher %d" % j) else 0), (node.name, body)
         for node, sub in zip(nodes, subs, strict=True):
             for mid in want:
                 recs = node.trace(event="delivered", id=mid, dst=sub.identity.public)
@@ -102,6 +109,10 @@ async def test_unicast_line_via_next_hop_reply_routes_and_no_relay_for_strangers
         await net.wait_line([r1, r2, r3])
         app1, app2, app3 = await net.client(r1), await net.client(r2), await net.client(r3)
         k1, k2, k3 = (a.identity.public for a in (app1, app2, app3))
+
+        # r1 knows no route to app2 yet
+        early = await app1.send(k2, b"no route yet", ttl=60)
+        assert (await r1.wait_trace(event="dropped", id=early))["reason"] == "no_route"
 
         # one hop, source-routed
         mid = await app1.send(k2, b"hello r2", ttl=60, via=r2.id)
@@ -139,6 +150,11 @@ async def test_unicast_line_via_next_hop_reply_routes_and_no_relay_for_strangers
 
 
 async def test_edge_offline_gets_backlog_after_edge_and_core_restart(tmp_path: Path) -> None:
+    """A pure edge (no pub/sub) with one core node. The edge app's non-local JOIN is joined at the core; while
+    the edge is down the core queues the group's messages for it (committed: SYNC under fsync); the core is
+    restarted (SIGTERM, exit 0) before the edge comes back, and the backlog still arrives, once each. Then the
+    other direction: the edge app's publishes reach a core subscriber, also after waiting at the edge while
+    the core was down."""
     async with Network(tmp_path) as net:
         core, edge = net.add_node("core"), net.add_node("edge")
         core.config["edge_nodes"] = [edge.id.hex()]
@@ -181,11 +197,29 @@ async def test_edge_offline_gets_backlog_after_edge_and_core_restart(tmp_path: P
         assert all(m.via == core.id for m in msgs), "the edge marks its core node as the last hop"
 
         # the edge app's own publishes go up to the core node
-        core_sub = await net.client(core)
+        sub_key = Identity.generate()
+        core_sub = await net.client(core, sub_key)
         assert await core_sub.join(group.public)
         up = await app.publish(group, b"from the edge")
         got = await core_sub.recv(timeout=10)
-        assert (got.id, got.body) == (up, b"from the edge")
+        assert (got.id, got.body, got.via) == (up, b"from the edge", edge.id)
+
+        # ... and wait at the edge while the core node is down
+        await net.close_client(core_sub)
+        mark = edge.log_size()
+        await core.stop()
+        ups = {}
+        for k in range(3):
+            body = b"from the edge while the core is down %d" % k
+            ups[await app.publish(group, body)] = body
+        await app.sync()
+        for mid in ups:
+            await edge.wait_trace(event="queued", id=mid, dst=core.id)
+        await core.start()
+        await net.wait_dialled(edge, core, since=mark)  # the edge re-dials its core node (with backoff)
+        core_sub = await net.client(core, sub_key)  # still subscribed: the core queued for it meanwhile
+        msgs = await collect(core_sub, set(ups), timeout=15.0, settle=1.0)
+        assert sorted(m.id for m in msgs) == sorted(ups)
 
 
 # ------------------------------------------------------------------------------------------ wrong keys

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import cbor2
 import pytest
-from conftest import cli
+from conftest import Daemon, DaemonFactory, cli
 from raw_app import (
     ERR_AUTH,
     ERR_FRAME_TOO_LARGE,
@@ -56,7 +56,7 @@ def flip_bit(sig: bytes) -> bytes:
     return bytes([sig[0] ^ 0x01]) + sig[1:]
 
 
-async def wait_offline(d, sender: RawApp, dst: bytes) -> None:  # type: ignore[no-untyped-def]
+async def wait_offline(d: Daemon, sender: RawApp, dst: bytes) -> None:
     await d.wait_offline(lambda body: sender.send(dst, body, ttl=0), dst)
 
 
@@ -100,7 +100,7 @@ def test_raw_app_matches_golden_vectors() -> None:
 
 
 @pytest.mark.slow
-async def test_raw_handshake_router_id_socket_mode_and_sync(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_handshake_router_id_socket_mode_and_sync(daemon: DaemonFactory) -> None:
     d = daemon()
     st = os.stat(d.sock)
     assert stat.S_ISSOCK(st.st_mode)
@@ -117,7 +117,7 @@ async def test_raw_handshake_router_id_socket_mode_and_sync(daemon) -> None:  # 
 
 
 @pytest.mark.slow
-async def test_raw_garbage_before_hello_gets_error_and_close(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_garbage_before_hello_gets_error_and_close(daemon: DaemonFactory) -> None:
     d = daemon()
     observer = await RawApp.connect(d.sock)
     other = await RawApp.connect(d.sock)
@@ -153,7 +153,7 @@ async def test_raw_garbage_before_hello_gets_error_and_close(daemon) -> None:  #
 
 
 @pytest.mark.slow
-async def test_raw_handshake_timeout(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_handshake_timeout(daemon: DaemonFactory) -> None:
     d = daemon(config={"handshake_timeout": 1})
     app = await RawApp.connect(d.sock)  # a completed handshake must not be affected by the timer
     silent = await RawConn.open(d.sock)
@@ -177,7 +177,7 @@ async def test_raw_handshake_timeout(daemon) -> None:  # type: ignore[no-untyped
 
 
 @pytest.mark.slow
-async def test_raw_auth_for_another_router_is_refused(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_auth_for_another_router_is_refused(daemon: DaemonFactory) -> None:
     d = daemon()
     for variant in ("signed_for_other_router", "signed_by_other_key"):
         key = Key.generate()
@@ -185,7 +185,9 @@ async def test_raw_auth_for_another_router_is_refused(daemon) -> None:  # type: 
         try:
             nonce = os.urandom(32)
             conn.send_frame(hello(key, nonce))
-            h = dec(await conn.read_frame(5))  # type: ignore[arg-type]
+            payload = await conn.read_frame(5)
+            assert payload is not None
+            h = dec(payload)
             router_id, router_nonce = h[2], h[3]
             if variant == "signed_for_other_router":
                 conn.send_frame(auth(key, Key.generate().public, router_nonce))
@@ -203,7 +205,7 @@ async def test_raw_auth_for_another_router_is_refused(daemon) -> None:  # type: 
 
 
 @pytest.mark.slow
-async def test_raw_unicast_between_two_apps(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_unicast_between_two_apps(daemon: DaemonFactory) -> None:
     d = daemon()
     a = await RawApp.connect(d.sock)
     b = await RawApp.connect(d.sock)
@@ -226,7 +228,7 @@ async def test_raw_unicast_between_two_apps(daemon) -> None:  # type: ignore[no-
 
 
 @pytest.mark.slow
-async def test_raw_multicast_three_subscribers_each_once_publisher_not_echoed(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_multicast_three_subscribers_each_once_publisher_not_echoed(daemon: DaemonFactory) -> None:
     d = daemon()
     group = Key.generate()
     pub = await RawApp.connect(d.sock)
@@ -255,7 +257,7 @@ async def test_raw_multicast_three_subscribers_each_once_publisher_not_echoed(da
 
 
 @pytest.mark.slow
-async def test_raw_offline_queue_sync_and_restart(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_offline_queue_sync_and_restart(daemon: DaemonFactory) -> None:
     d = daemon()
     group = Key.generate()
     a = await RawApp.connect(d.sock)
@@ -300,7 +302,7 @@ async def test_raw_offline_queue_sync_and_restart(daemon) -> None:  # type: igno
 
 
 @pytest.mark.slow
-async def test_raw_ttl_zero_and_expiry_offline(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_ttl_zero_and_expiry_offline(daemon: DaemonFactory) -> None:
     d = daemon()
     group = Key.generate()
     a = await RawApp.connect(d.sock)
@@ -340,7 +342,7 @@ async def test_raw_ttl_zero_and_expiry_offline(daemon) -> None:  # type: ignore[
 
 
 @pytest.mark.slow
-async def test_raw_bad_signature_dropped_sender_stays_connected(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_bad_signature_dropped_sender_stays_connected(daemon: DaemonFactory) -> None:
     d = daemon()
     group = Key.generate()
     a = await RawApp.connect(d.sock)
@@ -378,7 +380,7 @@ def _non_deterministic(key: Key, dst: bytes) -> bytes:
 
 
 @pytest.mark.slow
-async def test_raw_malformed_frames_close_only_that_connection(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_malformed_frames_close_only_that_connection(daemon: DaemonFactory) -> None:
     d = daemon()
     a = await RawApp.connect(d.sock)
     b = await RawApp.connect(d.sock)
@@ -422,7 +424,7 @@ async def test_raw_malformed_frames_close_only_that_connection(daemon) -> None: 
 
 
 @pytest.mark.slow
-async def test_raw_pull_stored_message_and_nack(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_pull_stored_message_and_nack(daemon: DaemonFactory) -> None:
     d = daemon()
     group = Key.generate()
     sub = await RawApp.connect(d.sock)
@@ -464,7 +466,7 @@ async def test_raw_pull_stored_message_and_nack(daemon) -> None:  # type: ignore
 
 
 @pytest.mark.slow
-async def test_raw_join_leave_ack_result_codes(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_join_leave_ack_result_codes(daemon: DaemonFactory) -> None:
     d = daemon()
     group = Key.generate().public
     app = await RawApp.connect(d.sock)
@@ -492,7 +494,7 @@ async def test_raw_join_leave_ack_result_codes(daemon) -> None:  # type: ignore[
 
 
 @pytest.mark.slow
-async def test_raw_sigterm_exits_zero_and_restart_works(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_sigterm_exits_zero_and_restart_works(daemon: DaemonFactory) -> None:
     d = daemon()
     key = Key.generate()
     app = await RawApp.connect(d.sock, key)
@@ -521,7 +523,7 @@ async def test_raw_sigterm_exits_zero_and_restart_works(daemon) -> None:  # type
     reason="BUG: a queue longer than flush_batch (512) is drained in batches, and a message routed to the "
     "recipient between two batches is sent directly, overtaking the rest of the queue (per-sender FIFO broken)",
 )
-async def test_raw_large_queue_drains_before_newer_messages(daemon) -> None:  # type: ignore[no-untyped-def]
+async def test_raw_large_queue_drains_before_newer_messages(daemon: DaemonFactory) -> None:
     d = daemon("--durability", "none")
     a = await RawApp.connect(d.sock)
     b_key = Key.generate()
@@ -529,16 +531,16 @@ async def test_raw_large_queue_drains_before_newer_messages(daemon) -> None:  # 
     await b.close()
     try:
         await wait_offline(d, a, b_key.public)
-        queued = [unicast(a.key, b_key.public, f"q{i}".encode()) for i in range(1100)]
+        queued = [unicast(a.key, b_key.public, f"q{i}".encode()) for i in range(2100)]
         a.conn.write(b"".join(frame(m.encode()) for m in queued))
         await a.conn.drain()
         assert (await a.sync())["result"] == SUCCESS
-        b = await RawApp.connect(d.sock, b_key)
-        got = [await b.recv(timeout=10)]  # the drain has started
+        b = await RawApp.connect(d.sock, b_key)  # the router starts draining B's queue
         newer = []
-        for i in range(20):  # A keeps sending while B's queue drains
+        for i in range(40):  # meanwhile A keeps sending to B
             newer.append(await a.send(b_key.public, f"newer{i}".encode()))
             await asyncio.sleep(0.001)
+        got: list[RawMessage] = []
         while len(got) < len(queued) + len(newer):
             got.append(await b.recv(timeout=10))
         order = [m.id for m in got]
