@@ -183,6 +183,22 @@ def cmd_listen(args: argparse.Namespace) -> int:
         return 1
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print the router's sizes and counters."""
+
+    async def go(c: Client) -> int:
+        st = await c.status()
+        if args.json:
+            print(json.dumps({"router": c.router_id.hex(), **st}, sort_keys=True))
+        else:
+            print(f"router {c.router_id.hex()}")
+            for k in sorted(st):
+                print(f"  {k:24} {st[k]}")
+        return 0
+
+    return _run(args, go)
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--socket", help="the router's Unix socket (default: the daemon's default path)")
     p.add_argument("--config", help="read the socket path from this daemon config")
@@ -221,6 +237,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("group", help="group key (hex)")
     p.add_argument("id", help="message id (hex)")
     p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("status", help="show the router's connections, queues, store and counters")
+    _common(p)
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("listen", help="print incoming messages as JSON lines")
     _common(p)

@@ -89,6 +89,9 @@ class DaemonConfig:
     map_size: int = 4 * 1024 * 1024 * 1024
     max_connections: int = 4096
     outbound_buffer_max: int = 8 * 1024 * 1024
+    rate_per_connection: float = 0.0
+    rate_burst: int = 10_000
+    metrics_listen: str | None = None
     trace_dir: Path | None = None
     trace_max_bytes: int = 64 * 1024 * 1024
     log_level: str = "info"
@@ -174,7 +177,7 @@ _TOP = {
     "data_dir", "listen", "key_file", "durability", "sync_interval", "max_frame", "handshake_timeout",
     "local_services", "edge_nodes", "accept_join_from_any", "accept_pull_from_any", "peers", "core_nodes",
     "idle_timeout",
-    "seen_max", "queue", "store", "limits", "trace", "log", "pubsub",
+    "seen_max", "queue", "store", "limits", "trace", "log", "pubsub", "metrics",
 }  # fmt: skip
 _GOSSIP_PARAMS = {
     "D", "D_low", "D_high", "D_lazy", "heartbeat_interval", "fanout_ttl", "mcache_len", "mcache_gossip", "seen_ttl",
@@ -232,7 +235,21 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     store = _map(top.get("store"), "store", {"map_size"})
     if "map_size" in store:
         kw["map_size"] = _int(store["map_size"], "store.map_size", 1 << 20)
-    limits = _map(top.get("limits"), "limits", {"max_connections", "outbound_buffer_max"})
+    limits = _map(
+        top.get("limits"), "limits", {"max_connections", "outbound_buffer_max", "rate_per_connection", "rate_burst"}
+    )
+    if "rate_per_connection" in limits:
+        kw["rate_per_connection"] = _float(limits["rate_per_connection"], "limits.rate_per_connection", 0.0)
+    if "rate_burst" in limits:
+        kw["rate_burst"] = _int(limits["rate_burst"], "limits.rate_burst")
+    metrics = _map(top.get("metrics"), "metrics", {"listen"})
+    if metrics.get("listen") is not None:
+        from upsycle_router.runtime.metrics import is_loopback
+
+        mlisten = _hostport(metrics["listen"], "metrics.listen")
+        if not is_loopback(TransportAddr.parse(mlisten).host):
+            raise _fail("metrics.listen", f"must be a loopback address (127.0.0.1:PORT or [::1]:PORT), got {mlisten!r}")
+        kw["metrics_listen"] = mlisten
     if "max_connections" in limits:
         kw["max_connections"] = _int(limits["max_connections"], "limits.max_connections")
     if "outbound_buffer_max" in limits:

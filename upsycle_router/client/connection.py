@@ -34,6 +34,8 @@ from upsycle_router.wire.control import (
     PullNack,
     Result,
     RouterMessage,
+    Status,
+    StatusReply,
     Sync,
     SyncAck,
     decode_control,
@@ -172,6 +174,8 @@ class Client:
                 key = ("sync", ctl.n)
             elif isinstance(ctl, PullNack):
                 key = ("pull", ctl.id)
+            elif isinstance(ctl, StatusReply):
+                key = ("status", b"")
             if key is not None:
                 fut = self._waiters.pop(key, None)
                 if fut is not None and not fut.done() and not isinstance(ctl, PeerAdvertisement) and ctl is not None:
@@ -193,8 +197,12 @@ class Client:
         self._writer.write(frame(data))
 
     async def drain(self) -> None:
-        """Wait until the socket buffer drained."""
-        await self._writer.drain()
+        """Wait until the socket buffer drained; ClientError if the connection is gone."""
+        try:
+            await self._writer.drain()
+        except ConnectionError as e:
+            await asyncio.sleep(0)  # let the reader record the router's ERROR, if it sent one
+            raise ClientError(self.closed_reason or f"connection lost: {e}") from None
 
     def _lifetime(self, ttl: int, exp: int | None) -> tuple[int, int]:
         if not 0 <= ttl <= UINT32_MAX:
@@ -208,7 +216,7 @@ class Client:
         ttl, exp = self._lifetime(ttl, exp)
         msg = sign_message(UnicastHeader(self.identity.public, dst, ttl, exp), body, self.identity, via)
         self.send_message(msg)
-        await self._writer.drain()
+        await self.drain()
         return msg.id
 
     async def publish(
@@ -225,7 +233,7 @@ class Client:
         ttl, exp = self._lifetime(ttl, exp)
         msg = sign_message(MulticastHeader(group.public, ttl, exp, sn), body, group, via)
         self.send_message(msg)
-        await self._writer.drain()
+        await self.drain()
         return msg.id
 
     async def _request(
@@ -254,6 +262,13 @@ class Client:
         """PULL a stored message of ``group`` by id; None when the router does not have it."""
         reply = await self._request(("pull", mid), Pull(group, mid), timeout)
         return reply if isinstance(reply, Message) else None
+
+    async def status(self, *, timeout: float = 10.0) -> dict[str, int]:
+        """The router's current sizes and counters (local services only)."""
+        reply = await self._request(("status", b""), Status(), timeout)
+        if not isinstance(reply, StatusReply):
+            raise ClientError("STATUS refused")
+        return reply.stats
 
     async def sync(self, *, timeout: float = 30.0) -> None:
         """Wait until everything sent before is processed and committed by the router (SYNC / SYNC_ACK)."""

@@ -28,6 +28,8 @@ from upsycle_router.wire.control import (
     Pull,
     PullNack,
     Result,
+    Status,
+    StatusReply,
     Sync,
     SyncAck,
     decode_control,
@@ -108,6 +110,11 @@ class ControlPlane:
             self._leave(c, msg, body, h, now, out)
         elif isinstance(body, Pull):
             self._pull(c, msg, body, h, size, now, out)
+        elif isinstance(body, Status):
+            if not c.local:
+                drop("not_authorized")
+                return
+            self._reply(c, h.src, encode_router(StatusReply(self.r.status())), now, out)
         elif isinstance(body, Sync):
             self._reply(c, h.src, encode_router(SyncAck(body.n, Result.SUCCESS)), now, out)
         elif isinstance(body, JoinAck | LeaveAck) and (

@@ -97,6 +97,7 @@ class Router:
         # Routers that proved themselves peers by advertising on their own connection (PULL is allowed).
         self.peer_routers: set[bytes] = set()
         self.control = ControlPlane(self)
+        self.counters: dict[str, int] = {}  # driver-side counters, reported by status()
 
     # ------------------------------------------------------------------ driver interface
 
@@ -161,6 +162,25 @@ class Router:
             del self.routes[dst]
             self.store.delete_route(dst)
         return out
+
+    def status(self) -> dict[str, int]:
+        """Current sizes and counters (STATUS, metrics)."""
+        queues = self.store.queue_recipients()
+        st = {
+            "connections": len(self._conns),
+            "connections_local": sum(1 for c in self._conns.values() if c.local),
+            "seen_ids": len(self.seen),
+            "seen_max": self.seen.capacity,
+            "groups": len(self.subs),
+            "subscriptions": sum(len(m) for m in self.subs.values()),
+            "routes": len(self.routes),
+            "queue_recipients": len(queues),
+            "queued_messages": sum(c for c, _ in queues.values()),
+            "queued_bytes": sum(b for _, b in queues.values()),
+        }
+        st.update({f"store_{k}": v for k, v in self.store.stats().items()})
+        st.update(self.counters)
+        return st
 
     def connected(self, key: bytes) -> ConnId | None:
         """The newest open connection of ``key``, if any."""

@@ -26,6 +26,7 @@ from upsycle_router.crypto import Identity, load_or_create_key_file, sign_advert
 from upsycle_router.errors import ConfigError, ErrorCode
 from upsycle_router.expiry import exp_in
 from upsycle_router.runtime.driver import Driver
+from upsycle_router.runtime.metrics import MetricsServer
 from upsycle_router.runtime.pool import ConnectionPool
 from upsycle_router.runtime.pubsub_service import PubsubService
 from upsycle_router.services.pubsub.params import GossipParams
@@ -105,6 +106,7 @@ class Daemon:
         self._stopped = asyncio.Event()
         self._extra_stop: list[Any] = []
         self.pool: ConnectionPool | None = None
+        self.metrics: MetricsServer | None = None
         self._readvertise_handle: asyncio.TimerHandle | None = None
         self.pubsub_identity: Identity | None = None
         self.pubsub: PubsubService | None = None
@@ -133,6 +135,8 @@ class Daemon:
             journal=self.journal,
             sync_interval=cfg.sync_interval,
             outbound_buffer_max=cfg.outbound_buffer_max,
+            rate=cfg.rate_per_connection,
+            burst=cfg.rate_burst,
         )
         loop = asyncio.get_running_loop()
         router.advert = self._own_advert(ident)
@@ -160,6 +164,11 @@ class Daemon:
         if self.pool is not None:
             self.pool.start()
         self.driver.apply_now(router.start(time.time()))
+        if cfg.metrics_listen is not None:
+            maddr = TransportAddr.parse(cfg.metrics_listen)
+            self.metrics = MetricsServer(router.status, ident.hex)
+            await self.metrics.start(maddr.host, maddr.port)
+            log.info("metrics on http://%s/metrics", cfg.metrics_listen)
         if self.pubsub_identity is not None and cfg.unix is not None and cfg.pubsub.in_process:
             self.pubsub = PubsubService(
                 self.pubsub_identity, cfg.unix, params=params, policies=policies
@@ -243,6 +252,8 @@ class Daemon:
                     await asyncio.wait_for(self._pubsub_task, 2.0)
         if self.pool is not None:
             await self.pool.close()
+        if self.metrics is not None:
+            await self.metrics.close()
         for fn in self._extra_stop:
             with contextlib.suppress(Exception):
                 await fn()

@@ -89,6 +89,8 @@ class Driver:
         clock: Callable[[], float] = time.time,
         sync_interval: float = 0.05,
         outbound_buffer_max: int = 8 * 1024 * 1024,
+        rate: float = 0.0,
+        burst: int = 10_000,
     ) -> None:
         self.router = router
         self.store = store
@@ -97,6 +99,9 @@ class Driver:
         self.clock = clock
         self.sync_interval = sync_interval
         self.outbound_buffer_max = outbound_buffer_max
+        self.rate = rate
+        self.burst = burst
+        self._buckets: dict[int, tuple[float, float]] = {}  # conn -> (tokens, last refill)
         self.dialer: Dialer | None = None
         self.loop = asyncio.get_running_loop()
         self.conns: dict[int, StreamConnection] = {}
@@ -108,7 +113,9 @@ class Driver:
         self._sync_handle: asyncio.TimerHandle | None = None
         self._dirty = False
         self._closed = False
-        self.stats = {"received": 0, "malformed": 0, "bad_signature": 0, "batches": 0}
+        self.stats = router.counters
+        self.stats.update({"received_total": 0, "malformed_total": 0, "bad_signature_total": 0, "batches_total": 0,
+                           "overloaded_total": 0})
 
     # ------------------------------------------------------------ ConnectionHandler
 
@@ -120,12 +127,31 @@ class Driver:
         log.info("connection open conn=%d peer=%s kind=%s local=%s", conn.id, peer.hex(), conn.kind, conn.local)
         self._push(ConnectionOpened(conn.id, peer, conn.local))
 
+    def _admit(self, conn: StreamConnection) -> bool:
+        """Token bucket per connection: ``rate`` frames per second, bursts of ``burst``."""
+        if self.rate <= 0:
+            return True
+        t = self.loop.time()
+        tokens, last = self._buckets.get(conn.id, (float(self.burst), t))
+        tokens = min(float(self.burst), tokens + (t - last) * self.rate)
+        if tokens < 1.0:
+            self._buckets[conn.id] = (tokens, t)
+            return False
+        self._buckets[conn.id] = (tokens - 1.0, t)
+        return True
+
     def on_frame(self, conn: StreamConnection, payload: bytes) -> None:
         """Decode and verify one frame; queue it for the core."""
+        if not self._admit(conn):
+            self.stats["overloaded_total"] += 1
+            self._trace_now(Trace("dropped", None, "unicast", peer=conn.peer, size=len(payload), reason="overloaded"))
+            log.warning("conn=%d peer=%s over its rate limit: closing", conn.id, (conn.peer or b"").hex())
+            conn.close_with_error(ErrorCode.OVERLOADED, f"rate limit of {self.rate:g} messages/s exceeded")
+            return
         try:
             item = decode_frame(payload)
         except RemoteProtocolError as e:
-            self.stats["malformed"] += 1
+            self.stats["malformed_total"] += 1
             self._trace_now(Trace("dropped", None, "unicast", peer=conn.peer, size=len(payload), reason="malformed"))
             log.warning("malformed frame conn=%d peer=%s: %s", conn.id, (conn.peer or b"").hex(), e)
             conn.close_with_error(e.code, str(e))
@@ -134,14 +160,15 @@ class Driver:
             log.info("peer error conn=%d code=%d reason=%s", conn.id, item.code, item.reason)
             conn.close()
             return
-        self.stats["received"] += 1
+        self.stats["received_total"] += 1
         verified = self.verified.check(item)
         if not verified:
-            self.stats["bad_signature"] += 1
+            self.stats["bad_signature_total"] += 1
         self._push(MessageReceived(conn.id, item, verified, len(payload)))
 
     def on_close(self, conn: StreamConnection) -> None:
         """A connection ended."""
+        self._buckets.pop(conn.id, None)
         if self.conns.pop(conn.id, None) is not None:
             log.info("connection closed conn=%d peer=%s", conn.id, (conn.peer or b"").hex())
             self._push(ConnectionClosed(conn.id))
@@ -185,7 +212,7 @@ class Driver:
                     effects.extend(self.router.handle(ev, now))
                 except Exception:  # noqa: BLE001 - one bad event must not stop the router
                     log.exception("internal error handling %s", type(ev).__name__)
-        self.stats["batches"] += 1
+        self.stats["batches_total"] += 1
         self._after_commit()
         self._apply(effects, now)
         self._arm_timer()

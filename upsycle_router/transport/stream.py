@@ -23,6 +23,7 @@ from upsycle_router.wire.framing import DEFAULT_MAX_FRAME
 log = logging.getLogger("upsycle_router.transport")
 _ids = itertools.count(1)
 _LEN = struct.Struct(">I")
+CLOSE_LINGER = 0.5  # seconds input is drained after an ERROR, before the close
 
 
 class ConnectionHandler(Protocol):
@@ -159,14 +160,24 @@ class StreamConnection(asyncio.Protocol):
         return t.get_write_buffer_size() if t is not None else 0
 
     def close_with_error(self, code: int, reason: str) -> None:
-        """Send ERROR and close."""
+        """Send ERROR and close.
+
+        The write side is shut down right after the ERROR (where the transport can), and input is read and
+        discarded for a moment before the close, so the peer reads the ERROR instead of a connection reset
+        caused by data it sent that we never read.
+        """
         if self.closed:
             return
         self.closed = True
         t = self.transport
         if t is not None and not t.is_closing():
             t.write(Session.error_frame(code, reason))
-            t.close()
+            try:
+                if t.can_write_eof():
+                    t.write_eof()
+            except (OSError, RuntimeError, NotImplementedError):
+                pass
+            asyncio.get_running_loop().call_later(CLOSE_LINGER, t.close)
 
     def close(self) -> None:
         """Close without an ERROR."""

@@ -11,7 +11,16 @@ import enum
 from dataclasses import dataclass
 from typing import Any
 
-from upsycle_router.wire.cbor import check_bool, check_deterministic, check_hash, check_pubkey, check_uint, decode_item
+from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.wire.cbor import (
+    check_bool,
+    check_deterministic,
+    check_hash,
+    check_pubkey,
+    check_text,
+    check_uint,
+    decode_item,
+)
 from upsycle_router.wire.discovery import ADVERT_TYPE, PeerAdvertisement, decode_discovery
 from upsycle_router.wire.tagged import Kind, TaggedCodec
 
@@ -96,7 +105,26 @@ class SyncAck:
     result: int = 0
 
 
-RouterMessage = Join | JoinAck | Leave | LeaveAck | Pull | PullNack | Sync | SyncAck
+@dataclass(frozen=True, slots=True)
+class Status:
+    """Ask the router for its current sizes and counters (type 9; local services only)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StatusReply:
+    """Answer to STATUS (type 10): ``stats`` maps a metric name to a non-negative integer."""
+
+    stats: dict[str, int]
+
+
+def check_stats(v: Any, field: str) -> dict[str, int]:
+    """A map of text metric names to uints."""
+    if not isinstance(v, dict):
+        raise RemoteProtocolError("expected a map of name => uint", field=field)
+    return {check_text(k, field): check_uint(x, field, 2**64 - 1) for k, x in v.items()}
+
+
+RouterMessage = Join | JoinAck | Leave | LeaveAck | Pull | PullNack | Sync | SyncAck | Status | StatusReply
 
 ROUTER_CODEC: TaggedCodec[RouterMessage] = TaggedCodec(
     "router message",
@@ -109,6 +137,8 @@ ROUTER_CODEC: TaggedCodec[RouterMessage] = TaggedCodec(
         Kind(6, PullNack, {"addr": check_pubkey, "id": check_hash, "result": check_result}),
         Kind(7, Sync, {"n": check_uint64}),
         Kind(8, SyncAck, {"n": check_uint64, "result": check_result}),
+        Kind(9, Status, {}),
+        Kind(10, StatusReply, {"stats": check_stats}),
     ],
 )
 

@@ -1,0 +1,86 @@
+"""Limits and metrics against a real daemon: STATUS over the socket, the Prometheus endpoint, and the
+per-connection rate limit that answers a flood with ERROR 6 (overloaded) while other clients keep working."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import urllib.request
+
+import pytest
+from conftest import DaemonFactory, cli
+
+from upsycle_router.client import Client, ClientError
+from upsycle_router.crypto import Identity
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+async def test_status_over_the_socket_reports_sizes(daemon: DaemonFactory) -> None:
+    d = daemon()
+    a, g = Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, a) as c:
+        assert await c.join(g.public)
+        await c.publish(g, b"x")  # no echo to the publisher, nothing queued
+        await c.send(Identity.generate().public, b"to nobody")
+        await c.sync()
+        st = await c.status()
+    assert st["connections"] >= 1
+    assert st["groups"] == 1 and st["subscriptions"] >= 1
+    assert st["received_total"] >= 3
+    assert st["seen_max"] == 100_000
+    assert st["store_msgs_entries"] >= 1  # the group message is kept for PULL
+    r = cli("status", "--socket", str(d.sock), "--key", str(d.dir / "cli.key"), "--json")
+    assert r.returncode == 0, r.stderr
+    assert '"connections"' in r.stdout and '"queued_messages"' in r.stdout
+
+
+async def test_prometheus_endpoint_on_loopback(daemon: DaemonFactory) -> None:
+    port = _free_port()
+    d = daemon(config={"metrics": {"listen": f"127.0.0.1:{port}"}})
+    async with await Client.connect(d.sock, Identity.generate()) as c:
+        await c.sync()
+        loop = asyncio.get_running_loop()
+        text = await loop.run_in_executor(
+            None, lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        )
+    assert "# TYPE upsycle_connections gauge" in text
+    assert "# TYPE upsycle_received_total counter" in text
+    assert "upsycle_queued_bytes{" in text
+
+
+def test_metrics_refuse_a_non_loopback_address(daemon: DaemonFactory, tmp_path: object) -> None:
+    import pathlib
+    import tempfile
+
+    cfg = pathlib.Path(tempfile.mkdtemp()) / "bad.yaml"
+    cfg.write_text('metrics: {listen: "0.0.0.0:9464"}\n')
+    r = cli("run", "--config", str(cfg), "--data-dir", str(cfg.parent / "d"), "--unix", str(cfg.parent / "s"))
+    assert r.returncode == 2
+    assert "metrics.listen" in r.stderr and "loopback" in r.stderr
+
+
+async def test_a_flooding_connection_is_closed_overloaded_others_keep_working(daemon: DaemonFactory) -> None:
+    d = daemon(config={"limits": {"rate_per_connection": 200, "rate_burst": 50}})
+    victim, flooder = Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, victim) as good, await Client.connect(d.sock, flooder) as bad:
+        with pytest.raises(ClientError):
+            for i in range(2000):
+                await bad.send(victim.public, f"flood {i}".encode())
+            await bad.sync(timeout=5)
+        await asyncio.sleep(0.1)
+        assert bad.error is not None and bad.error.code == 6  # ERROR 6 overloaded
+        # the other client is still served
+        await good.send(victim.public, b"still here")
+        got = [await good.recv(timeout=5) for _ in range(1)]
+        bodies = {m.body for m in got}
+        assert bodies  # it received something addressed to it (flood messages or its own)
+        await good.sync()
+    assert d.trace(event="dropped", reason="overloaded")
