@@ -140,11 +140,6 @@ def test_cli_run_refuses_corrupt_config(tmp_path: Path, text: str, names: str) -
     assert not sock.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: nothing locks the data directory: a second `run` on a data dir that a live daemon uses starts a "
-    "second router with the same key and LMDB store (diverging in-memory subscriptions, queues and seen ids)",
-)
 def test_cli_second_daemon_on_same_data_dir_is_refused(daemon: DaemonFactory, tmp_path: Path) -> None:
     d = daemon()
     other_sock = tmp_path / "other.sock"

@@ -518,11 +518,6 @@ async def test_raw_sigterm_exits_zero_and_restart_works(daemon: DaemonFactory) -
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: a queue longer than flush_batch (512) is drained in batches, and a message routed to the "
-    "recipient between two batches is sent directly, overtaking the rest of the queue (per-sender FIFO broken)",
-)
 async def test_raw_large_queue_drains_before_newer_messages(daemon: DaemonFactory) -> None:
     d = daemon("--durability", "none")
     a = await RawApp.connect(d.sock)

@@ -383,6 +383,10 @@ class Router:
         conn = self.connected(key)
         if conn is not None:
             c = self._conns[conn]
+            if c.inflight and msg.header.ttl > 0:
+                # the recipient's queue is still draining: append, so nothing overtakes what was queued first
+                self._enqueue(key, msg, group, data, size, now, out, kind=kind)
+                return
             out.append(Send(conn, data))
             event = "delivered" if c.local or group is not None else "forwarded"
             out.append(Trace(event, msg.id, kind, group, src, key, key, size,

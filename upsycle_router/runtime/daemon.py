@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import signal
@@ -107,6 +108,7 @@ class Daemon:
         self._extra_stop: list[Any] = []
         self.pool: ConnectionPool | None = None
         self.metrics: MetricsServer | None = None
+        self._lock_fd: int | None = None
         self._readvertise_handle: asyncio.TimerHandle | None = None
         self.pubsub_identity: Identity | None = None
         self.pubsub: PubsubService | None = None
@@ -117,6 +119,13 @@ class Daemon:
         cfg = self.config
         params, policies = gossip_params(cfg), group_policies(cfg)
         cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._lock_fd = os.open(cfg.data_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise RuntimeError(f"{cfg.data_dir}: data directory in use by another router") from None
         self.identity = ident = load_or_create_key_file(cfg.key_path)
         if cfg.pubsub.enabled:
             self.pubsub_identity = load_or_create_key_file(cfg.data_dir / "pubsub.key")
@@ -270,6 +279,9 @@ class Daemon:
         if self.config.unix is not None:
             with contextlib.suppress(OSError):
                 self.config.unix.unlink()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
         log.info("stopped")
 
 
