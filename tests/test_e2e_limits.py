@@ -84,3 +84,26 @@ async def test_a_flooding_connection_is_closed_overloaded_others_keep_working(da
         assert bodies  # it received something addressed to it (flood messages or its own)
         await good.sync()
     assert d.trace(event="dropped", reason="overloaded")
+
+
+async def test_disk_quota_refuses_new_messages_and_keeps_stored_ones(daemon: DaemonFactory) -> None:
+    d = daemon(config={"store": {"map_size": 4 * 1024 * 1024}, "durability": "none"})
+    sender, offline = Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, offline):
+        pass  # registers `offline` as a local service, then it goes away
+    sent: list[bytes] = []
+    async with await Client.connect(d.sock, sender) as c:
+        for i in range(120):  # ~7.5 MiB of 64 KiB messages into a 4 MiB store
+            sent.append(await c.send(offline.public, bytes([i % 256]) * 65536 + f"{i}".encode()))
+        await c.sync()
+        st = await c.status()
+    assert d.trace(event="dropped", reason="quota"), "the store never reported full"
+    queued = {r["id"] for r in d.trace(event="queued")}
+    assert 0 < len(queued) < len(sent)
+    assert st["queued_messages"] == len(queued)
+    # the daemon is alive and hands over everything it accepted
+    async with await Client.connect(d.sock, offline) as c:
+        got = set()
+        while len(got) < len(queued):
+            got.add((await c.recv(timeout=10)).id.hex())
+    assert got == queued

@@ -356,6 +356,9 @@ class Router:
         data = msg.encode()
         expiry = expires_at(now, h.ttl, h.exp)
         if expiry > now:  # step 6
+            if not self.store.has_room(len(data)):
+                out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "quota"))
+                return
             self.store.put_message(msg.id, data, h.grp, expiry)
         for m in recipients:  # step 8
             self._deliver(m, msg, h.grp, size, now, out, kind="multicast", data=data)
@@ -421,6 +424,8 @@ class Router:
         count, nbytes = self.store.queue_usage(key)
         if count + 1 > self.config.queue_max_count or nbytes + len(data) > self.config.queue_max_bytes:
             return drop("quota")
+        if not self.store.has_message(msg.id) and not self.store.has_room(len(data)):
+            return drop("quota")  # the store (disk quota) is full: refuse new messages, keep the stored ones
         self.store.put_message(msg.id, data, group, expiry)
         self.store.enqueue(key, msg.id, expiry, len(data))
         out.append(Trace("queued", msg.id, kind, group, src, key, None, size, role=self._role(key)))

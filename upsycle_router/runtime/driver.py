@@ -15,11 +15,14 @@ the core's next deadline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
+
+import lmdb
 
 from upsycle_router.core.events import (
     CloseConnection,
@@ -206,12 +209,26 @@ class Driver:
             return
         now = self.clock()
         effects: list[Effect] = []
-        with self.store.transaction():
-            for ev in events:
-                try:
-                    effects.extend(self.router.handle(ev, now))
-                except Exception:  # noqa: BLE001 - one bad event must not stop the router
-                    log.exception("internal error handling %s", type(ev).__name__)
+        try:
+            with self.store.transaction():
+                for ev in events:
+                    try:
+                        effects.extend(self.router.handle(ev, now))
+                    except lmdb.Error:
+                        raise  # the transaction is unusable: abort the batch
+                    except Exception:  # noqa: BLE001 - one bad event must not stop the router
+                        log.exception("internal error handling %s", type(ev).__name__)
+        except lmdb.Error as e:
+            # Nothing of this batch was committed, so nothing of it is acknowledged or delivered: senders that
+            # wait for SYNC_ACK see no answer. The store itself is intact; later batches may succeed.
+            log.error("store error, batch of %d events not committed: %s", len(events), e)
+            self.stats["store_errors_total"] = self.stats.get("store_errors_total", 0) + 1
+            # Connection bookkeeping must not be lost with the messages: replay it on its own.
+            effects = []
+            with contextlib.suppress(lmdb.Error), self.store.transaction():
+                for ev in events:
+                    if not isinstance(ev, MessageReceived):
+                        effects.extend(self.router.handle(ev, now))
         self.stats["batches_total"] += 1
         self._after_commit()
         self._apply(effects, now)

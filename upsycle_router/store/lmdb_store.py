@@ -129,6 +129,7 @@ class LmdbStore:
             self._db[name] = self.env.open_db(name.encode())
         self._db["qstats"] = self.env.open_db(b"qstats")
         self._db["queue_exp"] = self.env.open_db(b"queue_exp")
+        self._psize = self.env.stat()["psize"]
         self._next_seq = self._load_seq()
         with self.transaction():
             v = self._get("meta", b"schema")
@@ -426,6 +427,19 @@ class LmdbStore:
             self._delete("msgs", k[8:])
             self._delete("msg_exp", k)
         return out
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more can be written with a safety margin left in the map.
+
+        LMDB fails a whole transaction when its map is full, so the router refuses new messages (trace
+        reason ``quota``) before that point: it keeps 1/16 of the map (at least 1 MiB) free, plus four times
+        the size of the write for the B-tree pages it touches.
+        """
+        info = self.env.info()
+        psize = int(self._psize)
+        used = (int(info["last_pgno"]) + 1) * psize
+        size = int(info["map_size"])
+        return used + 4 * nbytes + max(size // 16, 1 << 20) <= size
 
     # ------------------------------------------------------------ statistics
 
