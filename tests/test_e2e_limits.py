@@ -107,3 +107,22 @@ async def test_disk_quota_refuses_new_messages_and_keeps_stored_ones(daemon: Dae
         while len(got) < len(queued):
             got.add((await c.recv(timeout=10)).id.hex())
     assert got == queued
+
+
+async def test_a_subscriber_that_never_reads_is_queued_in_the_store_not_in_memory(daemon: DaemonFactory) -> None:
+    d = daemon(config={"durability": "none"})
+    slow, fast, sender = Identity.generate(), Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, slow) as s, await Client.connect(d.sock, fast) as f, \
+            await Client.connect(d.sock, sender) as p:  # fmt: skip
+        s._writer.transport.pause_reading()  # type: ignore[attr-defined]  # the app stops reading
+        body = b"x" * 16384
+        ids = [await p.send(slow.public, body + f"{i}".encode()) for i in range(600)]  # ~10 MB
+        await p.sync()
+        # the router noticed the blocked reader and kept the rest in its store, and still serves others
+        assert d.trace(event="queued", dst=slow.public.hex())
+        await p.send(fast.public, b"others are served")
+        assert (await f.recv(timeout=5)).body == b"others are served"
+        # when the app reads again it gets everything, in order, once
+        s._writer.transport.resume_reading()  # type: ignore[attr-defined]
+        got = [(await s.recv(timeout=20)).id for _ in range(len(ids))]
+    assert got == ids

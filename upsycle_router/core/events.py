@@ -57,7 +57,15 @@ class DialFailed:
     router: bytes
 
 
-Event = ConnectionOpened | ConnectionClosed | MessageReceived | QueueSent | DialFailed
+@dataclass(frozen=True, slots=True)
+class WriteBlocked:
+    """The connection's outbound buffer is above (``blocked``) or back below its high-water mark."""
+
+    conn: ConnId
+    blocked: bool
+
+
+Event = ConnectionOpened | ConnectionClosed | MessageReceived | QueueSent | DialFailed | WriteBlocked
 
 
 # ---------------------------------------------------------------- effects

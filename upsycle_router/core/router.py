@@ -44,6 +44,7 @@ from upsycle_router.core.events import (
     QueueSent,
     Send,
     Trace,
+    WriteBlocked,
 )
 from upsycle_router.core.seen import SeenIds
 from upsycle_router.crypto import Identity, sign_message
@@ -66,13 +67,14 @@ ROUTE_ADVERT = 3
 
 
 class Conn:
-    __slots__ = ("id", "peer", "local", "inflight")
+    __slots__ = ("id", "peer", "local", "inflight", "blocked")
 
     def __init__(self, conn: ConnId, peer: bytes, local: bool) -> None:
         self.id = conn
         self.peer = peer
         self.local = local
         self.inflight: set[int] = set()  # queue seqs sent on this connection, not yet acknowledged
+        self.blocked = False  # the peer is not reading: queue instead of writing
 
 
 class Router:
@@ -114,6 +116,12 @@ class Router:
             self._on_queue_sent(event, now, out)
         elif isinstance(event, DialFailed):
             self._dial_failed(event.router, now)
+        elif isinstance(event, WriteBlocked):
+            c = self._conns.get(event.conn)
+            if c is not None:
+                c.blocked = event.blocked
+                if not event.blocked:
+                    self._flush(c, now, out)
         return out
 
     def start(self, now: float) -> list[Effect]:
@@ -239,7 +247,7 @@ class Router:
 
     def _flush(self, c: Conn, now: float, out: list[Effect]) -> None:
         """Send the next batch of ``c.peer``'s queue on ``c``."""
-        if c.inflight:
+        if c.inflight or c.blocked:
             return
         subscribed = self._subscribed_anywhere()
         for e in self.store.queue(c.peer, limit=self.config.flush_batch):
@@ -386,9 +394,14 @@ class Router:
         conn = self.connected(key)
         if conn is not None:
             c = self._conns[conn]
-            if c.inflight and msg.header.ttl > 0:
-                # the recipient's queue is still draining: append, so nothing overtakes what was queued first
+            if (c.inflight or c.blocked) and msg.header.ttl > 0:
+                # The recipient's queue is still draining (append, so nothing overtakes what was queued first),
+                # or it does not read: keep the message in the store rather than in memory.
                 self._enqueue(key, msg, group, data, size, now, out, kind=kind)
+                return
+            if c.blocked:
+                out.append(Trace("dropped", msg.id, kind, group, None, key, key, size, "overloaded",
+                                 role=self._role(key)))
                 return
             out.append(Send(conn, data))
             event = "delivered" if c.local or group is not None else "forwarded"

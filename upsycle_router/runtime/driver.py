@@ -37,6 +37,7 @@ from upsycle_router.core.events import (
     QueueSent,
     Send,
     Trace,
+    WriteBlocked,
 )
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import message_signature_valid
@@ -175,6 +176,11 @@ class Driver:
         if self.conns.pop(conn.id, None) is not None:
             log.info("connection closed conn=%d peer=%s", conn.id, (conn.peer or b"").hex())
             self._push(ConnectionClosed(conn.id))
+
+    def on_write_blocked(self, conn: StreamConnection, blocked: bool) -> None:
+        """Tell the core to queue for (or resume writing to) a connection that does not keep up."""
+        if conn.id in self.conns:
+            self._push(WriteBlocked(conn.id, blocked))
 
     def on_protocol_error(self, conn: StreamConnection, error: RemoteProtocolError) -> None:
         """Log and trace a session-level violation (the connection closes itself)."""

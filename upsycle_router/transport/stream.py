@@ -41,6 +41,9 @@ class ConnectionHandler(Protocol):
     def on_protocol_error(self, conn: StreamConnection, error: RemoteProtocolError) -> None:
         """The peer violated the protocol; the connection is being closed."""
 
+    def on_write_blocked(self, conn: StreamConnection, blocked: bool) -> None:
+        """The connection's outbound buffer crossed its high (``blocked``) or low water mark."""
+
 
 class StreamConnection(asyncio.Protocol):
     """One framed, authenticated connection."""
@@ -130,12 +133,14 @@ class StreamConnection(asyncio.Protocol):
         self.handler.on_close(self)
 
     def pause_writing(self) -> None:
-        """The transport's buffer is above its high-water mark."""
+        """The transport's buffer is above its high-water mark: the peer is not keeping up."""
         self.write_paused = True
+        self.handler.on_write_blocked(self, True)
 
     def resume_writing(self) -> None:
         """The transport's buffer drained below its low-water mark."""
         self.write_paused = False
+        self.handler.on_write_blocked(self, False)
 
     def _certificate_matches(self, peer: bytes) -> bool:
         from upsycle_router.transport.tls import peer_cert_key
