@@ -41,7 +41,7 @@ from upsycle_router.analytics.report import (
     build_summary,
     html_report,
 )
-from upsycle_router.analytics.schema import problem_kind
+from upsycle_router.analytics.schema import PROBLEM_KINDS, problem_kind
 from upsycle_router.analytics.session import AnalyticsError
 from upsycle_router.analytics.sources import Inputs, compact, discover, read_tables
 
@@ -102,7 +102,7 @@ def run_compact(spark: SparkSession, paths: Iterable[str | Path], out: Path, pro
         raise AnalyticsError(f"{out}: exists and is not a Parquet table; not replacing it")
     progress(f"compacting {len(inputs.journals)} journal files ({_size(inputs.journal_bytes)}) -> {out}")
     compact(spark, inputs, out)
-    table = read_tables(spark, [out])
+    table = read_tables(spark, [out], trusted=True)
     row = table.agg(F.count(F.lit(1)).alias("rows"), F.count("problem").alias("bad")).collect()[0]
     progress(f"wrote {row['rows']:,} rows, {row['bad']:,} bad lines")
     return int(row["bad"])
@@ -117,7 +117,21 @@ def _write(df: DataFrame, out: Path, name: str, progress: Progress, *, small: bo
     progress(f"writing {name}.parquet")
     path = out / f"{name}.parquet"
     (df.coalesce(1) if small else df).write.mode("overwrite").parquet(str(path))
-    return df.sparkSession.read.parquet(str(path))
+    return df.sparkSession.read.schema(df.schema).parquet(str(path))  # the schema is known: no inference job
+
+
+def _totals(events: DataFrame) -> dict[str, Any]:
+    """Good events, nodes, first and last ts, and bad lines by problem kind, in one aggregation."""
+    good = F.col("problem").isNull()
+    kind = problem_kind(F.col("problem"))
+    row = events.agg(
+        F.count(F.when(good, 1)).alias("events"),
+        F.countDistinct(F.when(good, F.col("node"))).alias("nodes"),
+        F.min(F.when(good, F.col("ts"))).alias("first_ts"),
+        F.max(F.when(good, F.col("ts"))).alias("last_ts"),
+        *[F.count(F.when(kind == k, 1)).alias(k) for k in PROBLEM_KINDS],
+    ).collect()[0]
+    return row.asDict()
 
 
 def run_analyze(
@@ -127,13 +141,15 @@ def run_analyze(
     progress = progress or Progress("analyze", enabled=False)
     inputs = discover(paths)
     out.mkdir(parents=True, exist_ok=True)
-    tables = list(inputs.tables)
+    parts: list[DataFrame] = []
     if inputs.journals:
         target = out / EVENTS_TABLE
         progress(f"compacting {len(inputs.journals)} journal files ({_size(inputs.journal_bytes)}) -> {target}")
         compact(spark, Inputs(journals=inputs.journals, tables=()), target)
-        tables.insert(0, target)
-    events = read_tables(spark, tables)
+        parts.append(read_tables(spark, [target], trusted=True))
+    if inputs.tables:
+        parts.append(read_tables(spark, inputs.tables))
+    events = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
     ev = stats.good_events(events)
 
     progress("first receipts and app deliveries of every message")
@@ -148,26 +164,13 @@ def run_analyze(
         expired = _write(stats.expired_by_node(ev), out, "expired_by_node", progress)
         per_node = _write(stats.residency_by_node(residency), out, "queue_residency", progress)
         _write(stats.undelivered(ev, receipts), out, "undelivered", progress, small=False)
-        bad = _write(stats.bad_lines(events), out, "bad_lines", progress)
+        _write(stats.bad_lines(events), out, "bad_lines", progress)
 
         progress("collecting the summary")
         group_rows = _rows(groups)
+        node_rows = _rows(per_node)
         overall = stats.nearest_rank(residency, [], "residency_ms", stats.RESIDENCY_PERCENTILES).collect()
-        bad_by_problem = {
-            r["kind"]: int(r["n"])
-            for r in bad.groupBy(problem_kind(F.col("problem")).alias("kind"))
-            .agg(F.count(F.lit(1)).alias("n"))
-            .collect()
-        }
-        totals_row = ev.agg(
-            F.count(F.lit(1)).alias("events"),
-            F.countDistinct("node").alias("nodes"),
-            F.min("ts").alias("first_ts"),
-            F.max("ts").alias("last_ts"),
-        ).collect()[0]
-        queued = residency.agg(
-            F.count(F.lit(1)).alias("queued"), F.count(F.when(F.col("resolution").isNull(), 1)).alias("pending")
-        ).collect()[0]
+        totals_row = _totals(events)
         top = sorted(group_rows, key=lambda g: (-int(g["delivered"]), g["group"]))[:MAX_PLOTTED_GROUPS]
         top_groups = [g["group"] for g in top if int(g["delivered"]) > 0]
         cdf: dict[str, list[tuple[float, float]]] = {g: [] for g in top_groups}
@@ -185,16 +188,17 @@ def run_analyze(
         "published": sum(int(g["published"]) for g in group_rows),
         "first_ts": totals_row["first_ts"],
         "last_ts": totals_row["last_ts"],
-        "queued": int(queued["queued"]),
-        "pending": int(queued["pending"]),
+        "queued": sum(int(n["queued"]) for n in node_rows),
+        "pending": sum(int(n["pending"]) for n in node_rows),
     }
+    bad_by_problem = {k: int(totals_row[k]) for k in PROBLEM_KINDS if totals_row[k]}
     outputs = ([EVENTS_TABLE] if inputs.journals else []) + [f"{t}.parquet" for t in TABLES]
     outputs += ["summary.json", "report.html"]
     results = Results(
         groups=group_rows,
         drops_by_node=_rows(drops),
         expired_by_node=_rows(expired),
-        residency_by_node=_rows(per_node),
+        residency_by_node=node_rows,
         residency=overall[0].asDict() if overall else {},
         bad_lines=sum(bad_by_problem.values()),
         bad_by_problem=bad_by_problem,

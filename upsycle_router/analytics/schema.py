@@ -56,6 +56,8 @@ EVENTS = (
 
 TYPES = ("unicast", "multicast", "control")
 ROLES = ("app", "service")
+PROBLEM_KINDS = ("not_json", "wrong_type", "missing_field", "unknown_event", "bad_value")
+"""The categories of bad lines (the part of a problem before ``:``)."""
 HEX_FIELDS = ("node", "id", "group", "src", "dst", "peer")
 REQUIRED = ("ts", "node", "event", "type", "size")
 

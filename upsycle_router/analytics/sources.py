@@ -32,6 +32,7 @@ from pyspark.sql import functions as F
 
 from upsycle_router.analytics.schema import (
     COMPACT_COLUMNS,
+    COMPACT_SCHEMA,
     MAX_BAD_TEXT,
     RECORD_FIELDS,
     parse_record,
@@ -110,8 +111,14 @@ def read_journals(spark: SparkSession, files: Sequence[Path]) -> DataFrame:
     )
 
 
-def read_tables(spark: SparkSession, tables: Sequence[Path]) -> DataFrame:
-    """The compacted event tables at the given paths, as one DataFrame."""
+def read_tables(spark: SparkSession, tables: Sequence[Path], *, trusted: bool = False) -> DataFrame:
+    """The compacted event tables at the given paths, as one DataFrame.
+
+    ``trusted`` tables were written by this package, so their schema is not read from the files (which costs
+    a Spark job); other tables are checked for the columns of :data:`COMPACT_SCHEMA`.
+    """
+    if trusted:
+        return spark.read.schema(COMPACT_SCHEMA).parquet(*[str(p) for p in tables])
     df = spark.read.parquet(*[str(p) for p in tables])
     missing = [c for c in COMPACT_COLUMNS if c not in df.columns]
     if missing:

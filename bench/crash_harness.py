@@ -1,0 +1,610 @@
+"""Kill -9 crash-safety harness for the router daemon (PROTOCOL.md §7, SYNC barrier under ``durability: fsync``).
+
+What it checks
+--------------
+A message covered by a SYNC_ACK under ``durability: fsync`` survives any crash, and queued messages are
+delivered at least once, never twice within one recipient session. The harness runs a real daemon
+(``python -m upsycle_router run --data-dir D --unix S --durability fsync``) on the same data directory again and
+again and kills exactly the PID it started with SIGKILL:
+
+1. *Registration* (one daemon lifetime, ended by SIGKILL): every recipient connects once, JOINs each group
+   with ``local=True``, waits for a SYNC_ACK, and disconnects. From then on the router knows the recipients
+   as local services that are offline, so everything for them is queued in the store.
+2. *Cycles*: start the daemon; a sender connects and keeps sending unicast messages to random recipients and
+   multicast messages to the groups (unique bodies carrying a sequence number, ``ttl`` a week), calling
+   ``sync()`` every few messages; every message sent before a SYNC whose SYNC_ACK arrived is *covered*. At a
+   random moment (seeded rng) the daemon gets SIGKILL. Then the store is opened read-only with ``lmdb`` and
+   checked: it opens, and its queue indexes, reference counts and quota counters agree.
+3. *Checks* (every ``check_every`` cycles, and always at the end; each a daemon lifetime of its own): every
+   recipient connects and reads until it has every covered message addressed to it (or a bounded timeout).
+   With ``drain_kill`` the intermediate checks SIGKILL the daemon while the queues drain, and whatever was not
+   read yet must come in a later session.
+
+A check phase runs in a daemon lifetime of its own so that no message is sent while the router may still
+consider a just-disconnected recipient connected (a direct delivery to a closing socket has no
+acknowledgement; that is outside what SYNC promises).
+
+Figures: cycles, messages sent, covered, delivered (covered deliveries that arrived), lost (covered and never
+delivered: must be 0), duplicates within a session (must be 0), duplicates across sessions (allowed).
+
+Run ``python -m bench.crash_harness --cycles 20`` from the repository root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import lmdb
+
+from upsycle_router.client import Client, ClientError
+from upsycle_router.crypto import Identity
+from upsycle_router.errors import UpsycleError
+
+REPO = Path(__file__).resolve().parents[1]
+BODY_MAGIC = b"crash-harness seq="
+_SUN_PATH_MAX = 100
+_U64 = struct.Struct(">Q")
+_QVAL = struct.Struct(">32sQI")
+_QSTAT = struct.Struct(">QQ")
+
+
+@dataclass
+class CrashConfig:
+    """Knobs of one harness run (all randomness comes from ``seed``)."""
+
+    cycles: int = 20
+    recipients: int = 3
+    groups: int = 2
+    seed: int = 1
+    # Messages between two SYNCs: uniform in this range.
+    sync_every: tuple[int, int] = (1, 8)
+    # SIGKILL this many seconds after the sender's connection opened: uniform in this range.
+    kill_after: tuple[float, float] = (0.02, 0.5)
+    # Share of multicast (group) messages among the messages sent.
+    group_fraction: float = 0.35
+    # Extra padding in each body (bytes), to make messages bigger.
+    body_pad: int = 32
+    ttl: int = 7 * 24 * 3600
+    # An intermediate check every N cycles (0: only the final check).
+    check_every: int = 5
+    # SIGKILL the daemon while the queues drain in intermediate checks.
+    drain_kill: bool = False
+    drain_kill_after: tuple[float, float] = (0.0, 0.05)
+    # Bound on reading one recipient's queue in a check.
+    read_timeout: float = 20.0
+    # After every covered message arrived in the final check, keep reading until the connection is idle this long.
+    final_idle: float = 0.3
+    # Open the store read-only after each kill and check its indexes.
+    check_store: bool = True
+    start_timeout: float = 15.0
+    data_dir: Path | None = None
+    keep_data: bool = False
+    verbose: bool = False
+
+
+@dataclass
+class Sent:
+    """One message the sender wrote (or tried to write)."""
+
+    seq: int
+    recipients: tuple[bytes, ...]
+    group: bytes | None
+    cycle: int
+    mid: bytes | None = None  # None: the write did not complete
+
+
+@dataclass
+class CrashReport:
+    """What a run measured; :attr:`ok` is the verdict."""
+
+    cycles: int = 0
+    daemon_starts: int = 0
+    start_seconds: list[float] = field(default_factory=list)
+    sent: int = 0
+    sent_unicast: int = 0
+    sent_multicast: int = 0
+    covered: int = 0
+    covered_deliveries: int = 0  # (recipient, message) pairs covered by a SYNC_ACK
+    delivered: int = 0  # covered pairs that reached their recipient
+    uncovered_delivered: int = 0  # pairs not covered by a SYNC_ACK that arrived anyway
+    lost: int = 0
+    duplicates_within_session: int = 0
+    duplicates_across_sessions: int = 0
+    unknown_received: int = 0  # messages the harness never sent
+    syncs: int = 0
+    kills_while_sending: int = 0
+    kills_while_draining: int = 0
+    store_checks: int = 0
+    store_problems: list[str] = field(default_factory=list)
+    lost_examples: list[str] = field(default_factory=list)
+    elapsed: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """No covered message lost, no duplicate within a session, the store always consistent."""
+        return (
+            self.lost == 0
+            and self.duplicates_within_session == 0
+            and self.unknown_received == 0
+            and not self.store_problems
+            and self.covered > 0
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """The figures, for printing."""
+        d = dataclasses.asdict(self)
+        starts = d.pop("start_seconds")
+        d["start_seconds_mean"] = round(sum(starts) / len(starts), 3) if starts else None
+        d["start_seconds_max"] = round(max(starts), 3) if starts else None
+        d["elapsed"] = round(self.elapsed, 2)
+        d["ok"] = self.ok
+        return d
+
+
+# ----------------------------------------------------------------------------------------- the daemon
+
+
+class RouterProcess:
+    """The daemon as a subprocess; only ever signals the PID it started itself."""
+
+    def __init__(self, data_dir: Path, sock: Path, start_timeout: float) -> None:
+        self.data_dir = data_dir
+        self.sock = sock
+        self.start_timeout = start_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self._log: IO[bytes] | None = None
+
+    @property
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "upsycle_router", "run", "--data-dir", str(self.data_dir),
+                "--unix", str(self.sock), "--durability", "fsync", "--log-level", "warning"]  # fmt: skip
+
+    def log_path(self, n: int) -> Path:
+        return self.data_dir.parent / f"daemon-{n}.log"
+
+    async def start(self) -> float:
+        """Start the daemon; return the seconds until its socket accepted a connection."""
+        assert self.proc is None
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        self._log = open(self.log_path(self.starts), "wb")  # noqa: SIM115 - closed in _reap()
+        self.starts += 1
+        t0 = time.monotonic()
+        self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=env, cwd=str(REPO))  # fmt: skip
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                self._reap()
+                raise RuntimeError(f"daemon exited with {rc} during start-up:\n{self.log_text()}")
+            if _accepts(self.sock):
+                return time.monotonic() - t0
+            if time.monotonic() - t0 > self.start_timeout:
+                self.kill()
+                raise RuntimeError(f"daemon not accepting after {self.start_timeout} s:\n{self.log_text()}")
+            await asyncio.sleep(0.01)
+
+    def kill(self) -> bool:
+        """SIGKILL our PID (if it still runs) and reap it; True if it was running."""
+        proc = self.proc
+        if proc is None:
+            return False
+        running = proc.poll() is None
+        if running:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        self._reap()
+        return running
+
+    def terminate(self) -> int | None:
+        """SIGTERM our PID and wait (bounded); the exit code."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return None
+        self._reap()
+        return rc
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path(self.starts - 1).read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def _reap(self) -> None:
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        self.proc = None
+
+
+def _accepts(path: Path) -> bool:
+    if not path.exists():
+        return False
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        s.close()
+    return True
+
+
+# ----------------------------------------------------------------------------------------- the store
+
+
+def check_store(store_dir: Path) -> list[str]:
+    """Open the daemon's LMDB store read-only and check its indexes; the problems found (empty: consistent).
+
+    Checked: the environment opens and every named database can be read; every queue entry refers to a stored
+    message and has its ``queue_exp`` index entry (and vice versa); ``refs`` counts the queue entries of each
+    message; ``qstats`` counts each recipient's entries and bytes; every message has its ``msg_exp`` entry.
+    """
+    problems: list[str] = []
+    try:
+        env = lmdb.open(str(store_dir), readonly=True, lock=False, max_dbs=16, subdir=True)
+    except lmdb.Error as e:
+        return [f"store does not open: {e}"]
+    try:
+        with env.begin() as txn:
+
+            def items(name: str) -> Iterator[tuple[bytes, bytes]]:
+                db = env.open_db(name.encode(), txn=txn, create=False)
+                for k, v in txn.cursor(db=db):
+                    yield bytes(k), bytes(v)
+
+            msgs = {k: v for k, v in items("msgs")}
+            msg_exp = {k for k, _ in items("msg_exp")}
+            for mid, v in msgs.items():
+                if v[:8] + mid not in msg_exp:
+                    problems.append(f"message {mid.hex()[:16]} has no msg_exp entry")
+            if len(msg_exp) != len(msgs):
+                problems.append(f"{len(msg_exp)} msg_exp entries for {len(msgs)} messages")
+            refs: dict[bytes, int] = defaultdict(int)
+            stats: dict[bytes, list[int]] = defaultdict(lambda: [0, 0])
+            queue_exp = {k for k, _ in items("queue_exp")}
+            n_queue = 0
+            for k, v in items("queues"):
+                n_queue += 1
+                mid, exp, size = _QVAL.unpack(v)
+                refs[mid] += 1
+                stats[k[:32]][0] += 1
+                stats[k[:32]][1] += size
+                if mid not in msgs:
+                    problems.append(f"queue entry {k.hex()[:16]} refers to missing message {mid.hex()[:16]}")
+                if _U64.pack(exp) + k not in queue_exp:
+                    problems.append(f"queue entry {k.hex()[:16]} has no queue_exp entry")
+            if len(queue_exp) != n_queue:
+                problems.append(f"{len(queue_exp)} queue_exp entries for {n_queue} queue entries")
+            stored_refs = {k: _U64.unpack(v)[0] for k, v in items("refs")}
+            if stored_refs != dict(refs):
+                problems.append(f"refs disagree with the queues ({len(stored_refs)} vs {len(refs)} messages)")
+            stored_stats = {k: list(_QSTAT.unpack(v)) for k, v in items("qstats")}
+            if stored_stats != dict(stats):
+                problems.append("qstats disagree with the queues")
+    except lmdb.Error as e:
+        problems.append(f"store read failed: {e}")
+    finally:
+        env.close()
+    return problems
+
+
+# ----------------------------------------------------------------------------------------- the harness
+
+
+def _body(seq: int, pad: int) -> bytes:
+    return BODY_MAGIC + str(seq).encode() + b" " + b"x" * pad
+
+
+def _seq_of(body: bytes) -> int | None:
+    if not body.startswith(BODY_MAGIC):
+        return None
+    try:
+        return int(body[len(BODY_MAGIC) :].split(b" ", 1)[0])
+    except ValueError:
+        return None
+
+
+class Harness:
+    """One run: the state shared by the phases."""
+
+    def __init__(self, cfg: CrashConfig, data_dir: Path) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.report = CrashReport()
+        seed_rng = random.Random(cfg.seed ^ 0x5EED)
+        self.sender = Identity.from_seed(seed_rng.randbytes(32))
+        self.recipients = [Identity.from_seed(seed_rng.randbytes(32)) for _ in range(cfg.recipients)]
+        self.groups = [Identity.from_seed(seed_rng.randbytes(32)) for _ in range(cfg.groups)]
+        self.members: dict[bytes, tuple[bytes, ...]] = {
+            g.public: tuple(r.public for r in self.recipients) for g in self.groups
+        }
+        self.data_dir = data_dir
+        self.router = RouterProcess(data_dir / "d", data_dir / "s.sock", cfg.start_timeout)
+        self.messages: dict[int, Sent] = {}
+        self.covered: set[int] = set()
+        self.received: dict[bytes, set[int]] = {r.public: set() for r in self.recipients}
+        self._seq = 0
+
+    def log(self, msg: str) -> None:
+        if self.cfg.verbose:
+            print(msg, file=sys.stderr, flush=True)
+
+    async def _start(self) -> None:
+        t = await self.router.start()
+        self.report.daemon_starts += 1
+        self.report.start_seconds.append(t)
+
+    def _crash(self) -> None:
+        self.router.kill()
+        if self.cfg.check_store:
+            problems = check_store(self.router.data_dir / "store")
+            self.report.store_checks += 1
+            self.report.store_problems.extend(problems)
+
+    # ------------------------------------------------------------ phases
+
+    async def register(self) -> None:
+        """Each recipient connects once, JOINs every group (local), syncs and leaves; then a crash."""
+        await self._start()
+        for r in self.recipients:
+            c = await Client.connect(self.router.sock, r)
+            try:
+                for g in self.groups:
+                    if not await c.join(g.public, local=True):
+                        raise RuntimeError("JOIN refused")
+                await c.sync()
+            finally:
+                await c.close()
+        self._crash()
+
+    async def send_cycle(self, cycle: int) -> None:
+        """Start the daemon, send until SIGKILL at a random moment, check the store."""
+        cfg = self.cfg
+        await self._start()
+        kill_delay = self.rng.uniform(*cfg.kill_after)
+        loop = asyncio.get_running_loop()
+        killed = asyncio.Event()
+
+        def kill() -> None:
+            if self.router.proc is not None and self.router.proc.poll() is None:
+                os.kill(self.router.proc.pid, signal.SIGKILL)
+            killed.set()
+
+        client = await Client.connect(self.router.sock, self.sender)
+        handle = loop.call_later(kill_delay, kill)
+        n_sent = 0
+        this_cycle: list[int] = []
+        try:
+            while not killed.is_set():
+                for _ in range(self.rng.randint(*cfg.sync_every)):
+                    seq = self._seq = self._seq + 1
+                    body = _body(seq, cfg.body_pad)
+                    if self.rng.random() < cfg.group_fraction:
+                        g = self.rng.choice(self.groups)
+                        sent = Sent(seq, self.members[g.public], g.public, cycle)
+                        self.messages[seq] = sent
+                        sent.mid = await client.publish(g, body, ttl=cfg.ttl)
+                        self.report.sent_multicast += 1
+                    else:
+                        r = self.rng.choice(self.recipients)
+                        sent = Sent(seq, (r.public,), None, cycle)
+                        self.messages[seq] = sent
+                        sent.mid = await client.send(r.public, body, ttl=cfg.ttl)
+                        self.report.sent_unicast += 1
+                    this_cycle.append(seq)
+                    n_sent += 1
+                await client.sync(timeout=10.0)
+                self.report.syncs += 1
+                # The SYNC_ACK covers everything this connection sent before the SYNC.
+                self.covered.update(this_cycle)
+        except (ClientError, UpsycleError, ConnectionError, OSError, TimeoutError):
+            pass
+        finally:
+            handle.cancel()
+            await client.close()
+        if not killed.is_set():  # pragma: no cover - only if the sender stopped on its own
+            raise RuntimeError(f"cycle {cycle}: the sender stopped before the kill")
+        self.report.kills_while_sending += 1
+        self._crash()
+        self.log(f"cycle {cycle}: sent {n_sent} in {kill_delay:.3f} s, covered so far {len(self.covered)}")
+
+    async def check(self, *, final: bool) -> None:
+        """Recipients connect and read their covered messages; intermediate checks may SIGKILL mid-drain."""
+        cfg = self.cfg
+        await self._start()
+        kill_task: asyncio.TimerHandle | None = None
+        if not final and cfg.drain_kill:
+            proc = self.router.proc
+            assert proc is not None
+
+            def kill() -> None:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGKILL)
+
+            kill_task = asyncio.get_running_loop().call_later(self.rng.uniform(*cfg.drain_kill_after), kill)
+        try:
+            await asyncio.gather(*(self._read_recipient(r, final) for r in self.recipients))
+        finally:
+            if kill_task is not None:
+                kill_task.cancel()
+        if kill_task is not None:
+            self.report.kills_while_draining += 1
+            self._crash()
+        elif final:
+            rc = self.router.terminate()
+            if rc != 0:
+                self.report.store_problems.append(f"daemon exited with {rc} after SIGTERM")
+        else:
+            self._crash()
+
+    async def _read_recipient(self, r: Identity, final: bool) -> None:
+        cfg = self.cfg
+        key = r.public
+        want = {s for s in self.covered if key in self.messages[s].recipients} - self.received[key]
+        try:
+            c = await Client.connect(self.router.sock, r)
+        except (ClientError, UpsycleError, OSError, TimeoutError):
+            return  # the daemon was killed before we got in
+        session: set[bytes] = set()
+        deadline = time.monotonic() + cfg.read_timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if not want:
+                    if not final:
+                        break
+                    left = min(left, cfg.final_idle)  # all covered in: collect stragglers until idle
+                if left <= 0:
+                    break
+                try:
+                    msg = await c.recv(timeout=left)
+                except TimeoutError:
+                    break
+                except ClientError:
+                    break  # the daemon died (drain kill)
+                if msg.id in session:
+                    self.report.duplicates_within_session += 1
+                    continue
+                session.add(msg.id)
+                seq = _seq_of(msg.body)
+                sent = self.messages.get(seq) if seq is not None else None
+                if sent is None or key not in sent.recipients:
+                    self.report.unknown_received += 1
+                    continue
+                if sent.mid is not None and sent.mid != msg.id:
+                    self.report.unknown_received += 1
+                    continue
+                if seq in self.received[key]:
+                    self.report.duplicates_across_sessions += 1
+                self.received[key].add(seq)
+                want.discard(seq)
+        finally:
+            await c.close()
+
+    # ------------------------------------------------------------ the run
+
+    async def run(self) -> CrashReport:
+        cfg = self.cfg
+        t0 = time.monotonic()
+        try:
+            await self.register()
+            for cycle in range(1, cfg.cycles + 1):
+                await self.send_cycle(cycle)
+                self.report.cycles = cycle
+                if cfg.check_every and cycle % cfg.check_every == 0 and cycle != cfg.cycles:
+                    await self.check(final=False)
+            await self.check(final=True)
+        finally:
+            self.router.kill()
+        self._tally()
+        self.report.elapsed = time.monotonic() - t0
+        return self.report
+
+    def _tally(self) -> None:
+        rep = self.report
+        rep.sent = len(self.messages)
+        rep.covered = len(self.covered)
+        for seq, m in self.messages.items():
+            for key in m.recipients:
+                got = seq in self.received[key]
+                if seq in self.covered:
+                    rep.covered_deliveries += 1
+                    if got:
+                        rep.delivered += 1
+                    else:
+                        rep.lost += 1
+                        if len(rep.lost_examples) < 10:
+                            kind = "multicast" if m.group else "unicast"
+                            rep.lost_examples.append(f"seq {seq} ({kind}, cycle {m.cycle}) to {key.hex()[:16]}")
+                elif got:
+                    rep.uncovered_delivered += 1
+
+
+def _short_tmp() -> Path:
+    return Path(tempfile.mkdtemp(prefix="ur-crash-"))
+
+
+async def run_async(cfg: CrashConfig) -> CrashReport:
+    """Run the harness (in ``cfg.data_dir`` or a fresh temporary directory) and return its report."""
+    base = cfg.data_dir
+    made = False
+    if base is None or len(str(base / "s.sock")) > _SUN_PATH_MAX:
+        base = _short_tmp()
+        made = True
+    base.mkdir(parents=True, exist_ok=True)
+    try:
+        return await Harness(cfg, base).run()
+    finally:
+        if made and not cfg.keep_data:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+def run(cfg: CrashConfig) -> CrashReport:
+    """:func:`run_async` in a fresh event loop."""
+    return asyncio.run(run_async(cfg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.crash_harness", description=__doc__.split("\n\n")[0])
+    p.add_argument("--cycles", type=int, default=20, help="crash cycles (default 20)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--recipients", type=int, default=3)
+    p.add_argument("--groups", type=int, default=2)
+    p.add_argument("--check-every", type=int, default=5, help="intermediate check every N cycles (0: only at end)")
+    p.add_argument("--drain-kill", action="store_true", help="SIGKILL the daemon while queues drain in checks")
+    p.add_argument("--kill-after", type=float, nargs=2, default=(0.02, 0.5), metavar=("MIN", "MAX"))
+    p.add_argument("--body-pad", type=int, default=32, help="padding bytes per message body")
+    p.add_argument("--data-dir", type=Path, help="working directory (default: a fresh temporary directory)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary directory")
+    p.add_argument("--no-store-check", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("-v", "--verbose", action="store_true")
+    a = p.parse_args(argv)
+    cfg = CrashConfig(cycles=a.cycles, seed=a.seed, recipients=a.recipients, groups=a.groups,
+                      check_every=a.check_every, drain_kill=a.drain_kill, kill_after=tuple(a.kill_after),
+                      body_pad=a.body_pad, data_dir=a.data_dir, keep_data=a.keep, check_store=not a.no_store_check,
+                      verbose=a.verbose)  # fmt: skip
+    rep = run(cfg)
+    s = rep.summary()
+    if a.json:
+        print(json.dumps(s, indent=2))
+    else:
+        for k, v in s.items():
+            if isinstance(v, list) and not v:
+                continue
+            print(f"{k:28} {v}")
+    return 0 if rep.ok else 1
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

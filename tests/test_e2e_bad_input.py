@@ -1,0 +1,113 @@
+"""The bad-input catalogue cases not covered elsewhere, each against a real daemon: wrong key/sig/hash sizes,
+a replayed message, JOIN and PULL from an unauthorized remote node, and a remote peer sending as a local
+service. Each is refused with a trace reason while other clients keep being served."""
+
+from __future__ import annotations
+
+import socket
+
+import cbor2
+import pytest
+from conftest import DaemonFactory
+
+from upsycle_router.client import Client
+from upsycle_router.crypto import Identity, sign_message
+from upsycle_router.expiry import exp_in
+from upsycle_router.wire.framing import frame
+from upsycle_router.wire.messages import UnicastHeader
+
+pytestmark = pytest.mark.slow
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        p: int = s.getsockname()[1]
+        return p
+
+
+def _raw(items: list[object]) -> bytes:
+    return frame(cbor2.dumps(items, canonical=True))
+
+
+@pytest.mark.parametrize(
+    ("field", "mutate"),
+    [
+        ("src", lambda h, b, s: ([0, {**h, "src": h["src"][:31]}, b, s])),
+        ("dst", lambda h, b, s: ([0, {**h, "dst": h["dst"] + b"\x00"}, b, s])),
+        ("sig", lambda h, b, s: ([0, h, b, s[:63]])),
+        ("via", lambda h, b, s: ([0, h, b, s, b"\x01" * 16])),
+        ("grp", lambda h, b, s: ([1, {"grp": b"\x02" * 31, "ttl": 1, "exp": h["exp"], "sn": []}, b, s])),
+        ("sn", lambda h, b, s: ([1, {"grp": b"\x02" * 32, "ttl": 1, "exp": h["exp"], "sn": [b"\x03" * 31]}, b, s])),
+    ],
+)
+async def test_wrong_key_sig_hash_sizes_are_refused(daemon: DaemonFactory, field: str, mutate: object) -> None:
+    d = daemon()
+    a, b = Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, a) as ca, await Client.connect(d.sock, b) as cb:
+        bad = await Client.connect(d.sock, Identity.generate())
+        h = {"src": a.public, "dst": b.public, "ttl": 60, "exp": exp_in(__import__("time").time(), 3600)}
+        bad._writer.write(_raw(mutate(h, b"body", b"\x00" * 64)))  # type: ignore[operator]
+        with pytest.raises(Exception):  # noqa: B017 - the router closes the connection
+            await bad.recv(timeout=5)
+        assert bad.error is not None and bad.error.code == 1 and field in bad.error.reason, bad.error
+        await bad.close()
+        await ca.send(b.public, b"still served")
+        assert (await cb.recv(timeout=5)).body == b"still served"
+    assert d.trace(event="dropped", reason="malformed")
+
+
+async def test_replayed_message_is_delivered_once(daemon: DaemonFactory) -> None:
+    d = daemon()
+    a, b = Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, a) as ca, await Client.connect(d.sock, b) as cb:
+        m = sign_message(UnicastHeader(a.public, b.public, 60, exp_in(__import__("time").time(), 3600)), b"once", a)
+        ca.send_message(m)
+        ca.send_message(m)  # the same bytes again: a replay
+        await ca.send(b.public, b"marker")
+        await ca.sync()
+        first = await cb.recv(timeout=5)
+        second = await cb.recv(timeout=5)
+    assert (first.id, second.body) == (m.id, b"marker")
+    dup = d.trace(event="duplicate", id=m.id.hex())
+    assert dup and dup[0]["reason"] == "duplicate"
+
+
+async def test_join_and_pull_from_an_unauthorized_remote_node(daemon: DaemonFactory) -> None:
+    port = _port()
+    d = daemon("--listen", f"127.0.0.1:{port}")
+    async with await Client.connect(d.sock, Identity.generate()) as c0:
+        router_id = c0.router_id
+    g, stranger = Identity.generate(), Identity.generate()
+    remote = await Client.connect_tls("127.0.0.1", port, stranger, router_id=router_id)
+    try:
+        assert await remote.join(g.public, local=False) is False  # JOIN_ACK result 1
+        assert await remote.pull(g.public, b"\x07" * 32) is None  # PULL_NACK
+    finally:
+        await remote.close()
+    reasons = [r["reason"] for r in d.trace(event="dropped", src=stranger.public.hex())]
+    assert reasons.count("not_authorized") == 2
+    # the router still serves its local apps
+    async with await Client.connect(d.sock, Identity.generate()) as c:
+        assert await c.join(g.public)
+
+
+async def test_a_remote_peer_cannot_send_as_a_local_service(daemon: DaemonFactory) -> None:
+    port = _port()
+    d = daemon("--listen", f"127.0.0.1:{port}")
+    local = Identity.generate()
+    async with await Client.connect(d.sock, local) as c:
+        router_id = c.router_id
+    # someone holding a message signed by the local service sends it from outside, to a destination the
+    # router would only relay for its own local services
+    outsider = await Client.connect_tls("127.0.0.1", port, Identity.generate(), router_id=router_id)
+    try:
+        far = Identity.generate().public
+        m = sign_message(UnicastHeader(local.public, far, 60, exp_in(__import__("time").time(), 3600)), b"x", local)
+        outsider.send_message(m.with_via(Identity.generate().public))
+        await outsider.sync()
+    finally:
+        await outsider.close()
+    rec = d.trace(event="dropped", id=m.id.hex())
+    assert rec and rec[0]["reason"] == "not_local"
+    assert not d.trace(event="forwarded", id=m.id.hex())
