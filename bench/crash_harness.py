@@ -88,7 +88,8 @@ class CrashConfig:
     check_every: int = 5
     # SIGKILL the daemon while the queues drain in intermediate checks.
     drain_kill: bool = False
-    drain_kill_after: tuple[float, float] = (0.0, 0.05)
+    # ... this many seconds after the first queued message arrived: uniform in this range.
+    drain_kill_after: tuple[float, float] = (0.0, 0.1)
     # Bound on reading one recipient's queue in a check.
     read_timeout: float = 20.0
     # After every covered message arrived in the final check, keep reading until the connection is idle this long.
@@ -353,6 +354,8 @@ class Harness:
         self.covered: set[int] = set()
         self.received: dict[bytes, set[int]] = {r.public: set() for r in self.recipients}
         self._seq = 0
+        self._kill_handle: asyncio.TimerHandle | None = None
+        self._kill_delay: float | None = None
 
     def log(self, msg: str) -> None:
         if self.cfg.verbose:
@@ -441,23 +444,16 @@ class Harness:
         """Recipients connect and read their covered messages; intermediate checks may SIGKILL mid-drain."""
         cfg = self.cfg
         await self._start()
-        kill_task: asyncio.TimerHandle | None = None
-        if not final and cfg.drain_kill:
-            proc = self.router.proc
-            assert proc is not None
-
-            def kill() -> None:
-                if proc.poll() is None:
-                    os.kill(proc.pid, signal.SIGKILL)
-
-            kill_task = asyncio.get_running_loop().call_later(self.rng.uniform(*cfg.drain_kill_after), kill)
+        drain_kill = not final and cfg.drain_kill
+        self._kill_handle = None
+        self._kill_delay = self.rng.uniform(*cfg.drain_kill_after) if drain_kill else None
         try:
             await asyncio.gather(*(self._read_recipient(r, final) for r in self.recipients))
         finally:
-            if kill_task is not None:
-                kill_task.cancel()
-        if kill_task is not None:
-            self.report.kills_while_draining += 1
+            if self._kill_handle is not None:
+                self._kill_handle.cancel()
+        if drain_kill:
+            self.report.kills_while_draining += self._kill_handle is not None
             self._crash()
         elif final:
             rc = self.router.terminate()
@@ -465,6 +461,19 @@ class Harness:
                 self.report.store_problems.append(f"daemon exited with {rc} after SIGTERM")
         else:
             self._crash()
+
+    def _arm_drain_kill(self) -> None:
+        """The first message of a drain arrived: SIGKILL the daemon a random moment later."""
+        if self._kill_delay is None or self._kill_handle is not None:
+            return
+        proc = self.router.proc
+        assert proc is not None
+
+        def kill() -> None:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+
+        self._kill_handle = asyncio.get_running_loop().call_later(self._kill_delay, kill)
 
     async def _read_recipient(self, r: Identity, final: bool) -> None:
         cfg = self.cfg
@@ -491,6 +500,7 @@ class Harness:
                     break
                 except ClientError:
                     break  # the daemon died (drain kill)
+                self._arm_drain_kill()
                 if msg.id in session:
                     self.report.duplicates_within_session += 1
                     continue

@@ -224,18 +224,6 @@ def test_bad_lines_table(spark: SparkSession, small: tuple[Analysis, Path]) -> N
     assert all(r["text"] for r in rows if r["problem"] != "not_json")
 
 
-def test_compacted_table_as_input_gives_the_same_summary(
-    spark: SparkSession,  # noqa: F811
-    small: tuple[Analysis, Path],
-    tmp_path: Path,
-) -> None:
-    analysis, out = small
-    again = run_analyze(spark, [out / "events.parquet"], tmp_path / "again")
-    assert again.summary == analysis.summary
-    assert "events.parquet" not in again.outputs
-    assert not (tmp_path / "again" / "events.parquet").exists()
-
-
 def test_report_and_text(small: tuple[Analysis, Path]) -> None:
     analysis, out = small
     page = (out / "report.html").read_text()

@@ -253,6 +253,13 @@ class Driver:
             self.store.sync()
 
     def _apply(self, effects: list[Effect], now: float) -> None:
+        # Trace records of a batch are written before anything of it is sent, so whoever gets an answer
+        # (a SYNC_ACK, a delivery) can already read the journal lines that explain it.
+        if self.journal is not None:
+            for e in effects:
+                if isinstance(e, Trace):
+                    self.journal.record(e, now)
+            self.journal.flush()
         for e in effects:
             if isinstance(e, Send):
                 conn = self.conns.get(e.conn)
@@ -265,9 +272,6 @@ class Driver:
                         log.warning("conn=%d outbound buffer over %d bytes: disconnecting slow reader", conn.id,
                                     self.outbound_buffer_max)
                         conn.close_with_error(ErrorCode.OVERLOADED, "outbound buffer full (not reading)")
-            elif isinstance(e, Trace):
-                if self.journal is not None:
-                    self.journal.record(e, now)
             elif isinstance(e, Dial):
                 if self.dialer is None or not self.dialer.dial(e.router):
                     self._push(DialFailed(e.router))
@@ -278,8 +282,6 @@ class Driver:
             elif isinstance(e, PeerLearned):
                 if self.dialer is not None:
                     self.dialer.learn(e.router, e.host, e.port)
-        if self.journal is not None:
-            self.journal.flush()
 
     def apply_now(self, effects: list[Effect]) -> None:
         """Carry out effects produced outside a batch (they must not depend on uncommitted state)."""
