@@ -42,6 +42,8 @@ from upsycle_router.wire.control import (
     Pull,
     PullNack,
     RouterMessage,
+    Status,
+    StatusReply,
     Sync,
     SyncAck,
 )
@@ -148,6 +150,8 @@ router_messages: st.SearchStrategy[RouterMessage] = st.one_of(
     st.builds(PullNack, addr=pubkeys, id=hashes, result=results),
     st.builds(Sync, n=uint64),
     st.builds(SyncAck, n=uint64, result=results),
+    st.just(Status()),
+    st.builds(StatusReply, stats=st.dictionaries(st.text(max_size=20), uint64, max_size=5)),
 )
 
 
@@ -160,7 +164,8 @@ def test_router_messages_validate(msg: RouterMessage) -> None:
 @pytest.mark.parametrize(
     "msg",
     [Join(b"\x01" * 32, False), JoinAck(b"\x01" * 32, 1), Leave(b"\x01" * 32), LeaveAck(b"\x01" * 32, 0),
-     Pull(b"\x01" * 32, b"\x02" * 32), PullNack(b"\x01" * 32, b"\x02" * 32), Sync(0), SyncAck(2**64 - 1)],
+     Pull(b"\x01" * 32, b"\x02" * 32), PullNack(b"\x01" * 32, b"\x02" * 32), Sync(0), SyncAck(2**64 - 1),
+     Status(), StatusReply({"connections": 3, "queued_bytes": 0})],
     ids=lambda m: type(m).__name__,
 )
 def test_each_router_message_validates(msg: RouterMessage) -> None:
@@ -274,7 +279,7 @@ NEGATIVE: list[tuple[str, str, Any]] = [
     ("router-message", "pull-id-33", [5, {"addr": PK, "id": ID + b"\x00"}]),
     ("router-message", "sync-n-negative", [7, {"n": -1}]),
     ("router-message", "sync-n-text", [7, {"n": "1"}]),
-    ("router-message", "type-9", [9, {"n": 1}]),
+    ("router-message", "type-11", [11, {"n": 1}]),
     ("router-message", "type-0", [0, {"addr": PK}]),
     ("pubsub-message", "sub-addr-31", [1, {"addr": PK[:31]}]),
     ("pubsub-message", "sub-ack-result-3", [2, {"addr": PK, "result": 3}]),

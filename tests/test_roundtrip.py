@@ -51,6 +51,8 @@ from upsycle_router.wire.control import (
     Pull,
     PullNack,
     RouterMessage,
+    Status,
+    StatusReply,
     Sync,
     SyncAck,
 )
@@ -139,9 +141,13 @@ router_messages: st.SearchStrategy[RouterMessage] = st.one_of(
     st.builds(PullNack, addr=pubkeys, id=hashes, result=results),
     st.builds(Sync, n=uint64),
     st.builds(SyncAck, n=uint64, result=results),
+    st.just(Status()),
+    st.builds(StatusReply, stats=st.dictionaries(st.text(max_size=20), uint64, max_size=5)),
 )
 
-ROUTER_TYPES = {Join: 1, JoinAck: 2, Leave: 3, LeaveAck: 4, Pull: 5, PullNack: 6, Sync: 7, SyncAck: 8}
+ROUTER_TYPES = {
+    Join: 1, JoinAck: 2, Leave: 3, LeaveAck: 4, Pull: 5, PullNack: 6, Sync: 7, SyncAck: 8, Status: 9, StatusReply: 10,
+}
 
 
 @settings(max_examples=300, deadline=None)
