@@ -57,7 +57,10 @@ import lmdb
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity
-from upsycle_router.errors import UpsycleError
+from upsycle_router.errors import RemoteProtocolError, UpsycleError
+from upsycle_router.transport.session import FrameReceived, Session
+from upsycle_router.wire.messages import Message
+from upsycle_router.wire.session import decode_frame
 
 REPO = Path(__file__).resolve().parents[1]
 BODY_MAGIC = b"crash-harness seq="
@@ -99,6 +102,8 @@ class CrashConfig:
     start_timeout: float = 15.0
     data_dir: Path | None = None
     keep_data: bool = False
+    # Run the daemon with --trace DATA/trace (for diagnosing a loss: the journal names every id's fate).
+    trace: bool = False
     verbose: bool = False
 
 
@@ -167,8 +172,9 @@ class CrashReport:
 class RouterProcess:
     """The daemon as a subprocess; only ever signals the PID it started itself."""
 
-    def __init__(self, data_dir: Path, sock: Path, start_timeout: float) -> None:
+    def __init__(self, data_dir: Path, sock: Path, start_timeout: float, trace_dir: Path | None = None) -> None:
         self.data_dir = data_dir
+        self.trace_dir = trace_dir
         self.sock = sock
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen[bytes] | None = None
@@ -177,8 +183,11 @@ class RouterProcess:
 
     @property
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "upsycle_router", "run", "--data-dir", str(self.data_dir),
-                "--unix", str(self.sock), "--durability", "fsync", "--log-level", "warning"]  # fmt: skip
+        cmd = [sys.executable, "-m", "upsycle_router", "run", "--data-dir", str(self.data_dir),
+               "--unix", str(self.sock), "--durability", "fsync", "--log-level", "warning"]  # fmt: skip
+        if self.trace_dir is not None:
+            cmd += ["--trace", str(self.trace_dir)]
+        return cmd
 
     def log_path(self, n: int) -> Path:
         return self.data_dir.parent / f"daemon-{n}.log"
@@ -349,7 +358,8 @@ class Harness:
             g.public: tuple(r.public for r in self.recipients) for g in self.groups
         }
         self.data_dir = data_dir
-        self.router = RouterProcess(data_dir / "d", data_dir / "s.sock", cfg.start_timeout)
+        trace_dir = data_dir / "trace" if cfg.trace else None
+        self.router = RouterProcess(data_dir / "d", data_dir / "s.sock", cfg.start_timeout, trace_dir)
         self.messages: dict[int, Sent] = {}
         self.covered: set[int] = set()
         self.received: dict[bytes, set[int]] = {r.public: set() for r in self.recipients}
@@ -554,9 +564,145 @@ class Harness:
                         rep.lost += 1
                         if len(rep.lost_examples) < 10:
                             kind = "multicast" if m.group else "unicast"
-                            rep.lost_examples.append(f"seq {seq} ({kind}, cycle {m.cycle}) to {key.hex()[:16]}")
+                            mid = m.mid.hex() if m.mid else "?"
+                            rep.lost_examples.append(f"seq {seq} ({kind}, cycle {m.cycle}, id {mid}) to {key.hex()}")
                 elif got:
                     rep.uncovered_delivered += 1
+
+
+@dataclass
+class SlowDrainReport:
+    """Figures of :func:`slow_drain_crash`."""
+
+    queued: int = 0  # covered unicast messages queued for the recipient
+    read_before_crash: int = 0
+    read_after_restart: int = 0
+    left_in_store: int = 0  # queue entries still in the store right after the crash
+    lost: int = 0
+    duplicates_within_session: int = 0
+    elapsed: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.lost == 0 and self.duplicates_within_session == 0
+
+
+async def _raw_handshake(sock_path: Path, identity: Identity) -> tuple[socket.socket, Session, list[bytes]]:
+    """Open a session on a raw non-blocking socket that reads only when asked to (a stalled recipient)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, str(sock_path))
+    session = Session(identity)
+    await loop.sock_sendall(sock, session.data_to_send())
+    frames: list[bytes] = []
+    while not session.is_open:
+        data = await asyncio.wait_for(loop.sock_recv(sock, 4096), 10.0)
+        if not data:
+            raise ConnectionError("router closed during the handshake")
+        for ev in session.receive_data(data):
+            if isinstance(ev, FrameReceived):
+                frames.append(ev.payload)
+        out = session.data_to_send()
+        if out:
+            await loop.sock_sendall(sock, out)
+    return sock, session, frames
+
+
+async def slow_drain_crash(
+    base: Path, *, messages: int = 1500, body_size: int = 4096, stall: float = 0.5
+) -> SlowDrainReport:
+    """SIGKILL the daemon while it drains a queue to a recipient that has not read yet; nothing may be lost.
+
+    A recipient is registered; a sender queues ``messages`` unicast messages of ``body_size`` bytes for it and
+    gets a SYNC_ACK (all covered). The recipient then connects on a raw socket, completes the handshake and
+    reads nothing for ``stall`` seconds while the router drains its queue; the daemon gets SIGKILL; the
+    recipient reads what reached its socket; the daemon restarts and the recipient reads the rest. Every
+    message must arrive (at least once): the router may only drop a queue entry once its bytes reached the
+    recipient's socket, not when they were handed to its own user-space write buffer.
+    """
+    rep = SlowDrainReport()
+    t0 = time.monotonic()
+    router = RouterProcess(base / "d", base / "s.sock", 15.0)
+    recipient, sender = Identity.from_seed(b"\x11" * 32), Identity.from_seed(b"\x22" * 32)
+    try:
+        await router.start()
+        c = await Client.connect(router.sock, recipient)
+        await c.sync()
+        await c.close()
+        router.kill()
+        await router.start()
+        c = await Client.connect(router.sock, sender)
+        pad = b"p" * max(0, body_size - 24)
+        try:
+            for seq in range(messages):
+                await c.send(recipient.public, _body(seq, 0) + pad, ttl=3600)
+                if seq % 100 == 99:
+                    await c.sync()
+            await c.sync()
+        finally:
+            await c.close()
+        rep.queued = messages
+        router.kill()  # a fresh daemon lifetime: the sender's connection plays no part in the drain
+        await router.start()
+        sock, session, frames = await _raw_handshake(router.sock, recipient)
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.sleep(stall)
+            router.kill()
+            rep.left_in_store = _queue_entries(router.data_dir / "store")
+            while True:
+                try:
+                    data = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 5.0)
+                except (ConnectionError, TimeoutError):
+                    break
+                if not data:
+                    break
+                try:
+                    frames.extend(ev.payload for ev in session.receive_data(data) if isinstance(ev, FrameReceived))
+                except RemoteProtocolError:
+                    break
+        finally:
+            sock.close()
+        got: set[int] = set()
+        for payload in frames:
+            item = decode_frame(payload)
+            seq = _seq_of(item.body) if isinstance(item, Message) else None
+            if seq is not None:
+                got.add(seq)
+        rep.read_before_crash = len(got)
+        await router.start()
+        c = await Client.connect(router.sock, recipient)
+        seen: set[bytes] = set()
+        try:
+            while len(got) < messages:
+                try:
+                    msg = await c.recv(timeout=3.0)
+                except (TimeoutError, ClientError):
+                    break
+                if msg.id in seen:
+                    rep.duplicates_within_session += 1
+                seen.add(msg.id)
+                seq = _seq_of(msg.body)
+                if seq is not None:
+                    rep.read_after_restart += 1
+                    got.add(seq)
+        finally:
+            await c.close()
+        rep.lost = messages - len(got)
+    finally:
+        router.kill()
+    rep.elapsed = time.monotonic() - t0
+    return rep
+
+
+def _queue_entries(store_dir: Path) -> int:
+    env = lmdb.open(str(store_dir), readonly=True, lock=False, max_dbs=16)
+    try:
+        with env.begin() as txn:
+            return int(txn.stat(env.open_db(b"queues", txn=txn, create=False))["entries"])
+    finally:
+        env.close()
 
 
 def _short_tmp() -> Path:
@@ -596,13 +742,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data-dir", type=Path, help="working directory (default: a fresh temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory")
     p.add_argument("--no-store-check", action="store_true")
+    p.add_argument("--trace", action="store_true", help="run the daemon with --trace DATA_DIR/trace")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p.add_argument("--slow-drain", action="store_true",
+                   help="instead: the kill-while-draining-to-a-stalled-recipient scenario (slow_drain_crash)")
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
+    if a.slow_drain:
+        return _main_slow_drain(a.data_dir, a.json)
     cfg = CrashConfig(cycles=a.cycles, seed=a.seed, recipients=a.recipients, groups=a.groups,
                       check_every=a.check_every, drain_kill=a.drain_kill, kill_after=tuple(a.kill_after),
                       body_pad=a.body_pad, data_dir=a.data_dir, keep_data=a.keep, check_store=not a.no_store_check,
-                      verbose=a.verbose)  # fmt: skip
+                      trace=a.trace, verbose=a.verbose)  # fmt: skip
     rep = run(cfg)
     s = rep.summary()
     if a.json:
@@ -612,6 +763,20 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(v, list) and not v:
                 continue
             print(f"{k:28} {v}")
+    return 0 if rep.ok else 1
+
+
+def _main_slow_drain(data_dir: Path | None, as_json: bool) -> int:
+    base = data_dir if data_dir is not None and len(str(data_dir / "s.sock")) <= _SUN_PATH_MAX else _short_tmp()
+    base.mkdir(parents=True, exist_ok=True)
+    try:
+        rep = asyncio.run(slow_drain_crash(base))
+    finally:
+        if data_dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    d = dataclasses.asdict(rep) | {"ok": rep.ok}
+    d["elapsed"] = round(rep.elapsed, 2)
+    print(json.dumps(d, indent=2) if as_json else "\n".join(f"{k:28} {v}" for k, v in d.items()))
     return 0 if rep.ok else 1
 
 

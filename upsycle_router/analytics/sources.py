@@ -99,7 +99,9 @@ def read_journals(spark: SparkSession, files: Sequence[Path]) -> DataFrame:
     numbered = rows.join(F.broadcast(splits), ["_file", "_blk"]).withColumn(
         "line", (F.col("_before") + F.col("_mid") - F.col("_mid0") + 1).cast("long")
     )
-    file_col = F.regexp_replace(F.col("_file"), "^file:(//)?", "")  # a local path, not a URI
+    # Spark gives a URI (file:/a%20b/...): make it a local path again; '+' is literal in a URI path.
+    uri_path = F.regexp_replace(F.regexp_replace(F.col("_file"), "^file:(//)?", ""), "\\+", "%2B")
+    file_col = F.url_decode(uri_path)
     parsed = numbered.select(F.col("value"), file_col.alias("file"), "line", parse_record(F.col("value")).alias("r"))
     problem = problem_column(F.col("value"), F.col("r"))
     return parsed.select(

@@ -8,6 +8,7 @@ those of docs/analytics.md, which this module implements literally:
 * :func:`first_receipts` finds, per message id, the earliest ``received`` record on any node (ties at the
   same ``ts`` go to a ``local: true`` record, then to journal order). That ``ts`` is the message's ``t0``, the
   zero of its latencies; the id is *published* when that record is local and its type is ``multicast``.
+  The same aggregation counts the id's ``duplicate`` and ``forwarded`` records.
 * :func:`expected_per_message` counts, for each published id of group G, the (node, subscriber) pairs with
   role ``app`` subscribed to G at the publish time, with a sweep instead of a join: the ``joined``/``left``
   records of each (node, group, subscriber), in journal order, become +1/-1 changes of the pair's state
