@@ -49,11 +49,13 @@ def _run(args: argparse.Namespace, app: str) -> int:
         from py4j.protocol import Py4JError  # type: ignore[import-untyped]
         from pyspark.errors import PySparkException
 
-        from upsycle_router.analytics.job import Progress, run_analyze, run_compact
+        from upsycle_router.analytics.job import Progress, check_compact_target, run_analyze, run_compact
         from upsycle_router.analytics.report import text_summary
         from upsycle_router.analytics.sources import discover
 
         discover(args.paths)  # fail on a bad path before Spark starts
+        if app == "compact":
+            check_compact_target(Path(args.out))
         progress = Progress(app, enabled=not args.quiet)
         progress(f"starting Spark ({args.master})")
         out = Path(args.out)

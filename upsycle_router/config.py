@@ -89,6 +89,7 @@ class DaemonConfig:
     map_size: int = 4 * 1024 * 1024 * 1024
     max_connections: int = 4096
     outbound_buffer_max: int = 8 * 1024 * 1024
+    verify_threads: int | None = None
     rate_per_connection: float = 0.0
     rate_burst: int = 10_000
     metrics_listen: str | None = None
@@ -177,7 +178,7 @@ _TOP = {
     "data_dir", "listen", "key_file", "durability", "sync_interval", "max_frame", "handshake_timeout",
     "local_services", "edge_nodes", "accept_join_from_any", "accept_pull_from_any", "peers", "core_nodes",
     "idle_timeout",
-    "seen_max", "queue", "store", "limits", "trace", "log", "pubsub", "metrics",
+    "seen_max", "queue", "store", "limits", "trace", "log", "pubsub", "metrics", "verify_threads",
 }  # fmt: skip
 _GOSSIP_PARAMS = {
     "D", "D_low", "D_high", "D_lazy", "heartbeat_interval", "fanout_ttl", "mcache_len", "mcache_gossip", "seen_ttl",
@@ -214,6 +215,9 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     for name in ("sync_interval", "handshake_timeout", "idle_timeout"):
         if name in top:
             kw[name] = _float(top[name], name, 0.001)
+    if "verify_threads" in top:
+        vt = top["verify_threads"]
+        kw["verify_threads"] = None if vt is None else _int(vt, "verify_threads", 0)
     for name in ("max_frame", "seen_max"):
         if name in top:
             kw[name] = _int(top[name], name, 16)

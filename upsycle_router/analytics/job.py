@@ -43,7 +43,7 @@ from upsycle_router.analytics.report import (
 )
 from upsycle_router.analytics.schema import PROBLEM_KINDS, problem_kind
 from upsycle_router.analytics.session import AnalyticsError
-from upsycle_router.analytics.sources import Inputs, compact, discover, read_tables
+from upsycle_router.analytics.sources import Inputs, compact, discover, no_glob, read_tables
 
 EVENTS_TABLE = "events.parquet"
 TABLES = (
@@ -98,8 +98,7 @@ def _rows(df: DataFrame) -> list[dict[str, Any]]:
 def run_compact(spark: SparkSession, paths: Iterable[str | Path], out: Path, progress: Progress) -> int:
     """Compact journals (and/or tables) into the Parquet table ``out``; return its number of bad lines."""
     inputs = discover(paths)
-    if out.exists() and not (out.is_dir() and _looks_like_table(out)):
-        raise AnalyticsError(f"{out}: exists and is not a Parquet table; not replacing it")
+    check_compact_target(out)
     progress(f"compacting {len(inputs.journals)} journal files ({_size(inputs.journal_bytes)}) -> {out}")
     compact(spark, inputs, out)
     table = read_tables(spark, [out], trusted=True)
@@ -108,16 +107,17 @@ def run_compact(spark: SparkSession, paths: Iterable[str | Path], out: Path, pro
     return int(row["bad"])
 
 
-def _looks_like_table(path: Path) -> bool:
-    names = [p.name for p in path.iterdir()]
-    return all(n.startswith(("part-", "_", ".")) for n in names)
+def check_compact_target(out: Path) -> None:
+    """Refuse to replace anything at ``out`` but a Parquet table (a directory of parts)."""
+    if out.exists() and not (out.is_dir() and all(p.name.startswith(("part-", "_", ".")) for p in out.iterdir())):
+        raise AnalyticsError(f"{out}: exists and is not a Parquet table; not replacing it")
 
 
 def _write(df: DataFrame, out: Path, name: str, progress: Progress, *, small: bool = True) -> DataFrame:
     progress(f"writing {name}.parquet")
     path = out / f"{name}.parquet"
     (df.coalesce(1) if small else df).write.mode("overwrite").parquet(str(path))
-    return df.sparkSession.read.schema(df.schema).parquet(str(path))  # the schema is known: no inference job
+    return df.sparkSession.read.schema(df.schema).parquet(no_glob(path))  # the schema is known: no inference job
 
 
 def _totals(events: DataFrame) -> dict[str, Any]:

@@ -23,6 +23,7 @@ and compacted tables into one DataFrame of the same shape.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -84,9 +85,14 @@ def discover(paths: Iterable[str | Path]) -> Inputs:
     return Inputs(journals=tuple(unique), tables=tuple(p.resolve() for p in tables))
 
 
+def no_glob(path: Path) -> str:
+    """``path`` with Hadoop's glob characters escaped, so that Spark reads exactly that file."""
+    return re.sub(r"([\\*?\[\]{}])", r"\\\1", str(path))
+
+
 def read_journals(spark: SparkSession, files: Sequence[Path]) -> DataFrame:
     """The compacted event table of the given journal files (lazy)."""
-    text = spark.read.text([str(p) for p in files])
+    text = spark.read.text([no_glob(p) for p in files])
     rows = text.select(
         F.col("value"),
         F.col("_metadata.file_path").alias("_file"),
@@ -120,8 +126,8 @@ def read_tables(spark: SparkSession, tables: Sequence[Path], *, trusted: bool = 
     a Spark job); other tables are checked for the columns of :data:`COMPACT_SCHEMA`.
     """
     if trusted:
-        return spark.read.schema(COMPACT_SCHEMA).parquet(*[str(p) for p in tables])
-    df = spark.read.parquet(*[str(p) for p in tables])
+        return spark.read.schema(COMPACT_SCHEMA).parquet(*[no_glob(p) for p in tables])
+    df = spark.read.parquet(*[no_glob(p) for p in tables])
     missing = [c for c in COMPACT_COLUMNS if c not in df.columns]
     if missing:
         raise AnalyticsError(f"{', '.join(map(str, tables))}: not a compacted trace table (no {', '.join(missing)})")

@@ -145,6 +145,7 @@ class Daemon:
             sync_interval=cfg.sync_interval,
             outbound_buffer_max=cfg.outbound_buffer_max,
             rate=cfg.rate_per_connection,
+            verify_threads=cfg.verify_threads,
             burst=cfg.rate_burst,
         )
         loop = asyncio.get_running_loop()
@@ -270,7 +271,7 @@ class Daemon:
             for conn in list(self.driver.conns.values()):
                 conn.close_with_error(ErrorCode.SHUTTING_DOWN, "shutting down")
             await asyncio.sleep(0)
-            self.driver.close()
+            await self.driver.aclose()
         if self.journal is not None:
             self.journal.close()
         if self.store is not None:

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Protocol
 
@@ -40,8 +39,8 @@ from upsycle_router.core.events import (
     WriteBlocked,
 )
 from upsycle_router.core.router import Router
-from upsycle_router.crypto import message_signature_valid
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.runtime.verify import Verifier
 from upsycle_router.store.lmdb_store import Durability, LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.stream import StreamConnection
@@ -49,6 +48,7 @@ from upsycle_router.wire.messages import Message
 from upsycle_router.wire.session import Error, decode_frame
 
 log = logging.getLogger("upsycle_router.driver")
+_Raw = tuple[int, Message, int]  # (connection, message, frame size) awaiting signature verification
 
 
 class Dialer(Protocol):
@@ -59,25 +59,6 @@ class Dialer(Protocol):
 
     def learn(self, router: bytes, host: str, port: int) -> None:
         """Remember a router's transport address."""
-
-
-class VerifiedCache:
-    """Ids whose signature already verified (an id covers the signed bytes and the signature)."""
-
-    def __init__(self, capacity: int = 65536) -> None:
-        self.capacity = capacity
-        self._ids: OrderedDict[bytes, None] = OrderedDict()
-
-    def check(self, msg: Message) -> bool:
-        """Verify ``msg`` unless its id verified before."""
-        if msg.id in self._ids:
-            return True
-        ok = message_signature_valid(msg)
-        if ok:
-            self._ids[msg.id] = None
-            if len(self._ids) > self.capacity:
-                self._ids.popitem(last=False)
-        return ok
 
 
 class Driver:
@@ -95,6 +76,7 @@ class Driver:
         outbound_buffer_max: int = 8 * 1024 * 1024,
         rate: float = 0.0,
         burst: int = 10_000,
+        verify_threads: int | None = None,
     ) -> None:
         self.router = router
         self.store = store
@@ -109,8 +91,9 @@ class Driver:
         self.dialer: Dialer | None = None
         self.loop = asyncio.get_running_loop()
         self.conns: dict[int, StreamConnection] = {}
-        self.verified = VerifiedCache()
-        self._pending: list[Event] = []
+        self.verifier = Verifier(verify_threads)
+        self._pending: list[Event | _Raw] = []
+        self._verify_task: asyncio.Task[None] | None = None
         self._queue_sent: list[tuple[bytes, int]] = []
         self._flush_handle: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -165,10 +148,10 @@ class Driver:
             conn.close()
             return
         self.stats["received_total"] += 1
-        verified = self.verified.check(item)
-        if not verified:
-            self.stats["bad_signature_total"] += 1
-        self._push(MessageReceived(conn.id, item, verified, len(payload)))
+        if self.verifier.cached(item):
+            self._push(MessageReceived(conn.id, item, True, len(payload)))
+        else:
+            self._push((conn.id, item, len(payload)))  # verified with its batch
 
     def on_close(self, conn: StreamConnection) -> None:
         """A connection ended."""
@@ -194,7 +177,7 @@ class Driver:
         """Add an event to the next batch."""
         self._push(ev)
 
-    def _push(self, ev: Event) -> None:
+    def _push(self, ev: Event | _Raw) -> None:
         if self._closed:
             return
         self._pending.append(ev)
@@ -202,15 +185,56 @@ class Driver:
             self._flush_handle = self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """Run the pending batch through the core in one transaction, then carry out the effects."""
+        """Verify the pending batch's signatures, run it through the core in one transaction, then carry out
+        the effects. One batch at a time: while a large batch is verified on the thread pool, new frames
+        gather in the next one, so every connection's messages reach the core in the order they arrived."""
         self._flush_handle = None
-        if self._closed:
+        if self._closed or self._verify_task is not None:
             return
-        events = self._pending
+        pending = self._pending
         self._pending = []
         if self._queue_sent:
-            events.append(QueueSent(tuple(self._queue_sent)))
+            pending.append(QueueSent(tuple(self._queue_sent)))
             self._queue_sent = []
+        if not pending:
+            return
+        raws = [x for x in pending if isinstance(x, tuple)]
+        if not raws:
+            self._process([x for x in pending if not isinstance(x, tuple)])
+        elif not self.verifier.wants_threads(len(raws)):
+            self._process(self._resolve(pending, self.verifier.verify_inline([m for _, m, _ in raws])))
+        else:
+            self._verify_task = self.loop.create_task(self._verify_then_process(pending, raws))
+
+    async def _verify_then_process(self, pending: list[Event | _Raw], raws: list[_Raw]) -> None:
+        try:
+            results = await self.verifier.verify([m for _, m, _ in raws])
+        finally:
+            self._verify_task = None
+        if self._closed:
+            return
+        self._process(self._resolve(pending, results))
+        if self._pending or self._queue_sent:
+            self._schedule()
+
+    def _resolve(self, pending: list[Event | _Raw], results: list[bool]) -> list[Event]:
+        it = iter(results)
+        out: list[Event] = []
+        for x in pending:
+            if isinstance(x, tuple):
+                ok = next(it)
+                if not ok:
+                    self.stats["bad_signature_total"] += 1
+                out.append(MessageReceived(x[0], x[1], ok, x[2]))
+            else:
+                out.append(x)
+        return out
+
+    def _schedule(self) -> None:
+        if self._flush_handle is None:
+            self._flush_handle = self.loop.call_soon(self.flush)
+
+    def _process(self, events: list[Event]) -> None:
         if not events:
             return
         now = self.clock()
@@ -317,16 +341,30 @@ class Driver:
 
     # ------------------------------------------------------------ shutdown
 
+    async def aclose(self) -> None:
+        """Finish a batch being verified, then :meth:`close`."""
+        task = self._verify_task
+        if task is not None:
+            with contextlib.suppress(Exception):
+                await task
+        self.close()
+
     def close(self) -> None:
         """Process what is pending, cancel timers."""
         if self._flush_handle is not None:
             self._flush_handle.cancel()
-        self.flush()
-        if self._queue_sent:
-            self.flush()
+            self._flush_handle = None
+        for _ in range(2):  # the pending batch, then the queue acknowledgements it produced
+            pending, self._pending = self._pending, []
+            if self._queue_sent:
+                pending.append(QueueSent(tuple(self._queue_sent)))
+                self._queue_sent = []
+            raws = [x for x in pending if isinstance(x, tuple)]
+            self._process(self._resolve(pending, self.verifier.verify_inline([m for _, m, _ in raws])))
         for h in (self._timer, self._sync_handle):
             if h is not None:
                 h.cancel()
         if self.journal is not None:
             self.journal.flush()
+        self.verifier.close()
         self._closed = True
