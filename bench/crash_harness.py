@@ -744,8 +744,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-store-check", action="store_true")
     p.add_argument("--trace", action="store_true", help="run the daemon with --trace DATA_DIR/trace")
     p.add_argument("--json", action="store_true", help="print the figures as JSON")
-    p.add_argument("--slow-drain", action="store_true",
-                   help="instead: the kill-while-draining-to-a-stalled-recipient scenario (slow_drain_crash)")
+    p.add_argument(
+        "--slow-drain",
+        action="store_true",
+        help="instead: the kill-while-draining-to-a-stalled-recipient scenario (slow_drain_crash)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     a = p.parse_args(argv)
     if a.slow_drain:

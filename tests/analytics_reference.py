@@ -74,7 +74,7 @@ def classify(text: str) -> str | None:
             return f"bad_value:{name}"
     if _as_text(rec["type"]) not in ("unicast", "multicast", "control"):
         return "bad_value:type"
-    if rec.get("role") is not None and _as_text(rec["role"]) not in ("app", "service"):
+    if rec.get("role") is not None and _as_text(rec["role"]) not in ("app", "service", "router"):
         return "bad_value:role"
     if size < 0:
         return "bad_value:size"

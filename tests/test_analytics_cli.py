@@ -106,6 +106,22 @@ def test_bad_input_path_is_a_clear_error(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+def test_compact_does_not_replace_other_files(tmp_path: Path) -> None:
+    if find_java_or_none() is None:
+        pytest.skip("no Java here")
+    (tmp_path / "notes.txt").write_text("keep me")
+    r = subprocess.run(
+        cli("compact", str(SMALL), "--out", str(tmp_path / "notes.txt")),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2
+    assert "exists and is not a Parquet table; not replacing it" in r.stderr
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
 def find_java_or_none() -> Path | None:
     try:
         return find_java(check_version=False).java

@@ -14,7 +14,7 @@ from pyspark.sql import SparkSession
 
 from upsycle_router.analytics.job import Progress, run_compact
 from upsycle_router.analytics.session import AnalyticsError
-from upsycle_router.analytics.sources import discover, is_table
+from upsycle_router.analytics.sources import discover, is_table, no_glob
 
 K = "ab" * 32
 
@@ -148,6 +148,20 @@ def test_line_numbers_across_many_splits(spark: SparkSession, tmp_path: Path) ->
                 assert (r["size"], r["problem"]) == (r["line"], None)
             else:
                 assert r["problem"] == "not_json"
+
+
+@pytest.mark.spark
+def test_paths_with_spaces_and_glob_characters(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
+    d = tmp_path / "fleet [1] a+b%20 é*"
+    d.mkdir()
+    (d / "trace-000000.jsonl").write_text(line() + "\nbad\n", encoding="utf-8")
+    out = tmp_path / "out{x}.parquet"
+    assert run_compact(spark, [d], out, Progress("t", enabled=False)) == 1
+    rows = spark.read.parquet(no_glob(out)).orderBy("line").collect()
+    assert [(r["file"], r["line"], r["problem"]) for r in rows] == [
+        (str(d.resolve() / "trace-000000.jsonl"), 1, None),
+        (str(d.resolve() / "trace-000000.jsonl"), 2, "not_json"),
+    ]
 
 
 def test_discover(tmp_path: Path) -> None:

@@ -55,7 +55,7 @@ EVENTS = (
 """Every ``event`` value of docs/trace.md."""
 
 TYPES = ("unicast", "multicast", "control")
-ROLES = ("app", "service")
+ROLES = ("app", "service", "router")
 PROBLEM_KINDS = ("not_json", "wrong_type", "missing_field", "unknown_event", "bad_value")
 """The categories of bad lines (the part of a problem before ``:``)."""
 HEX_FIELDS = ("node", "id", "group", "src", "dst", "peer")

@@ -125,8 +125,13 @@ class Router:
         return out
 
     def start(self, now: float) -> list[Effect]:
-        """Effects to run once at start: dial the remote routers that have messages waiting for them."""
+        """Effects to run once at start: a ``joined`` record for every subscription restored from the store
+        (so a journal that starts here knows who is subscribed), and dials to the remote routers that have
+        messages waiting for them."""
         out: list[Effect] = []
+        for group in sorted(self.subs):
+            for member in sorted(self.subs[group]):
+                out.append(Trace("joined", None, "control", group, member, None, None, 0, role=self._role(member)))
         for key in sorted(self.store.queue_recipients()):
             if key not in self.locals and key not in self._dialing:
                 self._dialing.add(key)
@@ -486,7 +491,7 @@ class Router:
             return None
         if key in (self.config.pubsub_service, self.config.discovery_service):
             return "service"
-        return "app"
+        return "app" if key in self.locals else "router"
 
     # ------------------------------------------------------------------ own advertisement
 
