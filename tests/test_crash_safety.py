@@ -54,12 +54,6 @@ async def test_sigkill_cycles_lose_no_covered_message(short_dir: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: the driver reports a queue entry as sent (QueueSent -> dequeue, committed) as soon as its bytes "
-    "are handed to the transport's user-space write buffer; a SIGKILL before that buffer reaches the socket "
-    "loses SYNC-covered queued messages (runtime/driver.py Driver._apply)",
-)
 async def test_sigkill_while_draining_to_a_stalled_recipient_loses_nothing(short_dir: Path) -> None:
     rep = await slow_drain_crash(short_dir, messages=1500, body_size=4096, stall=0.5)
     print("slow drain:", rep)

@@ -95,6 +95,8 @@ class Driver:
         self._pending: list[Event | _Raw] = []
         self._verify_task: asyncio.Task[None] | None = None
         self._queue_sent: list[tuple[bytes, int]] = []
+        self._unflushed: set[int] = set()  # connections with queue refs still in their transport buffer
+        self._release_handle: asyncio.TimerHandle | None = None
         self._flush_handle: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._sync_handle: asyncio.TimerHandle | None = None
@@ -289,9 +291,9 @@ class Driver:
                 conn = self.conns.get(e.conn)
                 if conn is not None and conn.send(e.data):
                     if e.queue_ref is not None:
-                        self._queue_sent.append(e.queue_ref)
-                        if self._flush_handle is None:
-                            self._flush_handle = self.loop.call_soon(self.flush)
+                        # Dequeue only once the bytes left our buffer: a crash before then must redeliver.
+                        conn.unflushed.append((conn.written, e.queue_ref))
+                        self._unflushed.add(conn.id)
                     if conn.buffered() > self.outbound_buffer_max:
                         log.warning("conn=%d outbound buffer over %d bytes: disconnecting slow reader", conn.id,
                                     self.outbound_buffer_max)
@@ -306,6 +308,30 @@ class Driver:
             elif isinstance(e, PeerLearned):
                 if self.dialer is not None:
                     self.dialer.learn(e.router, e.host, e.port)
+        if self._unflushed:
+            self._release_flushed()
+
+    def _release_flushed(self) -> None:
+        """Report queue entries whose bytes left the transport buffer (QueueSent); poll while some have not."""
+        if self._release_handle is not None:
+            self._release_handle.cancel()
+            self._release_handle = None
+        for cid in list(self._unflushed):
+            conn = self.conns.get(cid)
+            if conn is None or conn.closed:  # never fully written: stays queued for the next session
+                self._unflushed.discard(cid)
+                continue
+            done = conn.flushed()
+            while conn.unflushed and conn.unflushed[0][0] <= done:
+                self._queue_sent.append(conn.unflushed.popleft()[1])
+            if not conn.unflushed:
+                self._unflushed.discard(cid)
+        if self._closed:
+            return
+        if self._queue_sent and self._flush_handle is None:
+            self._flush_handle = self.loop.call_soon(self.flush)
+        if self._unflushed:
+            self._release_handle = self.loop.call_later(0.002, self._release_flushed)
 
     def apply_now(self, effects: list[Effect]) -> None:
         """Carry out effects produced outside a batch (they must not depend on uncommitted state)."""
@@ -361,7 +387,7 @@ class Driver:
                 self._queue_sent = []
             raws = [x for x in pending if isinstance(x, tuple)]
             self._process(self._resolve(pending, self.verifier.verify_inline([m for _, m, _ in raws])))
-        for h in (self._timer, self._sync_handle):
+        for h in (self._timer, self._sync_handle, self._release_handle):
             if h is not None:
                 h.cancel()
         if self.journal is not None:

@@ -132,12 +132,14 @@ class Session:
             if isinstance(f, Hello):
                 self._advance(Input.HELLO)
                 if self.expected_peer is not None and f.id != self.expected_peer:
+                    self.state = State.CLOSED
                     raise RemoteProtocolError(
                         f"expected router {self.expected_peer.hex()}, got {f.id.hex()}",
                         field="id",
                         code=ErrorCode.AUTH_FAILED,
                     )
                 if f.id == self.identity.public:
+                    self.state = State.CLOSED
                     raise RemoteProtocolError("peer uses our own key", field="id", code=ErrorCode.AUTH_FAILED)
                 self.peer = f.id
                 self._out += frame(Auth(auth_signature(self.identity, f.id, f.nonce)).encode())

@@ -9,6 +9,7 @@ the close to a :class:`ConnectionHandler` (the driver), which makes every routin
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import socket
@@ -73,6 +74,9 @@ class StreamConnection(asyncio.Protocol):
         self._handshake_timeout = handshake_timeout
         self.last_active = asyncio.get_running_loop().time()
         self._timer: asyncio.TimerHandle | None = None
+        self.written = 0  # bytes handed to the transport so far
+        # (end offset in ``written``, queue ref) of queued messages not yet out of the transport's buffer
+        self.unflushed: collections.deque[tuple[int, tuple[bytes, int]]] = collections.deque()
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -156,8 +160,13 @@ class StreamConnection(asyncio.Protocol):
         if self.closed or t is None or t.is_closing():
             return False
         t.writelines((_LEN.pack(len(payload)), payload))
+        self.written += 4 + len(payload)
         self.last_active = asyncio.get_running_loop().time()
         return True
+
+    def flushed(self) -> int:
+        """Bytes that left the transport's buffer (handed to the kernel) so far."""
+        return self.written - self.buffered()
 
     def buffered(self) -> int:
         """Bytes written but not yet sent by the transport."""
