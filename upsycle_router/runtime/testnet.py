@@ -223,8 +223,16 @@ async def run_testnet(
             except (OSError, TimeoutError, ClientError):
                 publishers.pop(i, None)
             k += 1
-        say("draining")
-        await asyncio.sleep(max(2.0, 4 * heartbeat))
+        say("draining (until subscribers receive nothing more for 2 s, at most 60 s)")
+        drain_end = time.monotonic() + 60.0
+        last, quiet_since = -1, time.monotonic()
+        await asyncio.sleep(max(1.0, 2 * heartbeat))
+        while time.monotonic() < drain_end and counts["received"] < counts["published"] * n:
+            if counts["received"] != last:
+                last, quiet_since = counts["received"], time.monotonic()
+            elif time.monotonic() - quiet_since >= 2.0:
+                break
+            await asyncio.sleep(0.25)
     finally:
         stop.set()
         for t in tasks:
