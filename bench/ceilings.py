@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import socket
 import struct
 import tempfile
@@ -24,7 +25,7 @@ from typing import Any
 
 import nacl.bindings
 
-from bench.common import LOOPBACK, cpus, free_port, load_cpu, pin, server_cpu
+from bench.common import LOOPBACK, cpus, first_cpu, free_port, load_cpu, pin
 from upsycle_router.wire.messages import Message, decode_message
 
 _LEN = struct.Struct(">I")
@@ -131,7 +132,7 @@ def frame_rate(kind: str, payload: bytes, n: int) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="ub-sink-")
     addr: Any = os.path.join(tmp, "s") if kind == "unix" else (LOOPBACK, free_port())
     parent, child = ctx.Pipe()
-    p = ctx.Process(target=_sink_main, args=(child, kind, addr, n, sorted(server_cpu()), tmp), daemon=True)
+    p = ctx.Process(target=_sink_main, args=(child, kind, addr, n, sorted(first_cpu()), tmp), daemon=True)
     p.start()
     before = os.sched_getaffinity(0)
     try:
@@ -173,6 +174,7 @@ def frame_rate(kind: str, payload: bytes, n: int) -> dict[str, Any]:
         if p.is_alive():
             p.terminate()
             p.join(5)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def run(messages: list[bytes], quick: bool) -> dict[str, Any]:

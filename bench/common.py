@@ -46,8 +46,17 @@ def cpus() -> list[int]:
     return list(_CPUS)
 
 
+PIN_SERVER = False  # --pin-server: the system under test on the first CPU only
+
+
 def server_cpu() -> set[int]:
-    """Where the system under test (daemon, broker, sink) runs: the first CPU."""
+    """Where the system under test (daemon, broker) may run: every CPU (the router pins its own verify
+    threads, one per CPU it may use), or the first CPU only with ``--pin-server``."""
+    return {cpus()[0]} if PIN_SERVER else set(cpus())
+
+
+def first_cpu() -> set[int]:
+    """The first CPU (the ceilings' sink)."""
     return {cpus()[0]}
 
 

@@ -11,7 +11,8 @@ delivers):
 * ``mc 1->1 nopubsub``: ``mc 1->1`` with ``pubsub.enabled: false`` (what the in-process gossip service costs).
 
 Each runs warm-up, throughput at max and latency at the paced rate (see :mod:`bench.loadgen`). The daemon
-is pinned to the first CPU (router B of the TLS pair to the last), the load generator to the last.
+may use every CPU (it pins its own verify threads, one per CPU; ``--pin-server`` pins it to the first CPU and
+router B of the TLS pair to the last); the load generator is pinned to the last CPU.
 Memory: one daemon under ``mc 1->1`` (durability fsync, ttl 10 s so the store reaches a steady state) at
 5,000 msg/s for ``--soak`` seconds, RSS sampled every second.
 """
@@ -40,6 +41,10 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mc 1->1 nopubsub": {"kind": "mc", "subs": 1, "routers": 1, "pubsub": False},
 }
 DURABILITIES = ("fsync", "batch", "none")
+# The default limits.outbound_buffer_max (8 MiB) makes the router disconnect a receiver that lags behind a
+# burst at max ingress (a whole batch of deliveries is written at once): the bench raises it so that the
+# throughput phase measures delivery, and reports any connection the router closed anyway.
+OUTBOUND_BUFFER_MAX = 256 * 1024 * 1024
 SOAK_TTL = 10
 
 
@@ -64,6 +69,8 @@ def start_daemon(
     write_key_file(data / "router.key", identity)
     sock = root / f"{name}.sock"
     cfg: dict[str, Any] = {"log": {"level": "warning"}}
+    if OUTBOUND_BUFFER_MAX:
+        cfg["limits"] = {"outbound_buffer_max": OUTBOUND_BUFFER_MAX}
     if peers:
         cfg["peers"] = [{"id": p.hex, "addr": f"{LOOPBACK}:{port}"} for p, port in peers]
     if not pubsub:
@@ -85,7 +92,10 @@ def start_daemon(
 
 
 def _routers(root: Path, sc: dict[str, Any], keys: Keys, durability: str) -> list[Daemon]:
-    first, last = server_cpu(), load_cpu()
+    from bench import common
+
+    first = server_cpu()
+    last = load_cpu() if common.PIN_SERVER else first  # pinned: router B gets the other CPU
     if sc["routers"] == 1:
         return [start_daemon(root, "a", keys.router_a, durability, cpu=first, pubsub=sc.get("pubsub", True))]
     b = start_daemon(root, "b", keys.router_b, durability, cpu=last, tls=True)
@@ -131,11 +141,12 @@ def run_scenario(
     return rec
 
 
-def run_memory(root: Path, keys: Keys, sizes: Sizes, durability: str = "fsync") -> dict[str, Any]:
-    """RSS of one daemon over ``sizes.soak_seconds`` at ``sizes.soak_rate`` (multicast, 1 subscriber)."""
-    run_root = root / "memory"
+def run_memory(root: Path, keys: Keys, sizes: Sizes, durability: str = "fsync", kind: str = "mc") -> dict[str, Any]:
+    """RSS of one daemon over ``sizes.soak_seconds`` at ``sizes.soak_rate`` (1 receiver; ``kind`` "mc":
+    multicast to a group, stored; "uni": unicast to a connected app)."""
+    run_root = root / f"memory-{kind}"
     run_root.mkdir()
-    rec: dict[str, Any] = {"scenario": "mc 1->1", "durability": durability, "rate": sizes.soak_rate,
+    rec: dict[str, Any] = {"scenario": f"{kind} 1->1", "durability": durability, "rate": sizes.soak_rate,
                            "seconds": sizes.soak_seconds, "ttl": SOAK_TTL}
     try:
         d = start_daemon(run_root, "a", keys.router_a, durability, cpu=server_cpu())
@@ -151,20 +162,23 @@ def run_memory(root: Path, keys: Keys, sizes: Sizes, durability: str = "fsync") 
             samples.append((round(time.monotonic() - t0, 1), rss_kib(d.child.pid)))
 
     n = int(sizes.soak_rate * sizes.soak_seconds)
-    recv = [{"proto": "upsycle", "path": str(d.sock), "seed": keys.receivers[0].seed, "join": keys.group.public,
-             "local": True}]
-    pub = {"proto": "upsycle", "path": str(d.sock), "seed": keys.publisher.seed,
-           "live": {"kind": "mc", "seed": keys.group.seed, "grp": keys.group.public, "ttl": SOAK_TTL,
-                    "tag": keys.tag}}
+    recv = [{"proto": "upsycle", "path": str(d.sock), "seed": keys.receivers[0].seed,
+             "join": keys.group.public if kind == "mc" else None, "local": True}]
+    live = {"kind": kind, "seed": keys.group.seed if kind == "mc" else keys.publisher.seed, "grp": keys.group.public,
+            "dst": keys.receivers[0].public, "ttl": SOAK_TTL, "tag": keys.tag}
+    pub = {"proto": "upsycle", "path": str(d.sock), "seed": keys.publisher.seed, "live": live}
     wl = Workload(pub, recv, load_cpu())
     sampler = threading.Thread(target=sample, daemon=True)
     try:
         wl.start()
         rec["rss_start_kib"] = rss_kib(d.child.pid)
         sampler.start()
-        res = wl.phase(SOAK, n, "live", latency=True, max_s=sizes.soak_seconds + 60,
+        # A long idle limit: the receiver must keep reading through a stall, or the router's buffers would fill
+        # with what it does not read and the RSS would measure the bench instead of the router.
+        res = wl.phase(SOAK, n, "live", latency=True, max_s=sizes.soak_seconds + 60, idle_s=60.0,
                        live=(sizes.soak_rate, sizes.soak_seconds), lead_s=0.5)
         rec["publisher"] = res.get("publisher")
+        rec["sent"] = (res.get("publisher") or {}).get("sent")
         rec["received"] = res.get("deliveries")
         rec["loss"] = res.get("loss")
         rec["latency"] = (res.get("receiver") or {}).get("latency")

@@ -55,7 +55,7 @@ def table(res: dict[str, Any]) -> str:
                  f"{m.get('cpus')} CPUs ({m.get('cpu_model', '')}), Python {m.get('python')}")
     la = res.get("loadavg") or {}
     if la:
-        lines.append(f"load average before/after: {la.get('before')} / {la.get('after')}"
+        lines.append(f"load average before / after (after includes the bench): {la.get('before')} / {la.get('after')}"
                      + ("   WARNING: other processes were busy, figures are low/noisy" if la.get("busy") else ""))
     c = res.get("ceilings") or {}
     if c:
@@ -93,6 +93,9 @@ def table(res: dict[str, Any]) -> str:
                 e = (mx.get(side) or {}).get("error") or (lat.get(side) or {}).get("error")
                 if e:
                     note = note or f"{side}: {e}"
+            closed = sum(((ph.get("receiver") or {}).get("closed") or 0) for ph in (mx, lat))
+            if closed and not note:
+                note = f"server closed {closed} receiver connection(s)"
             loss = (mx.get("loss") or 0) + (lat.get("loss") or 0) if mx or lat else None
             lines.append(
                 f"  {r.get('system', ''):<16}{r.get('scenario', ''):<19}{r.get('durability', ''):<12}"
@@ -105,7 +108,7 @@ def table(res: dict[str, Any]) -> str:
         lines.append("")
         if "error" in mem:
             lines.append(f"Memory: {mem['error']}")
-        else:
+        if "rss_end_kib" in mem or "error" not in mem:
             lines.append(f"Memory: daemon RSS over {_f(mem.get('seconds'))} s at {_f(mem.get('rate'))} msg/s "
                          f"({mem.get('scenario')}, durability {mem.get('durability')}, ttl {mem.get('ttl')} s)")
             lines.append(f"  RSS start {_f(mem.get('rss_start_kib', {}).get('VmRSS'))} KiB, at "
@@ -113,7 +116,8 @@ def table(res: dict[str, Any]) -> str:
                          f"{_f(mem.get('rss_baseline_kib'))} KiB, end {_f(mem.get('rss_end_kib'))} KiB, max "
                          f"{_f(mem.get('rss_max_kib'))} KiB; growth {_f(mem.get('rss_growth_pct'), 1)} % "
                          f"(anonymous memory {_f(mem.get('anon_growth_pct'), 1)} %); received "
-                         f"{_f(mem.get('received'))}, lost {_f(mem.get('loss'))}")
+                         f"{_f(mem.get('received'))}, lost {_f(mem.get('loss'))}; publisher achieved "
+                         f"{_f((mem.get('publisher') or {}).get('achieved_rate'))} msg/s")
             if not mem.get("steady_state", True):
                 lines.append("  (run too short for a steady state: use --soak 300; the seen-id list and the store "
                              "fill during the first ~35 s)")
@@ -141,3 +145,43 @@ def write(res: dict[str, Any], path: Path | None = None) -> Path:
     out = path or RESULTS / "latest.json"
     out.write_text(text)
     return out
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The same figures as a Markdown table (for docs/performance.md)."""
+    out: list[str] = []
+    c = res.get("ceilings") or {}
+    v = c.get("verify") or {}
+    if v:
+        out += ["| ceiling | rate |", "| --- | ---: |",
+                f"| Ed25519 verify, 1 thread ({v.get('signed_bytes')} signed bytes) | "
+                f"{_f(v.get('single_thread_per_s'))}/s |",
+                f"| Ed25519 verify, {v.get('threads')} pinned threads | {_f(v.get('all_cores_per_s'))}/s |"]
+        for k, name in (("frames_unix", "Unix socket"), ("frames_tls", "TLS 1.3")):
+            f = c.get(k) or {}
+            if "frames_per_s" in f:
+                out.append(f"| loopback {f.get('frame_bytes')}-byte frames, {name} | {_f(f.get('frames_per_s'))}/s |")
+        out.append("")
+    rows = (res.get("ours") or []) + (res.get("peers") or [])
+    if rows:
+        out += ["| system | scenario | durability | msg/s at max | deliveries/s | server CPU µs/msg | p50 ms | "
+                "p99 ms | max ms | lost |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for r in rows:
+            mx = r.get("max") or {}
+            lat = r.get("latency") or {}
+            lr = ((lat.get("receiver") or {}).get("latency")) or {}
+            cpu = mx.get("server_cpu_us_per_msg")
+            loss = (mx.get("loss") or 0) + (lat.get("loss") or 0) if mx or lat else None
+            out.append(f"| {r.get('system')} | {r.get('scenario')} | {r.get('durability', '')} | "
+                       f"{_f(mx.get('msgs_per_s'))} | {_f(mx.get('deliveries_per_s'))} | "
+                       f"{'+'.join(_f(x) for x in cpu) if cpu else '-'} | {_ms(lr.get('p50_ms'))} | "
+                       f"{_ms(lr.get('p99_ms'))} | {_ms(lr.get('max_ms'))} | {_f(loss)} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # python -m bench.report [FILE] [--markdown]
+    import sys
+
+    src = Path(next((a for a in sys.argv[1:] if not a.startswith("--")), RESULTS / "latest.json"))
+    data = json.loads(src.read_text())
+    print(markdown(data) if "--markdown" in sys.argv else table(data))
