@@ -19,7 +19,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import lmdb
 
@@ -48,7 +48,15 @@ from upsycle_router.wire.messages import Message
 from upsycle_router.wire.session import Error, decode_frame
 
 log = logging.getLogger("upsycle_router.driver")
-_Raw = tuple[int, Message, int]  # (connection, message, frame size) awaiting signature verification
+
+
+class _Raw(NamedTuple):
+    """A decoded message awaiting signature verification with its batch."""
+
+    conn: int
+    message: Message
+    size: int
+
 
 
 class Dialer(Protocol):
@@ -153,7 +161,7 @@ class Driver:
         if self.verifier.cached(item):
             self._push(MessageReceived(conn.id, item, True, len(payload)))
         else:
-            self._push((conn.id, item, len(payload)))  # verified with its batch
+            self._push(_Raw(conn.id, item, len(payload)))  # verified with its batch
 
     def on_close(self, conn: StreamConnection) -> None:
         """A connection ended."""
@@ -200,9 +208,9 @@ class Driver:
             self._queue_sent = []
         if not pending:
             return
-        raws = [x for x in pending if isinstance(x, tuple)]
+        raws = [x for x in pending if isinstance(x, _Raw)]
         if not raws:
-            self._process([x for x in pending if not isinstance(x, tuple)])
+            self._process([x for x in pending if not isinstance(x, _Raw)])
         elif not self.verifier.wants_threads(len(raws)):
             self._process(self._resolve(pending, self.verifier.verify_inline([m for _, m, _ in raws])))
         else:
@@ -223,7 +231,7 @@ class Driver:
         it = iter(results)
         out: list[Event] = []
         for x in pending:
-            if isinstance(x, tuple):
+            if isinstance(x, _Raw):
                 ok = next(it)
                 if not ok:
                     self.stats["bad_signature_total"] += 1
@@ -286,10 +294,12 @@ class Driver:
                 if isinstance(e, Trace):
                     self.journal.record(e, now)
             self.journal.flush()
+        sent_to: set[StreamConnection] = set()
         for e in effects:
             if isinstance(e, Send):
                 conn = self.conns.get(e.conn)
                 if conn is not None and conn.send(e.data):
+                    sent_to.add(conn)
                     if e.queue_ref is not None:
                         # Dequeue only once the bytes left our buffer: a crash before then must redeliver.
                         conn.unflushed.append((conn.written, e.queue_ref))
@@ -308,6 +318,8 @@ class Driver:
             elif isinstance(e, PeerLearned):
                 if self.dialer is not None:
                     self.dialer.learn(e.router, e.host, e.port)
+        for conn in sent_to:  # one write per connection and batch
+            conn.write_out()
         if self._unflushed:
             self._release_flushed()
 
@@ -385,7 +397,7 @@ class Driver:
             if self._queue_sent:
                 pending.append(QueueSent(tuple(self._queue_sent)))
                 self._queue_sent = []
-            raws = [x for x in pending if isinstance(x, tuple)]
+            raws = [x for x in pending if isinstance(x, _Raw)]
             self._process(self._resolve(pending, self.verifier.verify_inline([m for _, m, _ in raws])))
         for h in (self._timer, self._sync_handle, self._release_handle):
             if h is not None:

@@ -25,6 +25,7 @@ log = logging.getLogger("upsycle_router.transport")
 _ids = itertools.count(1)
 _LEN = struct.Struct(">I")
 CLOSE_LINGER = 0.5  # seconds input is drained after an ERROR, before the close
+WRITE_GATHER_MAX = 64 * 1024  # gathered frames are written at once beyond this many bytes
 
 
 class ConnectionHandler(Protocol):
@@ -77,6 +78,10 @@ class StreamConnection(asyncio.Protocol):
         self.written = 0  # bytes handed to the transport so far
         # (end offset in ``written``, queue ref) of queued messages not yet out of the transport's buffer
         self.unflushed: collections.deque[tuple[int, tuple[bytes, int]]] = collections.deque()
+        # Frames sent during one loop iteration go out in one write (one system call, not one per frame).
+        self._loop = asyncio.get_running_loop()
+        self._out: list[bytes] = []
+        self._out_bytes = 0
 
     # ---------------------------------------------------------------- asyncio.Protocol
 
@@ -131,6 +136,7 @@ class StreamConnection(asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self.closed = True
+        self._out, self._out_bytes = [], 0
         if not self.opened.done():
             self.opened.set_exception(ConnectionError("connection closed before the handshake completed"))
             self.opened.exception()  # mark retrieved
@@ -155,23 +161,40 @@ class StreamConnection(asyncio.Protocol):
     # ---------------------------------------------------------------- driver side
 
     def send(self, payload: bytes) -> bool:
-        """Write one frame; False if the connection is closed."""
+        """Queue one frame for :meth:`write_out` (called by the sender once it has sent what it had; at the
+        latest at the end of this loop iteration); False if the connection is closed."""
         t = self.transport
         if self.closed or t is None or t.is_closing():
             return False
-        t.writelines((_LEN.pack(len(payload)), payload))
-        self.written += 4 + len(payload)
-        self.last_active = asyncio.get_running_loop().time()
+        if not self._out:
+            self._loop.call_soon(self.write_out)
+        n = len(payload)
+        self._out.append(_LEN.pack(n))
+        self._out.append(payload)
+        self._out_bytes += 4 + n
+        self.written += 4 + n
+        self.last_active = self._loop.time()
+        if self._out_bytes >= WRITE_GATHER_MAX:
+            self.write_out()
         return True
+
+    def write_out(self) -> None:
+        """Hand the frames gathered so far to the transport in one write."""
+        if not self._out:
+            return
+        out, self._out, self._out_bytes = self._out, [], 0
+        t = self.transport
+        if t is not None and not t.is_closing():
+            t.writelines(out)
 
     def flushed(self) -> int:
         """Bytes that left the transport's buffer (handed to the kernel) so far."""
         return self.written - self.buffered()
 
     def buffered(self) -> int:
-        """Bytes written but not yet sent by the transport."""
+        """Bytes written but not yet sent by the transport (gathered ones included)."""
         t = self.transport
-        return t.get_write_buffer_size() if t is not None else 0
+        return (t.get_write_buffer_size() if t is not None else 0) + self._out_bytes
 
     def close_with_error(self, code: int, reason: str) -> None:
         """Send ERROR and close.
@@ -182,6 +205,7 @@ class StreamConnection(asyncio.Protocol):
         """
         if self.closed:
             return
+        self.write_out()
         self.closed = True
         t = self.transport
         if t is not None and not t.is_closing():
@@ -197,12 +221,14 @@ class StreamConnection(asyncio.Protocol):
         """Close without an ERROR."""
         if self.closed:
             return
+        self.write_out()
         self.closed = True
         if self.transport is not None:
             self.transport.close()
 
     def abort(self) -> None:
         """Drop the connection at once."""
+        self._out, self._out_bytes = [], 0
         self.closed = True
         if self.transport is not None:
             self.transport.abort()

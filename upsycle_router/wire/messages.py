@@ -10,6 +10,7 @@ the id, so a router may set or clear it (:meth:`Message.with_via`) without touch
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -169,8 +170,76 @@ class Message:
         return replace(self, via=via)
 
 
+# The fast path of decode_message: one regular expression for the single deterministic form of a routed
+# message (RFC 8949 §4.2.1: shortest heads, keys sorted by their encoding, so "sn" < "exp" < "grp" < "ttl").
+# A uint32 in shortest form: an immediate 0..23, or a 1/2/4-byte argument that would not fit the next shorter.
+_U = rb"([\x00-\x17]|\x18[\x18-\xff]|\x19[\x01-\xff].|\x1a(?:[\x01-\xff].|\x00[\x01-\xff])..)"
+_K = rb"\x58\x20(.{32})"  # a 32-byte key
+_B = rb"([\x40-\x57]|\x58[\x18-\xff]|\x59[\x01-\xff].|\x5a(?:[\x01-\xff].|\x00[\x01-\xff])..)"  # bstr head
+_UNICAST_RE = re.compile(
+    rb"([\x84\x85])\x00\xa4\x63dst" + _K + rb"\x63exp" + _U + rb"\x63src" + _K + rb"\x63ttl" + _U + _B, re.DOTALL
+)
+_MULTICAST_RE = re.compile(rb"([\x84\x85])\x01\xa4\x62sn([\x80-\x90])", re.DOTALL)
+_MULTICAST_REST_RE = re.compile(rb"\x63exp" + _U + rb"\x63grp" + _K + rb"\x63ttl" + _U + _B, re.DOTALL)
+
+
+def _arg(head: bytes) -> int:
+    """The argument of a head matched by ``_U`` or ``_B``."""
+    return head[0] & 0x1F if len(head) == 1 else int.from_bytes(head[1:], "big")
+
+
+def _decode_canonical(data: bytes) -> Message | None:
+    """Decode a message in exactly the one deterministic form without the general CBOR decoder; None for
+    anything else, which then goes through the strict decoder. This path only accepts inputs the strict decoder
+    accepts, with the same result (tests/test_fast_decode.py checks both ways)."""
+    header: Header
+    if data[1:2] == b"\x00":
+        m = _UNICAST_RE.match(data)
+        if m is None:
+            return None
+        arr, dst, exp, src, ttl, bhead = m.groups()
+        header = UnicastHeader(src, dst, _arg(ttl), _arg(exp))
+        i = m.end()
+    else:
+        m = _MULTICAST_RE.match(data)
+        if m is None:
+            return None
+        arr = m.group(1)
+        i = m.end()
+        sn = []
+        for _ in range(m.group(2)[0] - 0x80):
+            if data[i : i + 2] != b"\x58\x20" or len(data) < i + 34:
+                return None
+            sn.append(data[i + 2 : i + 34])
+            i += 34
+        r = _MULTICAST_REST_RE.match(data, i)
+        if r is None:
+            return None
+        exp, grp, ttl, bhead = r.groups()
+        header = MulticastHeader(grp, _arg(ttl), _arg(exp), tuple(sn))
+        i = r.end()
+    blen = _arg(bhead)
+    body = data[i : i + blen]
+    i += blen
+    end = len(data) - (_ENC_VIA_LEN if arr == b"\x85" else 0)
+    if i + _ENC_SIG_LEN != end or data[i : i + 2] != _SIG_HEAD:
+        return None
+    via = None
+    if arr == b"\x85":
+        if data[end : end + 2] != _VIA_HEAD:
+            return None
+        via = data[end + 2 :]
+    sig = data[i + 2 : end]
+    signed = data[1:i]
+    return Message(header, body, sig, via, signed, message_id(signed, sig))
+
+
 def decode_message(data: bytes) -> Message:
     """Decode one routed message strictly; raise RemoteProtocolError naming the offending field."""
+    if isinstance(data, bytes):
+        fast = _decode_canonical(data)
+        if fast is not None:
+            return fast
     obj = decode_item(data)
     if not isinstance(obj, list):
         raise RemoteProtocolError(f"expected array, got {type_name(obj)}", field="message")
