@@ -281,7 +281,10 @@ class Client:
 
     async def recv(self, timeout: float | None = None) -> Message:
         """The next incoming message; raise ClientError once the connection is closed."""
-        item = await asyncio.wait_for(self._incoming.get(), timeout)
+        try:
+            item = self._incoming.get_nowait()  # a burst: no timer, no task
+        except asyncio.QueueEmpty:
+            item = await asyncio.wait_for(self._incoming.get(), timeout)
         if item is None:
             self._incoming.put_nowait(None)
             raise ClientError(self.closed_reason or "connection closed")

@@ -131,6 +131,7 @@ class LmdbStore:
         self._db["queue_exp"] = self.env.open_db(b"queue_exp")
         self._psize = self.env.stat()["psize"]
         self._next_seq = self._load_seq()
+        self._saved_seq = self._next_seq
         with self.transaction():
             v = self._get("meta", b"schema")
             if v is None:
@@ -154,8 +155,10 @@ class LmdbStore:
             txn.abort()
             raise
         else:
-            self._put("meta", b"seq", _U64.pack(self._next_seq))
+            if self._next_seq != self._saved_seq:  # a batch that wrote nothing commits (and syncs) nothing
+                self._put("meta", b"seq", _U64.pack(self._next_seq))
             txn.commit()
+            self._saved_seq = self._next_seq
         finally:
             self._txn = None
 
@@ -184,9 +187,20 @@ class LmdbStore:
                 yield txn
 
     def _get(self, db: str, key: bytes) -> bytes | None:
+        txn = self._txn
+        if txn is not None:  # the common case, inside a batch: no context manager
+            v = txn.get(key, db=self._db[db])
+            return bytes(v) if v is not None else None
         with self._r() as txn:
             v = txn.get(key, db=self._db[db])
             return bytes(v) if v is not None else None
+
+    def _exists(self, db: str, key: bytes) -> bool:
+        txn = self._txn
+        if txn is not None:
+            return txn.get(key, db=self._db[db]) is not None
+        with self._r() as txn:
+            return txn.get(key, db=self._db[db]) is not None
 
     def _put(self, db: str, key: bytes, value: bytes) -> None:
         self._w().put(key, value, db=self._db[db])
@@ -283,12 +297,10 @@ class LmdbStore:
 
     def put_message(self, mid: bytes, data: bytes, group: bytes | None, expires: float) -> None:
         """Store a message until ``expires``."""
-        old = self._get("msgs", mid)
-        if old is not None:
-            return
         exp = _ms(expires)
-        self._put("msgs", mid, _U64.pack(exp) + (b"\x01" + group if group else b"\x00") + data)
-        self._put("msg_exp", _U64.pack(exp) + mid, b"")
+        value = _U64.pack(exp) + (b"\x01" + group if group else b"\x00") + data
+        if self._w().put(mid, value, db=self._db["msgs"], overwrite=False):  # False: already stored
+            self._put("msg_exp", _U64.pack(exp) + mid, b"")
 
     def get_message(self, mid: bytes) -> StoredMessage | None:
         """A stored message, or None."""
@@ -302,7 +314,7 @@ class LmdbStore:
 
     def has_message(self, mid: bytes) -> bool:
         """Whether ``mid`` is in the message store."""
-        return self._get("msgs", mid) is not None
+        return self._exists("msgs", mid)
 
     def delete_message(self, mid: bytes) -> None:
         """Remove a message and its expiry index entry."""
