@@ -15,6 +15,7 @@ the core's next deadline.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -56,6 +57,21 @@ class _Raw(NamedTuple):
     conn: int
     message: Message
     size: int
+
+
+MAX_SEGMENTS = 3  # segments being verified at once (bounds what is decoded but not yet routed)
+
+
+class _Segment:
+    """Events in arrival order, and the verification of the messages among them."""
+
+    __slots__ = ("future", "items", "msgs", "results")
+
+    def __init__(self, items: list[Event | _Raw]) -> None:
+        self.items = items
+        self.msgs = [x.message for x in items if isinstance(x, _Raw)]
+        self.results: list[bool] | None = None
+        self.future: asyncio.Future[list[list[bool]]] | None = None
 
 
 
@@ -101,7 +117,7 @@ class Driver:
         self.conns: dict[int, StreamConnection] = {}
         self.verifier = Verifier(verify_threads)
         self._pending: list[Event | _Raw] = []
-        self._verify_task: asyncio.Task[None] | None = None
+        self._segments: collections.deque[_Segment] = collections.deque()
         self._queue_sent: list[tuple[bytes, int]] = []
         self._unflushed: set[int] = set()  # connections with queue refs still in their transport buffer
         self._release_handle: asyncio.TimerHandle | None = None
@@ -195,37 +211,56 @@ class Driver:
             self._flush_handle = self.loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        """Verify the pending batch's signatures, run it through the core in one transaction, then carry out
-        the effects. One batch at a time: while a large batch is verified on the thread pool, new frames
-        gather in the next one, so every connection's messages reach the core in the order they arrived."""
-        self._flush_handle = None
-        if self._closed or self._verify_task is not None:
-            return
-        pending = self._pending
-        self._pending = []
-        if self._queue_sent:
-            pending.append(QueueSent(tuple(self._queue_sent)))
-            self._queue_sent = []
-        if not pending:
-            return
-        raws = [x for x in pending if isinstance(x, _Raw)]
-        if not raws:
-            self._process([x for x in pending if not isinstance(x, _Raw)])
-        elif not self.verifier.wants_threads(len(raws)):
-            self._process(self._resolve(pending, self.verifier.verify_inline([m for _, m, _ in raws])))
-        else:
-            self._verify_task = self.loop.create_task(self._verify_then_process(pending, raws))
+        """Seal what arrived since the last flush into a segment, start verifying its signatures, and run
+        every segment whose verification finished through the core.
 
-    async def _verify_then_process(self, pending: list[Event | _Raw], raws: list[_Raw]) -> None:
-        try:
-            results = await self.verifier.verify([m for _, m, _ in raws])
-        finally:
-            self._verify_task = None
+        Segments form a pipeline: up to ``MAX_SEGMENTS`` are being verified on the thread pool while the event
+        loop reads, decodes and routes, so the verify threads never wait for the loop. They are processed
+        strictly in arrival order (every connection's messages reach the core in the order they arrived), all
+        that are ready in one store transaction (group commit). Small segments at light load are verified
+        inline: a thread hop would only add latency."""
+        self._flush_handle = None
         if self._closed:
             return
-        self._process(self._resolve(pending, results))
+        if len(self._segments) < MAX_SEGMENTS:
+            pending = self._pending
+            self._pending = []
+            if self._queue_sent:
+                pending.append(QueueSent(tuple(self._queue_sent)))
+                self._queue_sent = []
+            if pending:
+                seg = _Segment(pending)
+                if not seg.msgs:
+                    seg.results = []
+                elif not self.verifier.wants_threads(len(seg.msgs)):
+                    seg.results = self.verifier.verify_inline(seg.msgs)
+                else:
+                    seg.future = self.verifier.submit(seg.msgs)
+                    seg.future.add_done_callback(self._on_verified)
+                self._segments.append(seg)
+        self._drain()
+
+    def _on_verified(self, _fut: asyncio.Future[list[list[bool]]]) -> None:
+        if self._closed:
+            return
+        self._drain()
         if self._pending or self._queue_sent:
             self._schedule()
+
+    def _drain(self) -> None:
+        """Process the leading segments whose signatures are verified, in one transaction."""
+        events: list[Event] = []
+        segments = self._segments
+        while segments:
+            seg = segments[0]
+            if seg.results is None:
+                if seg.future is None or not seg.future.done():
+                    break
+                seg.results = self.verifier.collect(seg.msgs, seg.future)
+            segments.popleft()
+            events.extend(self._resolve(seg.items, seg.results))
+        if events:
+            self._process(events)
 
     def _resolve(self, pending: list[Event | _Raw], results: list[bool]) -> list[Event]:
         it = iter(results)
@@ -380,11 +415,11 @@ class Driver:
     # ------------------------------------------------------------ shutdown
 
     async def aclose(self) -> None:
-        """Finish a batch being verified, then :meth:`close`."""
-        task = self._verify_task
-        if task is not None:
-            with contextlib.suppress(Exception):
-                await task
+        """Let the segments being verified finish, then :meth:`close`."""
+        for seg in list(self._segments):
+            if seg.future is not None:
+                with contextlib.suppress(Exception):
+                    await seg.future
         self.close()
 
     def close(self) -> None:
@@ -392,6 +427,10 @@ class Driver:
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
+        for seg in self._segments:
+            if seg.results is None and (seg.future is None or not seg.future.done()):
+                seg.results = self.verifier.verify_inline(seg.msgs)
+        self._drain()
         for _ in range(2):  # the pending batch, then the queue acknowledgements it produced
             pending, self._pending = self._pending, []
             if self._queue_sent:

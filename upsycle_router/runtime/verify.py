@@ -79,16 +79,22 @@ class Verifier:
         """Whether a batch of ``n`` messages is worth the thread pool."""
         return self._pool is not None and n >= MIN_PARALLEL
 
-    async def verify(self, msgs: list[Message]) -> list[bool]:
-        """Verify a batch, split across the pool; results in order."""
-        if self._pool is None or len(msgs) < MIN_PARALLEL:
-            return self.verify_inline(msgs)
+    def submit(self, msgs: list[Message]) -> asyncio.Future[list[list[bool]]]:
+        """Start verifying ``msgs`` on the pool, split across its threads; pass the future to :meth:`collect`."""
+        if self._pool is None:
+            raise RuntimeError("no verification threads")
         loop = asyncio.get_running_loop()
         k = min(self.threads, max(1, len(msgs) // (MIN_PARALLEL // 2)))
         size = -(-len(msgs) // k)
         chunks = [msgs[i : i + size] for i in range(0, len(msgs), size)]
-        parts = await asyncio.gather(*(loop.run_in_executor(self._pool, _verify_chunk, c) for c in chunks))
-        results = [ok for part in parts for ok in part]
+        return asyncio.gather(*(loop.run_in_executor(self._pool, _verify_chunk, c) for c in chunks))
+
+    def collect(self, msgs: list[Message], fut: asyncio.Future[list[list[bool]]]) -> list[bool]:
+        """The results of a finished :meth:`submit`, in order (verified inline if the pool failed)."""
+        try:
+            results = [ok for part in fut.result() for ok in part]
+        except Exception:  # noqa: BLE001 - e.g. the pool shut down under it: do the work here
+            return self.verify_inline(msgs)
         self._remember(msgs, results)
         return results
 

@@ -1,0 +1,54 @@
+"""The verifier: results in order, each id verified once, large batches on the pool, inline fallback."""
+
+from __future__ import annotations
+
+import asyncio
+
+from upsycle_router.crypto import Identity, message_signature_valid, sign_message
+from upsycle_router.runtime.verify import MIN_PARALLEL, Verifier
+from upsycle_router.wire.messages import Message, UnicastHeader
+
+
+def _batch(n: int, bad: set[int]) -> list[Message]:
+    key, dst = Identity.generate(), Identity.generate().public
+    out = []
+    for i in range(n):
+        m = sign_message(UnicastHeader(key.public, dst, 60, 2**31), f"m{i}".encode(), key)
+        if i in bad:
+            m = Message(m.header, m.body, bytes([m.sig[0] ^ 1]) + m.sig[1:])
+        out.append(m)
+    return out
+
+
+async def test_pool_results_are_in_order_and_remembered() -> None:
+    v = Verifier(threads=2)
+    try:
+        msgs = _batch(3 * MIN_PARALLEL + 5, bad={0, 7, 40})
+        assert v.wants_threads(len(msgs)) and not v.wants_threads(MIN_PARALLEL - 1)
+        fut = v.submit(msgs)
+        await asyncio.wait([fut])
+        results = v.collect(msgs, fut)
+        assert results == [message_signature_valid(m) for m in msgs]
+        assert results.count(False) == 3
+        assert all(v.cached(m) == ok for m, ok in zip(msgs, results, strict=True))  # only valid ones cached
+    finally:
+        v.close()
+
+
+async def test_collect_falls_back_to_inline_when_the_pool_fails() -> None:
+    v = Verifier(threads=2)
+    msgs = _batch(MIN_PARALLEL, bad={3})
+    fut: asyncio.Future[list[list[bool]]] = asyncio.get_running_loop().create_future()
+    fut.set_exception(RuntimeError("cannot schedule new futures after shutdown"))
+    try:
+        assert v.collect(msgs, fut) == [i != 3 for i in range(len(msgs))]
+    finally:
+        v.close()
+
+
+def test_the_id_cache_is_bounded() -> None:
+    v = Verifier(threads=0, cache_size=10)
+    msgs = _batch(25, bad=set())
+    assert v.verify_inline(msgs) == [True] * 25
+    assert not v.wants_threads(1000)  # no pool
+    assert [v.cached(m) for m in msgs] == [False] * 15 + [True] * 10
