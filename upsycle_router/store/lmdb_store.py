@@ -123,6 +123,7 @@ class LmdbStore:
             readahead=False,
         )
         self._txn: Any = None
+        self._room: list[int] | None = None  # [estimated bytes used, map size] in this transaction (has_room)
         self._next_seq = 0
         self._db: dict[str, Any] = {}
         for name in ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "refs"):
@@ -149,6 +150,7 @@ class LmdbStore:
             return
         txn = self.env.begin(write=True)
         self._txn = txn
+        self._room = None
         try:
             yield
         except BaseException:
@@ -447,11 +449,18 @@ class LmdbStore:
         reason ``quota``) before that point: it keeps 1/16 of the map (at least 1 MiB) free, plus four times
         the size of the write for the B-tree pages it touches.
         """
-        info = self.env.info()
-        psize = int(self._psize)
-        used = (int(info["last_pgno"]) + 1) * psize
-        size = int(info["map_size"])
-        return used + 4 * nbytes + max(size // 16, 1 << 20) <= size
+        if self._txn is None or self._room is None:
+            info = self.env.info()
+            used = (int(info["last_pgno"]) + 1) * int(self._psize)
+            size = int(info["map_size"])
+            if self._txn is None:
+                return used + 4 * nbytes + max(size // 16, 1 << 20) <= size
+            self._room = [used, size]  # read once per transaction; what it admits is added up after that
+        used, size = self._room
+        if used + 4 * nbytes + max(size // 16, 1 << 20) > size:
+            return False
+        self._room[0] = used + 4 * nbytes
+        return True
 
     # ------------------------------------------------------------ statistics
 
