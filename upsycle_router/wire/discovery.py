@@ -7,7 +7,7 @@ signature of the ``id`` key over ``enc(advertisement without "sig")`` (PROTOCOL.
 
 An advert travels out of band as an ``upsycle:`` link (base64url of ``enc([1, PEER_ADVERTISEMENT])``). Discovery
 services speak a few more messages of the same ``[type, map]`` shape (types 2-6: Cyclon SHUFFLE and
-SHUFFLE_REPLY between services, PEERS / PEERS_REPLY and ADVERT_ACK with local apps), decoded by
+SHUFFLE_REPLY between services, PEERS / PEERS_REPLY and ADD_PEER / ADVERT_ACK with local apps), decoded by
 :func:`decode_discovery_message`.
 """
 
@@ -207,7 +207,8 @@ def parse_advert_link(link: str) -> PeerAdvertisement:
 # ---------------------------------------------------------------- discovery service interface (our extension)
 #
 # The seed defines only [1, PEER_ADVERTISEMENT]. Discovery services also shuffle partial views (Cyclon) with
-# each other, and local apps ask their discovery service what it knows or hand it an out-of-band advert.
+# each other, and local apps ask their discovery service what it knows (PEERS) or hand it an out-of-band
+# advert (ADD_PEER).
 # Schema in upsycle.cddl, prose in docs/discovery.md.
 
 SHUFFLE_TYPE = 2
@@ -215,9 +216,11 @@ SHUFFLE_REPLY_TYPE = 3
 PEERS_QUERY_TYPE = 4
 PEERS_REPLY_TYPE = 5
 ADVERT_ACK_TYPE = 6
+ADD_PEER_TYPE = 7
 MAX_SHUFFLE = 64  # entries in one SHUFFLE / SHUFFLE_REPLY
 MAX_PEERS = 4096  # adverts in one PEERS_REPLY
 MAX_LINK_BYTES = 64 * 1024
+UINT64_MAX = 2**64 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,26 +247,39 @@ class ShuffleReply:
 
 @dataclass(frozen=True, slots=True)
 class PeersQuery:
-    """A local app asks its discovery service for the adverts it currently holds."""
+    """A local app asks its discovery service for the adverts it holds; ``n`` (the app's choice) is echoed,
+    so two queries, and their answers, never have the same message id."""
+
+    n: int
 
 
 @dataclass(frozen=True, slots=True)
 class PeersReply:
-    """Answer to PEERS: this node's own current advert (once the router sent it) and the live adverts known."""
+    """Answer to PEERS ``n``: this node's own current advert (once the router sent it) and the live adverts."""
 
+    n: int
     own: PeerAdvertisement | None
     ads: tuple[PeerAdvertisement, ...]
 
 
 @dataclass(frozen=True, slots=True)
-class AdvertAck:
-    """Answer to ``[1, PEER_ADVERTISEMENT]`` sent by a local app (out-of-band import): 0 accepted, 1 refused."""
+class AddPeer:
+    """A local app hands its discovery service an advert it got out of band (an ``upsycle:`` link)."""
 
+    n: int
+    advert: PeerAdvertisement
+
+
+@dataclass(frozen=True, slots=True)
+class AdvertAck:
+    """Answer to ADD_PEER ``n``: 0 accepted, 1 refused."""
+
+    n: int
     id: bytes
     result: int
 
 
-DiscoveryMessage = PeerAdvertisement | Shuffle | ShuffleReply | PeersQuery | PeersReply | AdvertAck
+DiscoveryMessage = PeerAdvertisement | Shuffle | ShuffleReply | PeersQuery | PeersReply | AddPeer | AdvertAck
 
 
 def _entries_cbor(entries: tuple[ShuffleEntry, ...]) -> list[Any]:
@@ -281,15 +297,17 @@ def encode_discovery_message(msg: DiscoveryMessage) -> bytes:
     if isinstance(msg, ShuffleReply):
         return enc([SHUFFLE_REPLY_TYPE, {"ads": _entries_cbor(msg.entries)}])
     if isinstance(msg, PeersQuery):
-        return enc([PEERS_QUERY_TYPE, {}])
+        return enc([PEERS_QUERY_TYPE, {"n": msg.n}])
     if isinstance(msg, PeersReply):
         if len(msg.ads) > MAX_PEERS:
             raise LocalProtocolError(f"at most {MAX_PEERS} adverts", field="ads")
-        m: dict[str, Any] = {"ads": [a.to_cbor() for a in msg.ads]}
+        m: dict[str, Any] = {"n": msg.n, "ads": [a.to_cbor() for a in msg.ads]}
         if msg.own is not None:
             m["own"] = msg.own.to_cbor()
         return enc([PEERS_REPLY_TYPE, m])
-    return enc([ADVERT_ACK_TYPE, {"id": msg.id, "result": msg.result}])
+    if isinstance(msg, AddPeer):
+        return enc([ADD_PEER_TYPE, {"n": msg.n, "ad": msg.advert.to_cbor()}])
+    return enc([ADVERT_ACK_TYPE, {"n": msg.n, "id": msg.id, "result": msg.result}])
 
 
 def _check_entries(v: Any) -> tuple[ShuffleEntry, ...]:
@@ -318,19 +336,22 @@ def decode_discovery_message(data: bytes) -> DiscoveryMessage:
         entries = _check_entries(m["ads"])
         msg = Shuffle(entries) if t == SHUFFLE_TYPE else ShuffleReply(entries)
     elif t == PEERS_QUERY_TYPE:
-        check_map(obj[1], "peers query", frozenset())
-        msg = PeersQuery()
+        m = check_map(obj[1], "peers query", frozenset({"n"}))
+        msg = PeersQuery(check_uint(m["n"], "n", UINT64_MAX))
     elif t == PEERS_REPLY_TYPE:
-        m = check_map(obj[1], "peers reply", frozenset({"ads"}), frozenset({"own"}))
+        m = check_map(obj[1], "peers reply", frozenset({"n", "ads"}), frozenset({"own"}))
         own = PeerAdvertisement.from_cbor(m["own"]) if "own" in m else None
         ads = tuple(PeerAdvertisement.from_cbor(a) for a in check_list(m["ads"], "ads", MAX_PEERS))
-        msg = PeersReply(own, ads)
+        msg = PeersReply(check_uint(m["n"], "n", UINT64_MAX), own, ads)
+    elif t == ADD_PEER_TYPE:
+        m = check_map(obj[1], "add peer", frozenset({"n", "ad"}))
+        msg = AddPeer(check_uint(m["n"], "n", UINT64_MAX), PeerAdvertisement.from_cbor(m["ad"]))
     elif t == ADVERT_ACK_TYPE:
-        m = check_map(obj[1], "advert ack", frozenset({"id", "result"}))
+        m = check_map(obj[1], "advert ack", frozenset({"n", "id", "result"}))
         result = check_uint(m["result"], "result")
         if result not in (0, 1):
             raise RemoteProtocolError(f"result must be 0 or 1, got {result}", field="result")
-        msg = AdvertAck(check_pubkey(m["id"], "id"), result)
+        msg = AdvertAck(check_uint(m["n"], "n", UINT64_MAX), check_pubkey(m["id"], "id"), result)
     else:
         raise RemoteProtocolError(f"unknown discovery message type {t!r}", field="type")
     check_deterministic(data, obj, ["type", "discovery message"], "discovery message")
