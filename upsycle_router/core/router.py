@@ -497,10 +497,10 @@ class Router:
         if dst == self.id or dst in self.locals:
             return
         old = self.routes.get(dst)
-        if old is not None and old.router == router and old.source == source and old.expires is not None and (
-            expires is not None and expires - old.expires < 60.0
+        if old is not None and old.router == router and old.source == source != ROUTE_ADVERT and (
+            old.expires is not None and expires is not None and expires - old.expires < 60.0
         ):
-            return  # avoid a store write per message for an unchanged route
+            return  # avoid a store write per message for an unchanged route (adverts come rarely: keep exact)
         entry = RouteEntry(router, expires, source)
         self.routes[dst] = entry
         self.store.put_route(dst, entry)
