@@ -277,3 +277,36 @@ async def test_core_nodes_find_each_other_from_one_bootstrap_and_drop_dead_ones(
     assert not problems, problems
 
 
+
+
+# ------------------------------------------------------------------------------------------ CLI
+
+
+def test_cli_advert_qr_groups_and_bad_links(tmp_path: Path, daemon: Any) -> None:
+    from netutil import free_port
+
+    group = Identity.generate().public
+    d = daemon("--listen", f"127.0.0.1:{free_port()}",
+               config=discovery_config(lan={"enabled": False}, groups=[group.hex()]))  # fmt: skip
+    app = ["--socket", str(d.sock), "--data-dir", str(d.dir), "--key", str(tmp_path / "app.key")]
+    png = tmp_path / "advert.png"
+    r = cli("advert", *app, "--qr", "--png", str(png))
+    assert r.returncode == 0, r.stderr
+    link = r.stdout.splitlines()[0]
+    assert link.startswith("upsycle:") and "█" in r.stdout  # the QR code on the terminal
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from upsycle_router.wire.discovery import parse_advert_link
+
+    own = parse_advert_link(link)
+    assert own.id == load_key_file(d.dir / "router.key").public and own.grps == (group,)
+    r = cli("groups", *app)
+    assert r.returncode == 0 and r.stdout.split()[0] == group.hex(), r
+    # A second identical query within the same minute still gets its own answer.
+    assert cli("groups", *app, "--json").stdout.count(group.hex()) == 1
+    for bad, why in (("upsycle:!!", "not a valid upsycle: advert link"), ("hello", "not a valid upsycle: advert link"),
+                     (link[:-4] + ("AAAA" if not link.endswith("AAAA") else "BBBB"), "")):  # fmt: skip
+        r = cli("add-peer", bad, *app)
+        assert r.returncode == 2 and r.stderr.startswith("error: ") and why in r.stderr, r
+    r = cli("add-peer", link, *app)  # its own advert: refused by the service, said so
+    assert r.returncode == 1 and "refused" in r.stderr
+    assert d.running
