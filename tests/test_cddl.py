@@ -54,7 +54,10 @@ from upsycle_router.wire.session import Auth, Error, Hello
 
 HERE = Path(__file__).parent
 VECTORS: dict[str, Any] = json.loads((HERE / "vectors" / "wire-v1.json").read_text())
-ROOTS = ["message", "router-message", "pubsub-message", "discovery-message", "app-message", "session-frame"]
+ROOTS = [
+    "message", "router-message", "pubsub-message", "discovery-message", "discovery-service-message", "app-message",
+    "session-frame",
+]
 
 
 @cache

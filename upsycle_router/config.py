@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from upsycle_router.config_discovery import DiscoveryConfig, parse_discovery
 from upsycle_router.errors import ConfigError
 from upsycle_router.store.lmdb_store import Durability
 from upsycle_router.wire.discovery import TransportAddr
@@ -97,6 +98,7 @@ class DaemonConfig:
     trace_max_bytes: int = 64 * 1024 * 1024
     log_level: str = "info"
     pubsub: PubsubConfig = field(default_factory=PubsubConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
 
     @property
     def key_path(self) -> Path:
@@ -179,6 +181,7 @@ _TOP = {
     "local_services", "edge_nodes", "accept_join_from_any", "accept_pull_from_any", "peers", "core_nodes",
     "idle_timeout",
     "seen_max", "queue", "store", "limits", "trace", "log", "pubsub", "metrics", "verify_threads",
+    "discovery",
 }  # fmt: skip
 _GOSSIP_PARAMS = {
     "D", "D_low", "D_high", "D_lazy", "heartbeat_interval", "fanout_ttl", "mcache_len", "mcache_gossip", "seen_ttl",
@@ -271,6 +274,8 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
         kw["log_level"] = level
     if "pubsub" in top:
         kw["pubsub"] = _parse_pubsub(top["pubsub"])
+    if "discovery" in top:
+        kw["discovery"] = parse_discovery(top["discovery"])
     return DaemonConfig(**{**_as_dict(cfg), **kw})
 
 

@@ -25,6 +25,9 @@ class CoreConfig:
     # The local pub/sub service and peer discovery service, if any.
     pubsub_service: bytes | None = None
     discovery_service: bytes | None = None
+    # The well-known local discovery group: only the discovery service may publish to it; the router is a
+    # member and learns routes from the adverts on it; it never leaves this node.
+    discovery_group: bytes | None = None
     # Bounded recently-seen id list (multicast step 5; also replay protection for unicast).
     seen_max: int = 100_000
     # Per-recipient queue quota.

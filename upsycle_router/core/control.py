@@ -14,6 +14,7 @@ and, on an edge router, JOINs the group at its core nodes; the last subscriber l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from upsycle_router.core.events import Effect, PeerLearned, Send, Trace
@@ -35,7 +36,7 @@ from upsycle_router.wire.control import (
     decode_control,
     encode_router,
 )
-from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
+from upsycle_router.wire.discovery import PeerAdvertisement, decode_discovery, encode_discovery
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub, Unsub
 
@@ -124,7 +125,9 @@ class ControlPlane:
         else:
             drop("unknown_control")
 
-    def _may_join(self, c: Conn, requester: bytes) -> bool:
+    def _may_join(self, c: Conn, requester: bytes, group: bytes) -> bool:
+        if group == self.r.config.discovery_group and not c.local:
+            return False  # the discovery group is local to this node
         if c.local:
             return requester in self.r.locals
         return self.r.config.accept_join_from_any or requester in self.r.config.edge_nodes
@@ -133,7 +136,9 @@ class ControlPlane:
         self, c: Conn, msg: Message, j: Join, h: UnicastHeader, size: int, now: float, out: list[Effect]
     ) -> None:
         requester = h.src
-        if not self._may_join(c, requester):
+        if j.addr == self.r.config.discovery_group:
+            j = Join(j.addr, True)  # always a local group: never SUBbed to pub/sub nor joined upstream
+        if not self._may_join(c, requester, j.addr):
             out.append(Trace("dropped", msg.id, "control", j.addr, h.src, h.dst, c.peer, size, "not_authorized"))
             self._reply(c, requester, encode_router(JoinAck(j.addr, Result.FAILURE)), now, out)
             return
@@ -206,20 +211,61 @@ class ControlPlane:
         self, c: Conn, msg: Message, adv: PeerAdvertisement, h: UnicastHeader, size: int, now: float, out: list[Effect]
     ) -> None:
         from_discovery = c.local and h.src == self.r.config.discovery_service
+
+        def drop(reason: str) -> None:
+            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, reason))
+
         if not advert_valid(adv) or (adv.id != h.src and not from_discovery):
-            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, "bad_signature"))
+            drop("bad_signature")
             return
-        expiry = expires_at(now, adv.ttl, adv.exp)
-        if expiry <= now:
-            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, "expired"))
-            return
-        via = c.peer if not c.local else adv.id
         if not c.local and c.peer == adv.id:
             self.r.peer_routers.add(adv.id)
+        self._learn_advert(adv, c.peer if not c.local else adv.id, h.src, now, out, drop)
+
+    def discovered(self, c: Conn, msg: Message, h: MulticastHeader, size: int, now: float, out: list[Effect]) -> None:
+        """A multicast of the local discovery service on the discovery group: learn routes from its advert."""
+
+        def drop(reason: str) -> None:
+            out.append(Trace("dropped", msg.id, "multicast", h.grp, None, self.r.id, c.peer, size, reason))
+
+        try:
+            adv = decode_discovery(msg.body)
+        except RemoteProtocolError:
+            drop("malformed")
+            return
+        if not advert_valid(adv):
+            drop("bad_signature")
+            return
+        if self._learn_advert(adv, adv.id, c.peer, now, out, drop):
+            out.append(Trace("delivered", msg.id, "multicast", h.grp, None, self.r.id, self.r.id, size,
+                             role="service"))
+
+    def _learn_advert(
+        self,
+        adv: PeerAdvertisement,
+        via: bytes,
+        sender: bytes,
+        now: float,
+        out: list[Effect],
+        drop: Callable[[str], None],
+    ) -> bool:
+        """Routes to the advertised router (via ``via``) and its services, until ``min(arrival + ttl, exp)``."""
+        if adv.id == self.r.id:
+            return True  # our own advert, echoed back: nothing to learn
+        expiry = expires_at(now, adv.ttl, adv.exp)
+        if expiry <= now:
+            drop("expired")
+            return False
+        known = self.r.advert_revs.get(adv.id)
+        if known is not None and adv.rev < known[0]:
+            drop("stale_revision")  # a newer revision of this router's advert was accepted before
+            return False
+        self.r.advert_revs[adv.id] = (adv.rev, expiry)
         self.r._learn_route(adv.id, via, ROUTE_ADVERT, expiry)
         for _, svc in adv.svcs:
             self.r._learn_route(svc, adv.id, ROUTE_ADVERT, expiry)
         out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port))
         for service in (self.r.config.pubsub_service, self.r.config.discovery_service):
-            if service is not None and service != h.src:
+            if service is not None and service != sender:
                 self._send_to_service(service, encode_discovery(adv), now, out)
+        return True

@@ -98,6 +98,8 @@ class Router:
         self._backoff: dict[bytes, float] = {}
         # Routers that proved themselves peers by advertising on their own connection (PULL is allowed).
         self.peer_routers: set[bytes] = set()
+        # Newest advert revision accepted per router, and when that advert lapses (older revisions are refused).
+        self.advert_revs: dict[bytes, tuple[int, float]] = {}
         self.control = ControlPlane(self)
         self.counters: dict[str, int] = {}  # driver-side counters, reported by status()
 
@@ -174,6 +176,8 @@ class Router:
         for dst in [d for d, r in self.routes.items() if r.expires is not None and r.expires <= now]:
             del self.routes[dst]
             self.store.delete_route(dst)
+        for rid in [r for r, (_, t) in self.advert_revs.items() if t <= now]:
+            del self.advert_revs[rid]
         return out
 
     def status(self) -> dict[str, int]:
@@ -214,6 +218,10 @@ class Router:
             if ev.peer not in self.locals:
                 self.locals.add(ev.peer)
             self.store.add_local(ev.peer)
+            if ev.peer == self.config.discovery_service:  # it announces our advert (LAN, peer sampling, links)
+                advert = self._own_advert_message(ev.peer, now)
+                if advert is not None:
+                    out.append(Send(ev.conn, advert.encode()))
         else:
             self._dialing.discard(ev.peer)
             self._redial.pop(ev.peer, None)
@@ -345,16 +353,27 @@ class Router:
         self._to_router(router, msg, None, size, now, out, kind="unicast")
 
     def _multicast(self, c: Conn, msg: Message, h: MulticastHeader, size: int, now: float, out: list[Effect]) -> None:
+        discovery = h.grp == self.config.discovery_group
+        if discovery:
+            # The local discovery group (seed §Peer Discovery Service): the router is a member; only the
+            # discovery service may publish; nothing on it leaves this node.
+            if not (c.local and c.peer == self.config.discovery_service and msg.via in (None, self.id)):
+                out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "not_authorized"))
+                return
+            msg = msg.with_via(None)
+            self.control.discovered(c, msg, h, size, now, out)
         if c.local and msg.via is not None and msg.via != self.id:  # step 2: source routing by a local service
             self._to_router(msg.via, msg, h.grp, size, now, out, kind="multicast")
             return
         members = self.subs.get(h.grp)
         recipients = [m for m in members if m != c.peer] if members else []
         ps = self.config.pubsub_service
-        if c.local and ps is not None and ps != c.peer and ps not in recipients:
+        if c.local and ps is not None and ps != c.peer and ps not in recipients and not discovery:
             # A local publish always reaches the pub/sub service, which disseminates it (fanout when this
             # node has not joined the group), so apps can publish to groups nobody here subscribes to.
             recipients.append(ps)
+        if not recipients and discovery:
+            return  # the router itself was the only member (its 'delivered' record is written by discovered())
         if not recipients and not (c.local and h.grp in self.upstream_groups):  # step 3
             out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "no_subscribers"))
             return
@@ -478,10 +497,10 @@ class Router:
         if dst == self.id or dst in self.locals:
             return
         old = self.routes.get(dst)
-        if old is not None and old.router == router and old.source == source and old.expires is not None and (
-            expires is not None and expires - old.expires < 60.0
+        if old is not None and old.router == router and old.source == source != ROUTE_ADVERT and (
+            old.expires is not None and expires is not None and expires - old.expires < 60.0
         ):
-            return  # avoid a store write per message for an unchanged route
+            return  # avoid a store write per message for an unchanged route (adverts come rarely: keep exact)
         entry = RouteEntry(router, expires, source)
         self.routes[dst] = entry
         self.store.put_route(dst, entry)
@@ -502,7 +521,7 @@ class Router:
         self.advert = advert
         out: list[Effect] = []
         for c in self._conns.values():
-            if not c.local:
+            if not c.local or c.peer == self.config.discovery_service:
                 m = self._own_advert_message(c.peer, now)
                 if m is not None:
                     out.append(Send(c.id, m.encode()))

@@ -26,17 +26,19 @@ from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, load_or_create_key_file, sign_advert
 from upsycle_router.errors import ConfigError, ErrorCode
 from upsycle_router.expiry import exp_in
+from upsycle_router.runtime.discovery_service import DiscoveryService, LanSocketConfig
 from upsycle_router.runtime.driver import Driver
 from upsycle_router.runtime.metrics import MetricsServer
 from upsycle_router.runtime.pool import ConnectionPool
 from upsycle_router.runtime.pubsub_service import PubsubService
+from upsycle_router.services.discovery import DISCOVERY_GROUP
 from upsycle_router.services.pubsub.params import GossipParams
 from upsycle_router.services.pubsub.validation import GroupPolicy, SignaturePolicy
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.stream import StreamConnection
 from upsycle_router.transport.tls import client_context, server_context
-from upsycle_router.wire.discovery import SERVICE_PUBSUB, PeerAdvertisement, TransportAddr
+from upsycle_router.wire.discovery import SERVICE_DISCOVERY, SERVICE_PUBSUB, PeerAdvertisement, TransportAddr
 
 log = logging.getLogger("upsycle_router.daemon")
 STOP_TIMEOUT = 10.0
@@ -56,7 +58,10 @@ def sd_notify(state: str) -> None:
 
 
 def core_config(
-    cfg: DaemonConfig, pubsub_service: bytes | None = None, local_services: frozenset[bytes] | None = None
+    cfg: DaemonConfig,
+    pubsub_service: bytes | None = None,
+    local_services: frozenset[bytes] | None = None,
+    discovery_service: bytes | None = None,
 ) -> CoreConfig:
     """The routing core's policy from the daemon config."""
     return CoreConfig(
@@ -67,6 +72,8 @@ def core_config(
         upstream=frozenset(p.id for p in cfg.core_nodes),
         accept_pull_from_any=cfg.accept_pull_from_any,
         pubsub_service=pubsub_service,
+        discovery_service=discovery_service,
+        discovery_group=DISCOVERY_GROUP.public if discovery_service is not None else None,
         seen_max=cfg.seen_max,
         queue_max_count=cfg.queue_max_count,
         queue_max_bytes=cfg.queue_max_bytes,
@@ -94,6 +101,13 @@ def group_policies(cfg: DaemonConfig) -> dict[bytes, GroupPolicy]:
     return out
 
 
+def discovery_service(cfg: DaemonConfig, identity: Identity, socket_path: Path) -> DiscoveryService:
+    """The discovery service of ``cfg.discovery`` (in-process or ``upsycle-router discovery``)."""
+    d = cfg.discovery
+    lan = LanSocketConfig(d.lan_group, d.lan_port, d.lan_interface) if d.lan else None
+    return DiscoveryService(identity, socket_path, params=d.params(), lan=lan)
+
+
 class Daemon:
     """One running router."""
 
@@ -113,6 +127,9 @@ class Daemon:
         self.pubsub_identity: Identity | None = None
         self.pubsub: PubsubService | None = None
         self._pubsub_task: asyncio.Task[None] | None = None
+        self.discovery_identity: Identity | None = None
+        self.discovery: DiscoveryService | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Open state and start listening."""
@@ -130,13 +147,18 @@ class Daemon:
         if cfg.pubsub.enabled:
             self.pubsub_identity = load_or_create_key_file(cfg.data_dir / "pubsub.key")
         ps_key = self.pubsub_identity.public if self.pubsub_identity is not None else None
+        if cfg.discovery.enabled:
+            self.discovery_identity = load_or_create_key_file(cfg.data_dir / "discovery.key")
+        disc_key = self.discovery_identity.public if self.discovery_identity is not None else None
         local_services = cfg.local_services
         if local_services is not None and ps_key is not None:
             local_services = local_services | {ps_key}
+        if local_services is not None and disc_key is not None:
+            local_services = local_services | {disc_key}
         self.store = LmdbStore(cfg.data_dir / "store", cfg.durability, cfg.map_size)
         if cfg.trace_dir is not None:
             self.journal = TraceJournal(cfg.trace_dir, ident.public, cfg.trace_max_bytes)
-        router = Router(ident, self.store, core_config(cfg, ps_key, local_services))
+        router = Router(ident, self.store, core_config(cfg, ps_key, local_services, disc_key))
         self.driver = Driver(
             router,
             self.store,
@@ -150,7 +172,7 @@ class Daemon:
         )
         loop = asyncio.get_running_loop()
         router.advert = self._own_advert(ident)
-        if cfg.tls is not None or cfg.peers or cfg.core_nodes:
+        if cfg.tls is not None or cfg.peers or cfg.core_nodes or cfg.discovery.enabled:
             self.pool = ConnectionPool(
                 self.driver,
                 ident,
@@ -162,6 +184,10 @@ class Daemon:
             for p in cfg.peers + cfg.core_nodes:
                 addr = TransportAddr.parse(p.addr)
                 self.pool.add_static(p.id, addr.host, addr.port)
+            if cfg.discovery.enabled and cfg.discovery.sampling:
+                for b in cfg.discovery.bootstrap:
+                    addr = TransportAddr.parse(b.addr)
+                    self.pool.add_bootstrap(b.id, addr.host, addr.port)
             self.driver.dialer = self.pool
         if cfg.unix is not None:
             await self._listen_unix(cfg.unix)
@@ -184,7 +210,10 @@ class Daemon:
                 self.pubsub_identity, cfg.unix, params=params, policies=policies
             )
             self._pubsub_task = loop.create_task(self.pubsub.run())
-        self._readvertise_handle = loop.call_later(ADVERT_REFRESH, self._readvertise)
+        if self.discovery_identity is not None and cfg.unix is not None and cfg.discovery.in_process:
+            self.discovery = discovery_service(cfg, self.discovery_identity, cfg.unix)
+            self._discovery_task = loop.create_task(self.discovery.run())
+        self._readvertise_handle = loop.call_later(self._advert_refresh(), self._readvertise)
         log.info(
             "started id=%s data_dir=%s unix=%s durability=%s", ident.hex, cfg.data_dir, cfg.unix, cfg.durability.value
         )
@@ -196,18 +225,32 @@ class Daemon:
     def _own_advert(self, ident: Identity) -> PeerAdvertisement:
         """This router's signed advertisement (sent to every router it connects to)."""
         cfg = self.config
-        addr = TransportAddr.parse(cfg.tls) if cfg.tls is not None else TransportAddr(1, bytes(4), 0)
-        svcs: tuple[tuple[int, bytes], ...] = ()
+        listen = cfg.discovery.advertise if cfg.discovery.advertise is not None else cfg.tls
+        addr = TransportAddr.parse(listen) if listen is not None else TransportAddr(1, bytes(4), 0)
+        svcs: list[tuple[int, bytes]] = []
+        if self.discovery_identity is not None:
+            svcs.append((SERVICE_DISCOVERY, self.discovery_identity.public))
         if self.pubsub_identity is not None:
-            svcs = ((SERVICE_PUBSUB, self.pubsub_identity.public),)
+            svcs.append((SERVICE_PUBSUB, self.pubsub_identity.public))
+        ttl = cfg.discovery.advert_ttl if cfg.discovery.enabled else ADVERT_TTL
+        grps = cfg.discovery.groups if cfg.discovery.enabled else ()
         now = time.time()
-        adv = PeerAdvertisement(ident.public, addr, svcs, (), int(now * 1000), ADVERT_TTL, exp_in(now, 2 * ADVERT_TTL))
+        adv = PeerAdvertisement(
+            ident.public, addr, tuple(svcs), grps, int(now * 1000), ttl, exp_in(now, 2 * ADVERT_TTL)
+        )
         return sign_advert(adv, ident)
+
+    def _advert_refresh(self) -> float:
+        """Seconds between re-signed adverts: before a third of the ttl (connected routers keep our routes)
+        and of the absolute lifetime have passed."""
+        if self.config.discovery.enabled:
+            return min(ADVERT_REFRESH, max(1.0, self.config.discovery.advert_ttl / 3))
+        return ADVERT_REFRESH
 
     def _readvertise(self) -> None:
         assert self.driver is not None and self.identity is not None
         self.driver.apply_now(self.driver.router.readvertise(self._own_advert(self.identity), time.time()))
-        self._readvertise_handle = asyncio.get_running_loop().call_later(ADVERT_REFRESH, self._readvertise)
+        self._readvertise_handle = asyncio.get_running_loop().call_later(self._advert_refresh(), self._readvertise)
 
     def _connection(self, kind: str) -> StreamConnection:
         assert self.driver is not None and self.identity is not None
@@ -260,6 +303,11 @@ class Daemon:
             if self._pubsub_task is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(self._pubsub_task, 2.0)
+        if self.discovery is not None:
+            await self.discovery.stop()
+            if self._discovery_task is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self._discovery_task, 2.0)
         if self.pool is not None:
             await self.pool.close()
         if self.metrics is not None:

@@ -44,6 +44,7 @@ class ConnectionPool:
         self.max_frame = max_frame
         self.addrs: dict[bytes, tuple[str, int]] = {}
         self.static: set[bytes] = set()
+        self.bootstrap: set[bytes] = set()
         self._dialing: dict[bytes, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
@@ -53,9 +54,14 @@ class ConnectionPool:
         self.addrs[router] = (host, port)
         self.static.add(router)
 
+    def add_bootstrap(self, router: bytes, host: str, port: int) -> None:
+        """A bootstrap node of peer sampling: dialled at start and whenever no router is connected at all."""
+        self.addrs[router] = (host, port)
+        self.bootstrap.add(router)
+
     def start(self) -> None:
-        """Dial the static peers and start the idle/reconnect loop."""
-        for r in self.static:
+        """Dial the static peers and bootstrap nodes and start the idle/reconnect loop."""
+        for r in self.static | self.bootstrap:
             self.dial(r)
         t = asyncio.get_running_loop().create_task(self._maintain())
         self._tasks.add(t)
@@ -119,6 +125,8 @@ class ConnectionPool:
                     log.info("closing idle connection to %s", (c.peer or b"").hex())
                     c.close()
             missing = [r for r in self.static if not self.connected(r) and r not in self._dialing]
+            if self.bootstrap and not any(c.kind == "tls" and not c.closed for c in self.driver.conns.values()):
+                missing += [r for r in self.bootstrap if r not in self._dialing and r not in missing]
             for r in missing:
                 self.dial(r)
             backoff = min(backoff * 2, 30.0) if missing else 1.0

@@ -1,13 +1,20 @@
-"""Peer discovery messages of seed 003: ``[1, PEER_ADVERTISEMENT]``.
+"""Peer discovery messages of seed 003: ``[1, PEER_ADVERTISEMENT]``, out-of-band links, and our extension.
 
 An advertisement names a node's router key (``id``), a transport address (``addr``: ``[1, ip, port]`` TCP or
 ``[2, ip, port]`` UDP, ip4 or ip6 as 4 or 16 bytes), public services (``svcs``: 1 = discovery, 2 = pub/sub),
 public groups (``grps``), a revision (``rev``, higher replaces lower), a lifetime (``ttl``, ``exp``) and the
 signature of the ``id`` key over ``enc(advertisement without "sig")`` (PROTOCOL.md §7).
+
+An advert travels out of band as an ``upsycle:`` link (base64url of ``enc([1, PEER_ADVERTISEMENT])``). Discovery
+services speak a few more messages of the same ``[type, map]`` shape (types 2-6: Cyclon SHUFFLE and
+SHUFFLE_REPLY between services, PEERS / PEERS_REPLY and ADD_PEER / ADVERT_ACK with local apps), decoded by
+:func:`decode_discovery_message`.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import ipaddress
 from dataclasses import dataclass
 from typing import Any
@@ -168,3 +175,184 @@ def decode_discovery(data: bytes) -> PeerAdvertisement:
     adv = PeerAdvertisement.from_cbor(obj[1])
     check_deterministic(data, obj, ["type", "advertisement"], "discovery message")
     return adv
+
+
+# ---------------------------------------------------------------- out-of-band links
+
+LINK_SCHEME = "upsycle:"
+
+
+def advert_link(adv: PeerAdvertisement) -> str:
+    """``upsycle:`` + base64url (no padding) of ``enc([1, PEER_ADVERTISEMENT])``: an advert to share out of band."""
+    return LINK_SCHEME + base64.urlsafe_b64encode(encode_discovery(adv)).rstrip(b"=").decode("ascii")
+
+
+def parse_advert_link(link: str) -> PeerAdvertisement:
+    """Decode an ``upsycle:`` link strictly (the signature is not checked here)."""
+    text = "".join(link.split())
+    if not text.lower().startswith(LINK_SCHEME):
+        raise RemoteProtocolError(f"an advert link starts with {LINK_SCHEME!r}", field="link")
+    payload = text[len(LINK_SCHEME) :]
+    if not payload or len(payload) > 2 * MAX_LINK_BYTES:
+        raise RemoteProtocolError("empty or oversized link", field="link")
+    if not all(ch.isascii() and (ch.isalnum() or ch in "-_") for ch in payload):
+        raise RemoteProtocolError("not base64url (A-Z a-z 0-9 - _)", field="link")
+    try:
+        data = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
+    except (ValueError, binascii.Error):
+        raise RemoteProtocolError("not base64url", field="link") from None
+    return decode_discovery(data)
+
+
+# ---------------------------------------------------------------- discovery service interface (our extension)
+#
+# The seed defines only [1, PEER_ADVERTISEMENT]. Discovery services also shuffle partial views (Cyclon) with
+# each other, and local apps ask their discovery service what it knows (PEERS) or hand it an out-of-band
+# advert (ADD_PEER).
+# Schema in upsycle.cddl, prose in docs/discovery.md.
+
+SHUFFLE_TYPE = 2
+SHUFFLE_REPLY_TYPE = 3
+PEERS_QUERY_TYPE = 4
+PEERS_REPLY_TYPE = 5
+ADVERT_ACK_TYPE = 6
+ADD_PEER_TYPE = 7
+MAX_SHUFFLE = 64  # entries in one SHUFFLE / SHUFFLE_REPLY
+MAX_PEERS = 4096  # adverts in one PEERS_REPLY
+MAX_LINK_BYTES = 64 * 1024
+UINT64_MAX = 2**64 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ShuffleEntry:
+    """One entry of a Cyclon view: a signed advert and its age in seconds (time since its node injected it)."""
+
+    age: int
+    advert: PeerAdvertisement
+
+
+@dataclass(frozen=True, slots=True)
+class Shuffle:
+    """Cyclon shuffle request: a sample of the sender's view (its own fresh advert first)."""
+
+    entries: tuple[ShuffleEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ShuffleReply:
+    """Cyclon shuffle answer: a sample of the answering node's view."""
+
+    entries: tuple[ShuffleEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PeersQuery:
+    """A local app asks its discovery service for the adverts it holds; ``n`` (the app's choice) is echoed,
+    so two queries, and their answers, never have the same message id."""
+
+    n: int
+
+
+@dataclass(frozen=True, slots=True)
+class PeersReply:
+    """Answer to PEERS ``n``: this node's own current advert (once the router sent it) and the live adverts."""
+
+    n: int
+    own: PeerAdvertisement | None
+    ads: tuple[PeerAdvertisement, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AddPeer:
+    """A local app hands its discovery service an advert it got out of band (an ``upsycle:`` link)."""
+
+    n: int
+    advert: PeerAdvertisement
+
+
+@dataclass(frozen=True, slots=True)
+class AdvertAck:
+    """Answer to ADD_PEER ``n``: 0 accepted, 1 refused."""
+
+    n: int
+    id: bytes
+    result: int
+
+
+DiscoveryMessage = PeerAdvertisement | Shuffle | ShuffleReply | PeersQuery | PeersReply | AddPeer | AdvertAck
+
+
+def _entries_cbor(entries: tuple[ShuffleEntry, ...]) -> list[Any]:
+    if len(entries) > MAX_SHUFFLE:
+        raise LocalProtocolError(f"at most {MAX_SHUFFLE} shuffle entries", field="ads")
+    return [[e.age, e.advert.to_cbor()] for e in entries]
+
+
+def encode_discovery_message(msg: DiscoveryMessage) -> bytes:
+    """Deterministic CBOR of any discovery-interface message."""
+    if isinstance(msg, PeerAdvertisement):
+        return encode_discovery(msg)
+    if isinstance(msg, Shuffle):
+        return enc([SHUFFLE_TYPE, {"ads": _entries_cbor(msg.entries)}])
+    if isinstance(msg, ShuffleReply):
+        return enc([SHUFFLE_REPLY_TYPE, {"ads": _entries_cbor(msg.entries)}])
+    if isinstance(msg, PeersQuery):
+        return enc([PEERS_QUERY_TYPE, {"n": msg.n}])
+    if isinstance(msg, PeersReply):
+        if len(msg.ads) > MAX_PEERS:
+            raise LocalProtocolError(f"at most {MAX_PEERS} adverts", field="ads")
+        m: dict[str, Any] = {"n": msg.n, "ads": [a.to_cbor() for a in msg.ads]}
+        if msg.own is not None:
+            m["own"] = msg.own.to_cbor()
+        return enc([PEERS_REPLY_TYPE, m])
+    if isinstance(msg, AddPeer):
+        return enc([ADD_PEER_TYPE, {"n": msg.n, "ad": msg.advert.to_cbor()}])
+    return enc([ADVERT_ACK_TYPE, {"n": msg.n, "id": msg.id, "result": msg.result}])
+
+
+def _check_entries(v: Any) -> tuple[ShuffleEntry, ...]:
+    out = []
+    for e in check_list(v, "ads", MAX_SHUFFLE):
+        pair = check_list(e, "ads")
+        if len(pair) != 2:
+            raise RemoteProtocolError(f"expected [age, advertisement], got {type_name(e)}", field="ads")
+        out.append(ShuffleEntry(check_uint(pair[0], "age"), PeerAdvertisement.from_cbor(pair[1])))
+    return tuple(out)
+
+
+def decode_discovery_message(data: bytes) -> DiscoveryMessage:
+    """Decode any discovery-interface message strictly (signatures are not checked here)."""
+    obj = decode_item(data, "discovery message")
+    if not isinstance(obj, list) or len(obj) != 2:
+        raise RemoteProtocolError(f"expected [type, map], got {type_name(obj)}", field="discovery message")
+    t = obj[0]
+    if isinstance(t, bool) or not isinstance(t, int):
+        raise RemoteProtocolError(f"unknown discovery message type {t!r}", field="type")
+    if t == ADVERT_TYPE:
+        return decode_discovery(data)
+    msg: DiscoveryMessage
+    if t in (SHUFFLE_TYPE, SHUFFLE_REPLY_TYPE):
+        m = check_map(obj[1], "shuffle", frozenset({"ads"}))
+        entries = _check_entries(m["ads"])
+        msg = Shuffle(entries) if t == SHUFFLE_TYPE else ShuffleReply(entries)
+    elif t == PEERS_QUERY_TYPE:
+        m = check_map(obj[1], "peers query", frozenset({"n"}))
+        msg = PeersQuery(check_uint(m["n"], "n", UINT64_MAX))
+    elif t == PEERS_REPLY_TYPE:
+        m = check_map(obj[1], "peers reply", frozenset({"n", "ads"}), frozenset({"own"}))
+        own = PeerAdvertisement.from_cbor(m["own"]) if "own" in m else None
+        ads = tuple(PeerAdvertisement.from_cbor(a) for a in check_list(m["ads"], "ads", MAX_PEERS))
+        msg = PeersReply(check_uint(m["n"], "n", UINT64_MAX), own, ads)
+    elif t == ADD_PEER_TYPE:
+        m = check_map(obj[1], "add peer", frozenset({"n", "ad"}))
+        msg = AddPeer(check_uint(m["n"], "n", UINT64_MAX), PeerAdvertisement.from_cbor(m["ad"]))
+    elif t == ADVERT_ACK_TYPE:
+        m = check_map(obj[1], "advert ack", frozenset({"n", "id", "result"}))
+        result = check_uint(m["result"], "result")
+        if result not in (0, 1):
+            raise RemoteProtocolError(f"result must be 0 or 1, got {result}", field="result")
+        msg = AdvertAck(check_uint(m["n"], "n", UINT64_MAX), check_pubkey(m["id"], "id"), result)
+    else:
+        raise RemoteProtocolError(f"unknown discovery message type {t!r}", field="type")
+    check_deterministic(data, obj, ["type", "discovery message"], "discovery message")
+    return msg

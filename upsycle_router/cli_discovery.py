@@ -1,0 +1,275 @@
+"""Discovery commands: ``advert``, ``add-peer``, ``peers``, ``groups`` and ``discovery``.
+
+The first four are apps: they connect to the router's Unix socket (``--socket`` / ``--config`` / ``--key``
+as the other app commands) and talk to the node's discovery service, whose address they read from the
+service's key file in the data directory (``--data-dir`` / ``--config``) unless ``--service HEX`` names it:
+
+- ``advert`` prints the node's current advert as an ``upsycle:`` link (``--qr``: also as a QR code on the
+  terminal and as a PNG file);
+- ``add-peer LINK`` checks a link (format, signature, expiry) and hands the advert to the discovery service,
+  which publishes it to the router (routes, address) and adds it to its peer sample;
+- ``peers`` and ``groups`` list the adverts the service knows and the public groups they name.
+
+``discovery`` runs the discovery service as its own process (``discovery.in_process: false``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from upsycle_router.cli_client import _common, _run
+from upsycle_router.cli_daemon import add_daemon_options, config_from_args, run_async
+from upsycle_router.client import Client, ClientError
+from upsycle_router.config import load_config, parse_key
+from upsycle_router.crypto import advert_valid, load_key_file, load_or_create_key_file, sign_message
+from upsycle_router.errors import ConfigError, KeyFileError, RemoteProtocolError
+from upsycle_router.expiry import exp_in, exp_iso, expires_at
+from upsycle_router.wire.discovery import (
+    SERVICE_DISCOVERY,
+    SERVICE_PUBSUB,
+    AddPeer,
+    AdvertAck,
+    DiscoveryMessage,
+    PeerAdvertisement,
+    PeersQuery,
+    PeersReply,
+    advert_link,
+    decode_discovery_message,
+    encode_discovery_message,
+    parse_advert_link,
+)
+from upsycle_router.wire.messages import UnicastHeader
+
+ANSWER_TIMEOUT = 10.0
+
+
+def _service(args: argparse.Namespace) -> bytes:
+    """The discovery service's address: ``--service``, else the public half of DATA_DIR/discovery.key."""
+    if args.service:
+        return parse_key(args.service, "--service")
+    if args.data_dir:
+        data_dir = Path(args.data_dir)
+    else:
+        data_dir = load_config(args.config).data_dir
+    path = data_dir / "discovery.key"
+    if not path.exists():
+        raise ConfigError(f"{path}: no discovery service key (is discovery.enabled on?); or pass --service HEX")
+    return load_key_file(path).public
+
+
+async def _ask(c: Client, service: bytes, body: DiscoveryMessage, want: type[Any]) -> Any:
+    """Send ``body`` to the discovery service; its first answer of type ``want`` with the same ``n``."""
+    n = getattr(body, "n", None)
+    header = UnicastHeader(c.identity.public, service, 60, exp_in(time.time(), 120))
+    c.send_message(sign_message(header, encode_discovery_message(body), c.identity))
+    await c.drain()
+    deadline = time.monotonic() + ANSWER_TIMEOUT
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            msg = await c.recv(timeout=left)
+        except TimeoutError:
+            break
+        h = msg.header
+        if not isinstance(h, UnicastHeader) or h.src != service:
+            continue
+        try:
+            answer = decode_discovery_message(msg.body)
+        except RemoteProtocolError:
+            continue
+        if isinstance(answer, want) and getattr(answer, "n", None) == n:
+            return answer
+    raise ClientError(f"no answer from the discovery service {service.hex()} within {ANSWER_TIMEOUT:.0f} s "
+                      "(is discovery enabled on the router?)")  # fmt: skip
+
+
+def _nonce() -> int:
+    return int.from_bytes(os.urandom(8), "big")
+
+
+def advert_summary(adv: PeerAdvertisement, now: float | None = None) -> dict[str, Any]:
+    """One advert as JSON-friendly values."""
+    svcs = {"discovery": adv.service(SERVICE_DISCOVERY), "pubsub": adv.service(SERVICE_PUBSUB)}
+    out: dict[str, Any] = {
+        "id": adv.id.hex(),
+        "addr": str(adv.addr),
+        "services": {k: v.hex() for k, v in svcs.items() if v is not None},
+        "groups": [g.hex() for g in adv.grps],
+        "rev": adv.rev,
+        "ttl": adv.ttl,
+        "exp": exp_iso(adv.exp),
+    }
+    return out
+
+
+def cmd_advert(args: argparse.Namespace) -> int:
+    """Print this node's current advert as an ``upsycle:`` link (and QR code)."""
+    service = _service(args)
+
+    async def go(c: Client) -> int:
+        reply: PeersReply = await _ask(c, service, PeersQuery(_nonce()), PeersReply)
+        if reply.own is None:
+            print("error: the discovery service has no advert of its router yet", file=sys.stderr)
+            return 1
+        link = advert_link(reply.own)
+        print(link)
+        if args.qr:
+            import segno
+
+            qr = segno.make(link, error="l")
+            qr.terminal(out=sys.stdout, compact=True)
+            qr.save(args.png, scale=4, border=4)
+            print(f"PNG written to {args.png}", file=sys.stderr)
+        return 0
+
+    return _run(args, go)
+
+
+def check_link(link: str, now: float) -> PeerAdvertisement:
+    """Decode and check an ``upsycle:`` link; ValueError with a clear reason if it is no good."""
+    try:
+        adv = parse_advert_link(link)
+    except RemoteProtocolError as e:
+        raise ValueError(f"not a valid upsycle: advert link ({e})") from None
+    if not advert_valid(adv):
+        raise ValueError(f"the advert's signature does not verify under its id {adv.id.hex()}")
+    if expires_at(now, adv.ttl, adv.exp) <= now:
+        raise ValueError(f"the advert expired at {exp_iso(adv.exp)}")
+    return adv
+
+
+def cmd_add_peer(args: argparse.Namespace) -> int:
+    """Import an advert from an ``upsycle:`` link."""
+    try:
+        adv = check_link(args.link, time.time())
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    service = _service(args)
+
+    async def go(c: Client) -> int:
+        ack: AdvertAck = await _ask(c, service, AddPeer(_nonce(), adv), AdvertAck)
+        if ack.result != 0:
+            print(f"error: the discovery service refused the advert of {adv.id.hex()} (an older revision than "
+                  "one it knows, or its own node's; see the router's log)", file=sys.stderr)  # fmt: skip
+            return 1
+        print(f"added {adv.id.hex()} {adv.addr}")
+        return 0
+
+    return _run(args, go)
+
+
+def _listing(args: argparse.Namespace, show: Any) -> int:
+    service = _service(args)
+
+    async def go(c: Client) -> int:
+        reply: PeersReply = await _ask(c, service, PeersQuery(_nonce()), PeersReply)
+        show(reply)
+        return 0
+
+    return _run(args, go)
+
+
+def cmd_peers(args: argparse.Namespace) -> int:
+    """List the adverts the discovery service knows."""
+
+    def show(reply: PeersReply) -> None:
+        for adv in reply.ads:
+            s = advert_summary(adv)
+            if args.json:
+                print(json.dumps(s))
+            else:
+                print(f"{s['id']}  {s['addr']:22}  rev {s['rev']}  groups {len(s['groups'])}  "
+                      f"services {','.join(sorted(s['services'])) or '-'}")  # fmt: skip
+
+    return _listing(args, show)
+
+
+def cmd_groups(args: argparse.Namespace) -> int:
+    """List the public groups named in known adverts (this node's own included)."""
+
+    def show(reply: PeersReply) -> None:
+        ads = ([reply.own] if reply.own is not None else []) + list(reply.ads)
+        by_group: dict[bytes, list[PeerAdvertisement]] = {}
+        for adv in ads:
+            for g in adv.grps:
+                by_group.setdefault(g, []).append(adv)
+        for g in sorted(by_group):
+            nodes = by_group[g]
+            if args.json:
+                print(json.dumps({"group": g.hex(), "nodes": [a.id.hex() for a in nodes]}))
+            else:
+                print(f"{g.hex()}  {' '.join(a.id.hex()[:16] for a in nodes)}")
+
+    return _listing(args, show)
+
+
+def cmd_discovery(args: argparse.Namespace) -> int:
+    """Run the discovery service as a separate process against a router's socket."""
+    from upsycle_router.runtime.daemon import discovery_service
+    from upsycle_router.runtime.logs import setup_logging
+
+    try:
+        cfg = config_from_args(args)
+        ident = load_or_create_key_file(cfg.data_dir / "discovery.key")
+    except (KeyFileError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.unix is None:
+        print("error: the router has no Unix socket (listen.unix)", file=sys.stderr)
+        return 2
+    setup_logging(cfg.log_level)
+    service = discovery_service(cfg, ident, cfg.unix)
+
+    async def main() -> None:
+        import signal
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: loop.create_task(service.stop()))
+        await service.run()
+
+    run_async(main())
+    return 0
+
+
+def _app(p: argparse.ArgumentParser) -> None:
+    _common(p)
+    p.add_argument("--data-dir", help="the router's data directory (to find the discovery service's key)")
+    p.add_argument("--service", help="the discovery service's address (hex), instead of reading its key")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``advert``, ``add-peer``, ``peers``, ``groups`` and ``discovery``."""
+    p = sub.add_parser("advert", help="print this node's advert as an upsycle: link (--qr: and a QR code)")
+    _app(p)
+    p.add_argument("--qr", action="store_true", help="also print a QR code and write it as PNG")
+    p.add_argument("--png", default="upsycle-advert.png", help="PNG file for --qr (default upsycle-advert.png)")
+    p.set_defaults(func=cmd_advert)
+
+    p = sub.add_parser("add-peer", help="import a peer's advert from an upsycle: link")
+    _app(p)
+    p.add_argument("link", help="the upsycle: link")
+    p.set_defaults(func=cmd_add_peer)
+
+    p = sub.add_parser("peers", help="list the peers the discovery service knows")
+    _app(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per peer")
+    p.set_defaults(func=cmd_peers)
+
+    p = sub.add_parser("groups", help="list the public groups named in known adverts")
+    _app(p)
+    p.add_argument("--json", action="store_true", help="one JSON object per group")
+    p.set_defaults(func=cmd_groups)
+
+    p = sub.add_parser("discovery", help="run the discovery service as a separate process")
+    add_daemon_options(p)
+    p.add_argument("--unix", help="the router's Unix socket (overrides the config)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.set_defaults(func=cmd_discovery)

@@ -1,0 +1,153 @@
+"""Cyclon random peer sampling (Voulgaris, Gavidia, van Steen 2005) over signed adverts.
+
+Every node keeps a partial view of at most ``view_size`` entries; an entry is another node's signed advert
+and its age. Ages are kept in seconds (the time since the advert's node put a fresh copy into circulation)
+rather than in shuffle rounds, so they mean the same at every node whatever its shuffle period, and they
+travel with the entries.
+
+Shuffle, initiator P (:meth:`CyclonView.start_shuffle`): pick the oldest entry Q and ``l - 1`` other random
+entries; take Q out of the view (if Q is dead it never answers and is gone - that is how dead nodes leave);
+send Q the others plus P's own advert with age 0. Q (:meth:`answer`) replies with up to ``l`` random entries
+of its own and merges what it got, then P merges the reply (:meth:`merge`). Merging discards entries about
+the merging node itself, keeps the fresher copy (higher revision, else younger) of an entry already held,
+fills empty slots first and then replaces the entries it sent away.
+
+Live nodes keep injecting age-0 copies of themselves; copies of a dead node only grow older, so
+:meth:`age_out` removes them once older than ``max_age``.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from upsycle_router.expiry import exp_to_unix
+from upsycle_router.wire.discovery import SERVICE_DISCOVERY, PeerAdvertisement, ShuffleEntry
+
+
+@dataclass(slots=True)
+class ViewEntry:
+    """An advert in the view; ``born`` is when (on our clock) its age was 0."""
+
+    advert: PeerAdvertisement
+    born: float
+
+    def age(self, now: float) -> float:
+        return max(0.0, now - self.born)
+
+
+def shufflable(adv: PeerAdvertisement) -> bool:
+    """Whether a node can take part in sampling: it advertises a discovery service."""
+    return adv.service(SERVICE_DISCOVERY) is not None
+
+
+class CyclonView:
+    """One node's partial view."""
+
+    def __init__(self, self_id: bytes, view_size: int, shuffle_length: int, rng: random.Random) -> None:
+        self.self_id = self_id
+        self.view_size = view_size
+        self.shuffle_length = shuffle_length
+        self.rng = rng
+        self.entries: dict[bytes, ViewEntry] = {}
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self.entries
+
+    def ids(self) -> set[bytes]:
+        """The node ids in the view."""
+        return set(self.entries)
+
+    def _fresher(self, adv: PeerAdvertisement, born: float, old: ViewEntry) -> bool:
+        if adv.rev != old.advert.rev:
+            return adv.rev > old.advert.rev
+        return born > old.born
+
+    def add(self, adv: PeerAdvertisement, age: float, now: float) -> bool:
+        """Put one entry in (a seed, or a directly connected peer): an empty slot, a fresher copy of a held
+        entry, or in place of the oldest entry when the view is full. True if the view changed."""
+        if adv.id == self.self_id or not shufflable(adv):
+            return False
+        born = now - age
+        old = self.entries.get(adv.id)
+        if old is not None:
+            if self._fresher(adv, born, old):
+                self.entries[adv.id] = ViewEntry(adv, born)
+                return True
+            return False
+        if len(self.entries) >= self.view_size:
+            oldest = min(sorted(self.entries), key=lambda k: self.entries[k].born)
+            if self.entries[oldest].born >= born:
+                return False
+            del self.entries[oldest]
+        self.entries[adv.id] = ViewEntry(adv, born)
+        return True
+
+    def _sample(self, n: int, exclude: bytes | None = None) -> list[bytes]:
+        pool = sorted(k for k in self.entries if k != exclude)
+        return self.rng.sample(pool, min(n, len(pool)))
+
+    def _export(self, ids: list[bytes], now: float) -> list[ShuffleEntry]:
+        return [ShuffleEntry(int(self.entries[k].age(now)), self.entries[k].advert) for k in ids]
+
+    def start_shuffle(
+        self, own: PeerAdvertisement, now: float
+    ) -> tuple[PeerAdvertisement, tuple[ShuffleEntry, ...], tuple[bytes, ...]] | None:
+        """Initiate: ``(target advert, entries to send, ids sent)``; the target leaves the view. None if empty."""
+        if not self.entries:
+            return None
+        target = min(sorted(self.entries), key=lambda k: self.entries[k].born)  # the oldest
+        others = self._sample(self.shuffle_length - 1, exclude=target)
+        sent = [ShuffleEntry(0, own), *self._export(others, now)]
+        adv = self.entries.pop(target).advert
+        return adv, tuple(sent), tuple(others)
+
+    def answer(self, sender: bytes, received: tuple[ShuffleEntry, ...], now: float) -> tuple[ShuffleEntry, ...]:
+        """Respond to a shuffle from ``sender``: up to ``l`` random entries of ours, then merge theirs."""
+        ids = self._sample(self.shuffle_length, exclude=sender)
+        reply = tuple(self._export(ids, now))
+        self.merge(received, ids, now)
+        return reply
+
+    def merge(self, received: tuple[ShuffleEntry, ...], sent: list[bytes] | tuple[bytes, ...], now: float) -> None:
+        """Integrate received entries: skip ourselves, refresh held entries, fill empty slots, then replace
+        the entries we sent away (those are in the other node's view now)."""
+        replaceable = [k for k in sent if k in self.entries]
+        for e in received[: self.shuffle_length]:
+            adv = e.advert
+            if adv.id == self.self_id or not shufflable(adv):
+                continue
+            born = now - e.age
+            old = self.entries.get(adv.id)
+            if old is not None:
+                if self._fresher(adv, born, old):
+                    self.entries[adv.id] = ViewEntry(adv, born)
+                continue
+            if len(self.entries) < self.view_size:
+                self.entries[adv.id] = ViewEntry(adv, born)
+                continue
+            while replaceable:
+                victim = replaceable.pop(0)
+                if victim in self.entries:
+                    del self.entries[victim]
+                    self.entries[adv.id] = ViewEntry(adv, born)
+                    break
+
+    def age_out(self, now: float, max_age: float | None) -> list[bytes]:
+        """Drop entries older than ``max_age`` (None: older than their advert's ttl) or whose advert expired
+        (``exp``); return their ids."""
+        gone = []
+        for k, e in self.entries.items():
+            limit = max_age if max_age is not None else float(e.advert.ttl)
+            if e.age(now) > limit or exp_to_unix(e.advert.exp) <= now:
+                gone.append(k)
+        for k in gone:
+            del self.entries[k]
+        return gone
+
+    def remove(self, node: bytes) -> None:
+        """Forget ``node``."""
+        self.entries.pop(node, None)
