@@ -493,6 +493,26 @@ def test_advert_route_expires_at_min_of_ttl_and_exp(h: CoreHarness) -> None:
     assert h.router.next_deadline() is None
 
 
+@pytest.mark.parametrize("still_connected", [False, True])
+def test_a_router_that_stops_advertising_takes_its_message_routes_along(h: CoreHarness, still_connected: bool) -> None:
+    r = h.open(R, local=False)
+    h.receive(r, advert_message(R, X, advert(R, ttl=600, svcs=((2, R_PS.public),))))
+    far = ident("far-app")  # an app behind R: its route is learned from a message R relayed
+    a = h.open(ALICE)
+    h.receive(r, unicast(far, ALICE))
+    assert h.router.routes[far.public].router == R.public
+    if not still_connected:
+        h.close(r)
+    h.timer(T0 + 600)
+    assert R_PS.public not in h.router.routes  # the advertised service lapses with the advert either way
+    if still_connected:  # R is still there: what it relayed stays routable
+        assert h.router.routes[far.public].router == R.public
+    else:
+        assert far.public not in h.router.routes and far.public not in h.store.routes()
+        m = unicast(ALICE, far)
+        assert [t.reason for t in h.receive(a, m).traces("dropped")] == ["no_route"]
+
+
 def test_advert_is_passed_on_to_the_local_services(tmp_path: Path) -> None:
     h = CoreHarness(tmp_path / "x", X, config(pubsub_service=PS.public, discovery_service=DISC.public))
     p, d = h.open(PS), h.open(DISC)

@@ -173,7 +173,15 @@ class Router:
             if self.connected(router) is None and router not in self._dialing and self.store.queue_usage(router)[0]:
                 self._dialing.add(router)
                 out.append(Dial(router))
-        for dst in [d for d, r in self.routes.items() if r.expires is not None and r.expires <= now]:
+        expired = [d for d, r in self.routes.items() if r.expires is not None and r.expires <= now]
+        # A router whose advertisement lapsed while we are not connected to it stopped announcing itself:
+        # it is gone, and so are the routes learned from messages it relayed (they would outlive it by
+        # ``learned_route_ttl``). Its services' advertised routes lapse with the advertisement.
+        gone = {d for d in expired if self.routes[d].source == ROUTE_ADVERT and self.connected(d) is None}
+        if gone:
+            expired += [d for d, r in self.routes.items() if r.router in gone and r.source == ROUTE_MESSAGE
+                        and d not in expired]
+        for dst in expired:
             del self.routes[dst]
             self.store.delete_route(dst)
         for rid in [r for r, (_, t) in self.advert_revs.items() if t <= now]:
