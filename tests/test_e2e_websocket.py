@@ -141,6 +141,11 @@ async def test_origin_allow_list_path_and_bad_requests(daemon: DaemonFactory) ->
     ws = await RawWebSocket.open(url, request=plain)
     assert ws.status == 400 and await ws.eof()
     await ws.close()
+    v8 = "GET /upsycle HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    v8 += f"Sec-WebSocket-Key: {'A' * 22}==\r\n"
+    ws = await RawWebSocket.open(url, request=v8.encode() + b"Sec-WebSocket-Version: 8\r\n\r\n")
+    assert ws.status == 426 and ws.headers.get("sec-websocket-version") == "13" and await ws.eof()
+    await ws.close()
     ws = await RawWebSocket.open(url, request=b"\x16\x03\x01 not http at all\r\n\r\n")
     assert ws.status == 400 and await ws.eof()
     await ws.close()
@@ -332,3 +337,18 @@ def test_missing_certificate_file_is_a_clear_error(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+
+
+async def test_over_the_connection_limit_gets_503_and_the_unix_socket_error_6(daemon: DaemonFactory) -> None:
+    d = ws_daemon(daemon, limits={"max_connections": 2})  # the in-process pub/sub service holds one
+    url = ws_url(d)
+    async with await Client.connect_websocket(url, Identity.generate(), timeout=5) as first:
+        await first.sync()
+        ws = await RawWebSocket.open(url, origin=ORIGIN)
+        assert ws.status == 503 and b"too many connections" in ws.body, (ws.status, ws.body)
+        assert await ws.eof()
+        await ws.close()
+        with pytest.raises(ClientError, match="ERROR 6"):
+            await Client.connect(d.sock, Identity.generate(), timeout=5)
+        await first.sync()  # the admitted connection is unaffected
+    assert "too many connections" in d.log_text() or "connection limit" in d.log_text()

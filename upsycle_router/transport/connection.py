@@ -84,6 +84,7 @@ class Connection(asyncio.Protocol):
         self.last_active = asyncio.get_running_loop().time()
         self._timer: asyncio.TimerHandle | None = None
         self.written = 0  # bytes handed to the transport so far
+        self._refusal: tuple[int, str] | None = None  # an ERROR asked for before the transport existed
         # (end offset in ``written``, queue ref) of queued messages not yet out of the transport's buffer
         self.unflushed: collections.deque[tuple[int, tuple[bytes, int]]] = collections.deque()
 
@@ -117,6 +118,10 @@ class Connection(asyncio.Protocol):
                 pass
         self._timer = asyncio.get_running_loop().call_later(self._handshake_timeout, self._handshake_expired)
         self._connected()
+        if self._refusal is not None:  # e.g. over the connection limit: refused as soon as it exists
+            code, reason = self._refusal
+            self._refusal = None
+            self.close_with_error(code, reason)
 
     def connection_lost(self, exc: Exception | None) -> None:
         """Report the close once."""
@@ -225,9 +230,12 @@ class Connection(asyncio.Protocol):
         """
         if self.closed:
             return
-        self.closed = True
         t = self.transport
-        if t is not None and not t.is_closing():
+        if t is None:
+            self._refusal = (code, reason)
+            return
+        self.closed = True
+        if not t.is_closing():
             self._write_error(t, code, reason)
             try:
                 if t.can_write_eof():

@@ -124,6 +124,7 @@ class WebSocketConnection(Connection):
         self.upgraded = False
         self.origin: str | None = None
         self._message = bytearray()  # the binary message being reassembled
+        self._http_refusal: tuple[int, str] | None = None  # answer the upgrade request with this status
 
     # ---------------------------------------------------------------- transport hooks
 
@@ -148,6 +149,14 @@ class WebSocketConnection(Connection):
             self._write(self.ws.send(BytesMessage(data=Session.error_payload(code, reason))))
             self._write(self.ws.send(CloseConnection(code=close_code(code), reason=f"upsycle ERROR {code}")))
 
+    def close_with_error(self, code: int, reason: str) -> None:
+        """Send ERROR and close; before the upgrade, refuse the request (503 waits for the request itself)."""
+        overloaded = code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN)
+        if not self.upgraded and overloaded and not self.closed and self.transport is not None:
+            self._http_refusal = (503, reason)  # answered when the request arrives (bounded by the timer)
+            return
+        super().close_with_error(code, reason)
+
     def _write_close(self, t: asyncio.Transport) -> None:
         if self.upgraded and self.ws.state in (ConnectionState.OPEN, ConnectionState.REMOTE_CLOSING):
             self._write(self.ws.send(CloseConnection(code=1000)))
@@ -167,7 +176,8 @@ class WebSocketConnection(Connection):
                     return
         except WsRemoteError as e:  # a malformed HTTP request
             log.warning("conn %d: bad WebSocket upgrade request: %s", self.id, e)
-            self._reject(400, f"bad WebSocket upgrade request: {e}")
+            hint = e.event_hint if isinstance(e.event_hint, RejectConnection) else RejectConnection()
+            self._reject(hint.status_code, f"bad WebSocket upgrade request: {e}", list(hint.headers))
         except RemoteProtocolError as e:
             self.protocol_error(e)
 
@@ -197,6 +207,10 @@ class WebSocketConnection(Connection):
             self.close()
 
     def _upgrade(self, req: Request) -> None:
+        if self._http_refusal is not None:
+            log.warning("conn %d: WebSocket request refused: %s", self.id, self._http_refusal[1])
+            self._reject(*self._http_refusal)
+            return
         headers = {k.lower(): v for k, v in req.extra_headers}
         raw_origin = headers.get(b"origin")
         self.origin = raw_origin.decode("latin-1") if raw_origin is not None else None
@@ -214,7 +228,7 @@ class WebSocketConnection(Connection):
         log.info("conn %d: WebSocket upgraded path=%s origin=%s", self.id, path, self.origin)
         self._send_session_output()  # HELLO
 
-    def _reject(self, status: int, reason: str) -> None:
+    def _reject(self, status: int, reason: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
         """Answer the upgrade request with an HTTP error and close."""
         self.closed = True
         t = self.transport
@@ -223,6 +237,7 @@ class WebSocketConnection(Connection):
         body = (reason + "\n").encode("utf-8", "replace")
         try:
             headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
+            headers += extra or []
             self._write(self.ws.send(RejectConnection(status_code=status, headers=headers, has_body=True)))
             self._write(self.ws.send(RejectData(data=body, body_finished=True)))
         except (WsLocalError, h11.LocalProtocolError):  # no (valid) request parsed yet: plain HTTP/1.1
