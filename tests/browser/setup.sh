@@ -26,10 +26,12 @@ if ! command -v npm >/dev/null; then
   apt_install nodejs npm || echo "browser setup: npm could not be installed" >&2
 fi
 if command -v npm >/dev/null; then
-  if ! cmp -s clients/js/package-lock.json clients/js/node_modules/.package-lock.json 2>/dev/null; then
+  # node_modules/.lock-sha256 records the lock file it was installed from: install again only when it changed
+  want=$(sha256sum clients/js/package-lock.json | cut -d' ' -f1)
+  if [ "$(cat clients/js/node_modules/.lock-sha256 2>/dev/null)" != "$want" ]; then
     # --ignore-scripts: cbor-x's optional native addon is not needed (the pure JS path is used)
-    (cd clients/js && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error) \
-      || echo "browser setup: npm ci failed in clients/js" >&2
+    (cd clients/js && npm ci --no-audit --no-fund --ignore-scripts --loglevel=error \
+      && echo "$want" > node_modules/.lock-sha256) || echo "browser setup: npm ci failed in clients/js" >&2
   fi
 fi
 exit 0
