@@ -1,4 +1,9 @@
-"""End-to-end: a real daemon (subprocess) and apps using the client library ``upsycle_router.client``."""
+"""End-to-end: a real daemon (subprocess) and apps using the client library ``upsycle_router.client``.
+
+The whole module runs once per app transport (the ``daemon`` fixture below is parametrized): the Unix
+socket, WebSocket on loopback (``ws://``) and WebSocket over TLS (``wss://``, the router's own certificate).
+Raw-frame and CLI checks inside the tests stay on the Unix socket of the same daemon.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,13 @@ import os
 import stat
 import struct
 import time
+import weakref
 
 import pytest
 from conftest import Daemon, DaemonFactory, cli
 from raw_app import MAX_FRAME, RawApp
 from raw_app import Key as RawKey
+from wsutil import merge_config, ws_config, ws_url
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity
@@ -20,8 +27,29 @@ from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 pytestmark = pytest.mark.slow
 
 
+TRANSPORTS = {"unix": None, "ws": ws_config(tls=False), "wss": ws_config(tls=True)}
+_transport: weakref.WeakKeyDictionary[Daemon, str] = weakref.WeakKeyDictionary()
+
+
+@pytest.fixture(params=list(TRANSPORTS))
+def daemon(request: pytest.FixtureRequest, daemon: DaemonFactory) -> DaemonFactory:
+    """conftest's factory, with a WebSocket listener when the apps of this run use one."""
+    name: str = request.param
+    extra = TRANSPORTS[name]
+
+    def factory(*args: str, config: dict[str, object] | None = None) -> Daemon:
+        d = daemon(*args, config=merge_config(config, extra) if extra is not None else config)
+        _transport[d] = name
+        return d
+
+    return factory
+
+
 async def connect(d: Daemon, ident: Identity | None = None) -> Client:
-    return await Client.connect(d.sock, ident or Identity.generate(), timeout=5)
+    ident = ident or Identity.generate()
+    if _transport.get(d, "unix") == "unix":
+        return await Client.connect(d.sock, ident, timeout=5)
+    return await Client.connect_websocket(ws_url(d), ident, timeout=5)
 
 
 async def wait_offline(d: Daemon, sender: Client, dst: bytes) -> None:

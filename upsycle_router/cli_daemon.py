@@ -10,7 +10,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
-from upsycle_router.config import DaemonConfig, load_config
+from upsycle_router.config import DaemonConfig, check_websocket, load_config
 from upsycle_router.crypto import load_or_create_key_file
 from upsycle_router.errors import ConfigError, KeyFileError
 from upsycle_router.runtime.daemon import run_daemon
@@ -42,6 +42,13 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"--listen: {e}") from None
         over["tls"] = args.listen
+    if getattr(args, "websocket", None):
+        try:
+            TransportAddr.parse(args.websocket)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"--websocket: {e}") from None
+        over["websocket"] = dataclasses.replace(cfg.websocket, listen=args.websocket)
+        check_websocket(over["websocket"])
     if getattr(args, "durability", None):
         over["durability"] = Durability(args.durability)
     if getattr(args, "trace", None):
@@ -136,6 +143,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_daemon_options(p)
     p.add_argument("--unix", help="Unix socket path (overrides the config)")
     p.add_argument("--listen", metavar="HOST:PORT", help="TLS listen address for remote routers")
+    p.add_argument("--websocket", metavar="HOST:PORT", help="WebSocket listen address for web apps")
     p.add_argument("--durability", choices=[d.value for d in Durability], help="when writes reach the disk")
     p.add_argument("--trace", metavar="DIR", help="write the trace journal to DIR")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])

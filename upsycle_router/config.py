@@ -65,6 +65,19 @@ class PubsubConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class WebSocketConfig:
+    """The WebSocket listener for web apps (``listen.websocket`` and the ``websocket`` section)."""
+
+    listen: str | None = None
+    path: str = "/upsycle"
+    tls: bool = True
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    origins: frozenset[str] = frozenset()
+    local: bool | None = None  # None: local on a loopback address, remote otherwise
+
+
+@dataclass(frozen=True, slots=True)
 class DaemonConfig:
     """Everything ``upsycle-router run`` needs."""
 
@@ -99,6 +112,7 @@ class DaemonConfig:
     log_level: str = "info"
     pubsub: PubsubConfig = field(default_factory=PubsubConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    websocket: WebSocketConfig = field(default_factory=WebSocketConfig)
 
     @property
     def key_path(self) -> Path:
@@ -182,6 +196,7 @@ _TOP = {
     "idle_timeout",
     "seen_max", "queue", "store", "limits", "trace", "log", "pubsub", "metrics", "verify_threads",
     "discovery",
+    "websocket",
 }  # fmt: skip
 _GOSSIP_PARAMS = {
     "D", "D_low", "D_high", "D_lazy", "heartbeat_interval", "fanout_ttl", "mcache_len", "mcache_gossip", "seen_ttl",
@@ -195,7 +210,7 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     kw: dict[str, Any] = {}
     if "data_dir" in top:
         kw["data_dir"] = Path(os.path.expanduser(_str(top["data_dir"], "data_dir")))
-    listen = _map(top.get("listen"), "listen", {"unix", "unix_mode", "tls"})
+    listen = _map(top.get("listen"), "listen", {"unix", "unix_mode", "tls", "websocket", "path"})
     if "unix" in listen:
         kw["unix"] = None if listen["unix"] is None else Path(os.path.expanduser(_str(listen["unix"], "listen.unix")))
     if "unix_mode" in listen:
@@ -276,6 +291,8 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
         kw["pubsub"] = _parse_pubsub(top["pubsub"])
     if "discovery" in top:
         kw["discovery"] = parse_discovery(top["discovery"])
+    if "websocket" in listen or "path" in listen or "websocket" in top:
+        kw["websocket"] = _parse_websocket(listen, top.get("websocket"), cfg.websocket)
     return DaemonConfig(**{**_as_dict(cfg), **kw})
 
 
@@ -318,6 +335,43 @@ def _parse_pubsub(v: Any) -> PubsubConfig:
             signature_policy=policy,
         )
     return PubsubConfig(enabled, in_process, params, groups)
+
+
+def _parse_websocket(listen: dict[str, Any], v: Any, base: WebSocketConfig) -> WebSocketConfig:
+    wm = _map(v, "websocket", {"tls", "cert_file", "key_file", "origins", "local"})
+    kw: dict[str, Any] = {}
+    if "websocket" in listen:
+        kw["listen"] = None if listen["websocket"] is None else _hostport(listen["websocket"], "listen.websocket")
+    if "path" in listen:
+        path = _str(listen["path"], "listen.path")
+        if not path.startswith("/") or any(c in path for c in "?# "):
+            raise _fail("listen.path", f"expected a URL path like /upsycle, got {path!r}")
+        kw["path"] = path
+    for name in ("tls", "local"):
+        if name in wm:
+            kw[name] = None if name == "local" and wm[name] is None else _bool(wm[name], f"websocket.{name}")
+    for name in ("cert_file", "key_file"):
+        if name in wm:
+            kw[name] = None if wm[name] is None else Path(os.path.expanduser(_str(wm[name], f"websocket.{name}")))
+    if "origins" in wm:
+        origins = wm["origins"]
+        if not isinstance(origins, list):
+            raise _fail("websocket.origins", "expected a list of origins like https://app.example.org, or ['*']")
+        kw["origins"] = frozenset(_str(o, f"websocket.origins[{i}]").rstrip("/").lower() for i, o in enumerate(origins))
+    ws = WebSocketConfig(**{**{n: getattr(base, n) for n in base.__dataclass_fields__}, **kw})
+    check_websocket(ws)
+    return ws
+
+
+def check_websocket(ws: WebSocketConfig) -> None:
+    """Refuse a plain (``tls: false``) listener off loopback and a certificate without its key."""
+    if (ws.cert_file is None) != (ws.key_file is None):
+        raise _fail("websocket", "cert_file and key_file go together")
+    if ws.listen is not None and not ws.tls:
+        from upsycle_router.runtime.metrics import is_loopback
+
+        if not is_loopback(TransportAddr.parse(ws.listen).host):
+            raise _fail("websocket.tls", f"plain (tls: false) WebSocket only on a loopback address, not {ws.listen!r}")
 
 
 def _as_dict(cfg: DaemonConfig) -> dict[str, Any]:

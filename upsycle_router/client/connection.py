@@ -2,7 +2,8 @@
 
 Theory of operation
 -------------------
-:meth:`Client.connect` opens the Unix socket, runs the session handshake (the same pure
+:meth:`Client.connect` opens the Unix socket (:meth:`Client.connect_tls` a TLS connection,
+:meth:`Client.connect_websocket` a WebSocket), runs the session handshake (the same pure
 :class:`~upsycle_router.transport.session.Session` the router uses) and starts one reader task. The reader
 decodes every frame: router replies (unicast from the router's id whose BODY is JOIN_ACK, LEAVE_ACK,
 PULL_NACK or SYNC_ACK) resolve the future of the request that asked for them; the answer to a PULL (the
@@ -21,6 +22,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from upsycle_router.client.websocket import StreamLink, UpgradeRefused
 from upsycle_router.crypto import Identity, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError, UpsycleError
 from upsycle_router.expiry import UINT32_MAX, exp_in
@@ -42,7 +44,6 @@ from upsycle_router.wire.control import (
     encode_router,
 )
 from upsycle_router.wire.discovery import PeerAdvertisement
-from upsycle_router.wire.framing import frame
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 from upsycle_router.wire.session import Error, decode_frame
 
@@ -57,11 +58,17 @@ class ClientError(UpsycleError):
 class Client:
     """One app connection to a router."""
 
-    def __init__(self, identity: Identity, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        link: StreamLink | None = None,
+    ) -> None:
         self.identity = identity
         self._reader = reader
         self._writer = writer
-        self._session = Session(identity)
+        self._link = link or StreamLink(Session(identity))
         self.router_id: bytes = b""
         self._incoming: asyncio.Queue[Message | None] = asyncio.Queue()
         self._waiters: dict[tuple[str, bytes | int], asyncio.Future[RouterMessage | Message]] = {}
@@ -98,6 +105,47 @@ class Client:
         return client
 
     @classmethod
+    async def connect_websocket(
+        cls,
+        url: str,
+        identity: Identity,
+        *,
+        router_id: bytes | None = None,
+        origin: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        timeout: float = 10.0,
+    ) -> Client:
+        """Connect to ``ws://HOST:PORT/PATH`` or ``wss://...`` (docs/websocket.md) and complete the handshake.
+
+        For ``wss://`` without ``ssl_context`` the router presents its own certificate, whose key must equal
+        its HELLO id (and ``router_id``), as with :meth:`connect_tls`. With ``ssl_context`` (a web PKI
+        certificate) that context verifies the certificate instead.
+        """
+        from urllib.parse import urlsplit
+
+        from upsycle_router.client.websocket import WebSocketLink
+        from upsycle_router.transport.tls import client_context, peer_cert_key
+
+        u = urlsplit(url)
+        if u.scheme not in ("ws", "wss") or not u.hostname:
+            raise ValueError(f"expected a ws:// or wss:// URL, got {url!r}")
+        secure = u.scheme == "wss"
+        port = u.port or (443 if secure else 80)
+        host_header = u.netloc.rsplit("@", 1)[-1]
+        target = (u.path or "/") + (f"?{u.query}" if u.query else "")
+        ctx = (ssl_context or client_context()) if secure else None
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection(u.hostname, port, ssl=ctx, limit=2**22), timeout
+        )
+        session = Session(identity, expected_peer=router_id)
+        link = WebSocketLink(session, host_header, target, origin=origin)
+        client = await cls._start(identity, reader, writer, timeout, expected=router_id, link=link)
+        if secure and ssl_context is None and peer_cert_key(writer.get_extra_info("ssl_object")) != client.router_id:
+            await client.close()
+            raise ClientError("the router's certificate key does not match its HELLO id")
+        return client
+
+    @classmethod
     async def _start(
         cls,
         identity: Identity,
@@ -105,10 +153,10 @@ class Client:
         writer: asyncio.StreamWriter,
         timeout: float,
         expected: bytes | None = None,
+        link: StreamLink | None = None,
     ) -> Client:
-        self = cls(identity, reader, writer)
-        self._session = Session(identity, expected_peer=expected)
-        writer.write(self._session.data_to_send())
+        self = cls(identity, reader, writer, link or StreamLink(Session(identity, expected_peer=expected)))
+        writer.write(self._link.start())
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
         try:
             self.router_id = await asyncio.wait_for(asyncio.shield(self._opened), timeout)
@@ -123,7 +171,10 @@ class Client:
                 data = await self._reader.read(65536)
                 if not data:
                     break
-                for ev in self._session.receive_data(data):
+                events, out = self._link.receive(data)
+                if out:
+                    self._writer.write(out)
+                for ev in events:
                     if isinstance(ev, HandshakeComplete):
                         if not self._opened.done():
                             self._opened.set_result(ev.peer)
@@ -133,13 +184,12 @@ class Client:
                         self.error = Error(ev.code, ev.reason)
                         self.closed_reason = f"router sent ERROR {ev.code}: {ev.reason}"
                         return
-                out = self._session.data_to_send()
-                if out:
-                    self._writer.write(out)
         except RemoteProtocolError as e:
             self.closed_reason = f"protocol error: {e}"
             with contextlib.suppress(Exception):
-                self._writer.write(Session.error_frame(e.code, str(e)))
+                self._writer.write(self._link.error(e.code, str(e)))
+        except UpgradeRefused as e:
+            self.closed_reason = str(e)
         except (ConnectionError, OSError) as e:
             self.closed_reason = f"connection lost: {e}"
         finally:
@@ -193,8 +243,10 @@ class Client:
         """Write one routed message (no waiting)."""
         if self.closed_reason is not None:
             raise ClientError(self.closed_reason)
-        data = msg.encode()
-        self._writer.write(frame(data))
+        try:
+            self._writer.write(self._link.encode(msg.encode()))
+        except ConnectionError as e:
+            raise ClientError(self.closed_reason or f"connection lost: {e}") from None
 
     async def drain(self) -> None:
         """Wait until the socket buffer drained; ClientError if the connection is gone."""
@@ -302,6 +354,7 @@ class Client:
     async def close(self) -> None:
         """Close the connection."""
         with contextlib.suppress(Exception):
+            self._writer.write(self._link.closing())
             self._writer.close()
             await self._writer.wait_closed()
         if self._task is not None:

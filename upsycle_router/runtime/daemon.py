@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import time
 from pathlib import Path
 from typing import Any
@@ -36,8 +37,10 @@ from upsycle_router.services.pubsub.params import GossipParams
 from upsycle_router.services.pubsub.validation import GroupPolicy, SignaturePolicy
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
+from upsycle_router.transport.connection import Connection
 from upsycle_router.transport.stream import StreamConnection
 from upsycle_router.transport.tls import client_context, server_context
+from upsycle_router.transport.websocket import WebSocketConnection, WebSocketPolicy
 from upsycle_router.wire.discovery import SERVICE_DISCOVERY, SERVICE_PUBSUB, PeerAdvertisement, TransportAddr
 
 log = logging.getLogger("upsycle_router.daemon")
@@ -130,6 +133,7 @@ class Daemon:
         self.discovery_identity: Identity | None = None
         self.discovery: DiscoveryService | None = None
         self._discovery_task: asyncio.Task[None] | None = None
+        self._ws_policy: WebSocketPolicy | None = None
 
     async def start(self) -> None:
         """Open state and start listening."""
@@ -197,6 +201,8 @@ class Daemon:
             server = await loop.create_server(lambda: self._connection("tls"), addr.host, addr.port, ssl=ctx)
             self._servers.append(server)
             log.info("listening tls=%s", cfg.tls)
+        if cfg.websocket.listen is not None:
+            await self._listen_websocket(ident)
         if self.pool is not None:
             self.pool.start()
         self.driver.apply_now(router.start(time.time()))
@@ -252,19 +258,57 @@ class Daemon:
         self.driver.apply_now(self.driver.router.readvertise(self._own_advert(self.identity), time.time()))
         self._readvertise_handle = asyncio.get_running_loop().call_later(self._advert_refresh(), self._readvertise)
 
-    def _connection(self, kind: str) -> StreamConnection:
+    def _connection(self, kind: str) -> Connection:
         assert self.driver is not None and self.identity is not None
-        c = StreamConnection(
-            self.driver,
-            self.identity,
-            kind=kind,
-            handshake_timeout=self.config.handshake_timeout,
-            max_frame=self.config.max_frame,
-        )
+        c: Connection
+        if kind == "websocket":
+            assert self._ws_policy is not None
+            c = WebSocketConnection(
+                self.driver,
+                self.identity,
+                policy=self._ws_policy,
+                handshake_timeout=self.config.handshake_timeout,
+                max_frame=self.config.max_frame,
+            )
+        else:
+            c = StreamConnection(
+                self.driver,
+                self.identity,
+                kind=kind,
+                handshake_timeout=self.config.handshake_timeout,
+                max_frame=self.config.max_frame,
+            )
         if len(self.driver.conns) >= self.config.max_connections:
             log.warning("connection limit %d reached: refusing", self.config.max_connections)
             asyncio.get_running_loop().call_soon(c.close_with_error, ErrorCode.OVERLOADED, "too many connections")
         return c
+
+    async def _listen_websocket(self, ident: Identity) -> None:
+        """Listen for web apps (docs/websocket.md): wss:// with the configured or the router's certificate."""
+        from upsycle_router.runtime.metrics import is_loopback
+        from upsycle_router.transport.websocket import server_context as wss_context
+
+        ws = self.config.websocket
+        assert ws.listen is not None
+        addr = TransportAddr.parse(ws.listen)
+        ctx = None
+        if ws.tls:
+            try:
+                if ws.cert_file is not None and ws.key_file is not None:
+                    ctx = wss_context(ws.cert_file, ws.key_file)
+                else:
+                    ctx = server_context(ident, self.config.data_dir)
+            except (OSError, ssl.SSLError) as e:
+                raise ConfigError(f"websocket.cert_file / key_file: {e}") from None
+        local = ws.local if ws.local is not None else is_loopback(addr.host)
+        self._ws_policy = WebSocketPolicy(ws.path, ws.origins, local)
+        server = await asyncio.get_running_loop().create_server(
+            lambda: self._connection("websocket"), addr.host, addr.port, ssl=ctx
+        )
+        self._servers.append(server)
+        port = server.sockets[0].getsockname()[1]
+        host = f"[{addr.host}]" if ":" in addr.host else addr.host
+        log.info("listening websocket=%s://%s:%d%s local=%s", "wss" if ctx else "ws", host, port, ws.path, local)
 
     async def _listen_unix(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)

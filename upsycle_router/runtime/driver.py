@@ -44,7 +44,7 @@ from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.runtime.verify import Verifier
 from upsycle_router.store.lmdb_store import Durability, LmdbStore
 from upsycle_router.trace.journal import TraceJournal
-from upsycle_router.transport.stream import StreamConnection
+from upsycle_router.transport.connection import Connection
 from upsycle_router.wire.messages import Message
 from upsycle_router.wire.session import Error, decode_frame
 
@@ -114,7 +114,7 @@ class Driver:
         self._buckets: dict[int, tuple[float, float]] = {}  # conn -> (tokens, last refill)
         self.dialer: Dialer | None = None
         self.loop = asyncio.get_running_loop()
-        self.conns: dict[int, StreamConnection] = {}
+        self.conns: dict[int, Connection] = {}
         self.verifier = Verifier(verify_threads)
         self._pending: list[Event | _Raw] = []
         self._segments: collections.deque[_Segment] = collections.deque()
@@ -132,15 +132,15 @@ class Driver:
 
     # ------------------------------------------------------------ ConnectionHandler
 
-    def on_open(self, conn: StreamConnection, peer: bytes) -> None:
+    def on_open(self, conn: Connection, peer: bytes) -> None:
         """A session completed its handshake: decide local or remote, tell the core."""
-        if conn.kind == "unix":
+        if conn.local_capable:
             conn.local = self.local_services is None or peer in self.local_services
         self.conns[conn.id] = conn
         log.info("connection open conn=%d peer=%s kind=%s local=%s", conn.id, peer.hex(), conn.kind, conn.local)
         self._push(ConnectionOpened(conn.id, peer, conn.local))
 
-    def _admit(self, conn: StreamConnection) -> bool:
+    def _admit(self, conn: Connection) -> bool:
         """Token bucket per connection: ``rate`` frames per second, bursts of ``burst``."""
         if self.rate <= 0:
             return True
@@ -153,7 +153,7 @@ class Driver:
         self._buckets[conn.id] = (tokens - 1.0, t)
         return True
 
-    def on_frame(self, conn: StreamConnection, payload: bytes) -> None:
+    def on_frame(self, conn: Connection, payload: bytes) -> None:
         """Decode and verify one frame; queue it for the core."""
         if not self._admit(conn):
             self.stats["overloaded_total"] += 1
@@ -179,19 +179,19 @@ class Driver:
         else:
             self._push(_Raw(conn.id, item, len(payload)))  # verified with its batch
 
-    def on_close(self, conn: StreamConnection) -> None:
+    def on_close(self, conn: Connection) -> None:
         """A connection ended."""
         self._buckets.pop(conn.id, None)
         if self.conns.pop(conn.id, None) is not None:
             log.info("connection closed conn=%d peer=%s", conn.id, (conn.peer or b"").hex())
             self._push(ConnectionClosed(conn.id))
 
-    def on_write_blocked(self, conn: StreamConnection, blocked: bool) -> None:
+    def on_write_blocked(self, conn: Connection, blocked: bool) -> None:
         """Tell the core to queue for (or resume writing to) a connection that does not keep up."""
         if conn.id in self.conns:
             self._push(WriteBlocked(conn.id, blocked))
 
-    def on_protocol_error(self, conn: StreamConnection, error: RemoteProtocolError) -> None:
+    def on_protocol_error(self, conn: Connection, error: RemoteProtocolError) -> None:
         """Log and trace a session-level violation (the connection closes itself)."""
         log.warning("protocol error conn=%d peer=%s: %s", conn.id, (conn.peer or b"").hex(), error)
         reason = "overloaded" if error.code == ErrorCode.OVERLOADED else "malformed"
@@ -329,7 +329,7 @@ class Driver:
                 if isinstance(e, Trace):
                     self.journal.record(e, now)
             self.journal.flush()
-        sent_to: set[StreamConnection] = set()
+        sent_to: set[Connection] = set()
         for e in effects:
             if isinstance(e, Send):
                 conn = self.conns.get(e.conn)

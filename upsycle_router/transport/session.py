@@ -10,12 +10,15 @@ peer's AUTH verified. After that every frame is a routed message or an ERROR, ha
 Transitions are a table ``(state, input) -> state``; an input with no entry is a protocol error, answered
 with an ERROR frame and a close. Errors are :class:`RemoteProtocolError` (peer's fault) with the wire code.
 :meth:`Session.receive_data` returns events; :meth:`Session.data_to_send` drains bytes for the transport.
+Message transports that carry one CBOR item per transport message (WebSocket) use the unframed pair
+:meth:`Session.receive_payloads` / :meth:`Session.payloads_to_send` instead; the state machine is the same.
 """
 
 from __future__ import annotations
 
 import enum
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from upsycle_router.crypto import Identity, auth_signature, auth_valid
@@ -94,13 +97,17 @@ class Session:
         self.state = State.AWAIT_HELLO
         self.peer: bytes | None = None
         self._frames = FrameBuffer(max_frame)
-        self._out = bytearray(frame(Hello(identity.public, self.nonce).encode()))
+        self._out: list[bytes] = [Hello(identity.public, self.nonce).encode()]
 
     def data_to_send(self) -> bytes:
-        """Bytes the transport must write now."""
-        data = bytes(self._out)
-        self._out.clear()
-        return data
+        """Framed bytes a stream transport must write now."""
+        return b"".join(frame(p) for p in self.payloads_to_send())
+
+    def payloads_to_send(self) -> list[bytes]:
+        """Unframed payloads (one CBOR item each) a message transport must send now, in order."""
+        out = self._out
+        self._out = []
+        return out
 
     def _advance(self, inp: Input) -> None:
         nxt = TRANSITIONS.get((self.state, inp))
@@ -111,9 +118,13 @@ class Session:
         self.state = nxt
 
     def receive_data(self, data: bytes) -> list[SessionEvent]:
-        """Feed received bytes; raise RemoteProtocolError on any violation (send :meth:`error_frame`)."""
+        """Feed received stream bytes; raise RemoteProtocolError on any violation (send :meth:`error_frame`)."""
+        return self.receive_payloads(self._frames.feed(data))
+
+    def receive_payloads(self, payloads: Iterable[bytes]) -> list[SessionEvent]:
+        """Feed whole frame payloads (one CBOR item each, already size-checked by the transport)."""
         events: list[SessionEvent] = []
-        for payload in self._frames.feed(data):
+        for payload in payloads:
             if self.state is State.OPEN:
                 if len(payload) > 1 and 0x60 <= payload[1] <= 0x7F:  # a text tag: session frame (ERROR)
                     f = decode_session_frame(payload)
@@ -142,7 +153,7 @@ class Session:
                     self.state = State.CLOSED
                     raise RemoteProtocolError("peer uses our own key", field="id", code=ErrorCode.AUTH_FAILED)
                 self.peer = f.id
-                self._out += frame(Auth(auth_signature(self.identity, f.id, f.nonce)).encode())
+                self._out.append(Auth(auth_signature(self.identity, f.id, f.nonce)).encode())
             elif isinstance(f, Auth):
                 self._advance(Input.AUTH)
                 assert self.peer is not None
@@ -162,6 +173,11 @@ class Session:
         return self.state is State.OPEN
 
     @staticmethod
+    def error_payload(code: int, reason: str) -> bytes:
+        """An ERROR item, unframed."""
+        return Error(int(code), reason[:500]).encode()
+
+    @staticmethod
     def error_frame(code: int, reason: str) -> bytes:
         """A framed ERROR."""
-        return frame(Error(int(code), reason[:500]).encode())
+        return frame(Session.error_payload(code, reason))

@@ -1,0 +1,354 @@
+"""End-to-end tests of the WebSocket transport against a real daemon.
+
+The wire is checked with :class:`wsutil.RawWebSocket` (RFC 6455 by hand) and ``raw_app``'s PROTOCOL.md codec,
+so neither the router's wsproto adapter nor its codec checks itself. Covered: the upgrade (path, Origin
+allow-list, malformed requests), the session handshake as binary messages, fragments and pings, every kind
+of bad input (each answered with an ERROR message and a Close frame, the daemon and other apps unaffected),
+the handshake timeout, size limits, local/remote policy, and ``wss://`` with the router's certificate and
+with an operator's certificate. The same client-library suite also runs over WebSocket in test_e2e_daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import ipaddress
+import os
+import ssl
+from pathlib import Path
+
+import pytest
+from conftest import Daemon, DaemonFactory, cli
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from raw_app import (
+    AUTH_CONTEXT,
+    ERR_FRAME_TOO_LARGE,
+    ERR_HANDSHAKE_TIMEOUT,
+    ERR_PROTOCOL,
+    SUCCESS,
+    SYNC_ACK,
+    Key,
+    auth,
+    dec,
+    decode_control,
+    decode_message,
+    enc,
+    hello,
+    is_error,
+    join_body,
+    sync_body,
+    unicast,
+    verify,
+)
+from wsutil import OP_BINARY, OP_CONT, OP_PING, OP_PONG, OP_TEXT, RawWebSocket, ws_config, ws_url
+
+from upsycle_router.client import Client, ClientError
+from upsycle_router.crypto import Identity
+
+pytestmark = pytest.mark.slow
+ORIGIN = "http://127.0.0.1:8000"
+
+
+def ws_daemon(daemon: DaemonFactory, *args: str, tls: bool = False, **config: object) -> Daemon:
+    cfg: dict[str, object] = ws_config(tls=tls, origins=[ORIGIN])
+    for k, v in config.items():
+        cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and k in cfg else v  # type: ignore[dict-item]
+    return daemon(*args, config=cfg)
+
+
+async def raw_session(url: str, key: Key | None = None, **kw: object) -> tuple[RawWebSocket, Key, bytes]:
+    """Upgrade, then HELLO/AUTH by hand; return the socket, our key and the router id."""
+    key = key or Key.generate()
+    ws = await RawWebSocket.open(url, **kw)  # type: ignore[arg-type]
+    assert ws.status == 101, (ws.status, ws.body)
+    h = dec(await ws.read_message())
+    assert isinstance(h, list) and h[:2] == ["upsycle", 1] and len(h[2]) == 32 and len(h[3]) == 32, h
+    router_id, router_nonce = h[2], h[3]
+    nonce = os.urandom(32)
+    ws.send(hello(key, nonce))
+    ws.send(auth(key, router_id, router_nonce))
+    a = dec(await ws.read_message())
+    assert a[0] == "auth" and verify(router_id, AUTH_CONTEXT + router_id + key.public + nonce, a[1]), a
+    return ws, key, router_id
+
+
+async def expect_error(ws: RawWebSocket, code: int, close_code: int) -> str:
+    """The router's ERROR message, then its Close frame with ``close_code``, then the end of the stream."""
+    item = dec(await ws.read_message())
+    assert is_error(item) and item[1] == code, item
+    assert await ws.expect_close() == close_code
+    return str(item[2])
+
+
+async def sync(ws: RawWebSocket, key: Key, router_id: bytes, n: int = 1) -> dict[str, object]:
+    ws.send(unicast(key, router_id, sync_body(n), ttl=60).encode())
+    msg = decode_message(await ws.read_message())
+    ctl = decode_control(msg.body)
+    assert ctl is not None and ctl[0] == SYNC_ACK, ctl
+    return ctl[1]
+
+
+async def still_serving(d: Daemon) -> None:
+    """The daemon still serves a Unix app and a WebSocket app."""
+    async with await Client.connect(d.sock, Identity.generate(), timeout=5) as c:
+        await c.sync()
+    async with await Client.connect_websocket(ws_url(d), Identity.generate(), timeout=5) as c:
+        await c.sync()
+
+
+# ----------------------------------------------------------------------------------------- upgrade
+
+
+async def test_handshake_over_binary_messages_and_group_exchange_with_a_unix_app(daemon: DaemonFactory) -> None:
+    d = ws_daemon(daemon)
+    url = ws_url(d)
+    assert url.startswith("ws://127.0.0.1:") and url.endswith("/upsycle")
+    ws, key, router_id = await raw_session(url, origin=ORIGIN)
+    try:
+        assert router_id.hex() == cli("id", "--data-dir", str(d.dir)).stdout.strip()
+        assert (await sync(ws, key, router_id, 7))["n"] == 7
+        group = Identity.generate()
+        ws.send(unicast(key, router_id, join_body(group.public), ttl=60).encode())
+        ack = decode_control(decode_message(await ws.read_message()).body)
+        assert ack is not None and ack[1]["result"] == SUCCESS
+        async with await Client.connect(d.sock, Identity.generate(), timeout=5) as py:
+            mid = await py.publish(group, b"from python")
+            got = decode_message(await ws.read_message())
+            assert got.id == mid and got.body == b"from python" and got.signature_valid()
+        rec = await d.wait_trace(event="delivered", id=mid)
+        assert rec["dst"] == key.public.hex()
+    finally:
+        await ws.close()
+
+
+async def test_origin_allow_list_path_and_bad_requests(daemon: DaemonFactory) -> None:
+    d = ws_daemon(daemon)
+    url = ws_url(d)
+    for origin, status in ((ORIGIN, 101), (ORIGIN.upper() + "/", 101), (None, 101), ("http://evil.example", 403),
+                           ("null", 403)):  # fmt: skip
+        ws = await RawWebSocket.open(url, origin=origin)
+        assert ws.status == status, (origin, ws.status, ws.body)
+        if status == 403:
+            assert b"not allowed" in ws.body and await ws.eof()
+        await ws.close()
+    ws = await RawWebSocket.open(url, path="/other", origin=ORIGIN)
+    assert ws.status == 404 and await ws.eof()
+    await ws.close()
+    plain = b"GET /upsycle HTTP/1.1\r\nHost: x\r\n\r\n"  # no Upgrade
+    ws = await RawWebSocket.open(url, request=plain)
+    assert ws.status == 400 and await ws.eof()
+    await ws.close()
+    v8 = "GET /upsycle HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    v8 += f"Sec-WebSocket-Key: {'A' * 22}==\r\n"
+    ws = await RawWebSocket.open(url, request=v8.encode() + b"Sec-WebSocket-Version: 8\r\n\r\n")
+    assert ws.status == 426 and ws.headers.get("sec-websocket-version") == "13" and await ws.eof()
+    await ws.close()
+    ws = await RawWebSocket.open(url, request=b"\x16\x03\x01 not http at all\r\n\r\n")
+    assert ws.status == 400 and await ws.eof()
+    await ws.close()
+    with pytest.raises(ClientError, match="HTTP 403"):
+        await Client.connect_websocket(url, Identity.generate(), origin="https://elsewhere.example", timeout=5)
+    assert "not in the allow-list" in d.log_text()
+    await still_serving(d)
+
+
+async def test_any_origin_with_star(daemon: DaemonFactory) -> None:
+    d = ws_daemon(daemon, websocket={"origins": ["*"]})
+    ws = await RawWebSocket.open(ws_url(d), origin="https://anything.example")
+    assert ws.status == 101
+    await ws.close()
+
+
+# ----------------------------------------------------------------------------------------- framing
+
+
+async def test_fragmented_message_and_ping(daemon: DaemonFactory) -> None:
+    d = ws_daemon(daemon)
+    ws, key, router_id = await raw_session(ws_url(d))
+    try:
+        ws.send_frame(OP_PING, b"are you there")
+        assert await ws.read_frame() == (OP_PONG, b"are you there")
+        data = unicast(key, router_id, sync_body(3), ttl=60).encode()
+        ws.send_frame(OP_BINARY, data[:10], fin=False)
+        ws.send_frame(OP_PING, b"between fragments")
+        ws.send_frame(OP_CONT, data[10:40], fin=False)
+        ws.send_frame(OP_CONT, data[40:])
+        assert await ws.read_frame() == (OP_PONG, b"between fragments")
+        msg = decode_message(await ws.read_message())
+        assert decode_control(msg.body) == (SYNC_ACK, {"n": 3, "result": SUCCESS})
+    finally:
+        await ws.close()
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["text", "empty", "garbage_cbor", "unmasked", "not_a_message", "oversize", "oversize_fragments",
+     "garbage_before_hello", "bad_opcode"],
+)  # fmt: skip
+async def test_bad_input_gets_error_and_close_others_unaffected(daemon: DaemonFactory, case: str) -> None:
+    d = ws_daemon(daemon, max_frame=4096)
+    url = ws_url(d)
+    async with await Client.connect_websocket(url, Identity.generate(), timeout=5) as bystander:
+        if case == "garbage_before_hello":
+            ws = await RawWebSocket.open(url)
+            await ws.read_message()  # HELLO
+            ws.send(b"\xff\xfe garbage")
+            await expect_error(ws, ERR_PROTOCOL, 1002)
+        else:
+            ws, key, router_id = await raw_session(url)
+            code, close = ERR_PROTOCOL, 1002
+            if case == "text":
+                ws.send_frame(OP_TEXT, b'["hello"]')
+            elif case == "empty":
+                ws.send(b"")
+            elif case == "garbage_cbor":
+                ws.send(b"\x9f\xff\xff")
+            elif case == "unmasked":
+                ws.send_frame(OP_BINARY, enc([1, 2]), mask=False)
+            elif case == "not_a_message":
+                ws.send(enc(["not", "a", "message"]))
+            elif case == "bad_opcode":
+                ws.send_frame(0x3, b"reserved opcode")
+            elif case == "oversize":
+                ws.send(b"\x00" * 5000)
+                code, close = ERR_FRAME_TOO_LARGE, 1009
+            else:  # the limit applies while fragments are reassembled, before the message is complete
+                for _ in range(3):
+                    ws.send_frame(OP_BINARY if _ == 0 else OP_CONT, b"\x00" * 2000, fin=False)
+                code, close = ERR_FRAME_TOO_LARGE, 1009
+            reason = await expect_error(ws, code, close)
+            assert reason
+        await ws.close()
+        await bystander.sync()
+    await d.wait_trace(event="dropped", reason="malformed")
+    await still_serving(d)
+
+
+async def test_handshake_timeout_before_and_after_the_upgrade(daemon: DaemonFactory) -> None:
+    d = ws_daemon(daemon, handshake_timeout=0.5)
+    url = ws_url(d)
+    host, port = url.split("/")[2].split(":")
+    r, w = await asyncio.open_connection(host, int(port))
+    w.write(b"GET /upsycle HTTP/1.1\r\n")  # an upgrade request that never completes
+    head = await asyncio.wait_for(r.read(), 5)
+    assert head.startswith(b"HTTP/1.1 408"), head
+    w.close()
+    ws = await RawWebSocket.open(url)  # upgraded, HELLO read, but we never answer
+    assert ws.status == 101
+    await ws.read_message()
+    await expect_error(ws, ERR_HANDSHAKE_TIMEOUT, 1008)
+    await ws.close()
+    await still_serving(d)
+
+
+# ----------------------------------------------------------------------------------------- policy
+
+
+async def test_remote_policy_needs_edge_nodes_for_join(daemon: DaemonFactory) -> None:
+    edge = Identity.generate()
+    d = ws_daemon(daemon, websocket={"local": False}, edge_nodes=[edge.public.hex()])
+    url = ws_url(d)
+    assert "local=False" in d.log_text()
+    group = Identity.generate()
+    async with await Client.connect_websocket(url, Identity.generate(), timeout=5) as stranger:
+        assert await stranger.join(group.public) is False
+        await d.wait_trace(event="dropped", reason="not_authorized", src=stranger.identity.public)
+    async with await Client.connect_websocket(url, edge, timeout=5) as e:
+        assert await e.join(group.public) is True
+        async with await Client.connect(d.sock, Identity.generate(), timeout=5) as local:
+            mid = await local.publish(group, b"to the edge")
+        for _ in range(3):  # a remote peer gets the router's advertisement too
+            if (await e.recv(timeout=5)).id == mid:
+                break
+        else:
+            raise AssertionError("the edge node did not get the group message")
+
+
+def test_plain_websocket_off_loopback_is_refused(tmp_path: Path) -> None:
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text('listen: {websocket: "0.0.0.0:8765"}\nwebsocket: {tls: false}\n')
+    r = cli("run", "--data-dir", str(tmp_path / "d"), "--unix", str(tmp_path / "s.sock"), "--config", str(cfg))
+    assert r.returncode == 2 and "websocket.tls" in r.stderr and "loopback" in r.stderr, r.stderr
+    cfg.write_text("listen: {path: no-slash}\n")
+    r = cli("run", "--data-dir", str(tmp_path / "d"), "--config", str(cfg))
+    assert r.returncode == 2 and "listen.path" in r.stderr, r.stderr
+
+
+# ----------------------------------------------------------------------------------------- TLS
+
+
+async def test_wss_with_the_router_certificate(daemon: DaemonFactory) -> None:
+    d = ws_daemon(daemon, tls=True)
+    url = ws_url(d)
+    assert url.startswith("wss://")
+    rid = bytes.fromhex(cli("id", "--data-dir", str(d.dir)).stdout.strip())
+    async with await Client.connect_websocket(url, Identity.generate(), router_id=rid, timeout=5) as c:
+        assert c.router_id == rid
+        await c.sync()
+    with pytest.raises(ClientError):  # a different router id is refused by the session handshake
+        await Client.connect_websocket(url, Identity.generate(), router_id=Identity.generate().public, timeout=5)
+    with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):  # plain HTTP to the TLS port
+        await RawWebSocket.open(url.replace("wss:", "ws:"))
+    await still_serving(d)
+
+
+def write_web_certificate(directory: Path) -> tuple[Path, Path]:
+    """A self-signed ECDSA P-256 certificate for 127.0.0.1 (what a browser accepts, unlike Ed25519)."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now - dt.timedelta(days=1))
+        .not_valid_after(now + dt.timedelta(days=30))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    crt, kf = directory / "web.crt", directory / "web.key"
+    crt.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem = serialization.Encoding.PEM
+    kf.write_bytes(key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return crt, kf
+
+
+async def test_wss_with_an_operator_certificate(daemon: DaemonFactory, tmp_path: Path) -> None:
+    crt, kf = write_web_certificate(tmp_path)
+    d = ws_daemon(daemon, tls=True, websocket={"cert_file": str(crt), "key_file": str(kf)})
+    url = ws_url(d)
+    ctx = ssl.create_default_context(cafile=str(crt))  # verifies the chain and the IP address
+    async with await Client.connect_websocket(url, Identity.generate(), ssl_context=ctx, timeout=5) as c:
+        await c.sync()
+    with pytest.raises(ClientError, match="certificate key"):  # the router-certificate check fails here
+        await Client.connect_websocket(url, Identity.generate(), timeout=5)
+
+
+def test_missing_certificate_file_is_a_clear_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(
+        'listen: {websocket: "127.0.0.1:0"}\n'
+        f"websocket: {{cert_file: {tmp_path}/none.crt, key_file: {tmp_path}/none.key}}\n"
+    )
+    r = cli("run", "--data-dir", str(tmp_path / "d"), "--unix", str(tmp_path / "s.sock"), "--config", str(cfg))
+    assert r.returncode == 2 and "websocket.cert_file" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+
+
+async def test_over_the_connection_limit_gets_503_and_the_unix_socket_error_6(daemon: DaemonFactory) -> None:
+    d = ws_daemon(daemon, limits={"max_connections": 2})  # the in-process pub/sub service holds one
+    url = ws_url(d)
+    async with await Client.connect_websocket(url, Identity.generate(), timeout=5) as first:
+        await first.sync()
+        ws = await RawWebSocket.open(url, origin=ORIGIN)
+        assert ws.status == 503 and b"too many connections" in ws.body, (ws.status, ws.body)
+        assert await ws.eof()
+        await ws.close()
+        with pytest.raises(ClientError, match="ERROR 6"):
+            await Client.connect(d.sock, Identity.generate(), timeout=5)
+        await first.sync()  # the admitted connection is unaffected
+    assert "too many connections" in d.log_text() or "connection limit" in d.log_text()

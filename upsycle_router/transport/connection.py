@@ -1,0 +1,273 @@
+"""What every transport adapter shares: the session, the handshake timer, flow control and the close rules.
+
+Theory of operation
+-------------------
+A :class:`Connection` is an :class:`asyncio.Protocol` for one accepted or dialled connection. It runs the pure
+:class:`~upsycle_router.transport.session.Session`, arms the handshake timer, answers protocol errors with an
+ERROR and a close, and reports the authenticated peer, each frame payload and the close to a
+:class:`ConnectionHandler` (the driver), which makes every routing decision. Subclasses supply only how
+payloads travel: :class:`~upsycle_router.transport.stream.StreamConnection` length-prefixes them on a byte
+stream (Unix socket, TLS), :class:`~upsycle_router.transport.websocket.WebSocketConnection` sends each as one
+binary WebSocket message. Every byte handed to the transport is counted in :attr:`Connection.written`, so
+:meth:`Connection.flushed` tells the driver which queued messages have left the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import socket
+from collections.abc import Callable
+from typing import Protocol, cast
+
+from upsycle_router.crypto import Identity
+from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.transport.session import FrameReceived, HandshakeComplete, PeerError, Session, SessionEvent
+from upsycle_router.wire.framing import DEFAULT_MAX_FRAME
+
+log = logging.getLogger("upsycle_router.transport")
+_ids = itertools.count(1)
+CLOSE_LINGER = 0.5  # seconds input is drained after an ERROR, before the close
+
+
+class ConnectionHandler(Protocol):
+    """What a connection reports to (implemented by the driver)."""
+
+    def on_open(self, conn: Connection, peer: bytes) -> None:
+        """The handshake completed."""
+
+    def on_frame(self, conn: Connection, payload: bytes) -> None:
+        """A post-handshake frame arrived."""
+
+    def on_close(self, conn: Connection) -> None:
+        """The connection is gone."""
+
+    def on_protocol_error(self, conn: Connection, error: RemoteProtocolError) -> None:
+        """The peer violated the protocol; the connection is being closed."""
+
+    def on_write_blocked(self, conn: Connection, blocked: bool) -> None:
+        """The connection's outbound buffer crossed its high (``blocked``) or low water mark."""
+
+
+class Connection(asyncio.Protocol):
+    """One authenticated connection; subclasses define how payloads are carried."""
+
+    def __init__(
+        self,
+        handler: ConnectionHandler,
+        identity: Identity,
+        *,
+        kind: str,
+        expected_peer: bytes | None = None,
+        handshake_timeout: float = 10.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        dialled: bool = False,
+        local_capable: bool | None = None,
+    ) -> None:
+        self.id = next(_ids)
+        self.handler = handler
+        self.kind = kind  # "unix", "tls" or "websocket"
+        self.dialled = dialled
+        # whether peers on this connection may be local services (PROTOCOL.md §7); the driver decides
+        self.local_capable = kind == "unix" if local_capable is None else local_capable
+        self.max_frame = max_frame
+        self.session = Session(identity, expected_peer=expected_peer, max_frame=max_frame)
+        self.transport: asyncio.Transport | None = None
+        self.peer: bytes | None = None
+        self.local = False
+        self.closed = False
+        self.write_paused = False
+        self.opened = asyncio.get_running_loop().create_future()
+        self._handshake_timeout = handshake_timeout
+        self.last_active = asyncio.get_running_loop().time()
+        self._timer: asyncio.TimerHandle | None = None
+        self.written = 0  # bytes handed to the transport so far
+        self._refusal: tuple[int, str] | None = None  # an ERROR asked for before the transport existed
+        # (end offset in ``written``, queue ref) of queued messages not yet out of the transport's buffer
+        self.unflushed: collections.deque[tuple[int, tuple[bytes, int]]] = collections.deque()
+
+    # ---------------------------------------------------------------- what subclasses provide
+
+    def _connected(self) -> None:
+        """The transport is up (the handshake timer runs): start the transport's own handshake."""
+        raise NotImplementedError
+
+    def _write_payload(self, t: asyncio.Transport, payload: bytes) -> None:
+        """Write one session or routed payload in this transport's framing."""
+        raise NotImplementedError
+
+    def _write_error(self, t: asyncio.Transport, code: int, reason: str) -> None:
+        """Write an ERROR (and whatever closing handshake the transport has)."""
+        raise NotImplementedError
+
+    def _write_close(self, t: asyncio.Transport) -> None:
+        """Write the transport's closing handshake, if it has one (before a close without ERROR)."""
+
+    # ---------------------------------------------------------------- asyncio.Protocol
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Start the handshake timer, then the transport's handshake."""
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:  # pragma: no cover - platform dependent
+                pass
+        self._timer = asyncio.get_running_loop().call_later(self._handshake_timeout, self._handshake_expired)
+        self._connected()
+        if self._refusal is not None:  # e.g. over the connection limit: refused as soon as it exists
+            code, reason = self._refusal
+            self._refusal = None
+            self.close_with_error(code, reason)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Report the close once."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self.closed = True
+        if not self.opened.done():
+            self.opened.set_exception(ConnectionError("connection closed before the handshake completed"))
+            self.opened.exception()  # mark retrieved
+        self.handler.on_close(self)
+
+    def pause_writing(self) -> None:
+        """The transport's buffer is above its high-water mark: the peer is not keeping up."""
+        self.write_paused = True
+        self.handler.on_write_blocked(self, True)
+
+    def resume_writing(self) -> None:
+        """The transport's buffer drained below its low-water mark."""
+        self.write_paused = False
+        self.handler.on_write_blocked(self, False)
+
+    # ---------------------------------------------------------------- session plumbing
+
+    def _write(self, data: bytes) -> None:
+        """Hand bytes to the transport, counting them."""
+        t = self.transport
+        if data and t is not None and not t.is_closing():
+            t.write(data)
+            self.written += len(data)
+
+    def _send_session_output(self) -> None:
+        t = self.transport
+        for payload in self.session.payloads_to_send():
+            if t is not None and not t.is_closing():
+                self._write_payload(t, payload)
+
+    def _run_session(self, feed: Callable[[], list[SessionEvent]]) -> None:
+        """Feed the session (``feed``); send its output; hand events to the driver; ERROR and close on a
+        violation."""
+        try:
+            events = feed()
+            self._send_session_output()
+            self._dispatch(events)
+        except RemoteProtocolError as e:
+            self.protocol_error(e)
+
+    def protocol_error(self, e: RemoteProtocolError) -> None:
+        """Report a violation by the peer, then send ERROR and close."""
+        self.handler.on_protocol_error(self, e)
+        self.close_with_error(e.code, str(e))
+
+    def _dispatch(self, events: list[SessionEvent]) -> None:
+        for ev in events:
+            if isinstance(ev, FrameReceived):
+                self.handler.on_frame(self, ev.payload)
+            elif isinstance(ev, HandshakeComplete):
+                if self._timer is not None:
+                    self._timer.cancel()
+                if self.kind == "tls" and self.dialled and not self._certificate_matches(ev.peer):
+                    raise RemoteProtocolError(
+                        "the certificate key does not match the router id", field="id", code=ErrorCode.AUTH_FAILED
+                    )
+                self.peer = ev.peer
+                self.handler.on_open(self, ev.peer)
+                if not self.opened.done():
+                    self.opened.set_result(ev.peer)
+            elif isinstance(ev, PeerError):
+                log.info("conn %d: peer sent ERROR %d: %s", self.id, ev.code, ev.reason)
+                self.abort()
+                return
+            if self.closed:
+                return
+
+    def _certificate_matches(self, peer: bytes) -> bool:
+        from upsycle_router.transport.tls import peer_cert_key
+
+        t = self.transport
+        return t is not None and peer_cert_key(t.get_extra_info("ssl_object")) == peer
+
+    # ---------------------------------------------------------------- driver side
+
+    def send(self, payload: bytes) -> bool:
+        """Write one frame; False if the connection is closed."""
+        t = self.transport
+        if self.closed or t is None or t.is_closing():
+            return False
+        self._write_payload(t, payload)
+        self.last_active = asyncio.get_running_loop().time()
+        return True
+
+    def write_out(self) -> None:
+        """Hand what :meth:`send` gathered to the transport (transports that gather override this)."""
+
+    def flushed(self) -> int:
+        """Bytes that left the transport's buffer (handed to the kernel) so far."""
+        return self.written - self.buffered()
+
+    def buffered(self) -> int:
+        """Bytes written but not yet sent by the transport."""
+        t = self.transport
+        return t.get_write_buffer_size() if t is not None else 0
+
+    def close_with_error(self, code: int, reason: str) -> None:
+        """Send ERROR and close.
+
+        The write side is shut down right after the ERROR (where the transport can), and input is read and
+        discarded for a moment before the close, so the peer reads the ERROR instead of a connection reset
+        caused by data it sent that we never read.
+        """
+        if self.closed:
+            return
+        t = self.transport
+        if t is None:
+            self._refusal = (code, reason)
+            return
+        self.closed = True
+        if not t.is_closing():
+            self._write_error(t, code, reason)
+            try:
+                if t.can_write_eof():
+                    t.write_eof()
+            except (OSError, RuntimeError, NotImplementedError):
+                pass
+            asyncio.get_running_loop().call_later(CLOSE_LINGER, t.close)
+
+    def close(self) -> None:
+        """Close without an ERROR."""
+        if self.closed:
+            return
+        self.closed = True
+        t = self.transport
+        if t is not None:
+            if not t.is_closing():
+                self._write_close(t)
+            t.close()
+
+    def abort(self) -> None:
+        """Drop the connection at once."""
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _handshake_expired(self) -> None:
+        if not self.session.is_open and not self.closed:
+            log.info("conn %d: handshake timeout", self.id)
+            self.handler.on_protocol_error(
+                self, RemoteProtocolError("handshake timeout", field="frame", code=ErrorCode.HANDSHAKE_TIMEOUT)
+            )
+            self.close_with_error(ErrorCode.HANDSHAKE_TIMEOUT, "handshake timeout")

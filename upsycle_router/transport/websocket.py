@@ -1,0 +1,248 @@
+"""The WebSocket adapter (for web apps): one binary WebSocket message carries one CBOR item.
+
+Theory of operation
+-------------------
+The HTTP upgrade and the WebSocket framing are done by wsproto, a sans-I/O library; this adapter only moves
+bytes between it, the transport and the session. A connection goes through three stages:
+
+1. **Upgrade.** The client's HTTP ``GET`` is checked: the path must equal the configured one (else 404) and
+   an ``Origin`` header, which browsers always send, must be in the allow-list (else 403). Requests without
+   ``Origin`` come from non-browser clients and are accepted. A malformed request gets 400, a request still
+   incomplete when the handshake timer fires 408; each is logged and the connection closed.
+2. **Session handshake.** Right after the ``101`` response the router sends HELLO as a binary message; the
+   session of PROTOCOL.md §6 runs exactly as on a stream, one CBOR item per message and no length prefix.
+3. **Open.** Every binary message is one routed message or ERROR, handed to the driver unparsed.
+
+Bad input is answered as on the other transports: a text message, an empty or oversize message
+(``max_frame``) or a WebSocket framing violation is a protocol error, answered with an ERROR message (code 1,
+or 4 for a message over ``max_frame``), then a WebSocket Close frame, then the close. A message is bounded
+while it is reassembled, so the adapter never buffers more than one maximum message. Pings are answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+import h11
+from wsproto import ConnectionType, WSConnection
+from wsproto.connection import ConnectionState
+from wsproto.events import (
+    AcceptConnection,
+    BytesMessage,
+    CloseConnection,
+    Event,
+    Ping,
+    RejectConnection,
+    RejectData,
+    Request,
+    TextMessage,
+)
+from wsproto.utilities import LocalProtocolError as WsLocalError
+from wsproto.utilities import RemoteProtocolError as WsRemoteError
+
+from upsycle_router.crypto import Identity
+from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.transport.connection import Connection, ConnectionHandler
+from upsycle_router.transport.session import Session
+from upsycle_router.wire.framing import DEFAULT_MAX_FRAME, check_length
+
+log = logging.getLogger("upsycle_router.transport")
+DEFAULT_PATH = "/upsycle"
+
+# WebSocket close codes (RFC 6455 §7.4) sent after an ERROR with the given wire code
+CLOSE_CODES = {
+    ErrorCode.PROTOCOL: 1002,
+    ErrorCode.FRAME_TOO_LARGE: 1009,
+    ErrorCode.SHUTTING_DOWN: 1001,
+    ErrorCode.OVERLOADED: 1013,
+}
+CLOSE_POLICY = 1008  # authentication, authorization, handshake timeout
+
+
+def close_code(code: int) -> int:
+    """The WebSocket close code that accompanies ERROR ``code``."""
+    try:
+        return CLOSE_CODES.get(ErrorCode(code), CLOSE_POLICY)
+    except ValueError:
+        return CLOSE_POLICY
+
+
+@dataclass(frozen=True, slots=True)
+class WebSocketPolicy:
+    """What the listener accepts."""
+
+    path: str = DEFAULT_PATH
+    origins: frozenset[str] = frozenset()  # allowed Origin values; "*" allows any
+    local: bool = False  # peers may be local services (the Unix socket's rule), else they are remote
+
+    def origin_allowed(self, origin: str | None) -> bool:
+        """No Origin (not a browser) or one in the allow-list."""
+        return origin is None or "*" in self.origins or origin.rstrip("/").lower() in self.origins
+
+
+def normalize_origin(origin: str) -> str:
+    """How origins are compared: lower case, no trailing slash (``*`` stays)."""
+    return origin.rstrip("/").lower()
+
+
+def server_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
+    """A TLS 1.3 server context for ``wss://`` with an operator-supplied certificate (PEM chain and key)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(str(cert_file), str(key_file))
+    ctx.set_alpn_protocols(["http/1.1"])
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+class WebSocketConnection(Connection):
+    """One accepted WebSocket connection (server side)."""
+
+    def __init__(
+        self,
+        handler: ConnectionHandler,
+        identity: Identity,
+        *,
+        policy: WebSocketPolicy,
+        handshake_timeout: float = 10.0,
+        max_frame: int = DEFAULT_MAX_FRAME,
+    ) -> None:
+        super().__init__(
+            handler,
+            identity,
+            kind="websocket",
+            handshake_timeout=handshake_timeout,
+            max_frame=max_frame,
+            local_capable=policy.local,
+        )
+        self.policy = policy
+        self.ws = WSConnection(ConnectionType.SERVER)
+        self.upgraded = False
+        self.origin: str | None = None
+        self._message = bytearray()  # the binary message being reassembled
+        self._http_refusal: tuple[int, str] | None = None  # answer the upgrade request with this status
+
+    # ---------------------------------------------------------------- transport hooks
+
+    def _connected(self) -> None:
+        """Wait for the HTTP upgrade request (the handshake timer already runs)."""
+
+    def _write_payload(self, t: asyncio.Transport, payload: bytes) -> None:
+        self._write(self.ws.send(BytesMessage(data=payload)))
+
+    def send(self, payload: bytes) -> bool:
+        """Write one payload as a binary message; False once the WebSocket is closing."""
+        if self.ws.state is not ConnectionState.OPEN:
+            return False
+        return super().send(payload)
+
+    def _write_error(self, t: asyncio.Transport, code: int, reason: str) -> None:
+        if not self.upgraded:
+            overloaded = code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN)
+            self._reject(408 if code == ErrorCode.HANDSHAKE_TIMEOUT else 503 if overloaded else 400, reason)
+            return
+        if self.ws.state is ConnectionState.OPEN:
+            self._write(self.ws.send(BytesMessage(data=Session.error_payload(code, reason))))
+            self._write(self.ws.send(CloseConnection(code=close_code(code), reason=f"upsycle ERROR {code}")))
+
+    def close_with_error(self, code: int, reason: str) -> None:
+        """Send ERROR and close; before the upgrade, refuse the request (503 waits for the request itself)."""
+        overloaded = code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN)
+        if not self.upgraded and overloaded and not self.closed and self.transport is not None:
+            self._http_refusal = (503, reason)  # answered when the request arrives (bounded by the timer)
+            return
+        super().close_with_error(code, reason)
+
+    def _write_close(self, t: asyncio.Transport) -> None:
+        if self.upgraded and self.ws.state in (ConnectionState.OPEN, ConnectionState.REMOTE_CLOSING):
+            self._write(self.ws.send(CloseConnection(code=1000)))
+
+    # ---------------------------------------------------------------- receiving
+
+    def data_received(self, data: bytes) -> None:
+        """Feed wsproto; handle the upgrade, binary messages, pings and the close."""
+        if self.closed:
+            return
+        self.last_active = asyncio.get_running_loop().time()
+        try:
+            self.ws.receive_data(data)
+            for ev in self.ws.events():
+                self._event(ev)
+                if self.closed:
+                    return
+        except WsRemoteError as e:  # a malformed HTTP request
+            log.warning("conn %d: bad WebSocket upgrade request: %s", self.id, e)
+            hint = e.event_hint if isinstance(e.event_hint, RejectConnection) else RejectConnection()
+            self._reject(hint.status_code, f"bad WebSocket upgrade request: {e}", list(hint.headers))
+        except RemoteProtocolError as e:
+            self.protocol_error(e)
+
+    def _event(self, ev: Event) -> None:
+        if isinstance(ev, Request):
+            self._upgrade(ev)
+        elif isinstance(ev, BytesMessage):
+            self._message += ev.data
+            if len(self._message) > self.max_frame:
+                check_length(len(self._message), self.max_frame)  # raises FRAME_TOO_LARGE
+            if ev.message_finished:
+                payload = bytes(self._message)
+                self._message.clear()
+                check_length(len(payload), self.max_frame)  # an empty message is a protocol error
+                self._run_session(lambda: self.session.receive_payloads((payload,)))
+        elif isinstance(ev, TextMessage):
+            raise RemoteProtocolError("text WebSocket message: send each CBOR item as a binary message",
+                                      field="frame")  # fmt: skip
+        elif isinstance(ev, Ping):
+            self._write(self.ws.send(ev.response()))
+        elif isinstance(ev, CloseConnection):
+            if self.ws.state is ConnectionState.OPEN:  # wsproto's framing parser failed: our side's verdict
+                raise RemoteProtocolError(f"WebSocket framing: {ev.reason}", field="frame")
+            log.info("conn %d: WebSocket closed by the peer (%d %s)", self.id, ev.code, ev.reason)
+            if self.ws.state is ConnectionState.REMOTE_CLOSING:
+                self._write(self.ws.send(ev.response()))
+            self.close()
+
+    def _upgrade(self, req: Request) -> None:
+        if self._http_refusal is not None:
+            log.warning("conn %d: WebSocket request refused: %s", self.id, self._http_refusal[1])
+            self._reject(*self._http_refusal)
+            return
+        headers = {k.lower(): v for k, v in req.extra_headers}
+        raw_origin = headers.get(b"origin")
+        self.origin = raw_origin.decode("latin-1") if raw_origin is not None else None
+        path = req.target.split("?", 1)[0]
+        if path != self.policy.path:
+            log.warning("conn %d: WebSocket request for %r refused (path is %r)", self.id, path, self.policy.path)
+            self._reject(404, f"no WebSocket endpoint at {path}")
+            return
+        if not self.policy.origin_allowed(self.origin):
+            log.warning("conn %d: WebSocket origin %r not in the allow-list: refused", self.id, self.origin)
+            self._reject(403, f"origin {self.origin} not allowed")
+            return
+        self._write(self.ws.send(AcceptConnection()))
+        self.upgraded = True
+        log.info("conn %d: WebSocket upgraded path=%s origin=%s", self.id, path, self.origin)
+        self._send_session_output()  # HELLO
+
+    def _reject(self, status: int, reason: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Answer the upgrade request with an HTTP error and close."""
+        self.closed = True
+        t = self.transport
+        if t is None or t.is_closing():
+            return
+        body = (reason + "\n").encode("utf-8", "replace")
+        try:
+            headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
+            headers += extra or []
+            self._write(self.ws.send(RejectConnection(status_code=status, headers=headers, has_body=True)))
+            self._write(self.ws.send(RejectData(data=body, body_finished=True)))
+        except (WsLocalError, h11.LocalProtocolError):  # no (valid) request parsed yet: plain HTTP/1.1
+            self._write(
+                f"HTTP/1.1 {status} Error\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body
+            )
+        t.close()
