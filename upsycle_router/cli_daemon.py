@@ -15,6 +15,7 @@ from upsycle_router.crypto import load_or_create_key_file
 from upsycle_router.errors import ConfigError, KeyFileError
 from upsycle_router.runtime.daemon import run_daemon
 from upsycle_router.runtime.logs import setup_logging
+from upsycle_router.runtime.service import RouterService
 from upsycle_router.store.lmdb_store import Durability
 from upsycle_router.wire.discovery import TransportAddr
 
@@ -107,7 +108,11 @@ def cmd_pubsub(args: argparse.Namespace) -> int:
         print("error: the router has no Unix socket (listen.unix)", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
-    service = PubsubService(ident, cfg.unix, params=params, policies=policies)
+    return run_service(PubsubService(ident, cfg.unix, params=params, policies=policies))
+
+
+def run_service(service: RouterService) -> int:
+    """Run a router service as its own process until SIGTERM/SIGINT."""
 
     async def main() -> None:
         import signal

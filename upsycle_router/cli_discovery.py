@@ -16,7 +16,6 @@ service's key file in the data directory (``--data-dir`` / ``--config``) unless 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from upsycle_router.cli_client import _common, _run
-from upsycle_router.cli_daemon import add_daemon_options, config_from_args, run_async
+from upsycle_router.cli_daemon import add_daemon_options, config_from_args, run_service
 from upsycle_router.client import Client, ClientError
 from upsycle_router.config import load_config, parse_key
 from upsycle_router.crypto import advert_valid, load_key_file, load_or_create_key_file, sign_message
@@ -225,18 +224,7 @@ def cmd_discovery(args: argparse.Namespace) -> int:
         print("error: the router has no Unix socket (listen.unix)", file=sys.stderr)
         return 2
     setup_logging(cfg.log_level)
-    service = discovery_service(cfg, ident, cfg.unix)
-
-    async def main() -> None:
-        import signal
-
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: loop.create_task(service.stop()))
-        await service.run()
-
-    run_async(main())
-    return 0
+    return run_service(discovery_service(cfg, ident, cfg.unix))
 
 
 def _app(p: argparse.ArgumentParser) -> None:

@@ -21,19 +21,18 @@ the daemon) or as ``upsycle-router discovery``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import random
 import socket
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import exp_in
+from upsycle_router.runtime.service import RouterService
 from upsycle_router.services.discovery import DISCOVERY_GROUP
 from upsycle_router.services.discovery.core import (
     Announce,
@@ -105,8 +104,10 @@ def open_lan_socket(cfg: LanSocketConfig) -> socket.socket:
     return s
 
 
-class DiscoveryService:
+class DiscoveryService(RouterService):
     """Runs a :class:`DiscoveryCore` against a router's Unix socket (and the LAN, when configured)."""
+
+    name = "discovery"
 
     def __init__(
         self,
@@ -117,15 +118,12 @@ class DiscoveryService:
         lan: LanSocketConfig | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self.identity = identity
-        self.socket_path = Path(socket_path)
+        super().__init__(identity, socket_path, log)
         self.params = params or DiscoveryParams()
         self.lan = lan if self.params.lan else None
         self.rng = rng or random.Random()
-        self.client: Client | None = None
         self.core: DiscoveryCore | None = None
         self._transport: asyncio.DatagramTransport | None = None
-        self._stop = asyncio.Event()
 
     async def run(self) -> None:
         """Open the LAN socket, connect (retrying while the router starts) and serve until :meth:`stop`."""
@@ -141,30 +139,11 @@ class DiscoveryService:
                 self._transport = transport
                 log.info("discovery: LAN announcements on %s:%d", self.lan.group, self.lan.port)
         try:
-            while not self._stop.is_set():
-                try:
-                    self.client = await Client.connect(self.socket_path, self.identity)
-                except (OSError, TimeoutError, ClientError) as e:
-                    log.debug("discovery: router not reachable yet: %s", e)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._stop.wait(), 0.2)
-                    continue
-                try:
-                    await self._serve(self.client)
-                finally:
-                    await self.client.close()
-                if not self._stop.is_set():
-                    log.warning("discovery: lost the router (%s); reconnecting", self.client.closed_reason)
+            await self.serve_router()
         finally:
             if self._transport is not None:
                 self._transport.close()
                 self._transport = None
-
-    async def stop(self) -> None:
-        """Stop serving."""
-        self._stop.set()
-        if self.client is not None:
-            await self.client.close()
 
     async def _serve(self, client: Client) -> None:
         if self.core is None or self.core.router != client.router_id:

@@ -21,18 +21,17 @@ The service runs in-process by default (a task of the daemon) or as ``upsycle-ro
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import os
 import random
 import time
-from pathlib import Path
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity, advert_valid, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import exp_in
+from upsycle_router.runtime.service import RouterService
 from upsycle_router.services.pubsub.core import GossipCore
 from upsycle_router.services.pubsub.effects import Effect, Forward, JoinGroup, LeaveGroup, Peer, Pull, SendRpc
 from upsycle_router.services.pubsub.params import GossipParams
@@ -48,8 +47,10 @@ log = logging.getLogger("upsycle_router.pubsub")
 RPC_TTL = 30
 
 
-class PubsubService:
+class PubsubService(RouterService):
     """Runs a :class:`GossipCore` against a router's Unix socket."""
+
+    name = "pubsub"
 
     def __init__(
         self,
@@ -60,38 +61,12 @@ class PubsubService:
         policies: dict[bytes, GroupPolicy] | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self.identity = identity
-        self.socket_path = Path(socket_path)
+        super().__init__(identity, socket_path, log)
         self.params = params or GossipParams()
         self.policies = policies or {}
         self.rng = rng or random.Random()
-        self.client: Client | None = None
         self.core: GossipCore | None = None
-        self._stop = asyncio.Event()
         self._peer_expiry: dict[bytes, float] = {}  # router -> monotonic time its advertisement lapses
-
-    async def run(self) -> None:
-        """Connect (retrying while the router starts) and serve until :meth:`stop`."""
-        while not self._stop.is_set():
-            try:
-                self.client = await Client.connect(self.socket_path, self.identity)
-            except (OSError, TimeoutError, ClientError) as e:
-                log.debug("pubsub: router not reachable yet: %s", e)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stop.wait(), 0.2)
-                continue
-            try:
-                await self._serve(self.client)
-            finally:
-                await self.client.close()
-            if not self._stop.is_set():
-                log.warning("pubsub: connection to the router lost (%s); reconnecting", self.client.closed_reason)
-
-    async def stop(self) -> None:
-        """Stop serving."""
-        self._stop.set()
-        if self.client is not None:
-            await self.client.close()
 
     async def _serve(self, client: Client) -> None:
         core = self.core
