@@ -109,9 +109,12 @@ def main(argv: list[str] | None = None) -> int:
         messages = {k: presign(k, keys, sizes, root / f"{k}.pkl") for k in ("uni", "mc")}
         _log(f"presigned {2 * (sizes.warm + sizes.n_max + sizes.n_lat):,} messages in {time.monotonic() - t:.1f} s")
         if args.profile:
-            from bench.profile import format_profile, run_profile
+            from bench.profile import PROFILES, format_profile, run_profile
 
-            res["profile"] = run_profile(root, keys, sizes, messages)
+            plan = PROFILES
+            if args.scenarios:  # --scenarios picks what to profile (their throughput phase)
+                plan = tuple((n.strip(), "max") for n in args.scenarios.split(",") if n.strip())
+            res["profile"] = run_profile(root, keys, sizes, messages, plan)
             _log(format_profile(res["profile"]))
         else:
             _run(args, res, parts, durabilities, sizes, keys, messages, root, quick)

@@ -130,6 +130,29 @@ def test_new_message_for_a_connected_recipient_is_sent_directly(h: CoreHarness) 
     assert h.store.queue(BOB.public) == []
 
 
+def test_messages_queue_behind_unsent_entries_and_go_direct_once_only_in_flight_ones_remain(tmp_path: Path) -> None:
+    h = make(tmp_path, flush_batch=2)
+    a, ms = queue_for_bob(h, 3)
+    b = h.open(BOB)
+    first = h.last  # m0, m1 written; m2 still waits in the store
+    late = [unicast(ALICE, BOB, f"late{i}".encode(), now=h.now) for i in range(2)]
+    out = h.receive(a, late[0])
+    assert out.sends(b) == [] and out.traces("queued")  # must not overtake m2
+    out = h.queue_sent(first)  # m2 and late0 go out (a full batch: more may be waiting)
+    assert [s.data for s in out.sends(b)] == [ms[2].encode(), late[0].encode()]
+    second = out
+    out = h.receive(a, late[1])  # behind nothing unsent: queued (full batch seen), then sent on the next flush
+    assert out.sends(b) == []
+    out = h.queue_sent(second)
+    assert [s.data for s in out.sends(b)] == [late[1].encode()]
+    # Only that entry is in flight now, nothing unsent: a new message is written at once, after it on the wire.
+    direct = unicast(ALICE, BOB, b"direct", now=h.now)
+    out = h.receive(a, direct)
+    assert [(s.data, s.queue_ref) for s in out.sends(b)] == [(direct.encode(), None)]
+    sent = [s.data for s in h.log.sends(b)]
+    assert sent == [m.encode() for m in [*ms, *late, direct]]
+
+
 def test_multicast_queue_entry_keeps_the_message_for_pull_after_delivery(h: CoreHarness) -> None:
     a = h.open(ALICE)
     b = h.open(BOB)

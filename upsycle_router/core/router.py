@@ -67,7 +67,7 @@ ROUTE_ADVERT = 3
 
 
 class Conn:
-    __slots__ = ("id", "peer", "local", "inflight", "blocked")
+    __slots__ = ("id", "peer", "local", "inflight", "blocked", "backlog")
 
     def __init__(self, conn: ConnId, peer: bytes, local: bool) -> None:
         self.id = conn
@@ -75,6 +75,9 @@ class Conn:
         self.local = local
         self.inflight: set[int] = set()  # queue seqs sent on this connection, not yet acknowledged
         self.blocked = False  # the peer is not reading: queue instead of writing
+        # The peer's queue may hold entries not yet sent on this connection: new messages queue behind them.
+        # Entries already sent (in flight) do not count: a message written now goes out after them anyway.
+        self.backlog = True
 
 
 class Router:
@@ -271,7 +274,9 @@ class Router:
         if c.inflight or c.blocked:
             return
         subscribed = self._subscribed_anywhere()
-        for e in self.store.queue(c.peer, limit=self.config.flush_batch):
+        entries = list(self.store.queue(c.peer, limit=self.config.flush_batch))
+        c.backlog = len(entries) >= self.config.flush_batch  # a full batch: more may be waiting
+        for e in entries:
             stored = self.store.get_message(e.id)
             if stored is None or stored.expires <= now or e.expires <= now:
                 self.store.dequeue(c.peer, e.seq)
@@ -426,10 +431,13 @@ class Router:
         conn = self.connected(key)
         if conn is not None:
             c = self._conns[conn]
-            if (c.inflight or c.blocked) and msg.header.ttl > 0:
-                # The recipient's queue is still draining (append, so nothing overtakes what was queued first),
-                # or it does not read: keep the message in the store rather than in memory.
-                self._enqueue(key, msg, group, data, size, now, out, kind=kind)
+            if (c.backlog or c.blocked) and msg.header.ttl > 0:
+                # The recipient's queue still holds unsent entries (append, so nothing overtakes what was queued
+                # first), or it does not read: keep the message in the store rather than in memory.
+                if self._enqueue(key, msg, group, data, size, now, out, kind=kind):
+                    c.backlog = True
+                    if not c.inflight:
+                        self._flush(c, now, out)
                 return
             if c.blocked:
                 out.append(Trace("dropped", msg.id, kind, group, None, key, key, size, "overloaded",
