@@ -59,6 +59,7 @@ class _Raw(NamedTuple):
     size: int
 
 
+TIMER_INTERVAL = 0.1  # seconds between timer runs at the most (expiry sweeps are that much late at worst)
 MAX_SEGMENTS = 3  # segments being verified at once (bounds what is decoded but not yet routed)
 
 
@@ -123,6 +124,7 @@ class Driver:
         self._release_handle: asyncio.TimerHandle | None = None
         self._flush_handle: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._last_timer = -TIMER_INTERVAL  # loop time of the last timer run
         self._sync_handle: asyncio.TimerHandle | None = None
         self._dirty = False
         self._closed = False
@@ -392,17 +394,25 @@ class Driver:
     # ------------------------------------------------------------ timer
 
     def _arm_timer(self) -> None:
+        """Arm the one timer at the core's next deadline, but at most one timer run per ``TIMER_INTERVAL``:
+        each run is a store transaction (an fsync under ``durability: fsync``), and with thousands of
+        messages expiring per second a timer per deadline would be thousands of them."""
         deadline = self.router.next_deadline()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         if deadline is None:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
             return
-        delay = max(0.0, deadline - self.clock())
-        self._timer = self.loop.call_at(self.loop.time() + delay + 0.001, self._on_timer)
+        at = max(self.loop.time() + max(0.0, deadline - self.clock()) + 0.001, self._last_timer + TIMER_INTERVAL)
+        if self._timer is not None:
+            if abs(self._timer.when() - at) < 0.001:
+                return  # already armed for then
+            self._timer.cancel()
+        self._timer = self.loop.call_at(at, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
+        self._last_timer = self.loop.time()
         if self._closed:
             return
         now = self.clock()
