@@ -35,6 +35,7 @@ class CoreConfig:
     queue_max_bytes: int = 256 * 1024 * 1024
     # How many queued messages are sent at once when a recipient connects.
     flush_batch: int = 512
+    flush_bytes: int = 1024 * 1024  # a queue drains in batches of at most flush_batch entries and about this many bytes
     # Lifetime of routes learned from messages of remote nodes.
     learned_route_ttl: float = 24 * 3600.0
     # ttl (seconds) and lifetime of the router's own replies.

@@ -276,7 +276,11 @@ class Router:
         subscribed = self._subscribed_anywhere()
         entries = list(self.store.queue(c.peer, limit=self.config.flush_batch))
         c.backlog = len(entries) >= self.config.flush_batch  # a full batch: more may be waiting
+        budget = self.config.flush_bytes
         for e in entries:
+            if budget <= 0:  # enough bytes for one round trip: the rest waits for the next batch
+                c.backlog = True
+                break
             stored = self.store.get_message(e.id)
             if stored is None or stored.expires <= now or e.expires <= now:
                 self.store.dequeue(c.peer, e.seq)
@@ -285,6 +289,7 @@ class Router:
                                  e.size, "expired", role=self._role(c.peer)))
                 continue
             c.inflight.add(e.seq)
+            budget -= len(stored.data)
             out.append(Send(c.id, stored.data, (c.peer, e.seq)))
             kind = "multicast" if stored.group is not None else "unicast"
             event = "delivered" if c.local or c.peer in subscribed else "forwarded"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import logging
 import socket
@@ -30,6 +31,8 @@ from upsycle_router.wire.framing import DEFAULT_MAX_FRAME
 log = logging.getLogger("upsycle_router.transport")
 _ids = itertools.count(1)
 CLOSE_LINGER = 0.5  # seconds input is drained after an ERROR, before the close
+WRITE_HIGH_WATER = 2 * 1024 * 1024  # outbound bytes buffered before the peer counts as not reading (blocked)
+WRITE_LOW_WATER = 512 * 1024  # ... and below which it counts as reading again
 
 
 class ConnectionHandler(Protocol):
@@ -110,6 +113,10 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Start the handshake timer, then the transport's handshake."""
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
+        # A router writes in bursts (a drained queue batch is up to ~1 MiB): asyncio's default 64 KiB
+        # high-water mark would report every healthy reader as blocked and send its traffic to the store.
+        with contextlib.suppress(AttributeError, NotImplementedError, ValueError):
+            self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             try:
