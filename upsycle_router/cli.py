@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from upsycle_router import __version__, cli_analyze, cli_client, cli_daemon, cli_decode
+from upsycle_router import __version__, cli_analyze, cli_client, cli_daemon, cli_decode, cli_group
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_analyze.register(sub)
     cli_daemon.register(sub)
     cli_client.register(sub)
+    cli_group.register(sub)
     return parser
 
 

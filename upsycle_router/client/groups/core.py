@@ -510,6 +510,14 @@ class GroupCore:
         if self._ack_at is None or at < self._ack_at:
             self._ack_at = at
 
+    def flush_ack(self, now: float) -> list[Effect]:
+        """Send a wanted ACK now instead of at its deadline (a session that is about to stop)."""
+        out: list[Effect] = []
+        if self.active and self._ack_wanted and self._ack_at is not None:
+            self._ack_at = None
+            self._publish(AppAck(), now, out)
+        return out
+
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timer` must run next."""
         t = self.causal.next_deadline() if self.active else None

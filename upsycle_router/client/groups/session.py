@@ -160,13 +160,21 @@ class GroupManager:
             loop.create_task(self._timer(), name="groups-timer"),
         ]
 
+    async def finish(self, timeout: float = 10.0) -> None:
+        """Send the ACKs that were due soon, then wait until the router committed everything sent
+        (TimeoutError after ``timeout``): what an app does before it stops."""
+        now = time.time()
+        for gid in list(self.cores):
+            self.run(gid, lambda core: core.flush_ack(now))
+        await self.flush(timeout)
+
     async def close(self, *, flush: float | None = 5.0) -> None:
-        """Stop: first wait (at most ``flush`` seconds) until the outbox is committed, then disconnect."""
+        """Stop: :meth:`finish` (at most ``flush`` seconds; None: skip it), then disconnect."""
         if self._closed:
             return
         if flush:
             with contextlib.suppress(TimeoutError):
-                await self.flush(timeout=flush)
+                await self.finish(flush)
         self._closed = True
         for t in [*self._tasks, *self._fetch_tasks]:
             t.cancel()
