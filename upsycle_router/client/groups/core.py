@@ -19,9 +19,10 @@ Receiving. The routed signature is checked, the envelope opened with the epoch n
 application message decoded and its signature and ``to`` checked; it goes into the :class:`CausalBuffer`.
 Each ready message is judged (:mod:`.membership`) and applied in causal order: data becomes a log entry,
 MEMBER_ADD / MEMBER_REMOVE change the members, a sealed key announcement from the admin starts the next
-epoch (JOIN its group, LEAVE the old one, then an ACK in the new epoch tells the others this member is
-there). Invalid messages are delivered as *rejected* (so that causality goes on, the same at every member)
-but never reach the log.
+epoch (JOIN its group, then an ACK in the new epoch tells the others this member is there; the old epoch's
+group is LEFT ``leave_delay`` later, so that messages sent concurrently with the rotation, by members that
+had not seen it yet, still arrive). Invalid messages are delivered as *rejected* (so that causality goes
+on, the same at every member) but never reach the log.
 
 Anti-entropy. When a delivered message from someone else does not name all of this member's heads, that
 member may lack something this member has (or may not know this member's latest messages); unless this
@@ -85,6 +86,7 @@ class GroupConfig:
     ack_delay: float = 1.0  # anti-entropy ACK after this long (0: none; rotations and welcomes still ACK)
     welcome_base: int = 1024  # delivered ids a welcome lists as the new member's history
     fetch_epochs: int = 3  # a missing id is looked for in this many newest epochs' groups
+    leave_delay: float = 30.0  # the old epoch's group is left this long after a rotation (late concurrent messages)
 
 
 class GroupCore:
@@ -116,6 +118,7 @@ class GroupCore:
         )  # fmt: skip
         self._ack_at: float | None = None
         self._ack_wanted = False
+        self._leave_at: dict[bytes, float] = {}  # old epochs' groups, left at these times
         self._load_buffer(now)
 
     def _load_buffer(self, now: float) -> None:
@@ -214,13 +217,16 @@ class GroupCore:
         return self.store.log(self.gid, start, limit)
 
     def startup(self, now: float) -> list[Effect]:
-        """Effects to run when the session starts: JOIN the current group, LEAVE older epochs' groups (again:
-        a crash may have come between a rotation and its LEAVE), and resend the outbox."""
+        """Effects to run when the session (or its connection) starts: JOIN the current group, LEAVE older
+        epochs' groups (again: a crash may have come between a rotation and its LEAVE) unless their grace
+        period is still running, and resend the outbox."""
         out: list[Effect] = []
         if self.active:
             out.append(ev.JoinGroup(self.gid, self.epoch.grp))
             for e in self.membership.epochs()[1 : self.config.fetch_epochs]:
-                out.append(ev.LeaveGroup(self.gid, e.grp))
+                if e.grp not in self._leave_at:
+                    out.append(ev.LeaveGroup(self.gid, e.grp))
+            out.extend(ev.JoinGroup(self.gid, g) for g in sorted(self._leave_at))
         else:
             out.append(ev.LeaveGroup(self.gid, self.epoch.grp))
         for n, data in self.store.outbox(self.gid):
@@ -346,7 +352,8 @@ class GroupCore:
             if self.me in body.mem:
                 self.record = GroupRecord(self.gid, admin, REMOVED, self.record.base_adm, self.record.vv0)
                 self.store.put_group(self.record)
-                out.append(ev.LeaveGroup(self.gid, self.epoch.grp))
+                out.extend(ev.LeaveGroup(self.gid, g) for g in [*self._leave_at, self.epoch.grp])
+                self._leave_at.clear()
                 self._ack_at = None
 
     def _entry(self, p: Pending, kind: str, out: list[Effect], data: bytes = b"", mem: tuple[bytes, ...] = ()) -> None:
@@ -385,7 +392,7 @@ class GroupCore:
         self.membership.record(adm, members, new.number)
         if new.number > old.number:
             out.append(ev.JoinGroup(self.gid, new.grp))
-            out.append(ev.LeaveGroup(self.gid, old.grp))
+            self._leave_at[old.grp] = now + self.config.leave_delay
         self._log(LogEntry(0, ev.ROTATED, p.id, p.sender, p.seq, new.number, b"", tuple(sorted(members))), out)
         self._want_ack(now)  # at once: "I am in the new epoch", and anyone behind learns the heads
 
@@ -523,11 +530,17 @@ class GroupCore:
         t = self.causal.next_deadline() if self.active else None
         if self._ack_at is not None and self.active:
             t = self._ack_at if t is None else min(t, self._ack_at)
+        if self._leave_at:
+            t = min(self._leave_at.values()) if t is None else min(t, *self._leave_at.values())
         return t
 
     def handle_timer(self, now: float) -> list[Effect]:
         """Fetch missing dependencies whose time has come; send a pending ACK."""
         out: list[Effect] = []
+        for grp, t in sorted(self._leave_at.items()):
+            if t <= now:
+                del self._leave_at[grp]
+                out.append(ev.LeaveGroup(self.gid, grp))
         if not self.active:
             return out
         groups = tuple(e.grp for e in self.membership.epochs()[: self.config.fetch_epochs])
