@@ -274,6 +274,21 @@ def test_subscriptions_survive_a_restart(hps: CoreHarness) -> None:
     assert pubsub_requests(out, p) == [Unsub(G.public)]
 
 
+def test_a_restarted_router_subs_its_groups_again_when_the_pubsub_service_connects(hps: CoreHarness) -> None:
+    hps.open(PS)
+    a = hps.open(ALICE)
+    hps.receive(a, control(ALICE, X, Join(G.public, False)))
+    hps.receive(a, control(ALICE, X, Join(G2.public, False)))
+    hps.restart()  # the pub/sub service starts afresh with the router: it knows none of its groups
+    p = hps.open(PS)
+    assert sorted(pubsub_requests(hps.last, p), key=lambda s: s.addr) == sorted(
+        [Sub(G.public), Sub(G2.public)], key=lambda s: s.addr
+    )
+    hps.close(p)
+    p = hps.open(PS)  # a reconnect without a restart: the service kept its state
+    assert pubsub_requests(hps.last, p) == []
+
+
 def test_sub_ack_from_the_pubsub_service_is_absorbed(hps: CoreHarness) -> None:
     p = hps.open(PS)
     out = hps.receive(p, unicast(PS, X, encode_router(JoinAck(G.public, 0))))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -69,6 +70,8 @@ class PubsubService:
         self.core: GossipCore | None = None
         self._stop = asyncio.Event()
         self._peer_expiry: dict[bytes, float] = {}  # router -> monotonic time its advertisement lapses
+        self._peer_rev: dict[bytes, int] = {}  # router -> revision of its last advertisement
+        self._ttl_offsets = itertools.count()
 
     async def run(self) -> None:
         """Connect (retrying while the router starts) and serve until :meth:`stop`."""
@@ -127,6 +130,7 @@ class PubsubService:
         out: list[Effect] = []
         for router in [r for r, t in self._peer_expiry.items() if t <= now]:
             del self._peer_expiry[router]
+            self._peer_rev.pop(router, None)
             out.extend(core.peer_removed(router, now))
         out.extend(core.handle_timer(now))
         return out
@@ -179,7 +183,11 @@ class PubsubService:
             svc = ctl.service(SERVICE_PUBSUB)
             if svc is not None and advert_valid(ctl) and ctl.id != client.router_id:
                 self._peer_expiry[ctl.id] = now + ctl.ttl
-                return core.peer_added(Peer(ctl.id, svc), now)
+                # A new revision (a restarted router advertises anew): greet it again, its service may have
+                # forgotten our subscriptions.
+                old_rev = self._peer_rev.get(ctl.id)
+                self._peer_rev[ctl.id] = ctl.rev
+                return core.peer_added(Peer(ctl.id, svc), now, greet=old_rev is not None and ctl.rev != old_rev)
         elif isinstance(ctl, PullNack):
             return core.pull_failed(ctl.id, now)
         return []
@@ -187,6 +195,10 @@ class PubsubService:
     # ------------------------------------------------------------ outbound
 
     def _unicast(self, client: Client, dst: bytes, body: bytes, ttl: int, via: bytes | None) -> None:
+        if via is not None:
+            # Routers drop a unicast whose id they have seen (replay protection), and the same RPC or PULL sent
+            # again within the same minute (exp) has the same id: vary the ttl so a repetition gets through.
+            ttl += next(self._ttl_offsets) % 64
         header = UnicastHeader(self.identity.public, dst, ttl, exp_in(time.time(), 3600))  # wall clock: on the wire
         client.send_message(sign_message(header, body, self.identity, via))
 
