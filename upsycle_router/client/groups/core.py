@@ -83,7 +83,9 @@ class GroupConfig:
     max_buffer: int = 1000  # messages waiting for dependencies
     fetch_delay: float = 0.5  # a missing dependency is first fetched this long after it was found missing
     fetch_max: float = 30.0  # fetch retries back off up to this interval
-    ack_delay: float = 1.0  # anti-entropy ACK after this long (0: none; rotations and welcomes still ACK)
+    ack_delay: float = 1.0  # receivers ACK after this long (0: no ACKs but after rotations and welcomes)
+    ack_timeout: float = 3.0  # a sender ACKs (names its heads again) when a member has not acknowledged its
+    ack_retries: int = 5  # last message after this long, doubling, at most this many times
     welcome_base: int = 1024  # delivered ids a welcome lists as the new member's history
     fetch_epochs: int = 3  # a missing id is looked for in this many newest epochs' groups
     leave_delay: float = 30.0  # the old epoch's group is left this long after a rotation (late concurrent messages)
@@ -119,6 +121,10 @@ class GroupCore:
         self._ack_at: float | None = None
         self._ack_wanted = False
         self._leave_at: dict[bytes, float] = {}  # old epochs' groups, left at these times
+        self._acked: dict[bytes, int] = store.acked(gid)
+        self._last_sent = store.last_sent(gid)
+        self._retry_n = 0
+        self._retry_at: float | None = now + self.config.ack_timeout if self._unacked() else None
         self._load_buffer(now)
 
     def _load_buffer(self, now: float) -> None:
@@ -305,19 +311,27 @@ class GroupCore:
         while (p := self.causal.pop_ready()) is not None:
             self._deliver(p, now, out)
 
-    def _a_before(self, deps: tuple[bytes, ...]) -> int:
-        a = 0
+    def _past(self, deps: tuple[bytes, ...]) -> tuple[int, int]:
+        """The highest admin seq and the highest own seq in the causal past named by ``deps``."""
+        a = own = 0
         for d in deps:
             rec = self.store.get_delivered(self.gid, d)
-            if rec is not None and rec.adm > a:
-                a = rec.adm
-        return a
+            if rec is not None:
+                a = max(a, rec.adm)
+                own = max(own, rec.own)
+        return a, own
+
+    def _unacked(self) -> frozenset[bytes]:
+        """Current members (not this one) that have not acknowledged this member's last message."""
+        if not self.active or self._last_sent == 0 or self.config.ack_delay <= 0:
+            return frozenset()
+        return frozenset(m for m in self.members - {self.me} if self._acked.get(m, 0) < self._last_sent)
 
     def _deliver(self, p: Pending, now: float, out: list[Effect]) -> None:
         """Judge a ready message against the state of its causal past, record it, and apply it."""
         app: AppMessage = p.payload
         body = app.body
-        a_before = self._a_before(p.deps)
+        a_before, own_before = self._past(p.deps)
         members, epoch_no = self.membership.at(a_before)
         admin = self.admin
         reason: str | None = None
@@ -330,14 +344,22 @@ class GroupCore:
         elif isinstance(body, MemberRemove) and admin in body.mem:
             reason = "admin_cannot_be_removed"
         adm = p.seq if p.sender == admin else a_before
+        own = p.seq if p.sender == self.me else own_before
         heads_before = set(self.causal.heads)
         flag = ev.REJECTED if reason else ev.OK
-        self.causal.mark_delivered(p.id, Delivered(p.sender, p.seq, adm, p.epoch, flag), p.deps)
+        self.causal.mark_delivered(p.id, Delivered(p.sender, p.seq, adm, p.epoch, flag, own), p.deps)
+        if p.sender != self.me and own_before > self._acked.get(p.sender, 0):
+            self._acked[p.sender] = own_before  # it has (at least) our messages up to this seq
+            self.store.set_acked(self.gid, p.sender, own_before)
         if reason is not None:
             out.append(ev.Note(self.gid, "rejected", p.id, reason))
             return
         self.store.add_ack(self.gid, p.epoch, p.sender)
-        if p.sender != self.me and self.config.ack_delay > 0 and not heads_before <= set(p.deps):
+        if p.sender != self.me and self.config.ack_delay > 0 and (
+            not isinstance(body, AppAck) or not heads_before <= set(p.deps)
+        ):
+            # Acknowledge what others send (delayed, and only if we send nothing meanwhile), and answer an ACK
+            # that shows its sender lacks something we have.
             self._want_ack(now + self.config.ack_delay)
         if isinstance(body, AppMulticast):
             self._entry(p, ev.MESSAGE, out, body.data)
@@ -432,6 +454,11 @@ class GroupCore:
         out.append(ev.Publish(self.gid, msg, self.store.outbox_add(self.gid, msg.encode())))
         self._ack_wanted = False
         self._ack_at = None
+        if not isinstance(body, AppAck):
+            self._last_sent = seq
+            self.store.set_last_sent(self.gid, seq)
+            self._retry_n = 0
+            self._retry_at = now + self.config.ack_timeout if self.config.ack_delay > 0 else None
         self._deliver(Pending(msg.id, self.me, seq, deps, epoch.number, msg.encode(), now, app), now, out)
         self._drain(now, out)
         return msg.id
@@ -532,6 +559,8 @@ class GroupCore:
             t = self._ack_at if t is None else min(t, self._ack_at)
         if self._leave_at:
             t = min(self._leave_at.values()) if t is None else min(t, *self._leave_at.values())
+        if self._retry_at is not None and self.active:
+            t = self._retry_at if t is None else min(t, self._retry_at)
         return t
 
     def handle_timer(self, now: float) -> list[Effect]:
@@ -550,4 +579,16 @@ class GroupCore:
             self._ack_at = None
             if self._ack_wanted:
                 self._publish(AppAck(), now, out)
+        if self._retry_at is not None and self._retry_at <= now:
+            self._retry_at = None
+            if self._unacked() and self._retry_n < self.config.ack_retries:
+                # Someone has not shown that it has our last message: name our heads again (whoever lacks them
+                # fetches them). Its own ACK, or anything it sends, will show it.
+                self._retry_n += 1
+                self._publish(AppAck(), now, out)
+                self._retry_at = now + self.config.ack_timeout * 2**self._retry_n
         return out
+
+    def unacknowledged(self) -> frozenset[bytes]:
+        """Members that have not yet shown that they have this member's last message."""
+        return self._unacked()

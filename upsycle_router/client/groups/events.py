@@ -65,6 +65,7 @@ class Delivered:
     adm: int  # the highest admin seq in the message's causal past (itself included)
     epoch: int
     flag: int = OK
+    own: int = 0  # the highest seq of this member's own messages in its causal past (itself included)
 
 
 # ---------------------------------------------------------------------------------------------- effects

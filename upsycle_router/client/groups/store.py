@@ -17,6 +17,7 @@ Every record is keyed by the 32-byte group id first, so one environment holds al
 ``outbox``     gid || n (u64) -> routed message                     sent, not yet committed by the router
 ``routers``    gid || router -> ""                                  routers this group's messages came via
 ``acks``       gid || epoch (u32) || member -> ""                   members heard from in an epoch
+``ackby``      gid || member -> seq (u64)                           highest own seq the member has acknowledged
 ``meta``       owner / gid || counter name -> u64 counters
 
 All writes happen inside :meth:`GroupStore.transaction` (one per input of the core, opened by the adapter),
@@ -46,7 +47,7 @@ _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 SCHEMA = b"groups-1"
 _DBS = ("meta", "groups", "epochs", "mhist", "delivered", "vv", "heads", "dorder", "buffer", "log", "outbox",
-        "routers", "acks")  # fmt: skip
+        "routers", "acks", "ackby")  # fmt: skip
 
 ACTIVE = "active"
 REMOVED = "removed"
@@ -233,11 +234,11 @@ class GroupStore:
         v = self._get("delivered", gid + mid)
         if v is None:
             return None
-        sender, seq, adm, epoch, flag = cbor2.loads(v)
-        return Delivered(sender, seq, adm, epoch, flag)
+        sender, seq, adm, epoch, flag, own = cbor2.loads(v)
+        return Delivered(sender, seq, adm, epoch, flag, own)
 
     def put_delivered(self, gid: bytes, mid: bytes, d: Delivered) -> None:
-        self._put("delivered", gid + mid, enc([d.sender, d.seq, d.adm, d.epoch, d.flag]))
+        self._put("delivered", gid + mid, enc([d.sender, d.seq, d.adm, d.epoch, d.flag, d.own]))
         self._put("dorder", gid + _U64.pack(self._next(gid, b"dorder")), mid)
 
     def delivered_count(self, gid: bytes) -> int:
@@ -329,6 +330,19 @@ class GroupStore:
     def acks(self, gid: bytes, epoch: int) -> set[bytes]:
         p = gid + _U32.pack(epoch)
         return {k[len(p):] for k, _ in self._prefix("acks", p)}
+
+    def acked(self, gid: bytes) -> dict[bytes, int]:
+        return {k[32:]: _U64.unpack(v)[0] for k, v in self._prefix("ackby", gid)}
+
+    def set_acked(self, gid: bytes, member: bytes, seq: int) -> None:
+        self._put("ackby", gid + member, _U64.pack(seq))
+
+    def last_sent(self, gid: bytes) -> int:
+        """The seq of this member's last message that wants acknowledging (not an ACK)."""
+        return self._counter(gid, b"lastsent")
+
+    def set_last_sent(self, gid: bytes, seq: int) -> None:
+        self._set_counter(gid, b"lastsent", seq)
 
 
 def _next_prefix(prefix: bytes) -> bytes | None:
