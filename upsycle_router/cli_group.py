@@ -4,9 +4,11 @@ Each command connects to the router's Unix socket with an app key (``--key``, as
 and keeps the member's group state in its own directory (``--data``, default
 ``$XDG_STATE_HOME/upsycle-router/groups/<first 16 hex digits of the key>``). Before ``add``, ``remove`` and
 ``send`` it reads what the router had queued for the member (so new messages name what is already known),
-and afterwards it waits until the router has committed what it sent. ``listen`` accepts welcomes (from the
-admins named with ``--accept``, or from anyone) and prints the log of every group, or of one, as JSON lines,
-from where the last ``listen`` stopped (``--from-start``: everything).
+and afterwards it waits until the router has committed what it sent, then (``--wait``, default 5 s) until
+every member has acknowledged it; members that did not are named on stderr (they may be offline: they get it
+later). ``listen`` accepts welcomes (from the admins named with ``--accept``, or from anyone) and prints the
+log of every group, or of one, as JSON lines, from where the last ``listen`` stopped (``--from-start``:
+everything).
 """
 
 from __future__ import annotations
@@ -55,6 +57,24 @@ async def settle(mgr: GroupManager, quiet: float = SETTLE_QUIET, limit: float = 
             return
         before = now
         await asyncio.sleep(quiet)
+
+
+async def wait_acknowledged(s: GroupSession, seconds: float) -> frozenset[bytes]:
+    """Wait (at most ``seconds``) until every member has acknowledged this member's last message; return who
+    has not."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0 and s.core.unacknowledged():
+        await s.manager.wait_changed(min(left, 0.25))
+    return s.core.unacknowledged()
+
+
+async def _after_send(s: GroupSession, args: argparse.Namespace) -> None:
+    if args.wait > 0:
+        missing = await wait_acknowledged(s, args.wait)
+        if missing:
+            names = ", ".join(sorted(k.hex()[:16] for k in missing))
+            print(f"note: not acknowledged yet by {names} (offline? they get it when they are back)",
+                  file=sys.stderr)  # fmt: skip
 
 
 def _run(args: argparse.Namespace, fn: Callable[[GroupManager], Awaitable[int]]) -> int:
@@ -118,6 +138,7 @@ def cmd_add(args: argparse.Namespace) -> int:
         via = parse_key(args.via, "via") if args.via else None
         await s.add(*(parse_key(m, "member") for m in args.members), via=via)
         print(f"added {len(args.members)}; members now {len(s.members)}")
+        await _after_send(s, args)
         return 0
 
     return _run(args, go)
@@ -130,7 +151,8 @@ def cmd_remove(args: argparse.Namespace) -> int:
         await settle(mgr)
         s = _session(mgr, args.group)
         await s.remove(*(parse_key(m, "member") for m in args.members))
-        print(f"removed {len(args.members)}; members now {len(s.members)}; epoch {s.epoch}")
+        print(f"removed {len(args.members)}; members now {len(s.members)}; epoch {s.epoch}", flush=True)
+        await _after_send(s, args)
         return 0
 
     return _run(args, go)
@@ -147,7 +169,8 @@ def cmd_send(args: argparse.Namespace) -> int:
             mid = await s.send_to([parse_key(m, "to") for m in args.to], body)
         else:
             mid = await s.send(body)
-        print(mid.hex())
+        print(mid.hex(), flush=True)
+        await _after_send(s, args)
         return 0
 
     return _run(args, go)
@@ -200,8 +223,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     common(p)
     p.set_defaults(func=cmd_create)
 
+    def wait(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--wait", type=float, default=5.0, metavar="SECONDS",
+                       help="wait this long for every member's acknowledgement (default 5; 0: no wait)")  # fmt: skip
+
     p = gsub.add_parser("add", help="add members (admin only); they get a welcome")
     common(p)
+    wait(p)
     p.add_argument("group", help="group id (hex)")
     p.add_argument("members", nargs="+", metavar="MEMBER", help="member key (hex)")
     p.add_argument("--via", help="the router the new members are on, when it is not this one (hex id)")
@@ -209,12 +237,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = gsub.add_parser("remove", help="remove members (admin only); rotates the group's keys")
     common(p)
+    wait(p)
     p.add_argument("group", help="group id (hex)")
     p.add_argument("members", nargs="+", metavar="MEMBER", help="member key (hex)")
     p.set_defaults(func=cmd_remove)
 
     p = gsub.add_parser("send", help="send a message to the group")
     common(p)
+    wait(p)
     p.add_argument("group", help="group id (hex)")
     p.add_argument("body", nargs="?", default="-", help="message, or - for stdin (default)")
     p.add_argument("--hex", action="store_true", help="the body is hex")

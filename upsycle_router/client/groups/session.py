@@ -176,11 +176,17 @@ class GroupManager:
             with contextlib.suppress(TimeoutError):
                 await self.finish(flush)
         self._closed = True
-        for t in [*self._tasks, *self._fetch_tasks]:
+        self._wake.set()
+        tasks = [*self._tasks, *self._fetch_tasks]
+        for t in tasks:
             t.cancel()
-        for t in [*self._tasks, *self._fetch_tasks]:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        if tasks:
+            done, stuck = await asyncio.wait(tasks, timeout=5.0)
+            for t in done:
+                if not t.cancelled() and t.exception() is not None:
+                    log.warning("groups: task %s failed: %r", t.get_name(), t.exception())
+            for t in stuck:
+                log.warning("groups: task %s did not stop", t.get_name())
         if self.client is not None:
             await self.client.close()
         self.store.close()
@@ -207,7 +213,8 @@ class GroupManager:
 
     async def next_welcome(self, timeout: float | None = None) -> GroupSession:
         """The session of the next group this member is welcomed into."""
-        return await asyncio.wait_for(self._welcomes.get(), timeout)
+        async with asyncio.timeout(timeout):
+            return await self._welcomes.get()
 
     def _call(self, gid: bytes | None, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` (a call into a core) in one store transaction; rebuild that core if it fails."""
@@ -337,7 +344,7 @@ class GroupManager:
     # ------------------------------------------------------------ effects
 
     async def _worker(self) -> None:
-        while True:
+        while not self._closed:
             first = await self._effects.get()
             batch = [first]
             while not self._effects.empty():
@@ -418,7 +425,7 @@ class GroupManager:
     # ------------------------------------------------------------ timers
 
     async def _timer(self) -> None:
-        while True:
+        while not self._closed:
             now = time.time()
             deadlines = [(t, gid) for gid, c in self.cores.items() if (t := c.next_deadline()) is not None]
             due = [gid for t, gid in deadlines if t <= now]
@@ -430,8 +437,11 @@ class GroupManager:
             nxt = min((t for t, _ in deadlines), default=None)
             self._wake.clear()
             timeout = None if nxt is None else max(0.0, nxt - now)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that arrives as
+            # the event is set, and this loop would then never end
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
 
     def _timer_fired(self, gid: bytes, now: float) -> None:
         self.run(gid, lambda core: core.handle_timer(now))
@@ -440,7 +450,8 @@ class GroupManager:
 
     async def wait_connected(self, timeout: float | None = None) -> None:
         """Until a router connection is up."""
-        await asyncio.wait_for(self._connected.wait(), timeout)
+        async with asyncio.timeout(timeout):
+            await self._connected.wait()
 
     def _notify(self) -> None:
         waiters, self._change_waiters = self._change_waiters, []
@@ -453,7 +464,8 @@ class GroupManager:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._change_waiters.append(fut)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(fut, timeout)
+            async with asyncio.timeout(timeout):
+                await fut
 
     def outbox_empty(self) -> bool:
         """Whether the router has committed everything sent."""
