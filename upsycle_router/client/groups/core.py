@@ -24,11 +24,15 @@ group is LEFT ``leave_delay`` later, so that messages sent concurrently with the
 had not seen it yet, still arrive). Invalid messages are delivered as *rejected* (so that causality goes
 on, the same at every member) but never reach the log.
 
-Anti-entropy. When a delivered message from someone else does not name all of this member's heads, that
-member may lack something this member has (or may not know this member's latest messages); unless this
-member sends something anyway within ``ack_delay``, it sends an ACK (``deps`` = its heads). Whoever lacks a
-named id fetches it (PULL). A member that rotated or was welcomed ACKs at once, which is how a member coming
-back after a rotation learns what it missed in the new epoch.
+Acknowledgements and repair. Each delivered message records the highest seq of this member's own messages
+in its causal past, so a message from member X shows which of our messages X has. A member ACKs (an
+application ACK naming its heads) ``ack_delay`` after it delivered something from someone else, unless it
+sends anything meanwhile (its messages name its heads anyway); an ACK only triggers an ACK when it does not
+name all of the receiver's heads (its sender lacks something), so ACKs settle. A sender that has not seen a
+current member acknowledge its last message after ``ack_timeout`` ACKs itself (names its heads again, so
+whoever lacks them fetches them), backing off and giving up after ``ack_retries``: a message lost between
+routers reaches everyone who is online, and those who are not get the ACK queued. A member that rotated or
+was welcomed ACKs at once, which is how it learns what it missed in the new epoch.
 """
 
 from __future__ import annotations
