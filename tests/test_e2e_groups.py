@@ -242,3 +242,28 @@ async def test_three_members_two_routers_causal_log_restarts_and_removal(tmp_pat
                 with pytest.raises(DecryptError):
                     decrypt(e, msg.body)
 
+
+
+async def test_pull_through_our_router_from_another_router(tmp_path: Path) -> None:
+    """``Client.pull(group, id, via=R)``: the PULL goes through our router to router R, which answers with the
+    stored message (our router delivers it to us like any multicast message) or with its own PULL_NACK."""
+    async with Network(tmp_path) as net:
+        r1, r2 = net.add_nodes(2, heartbeat=None)
+        r2.config["peers"] = [r1.peer_entry()]
+        await net.start_all()
+        await net.wait_dialled(r2, r1)
+        group = Identity.generate()
+        pub = await net.client(r1)
+        mid = await pub.publish(group, b"only r1 has this")  # r1 stores it (its pub/sub service is a recipient)
+        await pub.sync()
+        app = await net.client(r2)
+        assert await app.join(group.public)  # local: r2 does not fetch anything for this group by itself
+        assert await app.pull(group.public, mid) is None  # r2 does not have it
+        got = await app.pull(group.public, mid, via=r1.id, timeout=10)
+        assert got is not None and got.id == mid and got.body == b"only r1 has this" and got.via == r1.id
+        await r1.wait_trace(event="pulled", id=mid)
+        t0 = time.monotonic()
+        assert await app.pull(group.public, b"\x42" * 32, via=r1.id, timeout=10) is None
+        assert time.monotonic() - t0 < 5, "r1's PULL_NACK answers it, not the timeout"
+        # a second PULL of the same id through r2 within the same minute is not taken for a replay
+        assert await app.pull(group.public, b"\x42" * 32, via=r1.id, timeout=10) is None

@@ -328,3 +328,39 @@ def test_a_removed_member_can_be_welcomed_again(net: GroupNet) -> None:
     net.run(2)
     assert b"c is back" in a.texts() and b"c is back" in b.texts()
     assert b"without c" not in c.texts()
+
+
+def test_bad_input_is_dropped_with_a_reason_and_changes_nothing(net: GroupNet) -> None:
+    a, b, c = trio(net)
+    e = core(b).epoch
+    other = Epoch.generate(0, 0, net.randbytes)
+    seq = core(c).causal.next_seq(c.key)
+    heads = tuple(sorted(core(c).causal.heads))
+    good_app = sign_app_message(AppMessage(AppHeader(heads, c.key, core(c).gid, seq), AppMulticast(b"ok")), c.identity)
+
+    def routed(body: bytes, key: Epoch = e, grp: bytes | None = None) -> Message:
+        header = MulticastHeader(grp or e.grp, 60, exp_in(net.now, 60), ())
+        return sign_message(header, body, key.gkey)
+
+    wrong_to = sign_app_message(AppMessage(AppHeader(heads, c.key, b"\x01" * 32, seq), AppMulticast(b"x")),
+                                c.identity)  # fmt: skip
+    tampered = AppMessage(good_app.header.__class__(heads, c.key, core(c).gid, seq, bytes(64)), good_app.body)
+    cases = {
+        "unknown_group": routed(encrypt(e, good_app.encode(), net.randbytes), other, other.grp),
+        "bad_signature": routed(encrypt(e, good_app.encode(), net.randbytes), other),  # signed with another key
+        "undecryptable": routed(encrypt(other, good_app.encode(), net.randbytes)),
+        "malformed": routed(b"\x83\x01\x02"),
+        "malformed plaintext": routed(encrypt(e, b"\xff not cbor", net.randbytes)),
+        "bad_app_signature": routed(encrypt(e, tampered.encode(), net.randbytes)),
+        "wrong_group": routed(encrypt(e, wrong_to.encode(), net.randbytes)),
+    }
+    before = (b.texts(), dict(core(b).causal.vv), set(core(b).causal.heads), len(core(b).causal))
+    for name, msg in cases.items():
+        net.notes.clear()
+        net.deliver(b, msg)
+        reasons = [n.reason for n in net.notes if n.id == msg.id]
+        want = name.split()[0]
+        assert reasons and reasons[0].startswith(want), (name, reasons)
+    assert (b.texts(), dict(core(b).causal.vv), set(core(b).causal.heads), len(core(b).causal)) == before
+    net.send(c, b"still works")
+    assert b"still works" in b.texts()
