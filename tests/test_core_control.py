@@ -82,7 +82,7 @@ def reply_is_router_signed(out: Effects, conn: int, to: Identity) -> None:
     for m, _ in out.replies(conn):
         assert (m.header.src, m.header.dst) == (X.public, to.public)
         assert message_signature_valid(m)
-        assert m.header.ttl == 300
+        assert 300 <= m.header.ttl < 300 + 64  # replies to remote requesters vary their ttl (distinct ids)
 
 
 def pubsub_requests(out: Effects, conn: int) -> list[object]:
@@ -274,6 +274,21 @@ def test_subscriptions_survive_a_restart(hps: CoreHarness) -> None:
     assert pubsub_requests(out, p) == [Unsub(G.public)]
 
 
+def test_a_restarted_router_subs_its_groups_again_when_the_pubsub_service_connects(hps: CoreHarness) -> None:
+    hps.open(PS)
+    a = hps.open(ALICE)
+    hps.receive(a, control(ALICE, X, Join(G.public, False)))
+    hps.receive(a, control(ALICE, X, Join(G2.public, False)))
+    hps.restart()  # the pub/sub service starts afresh with the router: it knows none of its groups
+    p = hps.open(PS)
+    assert sorted(pubsub_requests(hps.last, p), key=lambda s: s.addr) == sorted(
+        [Sub(G.public), Sub(G2.public)], key=lambda s: s.addr
+    )
+    hps.close(p)
+    p = hps.open(PS)  # a reconnect without a restart: the service kept its state
+    assert pubsub_requests(hps.last, p) == []
+
+
 def test_sub_ack_from_the_pubsub_service_is_absorbed(hps: CoreHarness) -> None:
     p = hps.open(PS)
     out = hps.receive(p, unicast(PS, X, encode_router(JoinAck(G.public, 0))))
@@ -321,6 +336,19 @@ def pull_nack_body(out: Effects, conn: int, group: Identity, mid: bytes) -> None
     assert body == PullNack(group.public, mid, 1)
     assert decode_item(msg.body) == [6, {"addr": group.public, "id": mid, "result": 1}]
     assert msg.body == enc([6, {"addr": group.public, "id": mid, "result": 1}])
+
+
+def test_repeated_answers_to_a_remote_requester_have_distinct_ids(h: CoreHarness) -> None:
+    # The requester's router drops a unicast whose id it has seen: the same PULL_NACK twice in one minute
+    # would be taken for a replay, so the second answer must differ.
+    r = h.open(R, local=False)
+    ids = []
+    for _ in range(2):
+        out = h.receive(r, control(R_PS, X, Pull(G.public, b"\x42" * 32)))  # R's pub/sub service, relayed by R
+        [(reply, body)] = out.replies(r)
+        assert isinstance(body, PullNack)
+        ids.append(reply.id)
+    assert ids[0] != ids[1]
 
 
 def test_pull_of_an_unknown_id_is_nacked(h: CoreHarness) -> None:

@@ -358,3 +358,37 @@ async def test_subscriber_router_restart_recovers_missed_messages(tmp_path: Path
         for mid in missed:
             assert r1.trace(event="queued", id=mid, dst=r2.id), "r1 queued it for the offline router r2"
             assert len(r2.trace(event="delivered", id=mid, dst=sub_key.public)) == 1
+
+
+async def first_through(pub: Client, group: Identity, sub: Client, what: str, timeout: float = 20.0) -> int:
+    """Publish a fresh message every 0.5 s until ``sub`` gets one; return how many it took."""
+    deadline = time.monotonic() + timeout
+    for attempt in itertools.count(1):
+        mid = await pub.publish(group, b"%s %d" % (what.encode(), attempt))
+        if any(m.id == mid for m in await collect(sub, {mid}, timeout=0.5, settle=0.0)):
+            return attempt
+        assert time.monotonic() < deadline, f"{what}: nothing got through in {timeout} s"
+    raise AssertionError("unreachable")
+
+
+async def test_gossip_works_both_ways_after_a_router_restart(tmp_path: Path) -> None:
+    """r2 restarts while r1 keeps running. Its pub/sub service comes back knowing nothing: the router SUBs it
+    to its groups again, and r1's service greets it again (r2's advertisement has a new revision), so messages
+    published on either side soon reach the other again."""
+    async with Network(tmp_path) as net:
+        r1, r2 = net.add_nodes(2)
+        r2.config["peers"] = [r1.peer_entry()]
+        await net.start_all()
+        await net.wait_dialled(r2, r1)
+        group = Identity.generate()
+        a, c = await net.client(r1), await net.client(r2)
+        for s in (a, c):
+            assert await s.join(group.public, local=False)
+        await first_through(c, group, a, "r2 to r1 before")
+        c_key = c.identity
+        await net.close_client(c)
+        await r2.restart()
+        await net.wait_dialled(r2, r1)
+        c = await net.client(r2, c_key)  # the subscription was kept by r2
+        await first_through(c, group, a, "r2 to r1 after the restart")
+        await first_through(a, group, c, "r1 to r2 after the restart")

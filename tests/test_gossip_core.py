@@ -170,6 +170,15 @@ def test_hello_on_peer_added() -> None:
     assert core.peer_added(Peer(ME, b"\x56" * 32), 1.0) == [] and ME not in core.peers
 
 
+def test_a_known_peer_that_restarted_is_greeted_again() -> None:
+    core = make_core()
+    core.join(G, 0.0)
+    first = rpcs(core.peer_added(peer(2), 0.0))
+    assert core.peer_added(peer(2), 1.0) == []
+    again = rpcs(core.peer_added(peer(2), 1.0, greet=True))  # a new advert revision: it may have forgotten us
+    assert again == first == {rid(2): GossipRpc(subs=(SubOpt(True, G),))}
+
+
 def test_join_grafts_up_to_D_subscribed_peers_and_announces_to_all() -> None:
     core = make_core(n_peers=12, subscribed=9)
     out = core.join(G, 0.0)

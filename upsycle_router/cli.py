@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from upsycle_router import __version__, cli_analyze, cli_client, cli_daemon, cli_decode, cli_discovery
+from upsycle_router import __version__, cli_analyze, cli_client, cli_daemon, cli_decode, cli_discovery, cli_group
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_daemon.register(sub)
     cli_client.register(sub)
     cli_discovery.register(sub)
+    cli_group.register(sub)
     return parser
 
 

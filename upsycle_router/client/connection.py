@@ -9,6 +9,8 @@ decodes every frame: router replies (unicast from the router's id whose BODY is 
 PULL_NACK or SYNC_ACK) resolve the future of the request that asked for them; the answer to a PULL (the
 pulled message itself) resolves that PULL; everything else goes to the incoming queue that ``recv()`` and
 ``async for`` read. Requests are matched to replies by group (JOIN/LEAVE), by ``n`` (SYNC) and by id (PULL).
+A PULL may also be sent through our router to another router (``pull(..., via=R)``): R answers with the
+stored message, which our router delivers like any multicast message, or with a PULL_NACK signed by R.
 """
 
 from __future__ import annotations
@@ -73,6 +75,8 @@ class Client:
         self._incoming: asyncio.Queue[Message | None] = asyncio.Queue()
         self._waiters: dict[tuple[str, bytes | int], asyncio.Future[RouterMessage | Message]] = {}
         self._sync_n = itertools.count(int.from_bytes(os.urandom(6), "big"))
+        self._remote_pulls = itertools.count()
+        self._pull_routers: set[bytes] = set()  # remote routers we sent a PULL to (their PULL_NACK is a reply)
         self._task: asyncio.Task[None] | None = None
         self._opened: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.closed_reason: str | None = None
@@ -210,7 +214,11 @@ class Client:
             self.error = item
             return
         h = item.header
-        if isinstance(h, UnicastHeader) and h.src == self.router_id and message_signature_valid(item):
+        if (
+            isinstance(h, UnicastHeader)
+            and (h.src == self.router_id or h.src in self._pull_routers)
+            and message_signature_valid(item)
+        ):
             try:
                 ctl = decode_control(item.body)
             except RemoteProtocolError:
@@ -289,11 +297,17 @@ class Client:
         return msg.id
 
     async def _request(
-        self, key: tuple[str, bytes | int], body: RouterMessage, timeout: float
+        self, key: tuple[str, bytes | int], body: RouterMessage, timeout: float, *, router: bytes | None = None
     ) -> RouterMessage | Message:
         fut: asyncio.Future[RouterMessage | Message] = asyncio.get_running_loop().create_future()
         self._waiters[key] = fut
-        await self.send(self.router_id, encode_router(body), ttl=60)
+        if router is None or router == self.router_id:
+            await self.send(self.router_id, encode_router(body), ttl=60)
+        else:
+            # Through our router (VIA) to another one. Our router's replay protection drops a unicast whose id it
+            # has seen, and an identical request within the same minute has the same id: vary the ttl.
+            self._pull_routers.add(router)
+            await self.send(router, encode_router(body), ttl=60 + next(self._remote_pulls) % 3600, via=router)
         try:
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
@@ -310,9 +324,14 @@ class Client:
         reply = await self._request(("leave", group), Leave(group), timeout)
         return isinstance(reply, LeaveAck) and reply.result == Result.SUCCESS
 
-    async def pull(self, group: bytes, mid: bytes, *, timeout: float = 10.0) -> Message | None:
-        """PULL a stored message of ``group`` by id; None when the router does not have it."""
-        reply = await self._request(("pull", mid), Pull(group, mid), timeout)
+    async def pull(
+        self, group: bytes, mid: bytes, *, via: bytes | None = None, timeout: float = 10.0
+    ) -> Message | None:
+        """PULL a stored message of ``group`` by id from our router, or from router ``via`` through ours (it must
+        accept PULL from our router: a peer); None when the router does not have it."""
+        if ("pull", mid) in self._waiters:
+            raise ClientError(f"a PULL of {mid.hex()} is already waiting")
+        reply = await self._request(("pull", mid), Pull(group, mid), timeout, router=via)
         return reply if isinstance(reply, Message) else None
 
     async def status(self, *, timeout: float = 10.0) -> dict[str, int]:

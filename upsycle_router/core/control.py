@@ -51,10 +51,21 @@ class ControlPlane:
 
     def __init__(self, router: Router) -> None:
         self.r = router
+        self._remote_replies = 0
+
+    def _reply_ttl(self, remote: bool) -> int:
+        """The ttl of a reply. A remote requester's router drops a unicast whose id it has seen (replay
+        protection), and the same answer to the same request within one minute (exp) has the same id: replies
+        to remote requesters vary their ttl so that a repeated answer (a second PULL_NACK) gets through."""
+        if not remote:
+            return self.r.config.reply_ttl
+        self._remote_replies += 1
+        return self.r.config.reply_ttl + self._remote_replies % 64
 
     def _reply(self, c: Conn, to: bytes, body: bytes, now: float, out: list[Effect]) -> None:
         """Send a router-signed unicast ``body`` to ``to`` (over ``c``, or via the normal delivery path)."""
-        header = UnicastHeader(self.r.id, to, self.r.config.reply_ttl, exp_in(now, self.r.config.reply_lifetime))
+        ttl = self._reply_ttl(not c.local)
+        header = UnicastHeader(self.r.id, to, ttl, exp_in(now, self.r.config.reply_lifetime))
         reply = sign_message(header, body, self.r.identity)
         if c.id in self.r._conns and (c.peer == to or not c.local):
             out.append(Send(c.id, reply.encode()))

@@ -58,6 +58,7 @@ from upsycle_router.wire.control import (
 )
 from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
+from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
 
 REDIAL_MIN = 2.0
 REDIAL_MAX = 60.0
@@ -95,6 +96,8 @@ class Router:
         self.subs: dict[bytes, dict[bytes, bool]] = store.subscriptions()
         self.routes: dict[bytes, RouteEntry] = store.routes()
         self.pubsub_groups: set[bytes] = store.pubsub_subscribed()
+        # A pub/sub service starting with this router knows none of them: SUB again when it first connects.
+        self._resub: set[bytes] = set(self.pubsub_groups)
         self.upstream_groups: set[bytes] = store.upstream_subscribed()
         self._dialing: set[bytes] = set()
         self._redial: dict[bytes, float] = {}  # router -> when to dial again (messages are waiting)
@@ -233,6 +236,11 @@ class Router:
                 advert = self._own_advert_message(ev.peer, now)
                 if advert is not None:
                     out.append(Send(ev.conn, advert.encode()))
+            ps = self.config.pubsub_service
+            if ev.peer == ps and self._resub:
+                for g in sorted(self._resub & self.pubsub_groups):
+                    out.append(Send(ev.conn, self.control.signed_to(ps, PUBSUB_CODEC.encode(Sub(g)), now).encode()))
+                self._resub.clear()
         else:
             self._dialing.discard(ev.peer)
             self._redial.pop(ev.peer, None)

@@ -22,6 +22,7 @@ The service runs in-process by default (a task of the daemon) or as ``upsycle-ro
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import random
@@ -67,6 +68,8 @@ class PubsubService(RouterService):
         self.rng = rng or random.Random()
         self.core: GossipCore | None = None
         self._peer_expiry: dict[bytes, float] = {}  # router -> monotonic time its advertisement lapses
+        self._peer_rev: dict[bytes, int] = {}  # router -> revision of its last advertisement
+        self._ttl_offsets = itertools.count()
 
     async def _serve(self, client: Client) -> None:
         core = self.core
@@ -102,6 +105,7 @@ class PubsubService(RouterService):
         out: list[Effect] = []
         for router in [r for r, t in self._peer_expiry.items() if t <= now]:
             del self._peer_expiry[router]
+            self._peer_rev.pop(router, None)
             out.extend(core.peer_removed(router, now))
         out.extend(core.handle_timer(now))
         return out
@@ -154,7 +158,11 @@ class PubsubService(RouterService):
             svc = ctl.service(SERVICE_PUBSUB)
             if svc is not None and advert_valid(ctl) and ctl.id != client.router_id:
                 self._peer_expiry[ctl.id] = now + ctl.ttl
-                return core.peer_added(Peer(ctl.id, svc), now)
+                # A new revision (a restarted router advertises anew): greet it again, its service may have
+                # forgotten our subscriptions.
+                old_rev = self._peer_rev.get(ctl.id)
+                self._peer_rev[ctl.id] = ctl.rev
+                return core.peer_added(Peer(ctl.id, svc), now, greet=old_rev is not None and ctl.rev != old_rev)
         elif isinstance(ctl, PullNack):
             return core.pull_failed(ctl.id, now)
         return []
@@ -162,6 +170,10 @@ class PubsubService(RouterService):
     # ------------------------------------------------------------ outbound
 
     def _unicast(self, client: Client, dst: bytes, body: bytes, ttl: int, via: bytes | None) -> None:
+        if via is not None:
+            # Routers drop a unicast whose id they have seen (replay protection), and the same RPC or PULL sent
+            # again within the same minute (exp) has the same id: vary the ttl so a repetition gets through.
+            ttl += next(self._ttl_offsets) % 64
         header = UnicastHeader(self.identity.public, dst, ttl, exp_in(time.time(), 3600))  # wall clock: on the wire
         client.send_message(sign_message(header, body, self.identity, via))
 

@@ -228,13 +228,13 @@ class GossipCore:
         if group in self._fanout:
             self._fanout[group].discard(router)
 
-    def _add_peer(self, peer: Peer, ob: Outbox) -> None:
+    def _add_peer(self, peer: Peer, ob: Outbox, greet: bool = False) -> None:
         if peer.router == self._router:
             return
         old = self._peers.get(peer.router)
         self._peers[peer.router] = peer
         self._peer_groups.setdefault(peer.router, set())
-        if old != peer:
+        if old != peer or greet:
             for group in sorted(self._mesh):
                 ob.announce(peer, group, True)
 
@@ -247,11 +247,12 @@ class GossipCore:
 
     # ------------------------------------------------------------------ inputs: peers and membership
 
-    def peer_added(self, peer: Peer, now: float) -> list[Effect]:
-        """A peer's pub/sub service became known (or changed address): greet it with our subscriptions."""
+    def peer_added(self, peer: Peer, now: float, *, greet: bool = False) -> list[Effect]:
+        """A peer's pub/sub service became known (or changed address): greet it with our subscriptions.
+        ``greet``: greet a known peer again (it may have restarted and forgotten them)."""
         ob = Outbox()
         self._expire(now)
-        self._add_peer(peer, ob)
+        self._add_peer(peer, ob, greet)
         return ob.effects()
 
     def peer_removed(self, router: bytes, now: float) -> list[Effect]:

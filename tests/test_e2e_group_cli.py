@@ -1,0 +1,105 @@
+"""End-to-end: ``upsycle-router group create|add|remove|send|listen`` against a real daemon (each a subprocess)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO, DaemonFactory, cli, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def keygen(path: Path) -> str:
+    r = cli("keygen", "--out", str(path))
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def entries(out: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def test_group_commands_from_a_shell(daemon: DaemonFactory, tmp_path: Path) -> None:
+    d = daemon()
+    sock = str(d.sock)
+    keys = {n: tmp_path / f"{n}.key" for n in "abc"}
+    pub = {n: keygen(k) for n, k in keys.items()}
+
+    def group(who: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+        return cli("group", args[0], "--socket", sock, "--key", str(keys[who]), "--data", str(tmp_path / who),
+                   *args[1:], timeout=timeout)  # fmt: skip
+
+    gid = group("a", "create").stdout.strip()
+    assert HEX64.match(gid)
+
+    def listen_in_background(who: str, count: int) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [sys.executable, "-m", "upsycle_router", "group", "listen", "--socket", sock, "--key", str(keys[who]),
+             "--data", str(tmp_path / who), "--accept", pub["a"], "--count", str(count), "--timeout", "40"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=str(REPO),
+        )  # fmt: skip
+
+    # b and c wait for their welcome; a adds them and says hello, and waits until both acknowledged
+    for who in "bc":
+        assert group(who, "listen", "--timeout", "0.2").returncode == 0  # the router knows them from now on
+    waiting = {who: listen_in_background(who, 2) for who in "bc"}
+    try:
+        r = group("a", "add", gid, pub["b"], pub["c"])
+        assert r.returncode == 0, r.stderr
+        r = group("a", "send", gid, "hello from a")
+        assert r.returncode == 0 and HEX64.match(r.stdout.strip()), r.stderr
+        assert "not acknowledged" not in r.stderr, r.stderr
+        outs = {who: p.communicate(timeout=50) for who, p in waiting.items()}
+    finally:
+        for p in waiting.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=5)
+    for who, (out, err) in outs.items():
+        assert waiting[who].returncode == 0, err
+        got = entries(out)
+        assert [e["kind"] for e in got] == ["welcome", "message"], (who, got)
+        assert got[0]["group"] == gid and sorted(got[0]["members"]) == sorted(pub.values())
+        assert got[1]["data"] == "hello from a" and got[1]["sender"] == pub["a"]
+
+    # while the others are offline: c replies, and sends something only b can read (options before positionals)
+    r = group("c", "send", "--wait", "0", gid, "hello from c")
+    assert r.returncode == 0, r.stderr
+    r = group("c", "send", "--wait", "1", "--to", pub["b"], gid, "only b reads this")
+    assert r.returncode == 0 and "not acknowledged yet by" in r.stderr, r.stderr  # a and b are offline
+    got = entries(group("b", "listen", "--count", "2", "--timeout", "20").stdout)
+    assert [(e["kind"], e["data"]) for e in got] == [("message", "hello from c"), ("unicast", "only b reads this")]
+    got = entries(group("a", "listen", "--from-start", "--timeout", "2").stdout)
+    assert ("message", "hello from c") in [(e["kind"], e["data"]) for e in got]
+    assert "only b reads this" not in [e["data"] for e in got]
+
+    # remove c: the keys rotate; c is out
+    r = group("a", "remove", "--wait", "0", gid, pub["c"])
+    assert r.returncode == 0 and "epoch 1" in r.stdout, r.stderr
+    got = entries(group("b", "listen", "--count", "2", "--timeout", "20").stdout)
+    assert [e["kind"] for e in got] == ["member_remove", "rotated"] and got[1]["epoch"] == 1
+    # c's log goes on from where its last listen stopped: its own two messages, then its removal
+    got = entries(group("c", "listen", "--count", "3", "--timeout", "20").stdout)
+    assert [e["kind"] for e in got] == ["message", "unicast", "member_remove"]
+    assert got[2]["members"] == [pub["c"]]
+    r = group("c", "send", gid, "let me in")
+    assert r.returncode == 1 and "removed" in r.stderr
+    assert group("b", "send", "--wait", "0", gid, "after the rotation").returncode == 0
+    got = entries(group("a", "listen", "--timeout", "3").stdout)
+    assert ("message", "after the rotation") in [(e["kind"], e["data"]) for e in got]
+
+    # bad input is refused with a clear message
+    r = group("b", "add", gid, pub["c"])
+    assert r.returncode == 1 and "admin" in r.stderr
+    r = group("a", "send", "--wait", "0", "00" * 32, "x")
+    assert r.returncode == 1 and "not a member" in r.stderr
+    r = group("a", "send", "--wait", "0", "zz", "x")
+    assert r.returncode != 0 and "group" in r.stderr

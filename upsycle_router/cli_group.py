@@ -1,0 +1,262 @@
+"""``upsycle-router group create|add|remove|send|listen``: end-to-end encrypted group sessions from a shell.
+
+Each command connects to the router's Unix socket with an app key (``--key``, as the other app commands)
+and keeps the member's group state in its own directory (``--data``, default
+``$XDG_STATE_HOME/upsycle-router/groups/<first 16 hex digits of the key>``). Before ``add``, ``remove`` and
+``send`` it reads what the router had queued for the member (so new messages name what is already known),
+and afterwards it waits until the router has committed what it sent, then (``--wait``, default 5 s) until
+every member has acknowledged it; members that did not are named on stderr (they may be offline: they get it
+later). ``listen`` accepts welcomes (from the admins named with ``--accept``, or from anyone) and prints the
+log of every group, or of one, as JSON lines, from where the last ``listen`` stopped (``--from-start``:
+everything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from upsycle_router.cli_client import _body, _common, _identity, _socket
+from upsycle_router.cli_daemon import run_async
+from upsycle_router.client import ClientError
+from upsycle_router.client.groups.core import GroupError
+from upsycle_router.client.groups.session import GroupManager, GroupSession
+from upsycle_router.client.groups.store import GroupStoreError
+from upsycle_router.config import parse_key
+from upsycle_router.crypto import Identity
+from upsycle_router.errors import ConfigError, KeyFileError
+
+SETTLE_QUIET = 0.3
+SETTLE_MAX = 3.0
+FLUSH_TIMEOUT = 15.0
+
+
+def default_group_dir(identity: Identity) -> Path:
+    """``$XDG_STATE_HOME/upsycle-router/groups/<key prefix>``."""
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "upsycle-router" / "groups" / identity.public.hex()[:16]
+
+
+async def settle(mgr: GroupManager, quiet: float = SETTLE_QUIET, limit: float = SETTLE_MAX) -> None:
+    """Process what the router had queued: wait until nothing new was delivered for ``quiet`` seconds."""
+    deadline = time.monotonic() + limit
+
+    def delivered() -> int:
+        return sum(mgr.store.delivered_count(gid) for gid in mgr.cores)
+
+    before = -1
+    while time.monotonic() < deadline:
+        now = delivered()
+        if now == before:
+            return
+        before = now
+        await asyncio.sleep(quiet)
+
+
+async def wait_acknowledged(s: GroupSession, seconds: float) -> frozenset[bytes]:
+    """Wait (at most ``seconds``) until every member has acknowledged this member's last message; return who
+    has not."""
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0 and s.core.unacknowledged():
+        await s.manager.wait_changed(min(left, 0.25))
+    return s.core.unacknowledged()
+
+
+async def _after_send(s: GroupSession, args: argparse.Namespace) -> None:
+    if args.wait > 0:
+        missing = await wait_acknowledged(s, args.wait)
+        if missing:
+            names = ", ".join(sorted(k.hex()[:16] for k in missing))
+            print(f"note: not acknowledged yet by {names} (offline? they get it when they are back)",
+                  file=sys.stderr)  # fmt: skip
+
+
+def _run(args: argparse.Namespace, fn: Callable[[GroupManager], Awaitable[int]]) -> int:
+    async def go() -> int:
+        ident = _identity(args)
+        data = Path(args.data) if args.data else default_group_dir(ident)
+        accept = None
+        if getattr(args, "accept", None):
+            admins = {parse_key(k, "accept") for k in args.accept}
+
+            def accept(admin: bytes, gid: bytes) -> bool:
+                return admin in admins
+
+        try:
+            mgr = await GroupManager.open(ident, data, socket=_socket(args), accept=accept,
+                                          connect_timeout=args.timeout_connect)  # fmt: skip
+        except (OSError, TimeoutError) as e:
+            print(f"error: cannot connect to the router at {_socket(args)}: {e}", file=sys.stderr)
+            return 1
+        try:
+            await mgr.wait_connected(args.timeout_connect)
+            rc = await fn(mgr)
+            await mgr.finish(FLUSH_TIMEOUT)
+            return rc
+        finally:
+            await mgr.close(flush=None)
+
+    try:
+        rc: int = run_async(go())
+        return rc
+    except (ClientError, ConfigError, KeyFileError, GroupError, GroupStoreError, ValueError, TimeoutError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _session(mgr: GroupManager, gid_hex: str) -> GroupSession:
+    gid = parse_key(gid_hex, "group")
+    try:
+        return mgr.session(gid)
+    except KeyError:
+        raise GroupError(f"this key is not a member of group {gid_hex} (see 'group listen' for welcomes)") from None
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    """Create a group; print its id."""
+
+    async def go(mgr: GroupManager) -> int:
+        s = await mgr.create()
+        print(s.gid.hex())
+        return 0
+
+    return _run(args, go)
+
+
+def cmd_add(args: argparse.Namespace) -> int:
+    """Add members (and send them welcomes)."""
+
+    async def go(mgr: GroupManager) -> int:
+        await settle(mgr)
+        s = _session(mgr, args.group)
+        via = parse_key(args.via, "via") if args.via else None
+        await s.add(*(parse_key(m, "member") for m in args.members), via=via)
+        print(f"added {len(args.members)}; members now {len(s.members)}")
+        await _after_send(s, args)
+        return 0
+
+    return _run(args, go)
+
+
+def cmd_remove(args: argparse.Namespace) -> int:
+    """Remove members; rotate the keys."""
+
+    async def go(mgr: GroupManager) -> int:
+        await settle(mgr)
+        s = _session(mgr, args.group)
+        await s.remove(*(parse_key(m, "member") for m in args.members))
+        print(f"removed {len(args.members)}; members now {len(s.members)}; epoch {s.epoch}", flush=True)
+        await _after_send(s, args)
+        return 0
+
+    return _run(args, go)
+
+
+def cmd_send(args: argparse.Namespace) -> int:
+    """Send one message to the group (or sealed to some members)."""
+    body = _body(args)
+
+    async def go(mgr: GroupManager) -> int:
+        await settle(mgr)
+        s = _session(mgr, args.group)
+        if args.to:
+            mid = await s.send_to([parse_key(m, "to") for m in args.to], body)
+        else:
+            mid = await s.send(body)
+        print(mid.hex(), flush=True)
+        await _after_send(s, args)
+        return 0
+
+    return _run(args, go)
+
+
+def cmd_listen(args: argparse.Namespace) -> int:
+    """Print group log entries as JSON lines."""
+    only = parse_key(args.group, "group") if args.group else None
+
+    async def go(mgr: GroupManager) -> int:
+        printed = 0
+        starts: dict[bytes, int] = {}
+        loop = asyncio.get_running_loop()
+        deadline = None if args.timeout is None else loop.time() + args.timeout
+        while args.count is None or printed < args.count:
+            for gid, s in sorted(mgr.sessions.items()):
+                if only is not None and gid != only:
+                    continue
+                start = starts.setdefault(gid, 0 if args.from_start else s.cursor)
+                for e in s.log(start):
+                    if args.count is not None and printed >= args.count:
+                        break
+                    print(json.dumps({"group": gid.hex(), **e.to_json()}), flush=True)
+                    printed += 1
+                    starts[gid] = e.index + 1
+                with mgr.store.transaction():
+                    mgr.store.set_cursor(gid, max(s.cursor, starts[gid]))
+            if args.count is not None and printed >= args.count:
+                break
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                break
+            await mgr.wait_changed(0.5 if left is None else min(left, 0.5))
+        return 0
+
+    return _run(args, go)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``group`` and its subcommands."""
+    g = sub.add_parser("group", help="end-to-end encrypted group sessions (create, add, remove, send, listen)")
+    gsub = g.add_subparsers(dest="group_command", metavar="SUBCOMMAND", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        _common(p)
+        p.add_argument("--data", help="this member's group state directory "
+                                      "(default: ~/.local/state/upsycle-router/groups/<key prefix>)")  # fmt: skip
+
+    p = gsub.add_parser("create", help="create a group (you are its admin); print its id")
+    common(p)
+    p.set_defaults(func=cmd_create)
+
+    def wait(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--wait", type=float, default=5.0, metavar="SECONDS",
+                       help="wait this long for every member's acknowledgement (default 5; 0: no wait)")  # fmt: skip
+
+    p = gsub.add_parser("add", help="add members (admin only); they get a welcome")
+    common(p)
+    wait(p)
+    p.add_argument("group", help="group id (hex)")
+    p.add_argument("members", nargs="+", metavar="MEMBER", help="member key (hex)")
+    p.add_argument("--via", help="the router the new members are on, when it is not this one (hex id)")
+    p.set_defaults(func=cmd_add)
+
+    p = gsub.add_parser("remove", help="remove members (admin only); rotates the group's keys")
+    common(p)
+    wait(p)
+    p.add_argument("group", help="group id (hex)")
+    p.add_argument("members", nargs="+", metavar="MEMBER", help="member key (hex)")
+    p.set_defaults(func=cmd_remove)
+
+    p = gsub.add_parser("send", help="send a message to the group")
+    common(p)
+    wait(p)
+    p.add_argument("group", help="group id (hex)")
+    p.add_argument("body", nargs="?", default="-", help="message, or - for stdin (default)")
+    p.add_argument("--hex", action="store_true", help="the body is hex")
+    p.add_argument("--to", action="append", metavar="MEMBER", help="only these members can read it (repeatable)")
+    p.set_defaults(func=cmd_send)
+
+    p = gsub.add_parser("listen", help="accept welcomes and print group log entries as JSON lines")
+    common(p)
+    p.add_argument("group", nargs="?", help="only this group (hex id)")
+    p.add_argument("--accept", action="append", metavar="ADMIN",
+                   help="accept welcomes only from this admin (repeatable; default: from anyone)")  # fmt: skip
+    p.add_argument("--from-start", action="store_true", help="print the whole log, not only what is new")
+    p.add_argument("--count", type=int, help="exit after this many entries")
+    p.add_argument("--timeout", type=float, help="exit after this many seconds")
+    p.set_defaults(func=cmd_listen)

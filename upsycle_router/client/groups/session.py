@@ -1,0 +1,599 @@
+"""Group sessions over a router connection: the asyncio adapter around :class:`.core.GroupCore`.
+
+Theory of operation
+-------------------
+A :class:`GroupManager` belongs to one member (an :class:`~upsycle_router.crypto.Identity`) and owns its
+group state directory (:class:`.store.GroupStore`, an LMDB environment of its own) and one connection to a
+router (:class:`~upsycle_router.client.Client`, re-established with backoff when it drops). It holds one
+:class:`.core.GroupCore` per group and runs three tasks:
+
+* the *reader* takes every message the router delivers: a multicast message goes to the core of the group
+  that owns its group address; a unicast whose BODY is a welcome is opened and, if ``accept`` agrees, starts
+  a new session;
+* the *worker* carries out the cores' effects in order: it publishes and sends outbox messages, then waits
+  for the router's SYNC_ACK (committed) before it drops them from the outbox; it JOINs (non-local, so the
+  router's pub/sub service carries the group between routers) and LEAVEs groups; it starts fetches;
+* the *timer* calls ``handle_timer`` on each core at its deadline (missing-dependency fetches, ACKs).
+
+A fetch PULLs the missing id from our router's message store for each of the group's newest epochs, then
+from the other routers this group's messages came through (``VIA``), through ours.
+
+Every call into a core runs synchronously inside one store transaction, so the cores need no locks and a
+crash keeps either all or nothing of one input. If a call fails half-way the core is rebuilt from the store.
+When the connection drops, pending effects are discarded: on reconnecting every core's :meth:`startup`
+re-JOINs, re-LEAVEs and resends its outbox, and fetches come back on their own schedule.
+
+A :class:`GroupSession` is the app's handle on one group: ``send``, ``send_to``, ``add``, ``remove``,
+``rotate``, and ``recv`` / ``async for``, which read the member's causally ordered log from a persistent
+cursor (an app that restarts continues where it stopped; :meth:`GroupSession.log` re-reads anything).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from upsycle_router.client.connection import Client, ClientError
+from upsycle_router.client.groups import events as ev
+from upsycle_router.client.groups.core import GroupConfig, GroupCore, GroupError
+from upsycle_router.client.groups.events import Effect, LogEntry
+from upsycle_router.client.groups.keys import DecryptError, Rng, open_sealed
+from upsycle_router.client.groups.store import ACTIVE, GroupStore
+from upsycle_router.crypto import Identity, message_signature_valid
+from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.wire.groups import decode_welcome, decode_welcome_message
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
+
+log = logging.getLogger("upsycle_router.groups")
+
+Accept = Callable[[bytes, bytes], bool]
+"""``accept(admin, gid)``: whether to join a group this admin invites us to."""
+
+RECONNECT_MIN = 0.2
+RECONNECT_MAX = 5.0
+PULL_TIMEOUT = 5.0
+MAX_FETCHES = 8
+MAX_REMOTE_ROUTERS = 4
+
+
+class GroupManager:
+    """One member's group sessions over one router connection (see the module docstring)."""
+
+    def __init__(
+        self,
+        identity: Identity,
+        store: GroupStore,
+        connect: Callable[[], Awaitable[Client]],
+        *,
+        config: GroupConfig | None = None,
+        accept: Accept | None = None,
+        rng: Rng = os.urandom,
+    ) -> None:
+        self.identity = identity
+        self.store = store
+        self._connect = connect
+        self.config = config or GroupConfig()
+        self.accept: Accept = accept or (lambda admin, gid: True)
+        self.rng = rng
+        self.cores: dict[bytes, GroupCore] = {}
+        self.sessions: dict[bytes, GroupSession] = {}
+        self._by_grp: dict[bytes, bytes] = {}
+        self.client: Client | None = None
+        self._connected = asyncio.Event()
+        self._effects: asyncio.Queue[Effect] = asyncio.Queue()
+        self._wake = asyncio.Event()
+        self._change_waiters: list[asyncio.Future[None]] = []  # woken when something is delivered or committed
+        self._welcomes: asyncio.Queue[GroupSession] = asyncio.Queue()
+        self._fetching: set[bytes] = set()
+        self._fetch_sem = asyncio.Semaphore(MAX_FETCHES)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._fetch_tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.connects = 0
+
+    # ------------------------------------------------------------ opening and closing
+
+    @classmethod
+    async def open(
+        cls,
+        identity: Identity,
+        data_dir: str | os.PathLike[str],
+        *,
+        socket: str | os.PathLike[str] | None = None,
+        connect: Callable[[], Awaitable[Client]] | None = None,
+        config: GroupConfig | None = None,
+        accept: Accept | None = None,
+        connect_timeout: float = 10.0,
+    ) -> GroupManager:
+        """Open the member's state in ``data_dir`` and connect to the router at ``socket`` (or via ``connect``).
+
+        Waits (up to ``connect_timeout``) for the first connection; raises ClientError if there is none."""
+        if connect is None:
+            if socket is None:
+                raise ValueError("give socket or connect")
+            path = Path(socket)
+
+            async def connect_unix() -> Client:
+                return await Client.connect(path, identity, timeout=connect_timeout)
+
+            connect = connect_unix
+        store = GroupStore(data_dir, identity.public)
+        self = cls(identity, store, connect, config=config, accept=accept)
+        try:
+            self._load()
+            first = await connect()
+        except BaseException:
+            store.close()
+            raise
+        self._start(first)
+        return self
+
+    def _load(self) -> None:
+        now = time.time()
+        with self.store.transaction():
+            for gid in self.store.group_ids():
+                self._add_core(GroupCore(self.identity, self.store, gid, self.config, self.rng, now))
+
+    def _add_core(self, core: GroupCore) -> GroupSession:
+        self.cores[core.gid] = core
+        s = self.sessions.get(core.gid)
+        if s is None:
+            s = self.sessions[core.gid] = GroupSession(self, core.gid)
+        self._index(core)
+        return s
+
+    def _index(self, core: GroupCore) -> None:
+        for grp in core.groups():
+            self._by_grp[grp] = core.gid
+
+    def _start(self, client: Client) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._connection_loop(client), name="groups-connection"),
+            loop.create_task(self._worker(), name="groups-worker"),
+            loop.create_task(self._timer(), name="groups-timer"),
+        ]
+
+    async def finish(self, timeout: float = 10.0) -> None:
+        """Send the ACKs that were due soon, then wait until the router committed everything sent
+        (TimeoutError after ``timeout``): what an app does before it stops."""
+        now = time.time()
+        for gid in list(self.cores):
+            self.run(gid, lambda core: core.flush_ack(now))
+        await self.flush(timeout)
+
+    async def close(self, *, flush: float | None = 5.0) -> None:
+        """Stop: :meth:`finish` (at most ``flush`` seconds; None: skip it), then disconnect."""
+        if self._closed:
+            return
+        if flush:
+            with contextlib.suppress(TimeoutError):
+                await self.finish(flush)
+        self._closed = True
+        self._wake.set()
+        tasks = [*self._tasks, *self._fetch_tasks]
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            done, stuck = await asyncio.wait(tasks, timeout=5.0)
+            for t in done:
+                if not t.cancelled() and t.exception() is not None:
+                    log.warning("groups: task %s failed: %r", t.get_name(), t.exception())
+            for t in stuck:
+                log.warning("groups: task %s did not stop", t.get_name())
+        if self.client is not None:
+            await self.client.close()
+        self.store.close()
+
+    async def __aenter__(self) -> GroupManager:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------ groups
+
+    def session(self, gid: bytes) -> GroupSession:
+        """The session of group ``gid`` (KeyError if this member has none)."""
+        return self.sessions[gid]
+
+    async def create(self) -> GroupSession:
+        """A new group with this member as its admin and only member."""
+        core, out = self._call(None, lambda: GroupCore.create(self.identity, self.store, self.config, self.rng,
+                                                               time.time()))  # fmt: skip
+        s = self._add_core(core)
+        self._dispatch(out)
+        return s
+
+    async def next_welcome(self, timeout: float | None = None) -> GroupSession:
+        """The session of the next group this member is welcomed into."""
+        async with asyncio.timeout(timeout):
+            return await self._welcomes.get()
+
+    def _call(self, gid: bytes | None, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` (a call into a core) in one store transaction; rebuild that core if it fails."""
+        try:
+            with self.store.transaction():
+                return fn()
+        except BaseException:
+            if gid is not None and gid in self.cores:
+                with self.store.transaction():
+                    self.cores[gid] = GroupCore(self.identity, self.store, gid, self.config, self.rng, time.time())
+            raise
+
+    def run(self, gid: bytes, fn: Callable[[GroupCore], list[Effect]]) -> None:
+        """Call ``fn(core)`` for group ``gid`` and carry out the effects it returns."""
+        out: list[Effect] = self._call(gid, lambda: fn(self.cores[gid]))
+        self._dispatch(out)
+
+    def _dispatch(self, out: list[Effect]) -> None:
+        rotated = False
+        for e in out:
+            if isinstance(e, ev.Deliver):
+                self._notify()
+            elif isinstance(e, ev.Note):
+                log.info("group %s: %s message %s: %s", e.gid.hex()[:16], e.what, e.id.hex()[:16], e.reason)
+            else:
+                if isinstance(e, ev.JoinGroup):
+                    rotated = True
+                self._effects.put_nowait(e)
+        if rotated:
+            for core in self.cores.values():
+                self._index(core)
+        self._wake.set()
+
+    # ------------------------------------------------------------ connection and reader
+
+    async def _connection_loop(self, first: Client) -> None:
+        client: Client | None = first
+        delay = RECONNECT_MIN
+        while not self._closed:
+            if client is None:
+                try:
+                    client = await self._connect()
+                except (OSError, TimeoutError, ClientError) as e:
+                    log.debug("groups: reconnect failed: %s", e)
+                    await asyncio.sleep(delay)
+                    delay = min(RECONNECT_MAX, delay * 2)
+                    continue
+            delay = RECONNECT_MIN
+            self.client = client
+            self.connects += 1
+            self._restart_effects()
+            self._connected.set()
+            try:
+                await self._read(client)
+            finally:
+                self._connected.clear()
+                self.client = None
+                await client.close()
+            log.info("groups: connection to the router lost (%s); reconnecting", client.closed_reason)
+            client = None
+
+    def _restart_effects(self) -> None:
+        while not self._effects.empty():
+            self._effects.get_nowait()
+        now = time.time()
+        for gid in list(self.cores):
+            self.run(gid, lambda core: core.startup(now))
+
+    async def _read(self, client: Client) -> None:
+        while True:
+            try:
+                msg = await client.recv()
+            except ClientError:
+                return
+            try:
+                self._incoming(msg)
+            except Exception:  # a bad message must not stop the session
+                log.exception("groups: failed to process message %s", msg.id.hex()[:16])
+
+    def _incoming(self, msg: Message) -> None:
+        h = msg.header
+        if isinstance(h, MulticastHeader):
+            gid = self._by_grp.get(h.grp)
+            if gid is None:
+                log.debug("groups: multicast for unknown group %s", h.grp.hex()[:16])
+                return
+            now = time.time()
+            self.run(gid, lambda core: core.received(msg, now))
+        elif isinstance(h, UnicastHeader):
+            self._maybe_welcome(msg, h)
+
+    def _maybe_welcome(self, msg: Message, h: UnicastHeader) -> None:
+        try:
+            wm = decode_welcome_message(msg.body)
+        except RemoteProtocolError:
+            log.debug("groups: ignoring a unicast from %s that is not a welcome", h.src.hex()[:16])
+            return
+        if h.dst != self.identity.public or not message_signature_valid(msg):
+            log.info("groups: ignoring a welcome not signed by its sender or not for us")
+            return
+        try:
+            welcome = decode_welcome(open_sealed(self.identity, wm.box))
+        except (DecryptError, RemoteProtocolError) as e:
+            log.info("groups: ignoring a welcome from %s: %s", h.src.hex()[:16], e)
+            return
+        if welcome.admin != h.src:
+            log.info("groups: ignoring a welcome to %s sent by someone else than its admin", welcome.gid.hex()[:16])
+            return
+        rec = self.store.get_group(welcome.gid)
+        if rec is not None and rec.status == ACTIVE:
+            return  # a resent welcome
+        if not self.accept(welcome.admin, welcome.gid):
+            log.info("groups: not accepting the welcome to %s from %s", welcome.gid.hex()[:16], h.src.hex()[:16])
+            return
+        now = time.time()
+        try:
+            core, out = self._call(welcome.gid, lambda: GroupCore.from_welcome(
+                self.identity, self.store, welcome, msg.via, self.config, self.rng, now))  # fmt: skip
+        except GroupError as e:
+            log.info("groups: welcome to %s refused: %s", welcome.gid.hex()[:16], e)
+            return
+        s = self._add_core(core)
+        self._dispatch(out)
+        log.info("groups: joined group %s (admin %s)", welcome.gid.hex()[:16], welcome.admin.hex()[:16])
+        self._welcomes.put_nowait(s)
+
+    # ------------------------------------------------------------ effects
+
+    async def _worker(self) -> None:
+        while not self._closed:
+            first = await self._effects.get()
+            batch = [first]
+            while not self._effects.empty():
+                batch.append(self._effects.get_nowait())
+            client = self.client
+            if client is None:
+                continue  # redone by startup() when the connection is back
+            try:
+                await self._carry_out(client, batch)
+            except ClientError as e:
+                log.info("groups: router connection failed while sending: %s", e)
+
+    async def _carry_out(self, client: Client, batch: list[Effect]) -> None:
+        sent: list[ev.Publish | ev.SendUnicast] = []
+        for e in batch:
+            if isinstance(e, ev.Publish | ev.SendUnicast):
+                client.send_message(e.message)
+                sent.append(e)
+            elif isinstance(e, ev.JoinGroup):
+                if not await client.join(e.addr, local=False):
+                    log.warning("groups: the router refused JOIN %s", e.addr.hex()[:16])
+            elif isinstance(e, ev.LeaveGroup):
+                await client.leave(e.addr)
+            elif isinstance(e, ev.Fetch):
+                self._start_fetch(e)
+        if sent:
+            await client.drain()
+            await client.sync()
+            with self.store.transaction():
+                for s in sent:
+                    core = self.cores.get(s.gid)
+                    if core is not None:
+                        core.outbox_done(s.n)
+            self._notify()
+
+    def _start_fetch(self, f: ev.Fetch) -> None:
+        if f.id in self._fetching:
+            return
+        self._fetching.add(f.id)
+        task = asyncio.get_running_loop().create_task(self._fetch(f))
+        self._fetch_tasks.add(task)
+        task.add_done_callback(self._fetch_tasks.discard)
+
+    async def _fetch(self, f: ev.Fetch) -> None:
+        try:
+            async with self._fetch_sem:
+                found = await self._pull(f)
+            if found is not None and f.gid in self.cores:
+                now = time.time()
+                self.run(f.gid, lambda core: core.received(found, now))
+        except ClientError as e:
+            log.debug("groups: fetch of %s failed: %s", f.id.hex()[:16], e)
+        finally:
+            self._fetching.discard(f.id)
+
+    async def _pull(self, f: ev.Fetch) -> Message | None:
+        client = self.client
+        if client is None:
+            return None
+        for g in f.groups:
+            m = await client.pull(g, f.id, timeout=PULL_TIMEOUT)
+            if m is not None:
+                return m
+        routers = [r for r in self.store.routers(f.gid) if r != client.router_id][:MAX_REMOTE_ROUTERS]
+        for r in routers:
+            for g in f.groups:
+                try:
+                    m = await client.pull(g, f.id, via=r, timeout=PULL_TIMEOUT)
+                except ClientError as e:
+                    if self.client is not client:
+                        raise
+                    log.debug("groups: PULL through %s: %s", r.hex()[:16], e)
+                    break
+                if m is not None:
+                    return m
+        return None
+
+    # ------------------------------------------------------------ timers
+
+    async def _timer(self) -> None:
+        while not self._closed:
+            now = time.time()
+            deadlines = [(t, gid) for gid, c in self.cores.items() if (t := c.next_deadline()) is not None]
+            due = [gid for t, gid in deadlines if t <= now]
+            for gid in due:
+                self._timer_fired(gid, now)
+            if due:
+                await asyncio.sleep(0)
+                continue
+            nxt = min((t for t, _ in deadlines), default=None)
+            self._wake.clear()
+            timeout = None if nxt is None else max(0.0, nxt - now)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation that arrives as
+            # the event is set, and this loop would then never end
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
+
+    def _timer_fired(self, gid: bytes, now: float) -> None:
+        self.run(gid, lambda core: core.handle_timer(now))
+
+    # ------------------------------------------------------------ waiting
+
+    async def wait_connected(self, timeout: float | None = None) -> None:
+        """Until a router connection is up."""
+        async with asyncio.timeout(timeout):
+            await self._connected.wait()
+
+    def _notify(self) -> None:
+        waiters, self._change_waiters = self._change_waiters, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+
+    async def wait_changed(self, timeout: float | None = None) -> None:
+        """Until something is delivered or committed, or ``timeout`` passes (then re-check what you wait for)."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._change_waiters.append(fut)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await fut
+
+    def outbox_empty(self) -> bool:
+        """Whether the router has committed everything sent."""
+        return all(not self.store.outbox(gid) for gid in self.cores)
+
+    async def flush(self, timeout: float = 10.0) -> None:
+        """Wait until the router has committed everything sent so far (TimeoutError after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while not self.outbox_empty():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the router has not committed every group message after {timeout} s")
+            await self.wait_changed(min(left, 0.5))
+
+
+class GroupSession:
+    """The app's handle on one group of a :class:`GroupManager`."""
+
+    def __init__(self, manager: GroupManager, gid: bytes) -> None:
+        self.manager = manager
+        self.gid = gid
+
+    def __repr__(self) -> str:
+        return f"GroupSession({self.gid.hex()[:16]}…)"
+
+    @property
+    def core(self) -> GroupCore:
+        """The sans-I/O core (read-only use)."""
+        return self.manager.cores[self.gid]
+
+    @property
+    def admin(self) -> bytes:
+        """The member that may add, remove and rotate."""
+        return self.core.admin
+
+    @property
+    def members(self) -> frozenset[bytes]:
+        """The current members."""
+        return self.core.members
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch number."""
+        return self.core.epoch.number
+
+    @property
+    def group_address(self) -> bytes:
+        """The current multicast group address."""
+        return self.core.epoch.grp
+
+    @property
+    def active(self) -> bool:
+        """False once this member was removed."""
+        return self.core.active
+
+    def rotation_pending(self) -> frozenset[bytes]:
+        """Members not yet heard from in the current epoch."""
+        return self.core.rotation_pending()
+
+    # ------------------------------------------------------------ sending
+
+    async def send(self, data: bytes) -> bytes:
+        """Send ``data`` to the whole group; return the message id."""
+        mid: bytes = b""
+
+        def go(core: GroupCore) -> list[Effect]:
+            nonlocal mid
+            mid, out = core.send(data, time.time())
+            return out
+
+        self.manager.run(self.gid, go)
+        return mid
+
+    async def send_to(self, members: list[bytes] | tuple[bytes, ...], data: bytes) -> bytes:
+        """Send ``data`` readable only by ``members`` (and this member); return the message id."""
+        mid: bytes = b""
+
+        def go(core: GroupCore) -> list[Effect]:
+            nonlocal mid
+            mid, out = core.send_to(members, data, time.time())
+            return out
+
+        self.manager.run(self.gid, go)
+        return mid
+
+    async def ack(self) -> None:
+        """Send an ACK naming this member's heads."""
+        self.manager.run(self.gid, lambda core: core.ack(time.time())[1])
+
+    async def add(self, *members: bytes, via: bytes | None = None) -> None:
+        """Add members (admin only); ``via``: the router the new members are on, when it is not ours."""
+        self.manager.run(self.gid, lambda core: core.add(members, time.time(), via))
+
+    async def remove(self, *members: bytes) -> None:
+        """Remove members and rotate the keys (admin only)."""
+        self.manager.run(self.gid, lambda core: core.remove(members, time.time()))
+
+    async def rotate(self) -> None:
+        """Start a new epoch with fresh keys (admin only)."""
+        self.manager.run(self.gid, lambda core: core.rotate(time.time()))
+
+    # ------------------------------------------------------------ receiving
+
+    def log(self, start: int = 0, limit: int | None = None) -> list[LogEntry]:
+        """The member's log of this group from index ``start``."""
+        return self.core.log(start, limit)
+
+    @property
+    def cursor(self) -> int:
+        """The index of the next entry :meth:`recv` returns."""
+        return self.manager.store.cursor(self.gid)
+
+    async def recv(self, timeout: float | None = None) -> LogEntry:
+        """The next log entry after the persistent cursor (which it advances); TimeoutError after ``timeout``."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            store = self.manager.store
+            n = store.cursor(self.gid)
+            got = store.log(self.gid, n, 1)
+            if got:
+                with store.transaction():
+                    store.set_cursor(self.gid, got[0].index + 1)
+                return got[0]
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError("no new group log entry")
+            await self.manager.wait_changed(left if left is not None else 1.0)
+
+    async def __aiter__(self) -> AsyncIterator[LogEntry]:
+        while True:
+            yield await self.recv()

@@ -1,0 +1,356 @@
+"""A member's persistent group state: one LMDB environment per member (its own, never the router's).
+
+Theory of operation
+-------------------
+Every record is keyed by the 32-byte group id first, so one environment holds all the groups of one member
+(the key it belongs to is recorded once, in ``meta``, and a different key is refused). Named databases:
+
+``groups``     gid -> group record (admin, status, the welcome's baseline)
+``epochs``     gid || epoch (u32) -> [gseed, ckey, start]          (secret: the directory is private)
+``mhist``      gid || admin seq (u64) -> [members, epoch]           membership and epoch after each admin op
+``delivered``  gid || id -> [sender, seq, adm, epoch, flag]         every delivered (or baseline) id
+``vv``         gid || sender -> seq (u64)                           highest delivered seq per sender
+``heads``      gid || id -> ""                                      delivered ids no delivered message names
+``dorder``     gid || n (u64) -> id                                 delivery order (recent ids, welcomes)
+``buffer``     gid || id -> [received_at, routed message]           received, waiting for dependencies
+``log``        gid || index (u64) -> entry                          what the app reads, in causal order
+``outbox``     gid || n (u64) -> routed message                     sent, not yet committed by the router
+``routers``    gid || router -> ""                                  routers this group's messages came via
+``acks``       gid || epoch (u32) || member -> ""                   members heard from in an epoch
+``ackby``      gid || member -> seq (u64)                           highest own seq the member has acknowledged
+``meta``       owner / gid || counter name -> u64 counters
+
+All writes happen inside :meth:`GroupStore.transaction` (one per input of the core, opened by the adapter),
+so a crash leaves either all or nothing of one input. The directory is created with mode 0700 and the files
+with 0600: the epoch keys in it are secrets.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import cbor2
+import lmdb
+
+from upsycle_router.client.groups.events import Delivered, LogEntry
+from upsycle_router.client.groups.keys import Epoch
+from upsycle_router.crypto import Identity
+from upsycle_router.errors import UpsycleError
+from upsycle_router.wire.cbor import enc
+
+_U64 = struct.Struct(">Q")
+_U32 = struct.Struct(">I")
+SCHEMA = b"groups-1"
+_DBS = ("meta", "groups", "epochs", "mhist", "delivered", "vv", "heads", "dorder", "buffer", "log", "outbox",
+        "routers", "acks", "ackby")  # fmt: skip
+
+ACTIVE = "active"
+REMOVED = "removed"
+
+
+class GroupStoreError(UpsycleError):
+    """The group state directory cannot be used (another member's, or another schema)."""
+
+
+class GroupRecord:
+    """The static part of a group's state."""
+
+    __slots__ = ("gid", "admin", "status", "base_adm", "vv0")
+
+    def __init__(
+        self, gid: bytes, admin: bytes, status: str = ACTIVE, base_adm: int = 0,
+        vv0: tuple[tuple[bytes, int], ...] = (),
+    ) -> None:  # fmt: skip
+        self.gid = gid
+        self.admin = admin
+        self.status = status
+        self.base_adm = base_adm
+        self.vv0 = vv0
+
+    def encode(self) -> bytes:
+        return enc({"admin": self.admin, "status": self.status, "base_adm": self.base_adm,
+                    "vv0": [[k, n] for k, n in self.vv0]})  # fmt: skip
+
+    @classmethod
+    def decode(cls, gid: bytes, data: bytes) -> GroupRecord:
+        m = cbor2.loads(data)
+        return cls(gid, m["admin"], m["status"], m["base_adm"], tuple((k, n) for k, n in m["vv0"]))
+
+
+class GroupStore:
+    """The persistent state of every group of one member."""
+
+    def __init__(self, path: str | os.PathLike[str], owner: bytes, *, sync: bool = True,
+                 map_size: int = 1 << 30) -> None:  # fmt: skip
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.path, 0o700)
+        self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=len(_DBS) + 1, sync=sync, metasync=sync,
+                             readahead=False, mode=0o600)  # fmt: skip
+        self._db = {name: self.env.open_db(name.encode()) for name in _DBS}
+        self._txn: Any = None
+        with self.transaction():
+            schema = self._get("meta", b"schema")
+            if schema is None:
+                self._put("meta", b"schema", SCHEMA)
+            elif schema != SCHEMA:
+                raise GroupStoreError(f"{self.path}: group state schema {schema!r} is not {SCHEMA!r}")
+            have = self._get("meta", b"owner")
+            if have is None:
+                self._put("meta", b"owner", owner)
+            elif have != owner:
+                raise GroupStoreError(f"{self.path}: group state of member {have.hex()}, not {owner.hex()}")
+
+    # ------------------------------------------------------------ transactions
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One write transaction; nested calls join the outer one."""
+        if self._txn is not None:
+            yield
+            return
+        txn = self.env.begin(write=True)
+        self._txn = txn
+        try:
+            yield
+        except BaseException:
+            txn.abort()
+            raise
+        else:
+            txn.commit()
+        finally:
+            self._txn = None
+
+    def close(self) -> None:
+        """Close the environment."""
+        if self._txn is not None:
+            raise RuntimeError("close() inside a transaction")
+        self.env.close()
+
+    def _w(self) -> Any:
+        if self._txn is None:
+            raise RuntimeError("group store write outside a transaction")
+        return self._txn
+
+    @contextmanager
+    def _r(self) -> Iterator[Any]:
+        if self._txn is not None:
+            yield self._txn
+        else:
+            with self.env.begin() as txn:
+                yield txn
+
+    def _get(self, db: str, key: bytes) -> bytes | None:
+        with self._r() as txn:
+            v = txn.get(key, db=self._db[db])
+            return bytes(v) if v is not None else None
+
+    def _put(self, db: str, key: bytes, value: bytes) -> None:
+        self._w().put(key, value, db=self._db[db])
+
+    def _delete(self, db: str, key: bytes) -> bool:
+        return bool(self._w().delete(key, db=self._db[db]))
+
+    def _prefix(self, db: str, prefix: bytes, *, reverse: bool = False, limit: int | None = None,
+                start: bytes | None = None) -> list[tuple[bytes, bytes]]:  # fmt: skip
+        out: list[tuple[bytes, bytes]] = []
+        with self._r() as txn:
+            cur = txn.cursor(db=self._db[db])
+            if reverse:
+                # position on the last key with this prefix
+                end = _next_prefix(prefix)
+                ok = cur.prev() if end is not None and cur.set_range(end) else cur.last()
+                while ok:
+                    k = bytes(cur.key())
+                    if not k.startswith(prefix):
+                        break
+                    out.append((k, bytes(cur.value())))
+                    if limit is not None and len(out) >= limit:
+                        break
+                    ok = cur.prev()
+                return out
+            if not cur.set_range(start if start is not None else prefix):
+                return out
+            for k, v in cur:
+                if not k.startswith(prefix):
+                    break
+                out.append((bytes(k), bytes(v)))
+                if limit is not None and len(out) >= limit:
+                    break
+        return out
+
+    def _counter(self, gid: bytes, name: bytes) -> int:
+        v = self._get("meta", gid + name)
+        return _U64.unpack(v)[0] if v else 0
+
+    def _set_counter(self, gid: bytes, name: bytes, value: int) -> None:
+        self._put("meta", gid + name, _U64.pack(value))
+
+    def _next(self, gid: bytes, name: bytes) -> int:
+        n = self._counter(gid, name)
+        self._set_counter(gid, name, n + 1)
+        return n
+
+    # ------------------------------------------------------------ groups and epochs
+
+    def put_group(self, rec: GroupRecord) -> None:
+        self._put("groups", rec.gid, rec.encode())
+
+    def get_group(self, gid: bytes) -> GroupRecord | None:
+        v = self._get("groups", gid)
+        return GroupRecord.decode(gid, v) if v is not None else None
+
+    def group_ids(self) -> list[bytes]:
+        return [k for k, _ in self._prefix("groups", b"")]
+
+    def put_epoch(self, gid: bytes, epoch: Epoch) -> None:
+        self._put("epochs", gid + _U32.pack(epoch.number), enc([epoch.gkey.seed, epoch.ckey, epoch.start]))
+
+    def epochs(self, gid: bytes) -> list[Epoch]:
+        out = []
+        for k, v in self._prefix("epochs", gid):
+            seed, ckey, start = cbor2.loads(v)
+            out.append(Epoch(_U32.unpack(k[32:])[0], Identity.from_seed(seed), ckey, start))
+        return out
+
+    def put_snapshot(self, gid: bytes, adm: int, members: frozenset[bytes], epoch: int) -> None:
+        self._put("mhist", gid + _U64.pack(adm), enc([sorted(members), epoch]))
+
+    def snapshots(self, gid: bytes) -> list[tuple[int, frozenset[bytes], int]]:
+        out = []
+        for k, v in self._prefix("mhist", gid):
+            members, epoch = cbor2.loads(v)
+            out.append((_U64.unpack(k[32:])[0], frozenset(members), epoch))
+        return out
+
+    # ------------------------------------------------------------ causal state
+
+    def get_delivered(self, gid: bytes, mid: bytes) -> Delivered | None:
+        v = self._get("delivered", gid + mid)
+        if v is None:
+            return None
+        sender, seq, adm, epoch, flag, own = cbor2.loads(v)
+        return Delivered(sender, seq, adm, epoch, flag, own)
+
+    def put_delivered(self, gid: bytes, mid: bytes, d: Delivered) -> None:
+        self._put("delivered", gid + mid, enc([d.sender, d.seq, d.adm, d.epoch, d.flag, d.own]))
+        self._put("dorder", gid + _U64.pack(self._next(gid, b"dorder")), mid)
+
+    def delivered_count(self, gid: bytes) -> int:
+        return self._counter(gid, b"dorder")
+
+    def recent(self, gid: bytes, n: int) -> list[bytes]:
+        """The ids of the last ``n`` delivered messages, newest first."""
+        return [v for _, v in self._prefix("dorder", gid, reverse=True, limit=n)]
+
+    def vv(self, gid: bytes) -> dict[bytes, int]:
+        return {k[32:]: _U64.unpack(v)[0] for k, v in self._prefix("vv", gid)}
+
+    def set_vv(self, gid: bytes, sender: bytes, seq: int) -> None:
+        self._put("vv", gid + sender, _U64.pack(seq))
+
+    def heads(self, gid: bytes) -> set[bytes]:
+        return {k[32:] for k, _ in self._prefix("heads", gid)}
+
+    def add_head(self, gid: bytes, mid: bytes) -> None:
+        self._put("heads", gid + mid, b"")
+
+    def remove_head(self, gid: bytes, mid: bytes) -> None:
+        self._delete("heads", gid + mid)
+
+    def buffer(self, gid: bytes) -> list[tuple[bytes, float, bytes]]:
+        out = []
+        for k, v in self._prefix("buffer", gid):
+            t, data = cbor2.loads(v)
+            out.append((k[32:], float(t), data))
+        return out
+
+    def put_buffer(self, gid: bytes, mid: bytes, received_at: float, data: bytes) -> None:
+        self._put("buffer", gid + mid, enc([received_at, data]))
+
+    def delete_buffer(self, gid: bytes, mid: bytes) -> None:
+        self._delete("buffer", gid + mid)
+
+    # ------------------------------------------------------------ the app's log
+
+    def append_log(self, gid: bytes, entry: LogEntry) -> LogEntry:
+        """Store ``entry`` under the next index; return it with that index."""
+        index = self._next(gid, b"log")
+        e = LogEntry(index, entry.kind, entry.id, entry.sender, entry.seq, entry.epoch, entry.data, entry.members)
+        self._put("log", gid + _U64.pack(index), enc([e.kind, e.id, e.sender, e.seq, e.epoch, e.data,
+                                                        list(e.members)]))  # fmt: skip
+        return e
+
+    def log(self, gid: bytes, start: int = 0, limit: int | None = None) -> list[LogEntry]:
+        out = []
+        for k, v in self._prefix("log", gid, start=gid + _U64.pack(start), limit=limit):
+            kind, mid, sender, seq, epoch, data, members = cbor2.loads(v)
+            out.append(LogEntry(_U64.unpack(k[32:])[0], kind, mid, sender, seq, epoch, data, tuple(members)))
+        return out
+
+    def log_length(self, gid: bytes) -> int:
+        return self._counter(gid, b"log")
+
+    def cursor(self, gid: bytes) -> int:
+        return self._counter(gid, b"cursor")
+
+    def set_cursor(self, gid: bytes, n: int) -> None:
+        self._set_counter(gid, b"cursor", n)
+
+    # ------------------------------------------------------------ outbox, routers, acks
+
+    def outbox_add(self, gid: bytes, data: bytes) -> int:
+        n = self._next(gid, b"outbox")
+        self._put("outbox", gid + _U64.pack(n), data)
+        return n
+
+    def outbox(self, gid: bytes) -> list[tuple[int, bytes]]:
+        return [(_U64.unpack(k[32:])[0], v) for k, v in self._prefix("outbox", gid)]
+
+    def outbox_done(self, gid: bytes, n: int) -> None:
+        self._delete("outbox", gid + _U64.pack(n))
+
+    def add_router(self, gid: bytes, router: bytes) -> bool:
+        if self._get("routers", gid + router) is not None:
+            return False
+        self._put("routers", gid + router, b"")
+        return True
+
+    def routers(self, gid: bytes) -> list[bytes]:
+        return [k[32:] for k, _ in self._prefix("routers", gid)]
+
+    def add_ack(self, gid: bytes, epoch: int, member: bytes) -> None:
+        self._put("acks", gid + _U32.pack(epoch) + member, b"")
+
+    def acks(self, gid: bytes, epoch: int) -> set[bytes]:
+        p = gid + _U32.pack(epoch)
+        return {k[len(p):] for k, _ in self._prefix("acks", p)}
+
+    def acked(self, gid: bytes) -> dict[bytes, int]:
+        return {k[32:]: _U64.unpack(v)[0] for k, v in self._prefix("ackby", gid)}
+
+    def set_acked(self, gid: bytes, member: bytes, seq: int) -> None:
+        self._put("ackby", gid + member, _U64.pack(seq))
+
+    def last_sent(self, gid: bytes) -> int:
+        """The seq of this member's last message that wants acknowledging (not an ACK)."""
+        return self._counter(gid, b"lastsent")
+
+    def set_last_sent(self, gid: bytes, seq: int) -> None:
+        self._set_counter(gid, b"lastsent", seq)
+
+
+def _next_prefix(prefix: bytes) -> bytes | None:
+    """The smallest key greater than every key starting with ``prefix`` (None: no such key)."""
+    b = bytearray(prefix)
+    while b:
+        if b[-1] < 0xFF:
+            b[-1] += 1
+            return bytes(b)
+        b.pop()
+    return None
