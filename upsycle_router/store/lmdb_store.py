@@ -34,12 +34,13 @@ import enum
 import os
 import struct
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lmdb
+
+from upsycle_router.store.tables import LmdbTables
 
 SCHEMA_VERSION = b"1"
 _U64 = struct.Struct(">Q")
@@ -105,7 +106,7 @@ class Expired:
     group: bytes | None = None
 
 
-class LmdbStore:
+class LmdbStore(LmdbTables):
     """The router's persistent state in one LMDB environment."""
 
     def __init__(
@@ -142,27 +143,15 @@ class LmdbStore:
 
     # ------------------------------------------------------------ transactions
 
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
-        """One write transaction around a batch; nested calls join the outer one."""
-        if self._txn is not None:
-            yield
-            return
-        txn = self.env.begin(write=True)
-        self._txn = txn
+    def _begun(self) -> None:
         self._room = None
-        try:
-            yield
-        except BaseException:
-            txn.abort()
-            raise
-        else:
-            if self._next_seq != self._saved_seq:  # a batch that wrote nothing commits (and syncs) nothing
-                self._put("meta", b"seq", _U64.pack(self._next_seq))
-            txn.commit()
-            self._saved_seq = self._next_seq
-        finally:
-            self._txn = None
+
+    def _before_commit(self) -> None:
+        if self._next_seq != self._saved_seq:  # a batch that wrote nothing commits (and syncs) nothing
+            self._put("meta", b"seq", _U64.pack(self._next_seq))
+
+    def _committed(self) -> None:
+        self._saved_seq = self._next_seq
 
     def sync(self) -> None:
         """Flush committed transactions to disk."""
@@ -174,41 +163,6 @@ class LmdbStore:
             raise RuntimeError("close() inside a transaction")
         self.env.sync(True)
         self.env.close()
-
-    def _w(self) -> Any:
-        if self._txn is None:
-            raise RuntimeError("store write outside a transaction")
-        return self._txn
-
-    @contextmanager
-    def _r(self) -> Iterator[Any]:
-        if self._txn is not None:
-            yield self._txn
-        else:
-            with self.env.begin() as txn:
-                yield txn
-
-    def _get(self, db: str, key: bytes) -> bytes | None:
-        txn = self._txn
-        if txn is not None:  # the common case, inside a batch: no context manager
-            v = txn.get(key, db=self._db[db])
-            return bytes(v) if v is not None else None
-        with self._r() as txn:
-            v = txn.get(key, db=self._db[db])
-            return bytes(v) if v is not None else None
-
-    def _exists(self, db: str, key: bytes) -> bool:
-        txn = self._txn
-        if txn is not None:
-            return txn.get(key, db=self._db[db]) is not None
-        with self._r() as txn:
-            return txn.get(key, db=self._db[db]) is not None
-
-    def _put(self, db: str, key: bytes, value: bytes) -> None:
-        self._w().put(key, value, db=self._db[db])
-
-    def _delete(self, db: str, key: bytes) -> bool:
-        return bool(self._w().delete(key, db=self._db[db]))
 
     def _prefix(self, db: str, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
         with self._r() as txn:

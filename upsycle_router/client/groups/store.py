@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import os
 import struct
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from upsycle_router.client.groups.events import Delivered, LogEntry
 from upsycle_router.client.groups.keys import Epoch
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import UpsycleError
+from upsycle_router.store.tables import LmdbTables
 from upsycle_router.wire.cbor import enc
 
 _U64 = struct.Struct(">Q")
@@ -82,8 +81,10 @@ class GroupRecord:
         return cls(gid, m["admin"], m["status"], m["base_adm"], tuple((k, n) for k, n in m["vv0"]))
 
 
-class GroupStore:
+class GroupStore(LmdbTables):
     """The persistent state of every group of one member."""
+
+    _what = "group store"
 
     def __init__(self, path: str | os.PathLike[str], owner: bytes, *, sync: bool = True,
                  map_size: int = 1 << 30) -> None:  # fmt: skip
@@ -108,53 +109,11 @@ class GroupStore:
 
     # ------------------------------------------------------------ transactions
 
-    @contextmanager
-    def transaction(self) -> Iterator[None]:
-        """One write transaction; nested calls join the outer one."""
-        if self._txn is not None:
-            yield
-            return
-        txn = self.env.begin(write=True)
-        self._txn = txn
-        try:
-            yield
-        except BaseException:
-            txn.abort()
-            raise
-        else:
-            txn.commit()
-        finally:
-            self._txn = None
-
     def close(self) -> None:
         """Close the environment."""
         if self._txn is not None:
             raise RuntimeError("close() inside a transaction")
         self.env.close()
-
-    def _w(self) -> Any:
-        if self._txn is None:
-            raise RuntimeError("group store write outside a transaction")
-        return self._txn
-
-    @contextmanager
-    def _r(self) -> Iterator[Any]:
-        if self._txn is not None:
-            yield self._txn
-        else:
-            with self.env.begin() as txn:
-                yield txn
-
-    def _get(self, db: str, key: bytes) -> bytes | None:
-        with self._r() as txn:
-            v = txn.get(key, db=self._db[db])
-            return bytes(v) if v is not None else None
-
-    def _put(self, db: str, key: bytes, value: bytes) -> None:
-        self._w().put(key, value, db=self._db[db])
-
-    def _delete(self, db: str, key: bytes) -> bool:
-        return bool(self._w().delete(key, db=self._db[db]))
 
     def _prefix(self, db: str, prefix: bytes, *, reverse: bool = False, limit: int | None = None,
                 start: bytes | None = None) -> list[tuple[bytes, bytes]]:  # fmt: skip

@@ -1,0 +1,86 @@
+"""An LMDB environment of named tables with one write transaction at a time.
+
+Shared by the router's store and the group sessions' member state: writes happen inside
+:meth:`LmdbTables.transaction` (nested calls join the outer one; an exception aborts all of it), reads use
+the open write transaction when there is one and a short read transaction otherwise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+
+class LmdbTables:
+    """Named LMDB tables (``self._db``) of one environment (``self.env``); set both in ``__init__``."""
+
+    env: Any
+    _db: dict[str, Any]
+    _txn: Any = None
+    _what = "store"  # for the error on a write outside a transaction
+
+    @contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One write transaction; nested calls join the outer one."""
+        if self._txn is not None:
+            yield
+            return
+        txn = self.env.begin(write=True)
+        self._txn = txn
+        self._begun()
+        try:
+            yield
+        except BaseException:
+            txn.abort()
+            raise
+        else:
+            self._before_commit()
+            txn.commit()
+            self._committed()
+        finally:
+            self._txn = None
+
+    def _begun(self) -> None:
+        """Hook: a write transaction began."""
+
+    def _before_commit(self) -> None:
+        """Hook: last writes of a transaction about to commit."""
+
+    def _committed(self) -> None:
+        """Hook: the transaction committed."""
+
+    def _w(self) -> Any:
+        if self._txn is None:
+            raise RuntimeError(f"{self._what} write outside a transaction")
+        return self._txn
+
+    @contextmanager
+    def _r(self) -> Iterator[Any]:
+        if self._txn is not None:
+            yield self._txn
+        else:
+            with self.env.begin() as txn:
+                yield txn
+
+    def _get(self, db: str, key: bytes) -> bytes | None:
+        txn = self._txn
+        if txn is not None:  # the common case, inside a batch: no context manager
+            v = txn.get(key, db=self._db[db])
+            return bytes(v) if v is not None else None
+        with self._r() as txn:
+            v = txn.get(key, db=self._db[db])
+            return bytes(v) if v is not None else None
+
+    def _exists(self, db: str, key: bytes) -> bool:
+        txn = self._txn
+        if txn is not None:
+            return txn.get(key, db=self._db[db]) is not None
+        with self._r() as txn:
+            return txn.get(key, db=self._db[db]) is not None
+
+    def _put(self, db: str, key: bytes, value: bytes) -> None:
+        self._w().put(key, value, db=self._db[db])
+
+    def _delete(self, db: str, key: bytes) -> bool:
+        return bool(self._w().delete(key, db=self._db[db]))
