@@ -6,12 +6,12 @@ import argparse
 import asyncio
 import dataclasses
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
 from upsycle_router.config import DaemonConfig, check_websocket, load_config
-from upsycle_router.crypto import load_or_create_key_file
+from upsycle_router.crypto import Identity, load_or_create_key_file
 from upsycle_router.errors import ConfigError, KeyFileError
 from upsycle_router.runtime.daemon import run_daemon
 from upsycle_router.runtime.logs import setup_logging
@@ -97,18 +97,26 @@ def cmd_pubsub(args: argparse.Namespace) -> int:
     from upsycle_router.runtime.daemon import gossip_params, group_policies
     from upsycle_router.runtime.pubsub_service import PubsubService
 
+    return serve_from_args(args, "pubsub.key", lambda cfg, ident, sock: PubsubService(
+        ident, sock, params=gossip_params(cfg), policies=group_policies(cfg)))
+
+
+def serve_from_args(
+    args: argparse.Namespace, key_file: str, make: Callable[[DaemonConfig, Identity, Path], RouterService]
+) -> int:
+    """Run a router service as its own process: its key is ``key_file`` in the router's data directory, it
+    talks to the router's Unix socket; a bad config or key is an error message and exit 2."""
     try:
         cfg = config_from_args(args)
-        ident = load_or_create_key_file(cfg.data_dir / "pubsub.key")
-        params, policies = gossip_params(cfg), group_policies(cfg)
+        ident = load_or_create_key_file(cfg.data_dir / key_file)
+        if cfg.unix is None:
+            raise ConfigError("the router has no Unix socket (listen.unix)")
+        service = make(cfg, ident, cfg.unix)
     except (KeyFileError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if cfg.unix is None:
-        print("error: the router has no Unix socket (listen.unix)", file=sys.stderr)
-        return 2
     setup_logging(cfg.log_level)
-    return run_service(PubsubService(ident, cfg.unix, params=params, policies=policies))
+    return run_service(service)
 
 
 def run_service(service: RouterService) -> int:

@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from upsycle_router.cli_client import _common, _run
-from upsycle_router.cli_daemon import add_daemon_options, config_from_args, run_service
+from upsycle_router.cli_daemon import add_daemon_options, serve_from_args
 from upsycle_router.client import Client, ClientError
 from upsycle_router.config import load_config, parse_key
-from upsycle_router.crypto import advert_valid, load_key_file, load_or_create_key_file, sign_message
-from upsycle_router.errors import ConfigError, KeyFileError, RemoteProtocolError
+from upsycle_router.crypto import advert_valid, load_key_file, sign_message
+from upsycle_router.errors import ConfigError, RemoteProtocolError
 from upsycle_router.expiry import exp_in, exp_iso, expires_at
 from upsycle_router.wire.discovery import (
     SERVICE_DISCOVERY,
@@ -212,19 +212,8 @@ def cmd_groups(args: argparse.Namespace) -> int:
 def cmd_discovery(args: argparse.Namespace) -> int:
     """Run the discovery service as a separate process against a router's socket."""
     from upsycle_router.runtime.daemon import discovery_service
-    from upsycle_router.runtime.logs import setup_logging
 
-    try:
-        cfg = config_from_args(args)
-        ident = load_or_create_key_file(cfg.data_dir / "discovery.key")
-    except (KeyFileError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if cfg.unix is None:
-        print("error: the router has no Unix socket (listen.unix)", file=sys.stderr)
-        return 2
-    setup_logging(cfg.log_level)
-    return run_service(discovery_service(cfg, ident, cfg.unix))
+    return serve_from_args(args, "discovery.key", discovery_service)
 
 
 def _app(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,68 @@
+"""The pub/sub and discovery services run as their own processes (``upsycle-router pubsub`` / ``discovery``)
+against a real daemon configured not to run them in-process."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import REPO, Daemon, DaemonFactory, cli, subprocess_env
+
+from upsycle_router.client import Client
+from upsycle_router.crypto import Identity, load_key_file
+
+
+def _service(command: str, d: Daemon) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "upsycle_router", command, "--data-dir", str(d.dir), "--unix", str(d.sock),
+         "--config", str(d.config_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=subprocess_env(), cwd=str(REPO),
+    )  # fmt: skip
+
+
+def _stop(p: subprocess.Popen[bytes]) -> tuple[int, str]:
+    p.terminate()
+    try:
+        _, err = p.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        _, err = p.communicate(timeout=10)
+    return p.returncode, err.decode(errors="replace")
+
+
+async def test_pubsub_and_discovery_as_separate_processes(daemon: DaemonFactory) -> None:
+    d = daemon(config={"pubsub": {"in_process": False},
+                       "discovery": {"enabled": True, "in_process": False, "lan": {"enabled": False}}})  # fmt: skip
+    pubsub, discovery = _service("pubsub", d), _service("discovery", d)
+    try:
+        # both services connect to the router like apps (the app makes the third local connection)
+        async with await Client.connect(d.sock, Identity.generate()) as app:
+            for _ in range(150):
+                st = await app.status()
+                if st.get("connections_local", 0) >= 3:
+                    break
+                await asyncio.sleep(0.1)
+            assert st.get("connections_local", 0) >= 3, (st, d.log_text()[-2000:])
+            ps_key = load_key_file(d.dir / "pubsub.key").public
+            disc_key = load_key_file(d.dir / "discovery.key").public
+            # a local publish to a group nobody here joined still reaches the pub/sub service (fanout)
+            group = Identity.generate()
+            msg = await app.publish(group, b"to the mesh")
+            rec = await d.wait_trace(timeout=10, event="delivered", id=msg.hex(), dst=ps_key.hex())
+            assert rec["role"] == "service"
+        assert disc_key != ps_key
+    finally:
+        rc_p, err_p = _stop(pubsub)
+        rc_d, err_d = _stop(discovery)
+    assert (rc_p, rc_d) == (0, 0), (err_p[-2000:], err_d[-2000:])
+
+
+def test_a_service_without_a_socket_is_an_error(tmp_path: Path) -> None:
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("listen: {unix: null, tls: '127.0.0.1:1'}\n")
+    for command in ("pubsub", "discovery"):
+        r = cli(command, "--data-dir", str(tmp_path / command), "--config", str(cfg))
+        assert r.returncode == 2
+        assert "no Unix socket" in r.stderr, r.stderr
