@@ -403,21 +403,25 @@ class Router:
         if not recipients and not (c.local and h.grp in self.upstream_groups):  # step 3
             out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "no_subscribers"))
             return
-        if msg.id in self.seen or self.store.has_message(msg.id):  # step 4
+        expiry = expires_at(now, h.ttl, h.exp)
+        # Step 4: the recently-seen list, then the store (the longer memory) - for a message that will be
+        # stored, storing it is the check (one lookup instead of two).
+        if msg.id in self.seen or (expiry <= now and self.store.has_message(msg.id)):
             out.append(Trace("duplicate", msg.id, "multicast", h.grp, None, None, c.peer, size, "duplicate"))
             return
-        self.seen.add(msg.id)  # step 5
         if not c.local:  # step 7 (before storing, so stored copies carry VIA = R)
             msg = msg.with_via(c.peer)
         else:
             msg = msg.with_via(None)
         data = msg.encode()
-        expiry = expires_at(now, h.ttl, h.exp)
         if expiry > now:  # step 6
             if not self.store.has_room(len(data)):
                 out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "quota"))
                 return
-            self.store.put_message(msg.id, data, h.grp, expiry)
+            if not self.store.put_message(msg.id, data, h.grp, expiry):
+                out.append(Trace("duplicate", msg.id, "multicast", h.grp, None, None, c.peer, size, "duplicate"))
+                return
+        self.seen.add(msg.id)  # step 5
         for m in recipients:  # step 8
             self._deliver(m, msg, h.grp, size, now, out, kind="multicast", data=data)
         if c.local and h.grp in self.upstream_groups:  # an edge app published: hand it to our core nodes

@@ -251,12 +251,14 @@ class LmdbStore(LmdbTables):
 
     # ------------------------------------------------------------ message store
 
-    def put_message(self, mid: bytes, data: bytes, group: bytes | None, expires: float) -> None:
-        """Store a message until ``expires``."""
+    def put_message(self, mid: bytes, data: bytes, group: bytes | None, expires: float) -> bool:
+        """Store a message until ``expires``; False (and nothing changed) if ``mid`` is stored already."""
         exp = _ms(expires)
         value = _U64.pack(exp) + (b"\x01" + group if group else b"\x00") + data
-        if self._w().put(mid, value, db=self._db["msgs"], overwrite=False):  # False: already stored
-            self._put("msg_exp", _U64.pack(exp) + mid, b"")
+        if not self._w().put(mid, value, db=self._db["msgs"], overwrite=False):
+            return False
+        self._put("msg_exp", _U64.pack(exp) + mid, b"")
+        return True
 
     def get_message(self, mid: bytes) -> StoredMessage | None:
         """A stored message, or None."""
