@@ -281,9 +281,11 @@ class Router:
         """Send the next batch of ``c.peer``'s queue on ``c``."""
         if c.inflight or c.blocked:
             return
-        subscribed = self._subscribed_anywhere()
         entries = list(self.store.queue(c.peer, limit=self.config.flush_batch))
         c.backlog = len(entries) >= self.config.flush_batch  # a full batch: more may be waiting
+        if not entries:
+            return
+        subscribed = self._subscribed_anywhere()
         budget = self.config.flush_bytes
         for e in entries:
             if budget <= 0:  # enough bytes for one round trip: the rest waits for the next batch
@@ -453,8 +455,7 @@ class Router:
                 # first), or it does not read: keep the message in the store rather than in memory.
                 if self._enqueue(key, msg, group, data, size, now, out, kind=kind):
                     c.backlog = True
-                    if not c.inflight:
-                        self._flush(c, now, out)
+                    self._flush(c, now, out)  # sends it at once unless entries are in flight or c is blocked
                 return
             if c.blocked:
                 out.append(Trace("dropped", msg.id, kind, group, None, key, key, size, "overloaded",

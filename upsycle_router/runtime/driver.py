@@ -75,7 +75,6 @@ class _Segment:
         self.future: asyncio.Future[list[list[bool]]] | None = None
 
 
-
 class Dialer(Protocol):
     """The connection pool, as the driver sees it."""
 
@@ -209,8 +208,7 @@ class Driver:
         if self._closed:
             return
         self._pending.append(ev)
-        if self._flush_handle is None:
-            self._flush_handle = self.loop.call_soon(self.flush)
+        self._schedule()
 
     def flush(self) -> None:
         """Seal what arrived since the last flush into a segment, start verifying its signatures, and run
@@ -225,22 +223,28 @@ class Driver:
         if self._closed:
             return
         if len(self._segments) < MAX_SEGMENTS:
-            pending = self._pending
-            self._pending = []
-            if self._queue_sent:
-                pending.append(QueueSent(tuple(self._queue_sent)))
-                self._queue_sent = []
-            if pending:
-                seg = _Segment(pending)
-                if not seg.msgs:
-                    seg.results = []
-                elif not self.verifier.wants_threads(len(seg.msgs)):
-                    seg.results = self.verifier.verify_inline(seg.msgs)
-                else:
-                    seg.future = self.verifier.submit(seg.msgs)
-                    seg.future.add_done_callback(self._on_verified)
-                self._segments.append(seg)
+            self._seal()
         self._drain()
+
+    def _seal(self, *, inline: bool = False) -> None:
+        """Move what arrived since the last seal (and the queue acknowledgements) into a new segment and start
+        verifying its messages (``inline``: right here)."""
+        pending = self._pending
+        self._pending = []
+        if self._queue_sent:
+            pending.append(QueueSent(tuple(self._queue_sent)))
+            self._queue_sent = []
+        if not pending:
+            return
+        seg = _Segment(pending)
+        if not seg.msgs:
+            seg.results = []
+        elif inline or not self.verifier.wants_threads(len(seg.msgs)):
+            seg.results = self.verifier.verify_inline(seg.msgs)
+        else:
+            seg.future = self.verifier.submit(seg.msgs)
+            seg.future.add_done_callback(self._on_verified)
+        self._segments.append(seg)
 
     def _on_verified(self, _fut: asyncio.Future[list[list[bool]]]) -> None:
         if self._closed:
@@ -272,7 +276,7 @@ class Driver:
                 ok = next(it)
                 if not ok:
                     self.stats["bad_signature_total"] += 1
-                out.append(MessageReceived(x[0], x[1], ok, x[2]))
+                out.append(MessageReceived(x.conn, x.message, ok, x.size))
             else:
                 out.append(x)
         return out
@@ -377,8 +381,8 @@ class Driver:
                 self._unflushed.discard(cid)
         if self._closed:
             return
-        if self._queue_sent and self._flush_handle is None:
-            self._flush_handle = self.loop.call_soon(self.flush)
+        if self._queue_sent:
+            self._schedule()
         if self._unflushed:
             self._release_handle = self.loop.call_later(0.002, self._release_flushed)
 
@@ -442,12 +446,8 @@ class Driver:
                 seg.results = self.verifier.verify_inline(seg.msgs)
         self._drain()
         for _ in range(2):  # the pending batch, then the queue acknowledgements it produced
-            pending, self._pending = self._pending, []
-            if self._queue_sent:
-                pending.append(QueueSent(tuple(self._queue_sent)))
-                self._queue_sent = []
-            raws = [x for x in pending if isinstance(x, _Raw)]
-            self._process(self._resolve(pending, self.verifier.verify_inline([m for _, m, _ in raws])))
+            self._seal(inline=True)
+            self._drain()
         for h in (self._timer, self._sync_handle, self._release_handle):
             if h is not None:
                 h.cancel()
