@@ -101,6 +101,13 @@ def cmd_pubsub(args: argparse.Namespace) -> int:
         ident, sock, params=gossip_params(cfg), policies=group_policies(cfg)))
 
 
+def add_service_options(p: argparse.ArgumentParser) -> None:
+    """Options of a command that runs a router service as its own process (see :func:`serve_from_args`)."""
+    add_daemon_options(p)
+    p.add_argument("--unix", help="the router's Unix socket (overrides the config)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
 def serve_from_args(
     args: argparse.Namespace, key_file: str, make: Callable[[DaemonConfig, Identity, Path], RouterService]
 ) -> int:
@@ -163,9 +170,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("pubsub", help="run the pub/sub service as a separate process (pubsub.in_process: false)")
-    add_daemon_options(p)
-    p.add_argument("--unix", help="the router's Unix socket (overrides the config)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    add_service_options(p)
     p.set_defaults(func=cmd_pubsub)
 
     p = sub.add_parser("testnet", help="run N routers on loopback TLS with a publishing workload")

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from upsycle_router.cli_client import _common, _run
-from upsycle_router.cli_daemon import add_daemon_options, serve_from_args
+from upsycle_router.cli_daemon import add_service_options, serve_from_args
 from upsycle_router.client import Client, ClientError
 from upsycle_router.config import load_config, parse_key
 from upsycle_router.crypto import advert_valid, load_key_file, sign_message
@@ -246,7 +246,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=cmd_groups)
 
     p = sub.add_parser("discovery", help="run the discovery service as a separate process")
-    add_daemon_options(p)
-    p.add_argument("--unix", help="the router's Unix socket (overrides the config)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    add_service_options(p)
     p.set_defaults(func=cmd_discovery)
