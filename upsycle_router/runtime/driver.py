@@ -7,19 +7,22 @@ connection with an ERROR frame), verifies signatures (each id once: a verified-i
 appends :class:`~upsycle_router.core.events.MessageReceived` events to a pending batch. The batch runs on the
 next loop iteration (``call_soon``), so everything that arrived in one iteration shares one LMDB write
 transaction (group commit). Only after that transaction commits are the effects carried out: frames written,
-dials started, trace records written. Queued messages written to a recipient are reported back to the core
-(:class:`QueueSent`) in the next batch, which removes them from the queue. One timer (``call_at``) is armed at
-the core's next deadline.
+dials started, trace records written. Under ``durability: fsync`` the commit (and its wait for the disk) runs
+on the store's commit thread (:mod:`upsycle_router.store.commit_thread`): the loop goes on reading, decoding
+and verifying, and routes the next batch once the commit returned. Queued messages written to a recipient
+are reported back to the core (:class:`QueueSent`) in the next batch, which removes them from the queue. One
+timer (``call_at``) is armed at the core's next deadline; its run joins the next batch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple, Protocol
 
 import lmdb
@@ -42,6 +45,7 @@ from upsycle_router.core.events import (
 from upsycle_router.core.router import Router
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.runtime.verify import Verifier
+from upsycle_router.store.commit_thread import CommitThread
 from upsycle_router.store.lmdb_store import Durability, LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.connection import Connection
@@ -73,6 +77,15 @@ class _Segment:
         self.msgs = [x.message for x in items if isinstance(x, _Raw)]
         self.results: list[bool] | None = None
         self.future: asyncio.Future[list[list[bool]]] | None = None
+
+
+class _Commit(NamedTuple):
+    """A batch whose transaction is being committed on the commit thread."""
+
+    future: concurrent.futures.Future[None]
+    events: list[Event]
+    effects: list[Effect]
+    now: float
 
 
 class Dialer(Protocol):
@@ -124,7 +137,11 @@ class Driver:
         self._flush_handle: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last_timer = -TIMER_INTERVAL  # loop time of the last timer run
+        self._timer_due = False  # the timer fired: run the core's timer with the next batch
         self._sync_handle: asyncio.TimerHandle | None = None
+        # durability fsync: commits run on a thread of their own; the batch whose commit is in flight
+        self._committer = CommitThread(store.env) if store.durability is Durability.FSYNC else None
+        self._committing: _Commit | None = None
         self._dirty = False
         self._closed = False
         self.stats = router.counters
@@ -254,7 +271,10 @@ class Driver:
             self._schedule()
 
     def _drain(self) -> None:
-        """Process the leading segments whose signatures are verified, in one transaction."""
+        """Process the leading segments whose signatures are verified (and a due timer run), in one
+        transaction - once the previous batch's commit has returned."""
+        if self._committing is not None:
+            return  # resumed by _on_committed
         events: list[Event] = []
         segments = self._segments
         while segments:
@@ -265,7 +285,7 @@ class Driver:
                 seg.results = self.verifier.collect(seg.msgs, seg.future)
             segments.popleft()
             events.extend(self._resolve(seg.items, seg.results))
-        if events:
+        if events or self._timer_due:
             self._process(events)
 
     def _resolve(self, pending: list[Event | _Raw], results: list[bool]) -> list[Event]:
@@ -286,30 +306,107 @@ class Driver:
             self._flush_handle = self.loop.call_soon(self.flush)
 
     def _process(self, events: list[Event]) -> None:
-        if not events:
-            return
+        """Route one batch (and the timer, if due) in one write transaction; carry out its effects once the
+        transaction has committed - right away, or when the commit thread reports back (``durability: fsync``)."""
         now = self.clock()
-        effects: list[Effect] = []
+        timer, self._timer_due = self._timer_due, False
+        committer = self._committer
+        if committer is None:
+            try:
+                with self._transaction():
+                    effects = self._route(events, timer, now)
+            except lmdb.Error as e:
+                effects = self._not_committed(events, e, now)
+            self._done(effects, now)
+            return
+        txn = committer.begin()
+        self.store.attach(txn)
         try:
-            with self.store.transaction():
-                for ev in events:
-                    try:
-                        effects.extend(self.router.handle(ev, now))
-                    except lmdb.Error:
-                        raise  # the transaction is unusable: abort the batch
-                    except Exception:  # noqa: BLE001 - one bad event must not stop the router
-                        log.exception("internal error handling %s", type(ev).__name__)
+            effects = self._route(events, timer, now)
+            self.store.detach()
         except lmdb.Error as e:
-            # Nothing of this batch was committed, so nothing of it is acknowledged or delivered: senders that
-            # wait for SYNC_ACK see no answer. The store itself is intact; later batches may succeed.
-            log.error("store error, batch of %d events not committed: %s", len(events), e)
-            self.stats["store_errors_total"] = self.stats.get("store_errors_total", 0) + 1
-            # Connection bookkeeping must not be lost with the messages: replay it on its own.
-            effects = []
-            with contextlib.suppress(lmdb.Error), self.store.transaction():
-                for ev in events:
-                    if not isinstance(ev, MessageReceived):
-                        effects.extend(self.router.handle(ev, now))
+            self.store.detach(commit=False)
+            committer.abort(txn)
+            self._done(self._not_committed(events, e, now), now)
+            return
+        rec = _Commit(committer.commit(txn), events, effects, now)
+        self._committing = rec
+        rec.future.add_done_callback(lambda _f: self._committed_threadsafe(rec))
+
+    def _committed_threadsafe(self, rec: _Commit) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: close() waited for the commit
+            self.loop.call_soon_threadsafe(self._on_committed, rec)
+
+    def _on_committed(self, rec: _Commit) -> None:
+        if self._committing is not rec:
+            return  # close() completed it
+        self._complete(rec)
+        if self._closed:
+            return
+        self._drain()
+        if self._pending or self._queue_sent:
+            self._schedule()
+
+    def _complete(self, rec: _Commit) -> None:
+        """The commit of ``rec`` returned: carry out its effects (or, if it failed, its bookkeeping only)."""
+        self._committing = None
+        try:
+            rec.future.result()
+        except lmdb.Error as e:
+            effects = self._not_committed(rec.events, e, rec.now)
+        else:
+            self.store.committed()
+            effects = rec.effects
+        self._done(effects, rec.now)
+
+    def _route(self, events: list[Event], timer: bool, now: float) -> list[Effect]:
+        """The core's effects for a batch, inside the open transaction."""
+        effects: list[Effect] = []
+        for ev in events:
+            try:
+                effects.extend(self.router.handle(ev, now))
+            except lmdb.Error:
+                raise  # the transaction is unusable: abort the batch
+            except Exception:  # noqa: BLE001 - one bad event must not stop the router
+                log.exception("internal error handling %s", type(ev).__name__)
+        if timer:
+            effects.extend(self.router.handle_timer(now))
+        return effects
+
+    def _not_committed(self, events: list[Event], e: lmdb.Error, now: float) -> list[Effect]:
+        """A batch's transaction failed: nothing of it was committed, so nothing of it is acknowledged or
+        delivered (senders waiting for SYNC_ACK see no answer). The store itself is intact; later batches may
+        succeed. Connection bookkeeping must not be lost with the messages: it is replayed on its own."""
+        log.error("store error, batch of %d events not committed: %s", len(events), e)
+        self.stats["store_errors_total"] = self.stats.get("store_errors_total", 0) + 1
+        effects: list[Effect] = []
+        with contextlib.suppress(lmdb.Error), self._transaction():
+            for ev in events:
+                if not isinstance(ev, MessageReceived):
+                    effects.extend(self.router.handle(ev, now))
+        return effects
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """A write transaction committed before this returns (on the commit thread, if there is one)."""
+        committer = self._committer
+        if committer is None:
+            with self.store.transaction():
+                yield
+            return
+        txn = committer.begin()
+        self.store.attach(txn)
+        try:
+            yield
+            self.store.detach()
+        except BaseException:
+            self.store.detach(commit=False)
+            committer.abort(txn)
+            raise
+        committer.commit(txn).result()
+        self.store.committed()
+
+    def _done(self, effects: list[Effect], now: float) -> None:
         self.stats["batches_total"] += 1
         self._after_commit()
         self._apply(effects, now)
@@ -419,12 +516,8 @@ class Driver:
         self._last_timer = self.loop.time()
         if self._closed:
             return
-        now = self.clock()
-        with self.store.transaction():
-            effects = self.router.handle_timer(now)
-        self._after_commit()
-        self._apply(effects, now)
-        self._arm_timer()
+        self._timer_due = True  # runs with the next batch: now, or once the commit in flight returned
+        self._drain()
 
     # ------------------------------------------------------------ shutdown
 
@@ -434,6 +527,9 @@ class Driver:
             if seg.future is not None:
                 with contextlib.suppress(Exception):
                     await seg.future
+        if self._committing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(self._committing.future)
         self.close()
 
     def close(self) -> None:
@@ -444,6 +540,14 @@ class Driver:
         for seg in self._segments:
             if seg.results is None and (seg.future is None or not seg.future.done()):
                 seg.results = self.verifier.verify_inline(seg.msgs)
+        # The commit in flight finishes first; what remains commits on this thread.
+        rec = self._committing
+        if rec is not None:
+            concurrent.futures.wait([rec.future])
+            self._complete(rec)
+        if self._committer is not None:
+            self._committer.close()
+            self._committer = None
         self._drain()
         for _ in range(2):  # the pending batch, then the queue acknowledgements it produced
             self._seal(inline=True)

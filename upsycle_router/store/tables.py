@@ -41,6 +41,29 @@ class LmdbTables:
         finally:
             self._txn = None
 
+    def attach(self, txn: Any) -> None:
+        """Write in ``txn``, a write transaction begun elsewhere (see
+        :class:`~upsycle_router.store.commit_thread.CommitThread`), until :meth:`detach`."""
+        if self._txn is not None:
+            raise RuntimeError(f"{self._what}: a transaction is already open")
+        self._txn = txn
+        self._begun()
+
+    def detach(self, *, commit: bool = True) -> Any:
+        """Stop writing in the attached transaction and return it; with ``commit`` run the last writes of a
+        transaction about to commit first. Call :meth:`committed` once it has committed."""
+        txn = self._txn
+        try:
+            if commit:
+                self._before_commit()
+        finally:
+            self._txn = None
+        return txn
+
+    def committed(self) -> None:
+        """The transaction returned by :meth:`detach` committed."""
+        self._committed()
+
     def _begun(self) -> None:
         """Hook: a write transaction began."""
 

@@ -1,0 +1,155 @@
+"""Commits off the event loop (``durability: fsync``): the commit thread on real LMDB files, and the driver
+carrying out a batch's effects only once its commit returned while the loop goes on meanwhile.
+
+A slow disk is played by a gate in front of LMDB's commit (the real commit runs once the test opens the
+gate), so "the commit is in flight" is a state the test holds for as long as it needs, not a timing guess.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.events import ConnectionOpened, MessageReceived
+from upsycle_router.core.router import Router
+from upsycle_router.crypto import Identity, sign_message
+from upsycle_router.expiry import exp_in
+from upsycle_router.runtime.driver import Driver
+from upsycle_router.store.commit_thread import CommitThread
+from upsycle_router.store.lmdb_store import Durability, LmdbStore
+from upsycle_router.trace.journal import TraceJournal
+from upsycle_router.wire.messages import MulticastHeader
+
+MAP = 1 << 24
+WAIT = 10.0  # seconds: an upper bound for things that happen at once, never reached when all is well
+
+
+def _in_thread(fn: Any) -> bool:
+    """Run ``fn`` on a thread; False if it did not return within WAIT (e.g. blocked on LMDB's writer lock)."""
+    t = threading.Thread(target=fn, daemon=True)
+    t.start()
+    t.join(WAIT)
+    return not t.is_alive()
+
+
+def test_begin_put_here_commit_there_is_durable_and_abort_discards(tmp_path: Path) -> None:
+    store = LmdbStore(tmp_path / "s", Durability.FSYNC, MAP)
+    ct = CommitThread(store.env)
+    db = store.env.open_db(b"t")
+    for i in range(3):  # the second and third begin take the transaction begun ahead after a commit
+        txn = ct.begin()
+        txn.put(b"k%d" % i, b"v%d" % i, db=db)  # on this thread, between begin and commit on the other
+        ct.commit(txn).result(WAIT)
+    txn = ct.begin()
+    txn.put(b"gone", b"x", db=db)
+    ct.abort(txn)
+    ct.close()
+    # close() gave the writer lock back: a write transaction can begin on this thread again.
+    assert _in_thread(lambda: store.env.begin(write=True).abort())
+    store.close()
+    store = LmdbStore(tmp_path / "s", Durability.FSYNC, MAP)
+    db = store.env.open_db(b"t")
+    with store.env.begin() as r:
+        assert [bytes(r.get(b"k%d" % i, db=db)) for i in range(3)] == [b"v0", b"v1", b"v2"]
+        assert r.get(b"gone", db=db) is None
+    store.close()
+
+
+def test_a_failed_commit_is_reported_on_the_future(tmp_path: Path) -> None:
+    store = LmdbStore(tmp_path / "s", Durability.FSYNC, MAP)
+    ct = CommitThread(store.env)
+    txn = ct.begin()
+    ct.abort(txn)
+    with pytest.raises(Exception):  # noqa: B017,PT011 - py-lmdb reports a used transaction with its own error
+        ct.commit(txn).result(WAIT)
+    ct.close()
+    store.close()
+
+
+class _Gate:
+    """An LMDB environment whose write transactions commit only once ``open`` is set."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.open = threading.Event()
+        self.commits = 0
+
+    def begin(self, **kw: Any) -> Any:
+        return _GatedTxn(self.env.begin(**kw), self)
+
+
+class _GatedTxn:
+    def __init__(self, txn: Any, gate: _Gate) -> None:
+        self._txn = txn
+        self._gate = gate
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._txn, name)
+
+    def commit(self) -> None:
+        assert self._gate.open.wait(WAIT), "test did not open the gate"
+        self._txn.commit()
+        self._gate.commits += 1
+
+
+def _records(trace_dir: Path) -> list[dict[str, Any]]:
+    out = []
+    for p in sorted(trace_dir.glob("trace-*.jsonl")):
+        out += [json.loads(line) for line in p.read_text().splitlines() if line]
+    return out
+
+
+async def _until(cond: Any) -> None:
+    for _ in range(int(WAIT / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+async def test_effects_wait_for_the_commit_while_the_loop_goes_on(tmp_path: Path) -> None:
+    router_id, app, service, group = (Identity.from_seed(bytes([n]) * 32) for n in (1, 2, 3, 4))
+    store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
+    journal = TraceJournal(tmp_path / "trace", router_id.public)
+    # A local publish reaches the (local) pub/sub service: each message is stored, then delivered to it.
+    router = Router(router_id, store, CoreConfig(pubsub_service=service.public))
+    driver = Driver(router, store, journal=journal, verify_threads=1)
+    assert driver._committer is not None  # fsync: commits run on the commit thread
+    gate = _Gate(store.env)
+    driver._committer.env = gate
+    gate.open.set()
+    driver.push(ConnectionOpened(1, app.public, True))
+    driver.push(ConnectionOpened(2, service.public, True))
+    await _until(lambda: gate.commits == 1 and driver._committing is None)
+    gate.open.clear()
+
+    def message(n: int) -> Any:
+        return sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"body %d" % n, group)
+
+    m1, m2 = message(1), message(2)
+    driver.push(MessageReceived(1, m1, True, len(m1.encode())))
+    await _until(lambda: driver._committing is not None)  # routed, its commit waits at the gate
+    # The loop is not blocked by the commit: timers run, and a second message is taken in...
+    await asyncio.sleep(0.05)
+    driver.push(MessageReceived(1, m2, True, len(m2.encode())))
+    await asyncio.sleep(0.05)
+    # ...but nothing of the first batch was carried out, and the second is not routed before the first committed.
+    ids = [r.get("id") for r in _records(tmp_path / "trace")]
+    assert m1.id.hex() not in ids and m2.id.hex() not in ids
+    assert m2.id not in driver.router.seen
+    gate.open.set()
+    await _until(lambda: m2.id.hex() in [r.get("id") for r in _records(tmp_path / "trace")])
+    recs = [(r["event"], r["id"]) for r in _records(tmp_path / "trace") if r.get("id") in (m1.id.hex(), m2.id.hex())]
+    assert recs.index(("received", m1.id.hex())) < recs.index(("received", m2.id.hex()))
+    assert store.has_message(m1.id) and store.has_message(m2.id)
+    await driver.aclose()
+    assert _in_thread(lambda: store.env.begin(write=True).abort())  # no transaction left open
+    journal.close()
+    store.close()
