@@ -29,6 +29,7 @@ from upsycle_router.errors import ConfigError, ErrorCode
 from upsycle_router.expiry import exp_in
 from upsycle_router.runtime.discovery_service import DiscoveryService, LanSocketConfig
 from upsycle_router.runtime.driver import Driver
+from upsycle_router.runtime.memory import TRIM_INTERVAL, Trimmer
 from upsycle_router.runtime.metrics import MetricsServer
 from upsycle_router.runtime.pool import ConnectionPool
 from upsycle_router.runtime.pubsub_service import PubsubService
@@ -127,6 +128,8 @@ class Daemon:
         self.metrics: MetricsServer | None = None
         self._lock_fd: int | None = None
         self._readvertise_handle: asyncio.TimerHandle | None = None
+        self.trimmer = Trimmer()
+        self._trim_handle: asyncio.TimerHandle | None = None
         self.pubsub_identity: Identity | None = None
         self.pubsub: PubsubService | None = None
         self._pubsub_task: asyncio.Task[None] | None = None
@@ -220,6 +223,8 @@ class Daemon:
             self.discovery = discovery_service(cfg, self.discovery_identity, cfg.unix)
             self._discovery_task = loop.create_task(self.discovery.run())
         self._readvertise_handle = loop.call_later(self._advert_refresh(), self._readvertise)
+        if self.trimmer.available:
+            self._trim_handle = loop.call_later(TRIM_INTERVAL, self._trim)
         log.info(
             "started id=%s data_dir=%s unix=%s durability=%s", ident.hex, cfg.data_dir, cfg.unix, cfg.durability.value
         )
@@ -257,6 +262,10 @@ class Daemon:
         assert self.driver is not None and self.identity is not None
         self.driver.apply_now(self.driver.router.readvertise(self._own_advert(self.identity), time.time()))
         self._readvertise_handle = asyncio.get_running_loop().call_later(self._advert_refresh(), self._readvertise)
+
+    def _trim(self) -> None:
+        self.trimmer.trim()
+        self._trim_handle = asyncio.get_running_loop().call_later(TRIM_INTERVAL, self._trim)
 
     def _connection(self, kind: str) -> Connection:
         assert self.driver is not None and self.identity is not None
@@ -338,8 +347,9 @@ class Daemon:
         """Stop accepting, close connections, flush and close the store."""
         sd_notify("STOPPING=1")
         log.info("stopping")
-        if self._readvertise_handle is not None:
-            self._readvertise_handle.cancel()
+        for h in (self._readvertise_handle, self._trim_handle):
+            if h is not None:
+                h.cancel()
         for s in self._servers:
             s.close()
         if self.pubsub is not None:
