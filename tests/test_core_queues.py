@@ -5,6 +5,7 @@ bob is a configured local service that is away while alice (local) sends to him.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -104,22 +105,36 @@ def test_two_open_connections_of_one_recipient_each_get_an_entry_at_most_once(h:
     assert h.store.queue(BOB.public) == []
 
 
-def test_queue_drains_in_batches(tmp_path: Path) -> None:
+def test_queue_drains_through_a_sliding_window(tmp_path: Path) -> None:
     h = make(tmp_path, flush_batch=2)
     _, ms = queue_for_bob(h, 5)
     b = h.open(BOB)
-    batch = h.last
-    assert [s.data for s in batch.sends(b)] == [m.encode() for m in ms[:2]]
-    # A partial acknowledgement does not release the next batch ...
-    assert h.queue_sent(batch.queue_refs()[:1]).sends() == []
-    # ... the rest of it does.
-    batch = h.queue_sent(batch.queue_refs()[1:])
-    assert [s.data for s in batch.sends(b)] == [m.encode() for m in ms[2:4]]
-    batch = h.queue_sent(batch)
-    assert [s.data for s in batch.sends(b)] == [ms[4].encode()]
-    assert h.queue_sent(batch).sends() == []
-    sent = [s.data for s in h.log.sends(b)]
-    assert sent == [m.encode() for m in ms]
+    first = h.last
+    assert [s.data for s in first.sends(b)] == [m.encode() for m in ms[:2]]  # a window of 2 entries
+    # Each acknowledgement makes room for one more, while the other entry is still in flight.
+    refs = first.queue_refs()
+    out = h.queue_sent(refs[:1])
+    assert [s.data for s in out.sends(b)] == [ms[2].encode()]
+    assert h.store.queue(BOB.public)[0].id == ms[1].id  # acknowledged entries leave the queue, in-flight ones stay
+    out2 = h.queue_sent(refs[1:])
+    assert [s.data for s in out2.sends(b)] == [ms[3].encode()]
+    out3 = h.queue_sent(out)
+    assert [s.data for s in out3.sends(b)] == [ms[4].encode()]
+    assert h.queue_sent(out2).sends() == []
+    assert h.queue_sent(out3).sends() == []
+    assert [s.data for s in h.log.sends(b)] == [m.encode() for m in ms]  # each once, in order
+    assert h.store.queue(BOB.public) == []
+
+
+def test_the_window_counts_bytes_too(tmp_path: Path) -> None:
+    h = make(tmp_path, flush_batch=100, flush_bytes=1)
+    _, ms = queue_for_bob(h, 5)
+    h.router.config = dataclasses.replace(h.router.config, flush_bytes=2 * len(ms[0].encode()) - 1)
+    b = h.open(BOB)
+    first = h.last
+    assert [s.data for s in first.sends(b)] == [m.encode() for m in ms[:2]]  # about flush_bytes in flight
+    out = h.queue_sent(first.queue_refs()[:1])
+    assert [s.data for s in out.sends(b)] == [ms[2].encode()]
 
 
 def test_new_message_for_a_connected_recipient_is_sent_directly(h: CoreHarness) -> None:

@@ -34,8 +34,10 @@ class CoreConfig:
     queue_max_count: int = 100_000
     queue_max_bytes: int = 256 * 1024 * 1024
     # How many queued messages are sent at once when a recipient connects.
+    # A queue drains through a sliding window: at most flush_batch entries and about flush_bytes bytes written
+    # to the recipient and not yet acknowledged (their bytes have not left the transport buffer).
     flush_batch: int = 512
-    flush_bytes: int = 1024 * 1024  # a queue drains in batches of at most flush_batch entries and about this many bytes
+    flush_bytes: int = 1024 * 1024
     # Lifetime of routes learned from messages of remote nodes.
     learned_route_ttl: float = 24 * 3600.0
     # ttl (seconds) and lifetime of the router's own replies.

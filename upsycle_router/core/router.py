@@ -68,13 +68,17 @@ ROUTE_ADVERT = 3
 
 
 class Conn:
-    __slots__ = ("id", "peer", "local", "inflight", "blocked", "backlog")
+    __slots__ = ("id", "peer", "local", "inflight", "inflight_bytes", "sent", "blocked", "backlog")
 
     def __init__(self, conn: ConnId, peer: bytes, local: bool) -> None:
         self.id = conn
         self.peer = peer
         self.local = local
-        self.inflight: set[int] = set()  # queue seqs sent on this connection, not yet acknowledged
+        # Queue entries written on this connection and not yet acknowledged (QueueSent), seq -> bytes: the
+        # sliding window of the queue drain, at most flush_batch entries and about flush_bytes bytes.
+        self.inflight: dict[int, int] = {}
+        self.inflight_bytes = 0
+        self.sent = 0  # the highest queue seq written on this connection (seqs start at 1)
         self.blocked = False  # the peer is not reading: queue instead of writing
         # The peer's queue may hold entries not yet sent on this connection: new messages queue behind them.
         # Entries already sent (in flight) do not count: a message written now goes out after them anyway.
@@ -271,26 +275,37 @@ class Router:
             self.store.dequeue(recipient, seq)  # also drops a unicast message with its last entry
             drained.add(recipient)
             for cid in self._by_key.get(recipient, ()):
-                self._conns[cid].inflight.discard(seq)
-        for recipient in drained:
+                c = self._conns[cid]
+                c.inflight_bytes -= c.inflight.pop(seq, 0)
+        for recipient in drained:  # the window has room again
             conn = self.connected(recipient)
-            if conn is not None and not self._conns[conn].inflight:
+            if conn is not None:
                 self._flush(self._conns[conn], now, out)
 
     def _flush(self, c: Conn, now: float, out: list[Effect]) -> None:
-        """Send the next batch of ``c.peer``'s queue on ``c``."""
-        if c.inflight or c.blocked:
+        """Write ``c.peer``'s queued entries that are not yet on ``c``, as far as the window allows.
+
+        The drain is a sliding window: entries written and not yet acknowledged (their bytes have not left
+        the transport buffer) count against ``flush_batch`` entries and ``flush_bytes`` bytes, and each
+        acknowledgement makes room for the next. (Stop-and-wait - the next batch only once the whole previous
+        one was acknowledged - left a recipient that fell behind under a steady stream behind for good: each
+        round trip includes a commit, and a round trip per batch is slower than the stream.)"""
+        if c.blocked:
             return
-        entries = list(self.store.queue(c.peer, limit=self.config.flush_batch))
-        c.backlog = len(entries) >= self.config.flush_batch  # a full batch: more may be waiting
+        room = self.config.flush_batch - len(c.inflight)
+        budget = self.config.flush_bytes - c.inflight_bytes
+        if room <= 0 or budget <= 0:
+            return  # the window is full: acknowledgements resume the drain
+        entries = self.store.queue(c.peer, limit=room, after=c.sent)
+        c.backlog = len(entries) >= room  # as many as fit: more may be waiting
         if not entries:
             return
-        subscribed = self._subscribed_anywhere()
-        budget = self.config.flush_bytes
+        subscribed: set[bytes] | None = None
         for e in entries:
-            if budget <= 0:  # enough bytes for one round trip: the rest waits for the next batch
+            if budget <= 0:  # enough bytes in flight: the rest waits for acknowledgements
                 c.backlog = True
                 break
+            c.sent = e.seq
             stored = self.store.get_message(e.id)
             if stored is None or stored.expires <= now or e.expires <= now:
                 self.store.dequeue(c.peer, e.seq)
@@ -298,10 +313,14 @@ class Router:
                 out.append(Trace("expired", e.id, "multicast" if group else "unicast", group, None, c.peer, None,
                                  e.size, "expired", role=self._role(c.peer)))
                 continue
-            c.inflight.add(e.seq)
-            budget -= len(stored.data)
+            size = len(stored.data)
+            c.inflight[e.seq] = size
+            c.inflight_bytes += size
+            budget -= size
             out.append(Send(c.id, stored.data, (c.peer, e.seq)))
             kind = "multicast" if stored.group is not None else "unicast"
+            if subscribed is None:
+                subscribed = self._subscribed_anywhere()
             event = "delivered" if c.local or c.peer in subscribed else "forwarded"
             src = dst = None
             if stored.group is None:

@@ -164,10 +164,11 @@ class LmdbStore(LmdbTables):
         self.env.sync(True)
         self.env.close()
 
-    def _prefix(self, db: str, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+    def _prefix(self, db: str, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """The records whose key starts with ``prefix`` (from key ``start`` on, if given), in key order."""
         with self._r() as txn:
             cur = txn.cursor(db=self._db[db])
-            if not cur.set_range(prefix):
+            if not cur.set_range(start if start is not None else prefix):
                 return
             for k, v in cur:
                 if not k.startswith(prefix):
@@ -297,10 +298,10 @@ class LmdbStore(LmdbTables):
         self._put("qstats", recipient, _QSTAT.pack(count + 1, nbytes + size))
         return QueueEntry(recipient, seq, mid, exp / 1000.0, size)
 
-    def queue(self, recipient: bytes, limit: int | None = None) -> list[QueueEntry]:
-        """The oldest entries of ``recipient``'s queue, in order."""
+    def queue(self, recipient: bytes, limit: int | None = None, after: int = 0) -> list[QueueEntry]:
+        """The oldest entries of ``recipient``'s queue with a sequence number above ``after``, in order."""
         out = []
-        for k, v in self._prefix("queues", recipient):
+        for k, v in self._prefix("queues", recipient, recipient + _U64.pack(after + 1) if after > 0 else None):
             mid, exp, size = _QVAL.unpack(v)
             out.append(QueueEntry(recipient, _U64.unpack_from(k, 32)[0], mid, exp / 1000.0, size))
             if limit is not None and len(out) >= limit:
