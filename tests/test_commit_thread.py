@@ -25,7 +25,7 @@ from upsycle_router.runtime.driver import Driver
 from upsycle_router.store.commit_thread import CommitThread
 from upsycle_router.store.lmdb_store import Durability, LmdbStore
 from upsycle_router.trace.journal import TraceJournal
-from upsycle_router.wire.messages import MulticastHeader
+from upsycle_router.wire.messages import MulticastHeader, UnicastHeader
 
 MAP = 1 << 24
 WAIT = 10.0  # seconds: an upper bound for things that happen at once, never reached when all is well
@@ -151,5 +151,38 @@ async def test_effects_wait_for_the_commit_while_the_loop_goes_on(tmp_path: Path
     assert store.has_message(m1.id) and store.has_message(m2.id)
     await driver.aclose()
     assert _in_thread(lambda: store.env.begin(write=True).abort())  # no transaction left open
+    journal.close()
+    store.close()
+
+
+async def test_a_batch_that_wrote_nothing_commits_nothing_and_waits_for_nothing(tmp_path: Path) -> None:
+    router_id, app, peer = (Identity.from_seed(bytes([n]) * 32) for n in (5, 6, 7))
+    store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
+    journal = TraceJournal(tmp_path / "trace", router_id.public)
+    driver = Driver(Router(router_id, store), store, journal=journal, verify_threads=1)
+    assert driver._committer is not None
+    gate = _Gate(store.env)
+    driver._committer.env = gate
+    gate.open.set()
+    driver.push(ConnectionOpened(1, app.public, True))
+    driver.push(ConnectionOpened(2, peer.public, True))
+    await _until(lambda: gate.commits >= 1 and driver._committing is None)
+    commits = gate.commits
+    gate.open.clear()  # a commit now would wait here
+
+    def delivered() -> list[str]:
+        return [r["id"] for r in _records(tmp_path / "trace") if r["event"] == "delivered"]
+
+    # Unicast to a connected local app goes out directly: its batch writes nothing to the store.
+    m1, m2 = (sign_message(UnicastHeader(app.public, peer.public, 60, exp_in(time.time(), 60)), b"u%d" % n, app)
+              for n in (1, 2))
+    driver.push(MessageReceived(1, m1, True, len(m1.encode())))
+    await _until(lambda: m1.id.hex() in delivered())
+    driver.push(MessageReceived(1, m2, True, len(m2.encode())))
+    await _until(lambda: m2.id.hex() in delivered())
+    assert driver._committing is None and gate.commits == commits
+    gate.open.set()
+    await driver.aclose()
+    assert _in_thread(lambda: store.env.begin(write=True).abort())  # the unwritten transaction was given back
     journal.close()
     store.close()

@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import lmdb
 
@@ -142,6 +142,7 @@ class Driver:
         # durability fsync: commits run on a thread of their own; the batch whose commit is in flight
         self._committer = CommitThread(store.env) if store.durability is Durability.FSYNC else None
         self._committing: _Commit | None = None
+        self._idle_txn: Any = None  # a write transaction a batch began and left unwritten, for the next batch
         self._dirty = False
         self._closed = False
         self.stats = router.counters
@@ -319,7 +320,7 @@ class Driver:
                 effects = self._not_committed(events, e, now)
             self._done(effects, now)
             return
-        txn = committer.begin()
+        txn = self._take_txn(committer)
         self.store.attach(txn)
         try:
             effects = self._route(events, timer, now)
@@ -329,9 +330,20 @@ class Driver:
             committer.abort(txn)
             self._done(self._not_committed(events, e, now), now)
             return
+        if not self.store.wrote:
+            # Nothing to commit (direct deliveries): carried out at once, and the transaction serves the next
+            # batch - no hand-over, no wait.
+            self._idle_txn = txn
+            self._done(effects, now)
+            return
         rec = _Commit(committer.commit(txn), events, effects, now)
         self._committing = rec
         rec.future.add_done_callback(lambda _f: self._committed_threadsafe(rec))
+
+    def _take_txn(self, committer: CommitThread) -> Any:
+        """The write transaction for the next batch: the one a batch left unwritten, or a new one."""
+        txn, self._idle_txn = self._idle_txn, None
+        return txn if txn is not None else committer.begin()
 
     def _committed_threadsafe(self, rec: _Commit) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: close() waited for the commit
@@ -394,7 +406,7 @@ class Driver:
             with self.store.transaction():
                 yield
             return
-        txn = committer.begin()
+        txn = self._take_txn(committer)
         self.store.attach(txn)
         try:
             yield
@@ -546,6 +558,9 @@ class Driver:
             concurrent.futures.wait([rec.future])
             self._complete(rec)
         if self._committer is not None:
+            if self._idle_txn is not None:
+                self._committer.abort(self._idle_txn)
+                self._idle_txn = None
             self._committer.close()
             self._committer = None
         self._drain()

@@ -18,6 +18,7 @@ class LmdbTables:
     env: Any
     _db: dict[str, Any]
     _txn: Any = None
+    wrote = False  # whether the open (or last detached) transaction was written to
     _what = "store"  # for the error on a write outside a transaction
 
     @contextmanager
@@ -28,6 +29,7 @@ class LmdbTables:
             return
         txn = self.env.begin(write=True)
         self._txn = txn
+        self.wrote = False
         self._begun()
         try:
             yield
@@ -47,6 +49,7 @@ class LmdbTables:
         if self._txn is not None:
             raise RuntimeError(f"{self._what}: a transaction is already open")
         self._txn = txn
+        self.wrote = False
         self._begun()
 
     def detach(self, *, commit: bool = True) -> Any:
@@ -76,6 +79,7 @@ class LmdbTables:
     def _w(self) -> Any:
         if self._txn is None:
             raise RuntimeError(f"{self._what} write outside a transaction")
+        self.wrote = True
         return self._txn
 
     @contextmanager
