@@ -79,6 +79,21 @@ class _Segment:
         self.future: asyncio.Future[list[list[bool]]] | None = None
 
 
+_STATS: list = []
+_LAG: list = []
+import atexit, os as _os, time as _tm, gc as _gc
+def _gccb(phase, info, _s=[0]):
+    if phase == "start": _s[0] = _tm.perf_counter()
+    else:
+        dt = _tm.perf_counter() - _s[0]
+        if dt > 0.003 or info["generation"] == 2: _LAG.append([_tm.perf_counter(), dt, "gc%d collected %d" % (info["generation"], info["collected"])])
+_gc.callbacks.append(_gccb)
+def _dump():
+    import json
+    with open("/tmp/dbg.%d.json" % _os.getpid(), "w") as f: json.dump({"b": _STATS, "lag": _LAG}, f)
+atexit.register(_dump)
+
+
 class _Commit(NamedTuple):
     """A batch whose transaction is being committed on the commit thread."""
 
@@ -145,6 +160,11 @@ class Driver:
         self._idle_txn: Any = None  # a write transaction a batch began and left unwritten, for the next batch
         self._dirty = False
         self._closed = False
+        def _lag(expected=None):
+            now = self.loop.time()
+            if expected is not None and now - expected > 0.003: _LAG.append([_tm.perf_counter(), now - expected, "lag"])
+            self.loop.call_at(now + 0.001, _lag, now + 0.001)
+        self.loop.call_soon(_lag)
         self.stats = router.counters
         self.stats.update({"received_total": 0, "malformed_total": 0, "bad_signature_total": 0, "batches_total": 0,
                            "overloaded_total": 0})
@@ -338,19 +358,22 @@ class Driver:
             return
         rec = _Commit(committer.commit(txn), events, effects, now)
         self._committing = rec
-        rec.future.add_done_callback(lambda _f: self._committed_threadsafe(rec))
+        # The callback must not hold ``rec``: the future keeps its callbacks, and future -> callback -> rec ->
+        # future would be a reference cycle holding the whole batch until a full garbage collection.
+        rec.future.add_done_callback(self._committed_threadsafe)
 
     def _take_txn(self, committer: CommitThread) -> Any:
         """The write transaction for the next batch: the one a batch left unwritten, or a new one."""
         txn, self._idle_txn = self._idle_txn, None
         return txn if txn is not None else committer.begin()
 
-    def _committed_threadsafe(self, rec: _Commit) -> None:
+    def _committed_threadsafe(self, fut: concurrent.futures.Future[None]) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: close() waited for the commit
-            self.loop.call_soon_threadsafe(self._on_committed, rec)
+            self.loop.call_soon_threadsafe(self._on_committed, fut)
 
-    def _on_committed(self, rec: _Commit) -> None:
-        if self._committing is not rec:
+    def _on_committed(self, fut: concurrent.futures.Future[None]) -> None:
+        rec = self._committing
+        if rec is None or rec.future is not fut:
             return  # close() completed it
         self._complete(rec)
         if self._closed:
