@@ -8,6 +8,7 @@ gate), so "the commit is in flight" is a state the test holds for as long as it 
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import threading
 import time
@@ -185,4 +186,28 @@ async def test_a_batch_that_wrote_nothing_commits_nothing_and_waits_for_nothing(
     await driver.aclose()
     assert _in_thread(lambda: store.env.begin(write=True).abort())  # the unwritten transaction was given back
     journal.close()
+    store.close()
+
+
+async def test_committed_batches_are_freed_without_the_garbage_collector(tmp_path: Path) -> None:
+    """The daemon makes full collections rare: a reference cycle per batch would keep every batch alive."""
+    router_id, app, service, group = (Identity.from_seed(bytes([n]) * 32) for n in (8, 9, 10, 11))
+    store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
+    router = Router(router_id, store, CoreConfig(pubsub_service=service.public))
+    driver = Driver(router, store, verify_threads=1)
+    driver.push(ConnectionOpened(1, app.public, True))
+    driver.push(ConnectionOpened(2, service.public, True))
+    await _until(lambda: driver._committing is None and router.connections() == 2)
+    gc.collect()
+    gc.disable()
+    try:
+        for n in range(30):  # stored multicast: each batch commits on the commit thread
+            m = sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"c%d" % n, group)
+            driver.push(MessageReceived(1, m, True, len(m.encode())))
+            await _until(lambda m=m: store.has_message(m.id) and driver._committing is None)
+        unreachable = gc.collect()
+    finally:
+        gc.enable()
+    assert unreachable < 30, f"{unreachable} objects in reference cycles after 30 batches"
+    await driver.aclose()
     store.close()
