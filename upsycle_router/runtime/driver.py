@@ -79,21 +79,6 @@ class _Segment:
         self.future: asyncio.Future[list[list[bool]]] | None = None
 
 
-_STATS: list = []
-_LAG: list = []
-import atexit, os as _os, time as _tm, gc as _gc
-def _gccb(phase, info, _s=[0]):
-    if phase == "start": _s[0] = _tm.perf_counter()
-    else:
-        dt = _tm.perf_counter() - _s[0]
-        if dt > 0.003 or info["generation"] == 2: _LAG.append([_tm.perf_counter(), dt, "gc%d collected %d" % (info["generation"], info["collected"])])
-_gc.callbacks.append(_gccb)
-def _dump():
-    import json
-    with open("/tmp/dbg.%d.json" % _os.getpid(), "w") as f: json.dump({"b": _STATS, "lag": _LAG}, f)
-atexit.register(_dump)
-
-
 class _Commit(NamedTuple):
     """A batch whose transaction is being committed on the commit thread."""
 
@@ -160,11 +145,6 @@ class Driver:
         self._idle_txn: Any = None  # a write transaction a batch began and left unwritten, for the next batch
         self._dirty = False
         self._closed = False
-        def _lag(expected=None):
-            now = self.loop.time()
-            if expected is not None and now - expected > 0.003: _LAG.append([_tm.perf_counter(), now - expected, "lag"])
-            self.loop.call_at(now + 0.001, _lag, now + 0.001)
-        self.loop.call_soon(_lag)
         self.stats = router.counters
         self.stats.update({"received_total": 0, "malformed_total": 0, "bad_signature_total": 0, "batches_total": 0,
                            "overloaded_total": 0})
