@@ -28,9 +28,9 @@ async def test_pool_results_are_in_order_and_remembered() -> None:
         fut = v.submit(msgs)
         await asyncio.wait([fut])
         results = v.collect(msgs, fut)
-        assert results == [message_signature_valid(m) for m in msgs]
-        assert results.count(False) == 3
-        assert all(v.cached(m) == ok for m, ok in zip(msgs, results, strict=True))  # only valid ones cached
+        assert list(results) == [int(message_signature_valid(m)) for m in msgs]
+        assert results.count(0) == 3
+        assert all(v.cached(m) == bool(ok) for m, ok in zip(msgs, results, strict=True))  # only valid ones
     finally:
         v.close()
 
@@ -38,17 +38,32 @@ async def test_pool_results_are_in_order_and_remembered() -> None:
 async def test_collect_falls_back_to_inline_when_the_pool_fails() -> None:
     v = Verifier(threads=2)
     msgs = _batch(MIN_PARALLEL, bad={3})
-    fut: asyncio.Future[list[list[bool]]] = asyncio.get_running_loop().create_future()
+    fut: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
     fut.set_exception(RuntimeError("cannot schedule new futures after shutdown"))
     try:
-        assert v.collect(msgs, fut) == [i != 3 for i in range(len(msgs))]
+        assert list(v.collect(msgs, fut)) == [int(i != 3) for i in range(len(msgs))]
     finally:
         v.close()
+
+
+def test_a_cached_id_is_not_verified_again() -> None:
+    v = Verifier(threads=0)
+    good = _batch(3, bad=set())
+    assert v.verify_inline(good) == b"\x01\x01\x01"
+    # The same ids with broken signatures: a cache hit counts as verified, so nothing was verified again.
+    broken = [Message(m.header, m.body, bytes([m.sig[0] ^ 1]) + m.sig[1:], None, m.signed, m.id) for m in good]
+    assert v.verify_inline(broken) == b"\x01\x01\x01"
+    # A fresh verifier (no cache) checks them and refuses them.
+    assert Verifier(threads=0).verify_inline(broken) == b"\x00\x00\x00"
 
 
 def test_the_id_cache_is_bounded() -> None:
     v = Verifier(threads=0, cache_size=10)
     msgs = _batch(25, bad=set())
-    assert v.verify_inline(msgs) == [True] * 25
+    for m in msgs:  # one at a time: the cache rotates its generations between batches
+        assert v.verify_inline([m]) == b"\x01"
     assert not v.wants_threads(1000)  # no pool
-    assert [v.cached(m) for m in msgs] == [False] * 15 + [True] * 10
+    cached = [v.cached(m) for m in msgs]
+    assert sum(cached) <= 10  # at most cache_size ids
+    assert all(cached[-5:])  # at least the newest cache_size / 2
+    assert cached == sorted(cached)  # the oldest go first

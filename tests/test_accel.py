@@ -1,0 +1,238 @@
+"""The C accelerator and its Python twin give the same answers: decoding, framing and verification.
+
+``upsycle_router.accel`` uses the C extension when it was built and Python otherwise. These tests run the
+two side by side on the same inputs - valid messages of every shape, mutations of them, frame streams cut at
+random places, zero and oversize lengths, good and bad signatures, the verified-id cache - and require
+identical results, so the router behaves the same whichever one runs. They also check that the extension is
+actually built where a C compiler exists (a silent fallback would hide a broken build), and run a daemon on
+each path end to end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sysconfig
+import time
+from pathlib import Path
+
+import pytest
+from conftest import DaemonFactory
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_fast_decode import messages, mutated
+
+from upsycle_router import accel
+from upsycle_router.client import Client
+from upsycle_router.crypto import Identity, sign_message
+from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.expiry import exp_in
+from upsycle_router.wire.framing import FrameBuffer, frame
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, _decode_canonical
+
+SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+needs_c = pytest.mark.skipif(accel._C is None, reason="the C extension is not in use (UPSYCLE_ROUTER_PURE=1)")
+
+
+def _full(m: Message | None) -> tuple[object, ...] | None:
+    if m is None:
+        return None
+    return (m, m.header, m.via, m.signed, m.id, m.encode())
+
+
+def test_the_extension_is_built_where_a_compiler_exists() -> None:
+    if os.environ.get("UPSYCLE_ROUTER_PURE", "") not in ("", "0"):
+        pytest.skip("UPSYCLE_ROUTER_PURE is set")
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
+    if shutil.which(cc) is None or not headers.exists():
+        pytest.skip(f"no C compiler ({cc}) or Python headers here: the Python implementation runs")
+    assert accel._C is not None, "upsycle_router._accel was not built (pip install -e . builds it)"
+    assert accel.IMPLEMENTATION == "c"
+    assert accel._VERIFY != 0, "crypto_sign_verify_detached was not found in PyNaCl's libsodium"
+
+
+@needs_c
+@SETTINGS
+@given(messages())
+def test_c_decodes_every_valid_message_as_python_does(msg: Message) -> None:
+    data = msg.encode()
+    c = accel.decode_canonical(data)
+    assert c is not None
+    assert _full(c) == _full(_decode_canonical(data)) == _full(msg)
+    assert c.wire == data  # kept, so forwarding it unchanged copies nothing
+
+
+@needs_c
+@SETTINGS
+@given(mutated())
+def test_c_and_python_agree_on_mutated_input(data: bytes) -> None:
+    assert _full(accel.decode_canonical(data)) == _full(_decode_canonical(data))
+
+
+@needs_c
+def test_c_decodes_views_and_bytearrays_too() -> None:
+    key = Identity.from_seed(b"\x07" * 32)
+    data = sign_message(UnicastHeader(key.public, b"\x02" * 32, 5, 9), b"hello", key).encode()
+    for buf in (bytearray(data), memoryview(data)):
+        assert _full(accel.decode_canonical(buf)) == _full(accel.decode_canonical(data))
+
+
+@st.composite
+def streams(draw: st.DrawFn) -> tuple[bytes, list[int]]:
+    """Frames of valid messages, junk payloads and session-like frames, cut into chunks."""
+    parts = []
+    for _ in range(draw(st.integers(0, 6))):
+        kind = draw(st.sampled_from(["msg", "junk", "error"]))
+        if kind == "msg":
+            parts.append(frame(draw(messages()).encode()))
+        elif kind == "junk":
+            parts.append(frame(draw(st.binary(min_size=1, max_size=40))))
+        else:
+            parts.append(frame(b"\x83\x65error\x01\x62no"))
+    data = b"".join(parts)
+    cuts = sorted(draw(st.lists(st.integers(0, len(data)), max_size=5)))
+    return data, cuts
+
+
+@SETTINGS
+@given(streams())
+def test_framing_gives_the_same_items_whichever_way_the_stream_is_cut(case: tuple[bytes, list[int]]) -> None:
+    data, cuts = case
+    whole = FrameBuffer().feed(data)
+    fb = FrameBuffer()
+    got: list[Message | bytes] = []
+    prev = 0
+    for c in [*cuts, len(data)]:
+        got.extend(fb.feed_decoded(data[prev:c]))
+        prev = c
+    assert fb.pending == 0
+    assert len(got) == len(whole)
+    for item, payload in zip(got, whole, strict=True):
+        if isinstance(item, Message):
+            assert item.encode() == payload and _full(item) == _full(_decode_canonical(payload))
+        else:
+            assert item == payload and _decode_canonical(payload) is None
+    # C and Python frame walkers agree item by item
+    if accel._C is not None:
+        c_items, c_pos, c_bad = accel._C.parse_frames(data, 1 << 20)
+        p_items, p_pos, p_bad = accel._parse_frames_py(data, 1 << 20)
+        assert (c_pos, c_bad) == (p_pos, p_bad) == (len(data), -1)
+        assert [_full(x) if isinstance(x, Message) else x for x in c_items] == [
+            _full(x) if isinstance(x, Message) else x for x in p_items
+        ]
+
+
+@pytest.mark.parametrize("impl", ["c", "python"])
+@pytest.mark.parametrize(
+    "prefix,bad", [(b"\x00\x00\x00\x00", 0), (b"\x00\x00\x01\x01", 257), (b"\xff\xff\xff\xff", 2**32 - 1)]
+)
+def test_a_bad_length_stops_the_walk_where_it_is(impl: str, prefix: bytes, bad: int) -> None:
+    if impl == "c" and accel._C is None:
+        pytest.skip("the C extension is not in use")
+    good = frame(b"\x82\x01\x02")
+    walk = accel._C.parse_frames if impl == "c" else accel._parse_frames_py  # type: ignore[union-attr]
+    items, pos, got_bad = walk(good + prefix + b"rest", 256)
+    assert (items, pos, got_bad) == ([b"\x82\x01\x02"], len(good), bad)
+    with pytest.raises(RemoteProtocolError) as e:
+        FrameBuffer(max_frame=256).feed_decoded(good + prefix)
+    assert e.value.field == "frame"
+
+
+def test_an_incomplete_frame_waits_for_the_rest() -> None:
+    payload = b"\x82\x01\x02"
+    fb = FrameBuffer()
+    assert fb.feed_decoded(frame(payload)[:5]) == []
+    assert fb.pending == 5
+    assert fb.feed_decoded(frame(payload)[5:] + frame(payload)[:2]) == [payload]
+    assert fb.pending == 2
+
+
+def _signed(n: int) -> list[Message]:
+    a, g = Identity.from_seed(b"\x01" * 32), Identity.from_seed(b"\x02" * 32)
+    out = []
+    for i in range(n):
+        if i % 2:
+            out.append(sign_message(UnicastHeader(a.public, b"\x03" * 32, 60, 10**6), b"u%d" % i, a))
+        else:
+            out.append(sign_message(MulticastHeader(g.public, 60, 10**6, (b"\x04" * 32,) * (i % 3)), b"m%d" % i, g))
+    return out
+
+
+def _broken(m: Message, what: str) -> Message:
+    if what == "sig":
+        return Message(m.header, m.body, m.sig[:-1] + bytes([m.sig[-1] ^ 0x80]), None, m.signed, b"x" * 32)
+    if what == "signed":
+        return Message(m.header, m.body, m.sig, None, m.signed[:-1] + bytes([m.signed[-1] ^ 1]), b"y" * 32)
+    if what == "key":  # signed by someone else's key than the header names
+        other = Identity.from_seed(b"\x05" * 32)
+        return Message(m.header, m.body, other.sign(m.signed), None, m.signed, b"z" * 32)
+    if what == "short_sig":
+        return Message(m.header, m.body, m.sig[:63], None, m.signed, b"w" * 32)
+    if what == "small_order_key":  # a key of small order: libsodium refuses it
+        h = UnicastHeader(b"\x01" + b"\x00" * 31, b"\x03" * 32, 60, 10**6)
+        return Message(h, m.body, m.sig, None, m.signed, b"v" * 32)
+    raise AssertionError(what)
+
+
+@pytest.mark.parametrize("what", ["sig", "signed", "key", "short_sig", "small_order_key"])
+def test_verification_refuses_what_pynacl_refuses(what: str) -> None:
+    msgs = _signed(6)
+    bad = [_broken(m, what) for m in msgs]
+    mixed = [x for pair in zip(msgs, bad, strict=True) for x in pair]
+    expected = bytes([1, 0] * 6)
+    assert bytes(accel._verify_one(m) for m in mixed) == expected  # PyNaCl's own crypto_sign_open
+    assert accel.verify_batch(mixed) == expected
+
+
+def test_the_cache_sets_skip_and_remember() -> None:
+    msgs = _signed(4)
+    bad = _broken(msgs[0], "sig")
+    known: set[bytes] = {bad.id}
+    remember: set[bytes] = set()
+    res = accel.verify_batch([bad, *msgs], (known,), remember)
+    assert res == b"\x01\x01\x01\x01\x01"  # bad counted as verified: its id was known
+    assert remember == {m.id for m in msgs}  # only what was verified here, and valid
+    again = accel.verify_batch([_broken(msgs[1], "sig")], (), None)
+    assert again == b"\x00"
+
+
+@needs_c
+def test_the_c_loop_matches_python_on_many_signatures() -> None:
+    msgs = _signed(64)
+    flip = {3, 17, 40, 63}
+    mixed = [_broken(m, "sig") if i in flip else m for i, m in enumerate(msgs)]
+    c = accel._C.verify_batch(accel._VERIFY, mixed)  # type: ignore[union-attr]
+    assert c == bytes(accel._verify_one(m) for m in mixed)
+    assert [i for i, ok in enumerate(c) if not ok] == sorted(flip)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pure", [False, True], ids=["c", "python"])
+async def test_a_daemon_routes_the_same_on_either_path(
+    daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch, pure: bool
+) -> None:
+    """A daemon on the Python path (UPSYCLE_ROUTER_PURE=1) or the C path routes unicast and multicast, refuses a
+    forged signature and says which path it runs in its status."""
+    if not pure and accel._C is None:
+        pytest.skip("the C extension is not in use")
+    monkeypatch.setenv("UPSYCLE_ROUTER_PURE", "1" if pure else "0")
+    d = daemon()
+    alice, bob, group = Identity.generate(), Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, alice) as a, await Client.connect(d.sock, bob) as b:
+        await b.join(group.public)
+        st = await a.status()
+        assert st["hot_path_c"] == (0 if pure else 1)
+        uid = await a.send(bob.public, b"to bob")
+        forged = sign_message(UnicastHeader(alice.public, bob.public, 60, exp_in(time.time(), 600)), b"x", bob)
+        a.send_message(forged)  # signed by bob's key but claims src = alice: refused
+        mid = await a.publish(group, b"to the group")
+        await a.sync()
+        got = [await b.recv(timeout=5.0), await b.recv(timeout=5.0)]
+        assert {m.id for m in got} == {uid, mid}
+        assert [m.body for m in got if m.id == uid] == [b"to bob"]
+        with pytest.raises(TimeoutError):
+            await b.recv(timeout=0.3)
+        st = await a.status()
+        assert st["bad_signature_total"] == 1

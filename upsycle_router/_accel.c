@@ -1,0 +1,565 @@
+/* upsycle_router._accel: the router's hot path in C (optional; upsycle_router/accel.py has the Python
+ * equivalents and picks one).
+ *
+ * Theory of operation
+ * -------------------
+ * Two things cost the event loop and the verify threads most per message when written in Python:
+ *
+ * 1. Cutting frames out of a stream and decoding the routed message in each. parse_frames() walks the 4-byte
+ *    length prefixes (PROTOCOL.md section 5) of a receive buffer and decodes every frame that holds a routed
+ *    message in its one deterministic encoding (PROTOCOL.md section 3) straight into the package's own frozen
+ *    values (Message, UnicastHeader, MulticastHeader), without running their Python __init__. The message id
+ *    is BLAKE3 over the frame slice `enc(TYPE) || enc(HEADER) || enc(BODY) || enc(SIG)` (the blake3 package
+ *    is called on a view of the frame: no copy, no re-encoding). Any other frame (a session frame, a message
+ *    not in deterministic form, garbage) is returned as its payload bytes for the strict Python decoder, which
+ *    names the offending field. The accepted form is exactly the one upsycle_router/wire/messages.py's
+ *    _decode_canonical accepts; tests/test_accel.py checks that both ways.
+ *
+ * 2. Ed25519 verification. libsodium releases the GIL, but a Python loop over messages takes it back after
+ *    every signature, and on a busy event loop that wait is longer than the verification. verify_batch()
+ *    takes the GIL once per batch: it collects pointers to (key, signed bytes, signature) of every message,
+ *    releases the GIL, and calls libsodium's crypto_sign_verify_detached for each. The function pointer
+ *    comes from PyNaCl's own bundled libsodium (found by upsycle_router/accel.py), so the verification is
+ *    exactly PyNaCl's: crypto_sign_open, which PyNaCl exposes, runs the same check on the same arguments.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define PUBKEY_LEN 32
+#define SIG_LEN 64
+
+typedef int (*verify_fn)(const unsigned char *sig, const unsigned char *m, unsigned long long mlen,
+                         const unsigned char *pk);
+
+/* Bound once from Python (bind()). */
+static PyTypeObject *Message_type, *Unicast_type, *Multicast_type;
+static PyObject *blake3_type;
+/* Member descriptors of the slots of the frozen dataclasses, set without running __init__/__setattr__. */
+enum { M_HEADER, M_BODY, M_SIG, M_VIA, M_SIGNED, M_ID, M_WIRE, M_N };
+static const char *message_fields[M_N] = {"header", "body", "sig", "via", "signed", "id", "wire"};
+static PyObject *m_descr[M_N];
+enum { U_SRC, U_DST, U_TTL, U_EXP, U_N };
+static const char *unicast_fields[U_N] = {"src", "dst", "ttl", "exp"};
+static PyObject *u_descr[U_N];
+enum { G_GRP, G_TTL, G_EXP, G_SN, G_N };
+static const char *multicast_fields[G_N] = {"grp", "ttl", "exp", "sn"};
+static PyObject *g_descr[G_N];
+static PyObject *str_digest;
+
+static int
+get_descrs(PyTypeObject *t, const char **names, PyObject **out, int n)
+{
+    for (int i = 0; i < n; i++) {
+        PyObject *d = PyObject_GetAttrString((PyObject *)t, names[i]);
+        if (d == NULL)
+            return -1;
+        if (Py_TYPE(d)->tp_descr_set == NULL || Py_TYPE(d)->tp_descr_get == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s.%s is not a slot", t->tp_name, names[i]);
+            Py_DECREF(d);
+            return -1;
+        }
+        Py_XSETREF(out[i], d);
+    }
+    return 0;
+}
+
+static PyObject *
+bind(PyObject *self, PyObject *args)
+{
+    PyObject *m, *u, *g, *b3;
+    if (!PyArg_ParseTuple(args, "O!O!O!O", &PyType_Type, &m, &PyType_Type, &u, &PyType_Type, &g, &b3))
+        return NULL;
+    if (get_descrs((PyTypeObject *)m, message_fields, m_descr, M_N) < 0 ||
+        get_descrs((PyTypeObject *)u, unicast_fields, u_descr, U_N) < 0 ||
+        get_descrs((PyTypeObject *)g, multicast_fields, g_descr, G_N) < 0)
+        return NULL;
+    Py_INCREF(m); Py_XSETREF(Message_type, (PyTypeObject *)m);
+    Py_INCREF(u); Py_XSETREF(Unicast_type, (PyTypeObject *)u);
+    Py_INCREF(g); Py_XSETREF(Multicast_type, (PyTypeObject *)g);
+    Py_INCREF(b3); Py_XSETREF(blake3_type, b3);
+    Py_RETURN_NONE;
+}
+
+/* Set a slot; steals the reference to v. */
+static int
+set_slot(PyObject *obj, PyObject *descr, PyObject *v)
+{
+    if (v == NULL)
+        return -1;
+    int r = Py_TYPE(descr)->tp_descr_set(descr, obj, v);
+    Py_DECREF(v);
+    return r;
+}
+
+static PyObject *
+new_instance(PyTypeObject *t)
+{
+    return t->tp_alloc(t, 0);
+}
+
+/* ---------------------------------------------------------------- the deterministic form */
+
+typedef struct {
+    const unsigned char *p; /* frame payload */
+    Py_ssize_t n;           /* its length */
+    Py_ssize_t i;           /* read position */
+} reader;
+
+static int
+lit(reader *r, const char *s, Py_ssize_t k)
+{
+    if (r->n - r->i < k || memcmp(r->p + r->i, s, (size_t)k) != 0)
+        return 0;
+    r->i += k;
+    return 1;
+}
+
+/* A head of major type `major` (0 uint, 2 bstr) with an argument that fits 32 bits, in shortest form. */
+static int
+head32(reader *r, int major, uint64_t *out)
+{
+    if (r->i >= r->n)
+        return 0;
+    unsigned char b = r->p[r->i];
+    if ((b >> 5) != major)
+        return 0;
+    unsigned char ai = b & 0x1f;
+    const unsigned char *q = r->p + r->i + 1;
+    Py_ssize_t left = r->n - r->i - 1;
+    if (ai < 24) {
+        *out = ai;
+        r->i += 1;
+        return 1;
+    }
+    if (ai == 24) {
+        if (left < 1 || q[0] < 24)
+            return 0;
+        *out = q[0];
+        r->i += 2;
+        return 1;
+    }
+    if (ai == 25) {
+        if (left < 2 || q[0] == 0)
+            return 0;
+        *out = ((uint64_t)q[0] << 8) | q[1];
+        r->i += 3;
+        return 1;
+    }
+    if (ai == 26) {
+        if (left < 4 || (q[0] == 0 && q[1] == 0))
+            return 0;
+        *out = ((uint64_t)q[0] << 24) | ((uint64_t)q[1] << 16) | ((uint64_t)q[2] << 8) | q[3];
+        r->i += 5;
+        return 1;
+    }
+    return 0;
+}
+
+/* enc(bstr of 32 bytes) */
+static int
+key32(reader *r, const unsigned char **out)
+{
+    if (r->n - r->i < 34 || r->p[r->i] != 0x58 || r->p[r->i + 1] != 0x20)
+        return 0;
+    *out = r->p + r->i + 2;
+    r->i += 34;
+    return 1;
+}
+
+static PyObject *
+bytes_at(const unsigned char *p, Py_ssize_t n)
+{
+    return PyBytes_FromStringAndSize((const char *)p, n);
+}
+
+static PyObject *
+message_id(const unsigned char *p, Py_ssize_t n)
+{
+    PyObject *view = PyMemoryView_FromMemory((char *)p, n, PyBUF_READ);
+    if (view == NULL)
+        return NULL;
+    PyObject *h = PyObject_CallOneArg(blake3_type, view);
+    Py_DECREF(view); /* blake3 hashes in its constructor and keeps no reference to the view */
+    if (h == NULL)
+        return NULL;
+    PyObject *d = PyObject_CallMethodNoArgs(h, str_digest);
+    Py_DECREF(h);
+    return d;
+}
+
+/* Decode one payload in the deterministic form into a Message. Returns a new reference, Py_None (new
+ * reference) when the payload is not in that form, or NULL with an exception set (memory, blake3). */
+static PyObject *
+decode_canonical(const unsigned char *p, Py_ssize_t n)
+{
+    reader r = {p, n, 0};
+    if (n < 3 || (p[0] != 0x84 && p[0] != 0x85) || p[2] != 0xa4)
+        Py_RETURN_NONE;
+    int has_via = p[0] == 0x85;
+    int multicast;
+    const unsigned char *k1 = NULL, *k2 = NULL, *sn[16];
+    uint64_t ttl, exp, nsn = 0, blen;
+    if (p[1] == 0x00) {
+        multicast = 0;
+        r.i = 3;
+        if (!(lit(&r, "\x63" "dst", 4) && key32(&r, &k2) && lit(&r, "\x63" "exp", 4) && head32(&r, 0, &exp) &&
+              lit(&r, "\x63" "src", 4) && key32(&r, &k1) && lit(&r, "\x63" "ttl", 4) && head32(&r, 0, &ttl)))
+            Py_RETURN_NONE;
+    } else if (p[1] == 0x01) {
+        multicast = 1;
+        r.i = 3;
+        if (!lit(&r, "\x62" "sn", 3) || r.i >= n)
+            Py_RETURN_NONE;
+        unsigned char a = p[r.i];
+        if (a < 0x80 || a > 0x90)
+            Py_RETURN_NONE;
+        nsn = a - 0x80;
+        r.i += 1;
+        for (uint64_t j = 0; j < nsn; j++)
+            if (!key32(&r, &sn[j]))
+                Py_RETURN_NONE;
+        if (!(lit(&r, "\x63" "exp", 4) && head32(&r, 0, &exp) && lit(&r, "\x63" "grp", 4) && key32(&r, &k1) &&
+              lit(&r, "\x63" "ttl", 4) && head32(&r, 0, &ttl)))
+            Py_RETURN_NONE;
+    } else {
+        Py_RETURN_NONE;
+    }
+    if (!head32(&r, 2, &blen))
+        Py_RETURN_NONE;
+    Py_ssize_t body_at = r.i;
+    Py_ssize_t end = n - (has_via ? 34 : 0);
+    /* body, then enc(SIG) ends exactly where VIA (or the frame) begins */
+    if ((uint64_t)(end - body_at) != blen + 66 || end - body_at < 66)
+        Py_RETURN_NONE;
+    Py_ssize_t sig_at = body_at + (Py_ssize_t)blen;
+    if (p[sig_at] != 0x58 || p[sig_at + 1] != 0x40)
+        Py_RETURN_NONE;
+    if (has_via && (p[end] != 0x58 || p[end + 1] != 0x20))
+        Py_RETURN_NONE;
+
+    PyObject *header = NULL, *msg = NULL, *sntuple = NULL;
+    if (multicast) {
+        header = new_instance(Multicast_type);
+        if (header == NULL)
+            return NULL;
+        sntuple = PyTuple_New((Py_ssize_t)nsn);
+        if (sntuple == NULL)
+            goto fail;
+        for (uint64_t j = 0; j < nsn; j++) {
+            PyObject *b = bytes_at(sn[j], 32);
+            if (b == NULL)
+                goto fail;
+            PyTuple_SET_ITEM(sntuple, (Py_ssize_t)j, b);
+        }
+        if (set_slot(header, g_descr[G_GRP], bytes_at(k1, 32)) < 0 ||
+            set_slot(header, g_descr[G_TTL], PyLong_FromUnsignedLongLong(ttl)) < 0 ||
+            set_slot(header, g_descr[G_EXP], PyLong_FromUnsignedLongLong(exp)) < 0)
+            goto fail;
+        int rc = Py_TYPE(g_descr[G_SN])->tp_descr_set(g_descr[G_SN], header, sntuple);
+        Py_CLEAR(sntuple);
+        if (rc < 0)
+            goto fail;
+    } else {
+        header = new_instance(Unicast_type);
+        if (header == NULL)
+            return NULL;
+        if (set_slot(header, u_descr[U_SRC], bytes_at(k1, 32)) < 0 ||
+            set_slot(header, u_descr[U_DST], bytes_at(k2, 32)) < 0 ||
+            set_slot(header, u_descr[U_TTL], PyLong_FromUnsignedLongLong(ttl)) < 0 ||
+            set_slot(header, u_descr[U_EXP], PyLong_FromUnsignedLongLong(exp)) < 0)
+            goto fail;
+    }
+    msg = new_instance(Message_type);
+    if (msg == NULL)
+        goto fail;
+    if (Py_TYPE(m_descr[M_HEADER])->tp_descr_set(m_descr[M_HEADER], msg, header) < 0)
+        goto fail;
+    Py_CLEAR(header);
+    if (set_slot(msg, m_descr[M_BODY], bytes_at(p + body_at, (Py_ssize_t)blen)) < 0 ||
+        set_slot(msg, m_descr[M_SIG], bytes_at(p + sig_at + 2, SIG_LEN)) < 0 ||
+        set_slot(msg, m_descr[M_SIGNED], bytes_at(p + 1, sig_at - 1)) < 0 ||
+        set_slot(msg, m_descr[M_ID], message_id(p + 1, end - 1)) < 0 ||
+        set_slot(msg, m_descr[M_WIRE], bytes_at(p, n)) < 0)
+        goto fail;
+    if (has_via) {
+        if (set_slot(msg, m_descr[M_VIA], bytes_at(p + end + 2, 32)) < 0)
+            goto fail;
+    } else {
+        Py_INCREF(Py_None);
+        if (set_slot(msg, m_descr[M_VIA], Py_None) < 0)
+            goto fail;
+    }
+    return msg;
+fail:
+    Py_XDECREF(sntuple);
+    Py_XDECREF(header);
+    Py_XDECREF(msg);
+    return NULL;
+}
+
+static int
+check_bound(void)
+{
+    if (Message_type == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "upsycle_router._accel: bind() was not called");
+        return -1;
+    }
+    return 0;
+}
+
+/* decode(payload) -> Message | None */
+static PyObject *
+decode(PyObject *self, PyObject *arg)
+{
+    Py_buffer b;
+    if (check_bound() < 0 || PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    PyObject *r = decode_canonical((const unsigned char *)b.buf, b.len);
+    PyBuffer_Release(&b);
+    return r;
+}
+
+/* parse_frames(buf, max_frame) -> (items, consumed, bad_length)
+ *
+ * Every complete frame at the start of `buf`, in order: a Message where the payload is a routed message in
+ * deterministic form, else the payload as bytes. `consumed` is how many bytes of `buf` those frames took.
+ * `bad_length` is the length field of the first frame whose length is 0 or over `max_frame` (-1 if none):
+ * nothing after it is read. */
+static PyObject *
+parse_frames(PyObject *self, PyObject *args)
+{
+    PyObject *obj;
+    Py_ssize_t max_frame;
+    Py_buffer b;
+    if (check_bound() < 0 || !PyArg_ParseTuple(args, "On", &obj, &max_frame))
+        return NULL;
+    if (PyObject_GetBuffer(obj, &b, PyBUF_SIMPLE) < 0)
+        return NULL;
+    const unsigned char *p = (const unsigned char *)b.buf;
+    Py_ssize_t len = b.len, pos = 0;
+    long long bad = -1;
+    PyObject *items = PyList_New(0);
+    if (items == NULL)
+        goto fail;
+    while (len - pos >= 4) {
+        uint32_t n = ((uint32_t)p[pos] << 24) | ((uint32_t)p[pos + 1] << 16) | ((uint32_t)p[pos + 2] << 8) |
+                     p[pos + 3];
+        if (n == 0 || (Py_ssize_t)n > max_frame) {
+            bad = n;
+            break;
+        }
+        if (len - pos - 4 < (Py_ssize_t)n)
+            break;
+        const unsigned char *f = p + pos + 4;
+        PyObject *item = decode_canonical(f, (Py_ssize_t)n);
+        if (item == NULL)
+            goto fail;
+        if (item == Py_None) {
+            Py_DECREF(item);
+            item = bytes_at(f, (Py_ssize_t)n);
+            if (item == NULL)
+                goto fail;
+        }
+        int rc = PyList_Append(items, item);
+        Py_DECREF(item);
+        if (rc < 0)
+            goto fail;
+        pos += 4 + (Py_ssize_t)n;
+    }
+    PyBuffer_Release(&b);
+    PyObject *res = Py_BuildValue("(NnL)", items, pos, bad);
+    return res;
+fail:
+    Py_XDECREF(items);
+    PyBuffer_Release(&b);
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- verification */
+
+typedef struct {
+    const unsigned char *sig, *m, *pk;
+    unsigned long long mlen;
+    int ok; /* sizes right */
+} vitem;
+
+static PyObject *
+get_slot(PyObject *obj, PyObject *descr)
+{
+    return Py_TYPE(descr)->tp_descr_get(descr, obj, (PyObject *)Py_TYPE(obj));
+}
+
+/* verify_batch(fn_address, messages, known=(), remember=None) -> bytes: one byte per message, 1 if its
+ * signature verifies under its signer (src for unicast, grp for multicast), else 0. A message whose id is in
+ * one of the sets in `known` counts as verified without verifying it again; the id of every message verified
+ * here and found valid is added to the set `remember`. The GIL is released while verifying. */
+static PyObject *
+verify_batch(PyObject *self, PyObject *args)
+{
+    unsigned long long addr;
+    PyObject *seq, *known = NULL, *remember = Py_None;
+    if (check_bound() < 0 || !PyArg_ParseTuple(args, "KO|O!O", &addr, &seq, &PyTuple_Type, &known, &remember))
+        return NULL;
+    if (addr == 0) {
+        PyErr_SetString(PyExc_ValueError, "no verification function");
+        return NULL;
+    }
+    if (remember != Py_None && !PySet_Check(remember)) {
+        PyErr_SetString(PyExc_TypeError, "remember must be a set or None");
+        return NULL;
+    }
+    Py_ssize_t nknown = known != NULL ? PyTuple_GET_SIZE(known) : 0;
+    for (Py_ssize_t j = 0; j < nknown; j++)
+        if (!PyAnySet_Check(PyTuple_GET_ITEM(known, j))) {
+            PyErr_SetString(PyExc_TypeError, "known must be a tuple of sets");
+            return NULL;
+        }
+    verify_fn fn = (verify_fn)(uintptr_t)addr;
+    PyObject *fast = PySequence_Fast(seq, "messages must be a sequence");
+    if (fast == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    PyObject **objs = PySequence_Fast_ITEMS(fast);
+    vitem *v = PyMem_Calloc(n ? (size_t)n : 1, sizeof(vitem));
+    PyObject **keep = PyMem_Calloc(n ? 3 * (size_t)n : 1, sizeof(PyObject *)); /* key, sig, signed */
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (v == NULL || keep == NULL || out == NULL) {
+        if (out != NULL)
+            PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char *res = (unsigned char *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *msg = objs[i];
+        res[i] = 0;
+        if (Py_TYPE(msg) != Message_type) {
+            PyErr_SetString(PyExc_TypeError, "verify_batch takes Message values");
+            goto done;
+        }
+        if (nknown) {
+            PyObject *mid = get_slot(msg, m_descr[M_ID]);
+            if (mid == NULL)
+                goto done;
+            int hit = 0;
+            for (Py_ssize_t j = 0; j < nknown && !hit; j++) {
+                hit = PySet_Contains(PyTuple_GET_ITEM(known, j), mid);
+                if (hit < 0) {
+                    Py_DECREF(mid);
+                    goto done;
+                }
+            }
+            Py_DECREF(mid);
+            if (hit) {
+                res[i] = 1;
+                continue;
+            }
+        }
+        PyObject *h = get_slot(msg, m_descr[M_HEADER]);
+        if (h == NULL)
+            goto done;
+        PyObject *key;
+        if (Py_TYPE(h) == Multicast_type)
+            key = get_slot(h, g_descr[G_GRP]);
+        else if (Py_TYPE(h) == Unicast_type)
+            key = get_slot(h, u_descr[U_SRC]);
+        else {
+            Py_DECREF(h);
+            PyErr_SetString(PyExc_TypeError, "unknown header type");
+            goto done;
+        }
+        Py_DECREF(h);
+        keep[3 * i] = key;
+        if (key == NULL)
+            goto done;
+        keep[3 * i + 1] = get_slot(msg, m_descr[M_SIG]);
+        if (keep[3 * i + 1] == NULL)
+            goto done;
+        keep[3 * i + 2] = get_slot(msg, m_descr[M_SIGNED]);
+        if (keep[3 * i + 2] == NULL)
+            goto done;
+        PyObject *sig = keep[3 * i + 1], *signed_ = keep[3 * i + 2];
+        if (PyBytes_Check(key) && PyBytes_GET_SIZE(key) == PUBKEY_LEN && PyBytes_Check(sig) &&
+            PyBytes_GET_SIZE(sig) == SIG_LEN && PyBytes_Check(signed_)) {
+            v[i].pk = (const unsigned char *)PyBytes_AS_STRING(key);
+            v[i].sig = (const unsigned char *)PyBytes_AS_STRING(sig);
+            v[i].m = (const unsigned char *)PyBytes_AS_STRING(signed_);
+            v[i].mlen = (unsigned long long)PyBytes_GET_SIZE(signed_);
+            v[i].ok = 1;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (v[i].ok)
+            res[i] = fn(v[i].sig, v[i].m, v[i].mlen, v[i].pk) == 0;
+    Py_END_ALLOW_THREADS
+    if (remember != Py_None)
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (v[i].ok && res[i]) {
+                PyObject *mid = get_slot(objs[i], m_descr[M_ID]);
+                if (mid == NULL || PySet_Add(remember, mid) < 0) {
+                    Py_XDECREF(mid);
+                    goto done;
+                }
+                Py_DECREF(mid);
+            }
+done:
+    if (keep != NULL) {
+        for (Py_ssize_t i = 0; i < 3 * n; i++)
+            Py_XDECREF(keep[i]);
+        PyMem_Free(keep);
+    }
+    PyMem_Free(v);
+    Py_DECREF(fast);
+    if (PyErr_Occurred()) {
+        Py_XDECREF(out);
+        return NULL;
+    }
+    return out;
+}
+
+/* verify_raw(fn_address, key, data, sig) -> bool: one signature (tests; the same call verify_batch makes) */
+static PyObject *
+verify_raw(PyObject *self, PyObject *args)
+{
+    unsigned long long addr;
+    Py_buffer k, d, s;
+    if (!PyArg_ParseTuple(args, "Ky*y*y*", &addr, &k, &d, &s))
+        return NULL;
+    int ok = 0;
+    if (addr != 0 && k.len == PUBKEY_LEN && s.len == SIG_LEN) {
+        verify_fn fn = (verify_fn)(uintptr_t)addr;
+        Py_BEGIN_ALLOW_THREADS
+        ok = fn(s.buf, d.buf, (unsigned long long)d.len, k.buf) == 0;
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&k);
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&s);
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef methods[] = {
+    {"bind", bind, METH_VARARGS, "bind(Message, UnicastHeader, MulticastHeader, blake3): the types to build"},
+    {"decode", decode, METH_O, "decode(payload) -> Message | None (None: not in deterministic form)"},
+    {"parse_frames", parse_frames, METH_VARARGS,
+     "parse_frames(buf, max_frame) -> (items, consumed, bad_length): complete frames, decoded where possible"},
+    {"verify_batch", verify_batch, METH_VARARGS,
+     "verify_batch(fn, messages, known=(), remember=None) -> bytes: 1 per valid signature (GIL released)"},
+    {"verify_raw", verify_raw, METH_VARARGS, "verify_raw(fn, key, data, sig) -> bool"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_accel", "The router's hot path in C (see upsycle_router/accel.py).", -1, methods,
+};
+
+PyMODINIT_FUNC
+PyInit__accel(void)
+{
+    str_digest = PyUnicode_InternFromString("digest");
+    if (str_digest == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,142 @@
+"""The hot path's two implementations: the C extension ``upsycle_router._accel`` when it was built, Python
+otherwise, with the same results.
+
+Theory of operation
+-------------------
+:func:`parse_frames` cuts the complete frames out of a receive buffer and decodes each routed message that is
+in its deterministic form into a :class:`~upsycle_router.wire.messages.Message`; anything else comes back as
+its payload bytes for the strict decoder. :func:`verify_batch` checks the signatures of many messages at once.
+The C versions do the same work without the interpreter: frames are decoded straight into the frozen values,
+and a batch is verified with the GIL released once, not once per signature, so the verify threads no longer
+wait for the event loop between signatures (and the loop no longer waits for them).
+
+Verification always uses PyNaCl's libsodium. PyNaCl exposes ``crypto_sign_open``; the C loop calls
+``crypto_sign_verify_detached`` from the same shared library, which runs the same check on the same
+arguments without first copying the signed bytes behind the signature. :func:`_find_verify` looks the
+function up with ``ctypes`` and checks it against PyNaCl on a good and a bad signature before using it.
+
+``UPSYCLE_ROUTER_PURE=1`` in the environment forces the Python implementations (tests of both, debugging).
+``pip install`` builds the extension where a C compiler and the Python headers exist and goes on without it
+where they do not (:data:`IMPLEMENTATION` says which one runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+from collections.abc import Sequence
+from types import ModuleType
+
+import blake3
+import nacl.bindings
+import nacl.exceptions
+
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, _decode_canonical
+
+
+def _load() -> ModuleType | None:
+    if os.environ.get("UPSYCLE_ROUTER_PURE", "") not in ("", "0"):
+        return None
+    try:
+        from upsycle_router import _accel  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    _accel.bind(Message, UnicastHeader, MulticastHeader, blake3.blake3)
+    return _accel  # type: ignore[no-any-return]
+
+
+_C = _load()
+
+
+def _find_verify() -> int:
+    """The address of ``crypto_sign_verify_detached`` in PyNaCl's libsodium, or 0 if it cannot be used."""
+    if _C is None:
+        return 0
+    try:
+        import nacl._sodium as sodium  # type: ignore[import-not-found]
+
+        lib = ctypes.CDLL(sodium.__file__)
+        addr = ctypes.cast(lib.crypto_sign_verify_detached, ctypes.c_void_p).value or 0
+    except (OSError, AttributeError, ImportError):
+        return 0
+    if not addr:
+        return 0
+    # The same answers as PyNaCl's crypto_sign_open, or not used at all.
+    seed = bytes(range(32))
+    pk, sk = nacl.bindings.crypto_sign_seed_keypair(seed)
+    data = b"upsycle accel self-test"
+    sig = nacl.bindings.crypto_sign(data, sk)[:64]
+    bad = sig[:-1] + bytes([sig[-1] ^ 1])
+    if not _C.verify_raw(addr, pk, data, sig) or _C.verify_raw(addr, pk, data, bad):
+        return 0
+    return int(addr)
+
+
+_VERIFY = _find_verify()
+IMPLEMENTATION = "c" if _C is not None and _VERIFY else "python"
+_LEN = struct.Struct(">I")
+
+
+def _parse_frames_py(buf: bytes | bytearray, max_frame: int) -> tuple[list[Message | bytes], int, int]:
+    items: list[Message | bytes] = []
+    pos = 0
+    n_buf = len(buf)
+    while n_buf - pos >= 4:
+        (n,) = _LEN.unpack_from(buf, pos)
+        if n == 0 or n > max_frame:
+            return items, pos, n
+        if n_buf - pos - 4 < n:
+            break
+        payload = bytes(buf[pos + 4 : pos + 4 + n])
+        msg = _decode_canonical(payload)
+        items.append(msg if msg is not None else payload)
+        pos += 4 + n
+    return items, pos, -1
+
+
+def parse_frames(buf: bytes | bytearray, max_frame: int) -> tuple[list[Message | bytes], int, int]:
+    """The complete frames at the start of ``buf`` - a Message for each routed message in deterministic form,
+    the payload bytes for any other frame -, how many bytes they took, and the length field of the first frame
+    whose length is 0 or over ``max_frame`` (-1 if none; nothing after it was read)."""
+    if _C is not None:
+        return _C.parse_frames(buf, max_frame)  # type: ignore[no-any-return]
+    return _parse_frames_py(buf, max_frame)
+
+
+def decode_canonical(payload: bytes) -> Message | None:
+    """A routed message in its deterministic form, or None for anything else."""
+    if _C is not None:
+        return _C.decode(payload)  # type: ignore[no-any-return]
+    return _decode_canonical(payload)
+
+
+def _verify_one(m: Message) -> bool:
+    h = m.header
+    key = h.grp if isinstance(h, MulticastHeader) else h.src
+    if len(m.sig) != 64 or len(key) != 32:
+        return False
+    try:
+        nacl.bindings.crypto_sign_open(m.sig + m.signed, key)
+    except (nacl.exceptions.BadSignatureError, nacl.exceptions.ValueError, ValueError, TypeError):
+        return False
+    return True
+
+
+def verify_batch(
+    msgs: Sequence[Message], known: tuple[set[bytes], ...] = (), remember: set[bytes] | None = None
+) -> bytes:
+    """One byte per message: 1 if its signature verifies under its signer (``src``, or ``grp`` for multicast),
+    else 0. Ids found in one of the ``known`` sets count as verified without verifying again; the ids of
+    messages verified here and found valid are added to ``remember``. Releases the GIL while it verifies."""
+    if _VERIFY:
+        return _C.verify_batch(_VERIFY, msgs, known, remember)  # type: ignore[no-any-return,union-attr]
+    out = bytearray(len(msgs))
+    for i, m in enumerate(msgs):
+        if any(m.id in k for k in known):
+            out[i] = 1
+        elif _verify_one(m):
+            out[i] = 1
+            if remember is not None:
+                remember.add(m.id)
+    return bytes(out)
