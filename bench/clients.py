@@ -18,7 +18,7 @@ from typing import Any
 from bench.common import BODY_HEAD, MAGIC, set_nodelay
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in
-from upsycle_router.transport.session import FrameReceived, HandshakeComplete, PeerError, Session
+from upsycle_router.transport.session import FrameReceived, HandshakeComplete, MessagesDecoded, PeerError, Session
 from upsycle_router.wire.control import JoinAck, RouterMessage, SyncAck, decode_control, encode_router
 from upsycle_router.wire.framing import frame
 from upsycle_router.wire.messages import UnicastHeader
@@ -106,6 +106,8 @@ class UpsycleApp:
                     self.router_id = ev.peer
                 elif isinstance(ev, FrameReceived):
                     self.buf += frame(ev.payload)
+                elif isinstance(ev, MessagesDecoded):
+                    self.buf += b"".join(frame(m.encode()) for m in ev.messages)
                 elif isinstance(ev, PeerError):
                     raise UpsycleError(f"router sent ERROR {ev.code}: {ev.reason}")
             out = sess.data_to_send()

@@ -58,7 +58,7 @@ import lmdb
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import RemoteProtocolError, UpsycleError
-from upsycle_router.transport.session import FrameReceived, Session
+from upsycle_router.transport.session import FrameReceived, MessagesDecoded, Session, SessionEvent
 from upsycle_router.wire.messages import Message
 from upsycle_router.wire.session import decode_frame
 
@@ -600,13 +600,22 @@ async def _raw_handshake(sock_path: Path, identity: Identity) -> tuple[socket.so
         data = await asyncio.wait_for(loop.sock_recv(sock, 4096), 10.0)
         if not data:
             raise ConnectionError("router closed during the handshake")
-        for ev in session.receive_data(data):
-            if isinstance(ev, FrameReceived):
-                frames.append(ev.payload)
+        frames.extend(_payloads(session.receive_data(data)))
         out = session.data_to_send()
         if out:
             await loop.sock_sendall(sock, out)
     return sock, session, frames
+
+
+def _payloads(events: list[SessionEvent]) -> list[bytes]:
+    """The frame payloads among session events (decoded messages as their encoding)."""
+    out: list[bytes] = []
+    for ev in events:
+        if isinstance(ev, FrameReceived):
+            out.append(ev.payload)
+        elif isinstance(ev, MessagesDecoded):
+            out.extend(m.encode() for m in ev.messages)
+    return out
 
 
 async def slow_drain_crash(
@@ -659,7 +668,7 @@ async def slow_drain_crash(
                 if not data:
                     break
                 try:
-                    frames.extend(ev.payload for ev in session.receive_data(data) if isinstance(ev, FrameReceived))
+                    frames.extend(_payloads(session.receive_data(data)))
                 except RemoteProtocolError:
                     break
         finally:

@@ -36,7 +36,14 @@ from typing import Any
 
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
-from upsycle_router.transport.session import FrameReceived, HandshakeComplete, PeerError, Session, State
+from upsycle_router.transport.session import (
+    FrameReceived,
+    HandshakeComplete,
+    MessagesDecoded,
+    PeerError,
+    Session,
+    State,
+)
 from upsycle_router.wire import gossip, session
 from upsycle_router.wire.app import decode_app_message
 from upsycle_router.wire.cbor import enc
@@ -190,6 +197,12 @@ def fuzz_session(data: bytes) -> None:
                     if opened or ev.peer != s.peer:
                         raise InvariantViolation(f"a second or inconsistent HandshakeComplete: {ev} ({s.state})")
                     opened = True
+                elif isinstance(ev, MessagesDecoded):
+                    if not opened:
+                        raise InvariantViolation("a message was handed up before the handshake completed")
+                    for m in ev.messages:  # decoded on the way: exactly what the strict decoder makes of it
+                        if session.decode_frame(m.encode()) != m:
+                            raise InvariantViolation(f"a decoded message does not round-trip: {m}")
                 elif isinstance(ev, FrameReceived):
                     if not opened:
                         raise InvariantViolation("a frame was handed up before the handshake completed")

@@ -28,7 +28,7 @@ from upsycle_router.client.websocket import StreamLink, UpgradeRefused
 from upsycle_router.crypto import Identity, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError, UpsycleError
 from upsycle_router.expiry import UINT32_MAX, exp_in
-from upsycle_router.transport.session import FrameReceived, HandshakeComplete, PeerError, Session
+from upsycle_router.transport.session import FrameReceived, HandshakeComplete, MessagesDecoded, PeerError, Session
 from upsycle_router.wire.control import (
     Join,
     JoinAck,
@@ -182,6 +182,9 @@ class Client:
                     if isinstance(ev, HandshakeComplete):
                         if not self._opened.done():
                             self._opened.set_result(ev.peer)
+                    elif isinstance(ev, MessagesDecoded):
+                        for m in ev.messages:
+                            self._on_message(m)
                     elif isinstance(ev, FrameReceived):
                         self._on_frame(ev.payload)
                     elif isinstance(ev, PeerError):
@@ -213,6 +216,9 @@ class Client:
         if isinstance(item, Error):
             self.error = item
             return
+        self._on_message(item)
+
+    def _on_message(self, item: Message) -> None:
         h = item.header
         if (
             isinstance(h, UnicastHeader)

@@ -40,6 +40,10 @@ class CoreConfig:
     flush_bytes: int = 1024 * 1024
     # Lifetime of routes learned from messages of remote nodes.
     learned_route_ttl: float = 24 * 3600.0
+    # Build the routine Trace records of the message path (received, delivered, forwarded, queued). A router
+    # without a trace journal turns them off: nobody reads them, and they cost as much as routing itself.
+    # Records of drops, duplicates, expiry and control are built either way.
+    trace: bool = True
     # ttl (seconds) and lifetime of the router's own replies.
     reply_ttl: int = 300
     reply_lifetime: float = 3600.0

@@ -41,6 +41,7 @@ from upsycle_router.core.events import (
     Effect,
     Event,
     MessageReceived,
+    MessagesReceived,
     QueueSent,
     Send,
     Trace,
@@ -111,6 +112,7 @@ class Router:
         # Newest advert revision accepted per router, and when that advert lapses (older revisions are refused).
         self.advert_revs: dict[bytes, tuple[int, float]] = {}
         self.control = ControlPlane(self)
+        self.tracing = self.config.trace  # build the routine per-message Trace records
         self.counters: dict[str, int] = {}  # driver-side counters, reported by status()
 
     # ------------------------------------------------------------------ driver interface
@@ -118,8 +120,12 @@ class Router:
     def handle(self, event: Event, now: float) -> list[Effect]:
         """Process one input event; return the effects, in order."""
         out: list[Effect] = []
-        if isinstance(event, MessageReceived):
-            self._on_message(event, now, out)
+        if type(event) is MessagesReceived:
+            self._on_messages(event, now, out)
+        elif isinstance(event, MessageReceived):
+            c = self._conns.get(event.conn)
+            if c is not None:
+                self._message(c, event.message, event.verified, event.size, now, out)
         elif isinstance(event, ConnectionOpened):
             self._on_open(event, now, out)
         elif isinstance(event, ConnectionClosed):
@@ -318,6 +324,8 @@ class Router:
             c.inflight_bytes += size
             budget -= size
             out.append(Send(c.id, stored.data, (c.peer, e.seq)))
+            if not self.tracing:
+                continue
             kind = "multicast" if stored.group is not None else "unicast"
             if subscribed is None:
                 subscribed = self._subscribed_anywhere()
@@ -338,29 +346,36 @@ class Router:
 
     # ------------------------------------------------------------------ messages
 
-    def _on_message(self, ev: MessageReceived, now: float, out: list[Effect]) -> None:
+    def _on_messages(self, ev: MessagesReceived, now: float, out: list[Effect]) -> None:
         c = self._conns.get(ev.conn)
-        msg = ev.message
         if c is None:
             return
+        message = self._message
+        for msg, ok in zip(ev.messages, ev.verified, strict=True):
+            message(c, msg, bool(ok), len(msg.wire) or len(msg.encode()), now, out)
+
+    def _message(self, c: Conn, msg: Message, verified: bool, size: int, now: float, out: list[Effect]) -> None:
         h = msg.header
-        kind = "multicast" if isinstance(h, MulticastHeader) else "unicast"
-        grp = h.grp if isinstance(h, MulticastHeader) else None
-        src = h.src if isinstance(h, UnicastHeader) else None
-        dst = h.dst if isinstance(h, UnicastHeader) else None
-        if isinstance(h, UnicastHeader) and h.dst == self.id:
-            kind = "control"
-        out.append(Trace("received", msg.id, kind, grp, src, dst, c.peer, ev.size, local=c.local))
+        if type(h) is MulticastHeader:
+            if self.tracing:
+                out.append(Trace("received", msg.id, "multicast", h.grp, None, None, c.peer, size, local=c.local))
+            if exp_to_unix(h.exp) <= now:
+                out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "expired"))
+            elif not verified:
+                out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "bad_signature"))
+            else:
+                self._multicast(c, msg, h, size, now, out)
+            return
+        assert isinstance(h, UnicastHeader)
+        kind = "control" if h.dst == self.id else "unicast"
+        if self.tracing:
+            out.append(Trace("received", msg.id, kind, None, h.src, h.dst, c.peer, size, local=c.local))
         if exp_to_unix(h.exp) <= now:
-            out.append(Trace("dropped", msg.id, kind, grp, src, dst, c.peer, ev.size, "expired"))
-            return
-        if not ev.verified:
-            out.append(Trace("dropped", msg.id, kind, grp, src, dst, c.peer, ev.size, "bad_signature"))
-            return
-        if isinstance(h, MulticastHeader):
-            self._multicast(c, msg, h, ev.size, now, out)
+            out.append(Trace("dropped", msg.id, kind, None, h.src, h.dst, c.peer, size, "expired"))
+        elif not verified:
+            out.append(Trace("dropped", msg.id, kind, None, h.src, h.dst, c.peer, size, "bad_signature"))
         else:
-            self._unicast(c, msg, h, ev.size, now, out)
+            self._unicast(c, msg, h, size, now, out)
 
     def _unicast(self, c: Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
         kind = "control" if h.dst == self.id else "unicast"
@@ -481,9 +496,10 @@ class Router:
                                  role=self._role(key)))
                 return
             out.append(Send(conn, data))
-            event = "delivered" if c.local or group is not None else "forwarded"
-            out.append(Trace(event, msg.id, kind, group, src, key, key, size,
-                             role=self._role(key) if event == "delivered" else None))
+            if self.tracing:
+                event = "delivered" if c.local or group is not None else "forwarded"
+                out.append(Trace(event, msg.id, kind, group, src, key, key, size,
+                                 role=self._role(key) if event == "delivered" else None))
             return
         self._enqueue(key, msg, group, data, size, now, out, kind=kind)
 
@@ -518,7 +534,8 @@ class Router:
             return drop("quota")  # the store (disk quota) is full: refuse new messages, keep the stored ones
         self.store.put_message(msg.id, data, group, expiry)
         self.store.enqueue(key, msg.id, expiry, len(data))
-        out.append(Trace("queued", msg.id, kind, group, src, key, None, size, role=self._role(key)))
+        if self.tracing:
+            out.append(Trace("queued", msg.id, kind, group, src, key, None, size, role=self._role(key)))
         return True
 
     def _to_router(
@@ -530,7 +547,8 @@ class Router:
         dst = msg.header.dst if isinstance(msg.header, UnicastHeader) else None
         if conn is not None:
             out.append(Send(conn, msg.encode()))
-            out.append(Trace("forwarded", msg.id, kind, group, src, dst, router, size))
+            if self.tracing:
+                out.append(Trace("forwarded", msg.id, kind, group, src, dst, router, size))
             return
         if self._enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind) and router not in self._dialing:
             self._dialing.add(router)

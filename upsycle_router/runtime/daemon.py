@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from upsycle_router import accel
 from upsycle_router.config import DaemonConfig
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.router import Router
@@ -83,6 +84,7 @@ def core_config(
         seen_max=cfg.seen_max,
         queue_max_count=cfg.queue_max_count,
         queue_max_bytes=cfg.queue_max_bytes,
+        trace=cfg.trace_dir is not None,
     )
 
 
@@ -228,7 +230,8 @@ class Daemon:
         if self.trimmer.available:
             self._trim_handle = loop.call_later(TRIM_INTERVAL, self._trim)
         log.info(
-            "started id=%s data_dir=%s unix=%s durability=%s", ident.hex, cfg.data_dir, cfg.unix, cfg.durability.value
+            "started id=%s data_dir=%s unix=%s durability=%s hot_path=%s", ident.hex, cfg.data_dir, cfg.unix,
+            cfg.durability.value, accel.IMPLEMENTATION,
         )
         for sig in (signal.SIGTERM, signal.SIGINT):
             with contextlib.suppress(NotImplementedError, RuntimeError):

@@ -2,9 +2,10 @@
 
 Theory of operation
 -------------------
-Connections report frames to :class:`Driver`, which decodes them (a malformed one closes only that
-connection with an ERROR frame), verifies signatures (each id once: a verified-id cache skips repeats) and
-appends :class:`~upsycle_router.core.events.MessageReceived` events to a pending batch. The batch runs on the
+Connections report runs of decoded messages to :class:`Driver` (and, rarely, a frame to decode: a malformed
+one closes only that connection with an ERROR frame). The driver verifies their signatures (each id once: a
+verified-id cache skips repeats) and appends them, one
+:class:`~upsycle_router.core.events.MessagesReceived` per run, to a pending batch. The batch runs on the
 next loop iteration (``call_soon``), so everything that arrived in one iteration shares one LMDB write
 transaction (group commit). Only after that transaction commits are the effects carried out: frames written,
 dials started, trace records written. Under ``durability: fsync`` the commit (and its wait for the disk) runs
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple, Protocol
 
 import lmdb
 
+from upsycle_router import accel
 from upsycle_router.core.events import (
     CloseConnection,
     ConnectionClosed,
@@ -35,7 +37,7 @@ from upsycle_router.core.events import (
     DialFailed,
     Effect,
     Event,
-    MessageReceived,
+    MessagesReceived,
     PeerLearned,
     QueueSent,
     Send,
@@ -55,12 +57,14 @@ from upsycle_router.wire.session import Error, decode_frame
 log = logging.getLogger("upsycle_router.driver")
 
 
-class _Raw(NamedTuple):
-    """A decoded message awaiting signature verification with its batch."""
+class _Run:
+    """Messages that arrived on one connection in a row, awaiting signature verification with their batch."""
 
-    conn: int
-    message: Message
-    size: int
+    __slots__ = ("conn", "msgs")
+
+    def __init__(self, conn: int, msgs: list[Message]) -> None:
+        self.conn = conn
+        self.msgs = msgs
 
 
 TIMER_INTERVAL = 0.1  # seconds between timer runs at the most (expiry sweeps are that much late at worst)
@@ -72,11 +76,12 @@ class _Segment:
 
     __slots__ = ("future", "items", "msgs", "results")
 
-    def __init__(self, items: list[Event | _Raw]) -> None:
+    def __init__(self, items: list[Event | _Run]) -> None:
         self.items = items
-        self.msgs = [x.message for x in items if isinstance(x, _Raw)]
-        self.results: list[bool] | None = None
-        self.future: asyncio.Future[list[list[bool]]] | None = None
+        runs = [x.msgs for x in items if type(x) is _Run]
+        self.msgs: list[Message] = runs[0] if len(runs) == 1 else [m for r in runs for m in r]
+        self.results: bytes | None = None
+        self.future: asyncio.Future[list[bytes]] | None = None
 
 
 class _Commit(NamedTuple):
@@ -129,7 +134,7 @@ class Driver:
         self.loop = asyncio.get_running_loop()
         self.conns: dict[int, Connection] = {}
         self.verifier = Verifier(verify_threads)
-        self._pending: list[Event | _Raw] = []
+        self._pending: list[Event | _Run] = []
         self._segments: collections.deque[_Segment] = collections.deque()
         self._queue_sent: list[tuple[bytes, int]] = []
         self._unflushed: set[int] = set()  # connections with queue refs still in their transport buffer
@@ -147,7 +152,7 @@ class Driver:
         self._closed = False
         self.stats = router.counters
         self.stats.update({"received_total": 0, "malformed_total": 0, "bad_signature_total": 0, "batches_total": 0,
-                           "overloaded_total": 0})
+                           "overloaded_total": 0, "hot_path_c": int(accel.IMPLEMENTATION == "c")})
 
     # ------------------------------------------------------------ ConnectionHandler
 
@@ -159,26 +164,46 @@ class Driver:
         log.info("connection open conn=%d peer=%s kind=%s local=%s", conn.id, peer.hex(), conn.kind, conn.local)
         self._push(ConnectionOpened(conn.id, peer, conn.local))
 
-    def _admit(self, conn: Connection) -> bool:
-        """Token bucket per connection: ``rate`` frames per second, bursts of ``burst``."""
+    def _admit(self, conn: Connection, n: int) -> int:
+        """Token bucket per connection: ``rate`` frames per second, bursts of ``burst``. How many of ``n``
+        frames that arrived now are within the limit."""
         if self.rate <= 0:
-            return True
+            return n
         t = self.loop.time()
         tokens, last = self._buckets.get(conn.id, (float(self.burst), t))
         tokens = min(float(self.burst), tokens + (t - last) * self.rate)
-        if tokens < 1.0:
-            self._buckets[conn.id] = (tokens, t)
-            return False
-        self._buckets[conn.id] = (tokens - 1.0, t)
-        return True
+        k = min(n, int(tokens))
+        self._buckets[conn.id] = (tokens - k, t)
+        return k
+
+    def _overloaded(self, conn: Connection, size: int) -> None:
+        self.stats["overloaded_total"] += 1
+        self._trace_now(Trace("dropped", None, "unicast", peer=conn.peer, size=size, reason="overloaded"))
+        log.warning("conn=%d peer=%s over its rate limit: closing", conn.id, (conn.peer or b"").hex())
+        conn.close_with_error(ErrorCode.OVERLOADED, f"rate limit of {self.rate:g} messages/s exceeded")
+
+    def on_messages(self, conn: Connection, messages: list[Message]) -> None:
+        """Routed messages arrived on ``conn``, decoded: queue them for verification and the core."""
+        if self._closed:
+            return
+        n = len(messages)
+        k = self._admit(conn, n)
+        if k:
+            self.stats["received_total"] += k
+            pending = self._pending
+            last = pending[-1] if pending else None
+            if type(last) is _Run and last.conn == conn.id:
+                last.msgs.extend(messages if k == n else messages[:k])
+            else:
+                pending.append(_Run(conn.id, messages if k == n else messages[:k]))
+            self._schedule()
+        if k < n:
+            self._overloaded(conn, len(messages[k].wire))
 
     def on_frame(self, conn: Connection, payload: bytes) -> None:
-        """Decode and verify one frame; queue it for the core."""
-        if not self._admit(conn):
-            self.stats["overloaded_total"] += 1
-            self._trace_now(Trace("dropped", None, "unicast", peer=conn.peer, size=len(payload), reason="overloaded"))
-            log.warning("conn=%d peer=%s over its rate limit: closing", conn.id, (conn.peer or b"").hex())
-            conn.close_with_error(ErrorCode.OVERLOADED, f"rate limit of {self.rate:g} messages/s exceeded")
+        """Decode one frame that was not decoded on the way (not a routed message in deterministic form)."""
+        if not self._admit(conn, 1):
+            self._overloaded(conn, len(payload))
             return
         try:
             item = decode_frame(payload)
@@ -192,11 +217,11 @@ class Driver:
             log.info("peer error conn=%d code=%d reason=%s", conn.id, item.code, item.reason)
             conn.close()
             return
+        if self._closed:
+            return
         self.stats["received_total"] += 1
-        if self.verifier.cached(item):
-            self._push(MessageReceived(conn.id, item, True, len(payload)))
-        else:
-            self._push(_Raw(conn.id, item, len(payload)))  # verified with its batch
+        self._pending.append(_Run(conn.id, [item]))
+        self._schedule()
 
     def on_close(self, conn: Connection) -> None:
         """A connection ended."""
@@ -222,7 +247,7 @@ class Driver:
         """Add an event to the next batch."""
         self._push(ev)
 
-    def _push(self, ev: Event | _Raw) -> None:
+    def _push(self, ev: Event) -> None:
         if self._closed:
             return
         self._pending.append(ev)
@@ -256,7 +281,7 @@ class Driver:
             return
         seg = _Segment(pending)
         if not seg.msgs:
-            seg.results = []
+            seg.results = b""
         elif inline or not self.verifier.wants_threads(len(seg.msgs)):
             seg.results = self.verifier.verify_inline(seg.msgs)
         else:
@@ -264,7 +289,7 @@ class Driver:
             seg.future.add_done_callback(self._on_verified)
         self._segments.append(seg)
 
-    def _on_verified(self, _fut: asyncio.Future[list[list[bool]]]) -> None:
+    def _on_verified(self, _fut: asyncio.Future[list[bytes]]) -> None:
         if self._closed:
             return
         self._drain()
@@ -289,16 +314,19 @@ class Driver:
         if events or self._timer_due:
             self._process(events)
 
-    def _resolve(self, pending: list[Event | _Raw], results: list[bool]) -> list[Event]:
-        it = iter(results)
+    def _resolve(self, pending: list[Event | _Run], results: bytes) -> list[Event]:
+        bad = len(results) - results.count(1)
+        if bad:
+            self.stats["bad_signature_total"] += bad
         out: list[Event] = []
+        i = 0
         for x in pending:
-            if isinstance(x, _Raw):
-                ok = next(it)
-                if not ok:
-                    self.stats["bad_signature_total"] += 1
-                out.append(MessageReceived(x.conn, x.message, ok, x.size))
+            if type(x) is _Run:
+                j = i + len(x.msgs)
+                out.append(MessagesReceived(x.conn, x.msgs, results[i:j]))
+                i = j
             else:
+                assert not isinstance(x, _Run)
                 out.append(x)
         return out
 
@@ -397,7 +425,7 @@ class Driver:
         effects: list[Effect] = []
         with contextlib.suppress(lmdb.Error), self._transaction():
             for ev in events:
-                if not isinstance(ev, MessageReceived):
+                if not isinstance(ev, MessagesReceived):
                     effects.extend(self.router.handle(ev, now))
         return effects
 

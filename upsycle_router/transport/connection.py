@@ -25,8 +25,16 @@ from typing import Protocol, cast
 
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
-from upsycle_router.transport.session import FrameReceived, HandshakeComplete, PeerError, Session, SessionEvent
+from upsycle_router.transport.session import (
+    FrameReceived,
+    HandshakeComplete,
+    MessagesDecoded,
+    PeerError,
+    Session,
+    SessionEvent,
+)
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME
+from upsycle_router.wire.messages import Message
 
 log = logging.getLogger("upsycle_router.transport")
 _ids = itertools.count(1)
@@ -42,7 +50,10 @@ class ConnectionHandler(Protocol):
         """The handshake completed."""
 
     def on_frame(self, conn: Connection, payload: bytes) -> None:
-        """A post-handshake frame arrived."""
+        """A post-handshake frame arrived (one that was not decoded on the way: see :meth:`on_messages`)."""
+
+    def on_messages(self, conn: Connection, messages: list[Message]) -> None:
+        """Post-handshake frames arrived that held routed messages in deterministic form, already decoded."""
 
     def on_close(self, conn: Connection) -> None:
         """The connection is gone."""
@@ -182,7 +193,9 @@ class Connection(asyncio.Protocol):
 
     def _dispatch(self, events: list[SessionEvent]) -> None:
         for ev in events:
-            if isinstance(ev, FrameReceived):
+            if isinstance(ev, MessagesDecoded):
+                self.handler.on_messages(self, ev.messages)
+            elif isinstance(ev, FrameReceived):
                 self.handler.on_frame(self, ev.payload)
             elif isinstance(ev, HandshakeComplete):
                 if self._timer is not None:

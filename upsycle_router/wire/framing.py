@@ -1,15 +1,18 @@
 """Stream framing (PROTOCOL.md §5): a 4-byte big-endian length ``N``, then ``N`` bytes of one CBOR item.
 
 :class:`FrameBuffer` is the pure reader: feed it whatever the transport received and it returns the complete
-frame payloads. ``N = 0`` or ``N > max_frame`` raises :class:`RemoteProtocolError` as soon as the length is
-known, so the reader never buffers more than one maximum frame.
+frame payloads (:meth:`FrameBuffer.feed`), or decodes the routed messages among them on the way
+(:meth:`FrameBuffer.feed_decoded`). ``N = 0`` or ``N > max_frame`` raises :class:`RemoteProtocolError` as
+soon as the length is known, so the reader never buffers more than one maximum frame.
 """
 
 from __future__ import annotations
 
 import struct
 
+from upsycle_router import accel
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.wire.messages import Message
 
 DEFAULT_MAX_FRAME = 1024 * 1024 + 4096
 _LEN = struct.Struct(">I")
@@ -56,6 +59,25 @@ class FrameBuffer:
         if pos:
             del buf[:pos]
         return out
+
+    def feed_decoded(self, data: bytes) -> list[Message | bytes]:
+        """Like :meth:`feed`, but every routed message in deterministic form comes back decoded (see
+        :mod:`upsycle_router.accel`); other frames come back as their payload bytes."""
+        buf = self._buf
+        src: bytes | bytearray
+        if buf:
+            buf += data
+            src = buf
+        else:
+            src = data  # the common case: nothing left over from the last chunk, no copy
+        items, pos, bad = accel.parse_frames(src, self.max_frame)
+        if bad >= 0:
+            check_length(bad, self.max_frame)
+        if src is buf:
+            del buf[:pos]
+        elif pos < len(data):
+            buf += memoryview(data)[pos:]
+        return items
 
     @property
     def pending(self) -> int:

@@ -121,7 +121,8 @@ def message_id(signed: bytes | memoryview, sig: bytes) -> bytes:
 
 @dataclass(frozen=True, slots=True)
 class Message:
-    """One routed message. ``signed`` and ``id`` are derived; pass them only when already known."""
+    """One routed message. ``signed`` and ``id`` are derived; pass them only when already known. ``wire`` is
+    the message's encoding as received (VIA included), kept so that forwarding it unchanged copies nothing."""
 
     header: Header
     body: bytes
@@ -129,6 +130,7 @@ class Message:
     via: bytes | None = None
     signed: bytes = field(default=b"", repr=False, compare=False)
     id: bytes = field(default=b"", repr=False, compare=False)
+    wire: bytes = field(default=b"", repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.signed:
@@ -159,6 +161,8 @@ class Message:
 
     def encode(self) -> bytes:
         """The message's CBOR encoding (deterministic, VIA included when set)."""
+        if self.wire:
+            return self.wire
         if self.via is None:
             return b"\x84" + self.signed + _SIG_HEAD + self.sig
         return b"\x85" + self.signed + _SIG_HEAD + self.sig + _VIA_HEAD + self.via
@@ -167,7 +171,7 @@ class Message:
         """The same message with VIA set (or cleared); signature and id are unchanged."""
         if via == self.via:
             return self
-        return replace(self, via=via)
+        return replace(self, via=via, wire=b"")
 
 
 # The fast path of decode_message: one regular expression for the single deterministic form of a routed
@@ -231,7 +235,7 @@ def _decode_canonical(data: bytes) -> Message | None:
         via = data[end + 2 :]
     sig = data[i + 2 : end]
     signed = data[1:i]
-    return Message(header, body, sig, via, signed, message_id(signed, sig))
+    return Message(header, body, sig, via, signed, message_id(signed, sig), data)
 
 
 def decode_message(data: bytes) -> Message:
