@@ -32,6 +32,7 @@ from upsycle_router.core.events import (
     QueueSent,
     Send,
     Trace,
+    sends,
 )
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, message_signature_valid, sign_advert, sign_message
@@ -139,7 +140,7 @@ class Effects(list[Effect]):
 
     def sends(self, conn: int | None = None) -> list[Send]:
         """Send effects (on ``conn``, if given), in order."""
-        return [e for e in self if isinstance(e, Send) and (conn is None or e.conn == conn)]
+        return [e for e in sends(self) if conn is None or e.conn == conn]
 
     def messages(self, conn: int | None = None) -> list[Message]:
         """The decoded messages of :meth:`sends`."""

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+from pathlib import Path
 
+import pytest
+
+from upsycle_router.config import parse_config
 from upsycle_router.crypto import Identity, message_signature_valid, sign_message
+from upsycle_router.errors import ConfigError
 from upsycle_router.runtime.verify import MIN_PARALLEL, Verifier
 from upsycle_router.wire.messages import Message, UnicastHeader
 
@@ -67,3 +73,33 @@ def test_the_id_cache_is_bounded() -> None:
     assert sum(cached) <= 10  # at most cache_size ids
     assert all(cached[-5:])  # at least the newest cache_size / 2
     assert cached == sorted(cached)  # the oldest go first
+
+
+def _thread_nice(tid: int) -> int:
+    # /proc/self/task/TID/stat: field 19 (1-based) is the nice value; the command name (field 2) may hold spaces
+    stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[16])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="Linux /proc needed to read a thread's nice value")
+async def test_the_verify_threads_run_at_the_lower_priority() -> None:
+    v = Verifier(threads=2, nice=7)
+    try:
+        tids: set[int] = set()
+        loop = asyncio.get_running_loop()
+        assert v._pool is not None
+        for _ in range(8):  # touch both workers
+            tids.add(await loop.run_in_executor(v._pool, threading.get_native_id))
+        assert tids and threading.get_native_id() not in tids
+        assert {_thread_nice(t) for t in tids} == {7}
+        assert _thread_nice(threading.get_native_id()) == 0  # the event loop keeps its priority
+    finally:
+        v.close()
+
+
+def test_verify_nice_in_the_config() -> None:
+    assert parse_config({}).verify_nice == 10
+    assert parse_config({"verify_nice": 0}).verify_nice == 0
+    for bad in (-1, 20, "high", 2.5):
+        with pytest.raises(ConfigError, match="verify_nice"):
+            parse_config({"verify_nice": bad})

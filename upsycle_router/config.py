@@ -104,6 +104,7 @@ class DaemonConfig:
     max_connections: int = 4096
     outbound_buffer_max: int = 8 * 1024 * 1024
     verify_threads: int | None = None
+    verify_nice: int = 10
     rate_per_connection: float = 0.0
     rate_burst: int = 10_000
     metrics_listen: str | None = None
@@ -195,6 +196,7 @@ _TOP = {
     "local_services", "edge_nodes", "accept_join_from_any", "accept_pull_from_any", "peers", "core_nodes",
     "idle_timeout",
     "seen_max", "queue", "store", "limits", "trace", "log", "pubsub", "metrics", "verify_threads",
+    "verify_nice",
     "discovery",
     "websocket",
 }  # fmt: skip
@@ -236,6 +238,11 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     if "verify_threads" in top:
         vt = top["verify_threads"]
         kw["verify_threads"] = None if vt is None else _int(vt, "verify_threads", 0)
+    if "verify_nice" in top:
+        vn = _int(top["verify_nice"], "verify_nice", 0)
+        if vn > 19:
+            raise _fail("verify_nice", f"expected an integer from 0 to 19, got {vn}")
+        kw["verify_nice"] = vn
     for name in ("max_frame", "seen_max"):
         if name in top:
             kw[name] = _int(top[name], name, 16)

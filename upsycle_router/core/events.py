@@ -11,7 +11,7 @@ out the effects, so nothing is sent, acknowledged or delivered before the state 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -95,6 +95,24 @@ class Send(NamedTuple):
     queue_ref: tuple[bytes, int] | None = None
 
 
+class Fanout(NamedTuple):
+    """Write one routed message to each of ``conns`` (a multicast message to the subscribers it goes to directly:
+    one effect per message instead of one :class:`Send` per subscriber)."""
+
+    conns: tuple[ConnId, ...]
+    data: bytes
+
+
+def sends(effects: Iterable[Effect]) -> Iterator[Send]:
+    """The effects' writes as one :class:`Send` each, in order (a :class:`Fanout` as one per connection)."""
+    for e in effects:
+        if isinstance(e, Send):
+            yield e
+        elif isinstance(e, Fanout):
+            for c in e.conns:
+                yield Send(c, e.data)
+
+
 @dataclass(frozen=True, slots=True)
 class Dial:
     """Open a connection to remote router ``router`` (the pool knows its address, or gives up)."""
@@ -136,4 +154,4 @@ class PeerLearned:
     port: int
 
 
-Effect = Send | Dial | CloseConnection | Trace | PeerLearned
+Effect = Send | Fanout | Dial | CloseConnection | Trace | PeerLearned

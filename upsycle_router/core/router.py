@@ -40,6 +40,7 @@ from upsycle_router.core.events import (
     DialFailed,
     Effect,
     Event,
+    Fanout,
     MessageReceived,
     MessagesReceived,
     QueueSent,
@@ -458,8 +459,23 @@ class Router:
                 out.append(Trace("duplicate", msg.id, "multicast", h.grp, None, None, c.peer, size, "duplicate"))
                 return
         self.seen.add(msg.id)  # step 5
-        for m in recipients:  # step 8
+        # Step 8. Subscribers that are connected and reading, with nothing queued ahead, get it in one Fanout;
+        # the others through _deliver (queued while away or behind).
+        direct: list[ConnId] = []
+        by_key, conns = self._by_key, self._conns
+        for m in recipients:
+            cl = by_key.get(m)
+            if cl:
+                rc = conns[cl[-1]]
+                if not rc.backlog and not rc.blocked:
+                    direct.append(rc.id)
+                    if self.tracing:
+                        out.append(Trace("delivered", msg.id, "multicast", h.grp, None, m, m, size,
+                                         role=self._role(m)))
+                    continue
             self._deliver(m, msg, h.grp, size, now, out, kind="multicast", data=data)
+        if direct:
+            out.append(Fanout(tuple(direct), data))
         if c.local and h.grp in self.upstream_groups:  # an edge app published: hand it to our core nodes
             for core in sorted(self.config.upstream):
                 self._to_router(core, msg, h.grp, size, now, out, kind="multicast")

@@ -179,6 +179,7 @@ class Daemon:
             outbound_buffer_max=cfg.outbound_buffer_max,
             rate=cfg.rate_per_connection,
             verify_threads=cfg.verify_threads,
+            verify_nice=cfg.verify_nice,
             burst=cfg.rate_burst,
         )
         loop = asyncio.get_running_loop()

@@ -37,6 +37,7 @@ from upsycle_router.core.events import (
     DialFailed,
     Effect,
     Event,
+    Fanout,
     MessagesReceived,
     PeerLearned,
     QueueSent,
@@ -119,6 +120,7 @@ class Driver:
         rate: float = 0.0,
         burst: int = 10_000,
         verify_threads: int | None = None,
+        verify_nice: int = 0,
     ) -> None:
         self.router = router
         self.store = store
@@ -133,7 +135,7 @@ class Driver:
         self.dialer: Dialer | None = None
         self.loop = asyncio.get_running_loop()
         self.conns: dict[int, Connection] = {}
-        self.verifier = Verifier(verify_threads)
+        self.verifier = Verifier(verify_threads, nice=verify_nice)
         self._pending: list[Event | _Run] = []
         self._segments: collections.deque[_Segment] = collections.deque()
         self._queue_sent: list[tuple[bytes, int]] = []
@@ -475,25 +477,33 @@ class Driver:
                 if isinstance(e, Trace):
                     self.journal.record(e, now)
             self.journal.flush()
+        conns = self.conns
         sent_to: set[Connection] = set()
         for e in effects:
-            if isinstance(e, Send):
-                conn = self.conns.get(e.conn)
+            kind = type(e)
+            if kind is Trace:
+                continue
+            if kind is Fanout:
+                assert isinstance(e, Fanout)
+                data = e.data
+                for cid in e.conns:
+                    conn = conns.get(cid)
+                    if conn is not None and conn.send(data):
+                        sent_to.add(conn)
+            elif kind is Send:
+                assert isinstance(e, Send)
+                conn = conns.get(e.conn)
                 if conn is not None and conn.send(e.data):
                     sent_to.add(conn)
                     if e.queue_ref is not None:
                         # Dequeue only once the bytes left our buffer: a crash before then must redeliver.
                         conn.unflushed.append((conn.written, e.queue_ref))
                         self._unflushed.add(conn.id)
-                    if conn.buffered() > self.outbound_buffer_max:
-                        log.warning("conn=%d outbound buffer over %d bytes: disconnecting slow reader", conn.id,
-                                    self.outbound_buffer_max)
-                        conn.close_with_error(ErrorCode.OVERLOADED, "outbound buffer full (not reading)")
             elif isinstance(e, Dial):
                 if self.dialer is None or not self.dialer.dial(e.router):
                     self._push(DialFailed(e.router))
             elif isinstance(e, CloseConnection):
-                conn = self.conns.get(e.conn)
+                conn = conns.get(e.conn)
                 if conn is not None:
                     conn.close_with_error(e.code, e.reason)
             elif isinstance(e, PeerLearned):
@@ -501,6 +511,10 @@ class Driver:
                     self.dialer.learn(e.router, e.host, e.port)
         for conn in sent_to:  # one write per connection and batch
             conn.write_out()
+            if conn.buffered() > self.outbound_buffer_max:
+                log.warning("conn=%d outbound buffer over %d bytes: disconnecting slow reader", conn.id,
+                            self.outbound_buffer_max)
+                conn.close_with_error(ErrorCode.OVERLOADED, "outbound buffer full (not reading)")
         if self._unflushed:
             self._release_flushed()
 

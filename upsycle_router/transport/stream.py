@@ -59,14 +59,14 @@ class StreamConnection(Connection):
         t = self.transport
         if self.closed or t is None or t.is_closing():
             return False
-        if not self._out:
+        out = self._out
+        if not out:
             self._loop.call_soon(self.write_out)
         n = len(payload)
-        self._out.append(_LEN.pack(n))
-        self._out.append(payload)
+        out.append(_LEN.pack(n))
+        out.append(payload)
         self._out_bytes += 4 + n
         self.written += 4 + n
-        self.last_active = self._loop.time()
         if self._out_bytes >= WRITE_GATHER_MAX:
             self.write_out()
         return True
@@ -79,6 +79,7 @@ class StreamConnection(Connection):
         t = self.transport
         if t is not None and not t.is_closing():
             t.writelines(out)
+            self.last_active = self._loop.time()
 
     def buffered(self) -> int:
         """Bytes written but not yet sent by the transport (gathered ones included)."""
