@@ -276,7 +276,8 @@ def check_store(store_dir: Path) -> list[str]:
 
     Checked: the environment opens and every named database can be read; every queue entry refers to a stored
     message and has its ``queue_exp`` index entry (and vice versa); ``refs`` counts the queue entries of each
-    message; ``qstats`` counts each recipient's entries and bytes; every message has its ``msg_exp`` entry.
+    message; ``qstats`` counts each recipient's entries and bytes; every message has its ``msg_ids`` and
+    ``msg_exp`` entries (store schema 2: messages under sequence numbers, found by id through ``msg_ids``).
     """
     problems: list[str] = []
     try:
@@ -291,13 +292,19 @@ def check_store(store_dir: Path) -> list[str]:
                 for k, v in txn.cursor(db=db):
                     yield bytes(k), bytes(v)
 
-            msgs = {k: v for k, v in items("msgs")}
+            by_seq = {k: v for k, v in items("msgs")}
+            ids = {k: v for k, v in items("msg_ids")}
             msg_exp = {k for k, _ in items("msg_exp")}
-            for mid, v in msgs.items():
-                if v[:8] + mid not in msg_exp:
+            msgs: dict[bytes, bytes] = {}
+            for seq, v in by_seq.items():
+                mid = v[41:73] if v[8] == 1 else v[9:41]
+                msgs[mid] = v
+                if ids.get(mid) != seq:
+                    problems.append(f"message {mid.hex()[:16]} is not indexed in msg_ids")
+                if v[:8] + seq not in msg_exp:
                     problems.append(f"message {mid.hex()[:16]} has no msg_exp entry")
-            if len(msg_exp) != len(msgs):
-                problems.append(f"{len(msg_exp)} msg_exp entries for {len(msgs)} messages")
+            if len(msg_exp) != len(by_seq) or len(ids) != len(by_seq):
+                problems.append(f"{len(msg_exp)} msg_exp and {len(ids)} msg_ids entries for {len(by_seq)} messages")
             refs: dict[bytes, int] = defaultdict(int)
             stats: dict[bytes, list[int]] = defaultdict(lambda: [0, 0])
             queue_exp = {k for k, _ in items("queue_exp")}

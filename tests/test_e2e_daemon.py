@@ -318,3 +318,44 @@ async def test_malformed_frame_from_one_app_leaves_others_working(daemon: Daemon
     finally:
         await a.close()
         await b.close()
+
+
+async def test_a_burst_of_group_and_unicast_messages_arrives_in_order_and_in_batches(daemon: DaemonFactory) -> None:
+    """Three subscribers of a group; one of them also gets unicast messages in between. Every connection gets
+    what was sent in the order it was sent (the router hands bursts of one group's messages to each connection
+    at once, and anything else for the same connection must not overtake them), and recv_batch returns what
+    is already there in one call."""
+    d = daemon()
+    group = Identity.generate()
+    keys = [Identity.generate() for _ in range(3)]
+    subs = [await connect(d, k) for k in keys]
+    try:
+        for s in subs:
+            await s.join(group.public)
+        a = await connect(d)
+        order: list[bytes] = []
+        mc: list[bytes] = []
+        for i in range(300):
+            if i % 50 == 49:  # now and then a unicast to subscriber 0 between the group messages
+                order.append(await a.send(keys[0].public, b"uni %d" % i))
+            mid = await a.publish(group, b"mc %d" % i)
+            order.append(mid)
+            mc.append(mid)
+        await a.sync()
+        await a.close()
+        for n, s in enumerate(subs):
+            want = order if n == 0 else mc
+            got: list[Message] = []
+            batches = 0
+            while len(got) < len(want):
+                got.extend(await s.recv_batch(timeout=5.0))
+                batches += 1
+            assert [m.id for m in got] == want
+            assert batches < len(want)  # bursts came back several at a time
+            with pytest.raises(TimeoutError):
+                await s.recv_batch(timeout=0.2)
+    finally:
+        for s in subs:
+            await s.close()
+    with pytest.raises(ClientError):
+        await subs[1].recv_batch(timeout=1.0)

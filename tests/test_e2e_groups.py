@@ -60,10 +60,8 @@ def stored_messages(node: Node) -> list[tuple[bytes | None, bytes]]:
     """Every message in a stopped router's LMDB store: (group, routed message bytes)."""
     store = LmdbStore(node.dir / "store")
     try:
-        with store.env.begin() as txn:
-            keys = [bytes(k) for k, _ in txn.cursor(db=store._db["msgs"])]
         out = []
-        for k in keys:
+        for k in store.message_ids():
             m = store.get_message(k)
             assert m is not None
             out.append((m.group, m.data))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import shutil
+import struct
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,12 @@ from upsycle_router.store.lmdb_store import (
     RouteEntry,
     StoredMessage,
 )
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # bench/ is a directory of scripts next to tests/, not an installed package
+    sys.path.insert(0, str(REPO))
+
+from bench.crash_harness import check_store  # noqa: E402
 
 MAP = 1 << 24
 T = 1_800_000_000.0
@@ -71,6 +79,80 @@ def test_open_creates_the_directory_and_records_the_schema(path: Path) -> None:
     s.close()
 
 
+def _schema_1_store(path: Path) -> None:
+    """A store as schema 1 wrote it: messages under their ids, the expiry index on ``expires_ms || id``."""
+    env = lmdb.open(str(path), max_dbs=16, map_size=MAP)
+    dbs = {n: env.open_db(n.encode()) for n in ("meta", "msgs", "msg_exp", "queues", "queue_exp", "refs", "qstats")}
+    u64 = struct.Struct(">Q")
+    with env.begin(write=True) as txn:
+        txn.put(b"schema", b"1", db=dbs["meta"])
+        txn.put(b"seq", u64.pack(8), db=dbs["meta"])  # queue seqs 1..7 were used
+        for n, exp_s, group in ((1, 50, None), (2, 20, G1), (3, 90, None), (4, 20, G1)):
+            exp = u64.pack(int((T + exp_s) * 1000))
+            value = exp + (b"\x01" + group if group else b"\x00") + b"data %d" % n
+            txn.put(mid(n), value, db=dbs["msgs"])
+            txn.put(exp + mid(n), b"", db=dbs["msg_exp"])
+        # message 3 is queued for A (queue seq 7)
+        exp3 = u64.pack(int((T + 90) * 1000))
+        txn.put(A + u64.pack(7), struct.pack(">32sQI", mid(3), int((T + 90) * 1000), 6), db=dbs["queues"])
+        txn.put(exp3 + A + u64.pack(7), b"", db=dbs["queue_exp"])
+        txn.put(mid(3), u64.pack(1), db=dbs["refs"])
+        txn.put(A, struct.pack(">QQ", 1, 6), db=dbs["qstats"])
+    env.close()
+
+
+def test_a_schema_1_store_is_converted_with_every_message(path: Path) -> None:
+    _schema_1_store(path)
+    s = open_store(path)
+    try:
+        assert s._get("meta", b"schema") == SCHEMA_VERSION
+        for n, group, exp_s in ((1, None, 50), (2, G1, 20), (3, None, 90), (4, G1, 20)):
+            m = s.get_message(mid(n))
+            assert m is not None and (m.data, m.group, m.expires) == (b"data %d" % n, group, T + exp_s)
+            assert s.has_message(mid(n))
+        assert sorted(s.message_ids()) == [mid(1), mid(2), mid(3), mid(4)]
+        assert s.message_ids()[:2] in ([mid(2), mid(4)], [mid(4), mid(2)])  # converted in expiry order
+        assert s.next_expiry() == T + 20
+        assert [(e.seq, e.id) for e in s.queue(A)] == [(7, mid(3))]
+    finally:
+        s.close()
+    assert check_store(path) == []  # indexes consistent (msg_ids, msg_exp, queues, refs, qstats)
+    s = open_store(path)
+    try:
+        with s.transaction():  # new sequence numbers continue after the old ones
+            assert s.put_message(mid(5), b"data 5", None, T + 10)
+            assert s.enqueue(B, mid(5), T + 10, 6).seq > 8
+            assert not s.put_message(mid(1), b"again", None, T + 10)  # still a duplicate
+        with s.transaction():  # expiry removes messages and their indexes
+            expired = s.sweep(T + 30)
+        assert [e.id for e in expired] == [mid(5)]
+        assert sorted(s.message_ids()) == [mid(1), mid(3)]
+        assert not s.has_message(mid(2)) and s.get_message(mid(4)) is None
+    finally:
+        s.close()
+    assert check_store(path) == []
+    s = open_store(path)  # opened again: nothing converted twice
+    try:
+        assert sorted(s.message_ids()) == [mid(1), mid(3)]
+        assert s.get_message(mid(3)) is not None and s.get_message(mid(3)).data == b"data 3"  # type: ignore[union-attr]
+    finally:
+        s.close()
+
+
+def test_appending_to_a_used_sequence_number_aborts_instead_of_overwriting(path: Path) -> None:
+    s = open_store(path)
+    try:
+        with s.transaction():
+            s.put_message(mid(1), b"one", None, T)
+        s._next_seq -= 1  # as if the counter had not been saved
+        with pytest.raises(lmdb.Error, match="used twice"), s.transaction():
+            s.put_message(mid(2), b"two", None, T)
+        assert s.get_message(mid(1)) is not None and s.get_message(mid(1)).data == b"one"  # type: ignore[union-attr]
+        assert not s.has_message(mid(2))  # the aborted transaction left nothing behind
+    finally:
+        s.close()
+
+
 def test_unsupported_schema_version_is_refused(path: Path) -> None:
     open_store(path).close()
     env = lmdb.open(str(path), max_dbs=16, map_size=MAP)
@@ -93,7 +175,7 @@ WRITES = {
     "put_message": lambda s: s.put_message(mid(1), b"x", None, T),
     "delete_message": lambda s: s.delete_message(mid(1)),
     "enqueue": lambda s: s.enqueue(A, mid(1), T, 1),
-    "dequeue": lambda s: s.dequeue(A, 1),
+    "dequeue": lambda s: s.dequeue(A, s.queue(A)[0].seq),
     "sweep": lambda s: s.sweep(T),
 }
 

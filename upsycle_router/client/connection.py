@@ -367,6 +367,22 @@ class Client:
             raise ClientError(self.closed_reason or "connection closed")
         return item
 
+    async def recv_batch(self, timeout: float | None = None, limit: int = 4096) -> list[Message]:
+        """Every incoming message that is already here (at most ``limit``), waiting for the first one; raise
+        ClientError once the connection is closed and nothing is left. One wake-up for a whole burst."""
+        out = [await self.recv(timeout)]
+        q = self._incoming
+        while len(out) < limit:
+            try:
+                item = q.get_nowait()
+            except asyncio.QueueEmpty:
+                break
+            if item is None:  # closed: what came before it is returned, recv() reports the close next
+                q.put_nowait(None)
+                break
+            out.append(item)
+        return out
+
     async def __aiter__(self) -> AsyncIterator[Message]:
         while True:
             try:

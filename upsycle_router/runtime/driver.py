@@ -52,6 +52,7 @@ from upsycle_router.store.commit_thread import CommitThread
 from upsycle_router.store.lmdb_store import Durability, LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.connection import Connection
+from upsycle_router.wire.framing import length_prefix
 from upsycle_router.wire.messages import Message
 from upsycle_router.wire.session import Error, decode_frame
 
@@ -479,18 +480,33 @@ class Driver:
             self.journal.flush()
         conns = self.conns
         sent_to: set[Connection] = set()
+        # Consecutive fan-outs to the same connections (a burst of one group's messages) are handed to each
+        # connection as one run: one call per connection and run instead of one per message and subscriber.
+        run: tuple[int, ...] = ()
+        payloads: list[bytes] = []
+        framed: list[bytes] = []
+        nbytes = 0
         for e in effects:
             kind = type(e)
             if kind is Trace:
                 continue
             if kind is Fanout:
                 assert isinstance(e, Fanout)
+                if e.conns != run:
+                    if payloads:
+                        self._fan_out(run, payloads, framed, nbytes, sent_to)
+                        payloads, framed, nbytes = [], [], 0
+                    run = e.conns
                 data = e.data
-                for cid in e.conns:
-                    conn = conns.get(cid)
-                    if conn is not None and conn.send(data):
-                        sent_to.add(conn)
-            elif kind is Send:
+                payloads.append(data)
+                framed.append(length_prefix(len(data)))
+                framed.append(data)
+                nbytes += 4 + len(data)
+                continue
+            if payloads:  # anything written after the run goes out after it
+                self._fan_out(run, payloads, framed, nbytes, sent_to)
+                payloads, framed, nbytes, run = [], [], 0, ()
+            if kind is Send:
                 assert isinstance(e, Send)
                 conn = conns.get(e.conn)
                 if conn is not None and conn.send(e.data):
@@ -509,6 +525,8 @@ class Driver:
             elif isinstance(e, PeerLearned):
                 if self.dialer is not None:
                     self.dialer.learn(e.router, e.host, e.port)
+        if payloads:
+            self._fan_out(run, payloads, framed, nbytes, sent_to)
         for conn in sent_to:  # one write per connection and batch
             conn.write_out()
             if conn.buffered() > self.outbound_buffer_max:
@@ -517,6 +535,15 @@ class Driver:
                 conn.close_with_error(ErrorCode.OVERLOADED, "outbound buffer full (not reading)")
         if self._unflushed:
             self._release_flushed()
+
+    def _fan_out(
+        self, run: tuple[int, ...], payloads: list[bytes], framed: list[bytes], nbytes: int, sent_to: set[Connection]
+    ) -> None:
+        conns = self.conns
+        for cid in run:
+            conn = conns.get(cid)
+            if conn is not None and conn.send_all(payloads, framed, nbytes):
+                sent_to.add(conn)
 
     def _release_flushed(self) -> None:
         """Report queue entries whose bytes left the transport buffer (QueueSent); poll while some have not."""

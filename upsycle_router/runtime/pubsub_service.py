@@ -85,16 +85,18 @@ class PubsubService(RouterService):
             deadline = core.next_deadline()
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                msg = await client.recv(timeout=timeout)
+                batch = await client.recv_batch(timeout=timeout)  # a burst at once: one wake-up
             except TimeoutError:
                 self._apply(client, self._timer(core, time.monotonic()))
                 continue
             except ClientError:
                 return
-            try:
-                self._apply(client, self._on_message(client, core, msg, time.monotonic()))
-            except RemoteProtocolError as e:
-                log.info("pubsub: ignoring malformed message %s: %s", msg.id.hex(), e)
+            now = time.monotonic()
+            for msg in batch:
+                try:
+                    self._apply(client, self._on_message(client, core, msg, now))
+                except RemoteProtocolError as e:
+                    log.info("pubsub: ignoring malformed message %s: %s", msg.id.hex(), e)
             now = time.monotonic()
             d = core.next_deadline()
             if d is not None and d <= now:

@@ -4,18 +4,26 @@ Theory of operation
 -------------------
 One LMDB environment holds every piece of state the router must not lose, in named sub-databases:
 
-``meta``       small values (schema version, the next queue sequence number)
+``meta``       small values (schema version, the next sequence number)
 ``locals``     keys of services known to be local (so messages for them queue while they are away)
 ``subs``       ``group || member`` -> ``local flag`` (one record per subscription)
 ``psubs``      groups this router asked its pub/sub service to SUB to
 ``usubs``      groups this (edge) router joined at its core nodes
 ``routes``     ``dst`` -> ``router || expires_ms || source``
-``msgs``       ``id`` -> ``expires_ms || group-or-empty || message bytes``
-``msg_exp``    ``expires_ms || id`` -> ``b""``: the expiry index of ``msgs``
+``msgs``       ``seq`` -> ``expires_ms || group-or-empty || id || message bytes`` (in arrival order)
+``msg_ids``    ``id`` -> ``seq``: where a message is in ``msgs`` (also the duplicate check)
+``msg_exp``    ``expires_ms || seq`` -> ``b""``: the expiry index of ``msgs``
 ``queues``     ``recipient || seq`` -> ``id || expires_ms || size``: per-recipient FIFO queues
 ``queue_exp``  ``expires_ms || recipient || seq`` -> ``b""``: the expiry index of ``queues``
 ``qstats``     ``recipient`` -> ``count || bytes``: quota accounting
 ``refs``       ``id`` -> number of queue entries referring to the message
+
+Messages are kept in arrival order, under a sequence number, and found by id through ``msg_ids``: storing a
+message appends it to the end of ``msgs`` (one B-tree page written for several messages) and adds a small
+entry to ``msg_ids``. Keyed by their random 32-byte ids, every stored message rewrote a different ~4 KiB
+page of the table at commit (and synced it, under ``fsync``). Sequence numbers (``seq``) of messages and of
+queue entries come from one counter that is saved with every transaction that used it, so they only grow.
+Schema 1 stores (messages keyed by id) are converted when opened, in one transaction.
 
 All writes happen inside :meth:`LmdbStore.transaction`, one write transaction that the driver opens around a
 batch of events (group commit). Reads outside a transaction use a short read transaction. Durability:
@@ -42,7 +50,7 @@ import lmdb
 
 from upsycle_router.store.tables import LmdbTables
 
-SCHEMA_VERSION = b"1"
+SCHEMA_VERSION = b"2"
 _U64 = struct.Struct(">Q")
 _QVAL = struct.Struct(">32sQI")  # id, expires_ms, size
 _QSTAT = struct.Struct(">QQ")
@@ -127,19 +135,23 @@ class LmdbStore(LmdbTables):
         self._room: list[int] | None = None  # [estimated bytes used, map size] in this transaction (has_room)
         self._next_seq = 0
         self._db: dict[str, Any] = {}
-        for name in ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "refs"):
-            self._db[name] = self.env.open_db(name.encode())
-        self._db["qstats"] = self.env.open_db(b"qstats")
-        self._db["queue_exp"] = self.env.open_db(b"queue_exp")
+        self._db["meta"] = self.env.open_db(b"meta")
         self._psize = self.env.stat()["psize"]
         self._next_seq = self._load_seq()
         self._saved_seq = self._next_seq
         with self.transaction():
             v = self._get("meta", b"schema")
-            if v is None:
-                self._put("meta", b"schema", SCHEMA_VERSION)
-            elif v != SCHEMA_VERSION:
+            if v not in (None, b"1", SCHEMA_VERSION):
                 raise RuntimeError(f"{self.path}: store schema {v!r} is not supported (expected {SCHEMA_VERSION!r})")
+            for name in ("locals", "subs", "psubs", "usubs", "routes", "msg_ids", "msg_exp", "queues", "refs",
+                         "qstats", "queue_exp"):
+                self._db[name] = self.env.open_db(name.encode(), txn=self._txn)
+            if v == b"1":
+                self._migrate_1()
+            else:
+                self._db["msgs"] = self.env.open_db(b"msgs", txn=self._txn)
+            if v != SCHEMA_VERSION:
+                self._put("meta", b"schema", SCHEMA_VERSION)
 
     # ------------------------------------------------------------ transactions
 
@@ -174,6 +186,39 @@ class LmdbStore(LmdbTables):
                 if not k.startswith(prefix):
                     break
                 yield bytes(k), bytes(v)
+
+    def _migrate_1(self) -> None:
+        """Schema 1 kept messages under their id (``msgs``: id -> expires_ms || group || data, ``msg_exp``:
+        expires_ms || id); rewrite them in arrival order under sequence numbers (expiry order stands in for
+        arrival order), inside the opening transaction: it all happens, or nothing does."""
+        txn = self._w()
+        old = self.env.open_db(b"msgs", txn=txn)
+        old_exp = self._db["msg_exp"]
+        order = [bytes(k) for k in txn.cursor(db=old_exp).iternext(keys=True, values=False)]
+        listed = {k[8:] for k in order}
+        order += [b"\0" * 8 + bytes(k) for k in txn.cursor(db=old).iternext(keys=True, values=False)
+                  if bytes(k) not in listed]  # (an entry without its index entry is kept too)
+        moved: list[tuple[bytes, bytes, bytes]] = []
+        for k in order:
+            mid = k[8:]
+            v = txn.get(mid, db=old)
+            if v is not None:
+                moved.append((mid, bytes(v[:8]), bytes(v[8:])))
+        txn.drop(old, delete=True)
+        txn.drop(old_exp, delete=False)
+        self._db["msgs"] = self.env.open_db(b"msgs", txn=txn)
+        for mid, exp, rest in moved:
+            seq = self._take_seq()
+            flag, tail = rest[:1], rest[1:]
+            group, data = (tail[:32], tail[32:]) if flag == b"\x01" else (b"", tail)
+            txn.put(seq, exp + flag + group + mid + data, db=self._db["msgs"])
+            txn.put(mid, seq, db=self._db["msg_ids"])
+            txn.put(exp + seq, b"", db=old_exp)
+
+    def _take_seq(self) -> bytes:
+        seq = self._next_seq
+        self._next_seq += 1
+        return _U64.pack(seq)
 
     def _load_seq(self) -> int:
         v = self._get("meta", b"seq")
@@ -254,34 +299,60 @@ class LmdbStore(LmdbTables):
 
     def put_message(self, mid: bytes, data: bytes, group: bytes | None, expires: float) -> bool:
         """Store a message until ``expires``; False (and nothing changed) if ``mid`` is stored already."""
-        exp = _ms(expires)
-        value = _U64.pack(exp) + (b"\x01" + group if group else b"\x00") + data
-        if not self._w().put(mid, value, db=self._db["msgs"], overwrite=False):
+        txn = self._w()
+        db = self._db
+        seq = _U64.pack(self._next_seq)
+        if not txn.put(mid, seq, db=db["msg_ids"], overwrite=False):
             return False
-        self._put("msg_exp", _U64.pack(exp) + mid, b"")
+        self._next_seq += 1
+        exp = _U64.pack(_ms(expires))
+        # Sequence numbers only grow, so the record goes at the end of ``msgs`` (MDB_APPEND: no search). LMDB
+        # refuses an append that is not at the end instead of misplacing it: that would be a reused number.
+        if not txn.put(seq, exp + (b"\x01" + group if group else b"\x00") + mid + data, db=db["msgs"], append=True):
+            # an lmdb.Error aborts the driver's whole batch: nothing of this transaction is committed
+            raise lmdb.Error(f"{self.path}: message sequence number {self._next_seq - 1} used twice")
+        txn.put(exp + seq, b"", db=db["msg_exp"])  # expiries are not in arrival order: a plain insert
         return True
+
+    def _stored(self, mid: bytes) -> tuple[bytes, bytes] | None:
+        """``(seq, record)`` of a stored message."""
+        seq = self._get("msg_ids", mid)
+        if seq is None:
+            return None
+        v = self._get("msgs", seq)
+        return None if v is None else (seq, v)
 
     def get_message(self, mid: bytes) -> StoredMessage | None:
         """A stored message, or None."""
-        v = self._get("msgs", mid)
-        if v is None:
+        found = self._stored(mid)
+        if found is None:
             return None
+        v = found[1]
         exp = _U64.unpack_from(v, 0)[0]
         if v[8] == 1:
-            return StoredMessage(v[41:], v[9:41], exp / 1000.0)
-        return StoredMessage(v[9:], None, exp / 1000.0)
+            return StoredMessage(v[73:], v[9:41], exp / 1000.0)
+        return StoredMessage(v[41:], None, exp / 1000.0)
 
     def has_message(self, mid: bytes) -> bool:
         """Whether ``mid`` is in the message store."""
-        return self._exists("msgs", mid)
+        return self._exists("msg_ids", mid)
+
+    def message_ids(self) -> list[bytes]:
+        """The ids of every stored message, oldest first."""
+        out = []
+        for _, v in self._prefix("msgs", b""):
+            out.append(v[41:73] if v[8] == 1 else v[9:41])
+        return out
 
     def delete_message(self, mid: bytes) -> None:
-        """Remove a message and its expiry index entry."""
-        v = self._get("msgs", mid)
-        if v is None:
+        """Remove a message and its index entries."""
+        found = self._stored(mid)
+        if found is None:
             return
-        self._delete("msgs", mid)
-        self._delete("msg_exp", v[:8] + mid)
+        seq, v = found
+        self._delete("msgs", seq)
+        self._delete("msg_ids", mid)
+        self._delete("msg_exp", v[:8] + seq)
 
     # ------------------------------------------------------------ queues
 
@@ -327,9 +398,12 @@ class LmdbStore(LmdbTables):
             self._put("refs", mid, _U64.pack(refs))
         else:
             self._delete("refs", mid)
-            stored = self._get("msgs", mid)
-            if stored is not None and stored[8] == 0:
-                self.delete_message(mid)
+            found = self._stored(mid)
+            if found is not None and found[1][8] == 0:
+                seq_, v = found
+                self._delete("msgs", seq_)
+                self._delete("msg_ids", mid)
+                self._delete("msg_exp", v[:8] + seq_)
         count, nbytes = self.queue_usage(recipient)
         if count <= 1:
             self._delete("qstats", recipient)
@@ -395,7 +469,11 @@ class LmdbStore(LmdbTables):
                     break
                 mvictims.append(bytes(k))
         for k in mvictims:
-            self._delete("msgs", k[8:])
+            seq = k[8:]
+            v = self._get("msgs", seq)
+            if v is not None:
+                self._delete("msg_ids", v[41:73] if v[8] == 1 else v[9:41])
+                self._delete("msgs", seq)
             self._delete("msg_exp", k)
         return out
 

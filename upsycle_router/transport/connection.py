@@ -232,6 +232,14 @@ class Connection(asyncio.Protocol):
         self.last_active = asyncio.get_running_loop().time()
         return True
 
+    def send_all(self, payloads: list[bytes], framed: list[bytes], nbytes: int) -> bool:
+        """Write several payloads; ``framed`` is the same in stream framing (length prefix and payload each)
+        and ``nbytes`` its length, which stream transports gather at once. False if the connection is closed."""
+        for p in payloads:
+            if not self.send(p):
+                return False
+        return True
+
     def write_out(self) -> None:
         """Hand what :meth:`send` gathered to the transport (transports that gather override this)."""
 

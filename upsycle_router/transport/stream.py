@@ -71,6 +71,21 @@ class StreamConnection(Connection):
             self.write_out()
         return True
 
+    def send_all(self, payloads: list[bytes], framed: list[bytes], nbytes: int) -> bool:
+        """Gather several frames at once (``framed``: their length prefixes and payloads, ``nbytes`` long)."""
+        t = self.transport
+        if self.closed or t is None or t.is_closing():
+            return False
+        out = self._out
+        if not out:
+            self._loop.call_soon(self.write_out)
+        out.extend(framed)
+        self._out_bytes += nbytes
+        self.written += nbytes
+        if self._out_bytes >= WRITE_GATHER_MAX:
+            self.write_out()
+        return True
+
     def write_out(self) -> None:
         """Hand the gathered frames to the transport in one write."""
         if not self._out:

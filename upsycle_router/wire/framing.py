@@ -23,6 +23,11 @@ def frame(payload: bytes) -> bytes:
     return _LEN.pack(len(payload)) + payload
 
 
+def length_prefix(n: int) -> bytes:
+    """The 4-byte big-endian length that precedes a payload of ``n`` bytes."""
+    return _LEN.pack(n)
+
+
 def check_length(n: int, max_frame: int) -> None:
     """Raise for a zero or oversize frame length."""
     if n == 0:
