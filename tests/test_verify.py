@@ -8,9 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from upsycle_router.config import parse_config
 from upsycle_router.crypto import Identity, message_signature_valid, sign_message
-from upsycle_router.errors import ConfigError
 from upsycle_router.runtime.verify import MIN_PARALLEL, Verifier
 from upsycle_router.wire.messages import Message, UnicastHeader
 
@@ -95,11 +93,3 @@ async def test_the_verify_threads_run_at_the_lower_priority() -> None:
         assert _thread_nice(threading.get_native_id()) == 0  # the event loop keeps its priority
     finally:
         v.close()
-
-
-def test_verify_nice_in_the_config() -> None:
-    assert parse_config({}).verify_nice == 10
-    assert parse_config({"verify_nice": 0}).verify_nice == 0
-    for bad in (-1, 20, "high", 2.5):
-        with pytest.raises(ConfigError, match="verify_nice"):
-            parse_config({"verify_nice": bad})

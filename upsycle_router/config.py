@@ -103,6 +103,7 @@ class DaemonConfig:
     map_size: int = 4 * 1024 * 1024 * 1024
     max_connections: int = 4096
     outbound_buffer_max: int = 8 * 1024 * 1024
+    write_high_water: int = 4 * 1024 * 1024
     verify_threads: int | None = None
     verify_nice: int = 10
     rate_per_connection: float = 0.0
@@ -114,6 +115,12 @@ class DaemonConfig:
     pubsub: PubsubConfig = field(default_factory=PubsubConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     websocket: WebSocketConfig = field(default_factory=WebSocketConfig)
+
+    @property
+    def effective_write_high_water(self) -> int:
+        """The write high-water mark in force: at most half of ``outbound_buffer_max``, so that a reader that
+        falls behind is served from the store before it could be disconnected for not reading."""
+        return max(4096, min(self.write_high_water, self.outbound_buffer_max // 2))
 
     @property
     def key_path(self) -> Path:
@@ -265,7 +272,9 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     if "map_size" in store:
         kw["map_size"] = _int(store["map_size"], "store.map_size", 1 << 20)
     limits = _map(
-        top.get("limits"), "limits", {"max_connections", "outbound_buffer_max", "rate_per_connection", "rate_burst"}
+        top.get("limits"),
+        "limits",
+        {"max_connections", "outbound_buffer_max", "write_high_water", "rate_per_connection", "rate_burst"},
     )
     if "rate_per_connection" in limits:
         kw["rate_per_connection"] = _float(limits["rate_per_connection"], "limits.rate_per_connection", 0.0)
@@ -281,6 +290,8 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
         kw["metrics_listen"] = mlisten
     if "max_connections" in limits:
         kw["max_connections"] = _int(limits["max_connections"], "limits.max_connections")
+    if "write_high_water" in limits:
+        kw["write_high_water"] = _int(limits["write_high_water"], "limits.write_high_water", 65536)
     if "outbound_buffer_max" in limits:
         kw["outbound_buffer_max"] = _int(limits["outbound_buffer_max"], "limits.outbound_buffer_max", 4096)
     trace = _map(top.get("trace"), "trace", {"path", "max_bytes"})

@@ -192,6 +192,7 @@ class Daemon:
                 idle_timeout=cfg.idle_timeout,
                 handshake_timeout=cfg.handshake_timeout,
                 max_frame=cfg.max_frame,
+                write_high_water=cfg.effective_write_high_water,
             )
             for p in cfg.peers + cfg.core_nodes:
                 addr = TransportAddr.parse(p.addr)
@@ -284,6 +285,7 @@ class Daemon:
                 policy=self._ws_policy,
                 handshake_timeout=self.config.handshake_timeout,
                 max_frame=self.config.max_frame,
+                write_high_water=self.config.effective_write_high_water,
             )
         else:
             c = StreamConnection(
@@ -292,6 +294,7 @@ class Daemon:
                 kind=kind,
                 handshake_timeout=self.config.handshake_timeout,
                 max_frame=self.config.max_frame,
+                write_high_water=self.config.effective_write_high_water,
             )
         if len(self.driver.conns) >= self.config.max_connections:
             log.warning("connection limit %d reached: refusing", self.config.max_connections)

@@ -18,6 +18,7 @@ import ssl
 from upsycle_router.core.events import DialFailed
 from upsycle_router.crypto import Identity
 from upsycle_router.runtime.driver import Driver
+from upsycle_router.transport.connection import WRITE_HIGH_WATER
 from upsycle_router.transport.stream import StreamConnection
 
 log = logging.getLogger("upsycle_router.pool")
@@ -35,7 +36,9 @@ class ConnectionPool:
         idle_timeout: float = 300.0,
         handshake_timeout: float = 10.0,
         max_frame: int = 1024 * 1024 + 4096,
+        write_high_water: int = WRITE_HIGH_WATER,
     ) -> None:
+        self.write_high_water = write_high_water
         self.driver = driver
         self.identity = identity
         self.ssl_context = ssl_context
@@ -99,6 +102,7 @@ class ConnectionPool:
                         handshake_timeout=self.handshake_timeout,
                         max_frame=self.max_frame,
                         dialled=True,
+                        write_high_water=self.write_high_water,
                     ),
                     host,
                     port,

@@ -36,6 +36,17 @@ from upsycle_router.wire.messages import Message
 MIN_PARALLEL = 16  # below this many messages a batch is verified inline
 
 
+def name_thread(name: str) -> None:
+    """Give the calling thread an OS-visible name (``top -H``, ``/proc/PID/task/TID/comm``), on Linux."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def default_threads() -> int:
     """One verification thread per core this process may run on."""
     try:
@@ -62,6 +73,7 @@ class Verifier:
             def pin() -> None:
                 with lock:
                     i = next(counter)
+                name_thread(f"upsycle-verify{i}")
                 if cores:
                     try:
                         os.sched_setaffinity(0, {cores[i % len(cores)]})

@@ -22,12 +22,19 @@ import concurrent.futures
 from typing import Any
 
 
+def _name() -> None:
+    from upsycle_router.runtime.verify import name_thread
+
+    name_thread("upsycle-commit")
+
+
 class CommitThread:
     """One thread that begins, commits and aborts the write transactions of ``env``."""
 
     def __init__(self, env: Any) -> None:
         self.env = env
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store_commit")
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store_commit",
+                                                           initializer=_name)
         self._next: concurrent.futures.Future[Any] | None = None  # the next transaction, begun after a commit
 
     def _begin(self) -> Any:

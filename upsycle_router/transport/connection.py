@@ -39,8 +39,11 @@ from upsycle_router.wire.messages import Message
 log = logging.getLogger("upsycle_router.transport")
 _ids = itertools.count(1)
 CLOSE_LINGER = 0.5  # seconds input is drained after an ERROR, before the close
-WRITE_HIGH_WATER = 2 * 1024 * 1024  # outbound bytes buffered before the peer counts as not reading (blocked)
-WRITE_LOW_WATER = 512 * 1024  # ... and below which it counts as reading again
+# Outbound bytes buffered before the peer counts as not reading (blocked: its traffic goes to the store), and
+# a quarter of that: reading again. 2 MiB was not enough: a subscriber that lost its CPU for ~50 ms (a busy
+# machine) crossed it, its traffic went through the store, which costs several times a direct delivery, and
+# the router stayed behind (mc 1->10: 4 of 5 runs at a quarter of the rate; at 4 MiB none of 6).
+WRITE_HIGH_WATER = 4 * 1024 * 1024
 
 
 class ConnectionHandler(Protocol):
@@ -79,6 +82,7 @@ class Connection(asyncio.Protocol):
         max_frame: int = DEFAULT_MAX_FRAME,
         dialled: bool = False,
         local_capable: bool | None = None,
+        write_high_water: int = WRITE_HIGH_WATER,
     ) -> None:
         self.id = next(_ids)
         self.handler = handler
@@ -87,6 +91,7 @@ class Connection(asyncio.Protocol):
         # whether peers on this connection may be local services (PROTOCOL.md §7); the driver decides
         self.local_capable = kind == "unix" if local_capable is None else local_capable
         self.max_frame = max_frame
+        self.write_high_water = write_high_water
         self.session = Session(identity, expected_peer=expected_peer, max_frame=max_frame)
         self.transport: asyncio.Transport | None = None
         self.peer: bytes | None = None
@@ -127,7 +132,7 @@ class Connection(asyncio.Protocol):
         # A router writes in bursts (a drained queue batch is up to ~1 MiB): asyncio's default 64 KiB
         # high-water mark would report every healthy reader as blocked and send its traffic to the store.
         with contextlib.suppress(AttributeError, NotImplementedError, ValueError):
-            self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER, low=WRITE_LOW_WATER)
+            self.transport.set_write_buffer_limits(high=self.write_high_water, low=self.write_high_water // 4)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             try:
@@ -251,6 +256,20 @@ class Connection(asyncio.Protocol):
         """Bytes written but not yet sent by the transport."""
         t = self.transport
         return t.get_write_buffer_size() if t is not None else 0
+
+    def pause_reading(self) -> None:
+        """Stop reading from the peer for now (the router is behind): it waits in its socket."""
+        t = self.transport
+        if t is not None and not self.closed and not t.is_closing():
+            with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
+                t.pause_reading()
+
+    def resume_reading(self) -> None:
+        """Read from the peer again."""
+        t = self.transport
+        if t is not None and not self.closed and not t.is_closing():
+            with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
+                t.resume_reading()
 
     def close_with_error(self, code: int, reason: str) -> None:
         """Send ERROR and close.

@@ -46,7 +46,7 @@ from wsproto.utilities import RemoteProtocolError as WsRemoteError
 
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
-from upsycle_router.transport.connection import Connection, ConnectionHandler
+from upsycle_router.transport.connection import WRITE_HIGH_WATER, Connection, ConnectionHandler
 from upsycle_router.transport.session import Session
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME, check_length
 
@@ -110,6 +110,7 @@ class WebSocketConnection(Connection):
         policy: WebSocketPolicy,
         handshake_timeout: float = 10.0,
         max_frame: int = DEFAULT_MAX_FRAME,
+        write_high_water: int = WRITE_HIGH_WATER,
     ) -> None:
         super().__init__(
             handler,
@@ -118,6 +119,7 @@ class WebSocketConnection(Connection):
             handshake_timeout=handshake_timeout,
             max_frame=max_frame,
             local_capable=policy.local,
+            write_high_water=write_high_water,
         )
         self.policy = policy
         self.ws = WSConnection(ConnectionType.SERVER)
