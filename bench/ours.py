@@ -4,11 +4,12 @@ Scenarios (1 KiB bodies, signed before timing; the daemon verifies, stores where
 delivers):
 
 * ``uni 1->1``: unicast from a publisher app to a connected receiver app (Unix socket);
-* ``mc 1->1`` / ``mc 1->10``: multicast to a group with 1 or 10 local subscribers (each JOINed ``local``);
-  the router also stores every group message (for PULL) and hands it to its in-process pub/sub service;
+* ``mc 1->1`` / ``mc 1->10``: multicast to a group with 1 or 10 local subscribers (each JOINed ``local``:
+  the group stays on this node); the router also stores every group message (for PULL);
 * ``tls uni A->B``: two daemons peered over TLS 1.3; the publisher on A sends unicast with VIA = B (source
   routing), the receiver is a local app of B;
-* ``mc 1->1 nopubsub``: ``mc 1->1`` with ``pubsub.enabled: false`` (what the in-process gossip service costs).
+* ``mc 1->1 non-local``: ``mc 1->1`` with the subscriber JOINed ``local = false``: the router SUBs its in-process
+  pub/sub service, which JOINs too and gets every message for the gossip overlay (what taking part costs).
 
 Each runs warm-up, throughput at max and latency at the paced rate (see :mod:`bench.loadgen`). The daemon
 may use every CPU (it pins its own verify threads, one per CPU; ``--pin-server`` pins it to the first CPU and
@@ -38,7 +39,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
     "mc 1->1": {"kind": "mc", "subs": 1, "routers": 1},
     "mc 1->10": {"kind": "mc", "subs": 10, "routers": 1},
     "tls uni A->B": {"kind": "uni", "subs": 1, "routers": 2},
-    "mc 1->1 nopubsub": {"kind": "mc", "subs": 1, "routers": 1, "pubsub": False},
+    "mc 1->1 non-local": {"kind": "mc", "subs": 1, "routers": 1, "local": False},
 }
 DURABILITIES = ("fsync", "batch", "none")
 # The default limits.outbound_buffer_max (8 MiB) makes the router disconnect a receiver that lags behind a
@@ -126,7 +127,7 @@ def run_scenario(
     try:
         entry, exit_ = daemons[0], daemons[-1]
         recv = [{"proto": "upsycle", "path": str(exit_.sock), "seed": keys.receivers[i].seed,
-                 "join": keys.group.public if sc["kind"] == "mc" else None, "local": True}
+                 "join": keys.group.public if sc["kind"] == "mc" else None, "local": sc.get("local", True)}
                 for i in range(sc["subs"])]
         pub = {"proto": "upsycle", "path": str(entry.sock), "seed": keys.publisher.seed,
                "messages": str(messages[sc["kind"]]),
@@ -218,7 +219,7 @@ def plan(quick: bool, durabilities: tuple[str, ...]) -> list[tuple[str, str]]:
     out = []
     for dur in durabilities:
         for name in SCENARIOS:
-            if name == "mc 1->1 nopubsub" and dur != "none":
+            if name == "mc 1->1 non-local" and dur != "none":
                 continue
             if quick and dur != "none" and name not in ("uni 1->1", "mc 1->10"):
                 continue

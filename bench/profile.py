@@ -115,7 +115,8 @@ def _profile_one(spy: str, root: Path, keys: Keys, sizes: Sizes, messages: dict[
     d = start_daemon(run_root, "a", keys.router_a, durability, cpu=server_cpu(), pubsub=sc.get("pubsub", True))
     raw = RESULTS / f"profile-{tag}-{durability}.txt"
     recv = [{"proto": "upsycle", "path": str(d.sock), "seed": keys.receivers[i].seed,
-             "join": keys.group.public if sc["kind"] == "mc" else None} for i in range(sc["subs"])]
+             "join": keys.group.public if sc["kind"] == "mc" else None, "local": sc.get("local", True)}
+            for i in range(sc["subs"])]
     pub = {"proto": "upsycle", "path": str(d.sock), "seed": keys.publisher.seed, "messages": str(messages[sc["kind"]])}
     wl = Workload(pub, recv, load_cpu())
     spy_child: Child | None = None

@@ -336,6 +336,36 @@ def test_local_publish_reaches_the_pubsub_service_without_local_subscribers(tmp_
     assert h.receive(p, multicast(G, b"from the ps")).traces("dropped", reason="no_subscribers")  # not back to it
 
 
+def test_a_group_joined_only_locally_stays_on_this_node(tmp_path: Path) -> None:
+    """JOIN with local = true keeps the group on this node (seed 003 §JOIN): a local publish goes to the local
+    subscribers and not to the pub/sub service, which would spread it to other nodes."""
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(pubsub_service=PS.public))
+    p = h.open(PS)
+    a, b = h.open(ALICE), h.open(BOB)
+    join(h, b, BOB, local=True)
+    m = multicast(G)
+    out = h.receive(a, m)
+    assert [s.data for s in out.sends(b)] == [m.encode()]
+    assert out.sends(p) == []
+
+
+def test_a_group_joined_non_locally_reaches_the_pubsub_service_before_it_joined(tmp_path: Path) -> None:
+    """An app's JOIN with local = false makes the router SUB its pub/sub service, which JOINs a moment later.
+    A publish in between already reaches the service (for the overlay), and once the service is a member it
+    gets each message once."""
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(pubsub_service=PS.public))
+    p = h.open(PS)
+    a, b = h.open(ALICE), h.open(BOB)
+    join(h, b, BOB, local=False)  # the router SUBs the pub/sub service; it has not JOINed yet
+    m1 = multicast(G, b"1")
+    out = h.receive(a, m1)
+    assert [s.data for s in out.sends(p)] == [m1.encode()] and len(out.sends(b)) == 1
+    join(h, p, PS, local=True)  # the service JOINs as the seed says
+    m2 = multicast(G, b"2")
+    out = h.receive(a, m2)
+    assert [s.data for s in out.sends(p)] == [m2.encode()] and len(out.sends(b)) == 1
+
+
 def test_remote_multicast_reaches_the_pubsub_service_only_if_it_joined(tmp_path: Path) -> None:
     h = CoreHarness(tmp_path / "x", X, CoreConfig(pubsub_service=PS.public))
     p = h.open(PS)

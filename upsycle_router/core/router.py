@@ -431,9 +431,12 @@ class Router:
         members = self.subs.get(h.grp)
         recipients = [m for m in members if m != c.peer] if members else []
         ps = self.config.pubsub_service
-        if c.local and ps is not None and ps != c.peer and ps not in recipients and not discovery:
-            # A local publish always reaches the pub/sub service, which disseminates it (fanout when this
-            # node has not joined the group), so apps can publish to groups nobody here subscribes to.
+        if (c.local and ps is not None and ps != c.peer and not discovery and ps not in recipients
+                and (not members or h.grp in self.pubsub_groups)):
+            # A local publish goes to the pub/sub service for the gossip overlay when an app here JOINed the group
+            # with local = false (the service was SUBbed; it may not have JOINed yet), or by fanout when nobody
+            # here subscribes (apps may publish to other nodes' groups). A group joined here only with
+            # local = true stays on this node (seed 003 §JOIN).
             recipients.append(ps)
         if not recipients and discovery:
             return  # the router itself was the only member (its 'delivered' record is written by discovered())
