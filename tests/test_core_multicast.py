@@ -388,3 +388,14 @@ def test_edge_router_hands_local_publishes_of_upstream_groups_to_its_core(tmp_pa
     m2 = multicast(G, b"from the core")
     out = h.receive(k, m2)
     assert out.sends(k) == [] and [x.via for x in out.messages(a)] == [CORE.public]
+
+
+def test_a_publish_by_the_only_subscriber_is_kept_for_pull(tmp_path: Path) -> None:
+    """Seed 003 multicast step 3 drops a message only when G has no local subscriber; its sender is one."""
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(pubsub_service=PS.public))
+    a = h.open(ALICE)
+    join(h, a, ALICE, local=True)
+    m = multicast(G)
+    out = h.receive(a, m)
+    assert out.sends() == [] and not out.traces("dropped")
+    assert h.store.has_message(m.id)

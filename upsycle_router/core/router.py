@@ -440,7 +440,9 @@ class Router:
             recipients.append(ps)
         if not recipients and discovery:
             return  # the router itself was the only member (its 'delivered' record is written by discovered())
-        if not recipients and not (c.local and h.grp in self.upstream_groups):  # step 3
+        # Step 3: no local subscriber at all. The sender may be the only one: then it is stored (for PULL and
+        # later members) and delivered to nobody.
+        if not members and not recipients and not (c.local and h.grp in self.upstream_groups):
             out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "no_subscribers"))
             return
         expiry = expires_at(now, h.ttl, h.exp)
