@@ -1,8 +1,11 @@
 """The ceilings: what this machine can do at most for the work a router must do per message.
 
-* Ed25519 verification of the workload's own signed messages (1 KiB bodies) with PyNaCl - the library the
-  router uses, called the way the router calls it (``crypto_sign_open(sig + signed, key)``) - on one thread,
-  and on one thread per CPU, each pinned to its CPU (libsodium releases the GIL, so threads scale);
+* Ed25519 verification of the workload's own signed messages (1 KiB bodies) with PyNaCl's libsodium - on one
+  thread, and on one thread per CPU, each pinned to its CPU (libsodium releases the GIL, so threads scale) -
+  measured two ways: PyNaCl's ``crypto_sign_open(sig + signed, key)`` per message, and the router's own call,
+  ``upsycle_router.accel.verify_batch`` (``crypto_sign_verify_detached`` from the same library over a batch,
+  the GIL taken once per batch). The ceiling the ratios divide by is the higher of the two, so no way of
+  calling the library that the router does not use can make the router look closer to it than it is;
 * the loopback frame rate: a sender writes length-prefixed frames of the workload's size as fast as it can,
   a trivial sink in another process (pinned to the other CPU) walks the frame boundaries in Python and
   answers with its count once it has them all; over a Unix socket and over TLS 1.3 (the router's own TLS
@@ -52,32 +55,68 @@ def _verify_loop(items: list[tuple[bytes, bytes]], seconds: float, cpu: int | No
     out.append(n)
 
 
+def _batch_loop(msgs: list[Message], seconds: float, cpu: int | None, out: list[int],
+                start: threading.Barrier | None) -> None:
+    from upsycle_router.accel import verify_batch
+
+    if cpu is not None:
+        pin({cpu})
+    n = 0
+    if start is not None:
+        start.wait()
+    deadline = time.perf_counter() + seconds
+    while True:
+        verify_batch(msgs)
+        n += len(msgs)
+        if time.perf_counter() >= deadline:
+            break
+    out.append(n)
+
+
+def _rates(loop: Any, items: Any, seconds: float) -> tuple[float, float]:
+    """(one thread, one pinned thread per CPU) rates of ``loop`` over ``items``."""
+    out: list[int] = []
+    t = time.perf_counter()
+    loop(items, seconds, cpus()[0], out, None)
+    single = out[0] / (time.perf_counter() - t)
+    out = []
+    cores = cpus()
+    barrier = threading.Barrier(len(cores) + 1)
+    threads = [threading.Thread(target=loop, args=(items, seconds, c, out, barrier)) for c in cores]
+    for th in threads:
+        th.start()
+    barrier.wait()
+    t = time.perf_counter()
+    for th in threads:
+        th.join()
+    return single, sum(out) / (time.perf_counter() - t)
+
+
 def verify_rates(messages: list[bytes], seconds: float = 3.0) -> dict[str, Any]:
-    """Verifications per second of the workload's messages: one thread, then one pinned thread per CPU."""
+    """Verifications per second of the workload's messages: one thread, then one pinned thread per CPU; with
+    PyNaCl's call and with the router's batch call; the ceiling is the higher."""
+    from upsycle_router import accel
+
     decoded: list[Message] = [decode_message(m) for m in messages[:256]]
     items = [(m.sig + m.signed, m.signer) for m in decoded]
     before = os.sched_getaffinity(0)
     res: dict[str, Any] = {"signed_bytes": len(decoded[0].signed), "message_bytes": len(messages[0]),
-                           "how": "nacl.bindings.crypto_sign_open(sig + signed, key)"}
+                           "threads": len(cpus())}
     try:
-        out: list[int] = []
-        t = time.perf_counter()
-        _verify_loop(items, seconds, cpus()[0], out, None)
-        res["single_thread_per_s"] = round(out[0] / (time.perf_counter() - t), 1)
-        out = []
-        cores = cpus()
-        barrier = threading.Barrier(len(cores) + 1)
-        threads = [threading.Thread(target=_verify_loop, args=(items, seconds, c, out, barrier)) for c in cores]
-        for th in threads:
-            th.start()
-        barrier.wait()
-        t = time.perf_counter()
-        for th in threads:
-            th.join()
-        res["all_cores_per_s"] = round(sum(out) / (time.perf_counter() - t), 1)
-        res["threads"] = len(cores)
+        single, multi = _rates(_verify_loop, items, seconds)
+        res["pynacl"] = {"how": "nacl.bindings.crypto_sign_open(sig + signed, key) per message",
+                         "single_thread_per_s": round(single, 1), "all_cores_per_s": round(multi, 1)}
+        if accel.IMPLEMENTATION == "c":
+            single, multi = _rates(_batch_loop, decoded, seconds)
+            res["batch"] = {"how": "upsycle_router.accel.verify_batch (crypto_sign_verify_detached, GIL taken "
+                                   "once per 256)", "single_thread_per_s": round(single, 1),
+                            "all_cores_per_s": round(multi, 1)}
     finally:
         os.sched_setaffinity(0, before)
+    best = max((res[k] for k in ("pynacl", "batch") if k in res), key=lambda r: r["all_cores_per_s"])
+    res["single_thread_per_s"] = max(res[k]["single_thread_per_s"] for k in ("pynacl", "batch") if k in res)
+    res["all_cores_per_s"] = best["all_cores_per_s"]
+    res["how"] = best["how"]
     return res
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import pickle
 import selectors
 import socket
@@ -347,6 +348,9 @@ def _live(pub: _Pub, spec: dict[str, Any], phase: int, rate: float, duration: fl
 # ------------------------------------------------------------------ orchestration (main process)
 
 
+LEAD_S = 0.3  # seconds from a phase's start command to its first message (every process ready by then)
+
+
 class WorkloadError(Exception):
     """A worker failed to start or to finish a phase."""
 
@@ -389,7 +393,7 @@ class Workload:
 
     def phase(
         self, phase: int, expected: int, mode: str, *, latency: bool = False, idle_s: float = 5.0,
-        max_s: float = 120.0, lead_s: float = 0.3, live: tuple[float, float] | None = None,
+        max_s: float = 120.0, lead_s: float = LEAD_S, live: tuple[float, float] | None = None,
     ) -> dict[str, Any]:
         """Run one phase; return the publisher's and the receiver's reports and the derived rates."""
         assert self.rpipe is not None and self.ppipe is not None
@@ -442,7 +446,7 @@ def run_phases(
     targets: Any = None,
 ) -> dict[str, Any]:
     """Warm-up, throughput at max, latency at the paced rate; with the servers' CPU seconds per phase."""
-    from bench.common import cpu_seconds
+    from bench.common import cpu_seconds, machine_ticks, thread_cpu_seconds
     from bench.workloads import LAT, MAX, WARM
 
     wl = Workload(pub_spec, recv_conns, cpu, targets)
@@ -456,12 +460,26 @@ def run_phases(
         ):
             settle = wait_quiet(server_pids)
             c0 = [cpu_seconds(p) for p in server_pids]
+            t0 = [thread_cpu_seconds(p) for p in server_pids]
+            l0 = [cpu_seconds(p.pid) for p in wl.procs]
+            m0 = machine_ticks()
             res = wl.phase(phase, n, mode, latency=lat, max_s=max_s)
+            m1 = machine_ticks()
             c1 = [cpu_seconds(p) for p in server_pids]
+            t1 = [thread_cpu_seconds(p) for p in server_pids]
+            l1 = [cpu_seconds(p.pid) for p in wl.procs]
             res["server_cpu_s"] = [round(b - a, 3) for a, b in zip(c0, c1, strict=True)]
             res["settle_before_s"] = settle
+            # idle share of the phase without its lead-in (LEAD_S, all CPUs idle, waiting for the start time)
+            lead = LEAD_S * os.sysconf("SC_CLK_TCK") * len(os.sched_getaffinity(0))
+            if m1[1] - m0[1] > lead:
+                idle = max(0.0, m1[0] - m0[0] - lead)
+                res["machine_idle_pct"] = round(100.0 * idle / (m1[1] - m0[1] - lead), 1)
             if res.get("deliveries"):
                 res["server_cpu_us_per_msg"] = [round((b - a) * 1e6 / n, 1) for a, b in zip(c0, c1, strict=True)]
+                res["server_cpu_split_us_per_msg"] = [{k: round((b[k] - a[k]) * 1e6 / n, 1) for k in a}
+                                                      for a, b in zip(t0, t1, strict=True)]
+                res["loadgen_cpu_us_per_msg"] = round(sum(b - a for a, b in zip(l0, l1, strict=True)) * 1e6 / n, 1)
             out[name] = res
     except WorkloadError as e:
         out["error"] = str(e)

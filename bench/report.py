@@ -62,9 +62,13 @@ def table(res: dict[str, Any]) -> str:
         v = c.get("verify") or {}
         lines.append("")
         lines.append("Ceilings")
-        lines.append(f"  Ed25519 verify ({v.get('signed_bytes')} signed bytes), 1 thread     "
-                     f"{_f(v.get('single_thread_per_s')):>12} /s")
-        lines.append(f"  Ed25519 verify, {v.get('threads')} pinned threads (all cores)     "
+        for k, name in (("pynacl", "crypto_sign_open per message"), ("batch", "router's batch call       ")):
+            w = v.get(k) or {}
+            if w:
+                lines.append(f"  Ed25519 verify ({v.get('signed_bytes')} signed bytes), {name}, 1 thread "
+                             f"{_f(w.get('single_thread_per_s')):>9} /s, {v.get('threads')} pinned threads "
+                             f"{_f(w.get('all_cores_per_s')):>9} /s")
+        lines.append(f"  verify ceiling (all cores, the higher of the two)                     "
                      f"{_f(v.get('all_cores_per_s')):>12} /s")
         for k, name in (("frames_unix", "Unix socket"), ("frames_tls", "TLS 1.3    ")):
             f = c.get(k) or {}
@@ -103,6 +107,20 @@ def table(res: dict[str, Any]) -> str:
                 f"{_ms(lr.get('p50_ms')):>8}{_ms(lr.get('p99_ms')):>8}{_ms(lr.get('max_ms')):>8}"
                 f"{_f(loss):>6}  {note[:60]}"
             )
+    split_rows = [r for r in res.get("ours") or [] if (r.get("max") or {}).get("server_cpu_split_us_per_msg")]
+    if split_rows:
+        lines.append("")
+        lines.append("Where the CPU went at max, in µs per message: the router's event loop, its verify threads,")
+        lines.append("its other threads (per router), the load generator; the machine's idle share")
+        lines.append(f"  {'scenario':<19}{'durability':<12}{'loop':>8}{'verify':>8}{'other':>8}{'loadgen':>9}"
+                     f"{'idle %':>8}")
+        for r in split_rows:
+            mx = r["max"]
+            sp = mx["server_cpu_split_us_per_msg"]
+            lines.append(f"  {r.get('scenario', ''):<19}{r.get('durability', ''):<12}"
+                         f"{'+'.join(_f(s['loop'], 1) for s in sp):>8}{'+'.join(_f(s['verify'], 1) for s in sp):>8}"
+                         f"{'+'.join(_f(s['other'], 1) for s in sp):>8}{_f(mx.get('loadgen_cpu_us_per_msg'), 1):>9}"
+                         f"{_f(mx.get('machine_idle_pct'), 1):>8}")
     mem = res.get("memory")
     if mem:
         lines.append("")
@@ -153,14 +171,16 @@ def markdown(res: dict[str, Any]) -> str:
     c = res.get("ceilings") or {}
     v = c.get("verify") or {}
     if v:
-        out += ["| ceiling | rate |", "| --- | ---: |",
-                f"| Ed25519 verify, 1 thread ({v.get('signed_bytes')} signed bytes) | "
-                f"{_f(v.get('single_thread_per_s'))}/s |",
-                f"| Ed25519 verify, {v.get('threads')} pinned threads | {_f(v.get('all_cores_per_s'))}/s |"]
+        out += ["| ceiling | 1 thread | all cores |", "| --- | ---: | ---: |"]
+        for k, name in (("pynacl", "PyNaCl crypto_sign_open per message"), ("batch", "the router's batch call")):
+            w = v.get(k) or {}
+            if w:
+                out.append(f"| Ed25519 verify, {name} ({v.get('signed_bytes')} signed bytes) | "
+                           f"{_f(w.get('single_thread_per_s'))}/s | {_f(w.get('all_cores_per_s'))}/s |")
         for k, name in (("frames_unix", "Unix socket"), ("frames_tls", "TLS 1.3")):
             f = c.get(k) or {}
             if "frames_per_s" in f:
-                out.append(f"| loopback {f.get('frame_bytes')}-byte frames, {name} | {_f(f.get('frames_per_s'))}/s |")
+                out.append(f"| loopback {f.get('frame_bytes')}-byte frames, {name} | | {_f(f.get('frames_per_s'))}/s |")
         out.append("")
     rows = (res.get("ours") or []) + (res.get("peers") or [])
     if rows:
