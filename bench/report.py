@@ -112,14 +112,14 @@ def table(res: dict[str, Any]) -> str:
         lines.append("")
         lines.append("Where the CPU went at max, in µs per message: the router's event loop, its verify threads,")
         lines.append("its other threads (per router), the load generator; the machine's idle share")
-        lines.append(f"  {'scenario':<19}{'durability':<12}{'loop':>8}{'verify':>8}{'other':>8}{'loadgen':>9}"
+        lines.append(f"  {'scenario':<19}{'durability':<12}{'loop':>12}{'verify':>12}{'other':>10}{'loadgen':>9}"
                      f"{'idle %':>8}")
         for r in split_rows:
             mx = r["max"]
             sp = mx["server_cpu_split_us_per_msg"]
             lines.append(f"  {r.get('scenario', ''):<19}{r.get('durability', ''):<12}"
-                         f"{'+'.join(_f(s['loop'], 1) for s in sp):>8}{'+'.join(_f(s['verify'], 1) for s in sp):>8}"
-                         f"{'+'.join(_f(s['other'], 1) for s in sp):>8}{_f(mx.get('loadgen_cpu_us_per_msg'), 1):>9}"
+                         f"{'+'.join(_f(s['loop'], 1) for s in sp):>12}{'+'.join(_f(s['verify'], 1) for s in sp):>12}"
+                         f"{'+'.join(_f(s['other'], 1) for s in sp):>10}{_f(mx.get('loadgen_cpu_us_per_msg'), 1):>9}"
                          f"{_f(mx.get('machine_idle_pct'), 1):>8}")
     mem = res.get("memory")
     if mem:

@@ -153,3 +153,29 @@ async def test_a_burst_faster_than_verification_pauses_reading_and_loses_nothing
     assert got == [m.id for m in msgs]
     assert st["read_pauses_total"] >= 1, st
     assert st["bad_signature_total"] == 0
+
+
+async def test_durability_batch_syncs_after_writes_only(daemon: DaemonFactory) -> None:
+    """durability: batch flushes committed batches every sync_interval (on a thread of its own), and only when
+    a batch wrote something: direct deliveries write nothing and cost no sync."""
+    d = daemon("--durability", "batch", config={"sync_interval": 0.05})
+    a, b, g = Identity.generate(), Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, b) as cb, await Client.connect(d.sock, a) as ca:
+        await ca.sync()
+        await asyncio.sleep(0.3)  # the connections were recorded (a write) and synced
+        before = (await ca.status())["syncs_total"]
+        for i in range(20):  # direct deliveries to a connected app: nothing stored
+            await ca.send(b.public, b"direct %d" % i)
+        await ca.sync()
+        for _ in range(20):
+            await cb.recv(timeout=5.0)
+        await asyncio.sleep(0.3)
+        quiet = (await ca.status())["syncs_total"]
+        await cb.join(g.public)
+        await ca.publish(g, b"stored for PULL")  # a group message is stored: a write
+        await ca.sync()
+        await asyncio.sleep(0.3)
+        after = (await ca.status())["syncs_total"]
+    assert before >= 1
+    assert quiet == before
+    assert after >= quiet + 1

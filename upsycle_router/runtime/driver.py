@@ -158,12 +158,14 @@ class Driver:
         self._committing: _Commit | None = None
         self._idle_txn: Any = None  # a write transaction a batch began and left unwritten, for the next batch
         self._dirty = False
+        self._syncing: concurrent.futures.Future[None] | None = None  # durability batch: a sync in flight
+        self._sync_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
         self._pending_msgs = 0  # messages in _pending
         self._reading_paused = False
         self.stats = router.counters
         self.stats.update({"received_total": 0, "malformed_total": 0, "bad_signature_total": 0, "batches_total": 0,
-                           "overloaded_total": 0, "read_pauses_total": 0,
+                           "overloaded_total": 0, "read_pauses_total": 0, "syncs_total": 0,
                            "hot_path_c": int(accel.IMPLEMENTATION == "c")})
 
     # ------------------------------------------------------------ ConnectionHandler
@@ -498,16 +500,26 @@ class Driver:
         self._arm_timer()
 
     def _after_commit(self) -> None:
-        if self.store.durability is Durability.BATCH:
+        if self.store.durability is Durability.BATCH and self.store.wrote:
             self._dirty = True
             if self._sync_handle is None:
                 self._sync_handle = self.loop.call_later(self.sync_interval, self._sync)
 
     def _sync(self) -> None:
+        """``durability: batch``: flush what was committed since the last sync, on a thread of its own (the
+        wait for the disk stopped the event loop for milliseconds every ``sync_interval``). LMDB's sync needs
+        no lock: write transactions go on meanwhile, and what they commit is flushed by the next sync."""
         self._sync_handle = None
-        if self._dirty:
-            self._dirty = False
-            self.store.sync()
+        if not self._dirty or self._closed:
+            return
+        if self._syncing is not None and not self._syncing.done():
+            self._sync_handle = self.loop.call_later(self.sync_interval, self._sync)  # still flushing: later
+            return
+        self._dirty = False
+        if self._sync_pool is None:
+            self._sync_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store_sync")
+        self._syncing = self._sync_pool.submit(self.store.sync)
+        self.stats["syncs_total"] += 1
 
     def _apply(self, effects: list[Effect], now: float) -> None:
         # Trace records of a batch are written before anything of it is sent, so whoever gets an answer
@@ -681,6 +693,9 @@ class Driver:
         for h in (self._timer, self._sync_handle, self._release_handle):
             if h is not None:
                 h.cancel()
+        if self._sync_pool is not None:  # a sync in flight finishes; the store's close syncs the rest
+            self._sync_pool.shutdown(wait=True)
+            self._sync_pool = None
         if self.journal is not None:
             self.journal.flush()
         self.verifier.close()
