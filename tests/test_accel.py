@@ -236,3 +236,21 @@ async def test_a_daemon_routes_the_same_on_either_path(
             await b.recv(timeout=0.3)
         st = await a.status()
         assert st["bad_signature_total"] == 1
+
+
+@needs_c
+def test_decoded_values_are_not_tracked_by_the_cyclic_collector() -> None:
+    """They hold only bytes, ints and tuples of bytes (no cycle is possible), so the C decoder untracks them:
+    the collector does not walk the thousands in flight. They still compare, hash and free as usual."""
+    import gc
+
+    g = Identity.from_seed(b"\x09" * 32)
+    data = sign_message(MulticastHeader(g.public, 5, 9, (b"\x01" * 32, b"\x02" * 32)), b"b", g).encode()
+    m = accel.decode_canonical(data)
+    assert m is not None
+    assert not gc.is_tracked(m) and not gc.is_tracked(m.header) and not gc.is_tracked(m.header.sn)
+    assert m == _decode_canonical(data) and hash(m.header) == hash(_decode_canonical(data).header)  # type: ignore[union-attr]
+    assert gc.is_tracked(m.with_via(b"\x03" * 32))  # values made in Python are tracked as usual
+    items = [accel.decode_canonical(data) for _ in range(1000)]
+    del items
+    gc.collect()

@@ -94,6 +94,12 @@ set_slot(PyObject *obj, PyObject *descr, PyObject *v)
 }
 
 static PyObject *
+get_slot_raw(PyObject *obj, PyObject *descr)
+{
+    return Py_TYPE(descr)->tp_descr_get(descr, obj, (PyObject *)Py_TYPE(obj));
+}
+
+static PyObject *
 new_instance(PyTypeObject *t)
 {
     return t->tp_alloc(t, 0);
@@ -290,6 +296,26 @@ decode_canonical(const unsigned char *p, Py_ssize_t n)
         Py_INCREF(Py_None);
         if (set_slot(msg, m_descr[M_VIA], Py_None) < 0)
             goto fail;
+    }
+    /* The message and its header hold bytes, ints, None and a tuple of bytes: they can never be part of a
+     * reference cycle, so the cyclic garbage collector need not walk them (CPython untracks such tuples for
+     * the same reason). Thousands are in flight at full load; walking them cost ~0.7 us per message. */
+    PyObject_GC_UnTrack(msg);
+    {
+        PyObject *h = get_slot_raw(msg, m_descr[M_HEADER]);
+        if (h != NULL) {
+            if (multicast) {
+                PyObject *t = get_slot_raw(h, g_descr[G_SN]);
+                if (t != NULL) {
+                    PyObject_GC_UnTrack(t);
+                    Py_DECREF(t);
+                }
+            }
+            PyObject_GC_UnTrack(h);
+            Py_DECREF(h);
+        } else {
+            PyErr_Clear();
+        }
     }
     return msg;
 fail:
