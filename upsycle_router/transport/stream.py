@@ -56,30 +56,21 @@ class StreamConnection(Connection):
     def send(self, payload: bytes) -> bool:
         """Gather one frame for :meth:`write_out` (called by the driver after its batch; at the latest at the
         end of this loop iteration); False if the connection is closed."""
-        t = self.transport
-        if self.closed or t is None or t.is_closing():
-            return False
-        out = self._out
-        if not out:
-            self._loop.call_soon(self.write_out)
         n = len(payload)
-        out.append(_LEN.pack(n))
-        out.append(payload)
-        self._out_bytes += 4 + n
-        self.written += 4 + n
-        if self._out_bytes >= WRITE_GATHER_MAX:
-            self.write_out()
-        return True
+        return self._gather((_LEN.pack(n), payload), 4 + n)
 
     def send_all(self, payloads: list[bytes], framed: list[bytes], nbytes: int) -> bool:
         """Gather several frames at once (``framed``: their length prefixes and payloads, ``nbytes`` long)."""
+        return self._gather(framed, nbytes)
+
+    def _gather(self, parts: tuple[bytes, ...] | list[bytes], nbytes: int) -> bool:
         t = self.transport
         if self.closed or t is None or t.is_closing():
             return False
         out = self._out
         if not out:
             self._loop.call_soon(self.write_out)
-        out.extend(framed)
+        out.extend(parts)
         self._out_bytes += nbytes
         self.written += nbytes
         if self._out_bytes >= WRITE_GATHER_MAX:
