@@ -53,6 +53,9 @@ DEFAULT_TTL = 3600
 DEFAULT_LIFETIME = 7 * 24 * 3600.0
 
 
+READ_CHUNK = 1 << 20  # bytes taken from the socket's reader at once
+
+
 class ClientError(UpsycleError):
     """The router refused a request, the connection ended, or a reply did not come in time."""
 
@@ -100,7 +103,7 @@ class Client:
         from upsycle_router.transport.tls import client_context, peer_cert_key
 
         ctx: ssl.SSLContext = client_context()
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ctx), timeout)
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ctx, limit=2**22), timeout)
         client = await cls._start(identity, reader, writer, timeout, expected=router_id)
         cert_key = peer_cert_key(writer.get_extra_info("ssl_object"))
         if cert_key != client.router_id:
@@ -172,7 +175,10 @@ class Client:
     async def _read_loop(self) -> None:
         try:
             while True:
-                data = await self._reader.read(65536)
+                # Up to 1 MiB at once: a router writes its deliveries in batches of up to ~600 KiB, and a
+                # reader taking 64 KiB per loop iteration fell behind by the router's write buffer (its traffic
+                # then went through the router's store) whenever it shared the loop with a busy router.
+                data = await self._reader.read(READ_CHUNK)
                 if not data:
                     break
                 events, out = self._link.receive(data)
