@@ -14,7 +14,10 @@ Targets (:data:`TARGETS`):
   ``control.decode_control``, ``ROUTER_CODEC.decode``, ``PUBSUB_CODEC.decode``, ``gossip.decode_rpc``,
   ``gossip.decode_service_body``, ``discovery.decode_discovery``, ``app.decode_app_message``;
 * ``framing``: :class:`FrameBuffer` fed in chunks (chunk size and maximum frame taken from the first two
-  bytes) and :func:`unframe_one`;
+  bytes) and :func:`unframe_one`; the same chunks through :meth:`FrameBuffer.feed_decoded` must give the same
+  frames;
+* ``accel``: the C accelerator against its Python twin on the same bytes - the decoder of the deterministic
+  form on the input, and the frame walker on the input as a stream - with identical results required;
 * ``decoders``: the whole input through every decoder above;
 * ``session``: a :class:`~upsycle_router.transport.session.Session` with a fixed identity and nonce fed the
   input as bytes from the peer, in chunks. The first byte picks the side (the router accepting alice, or
@@ -34,6 +37,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from upsycle_router import accel
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.transport.session import (
@@ -50,7 +54,7 @@ from upsycle_router.wire.cbor import enc
 from upsycle_router.wire.control import ROUTER_CODEC, decode_control
 from upsycle_router.wire.discovery import PeerAdvertisement, decode_discovery, encode_discovery
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME, FrameBuffer, frame, unframe_one
-from upsycle_router.wire.messages import decode_message
+from upsycle_router.wire.messages import Message, _decode_canonical, decode_message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -143,10 +147,15 @@ def fuzz_framing(data: bytes) -> None:
     except RemoteProtocolError as e:
         _check_error(e, "unframe_one")
     fb = FrameBuffer(max_frame=max_frame)
+    fd = FrameBuffer(max_frame=max_frame)
     consumed = 0
     try:
         for i in range(0, len(payload), chunk):
-            for p in fb.feed(payload[i : i + chunk]):
+            got = fb.feed(payload[i : i + chunk])
+            decoded = fd.feed_decoded(payload[i : i + chunk])
+            if [x.encode() if isinstance(x, Message) else x for x in decoded] != got:
+                raise InvariantViolation("feed_decoded gave other frames than feed")
+            for p in got:
                 if not 0 < len(p) <= max_frame:
                     raise InvariantViolation(f"FrameBuffer returned a payload of {len(p)} bytes (max {max_frame})")
                 consumed += 4 + len(p)
@@ -165,6 +174,27 @@ _SIDES = (
     (ROUTER, ROUTER_NONCE, None, HELLO_ALICE, AUTH_ALICE),
     (ALICE, ALICE_NONCE, ROUTER.public, HELLO_ROUTER, AUTH_ROUTER),
 )
+
+
+def _full(m: Message | None) -> tuple[object, ...] | None:
+    return None if m is None else (m, m.header, m.via, m.signed, m.id, m.encode())
+
+
+def fuzz_accel(data: bytes) -> None:
+    """The C accelerator and the Python code give the same answer (nothing to compare without the extension)."""
+    if accel._C is None:
+        return
+    if _full(accel._C.decode(data)) != _full(_decode_canonical(data)):
+        raise InvariantViolation("the C decoder and the Python decoder disagree")
+    if not data:
+        return
+    max_frame = DEFAULT_MAX_FRAME if data[0] >= 0x80 else 1 + data[0] * 8
+    c_items, c_pos, c_bad = accel._C.parse_frames(data[1:], max_frame)
+    p_items, p_pos, p_bad = accel._parse_frames_py(data[1:], max_frame)
+    if (c_pos, c_bad) != (p_pos, p_bad) or [_full(x) if isinstance(x, Message) else x for x in c_items] != [
+        _full(x) if isinstance(x, Message) else x for x in p_items
+    ]:
+        raise InvariantViolation("the C frame walker and the Python one disagree")
 
 
 def fuzz_session(data: bytes) -> None:
@@ -224,6 +254,7 @@ def fuzz_session(data: bytes) -> None:
 TARGETS: dict[str, Callable[[bytes], None]] = {
     **DECODERS,
     "framing": fuzz_framing,
+    "accel": fuzz_accel,
     "decoders": fuzz_decoders,
     "session": fuzz_session,
 }
@@ -268,6 +299,8 @@ def seeds(target: str) -> list[bytes]:
     items = _items()
     if target in DECODERS or target == "decoders":
         return items
+    if target == "accel":
+        return items + [b"\x80" + b"".join(frame(i) for i in items[:6])] + [b"\x01" + frame(i) for i in items[:4]]
     if target == "framing":
         framed = [frame(i) for i in items]
         return [b"\x00\x80" + f for f in framed] + [b"\x07\x80" + b"".join(framed[:4]), b"\x01\x02" + framed[0]]
