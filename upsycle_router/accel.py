@@ -30,8 +30,8 @@ from types import ModuleType
 
 import blake3
 import nacl.bindings
-import nacl.exceptions
 
+from upsycle_router.crypto import message_signature_valid
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, _decode_canonical
 
 
@@ -111,18 +111,6 @@ def decode_canonical(payload: bytes) -> Message | None:
     return _decode_canonical(payload)
 
 
-def _verify_one(m: Message) -> bool:
-    h = m.header
-    key = h.grp if isinstance(h, MulticastHeader) else h.src
-    if len(m.sig) != 64 or len(key) != 32:
-        return False
-    try:
-        nacl.bindings.crypto_sign_open(m.sig + m.signed, key)
-    except (nacl.exceptions.BadSignatureError, nacl.exceptions.ValueError, ValueError, TypeError):
-        return False
-    return True
-
-
 def verify_batch(
     msgs: Sequence[Message], known: tuple[set[bytes], ...] = (), remember: set[bytes] | None = None
 ) -> bytes:
@@ -135,7 +123,7 @@ def verify_batch(
     for i, m in enumerate(msgs):
         if any(m.id in k for k in known):
             out[i] = 1
-        elif _verify_one(m):
+        elif message_signature_valid(m):
             out[i] = 1
             if remember is not None:
                 remember.add(m.id)
