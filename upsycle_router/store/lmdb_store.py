@@ -314,6 +314,17 @@ class LmdbStore(LmdbTables):
         txn.put(exp + seq, b"", db=db["msg_exp"])  # expiries are not in arrival order: a plain insert
         return True
 
+    @staticmethod
+    def _record_id(v: bytes) -> bytes:
+        """The message id in a ``msgs`` record (``expires_ms || 0x01 group | 0x00 || id || data``)."""
+        return v[41:73] if v[8] == 1 else v[9:41]
+
+    def _drop(self, mid: bytes, seq: bytes, v: bytes) -> None:
+        """Remove the message ``mid`` stored under ``seq`` as record ``v``, with its index entries."""
+        self._delete("msgs", seq)
+        self._delete("msg_ids", mid)
+        self._delete("msg_exp", v[:8] + seq)
+
     def _stored(self, mid: bytes) -> tuple[bytes, bytes] | None:
         """``(seq, record)`` of a stored message."""
         seq = self._get("msg_ids", mid)
@@ -339,20 +350,13 @@ class LmdbStore(LmdbTables):
 
     def message_ids(self) -> list[bytes]:
         """The ids of every stored message, oldest first."""
-        out = []
-        for _, v in self._prefix("msgs", b""):
-            out.append(v[41:73] if v[8] == 1 else v[9:41])
-        return out
+        return [self._record_id(v) for _, v in self._prefix("msgs", b"")]
 
     def delete_message(self, mid: bytes) -> None:
         """Remove a message and its index entries."""
         found = self._stored(mid)
-        if found is None:
-            return
-        seq, v = found
-        self._delete("msgs", seq)
-        self._delete("msg_ids", mid)
-        self._delete("msg_exp", v[:8] + seq)
+        if found is not None:
+            self._drop(mid, *found)
 
     # ------------------------------------------------------------ queues
 
@@ -400,10 +404,7 @@ class LmdbStore(LmdbTables):
             self._delete("refs", mid)
             found = self._stored(mid)
             if found is not None and found[1][8] == 0:
-                seq_, v = found
-                self._delete("msgs", seq_)
-                self._delete("msg_ids", mid)
-                self._delete("msg_exp", v[:8] + seq_)
+                self._drop(mid, *found)
         count, nbytes = self.queue_usage(recipient)
         if count <= 1:
             self._delete("qstats", recipient)
@@ -472,9 +473,9 @@ class LmdbStore(LmdbTables):
             seq = k[8:]
             v = self._get("msgs", seq)
             if v is not None:
-                self._delete("msg_ids", v[41:73] if v[8] == 1 else v[9:41])
-                self._delete("msgs", seq)
-            self._delete("msg_exp", k)
+                self._drop(self._record_id(v), seq, v)
+            else:
+                self._delete("msg_exp", k)
         return out
 
     def has_room(self, nbytes: int) -> bool:
