@@ -146,13 +146,25 @@ class Session:
                 events.append(MessagesDecoded(run))
                 run = []
             assert isinstance(item, bytes)
-            more = self.receive_payloads((item,))
-            events.extend(more)
-            if self.state is State.CLOSED:
+            if self._undecoded(item, events):
                 return events
         if run:
             events.append(MessagesDecoded(run))
         return events
+
+    def _undecoded(self, payload: bytes, events: list[SessionEvent]) -> bool:
+        """An OPEN session's frame that is not a routed message in deterministic form: an ERROR (True: the
+        session is closed now), or a frame for the strict decoder."""
+        if len(payload) > 1 and 0x60 <= payload[1] <= 0x7F:  # a text tag: session frame (ERROR)
+            f = decode_session_frame(payload)
+            if not isinstance(f, Error):
+                self._advance(Input.HELLO if isinstance(f, Hello) else Input.AUTH)
+                return False
+            self._advance(Input.ERROR)
+            events.append(PeerError(f.code, f.reason))
+            return True
+        events.append(FrameReceived(payload))
+        return False
 
     def receive_payloads(self, payloads: Iterable[bytes]) -> list[SessionEvent]:
         """Feed whole frame payloads (one CBOR item each, already size-checked by the transport)."""
@@ -166,16 +178,8 @@ class Session:
                     else:
                         events.append(MessagesDecoded([msg]))
                     continue
-                if len(payload) > 1 and 0x60 <= payload[1] <= 0x7F:  # a text tag: session frame (ERROR)
-                    f = decode_session_frame(payload)
-                    if not isinstance(f, Error):
-                        self._advance(Input.HELLO if isinstance(f, Hello) else Input.AUTH)
-                    else:
-                        self._advance(Input.ERROR)
-                        events.append(PeerError(f.code, f.reason))
-                        return events
-                    continue
-                events.append(FrameReceived(payload))
+                if self._undecoded(payload, events):
+                    return events
                 continue
             if self.state is State.CLOSED:
                 return events
