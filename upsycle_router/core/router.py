@@ -471,21 +471,11 @@ class Router:
                 out.append(Trace("duplicate", msg.id, "multicast", h.grp, None, None, c.peer, size, "duplicate"))
                 return
         self.seen.add(msg.id)  # step 5
-        # Step 8. Subscribers that are connected and reading, with nothing queued ahead, get it in one Fanout;
-        # the others through _deliver (queued while away or behind).
+        # Step 8. Subscribers that get it now get it in one Fanout; the others are queued while away or behind.
         direct: list[ConnId] = []
-        by_key, conns = self._by_key, self._conns
+        deliver = self._deliver
         for m in recipients:
-            cl = by_key.get(m)
-            if cl:
-                rc = conns[cl[-1]]
-                if not rc.backlog and not rc.blocked:
-                    direct.append(rc.id)
-                    if self.tracing:
-                        out.append(Trace("delivered", msg.id, "multicast", h.grp, None, m, m, size,
-                                         role=self._role(m)))
-                    continue
-            self._deliver(m, msg, h.grp, size, now, out, kind="multicast", data=data)
+            deliver(m, msg, grp, size, now, out, kind="multicast", data=data, fanout=direct)
         if direct:
             out.append(Fanout(tuple(direct), data))
         if c.local and h.grp in self.upstream_groups:  # an edge app published: hand it to our core nodes
@@ -505,12 +495,14 @@ class Router:
         *,
         kind: str,
         data: bytes | None = None,
+        fanout: list[ConnId] | None = None,
     ) -> None:
-        """Hand ``msg`` to recipient ``key`` now, or queue it while ``key`` is away."""
+        """Hand ``msg`` to recipient ``key`` now, or queue it while ``key`` is away. With ``fanout``, a delivery
+        now adds the connection to it (the caller writes one Fanout for all of them) instead of a Send."""
         data = data if data is not None else msg.encode()
-        src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
-        conn = self.connected(key)
-        if conn is not None:
+        conns = self._by_key.get(key)  # self.connected(key), inline: this runs for every delivery
+        if conns:
+            conn = conns[-1]
             c = self._conns[conn]
             if (c.backlog or c.blocked) and msg.header.ttl > 0:
                 # The recipient's queue still holds unsent entries (append, so nothing overtakes what was queued
@@ -523,9 +515,13 @@ class Router:
                 out.append(Trace("dropped", msg.id, kind, group, None, key, key, size, "overloaded",
                                  role=self._role(key)))
                 return
-            out.append(Send(conn, data))
+            if fanout is not None:
+                fanout.append(conn)
+            else:
+                out.append(Send(conn, data))
             if self.tracing:
                 event = "delivered" if c.local or group is not None else "forwarded"
+                src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
                 out.append(Trace(event, msg.id, kind, group, src, key, key, size,
                                  role=self._role(key) if event == "delivered" else None))
             return
