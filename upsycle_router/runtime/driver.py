@@ -47,7 +47,7 @@ from upsycle_router.core.events import (
 )
 from upsycle_router.core.router import Router
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
-from upsycle_router.runtime.verify import Verifier
+from upsycle_router.runtime.verify import Verifier, name_thread
 from upsycle_router.store.commit_thread import CommitThread
 from upsycle_router.store.lmdb_store import Durability, LmdbStore
 from upsycle_router.trace.journal import TraceJournal
@@ -154,7 +154,11 @@ class Driver:
         self._timer_due = False  # the timer fired: run the core's timer with the next batch
         self._sync_handle: asyncio.TimerHandle | None = None
         # durability fsync: commits run on a thread of their own; the batch whose commit is in flight
-        self._committer = CommitThread(store.env) if store.durability is Durability.FSYNC else None
+        self._committer = (
+            CommitThread(store.env, initializer=lambda: name_thread("upsycle-commit"))
+            if store.durability is Durability.FSYNC
+            else None
+        )
         self._committing: _Commit | None = None
         self._idle_txn: Any = None  # a write transaction a batch began and left unwritten, for the next batch
         self._dirty = False

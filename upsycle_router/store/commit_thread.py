@@ -19,22 +19,18 @@ loop runs during the sync.
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Callable
 from typing import Any
-
-
-def _name() -> None:
-    from upsycle_router.runtime.verify import name_thread
-
-    name_thread("upsycle-commit")
 
 
 class CommitThread:
     """One thread that begins, commits and aborts the write transactions of ``env``."""
 
-    def __init__(self, env: Any) -> None:
+    def __init__(self, env: Any, initializer: Callable[[], None] | None = None) -> None:
+        """``initializer`` runs first on the thread (the daemon names it)."""
         self.env = env
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store_commit",
-                                                           initializer=_name)
+                                                           initializer=initializer)
         self._next: concurrent.futures.Future[Any] | None = None  # the next transaction, begun after a commit
 
     def _begin(self) -> Any:
