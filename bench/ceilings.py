@@ -22,6 +22,7 @@ import struct
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sized
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -37,52 +38,41 @@ _LEN = struct.Struct(">I")
 # ------------------------------------------------------------------ verification
 
 
-def _verify_loop(items: list[tuple[bytes, bytes]], seconds: float, cpu: int | None, out: list[int],
+def _open_each(items: list[tuple[bytes, bytes]]) -> None:
+    """PyNaCl's call per message: ``crypto_sign_open(sig + signed, key)``."""
+    open_ = nacl.bindings.crypto_sign_open
+    for sm, pk in items:
+        open_(sm, pk)
+
+
+def _verify_loop(work: Callable[[Any], object], items: Sized, seconds: float, cpu: int | None, out: list[int],
                  start: threading.Barrier | None) -> None:
+    """``work(items)`` again and again for ``seconds`` on ``cpu``; the number of messages verified goes to
+    ``out``."""
     if cpu is not None:
         pin({cpu})  # this thread only (sched_setaffinity(0) is per thread on Linux)
-    open_ = nacl.bindings.crypto_sign_open
     n = 0
     if start is not None:
         start.wait()
     deadline = time.perf_counter() + seconds
     while True:
-        for sm, pk in items:
-            open_(sm, pk)
+        work(items)
         n += len(items)
         if time.perf_counter() >= deadline:
             break
     out.append(n)
 
 
-def _batch_loop(msgs: list[Message], seconds: float, cpu: int | None, out: list[int],
-                start: threading.Barrier | None) -> None:
-    from upsycle_router.accel import verify_batch
-
-    if cpu is not None:
-        pin({cpu})
-    n = 0
-    if start is not None:
-        start.wait()
-    deadline = time.perf_counter() + seconds
-    while True:
-        verify_batch(msgs)
-        n += len(msgs)
-        if time.perf_counter() >= deadline:
-            break
-    out.append(n)
-
-
-def _rates(loop: Any, items: Any, seconds: float) -> tuple[float, float]:
-    """(one thread, one pinned thread per CPU) rates of ``loop`` over ``items``."""
+def _rates(work: Callable[[Any], object], items: Sized, seconds: float) -> tuple[float, float]:
+    """(one thread, one pinned thread per CPU) rates of ``work`` over ``items``."""
     out: list[int] = []
     t = time.perf_counter()
-    loop(items, seconds, cpus()[0], out, None)
+    _verify_loop(work, items, seconds, cpus()[0], out, None)
     single = out[0] / (time.perf_counter() - t)
     out = []
     cores = cpus()
     barrier = threading.Barrier(len(cores) + 1)
-    threads = [threading.Thread(target=loop, args=(items, seconds, c, out, barrier)) for c in cores]
+    threads = [threading.Thread(target=_verify_loop, args=(work, items, seconds, c, out, barrier)) for c in cores]
     for th in threads:
         th.start()
     barrier.wait()
@@ -103,11 +93,11 @@ def verify_rates(messages: list[bytes], seconds: float = 3.0) -> dict[str, Any]:
     res: dict[str, Any] = {"signed_bytes": len(decoded[0].signed), "message_bytes": len(messages[0]),
                            "threads": len(cpus())}
     try:
-        single, multi = _rates(_verify_loop, items, seconds)
+        single, multi = _rates(_open_each, items, seconds)
         res["pynacl"] = {"how": "nacl.bindings.crypto_sign_open(sig + signed, key) per message",
                          "single_thread_per_s": round(single, 1), "all_cores_per_s": round(multi, 1)}
         if accel.IMPLEMENTATION == "c":
-            single, multi = _rates(_batch_loop, decoded, seconds)
+            single, multi = _rates(accel.verify_batch, decoded, seconds)
             res["batch"] = {"how": "upsycle_router.accel.verify_batch (crypto_sign_verify_detached, GIL taken "
                                    "once per 256)", "single_thread_per_s": round(single, 1),
                             "all_cores_per_s": round(multi, 1)}

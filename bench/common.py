@@ -241,21 +241,18 @@ def thread_cpu_seconds(pid: int) -> dict[str, float]:
     """CPU seconds of a process's threads so far, by kind: ``loop`` (the main thread), ``verify`` (the router's
     upsycle-verifyN threads), ``other``."""
     out = {"loop": 0.0, "verify": 0.0, "other": 0.0}
-    tick = os.sysconf("SC_CLK_TCK")
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return out
     for t in tids:
         try:
-            with open(f"/proc/{pid}/task/{t}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{pid}/task/{t}/comm") as f:
                 comm = f.read().strip()
         except OSError:
             continue
         kind = "loop" if int(t) == pid else "verify" if comm.startswith("upsycle-verify") else "other"
-        out[kind] += (int(fields[11]) + int(fields[12])) / tick
+        out[kind] += _stat_seconds(f"/proc/{pid}/task/{t}/stat")
     return out
 
 
@@ -269,11 +266,16 @@ def machine_ticks() -> tuple[int, int]:
     return v[3] + v[4], sum(v)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads) so far."""
+def _stat_seconds(path: str) -> float:
+    """User + system CPU seconds from a /proc ``stat`` file (0 if it is gone)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path) as f:
             fields = f.read().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far."""
+    return _stat_seconds(f"/proc/{pid}/stat")
