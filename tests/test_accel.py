@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import DaemonFactory
+from fuzz.fuzz_targets import item_values, message_values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_fast_decode import messages, mutated
@@ -33,12 +34,6 @@ from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 needs_c = pytest.mark.skipif(accel._C is None, reason="the C extension is not in use (UPSYCLE_ROUTER_PURE=1)")
-
-
-def _full(m: Message | None) -> tuple[object, ...] | None:
-    if m is None:
-        return None
-    return (m, m.header, m.via, m.signed, m.id, m.encode())
 
 
 def test_the_extension_is_built_where_a_compiler_exists() -> None:
@@ -60,7 +55,7 @@ def test_c_decodes_every_valid_message_as_python_does(msg: Message) -> None:
     data = msg.encode()
     c = accel.decode_canonical(data)
     assert c is not None
-    assert _full(c) == _full(_decode_canonical(data)) == _full(msg)
+    assert message_values(c) == message_values(_decode_canonical(data)) == message_values(msg)
     assert c.wire == data  # kept, so forwarding it unchanged copies nothing
 
 
@@ -68,7 +63,7 @@ def test_c_decodes_every_valid_message_as_python_does(msg: Message) -> None:
 @SETTINGS
 @given(mutated())
 def test_c_and_python_agree_on_mutated_input(data: bytes) -> None:
-    assert _full(accel.decode_canonical(data)) == _full(_decode_canonical(data))
+    assert message_values(accel.decode_canonical(data)) == message_values(_decode_canonical(data))
 
 
 @needs_c
@@ -76,7 +71,7 @@ def test_c_decodes_views_and_bytearrays_too() -> None:
     key = Identity.from_seed(b"\x07" * 32)
     data = sign_message(UnicastHeader(key.public, b"\x02" * 32, 5, 9), b"hello", key).encode()
     for buf in (bytearray(data), memoryview(data)):
-        assert _full(accel.decode_canonical(buf)) == _full(accel.decode_canonical(data))
+        assert message_values(accel.decode_canonical(buf)) == message_values(accel.decode_canonical(data))
 
 
 @st.composite
@@ -111,7 +106,7 @@ def test_framing_gives_the_same_items_whichever_way_the_stream_is_cut(case: tupl
     assert len(got) == len(whole)
     for item, payload in zip(got, whole, strict=True):
         if isinstance(item, Message):
-            assert item.encode() == payload and _full(item) == _full(_decode_canonical(payload))
+            assert item.encode() == payload and message_values(item) == message_values(_decode_canonical(payload))
         else:
             assert item == payload and _decode_canonical(payload) is None
     # C and Python frame walkers agree item by item
@@ -119,9 +114,7 @@ def test_framing_gives_the_same_items_whichever_way_the_stream_is_cut(case: tupl
         c_items, c_pos, c_bad = accel._C.parse_frames(data, 1 << 20)
         p_items, p_pos, p_bad = accel._parse_frames_py(data, 1 << 20)
         assert (c_pos, c_bad) == (p_pos, p_bad) == (len(data), -1)
-        assert [_full(x) if isinstance(x, Message) else x for x in c_items] == [
-            _full(x) if isinstance(x, Message) else x for x in p_items
-        ]
+        assert item_values(c_items) == item_values(p_items)
 
 
 @pytest.mark.parametrize("impl", ["c", "python"])

@@ -176,24 +176,28 @@ _SIDES = (
 )
 
 
-def _full(m: Message | None) -> tuple[object, ...] | None:
+def message_values(m: Message | None) -> tuple[object, ...] | None:
+    """Everything a decoded message is made of, for comparing two decoders' results."""
     return None if m is None else (m, m.header, m.via, m.signed, m.id, m.encode())
+
+
+def item_values(items: list[Message | bytes]) -> list[object]:
+    """:func:`message_values` of the messages among frame-walker items; payload bytes as they are."""
+    return [message_values(x) if isinstance(x, Message) else x for x in items]
 
 
 def fuzz_accel(data: bytes) -> None:
     """The C accelerator and the Python code give the same answer (nothing to compare without the extension)."""
     if accel._C is None:
         return
-    if _full(accel._C.decode(data)) != _full(_decode_canonical(data)):
+    if message_values(accel._C.decode(data)) != message_values(_decode_canonical(data)):
         raise InvariantViolation("the C decoder and the Python decoder disagree")
     if not data:
         return
     max_frame = DEFAULT_MAX_FRAME if data[0] >= 0x80 else 1 + data[0] * 8
     c_items, c_pos, c_bad = accel._C.parse_frames(data[1:], max_frame)
     p_items, p_pos, p_bad = accel._parse_frames_py(data[1:], max_frame)
-    if (c_pos, c_bad) != (p_pos, p_bad) or [_full(x) if isinstance(x, Message) else x for x in c_items] != [
-        _full(x) if isinstance(x, Message) else x for x in p_items
-    ]:
+    if (c_pos, c_bad) != (p_pos, p_bad) or item_values(c_items) != item_values(p_items):
         raise InvariantViolation("the C frame walker and the Python one disagree")
 
 
