@@ -277,7 +277,8 @@ def check_store(store_dir: Path) -> list[str]:
     Checked: the environment opens and every named database can be read; every queue entry refers to a stored
     message and has its ``queue_exp`` index entry (and vice versa); ``refs`` counts the queue entries of each
     message; ``qstats`` counts each recipient's entries and bytes; every message has its ``msg_ids`` and
-    ``msg_exp`` entries (store schema 2: messages under sequence numbers, found by id through ``msg_ids``).
+    ``msg_exp`` entries (store schema 2: messages under sequence numbers, found by id through ``msg_ids``;
+    schema 3: those from sequence number ``indexed`` on are indexed when the store is next opened).
     """
     problems: list[str] = []
     try:
@@ -295,16 +296,26 @@ def check_store(store_dir: Path) -> list[str]:
             by_seq = {k: v for k, v in items("msgs")}
             ids = {k: v for k, v in items("msg_ids")}
             msg_exp = {k for k, _ in items("msg_exp")}
+            meta = dict(items("meta"))
+            # schema 3: messages from sequence number ``indexed`` on are indexed when the store is opened
+            indexed = meta.get(b"indexed", b"\xff" * 8) if meta.get(b"schema") != b"2" else b"\xff" * 8
             msgs: dict[bytes, bytes] = {}
+            n_indexed = 0
             for seq, v in by_seq.items():
                 mid = v[41:73] if v[8] == 1 else v[9:41]
                 msgs[mid] = v
+                if seq >= indexed:
+                    if mid in ids or v[:8] + seq in msg_exp:
+                        problems.append(f"message {mid.hex()[:16]} at or after 'indexed' is in an index")
+                    continue
+                n_indexed += 1
                 if ids.get(mid) != seq:
                     problems.append(f"message {mid.hex()[:16]} is not indexed in msg_ids")
                 if v[:8] + seq not in msg_exp:
                     problems.append(f"message {mid.hex()[:16]} has no msg_exp entry")
-            if len(msg_exp) != len(by_seq) or len(ids) != len(by_seq):
-                problems.append(f"{len(msg_exp)} msg_exp and {len(ids)} msg_ids entries for {len(by_seq)} messages")
+            if len(msg_exp) != n_indexed or len(ids) != n_indexed:
+                problems.append(f"{len(msg_exp)} msg_exp and {len(ids)} msg_ids entries for {n_indexed} indexed "
+                                "messages")
             refs: dict[bytes, int] = defaultdict(int)
             stats: dict[bytes, list[int]] = defaultdict(lambda: [0, 0])
             queue_exp = {k for k, _ in items("queue_exp")}

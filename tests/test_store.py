@@ -595,3 +595,219 @@ QueueModel.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 test_queue_matches_model = QueueModel.TestCase
+
+
+# ---------------------------------------------------------------- the message indexes, written in bulk
+
+
+def _indexed(path: Path) -> tuple[int, int, int]:
+    """``(indexed, msg_ids entries, msg_exp entries)`` on disk (the store must be closed)."""
+    env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=16)
+    try:
+        with env.begin() as txn:
+            v = txn.get(b"indexed", db=env.open_db(b"meta", txn=txn, create=False))
+            n_ids = txn.stat(env.open_db(b"msg_ids", txn=txn, create=False))["entries"]
+            n_exp = txn.stat(env.open_db(b"msg_exp", txn=txn, create=False))["entries"]
+        return struct.unpack(">Q", v)[0], n_ids, n_exp
+    finally:
+        env.close()
+
+
+def _crash(s: LmdbStore) -> None:
+    """Leave ``s`` as a killed daemon would: what is committed stays, nothing else is written."""
+    s.env.close()
+
+
+def test_index_entries_wait_in_memory_until_a_batch_is_full(path: Path) -> None:
+    s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=4)
+    for n in range(1, 4):  # three messages in three transactions: below the batch, nothing indexed on disk yet
+        with s.transaction():
+            assert s.put_message(mid(n), b"m%d" % n, G1 if n % 2 else None, T + 10 * n)
+    assert all(s.has_message(mid(n)) for n in range(1, 4))
+    assert s.get_message(mid(2)) == StoredMessage(b"m2", None, T + 20)
+    assert s.next_expiry() == T + 10
+    with s.transaction():
+        assert not s.put_message(mid(2), b"again", None, T)  # a duplicate of an entry still in memory
+    _crash(s)
+    assert _indexed(path)[1:] == (0, 0)
+    assert check_store(path) == []  # an unindexed tail is consistent
+    s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=4)  # opening indexes the tail
+    try:
+        assert [s.get_message(mid(n)).data for n in range(1, 4)] == [b"m1", b"m2", b"m3"]  # type: ignore[union-attr]
+        assert s.next_expiry() == T + 10
+        for n in range(4, 8):  # the batch fills up at message 7 (3 on top of 4 from the opening): written out
+            with s.transaction():
+                assert s.put_message(mid(n), b"m%d" % n, None, T + 10 * n)
+    finally:
+        _crash(s)
+    indexed, n_ids, n_exp = _indexed(path)
+    assert (n_ids, n_exp) == (7, 7) and indexed > 7
+    assert check_store(path) == []
+
+
+def test_duplicates_are_refused_across_the_bulk_write(path: Path) -> None:
+    s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=2)
+    try:
+        with s.transaction():
+            for n in range(1, 6):
+                assert s.put_message(mid(n), b"x", None, T + n)
+        with s.transaction():  # 4 of them on disk, the 5th in memory: each one is known
+            assert not any(s.put_message(mid(n), b"y", None, T + n) for n in range(1, 6))
+        assert sorted(s.message_ids()) == [mid(n) for n in range(1, 6)]
+    finally:
+        s.close()
+    assert _indexed(path)[1:] == (5, 5)  # close writes what was left in memory
+    assert check_store(path) == []
+
+
+def test_an_aborted_transaction_leaves_the_memory_part_as_committed(path: Path) -> None:
+    s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=3)
+    try:
+        with s.transaction():
+            s.put_message(mid(1), b"one", None, T + 5)
+            s.put_message(mid(2), b"two", None, T + 50)
+        with pytest.raises(RuntimeError), s.transaction():
+            s.delete_message(mid(1))
+            s.put_message(mid(3), b"three", None, T + 1)
+            s._flush_index()  # written out in the transaction that is then aborted
+            s.put_message(mid(4), b"four", None, T + 2)
+            raise RuntimeError("boom")
+        assert s.has_message(mid(1)) and s.has_message(mid(2))
+        assert not s.has_message(mid(3)) and not s.has_message(mid(4))
+        assert s.next_expiry() == T + 5
+        with s.transaction():  # the ids of the aborted transaction are free again
+            assert s.put_message(mid(3), b"three", None, T + 1)
+    finally:
+        s.close()
+    assert check_store(path) == []
+
+
+def test_a_failed_commit_is_rolled_back_in_memory_too(path: Path) -> None:
+    s = LmdbStore(path, Durability.NONE, map_size=MAP)
+    try:
+        with s.transaction():
+            s.put_message(mid(1), b"one", None, T + 5)
+        s.attach(s.env.begin(write=True))
+        s.put_message(mid(2), b"two", None, T + 1)
+        txn = s.detach()
+        txn.abort()  # as if its commit had failed on the commit thread
+        s.aborted()
+        assert s.has_message(mid(1)) and not s.has_message(mid(2))
+        assert s.next_expiry() == T + 5
+    finally:
+        s.close()
+
+
+def test_sweep_and_delete_reach_messages_not_yet_indexed(path: Path) -> None:
+    s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=100)
+    try:
+        with s.transaction():
+            for n in range(1, 6):
+                s.put_message(mid(n), b"x", G1, T + n)
+        with s.transaction():
+            s.delete_message(mid(1))  # the earliest: the next expiry is found again
+        assert s.next_expiry() == T + 2
+        with s.transaction():
+            s.sweep(T + 3)
+        assert sorted(s.message_ids()) == [mid(4), mid(5)]
+        assert not s.has_message(mid(2)) and s.get_message(mid(3)) is None
+        assert s.next_expiry() == T + 4
+    finally:
+        s.close()
+    assert check_store(path) == []
+
+
+def test_a_schema_2_store_opens_fully_indexed(path: Path) -> None:
+    s = open_store(path)
+    with s.transaction():
+        s.put_message(mid(1), b"one", G1, T + 5)
+        s._put("meta", b"schema", b"2")
+    s.close()  # indexed, then marked as a schema 2 store; 'indexed' means nothing to schema 2
+    env = lmdb.open(str(path), max_dbs=16, map_size=MAP)
+    with env.begin(write=True) as txn:
+        txn.delete(b"indexed", db=env.open_db(b"meta", txn=txn))
+    env.close()
+    s = open_store(path)
+    try:
+        assert s._get("meta", b"schema") == SCHEMA_VERSION
+        assert s.get_message(mid(1)) == StoredMessage(b"one", G1, T + 5)
+    finally:
+        s.close()
+    assert check_store(path) == []
+
+
+class MessageModel(RuleBasedStateMachine):
+    """The message store against a plain Python model, with index entries written in bulk every 3 messages;
+    transactions fail now and then, and the store is reopened after a clean close or a crash."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="upsycle-msgs-"))
+        self.store = self._open()
+        self.model: dict[bytes, tuple[bytes, bytes | None, float]] = {}
+
+    def _open(self) -> LmdbStore:
+        return LmdbStore(self.dir, Durability.NONE, map_size=MAP, index_batch=3)
+
+    @rule(n=st.integers(1, 12), group=st.booleans(), dt=st.integers(0, 40), fail=st.booleans())
+    def put(self, n: int, group: bool, dt: int, fail: bool) -> None:
+        data = b"data %d %d" % (n, dt)
+        try:
+            with self.store.transaction():
+                added = self.store.put_message(mid(n), data, G1 if group else None, T + dt)
+                assert added == (mid(n) not in self.model)
+                if fail:
+                    raise RuntimeError("the batch failed")
+        except RuntimeError:
+            return
+        if added:
+            self.model[mid(n)] = (data, G1 if group else None, T + dt)
+
+    @rule(n=st.integers(1, 12), fail=st.booleans())
+    def delete(self, n: int, fail: bool) -> None:
+        try:
+            with self.store.transaction():
+                self.store.delete_message(mid(n))
+                if fail:
+                    raise RuntimeError("the batch failed")
+        except RuntimeError:
+            return
+        self.model.pop(mid(n), None)
+
+    @rule(dt=st.integers(-1, 41))
+    def sweep(self, dt: int) -> None:
+        with self.store.transaction():
+            self.store.sweep(T + dt)
+        self.model = {k: v for k, v in self.model.items() if v[2] > T + dt}
+
+    @rule(crash=st.booleans())
+    def reopen(self, crash: bool) -> None:
+        if crash:
+            _crash(self.store)
+        else:
+            self.store.close()
+        assert check_store(self.dir) == []
+        self.store = self._open()
+
+    @invariant()
+    def matches_model(self) -> None:
+        for n in range(1, 13):
+            want = self.model.get(mid(n))
+            assert self.store.has_message(mid(n)) == (want is not None)
+            assert self.store.get_message(mid(n)) == (StoredMessage(*want) if want is not None else None)
+        assert sorted(self.store.message_ids()) == sorted(self.model)
+        assert self.store.next_expiry() == (min(v[2] for v in self.model.values()) if self.model else None)
+
+    def teardown(self) -> None:
+        self.store.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+MessageModel.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+test_messages_match_model = MessageModel.TestCase

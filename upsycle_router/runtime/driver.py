@@ -444,6 +444,7 @@ class Driver:
         try:
             rec.future.result()
         except lmdb.Error as e:
+            self.store.aborted()
             effects = self._not_committed(rec.events, e, rec.now)
         else:
             self.store.committed()
@@ -494,7 +495,11 @@ class Driver:
             self.store.detach(commit=False)
             committer.abort(txn)
             raise
-        committer.commit(txn).result()
+        try:
+            committer.commit(txn).result()
+        except BaseException:
+            self.store.aborted()
+            raise
         self.store.committed()
 
     def _done(self, effects: list[Effect], now: float) -> None:

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 One LMDB environment holds every piece of state the router must not lose, in named sub-databases:
 
-``meta``       small values (schema version, the next sequence number)
+``meta``       small values (schema version, the next sequence number, the first sequence number not indexed)
 ``locals``     keys of services known to be local (so messages for them queue while they are away)
 ``subs``       ``group || member`` -> ``local flag`` (one record per subscription)
 ``psubs``      groups this router asked its pub/sub service to SUB to
@@ -19,11 +19,20 @@ One LMDB environment holds every piece of state the router must not lose, in nam
 ``refs``       ``id`` -> number of queue entries referring to the message
 
 Messages are kept in arrival order, under a sequence number, and found by id through ``msg_ids``: storing a
-message appends it to the end of ``msgs`` (one B-tree page written for several messages) and adds a small
-entry to ``msg_ids``. Keyed by their random 32-byte ids, every stored message rewrote a different ~4 KiB
-page of the table at commit (and synced it, under ``fsync``). Sequence numbers (``seq``) of messages and of
-queue entries come from one counter that is saved with every transaction that used it, so they only grow.
-Schema 1 stores (messages keyed by id) are converted when opened, in one transaction.
+message appends it to the end of ``msgs`` (one B-tree page written for several messages). Sequence numbers
+(``seq``) of messages and of queue entries come from one counter that is saved with every transaction that
+used it, so they only grow. Schema 1 stores (messages keyed by id) are converted when opened, in one
+transaction.
+
+The two indexes of ``msgs`` are written in bulk. Keyed by random 32-byte ids, one ``msg_ids`` entry per
+stored message rewrites a different ~4 KiB page of the table at each commit; ``msg_exp`` costs another
+B-tree insert. So the entries of newly stored messages are held in memory (``_ids``, ``_exps``, consulted by
+every lookup) and written sorted, many at once, when ``index_batch`` of them have gathered (in the commit of
+the batch that filled them up), when an expiry sweep needs them, and on close. ``meta`` ``indexed`` is the
+first sequence number the on-disk indexes may lack: it is written with every bulk write, in the same
+transaction, so the indexes never run ahead of the messages or behind ``indexed``. Opening the store (after a
+crash, say) reads the records from ``indexed`` on, which carry their id and expiry, and indexes them. A
+transaction that does not commit leaves the memory part to be read back the same way.
 
 All writes happen inside :meth:`LmdbStore.transaction`, one write transaction that the driver opens around a
 batch of events (group commit). Reads outside a transaction use a short read transaction. Durability:
@@ -50,7 +59,8 @@ import lmdb
 
 from upsycle_router.store.tables import LmdbTables
 
-SCHEMA_VERSION = b"2"
+SCHEMA_VERSION = b"3"  # 3: the message indexes may lag behind ``msgs`` from ``indexed`` on (2: never)
+INDEX_BATCH = 4096  # index entries held in memory before they are written in bulk
 _U64 = struct.Struct(">Q")
 _QVAL = struct.Struct(">32sQI")  # id, expires_ms, size
 _QSTAT = struct.Struct(">QQ")
@@ -118,7 +128,11 @@ class LmdbStore(LmdbTables):
     """The router's persistent state in one LMDB environment."""
 
     def __init__(
-        self, path: str | os.PathLike[str], durability: Durability = Durability.FSYNC, map_size: int = 1 << 31
+        self,
+        path: str | os.PathLike[str],
+        durability: Durability = Durability.FSYNC,
+        map_size: int = 1 << 31,
+        index_batch: int = INDEX_BATCH,
     ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -134,6 +148,13 @@ class LmdbStore(LmdbTables):
         self._txn: Any = None
         self._room: list[int] | None = None  # [estimated bytes used, map size] in this transaction (has_room)
         self._next_seq = 0
+        self.index_batch = max(1, index_batch)
+        # Index entries of messages stored from ``indexed`` on, not yet in msg_ids / msg_exp: id -> seq, and
+        # seq -> msg_exp key; ``_exp_min`` is the earliest of those expiries (ms) unless ``_exp_stale``.
+        self._ids: dict[bytes, bytes] = {}
+        self._exps: dict[bytes, bytes] = {}
+        self._exp_min = _NEVER_MS
+        self._exp_stale = False
         self._db: dict[str, Any] = {}
         self._db["meta"] = self.env.open_db(b"meta")
         self._psize = self.env.stat()["psize"]
@@ -141,7 +162,7 @@ class LmdbStore(LmdbTables):
         self._saved_seq = self._next_seq
         with self.transaction():
             v = self._get("meta", b"schema")
-            if v not in (None, b"1", SCHEMA_VERSION):
+            if v not in (None, b"1", b"2", SCHEMA_VERSION):
                 raise RuntimeError(f"{self.path}: store schema {v!r} is not supported (expected {SCHEMA_VERSION!r})")
             for name in ("locals", "subs", "psubs", "usubs", "routes", "msg_ids", "msg_exp", "queues", "refs",
                          "qstats", "queue_exp"):
@@ -152,6 +173,9 @@ class LmdbStore(LmdbTables):
                 self._db["msgs"] = self.env.open_db(b"msgs", txn=self._txn)
             if v != SCHEMA_VERSION:
                 self._put("meta", b"schema", SCHEMA_VERSION)
+            if v == SCHEMA_VERSION:
+                self._load_unindexed(self._txn)
+            self._flush_index()  # opened fully indexed (earlier schemas index every message)
 
     # ------------------------------------------------------------ transactions
 
@@ -159,20 +183,74 @@ class LmdbStore(LmdbTables):
         self._room = None
 
     def _before_commit(self) -> None:
+        if len(self._ids) >= self.index_batch:
+            self._flush_index()
         if self._next_seq != self._saved_seq:  # a batch that wrote nothing commits (and syncs) nothing
             self._put("meta", b"seq", _U64.pack(self._next_seq))
 
     def _committed(self) -> None:
         self._saved_seq = self._next_seq
 
+    def _aborted(self) -> None:
+        # The index entries in memory may include messages of the aborted transaction, or miss ones it removed
+        # or wrote out: read them back from what is committed. (Sequence numbers stay taken: a gap is harmless.)
+        with self.env.begin() as txn:
+            self._load_unindexed(txn)
+
+    # ------------------------------------------------------------ the message indexes
+
+    def _load_unindexed(self, txn: Any) -> None:
+        """Fill the in-memory index entries from the ``msgs`` records at and after ``indexed``, in ``txn``."""
+        self._ids.clear()
+        self._exps.clear()
+        self._exp_min, self._exp_stale = _NEVER_MS, False
+        if "msgs" not in self._db:
+            return  # (the opening transaction failed)
+        v = txn.get(b"indexed", db=self._db["meta"])
+        if v is None:
+            return
+        cur = txn.cursor(db=self._db["msgs"])
+        if not cur.set_range(bytes(v)):
+            return
+        for k, rec in cur.iternext():
+            seq, rec = bytes(k), bytes(rec)
+            self._pending(self._record_id(rec), seq, rec[:8])
+
+    def _pending(self, mid: bytes, seq: bytes, exp: bytes) -> None:
+        self._ids[mid] = seq
+        self._exps[seq] = exp + seq
+        self._exp_min = min(self._exp_min, _U64.unpack(exp)[0])
+
+    def _pending_expiry(self) -> int:
+        """The earliest expiry (ms) of the index entries in memory (``_NEVER_MS``: none)."""
+        if self._exp_stale:
+            self._exp_min = min((_U64.unpack_from(k, 0)[0] for k in self._exps.values()), default=_NEVER_MS)
+            self._exp_stale = False
+        return self._exp_min
+
+    def _flush_index(self) -> None:
+        """Write the index entries held in memory, sorted, in the open transaction; from then on the indexes
+        cover every message stored so far (``indexed``)."""
+        txn = self._w()
+        if self._ids:
+            txn.cursor(db=self._db["msg_ids"]).putmulti(sorted(self._ids.items()))
+            txn.cursor(db=self._db["msg_exp"]).putmulti([(k, b"") for k in sorted(self._exps.values())])
+            self._ids.clear()
+            self._exps.clear()
+            self._exp_min, self._exp_stale = _NEVER_MS, False
+        self._put("meta", b"indexed", _U64.pack(self._next_seq))
+
     def sync(self) -> None:
         """Flush committed transactions to disk."""
         self.env.sync(True)
 
     def close(self) -> None:
-        """Sync and close the environment."""
+        """Write the pending index entries, sync and close the environment."""
         if self._txn is not None:
             raise RuntimeError("close() inside a transaction")
+        if self._ids:
+            with self.transaction():
+                self._flush_index()
         self.env.sync(True)
         self.env.close()
 
@@ -212,8 +290,7 @@ class LmdbStore(LmdbTables):
             flag, tail = rest[:1], rest[1:]
             group, data = (tail[:32], tail[32:]) if flag == b"\x01" else (b"", tail)
             txn.put(seq, exp + flag + group + mid + data, db=self._db["msgs"])
-            txn.put(mid, seq, db=self._db["msg_ids"])
-            txn.put(exp + seq, b"", db=old_exp)
+            self._pending(mid, seq, exp)
 
     def _take_seq(self) -> bytes:
         seq = self._next_seq
@@ -301,17 +378,22 @@ class LmdbStore(LmdbTables):
         """Store a message until ``expires``; False (and nothing changed) if ``mid`` is stored already."""
         txn = self._w()
         db = self._db
-        seq = _U64.pack(self._next_seq)
-        if not txn.put(mid, seq, db=db["msg_ids"], overwrite=False):
+        ids = self._ids
+        if mid in ids or txn.get(mid, db=db["msg_ids"]) is not None:
             return False
+        seq = _U64.pack(self._next_seq)
         self._next_seq += 1
-        exp = _U64.pack(_ms(expires))
+        exp_ms = _ms(expires)
+        exp = _U64.pack(exp_ms)
         # Sequence numbers only grow, so the record goes at the end of ``msgs`` (MDB_APPEND: no search). LMDB
         # refuses an append that is not at the end instead of misplacing it: that would be a reused number.
         if not txn.put(seq, exp + (b"\x01" + group if group else b"\x00") + mid + data, db=db["msgs"], append=True):
             # an lmdb.Error aborts the driver's whole batch: nothing of this transaction is committed
             raise lmdb.Error(f"{self.path}: message sequence number {self._next_seq - 1} used twice")
-        txn.put(exp + seq, b"", db=db["msg_exp"])  # expiries are not in arrival order: a plain insert
+        ids[mid] = seq  # self._pending(mid, seq, exp), inline: this runs for every stored message
+        self._exps[seq] = exp + seq
+        if exp_ms < self._exp_min:
+            self._exp_min = exp_ms
         return True
 
     @staticmethod
@@ -322,12 +404,17 @@ class LmdbStore(LmdbTables):
     def _drop(self, mid: bytes, seq: bytes, v: bytes) -> None:
         """Remove the message ``mid`` stored under ``seq`` as record ``v``, with its index entries."""
         self._delete("msgs", seq)
-        self._delete("msg_ids", mid)
-        self._delete("msg_exp", v[:8] + seq)
+        if self._ids.pop(mid, None) is None:
+            self._delete("msg_ids", mid)
+        pending = self._exps.pop(seq, None)
+        if pending is None:
+            self._delete("msg_exp", v[:8] + seq)
+        elif _U64.unpack_from(pending, 0)[0] <= self._exp_min:
+            self._exp_stale = True  # the earliest may have gone
 
     def _stored(self, mid: bytes) -> tuple[bytes, bytes] | None:
         """``(seq, record)`` of a stored message."""
-        seq = self._get("msg_ids", mid)
+        seq = self._ids.get(mid) or self._get("msg_ids", mid)
         if seq is None:
             return None
         v = self._get("msgs", seq)
@@ -346,7 +433,7 @@ class LmdbStore(LmdbTables):
 
     def has_message(self, mid: bytes) -> bool:
         """Whether ``mid`` is in the message store."""
-        return self._exists("msg_ids", mid)
+        return mid in self._ids or self._exists("msg_ids", mid)
 
     def message_ids(self) -> list[bytes]:
         """The ids of every stored message, oldest first."""
@@ -432,7 +519,7 @@ class LmdbStore(LmdbTables):
 
     def next_expiry(self) -> float | None:
         """The earliest expiry of any stored message or queue entry."""
-        best: int | None = None
+        best: int | None = self._pending_expiry() if self._exps else None
         with self._r() as txn:
             for db in ("msg_exp", "queue_exp"):
                 cur = txn.cursor(db=self._db[db])
@@ -446,6 +533,8 @@ class LmdbStore(LmdbTables):
         now_ms = _ms(now)
         out: list[Expired] = []
         txn = self._w()
+        if self._exps and self._pending_expiry() <= now_ms:
+            self._flush_index()  # messages stored since the last bulk write expire: index them to find them
         cur = txn.cursor(db=self._db["queue_exp"])
         victims: list[bytes] = []
         if cur.first():

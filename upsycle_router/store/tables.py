@@ -35,10 +35,16 @@ class LmdbTables:
             yield
         except BaseException:
             txn.abort()
+            self._aborted()
             raise
         else:
-            self._before_commit()
-            txn.commit()
+            try:
+                self._before_commit()
+                txn.commit()
+            except BaseException:
+                txn.abort()  # (a no-op once a failed commit has freed it)
+                self._aborted()
+                raise
             self._committed()
         finally:
             self._txn = None
@@ -54,18 +60,25 @@ class LmdbTables:
 
     def detach(self, *, commit: bool = True) -> Any:
         """Stop writing in the attached transaction and return it; with ``commit`` run the last writes of a
-        transaction about to commit first. Call :meth:`committed` once it has committed."""
+        transaction about to commit first. Call :meth:`committed` once it has committed, :meth:`aborted` if it
+        was aborted or its commit failed (``commit=False``: the caller aborts it)."""
         txn = self._txn
         try:
             if commit:
                 self._before_commit()
         finally:
             self._txn = None
+        if not commit:
+            self._aborted()
         return txn
 
     def committed(self) -> None:
         """The transaction returned by :meth:`detach` committed."""
         self._committed()
+
+    def aborted(self) -> None:
+        """The transaction returned by :meth:`detach` did not commit."""
+        self._aborted()
 
     def _begun(self) -> None:
         """Hook: a write transaction began."""
@@ -75,6 +88,9 @@ class LmdbTables:
 
     def _committed(self) -> None:
         """Hook: the transaction committed."""
+
+    def _aborted(self) -> None:
+        """Hook: the transaction was aborted (nothing of it is in the environment)."""
 
     def _w(self) -> Any:
         if self._txn is None:
