@@ -11,6 +11,7 @@ import pytest
 from core_harness import T0, CoreHarness, control, forged, ident, multicast
 
 from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.seen import SeenIds
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in, unix_to_exp
 from upsycle_router.wire.control import Join, JoinAck
@@ -164,6 +165,17 @@ def test_seen_list_is_bounded_and_forgets_the_oldest(tmp_path: Path) -> None:
     assert h.receive(c[ALICE], ms[2]).traces("duplicate")
     assert h.receive(c[ALICE], ms[1]).traces("duplicate")
     assert h.receive(c[ALICE], ms[0]).sends(c[BOB])  # forgotten: routed again
+
+
+def test_seen_ids_forget_in_insertion_order_and_a_repeat_does_not_refresh() -> None:
+    seen = SeenIds(3)
+    for mid in (b"a", b"b", b"c", b"a", b"d"):  # the repeated "a" keeps its place: it is the oldest
+        seen.add(mid)
+    assert len(seen) == 3 and b"a" not in seen and all(m in seen for m in (b"b", b"c", b"d"))
+    seen.add(b"e")
+    assert b"b" not in seen and b"e" in seen.ids
+    with pytest.raises(ValueError):
+        SeenIds(0)
 
 
 def test_stored_message_is_a_duplicate_even_after_the_seen_list_forgot_it(tmp_path: Path) -> None:

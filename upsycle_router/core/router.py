@@ -388,7 +388,7 @@ class Router:
             # Replay protection. Control messages are exempt: deterministic signatures give two identical
             # requests (the same JOIN twice in a minute) the same id, and control is only accepted from the
             # authenticated connection peer itself, for whom a replay changes nothing.
-            if msg.id in self.seen:
+            if msg.id in self.seen.ids:
                 out.append(Trace("duplicate", msg.id, kind, None, h.src, h.dst, c.peer, size, "duplicate"))
                 return
             self.seen.add(msg.id)

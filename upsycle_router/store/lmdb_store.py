@@ -233,7 +233,8 @@ class LmdbStore(LmdbTables):
         cover every message stored so far (``indexed``)."""
         txn = self._w()
         if self._ids:
-            txn.cursor(db=self._db["msg_ids"]).putmulti(sorted(self._ids.items()))
+            ids = self._ids
+            txn.cursor(db=self._db["msg_ids"]).putmulti([(k, ids[k]) for k in sorted(ids)])  # sorted: fewer misses
             txn.cursor(db=self._db["msg_exp"]).putmulti([(k, b"") for k in sorted(self._exps.values())])
             self._ids.clear()
             self._exps.clear()
