@@ -8,14 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from core_harness import T0, CoreHarness, control, forged, ident, multicast
+from core_harness import T0, CoreHarness, control, forged, ident, key, multicast
 
 from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.events import MessageReceived
 from upsycle_router.core.seen import SeenIds
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in, unix_to_exp
 from upsycle_router.wire.control import Join, JoinAck
-from upsycle_router.wire.messages import MulticastHeader, decode_message
+from upsycle_router.wire.messages import Message, MulticastHeader, decode_message
 
 X = ident("X")
 R = ident("R")
@@ -411,3 +412,45 @@ def test_a_publish_by_the_only_subscriber_is_kept_for_pull(tmp_path: Path) -> No
     out = h.receive(a, m)
     assert out.sends() == [] and not out.traces("dropped")
     assert h.store.has_message(m.id)
+
+
+# ---------------------------------------------------------------- a batch that does not commit
+
+
+def test_a_lost_batch_is_forgotten_by_the_core(h: CoreHarness) -> None:
+    """The driver reports a batch whose transaction did not commit: the core forgets the ids it saw and reads
+    the subscriptions back from the store, so what the senders send again is handled as new."""
+    c = subscribed(h, ALICE, BOB)
+    carol = h.open(CAROL)
+    before = multicast(G, b"before")
+    h.receive(c[ALICE], before)
+    m = multicast(G, b"lost")
+    h.router.batch_begun()
+    with pytest.raises(RuntimeError), h.store.transaction():
+        h.router.handle(MessageReceived(c[ALICE], m, True, len(m.encode())), h.now)
+        h.router.handle(MessageReceived(carol, *_join_of(CAROL)), h.now)
+        assert m.id in h.router.seen and key(CAROL) in h.router.subs[G.public]
+        raise RuntimeError("the commit failed")
+    h.router.batch_lost()
+    assert m.id not in h.router.seen and before.id in h.router.seen
+    assert key(CAROL) not in h.router.subs[G.public]
+    assert h.receive(c[ALICE], m).sends(c[BOB])  # sent again: delivered, not a duplicate
+    join(h, carol, CAROL)  # and the JOIN sent again is acknowledged as a new subscription
+    assert h.store.subscriptions()[G.public].keys() == {key(ALICE), key(BOB), key(CAROL)}
+
+
+def _join_of(who: Identity) -> tuple[Message, bool, int]:
+    msg = control(who, X, Join(G.public, True))
+    return msg, True, len(msg.encode())
+
+
+def test_seen_ids_forget_what_was_added_since_a_mark() -> None:
+    seen = SeenIds(3)
+    seen.add(b"a")
+    mark = seen.added
+    for mid in (b"b", b"a", b"c", b"d"):  # "a" is not added again; "d" evicts "a"
+        seen.add(mid)
+    seen.forget_since(mark)
+    assert len(seen) == 0 and seen.added == mark
+    seen.add(b"e")
+    assert b"e" in seen

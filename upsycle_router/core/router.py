@@ -115,6 +115,7 @@ class Router:
         self.control = ControlPlane(self)
         self.tracing = self.config.trace  # build the routine per-message Trace records
         self.counters: dict[str, int] = {}  # driver-side counters, reported by status()
+        self._batch_mark = 0  # self.seen.added when the driver began the current batch
 
     # ------------------------------------------------------------------ driver interface
 
@@ -142,6 +143,28 @@ class Router:
                 if not event.blocked:
                     self._flush(c, now, out)
         return out
+
+    def batch_begun(self) -> None:
+        """The driver begins routing a batch of events in one store transaction."""
+        self._batch_mark = self.seen.added
+
+    def batch_lost(self) -> None:
+        """The batch begun last did not commit: nothing of it is in the store, and nothing of it was sent or
+        acknowledged. Forget what it changed here too: the ids it saw (a sender that got no acknowledgement
+        sends again, and that copy must not be dropped as a duplicate), and the state mirrored from the store
+        (subscriptions, routes, local services) is read back from it."""
+        self.seen.forget_since(self._batch_mark)
+        store = self.store
+        self.locals.clear()
+        self.locals.update(set(self.config.local_services or ()) | store.locals())
+        self.subs.clear()
+        self.subs.update(store.subscriptions())
+        self.routes.clear()
+        self.routes.update(store.routes())
+        self.pubsub_groups.clear()
+        self.pubsub_groups.update(store.pubsub_subscribed())
+        self.upstream_groups.clear()
+        self.upstream_groups.update(store.upstream_subscribed())
 
     def start(self, now: float) -> list[Effect]:
         """Effects to run once at start: a ``joined`` record for every subscription restored from the store

@@ -8,7 +8,7 @@ from collections import deque
 class SeenIds:
     """A set of message ids that forgets the oldest once it holds ``capacity`` ids."""
 
-    __slots__ = ("ids", "_order", "capacity")
+    __slots__ = ("ids", "_order", "capacity", "added")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -19,6 +19,7 @@ class SeenIds:
         # less per id than an OrderedDict, which keeps a linked list besides its table.)
         self.ids: set[bytes] = set()
         self._order: deque[bytes] = deque()
+        self.added = 0  # ids added so far (a mark for forget_since)
 
     def __contains__(self, mid: object) -> bool:
         return mid in self.ids
@@ -32,7 +33,15 @@ class SeenIds:
         if mid in ids:
             return
         ids.add(mid)
+        self.added += 1
         order = self._order
         order.append(mid)
         if len(order) > self.capacity:
             ids.discard(order.popleft())
+
+    def forget_since(self, mark: int) -> None:
+        """Forget the ids added since ``added`` was ``mark`` (those still remembered: the newest)."""
+        order = self._order
+        for _ in range(min(self.added - mark, len(order))):
+            self.ids.discard(order.pop())
+        self.added = min(self.added, mark)

@@ -38,6 +38,7 @@ from upsycle_router.core.events import (
     Effect,
     Event,
     Fanout,
+    MessageReceived,
     MessagesReceived,
     PeerLearned,
     QueueSent,
@@ -388,6 +389,7 @@ class Driver:
         now = self.clock()
         timer, self._timer_due = self._timer_due, False
         committer = self._committer
+        self.router.batch_begun()
         if committer is None:
             try:
                 with self._transaction():
@@ -471,11 +473,16 @@ class Driver:
         succeed. Connection bookkeeping must not be lost with the messages: it is replayed on its own."""
         log.error("store error, batch of %d events not committed: %s", len(events), e)
         self.stats["store_errors_total"] = self.stats.get("store_errors_total", 0) + 1
+        self.router.batch_lost()
         effects: list[Effect] = []
-        with contextlib.suppress(lmdb.Error), self._transaction():
-            for ev in events:
-                if not isinstance(ev, MessagesReceived):
-                    effects.extend(self.router.handle(ev, now))
+        self.router.batch_begun()
+        try:
+            with self._transaction():
+                for ev in events:
+                    if not isinstance(ev, (MessagesReceived, MessageReceived)):
+                        effects.extend(self.router.handle(ev, now))
+        except lmdb.Error:
+            self.router.batch_lost()
         return effects
 
     @contextlib.contextmanager
