@@ -121,19 +121,28 @@ async def _until(cond: Any) -> None:
     raise AssertionError("condition not reached")
 
 
+def _gated_driver(
+    router: Router, store: LmdbStore, peers: tuple[bytes, ...], journal: TraceJournal | None = None
+) -> tuple[Driver, _Gate]:
+    """A driver whose commits (on the commit thread) pass a ``_Gate``, open for now, with a local connection
+    1, 2, ... opened from each of ``peers``."""
+    driver = Driver(router, store, journal=journal, verify_threads=1)
+    assert driver._committer is not None  # fsync: commits run on the commit thread
+    gate = _Gate(store.env)
+    driver._committer.env = gate
+    gate.open.set()
+    for conn, peer in enumerate(peers, 1):
+        driver.push(ConnectionOpened(conn, peer, True))
+    return driver, gate
+
+
 async def test_effects_wait_for_the_commit_while_the_loop_goes_on(tmp_path: Path) -> None:
     router_id, app, service, group = (Identity.from_seed(bytes([n]) * 32) for n in (1, 2, 3, 4))
     store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
     journal = TraceJournal(tmp_path / "trace", router_id.public)
     # A local publish reaches the (local) pub/sub service: each message is stored, then delivered to it.
     router = Router(router_id, store, CoreConfig(pubsub_service=service.public))
-    driver = Driver(router, store, journal=journal, verify_threads=1)
-    assert driver._committer is not None  # fsync: commits run on the commit thread
-    gate = _Gate(store.env)
-    driver._committer.env = gate
-    gate.open.set()
-    driver.push(ConnectionOpened(1, app.public, True))
-    driver.push(ConnectionOpened(2, service.public, True))
+    driver, gate = _gated_driver(router, store, (app.public, service.public), journal)
     await _until(lambda: gate.commits == 1 and driver._committing is None)
     gate.open.clear()
 
@@ -166,13 +175,7 @@ async def test_a_batch_that_wrote_nothing_commits_nothing_and_waits_for_nothing(
     router_id, app, peer = (Identity.from_seed(bytes([n]) * 32) for n in (5, 6, 7))
     store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
     journal = TraceJournal(tmp_path / "trace", router_id.public)
-    driver = Driver(Router(router_id, store), store, journal=journal, verify_threads=1)
-    assert driver._committer is not None
-    gate = _Gate(store.env)
-    driver._committer.env = gate
-    gate.open.set()
-    driver.push(ConnectionOpened(1, app.public, True))
-    driver.push(ConnectionOpened(2, peer.public, True))
+    driver, gate = _gated_driver(Router(router_id, store), store, (app.public, peer.public), journal)
     await _until(lambda: gate.commits >= 1 and driver._committing is None)
     commits = gate.commits
     gate.open.clear()  # a commit now would wait here
@@ -226,13 +229,7 @@ async def test_a_batch_whose_commit_failed_leaves_no_trace_in_the_store(tmp_path
     router_id, app, service, group = (Identity.from_seed(bytes([n]) * 32) for n in (12, 13, 14, 15))
     store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
     router = Router(router_id, store, CoreConfig(pubsub_service=service.public))
-    driver = Driver(router, store, verify_threads=1)
-    assert driver._committer is not None
-    gate = _Gate(store.env)
-    driver._committer.env = gate
-    gate.open.set()
-    driver.push(ConnectionOpened(1, app.public, True))
-    driver.push(ConnectionOpened(2, service.public, True))
+    driver, gate = _gated_driver(router, store, (app.public, service.public))
     await _until(lambda: driver._committing is None and router.connections() == 2)
     kept = sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"kept", group)
     driver.push(MessageReceived(1, kept, True, len(kept.encode())))

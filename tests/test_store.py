@@ -587,13 +587,13 @@ class QueueModel(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-QueueModel.TestCase.settings = settings(
-    max_examples=40,
-    stateful_step_count=25,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+def _model_settings(steps: int) -> settings:
+    """Settings of the stateful model tests: derandomized, no deadline (LMDB files are opened and closed)."""
+    return settings(max_examples=40, stateful_step_count=steps, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.too_slow])
+
+
+QueueModel.TestCase.settings = _model_settings(25)
 test_queue_matches_model = QueueModel.TestCase
 
 
@@ -608,6 +608,7 @@ def _indexed(path: Path) -> tuple[int, int, int]:
             v = txn.get(b"indexed", db=env.open_db(b"meta", txn=txn, create=False))
             n_ids = txn.stat(env.open_db(b"msg_ids", txn=txn, create=False))["entries"]
             n_exp = txn.stat(env.open_db(b"msg_exp", txn=txn, create=False))["entries"]
+        assert v is not None
         return struct.unpack(">Q", v)[0], n_ids, n_exp
     finally:
         env.close()
@@ -803,11 +804,5 @@ class MessageModel(RuleBasedStateMachine):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-MessageModel.TestCase.settings = settings(
-    max_examples=40,
-    stateful_step_count=30,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+MessageModel.TestCase.settings = _model_settings(30)
 test_messages_match_model = MessageModel.TestCase
