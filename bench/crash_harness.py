@@ -303,6 +303,8 @@ def check_store(store_dir: Path) -> list[str]:
             n_indexed = 0
             for seq, v in by_seq.items():
                 mid = v[41:73] if v[8] == 1 else v[9:41]
+                if mid in msgs:
+                    problems.append(f"message {mid.hex()[:16]} is stored twice")
                 msgs[mid] = v
                 if seq >= indexed:
                     if mid in ids or v[:8] + seq in msg_exp:

@@ -632,32 +632,41 @@ def test_index_entries_wait_in_memory_until_a_batch_is_full(path: Path) -> None:
     _crash(s)
     assert _indexed(path)[1:] == (0, 0)
     assert check_store(path) == []  # an unindexed tail is consistent
-    s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=4)  # opening indexes the tail
-    try:
-        assert [s.get_message(mid(n)).data for n in range(1, 4)] == [b"m1", b"m2", b"m3"]  # type: ignore[union-attr]
-        assert s.next_expiry() == T + 10
-        for n in range(4, 8):  # the batch fills up at message 7 (3 on top of 4 from the opening): written out
-            with s.transaction():
-                assert s.put_message(mid(n), b"m%d" % n, None, T + 10 * n)
-    finally:
-        _crash(s)
-    indexed, n_ids, n_exp = _indexed(path)
-    assert (n_ids, n_exp) == (7, 7) and indexed > 7
-    assert check_store(path) == []
-
-
-def test_duplicates_are_refused_across_the_bulk_write(path: Path) -> None:
-    s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=2)
-    try:
+    s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=4)  # opening reads the tail back
+    assert len(s._ids) == 3
+    assert [s.get_message(mid(n)).data for n in range(1, 4)] == [b"m1", b"m2", b"m3"]  # type: ignore[union-attr]
+    assert s.next_expiry() == T + 10
+    for n in range(4, 8):  # the batch fills up at message 4 (3 from the opening, 1 new): written out
         with s.transaction():
-            for n in range(1, 6):
-                assert s.put_message(mid(n), b"x", None, T + n)
-        with s.transaction():  # 4 of them on disk, the 5th in memory: each one is known
-            assert not any(s.put_message(mid(n), b"y", None, T + n) for n in range(1, 6))
-        assert sorted(s.message_ids()) == [mid(n) for n in range(1, 6)]
+            assert s.put_message(mid(n), b"m%d" % n, None, T + 10 * n)
+    _crash(s)
+    indexed, n_ids, n_exp = _indexed(path)
+    assert (n_ids, n_exp) == (4, 4) and indexed > 4
+    assert check_store(path) == []
+    s = LmdbStore(path, Durability.NONE, map_size=MAP)
+    try:
+        assert [s.get_message(mid(n)).data for n in range(1, 8)] == [b"m%d" % n for n in range(1, 8)]  # type: ignore[union-attr]
     finally:
         s.close()
-    assert _indexed(path)[1:] == (5, 5)  # close writes what was left in memory
+
+
+@pytest.mark.parametrize("crash", [False, True])
+def test_duplicates_are_refused_across_the_bulk_write(path: Path, crash: bool) -> None:
+    s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=4)
+    with s.transaction():  # written out at this commit
+        for n in range(1, 5):
+            assert s.put_message(mid(n), b"x", None, T + n)
+    with s.transaction():  # waits in memory
+        assert s.put_message(mid(5), b"x", None, T + 5)
+    assert len(s._ids) == 1
+    with s.transaction():  # 4 of them on disk, the 5th in memory: each one is known
+        assert not any(s.put_message(mid(n), b"y", None, T + n) for n in range(1, 6))
+    assert sorted(s.message_ids()) == [mid(n) for n in range(1, 6)]
+    if crash:
+        _crash(s)
+    else:
+        s.close()  # writes what was left in memory
+    assert _indexed(path)[1:] == ((4, 4) if crash else (5, 5))
     assert check_store(path) == []
 
 
@@ -729,12 +738,73 @@ def test_a_schema_2_store_opens_fully_indexed(path: Path) -> None:
         txn.delete(b"indexed", db=env.open_db(b"meta", txn=txn))
     env.close()
     s = open_store(path)
+    assert s._get("meta", b"schema") == SCHEMA_VERSION
+    assert s.get_message(mid(1)) == StoredMessage(b"one", G1, T + 5)
+    with s.transaction():  # stored after the conversion, not yet indexed: found after a crash
+        s.put_message(mid(2), b"two", None, T + 6)
+    _crash(s)
+    assert check_store(path) == []
+    s = open_store(path)
     try:
-        assert s._get("meta", b"schema") == SCHEMA_VERSION
+        assert s.get_message(mid(2)) == StoredMessage(b"two", None, T + 6)
         assert s.get_message(mid(1)) == StoredMessage(b"one", G1, T + 5)
     finally:
         s.close()
     assert check_store(path) == []
+
+
+def test_check_store_finds_a_message_stored_twice(path: Path) -> None:
+    s = open_store(path)
+    with s.transaction():
+        s.put_message(mid(1), b"x", None, T)
+    rec = s._get("msgs", s._ids[mid(1)])
+    _crash(s)
+    env = lmdb.open(str(path), max_dbs=16, map_size=MAP)
+    with env.begin(write=True) as txn:
+        txn.put(struct.pack(">Q", 999), rec, db=env.open_db(b"msgs", txn=txn))
+    env.close()
+    assert any("stored twice" in p for p in check_store(path))
+
+
+def test_a_small_map_fills_up_without_failing_a_commit(path: Path) -> None:
+    """has_room keeps room for the bulk index write: the store refuses messages before LMDB would fail a
+    transaction, and a full store still sweeps, closes and opens."""
+    s = LmdbStore(path, Durability.NONE, map_size=1 << 22)
+    assert s.index_batch < 4096  # fewer entries wait in a small map
+    n = 0
+    full = False
+    while not full:
+        with s.transaction():  # a MapFullError here fails the test
+            admitted = 0
+            for _ in range(64):
+                if s.has_room(400):
+                    n += 1
+                    admitted += 1
+                    s.put_message(mid(n), b"y" * 400, None, T + (1 if n % 50 == 0 else 100))
+            full = admitted == 0
+    assert n > 1000
+    with s.transaction():
+        s.sweep(T + 10)
+    assert not s.has_message(mid(50)) and s.has_message(mid(51))
+    s.close()
+    assert check_store(path) == []
+    s = LmdbStore(path, Durability.NONE, map_size=1 << 22)
+    assert len(s.message_ids()) == n - n // 50
+    s.close()
+
+
+def test_a_failing_open_reports_its_own_error(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = LmdbStore(path, Durability.NONE, map_size=MAP)
+    with s.transaction():
+        s.put_message(mid(1), b"x", None, T)
+    _crash(s)  # one message waits to be indexed by the next opening
+
+    def fail(self: LmdbStore) -> None:
+        raise lmdb.MapFullError("no room to index")
+
+    monkeypatch.setattr(LmdbStore, "_flush_index", fail)
+    with pytest.raises(lmdb.MapFullError, match="no room to index"):
+        LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=1)
 
 
 class MessageModel(RuleBasedStateMachine):

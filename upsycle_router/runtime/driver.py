@@ -448,6 +448,9 @@ class Driver:
         except lmdb.Error as e:
             self.store.aborted()
             effects = self._not_committed(rec.events, e, rec.now)
+        except BaseException:
+            self.store.aborted()
+            raise
         else:
             self.store.committed()
             effects = rec.effects

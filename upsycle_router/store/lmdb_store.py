@@ -27,12 +27,13 @@ transaction.
 The two indexes of ``msgs`` are written in bulk. Keyed by random 32-byte ids, one ``msg_ids`` entry per
 stored message rewrites a different ~4 KiB page of the table at each commit; ``msg_exp`` costs another
 B-tree insert. So the entries of newly stored messages are held in memory (``_ids``, ``_exps``, consulted by
-every lookup) and written sorted, many at once, when ``index_batch`` of them have gathered (in the commit of
-the batch that filled them up), when an expiry sweep needs them, and on close. ``meta`` ``indexed`` is the
-first sequence number the on-disk indexes may lack: it is written with every bulk write, in the same
-transaction, so the indexes never run ahead of the messages or behind ``indexed``. Opening the store (after a
-crash, say) reads the records from ``indexed`` on, which carry their id and expiry, and indexes them. A
-transaction that does not commit leaves the memory part to be read back the same way.
+every lookup, the expiry sweep included) and written sorted, many at once, when ``index_batch`` of them have
+gathered (in the commit of the batch that filled them up) and on close. ``meta`` ``indexed`` is the first
+sequence number the on-disk indexes may lack: it is written with every bulk write, in the same transaction,
+so the indexes never run ahead of the messages or behind ``indexed``. Opening the store (after a crash, say)
+reads the records from ``indexed`` on, which carry their id and expiry, back into memory. A transaction that
+does not commit leaves the memory part to be read back the same way. A bulk write needs at most two new pages
+per entry; ``has_room`` keeps that much of the map free, and a small map holds fewer entries in memory.
 
 All writes happen inside :meth:`LmdbStore.transaction`, one write transaction that the driver opens around a
 batch of events (group commit). Reads outside a transaction use a short read transaction. Durability:
@@ -48,6 +49,7 @@ expiry indexes iterate in time order.
 from __future__ import annotations
 
 import enum
+import logging
 import os
 import struct
 from collections.abc import Iterator
@@ -59,8 +61,10 @@ import lmdb
 
 from upsycle_router.store.tables import LmdbTables
 
+log = logging.getLogger("upsycle_router.store")
+
 SCHEMA_VERSION = b"3"  # 3: the message indexes may lag behind ``msgs`` from ``indexed`` on (2: never)
-INDEX_BATCH = 4096  # index entries held in memory before they are written in bulk
+INDEX_BATCH = 4096  # index entries held in memory before they are written in bulk (at most; see _index_batch)
 _U64 = struct.Struct(">Q")
 _QVAL = struct.Struct(">32sQI")  # id, expires_ms, size
 _QSTAT = struct.Struct(">QQ")
@@ -146,9 +150,9 @@ class LmdbStore(LmdbTables):
             readahead=False,
         )
         self._txn: Any = None
-        self._room: list[int] | None = None  # [estimated bytes used, map size] in this transaction (has_room)
+        self._room: list[int] | None = None  # [estimated bytes used, most bytes usable] in this transaction (has_room)
         self._next_seq = 0
-        self.index_batch = max(1, index_batch)
+        self._opened = False
         # Index entries of messages stored from ``indexed`` on, not yet in msg_ids / msg_exp: id -> seq, and
         # seq -> msg_exp key; ``_exp_min`` is the earliest of those expiries (ms) unless ``_exp_stale``.
         self._ids: dict[bytes, bytes] = {}
@@ -157,7 +161,10 @@ class LmdbStore(LmdbTables):
         self._exp_stale = False
         self._db: dict[str, Any] = {}
         self._db["meta"] = self.env.open_db(b"meta")
-        self._psize = self.env.stat()["psize"]
+        self._psize = int(self.env.stat()["psize"])
+        # A bulk index write needs new pages - at most two per entry (the leaf it copies, one split) - and must
+        # fit in the margin has_room keeps free: in a small map, fewer entries wait.
+        self.index_batch = max(1, min(index_batch, int(self.env.info()["map_size"]) // (64 * self._psize)))
         self._next_seq = self._load_seq()
         self._saved_seq = self._next_seq
         with self.transaction():
@@ -173,9 +180,11 @@ class LmdbStore(LmdbTables):
                 self._db["msgs"] = self.env.open_db(b"msgs", txn=self._txn)
             if v != SCHEMA_VERSION:
                 self._put("meta", b"schema", SCHEMA_VERSION)
-            if v == SCHEMA_VERSION:
-                self._load_unindexed(self._txn)
-            self._flush_index()  # opened fully indexed (earlier schemas index every message)
+            # Schema 3: the messages stored after the last bulk write (a crash, say) wait in memory again. Earlier
+            # schemas index every message (a converted schema 1 store: in memory now); say so.
+            if v != SCHEMA_VERSION or not self._load_unindexed(self._txn) or len(self._ids) >= self.index_batch:
+                self._flush_index()
+        self._opened = True
 
     # ------------------------------------------------------------ transactions
 
@@ -194,27 +203,26 @@ class LmdbStore(LmdbTables):
     def _aborted(self) -> None:
         # The index entries in memory may include messages of the aborted transaction, or miss ones it removed
         # or wrote out: read them back from what is committed. (Sequence numbers stay taken: a gap is harmless.)
+        if not self._opened:
+            return  # the opening transaction failed: its error is the one to see, and the store is not used
         with self.env.begin() as txn:
             self._load_unindexed(txn)
 
     # ------------------------------------------------------------ the message indexes
 
-    def _load_unindexed(self, txn: Any) -> None:
-        """Fill the in-memory index entries from the ``msgs`` records at and after ``indexed``, in ``txn``."""
+    def _load_unindexed(self, txn: Any) -> bool:
+        """Fill the in-memory index entries from the ``msgs`` records at and after ``indexed``, in ``txn``;
+        False if ``indexed`` is missing (then every record is read: what is indexed already is written again)."""
         self._ids.clear()
         self._exps.clear()
         self._exp_min, self._exp_stale = _NEVER_MS, False
-        if "msgs" not in self._db:
-            return  # (the opening transaction failed)
         v = txn.get(b"indexed", db=self._db["meta"])
-        if v is None:
-            return
         cur = txn.cursor(db=self._db["msgs"])
-        if not cur.set_range(bytes(v)):
-            return
-        for k, rec in cur.iternext():
-            seq, rec = bytes(k), bytes(rec)
-            self._pending(self._record_id(rec), seq, rec[:8])
+        if cur.set_range(bytes(v) if v is not None else b""):
+            for k, rec in cur.iternext():
+                seq, rec = bytes(k), bytes(rec)
+                self._pending(self._record_id(rec), seq, rec[:8])
+        return v is not None
 
     def _pending(self, mid: bytes, seq: bytes, exp: bytes) -> None:
         self._ids[mid] = seq
@@ -250,8 +258,11 @@ class LmdbStore(LmdbTables):
         if self._txn is not None:
             raise RuntimeError("close() inside a transaction")
         if self._ids:
-            with self.transaction():
-                self._flush_index()
+            try:
+                with self.transaction():
+                    self._flush_index()
+            except lmdb.Error as e:  # they are indexed when the store is opened next
+                log.warning("%s: message index entries not written on close: %s", self.path, e)
         self.env.sync(True)
         self.env.close()
 
@@ -534,8 +545,6 @@ class LmdbStore(LmdbTables):
         now_ms = _ms(now)
         out: list[Expired] = []
         txn = self._w()
-        if self._exps and self._pending_expiry() <= now_ms:
-            self._flush_index()  # messages stored since the last bulk write expire: index them to find them
         cur = txn.cursor(db=self._db["queue_exp"])
         victims: list[bytes] = []
         if cur.first():
@@ -566,24 +575,30 @@ class LmdbStore(LmdbTables):
                 self._drop(self._record_id(v), seq, v)
             else:
                 self._delete("msg_exp", k)
+        if self._exps and self._pending_expiry() <= now_ms:  # messages stored since the last bulk write expire
+            for k in sorted(k for k in self._exps.values() if _U64.unpack_from(k, 0)[0] <= now_ms)[:limit]:
+                v = self._get("msgs", k[8:])
+                if v is not None:
+                    self._drop(self._record_id(v), k[8:], v)
         return out
 
     def has_room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more can be written with a safety margin left in the map.
 
         LMDB fails a whole transaction when its map is full, so the router refuses new messages (trace
-        reason ``quota``) before that point: it keeps 1/16 of the map (at least 1 MiB) free, plus four times
-        the size of the write for the B-tree pages it touches.
+        reason ``quota``) before that point: it keeps 1/16 of the map (at least 1 MiB, and at least what a bulk
+        index write may need) free, plus four times the size of the write for the B-tree pages it touches.
         """
         if self._txn is None or self._room is None:
             info = self.env.info()
             used = (int(info["last_pgno"]) + 1) * int(self._psize)
             size = int(info["map_size"])
+            margin = max(size // 16, 1 << 20, 2 * int(self._psize) * self.index_batch)
             if self._txn is None:
-                return used + 4 * nbytes + max(size // 16, 1 << 20) <= size
-            self._room = [used, size]  # read once per transaction; what it admits is added up after that
-        used, size = self._room
-        if used + 4 * nbytes + max(size // 16, 1 << 20) > size:
+                return used + 4 * nbytes + margin <= size
+            self._room = [used, size - margin]  # read once per transaction; what it admits is added up after that
+        used, limit = self._room
+        if used + 4 * nbytes > limit:
             return False
         self._room[0] = used + 4 * nbytes
         return True
