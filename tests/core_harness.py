@@ -28,6 +28,7 @@ from upsycle_router.core.events import (
     Effect,
     Event,
     MessageReceived,
+    MessagesReceived,
     PeerLearned,
     QueueSent,
     Send,
@@ -241,6 +242,29 @@ class CoreHarness:
         self.log.extend(out)
         self.last = out
         return out
+
+    def lost(self, events: Iterable[Event], now: float | None = None) -> Effects:
+        """Several events in one batch whose transaction does not commit, handled as the driver does: the
+        router forgets the batch (``batch_lost``) and the batch's connection events are routed again in a new
+        transaction; their effects are returned (the lost batch's own effects are never carried out)."""
+        if now is not None:
+            self.now = now
+        events = list(events)
+        self.router.batch_begun()
+
+        class Lost(Exception):
+            pass
+
+        try:
+            with self.store.transaction():
+                for ev in events:
+                    self.router.handle(ev, self.now)
+                raise Lost
+        except Lost:
+            pass
+        self.router.batch_lost()
+        self.router.batch_begun()
+        return self.handle_all([ev for ev in events if not isinstance(ev, (MessageReceived, MessagesReceived))])
 
     def open(self, peer: Identity | bytes, *, local: bool = True, now: float | None = None) -> int:
         """Open a connection from ``peer``; return its id (the opening effects are in :attr:`last`)."""

@@ -23,6 +23,7 @@ from core_harness import (
 )
 
 from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.events import ConnectionOpened
 from upsycle_router.core.router import ROUTE_ADVERT
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.expiry import exp_in, unix_to_exp
@@ -287,6 +288,17 @@ def test_a_restarted_router_subs_its_groups_again_when_the_pubsub_service_connec
     hps.close(p)
     p = hps.open(PS)  # a reconnect without a restart: the service kept its state
     assert pubsub_requests(hps.last, p) == []
+
+
+def test_the_pubsub_service_connecting_in_a_lost_batch_gets_its_subs_from_the_replay(hps: CoreHarness) -> None:
+    hps.open(PS)
+    a = hps.open(ALICE)
+    hps.receive(a, control(ALICE, X, Join(G.public, False)))
+    hps.restart()
+    p = next(hps._ids)
+    out = hps.lost([ConnectionOpened(p, PS.public, True)])
+    assert pubsub_requests(out, p) == [Sub(G.public)]
+    assert hps.router._by_key[PS.public] == [p]  # registered once, though opened twice
 
 
 def test_sub_ack_from_the_pubsub_service_is_absorbed(hps: CoreHarness) -> None:

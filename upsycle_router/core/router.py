@@ -115,7 +115,11 @@ class Router:
         self.control = ControlPlane(self)
         self.tracing = self.config.trace  # build the routine per-message Trace records
         self.counters: dict[str, int] = {}  # driver-side counters, reported by status()
-        self._batch_mark = 0  # self.seen.added when the driver began the current batch
+        # When the driver began the current batch: self.seen.added, and the pending SUBs and dials (usually
+        # none), for batch_lost.
+        self._batch_mark = 0
+        self._batch_resub: set[bytes] = set()
+        self._batch_dialing: set[bytes] = set()
 
     # ------------------------------------------------------------------ driver interface
 
@@ -147,13 +151,22 @@ class Router:
     def batch_begun(self) -> None:
         """The driver begins routing a batch of events in one store transaction."""
         self._batch_mark = self.seen.added
+        if self._resub or self._batch_resub:
+            self._batch_resub = set(self._resub)
+        if self._dialing or self._batch_dialing:
+            self._batch_dialing = set(self._dialing)
 
     def batch_lost(self) -> None:
-        """The batch begun last did not commit: nothing of it is in the store, and nothing of it was sent or
-        acknowledged. Forget what it changed here too: the ids it saw (a sender that got no acknowledgement
-        sends again, and that copy must not be dropped as a duplicate), and the state mirrored from the store
-        (subscriptions, routes, local services) is read back from it."""
+        """The batch begun last did not commit: nothing of it is in the store, and none of its effects were
+        carried out. Forget what it changed here too: the ids it saw (a sender that got no acknowledgement
+        sends again, and that copy must not be dropped as a duplicate), the SUBs and dials it would have sent
+        (they are due again), and read the state mirrored from the store (subscriptions, routes, local
+        services) back from it. (The driver then replays the batch's connection events.)"""
         self.seen.forget_since(self._batch_mark)
+        self._resub.clear()
+        self._resub.update(self._batch_resub)
+        self._dialing.clear()
+        self._dialing.update(self._batch_dialing)
         store = self.store
         self.locals.clear()
         self.locals.update(set(self.config.local_services or ()) | store.locals())
@@ -259,6 +272,8 @@ class Router:
     # ------------------------------------------------------------------ connections
 
     def _on_open(self, ev: ConnectionOpened, now: float, out: list[Effect]) -> None:
+        if ev.conn in self._conns:  # the same connection again (the driver replays a lost batch): start afresh
+            self._on_close(ConnectionClosed(ev.conn), out)
         c = Conn(ev.conn, ev.peer, ev.local)
         self._conns[ev.conn] = c
         self._by_key.setdefault(ev.peer, []).append(ev.conn)
