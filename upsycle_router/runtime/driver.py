@@ -486,6 +486,7 @@ class Driver:
                         effects.extend(self.router.handle(ev, now))
         except lmdb.Error:
             self.router.batch_lost()
+            effects = []  # that transaction failed too: none of it is carried out either
         return effects
 
     @contextlib.contextmanager

@@ -61,7 +61,9 @@ class LmdbTables:
     def detach(self, *, commit: bool = True) -> Any:
         """Stop writing in the attached transaction and return it; with ``commit`` run the last writes of a
         transaction about to commit first. Call :meth:`committed` once it has committed, :meth:`aborted` if it
-        was aborted or its commit failed (``commit=False``: the caller aborts it)."""
+        was aborted or its commit failed (``commit=False``: the caller aborts it). Until then, reads see
+        neither state cleanly (the store's in-memory index entries already follow the detached transaction,
+        a read transaction does not): read nothing in between."""
         txn = self._txn
         try:
             if commit:
