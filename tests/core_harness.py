@@ -243,10 +243,11 @@ class CoreHarness:
         self.last = out
         return out
 
-    def lost(self, events: Iterable[Event], now: float | None = None) -> Effects:
-        """Several events in one batch whose transaction does not commit, handled as the driver does: the
-        router forgets the batch (``batch_lost``) and the batch's connection events are routed again in a new
-        transaction; their effects are returned (the lost batch's own effects are never carried out)."""
+    def lost(self, events: Iterable[Event], now: float | None = None, *, timer: bool = False) -> Effects:
+        """Several events (and with ``timer`` the timer run) in one batch whose transaction does not commit,
+        handled as the driver does: the router forgets the batch (``batch_lost``) and the batch's connection
+        events are routed again in a new transaction; their effects are returned (the lost batch's own
+        effects are never carried out)."""
         if now is not None:
             self.now = now
         events = list(events)
@@ -259,6 +260,8 @@ class CoreHarness:
             with self.store.transaction():
                 for ev in events:
                     self.router.handle(ev, self.now)
+                if timer:
+                    self.router.handle_timer(self.now)
                 raise Lost
         except Lost:
             pass

@@ -250,6 +250,16 @@ def test_a_dial_of_a_lost_batch_is_made_by_the_next_message(h: CoreHarness) -> N
     assert h.receive(a, m).dials() == [R.public]  # sent again: queued, and the router is dialled
 
 
+def test_a_redial_of_a_lost_timer_run_is_due_again(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    assert h.receive(a, unicast(ALICE, REMOTE_SVC, b"1", via=R.public)).dials() == [R.public]
+    h.dial_failed(R)
+    due = h.router.next_deadline()
+    assert due is not None
+    h.lost([], due, timer=True)  # the timer run that dialled again did not commit: its Dial never went out
+    assert h.timer(due).dials() == [R.public]
+
+
 def test_second_message_while_dialling_does_not_dial_again(h: CoreHarness) -> None:
     a = h.open(ALICE)
     assert h.receive(a, unicast(ALICE, REMOTE_SVC, b"1", via=R.public)).dials() == [R.public]

@@ -120,6 +120,8 @@ class Router:
         self._batch_mark = 0
         self._batch_resub: set[bytes] = set()
         self._batch_dialing: set[bytes] = set()
+        self._batch_redial: dict[bytes, float] = {}
+        self._batch_backoff: dict[bytes, float] = {}
 
     # ------------------------------------------------------------------ driver interface
 
@@ -155,18 +157,26 @@ class Router:
             self._batch_resub = set(self._resub)
         if self._dialing or self._batch_dialing:
             self._batch_dialing = set(self._dialing)
+        if self._redial or self._batch_redial:
+            self._batch_redial = dict(self._redial)
+        if self._backoff or self._batch_backoff:
+            self._batch_backoff = dict(self._backoff)
 
     def batch_lost(self) -> None:
         """The batch begun last did not commit: nothing of it is in the store, and none of its effects were
         carried out. Forget what it changed here too: the ids it saw (a sender that got no acknowledgement
-        sends again, and that copy must not be dropped as a duplicate), the SUBs and dials it would have sent
-        (they are due again), and read the state mirrored from the store (subscriptions, routes, local
+        sends again, and that copy must not be dropped as a duplicate), the SUBs, dials and redials it would
+        have sent (they are due again), and read the state mirrored from the store (subscriptions, routes, local
         services) back from it. (The driver then replays the batch's connection events.)"""
         self.seen.forget_since(self._batch_mark)
         self._resub.clear()
         self._resub.update(self._batch_resub)
         self._dialing.clear()
         self._dialing.update(self._batch_dialing)
+        self._redial.clear()
+        self._redial.update(self._batch_redial)
+        self._backoff.clear()
+        self._backoff.update(self._batch_backoff)
         store = self.store
         self.locals.clear()
         self.locals.update(set(self.config.local_services or ()) | store.locals())

@@ -450,6 +450,7 @@ class Driver:
             effects = self._not_committed(rec.events, e, rec.now)
         except BaseException:
             self.store.aborted()
+            self.router.batch_lost()
             raise
         else:
             self.store.committed()
@@ -485,8 +486,9 @@ class Driver:
                     if not isinstance(ev, (MessagesReceived, MessageReceived)):
                         effects.extend(self.router.handle(ev, now))
         except lmdb.Error:
+            # That transaction failed too. Its effects read only committed state (queued entries, SUBs,
+            # adverts) and the connections are open: they are carried out all the same.
             self.router.batch_lost()
-            effects = []  # that transaction failed too: none of it is carried out either
         return effects
 
     @contextlib.contextmanager
