@@ -766,31 +766,57 @@ def test_check_store_finds_a_message_stored_twice(path: Path) -> None:
     assert any("stored twice" in p for p in check_store(path))
 
 
-def test_a_small_map_fills_up_without_failing_a_commit(path: Path) -> None:
-    """has_room keeps room for the bulk index write: the store refuses messages before LMDB would fail a
-    transaction, and a full store still sweeps, closes and opens."""
-    s = LmdbStore(path, Durability.NONE, map_size=1 << 22)
-    assert s.index_batch < 4096  # fewer entries wait in a small map
-    n = 0
-    full = False
-    while not full:
+def _fill(s: LmdbStore, size: int, first: int, expires: float, recipients: int = 0) -> int:
+    """Store messages of ``size`` bytes (ids from ``first`` on), each queued for ``recipients``, as the router
+    does - ``has_room`` before every write - in batches of 64 until two batches in a row are refused whole
+    (has_room counts what the last transaction wrote as taken for one more); how many."""
+    n = refused = 0
+    while refused < 2:
         with s.transaction():  # a MapFullError here fails the test
             admitted = 0
             for _ in range(64):
-                if s.has_room(400):
-                    n += 1
-                    admitted += 1
-                    s.put_message(mid(n), b"y" * 400, None, T + (1 if n % 50 == 0 else 100))
-            full = admitted == 0
-    assert n > 1000
-    with s.transaction():
-        s.sweep(T + 10)
-    assert not s.has_message(mid(50)) and s.has_message(mid(51))
+                if not s.has_room(size):
+                    continue
+                n += 1
+                admitted += 1
+                s.put_message(mid(first + n), b"y" * size, None, expires)
+                for r in range(recipients):
+                    if s.has_room(128):
+                        s.enqueue(bytes([r]) * 32, mid(first + n), expires, size)
+        refused = refused + 1 if admitted == 0 else 0
+    return n
+
+
+def _sweep_all(s: LmdbStore, now: float) -> None:
+    for _ in range(200):  # each sweep removes what the free pages can take
+        with s.transaction():
+            s.sweep(now)
+        if s.next_expiry() is None or s.next_expiry() > now:  # type: ignore[operator]
+            return
+    raise AssertionError("the sweeps did not catch up")
+
+
+@pytest.mark.parametrize(("size", "recipients"), [(100, 0), (400, 0), (4000, 0), (100, 8)])
+def test_a_small_map_fills_up_without_failing_a_commit_and_is_usable_again(
+    path: Path, size: int, recipients: int
+) -> None:
+    """has_room keeps room for the bulk index write and for removals: the store refuses messages before LMDB
+    would fail a transaction; a full store still sweeps, closes and opens, and once its messages expired it
+    takes new ones again."""
+    s = LmdbStore(path, Durability.NONE, map_size=1 << 22)
+    assert s.index_batch < 4096  # fewer entries wait in a small map
+    n = _fill(s, size, 0, T + 100, recipients)
+    assert n > 100
+    _sweep_all(s, T + 200)
+    assert s.message_ids() == [] and s.queue_recipients() == {}
     s.close()
     assert check_store(path) == []
     s = LmdbStore(path, Durability.NONE, map_size=1 << 22)
-    assert len(s.message_ids()) == n - n // 50
-    s.close()
+    try:
+        assert _fill(s, size, n, T + 300, recipients) > n // 2  # the freed pages are used again
+    finally:
+        s.close()
+    assert check_store(path) == []
 
 
 def test_a_failing_open_reports_its_own_error(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

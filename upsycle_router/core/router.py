@@ -62,6 +62,9 @@ from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
 
+# What one queue entry writes across the queue tables (entry, expiry index, reference count, usage), as
+# charged against the store's room: a stored message queued for many recipients costs more than its bytes.
+QUEUE_ENTRY_BYTES = 128
 REDIAL_MIN = 2.0
 REDIAL_MAX = 60.0
 ROUTE_CONNECTION = 1
@@ -602,7 +605,8 @@ class Router:
         count, nbytes = self.store.queue_usage(key)
         if count + 1 > self.config.queue_max_count or nbytes + len(data) > self.config.queue_max_bytes:
             return drop("quota")
-        if not self.store.has_message(msg.id) and not self.store.has_room(len(data)):
+        stored = self.store.has_message(msg.id)
+        if not self.store.has_room(QUEUE_ENTRY_BYTES if stored else QUEUE_ENTRY_BYTES + len(data)):
             return drop("quota")  # the store (disk quota) is full: refuse new messages, keep the stored ones
         self.store.put_message(msg.id, data, group, expiry)
         self.store.enqueue(key, msg.id, expiry, len(data))

@@ -28,7 +28,7 @@ The two indexes of ``msgs`` are written in bulk. Keyed by random 32-byte ids, on
 stored message rewrites a different ~4 KiB page of the table at each commit; ``msg_exp`` costs another
 B-tree insert. So the entries of newly stored messages are held in memory (``_ids``, ``_exps``, consulted by
 every lookup, the expiry sweep included) and written sorted, many at once, when ``index_batch`` of them have
-gathered (in the commit of the batch that filled them up) and on close. ``meta`` ``indexed`` is the first
+gathered (in the transaction of the message that filled them up) and on close. ``meta`` ``indexed`` is the first
 sequence number the on-disk indexes may lack: it is written with every bulk write, in the same transaction,
 so the indexes never run ahead of the messages or behind ``indexed``. Opening the store (after a crash, say)
 reads the records from ``indexed`` on, which carry their id and expiry, back into memory. A transaction that
@@ -150,7 +150,9 @@ class LmdbStore(LmdbTables):
             readahead=False,
         )
         self._txn: Any = None
-        self._room: list[int] | None = None  # [estimated bytes used, most bytes usable] in this transaction (has_room)
+        # has_room in this transaction: [estimated bytes used, most bytes usable, bytes used at its start]
+        self._room: list[int] | None = None
+        self._last_charge = 0  # what has_room admitted in the last committed transaction
         self._next_seq = 0
         self._opened = False
         # Index entries of messages stored from ``indexed`` on, not yet in msg_ids / msg_exp: id -> seq, and
@@ -192,13 +194,14 @@ class LmdbStore(LmdbTables):
         self._room = None
 
     def _before_commit(self) -> None:
-        if len(self._ids) >= self.index_batch:
-            self._flush_index()
         if self._next_seq != self._saved_seq:  # a batch that wrote nothing commits (and syncs) nothing
             self._put("meta", b"seq", _U64.pack(self._next_seq))
 
     def _committed(self) -> None:
         self._saved_seq = self._next_seq
+        # The pages this transaction copied free their old copies, which LMDB reuses only from the transaction
+        # after next: has_room counts them as taken for one more transaction.
+        self._last_charge = self._room[0] - self._room[2] if self._room is not None else 0
 
     def _aborted(self) -> None:
         # The index entries in memory may include messages of the aborted transaction, or miss ones it removed
@@ -406,6 +409,8 @@ class LmdbStore(LmdbTables):
         self._exps[seq] = exp + seq
         if exp_ms < self._exp_min:
             self._exp_min = exp_ms
+        if len(ids) >= self.index_batch:  # now, not at the commit: the room has_room keeps is for this many
+            self._flush_index()
         return True
 
     @staticmethod
@@ -545,6 +550,7 @@ class LmdbStore(LmdbTables):
         now_ms = _ms(now)
         out: list[Expired] = []
         txn = self._w()
+        limit = self._sweep_limit(limit)
         cur = txn.cursor(db=self._db["queue_exp"])
         victims: list[bytes] = []
         if cur.first():
@@ -580,27 +586,44 @@ class LmdbStore(LmdbTables):
                 v = self._get("msgs", k[8:])
                 if v is not None:
                     self._drop(self._record_id(v), k[8:], v)
+                else:
+                    self._exps.pop(k[8:], None)
         return out
+
+    def _live_bytes(self) -> int:
+        """The bytes of the pages the tables hold now. (LMDB's ``last_pgno`` is the file's high-water mark:
+        it never goes down, and a store that was full once would refuse every message after.)"""
+        with self._r() as txn:
+            pages = sum(int(st["branch_pages"]) + int(st["leaf_pages"]) + int(st["overflow_pages"])
+                        for st in [txn.stat(db) for db in self._db.values()])
+        return (pages + 2) * self._psize  # (+ the two meta pages)
+
+    def _sweep_limit(self, limit: int) -> int:
+        """At most ``limit`` removals per sweep, and no more than the free pages can take: each removal copies
+        a few B-tree pages before the pages it frees can be reused."""
+        free_pages = (int(self.env.info()["map_size"]) - self._live_bytes()) // self._psize
+        return max(1, min(limit, free_pages // 8))
 
     def has_room(self, nbytes: int) -> bool:
         """Whether ``nbytes`` more can be written with a safety margin left in the map.
 
         LMDB fails a whole transaction when its map is full, so the router refuses new messages (trace
         reason ``quota``) before that point: it keeps 1/16 of the map (at least 1 MiB, and at least what a bulk
-        index write may need) free, plus four times the size of the write for the B-tree pages it touches.
+        index write may need) free, and charges a write four times its size for the B-tree pages it touches
+        plus two pages for its index entries (what a transaction admits is added up; the sum starts afresh
+        from the pages in use with each transaction).
         """
         if self._txn is None or self._room is None:
-            info = self.env.info()
-            used = (int(info["last_pgno"]) + 1) * int(self._psize)
-            size = int(info["map_size"])
-            margin = max(size // 16, 1 << 20, 2 * int(self._psize) * self.index_batch)
+            used, size = self._live_bytes() + self._last_charge, int(self.env.info()["map_size"])
+            margin = max(size // 16, 1 << 20, 2 * self._psize * self.index_batch)
             if self._txn is None:
-                return used + 4 * nbytes + margin <= size
-            self._room = [used, size - margin]  # read once per transaction; what it admits is added up after that
-        used, limit = self._room
-        if used + 4 * nbytes > limit:
+                return used + 4 * nbytes + 2 * self._psize + margin <= size
+            self._room = [used, size - margin, used]  # read once per transaction; what it admits is added up
+        used, limit = self._room[0], self._room[1]
+        need = 4 * nbytes + 2 * self._psize  # (the pages of its index entries, when they are written out)
+        if used + need > limit:
             return False
-        self._room[0] = used + 4 * nbytes
+        self._room[0] = used + need
         return True
 
     # ------------------------------------------------------------ statistics
