@@ -453,15 +453,37 @@ def test_sweep_respects_its_limit(store: LmdbStore) -> None:
             store.enqueue(A, mid(n), T + n, 1)
             store.put_message(mid(100 + n), b"m", None, T + n)
     with store.transaction():
-        first = store.sweep(T + 10, limit=2)
+        first = store.sweep(T + 10, limit=2)  # two queue entries; more are due, so no message goes yet
     assert [e.id for e in first] == [mid(0), mid(1)]
     assert store.queue_usage(A) == (3, 3)
-    assert store.stats()["msgs_entries"] == 3
-    assert store.next_expiry() == T + 2
+    assert store.stats()["msgs_entries"] == 5
+    assert store.next_expiry() == T
     with store.transaction():
-        rest = store.sweep(T + 10, limit=10)
-    assert [e.id for e in rest] == [mid(2), mid(3), mid(4)]
+        second = store.sweep(T + 10, limit=4)  # the other three queue entries, then one message
+    assert [e.id for e in second] == [mid(2), mid(3), mid(4)]
+    assert store.stats()["msgs_entries"] == 4
+    with store.transaction():
+        assert store.sweep(T + 10, limit=10) == []
     assert store.next_expiry() is None
+
+
+@pytest.mark.parametrize("index_batch", [1, 4096])  # the message indexed, or still in memory
+def test_a_message_outlives_its_queue_entries_in_a_limited_sweep(path: Path, index_batch: int) -> None:
+    s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=index_batch)
+    try:
+        with s.transaction():
+            s.put_message(mid(1), b"m", G1, T)
+            for r in range(5):
+                s.enqueue(bytes([r]) * 32, mid(1), T, 1)
+        expired: list[Expired] = []
+        for _ in range(4):
+            with s.transaction():
+                expired += s.sweep(T, limit=2)
+        assert len(expired) == 5 and {e.group for e in expired} == {G1}  # each one still knew its message
+        assert not s.has_message(mid(1))
+    finally:
+        s.close()
+    assert check_store(path) == []
 
 
 def test_sweep_reports_the_group_of_a_queued_multicast(store: LmdbStore) -> None:

@@ -546,7 +546,9 @@ class LmdbStore(LmdbTables):
         return None if best is None else best / 1000.0
 
     def sweep(self, now: float, limit: int = 10_000) -> list[Expired]:
-        """Delete queue entries and messages whose expiry is at or before ``now``; return the queue entries."""
+        """Delete queue entries and messages whose expiry is at or before ``now``, at most ``limit`` of them
+        (fewer in a nearly full map), queue entries first: a message goes only once no due queue entry refers
+        to it. Return the queue entries."""
         now_ms = _ms(now)
         out: list[Expired] = []
         txn = self._w()
@@ -567,6 +569,9 @@ class LmdbStore(LmdbTables):
                 out.append(Expired(recipient, mid, size, stored.group if stored is not None else None))
             self.dequeue(recipient, seq)
             self._delete("queue_exp", k)
+        limit -= len(victims)
+        if limit <= 0:
+            return out  # more queue entries may be due: the messages they refer to wait for the next sweep
         cur = txn.cursor(db=self._db["msg_exp"])
         mvictims: list[bytes] = []
         if cur.first():
@@ -581,7 +586,8 @@ class LmdbStore(LmdbTables):
                 self._drop(self._record_id(v), seq, v)
             else:
                 self._delete("msg_exp", k)
-        if self._exps and self._pending_expiry() <= now_ms:  # messages stored since the last bulk write expire
+        limit -= len(mvictims)
+        if self._exps and limit > 0 and self._pending_expiry() <= now_ms:  # stored since the last bulk write
             for k in sorted(k for k in self._exps.values() if _U64.unpack_from(k, 0)[0] <= now_ms)[:limit]:
                 v = self._get("msgs", k[8:])
                 if v is not None:
