@@ -12,6 +12,7 @@ import pytest
 from core_harness import T0, CoreHarness, Effects, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.events import QueueSent
 from upsycle_router.expiry import exp_in
 from upsycle_router.wire.control import Join
 from upsycle_router.wire.messages import Message
@@ -124,6 +125,24 @@ def test_queue_drains_through_a_sliding_window(tmp_path: Path) -> None:
     assert h.queue_sent(out3).sends() == []
     assert [s.data for s in h.log.sends(b)] == [m.encode() for m in ms]  # each once, in order
     assert h.store.queue(BOB.public) == []
+
+
+def test_an_acknowledgement_in_a_lost_batch_leaves_the_window_as_it_was(tmp_path: Path) -> None:
+    h = make(tmp_path, flush_batch=2)
+    _, ms = queue_for_bob(h, 4)
+    b = h.open(BOB)
+    refs = h.last.queue_refs()
+    # The acknowledgement's batch does not commit: the Send of the next entry it made never goes out. The
+    # driver replays the acknowledgement in a new batch, which must send that entry again.
+    out = h.lost([QueueSent(tuple(refs[:1]))])
+    assert [s.data for s in out.sends(b)] == [ms[2].encode()]
+    out2 = h.queue_sent(refs[1:])
+    assert [s.data for s in out2.sends(b)] == [ms[3].encode()]
+    h.queue_sent(out)
+    h.queue_sent(out2)
+    assert h.store.queue(BOB.public) == []
+    sent = [s.data for s in h.log.sends(b)]  # (the lost batch's own Sends are not in the log: never carried out)
+    assert sent == [m.encode() for m in ms]  # each once, in order
 
 
 def test_the_window_counts_bytes_too(tmp_path: Path) -> None:

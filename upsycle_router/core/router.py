@@ -125,6 +125,9 @@ class Router:
         self._batch_dialing: set[bytes] = set()
         self._batch_redial: dict[bytes, float] = {}
         self._batch_backoff: dict[bytes, float] = {}
+        # The queue-drain state of each connection the batch changed, as it was before: conn -> (sent,
+        # inflight, inflight_bytes, backlog).
+        self._batch_conns: dict[ConnId, tuple[int, dict[int, int], int, bool]] = {}
 
     # ------------------------------------------------------------------ driver interface
 
@@ -164,6 +167,8 @@ class Router:
             self._batch_redial = dict(self._redial)
         if self._backoff or self._batch_backoff:
             self._batch_backoff = dict(self._backoff)
+        if self._batch_conns:
+            self._batch_conns = {}
 
     def batch_lost(self) -> None:
         """The batch begun last did not commit: nothing of it is in the store, and none of its effects were
@@ -180,6 +185,11 @@ class Router:
         self._redial.update(self._batch_redial)
         self._backoff.clear()
         self._backoff.update(self._batch_backoff)
+        for conn, (sent, inflight, inflight_bytes, backlog) in self._batch_conns.items():
+            c = self._conns.get(conn)
+            if c is not None:  # its queue window as it was: the batch's Sends never went out
+                c.sent, c.inflight, c.inflight_bytes, c.backlog = sent, inflight, inflight_bytes, backlog
+        self._batch_conns = {}
         store = self.store
         self.locals.clear()
         self.locals.update(set(self.config.local_services or ()) | store.locals())
@@ -327,6 +337,11 @@ class Router:
             if not lst:
                 del self._by_key[c.peer]
 
+    def _keep(self, c: Conn) -> None:
+        """Remember ``c``'s queue-drain state before the batch changes it (for batch_lost)."""
+        if c.id not in self._batch_conns:
+            self._batch_conns[c.id] = (c.sent, dict(c.inflight), c.inflight_bytes, c.backlog)
+
     def _on_queue_sent(self, ev: QueueSent, now: float, out: list[Effect]) -> None:
         drained: set[bytes] = set()
         for recipient, seq in ev.refs:
@@ -334,6 +349,7 @@ class Router:
             drained.add(recipient)
             for cid in self._by_key.get(recipient, ()):
                 c = self._conns[cid]
+                self._keep(c)
                 c.inflight_bytes -= c.inflight.pop(seq, 0)
         for recipient in drained:  # the window has room again
             conn = self.connected(recipient)
@@ -350,6 +366,7 @@ class Router:
         round trip includes a commit, and a round trip per batch is slower than the stream.)"""
         if c.blocked:
             return
+        self._keep(c)
         room = self.config.flush_batch - len(c.inflight)
         budget = self.config.flush_bytes - c.inflight_bytes
         if room <= 0 or budget <= 0:
@@ -559,6 +576,7 @@ class Router:
                 # The recipient's queue still holds unsent entries (append, so nothing overtakes what was queued
                 # first), or it does not read: keep the message in the store rather than in memory.
                 if self._enqueue(key, msg, group, data, size, now, out, kind=kind):
+                    self._keep(c)
                     c.backlog = True
                     self._flush(c, now, out)  # sends it at once unless entries are in flight or c is blocked
                 return
