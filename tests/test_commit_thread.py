@@ -19,7 +19,7 @@ import lmdb
 import pytest
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import ConnectionOpened, MessageReceived
+from upsycle_router.core.events import CloseConnection, ConnectionOpened, MessageReceived
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in
@@ -244,5 +244,28 @@ async def test_a_batch_whose_commit_failed_leaves_no_trace_in_the_store(tmp_path
     assert lost.id not in router.seen  # forgotten with the batch: the copy sent again is not a duplicate
     driver.push(MessageReceived(1, lost, True, len(lost.encode())))
     await _until(lambda: store.has_message(lost.id) and driver._committing is None)
+    await driver.aclose()
+    store.close()
+
+
+async def test_when_the_replay_of_a_lost_batch_fails_too_its_connections_are_closed(tmp_path: Path) -> None:
+    router_id, app, peer = (Identity.from_seed(bytes([n]) * 32) for n in (16, 17, 18))
+    store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
+    router = Router(router_id, store)
+    driver, gate = _gated_driver(router, store, (app.public,))
+    await _until(lambda: driver._committing is None and router.connections() == 1)
+    done: list[list[Any]] = []
+    real_done = driver._done
+
+    def record(effects: list[Any], now: float) -> None:
+        done.append(list(effects))
+        real_done(effects, now)
+
+    driver._done = record  # type: ignore[method-assign]
+    gate.fail = 2  # the batch, then its replay
+    driver.push(ConnectionOpened(2, peer.public, True))
+    await _until(lambda: driver.stats.get("store_errors_total") == 1 and driver._committing is None)
+    assert router.connected(peer.public) is None  # the core does not count it as open
+    assert [e for e in done[-1] if isinstance(e, CloseConnection)] == [CloseConnection(2, 6, "store error")]
     await driver.aclose()
     store.close()

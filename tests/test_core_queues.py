@@ -12,7 +12,7 @@ import pytest
 from core_harness import T0, CoreHarness, Effects, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import QueueSent
+from upsycle_router.core.events import ConnectionOpened, QueueSent
 from upsycle_router.expiry import exp_in
 from upsycle_router.wire.control import Join
 from upsycle_router.wire.messages import Message
@@ -397,3 +397,16 @@ def test_drained_forward_is_traced_like_a_direct_forward(h: CoreHarness) -> None
     direct = h.receive(a, unicast(ALICE, svc, b"direct", via=R.public)).traces("forwarded")[0]
     assert (queued.src, queued.dst, queued.peer) == (direct.src, direct.dst, direct.peer) == (
         ALICE.public, svc.public, R.public)
+
+
+def test_a_connection_opened_in_a_lost_batch_gets_each_entry_once(tmp_path: Path) -> None:
+    """One lost batch acknowledges an entry on Bob's connection and opens a second one for Bob; the replay
+    opens it again from scratch and sends each queued entry once."""
+    h = make(tmp_path, flush_batch=2)
+    _, ms = queue_for_bob(h, 3)
+    h.open(BOB)
+    refs = h.last.queue_refs()
+    b2 = 99
+    out = h.lost([QueueSent(tuple(refs[:1])), ConnectionOpened(b2, BOB.public, True)])
+    data = [s.data for s in out.sends(b2)]
+    assert len(data) == len(set(data)) and data == [m.encode() for m in ms[1:]]

@@ -128,6 +128,7 @@ class Router:
         # The queue-drain state of each connection the batch changed, as it was before: conn -> (sent,
         # inflight, inflight_bytes, backlog).
         self._batch_conns: dict[ConnId, tuple[int, dict[int, int], int, bool]] = {}
+        self._batch_opened: set[ConnId] = set()  # connections the batch opened
 
     # ------------------------------------------------------------------ driver interface
 
@@ -169,13 +170,16 @@ class Router:
             self._batch_backoff = dict(self._backoff)
         if self._batch_conns:
             self._batch_conns = {}
+        if self._batch_opened:
+            self._batch_opened = set()
 
     def batch_lost(self) -> None:
         """The batch begun last did not commit: nothing of it is in the store, and none of its effects were
         carried out. Forget what it changed here too: the ids it saw (a sender that got no acknowledgement
         sends again, and that copy must not be dropped as a duplicate), the SUBs, dials and redials it would
         have sent (they are due again), and read the state mirrored from the store (subscriptions, routes, local
-        services) back from it. (The driver then replays the batch's connection events.)"""
+        services) back from it; connections the batch opened are closed here and each connection's queue window
+        is as it was. (The driver then replays the batch's connection events.)"""
         self.seen.forget_since(self._batch_mark)
         self._resub.clear()
         self._resub.update(self._batch_resub)
@@ -185,6 +189,9 @@ class Router:
         self._redial.update(self._batch_redial)
         self._backoff.clear()
         self._backoff.update(self._batch_backoff)
+        for conn in self._batch_opened:  # not open as far as the core knows: replaying the batch opens them
+            self._on_close(ConnectionClosed(conn), [])
+        self._batch_opened = set()
         for conn, (sent, inflight, inflight_bytes, backlog) in self._batch_conns.items():
             c = self._conns.get(conn)
             if c is not None:  # its queue window as it was: the batch's Sends never went out
@@ -299,6 +306,7 @@ class Router:
             self._on_close(ConnectionClosed(ev.conn), out)
         c = Conn(ev.conn, ev.peer, ev.local)
         self._conns[ev.conn] = c
+        self._batch_opened.add(ev.conn)
         self._by_key.setdefault(ev.peer, []).append(ev.conn)
         if ev.local:
             if ev.peer not in self.locals:

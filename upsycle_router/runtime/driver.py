@@ -486,9 +486,15 @@ class Driver:
                     if not isinstance(ev, (MessagesReceived, MessageReceived)):
                         effects.extend(self.router.handle(ev, now))
         except lmdb.Error:
-            # That transaction failed too. Its effects read only committed state (queued entries, SUBs,
-            # adverts) and the connections are open: they are carried out all the same.
+            # That transaction failed too: none of it is carried out, and the core no longer knows where the
+            # connections of these events stand (opened, queue windows). Close them: their peers connect again
+            # to a router whose state matches its store.
             self.router.batch_lost()
+            conns = {ev.conn for ev in events if isinstance(ev, (ConnectionOpened, WriteBlocked))}
+            for ev in events:
+                if isinstance(ev, QueueSent):
+                    conns.update(c for c in (self.router.connected(r) for r, _ in ev.refs) if c is not None)
+            effects = [CloseConnection(c, ErrorCode.OVERLOADED, "store error") for c in sorted(conns)]
         return effects
 
     @contextlib.contextmanager
