@@ -101,13 +101,16 @@ class Router:
         self.seen = SeenIds(self.config.seen_max)
         self._conns: dict[ConnId, Conn] = {}
         self._by_key: dict[bytes, list[ConnId]] = {}
-        self.locals: set[bytes] = set(self.config.local_services or ()) | store.locals()
-        self.subs: dict[bytes, dict[bytes, bool]] = store.subscriptions()
-        self.routes: dict[bytes, RouteEntry] = store.routes()
-        self.pubsub_groups: set[bytes] = store.pubsub_subscribed()
+        # What the store holds too, mirrored here (_load_mirrored): local services, subscriptions, routes,
+        # groups the pub/sub service was asked to SUB to, groups joined at the core nodes.
+        self.locals: set[bytes] = set()
+        self.subs: dict[bytes, dict[bytes, bool]] = {}
+        self.routes: dict[bytes, RouteEntry] = {}
+        self.pubsub_groups: set[bytes] = set()
+        self.upstream_groups: set[bytes] = set()
+        self._load_mirrored()
         # A pub/sub service starting with this router knows none of them: SUB again when it first connects.
         self._resub: set[bytes] = set(self.pubsub_groups)
-        self.upstream_groups: set[bytes] = store.upstream_subscribed()
         self._dialing: set[bytes] = set()
         self._redial: dict[bytes, float] = {}  # router -> when to dial again (messages are waiting)
         self._backoff: dict[bytes, float] = {}
@@ -197,6 +200,10 @@ class Router:
             if c is not None:  # its queue window as it was: the batch's Sends never went out
                 c.sent, c.inflight, c.inflight_bytes, c.backlog = sent, inflight, inflight_bytes, backlog
         self._batch_conns = {}
+        self._load_mirrored()
+
+    def _load_mirrored(self) -> None:
+        """Read the state mirrored from the store into its containers (in place: whoever holds one sees it)."""
         store = self.store
         self.locals.clear()
         self.locals.update(set(self.config.local_services or ()) | store.locals())
@@ -302,8 +309,6 @@ class Router:
     # ------------------------------------------------------------------ connections
 
     def _on_open(self, ev: ConnectionOpened, now: float, out: list[Effect]) -> None:
-        if ev.conn in self._conns:  # the same connection again (the driver replays a lost batch): start afresh
-            self._on_close(ConnectionClosed(ev.conn), out)
         c = Conn(ev.conn, ev.peer, ev.local)
         self._conns[ev.conn] = c
         self._batch_opened.add(ev.conn)

@@ -64,7 +64,7 @@ from upsycle_router.store.tables import LmdbTables
 log = logging.getLogger("upsycle_router.store")
 
 SCHEMA_VERSION = b"3"  # 3: the message indexes may lag behind ``msgs`` from ``indexed`` on (2: never)
-INDEX_BATCH = 4096  # index entries held in memory before they are written in bulk (at most; see _index_batch)
+INDEX_BATCH = 4096  # index entries held in memory before they are written in bulk (fewer in a small map)
 _U64 = struct.Struct(">Q")
 _QVAL = struct.Struct(">32sQI")  # id, expires_ms, size
 _QSTAT = struct.Struct(">QQ")
@@ -619,14 +619,14 @@ class LmdbStore(LmdbTables):
         plus two pages for its index entries (what a transaction admits is added up; the sum starts afresh
         from the pages in use with each transaction).
         """
+        need = 4 * nbytes + 2 * self._psize  # (the pages of its index entries, when they are written out)
         if self._txn is None or self._room is None:
             used, size = self._live_bytes() + self._last_charge, int(self.env.info()["map_size"])
             margin = max(size // 16, 1 << 20, 2 * self._psize * self.index_batch)
             if self._txn is None:
-                return used + 4 * nbytes + 2 * self._psize + margin <= size
+                return used + need + margin <= size
             self._room = [used, size - margin, used]  # read once per transaction; what it admits is added up
         used, limit = self._room[0], self._room[1]
-        need = 4 * nbytes + 2 * self._psize  # (the pages of its index entries, when they are written out)
         if used + need > limit:
             return False
         self._room[0] = used + need
