@@ -153,6 +153,56 @@ def test_appending_to_a_used_sequence_number_aborts_instead_of_overwriting(path:
         s.close()
 
 
+def _raw_tables(path: Path) -> dict[str, list[tuple[bytes, bytes]]]:
+    env = lmdb.open(str(path), max_dbs=16, map_size=MAP, readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            return {
+                name: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=env.open_db(name.encode(), txn=txn))]
+                for name in ("meta", "msgs", "msg_ids", "msg_exp")
+            }
+    finally:
+        env.close()
+
+
+def test_put_new_messages_writes_what_put_message_writes(tmp_path: Path) -> None:
+    """One append call per run (with bulk index writes inside it, at the same message) leaves the same
+    records, sequence numbers, index entries and ``indexed`` mark as put_message message by message - after
+    a close and after a reopen."""
+    batches = [[(mid(100 * b + i), b"data %d" % (100 * b + i), T + 60 * i) for i in range(b + 2)] for b in range(6)]
+    stores = [LmdbStore(tmp_path / name, Durability.NONE, map_size=MAP, index_batch=4) for name in ("one", "all")]
+    for b, batch in enumerate(batches):
+        group = G1 if b % 2 else None
+        with stores[0].transaction():
+            for m, data, exp in batch:
+                assert stores[0].put_message(m, data, group, exp)
+        with stores[1].transaction():
+            stores[1].put_new_messages(group, batch)
+        assert stores[0]._ids == stores[1]._ids and stores[0]._exp_min == stores[1]._exp_min
+    for s in stores:
+        s.close()
+    assert _raw_tables(tmp_path / "one") == _raw_tables(tmp_path / "all")
+    again = LmdbStore(tmp_path / "all", Durability.NONE, map_size=MAP, index_batch=4)
+    try:
+        assert again.get_message(mid(503)) == StoredMessage(b"data 503", G1, (T + 180) / 1.0)
+        assert len(again.message_ids()) == sum(map(len, batches))
+    finally:
+        again.close()
+
+
+def test_put_new_messages_refuses_a_message_stored_already(path: Path) -> None:
+    s = open_store(path)
+    try:
+        with s.transaction():
+            s.put_message(mid(1), b"one", None, T)
+        with pytest.raises(ValueError, match="stored already"), s.transaction():
+            s.put_new_messages(None, [(mid(2), b"two", T), (mid(1), b"one again", T)])
+        assert not s.has_message(mid(2))
+        assert s.get_message(mid(1)) == StoredMessage(b"one", None, T)
+    finally:
+        s.close()
+
+
 def test_unsupported_schema_version_is_refused(path: Path) -> None:
     open_store(path).close()
     env = lmdb.open(str(path), max_dbs=16, map_size=MAP)

@@ -52,7 +52,7 @@ import enum
 import logging
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -413,6 +413,44 @@ class LmdbStore(LmdbTables):
             self._flush_index()
         return True
 
+    def put_new_messages(self, group: bytes | None, messages: Sequence[tuple[bytes, bytes, float]]) -> None:
+        """Store messages of ``group``, ``(id, data, expires)`` each, that are not stored: the caller asked
+        :meth:`has_message` of each in this transaction, and lists an id once. The same as :meth:`put_message`
+        of each in turn (the same records, sequence numbers and bulk index writes), in one append per bulk
+        index write instead of one LMDB call per message."""
+        txn = self._w()
+        ids, exps, pack = self._ids, self._exps, _U64.pack
+        head = b"\x01" + group if group else b"\x00"
+        msgs = self._db["msgs"]
+        todo = len(messages)
+        at = 0
+        while at < todo:
+            # Up to the next bulk index write, where put_message would write it (has_room keeps room for this many).
+            part = messages[at : at + max(1, self.index_batch - len(ids))]
+            at += len(part)
+            s = first = self._next_seq
+            emin = self._exp_min
+            records = []
+            for mid, data, expires in part:
+                if mid in ids:
+                    raise ValueError("put_new_messages: a message stored already, or listed twice")
+                ms = int(expires * 1000) if expires > 0 else 0  # _ms(expires), inline
+                exp = pack(ms)
+                seq = pack(s)
+                s += 1
+                records.append((seq, exp + head + mid + data))
+                ids[mid] = seq
+                exps[seq] = exp + seq
+                if ms < emin:
+                    emin = ms
+            self._next_seq = s
+            self._exp_min = emin
+            if txn.cursor(db=msgs).putmulti(records, append=True)[1] != len(records):
+                # (as in put_message: an lmdb.Error aborts the driver's whole batch)
+                raise lmdb.Error(f"{self.path}: message sequence numbers from {first} used twice")
+            if len(ids) >= self.index_batch:
+                self._flush_index()
+
     @staticmethod
     def _record_id(v: bytes) -> bytes:
         """The message id in a ``msgs`` record (``expires_ms || 0x01 group | 0x00 || id || data``)."""
@@ -450,7 +488,12 @@ class LmdbStore(LmdbTables):
 
     def has_message(self, mid: bytes) -> bool:
         """Whether ``mid`` is in the message store."""
-        return mid in self._ids or self._exists("msg_ids", mid)
+        if mid in self._ids:
+            return True
+        txn = self._txn
+        if txn is not None:  # (self._exists, inline: this runs for every message stored)
+            return txn.get(mid, db=self._db["msg_ids"]) is not None
+        return self._exists("msg_ids", mid)
 
     def message_ids(self) -> list[bytes]:
         """The ids of every stored message, oldest first."""
