@@ -247,3 +247,20 @@ def test_decoded_values_are_not_tracked_by_the_cyclic_collector() -> None:
     items = [accel.decode_canonical(data) for _ in range(1000)]
     del items
     gc.collect()
+
+
+@needs_c
+@given(st.lists(st.binary(min_size=1, max_size=300), max_size=20))
+@SETTINGS
+def test_c_and_python_frame_a_run_alike(payloads: list[bytes]) -> None:
+    joined = accel.join_frames(payloads)
+    assert joined == accel._join_frames_py(payloads) == b"".join(frame(p) for p in payloads)
+    buf = FrameBuffer(1 << 20)
+    assert list(buf.feed(joined)) == payloads
+
+
+@needs_c
+@pytest.mark.parametrize("bad", [(b"x",), [b"x", "y"], [bytearray(b"x")], None])
+def test_framing_a_run_refuses_anything_but_a_list_of_bytes(bad: object) -> None:
+    with pytest.raises(TypeError, match="list of bytes"):
+        accel.join_frames(bad)  # type: ignore[arg-type]

@@ -104,6 +104,17 @@ def parse_frames(buf: bytes | bytearray, max_frame: int) -> tuple[list[Message |
     return _parse_frames_py(buf, max_frame)
 
 
+def _join_frames_py(payloads: list[bytes]) -> bytes:
+    return b"".join([part for p in payloads for part in (_LEN.pack(len(p)), p)])
+
+
+def join_frames(payloads: list[bytes]) -> bytes:
+    """``payloads`` in stream framing (each behind its 4-byte big-endian length), as one bytes object."""
+    if _C is not None:
+        return _C.join_frames(payloads)  # type: ignore[no-any-return]
+    return _join_frames_py(payloads)
+
+
 def decode_canonical(payload: bytes) -> Message | None:
     """A routed message in its deterministic form, or None for anything else."""
     if _C is not None:

@@ -103,14 +103,27 @@ class Fanout(NamedTuple):
     data: bytes
 
 
+class FanoutRun(NamedTuple):
+    """Write each of ``datas``, in order, to each of ``conns``: the same as one :class:`Fanout` per message (a
+    run of one group's messages to the subscribers they all go to directly)."""
+
+    conns: tuple[ConnId, ...]
+    datas: list[bytes]
+
+
 def sends(effects: Iterable[Effect]) -> Iterator[Send]:
-    """The effects' writes as one :class:`Send` each, in order (a :class:`Fanout` as one per connection)."""
+    """The effects' writes as one :class:`Send` each, in order (a :class:`Fanout` as one per connection, a
+    :class:`FanoutRun` as one Fanout per message)."""
     for e in effects:
         if isinstance(e, Send):
             yield e
         elif isinstance(e, Fanout):
             for c in e.conns:
                 yield Send(c, e.data)
+        elif isinstance(e, FanoutRun):
+            for data in e.datas:
+                for c in e.conns:
+                    yield Send(c, data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,4 +167,4 @@ class PeerLearned:
     port: int
 
 
-Effect = Send | Fanout | Dial | CloseConnection | Trace | PeerLearned
+Effect = Send | Fanout | FanoutRun | Dial | CloseConnection | Trace | PeerLearned

@@ -41,6 +41,7 @@ from upsycle_router.core.events import (
     Effect,
     Event,
     Fanout,
+    FanoutRun,
     MessageReceived,
     MessagesReceived,
     QueueSent,
@@ -477,12 +478,14 @@ class Router:
         out: list[Effect],
     ) -> bool:
         """Route ``msgs[lo:hi]``, messages of group ``grp`` a local service published without VIA, with the
-        same outcome as :meth:`_multicast` for each in turn - the same effects in the same order, the same store
-        and seen-list changes - at a fraction of the cost: who gets them is worked out once, the store appends
-        them in one call. That holds while every recipient is connected and reading (nothing is queued); False,
-        with nothing done, when that or anything else of the run takes another path (the discovery group,
-        groups joined at core nodes, no recipient): then the caller routes the messages one by one. (With
-        tracing, the same trace records as well.)"""
+        same outcome as :meth:`_multicast` for each in turn - the same store and seen-list changes, the same
+        trace records in the same order, the same bytes written to each connection in the same order (one
+        :class:`FanoutRun` after the run's trace records instead of one Fanout per message among them: the
+        driver journals every trace record of a batch before it writes anything) - at a fraction of the cost:
+        who gets them is worked out once, the store appends them in one call. That holds while every recipient
+        is connected and reading (nothing is queued); False, with nothing done, when that or anything else of
+        the run takes another path (the discovery group, groups joined at core nodes, no recipient): then the
+        caller routes the messages one by one."""
         config = self.config
         if grp == config.discovery_group or grp in self.upstream_groups:
             return False
@@ -548,13 +551,15 @@ class Router:
             outcome.append(data)
         if new:
             store.put_new_messages(grp, new)
-        # Then the effects, message by message.
+        # Then the effects: the trace records message by message, and the deliveries as one run.
         tracing = self.tracing
         roles = [(key, self._role(key)) for key in recipients] if tracing else []
+        delivered: list[bytes] = []
         for k, result in zip(range(lo, hi), outcome, strict=True):
-            if type(result) is bytes and not tracing:
-                out.append(Fanout(fanout, result))
-                continue
+            if type(result) is bytes:
+                delivered.append(result)
+                if not tracing:
+                    continue
             msg = msgs[k]
             size = len(msg.wire) or len(msg.encode())
             if tracing:
@@ -562,12 +567,13 @@ class Router:
                 if type(result) is bytes:
                     for key, role in roles:
                         out.append(Trace("delivered", msg.id, "multicast", grp, None, key, key, size, role=role))
-                    out.append(Fanout(fanout, result))
                     continue
             if result == "duplicate":
                 out.append(Trace("duplicate", msg.id, "multicast", grp, None, None, peer, size, "duplicate"))
             elif type(result) is str:
                 out.append(Trace("dropped", msg.id, "multicast", grp, None, None, peer, size, result))
+        if delivered:
+            out.append(FanoutRun(fanout, delivered))
         return True
 
     def _message(self, c: Conn, msg: Message, verified: bool, size: int, now: float, out: list[Effect]) -> None:

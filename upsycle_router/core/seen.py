@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 
 
 class SeenIds:
@@ -39,18 +38,6 @@ class SeenIds:
         order.append(mid)
         if len(order) > self.capacity:
             ids.discard(order.popleft())
-
-    def add_all(self, mids: Iterable[bytes]) -> None:
-        """:meth:`add` each of ``mids``, in order."""
-        ids, order, capacity = self.ids, self._order, self.capacity
-        for mid in mids:
-            if mid in ids:
-                continue
-            ids.add(mid)
-            self.added += 1
-            order.append(mid)
-            if len(order) > capacity:
-                ids.discard(order.popleft())
 
     def forget_since(self, mark: int) -> None:
         """Forget the ids added since ``added`` was ``mark`` (those still remembered: the newest)."""

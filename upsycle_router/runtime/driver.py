@@ -38,6 +38,7 @@ from upsycle_router.core.events import (
     Effect,
     Event,
     Fanout,
+    FanoutRun,
     MessageReceived,
     MessagesReceived,
     PeerLearned,
@@ -581,6 +582,18 @@ class Driver:
                 framed.append(length_prefix(len(data)))
                 framed.append(data)
                 nbytes += 4 + len(data)
+                continue
+            if kind is FanoutRun:
+                assert isinstance(e, FanoutRun)
+                if e.conns != run:
+                    if payloads:
+                        self._fan_out(run, payloads, framed, nbytes, sent_to)
+                        payloads, framed, nbytes = [], [], 0
+                    run = e.conns
+                payloads.extend(e.datas)
+                blob = accel.join_frames(e.datas)  # built once for every connection of the run
+                framed.append(blob)
+                nbytes += len(blob)
                 continue
             if payloads:  # anything written after the run goes out after it
                 self._fan_out(run, payloads, framed, nbytes, sent_to)
