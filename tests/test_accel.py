@@ -264,3 +264,12 @@ def test_c_and_python_frame_a_run_alike(payloads: list[bytes]) -> None:
 def test_framing_a_run_refuses_anything_but_a_list_of_bytes(bad: object) -> None:
     with pytest.raises(TypeError, match="list of bytes"):
         accel.join_frames(bad)  # type: ignore[arg-type]
+
+
+@needs_c
+@given(st.dictionaries(st.binary(max_size=40), st.binary(max_size=8), max_size=300))
+@SETTINGS
+def test_c_sorts_a_bulk_index_write_as_python_does(d: dict[bytes, bytes]) -> None:
+    # (keys sharing their first 8 bytes, or shorter than 8, are ordered by the rest and by length)
+    d = {**d, b"12345678": b"", b"12345678\x00": b"", b"1234567": b"", b"1234567\x00": b"", b"": b""}
+    assert accel.sorted_items(d) == sorted(d.items())

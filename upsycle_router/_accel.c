@@ -25,6 +25,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define PUBKEY_LEN 32
@@ -606,6 +607,76 @@ join_frames(PyObject *self, PyObject *arg)
     return out;
 }
 
+/* sorted_items(d) -> list: the (key, value) pairs of a dict with bytes keys, sorted by key as Python (and
+   LMDB) order bytes - memcmp, then length - for the store's bulk index writes (sorting 4,096 ids in Python
+   cost as much as writing them) */
+typedef struct {
+    uint64_t head; /* the first 8 bytes, big-endian (zero-padded): decides almost every comparison in place */
+    const char *p;
+    Py_ssize_t n;
+    PyObject *k;
+    PyObject *v;
+} kv_t;
+
+static int
+kv_cmp(const void *a, const void *b)
+{
+    const kv_t *x = (const kv_t *)a, *y = (const kv_t *)b;
+    if (x->head != y->head)
+        return x->head < y->head ? -1 : 1;
+    int c = memcmp(x->p, y->p, (size_t)(x->n < y->n ? x->n : y->n));
+    if (c)
+        return c;
+    return (x->n > y->n) - (x->n < y->n);
+}
+
+static PyObject *
+sorted_items(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    if (!PyDict_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "sorted_items: a dict with bytes keys");
+        return NULL;
+    }
+    Py_ssize_t n = PyDict_GET_SIZE(arg), pos = 0, i = 0;
+    kv_t *a = PyMem_Malloc(sizeof(kv_t) * (size_t)(n ? n : 1));
+    if (a == NULL)
+        return PyErr_NoMemory();
+    PyObject *k, *v;
+    while (i < n && PyDict_Next(arg, &pos, &k, &v)) {
+        if (!PyBytes_Check(k)) {
+            PyMem_Free(a);
+            PyErr_SetString(PyExc_TypeError, "sorted_items: a dict with bytes keys");
+            return NULL;
+        }
+        a[i].p = PyBytes_AS_STRING(k);
+        a[i].n = PyBytes_GET_SIZE(k);
+        a[i].head = 0;
+        for (Py_ssize_t b = 0; b < 8; b++)
+            a[i].head = (a[i].head << 8) | (b < a[i].n ? (unsigned char)a[i].p[b] : 0);
+        a[i].k = k;
+        a[i].v = v;
+        i++;
+    }
+    qsort(a, (size_t)i, sizeof(kv_t), kv_cmp);
+    PyObject *out = PyList_New(i);
+    if (out == NULL) {
+        PyMem_Free(a);
+        return NULL;
+    }
+    for (Py_ssize_t j = 0; j < i; j++) {
+        PyObject *t = PyTuple_Pack(2, a[j].k, a[j].v);
+        if (t == NULL) {
+            PyMem_Free(a);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, j, t);
+    }
+    PyMem_Free(a);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"bind", bind, METH_VARARGS, "bind(Message, UnicastHeader, MulticastHeader, blake3): the types to build"},
     {"decode", decode, METH_O, "decode(payload) -> Message | None (None: not in deterministic form)"},
@@ -615,6 +686,7 @@ static PyMethodDef methods[] = {
      "verify_batch(fn, messages, known=(), remember=None) -> bytes: 1 per valid signature (GIL released)"},
     {"verify_raw", verify_raw, METH_VARARGS, "verify_raw(fn, key, data, sig) -> bool"},
     {"join_frames", join_frames, METH_O, "join_frames(payloads) -> bytes: each behind its 4-byte length"},
+    {"sorted_items", sorted_items, METH_O, "sorted_items(d) -> list of (key, value), sorted by the bytes keys"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -115,6 +115,13 @@ def join_frames(payloads: list[bytes]) -> bytes:
     return _join_frames_py(payloads)
 
 
+def sorted_items(d: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    """``sorted(d.items())`` for bytes keys: in the order of the keys, which LMDB shares."""
+    if _C is not None:
+        return _C.sorted_items(d)  # type: ignore[no-any-return]
+    return sorted(d.items())
+
+
 def decode_canonical(payload: bytes) -> Message | None:
     """A routed message in its deterministic form, or None for anything else."""
     if _C is not None:

@@ -519,6 +519,7 @@ class Router:
         store = self.store
         seen = self.seen.ids
         add = self.seen.add
+        stored = store.stored_among([msgs[k].id for k in range(lo, hi)])  # (has_message of each, at once)
         new: list[tuple[bytes, bytes, float]] = []
         pending: set[bytes] = set()
         outcome: list[bytes | str] = []  # per message: the bytes to deliver, or why it is not delivered
@@ -534,7 +535,7 @@ class Router:
                 continue
             expiry = min(now + h.ttl, hexp)
             mid = msg.id
-            if mid in seen or (expiry <= now and (mid in pending or store.has_message(mid))):
+            if mid in seen or (expiry <= now and (mid in pending or mid in stored)):
                 outcome.append("duplicate")
                 continue
             data = msg.encode()
@@ -542,7 +543,7 @@ class Router:
                 if not store.has_room(len(data)):
                     outcome.append("quota")
                     continue
-                if mid in pending or store.has_message(mid):
+                if mid in pending or mid in stored:
                     outcome.append("duplicate")
                     continue
                 new.append((mid, data, expiry))
