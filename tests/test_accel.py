@@ -273,3 +273,28 @@ def test_c_sorts_a_bulk_index_write_as_python_does(d: dict[bytes, bytes]) -> Non
     # (keys sharing their first 8 bytes, or shorter than 8, are ordered by the rest and by length)
     d = {**d, b"12345678": b"", b"12345678\x00": b"", b"1234567": b"", b"1234567\x00": b"", b"": b""}
     assert accel.sorted_items(d) == sorted(d.items())
+
+
+@needs_c
+def test_the_id_filter_counts_ids_in_and_out() -> None:
+    f = accel.IdFilter(12, 7)  # type: ignore[misc]  # 4,096 counters
+    ids = [os.urandom(32) for _ in range(300)]
+    f.add_all(ids)
+    assert len(f) == 300 and all(i in f for i in ids)
+    for i in ids[:150]:
+        f.discard(i)
+    assert len(f) == 150 and all(i in f for i in ids[150:])  # what is left is still in
+    assert sum(i in f for i in ids[:150]) < 30  # what went is (mostly) out
+    f.discard(os.urandom(32))  # never added: counters left alone (unless it shares all three)
+    assert all(i in f for i in ids[150:])
+    # A counter at 255 stays there: 300 adds of one id, 300 discards, and another id sharing it is still in.
+    same = ids[200]
+    for _ in range(300):
+        f.add(same)
+    for _ in range(300):
+        f.discard(same)
+    assert same in f and all(i in f for i in ids[150:])
+    with pytest.raises(TypeError, match="bytes"):
+        f.add("not bytes")
+    with pytest.raises(ValueError, match="slots_log2"):
+        accel.IdFilter(2, 0)  # type: ignore[misc]

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from upsycle_router import accel
 from upsycle_router.store.lmdb_store import (
     SCHEMA_VERSION,
     Durability,
@@ -199,6 +200,47 @@ def test_put_new_messages_refuses_a_message_stored_already(path: Path) -> None:
             s.put_new_messages(None, [(mid(2), b"two", T), (mid(1), b"one again", T)])
         assert not s.has_message(mid(2))
         assert s.get_message(mid(1)) == StoredMessage(b"one", None, T)
+    finally:
+        s.close()
+
+
+@pytest.mark.skipif(accel.IdFilter is None, reason="the id filter needs the C extension")
+def test_the_id_filter_never_hides_a_stored_message(path: Path) -> None:
+    """Every stored id passes the filter - after bulk index writes, removals, a rebuild for size, an aborted
+    removal and a reopen - so a stored message is never stored twice; most ids never stored do not pass."""
+    s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=64)
+    try:
+        first_max = s._filter_max
+        n = first_max + 1000  # more than it was built for: built again, larger
+        for at in range(0, n, 500):
+            with s.transaction():
+                for i in range(at, min(n, at + 500)):
+                    s.put_message(mid(i), b"m", G1, T + 3600)
+        assert s._filter_max > first_max
+        with s.transaction():
+            for i in range(0, n, 3):
+                s.delete_message(mid(i))
+
+        class Stop(Exception):
+            pass
+
+        with pytest.raises(Stop), s.transaction():  # removals that never happened
+            for i in range(1, n, 3):
+                s.delete_message(mid(i))
+            raise Stop
+        for reopened in (False, True):  # (the first round stores the removed ones again)
+            if reopened:
+                s.close()
+                s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=64)
+            with s.transaction():
+                for i in range(n):
+                    assert s.has_message(mid(i)) == (reopened or i % 3 != 0)
+                    assert s.put_message(mid(i), b"again", G1, T + 3600) == (not reopened and i % 3 == 0)
+                    assert mid(i) in s._filter or mid(i) in s._ids
+            assert s.stored_among([mid(i) for i in range(n)]) == {mid(i) for i in range(n)}
+            never = [mid(10**9 + i) for i in range(2000)]
+            assert sum(m in s._filter for m in never) < 200  # (about 3 %)
+            assert s.stored_among(never) == set()
     finally:
         s.close()
 

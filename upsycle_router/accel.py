@@ -122,6 +122,10 @@ def sorted_items(d: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
     return sorted(d.items())
 
 
+# A counting Bloom filter of ids (C only; None without the extension: the store then looks every id up).
+IdFilter: type | None = getattr(_C, "IdFilter", None) if _C is not None else None
+
+
 def decode_canonical(payload: bytes) -> Message | None:
     """A routed message in its deterministic form, or None for anything else."""
     if _C is not None:

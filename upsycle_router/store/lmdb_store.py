@@ -59,6 +59,7 @@ from typing import Any
 
 import lmdb
 
+from upsycle_router import accel
 from upsycle_router.accel import sorted_items
 from upsycle_router.store.tables import LmdbTables
 
@@ -162,6 +163,11 @@ class LmdbStore(LmdbTables):
         self._exps: dict[bytes, bytes] = {}
         self._exp_min = _NEVER_MS
         self._exp_stale = False
+        # The ids in msg_ids in a counting Bloom filter (accel.IdFilter; None without the C extension): an id
+        # it does not hold is not looked up in msg_ids - the common case, a new message. ``_filter_max``: how
+        # many ids it takes before it is built again, larger (8 counters per id, a false positive in ~30).
+        self._filter: Any = None
+        self._filter_max = 0
         self._db: dict[str, Any] = {}
         self._db["meta"] = self.env.open_db(b"meta")
         self._psize = int(self.env.stat()["psize"])
@@ -187,6 +193,8 @@ class LmdbStore(LmdbTables):
             # schemas index every message (a converted schema 1 store: in memory now); say so.
             if v != SCHEMA_VERSION or not self._load_unindexed(self._txn) or len(self._ids) >= self.index_batch:
                 self._flush_index()
+        with self.env.begin() as txn:
+            self._build_filter(txn)
         self._opened = True
 
     # ------------------------------------------------------------ transactions
@@ -211,8 +219,20 @@ class LmdbStore(LmdbTables):
             return  # the opening transaction failed: its error is the one to see, and the store is not used
         with self.env.begin() as txn:
             self._load_unindexed(txn)
+            self._build_filter(txn)  # (it may miss ids whose removal was aborted: never miss a stored one)
 
     # ------------------------------------------------------------ the message indexes
+
+    def _build_filter(self, txn: Any) -> None:
+        """Build the id filter from the ids in ``msg_ids`` in ``txn``, with room for twice as many."""
+        if accel.IdFilter is None:
+            return
+        db = self._db["msg_ids"]
+        n = max(int(txn.stat(db)["entries"]), 1 << 12)
+        bits = (16 * n - 1).bit_length()  # 8 counters per id, for twice as many ids as now
+        f = accel.IdFilter(bits, int.from_bytes(os.urandom(8), "big"))
+        f.add_all(txn.cursor(db=db).iternext(values=False))
+        self._filter, self._filter_max = f, (1 << bits) // 8
 
     def _load_unindexed(self, txn: Any) -> bool:
         """Fill the in-memory index entries from the ``msgs`` records at and after ``indexed``, in ``txn``;
@@ -247,6 +267,11 @@ class LmdbStore(LmdbTables):
         if self._ids:
             ids = self._ids
             txn.cursor(db=self._db["msg_ids"]).putmulti(sorted_items(ids))  # sorted: fewer misses
+            f = self._filter
+            if f is not None:
+                f.add_all(ids)
+                if len(f) > self._filter_max:
+                    self._build_filter(txn)
             txn.cursor(db=self._db["msg_exp"]).putmulti([(k, b"") for k in sorted(self._exps.values())])
             self._ids.clear()
             self._exps.clear()
@@ -395,7 +420,7 @@ class LmdbStore(LmdbTables):
         txn = self._w()
         db = self._db
         ids = self._ids
-        if mid in ids or txn.get(mid, db=db["msg_ids"]) is not None:
+        if mid in ids or ((f := self._filter) is None or mid in f) and txn.get(mid, db=db["msg_ids"]) is not None:
             return False
         seq = _U64.pack(self._next_seq)
         self._next_seq += 1
@@ -462,6 +487,8 @@ class LmdbStore(LmdbTables):
         self._delete("msgs", seq)
         if self._ids.pop(mid, None) is None:
             self._delete("msg_ids", mid)
+            if self._filter is not None:
+                self._filter.discard(mid)
         pending = self._exps.pop(seq, None)
         if pending is None:
             self._delete("msg_exp", v[:8] + seq)
@@ -470,7 +497,9 @@ class LmdbStore(LmdbTables):
 
     def _stored(self, mid: bytes) -> tuple[bytes, bytes] | None:
         """``(seq, record)`` of a stored message."""
-        seq = self._ids.get(mid) or self._get("msg_ids", mid)
+        seq = self._ids.get(mid)
+        if seq is None and (self._filter is None or mid in self._filter):
+            seq = self._get("msg_ids", mid)
         if seq is None:
             return None
         v = self._get("msgs", seq)
@@ -491,6 +520,8 @@ class LmdbStore(LmdbTables):
         """Whether ``mid`` is in the message store."""
         if mid in self._ids:
             return True
+        if self._filter is not None and mid not in self._filter:
+            return False
         txn = self._txn
         if txn is not None:  # (self._exists, inline: this runs for every message stored)
             return txn.get(mid, db=self._db["msg_ids"]) is not None
@@ -498,7 +529,11 @@ class LmdbStore(LmdbTables):
 
     def stored_among(self, mids: Iterable[bytes]) -> set[bytes]:
         """Those of ``mids`` in the message store: :meth:`has_message` of each, in one call."""
-        ids = self._ids
+        ids, f = self._ids, self._filter
+        if f is not None:
+            mids = [mid for mid in mids if mid in ids or mid in f]
+            if not mids:
+                return set()
         with self._r() as txn:
             get = txn.cursor(db=self._db["msg_ids"]).get
             return {mid for mid in mids if mid in ids or get(mid) is not None}
