@@ -570,30 +570,24 @@ class Driver:
             kind = type(e)
             if kind is Trace:
                 continue
-            if kind is Fanout:
-                assert isinstance(e, Fanout)
+            if kind is Fanout or kind is FanoutRun:
+                assert isinstance(e, (Fanout, FanoutRun))
                 if e.conns != run:
                     if payloads:
                         self._fan_out(run, payloads, framed, nbytes, sent_to)
                         payloads, framed, nbytes = [], [], 0
                     run = e.conns
-                data = e.data
-                payloads.append(data)
-                framed.append(length_prefix(len(data)))
-                framed.append(data)
-                nbytes += 4 + len(data)
-                continue
-            if kind is FanoutRun:
-                assert isinstance(e, FanoutRun)
-                if e.conns != run:
-                    if payloads:
-                        self._fan_out(run, payloads, framed, nbytes, sent_to)
-                        payloads, framed, nbytes = [], [], 0
-                    run = e.conns
-                payloads.extend(e.datas)
-                blob = accel.join_frames(e.datas)  # built once for every connection of the run
-                framed.append(blob)
-                nbytes += len(blob)
+                if isinstance(e, Fanout):
+                    data = e.data
+                    payloads.append(data)
+                    framed.append(length_prefix(len(data)))
+                    framed.append(data)
+                    nbytes += 4 + len(data)
+                else:
+                    payloads.extend(e.datas)
+                    blob = accel.join_frames(e.datas)  # built once for every connection of the run
+                    framed.append(blob)
+                    nbytes += len(blob)
                 continue
             if payloads:  # anything written after the run goes out after it
                 self._fan_out(run, payloads, framed, nbytes, sent_to)
