@@ -485,10 +485,10 @@ class LmdbStore(LmdbTables):
     def _drop(self, mid: bytes, seq: bytes, v: bytes) -> None:
         """Remove the message ``mid`` stored under ``seq`` as record ``v``, with its index entries."""
         self._delete("msgs", seq)
-        if self._ids.pop(mid, None) is None:
-            self._delete("msg_ids", mid)
-            if self._filter is not None:
-                self._filter.discard(mid)
+        # (The filter forgets an id only when its entry really goes: taking back an id it never counted would
+        # take counts from others - and then a stored id could be missed.)
+        if self._ids.pop(mid, None) is None and self._delete("msg_ids", mid) and self._filter is not None:
+            self._filter.discard(mid)
         pending = self._exps.pop(seq, None)
         if pending is None:
             self._delete("msg_exp", v[:8] + seq)
