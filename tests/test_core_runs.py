@@ -43,6 +43,7 @@ from upsycle_router.wire.messages import Message
 
 X = ident("X")
 PUBSUB = ident("pubsub")
+DISCOVERY = ident("discovery")
 APPS = [ident(f"app{i}") for i in range(5)]
 GROUPS = [ident(f"group{i}") for i in range(3)]
 
@@ -127,6 +128,7 @@ def run_scenario(tmp_path: Path, seed: int, *, map_size: int = 1 << 24, body: in
         trace=rng.random() < 0.5,
         seen_max=rng.choice([8, 40, 100_000]),
         pubsub_service=PUBSUB.public if rng.random() < 0.5 else None,
+        discovery_service=DISCOVERY.public,
         queue_max_count=rng.choice([5, 100_000]),
         flush_batch=rng.choice([1, 3, 512]),  # a short queue window: subscribers stay behind (backlog)
     )
@@ -146,10 +148,10 @@ def run_scenario(tmp_path: Path, seed: int, *, map_size: int = 1 << 24, body: in
         return cid
 
     def conn_of(who: bytes) -> int:
-        for cid, w in conns.items():
-            if w == who:
-                return cid
-        return open_conn(who)
+        mine = [cid for cid, w in conns.items() if w == who]
+        if mine and rng.random() < 0.9:
+            return rng.choice(mine)
+        return open_conn(who)  # (now and then a second connection of the same key: the newest gets deliveries)
 
     def message(group_bias: int) -> Message:
         nonlocal sn
@@ -204,7 +206,7 @@ def run_scenario(tmp_path: Path, seed: int, *, map_size: int = 1 << 24, body: in
             # One batch of one or two reads from publishers: runs of one group, broken by others.
             events: list[Event] = []
             for _ in range(rng.choice([1, 1, 2])):
-                pub = rng.choice(APPS).public
+                pub = rng.choice([*APPS, PUBSUB]).public  # (the pub/sub service publishes too)
                 cid = conn_of(pub)
                 bias = rng.randrange(len(GROUPS))
                 msgs = [message(bias) for _ in range(rng.randrange(1, 40))]

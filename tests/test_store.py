@@ -191,15 +191,24 @@ def test_put_new_messages_writes_what_put_message_writes(tmp_path: Path) -> None
         again.close()
 
 
-def test_put_new_messages_refuses_a_message_stored_already(path: Path) -> None:
-    s = open_store(path)
+@pytest.mark.parametrize("indexed", [False, True])
+def test_put_new_messages_refuses_a_message_stored_already_and_changes_nothing(tmp_path: Path, indexed: bool) -> None:
+    """Stored already (its index entry in memory, or written out) or listed twice: refused before anything
+    changes - even when the caller goes on in the same transaction."""
+    s = LmdbStore(tmp_path, Durability.NONE, map_size=MAP, index_batch=1 if indexed else 4096)
     try:
         with s.transaction():
             s.put_message(mid(1), b"one", None, T)
-        with pytest.raises(ValueError, match="stored already"), s.transaction():
-            s.put_new_messages(None, [(mid(2), b"two", T), (mid(1), b"one again", T)])
-        assert not s.has_message(mid(2))
+        assert (mid(1) in s._ids) != indexed
+        with s.transaction():
+            for bad in ([(mid(2), b"two", T), (mid(1), b"one again", T)], [(mid(3), b"x", T), (mid(3), b"x", T)]):
+                with pytest.raises(ValueError, match="stored already, or listed twice"):
+                    s.put_new_messages(None, bad)
+            assert not s.has_message(mid(2)) and not s.has_message(mid(3))
+            s.put_new_messages(None, [(mid(2), b"two", T)])  # the next sequence number, as if nothing happened
         assert s.get_message(mid(1)) == StoredMessage(b"one", None, T)
+        assert s.get_message(mid(2)) == StoredMessage(b"two", None, T)
+        assert s.message_ids() == [mid(1), mid(2)]
     finally:
         s.close()
 

@@ -630,6 +630,16 @@ kv_cmp(const void *a, const void *b)
     return (x->n > y->n) - (x->n < y->n);
 }
 
+static void
+kv_release(kv_t *a, Py_ssize_t n)
+{
+    for (Py_ssize_t j = 0; j < n; j++) {
+        Py_DECREF(a[j].k);
+        Py_DECREF(a[j].v);
+    }
+    PyMem_Free(a);
+}
+
 static PyObject *
 sorted_items(PyObject *self, PyObject *arg)
 {
@@ -645,7 +655,7 @@ sorted_items(PyObject *self, PyObject *arg)
     PyObject *k, *v;
     while (i < n && PyDict_Next(arg, &pos, &k, &v)) {
         if (!PyBytes_Check(k)) {
-            PyMem_Free(a);
+            kv_release(a, i);
             PyErr_SetString(PyExc_TypeError, "sorted_items: a dict with bytes keys");
             return NULL;
         }
@@ -654,6 +664,8 @@ sorted_items(PyObject *self, PyObject *arg)
         a[i].head = 0;
         for (Py_ssize_t b = 0; b < 8; b++)
             a[i].head = (a[i].head << 8) | (b < a[i].n ? (unsigned char)a[i].p[b] : 0);
+        Py_INCREF(k); /* (held: the allocations below may run code that changes the dict) */
+        Py_INCREF(v);
         a[i].k = k;
         a[i].v = v;
         i++;
@@ -661,19 +673,19 @@ sorted_items(PyObject *self, PyObject *arg)
     qsort(a, (size_t)i, sizeof(kv_t), kv_cmp);
     PyObject *out = PyList_New(i);
     if (out == NULL) {
-        PyMem_Free(a);
+        kv_release(a, i);
         return NULL;
     }
     for (Py_ssize_t j = 0; j < i; j++) {
         PyObject *t = PyTuple_Pack(2, a[j].k, a[j].v);
         if (t == NULL) {
-            PyMem_Free(a);
+            kv_release(a, i);
             Py_DECREF(out);
             return NULL;
         }
         PyList_SET_ITEM(out, j, t);
     }
-    PyMem_Free(a);
+    kv_release(a, i);
     return out;
 }
 

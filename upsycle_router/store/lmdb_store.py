@@ -446,6 +446,10 @@ class LmdbStore(LmdbTables):
         index write instead of one LMDB call per message."""
         txn = self._w()
         ids, exps, pack = self._ids, self._exps, _U64.pack
+        # Refuse before changing anything (the filter makes the look into msg_ids cheap).
+        new = {mid for mid, _, _ in messages}
+        if len(new) != len(messages) or self.stored_among(new):
+            raise ValueError("put_new_messages: a message stored already, or listed twice")
         head = b"\x01" + group if group else b"\x00"
         msgs = self._db["msgs"]
         todo = len(messages)
@@ -458,8 +462,6 @@ class LmdbStore(LmdbTables):
             emin = self._exp_min
             records = []
             for mid, data, expires in part:
-                if mid in ids:
-                    raise ValueError("put_new_messages: a message stored already, or listed twice")
                 ms = int(expires * 1000) if expires > 0 else 0  # _ms(expires), inline
                 exp = pack(ms)
                 seq = pack(s)
