@@ -171,6 +171,38 @@ async def test_effects_wait_for_the_commit_while_the_loop_goes_on(tmp_path: Path
     store.close()
 
 
+async def test_an_internal_error_in_the_timer_run_does_not_stop_the_router(tmp_path: Path) -> None:
+    """A bug in the core's timer run is logged like one in an event: the batch it ran with commits and is
+    carried out, and the batches after it too (it used to leave the store attached to the transaction)."""
+    router_id, app, service, group = (Identity.from_seed(bytes([n]) * 32) for n in (21, 22, 23, 24))
+    store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
+    router = Router(router_id, store, CoreConfig(pubsub_service=service.public, trace=False))
+    driver, gate = _gated_driver(router, store, (app.public, service.public))
+    await _until(lambda: gate.commits >= 1 and driver._committing is None)
+    runs: list[float] = []
+    real = router.handle_timer
+
+    def failing_once(now: float) -> Any:
+        runs.append(now)
+        if len(runs) == 1:
+            raise RuntimeError("a bug in the timer run (played by the test)")
+        return real(now)
+
+    router.handle_timer = failing_once  # type: ignore[method-assign]
+    msgs = [sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"m%d" % n, group)
+            for n in range(2)]
+    driver._timer_due = True
+    driver.push(MessageReceived(1, msgs[0], True, len(msgs[0].encode())))
+    await _until(lambda: store.has_message(msgs[0].id) and driver._committing is None)
+    driver._timer_due = True
+    driver.push(MessageReceived(1, msgs[1], True, len(msgs[1].encode())))
+    await _until(lambda: store.has_message(msgs[1].id) and driver._committing is None)
+    assert len(runs) >= 2
+    await driver.aclose()
+    assert _in_thread(lambda: store.env.begin(write=True).abort())  # no transaction left open
+    store.close()
+
+
 async def test_a_batch_that_wrote_nothing_commits_nothing_and_waits_for_nothing(tmp_path: Path) -> None:
     router_id, app, peer = (Identity.from_seed(bytes([n]) * 32) for n in (5, 6, 7))
     store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)

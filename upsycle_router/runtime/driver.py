@@ -469,7 +469,12 @@ class Driver:
             except Exception:  # noqa: BLE001 - one bad event must not stop the router
                 log.exception("internal error handling %s", type(ev).__name__)
         if timer:
-            effects.extend(self.router.handle_timer(now))
+            try:
+                effects.extend(self.router.handle_timer(now))
+            except lmdb.Error:
+                raise
+            except Exception:  # noqa: BLE001 - nor one bad timer run (it left the transaction attached)
+                log.exception("internal error in the timer run")
         return effects
 
     def _not_committed(self, events: list[Event], e: lmdb.Error, now: float) -> list[Effect]:
