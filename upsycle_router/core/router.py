@@ -447,23 +447,22 @@ class Router:
         while i < n:
             msg = msgs[i]
             h = msg.header
-            if type(h) is not MulticastHeader or msg.via is not None:
-                message(c, msg, bool(verified[i]), len(msg.wire) or len(msg.encode()), now, out)
-                i += 1
-                continue
-            # A run of one group's messages published here (a burst of a publisher's messages).
-            grp = h.grp
             j = i + 1
-            while j < n:
-                m = msgs[j]
-                hj = m.header
-                if type(hj) is not MulticastHeader or hj.grp != grp or m.via is not None:
-                    break
-                j += 1
-            if j - i < 2 or not self._multicast_run(c, grp, msgs, verified, i, j, now, out):
-                for k in range(i, j):
-                    m = msgs[k]
-                    message(c, m, bool(verified[k]), len(m.wire) or len(m.encode()), now, out)
+            if type(h) is MulticastHeader and msg.via is None:
+                # A run of one group's messages published here (a burst of a publisher's messages).
+                grp = h.grp
+                while j < n:
+                    m = msgs[j]
+                    hj = m.header
+                    if type(hj) is not MulticastHeader or hj.grp != grp or m.via is not None:
+                        break
+                    j += 1
+                if j - i > 1 and self._multicast_run(c, grp, msgs, verified, i, j, now, out):
+                    i = j
+                    continue
+            for k in range(i, j):  # one by one
+                m = msgs[k]
+                message(c, m, bool(verified[k]), len(m.wire) or len(m.encode()), now, out)
             i = j
 
     def _multicast_run(
@@ -486,21 +485,10 @@ class Router:
         is connected and reading (nothing is queued); False, with nothing done, when that or anything else of
         the run takes another path (the discovery group, groups joined at core nodes, no recipient): then the
         caller routes the messages one by one."""
-        config = self.config
-        if grp == config.discovery_group or grp in self.upstream_groups:
+        if grp == self.config.discovery_group or grp in self.upstream_groups:
             return False
-        # Who gets them: _multicast's recipients (c is local, the group is not the discovery group).
         peer = c.peer
-        members = self.subs.get(grp)
-        if not members:
-            recipients: list[bytes] = []
-        elif peer in members:
-            recipients = [m for m in members if m != peer]
-        else:
-            recipients = list(members)
-        ps = config.pubsub_service
-        if ps is not None and ps != peer and ps not in recipients and (not members or grp in self.pubsub_groups):
-            recipients.append(ps)
+        recipients = self._recipients(c, grp, False)[1]
         if not recipients:
             return False
         direct: list[ConnId] = []
@@ -637,6 +625,26 @@ class Router:
             return
         self._to_router(router, msg, None, size, now, out, kind="unicast")
 
+    def _recipients(self, c: Conn, grp: bytes, discovery: bool) -> tuple[dict[bytes, bool] | None, list[bytes]]:
+        """The group's local members, and who of them (and of the services) gets a message of ``grp`` that
+        arrived on ``c``: every member but the sender, and the pub/sub service for a local publish."""
+        members = self.subs.get(grp)
+        if not members:
+            recipients: list[bytes] = []
+        elif c.peer in members:
+            recipients = [m for m in members if m != c.peer]
+        else:
+            recipients = list(members)
+        ps = self.config.pubsub_service
+        if (c.local and ps is not None and ps != c.peer and not discovery and ps not in recipients
+                and (not members or grp in self.pubsub_groups)):
+            # A local publish goes to the pub/sub service for the gossip overlay when an app here JOINed the group
+            # with local = false (the service was SUBbed; it may not have JOINed yet), or by fanout when nobody
+            # here subscribes (apps may publish to other nodes' groups). A group joined here only with
+            # local = true stays on this node (seed 003 §JOIN).
+            recipients.append(ps)
+        return members, recipients
+
     def _multicast(self, c: Conn, msg: Message, h: MulticastHeader, size: int, now: float, out: list[Effect]) -> None:
         discovery = h.grp == self.config.discovery_group
         if discovery:
@@ -651,21 +659,7 @@ class Router:
             self._to_router(msg.via, msg, h.grp, size, now, out, kind="multicast")
             return
         grp = h.grp
-        members = self.subs.get(grp)
-        if not members:
-            recipients: list[bytes] = []
-        elif c.peer in members:
-            recipients = [m for m in members if m != c.peer]
-        else:
-            recipients = list(members)
-        ps = self.config.pubsub_service
-        if (c.local and ps is not None and ps != c.peer and not discovery and ps not in recipients
-                and (not members or h.grp in self.pubsub_groups)):
-            # A local publish goes to the pub/sub service for the gossip overlay when an app here JOINed the group
-            # with local = false (the service was SUBbed; it may not have JOINed yet), or by fanout when nobody
-            # here subscribes (apps may publish to other nodes' groups). A group joined here only with
-            # local = true stays on this node (seed 003 §JOIN).
-            recipients.append(ps)
+        members, recipients = self._recipients(c, grp, discovery)
         if not recipients and discovery:
             return  # the router itself was the only member (its 'delivered' record is written by discovered())
         # Step 3: no local subscriber at all. The sender may be the only one: then it is stored (for PULL and
