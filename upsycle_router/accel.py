@@ -123,7 +123,7 @@ def sorted_items(d: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
 
 
 # A counting Bloom filter of ids (C only; None without the extension: the store then looks every id up).
-IdFilter: type | None = getattr(_C, "IdFilter", None) if _C is not None else None
+IdFilter: type | None = getattr(_C, "IdFilter", None)
 
 
 def decode_canonical(payload: bytes) -> Message | None:

@@ -418,10 +418,10 @@ class LmdbStore(LmdbTables):
     def put_message(self, mid: bytes, data: bytes, group: bytes | None, expires: float) -> bool:
         """Store a message until ``expires``; False (and nothing changed) if ``mid`` is stored already."""
         txn = self._w()
+        if self.has_message(mid):
+            return False
         db = self._db
         ids = self._ids
-        if mid in ids or ((f := self._filter) is None or mid in f) and txn.get(mid, db=db["msg_ids"]) is not None:
-            return False
         seq = _U64.pack(self._next_seq)
         self._next_seq += 1
         exp_ms = _ms(expires)
