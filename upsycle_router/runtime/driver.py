@@ -461,20 +461,13 @@ class Driver:
     def _route(self, events: list[Event], timer: bool, now: float) -> list[Effect]:
         """The core's effects for a batch, inside the open transaction."""
         effects: list[Effect] = []
-        for ev in events:
+        for ev in [*events, None] if timer else events:  # (None: the timer run)
             try:
-                effects.extend(self.router.handle(ev, now))
+                effects.extend(self.router.handle(ev, now) if ev is not None else self.router.handle_timer(now))
             except lmdb.Error:
                 raise  # the transaction is unusable: abort the batch
-            except Exception:  # noqa: BLE001 - one bad event must not stop the router
-                log.exception("internal error handling %s", type(ev).__name__)
-        if timer:
-            try:
-                effects.extend(self.router.handle_timer(now))
-            except lmdb.Error:
-                raise
-            except Exception:  # noqa: BLE001 - nor one bad timer run (it left the transaction attached)
-                log.exception("internal error in the timer run")
+            except Exception:  # noqa: BLE001 - one bad event (or timer run) must not stop the router
+                log.exception("internal error handling %s", type(ev).__name__ if ev is not None else "the timer")
         return effects
 
     def _not_committed(self, events: list[Event], e: lmdb.Error, now: float) -> list[Effect]:
