@@ -3,13 +3,15 @@
 #   docker run -v upsycle-data:/data -p 7733:7733 upsycle-router
 #
 # The build stage has a C compiler, so the wheel carries the C accelerator (upsycle_router._accel: frame
-# decoding and batch signature verification); the runtime image has no compiler.
+# decoding, message ids with the vendored BLAKE3 C code in vendor/, batch signature verification); the
+# runtime image has no compiler.
 FROM python:3.11-slim AS build
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY upsycle_router ./upsycle_router
+COPY vendor ./vendor
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim

@@ -11,11 +11,13 @@ each path end to end.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import sysconfig
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 from conftest import DaemonFactory
 from fuzz.fuzz_targets import item_values, message_values
@@ -72,6 +74,51 @@ def test_c_decodes_views_and_bytearrays_too() -> None:
     data = sign_message(UnicastHeader(key.public, b"\x02" * 32, 5, 9), b"hello", key).encode()
     for buf in (bytearray(data), memoryview(data)):
         assert message_values(accel.decode_canonical(buf)) == message_values(accel.decode_canonical(data))
+
+
+# Lengths of the bytes a message id covers around BLAKE3's 1024-byte chunks and 64-byte blocks.
+_EDGES = [0, 1, 63, 64, 65, 1023, 1024, 1025, 1087, 1088, 1089, 2047, 2048, 2049, 3072, 3073, 4096, 4097, 70_000]
+
+
+@needs_c
+@SETTINGS
+@given(st.lists(st.sampled_from(_EDGES) | st.integers(0, 5000), max_size=150), st.randoms(use_true_random=False))
+def test_ids_of_many_inputs_at_once_are_blake3s(lengths: list[int], rnd: random.Random) -> None:
+    """The batch path (first chunks side by side, in groups of 64) gives the blake3 package's digests, for any mix
+    of short and long inputs and any count, also across a group's end."""
+    inputs = [rnd.randbytes(n) for n in lengths]
+    assert accel._C.blake3_many(inputs) == [blake3.blake3(x).digest() for x in inputs]
+
+
+@needs_c
+def test_a_stream_of_many_messages_gets_every_id_right() -> None:
+    """parse_frames hashes all the messages of one call together: 200 of them (more than three groups), of
+    sizes around the chunk edges, with junk frames between, each get the id of their own bytes."""
+    key = Identity.from_seed(b"\x05" * 32)
+    msgs = []
+    for i in range(200):
+        n = _EDGES[i % len(_EDGES)] + i // len(_EDGES)  # the covered bytes are the body plus ~120-160 more
+        if i % 2:
+            hdr: UnicastHeader | MulticastHeader = UnicastHeader(key.public, b"\x02" * 32, 5, 9)
+        else:
+            hdr = MulticastHeader(key.public, 5, 9)
+        m = sign_message(hdr, rnd_body(i, n), key)
+        msgs.append(m if i % 3 else m.with_via(b"\x09" * 32))
+    parts = []
+    for i, m in enumerate(msgs):
+        parts.append(frame(m.encode()))
+        if i % 7 == 0:
+            parts.append(frame(b"junk"))
+    items, pos, bad = accel._C.parse_frames(b"".join(parts), 1 << 20)
+    got = [x for x in items if isinstance(x, Message)]
+    assert (pos, bad, len(got), len(items)) == (len(b"".join(parts)), -1, 200, 200 + 29)
+    for g, m in zip(got, msgs, strict=True):
+        assert g.id == m.id == blake3.blake3(m.signed + b"\x58\x40" + m.sig).digest()  # enc(SIG): 64-byte bstr
+        assert message_values(g) == message_values(_decode_canonical(m.encode()))
+
+
+def rnd_body(seed: int, n: int) -> bytes:
+    return random.Random(seed).randbytes(n)
 
 
 @st.composite

@@ -28,7 +28,6 @@ import struct
 from collections.abc import Sequence
 from types import ModuleType
 
-import blake3
 import nacl.bindings
 
 from upsycle_router.crypto import message_signature_valid
@@ -42,7 +41,7 @@ def _load() -> ModuleType | None:
         from upsycle_router import _accel  # type: ignore[attr-defined]
     except ImportError:
         return None
-    _accel.bind(Message, UnicastHeader, MulticastHeader, blake3.blake3)
+    _accel.bind(Message, UnicastHeader, MulticastHeader)
     return _accel  # type: ignore[no-any-return]
 
 
