@@ -633,7 +633,27 @@ def test_stats(store: LmdbStore) -> None:
     assert {k: s[k] for k in ("subs_entries", "routes_entries", "msgs_entries", "queue_entries")} == {
         "subs_entries": 2, "routes_entries": 1, "msgs_entries": 1, "queue_entries": 3}
     assert s["map_size"] == MAP
-    assert 0 < s["used_bytes"] <= MAP
+    assert 0 < s["live_bytes"] <= s["used_bytes"] <= MAP
+
+
+def test_live_bytes_fall_when_messages_go_and_the_file_high_water_mark_does_not(store: LmdbStore) -> None:
+    before = store.stats()
+    with store.transaction():
+        for i in range(300):
+            store.put_message(mid(i), bytes(3000), G1, T)
+    full = store.stats()
+    assert full["live_bytes"] >= before["live_bytes"] + 300 * 3000
+    with store.transaction():
+        for i in range(300):
+            store.delete_message(mid(i))
+    for _ in range(2):  # (the pages a transaction frees are reusable from the one after next)
+        with store.transaction():
+            store.add_subscriber(G1, A, True)
+    after = store.stats()
+    assert after["msgs_entries"] == 0
+    assert after["live_bytes"] < full["live_bytes"] - 300 * 3000 // 2
+    assert after["used_bytes"] >= full["used_bytes"]  # the file does not shrink
+    assert after["live_bytes"] < after["used_bytes"] - 300 * 3000 // 2
 
 
 # ---------------------------------------------------------------- model-based test of the queues

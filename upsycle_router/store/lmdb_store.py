@@ -723,11 +723,13 @@ class LmdbStore(LmdbTables):
     # ------------------------------------------------------------ statistics
 
     def stats(self) -> dict[str, int]:
-        """Entry counts and sizes for status and metrics."""
+        """Entry counts and sizes for status and metrics: ``used_bytes`` is how far the data file has ever
+        grown (LMDB reuses freed pages but never shrinks the file), ``live_bytes`` what the tables hold now."""
         with self._r() as txn:
             out = {f"{name}_entries": int(txn.stat(self._db[name])["entries"]) for name in ("subs", "routes", "msgs")}
             out["queue_entries"] = int(txn.stat(self._db["queues"])["entries"])
         info = self.env.info()
         out["map_size"] = int(info["map_size"])
         out["used_bytes"] = int((info["last_pgno"] + 1) * self.env.stat()["psize"])
+        out["live_bytes"] = self._live_bytes()
         return out
