@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import subprocess
+import sys
 import sysconfig
 import time
 from pathlib import Path
@@ -88,6 +90,40 @@ def test_ids_of_many_inputs_at_once_are_blake3s(lengths: list[int], rnd: random.
     of short and long inputs and any count, also across a group's end."""
     inputs = [rnd.randbytes(n) for n in lengths]
     assert accel._C.blake3_many(inputs) == [blake3.blake3(x).digest() for x in inputs]
+
+
+_GUARD_PAGE_CHECK = """
+import ctypes, mmap, sys, blake3
+from upsycle_router import accel
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+PG = mmap.PAGESIZE
+m = mmap.mmap(-1, 3 * PG)
+base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+assert libc.mprotect(base + 2 * PG, PG, 0) == 0  # the third page: no access
+mv = memoryview(m)
+other = blake3.blake3(bytes(2000)).digest()
+for n in range(1025, 1100):
+    m[2 * PG - n : 2 * PG] = bytes(i % 251 for i in range(n))
+    x = mv[2 * PG - n : 2 * PG]  # ends where the unreadable page begins
+    want = blake3.blake3(bytes(x)).digest()
+    for k in (1, 2, 3, 4, 5, 8, 17, 65):
+        for at in (0, k - 1):
+            inputs = [bytes(2000)] * k
+            inputs[at] = x
+            got = accel._C.blake3_many(inputs)
+            assert got[at] == want and all(g == other for j, g in enumerate(got) if j != at), (n, k, at)
+print("ok")
+"""
+
+
+@needs_c
+def test_ids_are_computed_without_reading_past_an_input() -> None:
+    """BLAKE3's AVX2/AVX-512 code reads up to 48 bytes past an input's first chunk; an input that ends just after
+    it, right before an unreadable page, must not crash the process (a subprocess: a crash fails the test)."""
+    r = subprocess.run([sys.executable, "-c", _GUARD_PAGE_CHECK], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
 
 
 @needs_c

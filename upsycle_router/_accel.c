@@ -189,6 +189,10 @@ bytes_at(const unsigned char *p, Py_ssize_t n)
 
 #define ID_LEN BLAKE3_OUT_LEN
 #define HASH_GROUP 64 /* inputs per blake3_hash_many call (stack arrays) */
+/* blake3_hash_many's AVX2 and AVX-512 code may read up to 48 bytes past an input's chunk (harmless where its
+ * inputs are consecutive chunks of one buffer, as upstream uses it): an input with fewer than this many bytes
+ * after its first chunk is hashed from a padded copy of that chunk, so nothing is read outside the input. */
+#define HASH_TAIL_SLACK 64
 
 static void
 blake3_one(const unsigned char *in, size_t len, unsigned char out[ID_LEN])
@@ -207,10 +211,12 @@ blake3_one(const unsigned char *in, size_t len, unsigned char out[ID_LEN])
  * then starts where blake3_hasher_update leaves one that has taken exactly a first full chunk and is given
  * more: that chunk's chaining value on the stack, the chunk counter at 1, an empty chunk state. The rest of
  * the input goes through the hasher as usual. Inputs of one chunk or less are hashed alone (their only chunk
- * is the root, finished differently). */
+ * is the root, finished differently). Each input is read within its bounds only (HASH_TAIL_SLACK). */
 static void
 blake3_many(const unsigned char *const *ins, const size_t *lens, size_t n, unsigned char *out)
 {
+    /* (static: only called with the GIL held, and the GIL is not released in here) */
+    static uint8_t padded[HASH_GROUP][BLAKE3_CHUNK_LEN + HASH_TAIL_SLACK];
     const uint8_t *group[HASH_GROUP];
     size_t which[HASH_GROUP];
     uint8_t cvs[HASH_GROUP * ID_LEN];
@@ -219,7 +225,12 @@ blake3_many(const unsigned char *const *ins, const size_t *lens, size_t n, unsig
         size_t g = 0;
         for (; i < n && g < HASH_GROUP; i++) {
             if (lens[i] > BLAKE3_CHUNK_LEN) {
-                group[g] = ins[i];
+                if (lens[i] - BLAKE3_CHUNK_LEN >= HASH_TAIL_SLACK) {
+                    group[g] = ins[i];
+                } else {
+                    memcpy(padded[g], ins[i], BLAKE3_CHUNK_LEN);
+                    group[g] = padded[g];
+                }
                 which[g++] = i;
             } else {
                 blake3_one(ins[i], lens[i], out + i * ID_LEN);
