@@ -276,9 +276,10 @@ def check_store(store_dir: Path) -> list[str]:
 
     Checked: the environment opens and every named database can be read; every queue entry refers to a stored
     message and has its ``queue_exp`` index entry (and vice versa); ``refs`` counts the queue entries of each
-    message; ``qstats`` counts each recipient's entries and bytes; every message has its ``msg_ids`` and
-    ``msg_exp`` entries (store schema 2: messages under sequence numbers, found by id through ``msg_ids``;
-    schema 3: those from sequence number ``indexed`` on are indexed when the store is next opened).
+    message; ``qstats`` counts each recipient's entries and bytes; no message is stored twice; every message
+    has its ``msg_exp`` entry, which holds its id (store schema 4: the id index is built from them in memory;
+    schemas 2 and 3: ``msg_exp`` entries are empty, and the id table ``msg_ids`` has an entry per message) -
+    except, from schema 3 on, those from sequence number ``indexed`` on, indexed when the store is next opened.
     """
     problems: list[str] = []
     try:
@@ -294,10 +295,10 @@ def check_store(store_dir: Path) -> list[str]:
                     yield bytes(k), bytes(v)
 
             by_seq = {k: v for k, v in items("msgs")}
-            ids = {k: v for k, v in items("msg_ids")}
-            msg_exp = {k for k, _ in items("msg_exp")}
             meta = dict(items("meta"))
-            # schema 3: messages from sequence number ``indexed`` on are indexed when the store is opened
+            ids = {k: v for k, v in items("msg_ids")} if meta.get(b"schema") in (b"2", b"3") else None
+            msg_exp = dict(items("msg_exp"))
+            # from schema 3 on: messages from sequence number ``indexed`` on are indexed when the store is opened
             indexed = meta.get(b"indexed", b"\xff" * 8) if meta.get(b"schema") != b"2" else b"\xff" * 8
             msgs: dict[bytes, bytes] = {}
             n_indexed = 0
@@ -307,17 +308,20 @@ def check_store(store_dir: Path) -> list[str]:
                     problems.append(f"message {mid.hex()[:16]} is stored twice")
                 msgs[mid] = v
                 if seq >= indexed:
-                    if mid in ids or v[:8] + seq in msg_exp:
+                    if (ids is not None and mid in ids) or v[:8] + seq in msg_exp:
                         problems.append(f"message {mid.hex()[:16]} at or after 'indexed' is in an index")
                     continue
                 n_indexed += 1
-                if ids.get(mid) != seq:
+                if ids is not None and ids.get(mid) != seq:
                     problems.append(f"message {mid.hex()[:16]} is not indexed in msg_ids")
-                if v[:8] + seq not in msg_exp:
+                entry = msg_exp.get(v[:8] + seq)
+                if entry is None:
                     problems.append(f"message {mid.hex()[:16]} has no msg_exp entry")
-            if len(msg_exp) != n_indexed or len(ids) != n_indexed:
-                problems.append(f"{len(msg_exp)} msg_exp and {len(ids)} msg_ids entries for {n_indexed} indexed "
-                                "messages")
+                elif entry != (b"" if ids is not None else mid):
+                    problems.append(f"the msg_exp entry of message {mid.hex()[:16]} does not hold its id")
+            if len(msg_exp) != n_indexed or (ids is not None and len(ids) != n_indexed):
+                problems.append(f"{len(msg_exp)} msg_exp entries for {n_indexed} indexed messages"
+                                + (f", {len(ids)} msg_ids entries" if ids is not None else ""))
             refs: dict[bytes, int] = defaultdict(int)
             stats: dict[bytes, list[int]] = defaultdict(lambda: [0, 0])
             queue_exp = {k for k, _ in items("queue_exp")}

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import blake3
@@ -358,26 +359,114 @@ def test_c_sorts_a_bulk_index_write_as_python_does(d: dict[bytes, bytes]) -> Non
     assert accel.sorted_items(d) == sorted(d.items())
 
 
-@needs_c
-def test_the_id_filter_counts_ids_in_and_out() -> None:
-    f = accel.IdFilter(12, 7)  # type: ignore[misc]  # 4,096 counters
-    ids = [os.urandom(32) for _ in range(300)]
-    f.add_all(ids)
-    assert len(f) == 300 and all(i in f for i in ids)
-    for i in ids[:150]:
-        f.discard(i)
-    assert len(f) == 150 and all(i in f for i in ids[150:])  # what is left is still in
-    assert sum(i in f for i in ids[:150]) < 30  # what went is (mostly) out
-    f.discard(os.urandom(32))  # never added: counters left alone (unless it shares all three)
-    assert all(i in f for i in ids[150:])
-    # A counter at 255 stays there: 300 adds of one id, 300 discards, and another id sharing it is still in.
-    same = ids[200]
-    for _ in range(300):
-        f.add(same)
-    for _ in range(300):
-        f.discard(same)
-    assert same in f and all(i in f for i in ids[150:])
-    with pytest.raises(TypeError, match="bytes"):
-        f.add("not bytes")
-    with pytest.raises(ValueError, match="slots_log2"):
-        accel.IdFilter(2, 0)  # type: ignore[misc]
+_M64 = 2**64 - 1
+
+
+def _mix64(z: int) -> int:
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _fingerprint(salt: int, mid: bytes, bits: int) -> int:
+    """The C table's fingerprint of an id, written out again (the ids' 8-byte words as the machine loads them)."""
+    h = salt
+    for i in range(0, 32, 8):
+        h = _mix64(h ^ int.from_bytes(mid[i : i + 8], sys.byteorder))
+    return h >> (64 - bits)
+
+
+_INDEXES = [pytest.param(accel._IdIndexPy, id="python")] + (
+    [pytest.param(accel._C.IdIndex, id="c")] if accel._C is not None else []
+)
+
+
+class _IndexModel:
+    """What an IdIndex holds: fingerprint -> seqs; the Python one's fingerprint is the id itself (one seq)."""
+
+    def __init__(self, impl: type, salt: int, bits: int) -> None:
+        self.index = impl(salt, fp_bits=bits)
+        self.python = impl is accel._IdIndexPy
+        self.fp = (lambda m: m) if self.python else (lambda m: _fingerprint(salt, m, bits))
+        self.seqs: dict[object, set[int]] = defaultdict(set)
+
+    def add(self, mid: bytes, seq: int) -> None:
+        self.index.add(mid, seq)
+        if self.python:
+            self.seqs[mid].clear()
+        self.seqs[self.fp(mid)].add(seq)
+
+    def discard(self, mid: bytes, seq: int) -> None:
+        there = seq in self.seqs[self.fp(mid)]
+        assert self.index.discard(mid, seq) == there
+        self.seqs[self.fp(mid)].discard(seq)
+
+    def check(self, mids: list[bytes]) -> None:
+        assert len(self.index) == sum(map(len, self.seqs.values()))
+        for m in mids:
+            assert sorted(self.index.find(m)) == sorted(self.seqs[self.fp(m)])
+        assert sorted(self.index.among(mids)) == sorted((m, s) for m in mids for s in self.seqs[self.fp(m)])
+
+
+@pytest.mark.parametrize("impl", _INDEXES)
+@given(
+    bits=st.sampled_from([1, 2, 5, 64]),
+    salt=st.integers(0, _M64),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 40), st.integers(1, 12)), max_size=200),
+)
+@SETTINGS
+def test_the_id_index_holds_what_a_model_holds(
+    impl: type, bits: int, salt: int, ops: list[tuple[bool, int, int]]
+) -> None:
+    """Adds and removals in any order, with ids that share fingerprints (and home slots) at narrow widths: every
+    lookup gives exactly the sequence numbers stored under the id's fingerprint (removal by backward shift
+    never loses an entry behind the hole)."""
+    pool = [bytes([i]) * 16 + i.to_bytes(16, "big") for i in range(41)]
+    model = _IndexModel(impl, salt, bits)
+    for add, i, seq in ops:
+        (model.add if add else model.discard)(pool[i], seq)
+        model.check(pool[:: 7])
+    model.check(pool)
+
+
+@pytest.mark.parametrize("impl", _INDEXES)
+def test_the_id_index_grows_and_shrinks_without_losing_an_entry(impl: type) -> None:
+    rng = random.Random(5)
+    model = _IndexModel(impl, rng.getrandbits(64), 64)
+    ids = [rng.randbytes(32) for _ in range(20_000)]
+    for n, m in enumerate(ids):
+        model.add(m, n + 1)
+    slots = model.index.nbytes
+    model.check(ids[::97])
+    order = list(range(len(ids)))
+    rng.shuffle(order)
+    for k, n in enumerate(order[:19_900]):
+        model.discard(ids[n], n + 1)
+        if k % 1_000 == 0:
+            model.check([ids[j] for j in order[k : k + 200]])
+    model.check(ids)
+    assert impl is accel._IdIndexPy or model.index.nbytes <= slots // 8  # (it shrank)
+    model.index.clear()
+    assert len(model.index) == 0 and model.index.find(ids[order[-1]]) == []
+
+
+@pytest.mark.parametrize("impl", _INDEXES)
+def test_the_id_index_reads_records_and_expiry_entries_and_refuses_anything_else(impl: type) -> None:
+    x = impl(9)
+    a, b, c = (bytes([n]) * 32 for n in (1, 2, 3))
+    seq = (5).to_bytes(8, "big")
+    records = [(seq, b"E" * 8 + b"\x00" + a + b"data"), ((6).to_bytes(8, "big"), b"E" * 8 + b"\x01" + b"G" * 32 + b)]
+    x.add_pairs(iter(records), 0, -1)
+    x.add_pairs([(b"E" * 8 + (7).to_bytes(8, "big"), c)], 8, 0)  # a msg_exp entry: expires_ms || seq -> id
+    assert (x.find(a), x.find(b), x.find(c), len(x)) == ([5], [6], [7], 3)
+    for bad in ([(seq, b"short")], [(b"1234", a)], [(seq, a, b"")], [[seq, a]], [("text", a)], [(seq, a + b"!")]):
+        with pytest.raises(ValueError, match="add_pairs"):
+            x.add_pairs(bad, 0, 0)
+    for call in (lambda: x.add(b"short", 1), lambda: x.find(a[:31]), lambda: x.discard("t", 1), lambda: x.among([b""])):
+        with pytest.raises(ValueError, match="32 bytes"):
+            call()
+    with pytest.raises(ValueError, match="start at 1"):
+        x.add(a, 0)
+    with pytest.raises(ValueError):
+        x.add_pairs([], -1, 0)
+    assert len(x) == 3

@@ -272,7 +272,8 @@ async def test_a_batch_whose_commit_failed_leaves_no_trace_in_the_store(tmp_path
     driver.push(MessageReceived(1, lost, True, len(lost.encode())))
     await _until(lambda: driver.stats.get("store_errors_total") == 1 and driver._committing is None)
     assert not store.has_message(lost.id) and store.has_message(kept.id)
-    assert len(store._ids) == (0 if index_batch == 1 else 1)  # what is committed, as it is committed
+    assert len(store._exps) == (0 if index_batch == 1 else 1)  # what is committed, as it is committed
+    assert len(store._index) == 1
     assert lost.id not in router.seen  # forgotten with the batch: the copy sent again is not a duplicate
     driver.push(MessageReceived(1, lost, True, len(lost.encode())))
     await _until(lambda: store.has_message(lost.id) and driver._committing is None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 import struct
 import sys
@@ -117,7 +118,7 @@ def test_a_schema_1_store_is_converted_with_every_message(path: Path) -> None:
         assert [(e.seq, e.id) for e in s.queue(A)] == [(7, mid(3))]
     finally:
         s.close()
-    assert check_store(path) == []  # indexes consistent (msg_ids, msg_exp, queues, refs, qstats)
+    assert check_store(path) == []  # indexes consistent (msg_exp, queues, refs, qstats)
     s = open_store(path)
     try:
         with s.transaction():  # new sequence numbers continue after the old ones
@@ -160,7 +161,7 @@ def _raw_tables(path: Path) -> dict[str, list[tuple[bytes, bytes]]]:
         with env.begin() as txn:
             return {
                 name: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=env.open_db(name.encode(), txn=txn))]
-                for name in ("meta", "msgs", "msg_ids", "msg_exp")
+                for name in ("meta", "msgs", "msg_exp")
             }
     finally:
         env.close()
@@ -179,7 +180,8 @@ def test_put_new_messages_writes_what_put_message_writes(tmp_path: Path) -> None
                 assert stores[0].put_message(m, data, group, exp)
         with stores[1].transaction():
             stores[1].put_new_messages(group, batch)
-        assert stores[0]._ids == stores[1]._ids and stores[0]._exp_min == stores[1]._exp_min
+        assert stores[0]._exps == stores[1]._exps and stores[0]._exp_min == stores[1]._exp_min
+        assert len(stores[0]._index) == len(stores[1]._index) == sum(map(len, batches[: b + 1]))
     for s in stores:
         s.close()
     assert _raw_tables(tmp_path / "one") == _raw_tables(tmp_path / "all")
@@ -199,7 +201,7 @@ def test_put_new_messages_refuses_a_message_stored_already_and_changes_nothing(t
     try:
         with s.transaction():
             s.put_message(mid(1), b"one", None, T)
-        assert (mid(1) in s._ids) != indexed
+        assert (mid(1) in s._exps.values()) != indexed
         with s.transaction():
             for bad in ([(mid(2), b"two", T), (mid(1), b"one again", T)], [(mid(3), b"x", T), (mid(3), b"x", T)]):
                 with pytest.raises(ValueError, match="stored already, or listed twice"):
@@ -213,19 +215,24 @@ def test_put_new_messages_refuses_a_message_stored_already_and_changes_nothing(t
         s.close()
 
 
-@pytest.mark.skipif(accel.IdFilter is None, reason="the id filter needs the C extension")
-def test_the_id_filter_never_hides_a_stored_message(path: Path) -> None:
-    """Every stored id passes the filter - after bulk index writes, removals, a rebuild for size, an aborted
-    removal and a reopen - so a stored message is never stored twice; most ids never stored do not pass."""
+@pytest.mark.parametrize("fp_bits", [64, 3])  # 3: every id shares its fingerprint with many others
+def test_the_id_index_finds_every_stored_message_and_no_other(
+    path: Path, fp_bits: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every stored id is found, and only stored ids - after bulk msg_exp writes, removals, growing and
+    shrinking the table, an aborted removal, a crash and a reopen - so a stored message is never stored twice
+    and ids that share a fingerprint are told apart by their records."""
+    monkeypatch.setattr(accel, "IdIndex", functools.partial(accel.IdIndex, fp_bits=fp_bits))
     s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=64)
+    n = 1500 if fp_bits == 3 else 12_000  # (more than the table's first 4,096 slots hold: it grows)
     try:
-        first_max = s._filter_max
-        n = first_max + 1000  # more than it was built for: built again, larger
+        first_size = s._index.nbytes
         for at in range(0, n, 500):
             with s.transaction():
                 for i in range(at, min(n, at + 500)):
-                    s.put_message(mid(i), b"m", G1, T + 3600)
-        assert s._filter_max > first_max
+                    s.put_message(mid(i), b"m%d" % i, G1, T + 3600)
+        table = not isinstance(s._index, accel._IdIndexPy)  # (the C table: slots that grow and shrink)
+        assert len(s._index) == n and (fp_bits == 3 or not table or s._index.nbytes > first_size)
         with s.transaction():
             for i in range(0, n, 3):
                 s.delete_message(mid(i))
@@ -237,21 +244,31 @@ def test_the_id_filter_never_hides_a_stored_message(path: Path) -> None:
             for i in range(1, n, 3):
                 s.delete_message(mid(i))
             raise Stop
-        for reopened in (False, True):  # (the first round stores the removed ones again)
-            if reopened:
-                s.close()
+        for how in ("live", "crash", "close"):  # (the first round stores the removed ones again)
+            if how != "live":
+                if how == "crash":
+                    _crash(s)
+                else:
+                    s.close()
                 s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=64)
             with s.transaction():
                 for i in range(n):
-                    assert s.has_message(mid(i)) == (reopened or i % 3 != 0)
-                    assert s.put_message(mid(i), b"again", G1, T + 3600) == (not reopened and i % 3 == 0)
-                    assert mid(i) in s._filter or mid(i) in s._ids
+                    assert s.has_message(mid(i)) == (how != "live" or i % 3 != 0)
+                    assert s.put_message(mid(i), b"again", G1, T + 3600) == (how == "live" and i % 3 == 0)
+                    assert s.get_message(mid(i)).data == (b"again" if i % 3 == 0 else b"m%d" % i)  # type: ignore[union-attr]
+            assert len(s._index) == n
             assert s.stored_among([mid(i) for i in range(n)]) == {mid(i) for i in range(n)}
-            never = [mid(10**9 + i) for i in range(2000)]
-            assert sum(m in s._filter for m in never) < 200  # (about 3 %)
-            assert s.stored_among(never) == set()
+            never = [mid(10**9 + i) for i in range(500)]
+            assert s.stored_among(never) == set() and not any(s.has_message(m) for m in never)
+        with s.transaction():  # most go: the table shrinks, and what is left is found
+            for i in range(n - 100):
+                s.delete_message(mid(i))
+        assert len(s._index) == 100
+        assert s.stored_among([mid(i) for i in range(n)]) == {mid(i) for i in range(n - 100, n)}
+        assert fp_bits == 3 or not table or s._index.nbytes < 4 * first_size
     finally:
         s.close()
+    assert check_store(path) == []
 
 
 def test_unsupported_schema_version_is_refused(path: Path) -> None:
@@ -656,6 +673,14 @@ def test_live_bytes_fall_when_messages_go_and_the_file_high_water_mark_does_not(
     assert after["live_bytes"] < after["used_bytes"] - 300 * 3000 // 2
 
 
+def test_stats_give_the_memory_of_the_id_index(store: LmdbStore) -> None:
+    first = store.stats()["id_index_bytes"]
+    with store.transaction():
+        store.put_new_messages(G1, [(mid(i), b"m", T) for i in range(10_000)])
+    grown = store.stats()["id_index_bytes"]
+    assert grown == store._index.nbytes and grown >= 10_000 * 16 > first
+
+
 # ---------------------------------------------------------------- model-based test of the queues
 
 RECIPIENTS = (A, B, C)
@@ -743,16 +768,15 @@ test_queue_matches_model = QueueModel.TestCase
 # ---------------------------------------------------------------- the message indexes, written in bulk
 
 
-def _indexed(path: Path) -> tuple[int, int, int]:
-    """``(indexed, msg_ids entries, msg_exp entries)`` on disk (the store must be closed)."""
+def _indexed(path: Path) -> tuple[int, int]:
+    """``(indexed, msg_exp entries)`` on disk (the store must be closed)."""
     env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=16)
     try:
         with env.begin() as txn:
             v = txn.get(b"indexed", db=env.open_db(b"meta", txn=txn, create=False))
-            n_ids = txn.stat(env.open_db(b"msg_ids", txn=txn, create=False))["entries"]
             n_exp = txn.stat(env.open_db(b"msg_exp", txn=txn, create=False))["entries"]
         assert v is not None
-        return struct.unpack(">Q", v)[0], n_ids, n_exp
+        return struct.unpack(">Q", v)[0], n_exp
     finally:
         env.close()
 
@@ -773,18 +797,18 @@ def test_index_entries_wait_in_memory_until_a_batch_is_full(path: Path) -> None:
     with s.transaction():
         assert not s.put_message(mid(2), b"again", None, T)  # a duplicate of an entry still in memory
     _crash(s)
-    assert _indexed(path)[1:] == (0, 0)
+    assert _indexed(path)[1] == 0
     assert check_store(path) == []  # an unindexed tail is consistent
     s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=4)  # opening reads the tail back
-    assert len(s._ids) == 3
+    assert len(s._exps) == 3 and len(s._index) == 3
     assert [s.get_message(mid(n)).data for n in range(1, 4)] == [b"m1", b"m2", b"m3"]  # type: ignore[union-attr]
     assert s.next_expiry() == T + 10
     for n in range(4, 8):  # the batch fills up at message 4 (3 from the opening, 1 new): written out
         with s.transaction():
             assert s.put_message(mid(n), b"m%d" % n, None, T + 10 * n)
     _crash(s)
-    indexed, n_ids, n_exp = _indexed(path)
-    assert (n_ids, n_exp) == (4, 4) and indexed > 4
+    indexed, n_exp = _indexed(path)
+    assert n_exp == 4 and indexed > 4
     assert check_store(path) == []
     s = LmdbStore(path, Durability.NONE, map_size=MAP)
     try:
@@ -801,7 +825,7 @@ def test_duplicates_are_refused_across_the_bulk_write(path: Path, crash: bool) -
             assert s.put_message(mid(n), b"x", None, T + n)
     with s.transaction():  # waits in memory
         assert s.put_message(mid(5), b"x", None, T + 5)
-    assert len(s._ids) == 1
+    assert len(s._exps) == 1
     with s.transaction():  # 4 of them on disk, the 5th in memory: each one is known
         assert not any(s.put_message(mid(n), b"y", None, T + n) for n in range(1, 6))
     assert sorted(s.message_ids()) == [mid(n) for n in range(1, 6)]
@@ -809,7 +833,7 @@ def test_duplicates_are_refused_across_the_bulk_write(path: Path, crash: bool) -
         _crash(s)
     else:
         s.close()  # writes what was left in memory
-    assert _indexed(path)[1:] == ((4, 4) if crash else (5, 5))
+    assert _indexed(path)[1] == (4 if crash else 5)
     assert check_store(path) == []
 
 
@@ -896,11 +920,54 @@ def test_a_schema_2_store_opens_fully_indexed(path: Path) -> None:
     assert check_store(path) == []
 
 
+def test_a_schema_3_store_is_converted_with_its_id_table_dropped(path: Path) -> None:
+    """Schema 3 kept the ids in a table (``msg_ids``: id -> seq) and empty ``msg_exp`` values, both written up to
+    ``indexed``; opened now, every message is found, ``msg_ids`` is gone and ``msg_exp`` holds the ids."""
+    env = lmdb.open(str(path), max_dbs=16, map_size=MAP)
+    u64 = struct.Struct(">Q")
+    names = ("meta", "msgs", "msg_ids", "msg_exp", "queues", "queue_exp", "refs", "qstats")
+    dbs = {n: env.open_db(n.encode()) for n in names}
+    with env.begin(write=True) as txn:
+        txn.put(b"schema", b"3", db=dbs["meta"])
+        txn.put(b"seq", u64.pack(6), db=dbs["meta"])
+        txn.put(b"indexed", u64.pack(4), db=dbs["meta"])  # 4 and 5 were stored after the last bulk write
+        for n in range(1, 6):
+            seq, exp = u64.pack(n), u64.pack(int((T + 10 * n) * 1000))
+            group = b"\x01" + G1 if n % 2 else b"\x00"
+            txn.put(seq, exp + group + mid(n) + b"data %d" % n, db=dbs["msgs"])
+            if n < 4:
+                txn.put(mid(n), seq, db=dbs["msg_ids"])
+                txn.put(exp + seq, b"", db=dbs["msg_exp"])
+    env.close()
+    assert check_store(path) == []  # (a consistent schema 3 store)
+    s = open_store(path)
+    try:
+        assert s._get("meta", b"schema") == SCHEMA_VERSION
+        for n in range(1, 6):
+            assert s.get_message(mid(n)) == StoredMessage(b"data %d" % n, G1 if n % 2 else None, T + 10 * n)
+        with s.transaction():
+            assert not s.put_message(mid(2), b"again", None, T)
+            assert s.put_message(mid(6), b"data 6", None, T + 60)
+        assert s.next_expiry() == T + 10
+    finally:
+        s.close()
+    assert check_store(path) == []
+    env = lmdb.open(str(path), max_dbs=16, map_size=MAP, readonly=True, lock=False)
+    try:
+        with env.begin() as txn:
+            with pytest.raises(lmdb.NotFoundError):
+                env.open_db(b"msg_ids", txn=txn, create=False)
+            exp_db = env.open_db(b"msg_exp", txn=txn, create=False)
+            assert [bytes(v) for _, v in txn.cursor(db=exp_db)] == [mid(n) for n in range(1, 7)]
+    finally:
+        env.close()
+
+
 def test_check_store_finds_a_message_stored_twice(path: Path) -> None:
     s = open_store(path)
     with s.transaction():
         s.put_message(mid(1), b"x", None, T)
-    rec = s._get("msgs", s._ids[mid(1)])
+    rec = s._stored(mid(1))[1]  # type: ignore[index]
     _crash(s)
     env = lmdb.open(str(path), max_dbs=16, map_size=MAP)
     with env.begin(write=True) as txn:
@@ -931,7 +998,7 @@ def _fill(s: LmdbStore, size: int, first: int, expires: float, recipients: int =
 
 
 def _sweep_all(s: LmdbStore, now: float) -> None:
-    for _ in range(200):  # each sweep removes what the free pages can take
+    for _ in range(400):  # each sweep removes what the free pages can take (a full 4 MiB map: ~200 sweeps)
         with s.transaction():
             s.sweep(now)
         if s.next_expiry() is None or s.next_expiry() > now:  # type: ignore[operator]

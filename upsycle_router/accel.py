@@ -25,7 +25,8 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from types import ModuleType
 
 import nacl.bindings
@@ -121,8 +122,67 @@ def sorted_items(d: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
     return sorted(d.items())
 
 
-# A counting Bloom filter of ids (C only; None without the extension: the store then looks every id up).
-IdFilter: type | None = getattr(_C, "IdFilter", None)
+class _IdIndexPy:
+    """:class:`IdIndex` in Python: a dict of the ids themselves (no fingerprints, so every answer is exact)."""
+
+    def __init__(self, salt: int, fp_bits: int = 64) -> None:
+        self._d: dict[bytes, int] = {}
+
+    @staticmethod
+    def _check(mid: bytes) -> None:
+        if type(mid) is not bytes or len(mid) != 32:
+            raise ValueError("IdIndex: ids are 32 bytes")
+
+    def add(self, mid: bytes, seq: int) -> None:
+        self._check(mid)
+        if seq < 1:
+            raise ValueError("IdIndex: sequence numbers start at 1")
+        self._d[mid] = seq
+
+    def add_pairs(self, pairs: Iterable[tuple[bytes, bytes]], seq_at: int, id_at: int) -> None:
+        if seq_at < 0 or id_at < -1:
+            raise ValueError("IdIndex.add_pairs: offsets are positive (id_at -1: a record)")
+        for item in pairs:
+            ok = type(item) is tuple and len(item) == 2 and type(item[0]) is bytes and type(item[1]) is bytes
+            if ok:
+                k, v = item
+                at = id_at if id_at >= 0 else (41 if len(v) > 8 and v[8] == 1 else 9)
+                ok = len(k) >= seq_at + 8 and len(v) >= at + 32 and (id_at == -1 or len(v) == at + 32)
+            if not ok:
+                raise ValueError("IdIndex.add_pairs: an entry is not a (key, value) pair of bytes with a sequence "
+                                 "number and an id where expected")
+            self.add(v[at : at + 32], int.from_bytes(k[seq_at : seq_at + 8], "big"))
+
+    def find(self, mid: bytes) -> list[int]:
+        self._check(mid)
+        seq = self._d.get(mid)
+        return [] if seq is None else [seq]
+
+    def among(self, mids: Iterable[bytes]) -> list[tuple[bytes, int]]:
+        return [(mid, seq) for mid in mids for seq in self.find(mid)]
+
+    def discard(self, mid: bytes, seq: int) -> bool:
+        self._check(mid)
+        if self._d.get(mid) != seq:
+            return False
+        del self._d[mid]
+        return True
+
+    def clear(self) -> None:
+        self._d.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sys.getsizeof(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+# The store's id index in memory: message id -> the sequence numbers it may be stored under. The C table keeps a
+# salted 64-bit fingerprint per id (16 bytes a slot); two ids may share one, so the store checks the id in the
+# record. (Python: the ids themselves.)
+IdIndex: type = getattr(_C, "IdIndex", None) or _IdIndexPy
 
 
 def decode_canonical(payload: bytes) -> Message | None:

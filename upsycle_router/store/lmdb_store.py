@@ -11,29 +11,32 @@ One LMDB environment holds every piece of state the router must not lose, in nam
 ``usubs``      groups this (edge) router joined at its core nodes
 ``routes``     ``dst`` -> ``router || expires_ms || source``
 ``msgs``       ``seq`` -> ``expires_ms || group-or-empty || id || message bytes`` (in arrival order)
-``msg_ids``    ``id`` -> ``seq``: where a message is in ``msgs`` (also the duplicate check)
-``msg_exp``    ``expires_ms || seq`` -> ``b""``: the expiry index of ``msgs``
+``msg_exp``    ``expires_ms || seq`` -> ``id``: the expiry index of ``msgs`` (and the ids, for the id index)
 ``queues``     ``recipient || seq`` -> ``id || expires_ms || size``: per-recipient FIFO queues
 ``queue_exp``  ``expires_ms || recipient || seq`` -> ``b""``: the expiry index of ``queues``
 ``qstats``     ``recipient`` -> ``count || bytes``: quota accounting
 ``refs``       ``id`` -> number of queue entries referring to the message
 
-Messages are kept in arrival order, under a sequence number, and found by id through ``msg_ids``: storing a
-message appends it to the end of ``msgs`` (one B-tree page written for several messages). Sequence numbers
-(``seq``) of messages and of queue entries come from one counter that is saved with every transaction that
-used it, so they only grow. Schema 1 stores (messages keyed by id) are converted when opened, in one
-transaction.
+Messages are kept in arrival order, under a sequence number: storing a message appends it to the end of
+``msgs`` (one B-tree page written for several messages). Sequence numbers (``seq``) of messages and of queue
+entries come from one counter that is saved with every transaction that used it, so they only grow.
 
-The two indexes of ``msgs`` are written in bulk. Keyed by random 32-byte ids, one ``msg_ids`` entry per
-stored message rewrites a different ~4 KiB page of the table at each commit; ``msg_exp`` costs another
-B-tree insert. So the entries of newly stored messages are held in memory (``_ids``, ``_exps``, consulted by
-every lookup, the expiry sweep included) and written sorted, many at once, when ``index_batch`` of them have
-gathered (in the transaction of the message that filled them up) and on close. ``meta`` ``indexed`` is the first
-sequence number the on-disk indexes may lack: it is written with every bulk write, in the same transaction,
-so the indexes never run ahead of the messages or behind ``indexed``. Opening the store (after a crash, say)
-reads the records from ``indexed`` on, which carry their id and expiry, back into memory. A transaction that
-does not commit leaves the memory part to be read back the same way. A bulk write needs at most two new pages
-per entry; ``has_room`` keeps that much of the map free, and a small map holds fewer entries in memory.
+The id index - which sequence number a message id is stored under, and the duplicate check of every message
+that arrives - lives in memory only (``_index``, :class:`~upsycle_router.accel.IdIndex`: a salted 64-bit
+fingerprint and the sequence number per stored message, 23-46 bytes each). Kept on disk as a B-tree keyed by
+random ids (store schemas 2 and 3: ``msg_ids``), it rewrote a different page for almost every message and
+grew dearer with every message stored. It is built when the store is opened, from the ids ``msg_exp`` holds
+and the records not yet in ``msg_exp``, and built again the same way after a transaction that did not commit.
+Two ids may share a fingerprint, so a lookup compares the id in each record it points to.
+
+``msg_exp`` is written in bulk: the entries of newly stored messages are held in memory (``_exps``,
+consulted by the expiry sweep) and written sorted, many at once, when ``index_batch`` of them have gathered
+(in the transaction of the message that filled them up) and on close. ``meta`` ``indexed`` is the first
+sequence number ``msg_exp`` may lack: it is written with every bulk write, in the same transaction, so the
+index never runs ahead of the messages or behind ``indexed``. Opening the store (after a crash, say) reads the
+records from ``indexed`` on, which carry their id and expiry, back into memory. A bulk write needs at most two
+new pages per entry; ``has_room`` keeps that much of the map free, and a small map holds fewer entries in
+memory. Stores of schemas 1 to 3 are converted when opened, in one transaction.
 
 All writes happen inside :meth:`LmdbStore.transaction`, one write transaction that the driver opens around a
 batch of events (group commit). Reads outside a transaction use a short read transaction. Durability:
@@ -65,7 +68,7 @@ from upsycle_router.store.tables import LmdbTables
 
 log = logging.getLogger("upsycle_router.store")
 
-SCHEMA_VERSION = b"3"  # 3: the message indexes may lag behind ``msgs`` from ``indexed`` on (2: never)
+SCHEMA_VERSION = b"4"  # 4: the id index in memory (3: ``msg_ids``, lagging behind from ``indexed`` on; 2: never)
 INDEX_BATCH = 4096  # index entries held in memory before they are written in bulk (fewer in a small map)
 _U64 = struct.Struct(">Q")
 _QVAL = struct.Struct(">32sQI")  # id, expires_ms, size
@@ -157,17 +160,13 @@ class LmdbStore(LmdbTables):
         self._last_charge = 0  # what has_room admitted in the last committed transaction
         self._next_seq = 0
         self._opened = False
-        # Index entries of messages stored from ``indexed`` on, not yet in msg_ids / msg_exp: id -> seq, and
-        # seq -> msg_exp key; ``_exp_min`` is the earliest of those expiries (ms) unless ``_exp_stale``.
-        self._ids: dict[bytes, bytes] = {}
+        # The msg_exp entries of messages stored from ``indexed`` on, not yet written: ``expires_ms || seq`` -> id;
+        # ``_exp_min`` is the earliest of those expiries (ms) unless ``_exp_stale``.
         self._exps: dict[bytes, bytes] = {}
         self._exp_min = _NEVER_MS
         self._exp_stale = False
-        # The ids in msg_ids in a counting Bloom filter (accel.IdFilter; None without the C extension): an id
-        # it does not hold is not looked up in msg_ids - the common case, a new message. ``_filter_max``: how
-        # many ids it takes before it is built again, larger (8 counters per id, a false positive in ~30).
-        self._filter: Any = None
-        self._filter_max = 0
+        # Every stored message: id -> seq (salted: nobody can aim ids at one slot).
+        self._index: Any = accel.IdIndex(int.from_bytes(os.urandom(8), "big"))
         self._db: dict[str, Any] = {}
         self._db["meta"] = self.env.open_db(b"meta")
         self._psize = int(self.env.stat()["psize"])
@@ -178,23 +177,23 @@ class LmdbStore(LmdbTables):
         self._saved_seq = self._next_seq
         with self.transaction():
             v = self._get("meta", b"schema")
-            if v not in (None, b"1", b"2", SCHEMA_VERSION):
+            if v not in (None, b"1", b"2", b"3", SCHEMA_VERSION):
                 raise RuntimeError(f"{self.path}: store schema {v!r} is not supported (expected {SCHEMA_VERSION!r})")
-            for name in ("locals", "subs", "psubs", "usubs", "routes", "msg_ids", "msg_exp", "queues", "refs",
-                         "qstats", "queue_exp"):
+            for name in ("locals", "subs", "psubs", "usubs", "routes", "msg_exp", "queues", "refs", "qstats",
+                         "queue_exp"):
                 self._db[name] = self.env.open_db(name.encode(), txn=self._txn)
             if v == b"1":
                 self._migrate_1()
             else:
                 self._db["msgs"] = self.env.open_db(b"msgs", txn=self._txn)
+            if v is not None and v != SCHEMA_VERSION:
+                self._migrate_ids()
             if v != SCHEMA_VERSION:
                 self._put("meta", b"schema", SCHEMA_VERSION)
-            # Schema 3: the messages stored after the last bulk write (a crash, say) wait in memory again. Earlier
-            # schemas index every message (a converted schema 1 store: in memory now); say so.
-            if v != SCHEMA_VERSION or not self._load_unindexed(self._txn) or len(self._ids) >= self.index_batch:
+            # The messages stored after the last bulk write (a crash, say) wait in memory again; a new or
+            # converted store has no ``indexed`` mark: every record is read, and msg_exp written.
+            if not self._load_index(self._txn) or len(self._exps) >= self.index_batch:
                 self._flush_index()
-        with self.env.begin() as txn:
-            self._build_filter(txn)
         self._opened = True
 
     # ------------------------------------------------------------ transactions
@@ -213,34 +212,26 @@ class LmdbStore(LmdbTables):
         self._last_charge = self._room[0] - self._room[2] if self._room is not None else 0
 
     def _aborted(self) -> None:
-        # The index entries in memory may include messages of the aborted transaction, or miss ones it removed
-        # or wrote out: read them back from what is committed. (Sequence numbers stay taken: a gap is harmless.)
+        # The id index and the msg_exp entries in memory may include messages of the aborted transaction, or
+        # miss ones it removed or wrote out: build them again from what is committed. (Sequence numbers stay
+        # taken: a gap is harmless.)
         if not self._opened:
             return  # the opening transaction failed: its error is the one to see, and the store is not used
         with self.env.begin() as txn:
-            self._load_unindexed(txn)
-            self._build_filter(txn)  # (it may miss ids whose removal was aborted: never miss a stored one)
+            self._load_index(txn)
 
     # ------------------------------------------------------------ the message indexes
 
-    def _build_filter(self, txn: Any) -> None:
-        """Build the id filter from the ids in ``msg_ids`` in ``txn``, with room for twice as many."""
-        if accel.IdFilter is None:
-            return
-        db = self._db["msg_ids"]
-        n = max(int(txn.stat(db)["entries"]), 1 << 12)
-        bits = (16 * n - 1).bit_length()  # 8 counters per id, for twice as many ids as now
-        f = accel.IdFilter(bits, int.from_bytes(os.urandom(8), "big"))
-        f.add_all(txn.cursor(db=db).iternext(values=False))
-        self._filter, self._filter_max = f, (1 << bits) // 8
-
-    def _load_unindexed(self, txn: Any) -> bool:
-        """Fill the in-memory index entries from the ``msgs`` records at and after ``indexed``, in ``txn``;
-        False if ``indexed`` is missing (then every record is read: what is indexed already is written again)."""
-        self._ids.clear()
+    def _load_index(self, txn: Any) -> bool:
+        """Build the id index and the msg_exp entries in memory from what ``txn`` sees: the ids in ``msg_exp``,
+        and the ``msgs`` records at and after ``indexed``. False if ``indexed`` is missing (a new or converted
+        store): then every record is read, and msg_exp is to be written again."""
+        self._index.clear()
         self._exps.clear()
         self._exp_min, self._exp_stale = _NEVER_MS, False
         v = txn.get(b"indexed", db=self._db["meta"])
+        if v is not None:
+            self._index.add_pairs(txn.cursor(db=self._db["msg_exp"]).iternext(), 8, 0)
         cur = txn.cursor(db=self._db["msgs"])
         if cur.set_range(bytes(v) if v is not None else b""):
             for k, rec in cur.iternext():
@@ -249,31 +240,23 @@ class LmdbStore(LmdbTables):
         return v is not None
 
     def _pending(self, mid: bytes, seq: bytes, exp: bytes) -> None:
-        self._ids[mid] = seq
-        self._exps[seq] = exp + seq
+        self._index.add(mid, _U64.unpack(seq)[0])
+        self._exps[exp + seq] = mid
         self._exp_min = min(self._exp_min, _U64.unpack(exp)[0])
 
     def _pending_expiry(self) -> int:
-        """The earliest expiry (ms) of the index entries in memory (``_NEVER_MS``: none)."""
+        """The earliest expiry (ms) of the msg_exp entries in memory (``_NEVER_MS``: none)."""
         if self._exp_stale:
-            self._exp_min = min((_U64.unpack_from(k, 0)[0] for k in self._exps.values()), default=_NEVER_MS)
+            self._exp_min = min((_U64.unpack_from(k, 0)[0] for k in self._exps), default=_NEVER_MS)
             self._exp_stale = False
         return self._exp_min
 
     def _flush_index(self) -> None:
-        """Write the index entries held in memory, sorted, in the open transaction; from then on the indexes
-        cover every message stored so far (``indexed``)."""
+        """Write the msg_exp entries held in memory, sorted, in the open transaction; from then on msg_exp
+        covers every message stored so far (``indexed``)."""
         txn = self._w()
-        if self._ids:
-            ids = self._ids
-            txn.cursor(db=self._db["msg_ids"]).putmulti(sorted_items(ids))  # sorted: fewer misses
-            f = self._filter
-            if f is not None:
-                f.add_all(ids)
-                if len(f) > self._filter_max:
-                    self._build_filter(txn)
-            txn.cursor(db=self._db["msg_exp"]).putmulti([(k, b"") for k in sorted(self._exps.values())])
-            self._ids.clear()
+        if self._exps:
+            txn.cursor(db=self._db["msg_exp"]).putmulti(sorted_items(self._exps))
             self._exps.clear()
             self._exp_min, self._exp_stale = _NEVER_MS, False
         self._put("meta", b"indexed", _U64.pack(self._next_seq))
@@ -286,7 +269,7 @@ class LmdbStore(LmdbTables):
         """Write the pending index entries, sync and close the environment."""
         if self._txn is not None:
             raise RuntimeError("close() inside a transaction")
-        if self._ids:
+        if self._exps:
             try:
                 with self.transaction():
                     self._flush_index()
@@ -331,7 +314,18 @@ class LmdbStore(LmdbTables):
             flag, tail = rest[:1], rest[1:]
             group, data = (tail[:32], tail[32:]) if flag == b"\x01" else (b"", tail)
             txn.put(seq, exp + flag + group + mid + data, db=self._db["msgs"])
-            self._pending(mid, seq, exp)
+
+    def _migrate_ids(self) -> None:
+        """Schemas 1-3 to 4, in the opening transaction: drop the id table (``msg_ids``) and empty ``msg_exp``
+        (its values were empty) and ``indexed``; the opening then reads every record back and writes msg_exp
+        again, with ids."""
+        txn = self._w()
+        try:
+            txn.drop(self.env.open_db(b"msg_ids", txn=txn, create=False), delete=True)
+        except lmdb.NotFoundError:
+            pass
+        txn.drop(self._db["msg_exp"], delete=False)
+        self._delete("meta", b"indexed")
 
     def _take_seq(self) -> bytes:
         seq = self._next_seq
@@ -421,7 +415,6 @@ class LmdbStore(LmdbTables):
         if self.has_message(mid):
             return False
         db = self._db
-        ids = self._ids
         seq = _U64.pack(self._next_seq)
         self._next_seq += 1
         exp_ms = _ms(expires)
@@ -431,11 +424,12 @@ class LmdbStore(LmdbTables):
         if not txn.put(seq, exp + (b"\x01" + group if group else b"\x00") + mid + data, db=db["msgs"], append=True):
             # an lmdb.Error aborts the driver's whole batch: nothing of this transaction is committed
             raise lmdb.Error(f"{self.path}: message sequence number {self._next_seq - 1} used twice")
-        ids[mid] = seq  # self._pending(mid, seq, exp), inline: this runs for every stored message
-        self._exps[seq] = exp + seq
+        self._index.add(mid, self._next_seq - 1)  # self._pending(mid, seq, exp), inline: this runs for every
+        exps = self._exps  # stored message
+        exps[exp + seq] = mid
         if exp_ms < self._exp_min:
             self._exp_min = exp_ms
-        if len(ids) >= self.index_batch:  # now, not at the commit: the room has_room keeps is for this many
+        if len(exps) >= self.index_batch:  # now, not at the commit: the room has_room keeps is for this many
             self._flush_index()
         return True
 
@@ -445,8 +439,8 @@ class LmdbStore(LmdbTables):
         of each in turn (the same records, sequence numbers and bulk index writes), in one append per bulk
         index write instead of one LMDB call per message."""
         txn = self._w()
-        ids, exps, pack = self._ids, self._exps, _U64.pack
-        # Refuse before changing anything (the filter makes the look into msg_ids cheap).
+        exps, pack = self._exps, _U64.pack
+        # Refuse before changing anything (a lookup in the id index in memory).
         new = {mid for mid, _, _ in messages}
         if len(new) != len(messages) or self.stored_among(new):
             raise ValueError("put_new_messages: a message stored already, or listed twice")
@@ -456,7 +450,7 @@ class LmdbStore(LmdbTables):
         at = 0
         while at < todo:
             # Up to the next bulk index write, where put_message would write it (has_room keeps room for this many).
-            part = messages[at : at + max(1, self.index_batch - len(ids))]
+            part = messages[at : at + max(1, self.index_batch - len(exps))]
             at += len(part)
             s = first = self._next_seq
             emin = self._exp_min
@@ -467,8 +461,7 @@ class LmdbStore(LmdbTables):
                 seq = pack(s)
                 s += 1
                 records.append((seq, exp + head + mid + data))
-                ids[mid] = seq
-                exps[seq] = exp + seq
+                exps[exp + seq] = mid
                 if ms < emin:
                     emin = ms
             self._next_seq = s
@@ -476,7 +469,8 @@ class LmdbStore(LmdbTables):
             if txn.cursor(db=msgs).putmulti(records, append=True)[1] != len(records):
                 # (as in put_message: an lmdb.Error aborts the driver's whole batch)
                 raise lmdb.Error(f"{self.path}: message sequence numbers from {first} used twice")
-            if len(ids) >= self.index_batch:
+            self._index.add_pairs(records, 0, -1)
+            if len(exps) >= self.index_batch:
                 self._flush_index()
 
     @staticmethod
@@ -487,25 +481,21 @@ class LmdbStore(LmdbTables):
     def _drop(self, mid: bytes, seq: bytes, v: bytes) -> None:
         """Remove the message ``mid`` stored under ``seq`` as record ``v``, with its index entries."""
         self._delete("msgs", seq)
-        # (The filter forgets an id only when its entry really goes: taking back an id it never counted would
-        # take counts from others - and then a stored id could be missed.)
-        if self._ids.pop(mid, None) is None and self._delete("msg_ids", mid) and self._filter is not None:
-            self._filter.discard(mid)
-        pending = self._exps.pop(seq, None)
-        if pending is None:
-            self._delete("msg_exp", v[:8] + seq)
-        elif _U64.unpack_from(pending, 0)[0] <= self._exp_min:
+        self._index.discard(mid, _U64.unpack(seq)[0])
+        key = v[:8] + seq
+        if self._exps.pop(key, None) is None:
+            self._delete("msg_exp", key)
+        elif _U64.unpack_from(key, 0)[0] <= self._exp_min:
             self._exp_stale = True  # the earliest may have gone
 
-    def _stored(self, mid: bytes) -> tuple[bytes, bytes] | None:
-        """``(seq, record)`` of a stored message."""
-        seq = self._ids.get(mid)
-        if seq is None and (self._filter is None or mid in self._filter):
-            seq = self._get("msg_ids", mid)
-        if seq is None:
-            return None
-        v = self._get("msgs", seq)
-        return None if v is None else (seq, v)
+    def _stored(self, mid: bytes, seqs: list[int] | None = None) -> tuple[bytes, bytes] | None:
+        """``(seq, record)`` of a stored message; ``seqs``: what the id index gave for ``mid`` already."""
+        for s in self._index.find(mid) if seqs is None else seqs:
+            seq = _U64.pack(s)
+            v = self._get("msgs", seq)
+            if v is not None and self._record_id(v) == mid:  # (not another id with the same fingerprint)
+                return seq, v
+        return None
 
     def get_message(self, mid: bytes) -> StoredMessage | None:
         """A stored message, or None."""
@@ -520,25 +510,17 @@ class LmdbStore(LmdbTables):
 
     def has_message(self, mid: bytes) -> bool:
         """Whether ``mid`` is in the message store."""
-        if mid in self._ids:
-            return True
-        if self._filter is not None and mid not in self._filter:
-            return False
-        txn = self._txn
-        if txn is not None:  # (self._exists, inline: this runs for every message stored)
-            return txn.get(mid, db=self._db["msg_ids"]) is not None
-        return self._exists("msg_ids", mid)
+        seqs = self._index.find(mid)
+        return bool(seqs) and self._stored(mid, seqs) is not None  # (no LMDB read for a new message)
 
     def stored_among(self, mids: Iterable[bytes]) -> set[bytes]:
         """Those of ``mids`` in the message store: :meth:`has_message` of each, in one call."""
-        ids, f = self._ids, self._filter
-        if f is not None:
-            mids = [mid for mid in mids if mid in ids or mid in f]
-            if not mids:
-                return set()
+        hits = self._index.among(mids)
+        if not hits:
+            return set()
         with self._r() as txn:
-            get = txn.cursor(db=self._db["msg_ids"]).get
-            return {mid for mid in mids if mid in ids or get(mid) is not None}
+            get, rid, pack = txn.cursor(db=self._db["msgs"]).get, self._record_id, _U64.pack
+            return {mid for mid, s in hits if (v := get(pack(s))) is not None and rid(v) == mid}
 
     def message_ids(self) -> list[bytes]:
         """The ids of every stored message, oldest first."""
@@ -676,12 +658,12 @@ class LmdbStore(LmdbTables):
                 self._delete("msg_exp", k)
         limit -= len(mvictims)
         if self._exps and limit > 0 and self._pending_expiry() <= now_ms:  # stored since the last bulk write
-            for k in sorted(k for k in self._exps.values() if _U64.unpack_from(k, 0)[0] <= now_ms)[:limit]:
+            for k in sorted(k for k in self._exps if _U64.unpack_from(k, 0)[0] <= now_ms)[:limit]:
                 v = self._get("msgs", k[8:])
                 if v is not None:
                     self._drop(self._record_id(v), k[8:], v)
                 else:
-                    self._exps.pop(k[8:], None)
+                    self._exps.pop(k, None)
         return out
 
     def _live_bytes(self) -> int:
@@ -724,7 +706,8 @@ class LmdbStore(LmdbTables):
 
     def stats(self) -> dict[str, int]:
         """Entry counts and sizes for status and metrics: ``used_bytes`` is how far the data file has ever
-        grown (LMDB reuses freed pages but never shrinks the file), ``live_bytes`` what the tables hold now."""
+        grown (LMDB reuses freed pages but never shrinks the file), ``live_bytes`` what the tables hold now,
+        ``id_index_bytes`` the memory of the id index."""
         with self._r() as txn:
             out = {f"{name}_entries": int(txn.stat(self._db[name])["entries"]) for name in ("subs", "routes", "msgs")}
             out["queue_entries"] = int(txn.stat(self._db["queues"])["entries"])
@@ -732,4 +715,5 @@ class LmdbStore(LmdbTables):
         out["map_size"] = int(info["map_size"])
         out["used_bytes"] = int((info["last_pgno"] + 1) * self.env.stat()["psize"])
         out["live_bytes"] = self._live_bytes()
+        out["id_index_bytes"] = int(self._index.nbytes)
         return out
