@@ -359,6 +359,45 @@ def test_c_sorts_a_bulk_index_write_as_python_does(d: dict[bytes, bytes]) -> Non
     assert accel.sorted_items(d) == sorted(d.items())
 
 
+@needs_c
+@given(
+    first=st.integers(1, 2**63),
+    group=st.sampled_from([b"\x00", b"\x01" + bytes(range(32))]),
+    messages=st.lists(
+        st.tuples(
+            st.binary(min_size=32, max_size=32),
+            st.binary(max_size=2000),
+            st.one_of(st.floats(-10, 2e12), st.just(0.0), st.floats(allow_nan=True).filter(lambda f: f != f)),
+        ),
+        max_size=40,
+    ),
+)
+@SETTINGS
+def test_c_builds_the_stores_records_as_python_does(
+    first: int, group: bytes, messages: list[tuple[bytes, bytes, float]]
+) -> None:
+    exps_c: dict[bytes, bytes] = {b"old": b"x"}
+    exps_py: dict[bytes, bytes] = {b"old": b"x"}
+    got = accel._C.msgs_records(first, group, messages, exps_c)  # type: ignore[union-attr]
+    want = accel._msgs_records_py(first, group, messages, exps_py)
+    assert got == want and exps_c == exps_py
+    assert all(len(k) == 8 for k, _ in got[0]) and len(exps_c) == 1 + len({k for k, _ in got[0]})
+
+
+@pytest.mark.parametrize("impl", [pytest.param(accel._msgs_records_py, id="python")] + (
+    [pytest.param(accel._C.msgs_records, id="c")] if accel._C is not None else []))
+def test_the_stores_records_refuse_what_is_not_a_message(impl: object) -> None:
+    f = impl  # type: ignore[assignment]
+    m = bytes(32)
+    for bad in ([(b"short", b"data", 1.0)], [(m, "text", 1.0)], [(m, b"data")], [[m, b"d", 1.0]]):
+        with pytest.raises(ValueError, match="msgs_records"):
+            f(1, b"\x00", bad, {})  # type: ignore[operator]
+    with pytest.raises(OverflowError):
+        f(1, b"\x00", [(bytes(32), b"d", float("inf"))], {})  # type: ignore[operator]
+    with pytest.raises((TypeError, ValueError)):
+        f(1, b"\x00", [(bytes(32), b"d", "soon")], {})  # type: ignore[operator]
+
+
 _M64 = 2**64 - 1
 
 

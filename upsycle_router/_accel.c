@@ -870,6 +870,89 @@ sorted_items(PyObject *self, PyObject *arg)
     return out;
 }
 
+/* msgs_records(first_seq, head, messages, exps) -> (records, earliest): the store's `msgs` records of
+   messages (id, data, expires) numbered from first_seq - (seq, expires_ms || head || id || data), seq and
+   expires_ms big-endian, expires_ms = int(expires * 1000) (0 for expires <= 0) - with each message's msg_exp
+   entry (expires_ms || seq -> id) added to the dict exps; earliest: the smallest expires_ms (2**64 - 1 for
+   none). What LmdbStore.put_new_messages did in a Python loop, 0.9 us per message. */
+static void
+put_be64(char *p, uint64_t v)
+{
+    for (int i = 7; i >= 0; i--, v >>= 8)
+        p[i] = (char)(v & 0xff);
+}
+
+static PyObject *
+msgs_records(PyObject *self, PyObject *args)
+{
+    (void)self;
+    unsigned long long first;
+    PyObject *head, *messages, *exps;
+    if (!PyArg_ParseTuple(args, "KSOO!", &first, &head, &messages, &PyDict_Type, &exps))
+        return NULL;
+    PyObject *seq = PySequence_Fast(messages, "msgs_records: a sequence of (id, data, expires)");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), hn = PyBytes_GET_SIZE(head);
+    PyObject *out = PyList_New(n);
+    uint64_t earliest = UINT64_MAX;
+    if (out == NULL)
+        goto fail;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(seq, i), *mid, *data;
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3 || !PyBytes_Check(mid = PyTuple_GET_ITEM(item, 0)) ||
+            PyBytes_GET_SIZE(mid) != ID_LEN || !PyBytes_Check(data = PyTuple_GET_ITEM(item, 1))) {
+            PyErr_SetString(PyExc_ValueError, "msgs_records: each message is (32-byte id, bytes, expires)");
+            goto fail;
+        }
+        double e = PyFloat_AsDouble(PyTuple_GET_ITEM(item, 2));
+        if (e == -1.0 && PyErr_Occurred())
+            goto fail;
+        uint64_t ms = 0;
+        if (e > 0) {
+            double v = e * 1000.0;
+            if (!(v < 18446744073709551616.0)) {
+                PyErr_SetString(PyExc_OverflowError, "msgs_records: an expiry past 2**64 ms");
+                goto fail;
+            }
+            ms = (uint64_t)v;
+        }
+        if (ms < earliest)
+            earliest = ms;
+        uint64_t sq = (uint64_t)first + (uint64_t)i;
+        Py_ssize_t dn = PyBytes_GET_SIZE(data);
+        PyObject *key = PyBytes_FromStringAndSize(NULL, 8);
+        PyObject *rec = PyBytes_FromStringAndSize(NULL, 8 + hn + ID_LEN + dn);
+        PyObject *ek = PyBytes_FromStringAndSize(NULL, 16);
+        PyObject *pair = NULL;
+        if (key != NULL && rec != NULL && ek != NULL) {
+            put_be64(PyBytes_AS_STRING(key), sq);
+            char *r = PyBytes_AS_STRING(rec);
+            put_be64(r, ms);
+            memcpy(r + 8, PyBytes_AS_STRING(head), (size_t)hn);
+            memcpy(r + 8 + hn, PyBytes_AS_STRING(mid), ID_LEN);
+            memcpy(r + 8 + hn + ID_LEN, PyBytes_AS_STRING(data), (size_t)dn);
+            put_be64(PyBytes_AS_STRING(ek), ms);
+            put_be64(PyBytes_AS_STRING(ek) + 8, sq);
+            if (PyDict_SetItem(exps, ek, mid) == 0)
+                pair = PyTuple_Pack(2, key, rec);
+        }
+        Py_XDECREF(key);
+        Py_XDECREF(rec);
+        Py_XDECREF(ek);
+        if (pair == NULL)
+            goto fail;
+        PyList_SET_ITEM(out, i, pair);
+    }
+    Py_DECREF(seq);
+    PyObject *res = Py_BuildValue("(NK)", out, (unsigned long long)earliest);
+    return res;
+fail:
+    Py_DECREF(seq);
+    Py_XDECREF(out);
+    return NULL;
+}
+
 /* IdIndex: where each stored message is, by id - a hash table of (fingerprint, sequence number) pairs, the
    store's whole id index in memory (16 bytes per slot, at most 70 % of the slots used). The fingerprint is a
    64-bit hash of the 32-byte id, salted per table, so nobody can aim ids at one slot or one fingerprint; two
@@ -1257,6 +1340,8 @@ static PyMethodDef methods[] = {
     {"verify_raw", verify_raw, METH_VARARGS, "verify_raw(fn, key, data, sig) -> bool"},
     {"join_frames", join_frames, METH_O, "join_frames(payloads) -> bytes: each behind its 4-byte length"},
     {"sorted_items", sorted_items, METH_O, "sorted_items(d) -> list of (key, value), sorted by the bytes keys"},
+    {"msgs_records", msgs_records, METH_VARARGS,
+     "msgs_records(first_seq, head, messages, exps) -> (records, earliest): the store's records of new messages"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -122,6 +122,46 @@ def sorted_items(d: dict[bytes, bytes]) -> list[tuple[bytes, bytes]]:
     return sorted(d.items())
 
 
+_U64 = struct.Struct(">Q")
+
+
+def _msgs_records_py(
+    first_seq: int, head: bytes, messages: Sequence[tuple[bytes, bytes, float]], exps: dict[bytes, bytes]
+) -> tuple[list[tuple[bytes, bytes]], int]:
+    pack = _U64.pack
+    records = []
+    earliest = 2**64 - 1
+    s = first_seq
+    for item in messages:
+        if type(item) is not tuple or len(item) != 3 or type(item[0]) is not bytes or len(item[0]) != 32 or (
+            type(item[1]) is not bytes
+        ):
+            raise ValueError("msgs_records: each message is (32-byte id, bytes, expires)")
+        mid, data, expires = item
+        ms = int(expires * 1000) if expires > 0 else 0
+        if ms >= 2**64:
+            raise OverflowError("msgs_records: an expiry past 2**64 ms")
+        exp, seq = pack(ms), pack(s)
+        s += 1
+        records.append((seq, exp + head + mid + data))
+        exps[exp + seq] = mid
+        if ms < earliest:
+            earliest = ms
+    return records, earliest
+
+
+def msgs_records(
+    first_seq: int, head: bytes, messages: Sequence[tuple[bytes, bytes, float]], exps: dict[bytes, bytes]
+) -> tuple[list[tuple[bytes, bytes]], int]:
+    """The store's ``msgs`` records of ``messages`` (id, data, expires), numbered from ``first_seq``:
+    ``(seq, expires_ms || head || id || data)``, both numbers big-endian, ``expires_ms = int(expires * 1000)``
+    (0 for ``expires <= 0``); each message's msg_exp entry (``expires_ms || seq -> id``) is added to ``exps``.
+    Also the smallest ``expires_ms`` (``2**64 - 1`` for no message)."""
+    if _C is not None:
+        return _C.msgs_records(first_seq, head, messages, exps)  # type: ignore[no-any-return]
+    return _msgs_records_py(first_seq, head, messages, exps)
+
+
 class _IdIndexPy:
     """:class:`IdIndex` in Python: a dict of the ids themselves (no fingerprints, so every answer is exact)."""
 

@@ -63,7 +63,7 @@ from typing import Any
 import lmdb
 
 from upsycle_router import accel
-from upsycle_router.accel import sorted_items
+from upsycle_router.accel import msgs_records, sorted_items
 from upsycle_router.store.tables import LmdbTables
 
 log = logging.getLogger("upsycle_router.store")
@@ -439,7 +439,7 @@ class LmdbStore(LmdbTables):
         of each in turn (the same records, sequence numbers and bulk index writes), in one append per bulk
         index write instead of one LMDB call per message."""
         txn = self._w()
-        exps, pack = self._exps, _U64.pack
+        exps = self._exps
         # Refuse before changing anything (a lookup in the id index in memory).
         new = {mid for mid, _, _ in messages}
         if len(new) != len(messages) or self.stored_among(new):
@@ -452,20 +452,10 @@ class LmdbStore(LmdbTables):
             # Up to the next bulk index write, where put_message would write it (has_room keeps room for this many).
             part = messages[at : at + max(1, self.index_batch - len(exps))]
             at += len(part)
-            s = first = self._next_seq
-            emin = self._exp_min
-            records = []
-            for mid, data, expires in part:
-                ms = int(expires * 1000) if expires > 0 else 0  # _ms(expires), inline
-                exp = pack(ms)
-                seq = pack(s)
-                s += 1
-                records.append((seq, exp + head + mid + data))
-                exps[exp + seq] = mid
-                if ms < emin:
-                    emin = ms
-            self._next_seq = s
-            self._exp_min = emin
+            first = self._next_seq
+            records, earliest = msgs_records(first, head, part, exps)  # (each expiry as _ms gives it)
+            self._next_seq = first + len(part)
+            self._exp_min = min(self._exp_min, earliest)
             if txn.cursor(db=msgs).putmulti(records, append=True)[1] != len(records):
                 # (as in put_message: an lmdb.Error aborts the driver's whole batch)
                 raise lmdb.Error(f"{self.path}: message sequence numbers from {first} used twice")
