@@ -1094,15 +1094,27 @@ idx_dealloc(IdIndex *x)
     Py_TYPE(x)->tp_free((PyObject *)x);
 }
 
+/* The (id, seq) arguments of add and discard: the id's fingerprint and seq; 0, or -1 with an exception set. */
+static int
+idx_args(IdIndex *x, PyObject *args, uint64_t *fp, uint64_t *seq)
+{
+    PyObject *id;
+    unsigned long long s;
+    if (!PyArg_ParseTuple(args, "OK", &id, &s))
+        return -1;
+    const unsigned char *p = idx_id(id);
+    if (p == NULL)
+        return -1;
+    *fp = idx_fp(x, p);
+    *seq = (uint64_t)s;
+    return 0;
+}
+
 static PyObject *
 idx_add(IdIndex *x, PyObject *args)
 {
-    PyObject *id;
-    unsigned long long seq;
-    if (!PyArg_ParseTuple(args, "OK", &id, &seq))
-        return NULL;
-    const unsigned char *p = idx_id(id);
-    if (p == NULL || idx_insert(x, idx_fp(x, p), (uint64_t)seq) < 0)
+    uint64_t fp, seq;
+    if (idx_args(x, args, &fp, &seq) < 0 || idx_insert(x, fp, seq) < 0)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -1232,18 +1244,14 @@ idx_among(IdIndex *x, PyObject *ids)
 static PyObject *
 idx_discard(IdIndex *x, PyObject *args)
 {
-    PyObject *id;
-    unsigned long long seq;
-    if (!PyArg_ParseTuple(args, "OK", &id, &seq))
+    uint64_t fp, seq;
+    if (idx_args(x, args, &fp, &seq) < 0)
         return NULL;
-    const unsigned char *p = idx_id(id);
-    if (p == NULL)
-        return NULL;
-    uint64_t fp = idx_fp(x, p), mask = x->mask, i = fp & mask;
+    uint64_t mask = x->mask, i = fp & mask;
     for (;; i = (i + 1) & mask) {
         if (x->t[i].seq == 0)
             Py_RETURN_FALSE;
-        if (x->t[i].fp == fp && x->t[i].seq == (uint64_t)seq)
+        if (x->t[i].fp == fp && x->t[i].seq == seq)
             break;
     }
     /* Backward shift: pull each later entry of the run into the hole unless that would put it before its
