@@ -51,6 +51,7 @@ from upsycle_router.wire.control import (
     Pull,
     PullNack,
     RouterMessage,
+    Refused,
     Status,
     StatusReply,
     Sync,
@@ -140,13 +141,15 @@ router_messages: st.SearchStrategy[RouterMessage] = st.one_of(
     st.builds(Pull, addr=pubkeys, id=hashes),
     st.builds(PullNack, addr=pubkeys, id=hashes, result=results),
     st.builds(Sync, n=uint64),
-    st.builds(SyncAck, n=uint64, result=results),
+    st.builds(SyncAck, n=uint64, result=results, refused=uint64),
+    st.builds(Refused, id=hashes, reason=uint64, count=uint64),
     st.just(Status()),
     st.builds(StatusReply, stats=st.dictionaries(st.text(max_size=20), uint64, max_size=5)),
 )
 
 ROUTER_TYPES = {
-    Join: 1, JoinAck: 2, Leave: 3, LeaveAck: 4, Pull: 5, PullNack: 6, Sync: 7, SyncAck: 8, Status: 9, StatusReply: 10,
+    Join: 1, JoinAck: 2, Leave: 3, LeaveAck: 4, Pull: 5, PullNack: 6, Sync: 7, SyncAck: 8, Refused: 9, Status: 11,
+    StatusReply: 12,
 }
 
 

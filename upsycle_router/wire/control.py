@@ -1,8 +1,10 @@
 """Router control messages (seed 003 §Message interface of the router, PROTOCOL.md §7).
 
 They travel as the BODY of a unicast message whose ``dst`` is the router's id: ``enc([type, map])``.
-Types 1-5 are the seed's JOIN, JOIN_ACK, LEAVE, LEAVE_ACK and PULL; 6-8 are our extensions: PULL_NACK (the
-router does not have the requested message) and the SYNC barrier with its SYNC_ACK.
+Types 1-5 are the seed's JOIN, JOIN_ACK, LEAVE, LEAVE_ACK and PULL; 6-12 are our extensions: PULL_NACK (the
+router does not have the requested message), the SYNC barrier with its SYNC_ACK (which counts the refusals
+since the previous SYNC), REFUSED (wire v1.1: a message the router did not take in full, and why), and STATUS
+with its reply (a local service asks for the router's counters; 9 and 10 before wire v1.1).
 """
 
 from __future__ import annotations
@@ -99,20 +101,60 @@ class Sync:
 
 @dataclass(frozen=True, slots=True)
 class SyncAck:
-    """Answer to SYNC (type 8)."""
+    """Answer to SYNC (type 8): ``refused`` REFUSED answers were sent on the connection for messages between the
+    previous SYNC and this one; ``result`` is 0 when that is none, else 1. (A wire v1.0 router sends no
+    ``refused``: it decodes as 0.)"""
 
     n: int
     result: int = 0
+    refused: int = 0
+
+
+class Reason(enum.IntEnum):
+    """Why a router did not take a message in full (REFUSED ``reason``, wire v1.1)."""
+
+    BAD_SIGNATURE = 1
+    EXPIRED = 2
+    NOT_AUTHORIZED = 3
+    NO_ROUTE = 4
+    QUOTA = 5  # a recipient's queue, or the share of it this sender may use, is full
+    STORE_FULL = 6
+    OVERLOADED = 7  # a rate or admission limit
+    TOO_LARGE = 8
+    MALFORMED = 9  # a well-framed message the router cannot interpret (a bad control body)
+
+    @property
+    def label(self) -> str:
+        """The reason's name as traces, counters and logs spell it (``bad_signature``)."""
+        return self.name.lower()
+
+
+def reason_label(code: int) -> str:
+    """The name of a REFUSED reason code; an unknown code (a newer router) as ``reason_<code>``."""
+    try:
+        return Reason(code).label
+    except ValueError:
+        return f"reason_{code}"
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The router did not take message ``id`` in full (type 9, wire v1.1): ``reason`` is a :class:`Reason`,
+    ``count`` the number of recipients it was not taken for (0: refused as a whole, nothing stored or sent)."""
+
+    id: bytes
+    reason: int
+    count: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class Status:
-    """Ask the router for its current sizes and counters (type 9; local services only)."""
+    """Ask the router for its current sizes and counters (type 11; local services only)."""
 
 
 @dataclass(frozen=True, slots=True)
 class StatusReply:
-    """Answer to STATUS (type 10): ``stats`` maps a metric name to a non-negative integer."""
+    """Answer to STATUS (type 12): ``stats`` maps a metric name to a non-negative integer."""
 
     stats: dict[str, int]
 
@@ -124,7 +166,9 @@ def check_stats(v: Any, field: str) -> dict[str, int]:
     return {check_text(k, field): check_uint(x, field, 2**64 - 1) for k, x in v.items()}
 
 
-RouterMessage = Join | JoinAck | Leave | LeaveAck | Pull | PullNack | Sync | SyncAck | Status | StatusReply
+RouterMessage = (
+    Join | JoinAck | Leave | LeaveAck | Pull | PullNack | Sync | SyncAck | Refused | Status | StatusReply
+)
 
 ROUTER_CODEC: TaggedCodec[RouterMessage] = TaggedCodec(
     "router message",
@@ -136,9 +180,11 @@ ROUTER_CODEC: TaggedCodec[RouterMessage] = TaggedCodec(
         Kind(5, Pull, {"addr": check_pubkey, "id": check_hash}),
         Kind(6, PullNack, {"addr": check_pubkey, "id": check_hash, "result": check_result}),
         Kind(7, Sync, {"n": check_uint64}),
-        Kind(8, SyncAck, {"n": check_uint64, "result": check_result}),
-        Kind(9, Status, {}),
-        Kind(10, StatusReply, {"stats": check_stats}),
+        Kind(8, SyncAck, {"n": check_uint64, "result": check_result, "refused": check_uint64},
+             optional=frozenset({"refused"})),
+        Kind(9, Refused, {"id": check_hash, "reason": check_uint64, "count": check_uint64}),
+        Kind(11, Status, {}),
+        Kind(12, StatusReply, {"stats": check_stats}),
     ],
 )
 
