@@ -100,8 +100,19 @@ class DaemonConfig:
     seen_max: int = 100_000
     queue_max_count: int = 100_000
     queue_max_bytes: int = 256 * 1024 * 1024
+    # Fair queues (wire v1.1): the share of a recipient's queue (count and bytes, and of the store) that keys
+    # the router was never told to trust may use; the longest a remote sender's message stays queued; the
+    # share of a queue (or of the store) from which a sender filling it is slowed down.
+    queue_stranger_share: float = 0.1
+    queue_remote_ttl_max: float = 7 * 24 * 3600.0
+    queue_backpressure_at: float = 0.8
     map_size: int = 4 * 1024 * 1024 * 1024
     max_connections: int = 4096
+    # Admission control: connections still in their TLS or session handshake, in all and per source address,
+    # and file descriptors held back so that the Unix socket always accepts a local app.
+    max_handshakes: int = 256
+    max_handshakes_per_source: int = 16
+    local_reserve: int = 64
     outbound_buffer_max: int = 8 * 1024 * 1024
     write_high_water: int = 4 * 1024 * 1024
     verify_threads: int | None = None
@@ -263,19 +274,35 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     for name in ("peers", "core_nodes"):
         if name in top:
             kw[name] = _peer_list(top[name], name)
-    queue = _map(top.get("queue"), "queue", {"max_count", "max_bytes"})
+    queue = _map(
+        top.get("queue"), "queue", {"max_count", "max_bytes", "stranger_share", "remote_ttl_max", "backpressure_at"}
+    )
     if "max_count" in queue:
         kw["queue_max_count"] = _int(queue["max_count"], "queue.max_count")
     if "max_bytes" in queue:
         kw["queue_max_bytes"] = _int(queue["max_bytes"], "queue.max_bytes")
+    for name in ("stranger_share", "backpressure_at"):
+        if name in queue:
+            share = _float(queue[name], f"queue.{name}", 0.0)
+            if share > 1.0:
+                raise _fail(f"queue.{name}", f"expected a fraction from 0 to 1, got {share!r}")
+            kw[f"queue_{name}"] = share
+    if "remote_ttl_max" in queue:
+        kw["queue_remote_ttl_max"] = _float(queue["remote_ttl_max"], "queue.remote_ttl_max", 1.0)
     store = _map(top.get("store"), "store", {"map_size"})
     if "map_size" in store:
         kw["map_size"] = _int(store["map_size"], "store.map_size", 1 << 20)
     limits = _map(
         top.get("limits"),
         "limits",
-        {"max_connections", "outbound_buffer_max", "write_high_water", "rate_per_connection", "rate_burst"},
+        {"max_connections", "outbound_buffer_max", "write_high_water", "rate_per_connection", "rate_burst",
+         "max_handshakes", "max_handshakes_per_source", "local_reserve"},
     )
+    for name in ("max_handshakes", "max_handshakes_per_source"):
+        if name in limits:
+            kw[name] = _int(limits[name], f"limits.{name}")
+    if "local_reserve" in limits:
+        kw["local_reserve"] = _int(limits["local_reserve"], "limits.local_reserve", 0)
     if "rate_per_connection" in limits:
         kw["rate_per_connection"] = _float(limits["rate_per_connection"], "limits.rate_per_connection", 0.0)
     if "rate_burst" in limits:

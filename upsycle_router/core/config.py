@@ -33,6 +33,14 @@ class CoreConfig:
     # Per-recipient queue quota.
     queue_max_count: int = 100_000
     queue_max_bytes: int = 256 * 1024 * 1024
+    # Fair queues: keys the router was never told to trust (not a local service, configured peer, edge or
+    # core node, nor a key the recipient itself wrote to) may fill at most this share of a recipient's queue
+    # (count and bytes) and of the store; a message from a remote sender is queued for at most
+    # ``remote_ttl_max`` seconds. From ``backpressure_at`` of a queue (or of the store) on, the sender filling
+    # it is slowed (the driver stops reading its connection for a moment) before anything is refused.
+    stranger_share: float = 0.1
+    remote_ttl_max: float = 7 * 24 * 3600.0
+    backpressure_at: float = 0.8
     # How many queued messages are sent at once when a recipient connects.
     # A queue drains through a sliding window: at most flush_batch entries and about flush_bytes bytes written
     # to the recipient and not yet acknowledged (their bytes have not left the transport buffer).

@@ -84,6 +84,9 @@ def core_config(
         seen_max=cfg.seen_max,
         queue_max_count=cfg.queue_max_count,
         queue_max_bytes=cfg.queue_max_bytes,
+        stranger_share=cfg.queue_stranger_share,
+        remote_ttl_max=cfg.queue_remote_ttl_max,
+        backpressure_at=cfg.queue_backpressure_at,
         trace=cfg.trace_dir is not None,
     )
 
