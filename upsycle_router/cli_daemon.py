@@ -1,16 +1,23 @@
-"""``upsycle-router run`` and ``id``: start the daemon, print the router's id."""
+"""``upsycle-router run`` and ``id``: start the daemon, print the router's id.
+
+A config that cannot be used - the file (unreadable, not UTF-8, not YAML, a bad option), the command line, or
+a directory the daemon could not create or write - ends every command here with exit code 2 and one line
+``error: config: ...`` on stderr, before anything starts.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import logging
+import os
 import sys
 from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from upsycle_router.config import DaemonConfig, check_websocket, load_config
+from upsycle_router.config import DaemonConfig, check_websocket, config_warnings, load_config
 from upsycle_router.crypto import Identity, load_or_create_key_file
 from upsycle_router.errors import ConfigError, KeyFileError
 from upsycle_router.runtime.daemon import run_daemon
@@ -59,19 +66,49 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     return dataclasses.replace(cfg, **over) if over else cfg
 
 
+def _config_error(e: Exception) -> int:
+    """Print a config error as one line on stderr; the exit code 2."""
+    msg = " ".join(str(e).splitlines())
+    print(f"error: config: {msg}" if isinstance(e, ConfigError) else f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def check_dir(path: Path, option: str) -> None:
+    """Refuse a directory the daemon could not create or write in: its nearest existing part must be a
+    directory this user may write (checked before start-up, so that it is a config error, not a traceback)."""
+    p = path.absolute()
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    if not p.is_dir():
+        raise ConfigError(f"{option}: cannot create {path}: {p} is not a directory")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option}: cannot use {path}: {p} is not writable by this user")
+
+
+def check_dirs(cfg: DaemonConfig) -> None:
+    """The directories ``run`` creates or writes: data directory, socket directory, trace directory."""
+    check_dir(cfg.data_dir, "data_dir")
+    if cfg.unix is not None:
+        check_dir(cfg.unix.parent, "listen.unix")
+    if cfg.trace_dir is not None:
+        check_dir(cfg.trace_dir, "trace.path")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT."""
     try:
         cfg = config_from_args(args)
+        check_dirs(cfg)
+        warnings = config_warnings(cfg)
     except ConfigError as e:
-        print(f"error: config: {e}", file=sys.stderr)
-        return 2
+        return _config_error(e)
     setup_logging(cfg.log_level)
+    for w in warnings:
+        logging.getLogger("upsycle_router.config").warning("%s", w)
     try:
         run_async(run_daemon(cfg))
     except (KeyFileError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _config_error(e)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -84,11 +121,13 @@ def cmd_id(args: argparse.Namespace) -> int:
     """Print the router's public key (creating the key on first use)."""
     try:
         cfg = config_from_args(args)
-        cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as e:
+            raise ConfigError(f"data_dir: cannot create {cfg.data_dir}: {e.strerror or e}") from None
         print(load_or_create_key_file(cfg.key_path).hex)
     except (KeyFileError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _config_error(e)
     return 0
 
 
@@ -120,8 +159,7 @@ def serve_from_args(
             raise ConfigError("the router has no Unix socket (listen.unix)")
         service = make(cfg, ident, cfg.unix)
     except (KeyFileError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return _config_error(e)
     setup_logging(cfg.log_level)
     return run_service(service)
 
@@ -153,7 +191,7 @@ def cmd_testnet(args: argparse.Namespace) -> int:
 
 def add_daemon_options(p: argparse.ArgumentParser) -> None:
     """``--config`` and ``--data-dir``, shared by commands that read the daemon's state."""
-    p.add_argument("--config", help="YAML config file (default: embedded defaults)")
+    p.add_argument("-c", "--config", help="YAML config file (default: embedded defaults)")
     p.add_argument("--data-dir", help="data directory (overrides the config)")
 
 

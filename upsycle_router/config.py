@@ -4,12 +4,19 @@ Every option has a default, so ``upsycle-router run`` works with no file at all:
 under ``$XDG_STATE_HOME`` (``~/.local/state/upsycle-router``), the socket under ``$XDG_RUNTIME_DIR``
 (``/tmp/upsycle-router-$UID`` without one) and the router key is generated on first start. Unknown keys,
 wrong types and out-of-range values are refused with the option's path in the message
-(``queue.max_count: expected a positive integer, got 'many'``). ``config/router.example.yaml`` documents each.
+(``queue.max_count: expected an integer from 1 to 100000000, got 'many'``). Every number has a lower and an
+upper bound (the ``MAX_*`` constants below, listed in docs/config.md), times, rates and fractions must be
+finite (YAML's ``.nan`` and ``.inf`` are refused), and integers must be written as integers. A file that is
+not UTF-8 text, not YAML or not a mapping is a :class:`ConfigError` too. :func:`config_warnings` checks the
+result against the machine at start (socket mode, store size against the filesystem).
+``config/router.example.yaml`` documents each option.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,9 +25,38 @@ import yaml
 
 from upsycle_router.config_discovery import DiscoveryConfig, parse_discovery
 from upsycle_router.errors import ConfigError
+from upsycle_router.services.pubsub.params import GossipParams
 from upsycle_router.store.lmdb_store import Durability
 from upsycle_router.wire.discovery import TransportAddr
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME
+
+_KiB, _MiB, _GiB, _TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
+_DAY = 24 * 3600.0
+
+# Bounds of the numeric options (docs/config.md lists them). Every number is checked against both ends, and
+# every time or fraction must be finite: NaN passes ``v < minimum`` (all comparisons with it are false).
+MIN_FRAME = 1024  # below 1 KiB the handshake frames and the router's advert may not fit
+MAX_FRAME_LIMIT = 64 * _MiB  # the reader buffers up to one frame per connection
+MAX_SYNC_INTERVAL = 60.0
+MAX_HANDSHAKE_TIMEOUT = 600.0
+MAX_IDLE_TIMEOUT = _DAY
+MAX_VERIFY_THREADS = 256
+MAX_SEEN = 100_000_000
+MAX_QUEUE_COUNT = 100_000_000
+MAX_REMOTE_TTL = 365 * _DAY
+DEFAULT_MAP_SIZE = 4 * _GiB
+MIN_MAP_SIZE = _MiB
+MAX_MAP_SIZE = 1 << 44  # 16 TiB: LMDB maps it all into the address space at start (x86-64: 128 TiB)
+MAX_CONNECTIONS = 1_000_000
+MAX_HANDSHAKES = 65536
+MAX_LOCAL_RESERVE = 4096
+MAX_CONNECTION_BUFFER = _GiB
+MAX_RATE = 10_000_000
+MAX_TRACE_BYTES = _TiB
+MAX_GOSSIP_DEGREE = 1000  # D, D_low, D_high, D_lazy, mcache_len, mcache_gossip
+MAX_HEARTBEAT = 3600.0
+MAX_GOSSIP_TTL = _DAY  # fanout_ttl, seen_ttl
+MAX_CONFIG_BYTES = 16 * _MiB
 
 
 def default_data_dir() -> Path:
@@ -106,7 +142,7 @@ class DaemonConfig:
     queue_stranger_share: float = 0.1
     queue_remote_ttl_max: float = 7 * 24 * 3600.0
     queue_backpressure_at: float = 0.8
-    map_size: int = 4 * 1024 * 1024 * 1024
+    map_size: int = DEFAULT_MAP_SIZE
     max_connections: int = 4096
     # Admission control: connections still in their TLS or session handshake, in all and per source address,
     # and file descriptors held back so that the Unix socket always accepts a local app.
@@ -143,29 +179,81 @@ class DaemonConfig:
 
 
 def _fail(path: str, msg: str) -> ConfigError:
-    return ConfigError(f"{path}: {msg}")
+    return ConfigError(f"{path}: {msg}" if path else msg)
 
 
 def _map(v: Any, path: str, allowed: set[str]) -> dict[str, Any]:
     if v is None:
         return {}
     if not isinstance(v, dict):
-        raise _fail(path, f"expected a mapping, got {type(v).__name__}")
+        if not path:
+            raise ConfigError(f"expected a mapping of options (key: value) at the top level, got {_kind(v)}")
+        raise _fail(path, f"expected a mapping, got {_kind(v)}")
     for k in v:
         if k not in allowed:
             raise _fail(f"{path}.{k}" if path else str(k), f"unknown option (known: {', '.join(sorted(allowed))})")
     return v
 
 
-def _int(v: Any, path: str, minimum: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise _fail(path, f"expected an integer >= {minimum}, got {v!r}")
+def _kind(v: Any) -> str:
+    return "a list" if isinstance(v, list) else f"{type(v).__name__} {_got(v)}" if v is not None else "null"
+
+
+def size_text(n: float) -> str:
+    """``n`` bytes in the largest binary unit it reaches (``4 GiB``, ``1.5 MiB``, ``100 bytes``)."""
+    for unit, name in ((_TiB, "TiB"), (_GiB, "GiB"), (_MiB, "MiB"), (_KiB, "KiB")):
+        if n >= unit:
+            q = n / unit
+            return f"{int(q)} {name}" if q == int(q) else f"{q:.1f} {name}"
+    return f"{int(n)} bytes"
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def _got(v: Any, want_int: bool = False) -> str:
+    """The offending value, with a hint where YAML read something other than what was probably meant."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
+        return f"a {v.bit_length()}-bit number"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return f"{v!r} (not a finite number)"
+        if not want_int:
+            return repr(v)
+        if v.is_integer():
+            return f"{v!r} (a float: write a whole number in digits, without a decimal point or exponent)"
+        return f"{v!r} (not a whole number)"
+    if isinstance(v, str):
+        try:
+            float(v)
+        except ValueError:
+            return repr(v)
+        return f"{v!r} (text: YAML reads this spelling as a string, write the number in plain digits)"
+    return repr(v)
+
+
+def _int(v: Any, path: str, minimum: int, maximum: int, *, unit: str = "") -> int:
+    """An integer from ``minimum`` to ``maximum``; a YAML float (``1.0e+11``, ``.nan``) is refused too."""
+    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
+        rng = f"from {minimum} to {maximum}"
+        if unit == "bytes":
+            rng += f" ({size_text(minimum)} to {size_text(maximum)})"
+        elif unit:
+            rng += f" {unit}"
+        raise _fail(path, f"expected an integer {rng}, got {_got(v, want_int=True)}")
     return v
 
 
-def _float(v: Any, path: str, minimum: float = 0.0) -> float:
-    if isinstance(v, bool) or not isinstance(v, int | float) or v < minimum:
-        raise _fail(path, f"expected a number >= {minimum}, got {v!r}")
+def _float(v: Any, path: str, minimum: float, maximum: float, *, unit: str = "") -> float:
+    """A finite number from ``minimum`` to ``maximum`` (``.nan`` and ``.inf`` are refused: NaN compares false
+    with every bound, and an infinite timeout or interval never fires)."""
+    ok = not isinstance(v, bool) and isinstance(v, int | float)
+    if ok and isinstance(v, float) and not math.isfinite(v):
+        ok = False
+    if not ok or not minimum <= v <= maximum:
+        rng = f"from {_num(minimum)} to {_num(maximum)}" + (f" {unit}" if unit else "")
+        raise _fail(path, f"expected a finite number {rng}, got {_got(v)}")
     return float(v)
 
 
@@ -179,6 +267,13 @@ def _str(v: Any, path: str) -> str:
     if not isinstance(v, str) or not v:
         raise _fail(path, f"expected a non-empty string, got {v!r}")
     return v
+
+
+def _path(v: Any, path: str) -> Path:
+    s = _str(v, path)
+    if "\0" in s:
+        raise _fail(path, f"a path cannot contain a NUL character, got {s!r}")
+    return Path(os.path.expanduser(s))
 
 
 def parse_key(v: Any, path: str) -> bytes:
@@ -221,6 +316,7 @@ _TOP = {
 _GOSSIP_PARAMS = {
     "D", "D_low", "D_high", "D_lazy", "heartbeat_interval", "fanout_ttl", "mcache_len", "mcache_gossip", "seen_ttl",
 }  # fmt: skip
+_GOSSIP_INTS = {"D", "D_low", "D_high", "D_lazy", "mcache_len", "mcache_gossip"}
 
 
 def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
@@ -229,10 +325,10 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     top = _map(raw, "", _TOP)
     kw: dict[str, Any] = {}
     if "data_dir" in top:
-        kw["data_dir"] = Path(os.path.expanduser(_str(top["data_dir"], "data_dir")))
+        kw["data_dir"] = _path(top["data_dir"], "data_dir")
     listen = _map(top.get("listen"), "listen", {"unix", "unix_mode", "tls", "websocket", "path"})
     if "unix" in listen:
-        kw["unix"] = None if listen["unix"] is None else Path(os.path.expanduser(_str(listen["unix"], "listen.unix")))
+        kw["unix"] = None if listen["unix"] is None else _path(listen["unix"], "listen.unix")
     if "unix_mode" in listen:
         mode = listen["unix_mode"]
         if isinstance(mode, str):
@@ -240,30 +336,34 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
                 mode = int(mode, 8)
             except ValueError:
                 raise _fail("listen.unix_mode", f"expected an octal mode like 0600, got {mode!r}") from None
-        kw["unix_mode"] = _int(mode, "listen.unix_mode", 0)
+        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
+            shown = repr(mode)
+            if isinstance(mode, int) and not isinstance(mode, bool):
+                shown = f"{mode} (octal {mode:o}; an unquoted 600 is decimal in YAML: write it quoted, '0600')"
+            raise _fail("listen.unix_mode", f"expected a file mode from 0000 to 0777, like '0600', got {shown}")
+        kw["unix_mode"] = mode
     if "tls" in listen:
         kw["tls"] = None if listen["tls"] is None else _hostport(listen["tls"], "listen.tls")
     if "key_file" in top:
-        kw["key_file"] = Path(os.path.expanduser(_str(top["key_file"], "key_file")))
+        kw["key_file"] = _path(top["key_file"], "key_file")
     if "durability" in top:
-        try:
-            kw["durability"] = Durability(top["durability"])
-        except ValueError:
-            raise _fail("durability", f"expected one of fsync, batch, none, got {top['durability']!r}") from None
-    for name in ("sync_interval", "handshake_timeout", "idle_timeout"):
+        d = top["durability"]
+        if not isinstance(d, str) or d not in {x.value for x in Durability}:
+            raise _fail("durability", f"expected one of fsync, batch, none, got {d!r}")
+        kw["durability"] = Durability(d)
+    for name, hi in (("sync_interval", MAX_SYNC_INTERVAL), ("handshake_timeout", MAX_HANDSHAKE_TIMEOUT),
+                     ("idle_timeout", MAX_IDLE_TIMEOUT)):  # fmt: skip
         if name in top:
-            kw[name] = _float(top[name], name, 0.001)
+            kw[name] = _float(top[name], name, 0.001, hi, unit="seconds")
     if "verify_threads" in top:
         vt = top["verify_threads"]
-        kw["verify_threads"] = None if vt is None else _int(vt, "verify_threads", 0)
+        kw["verify_threads"] = None if vt is None else _int(vt, "verify_threads", 0, MAX_VERIFY_THREADS)
     if "verify_nice" in top:
-        vn = _int(top["verify_nice"], "verify_nice", 0)
-        if vn > 19:
-            raise _fail("verify_nice", f"expected an integer from 0 to 19, got {vn}")
-        kw["verify_nice"] = vn
-    for name in ("max_frame", "seen_max"):
-        if name in top:
-            kw[name] = _int(top[name], name, 16)
+        kw["verify_nice"] = _int(top["verify_nice"], "verify_nice", 0, 19)
+    if "max_frame" in top:
+        kw["max_frame"] = _int(top["max_frame"], "max_frame", MIN_FRAME, MAX_FRAME_LIMIT, unit="bytes")
+    if "seen_max" in top:
+        kw["seen_max"] = _int(top["seen_max"], "seen_max", 16, MAX_SEEN)
     if "local_services" in top:
         kw["local_services"] = None if top["local_services"] is None else _keys(top["local_services"], "local_services")
     if "edge_nodes" in top:
@@ -278,35 +378,46 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
         top.get("queue"), "queue", {"max_count", "max_bytes", "stranger_share", "remote_ttl_max", "backpressure_at"}
     )
     if "max_count" in queue:
-        kw["queue_max_count"] = _int(queue["max_count"], "queue.max_count")
+        kw["queue_max_count"] = _int(queue["max_count"], "queue.max_count", 1, MAX_QUEUE_COUNT)
     if "max_bytes" in queue:
-        kw["queue_max_bytes"] = _int(queue["max_bytes"], "queue.max_bytes")
+        kw["queue_max_bytes"] = _int(queue["max_bytes"], "queue.max_bytes", 1, MAX_MAP_SIZE, unit="bytes")
     for name in ("stranger_share", "backpressure_at"):
         if name in queue:
-            share = _float(queue[name], f"queue.{name}", 0.0)
-            if share > 1.0:
-                raise _fail(f"queue.{name}", f"expected a fraction from 0 to 1, got {share!r}")
-            kw[f"queue_{name}"] = share
+            kw[f"queue_{name}"] = _float(queue[name], f"queue.{name}", 0.0, 1.0, unit="(a fraction)")
     if "remote_ttl_max" in queue:
-        kw["queue_remote_ttl_max"] = _float(queue["remote_ttl_max"], "queue.remote_ttl_max", 1.0)
+        kw["queue_remote_ttl_max"] = _float(
+            queue["remote_ttl_max"], "queue.remote_ttl_max", 1.0, MAX_REMOTE_TTL, unit="seconds"
+        )
     store = _map(top.get("store"), "store", {"map_size"})
     if "map_size" in store:
-        kw["map_size"] = _int(store["map_size"], "store.map_size", 1 << 20)
+        kw["map_size"] = _int(store["map_size"], "store.map_size", MIN_MAP_SIZE, MAX_MAP_SIZE, unit="bytes")
     limits = _map(
         top.get("limits"),
         "limits",
         {"max_connections", "outbound_buffer_max", "write_high_water", "rate_per_connection", "rate_burst",
          "max_handshakes", "max_handshakes_per_source", "local_reserve"},
     )
+    if "max_connections" in limits:
+        kw["max_connections"] = _int(limits["max_connections"], "limits.max_connections", 1, MAX_CONNECTIONS)
     for name in ("max_handshakes", "max_handshakes_per_source"):
         if name in limits:
-            kw[name] = _int(limits[name], f"limits.{name}")
+            kw[name] = _int(limits[name], f"limits.{name}", 1, MAX_HANDSHAKES)
     if "local_reserve" in limits:
-        kw["local_reserve"] = _int(limits["local_reserve"], "limits.local_reserve", 0)
+        kw["local_reserve"] = _int(limits["local_reserve"], "limits.local_reserve", 0, MAX_LOCAL_RESERVE)
     if "rate_per_connection" in limits:
-        kw["rate_per_connection"] = _float(limits["rate_per_connection"], "limits.rate_per_connection", 0.0)
+        kw["rate_per_connection"] = _float(
+            limits["rate_per_connection"], "limits.rate_per_connection", 0.0, MAX_RATE, unit="frames per second"
+        )
     if "rate_burst" in limits:
-        kw["rate_burst"] = _int(limits["rate_burst"], "limits.rate_burst")
+        kw["rate_burst"] = _int(limits["rate_burst"], "limits.rate_burst", 1, MAX_RATE)
+    if "write_high_water" in limits:
+        kw["write_high_water"] = _int(
+            limits["write_high_water"], "limits.write_high_water", 65536, MAX_CONNECTION_BUFFER, unit="bytes"
+        )
+    if "outbound_buffer_max" in limits:
+        kw["outbound_buffer_max"] = _int(
+            limits["outbound_buffer_max"], "limits.outbound_buffer_max", 4096, MAX_CONNECTION_BUFFER, unit="bytes"
+        )
     metrics = _map(top.get("metrics"), "metrics", {"listen"})
     if metrics.get("listen") is not None:
         from upsycle_router.runtime.metrics import is_loopback
@@ -315,17 +426,11 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
         if not is_loopback(TransportAddr.parse(mlisten).host):
             raise _fail("metrics.listen", f"must be a loopback address (127.0.0.1:PORT or [::1]:PORT), got {mlisten!r}")
         kw["metrics_listen"] = mlisten
-    if "max_connections" in limits:
-        kw["max_connections"] = _int(limits["max_connections"], "limits.max_connections")
-    if "write_high_water" in limits:
-        kw["write_high_water"] = _int(limits["write_high_water"], "limits.write_high_water", 65536)
-    if "outbound_buffer_max" in limits:
-        kw["outbound_buffer_max"] = _int(limits["outbound_buffer_max"], "limits.outbound_buffer_max", 4096)
     trace = _map(top.get("trace"), "trace", {"path", "max_bytes"})
     if "path" in trace:
-        kw["trace_dir"] = None if trace["path"] is None else Path(os.path.expanduser(_str(trace["path"], "trace.path")))
+        kw["trace_dir"] = None if trace["path"] is None else _path(trace["path"], "trace.path")
     if "max_bytes" in trace:
-        kw["trace_max_bytes"] = _int(trace["max_bytes"], "trace.max_bytes", 4096)
+        kw["trace_max_bytes"] = _int(trace["max_bytes"], "trace.max_bytes", 4096, MAX_TRACE_BYTES, unit="bytes")
     log = _map(top.get("log"), "log", {"level"})
     if "level" in log:
         level = _str(log["level"], "log.level").lower()
@@ -358,7 +463,17 @@ def _parse_pubsub(v: Any) -> PubsubConfig:
     enabled = _bool(pm.get("enabled", True), "pubsub.enabled")
     in_process = _bool(pm.get("in_process", True), "pubsub.in_process")
     params_raw = _map(pm.get("params"), "pubsub.params", _GOSSIP_PARAMS)
-    params = {k: _float(x, f"pubsub.params.{k}", 0.0) for k, x in params_raw.items()}
+    params: dict[str, float] = {}
+    for k, x in params_raw.items():
+        if k in _GOSSIP_INTS:
+            params[k] = _int(x, f"pubsub.params.{k}", 0, MAX_GOSSIP_DEGREE)
+        else:
+            hi = MAX_HEARTBEAT if k == "heartbeat_interval" else MAX_GOSSIP_TTL
+            params[k] = _float(x, f"pubsub.params.{k}", 0.001, hi, unit="seconds")
+    try:
+        GossipParams(**params)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise _fail("pubsub.params", str(e)) from None
     groups: dict[bytes, GroupPolicyConfig] = {}
     graw = pm.get("groups") or {}
     if not isinstance(graw, dict):
@@ -368,12 +483,12 @@ def _parse_pubsub(v: Any) -> PubsubConfig:
         g = parse_key(gk, path)
         gm = _map(gv, path, {"max_size", "allowed_senders", "signature_policy"})
         policy = gm.get("signature_policy", "StrictNoSign")
-        if policy not in {"StrictSign", "StrictNoSign", "LaxSign", "LaxNoSign"}:
+        if not isinstance(policy, str) or policy not in {"StrictSign", "StrictNoSign", "LaxSign", "LaxNoSign"}:
             raise _fail(
                 f"{path}.signature_policy", f"expected StrictSign, StrictNoSign, LaxSign or LaxNoSign, got {policy!r}"
             )
         groups[g] = GroupPolicyConfig(
-            max_size=_int(gm.get("max_size", 1024 * 1024), f"{path}.max_size"),
+            max_size=_int(gm.get("max_size", 1024 * 1024), f"{path}.max_size", 1, MAX_FRAME_LIMIT, unit="bytes"),
             allowed_senders=(
                 _keys(gm["allowed_senders"], f"{path}.allowed_senders") if "allowed_senders" in gm else None
             ),
@@ -397,7 +512,7 @@ def _parse_websocket(listen: dict[str, Any], v: Any, base: WebSocketConfig) -> W
             kw[name] = None if name == "local" and wm[name] is None else _bool(wm[name], f"websocket.{name}")
     for name in ("cert_file", "key_file"):
         if name in wm:
-            kw[name] = None if wm[name] is None else Path(os.path.expanduser(_str(wm[name], f"websocket.{name}")))
+            kw[name] = None if wm[name] is None else _path(wm[name], f"websocket.{name}")
     if "origins" in wm:
         origins = wm["origins"]
         if not isinstance(origins, list):
@@ -424,19 +539,98 @@ def _as_dict(cfg: DaemonConfig) -> dict[str, Any]:
 
 
 def load_config(path: str | os.PathLike[str] | None) -> DaemonConfig:
-    """Read and validate a YAML config file (None: the embedded defaults)."""
+    """Read and validate a YAML config file (None: the embedded defaults). Whatever is wrong with the file -
+    unreadable, not UTF-8 text, not YAML, not a mapping, an unknown option or a bad value - is a
+    :class:`ConfigError` whose message is one line naming the file and, where there is one, the option."""
     if path is None:
         return DaemonConfig()
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        with p.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
-        raise ConfigError(f"{p}: cannot read config: {e.strerror}") from None
+        raise ConfigError(f"{p}: cannot read config: {e.strerror or e}") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{p}: not a config file: larger than {size_text(MAX_CONFIG_BYTES)}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{p}: not a UTF-8 text file (byte {e.start}: {e.reason})") from None
     try:
         raw = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{p}: not valid YAML: {e}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        what = "; ".join(str(x) for x in (e.context, e.problem) if x)
+        raise ConfigError(f"{p}: not valid YAML: {where}{' '.join(what.split())}") from None
+    except (yaml.YAMLError, RecursionError, ValueError, OverflowError) as e:
+        raise ConfigError(f"{p}: not valid YAML: {' '.join(str(e).split()) or type(e).__name__}") from None
     try:
         return parse_config(raw)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
+
+
+def _nearest_existing(p: Path) -> Path:
+    p = p.absolute()
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    return p
+
+
+def _allocated(p: Path) -> int:
+    try:
+        return os.stat(p).st_blocks * 512
+    except (OSError, AttributeError):
+        return 0
+
+
+def config_warnings(cfg: DaemonConfig) -> list[str]:
+    """Checks against the machine the daemon starts on, once the command line has been applied: the messages
+    to log as WARNING at start (allowed, but probably not meant). A value the machine can never satisfy is a
+    :class:`ConfigError` instead.
+
+    - ``listen.unix_mode`` with group or other bits: other local users can connect to the socket (and, unless
+      ``local_services`` lists the allowed keys, act as local services).
+    - ``store.map_size`` against the filesystem of ``data_dir`` (its nearest existing parent): the LMDB map is a
+      sparse file that grows up to ``map_size``, so a size over the free space is a warning (the disk may fill
+      before the store's quota does); one over the whole filesystem can never be used and is refused, unless
+      it is the default, which is only warned about.
+    """
+    out: list[str] = []
+    if cfg.unix is not None and cfg.unix_mode & 0o077:
+        classes = ((0o070, "the members of the socket's group"), (0o007, "every other local user"))
+        who = " and ".join(w for bit, w in classes if cfg.unix_mode & bit)
+        role = (
+            "as a local service (send anywhere, JOIN, PULL and STATUS like a local app); set local_services to "
+            "the allowed keys, or use 0600"
+            if cfg.local_services is None
+            else "(as remote peers: only the keys in local_services are local services)"
+        )
+        out.append(
+            f"listen.unix_mode {cfg.unix_mode:04o} lets {who} connect to {cfg.unix} (if they can reach its "
+            f"directory) {role}"
+        )
+    store = cfg.data_dir / "store"
+    base = _nearest_existing(store)
+    try:
+        du = shutil.disk_usage(base)
+    except OSError:
+        return out
+    size = size_text(cfg.map_size)
+    if cfg.map_size > du.total:
+        msg = (
+            f"store.map_size: {cfg.map_size} ({size}) is larger than the whole filesystem of {base} "
+            f"({size_text(du.total)}): the store could never grow that large"
+        )
+        if cfg.map_size != DEFAULT_MAP_SIZE:
+            raise ConfigError(msg + "; lower it")
+        out.append(msg + "; set store.map_size below the free space")
+        return out
+    have = du.free + _allocated(store / "data.mdb")
+    if cfg.map_size > have:
+        out.append(
+            f"store.map_size {size} exceeds the free space on the filesystem of {base} ({size_text(have)} with the "
+            "store's current file): the disk may fill up before the store reaches its quota"
+        )
+    return out

@@ -15,6 +15,12 @@ from upsycle_router.services.discovery.params import DiscoveryParams
 
 DEFAULT_LAN_GROUP = "239.255.77.33"  # IPv4 organization-local scope (RFC 2365)
 DEFAULT_LAN_PORT = 7743
+# Bounds (docs/config.md): every time, rate and fraction must also be finite (no .nan, no .inf).
+MAX_ADVERT_TTL = 7 * 24 * 3600  # seconds; also the bound of sampling.max_age
+MAX_INTERVAL = 3600.0  # lan.interval, sampling.period and sampling.timeout, in seconds
+MAX_LAN_RATE = 10_000  # lan.rate (datagrams per second per sender) and lan.burst
+MAX_VIEW_SIZE = 4096
+MAX_SHUFFLE_LENGTH = 64  # entries of one SHUFFLE
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +98,7 @@ def parse_discovery(v: Any) -> DiscoveryConfig:
     if top.get("advertise") is not None:
         kw["advertise"] = _hostport(top["advertise"], "discovery.advertise")
     if "advert_ttl" in top:
-        kw["advert_ttl"] = _int(top["advert_ttl"], "discovery.advert_ttl")
-        if kw["advert_ttl"] > 2**32 - 1:
-            raise _fail_range("discovery.advert_ttl")
+        kw["advert_ttl"] = _int(top["advert_ttl"], "discovery.advert_ttl", 1, MAX_ADVERT_TTL, unit="seconds")
     if "groups" in top:
         g = top["groups"]
         if not isinstance(g, list):
@@ -107,18 +111,17 @@ def parse_discovery(v: Any) -> DiscoveryConfig:
     if "group" in lan:
         kw["lan_group"] = _ipv4(lan["group"], "discovery.lan.group", True)
     if "port" in lan:
-        kw["lan_port"] = _int(lan["port"], "discovery.lan.port")
-        if kw["lan_port"] > 65535:
-            raise _fail_range("discovery.lan.port")
+        kw["lan_port"] = _int(lan["port"], "discovery.lan.port", 1, 65535)
     if lan.get("interface") is not None:
         kw["lan_interface"] = _ipv4(lan["interface"], "discovery.lan.interface", False)
-    for key, name in (("interval", "lan_interval"), ("rate", "lan_rate")):
-        if key in lan:
-            kw[name] = _float(lan[key], f"discovery.lan.{key}", 0.001)
+    if "interval" in lan:
+        kw["lan_interval"] = _float(lan["interval"], "discovery.lan.interval", 0.001, MAX_INTERVAL, unit="seconds")
+    if "rate" in lan:
+        kw["lan_rate"] = _float(lan["rate"], "discovery.lan.rate", 0.001, MAX_LAN_RATE, unit="per second")
     if "jitter" in lan:
-        kw["lan_jitter"] = _float(lan["jitter"], "discovery.lan.jitter", 0.0)
+        kw["lan_jitter"] = _float(lan["jitter"], "discovery.lan.jitter", 0.0, 0.99, unit="(a fraction below 1)")
     if "burst" in lan:
-        kw["lan_burst"] = _int(lan["burst"], "discovery.lan.burst")
+        kw["lan_burst"] = _int(lan["burst"], "discovery.lan.burst", 1, MAX_LAN_RATE)
     smp = _map(top.get("sampling"), "discovery.sampling",
                {"enabled", "bootstrap", "view_size", "shuffle_length", "period", "timeout", "max_age"})  # fmt: skip
     if "enabled" in smp:
@@ -135,21 +138,18 @@ def parse_discovery(v: Any) -> DiscoveryConfig:
                 raise ConfigError(f"{path}: needs both id and addr")
             nodes.append(BootstrapNode(parse_key(pm["id"], f"{path}.id"), _hostport(pm["addr"], f"{path}.addr")))
         kw["bootstrap"] = tuple(nodes)
-    for key in ("view_size", "shuffle_length"):
-        if key in smp:
-            kw[key] = _int(smp[key], f"discovery.sampling.{key}")
+    if "view_size" in smp:
+        kw["view_size"] = _int(smp["view_size"], "discovery.sampling.view_size", 1, MAX_VIEW_SIZE)
+    if "shuffle_length" in smp:
+        kw["shuffle_length"] = _int(smp["shuffle_length"], "discovery.sampling.shuffle_length", 1, MAX_SHUFFLE_LENGTH)
     for key, name in (("period", "shuffle_period"), ("timeout", "shuffle_timeout")):
         if key in smp:
-            kw[name] = _float(smp[key], f"discovery.sampling.{key}", 0.001)
+            kw[name] = _float(smp[key], f"discovery.sampling.{key}", 0.001, MAX_INTERVAL, unit="seconds")
     if smp.get("max_age") is not None:
-        kw["max_age"] = _float(smp["max_age"], "discovery.sampling.max_age", 0.001)
+        kw["max_age"] = _float(smp["max_age"], "discovery.sampling.max_age", 0.001, MAX_ADVERT_TTL, unit="seconds")
     cfg = DiscoveryConfig(**kw)
     try:
         cfg.params()
     except ValueError as e:
         raise ConfigError(f"discovery: {e}") from None
     return cfg
-
-
-def _fail_range(path: str) -> ConfigError:
-    return ConfigError(f"{path}: out of range")
