@@ -3,6 +3,9 @@
 Each connects to the router's Unix socket with an app key (``--key``, default
 ``$XDG_CONFIG_HOME/upsycle-router/client.key``, created on first use), does one thing and exits. ``listen``
 prints one JSON object per incoming message and runs until ``--count`` messages or ``--timeout`` seconds.
+``send`` and ``publish`` wait for the SYNC_ACK after the message: when the router did not take it in full
+(REFUSED, wire v1.1) they still print its id, name the reason on stderr (``refused: quota (the recipient's
+queue is full)``) and exit 1. ``status`` sends STATUS (type 11 since wire v1.1).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from upsycle_router.cli_daemon import run_async
-from upsycle_router.client import Client, ClientError
+from upsycle_router.client import Client, ClientError, SyncResult
 from upsycle_router.config import default_socket, load_config, parse_key
 from upsycle_router.crypto import Identity, load_key_file, load_or_create_key_file
 from upsycle_router.errors import ConfigError, KeyFileError, UpsycleError
@@ -67,6 +70,16 @@ def message_summary(m: Message) -> dict[str, Any]:
     return out
 
 
+def _report(mid: bytes, result: SyncResult) -> int:
+    """Print the id of a sent message; 1 with the reason on stderr when the router did not take it in full."""
+    print(mid.hex(), flush=True)
+    refusal = result.refusal(mid)
+    if refusal is None:
+        return 0
+    print(refusal.describe(), file=sys.stderr)
+    return 1
+
+
 async def _with_client(args: argparse.Namespace, fn: Any) -> int:
     ident = _identity(args)
     try:
@@ -91,13 +104,11 @@ def _run(args: argparse.Namespace, fn: Any) -> int:
 
 
 def cmd_send(args: argparse.Namespace) -> int:
-    """Send one unicast message."""
+    """Send one unicast message; exit 1 when the router refused it."""
 
     async def go(c: Client) -> int:
         mid = await c.send(parse_key(args.dst, "dst"), _body(args), args.ttl)
-        await c.sync()
-        print(mid.hex())
-        return 0
+        return _report(mid, await c.sync())
 
     return _run(args, go)
 
@@ -125,7 +136,7 @@ def cmd_leave(args: argparse.Namespace) -> int:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    """Publish one message to a group, signed with the group key file."""
+    """Publish one message to a group, signed with the group key file; exit 1 when the router refused it."""
     try:
         group = load_key_file(args.group_key)
     except KeyFileError as e:
@@ -134,9 +145,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
     async def go(c: Client) -> int:
         mid = await c.publish(group, _body(args), args.ttl)
-        await c.sync()
-        print(mid.hex())
-        return 0
+        return _report(mid, await c.sync())
 
     return _run(args, go)
 

@@ -6,11 +6,34 @@ Theory of operation
 :meth:`Client.connect_websocket` a WebSocket), runs the session handshake (the same pure
 :class:`~upsycle_router.transport.session.Session` the router uses) and starts one reader task. The reader
 decodes every frame: router replies (unicast from the router's id whose BODY is JOIN_ACK, LEAVE_ACK,
-PULL_NACK or SYNC_ACK) resolve the future of the request that asked for them; the answer to a PULL (the
-pulled message itself) resolves that PULL; everything else goes to the incoming queue that ``recv()`` and
-``async for`` read. Requests are matched to replies by group (JOIN/LEAVE), by ``n`` (SYNC) and by id (PULL).
-A PULL may also be sent through our router to another router (``pull(..., via=R)``): R answers with the
-stored message, which our router delivers like any multicast message, or with a PULL_NACK signed by R.
+PULL_NACK, SYNC_ACK or STATUS_REPLY) resolve the future of the request that asked for them; the answer to a
+PULL (the pulled message itself) resolves that PULL; REFUSED answers are refusals (below); everything else
+goes to the incoming queue that ``recv()`` and ``async for`` read. Requests are matched to replies by group
+(JOIN/LEAVE), by ``n`` (SYNC) and by id (PULL). A PULL may also be sent through our router to another router
+(``pull(..., via=R)``): R answers with the stored message, which our router delivers like any multicast
+message, or with a PULL_NACK signed by R.
+
+Refusals (wire v1.1, docs/protocol.md "Refusals")
+-------------------------------------------------
+The router answers REFUSED ``{id, reason, count}`` for every message it did not take in full, and each
+SYNC_ACK counts the REFUSED it sent for the messages between the previous SYNC and this one, all of them
+written before the SYNC_ACK. The client keeps the ids it sent in *epochs*: the open epoch collects the ids
+sent since the last :meth:`Client.sync`; ``sync()`` closes it under its ``n``. A REFUSED is filed under the
+oldest unanswered epoch that sent its id, so one that overtakes a SYNC_ACK (for a message sent after that
+SYNC) waits for the next one. The SYNC_ACK for ``n`` turns its epoch into a :class:`SyncResult`; fewer
+filed refusals than its count is a protocol error (:meth:`sync` raises :class:`ClientError`). A REFUSED
+for an id of no unanswered epoch - the router passing on the next router's refusal of a message it had
+already taken - is a *late* refusal: appended to :attr:`Client.late_refusals` and given to
+:attr:`Client.on_refused`. A REFUSED for a pending request (JOIN, LEAVE, PULL, STATUS, SYNC) also answers that
+request at once (``join``/``leave`` return False, ``pull`` None, ``status`` and ``sync`` raise
+:class:`MessagesRefused`). A REFUSED counts when our router signed it, or when another
+router's REFUSED is addressed to our router (only our router can hand us that: the next router's refusal,
+passed on as it came); REFUSED answers never reach ``recv()``, and REFUSED-shaped bodies from anyone else
+are ordinary messages. An epoch records at
+most :attr:`Client.track_limit` ids (a service that never syncs stays bounded); past that, a REFUSED whose
+id it does not know is held for the first unanswered epoch that overflowed and filed under it, in arrival
+order, up to its SYNC_ACK's count. At most ``track_limit`` such REFUSED are held; older ones become late
+refusals (and that SYNC_ACK's count is then not checked).
 """
 
 from __future__ import annotations
@@ -18,10 +41,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import ssl
 import time
-from collections.abc import AsyncIterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from upsycle_router.client.websocket import StreamLink, UpgradeRefused
@@ -36,6 +62,8 @@ from upsycle_router.wire.control import (
     LeaveAck,
     Pull,
     PullNack,
+    Reason,
+    Refused,
     Result,
     RouterMessage,
     Status,
@@ -44,6 +72,7 @@ from upsycle_router.wire.control import (
     SyncAck,
     decode_control,
     encode_router,
+    reason_label,
 )
 from upsycle_router.wire.discovery import PeerAdvertisement
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
@@ -56,8 +85,144 @@ DEFAULT_LIFETIME = 7 * 24 * 3600.0
 READ_CHUNK = 1 << 20  # bytes taken from the socket's reader at once
 
 
+log = logging.getLogger(__name__)
+
+LATE_REFUSALS_KEPT = 1024  # Client.late_refusals keeps the newest ones
+TRACK_LIMIT = 1 << 16  # ids a sync span records (about 100 bytes each), and REFUSED of unknown ids it holds
+
+REASON_TEXT: dict[int, str] = {
+    Reason.BAD_SIGNATURE: "its signature does not verify",
+    Reason.EXPIRED: "its exp had passed",
+    Reason.NOT_AUTHORIZED: "this key may not send it there",
+    Reason.NO_ROUTE: "the router knows no way to the recipient",
+    Reason.QUOTA: "the recipient's queue is full",
+    Reason.STORE_FULL: "the router's store is full",
+    Reason.OVERLOADED: "the router is overloaded",
+    Reason.TOO_LARGE: "it is too large",
+    Reason.MALFORMED: "the router cannot interpret it",
+}
+
+
+def describe_reason(code: int) -> str:
+    """A REFUSED reason for people: ``quota (the recipient's queue is full)``; an unknown code (a newer
+    router) as ``reason_<code>``."""
+    text = REASON_TEXT.get(code)
+    return f"{reason_label(code)} ({text})" if text else reason_label(code)
+
+
 class ClientError(UpsycleError):
     """The router refused a request, the connection ended, or a reply did not come in time."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """The router did not take message ``id`` in full: ``reason`` is a :class:`Reason` (a plain int for a code
+    this library does not know), ``count`` the number of recipients it was not taken for (0: refused as a
+    whole, nothing stored or sent anywhere)."""
+
+    id: bytes
+    reason: Reason | int
+    count: int = 0
+
+    @classmethod
+    def from_wire(cls, r: Refused) -> Refusal:
+        """From the decoded REFUSED body."""
+        try:
+            reason: Reason | int = Reason(r.reason)
+        except ValueError:
+            reason = r.reason
+        return cls(r.id, reason, r.count)
+
+    @property
+    def label(self) -> str:
+        """The reason's name: ``quota``, ``no_route`` ..."""
+        return reason_label(self.reason)
+
+    @property
+    def whole(self) -> bool:
+        """Refused as a whole (``count`` 0) rather than for some of its recipients."""
+        return self.count == 0
+
+    def describe(self) -> str:
+        """``refused: quota (the recipient's queue is full)``, or ``refused for 2 recipients: ...``."""
+        n = "" if self.whole else f" for {self.count} recipient{'s' if self.count != 1 else ''}"
+        return f"refused{n}: {describe_reason(self.reason)}"
+
+    def __str__(self) -> str:
+        return f"{self.id.hex()[:16]} {self.describe()}"
+
+
+@dataclass(frozen=True, slots=True)
+class SyncResult:
+    """What SYNC ``n`` reported: ``refused`` lists the messages sent before it (and after the previous SYNC)
+    that the router did not take in full, in the order their REFUSED arrived. Every other message sent in
+    that span was taken: stored, queued or delivered for every recipient it was routed to."""
+
+    n: int
+    refused: tuple[Refusal, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """Nothing was refused."""
+        return not self.refused
+
+    @property
+    def refused_ids(self) -> frozenset[bytes]:
+        """The ids of the refused messages."""
+        return frozenset(r.id for r in self.refused)
+
+    def refusal(self, mid: bytes) -> Refusal | None:
+        """The refusal of message ``mid``, or None when it was taken."""
+        for r in self.refused:
+            if r.id == mid:
+                return r
+        return None
+
+    def raise_if_refused(self) -> None:
+        """Raise :class:`MessagesRefused` when anything was refused."""
+        if self.refused:
+            raise MessagesRefused(self.refused, self)
+
+
+class MessagesRefused(ClientError):
+    """The router did not take some messages in full: ``refusals`` says which, and why (``result``: the
+    SyncResult they came with, None for a refused request)."""
+
+    def __init__(self, refusals: tuple[Refusal, ...], result: SyncResult | None = None, what: str = "") -> None:
+        self.refusals = refusals
+        self.result = result
+        if len(refusals) == 1:
+            r = refusals[0]
+            text = f"{what} {r.describe()}" if what else str(r)
+        else:
+            text = f"{len(refusals)} messages not taken in full: " + "; ".join(str(r) for r in refusals)
+        super().__init__(text)
+
+
+def _reply_key(ctl: RouterMessage) -> tuple[str, bytes | int] | None:
+    """The waiter a router reply answers (SYNC_ACK aside), or None for anything that is not a reply."""
+    if isinstance(ctl, JoinAck):
+        return ("join", ctl.addr)
+    if isinstance(ctl, LeaveAck):
+        return ("leave", ctl.addr)
+    if isinstance(ctl, PullNack):
+        return ("pull", ctl.id)
+    if isinstance(ctl, StatusReply):
+        return ("status", b"")
+    return None
+
+
+_Reply = RouterMessage | Message | SyncResult | Refusal  # what a request's future resolves to
+
+
+@dataclass(slots=True)
+class _Epoch:
+    """The ids sent between two SYNCs and the refusals filed under them."""
+
+    ids: set[bytes] = field(default_factory=set)
+    refused: list[Refusal] = field(default_factory=list)
+    refused_ids: set[bytes] = field(default_factory=set)
+    overflow: bool = False  # more ids were sent than Client.track_limit: ``ids`` is not complete
 
 
 class Client:
@@ -76,10 +241,18 @@ class Client:
         self._link = link or StreamLink(Session(identity))
         self.router_id: bytes = b""
         self._incoming: asyncio.Queue[Message | None] = asyncio.Queue()
-        self._waiters: dict[tuple[str, bytes | int], asyncio.Future[RouterMessage | Message]] = {}
+        self._waiters: dict[tuple[str, bytes | int], asyncio.Future[_Reply]] = {}
         self._sync_n = itertools.count(int.from_bytes(os.urandom(6), "big"))
         self._remote_pulls = itertools.count()
         self._pull_routers: set[bytes] = set()  # remote routers we sent a PULL to (their PULL_NACK is a reply)
+        self._request_ids: dict[bytes, tuple[str, bytes | int]] = {}  # id of a pending request -> its waiter
+        self._epoch = _Epoch()  # ids sent since the last sync()
+        self._unanswered: dict[int, _Epoch] = {}  # SYNC n -> the epoch it closed, in the order sent
+        self._unfiled: deque[Refusal] = deque()  # REFUSED of unknown ids while an epoch overflowed
+        self._spilled = False  # _unfiled overflowed too: some of them went to late_refusals
+        self.track_limit = TRACK_LIMIT
+        self.late_refusals: deque[Refusal] = deque(maxlen=LATE_REFUSALS_KEPT)
+        self.on_refused: Callable[[Refusal], object] | None = None
         self._task: asyncio.Task[None] | None = None
         self._opened: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.closed_reason: str | None = None
@@ -226,47 +399,129 @@ class Client:
 
     def _on_message(self, item: Message) -> None:
         h = item.header
-        if (
-            isinstance(h, UnicastHeader)
-            and (h.src == self.router_id or h.src in self._pull_routers)
-            and message_signature_valid(item)
-        ):
-            try:
-                ctl = decode_control(item.body)
-            except RemoteProtocolError:
-                ctl = None
-            key: tuple[str, bytes | int] | None = None
-            if isinstance(ctl, JoinAck):
-                key = ("join", ctl.addr)
-            elif isinstance(ctl, LeaveAck):
-                key = ("leave", ctl.addr)
-            elif isinstance(ctl, SyncAck):
-                key = ("sync", ctl.n)
-            elif isinstance(ctl, PullNack):
-                key = ("pull", ctl.id)
-            elif isinstance(ctl, StatusReply):
-                key = ("status", b"")
-            if key is not None:
-                fut = self._waiters.pop(key, None)
-                if fut is not None and not fut.done() and not isinstance(ctl, PeerAdvertisement) and ctl is not None:
-                    fut.set_result(ctl)
-                return
+        if isinstance(h, UnicastHeader):
+            from_router = h.src == self.router_id or h.src in self._pull_routers
+            # dst = our router: only our router hands us such a message - the next router's REFUSED, passed on
+            if (from_router or h.dst == self.router_id) and message_signature_valid(item):
+                try:
+                    ctl = decode_control(item.body)
+                except RemoteProtocolError:
+                    ctl = None
+                if isinstance(ctl, Refused):
+                    self._on_refused(Refusal.from_wire(ctl))
+                    return
+                if from_router and ctl is not None and not isinstance(ctl, PeerAdvertisement):
+                    if isinstance(ctl, SyncAck):
+                        if h.src == self.router_id:
+                            self._on_sync_ack(ctl)
+                        return
+                    key = _reply_key(ctl)
+                    if key is not None:
+                        fut = self._waiters.pop(key, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(ctl)
+                        return
         fut = self._waiters.pop(("pull", item.id), None)
         if fut is not None and not fut.done():
             fut.set_result(item)
             return
         self._incoming.put_nowait(item)
 
+    # ------------------------------------------------------------ refusals
+
+    def _on_refused(self, r: Refusal) -> None:
+        key = self._request_ids.pop(r.id, None)
+        if key is not None:  # a request of ours: answer it now rather than let it time out
+            fut = self._waiters.pop(key, None)
+            if fut is not None and not fut.done():
+                fut.set_result(r)
+        home: _Epoch | None = None
+        for ep in (*self._unanswered.values(), self._epoch):  # oldest first
+            if r.id in ep.ids:
+                home = ep
+                if r.id not in ep.refused_ids:
+                    break  # (the same message sent again in a later epoch: the first unrefused copy)
+        if home is not None:
+            home.refused.append(r)
+            home.refused_ids.add(r.id)
+        elif self._overflowed():
+            self._unfiled.append(r)
+            if len(self._unfiled) > self.track_limit:  # bounded: the oldest is reported as late instead
+                self._spilled = True
+                self._late(self._unfiled.popleft())
+        else:
+            self._late(r)
+
+    def _overflowed(self) -> bool:
+        return self._epoch.overflow or any(ep.overflow for ep in self._unanswered.values())
+
+    def _late(self, r: Refusal) -> None:
+        """A refusal no sync() reports: keep it in ``late_refusals`` and tell ``on_refused``."""
+        self.late_refusals.append(r)
+        log.debug("late REFUSED: %s", r)
+        if self.on_refused is not None:
+            try:
+                self.on_refused(r)
+            except Exception:
+                log.exception("on_refused callback failed for %s", r)
+
+    def _on_sync_ack(self, ack: SyncAck) -> None:
+        if ack.n not in self._unanswered:
+            return  # not ours (or answered already)
+        k = ack.refused or 0  # a wire v1.0 router sends no count
+        refused: list[Refusal] = []
+        overflow = False
+        while self._unanswered:  # this epoch, and any before it whose SYNC went unanswered
+            n, ep = next(iter(self._unanswered.items()))
+            del self._unanswered[n]
+            refused += ep.refused
+            overflow = overflow or ep.overflow
+            if n == ack.n:
+                break
+        spilled = False
+        if overflow:
+            for _ in range(min(len(self._unfiled), max(0, k - len(refused)))):
+                refused.append(self._unfiled.popleft())
+            spilled, self._spilled = self._spilled, False
+        if self._unfiled and not self._overflowed():
+            while self._unfiled:
+                self._late(self._unfiled.popleft())
+        outcome: SyncResult | ClientError
+        if len(refused) < k and not spilled:
+            outcome = ClientError(
+                f"protocol error: SYNC_ACK {ack.n} counts {k} refused messages, but only {len(refused)} "
+                "REFUSED arrived for the messages before it"
+            )
+        elif k == 0 and ack.result != Result.SUCCESS:
+            outcome = ClientError(f"SYNC failed (SYNC_ACK {ack.n}: result {ack.result}, no refusals counted)")
+        else:
+            outcome = SyncResult(ack.n, tuple(refused))
+        fut = self._waiters.pop(("sync", ack.n), None)
+        if fut is not None and not fut.done():
+            if isinstance(outcome, SyncResult):
+                fut.set_result(outcome)
+            else:
+                fut.set_exception(outcome)
+                fut.exception()
+            return
+        for r in refused:  # nobody waits for this SYNC any more (it timed out): nothing is lost in silence
+            self._late(r)
+
     # ------------------------------------------------------------ sending
 
     def send_message(self, msg: Message) -> None:
-        """Write one routed message (no waiting)."""
+        """Write one routed message (no waiting); the next :meth:`sync` reports whether the router took it."""
         if self.closed_reason is not None:
             raise ClientError(self.closed_reason)
         try:
             self._writer.write(self._link.encode(msg.encode()))
         except ConnectionError as e:
             raise ClientError(self.closed_reason or f"connection lost: {e}") from None
+        ep = self._epoch
+        if len(ep.ids) < self.track_limit:
+            ep.ids.add(msg.id)
+        else:
+            ep.overflow = True
 
     async def drain(self) -> None:
         """Wait until the socket buffer drained; ClientError if the connection is gone."""
@@ -281,12 +536,15 @@ class Client:
             raise ValueError("ttl must be 0..2^32-1 seconds")
         return ttl, exp if exp is not None else exp_in(time.time(), max(float(ttl), DEFAULT_LIFETIME))
 
+    def _unicast(self, dst: bytes, body: bytes, ttl: int, exp: int | None, via: bytes | None) -> Message:
+        ttl, exp = self._lifetime(ttl, exp)
+        return sign_message(UnicastHeader(self.identity.public, dst, ttl, exp), body, self.identity, via)
+
     async def send(
         self, dst: bytes, body: bytes, ttl: int = DEFAULT_TTL, *, exp: int | None = None, via: bytes | None = None
     ) -> bytes:
         """Send a signed unicast to ``dst``; return its id."""
-        ttl, exp = self._lifetime(ttl, exp)
-        msg = sign_message(UnicastHeader(self.identity.public, dst, ttl, exp), body, self.identity, via)
+        msg = self._unicast(dst, body, ttl, exp, via)
         self.send_message(msg)
         await self.drain()
         return msg.id
@@ -310,29 +568,37 @@ class Client:
 
     async def _request(
         self, key: tuple[str, bytes | int], body: RouterMessage, timeout: float, *, router: bytes | None = None
-    ) -> RouterMessage | Message:
-        fut: asyncio.Future[RouterMessage | Message] = asyncio.get_running_loop().create_future()
+    ) -> _Reply:
+        fut: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
         self._waiters[key] = fut
         if router is None or router == self.router_id:
-            await self.send(self.router_id, encode_router(body), ttl=60)
+            msg = self._unicast(self.router_id, encode_router(body), 60, None, None)
         else:
             # Through our router (VIA) to another one. Our router's replay protection drops a unicast whose id it
             # has seen, and an identical request within the same minute has the same id: vary the ttl.
             self._pull_routers.add(router)
-            await self.send(router, encode_router(body), ttl=60 + next(self._remote_pulls) % 3600, via=router)
+            msg = self._unicast(router, encode_router(body), 60 + next(self._remote_pulls) % 3600, None, router)
+        self._request_ids[msg.id] = key  # a REFUSED for it fails the request (possibly while we drain)
         try:
+            self.send_message(msg)
+            await self.drain()
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
             self._waiters.pop(key, None)
             raise ClientError(f"no answer from the router to {type(body).__name__} within {timeout} s") from None
+        finally:
+            self._request_ids.pop(msg.id, None)
+            if self._waiters.get(key) is fut:
+                del self._waiters[key]
 
     async def join(self, group: bytes, local: bool = True, *, timeout: float = 10.0) -> bool:
-        """JOIN a group; True on success (``local=False`` also asks the pub/sub service to SUB)."""
+        """JOIN a group; True on success, False when the router refused (JOIN_ACK result 1, or REFUSED: the
+        next :meth:`sync` names the reason). ``local=False`` also asks the pub/sub service to SUB."""
         reply = await self._request(("join", group), Join(group, local), timeout)
         return isinstance(reply, JoinAck) and reply.result == Result.SUCCESS
 
     async def leave(self, group: bytes, *, timeout: float = 10.0) -> bool:
-        """LEAVE a group; True on success."""
+        """LEAVE a group; True on success, False when the router refused (as with :meth:`join`)."""
         reply = await self._request(("leave", group), Leave(group), timeout)
         return isinstance(reply, LeaveAck) and reply.result == Result.SUCCESS
 
@@ -340,7 +606,8 @@ class Client:
         self, group: bytes, mid: bytes, *, via: bytes | None = None, timeout: float = 10.0
     ) -> Message | None:
         """PULL a stored message of ``group`` by id from our router, or from router ``via`` through ours (it must
-        accept PULL from our router: a peer); None when the router does not have it."""
+        accept PULL from our router: a peer); None when the router does not have it (PULL_NACK) or refused the
+        PULL (REFUSED: the next :meth:`sync` names the reason)."""
         if ("pull", mid) in self._waiters:
             raise ClientError(f"a PULL of {mid.hex()} is already waiting")
         reply = await self._request(("pull", mid), Pull(group, mid), timeout, router=via)
@@ -349,16 +616,33 @@ class Client:
     async def status(self, *, timeout: float = 10.0) -> dict[str, int]:
         """The router's current sizes and counters (local services only)."""
         reply = await self._request(("status", b""), Status(), timeout)
+        if isinstance(reply, Refusal):
+            raise MessagesRefused((reply,), what="STATUS")
         if not isinstance(reply, StatusReply):
             raise ClientError("STATUS refused")
         return reply.stats
 
-    async def sync(self, *, timeout: float = 30.0) -> None:
-        """Wait until everything sent before is processed and committed by the router (SYNC / SYNC_ACK)."""
+    async def sync(self, *, timeout: float = 30.0, raise_on_refused: bool = False) -> SyncResult:
+        """Wait until everything sent before is processed and committed by the router (SYNC / SYNC_ACK), and
+        return which of the messages sent since the previous ``sync()`` the router did not take in full.
+
+        Every message sent before that is not in ``result.refused`` was taken: stored, queued or delivered for
+        every recipient it was routed to. With ``raise_on_refused`` a refusal raises :class:`MessagesRefused`
+        (which carries the result) instead. A SYNC_ACK that counts more refusals than arrived, or a failed
+        SYNC, raises :class:`ClientError`. Refusals that arrive after the SYNC_ACK (the next router's, passed
+        on) are late: see :attr:`late_refusals` and :attr:`on_refused`.
+        """
         n = next(self._sync_n)
+        self._unanswered[n] = self._epoch
+        self._epoch = _Epoch()
         reply = await self._request(("sync", n), Sync(n), timeout)
-        if not isinstance(reply, SyncAck) or reply.result != Result.SUCCESS:
+        if isinstance(reply, Refusal):  # the SYNC itself (its span is reported by the next SYNC_ACK)
+            raise MessagesRefused((reply,), what="SYNC")
+        if not isinstance(reply, SyncResult):
             raise ClientError("SYNC failed")
+        if raise_on_refused:
+            reply.raise_if_refused()
+        return reply
 
     # ------------------------------------------------------------ receiving
 

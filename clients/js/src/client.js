@@ -5,10 +5,20 @@
 // session is open once the router's AUTH verified. After that every message is a routed message or ERROR.
 // Router replies (JOIN_ACK, LEAVE_ACK, SYNC_ACK, PULL_NACK: unicast messages from the router's id, signed
 // by it) resolve the request that asked for them; every other message goes to `onmessage` / `next()`.
+//
+// Refusals (wire v1.1, docs/protocol.md "Refusals"): the router answers REFUSED {id, reason, count} for every
+// message it did not take in full, writes each before the SYNC_ACK of the next SYNC, and that SYNC_ACK counts
+// them. The client files the ids it sends in epochs (one per SYNC) and files each REFUSED under the oldest
+// unanswered epoch that sent its id, so `sync()` resolves to a SyncResult naming exactly the refused messages
+// since the previous sync, and why (or rejects with MessagesRefused when asked to). A SYNC_ACK counting more
+// refusals than arrived is a protocol error (sync() rejects). A REFUSED for an id of no unanswered epoch (the
+// next router's, passed on after our SYNC_ACK) is late: it goes to `onrefused` and `lateRefusals`. A REFUSED
+// for a pending request answers it at once (join/leave: false, pull: null, sync: rejects). REFUSED answers
+// never reach `onmessage` / `next()`. This mirrors the Python client (upsycle_router.client).
 import {
-  Control, ErrorCode, Identity, asError, auth, controlBody, dec, decodeControl, decodeMessage, equalBytes,
-  errorItem, hello, multicast, randomBytes, toHex, unicast, verify, concat, AUTH_CONTEXT, PROTOCOL_NAME,
-  PROTOCOL_VERSION,
+  Control, ErrorCode, Identity, asError, auth, controlBody, dec, decodeControl, decodeMessage, decodeRefused,
+  describeReason, equalBytes, errorItem, hello, multicast, randomBytes, reasonLabel, toHex, unicast, verify,
+  concat, AUTH_CONTEXT, PROTOCOL_NAME, PROTOCOL_VERSION,
 } from './codec.js';
 
 export class RouterError extends Error {
@@ -18,6 +28,63 @@ export class RouterError extends Error {
     this.code = code;
   }
 }
+
+/** The router did not take message `id` in full: `reason` (see Reason), `count` recipients it was not taken
+ * for (0: refused as a whole, nothing stored or sent anywhere). */
+export class Refusal {
+  constructor(id, reason, count = 0) {
+    Object.assign(this, { id, reason, count });
+    Object.freeze(this);
+  }
+
+  get idHex() { return toHex(this.id); }
+
+  get label() { return reasonLabel(this.reason); }
+
+  get whole() { return this.count === 0; }
+
+  /** `refused: quota (the recipient's queue is full)`, or `refused for 2 recipients: ...`. */
+  describe() {
+    const n = this.whole ? '' : ` for ${this.count} recipient${this.count === 1 ? '' : 's'}`;
+    return `refused${n}: ${describeReason(this.reason)}`;
+  }
+
+  toString() { return `${this.idHex.slice(0, 16)} ${this.describe()}`; }
+}
+
+/** What SYNC `n` reported: the messages sent since the previous sync() that were not taken in full. Every
+ * other message sent in that span was stored, queued or delivered for every recipient it was routed to. */
+export class SyncResult {
+  constructor(n, refused = []) {
+    this.n = n;
+    this.refused = Object.freeze([...refused]);
+    Object.freeze(this);
+  }
+
+  get ok() { return this.refused.length === 0; }
+
+  /** The Refusal of message `id` (Uint8Array or hex), or null when it was taken. */
+  refusal(id) {
+    const hex = typeof id === 'string' ? id.toLowerCase() : toHex(id);
+    return this.refused.find((r) => r.idHex === hex) || null;
+  }
+}
+
+export class MessagesRefused extends RouterError {
+  /** `refusals`: the Refusal list; `result`: the SyncResult they came with (null for a refused request). */
+  constructor(refusals, result = null, what = '') {
+    const text = refusals.length === 1
+      ? (what ? `${what} ${refusals[0].describe()}` : String(refusals[0]))
+      : `${refusals.length} messages not taken in full: ${refusals.map(String).join('; ')}`;
+    super(text);
+    this.name = 'MessagesRefused';
+    this.refusals = refusals;
+    this.result = result;
+  }
+}
+
+const LATE_REFUSALS_KEPT = 1024;
+const newEpoch = () => ({ ids: new Set(), refused: [], refusedIds: new Set(), overflow: false });
 
 const textEncoder = new TextEncoder();
 const asBytes = (body) => (typeof body === 'string' ? textEncoder.encode(body) : new Uint8Array(body));
@@ -38,6 +105,9 @@ export class RouterClient {
     this.closedReason = null;
     this.onmessage = null; // (Message) => void
     this.onclose = null; // (reason) => void
+    this.onrefused = null; // (Refusal) => void: a late refusal (after the SYNC_ACK that covered the message)
+    this.lateRefusals = []; // the newest late refusals (at most 1024)
+    this.trackLimit = 1 << 16; // ids a sync span records; past that, unknown REFUSED ids are filed by count
     this._isClosed = false;
     this._ws = null;
     this._nonce = randomBytes(32);
@@ -45,6 +115,11 @@ export class RouterClient {
     this._queue = [];
     this._readers = [];
     this._syncN = Math.floor(Math.random() * 2 ** 31);
+    this._requestIds = new Map(); // hex id of a pending request's message -> its waiter key
+    this._epoch = newEpoch(); // ids sent since the last sync()
+    this._unanswered = new Map(); // SYNC n -> the epoch it closed, in the order sent
+    this._unfiled = []; // REFUSED of unknown ids while an epoch overflowed (at most trackLimit)
+    this._spilled = false; // _unfiled overflowed too: some of them went to lateRefusals
   }
 
   _open(url, routerId, timeout, WebSocketImpl) {
@@ -163,12 +238,22 @@ export class RouterClient {
       this._protocolError(e.message);
       return;
     }
-    if (msg.type === 0 && equalBytes(msg.header.src, this.routerId) && msg.signatureValid) {
+    const fromRouter = msg.type === 0 && equalBytes(msg.header.src, this.routerId);
+    // dst = our router: only our router hands us such a message (the next router's REFUSED, passed on)
+    if (msg.type === 0 && (fromRouter || equalBytes(msg.header.dst, this.routerId)) && msg.signatureValid) {
       const c = decodeControl(msg.body);
-      const key = c && {
+      const refused = decodeRefused(c);
+      if (refused) {
+        this._onRefused(new Refusal(refused.id, refused.reason, refused.count));
+        return;
+      }
+      if (fromRouter && c && c.type === Control.SYNC_ACK) {
+        this._onSyncAck(c.fields);
+        return;
+      }
+      const key = fromRouter && c && {
         [Control.JOIN_ACK]: () => `join:${toHex(c.fields.addr)}`,
         [Control.LEAVE_ACK]: () => `leave:${toHex(c.fields.addr)}`,
-        [Control.SYNC_ACK]: () => `sync:${c.fields.n}`,
         [Control.PULL_NACK]: () => `pull:${toHex(c.fields.id)}`,
       }[c.type]?.();
       if (key) {
@@ -189,15 +274,102 @@ export class RouterClient {
     else this._queue.push(msg);
   }
 
+  _onRefused(r) {
+    const key = this._requestIds.get(r.idHex);
+    if (key !== undefined) { // a request of ours: answer it now rather than let it time out
+      this._requestIds.delete(r.idHex);
+      const w = this._waiters.get(key);
+      this._waiters.delete(key);
+      if (w) w.resolve(r);
+    }
+    let home = null;
+    for (const ep of [...this._unanswered.values(), this._epoch]) { // oldest first
+      if (ep.ids.has(r.idHex)) {
+        home = ep;
+        if (!ep.refusedIds.has(r.idHex)) break; // (the same message sent again later: the first unrefused copy)
+      }
+    }
+    if (home) {
+      home.refused.push(r);
+      home.refusedIds.add(r.idHex);
+    } else if (this._anyOverflow()) {
+      this._unfiled.push(r);
+      if (this._unfiled.length > this.trackLimit) { // bounded: the oldest is reported as late instead
+        this._spilled = true;
+        this._late(this._unfiled.shift());
+      }
+    } else {
+      this._late(r);
+    }
+  }
+
+  _anyOverflow() {
+    return this._epoch.overflow || [...this._unanswered.values()].some((ep) => ep.overflow);
+  }
+
+  _late(r) {
+    this.lateRefusals.push(r);
+    if (this.lateRefusals.length > LATE_REFUSALS_KEPT) this.lateRefusals.shift();
+    if (this.onrefused) {
+      try {
+        this.onrefused(r);
+      } catch (e) {
+        console.error('onrefused failed', e); // eslint-disable-line no-console
+      }
+    }
+  }
+
+  _onSyncAck(f) {
+    const n = f.n;
+    const k = f.refused === undefined ? 0 : f.refused; // a wire v1.0 router sends no `refused`
+    if (!this._unanswered.has(n)) return; // not ours (or answered already)
+    let refused = [];
+    let overflow = false;
+    for (const [m, ep] of this._unanswered) { // this epoch, and any before it whose SYNC went unanswered
+      this._unanswered.delete(m);
+      refused = refused.concat(ep.refused);
+      overflow = overflow || ep.overflow;
+      if (m === n) break;
+    }
+    let spilled = false;
+    if (overflow) {
+      refused = refused.concat(this._unfiled.splice(0, Math.max(0, k - refused.length)));
+      spilled = this._spilled;
+      this._spilled = false;
+    }
+    if (this._unfiled.length && !this._anyOverflow()) for (const r of this._unfiled.splice(0)) this._late(r);
+    let outcome;
+    if (refused.length < k && !spilled) {
+      outcome = new RouterError(`protocol error: SYNC_ACK ${n} counts ${k} refused messages, but only `
+        + `${refused.length} REFUSED arrived for the messages before it`);
+    } else if (k === 0 && f.result !== 0) {
+      outcome = new RouterError(`SYNC failed (SYNC_ACK ${n}: result ${f.result}, no refusals counted)`);
+    } else {
+      outcome = new SyncResult(n, refused);
+    }
+    const w = this._waiters.get(`sync:${n}`);
+    this._waiters.delete(`sync:${n}`);
+    if (w) {
+      if (outcome instanceof SyncResult) w.resolve(outcome);
+      else w.reject(outcome);
+      return;
+    }
+    for (const r of refused) this._late(r); // nobody waits for this SYNC any more: nothing is lost in silence
+  }
+
   _check() {
     if (this._isClosed) throw new RouterError(this.closedReason);
   }
 
-  /** Send a routed Message as it is. */
+  /** Send a routed Message as it is; the next sync() reports whether the router took it. */
   sendMessage(msg) {
     this._check();
     this._ws.send(msg.encode());
-    return msg.id;
+    const id = msg.id;
+    const ep = this._epoch;
+    if (ep.ids.size < this.trackLimit) ep.ids.add(toHex(id));
+    else ep.overflow = true;
+    return id;
   }
 
   /** A signed unicast to `dst`; returns its id. */
@@ -212,46 +384,65 @@ export class RouterClient {
 
   _request(key, type, fields, timeout) {
     return new Promise((resolve, reject) => {
-      const timer = setTimeout(() => {
-        this._waiters.delete(key);
-        reject(new RouterError(`no answer from the router within ${timeout} ms`));
-      }, timeout);
-      this._waiters.set(key, {
-        resolve: (v) => { clearTimeout(timer); resolve(v); },
-        reject: (e) => { clearTimeout(timer); reject(e); },
-      });
-      try {
-        this.send(this.routerId, controlBody(type, fields), { ttl: 60 });
-      } catch (e) {
-        this._waiters.delete(key);
+      let idHex = null;
+      let timer = null;
+      const finish = () => {
         clearTimeout(timer);
-        reject(e);
+        if (this._waiters.get(key) === waiter) this._waiters.delete(key);
+        if (idHex !== null && this._requestIds.get(idHex) === key) this._requestIds.delete(idHex);
+      };
+      const waiter = {
+        resolve: (v) => { finish(); resolve(v); },
+        reject: (e) => { finish(); reject(e); },
+      };
+      const late = () => waiter.reject(new RouterError(`no answer from the router within ${timeout} ms`));
+      timer = setTimeout(late, timeout);
+      this._waiters.set(key, waiter);
+      try {
+        const msg = unicast(this.identity, this.routerId, controlBody(type, fields), { ttl: 60 });
+        idHex = toHex(msg.id);
+        this._requestIds.set(idHex, key); // a REFUSED for it rejects the request at once
+        this.sendMessage(msg);
+      } catch (e) {
+        waiter.reject(e);
       }
     });
   }
 
-  /** JOIN a group (its 32-byte public key); true on success. `local: false` also subscribes via pub/sub. */
+  /** JOIN a group (its 32-byte public key); true on success, false when the router refused (JOIN_ACK result 1,
+   * or REFUSED: the next sync() names the reason). `local: false` also subscribes via pub/sub. */
   async join(group, { local = true, timeout = 10000 } = {}) {
     const r = await this._request(`join:${toHex(group)}`, Control.JOIN, { addr: group, local }, timeout);
-    return r.fields.result === 0;
+    return !(r instanceof Refusal) && r.fields.result === 0;
   }
 
+  /** LEAVE a group; true on success, false when the router refused. */
   async leave(group, { timeout = 10000 } = {}) {
     const r = await this._request(`leave:${toHex(group)}`, Control.LEAVE, { addr: group }, timeout);
-    return r.fields.result === 0;
+    return !(r instanceof Refusal) && r.fields.result === 0;
   }
 
-  /** PULL a stored group message by id: the Message, or null when the router does not have it. */
+  /** PULL a stored group message by id: the Message, or null when the router does not have it or refused. */
   async pull(group, id, { timeout = 10000 } = {}) {
     const r = await this._request(`pull:${toHex(id)}`, Control.PULL, { addr: group, id }, timeout);
-    return r.type === Control.PULL_NACK ? null : r;
+    return r instanceof Refusal || r.type === Control.PULL_NACK ? null : r;
   }
 
-  /** Resolve once the router processed and committed everything this connection sent before. */
-  async sync({ timeout = 30000 } = {}) {
+  /**
+   * Resolve once the router processed and committed everything this connection sent before, to a SyncResult
+   * naming the messages sent since the previous sync() that it did not take in full (`result.refused`,
+   * `result.refusal(id)`, `result.ok`). With `rejectOnRefused: true` a refusal rejects with MessagesRefused
+   * (carrying `refusals` and `result`) instead. Rejects with RouterError on a timeout, a closed connection,
+   * or a SYNC_ACK that counts more refusals than arrived.
+   */
+  async sync({ timeout = 30000, rejectOnRefused = false } = {}) {
     const n = this._syncN++;
-    const r = await this._request(`sync:${n}`, Control.SYNC, { n }, timeout);
-    if (r.fields.result !== 0) throw new RouterError('SYNC failed');
+    this._unanswered.set(n, this._epoch);
+    this._epoch = newEpoch();
+    const result = await this._request(`sync:${n}`, Control.SYNC, { n }, timeout);
+    if (result instanceof Refusal) throw new MessagesRefused([result], null, 'SYNC'); // the SYNC itself
+    if (rejectOnRefused && !result.ok) throw new MessagesRefused(result.refused, result);
+    return result;
   }
 
   /** The next incoming message (when no `onmessage` handler is set). */

@@ -1,5 +1,6 @@
 // Wire codec of the upsycle router (docs/protocol.md, docs/websocket.md): deterministic CBOR, Ed25519
-// signatures, BLAKE3 message ids. Pure functions over Uint8Array; no I/O.
+// signatures, BLAKE3 message ids, router control bodies (wire v1.1: REFUSED 9, STATUS 11/12). Pure functions
+// over Uint8Array; no I/O.
 import { Encoder, decode as cborDecode } from 'cbor-x';
 import * as ed from '@noble/ed25519';
 import { sha512 } from '@noble/hashes/sha2.js';
@@ -13,8 +14,26 @@ export const AUTH_CONTEXT = new TextEncoder().encode('upsycle/1 session');
 export const UNICAST = 0;
 export const MULTICAST = 1;
 export const EPOCH_2020 = 1577836800; // exp counts minutes since 2020-01-01T00:00:00Z
+// Router control types; REFUSED and STATUS 11/12 since wire v1.1 (STATUS was 9/10 before).
 export const Control = Object.freeze({
-  JOIN: 1, JOIN_ACK: 2, LEAVE: 3, LEAVE_ACK: 4, PULL: 5, PULL_NACK: 6, SYNC: 7, SYNC_ACK: 8,
+  JOIN: 1, JOIN_ACK: 2, LEAVE: 3, LEAVE_ACK: 4, PULL: 5, PULL_NACK: 6, SYNC: 7, SYNC_ACK: 8, REFUSED: 9,
+  STATUS: 11, STATUS_REPLY: 12,
+});
+// Why a router did not take a message in full (REFUSED `reason`, wire v1.1).
+export const Reason = Object.freeze({
+  BAD_SIGNATURE: 1, EXPIRED: 2, NOT_AUTHORIZED: 3, NO_ROUTE: 4, QUOTA: 5, STORE_FULL: 6, OVERLOADED: 7,
+  TOO_LARGE: 8, MALFORMED: 9,
+});
+const REASON_TEXT = Object.freeze({
+  1: 'its signature does not verify',
+  2: 'its exp had passed',
+  3: 'this key may not send it there',
+  4: 'the router knows no way to the recipient',
+  5: "the recipient's queue is full",
+  6: "the router's store is full",
+  7: 'the router is overloaded',
+  8: 'it is too large',
+  9: 'the router cannot interpret it',
 });
 export const ErrorCode = Object.freeze({
   PROTOCOL: 1, AUTH_FAILED: 2, NOT_AUTHORIZED: 3, FRAME_TOO_LARGE: 4, HANDSHAKE_TIMEOUT: 5, OVERLOADED: 6,
@@ -236,6 +255,34 @@ export function decodeControl(body) {
     // not control
   }
   return null;
+}
+
+/** A reason's name as the router's traces and counters spell it (`quota`); an unknown code as `reason_<code>`. */
+export function reasonLabel(code) {
+  const name = Object.keys(Reason).find((k) => Reason[k] === code);
+  return name ? name.toLowerCase() : `reason_${code}`;
+}
+
+/** A reason for people: `quota (the recipient's queue is full)`. */
+export function describeReason(code) {
+  const text = REASON_TEXT[code];
+  return text ? `${reasonLabel(code)} (${text})` : reasonLabel(code);
+}
+
+const isUint = (v) => Number.isSafeInteger(v) && v >= 0;
+
+/** The fields of a REFUSED body ([9, {id, reason, count}]) as {id, reason, count}, or null if it is not one. */
+export function decodeRefused(control) {
+  if (!control || control.type !== Control.REFUSED) return null;
+  const f = control.fields;
+  const keys = Object.keys(f).sort().join();
+  if (keys !== 'count,id,reason' || !isBytes(f.id, 32) || !isUint(f.reason) || !isUint(f.count)) return null;
+  return { id: f.id, reason: f.reason, count: f.count };
+}
+
+/** enc([9, {id, reason, count}]): a REFUSED body. */
+export function refusedBody(id, reason, count = 0) {
+  return controlBody(Control.REFUSED, { id, reason, count });
 }
 
 export function randomBytes(n) {

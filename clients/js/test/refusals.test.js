@@ -1,0 +1,339 @@
+// Wire v1.1 refusals in the JS client: the codec against tests/vectors/wire-v1.1.json, and RouterClient's
+// sync() against a scripted router behind a fake WebSocket (real handshake, router-signed answers).
+import { test } from 'node:test';
+import assert from 'node:assert/strict';
+import { readFileSync } from 'node:fs';
+import {
+  Control, Identity, MessagesRefused, Reason, Refusal, RouterClient, RouterError, SyncResult, auth, controlBody,
+  dec, decodeControl, decodeMessage, decodeRefused, describeReason, equalBytes, fromHex, hello, randomBytes,
+  reasonLabel, refusedBody, toHex, unicast,
+} from '../src/index.js';
+
+const vectors = JSON.parse(readFileSync(new URL('../../../tests/vectors/wire-v1.1.json', import.meta.url)));
+const v1 = JSON.parse(readFileSync(new URL('../../../tests/vectors/wire-v1.json', import.meta.url)));
+const keys = Object.fromEntries(vectors.keys.map((k) => [k.name, Identity.fromHex(k.seed)]));
+const control = Object.fromEntries(vectors.control.map((c) => [c.name, c]));
+
+// `fields` with {"hex": ...} as Uint8Array
+const plain = (v) => {
+  if (v && typeof v === 'object' && !Array.isArray(v)) {
+    if (Object.keys(v).join() === 'hex') return fromHex(v.hex);
+    return Object.fromEntries(Object.entries(v).map(([k, x]) => [k, plain(x)]));
+  }
+  return v;
+};
+
+// ------------------------------------------------------------------------------------------ golden vectors
+
+test('the v1.1 vectors use the v1 keys', () => {
+  assert.deepEqual(vectors.keys, v1.keys);
+  for (const k of vectors.keys) assert.equal(keys[k.name].hex, k.public);
+});
+
+test('control bodies encode and decode byte for byte', () => {
+  for (const c of vectors.control) {
+    const body = fromHex(c.body_hex);
+    const fields = plain(c.fields);
+    assert.equal(toHex(controlBody(c.type, fields)), c.body_hex, c.name);
+    const got = decodeControl(body);
+    assert.equal(got.type, c.type, c.name);
+    assert.deepEqual(got.fields, fields, c.name);
+  }
+  assert.equal(Control.REFUSED, 9);
+  assert.equal(Control.STATUS, control.status.type);
+  assert.equal(Control.STATUS_REPLY, control['status-reply'].type);
+});
+
+test('REFUSED bodies: fields, reason names, the encoder', () => {
+  for (const name of ['refused', 'refused-partial']) {
+    const c = control[name];
+    const r = decodeRefused(decodeControl(fromHex(c.body_hex)));
+    assert.equal(toHex(r.id), c.fields.id.hex);
+    assert.equal(r.reason, c.fields.reason);
+    assert.equal(r.count, c.fields.count);
+    assert.equal(reasonLabel(r.reason), c.reason_label);
+    assert.equal(toHex(refusedBody(r.id, r.reason, r.count)), c.body_hex);
+  }
+  assert.equal(decodeRefused(decodeControl(fromHex(control['sync-ack-refused'].body_hex))), null);
+  assert.equal(decodeRefused(decodeControl(controlBody(9, { id: new Uint8Array(31), reason: 1, count: 0 }))), null);
+  assert.equal(reasonLabel(42), 'reason_42');
+  assert.equal(describeReason(Reason.QUOTA), "quota (the recipient's queue is full)");
+  for (const code of Object.values(Reason)) assert.match(describeReason(code), /^[a-z_]+ \(.+\)$/);
+});
+
+test('SYNC_ACK: the refused count, and a v1.0 SYNC_ACK without it', () => {
+  const ack = decodeControl(fromHex(control['sync-ack-refused'].body_hex));
+  assert.deepEqual(ack.fields, { n: 7, result: 1, refused: 2 });
+  assert.equal(decodeControl(fromHex(control['sync-ack-v1.0'].body_hex)).fields.refused, undefined);
+});
+
+test('router-signed unicasts carrying REFUSED and SYNC_ACK are fixed bytes', () => {
+  for (const m of vectors.messages) {
+    const body = fromHex(control[m.control].body_hex);
+    const msg = unicast(keys.router, keys.alice.publicKey, body, { ttl: 60, exp: 3600000 });
+    assert.equal(toHex(msg.encode()), m.message_hex, m.name);
+    assert.equal(toHex(msg.sig), m.sig_hex, m.name);
+    assert.equal(toHex(msg.id), m.id_hex, m.name);
+    const back = decodeMessage(fromHex(m.message_hex));
+    assert.equal(toHex(back.signedBytes), m.signed_bytes_hex, m.name);
+    assert.equal(back.signatureValid, m.signature_valid, m.name);
+    assert.ok(equalBytes(back.body, body), m.name);
+  }
+});
+
+// ------------------------------------------------------------------------------------------ a scripted router
+
+const utf8 = new TextDecoder();
+
+class FakeRouter {
+  constructor() {
+    this.identity = Identity.generate();
+    this.nonce = randomBytes(32);
+    this.refuse = new Map(); // body text -> [reason, count]
+    this.refuseControl = new Map(); // control type -> [reason, count]
+    this.ackExtra = 0; // a lying router
+    this.v10 = false; // SYNC_ACK without `refused`
+    this.holdAcks = false; // a SYNC_ACK waits until the next message has been handled
+    this.received = [];
+    this._held = [];
+    this._pending = 0;
+    this._state = 'hello';
+    this.ws = null;
+    const router = this;
+    this.WebSocket = class {
+      constructor() {
+        router.ws = this;
+        this.readyState = 0;
+        setImmediate(() => { this.readyState = 1; this.onopen?.(); });
+      }
+
+      send(bytes) { router._receive(new Uint8Array(bytes)); }
+
+      close(code = 1000) {
+        if (this.readyState === 3) return;
+        this.readyState = 3;
+        setImmediate(() => this.onclose?.({ code, reason: '' }));
+      }
+    };
+  }
+
+  _deliver(bytes) {
+    const ws = this.ws;
+    const buf = new Uint8Array(bytes).slice().buffer;
+    setImmediate(() => { if (ws.readyState === 1) ws.onmessage?.({ data: buf }); });
+  }
+
+  signed(body, dst = this.peer) {
+    return unicast(this.identity, dst, body, { ttl: 60 });
+  }
+
+  refused(id, reason, count = 0) {
+    return this.signed(refusedBody(id, reason, count));
+  }
+
+  push(msg) { this._deliver(msg.encode()); }
+
+  _receive(bytes) {
+    if (this._state === 'hello') {
+      const item = dec(bytes);
+      this.peer = item[2];
+      this._deliver(hello(this.identity, this.nonce));
+      this._deliver(auth(this.identity, this.peer, item[3]));
+      this._state = 'auth';
+      return;
+    }
+    if (this._state === 'auth') {
+      this._state = 'open';
+      return;
+    }
+    this._handle(decodeMessage(bytes));
+  }
+
+  _handle(msg) {
+    const held = this._held;
+    this._held = [];
+    let rule = this.refuse.get(utf8.decode(msg.body));
+    if (msg.type === 0 && equalBytes(msg.header.dst, this.identity.publicKey)) {
+      const c = decodeControl(msg.body);
+      rule = this.refuseControl.get(c.type);
+      if (c.type === Control.SYNC && !rule) {
+        const k = this._pending + this.ackExtra;
+        this._pending = 0;
+        const fields = this.v10 ? { n: c.fields.n, result: 0 } : { n: c.fields.n, result: k ? 1 : 0, refused: k };
+        const ack = this.signed(controlBody(Control.SYNC_ACK, fields)).encode();
+        if (this.holdAcks) {
+          this._held = [...held, ack];
+        } else {
+          for (const h of held) this._deliver(h);
+          this._deliver(ack);
+        }
+        return;
+      }
+      if (!rule && c.type === Control.JOIN) {
+        this.push(this.signed(controlBody(Control.JOIN_ACK, { addr: c.fields.addr, result: 0 })));
+      }
+    } else {
+      this.received.push(msg);
+    }
+    if (rule) {
+      this.push(this.refused(msg.id, ...rule));
+      this._pending += 1;
+    }
+    for (const h of held) this._deliver(h);
+  }
+}
+
+async function connect(router) {
+  return RouterClient.connect('ws://fake/', Identity.generate(), { WebSocket: router.WebSocket, timeout: 2000 });
+}
+
+const tick = (ms = 20) => new Promise((r) => setTimeout(r, ms));
+const other = () => Identity.generate().publicKey;
+
+test('sync() without refusals resolves to an empty SyncResult', async () => {
+  const router = new FakeRouter();
+  const c = await connect(router);
+  c.send(other(), 'fine');
+  const res = await c.sync();
+  assert.ok(res instanceof SyncResult);
+  assert.ok(res.ok);
+  assert.deepEqual(res.refused, []);
+  assert.ok((await c.sync({ rejectOnRefused: true })).ok);
+  c.close();
+});
+
+test('sync() names exactly the refused messages and why', async () => {
+  const router = new FakeRouter();
+  router.refuse.set('too many', [Reason.QUOTA, 0]);
+  router.refuse.set('partly', [Reason.STORE_FULL, 2]);
+  const c = await connect(router);
+  const group = Identity.generate();
+  const dst = other();
+  const ok1 = c.send(dst, 'fine');
+  const whole = c.send(dst, 'too many');
+  const part = c.publish(group, 'partly');
+  const res = await c.sync();
+  assert.equal(res.ok, false);
+  assert.deepEqual(res.refused.map((r) => [r.idHex, r.reason, r.count]),
+    [[toHex(whole), Reason.QUOTA, 0], [toHex(part), Reason.STORE_FULL, 2]]);
+  assert.equal(res.refusal(ok1), null);
+  const r = res.refusal(whole);
+  assert.ok(r instanceof Refusal && r.whole && r.label === 'quota');
+  assert.equal(r.describe(), "refused: quota (the recipient's queue is full)");
+  assert.equal(res.refusal(toHex(part)).describe(),
+    "refused for 2 recipients: store_full (the router's store is full)");
+  assert.ok((await c.sync()).ok); // the next span starts empty
+  assert.deepEqual(c.lateRefusals, []);
+  c.close();
+});
+
+test('sync({rejectOnRefused: true}) rejects with MessagesRefused carrying the refusals', async () => {
+  const router = new FakeRouter();
+  router.refuse.set('nope', [Reason.NO_ROUTE, 0]);
+  const c = await connect(router);
+  const id = c.send(other(), 'nope');
+  await assert.rejects(c.sync({ rejectOnRefused: true }), (e) => {
+    assert.ok(e instanceof MessagesRefused && e instanceof RouterError);
+    assert.equal(e.refusals.length, 1);
+    assert.equal(e.refusals[0].idHex, toHex(id));
+    assert.ok(e.result instanceof SyncResult);
+    assert.match(e.message, /no_route/);
+    return true;
+  });
+  c.close();
+});
+
+test('a REFUSED overtaking a SYNC_ACK belongs to the next sync()', async () => {
+  const router = new FakeRouter();
+  router.refuse.set('before', [Reason.QUOTA, 0]);
+  router.refuse.set('after', [Reason.EXPIRED, 0]);
+  router.holdAcks = true;
+  const c = await connect(router);
+  const before = c.send(other(), 'before');
+  const first = c.sync();
+  const after = c.send(other(), 'after'); // refused before the held SYNC_ACK is written
+  const res1 = await first;
+  assert.deepEqual(res1.refused.map((r) => r.idHex), [toHex(before)]);
+  router.holdAcks = false;
+  const second = c.sync();
+  c.send(other(), 'nudge');
+  const res2 = await second;
+  assert.deepEqual(res2.refused.map((r) => [r.idHex, r.reason]), [[toHex(after), Reason.EXPIRED]]);
+  assert.deepEqual(c.lateRefusals, []);
+  c.close();
+});
+
+test('a SYNC_ACK counting more refusals than arrived rejects as a protocol error', async () => {
+  const router = new FakeRouter();
+  router.ackExtra = 1;
+  const c = await connect(router);
+  c.send(other(), 'x');
+  await assert.rejects(c.sync(), /protocol error: SYNC_ACK \d+ counts 1 refused messages, but only 0/);
+  router.ackExtra = 0;
+  assert.ok((await c.sync()).ok);
+  c.close();
+});
+
+test('a wire v1.0 SYNC_ACK without refused is success', async () => {
+  const router = new FakeRouter();
+  router.v10 = true;
+  const c = await connect(router);
+  c.send(other(), 'old router');
+  assert.ok((await c.sync()).ok);
+  c.close();
+});
+
+test('late refusals go to onrefused and lateRefusals, never to next()', async () => {
+  const router = new FakeRouter();
+  const c = await connect(router);
+  const seen = [];
+  c.onrefused = (r) => seen.push(r);
+  const id = c.send(other(), 'forwarded');
+  assert.ok((await c.sync()).ok);
+  router.push(router.refused(id, Reason.QUOTA, 1));
+  const next = Identity.generate(); // the next router's own REFUSED, passed on as our router received it
+  router.push(unicast(next, router.identity.publicKey, refusedBody(id, Reason.STORE_FULL, 0), { ttl: 60 }));
+  const stranger = Identity.generate(); // an app may send any body: this one is an ordinary message
+  const fromApp = unicast(stranger, c.identity.publicKey, refusedBody(id, Reason.QUOTA, 0), { ttl: 60 });
+  router.push(fromApp);
+  const got = await c.next();
+  assert.equal(toHex(got.id), toHex(fromApp.id));
+  assert.deepEqual(seen.map((r) => [r.idHex, r.reason, r.count]),
+    [[toHex(id), Reason.QUOTA, 1], [toHex(id), Reason.STORE_FULL, 0]]);
+  assert.deepEqual(c.lateRefusals, seen);
+  assert.ok((await c.sync()).ok);
+  c.close();
+});
+
+test('a refused request is answered at once: join() false, sync() rejects', async () => {
+  const router = new FakeRouter();
+  router.refuseControl.set(Control.JOIN, [Reason.NOT_AUTHORIZED, 0]);
+  const c = await connect(router);
+  const t0 = Date.now();
+  assert.equal(await c.join(other(), { timeout: 2000 }), false);
+  assert.ok(Date.now() - t0 < 1000);
+  const res = await c.sync(); // the JOIN was a message of this span: its reason is reported here
+  assert.equal(res.refused.length, 1);
+  assert.equal(res.refused[0].label, 'not_authorized');
+  router.refuseControl.clear();
+  assert.equal(await c.join(other()), true);
+  router.refuseControl.set(Control.SYNC, [Reason.OVERLOADED, 0]);
+  await assert.rejects(c.sync({ timeout: 2000 }), (e) => e instanceof MessagesRefused
+    && /SYNC refused: overloaded/.test(e.message));
+  c.close();
+});
+
+test('past trackLimit unknown ids are filed by the SYNC_ACK count', async () => {
+  const router = new FakeRouter();
+  router.refuse.set('r3', [Reason.QUOTA, 0]);
+  router.refuse.set('r5', [Reason.QUOTA, 0]);
+  const c = await connect(router);
+  c.trackLimit = 2;
+  const dst = other();
+  const ids = [0, 1, 2, 3, 4, 5].map((i) => c.send(dst, `r${i}`));
+  const res = await c.sync();
+  assert.deepEqual(res.refused.map((r) => r.idHex).sort(), [toHex(ids[3]), toHex(ids[5])].sort());
+  await tick();
+  assert.deepEqual(c.lateRefusals, []);
+  c.close();
+});
