@@ -5,6 +5,13 @@ routing core from it, listen on the Unix socket (file mode from the config, 0600
 configured, on TLS. Shutdown: stop accepting, tell every peer ``ERROR 7 shutting down``, process what is
 pending, commit, sync and close LMDB, remove the socket file; bounded by ``STOP_TIMEOUT`` seconds.
 With ``NOTIFY_SOCKET`` set (systemd ``Type=notify``) it reports ``READY=1`` and ``STOPPING=1``.
+
+Listeners: the daemon accepts connections itself, through
+:class:`~upsycle_router.transport.admission.Listener`, which caps connections in their handshake (in all and
+per source), keeps ``limits.local_reserve`` file descriptors for the Unix socket and survives EMFILE (see
+transport/admission.py). Before listening it raises its soft open-files limit to the hard limit. When the
+number of accepted connections falls far below its peak (a connection storm ended) it gives the freed heap
+back to the system at once, instead of at the next periodic trim.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from upsycle_router.errors import ConfigError, ErrorCode
 from upsycle_router.expiry import exp_in
 from upsycle_router.runtime.discovery_service import DiscoveryService, LanSocketConfig
 from upsycle_router.runtime.driver import Driver
-from upsycle_router.runtime.memory import TRIM_INTERVAL, Trimmer
+from upsycle_router.runtime.memory import STORM_TRIM_DELAY, TRIM_INTERVAL, PeakWatch, Trimmer
 from upsycle_router.runtime.metrics import MetricsServer
 from upsycle_router.runtime.pool import ConnectionPool
 from upsycle_router.runtime.pubsub_service import PubsubService
@@ -41,6 +48,7 @@ from upsycle_router.services.pubsub.params import GossipParams
 from upsycle_router.services.pubsub.validation import GroupPolicy, SignaturePolicy
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
+from upsycle_router.transport.admission import Admission, Listener, listen_tcp, listen_unix, raise_fd_limit
 from upsycle_router.transport.connection import Connection
 from upsycle_router.transport.stream import StreamConnection
 from upsycle_router.transport.tls import client_context, server_context
@@ -128,7 +136,6 @@ class Daemon:
         self.store: LmdbStore | None = None
         self.driver: Driver | None = None
         self.journal: TraceJournal | None = None
-        self._servers: list[asyncio.AbstractServer] = []
         self._stopped = asyncio.Event()
         self._extra_stop: list[Any] = []
         self.pool: ConnectionPool | None = None
@@ -137,6 +144,10 @@ class Daemon:
         self._readvertise_handle: asyncio.TimerHandle | None = None
         self.trimmer = Trimmer()
         self._trim_handle: asyncio.TimerHandle | None = None
+        self._storm_watch = PeakWatch()
+        self._storm_trim_handle: asyncio.TimerHandle | None = None
+        self.admission: Admission | None = None
+        self._listeners: list[Listener] = []
         self.pubsub_identity: Identity | None = None
         self.pubsub: PubsubService | None = None
         self._pubsub_task: asyncio.Task[None] | None = None
@@ -157,6 +168,11 @@ class Daemon:
             os.close(self._lock_fd)
             self._lock_fd = None
             raise RuntimeError(f"{cfg.data_dir}: data directory in use by another router") from None
+        old_limit, fd_limit = raise_fd_limit()
+        if fd_limit != old_limit:
+            log.info("open files limit (RLIMIT_NOFILE) raised from %d to %d", old_limit, fd_limit)
+        else:
+            log.info("open files limit (RLIMIT_NOFILE) is %d", fd_limit)
         self.identity = ident = load_or_create_key_file(cfg.key_path)
         if cfg.pubsub.enabled:
             self.pubsub_identity = load_or_create_key_file(cfg.data_dir / "pubsub.key")
@@ -186,6 +202,16 @@ class Daemon:
             burst=cfg.rate_burst,
         )
         loop = asyncio.get_running_loop()
+        self.admission = Admission(
+            self.driver.stats,
+            max_connections=cfg.max_connections,
+            max_handshakes=cfg.max_handshakes,
+            max_handshakes_per_source=cfg.max_handshakes_per_source,
+            local_reserve=cfg.local_reserve,
+            handshake_timeout=cfg.handshake_timeout,
+        )
+        self.admission.on_close = self._connections_fell
+        self.driver.stats.update(memory_trims_total=0, memory_storm_trims_total=0)
         router.advert = self._own_advert(ident)
         if cfg.tls is not None or cfg.peers or cfg.core_nodes or cfg.discovery.enabled:
             self.pool = ConnectionPool(
@@ -210,11 +236,11 @@ class Daemon:
         if cfg.tls is not None:
             addr = TransportAddr.parse(cfg.tls)
             ctx = server_context(ident, cfg.data_dir)
-            server = await loop.create_server(lambda: self._connection("tls"), addr.host, addr.port, ssl=ctx)
-            self._servers.append(server)
+            self._listen(listen_tcp(addr.host, addr.port), "tls", ssl_context=ctx)
             log.info("listening tls=%s", cfg.tls)
         if cfg.websocket.listen is not None:
             await self._listen_websocket(ident)
+        self._check_fd_budget()
         if self.pool is not None:
             self.pool.start()
         self.driver.apply_now(router.start(time.time()))
@@ -275,7 +301,48 @@ class Daemon:
 
     def _trim(self) -> None:
         self.trimmer.trim()
+        if self.driver is not None:
+            self.driver.stats["memory_trims_total"] = self.trimmer.calls
         self._trim_handle = asyncio.get_running_loop().call_later(TRIM_INTERVAL, self._trim)
+
+    def _connections_fell(self, n: int) -> None:
+        """An accepted connection closed (``n`` remain): after a storm, trim soon."""
+        if self._storm_watch.update(n) and self._storm_trim_handle is None and self.trimmer.available:
+            self._storm_trim_handle = asyncio.get_running_loop().call_later(STORM_TRIM_DELAY, self._storm_trim)
+
+    def _storm_trim(self) -> None:
+        """The connections of a storm are gone: give the heap they used back."""
+        self._storm_trim_handle = None
+        t0 = time.perf_counter()
+        self.trimmer.trim()
+        if self.driver is not None:
+            self.driver.stats["memory_trims_total"] = self.trimmer.calls
+            self.driver.stats["memory_storm_trims_total"] += 1
+        log.info("connection storm over (peak %d accepted connections): memory trimmed in %.1f ms",
+                 self._storm_watch.last_peak, (time.perf_counter() - t0) * 1000)  # fmt: skip
+
+    def _listen(self, sock: socket.socket, kind: str, *, ssl_context: ssl.SSLContext | None = None,
+                network: bool = True) -> Listener:  # fmt: skip
+        """Accept on ``sock`` through admission control."""
+        assert self.admission is not None
+        listener = Listener(self.admission, sock, kind, lambda: self._connection(kind), ssl_context=ssl_context,
+                            network=network)  # fmt: skip
+        listener.start()
+        self._listeners.append(listener)
+        return listener
+
+    def _check_fd_budget(self) -> None:
+        """Warn when the connection limit is more than the open-files limit allows."""
+        adm = self.admission
+        assert adm is not None
+        adm.recount()
+        room = adm.fd_limit - adm.local_reserve - adm.fds_open()
+        if room < self.config.max_connections and (self.config.tls is not None or self.config.websocket.listen):
+            log.warning(
+                "limits.max_connections = %d but the open-files limit %d (%d open, limits.local_reserve = %d) "
+                "leaves room for about %d network connections: raise LimitNOFILE (systemd) or ulimit -n",
+                self.config.max_connections, adm.fd_limit, adm.fds_open(), adm.local_reserve, max(room, 0),
+            )  # fmt: skip
 
     def _connection(self, kind: str) -> Connection:
         assert self.driver is not None and self.identity is not None
@@ -299,9 +366,6 @@ class Daemon:
                 max_frame=self.config.max_frame,
                 write_high_water=self.config.effective_write_high_water,
             )
-        if len(self.driver.conns) >= self.config.max_connections:
-            log.warning("connection limit %d reached: refusing", self.config.max_connections)
-            asyncio.get_running_loop().call_soon(c.close_with_error, ErrorCode.OVERLOADED, "too many connections")
         return c
 
     async def _listen_websocket(self, ident: Identity) -> None:
@@ -323,11 +387,8 @@ class Daemon:
                 raise ConfigError(f"websocket.cert_file / key_file: {e}") from None
         local = ws.local if ws.local is not None else is_loopback(addr.host)
         self._ws_policy = WebSocketPolicy(ws.path, ws.origins, local)
-        server = await asyncio.get_running_loop().create_server(
-            lambda: self._connection("websocket"), addr.host, addr.port, ssl=ctx
-        )
-        self._servers.append(server)
-        port = server.sockets[0].getsockname()[1]
+        listener = self._listen(listen_tcp(addr.host, addr.port), "websocket", ssl_context=ctx)
+        port = listener.sock.getsockname()[1]
         host = f"[{addr.host}]" if ":" in addr.host else addr.host
         log.info("listening websocket=%s://%s:%d%s local=%s", "wss" if ctx else "ws", host, port, ws.path, local)
 
@@ -337,14 +398,13 @@ class Daemon:
             if await _socket_alive(path):
                 raise RuntimeError(f"{path}: another router is listening on this socket")
             path.unlink()
-        loop = asyncio.get_running_loop()
         old = os.umask(0o177)
         try:
-            server = await loop.create_unix_server(lambda: self._connection("unix"), str(path))
+            sock = listen_unix(path)
         finally:
             os.umask(old)
         os.chmod(path, self.config.unix_mode)
-        self._servers.append(server)
+        self._listen(sock, "unix", network=False)
 
     def request_stop(self) -> None:
         """Ask the daemon to stop (signal handlers call this)."""
@@ -359,11 +419,11 @@ class Daemon:
         """Stop accepting, close connections, flush and close the store."""
         sd_notify("STOPPING=1")
         log.info("stopping")
-        for h in (self._readvertise_handle, self._trim_handle):
+        for h in (self._readvertise_handle, self._trim_handle, self._storm_trim_handle):
             if h is not None:
                 h.cancel()
-        for s in self._servers:
-            s.close()
+        for listener in self._listeners:
+            listener.close()
         if self.pubsub is not None:
             await self.pubsub.stop()
             if self._pubsub_task is not None:
@@ -394,6 +454,8 @@ class Daemon:
         if self.config.unix is not None:
             with contextlib.suppress(OSError):
                 self.config.unix.unlink()
+        if self.admission is not None:
+            self.admission.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

@@ -106,6 +106,9 @@ class Connection(asyncio.Protocol):
         self._refusal: tuple[int, str] | None = None  # an ERROR asked for before the transport existed
         # (end offset in ``written``, queue ref) of queued messages not yet out of the transport's buffer
         self.unflushed: collections.deque[tuple[int, tuple[bytes, int]]] = collections.deque()
+        # admission accounting (transport/admission.py): called once when the transport is gone
+        self.on_lost: Callable[[Connection], None] | None = None
+        self.handshake_timed_out = False
 
     # ---------------------------------------------------------------- what subclasses provide
 
@@ -155,6 +158,8 @@ class Connection(asyncio.Protocol):
             self.opened.set_exception(ConnectionError("connection closed before the handshake completed"))
             self.opened.exception()  # mark retrieved
         self.handler.on_close(self)
+        if self.on_lost is not None:
+            self.on_lost(self)
 
     def pause_writing(self) -> None:
         """The transport's buffer is above its high-water mark: the peer is not keeping up."""
@@ -314,6 +319,7 @@ class Connection(asyncio.Protocol):
     def _handshake_expired(self) -> None:
         if not self.session.is_open and not self.closed:
             log.info("conn %d: handshake timeout", self.id)
+            self.handshake_timed_out = True
             self.handler.on_protocol_error(
                 self, RemoteProtocolError("handshake timeout", field="frame", code=ErrorCode.HANDSHAKE_TIMEOUT)
             )
