@@ -42,13 +42,10 @@ import random
 import shutil
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
 import time
-from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -58,6 +55,7 @@ import lmdb
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import RemoteProtocolError, UpsycleError
+from upsycle_router.store.check import check_store
 from upsycle_router.transport.session import FrameReceived, MessagesDecoded, Session, SessionEvent
 from upsycle_router.wire.messages import Message
 from upsycle_router.wire.session import decode_frame
@@ -65,9 +63,6 @@ from upsycle_router.wire.session import decode_frame
 REPO = Path(__file__).resolve().parents[1]
 BODY_MAGIC = b"crash-harness seq="
 _SUN_PATH_MAX = 100
-_U64 = struct.Struct(">Q")
-_QVAL = struct.Struct(">32sQI")
-_QSTAT = struct.Struct(">QQ")
 
 
 @dataclass
@@ -271,84 +266,8 @@ def _accepts(path: Path) -> bool:
 # ----------------------------------------------------------------------------------------- the store
 
 
-def check_store(store_dir: Path) -> list[str]:
-    """Open the daemon's LMDB store read-only and check its indexes; the problems found (empty: consistent).
-
-    Checked: the environment opens and every named database can be read; every queue entry refers to a stored
-    message and has its ``queue_exp`` index entry (and vice versa); ``refs`` counts the queue entries of each
-    message; ``qstats`` counts each recipient's entries and bytes; no message is stored twice; every message
-    has its ``msg_exp`` entry, which holds its id (store schema 4: the id index is built from them in memory;
-    schemas 2 and 3: ``msg_exp`` entries are empty, and the id table ``msg_ids`` has an entry per message) -
-    except, from schema 3 on, those from sequence number ``indexed`` on, indexed when the store is next opened.
-    """
-    problems: list[str] = []
-    try:
-        env = lmdb.open(str(store_dir), readonly=True, lock=False, max_dbs=16, subdir=True)
-    except lmdb.Error as e:
-        return [f"store does not open: {e}"]
-    try:
-        with env.begin() as txn:
-
-            def items(name: str) -> Iterator[tuple[bytes, bytes]]:
-                db = env.open_db(name.encode(), txn=txn, create=False)
-                for k, v in txn.cursor(db=db):
-                    yield bytes(k), bytes(v)
-
-            by_seq = {k: v for k, v in items("msgs")}
-            meta = dict(items("meta"))
-            ids = {k: v for k, v in items("msg_ids")} if meta.get(b"schema") in (b"2", b"3") else None
-            msg_exp = dict(items("msg_exp"))
-            # from schema 3 on: messages from sequence number ``indexed`` on are indexed when the store is opened
-            indexed = meta.get(b"indexed", b"\xff" * 8) if meta.get(b"schema") != b"2" else b"\xff" * 8
-            msgs: dict[bytes, bytes] = {}
-            n_indexed = 0
-            for seq, v in by_seq.items():
-                mid = v[41:73] if v[8] == 1 else v[9:41]
-                if mid in msgs:
-                    problems.append(f"message {mid.hex()[:16]} is stored twice")
-                msgs[mid] = v
-                if seq >= indexed:
-                    if (ids is not None and mid in ids) or v[:8] + seq in msg_exp:
-                        problems.append(f"message {mid.hex()[:16]} at or after 'indexed' is in an index")
-                    continue
-                n_indexed += 1
-                if ids is not None and ids.get(mid) != seq:
-                    problems.append(f"message {mid.hex()[:16]} is not indexed in msg_ids")
-                entry = msg_exp.get(v[:8] + seq)
-                if entry is None:
-                    problems.append(f"message {mid.hex()[:16]} has no msg_exp entry")
-                elif entry != (b"" if ids is not None else mid):
-                    problems.append(f"the msg_exp entry of message {mid.hex()[:16]} does not hold its id")
-            if len(msg_exp) != n_indexed or (ids is not None and len(ids) != n_indexed):
-                problems.append(f"{len(msg_exp)} msg_exp entries for {n_indexed} indexed messages"
-                                + (f", {len(ids)} msg_ids entries" if ids is not None else ""))
-            refs: dict[bytes, int] = defaultdict(int)
-            stats: dict[bytes, list[int]] = defaultdict(lambda: [0, 0])
-            queue_exp = {k for k, _ in items("queue_exp")}
-            n_queue = 0
-            for k, v in items("queues"):
-                n_queue += 1
-                mid, exp, size = _QVAL.unpack(v)
-                refs[mid] += 1
-                stats[k[:32]][0] += 1
-                stats[k[:32]][1] += size
-                if mid not in msgs:
-                    problems.append(f"queue entry {k.hex()[:16]} refers to missing message {mid.hex()[:16]}")
-                if _U64.pack(exp) + k not in queue_exp:
-                    problems.append(f"queue entry {k.hex()[:16]} has no queue_exp entry")
-            if len(queue_exp) != n_queue:
-                problems.append(f"{len(queue_exp)} queue_exp entries for {n_queue} queue entries")
-            stored_refs = {k: _U64.unpack(v)[0] for k, v in items("refs")}
-            if stored_refs != dict(refs):
-                problems.append(f"refs disagree with the queues ({len(stored_refs)} vs {len(refs)} messages)")
-            stored_stats = {k: list(_QSTAT.unpack(v)) for k, v in items("qstats")}
-            if stored_stats != dict(stats):
-                problems.append("qstats disagree with the queues")
-    except lmdb.Error as e:
-        problems.append(f"store read failed: {e}")
-    finally:
-        env.close()
-    return problems
+# check_store (imported above, from upsycle_router.store.check) opens the store read-only after each kill and
+# checks the file and its tables: queue indexes, reference counts, quota counters, message indexes.
 
 
 # ----------------------------------------------------------------------------------------- the harness

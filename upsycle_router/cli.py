@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from upsycle_router import __version__, cli_analyze, cli_client, cli_daemon, cli_decode, cli_discovery, cli_group
+from upsycle_router import (
+    __version__,
+    cli_analyze,
+    cli_client,
+    cli_daemon,
+    cli_decode,
+    cli_discovery,
+    cli_group,
+    cli_store,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     cli_client.register(sub)
     cli_discovery.register(sub)
     cli_group.register(sub)
+    cli_store.register(sub)
     return parser
 
 

@@ -23,6 +23,7 @@ from upsycle_router.errors import ConfigError, KeyFileError
 from upsycle_router.runtime.daemon import run_daemon
 from upsycle_router.runtime.logs import setup_logging
 from upsycle_router.runtime.service import RouterService
+from upsycle_router.store.integrity import StoreUnusable
 from upsycle_router.store.lmdb_store import Durability
 from upsycle_router.wire.discovery import TransportAddr
 
@@ -107,7 +108,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         logging.getLogger("upsycle_router.config").warning("%s", w)
     try:
         run_async(run_daemon(cfg))
-    except (KeyFileError, ConfigError) as e:
+    except (KeyFileError, ConfigError, StoreUnusable) as e:  # (a damaged store too: one line, exit 2)
         return _config_error(e)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -46,6 +46,7 @@ from upsycle_router.runtime.pubsub_service import PubsubService
 from upsycle_router.services.discovery import DISCOVERY_GROUP
 from upsycle_router.services.pubsub.params import GossipParams
 from upsycle_router.services.pubsub.validation import GroupPolicy, SignaturePolicy
+from upsycle_router.store.integrity import store_errors
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.admission import Admission, Listener, listen_tcp, listen_unix, raise_fd_limit
@@ -496,7 +497,8 @@ async def run_daemon(config: DaemonConfig) -> None:
     """Start a daemon and serve until SIGTERM/SIGINT."""
     sys.setswitchinterval(SWITCH_INTERVAL)
     d = Daemon(config)
-    await d.start()
+    with store_errors(config.data_dir / "store"):  # LMDB's errors at start: one line, exit 2
+        await d.start()
     tune_gc()
     try:
         await asyncio.wait_for(d.serve(), None)

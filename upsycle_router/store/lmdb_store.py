@@ -64,6 +64,7 @@ import lmdb
 
 from upsycle_router import accel
 from upsycle_router.accel import msgs_records, sorted_items
+from upsycle_router.store.integrity import check_before_open, mark_initialised
 from upsycle_router.store.tables import LmdbTables
 
 log = logging.getLogger("upsycle_router.store")
@@ -145,6 +146,7 @@ class LmdbStore(LmdbTables):
     ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
+        check_before_open(self.path)  # a damaged data file raises StoreDamaged before LMDB maps it (integrity.py)
         self.durability = Durability(durability)
         self.env = lmdb.open(
             str(self.path),
@@ -195,6 +197,7 @@ class LmdbStore(LmdbTables):
             if not self._load_index(self._txn) or len(self._exps) >= self.index_batch:
                 self._flush_index()
         self._opened = True
+        mark_initialised(self.path)  # from now on an empty or missing data file is damage, not a new store
 
     # ------------------------------------------------------------ transactions
 

@@ -1,0 +1,137 @@
+"""End-to-end: a real daemon whose store is damaged between two runs refuses to start - exit 2 within seconds,
+one line on stderr naming ``data.mdb`` - instead of dying of SIGBUS or starting empty; ``store check`` tells a
+sound store (exit 0, while the daemon runs) from a damaged one (exit 2); a backup taken while the daemon runs,
+restored after the damage, gives an offline subscriber every message it was waiting for."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Daemon, DaemonFactory, cli, subprocess_env
+
+from upsycle_router.client import Client
+from upsycle_router.crypto import Identity
+
+pytestmark = pytest.mark.slow
+
+REFUSE_TIMEOUT = 10.0  # a refusing daemon exits well within this
+
+
+async def wait_offline(d: Daemon, sender: Client, dst: bytes) -> None:
+    await d.wait_offline(lambda body: sender.send(dst, body, ttl=0), dst)
+
+
+async def queue_for_offline_subscriber(d: Daemon) -> tuple[Identity, list[bytes]]:
+    """A subscriber joins a group and goes away; two unicast and three group messages are queued for it."""
+    group, sub_id = Identity.generate(), Identity.generate()
+    sub = await Client.connect(d.sock, sub_id, timeout=5)
+    assert await sub.join(group.public)
+    await sub.close()
+    pub = await Client.connect(d.sock, Identity.generate(), timeout=5)
+    try:
+        await wait_offline(d, pub, sub_id.public)
+        sent = [
+            await pub.send(sub_id.public, b"unicast one", ttl=3600),
+            await pub.publish(group, b"group one", ttl=3600),
+            await pub.publish(group, b"group two", ttl=3600),
+            await pub.send(sub_id.public, b"unicast two", ttl=3600),
+            await pub.publish(group, b"group three", ttl=3600),
+        ]
+        await pub.sync()
+        for mid in sent:
+            await d.wait_trace(event="queued", id=mid, dst=sub_id.public)
+    finally:
+        await pub.close()
+    return sub_id, sent
+
+
+def start_expecting_refusal(d: Daemon) -> subprocess.CompletedProcess[str]:
+    """Run the daemon's command on its damaged store: it must exit by itself, soon."""
+    t0 = time.monotonic()
+    r = subprocess.run(d.command, capture_output=True, text=True, timeout=REFUSE_TIMEOUT, env=subprocess_env(),
+                       stdin=subprocess.DEVNULL)
+    assert time.monotonic() - t0 < REFUSE_TIMEOUT
+    return r
+
+
+def assert_refused(r: subprocess.CompletedProcess[str], what: str) -> None:
+    assert r.returncode == 2, f"exit {r.returncode} (negative: killed by a signal)\n{r.stdout}\n{r.stderr}"
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    naming = [line for line in r.stderr.splitlines() if "data.mdb" in line]
+    assert len(naming) == 1, r.stderr
+    line = naming[0]
+    assert line.startswith("error: ") and what in line, line
+    assert "store restore" in line and "store check" in line, line
+
+
+def damage(data: Path, how: str) -> None:
+    size = data.stat().st_size
+    if how == "empty":
+        os.truncate(data, 0)
+    elif how == "half":
+        os.truncate(data, size // 2 // 4096 * 4096)
+    elif how == "deleted":
+        data.unlink()
+    elif how == "pages":  # every page after the meta pages overwritten with random bytes
+        with open(data, "r+b") as f:
+            f.seek(2 * 4096)
+            f.write(os.urandom(size - 2 * 4096))
+    else:
+        raise AssertionError(how)
+
+
+@pytest.mark.parametrize(("how", "what"), [("empty", "empty (0 bytes)"), ("half", "truncated"),
+                                           ("deleted", "missing"), ("pages", "overwritten")])
+async def test_a_damaged_store_is_refused_with_one_line_and_exit_2(
+    daemon: DaemonFactory, how: str, what: str
+) -> None:
+    d = daemon()
+    await queue_for_offline_subscriber(d)
+    d.stop()
+    assert cli("store", "check", "--data-dir", str(d.dir)).returncode == 0
+    data = d.dir / "store" / "data.mdb"
+    damage(data, how)
+    assert_refused(start_expecting_refusal(d), what)
+    if how != "deleted":
+        assert data.stat().st_size < 2 * 4096 or how in ("half", "pages")  # nothing written: not started empty
+    check = cli("store", "check", "--data-dir", str(d.dir))
+    assert check.returncode == 2, check.stdout + check.stderr
+    assert "DAMAGED" in check.stdout
+    assert_refused(start_expecting_refusal(d), what)  # (and again: no state left behind that would let it start)
+
+
+async def test_backup_while_running_then_restore_after_damage_gives_the_messages_back(
+    daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    d = daemon()
+    sub_id, sent = await queue_for_offline_subscriber(d)
+    data_dir = str(d.dir)
+    check = cli("store", "check", "--data-dir", data_dir)  # while it runs
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "OK" in check.stdout
+    bk = tmp_path / "router-store.backup"
+    r = cli("store", "backup", str(bk), "--data-dir", data_dir)  # while it runs
+    assert r.returncode == 0, r.stderr
+    assert bk.is_file() and "backed up" in r.stdout
+    r = cli("store", "restore", str(bk), "--data-dir", data_dir, "--force")  # refused: the router runs
+    assert r.returncode == 1 and "running" in r.stderr, r.stderr
+    assert d.running
+    d.stop()
+    damage(d.dir / "store" / "data.mdb", "half")
+    assert_refused(start_expecting_refusal(d), "truncated")
+    r = cli("store", "restore", str(bk), "--data-dir", data_dir)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert list((d.dir / "store").glob("data.mdb.damaged-*")), "the damaged file was not kept"
+    assert cli("store", "check", "--data-dir", data_dir).returncode == 0
+    d.start()
+    sub = await Client.connect(d.sock, sub_id, timeout=5)
+    try:
+        got = [await sub.recv(timeout=5) for _ in sent]
+        assert [m.id for m in got] == sent
+        assert [m.body for m in got] == [b"unicast one", b"group one", b"group two", b"unicast two", b"group three"]
+    finally:
+        await sub.close()

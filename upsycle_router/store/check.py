@@ -1,0 +1,377 @@
+"""``upsycle-router store check``: can the store be read safely, and do its tables agree with each other?
+
+Theory of operation
+-------------------
+Two layers, checked in this order:
+
+1. *The file* (:mod:`upsycle_router.store.integrity`): the meta pages, and every page of every tree, node by
+   node. Damage here means LMDB itself may crash or fail on the store: :attr:`CheckReport.damage`, exit 2.
+   Nothing is read through LMDB's trees before this walk found them sound.
+2. *The tables* (:func:`check_tables`), the invariants :class:`~upsycle_router.store.lmdb_store.LmdbStore`
+   keeps (see its docstring for the layouts): every record decodes; every queue entry refers to a stored
+   message and has its ``queue_exp`` entry and vice versa; ``refs`` counts the queue entries of each message;
+   ``qstats`` holds each recipient's entry count and bytes, ``sqstats`` (when the store has it) those of the
+   entries whose size carries the stranger flag (the top bit; the real size is the other 31); no message is
+   stored twice; every message below ``indexed`` has its ``msg_exp`` entry holding its id (schemas 2 and 3:
+   an empty one, and an ``msg_ids`` entry) and none from ``indexed`` on (read back into memory when the store
+   opens); every ``msg_exp`` entry points at a message; the next sequence number in ``meta`` is above every
+   one in use. A disagreement is a :attr:`CheckReport.problems` entry, exit 1: the router runs, but e.g. a
+   quota is off or a message is never removed.
+
+A running router is checked as it is: LMDB lets other processes read while it writes. :func:`check_dir`
+opens the environment read-only *with* its lock file (so the router does not reuse the pages of the
+snapshot being read), begins one read transaction, walks the file from the meta page of that transaction's
+snapshot and checks the tables in the same transaction: one consistent state, however long it takes.
+:func:`check_file` checks a single data file (a backup) the same way, without a lock file.
+
+:func:`check_store` is the short form the crash harness (``bench/crash_harness.py``) and the store tests use:
+the damage and the problems as one list, empty when all is well.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from upsycle_router.store import integrity
+from upsycle_router.store.integrity import DATA, MARKER, FileReport
+
+_U64 = struct.Struct(">Q")
+_QVAL = struct.Struct(">32sQI")  # id, expires_ms, size (its top bit: queued by a stranger)
+_QSTAT = struct.Struct(">QQ")  # count, bytes
+STRANGER_FLAG = 0x8000_0000
+_SIZE_MASK = STRANGER_FLAG - 1
+SCHEMAS = (b"1", b"2", b"3", b"4")
+MAX_PROBLEMS = 200  # listed; the rest are counted
+_NO_INDEX = b"\xff" * 8
+
+# The tables of a store (a store written by an older version may lack some: they are created when it opens).
+REQUIRED = ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "queue_exp", "refs",
+            "qstats")
+
+
+@dataclass
+class CheckReport:
+    """What a check found. ``damage``: the file cannot be read safely (exit 2); ``problems``: the tables
+    disagree (exit 1); ``notes``: worth knowing, not wrong."""
+
+    path: Path
+    damage: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    schema: str | None = None
+    file: FileReport | None = None
+    more_problems: int = 0
+
+    @property
+    def exit_code(self) -> int:
+        return 2 if self.damage else 1 if self.problems else 0
+
+    def all_problems(self) -> list[str]:
+        return self.damage + self.problems
+
+    def problem(self, text: str) -> None:
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(text)
+        else:
+            self.more_problems += 1
+
+    def summary(self) -> str:
+        """One line: what the store holds (when it could be read)."""
+        c = self.counts
+        parts = [f"schema {self.schema}" if self.schema else "schema unknown" if self.damage else "no schema"]
+        if "messages" in c:
+            parts.append(f"{c['messages']} messages")
+            parts.append(f"{c['queue_entries']} queue entries for {c['recipients']} recipients")
+            parts.append(f"{c['subscriptions']} subscriptions, {c['routes']} routes")
+        f = self.file
+        if f is not None and f.meta is not None:
+            parts.append(f"file {f.size} bytes ({f.pages_in_use} pages of {f.meta.psize} bytes in use, "
+                         f"{f.pages_free} free, transaction {f.meta.txnid})")
+        return f"{self.path}: " + ", ".join(parts)
+
+    def verdict(self) -> str:
+        """One line: the outcome."""
+        if self.damage and self.damage[0].startswith("there is no store"):
+            return "NO STORE: nothing to check"
+        if self.damage:
+            n = len(self.damage)
+            return f"DAMAGED: {n} problem{'s' if n > 1 else ''} in the file; LMDB cannot read it safely"
+        if self.problems:
+            n = len(self.problems) + self.more_problems
+            return f"INCONSISTENT: {n} problem{'s' if n > 1 else ''} between the tables"
+        return "OK: the file is sound and the tables agree"
+
+
+def _short(b: bytes) -> str:
+    return b.hex()[:16]
+
+
+def check_tables(report: CheckReport, names: set[str], items: Callable[[str], Iterator[tuple[bytes, bytes]]]) -> None:
+    """Check the tables (layer 2 of the module's docstring) into ``report``: ``names`` are the tables the
+    store has, ``items(name)`` yields a table's records in key order."""
+    p = report.problem
+    if not names:
+        report.notes.append("an LMDB environment without tables: the router creates them when it opens the store")
+        return
+    meta = dict(items("meta")) if "meta" in names else {}
+    schema = meta.get(b"schema")
+    report.schema = schema.decode("ascii", "replace") if schema is not None else None
+    if schema is None:
+        p("the table 'meta' has no schema record")
+        return
+    if schema not in SCHEMAS:
+        p(f"unknown store schema {report.schema!r}: not checked further")
+        return
+    missing = [n for n in REQUIRED if n not in names]
+    if missing:  # (an older store: the router creates them, empty, when it opens the store)
+        report.notes.append(f"tables not there yet, taken as empty: {', '.join(missing)}")
+    for k, v in meta.items():
+        if k in (b"seq", b"indexed") and len(v) != 8:
+            p(f"meta {k.decode()!r} is {len(v)} bytes, not 8")
+            return
+    next_seq = _U64.unpack(meta[b"seq"])[0] if b"seq" in meta else 1
+    highest = 0
+
+    # ---- messages and their index
+    msgs: dict[bytes, bytes] = {}  # id -> the record
+    n_msgs = 0
+    if schema == b"1":  # (messages under their ids: converted when the router opens the store next)
+        report.notes.append("schema 1: converted when the router opens the store next; its messages are not checked")
+        msgs = {k: v for k, v in items("msgs")}
+    else:
+        by_seq = list(items("msgs"))
+        ids = dict(items("msg_ids")) if schema in (b"2", b"3") and "msg_ids" in names else None
+        if schema in (b"2", b"3") and ids is None:
+            p("table 'msg_ids' is missing (schema 2 and 3 keep the id index in it)")
+        msg_exp = dict(items("msg_exp"))
+        indexed = meta.get(b"indexed", _NO_INDEX) if schema != b"2" else _NO_INDEX
+        n_indexed = 0
+        for seq, v in by_seq:
+            if len(seq) != 8 or len(v) < 41 or v[8] not in (0, 1) or (v[8] == 1 and len(v) < 73):
+                p(f"message record {_short(seq)} does not decode ({len(seq)}-byte key, {len(v)}-byte value)")
+                continue
+            n_msgs += 1
+            highest = max(highest, _U64.unpack(seq)[0])
+            mid = v[41:73] if v[8] == 1 else v[9:41]
+            if mid in msgs:
+                p(f"message {_short(mid)} is stored twice")
+            msgs[mid] = v
+            if seq >= indexed:
+                if (ids is not None and mid in ids) or msg_exp.pop(v[:8] + seq, None) is not None:
+                    p(f"message {_short(mid)} at or after 'indexed' is in an index")
+                continue
+            n_indexed += 1
+            if ids is not None and ids.get(mid) != seq:
+                p(f"message {_short(mid)} is not indexed in msg_ids")
+            entry = msg_exp.pop(v[:8] + seq, None)
+            if entry is None:
+                p(f"message {_short(mid)} (seq {_U64.unpack(seq)[0]}) has no msg_exp entry")
+            elif entry != (b"" if ids is not None else mid):
+                p(f"the msg_exp entry of message {_short(mid)} does not hold its id")
+        for k in list(msg_exp)[:MAX_PROBLEMS]:
+            what = f"seq {_U64.unpack_from(k, 8)[0]}" if len(k) == 16 else f"a {len(k)}-byte key"
+            p(f"msg_exp entry for {what} points at no message")
+        if ids is not None and len(ids) != n_indexed:
+            p(f"{len(ids)} msg_ids entries for {n_indexed} indexed messages")
+    report.counts["messages"] = len(msgs) if schema == b"1" else n_msgs
+
+    # ---- queues and their accounting
+    refs: dict[bytes, int] = defaultdict(int)
+    stats: dict[bytes, list[int]] = defaultdict(lambda: [0, 0])
+    strangers: dict[bytes, list[int]] = defaultdict(lambda: [0, 0])
+    queue_exp = {k for k, _ in items("queue_exp")}
+    n_queue = 0
+    for k, v in items("queues"):
+        if len(k) != 40 or len(v) != _QVAL.size:
+            p(f"queue entry {_short(k)} does not decode ({len(k)}-byte key, {len(v)}-byte value)")
+            continue
+        n_queue += 1
+        highest = max(highest, _U64.unpack_from(k, 32)[0])
+        mid, exp, size = _QVAL.unpack(v)
+        real = size & _SIZE_MASK
+        refs[mid] += 1
+        stats[k[:32]][0] += 1
+        stats[k[:32]][1] += real
+        if size & STRANGER_FLAG:
+            strangers[k[:32]][0] += 1
+            strangers[k[:32]][1] += real
+        if mid not in msgs:
+            p(f"queue entry {_short(k[:32])}/{_U64.unpack_from(k, 32)[0]} refers to missing message {_short(mid)}")
+        key = _U64.pack(exp) + k
+        if key in queue_exp:
+            queue_exp.discard(key)
+        else:
+            p(f"queue entry {_short(k[:32])}/{_U64.unpack_from(k, 32)[0]} has no queue_exp entry")
+    for k in sorted(queue_exp)[:MAX_PROBLEMS]:
+        p(f"queue_exp entry {_short(k[8:40])}/{_U64.unpack_from(k, 40)[0] if len(k) == 48 else '?'} "
+          "matches no queue entry")
+    report.counts["queue_entries"] = n_queue
+    report.counts["recipients"] = len(stats)
+    stored_refs: dict[bytes, int] = {}
+    for mid, raw in items("refs"):
+        if len(raw) != 8:
+            p(f"refs record of message {_short(mid)} is {len(raw)} bytes, not 8")
+            continue
+        stored_refs[mid] = _U64.unpack(raw)[0]
+    for mid in sorted(set(stored_refs) | set(refs)):
+        if stored_refs.get(mid, 0) != refs.get(mid, 0):
+            p(f"refs of message {_short(mid)} is {stored_refs.get(mid, 0)}, "
+              f"but {refs.get(mid, 0)} queue entries refer to it")
+    for table, want in (("qstats", stats), ("sqstats", strangers)):
+        if table not in names:
+            if table == "sqstats" and want:
+                p(f"{len(want)} recipients have queue entries of strangers, but there is no table 'sqstats'")
+            continue
+        stored: dict[bytes, list[int]] = {}
+        for r, raw in items(table):
+            if len(raw) != _QSTAT.size:
+                p(f"{table} record of {_short(r)} is {len(raw)} bytes, not {_QSTAT.size}")
+                continue
+            stored[r] = list(_QSTAT.unpack(raw))
+        for r in sorted(set(stored) | set(want)):
+            have, expect = stored.get(r, [0, 0]), want.get(r, [0, 0])
+            if have != expect:
+                p(f"{table} of {_short(r)} says {have[0]} entries, {have[1]} bytes; "
+                  f"its queue entries add up to {expect[0]}, {expect[1]}")
+    if max(next_seq - 1, 0) < highest:
+        p(f"meta 'seq' is {next_seq}, but sequence number {highest} is in use: new entries would reuse numbers")
+
+    # ---- the small tables
+    subs = 0
+    for k, v in items("subs"):
+        subs += 1
+        if len(k) != 64 or v not in (b"\x00", b"\x01"):
+            p(f"subscription record {_short(k)} does not decode")
+    report.counts["subscriptions"] = subs
+    routes = 0
+    for k, v in items("routes"):
+        routes += 1
+        if len(k) != 32 or len(v) != 41 or v[40] not in (1, 2, 3):
+            p(f"route to {_short(k)} does not decode")
+    report.counts["routes"] = routes
+    for table, klen in (("locals", 32), ("psubs", 32), ("usubs", 32), ("contacts", 64)):
+        count = 0
+        for k, _ in items(table):
+            count += 1
+            if len(k) != klen:
+                p(f"{table} record {_short(k)} is {len(k)} bytes, not {klen}")
+        report.counts[table] = count
+    known = set(REQUIRED) | {"msg_ids", "sqstats", "contacts"}
+    other = sorted(names - known)
+    if other:
+        report.notes.append(f"tables not checked: {', '.join(other)}")
+
+
+def _check_env(report: CheckReport, env: Any, data: Path | None) -> None:
+    """Check the tables in one read transaction; with ``data`` walk that file first, from the meta page of the
+    transaction's snapshot (a router may be writing it)."""
+    txn = None
+    try:
+        for _ in range(20):
+            txn = env.begin()
+            if data is None:
+                break
+            try:
+                report.file = integrity.inspect(data, txnid=txn.id(), keep=())
+                break
+            except LookupError:  # the writer committed twice since this transaction began: begin another
+                txn.abort()
+                txn = None
+        else:
+            report.damage.append("no meta page holds the transaction being read (a writer too fast?): try again")
+            return
+        assert report.file is not None
+        if not report.file.ok:
+            report.damage.extend(report.file.problems)
+            if report.file.more_problems:
+                report.damage.append(f"... and {report.file.more_problems} more")
+            return
+        names = set()
+        for k in txn.cursor().iternext(keys=True, values=False):
+            names.add(bytes(k).decode("utf-8", "replace"))
+        dbs: dict[str, Any] = {}
+
+        def items(name: str) -> Iterator[tuple[bytes, bytes]]:
+            if name not in names:
+                return
+            if name not in dbs:
+                dbs[name] = env.open_db(name.encode(), txn=txn, create=False)
+            for k, v in txn.cursor(db=dbs[name]):
+                yield bytes(k), bytes(v)
+
+        check_tables(report, names, items)
+    except lmdb.Error as e:
+        report.damage.append(f"LMDB cannot read it: {' '.join(str(e).split())}")
+    except OSError as e:
+        report.damage.append(f"cannot be read: {e.strerror or e}")
+    finally:
+        if txn is not None:
+            txn.abort()
+
+
+def check_dir(store_dir: Path) -> CheckReport:
+    """Check the store in ``store_dir`` (a router may be running on it)."""
+    store_dir = Path(store_dir)
+    data = store_dir / DATA
+    report = CheckReport(data)
+    if not store_dir.is_dir():
+        report.damage.append(f"there is no store: {store_dir} is not a directory")
+        return report
+    first = integrity.diagnose(store_dir, walk=False)
+    if first is None:
+        report.damage.append(f"there is no store: {DATA} does not exist")
+        return report
+    report.file = first
+    if not first.ok:
+        report.damage.extend(first.problems)
+        return report
+    if not (store_dir / MARKER).exists():
+        report.notes.append(f"no {MARKER} marker beside {DATA} (the router writes it when it opens the store)")
+    try:
+        env = lmdb.open(str(store_dir), readonly=True, lock=True, max_dbs=64, subdir=True)
+    except lmdb.Error as e:
+        report.damage.append(f"LMDB cannot open it: {' '.join(str(e).split())}")
+        return report
+    try:
+        _check_env(report, env, data)
+    finally:
+        env.close()
+    return report
+
+
+def check_file(path: Path) -> CheckReport:
+    """Check a single LMDB data file (a backup); nobody may be writing it."""
+    path = Path(path)
+    report = CheckReport(path)
+    try:
+        first = integrity.inspect(path, keep=())
+    except OSError as e:
+        report.damage.append(f"cannot be read: {e.strerror or e}")
+        return report
+    report.file = first
+    if not first.ok:
+        report.damage.extend(first.problems)
+        return report
+    try:
+        env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=64, subdir=False)
+    except lmdb.Error as e:
+        report.damage.append(f"LMDB cannot open it: {' '.join(str(e).split())}")
+        return report
+    try:
+        _check_env(report, env, None)
+    finally:
+        env.close()
+    return report
+
+
+def check_store(store_dir: Path) -> list[str]:
+    """The damage and the problems :func:`check_dir` finds in ``store_dir``, as one list (empty: all is well)."""
+    return check_dir(store_dir).all_problems()
