@@ -2,10 +2,13 @@
 
 :class:`CoreHarness` plays the driver's part (``upsycle_router/runtime/driver.py``) without sockets or clocks:
 it hands out connection ids, feeds events to the router inside one ``store.transaction()`` each (so store
-writes behave as in the daemon), computes ``verified`` with :func:`message_signature_valid` as the driver does,
-and keeps a virtual clock ``now`` that tests move explicitly. Every call returns the effects as an
-:class:`Effects` list with small selectors (sends per connection, decoded messages, trace records by event,
-dials) so tests read as "this went in, these came out".
+writes behave as in the daemon), announcing each such batch with ``Router.batch_begun`` as the driver does (the
+core's per-batch state: throttled connections, what ``batch_lost`` restores), computes ``verified`` with
+:func:`message_signature_valid` as the driver does, and keeps a virtual clock ``now`` that tests move
+explicitly. Every call returns the effects as an :class:`Effects` list with small selectors (sends per
+connection, decoded messages, trace records by event, dials, REFUSED answers) so tests read as "this went in,
+these came out"; :meth:`CoreHarness.expect_refused` checks a REFUSED answer (wire v1.1) and its trace record in
+one call.
 
 Identities are derived from names (``ident("alice")``), and times are whole seconds after :data:`T0`, so every
 run produces the same keys, ids and deadlines.
@@ -32,6 +35,7 @@ from upsycle_router.core.events import (
     PeerLearned,
     QueueSent,
     Send,
+    Throttle,
     Trace,
     sends,
 )
@@ -40,7 +44,7 @@ from upsycle_router.crypto import Identity, message_signature_valid, sign_advert
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import EPOCH_2020, exp_in
 from upsycle_router.store.lmdb_store import Durability, LmdbStore
-from upsycle_router.wire.control import RouterMessage, decode_control, encode_router
+from upsycle_router.wire.control import Reason, Refused, RouterMessage, decode_control, encode_router
 from upsycle_router.wire.discovery import PeerAdvertisement, TransportAddr, encode_discovery
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 
@@ -137,7 +141,12 @@ def advert_message(router: Identity, to: Identity | bytes, adv: PeerAdvertisemen
 
 
 class Effects(list[Effect]):
-    """The effects of one or more router calls, with selectors."""
+    """The effects of one or more router calls, with selectors. ``router``: the id of the router that produced
+    them, when known (REFUSED answers are recognised as unicasts signed by it)."""
+
+    def __init__(self, effects: Iterable[Effect] = (), router: bytes | None = None) -> None:
+        super().__init__(effects)
+        self.router = router
 
     def sends(self, conn: int | None = None) -> list[Send]:
         """Send effects (on ``conn``, if given), in order."""
@@ -175,8 +184,32 @@ class Effects(list[Effect]):
         """The queue references of the Sends that drained queue entries."""
         return tuple(s.queue_ref for s in self.sends() if s.queue_ref is not None)
 
+    def throttles(self) -> list[Throttle]:
+        """Throttle effects (the driver stops reading a connection for a moment)."""
+        return [e for e in self if isinstance(e, Throttle)]
+
+    def refused_messages(self, conn: int | None = None) -> list[tuple[Message, Refused]]:
+        """The REFUSED answers among the Sends (on ``conn``, if given): unicasts of the router (of any router
+        when :attr:`router` is not known) whose body is a REFUSED, as ``(message, decoded body)``, in order."""
+        out: list[tuple[Message, Refused]] = []
+        for m in self.messages(conn):
+            if not isinstance(m.header, UnicastHeader) or (self.router is not None and m.header.src != self.router):
+                continue
+            try:
+                body = decode_control(m.body)
+            except RemoteProtocolError:
+                continue
+            if isinstance(body, Refused):
+                out.append((m, body))
+        return out
+
+    def refusals(self, conn: int | None = None) -> list[Refused]:
+        """The decoded REFUSED bodies of :meth:`refused_messages`."""
+        return [b for _, b in self.refused_messages(conn)]
+
     def replies(self, conn: int | None = None) -> list[tuple[Message, object]]:
-        """Sends on ``conn`` whose message is a control reply: ``(message, decoded body)``."""
+        """Sends on ``conn`` whose message is a control reply: ``(message, decoded body)`` (REFUSED answers
+        included, in their place)."""
         out: list[tuple[Message, object]] = []
         for m in self.messages(conn):
             if isinstance(m.header, UnicastHeader):
@@ -201,18 +234,20 @@ class CoreHarness:
         *,
         now: float = T0,
         durability: Durability = Durability.NONE,
+        map_size: int = MAP_SIZE,
     ) -> None:
         self.path = Path(path)
         self.identity = identity or ident("router")
         self.config = config or CoreConfig()
         self.durability = durability
+        self.map_size = map_size
         self.now = now
-        self.store = LmdbStore(self.path, durability, map_size=MAP_SIZE)
+        self.store = LmdbStore(self.path, durability, map_size=map_size)
         self.router = Router(self.identity, self.store, self.config)
         self._ids = itertools.count(1)
         self.peers: dict[int, bytes] = {}
-        self.log = Effects()
-        self.last = Effects()
+        self.log = Effects(router=self.id)
+        self.last = Effects(router=self.id)
 
     @property
     def id(self) -> bytes:
@@ -222,11 +257,12 @@ class CoreHarness:
     # ------------------------------------------------------------ driving
 
     def handle(self, event: Event, now: float | None = None) -> Effects:
-        """Run one event through the router in one store transaction (as the driver does)."""
+        """Run one event through the router in one store transaction (as the driver does: one batch)."""
         if now is not None:
             self.now = now
+        self.router.batch_begun()
         with self.store.transaction():
-            out = Effects(self.router.handle(event, self.now))
+            out = Effects(self.router.handle(event, self.now), self.id)
         self.log.extend(out)
         self.last = out
         return out
@@ -235,7 +271,8 @@ class CoreHarness:
         """Several events in one transaction (one driver batch)."""
         if now is not None:
             self.now = now
-        out = Effects()
+        out = Effects(router=self.id)
+        self.router.batch_begun()
         with self.store.transaction():
             for ev in events:
                 out.extend(self.router.handle(ev, self.now))
@@ -266,7 +303,6 @@ class CoreHarness:
         except Lost:
             pass
         self.router.batch_lost()
-        self.router.batch_begun()
         return self.handle_all([ev for ev in events if not isinstance(ev, (MessageReceived, MessagesReceived))])
 
     def open(self, peer: Identity | bytes, *, local: bool = True, now: float | None = None) -> int:
@@ -305,11 +341,29 @@ class CoreHarness:
         """Run :meth:`Router.handle_timer` at ``now`` (default: the current virtual time)."""
         if now is not None:
             self.now = now
+        self.router.batch_begun()
         with self.store.transaction():
-            out = Effects(self.router.handle_timer(self.now))
+            out = Effects(self.router.handle_timer(self.now), self.id)
         self.log.extend(out)
         self.last = out
         return out
+
+    # ------------------------------------------------------------ refusals (wire v1.1)
+
+    def expect_refused(self, out: Effects, conn: int, mid: bytes, reason: Reason, count: int = 0) -> Message:
+        """Check that ``out`` holds exactly one REFUSED answer, ``{mid, reason, count}``, and that it goes out on
+        ``conn``: a unicast signed by the router to the connection's peer, followed at once by the one
+        ``refused`` trace record (naming ``mid``, the peer and the reason's label). Return the REFUSED."""
+        assert out.refusals() == [Refused(mid, reason, count)]
+        [(m, _)] = out.refused_messages(conn)
+        assert (m.header.src, m.header.dst) == (self.id, self.peers[conn])
+        assert message_signature_valid(m)
+        [t] = out.traces("refused")
+        assert (t.id, t.peer, t.reason) == (mid, self.peers[conn], reason.label)
+        at = next(i for i, e in enumerate(out) if e is t)
+        before = out[at - 1]
+        assert isinstance(before, Send) and (before.conn, before.data) == (conn, m.encode())
+        return m
 
     # ------------------------------------------------------------ restart
 
@@ -323,7 +377,7 @@ class CoreHarness:
         self.store.close()
         if config is not None:
             self.config = config
-        self.store = LmdbStore(self.path, self.durability, map_size=MAP_SIZE)
+        self.store = LmdbStore(self.path, self.durability, map_size=self.map_size)
         self.router = Router(self.identity, self.store, self.config)
         self.router.advert = adv
         self.peers = {}

@@ -14,7 +14,12 @@ What is implemented (PROTOCOL.md section in brackets):
   ``enc(TYPE) || enc(HEADER) || enc(BODY)``, id ``BLAKE3-256(... || enc(SIG))`` [§3];
 * ``exp`` in minutes since 2020-01-01T00:00Z [§4];
 * router control bodies ``enc([type, map])``: JOIN 1, JOIN_ACK 2, LEAVE 3, LEAVE_ACK 4, PULL 5,
-  PULL_NACK 6, SYNC 7, SYNC_ACK 8 [§7].
+  PULL_NACK 6, SYNC 7, SYNC_ACK 8 ``{n, result, refused}``, REFUSED 9 ``{id, reason, count}`` [§7, wire v1.1].
+
+Refusals (wire v1.1): :class:`RawApp` files every REFUSED its router sends it in :attr:`RawApp.refused`
+(never in the inbox of ordinary messages) and notes, for every SYNC_ACK, how many REFUSED had arrived before
+it, so a test can check that each REFUSED a SYNC_ACK counts was written before that SYNC_ACK
+(:meth:`RawApp.refused_before`).
 """
 
 from __future__ import annotations
@@ -42,8 +47,12 @@ EPOCH_2020 = 1577836800  # 2020-01-01T00:00:00Z
 UNICAST = 0
 MULTICAST = 1
 
-JOIN, JOIN_ACK, LEAVE, LEAVE_ACK, PULL, PULL_NACK, SYNC, SYNC_ACK = range(1, 9)
+JOIN, JOIN_ACK, LEAVE, LEAVE_ACK, PULL, PULL_NACK, SYNC, SYNC_ACK, REFUSED = range(1, 10)
 SUCCESS, FAILURE = 0, 1
+
+# REFUSED reasons (wire v1.1)
+(R_BAD_SIGNATURE, R_EXPIRED, R_NOT_AUTHORIZED, R_NO_ROUTE, R_QUOTA, R_STORE_FULL, R_OVERLOADED, R_TOO_LARGE,
+ R_MALFORMED) = range(1, 10)  # fmt: skip
 
 ERR_PROTOCOL = 1
 ERR_AUTH = 2
@@ -245,6 +254,26 @@ def decode_control(body: bytes) -> tuple[int, dict[str, Any]] | None:
     return None
 
 
+def decode_refused(body: bytes) -> tuple[bytes, int, int]:
+    """(id, reason, count) of a REFUSED body ``enc([9, {id, reason, count}])``; ValueError unless it is exactly
+    that, deterministically encoded."""
+    ctl = decode_control(body)
+    if ctl is None or ctl[0] != REFUSED:
+        raise ValueError(f"not a REFUSED body: {body.hex()}")
+    m = ctl[1]
+    if set(m) != {"id", "reason", "count"}:
+        raise ValueError(f"REFUSED keys {sorted(m)} != ['count', 'id', 'reason']")
+    mid, reason, count = m["id"], m["reason"], m["count"]
+    if not (isinstance(mid, bytes) and len(mid) == 32):
+        raise ValueError(f"REFUSED id is not 32 bytes: {mid!r}")
+    for name, v in (("reason", reason), ("count", count)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"REFUSED {name} is not an unsigned integer: {v!r}")
+    if body != enc([REFUSED, m]):
+        raise ValueError("REFUSED body is not deterministically encoded")
+    return mid, reason, count
+
+
 # ----------------------------------------------------------------------------------------- session frames
 
 
@@ -372,6 +401,11 @@ class RawApp:
     _controls: deque[tuple[int, dict[str, Any]]] = field(default_factory=deque)
     _sync_n: int = 0
     error: tuple[int, str] | None = None
+    # Every REFUSED from our router, in arrival order: (id of the refused message, reason, count).
+    refused: list[tuple[bytes, int, int]] = field(default_factory=list)
+    # SYNC_ACK n -> how many REFUSED had arrived when it was read off the wire.
+    refused_at_ack: dict[int, int] = field(default_factory=dict)
+    last_request_id: bytes | None = None  # the id of the last JOIN / LEAVE / PULL / SYNC sent
 
     # ---------------------------------------------------------------- connecting
 
@@ -443,26 +477,46 @@ class RawApp:
     # ---------------------------------------------------------------- receiving
 
     async def _next(self, timeout: float) -> RawMessage:
-        """The next routed message off the wire (control replies included)."""
-        payload = await self.conn.read_frame(timeout)
-        if payload is None:
-            raise RouterError(f"connection closed (last ERROR: {self.error})")
-        item = dec(payload)
-        if is_error(item):
-            self.error = (item[1], item[2])
-            raise RouterError(f"router sent ERROR {item[1]}: {item[2]}")
-        return decode_message(payload)
+        """The next routed message off the wire (control replies included; REFUSED is filed in :attr:`refused`
+        and skipped; a SYNC_ACK notes how many REFUSED came before it)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            payload = await self.conn.read_frame(max(0.0, deadline - asyncio.get_running_loop().time()))
+            if payload is None:
+                raise RouterError(f"connection closed (last ERROR: {self.error})")
+            item = dec(payload)
+            if is_error(item):
+                self.error = (item[1], item[2])
+                raise RouterError(f"router sent ERROR {item[1]}: {item[2]}")
+            msg = decode_message(payload)
+            ctl = self._as_reply(msg)
+            if ctl is not None and ctl[0] == REFUSED:
+                self.refused.append(decode_refused(msg.body))
+                continue
+            if ctl is not None and ctl[0] == SYNC_ACK:
+                n = ctl[1].get("n")
+                if isinstance(n, int):
+                    self.refused_at_ack.setdefault(n, len(self.refused))
+            return msg
 
     def _as_reply(self, msg: RawMessage) -> tuple[int, dict[str, Any]] | None:
-        """A router-signed control reply addressed to us, else None."""
+        """A router-signed control reply (or REFUSED) addressed to us, else None."""
         if msg.type != UNICAST or msg.header["src"] != self.router_id or msg.header["dst"] != self.key.public:
             return None
         if not msg.signature_valid():
             return None
         ctl = decode_control(msg.body)
-        if ctl is None or ctl[0] not in (JOIN_ACK, LEAVE_ACK, PULL_NACK, SYNC_ACK):
+        if ctl is None or ctl[0] not in (JOIN_ACK, LEAVE_ACK, PULL_NACK, SYNC_ACK, REFUSED):
             return None
         return ctl
+
+    def refused_before(self, ack: dict[str, Any]) -> list[tuple[bytes, int, int]]:
+        """The REFUSED that arrived after the previous SYNC_ACK and before the SYNC_ACK ``ack`` (a map
+        :meth:`sync` returned): the ones that SYNC_ACK counts, in arrival order."""
+        n = ack["n"]
+        end = self.refused_at_ack[n]
+        start = max((v for k, v in self.refused_at_ack.items() if k < n), default=0)
+        return self.refused[start:end]
 
     async def recv(self, timeout: float = 5.0) -> RawMessage:
         """The next message that is not a control reply."""
@@ -496,7 +550,7 @@ class RawApp:
                 self._controls.append(ctl)
 
     async def _request(self, body: bytes) -> None:
-        await self.send_message(unicast(self.key, self.router_id, body, ttl=60))
+        self.last_request_id = await self.send_message(unicast(self.key, self.router_id, body, ttl=60))
 
     # ---------------------------------------------------------------- router requests
 
@@ -531,7 +585,8 @@ class RawApp:
         return reply if isinstance(reply, RawMessage) else reply[1]
 
     async def sync(self, timeout: float = 10.0) -> dict[str, Any]:
-        """SYNC barrier; return the SYNC_ACK map."""
+        """SYNC barrier; return the SYNC_ACK map as it came (``{"n", "result", "refused"}`` from a wire v1.1
+        router). :meth:`refused_before` gives the REFUSED it counts."""
         self._sync_n += 1
         n = self._sync_n
         await self._request(sync_body(n))

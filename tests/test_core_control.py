@@ -36,6 +36,8 @@ from upsycle_router.wire.control import (
     LeaveAck,
     Pull,
     PullNack,
+    Reason,
+    Refused,
     Sync,
     SyncAck,
     encode_router,
@@ -142,16 +144,23 @@ def test_join_from_a_remote_node_that_is_not_an_edge_node_is_refused(h: CoreHarn
     s = h.open(STRANGER, local=False)
     m = control(STRANGER, X, Join(G.public, True))
     out = h.receive(s, m)
-    assert bodies(out, s) == [JoinAck(G.public, 1)]
+    # The negative JOIN_ACK, then the REFUSED (wire v1.1) it also gets.
+    assert bodies(out, s) == [JoinAck(G.public, 1), Refused(m.id, Reason.NOT_AUTHORIZED, 0)]
+    h.expect_refused(out, s, m.id, Reason.NOT_AUTHORIZED)
     [t] = out.traces("dropped")
     assert (t.reason, t.id, t.group, t.src) == ("not_authorized", m.id, G.public, STRANGER.public)
+    assert out.events() == ["received", "dropped", "refused"]
+    assert out.traces("refused")[0].group == G.public
     assert out.traces("joined") == []
     assert G.public not in h.router.subs and h.store.subscriptions() == {}
 
 
 def test_a_static_peer_is_not_an_edge_node(h: CoreHarness) -> None:
     r = h.open(R, local=False)
-    assert bodies(h.receive(r, control(R, X, Join(G.public, True))), r) == [JoinAck(G.public, 1)]
+    m = control(R, X, Join(G.public, True))
+    out = h.receive(r, m)
+    assert bodies(out, r) == [JoinAck(G.public, 1), Refused(m.id, Reason.NOT_AUTHORIZED, 0)]
+    h.expect_refused(out, r, m.id, Reason.NOT_AUTHORIZED)
 
 
 def test_accept_join_from_any_accepts_a_stranger(tmp_path: Path) -> None:
@@ -343,8 +352,13 @@ def test_pull_from_an_edge_node_is_answered(h: CoreHarness) -> None:
     assert h.receive(e, control(EDGE, X, Pull(G.public, m.id))).traces("pulled")
 
 
-def pull_nack_body(out: Effects, conn: int, group: Identity, mid: bytes) -> None:
-    [(msg, body)] = out.replies(conn)
+def pull_nack_body(out: Effects, conn: int, group: Identity, mid: bytes, refused: Refused | None = None) -> None:
+    """The one reply on ``conn`` is a PULL_NACK (followed by the REFUSED ``refused``, when given)."""
+    replies = out.replies(conn)
+    if refused is not None:
+        assert [b for _, b in replies[1:]] == [refused]
+        replies = replies[:1]
+    [(msg, body)] = replies
     assert body == PullNack(group.public, mid, 1)
     assert decode_item(msg.body) == [6, {"addr": group.public, "id": mid, "result": 1}]
     assert msg.body == enc([6, {"addr": group.public, "id": mid, "result": 1}])
@@ -388,10 +402,13 @@ def test_pull_from_an_unauthorized_remote_is_nacked(h: CoreHarness) -> None:
     s = h.open(STRANGER, local=False)
     p = control(STRANGER, X, Pull(G.public, m.id))
     out = h.receive(s, p)
-    pull_nack_body(out, s, G, m.id)
+    # The PULL_NACK, then the REFUSED (wire v1.1) it also gets.
+    pull_nack_body(out, s, G, m.id, refused=Refused(p.id, Reason.NOT_AUTHORIZED, 0))
+    h.expect_refused(out, s, p.id, Reason.NOT_AUTHORIZED)
     [t] = out.traces("dropped")
     assert (t.reason, t.id, t.group) == ("not_authorized", p.id, G.public)
     assert out.traces("pulled") == []
+    assert out.events() == ["received", "dropped", "refused"]
 
 
 def test_accept_pull_from_any(tmp_path: Path) -> None:
@@ -408,13 +425,13 @@ def test_accept_pull_from_any(tmp_path: Path) -> None:
 def test_sync_is_answered_with_sync_ack(h: CoreHarness, n: int) -> None:
     a = h.open(ALICE)
     out = h.receive(a, control(ALICE, X, Sync(n)))
-    assert bodies(out, a) == [SyncAck(n, 0)]
+    assert bodies(out, a) == [SyncAck(n, 0, 0)]  # wire v1.1: the refusal count is always sent
     reply_is_router_signed(out, a, ALICE)
 
 
 def test_sync_from_a_remote_node_is_answered_on_its_connection(h: CoreHarness) -> None:
     s = h.open(STRANGER, local=False)
-    assert bodies(h.receive(s, control(STRANGER, X, Sync(3))), s) == [SyncAck(3, 0)]
+    assert bodies(h.receive(s, control(STRANGER, X, Sync(3))), s) == [SyncAck(3, 0, 0)]
 
 
 @pytest.mark.parametrize(
@@ -435,7 +452,11 @@ def test_unknown_control_body_is_dropped(h: CoreHarness, body: bytes) -> None:
     out = h.receive(a, m)
     [t] = out.traces("dropped")
     assert (t.reason, t.type, t.id) == ("unknown_control", "control", m.id)
-    assert out.sends() == [] and out.closes() == []
+    # Refused as malformed (wire v1.1): the only answer; the connection stays open.
+    h.expect_refused(out, a, m.id, Reason.MALFORMED)
+    assert [s.conn for s in out.sends()] == [a] and out.closes() == []
+    assert out.events() == ["received", "dropped", "refused"]
+    assert out.traces("refused")[0].type == "control"
 
 
 def test_unicast_message_as_body_is_unknown_control(h: CoreHarness) -> None:
@@ -484,10 +505,13 @@ def test_encapsulated_multicast_with_a_bad_group_signature_is_dropped(h: CoreHar
     b = h.open(BOB)
     h.receive(b, control(BOB, X, Join(G.public, True)))
     inner = forged(multicast(G))
-    out = h.receive(a, unicast(ALICE, X, inner.encode()))
+    outer = unicast(ALICE, X, inner.encode())
+    out = h.receive(a, outer)
     [t] = out.traces("dropped")
     assert (t.reason, t.type, t.id, t.group) == ("bad_signature", "multicast", inner.id, G.public)
-    assert out.sends() == []
+    # Refused under the id of the unicast that carried it (the one alice knows), not delivered to bob.
+    h.expect_refused(out, a, outer.id, Reason.BAD_SIGNATURE)
+    assert [s.conn for s in out.sends()] == [a]
 
 
 def test_encapsulated_multicast_that_already_expired_is_dropped(h: CoreHarness) -> None:

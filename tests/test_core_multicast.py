@@ -15,7 +15,7 @@ from upsycle_router.core.events import MessageReceived
 from upsycle_router.core.seen import SeenIds
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in, unix_to_exp
-from upsycle_router.wire.control import Join, JoinAck
+from upsycle_router.wire.control import Join, JoinAck, Reason
 from upsycle_router.wire.messages import MulticastHeader, decode_message
 
 X = ident("X")
@@ -56,10 +56,13 @@ def test_bad_group_signature_is_dropped(h: CoreHarness) -> None:
     c = subscribed(h, ALICE, BOB)
     m = forged(multicast(G))
     out = h.receive(c[ALICE], m)
-    assert out.events() == ["received", "dropped"]
+    assert out.events() == ["received", "dropped", "refused"]
     [t] = out.traces("dropped")
     assert (t.reason, t.type, t.group, t.id) == ("bad_signature", "multicast", G.public, m.id)
-    assert out.sends() == [] and out.closes() == []
+    # The only answer is the REFUSED to the publisher (wire v1.1): nothing for bob.
+    h.expect_refused(out, c[ALICE], m.id, Reason.BAD_SIGNATURE)
+    assert [s.conn for s in out.sends()] == [c[ALICE]] and out.closes() == []
+    assert (out.traces("refused")[0].type, out.traces("refused")[0].group) == ("multicast", G.public)
     assert not h.store.has_message(m.id)
 
 
@@ -227,9 +230,11 @@ def test_ttl_zero_message_is_not_stored(h: CoreHarness) -> None:
 
 def test_expired_multicast_is_dropped(h: CoreHarness) -> None:
     c = subscribed(h, ALICE, BOB)
-    out = h.receive(c[ALICE], multicast(G, exp=unix_to_exp(T0) - 1))
+    m = multicast(G, exp=unix_to_exp(T0) - 1)
+    out = h.receive(c[ALICE], m)
     assert [t.reason for t in out.traces("dropped")] == ["expired"]
-    assert out.sends() == []
+    h.expect_refused(out, c[ALICE], m.id, Reason.EXPIRED)
+    assert [s.conn for s in out.sends()] == [c[ALICE]]
 
 
 # ---------------------------------------------------------------- step 7: VIA = R
@@ -317,10 +322,13 @@ def test_edge_node_away_gets_copies_queued_without_a_dial(h: CoreHarness) -> Non
 def test_ttl_zero_is_delivered_now_or_dropped(h: CoreHarness) -> None:
     c = subscribed(h, ALICE, BOB, CAROL)
     h.close(c[CAROL])
-    out = h.receive(c[ALICE], multicast(G, ttl=0))
-    assert [s.conn for s in out.sends()] == [c[BOB]]
+    m = multicast(G, ttl=0)
+    out = h.receive(c[ALICE], m)
+    # Delivered to bob; the publisher is told it was not taken for one recipient (carol: expired).
+    assert [s.conn for s in out.sends()] == [c[BOB], c[ALICE]]
     [t] = out.traces("dropped")
     assert (t.reason, t.dst) == ("ttl_zero_offline", CAROL.public)
+    h.expect_refused(out, c[ALICE], m.id, Reason.EXPIRED, 1)
     assert h.store.queue(CAROL.public) == []
 
 

@@ -25,9 +25,10 @@ from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.events import Dial, Fanout, FanoutRun, PeerLearned, Send, sends
 from upsycle_router.core.router import REDIAL_MIN
 from upsycle_router.crypto import Identity
-from upsycle_router.wire.control import Join, JoinAck, Pull, decode_control
+from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.wire.control import Join, JoinAck, Pull, Reason, Refused, decode_control
 from upsycle_router.wire.discovery import SERVICE_PUBSUB
-from upsycle_router.wire.messages import Message, decode_message
+from upsycle_router.wire.messages import Message, UnicastHeader, decode_message
 
 R1, R2, R3, R4 = (ident(f"R{i}") for i in range(1, 5))
 PS = {r.public: ident(f"PS-{n}") for n, r in enumerate((R1, R2, R3, R4), start=1)}
@@ -45,6 +46,7 @@ class App:
     router: bytes
     conn: int
     inbox: list[Message] = field(default_factory=list)
+    refused: list[Refused] = field(default_factory=list)  # REFUSED answers of its router (wire v1.1)
 
 
 @dataclass
@@ -166,7 +168,12 @@ class Net:
                 if (node.id, e.conn) in self.links:
                     self._transmit(node.id, e.conn, e.data)
                 elif (node.id, e.conn) in self.apps:
-                    self.apps[(node.id, e.conn)].inbox.append(decode_message(e.data))
+                    app, m = self.apps[(node.id, e.conn)], decode_message(e.data)
+                    body = _refusal(m, node.id)
+                    if body is not None:
+                        app.refused.append(body)
+                    else:
+                        app.inbox.append(m)
                 else:
                     continue  # connection gone: not written, stays queued
                 if e.queue_ref is not None:
@@ -184,7 +191,19 @@ class Net:
     # ------------------------------------------------------------ inspection
 
     def traces(self, who: Identity, mid: bytes, event: str | None = None) -> list[str]:
+        """The trace events of ``who`` about message ``mid``, in order."""
         return [t.event for t in self.nodes[who.public].log.traces(event) if t.id == mid]
+
+
+def _refusal(m: Message, router: bytes) -> Refused | None:
+    """The REFUSED body of a router's unicast ``m``, if it is one."""
+    if not isinstance(m.header, UnicastHeader) or m.header.src != router:
+        return None
+    try:
+        body = decode_control(m.body)
+    except RemoteProtocolError:
+        return None
+    return body if isinstance(body, Refused) else None
 
 
 # ---------------------------------------------------------------- fixtures
@@ -236,12 +255,14 @@ def test_unicast_from_one_end_of_the_line_to_the_other(tmp_path: Path, seed: int
     assert net.nodes[R1.public].log.traces("dropped", reason="no_route")[-1].id == m0.id
 
     # A relay in the middle does not relay for strangers (seed: only for local services).
+    # R2 refuses it (no_route) to R1, and R1 passes that on to alice (a late refusal, wire v1.1).
     m1 = unicast(ALICE, BOB, b"via R2", via=R2.public)
     net.send(a, m1)
-    assert net.traces(R1, m1.id) == ["received", "forwarded"]
-    assert net.traces(R2, m1.id) == ["received", "dropped"]
+    assert net.traces(R1, m1.id) == ["received", "forwarded", "refused"]
+    assert net.traces(R2, m1.id) == ["received", "dropped", "refused"]
     assert net.nodes[R2.public].log.traces("dropped")[-1].reason == "no_route"
     assert b.inbox == []
+    assert a.refused[-1] == Refused(m1.id, Reason.NO_ROUTE, 0)
 
     # Source routing to R3: R1 dials R3, queues until connected, then forwards; R3 delivers with VIA = R1.
     m2 = unicast(ALICE, BOB, b"hello bob", via=R3.public)

@@ -4,8 +4,10 @@ The core routes a run of multicast messages a local service published to one gro
 recipient is connected and reading. That must not change anything: two routers over two real stores get
 the same random sequences of events, one with runs, one routing every message by itself, and after every
 batch their effects, their store contents and their recently-seen lists must be the same: the same trace
-records in the same order, the same writes (``sends``: one per connection and message) in the same order, the
-same other effects in the same order. (A run's writes come as one FanoutRun after its trace records; the
+records in the same order, the same writes (``sends``: one per connection and message) to each connection in
+the same order (the order between connections is not observable: the driver writes a batch's effects at
+once; a REFUSED to the publisher may come before a run's deliveries to its subscribers), the same other
+effects in the same order. (A run's writes come as one FanoutRun after its trace records; the
 driver journals every trace record of a batch before it writes anything.) The
 sequences mix duplicates (within a run and across batches), expired, forged and ``ttl`` 0 messages, VIA,
 unicast, subscribers that leave, go away, stop reading or fall behind, a small seen list, bulk index writes
@@ -108,12 +110,15 @@ class Twin:
             store.close()
 
 
-def _normal(effects: list[Effect]) -> tuple[list[Effect], list[Send], list[Effect]]:
-    """Trace records, writes, and the other effects, each in order."""
+def _normal(effects: list[Effect]) -> tuple[list[Effect], dict[int, list[Send]], list[Effect]]:
+    """Trace records, each connection's writes, and the other effects, each in order."""
     writes = (Send, Fanout, FanoutRun)
+    per_conn: dict[int, list[Send]] = {}
+    for s in sends(effects):
+        per_conn.setdefault(s.conn, []).append(s)
     return (
         [e for e in effects if isinstance(e, Trace)],
-        list(sends(effects)),
+        per_conn,
         [e for e in effects if not isinstance(e, (Trace, *writes))],
     )
 
@@ -266,20 +271,20 @@ def test_runs_are_taken_and_fan_out(tmp_path: Path) -> None:
 
 
 def test_runs_refuse_for_room_as_the_per_message_path_does(tmp_path: Path) -> None:
-    """A small store with large messages: it fills, and both routers refuse the same messages (quota)."""
+    """A small store with large messages: it fills, and both routers refuse the same messages (store_full)."""
     appends, reasons = 0, set()
     for seed in range(100, 104):
         t = run_scenario(tmp_path / str(seed), seed, map_size=4 << 20, body=3000, steps=80)
         appends += sum(t.appends)
         reasons |= _reasons(t)
         t.close()
-    assert "quota" in reasons
+    assert "store_full" in reasons
     assert appends > 20
 
 
 def test_a_run_into_a_full_store_is_refused_as_message_by_message(tmp_path: Path) -> None:
     """Bursts into a small store until it refuses: the run's messages that still fit are stored, the rest are
-    dropped (quota), on both routers alike."""
+    dropped (store_full), on both routers alike."""
     t = Twin(tmp_path, CoreConfig(trace=False), 4 << 20, 4096)
     for i, app in enumerate(APPS[:3]):
         t.batch([ConnectionOpened(i + 1, app.public, True)])
@@ -294,11 +299,11 @@ def test_a_run_into_a_full_store_is_refused_as_message_by_message(tmp_path: Path
             msgs.append(multicast(GROUPS[0], sn.to_bytes(4, "big") + bytes(rng_size(sn)), now=t.now))
         t.batch([MessagesReceived(1, msgs, _verified(msgs))])
         t.check_state()
-        if "quota" in _reasons(t):
+        if "store_full" in _reasons(t):
             after += 1
             if after == 3:
                 break
-    quota = [e for e in t.log if isinstance(e, Trace) and e.reason == "quota"]
+    quota = [e for e in t.log if isinstance(e, Trace) and e.reason == "store_full"]
     assert quota
     assert len(t.appends) > 1 and sum(t.appends) == len(t.stores[0].message_ids())
     # Smaller messages may still fit after a larger one was refused: the store decides message by message.

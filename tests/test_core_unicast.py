@@ -15,7 +15,7 @@ from upsycle_router.core.events import MessageReceived
 from upsycle_router.core.router import ROUTE_MESSAGE
 from upsycle_router.expiry import exp_in, unix_to_exp
 from upsycle_router.store.lmdb_store import RouteEntry
-from upsycle_router.wire.control import Sync, SyncAck
+from upsycle_router.wire.control import Reason, Sync, SyncAck
 
 X = ident("X")
 R = ident("R")
@@ -37,11 +37,14 @@ def h(tmp_path: Path) -> CoreHarness:
 def test_bad_signature_is_dropped_and_the_connection_stays_open(h: CoreHarness) -> None:
     a = h.open(ALICE)
     b = h.open(BOB)
-    out = h.receive(a, forged(unicast(ALICE, BOB)))
-    assert out.events() == ["received", "dropped"]
+    m = forged(unicast(ALICE, BOB))
+    out = h.receive(a, m)
+    assert out.events() == ["received", "dropped", "refused"]
     assert out.traces("dropped")[0].reason == "bad_signature"
     assert out.traces("dropped")[0].peer == ALICE.public
-    assert out.sends() == [] and out.closes() == []
+    # Refused (wire v1.1), on alice's connection only: nothing reaches bob.
+    h.expect_refused(out, a, m.id, Reason.BAD_SIGNATURE)
+    assert [s.conn for s in out.sends()] == [a] and out.closes() == []
     # The connection still works.
     ok = unicast(ALICE, BOB, b"second try")
     assert h.receive(a, ok).sends(b)[0].data == ok.encode()
@@ -50,9 +53,11 @@ def test_bad_signature_is_dropped_and_the_connection_stays_open(h: CoreHarness) 
 def test_bad_signature_from_a_remote_router_learns_no_route(h: CoreHarness) -> None:
     r = h.open(R, local=False)
     h.open(BOB)
-    out = h.receive(r, forged(unicast(REMOTE_SVC, BOB)))
+    m = forged(unicast(REMOTE_SVC, BOB))
+    out = h.receive(r, m)
     assert [t.reason for t in out.traces("dropped")] == ["bad_signature"]
-    assert out.sends() == [] and out.closes() == []
+    h.expect_refused(out, r, m.id, Reason.BAD_SIGNATURE)  # to R, the router it came from
+    assert [s.conn for s in out.sends()] == [r] and out.closes() == []
     assert REMOTE_SVC.public not in h.router.routes
 
 
@@ -127,7 +132,7 @@ def test_message_to_the_router_is_processed_as_control(h: CoreHarness) -> None:
     out = h.receive(a, control(ALICE, X, Sync(7)))
     assert out.traces("received")[0].type == "control"
     [(reply, body)] = out.replies(a)
-    assert body == SyncAck(7, 0)
+    assert body == SyncAck(7, 0, 0)
     assert (reply.header.src, reply.header.dst) == (X.public, ALICE.public)
     assert out.traces("dropped") == []
 
@@ -195,17 +200,20 @@ def test_message_already_expired_on_arrival_is_dropped(h: CoreHarness) -> None:
     h.close(b)
     m = unicast(ALICE, BOB, exp=unix_to_exp(T0) - 1)
     out = h.receive(a, m)
-    assert out.events() == ["received", "dropped"]
+    assert out.events() == ["received", "dropped", "refused"]
     assert out.traces("dropped")[0].reason == "expired"
+    h.expect_refused(out, a, m.id, Reason.EXPIRED)
     assert h.store.queue(BOB.public) == [] and not h.store.has_message(m.id)
 
 
 def test_message_expiring_exactly_now_is_expired(h: CoreHarness) -> None:
     a = h.open(ALICE)
     h.open(BOB)
-    out = h.receive(a, unicast(ALICE, BOB, exp=unix_to_exp(T0)))
+    m = unicast(ALICE, BOB, exp=unix_to_exp(T0))
+    out = h.receive(a, m)
     assert [t.reason for t in out.traces("dropped")] == ["expired"]
-    assert out.sends() == []
+    h.expect_refused(out, a, m.id, Reason.EXPIRED)
+    assert [s.conn for s in out.sends()] == [a]
 
 
 # ---------------------------------------------------------------- step 3.3: from a local service to a remote one
@@ -333,37 +341,46 @@ def test_expired_learned_route_is_not_used(h: CoreHarness) -> None:
 
 def test_no_route_is_dropped(h: CoreHarness) -> None:
     a = h.open(ALICE)
-    out = h.receive(a, unicast(ALICE, REMOTE_SVC))
-    assert out.events() == ["received", "dropped"]
+    m = unicast(ALICE, REMOTE_SVC)
+    out = h.receive(a, m)
+    assert out.events() == ["received", "dropped", "refused"]
     [t] = out.traces("dropped")
     assert (t.reason, t.src, t.dst) == ("no_route", ALICE.public, REMOTE_SVC.public)
-    assert out.sends() == [] and out.dials() == []
+    h.expect_refused(out, a, m.id, Reason.NO_ROUTE)
+    assert out.traces("refused")[0].type == "unicast"
+    assert [s.conn for s in out.sends()] == [a] and out.dials() == []
 
 
 def test_remote_message_claiming_a_local_source_is_not_relayed(h: CoreHarness) -> None:
     h.close(h.open(ALICE))  # alice is one of our local services
     r = h.open(R, local=False)
     h.open(R2, local=False)
-    out = h.receive(r, unicast(ALICE, REMOTE_SVC, via=R2.public))
+    m = unicast(ALICE, REMOTE_SVC, via=R2.public)
+    out = h.receive(r, m)
     assert [t.reason for t in out.traces("dropped")] == ["not_local"]
-    assert out.sends() == [] and out.dials() == []
+    h.expect_refused(out, r, m.id, Reason.NOT_AUTHORIZED)
+    assert [s.conn for s in out.sends()] == [r] and out.dials() == []
 
 
 def test_strangers_message_to_an_unknown_destination_is_not_relayed(h: CoreHarness) -> None:
     r = h.open(R, local=False)
     r2 = h.open(R2, local=False)
     h.receive(r2, unicast(REMOTE_SVC, BOB))  # we even know a route to remote_svc (via R2)
-    out = h.receive(r, unicast(STRANGER, REMOTE_SVC, via=R2.public))
+    m = unicast(STRANGER, REMOTE_SVC, via=R2.public)
+    out = h.receive(r, m)
     assert [t.reason for t in out.traces("dropped")] == ["no_route"]
-    assert out.sends() == [] and out.dials() == []
+    h.expect_refused(out, r, m.id, Reason.NO_ROUTE)
+    assert [s.conn for s in out.sends()] == [r] and out.dials() == []
 
 
 def test_local_connection_cannot_relay_for_a_non_local_source(h: CoreHarness) -> None:
     a = h.open(ALICE)
     h.open(R, local=False)
-    out = h.receive(a, unicast(STRANGER, REMOTE_SVC, via=R.public))
+    m = unicast(STRANGER, REMOTE_SVC, via=R.public)
+    out = h.receive(a, m)
     assert [t.reason for t in out.traces("dropped")] == ["no_route"]
-    assert out.sends() == []
+    h.expect_refused(out, a, m.id, Reason.NO_ROUTE)  # to alice, the connection's peer (not the claimed src)
+    assert [s.conn for s in out.sends()] == [a]
 
 
 # ---------------------------------------------------------------- replay protection
@@ -407,4 +424,4 @@ def test_control_messages_are_exempt_from_replay_protection(h: CoreHarness) -> N
     assert h.receive(a, m).replies(a)
     out = h.receive(a, m)
     assert out.traces("duplicate") == []
-    assert [b for _, b in out.replies(a)] == [SyncAck(1, 0)]
+    assert [b for _, b in out.replies(a)] == [SyncAck(1, 0, 0)]

@@ -25,7 +25,7 @@ from upsycle_router.services.discovery import DISCOVERY_GROUP, Announce, Discove
 from upsycle_router.services.discovery.cache import AdvertCache, Offer
 from upsycle_router.services.discovery.params import DiscoveryParams
 from upsycle_router.services.discovery.ratelimit import SenderLimiter
-from upsycle_router.wire.control import Join, JoinAck, Result
+from upsycle_router.wire.control import Join, JoinAck, Reason, Refused, Result
 from upsycle_router.wire.discovery import (
     SERVICE_DISCOVERY,
     SERVICE_PUBSUB,
@@ -340,8 +340,14 @@ def test_apps_join_the_discovery_group_locally_and_see_adverts(tmp_path: Path) -
     out = h.receive(d, publish(encode_discovery(a)))
     assert [m.body for m in out.messages(al)] == [encode_discovery(a)]
     rem = h.open(R2, local=False)
-    out = h.receive(rem, control(R2, X, Join(DG.public, True)))
-    assert [b for _, b in Effects(out).replies(rem)] == [JoinAck(DG.public, Result.FAILURE)]
+    j = control(R2, X, Join(DG.public, True))
+    out = h.receive(rem, j)
+    # The negative JOIN_ACK, then the REFUSED (wire v1.1) it also gets.
+    assert [b for _, b in Effects(out).replies(rem)] == [
+        JoinAck(DG.public, Result.FAILURE),
+        Refused(j.id, Reason.NOT_AUTHORIZED, 0),
+    ]
+    h.expect_refused(out, rem, j.id, Reason.NOT_AUTHORIZED)
 
 
 def test_the_discovery_service_gets_the_routers_own_advert(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The bad-input catalogue cases not covered elsewhere, each against a real daemon: wrong key/sig/hash sizes,
 a replayed message, JOIN and PULL from an unauthorized remote node, and a remote peer sending as a local
-service. Each is refused with a trace reason while other clients keep being served."""
+service. Each is refused with a trace reason while other clients keep being served; what was sent as a
+message (not a broken frame) is answered with REFUSED (wire v1.1), except the replay: a duplicate is taken."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import cbor2
 import pytest
 from conftest import DaemonFactory
 
-from upsycle_router.client import Client
+from upsycle_router.client import Client, Reason, Refusal
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in
 from upsycle_router.wire.framing import frame
@@ -65,7 +66,8 @@ async def test_replayed_message_is_delivered_once(daemon: DaemonFactory) -> None
         ca.send_message(m)
         ca.send_message(m)  # the same bytes again: a replay
         await ca.send(b.public, b"marker")
-        await ca.sync()
+        res = await ca.sync()
+        assert res.ok and res.refused == ()  # a duplicate is taken (it is already held), not refused
         first = await cb.recv(timeout=5)
         second = await cb.recv(timeout=5)
     assert (first.id, second.body) == (m.id, b"marker")
@@ -83,10 +85,17 @@ async def test_join_and_pull_from_an_unauthorized_remote_node(daemon: DaemonFact
     try:
         assert await remote.join(g.public, local=False) is False  # JOIN_ACK result 1
         assert await remote.pull(g.public, b"\x07" * 32) is None  # PULL_NACK
+        res = await remote.sync()  # both requests were refused too (not_authorized), before the SYNC_ACK
     finally:
         await remote.close()
-    reasons = [r["reason"] for r in d.trace(event="dropped", src=stranger.public.hex())]
+    dropped = d.trace(event="dropped", src=stranger.public.hex())
+    reasons = [r["reason"] for r in dropped]
     assert reasons.count("not_authorized") == 2
+    ids = [bytes.fromhex(r["id"]) for r in dropped if r["reason"] == "not_authorized"]
+    assert res.refused == tuple(Refusal(mid, Reason.NOT_AUTHORIZED, 0) for mid in ids), res
+    for mid in ids:
+        [rec] = d.trace(event="refused", id=mid)
+        assert (rec["reason"], rec["peer"]) == ("not_authorized", stranger.public.hex()), rec
     # the router still serves its local apps
     async with await Client.connect(d.sock, Identity.generate()) as c:
         assert await c.join(g.public)
@@ -105,9 +114,12 @@ async def test_a_remote_peer_cannot_send_as_a_local_service(daemon: DaemonFactor
         far = Identity.generate().public
         m = sign_message(UnicastHeader(local.public, far, 60, exp_in(__import__("time").time(), 3600)), b"x", local)
         outsider.send_message(m.with_via(Identity.generate().public))
-        await outsider.sync()
+        res = await outsider.sync()
     finally:
         await outsider.close()
+    assert res.refused == (Refusal(m.id, Reason.NOT_AUTHORIZED, 0),), res
     rec = d.trace(event="dropped", id=m.id.hex())
     assert rec and rec[0]["reason"] == "not_local"
+    [ref] = d.trace(event="refused", id=m.id.hex())
+    assert (ref["reason"], ref["peer"]) == ("not_authorized", outsider.identity.public.hex()), ref
     assert not d.trace(event="forwarded", id=m.id.hex())

@@ -100,7 +100,7 @@ async def test_disk_quota_refuses_new_messages_and_keeps_stored_ones(daemon: Dae
             sent.append(await c.send(offline.public, bytes([i % 256]) * 65536 + f"{i}".encode()))
         await c.sync()
         st = await c.status()
-    assert d.trace(event="dropped", reason="quota"), "the store never reported full"
+    assert d.trace(event="dropped", reason="store_full"), "the store never reported full"
     queued = {r["id"] for r in d.trace(event="queued")}
     assert 0 < len(queued) < len(sent)
     assert st["queued_messages"] == len(queued)

@@ -27,6 +27,10 @@ from raw_app import (
     MAX_FRAME,
     MULTICAST,
     PULL_NACK,
+    R_BAD_SIGNATURE,
+    R_EXPIRED,
+    R_NOT_AUTHORIZED,
+    REFUSED,
     SUCCESS,
     SYNC_ACK,
     UNICAST,
@@ -38,6 +42,7 @@ from raw_app import (
     dec,
     decode_control,
     decode_message,
+    decode_refused,
     enc,
     exp_minutes,
     frame,
@@ -49,6 +54,7 @@ from raw_app import (
 )
 
 VECTORS = Path(__file__).parent / "vectors" / "wire-v1.json"
+VECTORS_V11 = Path(__file__).parent / "vectors" / "wire-v1.1.json"
 MALFORMED_CODES = (ERR_PROTOCOL, ERR_FRAME_TOO_LARGE)
 
 
@@ -56,8 +62,57 @@ def flip_bit(sig: bytes) -> bytes:
     return bytes([sig[0] ^ 0x01]) + sig[1:]
 
 
-async def wait_offline(d: Daemon, sender: RawApp, dst: bytes) -> None:
-    await d.wait_offline(lambda body: sender.send(dst, body, ttl=0), dst)
+async def wait_offline(d: Daemon, sender: RawApp, dst: bytes) -> list[bytes]:
+    """Wait until the router treats ``dst`` as offline; return the ids of the ttl-0 probes ``sender`` sent."""
+    probes: list[bytes] = []
+
+    async def probe(body: bytes) -> bytes:
+        mid = await sender.send(dst, body, ttl=0)
+        probes.append(mid)
+        return mid
+
+    await d.wait_offline(probe, dst)
+    return probes
+
+
+def expect_clean_sync(app: RawApp, ack: dict[str, object]) -> None:
+    """``ack`` says nothing was refused, and no REFUSED arrived before it."""
+    assert ack == {"n": ack["n"], "result": SUCCESS, "refused": 0}, ack
+    assert app.refused_before(ack) == [], app.refused_before(ack)
+
+
+async def expect_refused(
+    d: Daemon, app: RawApp, ack: dict[str, object], refused: dict[bytes, tuple[int, int, str]]
+) -> None:
+    """``ack`` counts exactly the REFUSED named in ``refused`` (id -> (reason, count, trace reason label)), each
+    written before it, once; the trace has a ``refused`` record for each, after its ``dropped`` record."""
+    got = app.refused_before(ack)
+    assert ack == {"n": ack["n"], "result": FAILURE if refused else SUCCESS, "refused": len(refused)}, ack
+    assert len(got) == len({mid for mid, _, _ in got}), f"an id refused twice: {got}"
+    assert {mid: (reason, count) for mid, reason, count in got} == {
+        mid: (reason, count) for mid, (reason, count, _) in refused.items()
+    }
+    for mid, (_, _, label) in refused.items():
+        rec = await d.wait_trace(event="refused", id=mid)
+        assert (rec["reason"], rec["peer"]) == (label, app.key.public.hex()), rec
+        events = [r["event"] for r in d.trace(id=mid)]
+        assert events.count("refused") == 1 and "dropped" in events, events
+        assert events.index("dropped") < events.index("refused"), events
+
+
+async def sync_after_probes(d: Daemon, app: RawApp, probes: list[bytes]) -> None:
+    """SYNC once after :func:`wait_offline`: the probes that found the recipient offline (the last one at least)
+    were refused as a whole (expired: ttl 0 cannot wait), the others were delivered; nothing else."""
+    ack = await app.sync()
+    refused_ids = {mid for mid, _, _ in app.refused_before(ack)}
+    assert probes[-1] in refused_ids, "the probe that found the recipient offline was not refused"
+    assert refused_ids <= set(probes), refused_ids - set(probes)
+    await expect_refused(d, app, ack, {mid: (R_EXPIRED, 0, "expired") for mid in refused_ids})
+    for mid in probes:
+        if mid in refused_ids:
+            assert (await d.wait_trace(event="dropped", id=mid))["reason"] == "ttl_zero_offline"
+        else:
+            await d.wait_trace(event="delivered", id=mid)
 
 
 # ----------------------------------------------------------------------------------------- the raw codec itself
@@ -96,6 +151,37 @@ def test_raw_app_matches_golden_vectors() -> None:
     assert frame(auth(router, alice.public, b"\xaa" * 32)).hex() == s["auth_router_frame_hex"]
 
 
+def _fields(v: object) -> object:
+    """A vector's ``fields`` with every ``{"hex": ...}`` as bytes."""
+    if isinstance(v, dict):
+        return bytes.fromhex(v["hex"]) if set(v) == {"hex"} else {k: _fields(x) for k, x in v.items()}
+    return v
+
+
+def test_raw_app_matches_golden_vectors_v11() -> None:
+    """raw_app builds and reads the wire v1.1 vectors (REFUSED, SYNC_ACK with ``refused``, STATUS 11 / 12, and
+    the router-signed unicasts carrying them) byte for byte."""
+    v = json.loads(VECTORS_V11.read_text())
+    keys = {k["name"]: Key(bytes.fromhex(k["seed"])) for k in v["keys"]}
+    bodies: dict[str, bytes] = {}
+    for c in v["control"]:
+        fields = _fields(c["fields"])
+        body = enc([c["type"], fields])
+        assert body.hex() == c["body_hex"], c["name"]
+        assert decode_control(body) == (c["type"], fields), c["name"]
+        if c["type"] == REFUSED:
+            assert isinstance(fields, dict)
+            assert decode_refused(body) == (fields["id"], fields["reason"], fields["count"])
+        bodies[c["name"]] = body
+    with pytest.raises(ValueError):
+        decode_refused(bodies["sync-ack-refused"])
+    for m in v["messages"]:
+        msg = unicast(keys["router"], keys["alice"].public, bodies[m["control"]], ttl=60, exp=3600000)
+        assert msg.encode().hex() == m["message_hex"], m["name"]
+        assert frame(msg.encode()).hex() == m["frame_hex"], m["name"]
+        assert msg.id.hex() == m["id_hex"] and msg.signature_valid() is m["signature_valid"], m["name"]
+
+
 # ----------------------------------------------------------------------------------------- handshake
 
 
@@ -111,7 +197,8 @@ async def test_raw_handshake_router_id_socket_mode_and_sync(daemon: DaemonFactor
         assert r.returncode == 0, r.stderr
         assert r.stdout.strip() == app.router_id.hex()
         ack = await app.sync()
-        assert ack == {"n": 1, "result": SUCCESS}
+        assert ack == {"n": 1, "result": SUCCESS, "refused": 0}
+        assert app.refused == []
     finally:
         await app.close()
 
@@ -169,7 +256,7 @@ async def test_raw_handshake_timeout(daemon: DaemonFactory) -> None:
         assert c1 == ERR_HANDSHAKE_TIMEOUT, r1
         assert c2 == ERR_HANDSHAKE_TIMEOUT, r2
         assert 0.8 <= elapsed < 5.0, elapsed
-        assert (await app.sync())["result"] == SUCCESS
+        expect_clean_sync(app, await app.sync())
     finally:
         for c in (silent, half):
             await c.close()
@@ -247,7 +334,7 @@ async def test_raw_multicast_three_subscribers_each_once_publisher_not_echoed(da
         m2 = await pub.publish(group, b"second")
         for s in subs:
             assert (await s.recv(timeout=5)).id == m2.id, "duplicate delivery of the first message"
-        await pub.sync()
+        expect_clean_sync(pub, await pub.sync())
         await d.wait_trace(event="delivered", id=m2.id, dst=subs[-1].key.public)
         delivered = d.trace(event="delivered", id=m1.id, role="app")
         assert sorted(r["dst"] for r in delivered) == sorted(s.key.public.hex() for s in subs)
@@ -266,7 +353,7 @@ async def test_raw_offline_queue_sync_and_restart(daemon: DaemonFactory) -> None
     assert await b.join(group.public) == SUCCESS
     await b.close()
     try:
-        await wait_offline(d, a, b_key.public)
+        await sync_after_probes(d, a, await wait_offline(d, a, b_key.public))
         # phase 1: queued while B is away, delivered in order on reconnect
         sent = [
             await a.send(b_key.public, b"u1"),
@@ -277,6 +364,7 @@ async def test_raw_offline_queue_sync_and_restart(daemon: DaemonFactory) -> None
         ]
         ack = await a.sync()
         assert ack["result"] == SUCCESS
+        expect_clean_sync(a, ack)
         for mid in sent:
             await d.wait_trace(event="queued", id=mid, dst=b_key.public)
         b = await RawApp.connect(d.sock, b_key)
@@ -284,10 +372,12 @@ async def test_raw_offline_queue_sync_and_restart(daemon: DaemonFactory) -> None
         assert [m.id for m in got] == sent
         assert [m.body for m in got] == [b"u1", b"m1", b"u2", b"m2", b"u3"]
         await b.close()
-        await wait_offline(d, a, b_key.public)
+        await sync_after_probes(d, a, await wait_offline(d, a, b_key.public))
         # phase 2: queued, SYNC_ACK, then the daemon restarts: queue and subscription survive
         sent2 = [await a.send(b_key.public, b"u4"), (await a.publish(group, b"m3")).id]
-        assert (await a.sync())["result"] == SUCCESS
+        ack = await a.sync()
+        assert ack["result"] == SUCCESS
+        expect_clean_sync(a, ack)
         await a.close()
         d.restart()
         a = await RawApp.connect(d.sock, a.key)
@@ -311,7 +401,7 @@ async def test_raw_ttl_zero_and_expiry_offline(daemon: DaemonFactory) -> None:
     assert await b.join(group.public) == SUCCESS
     await b.close()
     try:
-        await wait_offline(d, a, b_key.public)
+        await sync_after_probes(d, a, await wait_offline(d, a, b_key.public))
         zero_u = await a.send(b_key.public, b"ttl0", ttl=0)
         zero_m = (await a.publish(group, b"ttl0 group", ttl=0)).id
         t0 = time.monotonic()
@@ -319,7 +409,11 @@ async def test_raw_ttl_zero_and_expiry_offline(daemon: DaemonFactory) -> None:
         short_m = (await a.publish(group, b"ttl1 group", ttl=1)).id
         stale = await a.send(b_key.public, b"stale", exp=exp_minutes(time.time()) - 2)  # exp already passed
         marker = await a.send(b_key.public, b"marker", ttl=3600)
-        assert (await a.sync())["result"] == SUCCESS
+        # ttl 0 for the offline recipient: the unicast is refused as a whole, the multicast is not taken for the
+        # group's one member (B); the stale one is refused as a whole; the ttl-1 ones and the marker are queued
+        await expect_refused(d, a, await a.sync(), {
+            zero_u: (R_EXPIRED, 0, "expired"), zero_m: (R_EXPIRED, 1, "expired"), stale: (R_EXPIRED, 0, "expired"),
+        })  # fmt: skip
         rec = await d.wait_trace(event="dropped", id=stale)
         assert rec["reason"] == "expired"
         for mid in (zero_u, zero_m):
@@ -365,7 +459,11 @@ async def test_raw_bad_signature_dropped_sender_stays_connected(daemon: DaemonFa
             rec = await d.wait_trace(event="dropped", id=mid)
             assert rec["reason"] == "bad_signature"
             assert rec["peer"] == a.key.public.hex()
-        assert (await a.sync())["result"] == SUCCESS  # still connected
+        # both refused as a whole, answered before the SYNC_ACK that counts them; the genuine ones were taken
+        await expect_refused(d, a, await a.sync(), {
+            bad_u.id: (R_BAD_SIGNATURE, 0, "bad_signature"), bad_m.id: (R_BAD_SIGNATURE, 0, "bad_signature"),
+        })  # fmt: skip
+        expect_clean_sync(a, await a.sync())  # still connected, counted afresh
         assert not d.trace(event="delivered", id=bad_u.id) and not d.trace(event="delivered", id=bad_m.id)
     finally:
         await a.close()
@@ -417,7 +515,7 @@ async def test_raw_malformed_frames_close_only_that_connection(daemon: DaemonFac
             got = await b.recv(timeout=5)
             assert (got.id, got.body) == (mid, name.encode()), name
         assert d.trace(event="dropped", reason="malformed")
-        assert (await a.sync())["result"] == SUCCESS
+        expect_clean_sync(a, await a.sync())
     finally:
         await a.close()
         await b.close()
@@ -460,6 +558,8 @@ async def test_raw_pull_stored_message_and_nack(daemon: DaemonFactory) -> None:
         assert reply.header["src"] == pub.router_id and reply.signature_valid()
         assert decode_control(reply.body) == (PULL_NACK, {"addr": group.public, "id": unknown, "result": 1})
         assert reply.body == enc([PULL_NACK, {"addr": group.public, "id": unknown, "result": 1}])
+        # a PULL the router answers (message or PULL_NACK: it has no such message) is taken, not refused
+        expect_clean_sync(pub, await pub.sync())
     finally:
         await sub.close()
         await pub.close()
@@ -477,6 +577,7 @@ async def test_raw_join_leave_ack_result_codes(daemon: DaemonFactory) -> None:
         assert await app.leave(group) == FAILURE  # not a member any more
         await d.wait_trace(event="left", group=group, src=app.key.public)
         assert d.trace(event="joined", group=group, src=app.key.public)
+        expect_clean_sync(app, await app.sync())  # a LEAVE_ACK failure is an answer, not a refusal
     finally:
         await app.close()
     # with local_services restricted, a key not in the list is not a local service: JOIN refused
@@ -486,8 +587,13 @@ async def test_raw_join_leave_ack_result_codes(daemon: DaemonFactory) -> None:
     member = await RawApp.connect(d2.sock, allowed)
     try:
         assert await stranger.join(group) == FAILURE
+        join_id = stranger.last_request_id
+        assert join_id is not None
+        assert stranger.refused == []  # the JOIN_ACK failure comes first, then REFUSED not_authorized
         assert await member.join(group) == SUCCESS
         assert not d2.trace(event="joined", src=stranger.key.public)
+        await expect_refused(d2, stranger, await stranger.sync(), {join_id: (R_NOT_AUTHORIZED, 0, "not_authorized")})
+        expect_clean_sync(member, await member.sync())
     finally:
         await stranger.close()
         await member.close()
@@ -512,7 +618,7 @@ async def test_raw_sigterm_exits_zero_and_restart_works(daemon: DaemonFactory) -
     try:
         assert app.router_id == router_id  # same key, same data directory
         ack = await app.sync()
-        assert ack["result"] == SUCCESS and SYNC_ACK == 8
+        assert ack == {"n": 1, "result": SUCCESS, "refused": 0} and SYNC_ACK == 8
     finally:
         await app.close()
 
@@ -525,11 +631,13 @@ async def test_raw_large_queue_drains_before_newer_messages(daemon: DaemonFactor
     b = await RawApp.connect(d.sock, b_key)
     await b.close()
     try:
-        await wait_offline(d, a, b_key.public)
+        await sync_after_probes(d, a, await wait_offline(d, a, b_key.public))
         queued = [unicast(a.key, b_key.public, f"q{i}".encode()) for i in range(2100)]
         a.conn.write(b"".join(frame(m.encode()) for m in queued))
         await a.conn.drain()
-        assert (await a.sync())["result"] == SUCCESS
+        ack = await a.sync()
+        assert ack["result"] == SUCCESS
+        expect_clean_sync(a, ack)
         b = await RawApp.connect(d.sock, b_key)  # the router starts draining B's queue
         newer = []
         for i in range(40):  # meanwhile A keeps sending to B

@@ -45,7 +45,7 @@ from raw_app import (
 )
 from wsutil import OP_BINARY, OP_CONT, OP_PING, OP_PONG, OP_TEXT, RawWebSocket, ws_config, ws_url
 
-from upsycle_router.client import Client, ClientError
+from upsycle_router.client import Client, ClientError, Reason, Refusal
 from upsycle_router.crypto import Identity
 
 pytestmark = pytest.mark.slow
@@ -109,7 +109,7 @@ async def test_handshake_over_binary_messages_and_group_exchange_with_a_unix_app
     ws, key, router_id = await raw_session(url, origin=ORIGIN)
     try:
         assert router_id.hex() == cli("id", "--data-dir", str(d.dir)).stdout.strip()
-        assert (await sync(ws, key, router_id, 7))["n"] == 7
+        assert await sync(ws, key, router_id, 7) == {"n": 7, "result": SUCCESS, "refused": 0}
         group = Identity.generate()
         ws.send(unicast(key, router_id, join_body(group.public), ttl=60).encode())
         ack = decode_control(decode_message(await ws.read_message()).body)
@@ -178,7 +178,7 @@ async def test_fragmented_message_and_ping(daemon: DaemonFactory) -> None:
         ws.send_frame(OP_CONT, data[40:])
         assert await ws.read_frame() == (OP_PONG, b"between fragments")
         msg = decode_message(await ws.read_message())
-        assert decode_control(msg.body) == (SYNC_ACK, {"n": 3, "result": SUCCESS})
+        assert decode_control(msg.body) == (SYNC_ACK, {"n": 3, "result": SUCCESS, "refused": 0})  # wire v1.1
     finally:
         await ws.close()
 
@@ -255,7 +255,9 @@ async def test_remote_policy_needs_edge_nodes_for_join(daemon: DaemonFactory) ->
     group = Identity.generate()
     async with await Client.connect_websocket(url, Identity.generate(), timeout=5) as stranger:
         assert await stranger.join(group.public) is False
-        await d.wait_trace(event="dropped", reason="not_authorized", src=stranger.identity.public)
+        rec = await d.wait_trace(event="dropped", reason="not_authorized", src=stranger.identity.public)
+        res = await stranger.sync()  # the JOIN was refused too (wire v1.1), before the SYNC_ACK
+        assert res.refused == (Refusal(bytes.fromhex(rec["id"]), Reason.NOT_AUTHORIZED, 0),), res
     async with await Client.connect_websocket(url, edge, timeout=5) as e:
         assert await e.join(group.public) is True
         async with await Client.connect(d.sock, Identity.generate(), timeout=5) as local:
@@ -337,18 +339,40 @@ def test_missing_certificate_file_is_a_clear_error(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
+async def _accepted_settles(c: Client, want: int) -> dict[str, int]:
+    """The router's status once ``connections_accepted`` is ``want`` (a connection a peer closed counts until the
+    router has seen it close), bounded."""
+    for _ in range(250):
+        st = await c.status()
+        if st["connections_accepted"] == want:
+            return st
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"connections_accepted is {st['connections_accepted']}, not {want}: {st}")
 
 
 async def test_over_the_connection_limit_gets_503_and_the_unix_socket_error_6(daemon: DaemonFactory) -> None:
-    d = ws_daemon(daemon, limits={"max_connections": 2})  # the in-process pub/sub service holds one
+    # limits.max_connections counts every accepted connection, handshaking ones too; the Unix socket may go
+    # limits.local_reserve connections over it (a local app still gets in while the network side is full), and
+    # past that it is refused with ERROR 6
+    d = ws_daemon(daemon, limits={"max_connections": 3, "local_reserve": 1})
     url = ws_url(d)
-    async with await Client.connect_websocket(url, Identity.generate(), timeout=5) as first:
-        await first.sync()
-        ws = await RawWebSocket.open(url, origin=ORIGIN)
-        assert ws.status == 503 and b"too many connections" in ws.body, (ws.status, ws.body)
-        assert await ws.eof()
-        await ws.close()
-        with pytest.raises(ClientError, match="ERROR 6"):
-            await Client.connect(d.sock, Identity.generate(), timeout=5)
-        await first.sync()  # the admitted connection is unaffected
+    async with await Client.connect(d.sock, Identity.generate(), timeout=5) as local:
+        # the in-process pub/sub service and this app (the fixture's start-up probe is gone)
+        await _accepted_settles(local, 2)
+        async with await Client.connect_websocket(url, Identity.generate(), timeout=5) as first:  # the 3rd
+            assert (await first.sync()).ok
+            ws = await RawWebSocket.open(url, origin=ORIGIN)
+            assert ws.status == 503 and b"too many connections" in ws.body, (ws.status, ws.body)
+            assert await ws.eof()
+            await ws.close()
+            st = await _accepted_settles(local, 3)
+            assert st["conn_refused_max_connections_total"] == 1, st
+            async with await Client.connect(d.sock, Identity.generate(), timeout=5) as reserved:  # the reserve
+                assert (await reserved.sync()).ok
+                assert (await reserved.status())["connections_accepted"] == 4
+                with pytest.raises(ClientError, match="ERROR 6"):
+                    await Client.connect(d.sock, Identity.generate(), timeout=5)
+                assert (await reserved.status())["conn_refused_max_connections_total"] == 2
+            assert (await first.sync()).ok  # the admitted connections are unaffected
+        assert (await local.sync()).ok
     assert "too many connections" in d.log_text() or "connection limit" in d.log_text()

@@ -28,6 +28,7 @@ from upsycle_router.wire.messages import MulticastHeader, UnicastHeader, decode_
 
 ROOT = Path(__file__).resolve().parent.parent
 VECTORS: dict[str, Any] = json.loads((Path(__file__).parent / "vectors" / "wire-v1.json").read_text())
+VECTORS_V11: dict[str, Any] = json.loads((Path(__file__).parent / "vectors" / "wire-v1.1.json").read_text())
 SEEDS = {k["name"]: bytes.fromhex(k["seed"]) for k in VECTORS["keys"]}
 KEYS = {name: nacl.signing.SigningKey(seed) for name, seed in SEEDS.items()}
 PUB = {name: bytes(k.verify_key) for name, k in KEYS.items()}
@@ -151,6 +152,31 @@ def test_independent_encoder_reproduces_golden_session_and_app() -> None:
     app_sig = KEYS["alice"].sign(ic.encode(header) + ic.encode(body)).signature
     app = ic.encode([{**header, "sig": app_sig}, body])
     assert app.hex() == VECTORS["application"]["message_hex"]
+
+
+def _fields(v: Any) -> Any:
+    """A vector's ``fields`` with every ``{"hex": ...}`` as bytes."""
+    if isinstance(v, dict):
+        return bytes.fromhex(v["hex"]) if set(v) == {"hex"} else {k: _fields(x) for k, x in v.items()}
+    return v
+
+
+def test_independent_encoder_reproduces_golden_v11_control_and_router_replies() -> None:
+    """Wire v1.1: REFUSED (9), SYNC_ACK with its ``refused`` count, STATUS 11 / STATUS_REPLY 12, and the
+    router-signed unicasts that carry a REFUSED and a SYNC_ACK to alice."""
+    assert {k["name"]: bytes.fromhex(k["seed"]) for k in VECTORS_V11["keys"]} == SEEDS  # the same keys
+    bodies = {}
+    for c in VECTORS_V11["control"]:
+        body = ic.encode([c["type"], _fields(c["fields"])])
+        assert body.hex() == c["body_hex"], c["name"]
+        bodies[c["name"]] = body
+    refused = {c["name"]: c["fields"]["id"]["hex"] for c in VECTORS_V11["control"] if c["type"] == 9}
+    assert refused == {"refused": _vector("unicast")["id_hex"], "refused-partial": _vector("multicast")["id_hex"]}
+    for m in VECTORS_V11["messages"]:
+        b = ic.unicast(KEYS["router"], PUB["alice"], 60, 3_600_000, bodies[m["control"]])
+        assert b.wire.hex() == m["message_hex"], m["name"]
+        assert b.signed.hex() == m["signed_bytes_hex"] and b.sig.hex() == m["sig_hex"], m["name"]
+        assert b.id.hex() == m["id_hex"] and ic.frame(b.wire).hex() == m["frame_hex"], m["name"]
 
 
 # ---------------------------------------------------------------- the library decoder agrees (in process)

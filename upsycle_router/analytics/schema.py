@@ -16,8 +16,8 @@ when :func:`problem_column` gives it a problem, checked in this order (the first
     them no ``null``), or a field the event needs is null: ``id`` for every message event except ``dropped``
     (a frame that failed to decode has no id); ``dst`` for ``delivered``, ``queued``, ``expired`` and
     ``pulled``; ``group`` and ``src`` for ``joined`` and ``left``; ``role`` for ``delivered``, ``queued``,
-    ``expired``, ``joined`` and ``left``; ``local`` for ``received``; ``reason`` for ``dropped`` and
-    ``expired``.
+    ``expired``, ``joined`` and ``left``; ``local`` for ``received``; ``reason`` for ``dropped``,
+    ``expired`` and ``refused``; ``id`` for ``refused`` too.
 ``unknown_event``
     ``event`` is not one of :data:`EVENTS`.
 ``bad_value:F``
@@ -48,6 +48,7 @@ EVENTS = (
     "duplicate",
     "expired",
     "dropped",
+    "refused",
     "pulled",
     "joined",
     "left",
@@ -62,13 +63,13 @@ HEX_FIELDS = ("node", "id", "group", "src", "dst", "peer")
 REQUIRED = ("ts", "node", "event", "type", "size")
 
 NEEDS: dict[str, tuple[str, ...]] = {
-    "id": ("received", "delivered", "queued", "forwarded", "duplicate", "expired", "pulled"),
+    "id": ("received", "delivered", "queued", "forwarded", "duplicate", "expired", "pulled", "refused"),
     "dst": ("delivered", "queued", "expired", "pulled"),
     "group": ("joined", "left"),
     "src": ("joined", "left"),
     "role": ("delivered", "queued", "expired", "joined", "left"),
     "local": ("received",),
-    "reason": ("dropped", "expired"),
+    "reason": ("dropped", "expired", "refused"),
 }
 """Fields that must not be null for the given events (docs/trace.md says which events carry them)."""
 

@@ -6,7 +6,10 @@ A unicast whose ``dst`` is this router carries one control body (PROTOCOL.md §7
 JOIN_ACK / LEAVE_ACK, with the seed's authorization: local services, configured edge nodes, or anyone when
 ``accept_join_from_any``), PULL (answered with the stored message itself, or PULL_NACK), SYNC (answered SYNC_ACK
 once the batch it arrived in is committed: the driver sends effects only after the commit), a peer
-advertisement (routes to the advertised router and its services), or an encapsulated multicast message.
+advertisement (routes to the advertised router and its services), REFUSED from a next router (passed on
+to the local app whose message it was), or an encapsulated multicast message. A body that is none of these,
+or a request the sender may not make, is refused (wire v1.1) besides any negative answer (JOIN_ACK failure,
+PULL_NACK). SYNC_ACK reports how many refusals the connection was answered since its previous SYNC.
 Membership changes drive the services: the first non-local JOIN of a group SUBs the local pub/sub service
 and, on an edge router, JOINs the group at its core nodes; the last subscriber leaving undoes both.
 :class:`ControlPlane` shares the :class:`~upsycle_router.core.router.Router`'s state and delivery path.
@@ -28,6 +31,7 @@ from upsycle_router.wire.control import (
     LeaveAck,
     Pull,
     PullNack,
+    Refused,
     Result,
     Status,
     StatusReply,
@@ -84,7 +88,7 @@ class ControlPlane:
 
     def handle(self, c: Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
         def drop(reason: str) -> None:
-            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, reason))
+            self.r.dropped(c, msg.id, reason, 0, now, out, "control", None, h.src, h.dst, size)
 
         try:
             body = decode_control(msg.body)
@@ -101,15 +105,17 @@ class ControlPlane:
                 return
             out.append(Trace("received", inner.id, "multicast", inner.header.grp, None, None, c.peer,
                              len(msg.body), local=c.local))
-            if exp_to_unix(inner.header.exp) <= now:
-                out.append(Trace("dropped", inner.id, "multicast", inner.header.grp, None, None, c.peer,
-                                 len(msg.body), "expired"))
+            # Refused under the id of the unicast that carried it (the one its sender knows), traced under its own.
+            reason = (
+                "expired" if exp_to_unix(inner.header.exp) <= now
+                else None if message_signature_valid(inner) else "bad_signature"
+            )
+            if reason is not None:
+                self.r.dropped(c, msg.id, reason, 0, now, out, "multicast", inner.header.grp, None, None,
+                               len(msg.body), inner.id)
                 return
-            if not message_signature_valid(inner):
-                out.append(Trace("dropped", inner.id, "multicast", inner.header.grp, None, None, c.peer,
-                                 len(msg.body), "bad_signature"))
-                return
-            self.r._multicast(c, inner.with_via(None) if c.local else inner, inner.header, len(msg.body), now, out)
+            self.r._multicast(c, inner.with_via(None) if c.local else inner, inner.header, len(msg.body), now, out,
+                              answer=msg.id)
             return
         if isinstance(body, Join | Leave | Sync) and h.src != c.peer:
             drop("not_authorized")  # membership and barriers only for the authenticated peer itself
@@ -128,7 +134,13 @@ class ControlPlane:
                 return
             self._reply(c, h.src, encode_router(StatusReply(self.r.status())), now, out)
         elif isinstance(body, Sync):
-            self._reply(c, h.src, encode_router(SyncAck(body.n, Result.SUCCESS)), now, out)
+            k = self.r.sync_acknowledged(c)
+            result = Result.FAILURE if k else Result.SUCCESS
+            self._reply(c, h.src, encode_router(SyncAck(body.n, result, k)), now, out)
+        elif isinstance(body, Refused):
+            if not c.local and h.src == c.peer:  # the next router refused what we forwarded
+                self.r.late_refusal(c.peer, body, now, out)
+            # (a REFUSED is never answered, whoever sent it: no refusal loops between routers)
         elif isinstance(body, JoinAck | LeaveAck) and (
             h.src == self.r.config.pubsub_service or h.src in self.r.config.upstream
         ):
@@ -150,8 +162,9 @@ class ControlPlane:
         if j.addr == self.r.config.discovery_group:
             j = Join(j.addr, True)  # always a local group: never SUBbed to pub/sub nor joined upstream
         if not self._may_join(c, requester, j.addr):
-            out.append(Trace("dropped", msg.id, "control", j.addr, h.src, h.dst, c.peer, size, "not_authorized"))
+            # The negative answer first (a client waiting for it gets it), then the refusal (for its SYNC_ACK).
             self._reply(c, requester, encode_router(JoinAck(j.addr, Result.FAILURE)), now, out)
+            self.r.dropped(c, msg.id, "not_authorized", 0, now, out, "control", j.addr, h.src, h.dst, size)
             return
         members = self.r.subs.setdefault(j.addr, {})
         if members.get(requester) != j.local:
@@ -208,8 +221,8 @@ class ControlPlane:
         self, c: Conn, msg: Message, p: Pull, h: UnicastHeader, size: int, now: float, out: list[Effect]
     ) -> None:
         if not self._may_pull(c, h.src):
-            out.append(Trace("dropped", msg.id, "control", p.addr, h.src, h.dst, c.peer, size, "not_authorized"))
             self._reply(c, h.src, encode_router(PullNack(p.addr, p.id)), now, out)
+            self.r.dropped(c, msg.id, "not_authorized", 0, now, out, "control", p.addr, h.src, h.dst, size)
             return
         stored = self.r.store.get_message(p.id)
         if stored is None or stored.group != p.addr or stored.expires <= now:
@@ -224,7 +237,7 @@ class ControlPlane:
         from_discovery = c.local and h.src == self.r.config.discovery_service
 
         def drop(reason: str) -> None:
-            out.append(Trace("dropped", msg.id, "control", None, h.src, h.dst, c.peer, size, reason))
+            self.r.dropped(c, msg.id, reason, 0, now, out, "control", None, h.src, h.dst, size)
 
         if not advert_valid(adv) or (adv.id != h.src and not from_discovery):
             drop("bad_signature")
@@ -237,6 +250,7 @@ class ControlPlane:
         """A multicast of the local discovery service on the discovery group: learn routes from its advert."""
 
         def drop(reason: str) -> None:
+            # Traced, not refused: the router is one member of the group, and the others still get the message.
             out.append(Trace("dropped", msg.id, "multicast", h.grp, None, self.r.id, c.peer, size, reason))
 
         try:

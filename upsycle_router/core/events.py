@@ -159,6 +159,15 @@ class Trace(NamedTuple):
 
 
 @dataclass(frozen=True, slots=True)
+class Throttle:
+    """Stop reading ``conn`` for ``seconds``: its messages fill a recipient's queue or the store past the
+    backpressure mark, and slowing the sender comes before refusing its messages."""
+
+    conn: ConnId
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
 class PeerLearned:
     """A verified peer advertisement arrived from router ``advert.id``: the driver may record its address."""
 
@@ -167,4 +176,4 @@ class PeerLearned:
     port: int
 
 
-Effect = Send | Fanout | FanoutRun | Dial | CloseConnection | Trace | PeerLearned
+Effect = Send | Fanout | FanoutRun | Dial | CloseConnection | Trace | PeerLearned | Throttle

@@ -19,6 +19,20 @@ VIA = V: forward unchanged to router V and stop; (3) drop with no local subscrib
 else remember it; (6) store; (7) from remote router R, set VIA = R; (8) deliver to connected subscribers and
 queue for the others (``ttl`` 0: never queue).
 
+Nothing is lost in silence (wire v1.1 refusals): a message not taken in full - stored, queued or delivered
+for every recipient the algorithm chose - is answered with REFUSED (its id, a :class:`Reason` and the number
+of recipients it was not taken for) on the connection it came in on, signed by the router, and traced
+(``refused``). The answer is an effect of the same batch as the message, so it is written before the
+SYNC_ACK that covers it; each connection counts its refusals since its last SYNC for that SYNC_ACK. A REFUSED
+that a next router sends for a message forwarded for a local app is passed on to the app (a late refusal).
+
+Fair queues: a queue entry is a *stranger's* when its sender is none of the keys the router was told to
+trust (local services, configured peers, edge and core nodes, keys the recipient itself wrote to); strangers
+may fill only ``stranger_share`` of a queue (count and bytes) and of the store, and a remote sender's message
+stays queued for ``remote_ttl_max`` at most. From ``backpressure_at`` of a queue or of the store on, the
+sender filling it is slowed (:class:`Throttle`: the driver stops reading its connection for a moment) before
+anything is refused.
+
 Queues drain when a recipient connects: entries are sent with a ``queue_ref`` and removed only when the
 driver reports them written (:class:`QueueSent`), so a crash redelivers rather than loses (at least once;
 a subscriber's session never gets the same entry twice).
@@ -28,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.control import ControlPlane
@@ -46,6 +61,7 @@ from upsycle_router.core.events import (
     MessagesReceived,
     QueueSent,
     Send,
+    Throttle,
     Trace,
     WriteBlocked,
 )
@@ -56,8 +72,11 @@ from upsycle_router.expiry import EPOCH_2020, exp_in, expires_at
 from upsycle_router.store.lmdb_store import LmdbStore, RouteEntry
 from upsycle_router.wire.control import (
     Join,
+    Reason,
+    Refused,
     RouterMessage,
     encode_router,
+    reason_label,
 )
 from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
@@ -71,10 +90,46 @@ REDIAL_MAX = 60.0
 ROUTE_CONNECTION = 1
 ROUTE_MESSAGE = 2
 ROUTE_ADVERT = 3
+CONTACTS_MAX = 1_000_000  # (local service, key it wrote to) pairs remembered at most
+# How long the driver stops reading a connection whose messages fill a queue or the store past
+# ``backpressure_at`` (once per batch at most).
+THROTTLE_SECONDS = 0.05
+# Messages forwarded for local apps whose next router may still refuse them: id -> the app's connection.
+FORWARDED_MAX = 65_536
+
+
+# The trace journal's drop reasons that are refusals (answered with REFUSED), and the wire reason of each.
+# Drops not listed are no refusal: ``no_subscribers`` (a multicast with nobody to take it here is taken),
+# ``duplicate``, ``stale_revision`` (a newer advertisement of that router was taken).
+REASONS: dict[str, Reason] = {
+    "bad_signature": Reason.BAD_SIGNATURE,
+    "expired": Reason.EXPIRED,
+    "ttl_zero_offline": Reason.EXPIRED,  # ttl 0 and the recipient away: it cannot wait
+    "not_authorized": Reason.NOT_AUTHORIZED,
+    "not_local": Reason.NOT_AUTHORIZED,
+    "no_route": Reason.NO_ROUTE,
+    "quota": Reason.QUOTA,
+    "stranger_quota": Reason.QUOTA,
+    "store_full": Reason.STORE_FULL,
+    "overloaded": Reason.OVERLOADED,
+    "too_large": Reason.TOO_LARGE,
+    "malformed": Reason.MALFORMED,
+    "unknown_control": Reason.MALFORMED,
+}
+
+
+class _Forwarded(NamedTuple):
+    """A message forwarded for a local app: where its REFUSED may come from, and where it goes then."""
+
+    conn: ConnId  # the app's connection
+    router: bytes  # the next router it went to (only its REFUSED counts)
+    kind: str
+    group: bytes | None
+    size: int
 
 
 class Conn:
-    __slots__ = ("id", "peer", "local", "inflight", "inflight_bytes", "sent", "blocked", "backlog")
+    __slots__ = ("id", "peer", "local", "inflight", "inflight_bytes", "sent", "blocked", "backlog", "refused")
 
     def __init__(self, conn: ConnId, peer: bytes, local: bool) -> None:
         self.id = conn
@@ -89,6 +144,7 @@ class Conn:
         # The peer's queue may hold entries not yet sent on this connection: new messages queue behind them.
         # Entries already sent (in flight) do not count: a message written now goes out after them anyway.
         self.backlog = True
+        self.refused = 0  # REFUSED answers sent on this connection since its last SYNC (for the SYNC_ACK)
 
 
 class Router:
@@ -109,7 +165,15 @@ class Router:
         self.routes: dict[bytes, RouteEntry] = {}
         self.pubsub_groups: set[bytes] = set()
         self.upstream_groups: set[bytes] = set()
+        self.contacts: set[tuple[bytes, bytes]] = set()  # (local service, key it wrote to): not strangers to it
         self._load_mirrored()
+        # Keys the router was told to trust (beside its local services and the contacts of each recipient).
+        cfg = self.config
+        self._trusted = frozenset(cfg.peers | cfg.edge_nodes | cfg.upstream)
+        # Messages forwarded for local apps (their next router may refuse them late): id -> connection.
+        self._forwarded: dict[bytes, _Forwarded] = {}
+        self._throttled: set[ConnId] = set()  # connections slowed in this batch
+        self._map_size = int(store.stats()["map_size"])  # strangers' share of the store is a share of this
         # A pub/sub service starting with this router knows none of them: SUB again when it first connects.
         self._resub: set[bytes] = set(self.pubsub_groups)
         self._dialing: set[bytes] = set()
@@ -134,6 +198,7 @@ class Router:
         # inflight, inflight_bytes, backlog).
         self._batch_conns: dict[ConnId, tuple[int, dict[int, int], int, bool]] = {}
         self._batch_opened: set[ConnId] = set()  # connections the batch opened
+        self._batch_refused: dict[ConnId, int] = {}  # each connection's refusal count as it was
 
     # ------------------------------------------------------------------ driver interface
 
@@ -177,6 +242,10 @@ class Router:
             self._batch_conns = {}
         if self._batch_opened:
             self._batch_opened = set()
+        if self._batch_refused:
+            self._batch_refused = {}
+        if self._throttled:
+            self._throttled = set()
 
     def batch_lost(self) -> None:
         """The batch begun last did not commit: nothing of it is in the store, and none of its effects were
@@ -202,6 +271,11 @@ class Router:
             if c is not None:  # its queue window as it was: the batch's Sends never went out
                 c.sent, c.inflight, c.inflight_bytes, c.backlog = sent, inflight, inflight_bytes, backlog
         self._batch_conns = {}
+        for conn, refused in self._batch_refused.items():
+            c = self._conns.get(conn)
+            if c is not None:
+                c.refused = refused
+        self._batch_refused = {}
         self._load_mirrored()
 
     def _load_mirrored(self) -> None:
@@ -217,6 +291,8 @@ class Router:
         self.pubsub_groups.update(store.pubsub_subscribed())
         self.upstream_groups.clear()
         self.upstream_groups.update(store.upstream_subscribed())
+        self.contacts.clear()
+        self.contacts.update(store.contacts())
 
     def start(self, now: float) -> list[Effect]:
         """Effects to run once at start: a ``joined`` record for every subscription restored from the store
@@ -529,7 +605,7 @@ class Router:
             data = msg.encode()
             if expiry > now:
                 if not store.has_room(len(data)):
-                    outcome.append("quota")
+                    outcome.append("store_full")
                     continue
                 if mid in pending or mid in stored:
                     outcome.append("duplicate")
@@ -540,6 +616,10 @@ class Router:
             outcome.append(data)
         if new:
             store.put_new_messages(grp, new)
+            if store.pressure >= self.config.backpressure_at:
+                self._throttle(c, out)
+        if "store_full" in outcome:
+            self._throttle(c, out)
         # Then the effects: the trace records message by message, and the deliveries as one run.
         tracing = self.tracing
         roles = [(key, self._role(key)) for key in recipients] if tracing else []
@@ -560,7 +640,7 @@ class Router:
             if result == "duplicate":
                 out.append(Trace("duplicate", msg.id, "multicast", grp, None, None, peer, size, "duplicate"))
             elif type(result) is str:
-                out.append(Trace("dropped", msg.id, "multicast", grp, None, None, peer, size, result))
+                self.dropped(c, msg.id, result, 0, now, out, "multicast", grp, None, None, size)
         if delivered:
             out.append(FanoutRun(fanout, delivered))
         return True
@@ -571,9 +651,9 @@ class Router:
             if self.tracing:
                 out.append(Trace("received", msg.id, "multicast", h.grp, None, None, c.peer, size, local=c.local))
             if EPOCH_2020 + h.exp * 60 <= now:  # exp_to_unix(h.exp), inline: this runs for every message
-                out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "expired"))
+                self.dropped(c, msg.id, "expired", 0, now, out, "multicast", h.grp, None, None, size)
             elif not verified:
-                out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "bad_signature"))
+                self.dropped(c, msg.id, "bad_signature", 0, now, out, "multicast", h.grp, None, None, size)
             else:
                 self._multicast(c, msg, h, size, now, out)
             return
@@ -582,9 +662,9 @@ class Router:
         if self.tracing:
             out.append(Trace("received", msg.id, kind, None, h.src, h.dst, c.peer, size, local=c.local))
         if EPOCH_2020 + h.exp * 60 <= now:
-            out.append(Trace("dropped", msg.id, kind, None, h.src, h.dst, c.peer, size, "expired"))
+            self.dropped(c, msg.id, "expired", 0, now, out, kind, None, h.src, h.dst, size)
         elif not verified:
-            out.append(Trace("dropped", msg.id, kind, None, h.src, h.dst, c.peer, size, "bad_signature"))
+            self.dropped(c, msg.id, "bad_signature", 0, now, out, kind, None, h.src, h.dst, size)
         else:
             self._unicast(c, msg, h, size, now, out)
 
@@ -592,7 +672,7 @@ class Router:
         kind = "control" if h.dst == self.id else "unicast"
 
         def drop(reason: str) -> None:
-            out.append(Trace("dropped", msg.id, kind, None, h.src, h.dst, c.peer, size, reason))
+            self.dropped(c, msg.id, reason, 0, now, out, kind, None, h.src, h.dst, size)
 
         if kind == "unicast":
             # Replay protection. Control messages are exempt: deterministic signatures give two identical
@@ -611,7 +691,15 @@ class Router:
             self.control.handle(c, msg, h, size, now, out)
             return
         if h.dst in self.locals:  # 3.2
-            self._deliver(h.dst, msg, None, size, now, out, kind="unicast")
+            remote = not c.local
+            # A stranger: a remote sender the router was never told to trust, to whom the recipient never wrote.
+            stranger = remote and h.src not in self.locals and h.src not in self._trusted and (
+                (h.dst, h.src) not in self.contacts
+            )
+            why = self._deliver(h.dst, msg, None, size, now, out, kind="unicast", stranger=stranger, remote=remote,
+                                origin=c)
+            if why is not None:
+                self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
             return
         src_local = c.local and h.src in self.locals
         if not src_local:  # 3.3 only relays for local services
@@ -623,7 +711,12 @@ class Router:
         if router is None:
             drop("no_route")
             return
-        self._to_router(router, msg, None, size, now, out, kind="unicast")
+        if (h.src, h.dst) not in self.contacts and len(self.contacts) < CONTACTS_MAX:
+            self.contacts.add((h.src, h.dst))  # h.dst's messages to h.src are no stranger's
+            self.store.add_contact(h.src, h.dst)
+        why = self._to_router(router, msg, None, size, now, out, kind="unicast", origin=c)
+        if why is not None:
+            self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
 
     def _recipients(self, c: Conn, grp: bytes, discovery: bool) -> tuple[dict[bytes, bool] | None, list[bytes]]:
         """The group's local members, and who of them (and of the services) gets a message of ``grp`` that
@@ -645,18 +738,32 @@ class Router:
             recipients.append(ps)
         return members, recipients
 
-    def _multicast(self, c: Conn, msg: Message, h: MulticastHeader, size: int, now: float, out: list[Effect]) -> None:
+    def _multicast(
+        self,
+        c: Conn,
+        msg: Message,
+        h: MulticastHeader,
+        size: int,
+        now: float,
+        out: list[Effect],
+        answer: bytes | None = None,
+    ) -> None:
+        """Route a multicast message (``answer``: the id a refusal names, when it is not the message's own: an
+        encapsulated message is refused under the id of the unicast that carried it)."""
+        ref = answer or msg.id
         discovery = h.grp == self.config.discovery_group
         if discovery:
             # The local discovery group (seed §Peer Discovery Service): the router is a member; only the
             # discovery service may publish; nothing on it leaves this node.
             if not (c.local and c.peer == self.config.discovery_service and msg.via in (None, self.id)):
-                out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "not_authorized"))
+                self.dropped(c, ref, "not_authorized", 0, now, out, "multicast", h.grp, None, None, size, msg.id)
                 return
             msg = msg.with_via(None)
             self.control.discovered(c, msg, h, size, now, out)
         if c.local and msg.via is not None and msg.via != self.id:  # step 2: source routing by a local service
-            self._to_router(msg.via, msg, h.grp, size, now, out, kind="multicast")
+            why = self._to_router(msg.via, msg, h.grp, size, now, out, kind="multicast", origin=c)
+            if why is not None:
+                self._refuse(c, ref, why, 0, now, out, "multicast", h.grp, size)
             return
         grp = h.grp
         members, recipients = self._recipients(c, grp, discovery)
@@ -680,23 +787,39 @@ class Router:
             msg = msg.with_via(None)
         data = msg.encode()
         if expiry > now:  # step 6
-            if not self.store.has_room(len(data)):
-                out.append(Trace("dropped", msg.id, "multicast", h.grp, None, None, c.peer, size, "quota"))
+            store = self.store
+            if not store.has_room(len(data)):
+                self.dropped(c, ref, "store_full", 0, now, out, "multicast", h.grp, None, None, size, msg.id)
+                self._throttle(c, out)
                 return
-            if not self.store.put_message(msg.id, data, h.grp, expiry):
+            if not store.put_message(msg.id, data, h.grp, expiry):
                 out.append(Trace("duplicate", msg.id, "multicast", h.grp, None, None, c.peer, size, "duplicate"))
                 return
+            if store.pressure >= self.config.backpressure_at:
+                self._throttle(c, out)
         self.seen.add(msg.id)  # step 5
         # Step 8. Subscribers that get it now get it in one Fanout; the others are queued while away or behind.
         direct: list[ConnId] = []
         deliver = self._deliver
+        remote = not c.local
+        failed = 0
+        why = None
         for m in recipients:
-            deliver(m, msg, grp, size, now, out, kind="multicast", data=data, fanout=direct)
+            r = deliver(m, msg, grp, size, now, out, kind="multicast", data=data, fanout=direct, remote=remote,
+                        origin=c)
+            if r is not None:
+                failed += 1
+                why = why or r
         if direct:
             out.append(Fanout(tuple(direct), data))
         if c.local and h.grp in self.upstream_groups:  # an edge app published: hand it to our core nodes
             for core in sorted(self.config.upstream):
-                self._to_router(core, msg, h.grp, size, now, out, kind="multicast")
+                r = self._to_router(core, msg, h.grp, size, now, out, kind="multicast", origin=c)
+                if r is not None:
+                    failed += 1
+                    why = why or r
+        if why is not None:
+            self._refuse(c, ref, why, failed, now, out, "multicast", h.grp, size)
 
     # ------------------------------------------------------------------ delivery
 
@@ -712,9 +835,14 @@ class Router:
         kind: str,
         data: bytes | None = None,
         fanout: list[ConnId] | None = None,
-    ) -> None:
-        """Hand ``msg`` to recipient ``key`` now, or queue it while ``key`` is away. With ``fanout``, a delivery
-        now adds the connection to it (the caller writes one Fanout for all of them) instead of a Send."""
+        stranger: bool = False,
+        remote: bool = False,
+        origin: Conn | None = None,
+    ) -> Reason | None:
+        """Hand ``msg`` to recipient ``key`` now, or queue it while ``key`` is away; the reason it was not taken
+        for ``key``, or None. With ``fanout``, a delivery now adds the connection to it (the caller writes one
+        Fanout for all of them) instead of a Send. ``stranger``, ``remote`` and ``origin`` (the connection it
+        came in on, slowed when it fills the queue) are for :meth:`_enqueue`."""
         data = data if data is not None else msg.encode()
         conns = self._by_key.get(key)  # self.connected(key), inline: this runs for every delivery
         if conns:
@@ -723,15 +851,17 @@ class Router:
             if (c.backlog or c.blocked) and msg.header.ttl > 0:
                 # The recipient's queue still holds unsent entries (append, so nothing overtakes what was queued
                 # first), or it does not read: keep the message in the store rather than in memory.
-                if self._enqueue(key, msg, group, data, size, now, out, kind=kind):
+                why = self._enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger,
+                                    remote=remote, origin=origin)
+                if why is None:
                     self._keep(c)
                     c.backlog = True
                     self._flush(c, now, out)  # sends it at once unless entries are in flight or c is blocked
-                return
+                return why
             if c.blocked:
                 out.append(Trace("dropped", msg.id, kind, group, None, key, key, size, "overloaded",
                                  role=self._role(key)))
-                return
+                return Reason.OVERLOADED
             if fanout is not None:
                 fanout.append(conn)
             else:
@@ -741,8 +871,9 @@ class Router:
                 src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
                 out.append(Trace(event, msg.id, kind, group, src, key, key, size,
                                  role=self._role(key) if event == "delivered" else None))
-            return
-        self._enqueue(key, msg, group, data, size, now, out, kind=kind)
+            return None
+        return self._enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger, remote=remote,
+                             origin=origin)
 
     def _enqueue(
         self,
@@ -755,46 +886,156 @@ class Router:
         out: list[Effect],
         *,
         kind: str,
-    ) -> bool:
+        stranger: bool = False,
+        remote: bool = False,
+        origin: Conn | None = None,
+    ) -> Reason | None:
+        """Queue ``msg`` for ``key``; the reason it was not queued, or None. Strangers' entries count against
+        their share of the queue and of the store; a remote sender's entry lives ``remote_ttl_max`` at most;
+        ``origin`` is slowed once the queue or the store is past the backpressure mark."""
         h = msg.header
         src = h.src if isinstance(h, UnicastHeader) else None
 
-        def drop(reason: str) -> bool:
+        def drop(reason: str) -> Reason:
             out.append(Trace("dropped", msg.id, kind, group, src, key, None, size, reason, role=self._role(key)))
-            return False
+            if origin is not None and reason in ("quota", "store_full"):
+                self._throttle(origin, out)  # a sender still writing into a full queue or store is slowed too
+            return REASONS[reason]
 
         if h.ttl == 0:
             return drop("ttl_zero_offline")
         expiry = expires_at(now, h.ttl, h.exp)
+        cfg = self.config
+        if remote:
+            expiry = min(expiry, now + cfg.remote_ttl_max)
         if expiry <= now:
             return drop("expired")
-        count, nbytes = self.store.queue_usage(key)
-        if count + 1 > self.config.queue_max_count or nbytes + len(data) > self.config.queue_max_bytes:
+        n = len(data)
+        if n > cfg.queue_max_bytes:
+            return drop("too_large")  # no queue could ever hold it
+        store = self.store
+        count, nbytes = store.queue_usage(key)
+        if count + 1 > cfg.queue_max_count or nbytes + n > cfg.queue_max_bytes:
             return drop("quota")
-        stored = self.store.has_message(msg.id)
-        if not self.store.has_room(QUEUE_ENTRY_BYTES if stored else QUEUE_ENTRY_BYTES + len(data)):
-            return drop("quota")  # the store (disk quota) is full: refuse new messages, keep the stored ones
-        self.store.put_message(msg.id, data, group, expiry)
-        self.store.enqueue(key, msg.id, expiry, len(data))
+        if stranger:
+            share = cfg.stranger_share
+            scount, sbytes = store.stranger_usage(key)
+            if (scount + 1 > share * cfg.queue_max_count or sbytes + n > share * cfg.queue_max_bytes
+                    or store.stranger_bytes() + n > share * self._map_size):
+                return drop("stranger_quota")
+        stored = store.has_message(msg.id)
+        if not store.has_room(QUEUE_ENTRY_BYTES if stored else QUEUE_ENTRY_BYTES + n):
+            return drop("store_full")  # the store (disk quota) is full: refuse new messages, keep the stored ones
+        store.put_message(msg.id, data, group, expiry)
+        store.enqueue(key, msg.id, expiry, n, stranger=stranger)
+        if origin is not None and origin.id not in self._throttled:
+            bp = cfg.backpressure_at
+            if count + 1 >= bp * cfg.queue_max_count or nbytes + n >= bp * cfg.queue_max_bytes or store.pressure >= bp:
+                self._throttle(origin, out)
         if self.tracing:
             out.append(Trace("queued", msg.id, kind, group, src, key, None, size, role=self._role(key)))
-        return True
+        return None
 
     def _to_router(
-        self, router: bytes, msg: Message, group: bytes | None, size: int, now: float, out: list[Effect], *, kind: str
-    ) -> None:
-        """Forward to a remote router: over its open connection, or queued while the pool dials it."""
+        self,
+        router: bytes,
+        msg: Message,
+        group: bytes | None,
+        size: int,
+        now: float,
+        out: list[Effect],
+        *,
+        kind: str,
+        origin: Conn | None = None,
+    ) -> Reason | None:
+        """Forward to a remote router: over its open connection, or queued while the pool dials it; the reason
+        it was not taken, or None. A message a local app (``origin``) sent is remembered for a while, so that a
+        REFUSED from the next router reaches the app."""
         conn = self.connected(router)
         src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
         dst = msg.header.dst if isinstance(msg.header, UnicastHeader) else None
+        if origin is not None and origin.local:
+            fwd = self._forwarded
+            if len(fwd) >= FORWARDED_MAX:
+                del fwd[next(iter(fwd))]
+            fwd[msg.id] = _Forwarded(origin.id, router, kind, group, size)
         if conn is not None:
             out.append(Send(conn, msg.encode()))
             if self.tracing:
                 out.append(Trace("forwarded", msg.id, kind, group, src, dst, router, size))
-            return
-        if self._enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind) and router not in self._dialing:
+            return None
+        why = self._enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, origin=origin)
+        if why is None and router not in self._dialing:
             self._dialing.add(router)
             out.append(Dial(router))
+        return why
+
+    # ------------------------------------------------------------------ refusals (wire v1.1)
+
+    def dropped(
+        self,
+        c: Conn,
+        mid: bytes,
+        reason: str,
+        count: int,
+        now: float,
+        out: list[Effect],
+        kind: str,
+        group: bytes | None,
+        src: bytes | None,
+        dst: bytes | None,
+        size: int,
+        traced: bytes | None = None,
+    ) -> None:
+        """Trace that the message ``mid`` that arrived on ``c`` was dropped (``reason``: the trace journal's
+        reason), and answer ``c`` with REFUSED when the reason is a refusal (``count`` recipients, 0: as a
+        whole). ``traced``: the id the trace record names, when it is not ``mid``."""
+        out.append(Trace("dropped", traced or mid, kind, group, src, dst, c.peer, size, reason))
+        why = REASONS.get(reason)
+        if why is not None:
+            self._refuse(c, mid, why, count, now, out, kind, group, size)
+
+    def _refuse(
+        self, c: Conn, mid: bytes, why: Reason, count: int, now: float, out: list[Effect], kind: str,
+        group: bytes | None, size: int,
+    ) -> None:
+        """Answer REFUSED on ``c`` (it counts for the connection's next SYNC_ACK), and trace it."""
+        if c.id not in self._batch_refused:
+            self._batch_refused[c.id] = c.refused
+        c.refused += 1
+        body = encode_router(Refused(mid, int(why), count))
+        out.append(Send(c.id, self.control.signed_to(c.peer, body, now).encode()))
+        out.append(Trace("refused", mid, kind, group, None, None, c.peer, size, why.label))
+
+    def sync_acknowledged(self, c: Conn) -> int:
+        """The refusals ``c`` was answered since its last SYNC, counted afresh from now (a SYNC_ACK reports them)."""
+        if c.id not in self._batch_refused:
+            self._batch_refused[c.id] = c.refused
+        k, c.refused = c.refused, 0
+        return k
+
+    def late_refusal(self, router: bytes, r: Refused, now: float, out: list[Effect]) -> None:
+        """Router ``router`` refused ``r.id``: if that is a message forwarded to it for a local app, tell the app,
+        if it is still connected (a late refusal: its SYNC_ACK may have come back already). A REFUSED from any
+        other router means nothing here."""
+        fwd = self._forwarded.get(r.id)
+        if fwd is None or fwd.router != router:
+            return
+        del self._forwarded[r.id]
+        c = self._conns.get(fwd.conn)
+        if c is None:
+            return
+        body = encode_router(Refused(r.id, r.reason, r.count))
+        out.append(Send(c.id, self.control.signed_to(c.peer, body, now).encode()))
+        out.append(Trace("refused", r.id, fwd.kind, fwd.group, None, None, c.peer, fwd.size, reason_label(r.reason)))
+
+    def _throttle(self, c: Conn, out: list[Effect]) -> None:
+        """Slow ``c`` (once per batch): what it sends fills a queue or the store past the backpressure mark, or
+        is refused for want of room. Only local connections: a router's connection carries many senders'
+        messages, and pausing it would hold them all up for one full queue (remote senders are refused)."""
+        if c.local and c.id not in self._throttled:
+            self._throttled.add(c.id)
+            out.append(Throttle(c.id, THROTTLE_SECONDS))
 
     def _route(self, dst: bytes, now: float) -> bytes | None:
         if self.connected(dst) is not None and dst not in self.locals:

@@ -44,11 +44,13 @@ from upsycle_router.core.events import (
     PeerLearned,
     QueueSent,
     Send,
+    Throttle,
     Trace,
     WriteBlocked,
 )
 from upsycle_router.core.router import Router
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.runtime.logs import RateLimitedLog
 from upsycle_router.runtime.verify import Verifier, name_thread
 from upsycle_router.store.commit_thread import CommitThread
 from upsycle_router.store.lmdb_store import Durability, LmdbStore
@@ -79,6 +81,10 @@ SEGMENT_SIZE = 256  # messages that arrived are sealed into a segment at once fr
 # (2,048 messages, 2.4 MiB to each of 10 subscribers) put every subscriber over its write high-water mark by
 # construction, and their traffic went through the store (mc 1->10: 4 of 5 runs at a quarter of the rate).
 MAX_BATCH = 512
+# Trace events counted by reason in the status counters (``refused_quota_total``, ``dropped_no_route_total``),
+# and the name of the counter of the others.
+_BY_REASON = frozenset({"refused", "dropped"})
+_COUNTED = {"duplicate": "duplicates_total", "expired": "expired_total"}
 
 
 class _Segment:
@@ -169,9 +175,14 @@ class Driver:
         self._closed = False
         self._pending_msgs = 0  # messages in _pending
         self._reading_paused = False
+        # Connections the core slowed down (backpressure): conn -> the timer that resumes reading it.
+        self._throttled: dict[int, asyncio.TimerHandle] = {}
+        self._refusal_log = RateLimitedLog(log, "refused")
+        self._refusal_flush: asyncio.TimerHandle | None = None
         self.stats = router.counters
         self.stats.update({"received_total": 0, "malformed_total": 0, "bad_signature_total": 0, "batches_total": 0,
-                           "overloaded_total": 0, "read_pauses_total": 0, "syncs_total": 0,
+                           "overloaded_total": 0, "read_pauses_total": 0, "syncs_total": 0, "throttled_total": 0,
+                           "duplicates_total": 0, "expired_total": 0,
                            "hot_path_c": int(accel.IMPLEMENTATION == "c")})
 
     # ------------------------------------------------------------ ConnectionHandler
@@ -263,6 +274,9 @@ class Driver:
     def on_close(self, conn: Connection) -> None:
         """A connection ended."""
         self._buckets.pop(conn.id, None)
+        handle = self._throttled.pop(conn.id, None)
+        if handle is not None:
+            handle.cancel()
         if self.conns.pop(conn.id, None) is not None:
             log.info("connection closed conn=%d peer=%s", conn.id, (conn.peer or b"").hex())
             self._push(ConnectionClosed(conn.id))
@@ -359,8 +373,10 @@ class Driver:
             events.extend(self._resolve(seg.items, seg.results))
         if self._reading_paused and len(segments) < MAX_SEGMENTS:
             self._reading_paused = False
+            throttled = self._throttled
             for c in self.conns.values():
-                c.resume_reading()
+                if c.id not in throttled:
+                    c.resume_reading()
         if events or self._timer_due:
             self._process(events)
 
@@ -564,9 +580,20 @@ class Driver:
         payloads: list[bytes] = []
         framed: list[bytes] = []
         nbytes = 0
+        stats = self.stats
         for e in effects:
             kind = type(e)
             if kind is Trace:
+                assert isinstance(e, Trace)
+                event = e.event
+                if event in _BY_REASON:  # counted by reason; refusals are also logged (rate-limited)
+                    key = f"{event}_{e.reason}_total"
+                    stats[key] = stats.get(key, 0) + 1
+                    if event == "refused":
+                        self._refusal_log.note(e.reason or "unknown", now)
+                        self._arm_refusal_flush()
+                elif event in _COUNTED:
+                    stats[_COUNTED[event]] += 1
                 continue
             if kind is Fanout or kind is FanoutRun:
                 assert isinstance(e, (Fanout, FanoutRun))
@@ -609,6 +636,12 @@ class Driver:
             elif isinstance(e, PeerLearned):
                 if self.dialer is not None:
                     self.dialer.learn(e.router, e.host, e.port)
+            elif isinstance(e, Throttle):
+                conn = conns.get(e.conn)
+                if conn is not None and e.conn not in self._throttled:
+                    stats["throttled_total"] += 1
+                    conn.pause_reading()
+                    self._throttled[e.conn] = self.loop.call_later(e.seconds, self._unthrottle, e.conn)
         if payloads:
             self._fan_out(run, payloads, framed, nbytes, sent_to)
         for conn in sent_to:  # one write per connection and batch
@@ -619,6 +652,24 @@ class Driver:
                 conn.close_with_error(ErrorCode.OVERLOADED, "outbound buffer full (not reading)")
         if self._unflushed:
             self._release_flushed()
+
+    def _unthrottle(self, cid: int) -> None:
+        """A slowed connection's pause is over: read it again (unless the whole router is not reading)."""
+        self._throttled.pop(cid, None)
+        conn = self.conns.get(cid)
+        if conn is not None and not self._reading_paused and not self._closed:
+            conn.resume_reading()
+
+    def _arm_refusal_flush(self) -> None:
+        """Refusal counts waiting for their next log line are logged when their interval has passed, even if no
+        further refusal comes."""
+        if self._refusal_flush is None and not self._closed:
+            self._refusal_flush = self.loop.call_later(self._refusal_log.interval, self._flush_refusals)
+
+    def _flush_refusals(self) -> None:
+        self._refusal_flush = None
+        if self._refusal_log.flush(self.clock()):
+            self._arm_refusal_flush()
 
     def _fan_out(
         self, run: tuple[int, ...], payloads: list[bytes], framed: list[bytes], nbytes: int, sent_to: set[Connection]
@@ -723,9 +774,11 @@ class Driver:
         for _ in range(2):  # the pending batch, then the queue acknowledgements it produced
             self._seal(inline=True)
             self._drain()
-        for h in (self._timer, self._sync_handle, self._release_handle):
+        for h in (self._timer, self._sync_handle, self._release_handle, self._refusal_flush, *self._throttled.values()):
             if h is not None:
                 h.cancel()
+        self._throttled.clear()
+        self._refusal_log.flush(float("inf"))
         if self._sync_pool is not None:  # a sync in flight finishes; the store's close syncs the rest
             self._sync_pool.shutdown(wait=True)
             self._sync_pool = None

@@ -1,7 +1,9 @@
 """An optional Prometheus endpoint: ``GET /metrics`` on a loopback address, text exposition format.
 
 It serves :meth:`Router.status` as gauges and counters named ``upsycle_<name>`` (counters end in
-``_total``). The listener only accepts loopback addresses: metrics say who talks to whom and how much.
+``_total``). Counters by reason (``refused_quota_total``, ``dropped_no_route_total``) are served as one
+counter with a ``reason`` label (``upsycle_refused_total{reason="quota"}``). The listener only accepts
+loopback addresses: metrics say who talks to whom and how much.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import re
 from collections.abc import Callable
 
 log = logging.getLogger("upsycle_router.metrics")
@@ -23,14 +26,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+_BY_REASON = re.compile(r"^(refused|dropped)_([a-z0-9_]+)_total$")
+
+
 def render(stats: dict[str, int], node: str) -> str:
     """Prometheus text format for a status map."""
     lines = []
+    typed: set[str] = set()
     for name in sorted(stats):
-        metric = f"upsycle_{name}"
-        kind = "counter" if name.endswith("_total") else "gauge"
-        lines.append(f"# TYPE {metric} {kind}")
-        lines.append(f'{metric}{{node="{node}"}} {stats[name]}')
+        m = _BY_REASON.match(name)
+        metric = f"upsycle_{m.group(1)}_total" if m else f"upsycle_{name}"
+        labels = f'node="{node}",reason="{m.group(2)}"' if m else f'node="{node}"'
+        if metric not in typed:
+            typed.add(metric)
+            lines.append(f"# TYPE {metric} {'counter' if metric.endswith('_total') else 'gauge'}")
+        lines.append(f"{metric}{{{labels}}} {stats[name]}")
     return "\n".join(lines) + "\n"
 
 

@@ -15,7 +15,14 @@ One LMDB environment holds every piece of state the router must not lose, in nam
 ``queues``     ``recipient || seq`` -> ``id || expires_ms || size``: per-recipient FIFO queues
 ``queue_exp``  ``expires_ms || recipient || seq`` -> ``b""``: the expiry index of ``queues``
 ``qstats``     ``recipient`` -> ``count || bytes``: quota accounting
+``sqstats``    ``recipient`` -> ``count || bytes``: the part of ``qstats`` queued by strangers (fair queues)
 ``refs``       ``id`` -> number of queue entries referring to the message
+``contacts``   ``local service || key`` -> ``b""``: keys a local service wrote to (they are not strangers to it)
+
+Fair queues: a queue entry that a sender the router was never told to trust queued (a *stranger*) carries
+``STRANGER_FLAG`` in the top bit of its ``size``; ``sqstats`` adds those entries up per recipient, and the
+store keeps their total bytes in memory (:meth:`LmdbStore.stranger_bytes`), so the core can hold strangers to
+a share of each queue and of the store.
 
 Messages are kept in arrival order, under a sequence number: storing a message appends it to the end of
 ``msgs`` (one B-tree page written for several messages). Sequence numbers (``seq``) of messages and of queue
@@ -74,6 +81,8 @@ INDEX_BATCH = 4096  # index entries held in memory before they are written in bu
 _U64 = struct.Struct(">Q")
 _QVAL = struct.Struct(">32sQI")  # id, expires_ms, size
 _QSTAT = struct.Struct(">QQ")
+STRANGER_FLAG = 0x8000_0000  # in a queue entry's size: queued by a stranger (sizes stay far below 2**31)
+_SIZE_MASK = STRANGER_FLAG - 1
 _NEVER_MS = 2**63 - 1
 
 
@@ -182,7 +191,7 @@ class LmdbStore(LmdbTables):
             if v not in (None, b"1", b"2", b"3", SCHEMA_VERSION):
                 raise RuntimeError(f"{self.path}: store schema {v!r} is not supported (expected {SCHEMA_VERSION!r})")
             for name in ("locals", "subs", "psubs", "usubs", "routes", "msg_exp", "queues", "refs", "qstats",
-                         "queue_exp"):
+                         "queue_exp", "sqstats", "contacts"):
                 self._db[name] = self.env.open_db(name.encode(), txn=self._txn)
             if v == b"1":
                 self._migrate_1()
@@ -196,8 +205,11 @@ class LmdbStore(LmdbTables):
             # converted store has no ``indexed`` mark: every record is read, and msg_exp written.
             if not self._load_index(self._txn) or len(self._exps) >= self.index_batch:
                 self._flush_index()
+            self._stranger_bytes = self._load_stranger_bytes(self._txn)
         self._opened = True
         mark_initialised(self.path)  # from now on an empty or missing data file is damage, not a new store
+        # has_room's last verdict: the share of the usable map in use (the core slows senders from a point on)
+        self.pressure = 0.0
 
     # ------------------------------------------------------------ transactions
 
@@ -222,6 +234,10 @@ class LmdbStore(LmdbTables):
             return  # the opening transaction failed: its error is the one to see, and the store is not used
         with self.env.begin() as txn:
             self._load_index(txn)
+            self._stranger_bytes = self._load_stranger_bytes(txn)
+
+    def _load_stranger_bytes(self, txn: Any) -> int:
+        return sum(_QSTAT.unpack(v)[1] for v in txn.cursor(db=self._db["sqstats"]).iternext(keys=False))
 
     # ------------------------------------------------------------ the message indexes
 
@@ -351,6 +367,18 @@ class LmdbStore(LmdbTables):
     def locals(self) -> set[bytes]:
         """Every key known as a local service."""
         return {k for k, _ in self._prefix("locals", b"")}
+
+    def add_contact(self, local: bytes, key: bytes) -> bool:
+        """Remember that local service ``local`` wrote to ``key`` (fair queues); True if new."""
+        k = local + key
+        if self._get("contacts", k) is not None:
+            return False
+        self._put("contacts", k, b"")
+        return True
+
+    def contacts(self) -> set[tuple[bytes, bytes]]:
+        """Every ``(local service, key it wrote to)``."""
+        return {(k[:32], k[32:]) for k, _ in self._prefix("contacts", b"")}
 
     # ------------------------------------------------------------ subscriptions
 
@@ -527,12 +555,20 @@ class LmdbStore(LmdbTables):
 
     # ------------------------------------------------------------ queues
 
-    def enqueue(self, recipient: bytes, mid: bytes, expires: float, size: int) -> QueueEntry:
-        """Append a message id to ``recipient``'s queue."""
+    def enqueue(
+        self, recipient: bytes, mid: bytes, expires: float, size: int, *, stranger: bool = False
+    ) -> QueueEntry:
+        """Append a message id to ``recipient``'s queue (``stranger``: for a sender the router was never told
+        to trust, counted in :meth:`stranger_usage` too)."""
         seq = self._next_seq
         self._next_seq += 1
         exp = _ms(expires)
-        self._put("queues", recipient + _U64.pack(seq), _QVAL.pack(mid, exp, size))
+        flagged = size | STRANGER_FLAG if stranger else size
+        self._put("queues", recipient + _U64.pack(seq), _QVAL.pack(mid, exp, flagged))
+        if stranger:
+            c, b = self.stranger_usage(recipient)
+            self._put("sqstats", recipient, _QSTAT.pack(c + 1, b + size))
+            self._stranger_bytes += size
         self._put("queue_exp", _U64.pack(exp) + recipient + _U64.pack(seq), b"")
         refs = self._get("refs", mid)
         self._put("refs", mid, _U64.pack((_U64.unpack(refs)[0] if refs else 0) + 1))
@@ -545,7 +581,7 @@ class LmdbStore(LmdbTables):
         out = []
         for k, v in self._prefix("queues", recipient, recipient + _U64.pack(after + 1) if after > 0 else None):
             mid, exp, size = _QVAL.unpack(v)
-            out.append(QueueEntry(recipient, _U64.unpack_from(k, 32)[0], mid, exp / 1000.0, size))
+            out.append(QueueEntry(recipient, _U64.unpack_from(k, 32)[0], mid, exp / 1000.0, size & _SIZE_MASK))
             if limit is not None and len(out) >= limit:
                 break
         return out
@@ -561,6 +597,14 @@ class LmdbStore(LmdbTables):
         if v is None:
             return None
         mid, exp, size = _QVAL.unpack(v)
+        if size & STRANGER_FLAG:
+            size &= _SIZE_MASK
+            c, b = self.stranger_usage(recipient)
+            if c <= 1:
+                self._delete("sqstats", recipient)
+            else:
+                self._put("sqstats", recipient, _QSTAT.pack(c - 1, max(0, b - size)))
+            self._stranger_bytes = max(0, self._stranger_bytes - size)
         self._delete("queues", key)
         self._delete("queue_exp", _U64.pack(exp) + key)
         refs_raw = self._get("refs", mid)
@@ -586,6 +630,18 @@ class LmdbStore(LmdbTables):
             return 0, 0
         c, b = _QSTAT.unpack(v)
         return int(c), int(b)
+
+    def stranger_usage(self, recipient: bytes) -> tuple[int, int]:
+        """``(count, bytes)`` that strangers queued for ``recipient``."""
+        v = self._get("sqstats", recipient)
+        if v is None:
+            return 0, 0
+        c, b = _QSTAT.unpack(v)
+        return int(c), int(b)
+
+    def stranger_bytes(self) -> int:
+        """The bytes strangers queued, for every recipient together."""
+        return self._stranger_bytes
 
     def queue_recipients(self) -> dict[bytes, tuple[int, int]]:
         """Every recipient with a non-empty queue and its usage."""
@@ -629,7 +685,7 @@ class LmdbStore(LmdbTables):
             if v is not None:
                 mid, _, size = _QVAL.unpack(v)
                 stored = self.get_message(mid)
-                out.append(Expired(recipient, mid, size, stored.group if stored is not None else None))
+                out.append(Expired(recipient, mid, size & _SIZE_MASK, stored.group if stored is not None else None))
             self.dequeue(recipient, seq)
             self._delete("queue_exp", k)
         limit -= len(victims)
@@ -691,8 +747,10 @@ class LmdbStore(LmdbTables):
             self._room = [used, size - margin, used]  # read once per transaction; what it admits is added up
         used, limit = self._room[0], self._room[1]
         if used + need > limit:
+            self.pressure = 1.0
             return False
         self._room[0] = used + need
+        self.pressure = (used + need) / limit
         return True
 
     # ------------------------------------------------------------ statistics
@@ -709,4 +767,5 @@ class LmdbStore(LmdbTables):
         out["used_bytes"] = int((info["last_pgno"] + 1) * self.env.stat()["psize"])
         out["live_bytes"] = self._live_bytes()
         out["id_index_bytes"] = int(self._index.nbytes)
+        out["stranger_queued_bytes"] = self._stranger_bytes
         return out

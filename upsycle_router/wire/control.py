@@ -102,12 +102,19 @@ class Sync:
 @dataclass(frozen=True, slots=True)
 class SyncAck:
     """Answer to SYNC (type 8): ``refused`` REFUSED answers were sent on the connection for messages between the
-    previous SYNC and this one; ``result`` is 0 when that is none, else 1. (A wire v1.0 router sends no
-    ``refused``: it decodes as 0.)"""
+    previous SYNC and this one; ``result`` is 0 when that is none, else 1. A wire v1.1 router always sends
+    ``refused``; None is the SYNC_ACK of a v1.0 router, which has none (it decodes and encodes back as it came).
+    :attr:`refusals` reads both as a count."""
 
     n: int
     result: int = 0
-    refused: int = 0
+    refused: int | None = None
+
+
+    @property
+    def refusals(self) -> int:
+        """The number of refusals reported (0 from a v1.0 router)."""
+        return self.refused or 0
 
 
 class Reason(enum.IntEnum):

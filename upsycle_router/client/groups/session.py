@@ -11,8 +11,10 @@ router (:class:`~upsycle_router.client.Client`, re-established with backoff when
   that owns its group address; a unicast whose BODY is a welcome is opened and, if ``accept`` agrees, starts
   a new session;
 * the *worker* carries out the cores' effects in order: it publishes and sends outbox messages, then waits
-  for the router's SYNC_ACK (committed) before it drops them from the outbox; it JOINs (non-local, so the
-  router's pub/sub service carries the group between routers) and LEAVEs groups; it starts fetches;
+  for the router's SYNC_ACK (committed) before it drops them from the outbox (one the router refused for
+  want of room or for load stays in it, to be sent again when the session starts again); it JOINs
+  (non-local, so the router's pub/sub service carries the group between routers) and LEAVEs groups; it
+  starts fetches;
 * the *timer* calls ``handle_timer`` on each core at its deadline (missing-dependency fetches, ACKs).
 
 A fetch PULLs the missing id from our router's message store for each of the group's newest epochs, then
@@ -47,10 +49,15 @@ from upsycle_router.client.groups.keys import DecryptError, Rng, open_sealed
 from upsycle_router.client.groups.store import ACTIVE, GroupStore
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.wire.control import Reason
 from upsycle_router.wire.groups import decode_welcome, decode_welcome_message
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 
 log = logging.getLogger("upsycle_router.groups")
+
+# Refusals that may pass (room, load): such an outbox entry is kept and sent again when the session starts
+# again. Any other refusal (a bad signature, expired, not authorized, too large ...) would only repeat.
+RETRY_REASONS = frozenset({Reason.QUOTA, Reason.STORE_FULL, Reason.OVERLOADED, Reason.NO_ROUTE})
 
 Accept = Callable[[bytes, bytes], bool]
 """``accept(admin, gid)``: whether to join a group this admin invites us to."""
@@ -372,10 +379,18 @@ class GroupManager:
                 self._start_fetch(e)
         if sent:
             await client.drain()
-            await client.sync()
+            refused = {r.id: r for r in (await client.sync()).refused}
             with self.store.transaction():
                 for s in sent:
                     core = self.cores.get(s.gid)
+                    r = refused.get(s.message.id)
+                    if r is not None and r.reason in RETRY_REASONS:
+                        # Not taken for now (a full queue or store, a busy router): it stays in the outbox and
+                        # is sent again when the session (or its connection) starts again.
+                        log.warning("groups: the router refused a message for now, kept to send again: %s", r)
+                        continue
+                    if r is not None:
+                        log.warning("groups: the router refused a message for good: %s", r)
                     if core is not None:
                         core.outbox_done(s.n)
             self._notify()

@@ -1,0 +1,652 @@
+"""Wire v1.1 refusals, fair queues and backpressure in the routing core, through CoreHarness (a real LMDB store).
+
+Every message the router does not take in full - stored, queued or delivered for every recipient - is answered
+with REFUSED ``{id, reason, count}`` (a unicast signed by the router to the connection's peer, on the
+connection the message came in on) and traced ``refused`` right after that Send, following its ``dropped``
+record; each SYNC_ACK counts the REFUSED the connection got since its previous SYNC, and they are written before
+it. A REFUSED from a next router reaches the local app whose message it was (a late refusal, not counted) and
+is never answered. Strangers (remote senders the router was never told to trust) may fill only
+``stranger_share`` of a queue; a remote sender's entry lives ``remote_ttl_max`` at most; a sender filling a
+queue past ``backpressure_at`` is slowed (Throttle) before it is refused.
+
+Router X; local apps alice, bob, carol, dave; R a remote router (a configured peer where the config says so);
+EDGE an edge node; REMOTE_SVC a service behind R; STRANGER and STRANGER2 keys X was never told about.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from core_harness import (
+    T0,
+    CoreHarness,
+    Effects,
+    advert,
+    advert_message,
+    control,
+    forged,
+    ident,
+    multicast,
+    unicast,
+)
+
+from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.events import FanoutRun, MessageReceived, MessagesReceived, Throttle, Trace, WriteBlocked
+from upsycle_router.core.router import THROTTLE_SECONDS
+from upsycle_router.crypto import Identity, message_signature_valid
+from upsycle_router.expiry import exp_to_unix, unix_to_exp
+from upsycle_router.services.discovery import DISCOVERY_GROUP
+from upsycle_router.wire.cbor import decode_item, enc
+from upsycle_router.wire.control import (
+    Join,
+    JoinAck,
+    Pull,
+    PullNack,
+    Reason,
+    Refused,
+    Sync,
+    SyncAck,
+)
+from upsycle_router.wire.messages import Message
+
+X = ident("X")
+R = ident("R")
+EDGE = ident("edge")
+ALICE = ident("alice")
+BOB = ident("bob")
+CAROL = ident("carol")
+DAVE = ident("dave")
+REMOTE_SVC = ident("remote-svc")
+STRANGER = ident("stranger")
+STRANGER2 = ident("stranger-2")
+CONFIGURED = ident("configured-local-service")  # named in local_services, never connected
+DISC = ident("discovery")
+G = ident("group")
+U32 = 2**32 - 1
+
+
+def harness(tmp_path: Path, *, map_size: int = 1 << 24, **kw: object) -> CoreHarness:
+    return CoreHarness(tmp_path / "x", X, CoreConfig(**kw), map_size=map_size)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def h(tmp_path: Path) -> CoreHarness:
+    return harness(tmp_path)
+
+
+def rx(conn: int, msg: Message) -> MessageReceived:
+    """``msg`` arriving on ``conn`` as the driver hands it over (``verified`` computed as the driver does)."""
+    return MessageReceived(conn, msg, message_signature_valid(msg), len(msg.encode()))
+
+
+def away(h: CoreHarness, *who: Identity) -> None:
+    """Make ``who`` local services of X that are not connected."""
+    for w in who:
+        h.close(h.open(w))
+
+
+def subscribe(h: CoreHarness, *who: Identity, leave_away: bool = False) -> dict[Identity, int]:
+    """Open a local connection for each of ``who`` and JOIN it to G (and close it again with ``leave_away``)."""
+    conns = {}
+    for w in who:
+        c = h.open(w)
+        out = h.receive(c, control(w, X, Join(G.public, True), now=h.now))
+        assert [b for _, b in out.replies(c)] == [JoinAck(G.public, 0)]
+        if leave_away:
+            h.close(c)
+        conns[w] = c
+    return conns
+
+
+def sync(h: CoreHarness, conn: int, who: Identity, n: int) -> SyncAck:
+    """SYNC ``n`` from ``who`` on ``conn``: its SYNC_ACK, the only thing written."""
+    out = h.receive(conn, control(who, X, Sync(n), now=h.now))
+    [(m, ack)] = out.replies(conn)
+    assert isinstance(ack, SyncAck) and m.header.src == X.public
+    assert out.refusals() == [] and [s.conn for s in out.sends()] == [conn]
+    return ack
+
+
+# ---------------------------------------------------------------- the REFUSED message
+
+
+def test_refused_is_a_router_signed_unicast_to_the_peer_with_the_wire_body(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    m = unicast(ALICE, REMOTE_SVC)
+    out = h.receive(a, m)
+    ref = h.expect_refused(out, a, m.id, Reason.NO_ROUTE)
+    assert ref.body == enc([9, {"id": m.id, "reason": 4, "count": 0}])
+    assert decode_item(ref.body) == [9, {"id": m.id, "reason": 4, "count": 0}]
+    assert (ref.header.ttl, ref.via) == (h.config.reply_ttl, None)
+    assert exp_to_unix(ref.header.exp) >= T0 + h.config.reply_lifetime
+    assert out.events() == ["received", "dropped", "refused"]
+    dropped, refused = out.traces("dropped")[0], out.traces("refused")[0]
+    assert (refused.type, refused.group, refused.src, refused.dst) == ("unicast", None, None, None)
+    assert refused.size == dropped.size
+    assert [s.conn for s in out.sends()] == [a] and out.closes() == []
+
+
+# ---------------------------------------------------------------- SYNC_ACK counts the refusals
+
+
+def test_sync_ack_counts_the_refusals_since_the_previous_sync(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    assert sync(h, a, ALICE, 1) == SyncAck(1, 0, 0)
+    bad = [unicast(ALICE, REMOTE_SVC, b"no route"), forged(unicast(ALICE, BOB)),
+           unicast(ALICE, BOB, exp=unix_to_exp(T0) - 1)]  # fmt: skip
+    for m in bad:
+        out = h.receive(a, m)
+        assert [r.id for r in out.refusals(a)] == [m.id]
+        h.receive(a, unicast(ALICE, BOB, m.id))  # taken: delivered to bob, no REFUSED
+        assert h.last.refusals() == [] and h.last.sends(b)
+    nb = unicast(BOB, REMOTE_SVC, b"bob's own")  # another connection's refusal is counted there, not here
+    assert h.receive(b, nb).refusals(b) == [Refused(nb.id, Reason.NO_ROUTE, 0)]
+    assert sync(h, a, ALICE, 2) == SyncAck(2, 1, 3)
+    assert sync(h, a, ALICE, 3) == SyncAck(3, 0, 0)  # counted afresh after each SYNC
+    h.receive(a, unicast(ALICE, REMOTE_SVC, b"again"))
+    assert sync(h, a, ALICE, 4) == SyncAck(4, 1, 1)
+    assert sync(h, b, BOB, 9) == SyncAck(9, 1, 1)
+    assert sync(h, b, BOB, 10) == SyncAck(10, 0, 0)
+
+
+def test_a_refused_request_counts_too(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    s = h.open(STRANGER, local=False)
+    j = control(STRANGER, X, Join(G.public, True))
+    out = h.receive(s, j)
+    # The negative answer first (a client waiting for it gets it), then the REFUSED (for its SYNC_ACK).
+    assert [b for _, b in out.replies(s)] == [JoinAck(G.public, 1), Refused(j.id, Reason.NOT_AUTHORIZED, 0)]
+    # A SYNC on behalf of another key is refused (and not answered); the next SYNC counts both.
+    relayed = control(ALICE, X, Sync(5))
+    out = h.receive(s, relayed)
+    h.expect_refused(out, s, relayed.id, Reason.NOT_AUTHORIZED)
+    assert [b for _, b in out.replies(s)] == [Refused(relayed.id, Reason.NOT_AUTHORIZED, 0)]
+    assert sync(h, s, STRANGER, 6) == SyncAck(6, 1, 2)
+
+
+def test_refusals_are_written_before_the_sync_ack(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    m1, m2, m3 = unicast(ALICE, REMOTE_SVC, b"1"), unicast(ALICE, BOB, b"2"), forged(unicast(ALICE, BOB, b"3"))
+    out = h.handle_all([rx(a, m1), rx(a, m2), rx(a, m3), rx(a, control(ALICE, X, Sync(7)))])
+    assert [b for _, b in out.replies(a)] == [
+        Refused(m1.id, Reason.NO_ROUTE, 0),
+        Refused(m3.id, Reason.BAD_SIGNATURE, 0),
+        SyncAck(7, 1, 2),
+    ]
+    assert [m.id for m in out.messages(b)] == [m2.id]
+
+
+def test_refusals_of_a_run_are_written_before_the_sync_ack(h: CoreHarness) -> None:
+    """A burst of one publisher's multicast messages (the run path) followed by a SYNC in one batch."""
+    c = subscribe(h, ALICE, BOB)
+    good1, good2 = multicast(G, b"1"), multicast(G, b"4")
+    bad, old = forged(multicast(G, b"2")), multicast(G, b"3", exp=unix_to_exp(T0) - 1)
+    msgs = [good1, bad, old, good2, control(ALICE, X, Sync(8))]
+    out = h.handle(MessagesReceived(c[ALICE], msgs, bytes(message_signature_valid(m) for m in msgs)))
+    assert [b for _, b in out.replies(c[ALICE])] == [
+        Refused(bad.id, Reason.BAD_SIGNATURE, 0),
+        Refused(old.id, Reason.EXPIRED, 0),
+        SyncAck(8, 1, 2),
+    ]
+    assert [e for e in out if isinstance(e, FanoutRun)] == [FanoutRun((c[BOB],), [good1.encode(), good2.encode()])]
+    assert [t.reason for t in out.traces("refused")] == ["bad_signature", "expired"]
+
+
+# ---------------------------------------------------------------- every reason the core produces
+
+
+def test_bad_signature(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    away(h, BOB)
+    m = forged(unicast(ALICE, BOB))
+    out = h.receive(a, m)
+    h.expect_refused(out, a, m.id, Reason.BAD_SIGNATURE)
+    assert [t.reason for t in out.traces("dropped")] == ["bad_signature"]
+    assert h.store.queue(BOB.public) == []
+
+
+def test_expired(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    away(h, BOB)
+    m = unicast(ALICE, BOB, exp=unix_to_exp(T0))
+    out = h.receive(a, m)
+    h.expect_refused(out, a, m.id, Reason.EXPIRED)
+    assert out.events() == ["received", "dropped", "refused"]
+    assert not h.store.has_message(m.id)
+
+
+def test_ttl_zero_to_an_offline_recipient_is_expired(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    away(h, BOB)
+    m = unicast(ALICE, BOB, ttl=0)
+    out = h.receive(a, m)
+    [t] = out.traces("dropped")
+    assert (t.reason, t.dst) == ("ttl_zero_offline", BOB.public)
+    h.expect_refused(out, a, m.id, Reason.EXPIRED, 0)
+    assert h.store.queue(BOB.public) == [] and not h.store.has_message(m.id)
+
+
+def test_not_authorized(h: CoreHarness) -> None:
+    p = h.open(STRANGER, local=False)  # a node that is neither a local service nor an edge node
+    a = h.open(ALICE)
+    pub = multicast(G)
+    subscribe(h, BOB)
+    h.receive(a, pub)
+    pull = control(STRANGER, X, Pull(G.public, pub.id))
+    out = h.receive(p, pull)
+    assert [b for _, b in out.replies(p)] == [PullNack(G.public, pub.id), Refused(pull.id, Reason.NOT_AUTHORIZED, 0)]
+    h.expect_refused(out, p, pull.id, Reason.NOT_AUTHORIZED)
+    assert out.traces("pulled") == []
+    # A remote connection claiming a local source is refused too (trace reason not_local).
+    m = unicast(ALICE, REMOTE_SVC)
+    out = h.receive(p, m)
+    assert [t.reason for t in out.traces("dropped")] == ["not_local"]
+    h.expect_refused(out, p, m.id, Reason.NOT_AUTHORIZED)
+
+
+def test_no_route(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    m = unicast(ALICE, REMOTE_SVC)
+    out = h.receive(a, m)
+    h.expect_refused(out, a, m.id, Reason.NO_ROUTE)
+    assert out.dials() == []
+
+
+def test_quota(tmp_path: Path) -> None:
+    h = harness(tmp_path, queue_max_count=2)
+    a = h.open(ALICE)
+    away(h, BOB)
+    ms = [unicast(ALICE, BOB, bytes([i])) for i in range(3)]
+    for m in ms[:2]:
+        assert h.receive(a, m).refusals() == []
+    out = h.receive(a, ms[2])
+    [t] = out.traces("dropped")
+    assert (t.reason, t.dst, t.id) == ("quota", BOB.public, ms[2].id)
+    h.expect_refused(out, a, ms[2].id, Reason.QUOTA, 0)
+    assert [e.id for e in h.store.queue(BOB.public)] == [m.id for m in ms[:2]]
+
+
+def test_store_full(tmp_path: Path) -> None:
+    h = harness(tmp_path, map_size=2 << 20)
+    a = h.open(ALICE)
+    away(h, BOB)
+    for i in range(200):
+        m = unicast(ALICE, BOB, bytes([i]) * 30_000)
+        out = h.receive(a, m)
+        if out.refusals():
+            break
+        assert out.traces("queued")
+    else:
+        pytest.fail("the store never filled")
+    assert i > 5
+    [t] = out.traces("dropped")
+    assert (t.reason, t.dst) == ("store_full", BOB.public)
+    h.expect_refused(out, a, m.id, Reason.STORE_FULL, 0)
+    assert not h.store.has_message(m.id)
+    # A multicast that cannot be stored is refused as a whole: nobody gets it, not even a connected subscriber.
+    # (A queued unicast needs room for its queue entry too: a multicast may still fit once or twice.)
+    c = subscribe(h, CAROL)
+    for i in range(5):
+        pub = multicast(G, bytes([i]) * 30_000)
+        out = h.receive(a, pub)
+        if out.refusals():
+            break
+        assert [x.id for x in out.messages(c[CAROL])] == [pub.id]
+    else:
+        pytest.fail("the store took every multicast")
+    assert [t.reason for t in out.traces("dropped")] == ["store_full"]
+    assert out.events() == ["received", "dropped", "refused"]
+    h.expect_refused(out, a, pub.id, Reason.STORE_FULL, 0)
+    assert out.sends(c[CAROL]) == [] and not h.store.has_message(pub.id)
+
+
+def test_too_large(tmp_path: Path) -> None:
+    h = harness(tmp_path, queue_max_bytes=1000)
+    a = h.open(ALICE)
+    away(h, BOB)
+    m = unicast(ALICE, BOB, b"x" * 1000)  # larger than any queue may hold, even an empty one
+    out = h.receive(a, m)
+    [t] = out.traces("dropped")
+    assert (t.reason, t.dst) == ("too_large", BOB.public)
+    h.expect_refused(out, a, m.id, Reason.TOO_LARGE, 0)
+    assert h.store.queue(BOB.public) == []
+    # A recipient that is connected and reading gets it at once: no queue, no refusal.
+    b = h.open(BOB)
+    m2 = unicast(ALICE, BOB, b"y" * 1000)
+    out = h.receive(a, m2)
+    assert [x.id for x in out.messages(b)] == [m2.id] and out.refusals() == []
+
+
+def test_malformed(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    m = unicast(ALICE, X, b"\xff not a control body")
+    out = h.receive(a, m)
+    assert [t.reason for t in out.traces("dropped")] == ["unknown_control"]
+    h.expect_refused(out, a, m.id, Reason.MALFORMED)
+    assert out.traces("refused")[0].type == "control"
+
+
+def test_overloaded(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    h.handle(WriteBlocked(b, True))
+    m = unicast(ALICE, BOB, ttl=0)  # cannot wait in the queue, and bob does not read
+    out = h.receive(a, m)
+    [t] = out.traces("dropped")
+    assert (t.reason, t.dst) == ("overloaded", BOB.public)
+    h.expect_refused(out, a, m.id, Reason.OVERLOADED, 0)
+    assert out.sends(b) == []
+
+
+def test_encapsulated_multicast_is_refused_under_the_carrying_unicasts_id(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    subscribe(h, BOB)
+    inner = multicast(G, exp=unix_to_exp(T0) - 1)
+    outer = unicast(ALICE, X, inner.encode())
+    out = h.receive(a, outer)
+    [t] = out.traces("dropped")
+    assert (t.reason, t.id) == ("expired", inner.id)
+    h.expect_refused(out, a, outer.id, Reason.EXPIRED)
+
+
+def test_multicast_not_taken_for_some_recipients_counts_them(tmp_path: Path) -> None:
+    """Three subscribers away, two of them with full queues: queued for one, refused for two (count 2)."""
+    h = harness(tmp_path, queue_max_count=2)
+    subscribe(h, BOB, CAROL, DAVE, leave_away=True)
+    a = h.open(ALICE)
+    for w in (BOB, CAROL):
+        for i in range(2):
+            assert h.receive(a, unicast(ALICE, w, bytes([i]))).refusals() == []
+    m = multicast(G)
+    out = h.receive(a, m)
+    assert sorted((t.reason, t.dst) for t in out.traces("dropped")) == sorted(
+        [("quota", BOB.public), ("quota", CAROL.public)]
+    )
+    assert [t.dst for t in out.traces("queued")] == [DAVE.public]
+    h.expect_refused(out, a, m.id, Reason.QUOTA, 2)
+    assert [e.id for e in h.store.queue(DAVE.public)] == [m.id] and h.store.has_message(m.id)
+    assert out.events()[-1] == "refused"  # after every recipient's record
+
+
+# ---------------------------------------------------------------- drops that are no refusal
+
+
+def test_a_duplicate_is_not_refused(h: CoreHarness) -> None:
+    c = subscribe(h, ALICE, BOB)
+    m = multicast(G)
+    h.receive(c[ALICE], m)
+    out = h.receive(c[ALICE], m)
+    assert out.events() == ["received", "duplicate"]
+    assert out.sends() == [] and out.refusals() == []
+    u = unicast(ALICE, BOB)
+    h.receive(c[ALICE], u)
+    out = h.receive(c[ALICE], u)  # a replayed unicast
+    assert out.events() == ["received", "duplicate"]
+    assert out.sends() == []
+    assert sync(h, c[ALICE], ALICE, 1) == SyncAck(1, 0, 0)
+
+
+def test_a_multicast_with_no_subscriber_is_not_refused(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    m = multicast(G)
+    out = h.receive(a, m)
+    assert [t.reason for t in out.traces("dropped")] == ["no_subscribers"]
+    assert out.events() == ["received", "dropped"]
+    assert out.sends() == []
+    assert sync(h, a, ALICE, 1) == SyncAck(1, 0, 0)
+
+
+def test_a_stale_advertisement_is_not_refused(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    h.receive(r, advert_message(R, X, advert(R, rev=2)))
+    out = h.receive(r, advert_message(R, X, advert(R, rev=1)))
+    assert [t.reason for t in out.traces("dropped")] == ["stale_revision"]
+    assert out.sends() == []
+
+
+# ---------------------------------------------------------------- REFUSED from a next router
+
+
+def test_a_late_refusal_reaches_the_app_and_is_not_counted(tmp_path: Path) -> None:
+    h = harness(tmp_path, peers=frozenset({R.public}))
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    m = unicast(ALICE, REMOTE_SVC, via=R.public)
+    out = h.receive(a, m)
+    assert [x.id for x in out.messages(r)] == [m.id] and out.refusals() == []
+    assert sync(h, a, ALICE, 1) == SyncAck(1, 0, 0)  # taken: forwarded
+    late = control(R, X, Refused(m.id, Reason.NO_ROUTE, 0))
+    out = h.receive(r, late)
+    h.expect_refused(out, a, m.id, Reason.NO_ROUTE)  # signed by X, to alice, on her connection
+    assert [s.conn for s in out.sends()] == [a]  # nothing back to R
+    assert out.events() == ["received", "refused"]
+    assert out.traces("refused")[0].peer == ALICE.public
+    assert sync(h, a, ALICE, 2) == SyncAck(2, 0, 0)  # a late refusal is not counted
+    # Passed on once: the same REFUSED again is neither passed on nor answered.
+    out = h.receive(r, control(R, X, Refused(m.id, Reason.NO_ROUTE, 0), now=T0 + 1), now=T0 + 1)
+    assert out.sends() == [] and out.events() == ["received"]
+
+
+def test_a_late_refusal_of_a_forwarded_multicast_reaches_the_app(tmp_path: Path) -> None:
+    h = harness(tmp_path, peers=frozenset({R.public}))
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    m = multicast(G, via=R.public)  # source routing by a local service
+    assert [x.id for x in h.receive(a, m).messages(r)] == [m.id]
+    out = h.receive(r, control(R, X, Refused(m.id, Reason.QUOTA, 2)))
+    h.expect_refused(out, a, m.id, Reason.QUOTA, 2)
+    assert [s.conn for s in out.sends()] == [a]
+
+
+def test_a_late_refusal_for_an_app_that_is_gone_is_dropped(tmp_path: Path) -> None:
+    h = harness(tmp_path, peers=frozenset({R.public}))
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    m = unicast(ALICE, REMOTE_SVC, via=R.public)
+    h.receive(a, m)
+    h.close(a)
+    out = h.receive(r, control(R, X, Refused(m.id, Reason.NO_ROUTE, 0)))
+    assert out.sends() == [] and out.events() == ["received"]
+
+
+def test_a_refused_from_anyone_is_never_answered(tmp_path: Path) -> None:
+    h = harness(tmp_path, peers=frozenset({R.public}))
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    s = h.open(STRANGER, local=False)
+    m = unicast(ALICE, REMOTE_SVC, via=R.public)
+    h.receive(a, m)
+    for conn, msg in [
+        (r, control(R, X, Refused(b"\x01" * 32, Reason.NO_ROUTE, 0))),  # an id X never forwarded
+        (s, control(STRANGER, X, Refused(b"\x01" * 32, Reason.QUOTA, 1))),  # from a stranger
+        (r, control(STRANGER, X, Refused(m.id, Reason.QUOTA, 1))),  # relayed by R: not R's own
+        (a, control(ALICE, X, Refused(m.id, Reason.QUOTA, 1))),  # a local app
+    ]:
+        out = h.receive(conn, msg)
+        assert out.sends() == [] and out.refusals() == [] and out.closes() == []
+        assert out.events() == ["received"]
+    # Still remembered for R's own REFUSED.
+    h.expect_refused(h.receive(r, control(R, X, Refused(m.id, Reason.EXPIRED, 0))), a, m.id, Reason.EXPIRED)
+    for who, conn in ((ALICE, a), (R, r), (STRANGER, s)):
+        assert sync(h, conn, who, 1).refused == 0
+
+
+# ---------------------------------------------------------------- fair queues
+
+
+def test_a_stranger_fills_only_its_share_of_a_queue(tmp_path: Path) -> None:
+    h = harness(tmp_path, queue_max_count=10, stranger_share=0.5)
+    r = h.open(R, local=False)  # a router X has no agreement with, relaying strangers' messages
+    away(h, BOB, CAROL)
+    taken = [unicast(STRANGER, BOB, bytes([i])) for i in range(5)]
+    for m in taken:
+        out = h.receive(r, m)
+        assert out.refusals() == [] and out.traces("queued")
+    assert h.store.stranger_usage(BOB.public) == (5, sum(len(m.with_via(R.public).encode()) for m in taken))
+    m = unicast(STRANGER, BOB, b"one too many")
+    out = h.receive(r, m)
+    [t] = out.traces("dropped")
+    assert (t.reason, t.dst, t.src) == ("stranger_quota", BOB.public, STRANGER.public)
+    h.expect_refused(out, r, m.id, Reason.QUOTA, 0)
+    # The share is of all strangers together.
+    m2 = unicast(STRANGER2, BOB, b"another stranger")
+    h.expect_refused(h.receive(r, m2), r, m2.id, Reason.QUOTA, 0)
+    # A local friend's message to the same recipient is still queued; a stranger may still write to carol.
+    a = h.open(ALICE)
+    f = unicast(ALICE, BOB, b"friend")
+    out = h.receive(a, f)
+    assert out.refusals() == [] and [t.dst for t in out.traces("queued")] == [BOB.public]
+    assert h.receive(r, unicast(STRANGER, CAROL)).refusals() == []
+    assert [e.id for e in h.store.queue(BOB.public)] == [m.id for m in taken] + [f.id]
+    assert h.store.queue_usage(BOB.public)[0] == 6 and h.store.stranger_usage(BOB.public)[0] == 5
+    # Delivering the queue frees the strangers' share.
+    b = h.open(BOB)
+    h.queue_sent(h.last)
+    assert h.store.stranger_usage(BOB.public) == (0, 0) and h.store.queue(BOB.public) == []
+    h.close(b)
+    assert h.receive(r, unicast(STRANGER, BOB, b"room again")).refusals() == []
+
+
+def test_a_key_the_recipient_wrote_to_is_no_stranger(tmp_path: Path) -> None:
+    h = harness(tmp_path, queue_max_count=10, stranger_share=0.2)
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    out = h.receive(a, unicast(ALICE, REMOTE_SVC, b"hello", via=R.public))  # alice writes to remote_svc
+    assert out.messages(r) and out.refusals() == []
+    h.close(a)
+    away(h, BOB)
+    for i in range(8):  # far beyond a stranger's share (2): up to the queue's own quota
+        assert h.receive(r, unicast(REMOTE_SVC, ALICE, bytes([i]))).refusals() == []
+    assert h.store.queue_usage(ALICE.public)[0] == 8 and h.store.stranger_usage(ALICE.public) == (0, 0)
+    # To bob, whom remote_svc never heard from, it is a stranger.
+    for i in range(2):
+        assert h.receive(r, unicast(REMOTE_SVC, BOB, bytes([i]))).refusals() == []
+    m = unicast(REMOTE_SVC, BOB, b"3rd")
+    out = h.receive(r, m)
+    assert [t.reason for t in out.traces("dropped")] == ["stranger_quota"]
+    h.expect_refused(out, r, m.id, Reason.QUOTA, 0)
+    # Remembered in the store: after a restart remote_svc is still no stranger to alice.
+    h.restart()
+    r = h.open(R, local=False)
+    assert h.receive(r, unicast(REMOTE_SVC, ALICE, b"after restart")).refusals() == []
+    assert h.store.queue_usage(ALICE.public)[0] == 9 and h.store.stranger_usage(ALICE.public) == (0, 0)
+
+
+def test_configured_peers_edge_nodes_and_local_services_are_no_strangers(tmp_path: Path) -> None:
+    h = harness(
+        tmp_path,
+        queue_max_count=12,
+        stranger_share=0.25,
+        peers=frozenset({R.public}),
+        edge_nodes=frozenset({EDGE.public}),
+        local_services=frozenset({ALICE.public, BOB.public, CONFIGURED.public}),
+    )
+    away(h, BOB)
+    r = h.open(R, local=False)
+    e = h.open(EDGE, local=False)
+    for i in range(4):  # 4 each: 12 together, far beyond a stranger's share (3)
+        assert h.receive(r, unicast(R, BOB, b"peer" + bytes([i]))).refusals() == []
+        assert h.receive(e, unicast(EDGE, BOB, b"edge" + bytes([i]))).refusals() == []
+        assert h.receive(r, unicast(CONFIGURED, BOB, b"conf" + bytes([i]))).refusals() == []
+    assert h.store.queue_usage(BOB.public)[0] == 12 and h.store.stranger_usage(BOB.public) == (0, 0)
+    m = unicast(R, BOB, b"full")  # then the queue's own quota
+    out = h.receive(r, m)
+    assert [t.reason for t in out.traces("dropped")] == ["quota"]
+    h.expect_refused(out, r, m.id, Reason.QUOTA, 0)
+
+
+def test_a_remote_senders_entry_lives_remote_ttl_max_at_most(tmp_path: Path) -> None:
+    h = harness(tmp_path, remote_ttl_max=600.0, peers=frozenset({R.public}))
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    away(h, BOB)
+    remote = unicast(REMOTE_SVC, BOB, b"remote", ttl=U32, exp=U32)
+    local = unicast(ALICE, BOB, b"local", ttl=U32, exp=U32)
+    trusted = unicast(R, BOB, b"a configured peer", ttl=U32, exp=U32)
+    assert h.receive(r, remote).refusals() == []
+    assert h.receive(a, local).refusals() == []
+    assert h.receive(r, trusted).refusals() == []
+    assert [(e.id, e.expires) for e in h.store.queue(BOB.public)] == [
+        (remote.id, T0 + 600),
+        (local.id, T0 + U32),  # min(arrival + ttl, exp): a local sender is not capped
+        (trusted.id, T0 + 600),  # every remote sender is, trusted or not
+    ]
+    out = h.timer(T0 + 600)
+    assert sorted(t.id for t in out.traces("expired")) == sorted([remote.id, trusted.id])
+    assert [e.id for e in h.store.queue(BOB.public)] == [local.id]
+
+
+# ---------------------------------------------------------------- backpressure
+
+
+def test_a_sender_filling_a_queue_is_throttled_once_per_batch_before_it_is_refused(tmp_path: Path) -> None:
+    h = harness(tmp_path, queue_max_count=10)  # backpressure_at 0.8: from the 8th entry on
+    a = h.open(ALICE)
+    away(h, BOB)
+    ms = [unicast(ALICE, BOB, bytes([i])) for i in range(12)]
+    out = h.handle_all([rx(a, m) for m in ms[:7]])
+    assert out.throttles() == [] and out.refusals() == []
+    # The 8th and 9th entries: past the mark, slowed once in the batch (with the 8th), nothing refused.
+    out = h.handle_all([rx(a, m) for m in ms[7:9]])
+    assert out.throttles() == [Throttle(a, THROTTLE_SECONDS)] and out.refusals() == []
+    kinds = [e.event if isinstance(e, Trace) else type(e).__name__ for e in out]
+    assert kinds == ["received", "Throttle", "queued", "received", "queued"]
+    # The next batch is slowed again, once, before the refusals once the queue is full.
+    out = h.handle_all([rx(a, m) for m in ms[9:]])
+    assert out.throttles() == [Throttle(a, THROTTLE_SECONDS)]
+    assert out.refusals(a) == [Refused(m.id, Reason.QUOTA, 0) for m in ms[10:]]
+    assert [t.id for t in out.traces("queued")] == [ms[9].id]
+    kinds = [e.event if isinstance(e, Trace) else type(e).__name__ for e in out]
+    assert kinds == ["received", "Throttle", "queued"] + ["received", "dropped", "Send", "refused"] * 2
+    assert [e.id for e in h.store.queue(BOB.public)] == [m.id for m in ms[:10]]
+    # The mark is a queue's: alice's next batch to a queue below it is not slowed.
+    away(h, CAROL)
+    out = h.handle_all([rx(a, unicast(ALICE, CAROL, bytes([i]))) for i in range(3)])
+    assert out.throttles() == [] and out.refusals() == []
+
+
+def test_batch_lost_restores_the_refusal_counter(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    for i in range(2):
+        assert h.receive(a, unicast(ALICE, REMOTE_SVC, bytes([i]))).refusals(a)
+    lost = [unicast(ALICE, REMOTE_SVC, b"lost"), forged(unicast(ALICE, BOB))]
+    assert h.lost([rx(a, m) for m in lost]) == Effects()
+    assert sync(h, a, ALICE, 1) == SyncAck(1, 1, 2)  # the lost batch's refusals never went out
+    # A lost batch whose SYNC had reset the count: the count is back as it was before it.
+    h.receive(a, unicast(ALICE, REMOTE_SVC, b"counted"))
+    h.lost([rx(a, unicast(ALICE, REMOTE_SVC, b"x")), rx(a, control(ALICE, X, Sync(2)))])
+    assert sync(h, a, ALICE, 3) == SyncAck(3, 1, 1)
+    assert sync(h, a, ALICE, 4) == SyncAck(4, 0, 0)
+
+
+# ---------------------------------------------------------------- suspected core bugs (see the report)
+
+
+def test_a_late_refusal_is_taken_only_from_the_router_it_was_forwarded_to(tmp_path: Path) -> None:
+    h = harness(tmp_path, peers=frozenset({R.public}))
+    a = h.open(ALICE)
+    h.open(R, local=False)
+    s = h.open(STRANGER, local=False)
+    m = unicast(ALICE, REMOTE_SVC, via=R.public)
+    h.receive(a, m)
+    out = h.receive(s, control(STRANGER, X, Refused(m.id, Reason.QUOTA, 1)))
+    assert out.sends(a) == []
+
+
+def test_one_refused_per_message_on_the_discovery_group(tmp_path: Path) -> None:
+    h = harness(tmp_path, discovery_service=DISC.public, discovery_group=DISCOVERY_GROUP.public, queue_max_count=1)
+    al = h.open(ALICE)
+    h.receive(al, control(ALICE, X, Join(DISCOVERY_GROUP.public, True)))
+    b = h.open(BOB)
+    h.receive(b, control(BOB, X, Join(DISCOVERY_GROUP.public, True)))
+    h.close(b)
+    h.receive(al, unicast(ALICE, BOB, b"bob's queue is full"))
+    d = h.open(DISC)
+    m = multicast(DISCOVERY_GROUP, b"not cbor", ttl=60)
+    out = h.receive(d, m)
+    refusals = out.refusals(d)
+    assert len(refusals) == 1  # one answer per message
+    assert refusals[0].count > 0 or (out.sends(al) == [] and not h.store.has_message(m.id))

@@ -1,0 +1,226 @@
+"""End to end: what the router acknowledges, it delivers; what it does not take, it answers (wire v1.1).
+
+Real daemons (subprocesses over real LMDB files), real Unix sockets and real TLS. Each test drives the router
+into one way of not taking a message - a full store, a full queue, a stranger's flood, a key nobody knows,
+bad signatures, expired messages, bad control bodies - and checks the promise from outside: every message
+sent before a SYNC whose SYNC_ACK came back, with no REFUSED for it before that SYNC_ACK, reaches its
+recipient (now, or after a restart, or after a SIGKILL under ``durability: fsync``); every other one was
+refused with a reason, counted in ``status`` and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Daemon, DaemonFactory, async_wait_until
+from netutil import free_port
+
+from upsycle_router.client import Client
+from upsycle_router.crypto import Identity, sign_message
+from upsycle_router.expiry import exp_in
+from upsycle_router.wire.control import Reason
+from upsycle_router.wire.messages import Message, UnicastHeader
+
+pytestmark = pytest.mark.slow
+
+GROUP_TTL = 3600
+
+
+async def _register(d: Daemon, who: Identity, group: bytes | None = None) -> None:
+    """Connect ``who`` once (a local service the router now keeps a queue for), JOIN ``group``, go away."""
+    async with await Client.connect(d.sock, who) as c:
+        if group is not None:
+            assert await c.join(group, local=True)
+
+
+async def _drain(d: Daemon, who: Identity, expect: int, timeout: float = 20.0) -> list[Message]:
+    """Connect ``who`` and read until ``expect`` messages came (then a little longer, for any extra)."""
+    got: list[Message] = []
+    async with await Client.connect(d.sock, who) as c:
+        deadline = time.monotonic() + timeout
+        while len(got) < expect and time.monotonic() < deadline:
+            try:
+                got.append(await c.recv(timeout=max(0.05, deadline - time.monotonic())))
+            except TimeoutError:
+                break
+        while True:  # nothing more than what was taken may arrive
+            try:
+                got.append(await c.recv(timeout=0.3))
+            except TimeoutError:
+                break
+    return got
+
+
+def _status_counter(st: dict[str, int], prefix: str) -> int:
+    return sum(v for k, v in st.items() if k.startswith(prefix))
+
+
+async def test_store_full_refuses_before_sync_ack_and_delivers_every_acknowledged_message(
+    daemon: DaemonFactory,
+) -> None:
+    """A small store and an offline subscriber: publishing far more than fits. Every message is either in a
+    SYNC's refusals (store_full) or delivered when the subscriber comes back after a restart."""
+    d = daemon(config={"store": {"map_size": 4 * 1024 * 1024}, "durability": "fsync"})
+    group, sub, pub = Identity.generate(), Identity.generate(), Identity.generate()
+    await _register(d, sub, group.public)
+    sent: list[bytes] = []
+    refused: dict[bytes, Reason | int] = {}
+    async with await Client.connect(d.sock, pub) as c:
+        for i in range(12):
+            for j in range(20):  # 240 messages of 32 KiB: about 7.5 MiB for a 4 MiB store
+                sent.append(await c.publish(group, f"{i}-{j}".encode() + os.urandom(32 * 1024), ttl=GROUP_TTL))
+            res = await c.sync()
+            refused.update({r.id: r.reason for r in res.refused})
+        st = await c.status()
+    assert refused, "the store never filled"
+    assert set(refused.values()) == {Reason.STORE_FULL}
+    assert set(refused) <= set(sent)
+    assert st.get("refused_store_full_total", 0) == len(refused)
+    assert "refused" in d.log_text() and "store_full" in d.log_text()
+    d.restart()
+    taken = [m for m in sent if m not in refused]
+    got = await _drain(d, sub, len(taken))
+    assert sorted(m.id for m in got) == sorted(taken)
+
+
+async def test_sigkill_in_a_store_full_run_loses_nothing_acknowledged(daemon: DaemonFactory) -> None:
+    """The same run killed with SIGKILL half-way: every message before the last SYNC_ACK is refused or
+    delivered after the restart (``durability: fsync``)."""
+    d = daemon(config={"store": {"map_size": 4 * 1024 * 1024}, "durability": "fsync"})
+    group, sub, pub = Identity.generate(), Identity.generate(), Identity.generate()
+    await _register(d, sub, group.public)
+    acked: list[bytes] = []
+    refused: set[bytes] = set()
+    c = await Client.connect(d.sock, pub)
+    try:
+        for i in range(10):
+            batch = [await c.publish(group, f"{i}-{j}".encode() + os.urandom(32 * 1024), ttl=GROUP_TTL)
+                     for j in range(20)]
+            res = await c.sync()
+            acked += batch
+            refused |= res.refused_ids
+        for j in range(30):  # in flight when the router dies: no promise made about these
+            c.send_message(sign_message_multicast(group, f"late-{j}".encode()))
+        assert d.proc is not None
+        os.kill(d.proc.pid, signal.SIGKILL)
+        d.proc.wait(10)
+        d._reap()
+    finally:
+        await c.close()
+    assert refused
+    d.start()
+    taken = [m for m in acked if m not in refused]
+    got = {m.id for m in await _drain(d, sub, len(taken))}
+    assert set(taken) <= got, f"{len(set(taken) - got)} acknowledged messages lost"
+    assert not (got & refused), "a refused message was delivered"
+
+
+def sign_message_multicast(group: Identity, body: bytes) -> Message:
+    from upsycle_router.wire.messages import MulticastHeader
+
+    return sign_message(MulticastHeader(group.public, GROUP_TTL, exp_in(time.time(), GROUP_TTL), ()), body, group)
+
+
+async def test_queue_quota_slows_the_publisher_then_refuses_with_quota(daemon: DaemonFactory) -> None:
+    """An offline recipient with a small queue: the sender is slowed (throttled) before the first refusal,
+    and every message over the quota is refused (quota) before its SYNC_ACK - nothing dropped in silence."""
+    d = daemon(config={"queue": {"max_count": 100, "backpressure_at": 0.5}})
+    rcpt, sender = Identity.generate(), Identity.generate()
+    await _register(d, rcpt)
+    async with await Client.connect(d.sock, sender) as c:
+        ids = [await c.send(rcpt.public, f"m{i}".encode()) for i in range(150)]
+        res = await c.sync()
+        st = await c.status()
+    assert res.refused_ids == set(ids[100:])
+    assert {r.reason for r in res.refused} == {Reason.QUOTA} and all(r.count == 0 for r in res.refused)
+    assert st["throttled_total"] >= 1
+    assert st["refused_quota_total"] == 50
+    recs = d.trace()
+    first_refused = next(i for i, r in enumerate(recs) if r["event"] == "refused")
+    assert [r["id"] for r in recs[:first_refused] if r["event"] == "queued"][-1] == ids[99].hex()
+    got = await _drain(d, rcpt, 100)
+    assert [m.id for m in got] == ids[:100]
+
+
+async def test_unicast_to_a_key_the_router_never_saw_is_refused_no_route(daemon: DaemonFactory) -> None:
+    d = daemon()
+    sender, nobody = Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, sender) as c:
+        mid = await c.send(nobody.public, b"anyone there?")
+        res = await c.sync()
+        assert not res.ok
+        [r] = res.refused
+        assert (r.id, r.reason, r.count) == (mid, Reason.NO_ROUTE, 0)
+        ok = await c.sync()  # the next SYNC starts afresh
+        assert ok.ok and ok.refused == ()
+
+
+async def test_bad_signature_expired_and_bad_control_bodies_are_answered_counted_and_logged(
+    daemon: DaemonFactory,
+) -> None:
+    d = daemon()
+    sender, rcpt = Identity.generate(), Identity.generate()
+    await _register(d, rcpt)
+    async with await Client.connect(d.sock, sender) as c:
+        now = time.time()
+        good = sign_message(UnicastHeader(sender.public, rcpt.public, 60, exp_in(now, 60)), b"x", sender)
+        forged = Message(good.header, b"y", good.sig)  # the signature is not over this body
+        expired = sign_message(UnicastHeader(sender.public, rcpt.public, 60, exp_in(now - 7200, 60)), b"z", sender)
+        bad_ctl = sign_message(UnicastHeader(sender.public, c.router_id, 60, exp_in(now, 60)), b"\x82\x63abc", sender)
+        for m in (forged, expired, bad_ctl):
+            c.send_message(m)
+        res = await c.sync()
+        st = await c.status()
+    assert {r.id: r.reason for r in res.refused} == {
+        forged.id: Reason.BAD_SIGNATURE, expired.id: Reason.EXPIRED, bad_ctl.id: Reason.MALFORMED,
+    }
+    for name in ("bad_signature", "expired", "malformed"):
+        assert st[f"refused_{name}_total"] == 1
+        assert re.search(rf"WARNING .*refused 1 message \({name}\)", d.log_text()), d.log_text()
+        assert d.trace(event="refused", reason=name)
+
+
+async def test_a_strangers_flood_over_tls_leaves_room_for_a_local_friend(daemon: DaemonFactory) -> None:
+    """A freshly generated key over TLS floods an offline local service with long-lived unicasts: it gets its
+    share of the queue and is refused (quota) beyond it; a local friend's later messages are all taken and
+    all arrive."""
+    port = free_port()
+    d = daemon("--listen", f"127.0.0.1:{port}",
+               config={"queue": {"max_count": 1000, "stranger_share": 0.1, "remote_ttl_max": 3600}})
+    rcpt, friend, stranger = Identity.generate(), Identity.generate(), Identity.generate()
+    await _register(d, rcpt)
+    s = await Client.connect_tls("127.0.0.1", port, stranger)
+    try:
+        flood = [await s.send(rcpt.public, f"spam {i}".encode(), ttl=2**32 - 1) for i in range(1500)]
+        sres = await s.sync(timeout=60)
+    finally:
+        await s.close()
+    assert {r.reason for r in sres.refused} == {Reason.QUOTA}
+    assert len(sres.refused) == 1500 - 100
+    async with await Client.connect(d.sock, friend) as f:
+        mine = [await f.send(rcpt.public, f"friend {i}".encode()) for i in range(800)]
+        fres = await f.sync()
+    assert fres.ok, [str(r) for r in fres.refused]
+    got = await _drain(d, rcpt, 900)
+    ids = [m.id for m in got]
+    assert ids[-800:] == mine
+    assert set(ids[:100]) == set(flood) - sres.refused_ids
+
+
+async def test_refusals_reach_the_app_through_the_cli(daemon: DaemonFactory, tmp_path: Path) -> None:
+    """``upsycle-router send`` to a key nobody knows exits non-zero and says why."""
+    from conftest import cli
+
+    d = daemon()
+    nobody = Identity.generate()
+    r = await asyncio.to_thread(cli, "send", "--socket", str(d.sock), "--key", str(tmp_path / "me.key"),
+                                nobody.public.hex(), "hello")
+    assert r.returncode != 0, r.stdout + r.stderr
+    assert "no_route" in r.stderr or "no route" in r.stderr, r.stderr
+    await async_wait_until(lambda: d.trace(event="refused", reason="no_route"), 5.0, "the refusal traced")
