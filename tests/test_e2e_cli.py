@@ -160,3 +160,24 @@ def test_cli_second_daemon_on_same_data_dir_is_refused(daemon: DaemonFactory, tm
     assert not started, "a second router started on a data directory that is in use"
     assert second.returncode != 0
     assert str(d.dir) in err or "data" in err.lower(), err
+
+
+def test_app_commands_exit_2_for_an_unusable_key_or_config_and_1_for_an_unreachable_router(tmp_path: Path) -> None:
+    """Like the daemon, the app commands say "fix your files" (2) apart from "the router said no" (1)."""
+    bad_key = tmp_path / "bad.key"
+    bad_key.write_bytes(b"\x00not a key")
+    bad_key.chmod(0o600)
+    sock = str(tmp_path / "nobody.sock")
+    r = cli("send", "--socket", sock, "--key", str(bad_key), "00" * 32, "hi")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.startswith("error:") and "bad.key" in r.stderr, r.stderr
+    bad_cfg = tmp_path / "bad.yaml"
+    bad_cfg.write_text("limits: {max_frame: .nan}\n")
+    r = cli("group", "listen", "--config", str(bad_cfg), "--data", str(tmp_path / "g"), "--count", "1")
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "max_frame" in r.stderr, r.stderr
+    good_key = tmp_path / "good.key"
+    keygen(str(good_key))
+    r = cli("send", "--socket", sock, "--key", str(good_key), "00" * 32, "hi")
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert r.stderr.startswith("error:"), r.stderr

@@ -224,3 +224,69 @@ async def test_refusals_reach_the_app_through_the_cli(daemon: DaemonFactory, tmp
     assert r.returncode != 0, r.stdout + r.stderr
     assert "no_route" in r.stderr or "no route" in r.stderr, r.stderr
     await async_wait_until(lambda: d.trace(event="refused", reason="no_route"), 5.0, "the refusal traced")
+
+
+async def test_a_subscriber_that_does_not_read_slows_then_refuses_and_gets_every_taken_message(
+    daemon: DaemonFactory,
+) -> None:
+    """A connected subscriber that stops reading: its socket fills, the router keeps its messages in the store
+    queue, slows the publisher, then refuses (quota) what the queue cannot hold. When the subscriber reads
+    again it gets every message that was taken, in order, and none that was refused."""
+    from raw_app import Key, RawApp
+
+    d = daemon(config={"queue": {"max_count": 300}, "limits": {"write_high_water": 65536},
+                       "durability": "none"})
+    group, pub = Identity.generate(), Identity.generate()
+    sub = await RawApp.connect(d.sock, Key.generate())
+    try:
+        assert await sub.join(group.public) == 0
+        sub.conn.writer.transport.pause_reading()  # the subscriber stops reading: its socket fills
+        sent: list[bytes] = []
+        refused: set[bytes] = set()
+        async with await Client.connect(d.sock, pub) as c:
+            for i in range(8):
+                for j in range(100):  # 800 messages of 8 KiB: far more than its socket and queue hold
+                    sent.append(await c.publish(group, f"{i}-{j}".encode() + os.urandom(8192), ttl=GROUP_TTL))
+                res = await c.sync(timeout=60)
+                assert {r.reason for r in res.refused} <= {Reason.QUOTA}
+                assert all(r.count == 1 for r in res.refused)  # one recipient of the multicast
+                refused |= res.refused_ids
+            st = await c.status()
+        assert refused, "the queue never filled"
+        assert {r["id"] for r in d.trace(event="refused")} == {m.hex() for m in refused}
+        assert st["throttled_total"] >= 1
+        assert st["refused_quota_total"] == len(refused)
+        taken = [m for m in sent if m not in refused]
+        sub.conn.writer.transport.resume_reading()
+        got: list[bytes] = []
+        deadline = time.monotonic() + 30
+        while len(got) < len(taken) and time.monotonic() < deadline:
+            got.append((await sub.recv(timeout=10)).id)
+        assert got == taken
+    finally:
+        await sub.close()
+
+
+async def test_a_late_refusal_from_the_next_router_reaches_the_app(tmp_path: Path) -> None:
+    """An app on router A sends through router B (VIA = B) to a key B cannot route: A forwards it (the app's
+    SYNC_ACK has no refusal), B refuses it (no_route) to A over TLS, and A passes that on to the app."""
+    from netutil import Network
+
+    async with Network(tmp_path) as net:
+        a, b = net.add_nodes(2, heartbeat=None)
+        net.line([a, b])
+        await net.start_all()
+        await net.wait_line([a, b])
+        app = await net.client(a)
+        late: list[bytes] = []
+        app.on_refused = lambda r: late.append(r.id)
+        nobody = Identity.generate()
+        mid = await app.send(nobody.public, b"through B to nobody", via=b.id)
+        res = await app.sync()
+        assert res.ok  # A took it: forwarded to B
+        await async_wait_until(lambda: late, 10.0, "the late refusal")
+        [r] = [r for r in app.late_refusals if r.id == mid]
+        assert (r.reason, r.count) == (Reason.NO_ROUTE, 0)
+        assert late == [mid]
+        assert b.trace(event="refused", id=mid, reason="no_route")
+        assert a.trace(event="refused", id=mid, reason="no_route", peer=app.identity.public)

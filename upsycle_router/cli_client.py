@@ -98,7 +98,10 @@ def _run(args: argparse.Namespace, fn: Any) -> int:
     try:
         rc: int = run_async(_with_client(args, fn))
         return rc
-    except (ClientError, ConfigError, KeyFileError, ValueError) as e:
+    except (ConfigError, KeyFileError) as e:  # a bad config or key file: like the daemon, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ClientError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 

@@ -105,7 +105,10 @@ def _run(args: argparse.Namespace, fn: Callable[[GroupManager], Awaitable[int]])
     try:
         rc: int = run_async(go())
         return rc
-    except (ClientError, ConfigError, KeyFileError, GroupError, GroupStoreError, ValueError, TimeoutError) as e:
+    except (ConfigError, KeyFileError) as e:  # a bad config or key file: like the daemon, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ClientError, GroupError, GroupStoreError, ValueError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
