@@ -19,12 +19,12 @@ from typing import Any
 
 from upsycle_router.config import DaemonConfig, check_websocket, config_warnings, load_config
 from upsycle_router.crypto import Identity, load_or_create_key_file
+from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
 from upsycle_router.runtime.daemon import run_daemon
 from upsycle_router.runtime.logs import setup_logging
 from upsycle_router.runtime.service import RouterService
 from upsycle_router.store.integrity import StoreUnusable
-from upsycle_router.store.lmdb_store import Durability
 from upsycle_router.wire.discovery import TransportAddr
 
 

@@ -24,9 +24,9 @@ from typing import Any
 import yaml
 
 from upsycle_router.config_discovery import DiscoveryConfig, parse_discovery
+from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError
 from upsycle_router.services.pubsub.params import GossipParams
-from upsycle_router.store.lmdb_store import Durability
 from upsycle_router.wire.discovery import TransportAddr
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME
 

@@ -49,11 +49,12 @@ from upsycle_router.core.events import (
     WriteBlocked,
 )
 from upsycle_router.core.router import Router
+from upsycle_router.durability import Durability
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.runtime.logs import RateLimitedLog
 from upsycle_router.runtime.verify import Verifier, name_thread
 from upsycle_router.store.commit_thread import CommitThread
-from upsycle_router.store.lmdb_store import Durability, LmdbStore
+from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.connection import Connection
 from upsycle_router.wire.framing import length_prefix

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
-from upsycle_router.store.lmdb_store import Durability, LmdbStore, QueueEntry, RouteEntry, StoredMessage
+from upsycle_router.durability import Durability
+from upsycle_router.store.lmdb_store import LmdbStore, QueueEntry, RouteEntry, StoredMessage
 
 __all__ = ["Durability", "LmdbStore", "QueueEntry", "RouteEntry", "StoredMessage"]

@@ -58,7 +58,6 @@ expiry indexes iterate in time order.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import struct
@@ -71,6 +70,7 @@ import lmdb
 
 from upsycle_router import accel
 from upsycle_router.accel import msgs_records, sorted_items
+from upsycle_router.durability import Durability
 from upsycle_router.store.integrity import check_before_open, mark_initialised
 from upsycle_router.store.tables import LmdbTables
 
@@ -84,14 +84,6 @@ _QSTAT = struct.Struct(">QQ")
 STRANGER_FLAG = 0x8000_0000  # in a queue entry's size: queued by a stranger (sizes stay far below 2**31)
 _SIZE_MASK = STRANGER_FLAG - 1
 _NEVER_MS = 2**63 - 1
-
-
-class Durability(enum.StrEnum):
-    """When committed writes reach the disk."""
-
-    FSYNC = "fsync"
-    BATCH = "batch"
-    NONE = "none"
 
 
 def _ms(t: float | None) -> int:
