@@ -30,7 +30,6 @@ from upsycle_router.core.events import (
     DialFailed,
     Effect,
     Event,
-    MessageReceived,
     MessagesReceived,
     PeerLearned,
     QueueSent,
@@ -303,7 +302,7 @@ class CoreHarness:
         except Lost:
             pass
         self.router.batch_lost()
-        return self.handle_all([ev for ev in events if not isinstance(ev, (MessageReceived, MessagesReceived))])
+        return self.handle_all([ev for ev in events if not isinstance(ev, MessagesReceived)])
 
     def open(self, peer: Identity | bytes, *, local: bool = True, now: float | None = None) -> int:
         """Open a connection from ``peer``; return its id (the opening effects are in :attr:`last`)."""
@@ -326,7 +325,7 @@ class CoreHarness:
         else:
             data = msg.encode()
         ok = message_signature_valid(msg) if verified is None else verified
-        return self.handle(MessageReceived(conn, msg, ok, len(data)), now)
+        return self.handle(MessagesReceived.one(conn, msg, ok), now)
 
     def queue_sent(self, refs: Effects | Iterable[tuple[bytes, int]], now: float | None = None) -> Effects:
         """Report queue entries written (the refs of ``refs``' Sends, or explicit refs)."""

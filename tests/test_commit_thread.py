@@ -19,7 +19,7 @@ import lmdb
 import pytest
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import CloseConnection, ConnectionOpened, MessageReceived
+from upsycle_router.core.events import CloseConnection, ConnectionOpened, MessagesReceived
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in
@@ -127,9 +127,9 @@ def _gated_driver(
     """A driver whose commits (on the commit thread) pass a ``_Gate``, open for now, with a local connection
     1, 2, ... opened from each of ``peers``."""
     driver = Driver(router, store, journal=journal, verify_threads=1)
-    assert driver._committer is not None  # fsync: commits run on the commit thread
+    assert driver.batches.committer is not None  # fsync: commits run on the commit thread
     gate = _Gate(store.env)
-    driver._committer.env = gate
+    driver.batches.committer.env = gate
     gate.open.set()
     for conn, peer in enumerate(peers, 1):
         driver.push(ConnectionOpened(conn, peer, True))
@@ -143,18 +143,18 @@ async def test_effects_wait_for_the_commit_while_the_loop_goes_on(tmp_path: Path
     # A local publish reaches the (local) pub/sub service: each message is stored, then delivered to it.
     router = Router(router_id, store, CoreConfig(pubsub_service=service.public))
     driver, gate = _gated_driver(router, store, (app.public, service.public), journal)
-    await _until(lambda: gate.commits == 1 and driver._committing is None)
+    await _until(lambda: gate.commits == 1 and driver.batches.committing is None)
     gate.open.clear()
 
     def message(n: int) -> Any:
         return sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"body %d" % n, group)
 
     m1, m2 = message(1), message(2)
-    driver.push(MessageReceived(1, m1, True, len(m1.encode())))
-    await _until(lambda: driver._committing is not None)  # routed, its commit waits at the gate
+    driver.push(MessagesReceived.one(1, m1, True))
+    await _until(lambda: driver.batches.committing is not None)  # routed, its commit waits at the gate
     # The loop is not blocked by the commit: timers run, and a second message is taken in...
     await asyncio.sleep(0.05)
-    driver.push(MessageReceived(1, m2, True, len(m2.encode())))
+    driver.push(MessagesReceived.one(1, m2, True))
     await asyncio.sleep(0.05)
     # ...but nothing of the first batch was carried out, and the second is not routed before the first committed.
     ids = [r.get("id") for r in _records(tmp_path / "trace")]
@@ -178,7 +178,7 @@ async def test_an_internal_error_in_the_timer_run_does_not_stop_the_router(tmp_p
     store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
     router = Router(router_id, store, CoreConfig(pubsub_service=service.public, trace=False))
     driver, gate = _gated_driver(router, store, (app.public, service.public))
-    await _until(lambda: gate.commits >= 1 and driver._committing is None)
+    await _until(lambda: gate.commits >= 1 and driver.batches.committing is None)
     runs: list[float] = []
     real = router.handle_timer
 
@@ -191,12 +191,12 @@ async def test_an_internal_error_in_the_timer_run_does_not_stop_the_router(tmp_p
     router.handle_timer = failing_once  # type: ignore[method-assign]
     msgs = [sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"m%d" % n, group)
             for n in range(2)]
-    driver._timer_due = True
-    driver.push(MessageReceived(1, msgs[0], True, len(msgs[0].encode())))
-    await _until(lambda: store.has_message(msgs[0].id) and driver._committing is None)
-    driver._timer_due = True
-    driver.push(MessageReceived(1, msgs[1], True, len(msgs[1].encode())))
-    await _until(lambda: store.has_message(msgs[1].id) and driver._committing is None)
+    driver.timer_due = True
+    driver.push(MessagesReceived.one(1, msgs[0], True))
+    await _until(lambda: store.has_message(msgs[0].id) and driver.batches.committing is None)
+    driver.timer_due = True
+    driver.push(MessagesReceived.one(1, msgs[1], True))
+    await _until(lambda: store.has_message(msgs[1].id) and driver.batches.committing is None)
     assert len(runs) >= 2
     await driver.aclose()
     assert _in_thread(lambda: store.env.begin(write=True).abort())  # no transaction left open
@@ -208,7 +208,7 @@ async def test_a_batch_that_wrote_nothing_commits_nothing_and_waits_for_nothing(
     store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
     journal = TraceJournal(tmp_path / "trace", router_id.public)
     driver, gate = _gated_driver(Router(router_id, store), store, (app.public, peer.public), journal)
-    await _until(lambda: gate.commits >= 1 and driver._committing is None)
+    await _until(lambda: gate.commits >= 1 and driver.batches.committing is None)
     commits = gate.commits
     gate.open.clear()  # a commit now would wait here
 
@@ -218,11 +218,11 @@ async def test_a_batch_that_wrote_nothing_commits_nothing_and_waits_for_nothing(
     # Unicast to a connected local app goes out directly: its batch writes nothing to the store.
     m1, m2 = (sign_message(UnicastHeader(app.public, peer.public, 60, exp_in(time.time(), 60)), b"u%d" % n, app)
               for n in (1, 2))
-    driver.push(MessageReceived(1, m1, True, len(m1.encode())))
+    driver.push(MessagesReceived.one(1, m1, True))
     await _until(lambda: m1.id.hex() in delivered())
-    driver.push(MessageReceived(1, m2, True, len(m2.encode())))
+    driver.push(MessagesReceived.one(1, m2, True))
     await _until(lambda: m2.id.hex() in delivered())
-    assert driver._committing is None and gate.commits == commits
+    assert driver.batches.committing is None and gate.commits == commits
     gate.open.set()
     await driver.aclose()
     assert _in_thread(lambda: store.env.begin(write=True).abort())  # the unwritten transaction was given back
@@ -238,14 +238,14 @@ async def test_committed_batches_are_freed_without_the_garbage_collector(tmp_pat
     driver = Driver(router, store, verify_threads=1)
     driver.push(ConnectionOpened(1, app.public, True))
     driver.push(ConnectionOpened(2, service.public, True))
-    await _until(lambda: driver._committing is None and router.connections() == 2)
+    await _until(lambda: driver.batches.committing is None and router.connections() == 2)
     gc.collect()
     gc.disable()
     try:
         for n in range(30):  # stored multicast: each batch commits on the commit thread
             m = sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"c%d" % n, group)
-            driver.push(MessageReceived(1, m, True, len(m.encode())))
-            await _until(lambda m=m: store.has_message(m.id) and driver._committing is None)
+            driver.push(MessagesReceived.one(1, m, True))
+            await _until(lambda m=m: store.has_message(m.id) and driver.batches.committing is None)
         unreachable = gc.collect()
     finally:
         gc.enable()
@@ -263,20 +263,20 @@ async def test_a_batch_whose_commit_failed_leaves_no_trace_in_the_store(tmp_path
     store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP, index_batch=index_batch)
     router = Router(router_id, store, CoreConfig(pubsub_service=service.public))
     driver, gate = _gated_driver(router, store, (app.public, service.public))
-    await _until(lambda: driver._committing is None and router.connections() == 2)
+    await _until(lambda: driver.batches.committing is None and router.connections() == 2)
     kept = sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"kept", group)
-    driver.push(MessageReceived(1, kept, True, len(kept.encode())))
-    await _until(lambda: store.has_message(kept.id) and driver._committing is None)
+    driver.push(MessagesReceived.one(1, kept, True))
+    await _until(lambda: store.has_message(kept.id) and driver.batches.committing is None)
     gate.fail = 1
     lost = sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"lost", group)
-    driver.push(MessageReceived(1, lost, True, len(lost.encode())))
-    await _until(lambda: driver.stats.get("store_errors_total") == 1 and driver._committing is None)
+    driver.push(MessagesReceived.one(1, lost, True))
+    await _until(lambda: driver.stats.get("store_errors_total") == 1 and driver.batches.committing is None)
     assert not store.has_message(lost.id) and store.has_message(kept.id)
     assert len(store._exps) == (0 if index_batch == 1 else 1)  # what is committed, as it is committed
     assert len(store._index) == 1
     assert lost.id not in router.seen  # forgotten with the batch: the copy sent again is not a duplicate
-    driver.push(MessageReceived(1, lost, True, len(lost.encode())))
-    await _until(lambda: store.has_message(lost.id) and driver._committing is None)
+    driver.push(MessagesReceived.one(1, lost, True))
+    await _until(lambda: store.has_message(lost.id) and driver.batches.committing is None)
     await driver.aclose()
     store.close()
 
@@ -286,18 +286,18 @@ async def test_when_the_replay_of_a_lost_batch_fails_too_its_connections_are_clo
     store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
     router = Router(router_id, store)
     driver, gate = _gated_driver(router, store, (app.public,))
-    await _until(lambda: driver._committing is None and router.connections() == 1)
+    await _until(lambda: driver.batches.committing is None and router.connections() == 1)
     done: list[list[Any]] = []
-    real_done = driver._done
+    real_done = driver.batches.done
 
     def record(effects: list[Any], now: float) -> None:
         done.append(list(effects))
         real_done(effects, now)
 
-    driver._done = record  # type: ignore[method-assign]
+    driver.batches.done = record
     gate.fail = 2  # the batch, then its replay
     driver.push(ConnectionOpened(2, peer.public, True))
-    await _until(lambda: driver.stats.get("store_errors_total") == 1 and driver._committing is None)
+    await _until(lambda: driver.stats.get("store_errors_total") == 1 and driver.batches.committing is None)
     assert router.connected(peer.public) is None  # the core does not count it as open
     assert [e for e in done[-1] if isinstance(e, CloseConnection)] == [CloseConnection(2, 6, "store error")]
     await driver.aclose()

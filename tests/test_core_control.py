@@ -24,10 +24,9 @@ from core_harness import (
 
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.events import ConnectionOpened
-from upsycle_router.core.router import ROUTE_ADVERT
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.expiry import exp_in, unix_to_exp
-from upsycle_router.store.lmdb_store import RouteEntry
+from upsycle_router.store.api import ROUTE_ADVERT, RouteEntry
 from upsycle_router.wire.cbor import decode_item, enc
 from upsycle_router.wire.control import (
     Join,

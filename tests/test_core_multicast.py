@@ -11,7 +11,7 @@ import pytest
 from core_harness import T0, CoreHarness, control, forged, ident, key, multicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import MessageReceived
+from upsycle_router.core.events import MessagesReceived
 from upsycle_router.core.seen import SeenIds
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in, unix_to_exp
@@ -434,8 +434,8 @@ def test_a_lost_batch_is_forgotten_by_the_core(h: CoreHarness) -> None:
     h.receive(c[ALICE], before)
     m = multicast(G, b"lost")
     join_msg = control(CAROL, X, Join(G.public, True))
-    h.lost([MessageReceived(c[ALICE], m, True, len(m.encode())),
-            MessageReceived(carol, join_msg, True, len(join_msg.encode()))])
+    h.lost([MessagesReceived.one(c[ALICE], m, True),
+            MessagesReceived.one(carol, join_msg, True)])
     assert m.id not in h.router.seen and before.id in h.router.seen
     assert key(CAROL) not in h.router.subs[G.public]
     assert h.receive(c[ALICE], m).sends(c[BOB])  # sent again: delivered, not a duplicate

@@ -2,7 +2,7 @@
 
 :class:`Net` owns one :class:`CoreHarness` per router. A ``Send`` on a router-to-router connection becomes a
 frame in flight on that link (FIFO per direction); :meth:`Net.run` delivers frames one at a time, picking the
-link with a seeded rng, to the other router as ``MessageReceived`` (decoded from the bytes, verified as the
+link with a seeded rng, to the other router as ``MessagesReceived`` (decoded from the bytes, verified as the
 driver does). A ``Send`` on an app connection lands in that app's inbox. Sends that drain a queue are reported
 back with ``QueueSent`` once "written", as the driver does. ``Dial(R)`` opens a new link to R when R is in the
 network and reachable, else answers ``DialFailed``. Both ends of a new link send their advertisement first
@@ -22,7 +22,7 @@ import pytest
 from core_harness import CoreHarness, Effects, advert, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import Dial, Fanout, FanoutRun, PeerLearned, Send, sends
+from upsycle_router.core.events import Dial, Fanout, PeerLearned, Send, sends
 from upsycle_router.core.router import REDIAL_MIN
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import RemoteProtocolError
@@ -162,7 +162,7 @@ class Net:
     def _effects(self, node: CoreHarness, effects: Effects) -> None:
         written: list[tuple[bytes, int]] = []
         for e in effects:
-            if isinstance(e, (Fanout, FanoutRun)):
+            if isinstance(e, Fanout):
                 self._effects(node, Effects(sends([e])))
             elif isinstance(e, Send):
                 if (node.id, e.conn) in self.links:

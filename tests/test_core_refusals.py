@@ -32,8 +32,8 @@ from core_harness import (
 )
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import FanoutRun, MessageReceived, MessagesReceived, Throttle, Trace, WriteBlocked
-from upsycle_router.core.router import THROTTLE_SECONDS
+from upsycle_router.core.delivery import THROTTLE_SECONDS
+from upsycle_router.core.events import Fanout, MessagesReceived, Throttle, Trace, WriteBlocked
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.expiry import exp_to_unix, unix_to_exp
 from upsycle_router.services.discovery import DISCOVERY_GROUP
@@ -75,9 +75,9 @@ def h(tmp_path: Path) -> CoreHarness:
     return harness(tmp_path)
 
 
-def rx(conn: int, msg: Message) -> MessageReceived:
+def rx(conn: int, msg: Message) -> MessagesReceived:
     """``msg`` arriving on ``conn`` as the driver hands it over (``verified`` computed as the driver does)."""
-    return MessageReceived(conn, msg, message_signature_valid(msg), len(msg.encode()))
+    return MessagesReceived.one(conn, msg, message_signature_valid(msg))
 
 
 def away(h: CoreHarness, *who: Identity) -> None:
@@ -191,7 +191,7 @@ def test_refusals_of_a_run_are_written_before_the_sync_ack(h: CoreHarness) -> No
         Refused(old.id, Reason.EXPIRED, 0),
         SyncAck(8, 1, 2),
     ]
-    assert [e for e in out if isinstance(e, FanoutRun)] == [FanoutRun((c[BOB],), [good1.encode(), good2.encode()])]
+    assert [e for e in out if isinstance(e, Fanout)] == [Fanout((c[BOB],), (good1.encode(), good2.encode()))]
     assert [t.reason for t in out.traces("refused")] == ["bad_signature", "expired"]
 
 

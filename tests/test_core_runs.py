@@ -7,7 +7,7 @@ batch their effects, their store contents and their recently-seen lists must be 
 records in the same order, the same writes (``sends``: one per connection and message) to each connection in
 the same order (the order between connections is not observable: the driver writes a batch's effects at
 once; a REFUSED to the publisher may come before a run's deliveries to its subscribers), the same other
-effects in the same order. (A run's writes come as one FanoutRun after its trace records; the
+effects in the same order. (A run's writes come as one Fanout after its trace records; the
 driver journals every trace record of a batch before it writes anything.) The
 sequences mix duplicates (within a run and across batches), expired, forged and ``ttl`` 0 messages, VIA,
 unicast, subscribers that leave, go away, stop reading or fall behind, a small seen list, bulk index writes
@@ -28,7 +28,6 @@ from upsycle_router.core.events import (
     Effect,
     Event,
     Fanout,
-    FanoutRun,
     MessagesReceived,
     QueueSent,
     Send,
@@ -112,7 +111,7 @@ class Twin:
 
 def _normal(effects: list[Effect]) -> tuple[list[Effect], dict[int, list[Send]], list[Effect]]:
     """Trace records, each connection's writes, and the other effects, each in order."""
-    writes = (Send, Fanout, FanoutRun)
+    writes = (Send, Fanout)
     per_conn: dict[int, list[Send]] = {}
     for s in sends(effects):
         per_conn.setdefault(s.conn, []).append(s)
@@ -239,7 +238,7 @@ def test_runs_route_as_the_per_message_path_does(tmp_path: Path) -> None:
         t = run_scenario(tmp_path / str(seed), seed)  # (asserts the same effects and state throughout)
         appends += sum(t.appends)
         reasons |= _reasons(t)
-        fanouts += sum(isinstance(e, FanoutRun) for e in t.log)
+        fanouts += sum(isinstance(e, Fanout) and len(e.datas) > 1 for e in t.log)
         t.close()
     # The scenarios went through runs, and through what they leave to the per-message path.
     assert appends > 100
@@ -264,7 +263,7 @@ def test_runs_are_taken_and_fan_out(tmp_path: Path) -> None:
     msgs = [multicast(GROUPS[0], i.to_bytes(2, "big"), now=t.now) for i in range(20)]
     out = t.batch([MessagesReceived(1, msgs, _verified(msgs))])
     assert t.appends == [20]
-    assert out == [FanoutRun(tuple(subs), [m.encode() for m in msgs])]
+    assert out == [Fanout(tuple(subs), tuple(m.encode() for m in msgs))]
     assert t.stores[0].message_ids() == [m.id for m in msgs]
     t.check_state()
     t.close()
@@ -307,7 +306,7 @@ def test_a_run_into_a_full_store_is_refused_as_message_by_message(tmp_path: Path
     assert quota
     assert len(t.appends) > 1 and sum(t.appends) == len(t.stores[0].message_ids())
     # Smaller messages may still fit after a larger one was refused: the store decides message by message.
-    assert any(isinstance(e, FanoutRun) for e in t.log[t.log.index(quota[0]) :])
+    assert any(isinstance(e, Fanout) and len(e.datas) > 1 for e in t.log[t.log.index(quota[0]) :])
 
 
 def rng_size(sn: int) -> int:

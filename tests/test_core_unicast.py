@@ -11,10 +11,9 @@ import pytest
 from core_harness import T0, CoreHarness, control, forged, ident, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import MessageReceived
-from upsycle_router.core.router import ROUTE_MESSAGE
+from upsycle_router.core.events import MessagesReceived
 from upsycle_router.expiry import exp_in, unix_to_exp
-from upsycle_router.store.lmdb_store import RouteEntry
+from upsycle_router.store.api import ROUTE_MESSAGE, RouteEntry
 from upsycle_router.wire.control import Reason, Sync, SyncAck
 
 X = ident("X")
@@ -253,7 +252,7 @@ def test_local_source_with_via_to_an_unconnected_router_is_queued_and_dialled(h:
 def test_a_dial_of_a_lost_batch_is_made_by_the_next_message(h: CoreHarness) -> None:
     a = h.open(ALICE)
     m = unicast(ALICE, REMOTE_SVC, b"1", via=R.public)
-    assert h.lost([MessageReceived(a, m, True, len(m.encode()))]).dials() == []
+    assert h.lost([MessagesReceived.one(a, m, True)]).dials() == []
     assert h.store.queue(R.public) == []  # nothing of the batch was stored
     assert h.receive(a, m).dials() == [R.public]  # sent again: queued, and the router is dialled
 

@@ -1,8 +1,9 @@
 """Inputs to and outputs of the routing core.
 
-The values are immutable: frozen dataclasses, and for the three made once or more per routed message
-(:class:`MessageReceived`, :class:`Send`, :class:`Trace`) typed named tuples, which are as immutable and
-four times cheaper to build.
+The values are immutable: frozen dataclasses, and for those made once or more per routed message
+(:class:`Send`, :class:`Fanout`, :class:`Trace`) typed named tuples, which are as immutable and four times
+cheaper to build. One input type per fact (a read's messages arrive as one :class:`MessagesReceived`, a single
+message as one of length 1), one effect type per command.
 
 Inputs are named in the past tense (what happened); effects are commands (what the driver must do). The
 driver feeds inputs in arrival order inside one store transaction per batch, commits, and only then carries
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from upsycle_router.core.trace import Ev, Kind, Role
 from upsycle_router.wire.messages import Message
 
 ConnId = int
@@ -39,24 +41,20 @@ class ConnectionClosed:
     conn: ConnId
 
 
-class MessageReceived(NamedTuple):
-    """A routed message arrived on ``conn``; ``verified`` says whether its signature checked out."""
-
-    conn: ConnId
-    message: Message
-    verified: bool
-    size: int
-
-
 @dataclass(frozen=True, slots=True)
 class MessagesReceived:
-    """Routed messages arrived on ``conn``, in this order (what one read brought); ``verified[i]`` is true (or
-    nonzero) if the signature of ``messages[i]`` checked out. The same as one :class:`MessageReceived` per
-    message, with the size of each its encoding's length - at a fraction of the cost per message."""
+    """Routed messages arrived on ``conn``, in this order (what one read brought, or a single message);
+    ``verified[i]`` is true (or nonzero) if the signature of ``messages[i]`` checked out. A message's size is
+    the length of its encoding as it arrived (``Message.wire``)."""
 
     conn: ConnId
     messages: Sequence[Message]
     verified: Sequence[bool] | bytes
+
+    @classmethod
+    def one(cls, conn: ConnId, message: Message, verified: bool) -> MessagesReceived:
+        """A single message that arrived on ``conn``."""
+        return cls(conn, (message,), (verified,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +79,7 @@ class WriteBlocked:
     blocked: bool
 
 
-Event = ConnectionOpened | ConnectionClosed | MessageReceived | MessagesReceived | QueueSent | DialFailed | WriteBlocked
+Event = ConnectionOpened | ConnectionClosed | MessagesReceived | QueueSent | DialFailed | WriteBlocked
 
 
 # ---------------------------------------------------------------- effects
@@ -96,31 +94,21 @@ class Send(NamedTuple):
 
 
 class Fanout(NamedTuple):
-    """Write one routed message to each of ``conns`` (a multicast message to the subscribers it goes to directly:
-    one effect per message instead of one :class:`Send` per subscriber)."""
+    """Write each of ``datas``, in order, to each of ``conns``: multicast messages to the subscribers they go to
+    directly (one effect for a message, or for a run of one group's messages, instead of one :class:`Send`
+    per subscriber and message)."""
 
     conns: tuple[ConnId, ...]
-    data: bytes
-
-
-class FanoutRun(NamedTuple):
-    """Write each of ``datas``, in order, to each of ``conns``: the same as one :class:`Fanout` per message (a
-    run of one group's messages to the subscribers they all go to directly)."""
-
-    conns: tuple[ConnId, ...]
-    datas: list[bytes]
+    datas: tuple[bytes, ...]
 
 
 def sends(effects: Iterable[Effect]) -> Iterator[Send]:
-    """The effects' writes as one :class:`Send` each, in order (a :class:`Fanout` as one per connection, a
-    :class:`FanoutRun` as one Fanout per message)."""
+    """The effects' writes as one :class:`Send` each, in order (a :class:`Fanout` as one per connection and
+    message, message by message)."""
     for e in effects:
         if isinstance(e, Send):
             yield e
         elif isinstance(e, Fanout):
-            for c in e.conns:
-                yield Send(c, e.data)
-        elif isinstance(e, FanoutRun):
             for data in e.datas:
                 for c in e.conns:
                     yield Send(c, data)
@@ -143,11 +131,13 @@ class CloseConnection:
 
 
 class Trace(NamedTuple):
-    """One trace journal record (docs/trace.md); the driver adds ``ts`` and ``node``."""
+    """One trace journal record (docs/trace.md); the driver adds ``ts`` and ``node``. ``event``, ``type``,
+    ``reason`` and ``role`` are the words of :mod:`upsycle_router.core.trace` (string enums; a refusal's
+    ``reason`` is the wire reason's label)."""
 
-    event: str
+    event: Ev
     id: bytes | None = None
-    type: str = "unicast"
+    type: Kind = Kind.UNICAST
     group: bytes | None = None
     src: bytes | None = None
     dst: bytes | None = None
@@ -155,7 +145,7 @@ class Trace(NamedTuple):
     size: int = 0
     reason: str | None = None
     local: bool | None = None
-    role: str | None = None
+    role: Role | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,4 +166,4 @@ class PeerLearned:
     port: int
 
 
-Effect = Send | Fanout | FanoutRun | Dial | CloseConnection | Trace | PeerLearned | Throttle
+Effect = Send | Fanout | Dial | CloseConnection | Trace | PeerLearned | Throttle

@@ -62,7 +62,6 @@ import logging
 import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +70,7 @@ import lmdb
 from upsycle_router import accel
 from upsycle_router.accel import msgs_records, sorted_items
 from upsycle_router.durability import Durability
+from upsycle_router.store.api import Expired, QueueEntry, RouteEntry, StoredMessage
 from upsycle_router.store.integrity import check_before_open, mark_initialised
 from upsycle_router.store.tables import LmdbTables
 
@@ -94,45 +94,6 @@ def _ms(t: float | None) -> int:
 
 def _sec(ms: int) -> float | None:
     return None if ms == _NEVER_MS else ms / 1000.0
-
-
-@dataclass(frozen=True, slots=True)
-class RouteEntry:
-    """``dst`` is reachable through ``router`` until ``expires`` (None: no expiry)."""
-
-    router: bytes
-    expires: float | None
-    source: int  # 1 connection, 2 message from a remote node, 3 peer advertisement
-
-
-@dataclass(frozen=True, slots=True)
-class StoredMessage:
-    """A message in the message store."""
-
-    data: bytes
-    group: bytes | None
-    expires: float
-
-
-@dataclass(frozen=True, slots=True)
-class QueueEntry:
-    """One queued message for a recipient."""
-
-    recipient: bytes
-    seq: int
-    id: bytes
-    expires: float
-    size: int
-
-
-@dataclass(frozen=True, slots=True)
-class Expired:
-    """A queue entry that reached its expiry; ``group`` is the message's group (None for unicast)."""
-
-    recipient: bytes | None
-    id: bytes
-    size: int
-    group: bytes | None = None
 
 
 class LmdbStore(LmdbTables):

@@ -105,7 +105,7 @@ class Connection(asyncio.Protocol):
         self.written = 0  # bytes handed to the transport so far
         self._refusal: tuple[int, str] | None = None  # an ERROR asked for before the transport existed
         # (end offset in ``written``, queue ref) of queued messages not yet out of the transport's buffer
-        self.unflushed: collections.deque[tuple[int, tuple[bytes, int]]] = collections.deque()
+        self._unflushed: collections.deque[tuple[int, tuple[bytes, int]]] = collections.deque()
         # admission accounting (transport/admission.py): called once when the transport is gone
         self.on_lost: Callable[[Connection], None] | None = None
         self.handshake_timed_out = False
@@ -256,6 +256,26 @@ class Connection(asyncio.Protocol):
     def flushed(self) -> int:
         """Bytes that left the transport's buffer (handed to the kernel) so far."""
         return self.written - self.buffered()
+
+    def mark_queued(self, ref: tuple[bytes, int]) -> None:
+        """The payload just sent drains the queue entry ``ref``: :meth:`take_flushed` names it once its last
+        byte left the transport's buffer."""
+        self._unflushed.append((self.written, ref))
+
+    def take_flushed(self) -> list[tuple[bytes, int]]:
+        """The queue entries (marked by :meth:`mark_queued`) whose bytes left the transport's buffer since the
+        last call, in order."""
+        done = self.flushed()
+        pending = self._unflushed
+        out: list[tuple[bytes, int]] = []
+        while pending and pending[0][0] <= done:
+            out.append(pending.popleft()[1])
+        return out
+
+    @property
+    def has_unflushed(self) -> bool:
+        """Marked queue entries are still (partly) in the transport's buffer."""
+        return bool(self._unflushed)
 
     def buffered(self) -> int:
         """Bytes written but not yet sent by the transport."""

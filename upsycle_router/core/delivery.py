@@ -1,0 +1,280 @@
+"""Delivery: hand a message to one recipient, queue it, forward it to a router - or refuse it, and say why.
+
+Theory of operation
+-------------------
+The routing algorithms (:mod:`~upsycle_router.core.router`) decide *who* gets a message; :class:`Delivery`
+does it for each recipient and answers with ``None`` (taken) or the :class:`~upsycle_router.wire.control.
+Reason` it was not taken:
+
+* :meth:`Delivery.deliver` - to a connected recipient that reads and has nothing queued: written now (a
+  ``Send``, or its connection added to the caller's fanout); otherwise queued, so nothing overtakes what was
+  queued first and a reader that does not read holds nothing in memory;
+* :meth:`Delivery.enqueue` - into the recipient's queue in the store, within its quota; a *stranger* (a
+  remote sender the router was never told to trust, to whom the recipient never wrote) within its share of
+  the queue and of the store; a remote sender's entry lives ``remote_ttl_max`` at most; the store keeps room
+  for expiry and deliveries;
+* :meth:`Delivery.to_router` - to a remote router over its connection, or queued while the pool dials it.
+
+Nothing is lost in silence (wire v1.1): whatever is not taken is answered by :meth:`Delivery.refuse` -
+REFUSED with the message's id, the reason and the number of recipients it was not taken for, signed by the
+router, on the connection the message came in on - and traced. It is an effect of the same batch as the
+message, so it is written before the SYNC_ACK that covers it; each connection counts its refusals until its
+next SYNC (:meth:`Delivery.sync_acknowledged`). A REFUSED that a next router sends for a message forwarded for
+a local app reaches the app (:meth:`Delivery.late_refusal`).
+
+Backpressure comes before refusals: from ``backpressure_at`` of a queue or of the store on, the local sender
+filling it is slowed (:meth:`Delivery.throttle`: a ``Throttle`` effect, the driver stops reading its
+connection for a moment), and so is one whose messages are refused for want of room.
+"""
+
+from __future__ import annotations
+
+from upsycle_router.core.events import ConnId, Dial, Effect, Send, Throttle, Trace
+from upsycle_router.core.queues import QueueDrain
+from upsycle_router.core.state import Conn, Forwarded, RouterState
+from upsycle_router.core.trace import REFUSAL, Ev, Kind, Why
+from upsycle_router.expiry import expires_at
+from upsycle_router.wire.control import Reason, Refused, encode_router, reason_label
+from upsycle_router.wire.messages import Message, UnicastHeader
+
+# What one queue entry writes across the queue tables (entry, expiry index, reference count, usage), as
+# charged against the store's room: a stored message queued for many recipients costs more than its bytes.
+QUEUE_ENTRY_BYTES = 128
+# How long the driver stops reading a connection whose messages fill a queue or the store past
+# ``backpressure_at`` (once per batch at most).
+THROTTLE_SECONDS = 0.05
+# Messages forwarded for local apps whose next router may still refuse them, remembered at most.
+FORWARDED_MAX = 65_536
+
+
+class Delivery:
+    """Delivers, queues, forwards and refuses (see the module docstring)."""
+
+    def __init__(self, state: RouterState, queues: QueueDrain) -> None:
+        self.s = state
+        self.store = state.store
+        self.conns = state.conns
+        self.by_key = state.by_key
+        self.flush = queues.flush
+
+    def deliver(
+        self,
+        key: bytes,
+        msg: Message,
+        group: bytes | None,
+        size: int,
+        now: float,
+        out: list[Effect],
+        *,
+        kind: Kind,
+        data: bytes | None = None,
+        fanout: list[ConnId] | None = None,
+        stranger: bool = False,
+        remote: bool = False,
+        origin: Conn | None = None,
+    ) -> Reason | None:
+        """Hand ``msg`` to recipient ``key`` now, or queue it while ``key`` is away; the reason it was not taken
+        for ``key``, or None. With ``fanout``, a delivery now adds the connection to it (the caller writes one
+        Fanout for all of them) instead of a Send. ``stranger``, ``remote`` and ``origin`` (the connection it
+        came in on, slowed when it fills the queue) are for :meth:`enqueue`."""
+        data = data if data is not None else msg.encode()
+        conns = self.by_key.get(key)  # state.connected(key), inline: this runs for every delivery
+        if conns:
+            conn = conns[-1]
+            c = self.conns[conn]
+            if (c.backlog or c.blocked) and msg.header.ttl > 0:
+                # The recipient's queue still holds unsent entries (append, so nothing overtakes what was queued
+                # first), or it does not read: keep the message in the store rather than in memory.
+                why = self.enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger,
+                                   remote=remote, origin=origin)
+                if why is None:
+                    self.s.keep(c)
+                    c.backlog = True
+                    self.flush(c, now, out)  # sends it at once unless entries are in flight or c is blocked
+                return why
+            if c.blocked:
+                out.append(Trace(Ev.DROPPED, msg.id, kind, group, None, key, key, size, Why.OVERLOADED,
+                                 role=self.s.role(key)))
+                return Reason.OVERLOADED
+            if fanout is not None:
+                fanout.append(conn)
+            else:
+                out.append(Send(conn, data))
+            if self.s.tracing:
+                event = Ev.DELIVERED if c.local or group is not None else Ev.FORWARDED
+                src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
+                out.append(Trace(event, msg.id, kind, group, src, key, key, size,
+                                 role=self.s.role(key) if event == Ev.DELIVERED else None))
+            return None
+        return self.enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger, remote=remote,
+                            origin=origin)
+
+    def enqueue(
+        self,
+        key: bytes,
+        msg: Message,
+        group: bytes | None,
+        data: bytes,
+        size: int,
+        now: float,
+        out: list[Effect],
+        *,
+        kind: Kind,
+        stranger: bool = False,
+        remote: bool = False,
+        origin: Conn | None = None,
+    ) -> Reason | None:
+        """Queue ``msg`` for ``key``; the reason it was not queued, or None. Strangers' entries count against
+        their share of the queue and of the store; a remote sender's entry lives ``remote_ttl_max`` at most;
+        ``origin`` is slowed once the queue or the store is past the backpressure mark."""
+        h = msg.header
+        src = h.src if isinstance(h, UnicastHeader) else None
+
+        def drop(reason: Why) -> Reason:
+            out.append(Trace(Ev.DROPPED, msg.id, kind, group, src, key, None, size, reason, role=self.s.role(key)))
+            if origin is not None and reason in (Why.QUOTA, Why.STORE_FULL):
+                self.throttle(origin, out)  # a sender still writing into a full queue or store is slowed too
+            return REFUSAL[reason]
+
+        if h.ttl == 0:
+            return drop(Why.TTL_ZERO_OFFLINE)
+        expiry = expires_at(now, h.ttl, h.exp)
+        cfg = self.s.config
+        if remote:
+            expiry = min(expiry, now + cfg.remote_ttl_max)
+        if expiry <= now:
+            return drop(Why.EXPIRED)
+        n = len(data)
+        if n > cfg.queue_max_bytes:
+            return drop(Why.TOO_LARGE)  # no queue could ever hold it
+        store = self.store
+        count, nbytes = store.queue_usage(key)
+        if count + 1 > cfg.queue_max_count or nbytes + n > cfg.queue_max_bytes:
+            return drop(Why.QUOTA)
+        if stranger:
+            share = cfg.stranger_share
+            scount, sbytes = store.stranger_usage(key)
+            if (scount + 1 > share * cfg.queue_max_count or sbytes + n > share * cfg.queue_max_bytes
+                    or store.stranger_bytes() + n > share * self.s.map_size):
+                return drop(Why.STRANGER_QUOTA)
+        stored = store.has_message(msg.id)
+        if not store.has_room(QUEUE_ENTRY_BYTES if stored else QUEUE_ENTRY_BYTES + n):
+            return drop(Why.STORE_FULL)  # the store (disk quota) is full: refuse new messages, keep the stored ones
+        store.put_message(msg.id, data, group, expiry)
+        store.enqueue(key, msg.id, expiry, n, stranger=stranger)
+        if origin is not None and origin.id not in self.s.throttled:
+            bp = cfg.backpressure_at
+            if count + 1 >= bp * cfg.queue_max_count or nbytes + n >= bp * cfg.queue_max_bytes or store.pressure >= bp:
+                self.throttle(origin, out)
+        if self.s.tracing:
+            out.append(Trace(Ev.QUEUED, msg.id, kind, group, src, key, size=size, role=self.s.role(key)))
+        return None
+
+    def to_router(
+        self,
+        router: bytes,
+        msg: Message,
+        group: bytes | None,
+        size: int,
+        now: float,
+        out: list[Effect],
+        *,
+        kind: Kind,
+        origin: Conn | None = None,
+    ) -> Reason | None:
+        """Forward to a remote router: over its open connection, or queued while the pool dials it; the reason
+        it was not taken, or None. A message a local app (``origin``) sent is remembered for a while, so that a
+        REFUSED from the next router reaches the app."""
+        s = self.s
+        conn = s.connected(router)
+        src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
+        dst = msg.header.dst if isinstance(msg.header, UnicastHeader) else None
+        if origin is not None and origin.local:
+            fwd = s.forwarded
+            if len(fwd) >= FORWARDED_MAX:
+                del fwd[next(iter(fwd))]
+            fwd[msg.id] = Forwarded(origin.id, router, kind, group, size)
+        if conn is not None:
+            out.append(Send(conn, msg.encode()))
+            if s.tracing:
+                out.append(Trace(Ev.FORWARDED, msg.id, kind, group, src, dst, router, size))
+            return None
+        why = self.enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, origin=origin)
+        if why is None and router not in s.dialing:
+            s.dialing.add(router)
+            out.append(Dial(router))
+        return why
+
+    # ------------------------------------------------------------------ refusals (wire v1.1)
+
+    def dropped(
+        self,
+        c: Conn,
+        mid: bytes,
+        reason: Why,
+        count: int,
+        now: float,
+        out: list[Effect],
+        kind: Kind,
+        group: bytes | None,
+        src: bytes | None,
+        dst: bytes | None,
+        size: int,
+        traced: bytes | None = None,
+    ) -> None:
+        """Trace that the message ``mid`` that arrived on ``c`` was dropped (``reason``), and answer ``c`` with
+        REFUSED when the reason is a refusal (``count`` recipients, 0: as a whole). ``traced``: the id the trace
+        record names, when it is not ``mid``."""
+        out.append(Trace(Ev.DROPPED, traced or mid, kind, group, src, dst, c.peer, size, reason))
+        why = REFUSAL.get(reason)
+        if why is not None:
+            self.refuse(c, mid, why, count, now, out, kind, group, size)
+
+    def refuse(
+        self, c: Conn, mid: bytes, why: Reason, count: int, now: float, out: list[Effect], kind: Kind,
+        group: bytes | None, size: int,
+    ) -> None:
+        """Answer REFUSED on ``c`` (it counts for the connection's next SYNC_ACK), and trace it."""
+        batch_refused = self.s.batch_refused
+        if c.id not in batch_refused:
+            batch_refused[c.id] = c.refused
+        c.refused += 1
+        body = encode_router(Refused(mid, int(why), count))
+        out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
+        out.append(Trace(Ev.REFUSED, mid, kind, group, peer=c.peer, size=size, reason=why.label))
+
+    def sync_acknowledged(self, c: Conn) -> int:
+        """The refusals ``c`` was answered since its last SYNC, counted afresh from now (a SYNC_ACK reports them)."""
+        batch_refused = self.s.batch_refused
+        if c.id not in batch_refused:
+            batch_refused[c.id] = c.refused
+        k, c.refused = c.refused, 0
+        return k
+
+    def late_refusal(self, router: bytes, r: Refused, now: float, out: list[Effect]) -> None:
+        """Router ``router`` refused ``r.id``: if that is a message forwarded to it for a local app, tell the app,
+        if it is still connected (a late refusal: its SYNC_ACK may have come back already). A REFUSED from any
+        other router means nothing here."""
+        fwd = self.s.forwarded.get(r.id)
+        if fwd is None or fwd.router != router:
+            return
+        del self.s.forwarded[r.id]
+        c = self.conns.get(fwd.conn)
+        if c is None:
+            return
+        body = encode_router(Refused(r.id, r.reason, r.count))
+        out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
+        out.append(Trace(Ev.REFUSED, r.id, fwd.kind, fwd.group, peer=c.peer, size=fwd.size,
+                         reason=reason_label(r.reason)))
+
+    def throttle(self, c: Conn, out: list[Effect]) -> None:
+        """Slow ``c`` (once per batch): what it sends fills a queue or the store past the backpressure mark, or
+        is refused for want of room. Only local connections: a router's connection carries many senders'
+        messages, and pausing it would hold them all up for one full queue (remote senders are refused)."""
+        throttled = self.s.throttled
+        if c.local and c.id not in throttled:
+            throttled.add(c.id)
+            out.append(Throttle(c.id, THROTTLE_SECONDS))
+
+
+__all__ = ["FORWARDED_MAX", "QUEUE_ENTRY_BYTES", "THROTTLE_SECONDS", "Delivery"]

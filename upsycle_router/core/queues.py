@@ -1,0 +1,111 @@
+"""The queue drain: a recipient's stored queue written to its connection, through a sliding window.
+
+Theory of operation
+-------------------
+Messages for a recipient that is away, behind or not reading wait in its queue in the store
+(:meth:`~upsycle_router.core.delivery.Delivery.enqueue` puts them there). When the recipient is connected,
+:meth:`QueueDrain.flush` writes the entries not yet on its connection, each as a
+:class:`~upsycle_router.core.events.Send` with a ``queue_ref``; the driver reports each entry's bytes written
+(:class:`~upsycle_router.core.events.QueueSent`), and only then is the entry removed from the store
+(:meth:`QueueDrain.queue_sent`). A crash in between redelivers rather than loses (at least once; one
+connection never gets the same entry twice: ``Conn.sent`` is the highest sequence written on it).
+
+The drain is a sliding window: entries written and not yet acknowledged count against ``flush_batch``
+entries and ``flush_bytes`` bytes, and each acknowledgement makes room for the next. (Stop-and-wait - the next
+batch only once the whole previous one was acknowledged - left a recipient that fell behind under a steady
+stream behind for good: each round trip includes a commit, and a round trip per batch is slower than the
+stream.) Entries whose message expired are removed as the drain meets them, and by :meth:`QueueDrain.expire`
+on the timer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from upsycle_router.core.events import Effect, QueueSent, Send, Trace
+from upsycle_router.core.state import Conn, RouterState
+from upsycle_router.core.trace import Ev, Kind, Why
+from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.wire.messages import UnicastHeader, decode_message
+
+
+class QueueDrain:
+    """Writes queued messages to their recipients' connections (see the module docstring)."""
+
+    def __init__(self, state: RouterState) -> None:
+        self.s = state
+        self.store = state.store
+
+    def flush(self, c: Conn, now: float, out: list[Effect]) -> None:
+        """Write ``c.peer``'s queued entries that are not yet on ``c``, as far as the window allows."""
+        if c.blocked:
+            return
+        s = self.s
+        s.keep(c)
+        room = self.s.config.flush_batch - len(c.inflight)
+        budget = self.s.config.flush_bytes - c.inflight_bytes
+        if room <= 0 or budget <= 0:
+            return  # the window is full: acknowledgements resume the drain
+        store = self.store
+        entries = store.queue(c.peer, limit=room, after=c.sent)
+        c.backlog = len(entries) >= room  # as many as fit: more may be waiting
+        if not entries:
+            return
+        subscribed: set[bytes] | None = None
+        for e in entries:
+            if budget <= 0:  # enough bytes in flight: the rest waits for acknowledgements
+                c.backlog = True
+                break
+            c.sent = e.seq
+            stored = store.get_message(e.id)
+            if stored is None or stored.expires <= now or e.expires <= now:
+                store.dequeue(c.peer, e.seq)
+                group = stored.group if stored is not None else None
+                out.append(Trace(Ev.EXPIRED, e.id, Kind.MULTICAST if group else Kind.UNICAST, group, dst=c.peer,
+                                 size=e.size, reason=Why.EXPIRED, role=s.role(c.peer)))
+                continue
+            size = len(stored.data)
+            c.inflight[e.seq] = size
+            c.inflight_bytes += size
+            budget -= size
+            out.append(Send(c.id, stored.data, (c.peer, e.seq)))
+            if not s.tracing:
+                continue
+            kind = Kind.MULTICAST if stored.group is not None else Kind.UNICAST
+            if subscribed is None:
+                subscribed = s.subscribed_anywhere()
+            event = Ev.DELIVERED if c.local or c.peer in subscribed else Ev.FORWARDED
+            src = dst = None
+            if stored.group is None:
+                with contextlib.suppress(RemoteProtocolError):
+                    hd = decode_message(stored.data).header
+                    if isinstance(hd, UnicastHeader):
+                        src, dst = hd.src, hd.dst
+            if event == Ev.DELIVERED or dst is None:
+                dst = c.peer
+            out.append(Trace(event, e.id, kind, stored.group, src, dst, c.peer, len(stored.data),
+                             role=s.role(c.peer) if event == Ev.DELIVERED else None))
+
+    def queue_sent(self, ev: QueueSent, now: float, out: list[Effect]) -> None:
+        """The driver wrote these queue entries: remove them, and let the window move on."""
+        s = self.s
+        drained: set[bytes] = set()
+        for recipient, seq in ev.refs:
+            self.store.dequeue(recipient, seq)  # also drops a unicast message with its last entry
+            drained.add(recipient)
+            for cid in s.by_key.get(recipient, ()):
+                c = s.conns[cid]
+                s.keep(c)
+                c.inflight_bytes -= c.inflight.pop(seq, 0)
+        for recipient in drained:  # the window has room again
+            conn = s.connected(recipient)
+            if conn is not None:
+                self.flush(s.conns[conn], now, out)
+
+    def expire(self, now: float, out: list[Effect]) -> None:
+        """Remove queued and stored messages whose time has come (a trace record each)."""
+        role = self.s.role
+        for e in self.store.sweep(now):
+            kind = Kind.MULTICAST if e.group is not None else Kind.UNICAST
+            out.append(Trace(Ev.EXPIRED, e.id, kind, e.group, dst=e.recipient, size=e.size, reason=Why.EXPIRED,
+                             role=role(e.recipient)))

@@ -1,0 +1,225 @@
+"""What one router knows: its connections, who is local, who subscribes, its routes - shared by the core's parts.
+
+Theory of operation
+-------------------
+:class:`RouterState` is the routing core's memory, in one place, with the few questions every part asks of
+it (who is connected under a key, which router a destination goes through, who gets a group's message, who a
+recipient is). It holds no routing logic. The parts of the core - :mod:`~upsycle_router.core.delivery`
+(hand a message to a recipient, or queue or forward it, or refuse it), :mod:`~upsycle_router.core.queues` (the
+queue drain), :mod:`~upsycle_router.core.runs` (a run of one group's messages routed at once),
+:mod:`~upsycle_router.core.control` (messages to the router itself) and :mod:`~upsycle_router.core.router` (the
+seed's algorithms and the driver's interface) - each get the state when they are made and share it.
+
+Two kinds of state:
+
+* mirrored from the store (:meth:`RouterState.load_mirrored`): local services, subscriptions, routes,
+  groups SUBbed at the pub/sub service, groups joined at core nodes, contacts (keys a local service wrote to).
+  Every change is written to the store in the same batch, so the store is the truth after a restart and after
+  a batch that did not commit (the containers are refilled in place: whoever holds one sees the new content);
+* in memory only: open connections and their queue windows (:class:`Conn`), the recently-seen ids, pending
+  dials, advertisement revisions, messages forwarded for local apps (:class:`Forwarded`), counters.
+
+The parts read the containers directly (``state.conns``, ``state.by_key``: a dict lookup costs no call on the
+message path) and change them only as the module that owns each job says.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.events import ConnId
+from upsycle_router.core.seen import SeenIds
+from upsycle_router.core.trace import Kind, Role
+from upsycle_router.crypto import Identity, sign_message
+from upsycle_router.expiry import exp_in
+from upsycle_router.store.api import ROUTE_ADVERT, RouteEntry, RouterStore
+from upsycle_router.wire.messages import Message, UnicastHeader
+
+
+class Forwarded(NamedTuple):
+    """A message forwarded for a local app: where its REFUSED may come from, and where it goes then."""
+
+    conn: ConnId  # the app's connection
+    router: bytes  # the next router it went to (only its REFUSED counts)
+    kind: Kind
+    group: bytes | None
+    size: int
+
+
+class Conn:
+    """One open connection, as the core sees it."""
+
+    __slots__ = ("id", "peer", "local", "inflight", "inflight_bytes", "sent", "blocked", "backlog", "refused")
+
+    def __init__(self, conn: ConnId, peer: bytes, local: bool) -> None:
+        self.id = conn
+        self.peer = peer
+        self.local = local
+        # Queue entries written on this connection and not yet acknowledged (QueueSent), seq -> bytes: the
+        # sliding window of the queue drain, at most flush_batch entries and about flush_bytes bytes.
+        self.inflight: dict[int, int] = {}
+        self.inflight_bytes = 0
+        self.sent = 0  # the highest queue seq written on this connection (seqs start at 1)
+        self.blocked = False  # the peer is not reading: queue instead of writing
+        # The peer's queue may hold entries not yet sent on this connection: new messages queue behind them.
+        # Entries already sent (in flight) do not count: a message written now goes out after them anyway.
+        self.backlog = True
+        self.refused = 0  # REFUSED answers sent on this connection since its last SYNC (for the SYNC_ACK)
+
+
+class RouterState:
+    """The routing core's state (see the module docstring)."""
+
+    def __init__(self, identity: Identity, store: RouterStore, config: CoreConfig) -> None:
+        self.identity = identity
+        self.id = identity.public
+        self.store = store
+        self.config = config
+        self.seen = SeenIds(config.seen_max)
+        self.conns: dict[ConnId, Conn] = {}
+        self.by_key: dict[bytes, list[ConnId]] = {}  # peer key -> its open connections, oldest first
+        # Mirrored from the store (load_mirrored).
+        self.locals: set[bytes] = set()
+        self.subs: dict[bytes, dict[bytes, bool]] = {}
+        self.routes: dict[bytes, RouteEntry] = {}
+        self.pubsub_groups: set[bytes] = set()
+        self.upstream_groups: set[bytes] = set()
+        self.contacts: set[tuple[bytes, bytes]] = set()  # (local service, key it wrote to): not strangers to it
+        self.load_mirrored()
+        # Keys the router was told to trust (beside its local services and the contacts of each recipient).
+        self.trusted = frozenset(config.peers | config.edge_nodes | config.upstream)
+        self.map_size = int(store.stats()["map_size"])  # strangers' share of the store is a share of this
+        # Messages forwarded for local apps (their next router may refuse them late): id -> where from.
+        self.forwarded: dict[bytes, Forwarded] = {}
+        self.throttled: set[ConnId] = set()  # connections slowed in this batch
+        # A pub/sub service starting with this router knows none of them: SUB again when it first connects.
+        self.resub: set[bytes] = set(self.pubsub_groups)
+        self.dialing: set[bytes] = set()
+        self.redial: dict[bytes, float] = {}  # router -> when to dial again (messages are waiting)
+        self.backoff: dict[bytes, float] = {}
+        # Routers that proved themselves peers by advertising on their own connection (PULL is allowed).
+        self.peer_routers: set[bytes] = set()
+        # Newest advert revision accepted per router, and when that advert lapses (older revisions are refused).
+        self.advert_revs: dict[bytes, tuple[int, float]] = {}
+        self.tracing = config.trace  # build the routine per-message Trace records
+        self.counters: dict[str, int] = {}  # driver-side counters, reported by status()
+        # What the current batch changed, as it was before (for Router.batch_lost): each connection's queue-drain
+        # state (sent, inflight, inflight_bytes, backlog), the connections it opened, refusal counts.
+        self.batch_conns: dict[ConnId, tuple[int, dict[int, int], int, bool]] = {}
+        self.batch_opened: set[ConnId] = set()
+        self.batch_refused: dict[ConnId, int] = {}
+
+    def configure(self, config: CoreConfig) -> None:
+        """Replace the policy knobs (what is derived from them follows; the recently-seen list keeps its size)."""
+        self.config = config
+        self.trusted = frozenset(config.peers | config.edge_nodes | config.upstream)
+
+    def load_mirrored(self) -> None:
+        """Read the state mirrored from the store into its containers (in place: whoever holds one sees it)."""
+        store = self.store
+        self.locals.clear()
+        self.locals.update(set(self.config.local_services or ()) | store.locals())
+        self.subs.clear()
+        self.subs.update(store.subscriptions())
+        self.routes.clear()
+        self.routes.update(store.routes())
+        self.pubsub_groups.clear()
+        self.pubsub_groups.update(store.pubsub_subscribed())
+        self.upstream_groups.clear()
+        self.upstream_groups.update(store.upstream_subscribed())
+        self.contacts.clear()
+        self.contacts.update(store.contacts())
+
+    # ------------------------------------------------------------------ questions
+
+    def connected(self, key: bytes) -> ConnId | None:
+        """The newest open connection of ``key``, if any."""
+        conns = self.by_key.get(key)
+        return conns[-1] if conns else None
+
+    def keep(self, c: Conn) -> None:
+        """Remember ``c``'s queue-drain state before the batch changes it (for batch_lost)."""
+        if c.id not in self.batch_conns:
+            self.batch_conns[c.id] = (c.sent, dict(c.inflight), c.inflight_bytes, c.backlog)
+
+    def role(self, key: bytes | None) -> Role | None:
+        """Who ``key`` is to this router, for trace records."""
+        if key is None:
+            return None
+        if key in (self.config.pubsub_service, self.config.discovery_service):
+            return Role.SERVICE
+        return Role.APP if key in self.locals else Role.ROUTER
+
+    def subscribed_anywhere(self) -> set[bytes]:
+        """Every key that subscribes to some group here."""
+        return {m for members in self.subs.values() for m in members}
+
+    def recipients(self, c: Conn, grp: bytes, discovery: bool) -> tuple[dict[bytes, bool] | None, list[bytes]]:
+        """The group's local members, and who of them (and of the services) gets a message of ``grp`` that
+        arrived on ``c``: every member but the sender, and the pub/sub service for a local publish."""
+        members = self.subs.get(grp)
+        if not members:
+            recipients: list[bytes] = []
+        elif c.peer in members:
+            recipients = [m for m in members if m != c.peer]
+        else:
+            recipients = list(members)
+        ps = self.config.pubsub_service
+        if (c.local and ps is not None and ps != c.peer and not discovery and ps not in recipients
+                and (not members or grp in self.pubsub_groups)):
+            # A local publish goes to the pub/sub service for the gossip overlay when an app here JOINed the group
+            # with local = false (the service was SUBbed; it may not have JOINed yet), or by fanout when nobody
+            # here subscribes (apps may publish to other nodes' groups). A group joined here only with
+            # local = true stays on this node (seed 003 §JOIN).
+            recipients.append(ps)
+        return members, recipients
+
+    def route(self, dst: bytes, now: float) -> bytes | None:
+        """The router a unicast for ``dst`` goes to: a directly connected router, or the routing table's."""
+        if self.connected(dst) is not None and dst not in self.locals:
+            return dst
+        r = self.routes.get(dst)
+        if r is None:
+            return None
+        if r.expires is not None and r.expires <= now:
+            return None
+        return r.router
+
+    def learn_route(self, dst: bytes, router: bytes, source: int, expires: float | None) -> None:
+        """``dst`` is reachable through ``router`` until ``expires`` (kept in memory and in the store)."""
+        if dst == self.id or dst in self.locals:
+            return
+        old = self.routes.get(dst)
+        if old is not None and old.router == router and old.source == source != ROUTE_ADVERT and (
+            old.expires is not None and expires is not None and expires - old.expires < 60.0
+        ):
+            return  # avoid a store write per message for an unchanged route (adverts come rarely: keep exact)
+        entry = RouteEntry(router, expires, source)
+        self.routes[dst] = entry
+        self.store.put_route(dst, entry)
+
+    def signed_to(self, dst: bytes, body: bytes, now: float, ttl: int | None = None) -> Message:
+        """A unicast from this router to ``dst`` (the router's own replies, REFUSED, SUBs, adverts)."""
+        cfg = self.config
+        header = UnicastHeader(self.id, dst, cfg.reply_ttl if ttl is None else ttl, exp_in(now, cfg.reply_lifetime))
+        return sign_message(header, body, self.identity)
+
+    def status(self) -> dict[str, int]:
+        """Current sizes and counters (STATUS, metrics)."""
+        queues = self.store.queue_recipients()
+        st = {
+            "connections": len(self.conns),
+            "connections_local": sum(1 for c in self.conns.values() if c.local),
+            "seen_ids": len(self.seen),
+            "seen_max": self.seen.capacity,
+            "groups": len(self.subs),
+            "subscriptions": sum(len(m) for m in self.subs.values()),
+            "routes": len(self.routes),
+            "queue_recipients": len(queues),
+            "queued_messages": sum(c for c, _ in queues.values()),
+            "queued_bytes": sum(b for _, b in queues.values()),
+        }
+        st.update({f"store_{k}": v for k, v in self.store.stats().items()})
+        st.update(self.counters)
+        return st

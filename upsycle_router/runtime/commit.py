@@ -1,0 +1,303 @@
+"""When a batch becomes durable, and why nothing is sent before: one store transaction per batch, effects after.
+
+Theory of operation
+-------------------
+This is the router's one rule about durability, in one place: :class:`Batches` routes a batch of core events
+inside ONE LMDB write transaction, commits it, and only then hands the batch's effects on to be carried out
+(frames written, SYNC_ACKs and REFUSED answered, dials started, trace records written). Whoever gets an
+answer can rely on the state it reports being in the store.
+
+How the commit happens depends on ``durability``:
+
+``fsync``  the commit and its wait for the disk run on the store's commit thread
+           (:class:`~upsycle_router.store.commit_thread.CommitThread`): the event loop goes on reading,
+           decoding and verifying, and the next batch is routed once the commit returned
+           (:attr:`Batches.busy` is true meanwhile). A batch that wrote nothing (direct deliveries only) needs
+           no commit: its effects are carried out at once and its transaction serves the next batch;
+``batch``  the commit is not synced; a sync of everything committed runs every ``sync_interval`` on a
+           thread of its own (the wait for the disk stopped the event loop for milliseconds);
+``none``   the commit is not synced (the OS writes it back; the store is closed cleanly on exit).
+
+A transaction that fails (a disk error) is dropped whole: nothing of the batch is acknowledged or delivered
+(senders waiting for SYNC_ACK see no answer and send again), the core forgets what the batch changed
+(:meth:`~upsycle_router.core.router.Router.batch_lost`), and the batch's connection events are replayed alone,
+so the core's idea of its connections matches the store again. If that fails too, those connections are closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import lmdb
+
+from upsycle_router.core.events import (
+    CloseConnection,
+    ConnectionOpened,
+    Effect,
+    Event,
+    MessagesReceived,
+    QueueSent,
+    WriteBlocked,
+)
+from upsycle_router.core.router import Router
+from upsycle_router.durability import Durability
+from upsycle_router.errors import ErrorCode
+from upsycle_router.runtime.verify import name_thread
+from upsycle_router.store.commit_thread import CommitThread
+from upsycle_router.store.lmdb_store import LmdbStore
+
+log = logging.getLogger("upsycle_router.driver")
+
+Done = Callable[[list[Effect], float], None]  # carry out a committed batch's effects (at ``now``)
+
+
+class _Commit(NamedTuple):
+    """A batch whose transaction is being committed on the commit thread."""
+
+    future: concurrent.futures.Future[None]
+    events: list[Event]
+    effects: list[Effect]
+    now: float
+
+
+class Batches:
+    """Routes batches through the core, one transaction each; effects go to ``done`` only after the commit."""
+
+    def __init__(
+        self,
+        router: Router,
+        store: LmdbStore,
+        stats: dict[str, int],
+        *,
+        done: Done,
+        resume: Callable[[], None],
+        sync_interval: float = 0.05,
+    ) -> None:
+        self.router = router
+        self.store = store
+        self.stats = stats
+        self.done = done  # a batch's effects, once committed
+        self.resume = resume  # the commit in flight returned: route what waits
+        self.sync_interval = sync_interval
+        self.loop = asyncio.get_running_loop()
+        # durability fsync: commits run on a thread of their own; the batch whose commit is in flight
+        self.committer = (
+            CommitThread(store.env, initializer=lambda: name_thread("upsycle-commit"))
+            if store.durability is Durability.FSYNC
+            else None
+        )
+        self.committing: _Commit | None = None
+        self._idle_txn: Any = None  # a write transaction a batch began and left unwritten, for the next batch
+        self._dirty = False
+        self._sync_handle: asyncio.TimerHandle | None = None
+        self._syncing: concurrent.futures.Future[None] | None = None  # durability batch: a sync in flight
+        self._sync_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._closed = False
+
+    @property
+    def busy(self) -> bool:
+        """A batch's commit is in flight: the next batch waits for it."""
+        return self.committing is not None
+
+    def run(self, events: list[Event], timer: bool, now: float) -> None:
+        """Route one batch (and the core's timer, if ``timer``) in one write transaction; hand its effects to
+        ``done`` once the transaction has committed - right away, or when the commit thread reports back."""
+        committer = self.committer
+        self.router.batch_begun()
+        if committer is None:
+            try:
+                with self._transaction():
+                    effects = self._route(events, timer, now)
+            except lmdb.Error as e:
+                effects = self._not_committed(events, e, now)
+            self._finish(effects, now)
+            return
+        txn = self._take_txn(committer)
+        store = self.store
+        store.attach(txn)
+        try:
+            effects = self._route(events, timer, now)
+            store.detach()
+        except lmdb.Error as e:
+            store.detach(commit=False)
+            committer.abort(txn)
+            self._finish(self._not_committed(events, e, now), now)
+            return
+        if not store.wrote:
+            # Nothing to commit (direct deliveries): carried out at once, and the transaction serves the next
+            # batch - no hand-over, no wait.
+            self._idle_txn = txn
+            self._finish(effects, now)
+            return
+        rec = _Commit(committer.commit(txn), events, effects, now)
+        self.committing = rec
+        # The callback must not hold ``rec``: the future keeps its callbacks, and future -> callback -> rec ->
+        # future would be a reference cycle holding the whole batch until a full garbage collection.
+        rec.future.add_done_callback(self._committed_threadsafe)
+
+    def _route(self, events: list[Event], timer: bool, now: float) -> list[Effect]:
+        """The core's effects for a batch, inside the open transaction."""
+        router = self.router
+        effects: list[Effect] = []
+        for ev in [*events, None] if timer else events:  # (None: the timer run)
+            try:
+                effects.extend(router.handle(ev, now) if ev is not None else router.handle_timer(now))
+            except lmdb.Error:
+                raise  # the transaction is unusable: abort the batch
+            except Exception:  # noqa: BLE001 - one bad event (or timer run) must not stop the router
+                log.exception("internal error handling %s", type(ev).__name__ if ev is not None else "the timer")
+        return effects
+
+    def _finish(self, effects: list[Effect], now: float) -> None:
+        """The batch is committed (or given up): schedule the sync its durability asks for, carry out effects."""
+        store = self.store
+        if store.durability is Durability.BATCH and store.wrote:
+            self._dirty = True
+            if self._sync_handle is None:
+                self._sync_handle = self.loop.call_later(self.sync_interval, self._sync)
+        self.done(effects, now)
+
+    # ------------------------------------------------------------ the commit thread (durability fsync)
+
+    def _take_txn(self, committer: CommitThread) -> Any:
+        """The write transaction for the next batch: the one a batch left unwritten, or a new one."""
+        txn, self._idle_txn = self._idle_txn, None
+        return txn if txn is not None else committer.begin()
+
+    def _committed_threadsafe(self, fut: concurrent.futures.Future[None]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: close() waited for the commit
+            self.loop.call_soon_threadsafe(self._on_committed, fut)
+
+    def _on_committed(self, fut: concurrent.futures.Future[None]) -> None:
+        rec = self.committing
+        if rec is None or rec.future is not fut:
+            return  # close() completed it
+        self._complete(rec)
+        if not self._closed:
+            self.resume()
+
+    def _complete(self, rec: _Commit) -> None:
+        """The commit of ``rec`` returned: carry out its effects (or, if it failed, its bookkeeping only)."""
+        self.committing = None
+        store = self.store
+        try:
+            rec.future.result()
+        except lmdb.Error as e:
+            store.aborted()
+            effects = self._not_committed(rec.events, e, rec.now)
+        except BaseException:
+            store.aborted()
+            self.router.batch_lost()
+            raise
+        else:
+            store.committed()
+            effects = rec.effects
+        self._finish(effects, rec.now)
+
+    # ------------------------------------------------------------ a batch that did not commit
+
+    def _not_committed(self, events: list[Event], e: lmdb.Error, now: float) -> list[Effect]:
+        """A batch's transaction failed: nothing of it was committed, so nothing of it is acknowledged or
+        delivered. The store itself is intact; later batches may succeed. Connection bookkeeping must not be
+        lost with the messages: it is replayed on its own."""
+        log.error("store error, batch of %d events not committed: %s", len(events), e)
+        self.stats["store_errors_total"] = self.stats.get("store_errors_total", 0) + 1
+        router = self.router
+        router.batch_lost()
+        effects: list[Effect] = []
+        router.batch_begun()
+        try:
+            with self._transaction():
+                for ev in events:
+                    if not isinstance(ev, MessagesReceived):
+                        effects.extend(router.handle(ev, now))
+        except lmdb.Error:
+            # That transaction failed too: none of it is carried out, and the core no longer knows where the
+            # connections of these events stand (opened, queue windows). Close them: their peers connect again
+            # to a router whose state matches its store.
+            router.batch_lost()
+            conns = {ev.conn for ev in events if isinstance(ev, (ConnectionOpened, WriteBlocked))}
+            for ev in events:
+                if isinstance(ev, QueueSent):
+                    conns.update(c for c in (router.connected(r) for r, _ in ev.refs) if c is not None)
+            effects = [CloseConnection(c, ErrorCode.OVERLOADED, "store error") for c in sorted(conns)]
+        return effects
+
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """A write transaction committed before this returns (on the commit thread, if there is one)."""
+        committer = self.committer
+        store = self.store
+        if committer is None:
+            with store.transaction():
+                yield
+            return
+        txn = self._take_txn(committer)
+        store.attach(txn)
+        try:
+            yield
+            store.detach()
+        except BaseException:
+            store.detach(commit=False)
+            committer.abort(txn)
+            raise
+        try:
+            committer.commit(txn).result()
+        except BaseException:
+            store.aborted()
+            raise
+        store.committed()
+
+    # ------------------------------------------------------------ durability batch
+
+    def _sync(self) -> None:
+        """``durability: batch``: flush what was committed since the last sync, on a thread of its own. LMDB's
+        sync needs no lock: write transactions go on meanwhile, and what they commit is flushed by the next
+        sync."""
+        self._sync_handle = None
+        if not self._dirty or self._closed:
+            return
+        if self._syncing is not None and not self._syncing.done():
+            self._sync_handle = self.loop.call_later(self.sync_interval, self._sync)  # still flushing: later
+            return
+        self._dirty = False
+        if self._sync_pool is None:
+            self._sync_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store_sync")
+        self._syncing = self._sync_pool.submit(self.store.sync)
+        self.stats["syncs_total"] += 1
+
+    # ------------------------------------------------------------ shutdown
+
+    async def wait(self) -> None:
+        """Let the commit in flight return."""
+        if self.committing is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wrap_future(self.committing.future)
+
+    def close(self) -> None:
+        """The commit in flight finishes (its effects carried out); from now on batches commit on this thread."""
+        rec = self.committing
+        if rec is not None:
+            concurrent.futures.wait([rec.future])
+            self._complete(rec)
+        if self.committer is not None:
+            if self._idle_txn is not None:
+                self.committer.abort(self._idle_txn)
+                self._idle_txn = None
+            self.committer.close()
+            self.committer = None
+
+    def shutdown(self) -> None:
+        """No more batches: stop the sync timer; a sync in flight finishes (the store's close syncs the rest)."""
+        if self._sync_handle is not None:
+            self._sync_handle.cancel()
+            self._sync_handle = None
+        if self._sync_pool is not None:
+            self._sync_pool.shutdown(wait=True)
+            self._sync_pool = None
+        self._closed = True

@@ -1,0 +1,270 @@
+"""Carrying out the core's effects once their batch committed: journal, counters, writes, dials, throttles.
+
+Theory of operation
+-------------------
+:class:`EffectRunner` gets the effects of a committed batch (:mod:`upsycle_router.runtime.commit` calls it
+only then) and carries them out in order:
+
+* trace records first, all of the batch's, to the journal - whoever gets an answer (a SYNC_ACK, a delivery)
+  can already read the lines that explain it; they are also counted by reason in the status counters
+  (``refused_quota_total``, ``dropped_no_route_total``, ``duplicates_total``, ``expired_total``) and refusals
+  are logged, one WARNING per reason per interval with the count (:class:`~upsycle_router.runtime.logs.
+  RateLimitedLog`);
+* writes: a ``Send`` to its connection; consecutive ``Fanout``\\ s to the same connections (a burst of one
+  group's messages) go to each connection as one run - one call per connection and run instead of one per
+  message and subscriber - and each connection written to is flushed once per batch. A connection whose
+  outbound buffer passes ``outbound_buffer_max`` is a reader that does not read: it is closed;
+* a write that drains a queue entry (``Send.queue_ref``) is reported back to the core (``QueueSent``, which
+  removes the entry) only once its bytes left the transport's buffer (:meth:`EffectRunner.release_flushed`,
+  polled while some have not): a crash before then redelivers the entry instead of losing it;
+* dials go to the connection pool (a failed one comes back as ``DialFailed``), learned addresses to its
+  address book, ``Throttle`` stops reading a connection for a moment (backpressure), ``CloseConnection``
+  sends ERROR and closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from upsycle_router import accel
+from upsycle_router.core.events import (
+    CloseConnection,
+    Dial,
+    DialFailed,
+    Effect,
+    Event,
+    Fanout,
+    PeerLearned,
+    Send,
+    Throttle,
+    Trace,
+)
+from upsycle_router.core.trace import Ev
+from upsycle_router.errors import ErrorCode
+from upsycle_router.runtime.logs import RateLimitedLog
+from upsycle_router.trace.journal import TraceJournal
+from upsycle_router.transport.connection import Connection
+from upsycle_router.wire.framing import length_prefix
+
+log = logging.getLogger("upsycle_router.driver")
+
+# Trace events counted by reason in the status counters (``refused_quota_total``, ``dropped_no_route_total``),
+# and the name of the counter of the others.
+_BY_REASON = frozenset({Ev.REFUSED, Ev.DROPPED})
+_COUNTED = {Ev.DUPLICATE: "duplicates_total", Ev.EXPIRED: "expired_total"}
+RELEASE_POLL = 0.002  # seconds between looks at transport buffers still holding queued messages
+
+
+class Dialer(Protocol):
+    """The connection pool, as the driver sees it."""
+
+    def dial(self, router: bytes) -> bool:
+        """Start connecting to ``router``; False if its address is unknown."""
+
+    def learn(self, router: bytes, host: str, port: int) -> None:
+        """Remember a router's transport address."""
+
+
+class EffectRunner:
+    """Carries out committed effects (see the module docstring)."""
+
+    def __init__(
+        self,
+        conns: dict[int, Connection],
+        stats: dict[str, int],
+        *,
+        journal: TraceJournal | None,
+        clock: Callable[[], float],
+        outbound_buffer_max: int,
+        push: Callable[[Event], None],
+        acknowledged: Callable[[], None],
+        reading: Callable[[], bool],
+    ) -> None:
+        self.conns = conns
+        self.stats = stats
+        self.journal = journal
+        self.clock = clock
+        self.outbound_buffer_max = outbound_buffer_max
+        self.push = push  # an event for the next batch (DialFailed)
+        self.acknowledged = acknowledged  # queue entries were written out (queue_sent has them)
+        self.reading = reading  # whether the router reads its connections at all (not paused as a whole)
+        self.dialer: Dialer | None = None
+        self.loop = asyncio.get_running_loop()
+        # Queue entries whose bytes left their transport buffer, for the core's next batch (QueueSent).
+        self.queue_sent: list[tuple[bytes, int]] = []
+        self._unflushed: set[int] = set()  # connections with queue refs still in their transport buffer
+        self._release_handle: asyncio.TimerHandle | None = None
+        # Connections the core slowed down (backpressure): conn -> the timer that resumes reading it.
+        self.throttled: dict[int, asyncio.TimerHandle] = {}
+        self._refusal_log = RateLimitedLog(log, "refused")
+        self._refusal_flush: asyncio.TimerHandle | None = None
+        self._closed = False
+
+    def apply(self, effects: list[Effect], now: float) -> None:
+        """Carry out ``effects``, in order (trace records of the whole batch first)."""
+        if self.journal is not None:
+            for e in effects:
+                if isinstance(e, Trace):
+                    self.journal.record(e, now)
+            self.journal.flush()
+        conns = self.conns
+        sent_to: set[Connection] = set()
+        # Consecutive fan-outs to the same connections are handed to each connection as one run.
+        run: tuple[int, ...] = ()
+        payloads: list[bytes] = []
+        framed: list[bytes] = []
+        nbytes = 0
+        stats = self.stats
+        for e in effects:
+            kind = type(e)
+            if kind is Trace:
+                assert isinstance(e, Trace)
+                event = e.event
+                if event in _BY_REASON:  # counted by reason; refusals are also logged (rate-limited)
+                    key = f"{event}_{e.reason}_total"
+                    stats[key] = stats.get(key, 0) + 1
+                    if event is Ev.REFUSED:
+                        self._refusal_log.note(e.reason or "unknown", now)
+                        self._arm_refusal_flush()
+                elif event in _COUNTED:
+                    stats[_COUNTED[event]] += 1
+                continue
+            if kind is Fanout:
+                assert isinstance(e, Fanout)
+                if e.conns != run:
+                    if payloads:
+                        self._fan_out(run, payloads, framed, nbytes, sent_to)
+                        payloads, framed, nbytes = [], [], 0
+                    run = e.conns
+                if len(e.datas) == 1:
+                    data = e.datas[0]
+                    payloads.append(data)
+                    framed.append(length_prefix(len(data)))
+                    framed.append(data)
+                    nbytes += 4 + len(data)
+                else:
+                    payloads.extend(e.datas)
+                    blob = accel.join_frames(list(e.datas))  # built once for every connection of the run
+                    framed.append(blob)
+                    nbytes += len(blob)
+                continue
+            if payloads:  # anything written after the run goes out after it
+                self._fan_out(run, payloads, framed, nbytes, sent_to)
+                payloads, framed, nbytes, run = [], [], 0, ()
+            if kind is Send:
+                assert isinstance(e, Send)
+                conn = conns.get(e.conn)
+                if conn is not None and conn.send(e.data):
+                    sent_to.add(conn)
+                    if e.queue_ref is not None:
+                        # Dequeue only once the bytes left our buffer: a crash before then must redeliver.
+                        conn.mark_queued(e.queue_ref)
+                        self._unflushed.add(conn.id)
+            elif isinstance(e, Dial):
+                if self.dialer is None or not self.dialer.dial(e.router):
+                    self.push(DialFailed(e.router))
+            elif isinstance(e, CloseConnection):
+                conn = conns.get(e.conn)
+                if conn is not None:
+                    conn.close_with_error(e.code, e.reason)
+            elif isinstance(e, PeerLearned):
+                if self.dialer is not None:
+                    self.dialer.learn(e.router, e.host, e.port)
+            elif isinstance(e, Throttle):
+                conn = conns.get(e.conn)
+                if conn is not None and e.conn not in self.throttled:
+                    stats["throttled_total"] += 1
+                    conn.pause_reading()
+                    self.throttled[e.conn] = self.loop.call_later(e.seconds, self._unthrottle, e.conn)
+        if payloads:
+            self._fan_out(run, payloads, framed, nbytes, sent_to)
+        for conn in sent_to:  # one write per connection and batch
+            conn.write_out()
+            if conn.buffered() > self.outbound_buffer_max:
+                log.warning("conn=%d outbound buffer over %d bytes: disconnecting slow reader", conn.id,
+                            self.outbound_buffer_max)
+                conn.close_with_error(ErrorCode.OVERLOADED, "outbound buffer full (not reading)")
+        if self._unflushed:
+            self.release_flushed()
+
+    def _fan_out(
+        self, run: tuple[int, ...], payloads: list[bytes], framed: list[bytes], nbytes: int, sent_to: set[Connection]
+    ) -> None:
+        conns = self.conns
+        for cid in run:
+            conn = conns.get(cid)
+            if conn is not None and conn.send_all(payloads, framed, nbytes):
+                sent_to.add(conn)
+
+    def release_flushed(self) -> None:
+        """Report queue entries whose bytes left the transport buffer (QueueSent); poll while some have not."""
+        if self._release_handle is not None:
+            self._release_handle.cancel()
+            self._release_handle = None
+        for cid in list(self._unflushed):
+            conn = self.conns.get(cid)
+            if conn is None or conn.closed:  # never fully written: stays queued for the next session
+                self._unflushed.discard(cid)
+                continue
+            self.queue_sent.extend(conn.take_flushed())
+            if not conn.has_unflushed:
+                self._unflushed.discard(cid)
+        if self._closed:
+            return
+        if self.queue_sent:
+            self.acknowledged()
+        if self._unflushed:
+            self._release_handle = self.loop.call_later(RELEASE_POLL, self.release_flushed)
+
+    def take_queue_sent(self) -> list[tuple[bytes, int]]:
+        """The queue entries written out since the last call (for the core's next batch)."""
+        refs, self.queue_sent = self.queue_sent, []
+        return refs
+
+    # ------------------------------------------------------------ backpressure
+
+    def _unthrottle(self, cid: int) -> None:
+        """A slowed connection's pause is over: read it again (unless the whole router is not reading)."""
+        self.throttled.pop(cid, None)
+        conn = self.conns.get(cid)
+        if conn is not None and self.reading() and not self._closed:
+            conn.resume_reading()
+
+    def forget(self, cid: int) -> None:
+        """Connection ``cid`` closed."""
+        handle = self.throttled.pop(cid, None)
+        if handle is not None:
+            handle.cancel()
+
+    # ------------------------------------------------------------ the refusal log
+
+    def _arm_refusal_flush(self) -> None:
+        """Refusal counts waiting for their next log line are logged when their interval has passed, even if no
+        further refusal comes."""
+        if self._refusal_flush is None and not self._closed:
+            self._refusal_flush = self.loop.call_later(self._refusal_log.interval, self._flush_refusals)
+
+    def _flush_refusals(self) -> None:
+        self._refusal_flush = None
+        if self._refusal_log.flush(self.clock()):
+            self._arm_refusal_flush()
+
+    def trace_now(self, t: Trace) -> None:
+        """A trace record of something the driver itself refused (not of a batch)."""
+        if self.journal is not None:
+            self.journal.record(t, self.clock())
+            self.journal.flush()
+
+    def close(self) -> None:
+        """Cancel the timers; log the refusals not yet logged."""
+        for h in (self._release_handle, self._refusal_flush, *self.throttled.values()):
+            if h is not None:
+                h.cancel()
+        self.throttled.clear()
+        self._refusal_log.flush(float("inf"))
+        if self.journal is not None:
+            self.journal.flush()
+        self._closed = True

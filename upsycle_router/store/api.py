@@ -1,0 +1,134 @@
+"""What the routing core asks of a store: the :class:`RouterStore` interface and the values it returns.
+
+Theory of operation
+-------------------
+The routing core (``upsycle_router.core``) is typed against :class:`RouterStore`, never against a concrete
+store: the daemon gives it the LMDB store (:class:`~upsycle_router.store.lmdb_store.LmdbStore`), and a
+simulator or a test may give it any other object with these methods. This module imports no storage
+library, so the core loads without LMDB.
+
+The contract, whatever the implementation:
+
+* every write happens inside :meth:`RouterStore.transaction` (the driver opens one around each batch of
+  events); the writes of a transaction that raises are gone, all of them;
+* messages are stored once per id (:meth:`put_message` answers False for an id already stored), and stay
+  until they expire or their last queue entry is removed (unicast) - the expiry sweep removes them;
+* queues are per recipient, first in first out, numbered by a sequence (``seq``) that only grows; a queue
+  entry names a stored message; :meth:`queue_usage` and :meth:`stranger_usage` are the quota accounting;
+* :meth:`has_room` says whether ``nbytes`` more fit, keeping what expiry and deliveries need to remove
+  messages; after it, :attr:`pressure` is how full the store is (0.0 to 1.0, the backpressure mark's gauge).
+
+Times are Unix seconds (floats); ``None`` as an expiry means never.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Protocol
+
+# Where a route came from (RouteEntry.source).
+ROUTE_CONNECTION = 1  # a direct connection
+ROUTE_MESSAGE = 2  # a message from a remote node, relayed by that router
+ROUTE_ADVERT = 3  # a peer advertisement
+
+
+@dataclass(frozen=True, slots=True)
+class RouteEntry:
+    """``dst`` is reachable through ``router`` until ``expires`` (None: no expiry)."""
+
+    router: bytes
+    expires: float | None
+    source: int  # ROUTE_CONNECTION, ROUTE_MESSAGE or ROUTE_ADVERT
+
+
+@dataclass(frozen=True, slots=True)
+class StoredMessage:
+    """A message in the message store."""
+
+    data: bytes
+    group: bytes | None
+    expires: float
+
+
+@dataclass(frozen=True, slots=True)
+class QueueEntry:
+    """One queued message for a recipient."""
+
+    recipient: bytes
+    seq: int
+    id: bytes
+    expires: float
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    """A queue entry (or a stored message) that reached its expiry; ``group`` is the message's group (None for
+    unicast); ``recipient`` is None for a stored message no queue referred to."""
+
+    recipient: bytes | None
+    id: bytes
+    size: int
+    group: bytes | None = None
+
+
+class RouterStore(Protocol):
+    """The store the routing core uses (see the module docstring for the contract)."""
+
+    pressure: float  # how full the store is, as of the last has_room (0.0 .. 1.0)
+
+    def transaction(self) -> AbstractContextManager[None]: ...
+
+    # who is local, who subscribes, where routes go (mirrored in the core's memory)
+    def add_local(self, key: bytes) -> bool: ...
+    def locals(self) -> set[bytes]: ...
+    def add_contact(self, local: bytes, key: bytes) -> bool: ...
+    def contacts(self) -> set[tuple[bytes, bytes]]: ...
+    def add_subscriber(self, group: bytes, member: bytes, local: bool) -> bool: ...
+    def remove_subscriber(self, group: bytes, member: bytes) -> bool: ...
+    def subscriptions(self) -> dict[bytes, dict[bytes, bool]]: ...
+    def set_pubsub_subscribed(self, group: bytes, on: bool) -> None: ...
+    def pubsub_subscribed(self) -> set[bytes]: ...
+    def set_upstream_subscribed(self, group: bytes, on: bool) -> None: ...
+    def upstream_subscribed(self) -> set[bytes]: ...
+    def put_route(self, dst: bytes, entry: RouteEntry) -> None: ...
+    def delete_route(self, dst: bytes) -> bool: ...
+    def routes(self) -> dict[bytes, RouteEntry]: ...
+
+    # messages
+    def put_message(self, mid: bytes, data: bytes, group: bytes | None, expires: float) -> bool: ...
+    def put_new_messages(self, group: bytes | None, messages: Sequence[tuple[bytes, bytes, float]]) -> None: ...
+    def get_message(self, mid: bytes) -> StoredMessage | None: ...
+    def has_message(self, mid: bytes) -> bool: ...
+    def stored_among(self, mids: Iterable[bytes]) -> set[bytes]: ...
+    def has_room(self, nbytes: int) -> bool: ...
+
+    # queues
+    def enqueue(
+        self, recipient: bytes, mid: bytes, expires: float, size: int, *, stranger: bool = False
+    ) -> QueueEntry: ...
+    def queue(self, recipient: bytes, limit: int | None = None, after: int = 0) -> list[QueueEntry]: ...
+    def dequeue(self, recipient: bytes, seq: int) -> QueueEntry | None: ...
+    def queue_usage(self, recipient: bytes) -> tuple[int, int]: ...
+    def stranger_usage(self, recipient: bytes) -> tuple[int, int]: ...
+    def stranger_bytes(self) -> int: ...
+    def queue_recipients(self) -> dict[bytes, tuple[int, int]]: ...
+
+    # expiry and figures
+    def next_expiry(self) -> float | None: ...
+    def sweep(self, now: float, limit: int = 10_000) -> list[Expired]: ...
+    def stats(self) -> dict[str, int]: ...
+
+
+__all__ = [
+    "ROUTE_ADVERT",
+    "ROUTE_CONNECTION",
+    "ROUTE_MESSAGE",
+    "Expired",
+    "QueueEntry",
+    "RouteEntry",
+    "RouterStore",
+    "StoredMessage",
+]
