@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import yaml
 
-from upsycle_router import config as config_mod
 from upsycle_router.cli_daemon import check_dirs
 from upsycle_router.config import (
     DEFAULT_MAP_SIZE,
@@ -26,6 +25,7 @@ from upsycle_router.config import (
     load_config,
     parse_config,
 )
+from upsycle_router.config import daemon as config_mod
 from upsycle_router.errors import ConfigError
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,7 +1,9 @@
 """The ``discovery:`` section of the daemon config (docs/discovery.md).
 
-Kept apart from ``config.py`` so the discovery options live in one place; ``config.parse_config`` calls
-:func:`parse_discovery` for the section and stores the result as ``DaemonConfig.discovery``.
+Kept apart from :mod:`upsycle_router.config.daemon` so the discovery options live in one place; its
+``parse_config`` calls :func:`parse_discovery` for the section and stores the result as
+``DaemonConfig.discovery``. Values are read with the primitives of :mod:`upsycle_router.config.values`; this
+module imports nothing else of the config.
 """
 
 from __future__ import annotations
@@ -10,6 +12,16 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Any
 
+from upsycle_router.config.values import (
+    fail,
+    parse_bool,
+    parse_float,
+    parse_hostport,
+    parse_int,
+    parse_key,
+    parse_map,
+    parse_str,
+)
 from upsycle_router.errors import ConfigError
 from upsycle_router.services.discovery.params import DiscoveryParams
 
@@ -74,58 +86,54 @@ class DiscoveryConfig:
 
 
 def _ipv4(v: Any, path: str, multicast: bool) -> str:
-    from upsycle_router.config import _fail, _str
-
-    s = _str(v, path)
+    s = parse_str(v, path)
     try:
         ip = ipaddress.ip_address(s)
     except ValueError:
-        raise _fail(path, f"expected an IPv4 address, got {s!r}") from None
+        raise fail(path, f"expected an IPv4 address, got {s!r}") from None
     if ip.version != 4 or (multicast and not ip.is_multicast):
-        raise _fail(path, f"expected an IPv4 {'multicast ' if multicast else ''}address, got {s!r}")
+        raise fail(path, f"expected an IPv4 {'multicast ' if multicast else ''}address, got {s!r}")
     return s
 
 
 def parse_discovery(v: Any) -> DiscoveryConfig:
     """Validate the ``discovery`` mapping."""
-    from upsycle_router.config import _bool, _float, _hostport, _int, _map, parse_key
-
-    top = _map(v, "discovery", {"enabled", "in_process", "advertise", "advert_ttl", "groups", "lan", "sampling"})
+    top = parse_map(v, "discovery", {"enabled", "in_process", "advertise", "advert_ttl", "groups", "lan", "sampling"})
     kw: dict[str, Any] = {}
     for name in ("enabled", "in_process"):
         if name in top:
-            kw[name] = _bool(top[name], f"discovery.{name}")
+            kw[name] = parse_bool(top[name], f"discovery.{name}")
     if top.get("advertise") is not None:
-        kw["advertise"] = _hostport(top["advertise"], "discovery.advertise")
+        kw["advertise"] = parse_hostport(top["advertise"], "discovery.advertise")
     if "advert_ttl" in top:
-        kw["advert_ttl"] = _int(top["advert_ttl"], "discovery.advert_ttl", 1, MAX_ADVERT_TTL, unit="seconds")
+        kw["advert_ttl"] = parse_int(top["advert_ttl"], "discovery.advert_ttl", 1, MAX_ADVERT_TTL, unit="seconds")
     if "groups" in top:
         g = top["groups"]
         if not isinstance(g, list):
             raise ConfigError("discovery.groups: expected a list of hex group keys")
         kw["groups"] = tuple(parse_key(x, f"discovery.groups[{i}]") for i, x in enumerate(g))
-    lan = _map(top.get("lan"), "discovery.lan",
+    lan = parse_map(top.get("lan"), "discovery.lan",
                {"enabled", "group", "port", "interface", "interval", "jitter", "rate", "burst"})  # fmt: skip
     if "enabled" in lan:
-        kw["lan"] = _bool(lan["enabled"], "discovery.lan.enabled")
+        kw["lan"] = parse_bool(lan["enabled"], "discovery.lan.enabled")
     if "group" in lan:
         kw["lan_group"] = _ipv4(lan["group"], "discovery.lan.group", True)
     if "port" in lan:
-        kw["lan_port"] = _int(lan["port"], "discovery.lan.port", 1, 65535)
+        kw["lan_port"] = parse_int(lan["port"], "discovery.lan.port", 1, 65535)
     if lan.get("interface") is not None:
         kw["lan_interface"] = _ipv4(lan["interface"], "discovery.lan.interface", False)
     if "interval" in lan:
-        kw["lan_interval"] = _float(lan["interval"], "discovery.lan.interval", 0.001, MAX_INTERVAL, unit="seconds")
+        kw["lan_interval"] = parse_float(lan["interval"], "discovery.lan.interval", 0.001, MAX_INTERVAL, unit="seconds")
     if "rate" in lan:
-        kw["lan_rate"] = _float(lan["rate"], "discovery.lan.rate", 0.001, MAX_LAN_RATE, unit="per second")
+        kw["lan_rate"] = parse_float(lan["rate"], "discovery.lan.rate", 0.001, MAX_LAN_RATE, unit="per second")
     if "jitter" in lan:
-        kw["lan_jitter"] = _float(lan["jitter"], "discovery.lan.jitter", 0.0, 0.99, unit="(a fraction below 1)")
+        kw["lan_jitter"] = parse_float(lan["jitter"], "discovery.lan.jitter", 0.0, 0.99, unit="(a fraction below 1)")
     if "burst" in lan:
-        kw["lan_burst"] = _int(lan["burst"], "discovery.lan.burst", 1, MAX_LAN_RATE)
-    smp = _map(top.get("sampling"), "discovery.sampling",
+        kw["lan_burst"] = parse_int(lan["burst"], "discovery.lan.burst", 1, MAX_LAN_RATE)
+    smp = parse_map(top.get("sampling"), "discovery.sampling",
                {"enabled", "bootstrap", "view_size", "shuffle_length", "period", "timeout", "max_age"})  # fmt: skip
     if "enabled" in smp:
-        kw["sampling"] = _bool(smp["enabled"], "discovery.sampling.enabled")
+        kw["sampling"] = parse_bool(smp["enabled"], "discovery.sampling.enabled")
     if "bootstrap" in smp:
         b = smp["bootstrap"]
         if not isinstance(b, list):
@@ -133,20 +141,22 @@ def parse_discovery(v: Any) -> DiscoveryConfig:
         nodes = []
         for i, p in enumerate(b):
             path = f"discovery.sampling.bootstrap[{i}]"
-            pm = _map(p, path, {"id", "addr"})
+            pm = parse_map(p, path, {"id", "addr"})
             if "id" not in pm or "addr" not in pm:
                 raise ConfigError(f"{path}: needs both id and addr")
-            nodes.append(BootstrapNode(parse_key(pm["id"], f"{path}.id"), _hostport(pm["addr"], f"{path}.addr")))
+            nodes.append(BootstrapNode(parse_key(pm["id"], f"{path}.id"), parse_hostport(pm["addr"], f"{path}.addr")))
         kw["bootstrap"] = tuple(nodes)
     if "view_size" in smp:
-        kw["view_size"] = _int(smp["view_size"], "discovery.sampling.view_size", 1, MAX_VIEW_SIZE)
+        kw["view_size"] = parse_int(smp["view_size"], "discovery.sampling.view_size", 1, MAX_VIEW_SIZE)
     if "shuffle_length" in smp:
-        kw["shuffle_length"] = _int(smp["shuffle_length"], "discovery.sampling.shuffle_length", 1, MAX_SHUFFLE_LENGTH)
+        kw["shuffle_length"] = parse_int(
+            smp["shuffle_length"], "discovery.sampling.shuffle_length", 1, MAX_SHUFFLE_LENGTH
+        )
     for key, name in (("period", "shuffle_period"), ("timeout", "shuffle_timeout")):
         if key in smp:
-            kw[name] = _float(smp[key], f"discovery.sampling.{key}", 0.001, MAX_INTERVAL, unit="seconds")
+            kw[name] = parse_float(smp[key], f"discovery.sampling.{key}", 0.001, MAX_INTERVAL, unit="seconds")
     if smp.get("max_age") is not None:
-        kw["max_age"] = _float(smp["max_age"], "discovery.sampling.max_age", 0.001, MAX_ADVERT_TTL, unit="seconds")
+        kw["max_age"] = parse_float(smp["max_age"], "discovery.sampling.max_age", 0.001, MAX_ADVERT_TTL, unit="seconds")
     cfg = DiscoveryConfig(**kw)
     try:
         cfg.params()

@@ -1,4 +1,4 @@
-"""Daemon configuration: YAML in, a validated frozen :class:`DaemonConfig` out.
+"""The daemon's configuration: YAML in, a validated frozen :class:`DaemonConfig` out.
 
 Every option has a default, so ``upsycle-router run`` works with no file at all: the data directory goes
 under ``$XDG_STATE_HOME`` (``~/.local/state/upsycle-router``), the socket under ``$XDG_RUNTIME_DIR``
@@ -10,11 +10,13 @@ finite (YAML's ``.nan`` and ``.inf`` are refused), and integers must be written 
 not UTF-8 text, not YAML or not a mapping is a :class:`ConfigError` too. :func:`config_warnings` checks the
 result against the machine at start (socket mode, store size against the filesystem).
 ``config/router.example.yaml`` documents each option.
+
+Each value is read with the primitives of :mod:`upsycle_router.config.values`; the ``discovery:`` section is
+parsed by :mod:`upsycle_router.config.discovery`. Imports go one way: values <- discovery <- daemon.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -23,40 +25,55 @@ from typing import Any
 
 import yaml
 
-from upsycle_router.config_discovery import DiscoveryConfig, parse_discovery
+from upsycle_router.config.discovery import DiscoveryConfig, parse_discovery
+from upsycle_router.config.values import (
+    DAY,
+    GiB,
+    MiB,
+    TiB,
+    fail,
+    parse_bool,
+    parse_float,
+    parse_hostport,
+    parse_int,
+    parse_key,
+    parse_keys,
+    parse_map,
+    parse_path,
+    parse_str,
+    size_text,
+)
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError
+from upsycle_router.runtime.metrics import is_loopback
 from upsycle_router.services.pubsub.params import GossipParams
 from upsycle_router.wire.discovery import TransportAddr
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME
 
-_KiB, _MiB, _GiB, _TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
-_DAY = 24 * 3600.0
-
 # Bounds of the numeric options (docs/config.md lists them). Every number is checked against both ends, and
 # every time or fraction must be finite: NaN passes ``v < minimum`` (all comparisons with it are false).
 MIN_FRAME = 1024  # below 1 KiB the handshake frames and the router's advert may not fit
-MAX_FRAME_LIMIT = 64 * _MiB  # the reader buffers up to one frame per connection
+MAX_FRAME_LIMIT = 64 * MiB  # the reader buffers up to one frame per connection
 MAX_SYNC_INTERVAL = 60.0
 MAX_HANDSHAKE_TIMEOUT = 600.0
-MAX_IDLE_TIMEOUT = _DAY
+MAX_IDLE_TIMEOUT = DAY
 MAX_VERIFY_THREADS = 256
 MAX_SEEN = 100_000_000
 MAX_QUEUE_COUNT = 100_000_000
-MAX_REMOTE_TTL = 365 * _DAY
-DEFAULT_MAP_SIZE = 4 * _GiB
-MIN_MAP_SIZE = _MiB
+MAX_REMOTE_TTL = 365 * DAY
+DEFAULT_MAP_SIZE = 4 * GiB
+MIN_MAP_SIZE = MiB
 MAX_MAP_SIZE = 1 << 44  # 16 TiB: LMDB maps it all into the address space at start (x86-64: 128 TiB)
 MAX_CONNECTIONS = 1_000_000
 MAX_HANDSHAKES = 65536
 MAX_LOCAL_RESERVE = 4096
-MAX_CONNECTION_BUFFER = _GiB
+MAX_CONNECTION_BUFFER = GiB
 MAX_RATE = 10_000_000
-MAX_TRACE_BYTES = _TiB
+MAX_TRACE_BYTES = TiB
 MAX_GOSSIP_DEGREE = 1000  # D, D_low, D_high, D_lazy, mcache_len, mcache_gossip
 MAX_HEARTBEAT = 3600.0
-MAX_GOSSIP_TTL = _DAY  # fanout_ttl, seen_ttl
-MAX_CONFIG_BYTES = 16 * _MiB
+MAX_GOSSIP_TTL = DAY  # fanout_ttl, seen_ttl
+MAX_CONFIG_BYTES = 16 * MiB
 
 
 def default_data_dir() -> Path:
@@ -175,135 +192,6 @@ class DaemonConfig:
         return self.key_file or self.data_dir / "router.key"
 
 
-# ---------------------------------------------------------------------------- parsing helpers
-
-
-def _fail(path: str, msg: str) -> ConfigError:
-    return ConfigError(f"{path}: {msg}" if path else msg)
-
-
-def _map(v: Any, path: str, allowed: set[str]) -> dict[str, Any]:
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        if not path:
-            raise ConfigError(f"expected a mapping of options (key: value) at the top level, got {_kind(v)}")
-        raise _fail(path, f"expected a mapping, got {_kind(v)}")
-    for k in v:
-        if k not in allowed:
-            raise _fail(f"{path}.{k}" if path else str(k), f"unknown option (known: {', '.join(sorted(allowed))})")
-    return v
-
-
-def _kind(v: Any) -> str:
-    return "a list" if isinstance(v, list) else f"{type(v).__name__} {_got(v)}" if v is not None else "null"
-
-
-def size_text(n: float) -> str:
-    """``n`` bytes in the largest binary unit it reaches (``4 GiB``, ``1.5 MiB``, ``100 bytes``)."""
-    for unit, name in ((_TiB, "TiB"), (_GiB, "GiB"), (_MiB, "MiB"), (_KiB, "KiB")):
-        if n >= unit:
-            q = n / unit
-            return f"{int(q)} {name}" if q == int(q) else f"{q:.1f} {name}"
-    return f"{int(n)} bytes"
-
-
-def _num(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else repr(float(x))
-
-
-def _got(v: Any, want_int: bool = False) -> str:
-    """The offending value, with a hint where YAML read something other than what was probably meant."""
-    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 64:
-        return f"a {v.bit_length()}-bit number"
-    if isinstance(v, float):
-        if not math.isfinite(v):
-            return f"{v!r} (not a finite number)"
-        if not want_int:
-            return repr(v)
-        if v.is_integer():
-            return f"{v!r} (a float: write a whole number in digits, without a decimal point or exponent)"
-        return f"{v!r} (not a whole number)"
-    if isinstance(v, str):
-        try:
-            float(v)
-        except ValueError:
-            return repr(v)
-        return f"{v!r} (text: YAML reads this spelling as a string, write the number in plain digits)"
-    return repr(v)
-
-
-def _int(v: Any, path: str, minimum: int, maximum: int, *, unit: str = "") -> int:
-    """An integer from ``minimum`` to ``maximum``; a YAML float (``1.0e+11``, ``.nan``) is refused too."""
-    if isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= maximum:
-        rng = f"from {minimum} to {maximum}"
-        if unit == "bytes":
-            rng += f" ({size_text(minimum)} to {size_text(maximum)})"
-        elif unit:
-            rng += f" {unit}"
-        raise _fail(path, f"expected an integer {rng}, got {_got(v, want_int=True)}")
-    return v
-
-
-def _float(v: Any, path: str, minimum: float, maximum: float, *, unit: str = "") -> float:
-    """A finite number from ``minimum`` to ``maximum`` (``.nan`` and ``.inf`` are refused: NaN compares false
-    with every bound, and an infinite timeout or interval never fires)."""
-    ok = not isinstance(v, bool) and isinstance(v, int | float)
-    if ok and isinstance(v, float) and not math.isfinite(v):
-        ok = False
-    if not ok or not minimum <= v <= maximum:
-        rng = f"from {_num(minimum)} to {_num(maximum)}" + (f" {unit}" if unit else "")
-        raise _fail(path, f"expected a finite number {rng}, got {_got(v)}")
-    return float(v)
-
-
-def _bool(v: Any, path: str) -> bool:
-    if not isinstance(v, bool):
-        raise _fail(path, f"expected true or false, got {v!r}")
-    return v
-
-
-def _str(v: Any, path: str) -> str:
-    if not isinstance(v, str) or not v:
-        raise _fail(path, f"expected a non-empty string, got {v!r}")
-    return v
-
-
-def _path(v: Any, path: str) -> Path:
-    s = _str(v, path)
-    if "\0" in s:
-        raise _fail(path, f"a path cannot contain a NUL character, got {s!r}")
-    return Path(os.path.expanduser(s))
-
-
-def parse_key(v: Any, path: str) -> bytes:
-    """A 64-character hex public key."""
-    if not isinstance(v, str):
-        raise _fail(path, f"expected a 64-character hex key, got {v!r}")
-    try:
-        b = bytes.fromhex(v)
-    except ValueError:
-        raise _fail(path, f"not hex: {v!r}") from None
-    if len(b) != 32:
-        raise _fail(path, f"expected 32 bytes (64 hex characters), got {len(b)}")
-    return b
-
-
-def _keys(v: Any, path: str) -> frozenset[bytes]:
-    if not isinstance(v, list):
-        raise _fail(path, f"expected a list of hex keys, got {type(v).__name__}")
-    return frozenset(parse_key(x, f"{path}[{i}]") for i, x in enumerate(v))
-
-
-def _hostport(v: Any, path: str) -> str:
-    s = _str(v, path)
-    try:
-        TransportAddr.parse(s)
-    except Exception as e:  # noqa: BLE001
-        raise _fail(path, f"expected HOST:PORT with a literal IP address, got {s!r} ({e})") from None
-    return s
-
-
 _TOP = {
     "data_dir", "listen", "key_file", "durability", "sync_interval", "max_frame", "handshake_timeout",
     "local_services", "edge_nodes", "accept_join_from_any", "accept_pull_from_any", "peers", "core_nodes",
@@ -322,120 +210,119 @@ _GOSSIP_INTS = {"D", "D_low", "D_high", "D_lazy", "mcache_len", "mcache_gossip"}
 def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     """Validate a decoded YAML document into a config (``base`` supplies the defaults)."""
     cfg = base or DaemonConfig()
-    top = _map(raw, "", _TOP)
+    top = parse_map(raw, "", _TOP)
     kw: dict[str, Any] = {}
     if "data_dir" in top:
-        kw["data_dir"] = _path(top["data_dir"], "data_dir")
-    listen = _map(top.get("listen"), "listen", {"unix", "unix_mode", "tls", "websocket", "path"})
+        kw["data_dir"] = parse_path(top["data_dir"], "data_dir")
+    listen = parse_map(top.get("listen"), "listen", {"unix", "unix_mode", "tls", "websocket", "path"})
     if "unix" in listen:
-        kw["unix"] = None if listen["unix"] is None else _path(listen["unix"], "listen.unix")
+        kw["unix"] = None if listen["unix"] is None else parse_path(listen["unix"], "listen.unix")
     if "unix_mode" in listen:
         mode = listen["unix_mode"]
         if isinstance(mode, str):
             try:
                 mode = int(mode, 8)
             except ValueError:
-                raise _fail("listen.unix_mode", f"expected an octal mode like 0600, got {mode!r}") from None
+                raise fail("listen.unix_mode", f"expected an octal mode like 0600, got {mode!r}") from None
         if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o777:
             shown = repr(mode)
             if isinstance(mode, int) and not isinstance(mode, bool):
                 shown = f"{mode} (octal {mode:o}; an unquoted 600 is decimal in YAML: write it quoted, '0600')"
-            raise _fail("listen.unix_mode", f"expected a file mode from 0000 to 0777, like '0600', got {shown}")
+            raise fail("listen.unix_mode", f"expected a file mode from 0000 to 0777, like '0600', got {shown}")
         kw["unix_mode"] = mode
     if "tls" in listen:
-        kw["tls"] = None if listen["tls"] is None else _hostport(listen["tls"], "listen.tls")
+        kw["tls"] = None if listen["tls"] is None else parse_hostport(listen["tls"], "listen.tls")
     if "key_file" in top:
-        kw["key_file"] = _path(top["key_file"], "key_file")
+        kw["key_file"] = parse_path(top["key_file"], "key_file")
     if "durability" in top:
         d = top["durability"]
         if not isinstance(d, str) or d not in {x.value for x in Durability}:
-            raise _fail("durability", f"expected one of fsync, batch, none, got {d!r}")
+            raise fail("durability", f"expected one of fsync, batch, none, got {d!r}")
         kw["durability"] = Durability(d)
     for name, hi in (("sync_interval", MAX_SYNC_INTERVAL), ("handshake_timeout", MAX_HANDSHAKE_TIMEOUT),
                      ("idle_timeout", MAX_IDLE_TIMEOUT)):  # fmt: skip
         if name in top:
-            kw[name] = _float(top[name], name, 0.001, hi, unit="seconds")
+            kw[name] = parse_float(top[name], name, 0.001, hi, unit="seconds")
     if "verify_threads" in top:
         vt = top["verify_threads"]
-        kw["verify_threads"] = None if vt is None else _int(vt, "verify_threads", 0, MAX_VERIFY_THREADS)
+        kw["verify_threads"] = None if vt is None else parse_int(vt, "verify_threads", 0, MAX_VERIFY_THREADS)
     if "verify_nice" in top:
-        kw["verify_nice"] = _int(top["verify_nice"], "verify_nice", 0, 19)
+        kw["verify_nice"] = parse_int(top["verify_nice"], "verify_nice", 0, 19)
     if "max_frame" in top:
-        kw["max_frame"] = _int(top["max_frame"], "max_frame", MIN_FRAME, MAX_FRAME_LIMIT, unit="bytes")
+        kw["max_frame"] = parse_int(top["max_frame"], "max_frame", MIN_FRAME, MAX_FRAME_LIMIT, unit="bytes")
     if "seen_max" in top:
-        kw["seen_max"] = _int(top["seen_max"], "seen_max", 16, MAX_SEEN)
+        kw["seen_max"] = parse_int(top["seen_max"], "seen_max", 16, MAX_SEEN)
     if "local_services" in top:
-        kw["local_services"] = None if top["local_services"] is None else _keys(top["local_services"], "local_services")
+        services = top["local_services"]
+        kw["local_services"] = None if services is None else parse_keys(services, "local_services")
     if "edge_nodes" in top:
-        kw["edge_nodes"] = _keys(top["edge_nodes"], "edge_nodes")
+        kw["edge_nodes"] = parse_keys(top["edge_nodes"], "edge_nodes")
     for name in ("accept_join_from_any", "accept_pull_from_any"):
         if name in top:
-            kw[name] = _bool(top[name], name)
+            kw[name] = parse_bool(top[name], name)
     for name in ("peers", "core_nodes"):
         if name in top:
             kw[name] = _peer_list(top[name], name)
-    queue = _map(
+    queue = parse_map(
         top.get("queue"), "queue", {"max_count", "max_bytes", "stranger_share", "remote_ttl_max", "backpressure_at"}
     )
     if "max_count" in queue:
-        kw["queue_max_count"] = _int(queue["max_count"], "queue.max_count", 1, MAX_QUEUE_COUNT)
+        kw["queue_max_count"] = parse_int(queue["max_count"], "queue.max_count", 1, MAX_QUEUE_COUNT)
     if "max_bytes" in queue:
-        kw["queue_max_bytes"] = _int(queue["max_bytes"], "queue.max_bytes", 1, MAX_MAP_SIZE, unit="bytes")
+        kw["queue_max_bytes"] = parse_int(queue["max_bytes"], "queue.max_bytes", 1, MAX_MAP_SIZE, unit="bytes")
     for name in ("stranger_share", "backpressure_at"):
         if name in queue:
-            kw[f"queue_{name}"] = _float(queue[name], f"queue.{name}", 0.0, 1.0, unit="(a fraction)")
+            kw[f"queue_{name}"] = parse_float(queue[name], f"queue.{name}", 0.0, 1.0, unit="(a fraction)")
     if "remote_ttl_max" in queue:
-        kw["queue_remote_ttl_max"] = _float(
+        kw["queue_remote_ttl_max"] = parse_float(
             queue["remote_ttl_max"], "queue.remote_ttl_max", 1.0, MAX_REMOTE_TTL, unit="seconds"
         )
-    store = _map(top.get("store"), "store", {"map_size"})
+    store = parse_map(top.get("store"), "store", {"map_size"})
     if "map_size" in store:
-        kw["map_size"] = _int(store["map_size"], "store.map_size", MIN_MAP_SIZE, MAX_MAP_SIZE, unit="bytes")
-    limits = _map(
+        kw["map_size"] = parse_int(store["map_size"], "store.map_size", MIN_MAP_SIZE, MAX_MAP_SIZE, unit="bytes")
+    limits = parse_map(
         top.get("limits"),
         "limits",
         {"max_connections", "outbound_buffer_max", "write_high_water", "rate_per_connection", "rate_burst",
          "max_handshakes", "max_handshakes_per_source", "local_reserve"},
     )
     if "max_connections" in limits:
-        kw["max_connections"] = _int(limits["max_connections"], "limits.max_connections", 1, MAX_CONNECTIONS)
+        kw["max_connections"] = parse_int(limits["max_connections"], "limits.max_connections", 1, MAX_CONNECTIONS)
     for name in ("max_handshakes", "max_handshakes_per_source"):
         if name in limits:
-            kw[name] = _int(limits[name], f"limits.{name}", 1, MAX_HANDSHAKES)
+            kw[name] = parse_int(limits[name], f"limits.{name}", 1, MAX_HANDSHAKES)
     if "local_reserve" in limits:
-        kw["local_reserve"] = _int(limits["local_reserve"], "limits.local_reserve", 0, MAX_LOCAL_RESERVE)
+        kw["local_reserve"] = parse_int(limits["local_reserve"], "limits.local_reserve", 0, MAX_LOCAL_RESERVE)
     if "rate_per_connection" in limits:
-        kw["rate_per_connection"] = _float(
+        kw["rate_per_connection"] = parse_float(
             limits["rate_per_connection"], "limits.rate_per_connection", 0.0, MAX_RATE, unit="frames per second"
         )
     if "rate_burst" in limits:
-        kw["rate_burst"] = _int(limits["rate_burst"], "limits.rate_burst", 1, MAX_RATE)
+        kw["rate_burst"] = parse_int(limits["rate_burst"], "limits.rate_burst", 1, MAX_RATE)
     if "write_high_water" in limits:
-        kw["write_high_water"] = _int(
+        kw["write_high_water"] = parse_int(
             limits["write_high_water"], "limits.write_high_water", 65536, MAX_CONNECTION_BUFFER, unit="bytes"
         )
     if "outbound_buffer_max" in limits:
-        kw["outbound_buffer_max"] = _int(
+        kw["outbound_buffer_max"] = parse_int(
             limits["outbound_buffer_max"], "limits.outbound_buffer_max", 4096, MAX_CONNECTION_BUFFER, unit="bytes"
         )
-    metrics = _map(top.get("metrics"), "metrics", {"listen"})
+    metrics = parse_map(top.get("metrics"), "metrics", {"listen"})
     if metrics.get("listen") is not None:
-        from upsycle_router.runtime.metrics import is_loopback
-
-        mlisten = _hostport(metrics["listen"], "metrics.listen")
+        mlisten = parse_hostport(metrics["listen"], "metrics.listen")
         if not is_loopback(TransportAddr.parse(mlisten).host):
-            raise _fail("metrics.listen", f"must be a loopback address (127.0.0.1:PORT or [::1]:PORT), got {mlisten!r}")
+            raise fail("metrics.listen", f"must be a loopback address (127.0.0.1:PORT or [::1]:PORT), got {mlisten!r}")
         kw["metrics_listen"] = mlisten
-    trace = _map(top.get("trace"), "trace", {"path", "max_bytes"})
+    trace = parse_map(top.get("trace"), "trace", {"path", "max_bytes"})
     if "path" in trace:
-        kw["trace_dir"] = None if trace["path"] is None else _path(trace["path"], "trace.path")
+        kw["trace_dir"] = None if trace["path"] is None else parse_path(trace["path"], "trace.path")
     if "max_bytes" in trace:
-        kw["trace_max_bytes"] = _int(trace["max_bytes"], "trace.max_bytes", 4096, MAX_TRACE_BYTES, unit="bytes")
-    log = _map(top.get("log"), "log", {"level"})
+        kw["trace_max_bytes"] = parse_int(trace["max_bytes"], "trace.max_bytes", 4096, MAX_TRACE_BYTES, unit="bytes")
+    log = parse_map(top.get("log"), "log", {"level"})
     if "level" in log:
-        level = _str(log["level"], "log.level").lower()
+        level = parse_str(log["level"], "log.level").lower()
         if level not in {"debug", "info", "warning", "error"}:
-            raise _fail("log.level", f"expected debug, info, warning or error, got {level!r}")
+            raise fail("log.level", f"expected debug, info, warning or error, got {level!r}")
         kw["log_level"] = level
     if "pubsub" in top:
         kw["pubsub"] = _parse_pubsub(top["pubsub"])
@@ -448,49 +335,49 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
 
 def _peer_list(peers: Any, path: str) -> tuple[PeerConfig, ...]:
     if not isinstance(peers, list):
-        raise _fail(path, "expected a list of {id: HEX, addr: HOST:PORT}")
+        raise fail(path, "expected a list of {id: HEX, addr: HOST:PORT}")
     out = []
     for i, p in enumerate(peers):
-        pm = _map(p, f"{path}[{i}]", {"id", "addr"})
+        pm = parse_map(p, f"{path}[{i}]", {"id", "addr"})
         if "id" not in pm or "addr" not in pm:
-            raise _fail(f"{path}[{i}]", "needs both id and addr")
-        out.append(PeerConfig(parse_key(pm["id"], f"{path}[{i}].id"), _hostport(pm["addr"], f"{path}[{i}].addr")))
+            raise fail(f"{path}[{i}]", "needs both id and addr")
+        out.append(PeerConfig(parse_key(pm["id"], f"{path}[{i}].id"), parse_hostport(pm["addr"], f"{path}[{i}].addr")))
     return tuple(out)
 
 
 def _parse_pubsub(v: Any) -> PubsubConfig:
-    pm = _map(v, "pubsub", {"enabled", "in_process", "params", "groups"})
-    enabled = _bool(pm.get("enabled", True), "pubsub.enabled")
-    in_process = _bool(pm.get("in_process", True), "pubsub.in_process")
-    params_raw = _map(pm.get("params"), "pubsub.params", _GOSSIP_PARAMS)
+    pm = parse_map(v, "pubsub", {"enabled", "in_process", "params", "groups"})
+    enabled = parse_bool(pm.get("enabled", True), "pubsub.enabled")
+    in_process = parse_bool(pm.get("in_process", True), "pubsub.in_process")
+    params_raw = parse_map(pm.get("params"), "pubsub.params", _GOSSIP_PARAMS)
     params: dict[str, float] = {}
     for k, x in params_raw.items():
         if k in _GOSSIP_INTS:
-            params[k] = _int(x, f"pubsub.params.{k}", 0, MAX_GOSSIP_DEGREE)
+            params[k] = parse_int(x, f"pubsub.params.{k}", 0, MAX_GOSSIP_DEGREE)
         else:
             hi = MAX_HEARTBEAT if k == "heartbeat_interval" else MAX_GOSSIP_TTL
-            params[k] = _float(x, f"pubsub.params.{k}", 0.001, hi, unit="seconds")
+            params[k] = parse_float(x, f"pubsub.params.{k}", 0.001, hi, unit="seconds")
     try:
         GossipParams(**params)  # type: ignore[arg-type]
     except ValueError as e:
-        raise _fail("pubsub.params", str(e)) from None
+        raise fail("pubsub.params", str(e)) from None
     groups: dict[bytes, GroupPolicyConfig] = {}
     graw = pm.get("groups") or {}
     if not isinstance(graw, dict):
-        raise _fail("pubsub.groups", "expected a mapping of group hex key to policy")
+        raise fail("pubsub.groups", "expected a mapping of group hex key to policy")
     for gk, gv in graw.items():
         path = f"pubsub.groups.{gk}"
         g = parse_key(gk, path)
-        gm = _map(gv, path, {"max_size", "allowed_senders", "signature_policy"})
+        gm = parse_map(gv, path, {"max_size", "allowed_senders", "signature_policy"})
         policy = gm.get("signature_policy", "StrictNoSign")
         if not isinstance(policy, str) or policy not in {"StrictSign", "StrictNoSign", "LaxSign", "LaxNoSign"}:
-            raise _fail(
+            raise fail(
                 f"{path}.signature_policy", f"expected StrictSign, StrictNoSign, LaxSign or LaxNoSign, got {policy!r}"
             )
         groups[g] = GroupPolicyConfig(
-            max_size=_int(gm.get("max_size", 1024 * 1024), f"{path}.max_size", 1, MAX_FRAME_LIMIT, unit="bytes"),
+            max_size=parse_int(gm.get("max_size", 1024 * 1024), f"{path}.max_size", 1, MAX_FRAME_LIMIT, unit="bytes"),
             allowed_senders=(
-                _keys(gm["allowed_senders"], f"{path}.allowed_senders") if "allowed_senders" in gm else None
+                parse_keys(gm["allowed_senders"], f"{path}.allowed_senders") if "allowed_senders" in gm else None
             ),
             signature_policy=policy,
         )
@@ -498,26 +385,28 @@ def _parse_pubsub(v: Any) -> PubsubConfig:
 
 
 def _parse_websocket(listen: dict[str, Any], v: Any, base: WebSocketConfig) -> WebSocketConfig:
-    wm = _map(v, "websocket", {"tls", "cert_file", "key_file", "origins", "local"})
+    wm = parse_map(v, "websocket", {"tls", "cert_file", "key_file", "origins", "local"})
     kw: dict[str, Any] = {}
     if "websocket" in listen:
-        kw["listen"] = None if listen["websocket"] is None else _hostport(listen["websocket"], "listen.websocket")
+        kw["listen"] = None if listen["websocket"] is None else parse_hostport(listen["websocket"], "listen.websocket")
     if "path" in listen:
-        path = _str(listen["path"], "listen.path")
+        path = parse_str(listen["path"], "listen.path")
         if not path.startswith("/") or any(c in path for c in "?# "):
-            raise _fail("listen.path", f"expected a URL path like /upsycle, got {path!r}")
+            raise fail("listen.path", f"expected a URL path like /upsycle, got {path!r}")
         kw["path"] = path
     for name in ("tls", "local"):
         if name in wm:
-            kw[name] = None if name == "local" and wm[name] is None else _bool(wm[name], f"websocket.{name}")
+            kw[name] = None if name == "local" and wm[name] is None else parse_bool(wm[name], f"websocket.{name}")
     for name in ("cert_file", "key_file"):
         if name in wm:
-            kw[name] = None if wm[name] is None else _path(wm[name], f"websocket.{name}")
+            kw[name] = None if wm[name] is None else parse_path(wm[name], f"websocket.{name}")
     if "origins" in wm:
         origins = wm["origins"]
         if not isinstance(origins, list):
-            raise _fail("websocket.origins", "expected a list of origins like https://app.example.org, or ['*']")
-        kw["origins"] = frozenset(_str(o, f"websocket.origins[{i}]").rstrip("/").lower() for i, o in enumerate(origins))
+            raise fail("websocket.origins", "expected a list of origins like https://app.example.org, or ['*']")
+        kw["origins"] = frozenset(
+            parse_str(o, f"websocket.origins[{i}]").rstrip("/").lower() for i, o in enumerate(origins)
+        )
     ws = WebSocketConfig(**{**{n: getattr(base, n) for n in base.__dataclass_fields__}, **kw})
     check_websocket(ws)
     return ws
@@ -526,12 +415,10 @@ def _parse_websocket(listen: dict[str, Any], v: Any, base: WebSocketConfig) -> W
 def check_websocket(ws: WebSocketConfig) -> None:
     """Refuse a plain (``tls: false``) listener off loopback and a certificate without its key."""
     if (ws.cert_file is None) != (ws.key_file is None):
-        raise _fail("websocket", "cert_file and key_file go together")
+        raise fail("websocket", "cert_file and key_file go together")
     if ws.listen is not None and not ws.tls:
-        from upsycle_router.runtime.metrics import is_loopback
-
         if not is_loopback(TransportAddr.parse(ws.listen).host):
-            raise _fail("websocket.tls", f"plain (tls: false) WebSocket only on a loopback address, not {ws.listen!r}")
+            raise fail("websocket.tls", f"plain (tls: false) WebSocket only on a loopback address, not {ws.listen!r}")
 
 
 def _as_dict(cfg: DaemonConfig) -> dict[str, Any]:
