@@ -42,6 +42,7 @@ from upsycle_router.wire.control import (
     Pull,
     PullNack,
     Refused,
+    Register,
     RouterMessage,
     Status,
     StatusReply,
@@ -157,6 +158,7 @@ router_messages: st.SearchStrategy[RouterMessage] = st.one_of(
     st.builds(Refused, id=hashes, reason=uint64, count=uint64),
     st.just(Status()),
     st.builds(StatusReply, stats=st.dictionaries(st.text(max_size=20), uint64, max_size=5)),
+    st.builds(Register, keys=st.lists(pubkeys, min_size=1, max_size=4).map(tuple)),
 )
 
 
@@ -171,7 +173,7 @@ def test_router_messages_validate(msg: RouterMessage) -> None:
     [Join(b"\x01" * 32, False), JoinAck(b"\x01" * 32, 1), Leave(b"\x01" * 32), LeaveAck(b"\x01" * 32, 0),
      Pull(b"\x01" * 32, b"\x02" * 32), PullNack(b"\x01" * 32, b"\x02" * 32), Sync(0), SyncAck(2**64 - 1),
      SyncAck(3, 1, 2), Refused(b"\x02" * 32, 5, 0),
-     Status(), StatusReply({"connections": 3, "queued_bytes": 0})],
+     Status(), StatusReply({"connections": 3, "queued_bytes": 0}), Register((b"\x01" * 32, b"\x03" * 32))],
     ids=lambda m: type(m).__name__,
 )
 def test_each_router_message_validates(msg: RouterMessage) -> None:

@@ -37,6 +37,7 @@ from upsycle_router.wire.control import (
     PullNack,
     Reason,
     Refused,
+    Register,
     Sync,
     SyncAck,
     encode_router,
@@ -698,10 +699,11 @@ def test_edge_router_reasserts_its_upstream_groups_on_reconnect_and_restart(edge
     edge.receive(a, control(ALICE, X, Join(G.public, False)))
     edge.close(k)
     k = edge.open(CORE, local=False)
-    assert upstream_bodies(edge.last, k) == [Join(G.public, False)]
+    # its groups, and its local services (REGISTER: unicast for them comes through the core)
+    assert upstream_bodies(edge.last, k) == [Join(G.public, False), Register((ALICE.public,))]
     edge.restart()
     k = edge.open(CORE, local=False)
-    assert upstream_bodies(edge.last, k) == [Join(G.public, False)]
+    assert upstream_bodies(edge.last, k) == [Join(G.public, False), Register((ALICE.public,))]
 
 
 def test_core_nodes_acks_are_absorbed(edge: CoreHarness) -> None:

@@ -51,6 +51,7 @@ from upsycle_router.wire.control import (
     Pull,
     PullNack,
     Refused,
+    Register,
     RouterMessage,
     Status,
     StatusReply,
@@ -145,11 +146,12 @@ router_messages: st.SearchStrategy[RouterMessage] = st.one_of(
     st.builds(Refused, id=hashes, reason=uint64, count=uint64),
     st.just(Status()),
     st.builds(StatusReply, stats=st.dictionaries(st.text(max_size=20), uint64, max_size=5)),
+    st.builds(Register, keys=st.lists(pubkeys, min_size=1, max_size=4).map(tuple)),
 )
 
 ROUTER_TYPES = {
     Join: 1, JoinAck: 2, Leave: 3, LeaveAck: 4, Pull: 5, PullNack: 6, Sync: 7, SyncAck: 8, Refused: 9, Status: 11,
-    StatusReply: 12,
+    StatusReply: 12, Register: 13,
 }
 
 

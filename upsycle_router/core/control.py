@@ -29,8 +29,9 @@ from upsycle_router.core.trace import Ev, Kind, Role, Why
 from upsycle_router.crypto import advert_valid, message_signature_valid
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import exp_to_unix, expires_at
-from upsycle_router.store.api import ROUTE_ADVERT
+from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_REGISTERED, ROUTE_SERVED
 from upsycle_router.wire.control import (
+    MAX_REGISTER_KEYS,
     Join,
     JoinAck,
     Leave,
@@ -38,6 +39,7 @@ from upsycle_router.wire.control import (
     Pull,
     PullNack,
     Refused,
+    Register,
     Result,
     Status,
     StatusReply,
@@ -123,7 +125,7 @@ class ControlPlane:
             self.route_multicast(c, inner.with_via(None) if c.local else inner, inner.header, len(msg.body), now, out,
                                  msg.id)
             return
-        if isinstance(body, Join | Leave | Sync) and h.src != c.peer:
+        if isinstance(body, Join | Leave | Sync | Register) and h.src != c.peer:
             drop(Why.NOT_AUTHORIZED)  # membership and barriers only for the authenticated peer itself
             return
         if isinstance(body, PeerAdvertisement):
@@ -134,6 +136,8 @@ class ControlPlane:
             self._leave(c, msg, body, h, now, out)
         elif isinstance(body, Pull):
             self._pull(c, msg, body, h, size, now, out)
+        elif isinstance(body, Register):
+            self._register(c, msg, body, h, size, now, out)
         elif isinstance(body, Status):
             if not c.local:
                 drop(Why.NOT_AUTHORIZED)
@@ -211,6 +215,43 @@ class ControlPlane:
             self.s.pubsub_groups.discard(lv.addr)
             self.s.store.set_pubsub_subscribed(lv.addr, False)
             self._send_to_service(ps, PUBSUB_CODEC.encode(Unsub(lv.addr)), now, out)
+
+    # ------------------------------------------------------------------ REGISTER (edge apps through their core)
+
+    def _register(
+        self, c: Conn, msg: Message, reg: Register, h: UnicastHeader, size: int, now: float, out: list[Effect]
+    ) -> None:
+        """A router names keys it serves. From an edge node this core serves: route (and store and forward)
+        unicast for them to it, and tell our peers they are reachable here. From a configured peer or a core
+        node of ours: route unicast for them to it, for ``learned_route_ttl`` (renewed on every connection)."""
+        s = self.s
+        cfg = s.config
+        mine = s.locals | {s.id}
+        if not c.local and (c.peer in cfg.edge_nodes or cfg.accept_join_from_any):
+            new = [k for k in reg.keys if k not in mine and k != c.peer and s.served_by(k) != c.peer]
+            for key in new:
+                s.routes.pop(key, None)  # whatever was known of it: its edge node says where it is
+                s.learn_route(key, c.peer, ROUTE_SERVED, None)
+            if new:
+                for p in s.conns.values():  # our peers learn that these keys are reachable here
+                    if not p.local and p.peer != c.peer and p.peer not in cfg.edge_nodes:
+                        self.send_register(p, new, now, out)
+            return
+        # (Not from any router that advertised itself: a REGISTER carries no proof that the keys are the
+        # sender's, so only configured peers and core nodes are believed.)
+        if not c.local and (c.peer in cfg.peers or c.peer in cfg.upstream):
+            expires = now + cfg.learned_route_ttl
+            for key in reg.keys:
+                if key not in mine and s.served_by(key) is None:
+                    s.learn_route(key, c.peer, ROUTE_REGISTERED, expires)
+            return
+        self.delivery.dropped(c, msg.id, Why.NOT_AUTHORIZED, 0, now, out, Kind.CONTROL, None, h.src, h.dst, size)
+
+    def send_register(self, c: Conn, keys: list[bytes], now: float, out: list[Effect]) -> None:
+        """REGISTER ``keys`` at the router on ``c`` (in as many messages as it takes)."""
+        for i in range(0, len(keys), MAX_REGISTER_KEYS):
+            body = encode_router(Register(tuple(keys[i : i + MAX_REGISTER_KEYS])))
+            out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
 
     def _may_pull(self, c: Conn, requester: bytes) -> bool:
         if c.local:

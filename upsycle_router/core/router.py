@@ -213,7 +213,8 @@ class Router:
             for member in sorted(s.subs[group]):
                 out.append(Trace(Ev.JOINED, None, Kind.CONTROL, group, member, role=s.role(member)))
         for key in sorted(self.store.queue_recipients()):
-            if key not in s.locals and key not in s.dialing:
+            # (an edge node's queue waits for it to connect: it dials us)
+            if key not in s.locals and key not in s.dialing and key not in s.config.edge_nodes:
                 s.dialing.add(key)
                 out.append(Dial(key))
         return out
@@ -306,6 +307,10 @@ class Router:
         if ev.local:
             if ev.peer not in s.locals:
                 s.locals.add(ev.peer)
+                for core in sorted(self.state.config.upstream):  # a new local service: our core nodes learn it
+                    cid = s.connected(core)
+                    if cid is not None:
+                        self.control.send_register(self._conns[cid], [ev.peer], now, out)
             self.store.add_local(ev.peer)
             if ev.peer == self.state.config.discovery_service:  # it announces our advert (LAN, peer sampling, links)
                 advert = self._own_advert_message(ev.peer, now)
@@ -323,10 +328,17 @@ class Router:
             advert = self._own_advert_message(ev.peer, now)
             if advert is not None:
                 out.append(Send(ev.conn, advert.encode()))
-            if ev.peer in self.state.config.upstream:  # re-assert our subscriptions at a core node
+            cfg = self.state.config
+            if ev.peer in cfg.upstream:  # re-assert our subscriptions and our local services at a core node
                 for g in sorted(s.upstream_groups):
                     m = s.signed_to(ev.peer, encode_router(Join(g, False)), now)
                     out.append(Send(ev.conn, m.encode()))
+                if s.locals:
+                    self.control.send_register(c, sorted(s.locals), now, out)
+            elif ev.peer not in cfg.edge_nodes:  # a peer: the keys our edge nodes serve are reachable here
+                served = s.served()
+                if served:
+                    self.control.send_register(c, served, now, out)
         self._flush(c, now, out)
 
     def _on_close(self, ev: ConnectionClosed) -> None:
@@ -416,6 +428,7 @@ class Router:
                 out.append(Trace(Ev.DUPLICATE, msg.id, kind, None, h.src, h.dst, c.peer, size, Why.DUPLICATE))
                 return
             s.seen.add(msg.id)
+        via = msg.via  # as the sender set it (source routing by a local service, or an edge node's)
         if not c.local:
             # Step 2: remember where replies go, and mark the last hop.
             msg = msg.with_via(c.peer)
@@ -435,11 +448,23 @@ class Router:
             if why is not None:
                 self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
             return
-        src_local = c.local and h.src in s.locals
-        if not src_local:  # 3.3 only relays for local services
+        edge = s.served_by(h.dst)
+        if edge is not None and edge != c.peer:  # 3.2 for an edge node's service: store and forward to the edge
+            remote = not c.local
+            stranger = remote and h.src not in s.locals and h.src not in s.trusted and (
+                (h.dst, h.src) not in s.contacts
+            )
+            why = self._deliver(edge, msg, None, size, now, out, kind=Kind.UNICAST, stranger=stranger,
+                                remote=remote, origin=c)
+            if why is not None:
+                self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
+            return
+        # 3.3 relays only for local services (and the services of an edge node, from that edge node)
+        src_local = h.src in s.locals if c.local else s.served_by(h.src) == c.peer
+        if not src_local:
             drop(Why.NOT_LOCAL if h.src in s.locals else Why.NO_ROUTE)
             return
-        router = msg.via if msg.via is not None and msg.via != self.id else None  # 3.3.1
+        router = via if via is not None and via != self.id else None  # 3.3.1
         if router is None:  # 3.3.2
             router = s.route(h.dst, now)
         if router is None:

@@ -33,7 +33,7 @@ from upsycle_router.core.seen import SeenIds
 from upsycle_router.core.trace import Kind, Role
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in
-from upsycle_router.store.api import ROUTE_ADVERT, RouteEntry, RouterStore
+from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_SERVED, RouteEntry, RouterStore
 from upsycle_router.wire.messages import Message, UnicastHeader
 
 
@@ -176,21 +176,38 @@ class RouterState:
         return members, recipients
 
     def route(self, dst: bytes, now: float) -> bytes | None:
-        """The router a unicast for ``dst`` goes to: a directly connected router, or the routing table's."""
+        """The router a unicast for ``dst`` goes to: a directly connected router, or the routing table's, or -
+        on an edge router - its core node (edge nodes reach remote nodes through a core node)."""
         if self.connected(dst) is not None and dst not in self.locals:
             return dst
         r = self.routes.get(dst)
-        if r is None:
-            return None
-        if r.expires is not None and r.expires <= now:
-            return None
-        return r.router
+        if r is not None and (r.expires is None or r.expires > now):
+            return r.router
+        upstream = self.config.upstream
+        if upstream:
+            for core in sorted(upstream):  # a connected one first
+                if self.connected(core) is not None:
+                    return core
+            return min(upstream)
+        return None
+
+    def served_by(self, key: bytes) -> bytes | None:
+        """The edge router serving ``key`` (it REGISTERed it here), if any."""
+        r = self.routes.get(key)
+        return r.router if r is not None and r.source == ROUTE_SERVED else None
+
+    def served(self, edge: bytes | None = None) -> list[bytes]:
+        """The keys edge routers registered here (those of ``edge`` only, if given), sorted."""
+        return sorted(k for k, r in self.routes.items()
+                      if r.source == ROUTE_SERVED and (edge is None or r.router == edge))
 
     def learn_route(self, dst: bytes, router: bytes, source: int, expires: float | None) -> None:
         """``dst`` is reachable through ``router`` until ``expires`` (kept in memory and in the store)."""
         if dst == self.id or dst in self.locals:
             return
         old = self.routes.get(dst)
+        if old is not None and old.source == ROUTE_SERVED and source != ROUTE_SERVED:
+            return  # an edge node of ours serves it: that is what counts, whatever other routes messages suggest
         if old is not None and old.router == router and old.source == source != ROUTE_ADVERT and (
             old.expires is not None and expires is not None and expires - old.expires < 60.0
         ):

@@ -32,6 +32,8 @@ from typing import Protocol
 ROUTE_CONNECTION = 1  # a direct connection
 ROUTE_MESSAGE = 2  # a message from a remote node, relayed by that router
 ROUTE_ADVERT = 3  # a peer advertisement
+ROUTE_SERVED = 4  # a local service of an edge node this core serves (its REGISTER): stored and forwarded for it
+ROUTE_REGISTERED = 5  # a key a peer router serves (its REGISTER)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,7 @@ class RouteEntry:
 
     router: bytes
     expires: float | None
-    source: int  # ROUTE_CONNECTION, ROUTE_MESSAGE or ROUTE_ADVERT
+    source: int  # ROUTE_CONNECTION, ROUTE_MESSAGE, ROUTE_ADVERT, ROUTE_SERVED or ROUTE_REGISTERED
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,8 @@ __all__ = [
     "ROUTE_ADVERT",
     "ROUTE_CONNECTION",
     "ROUTE_MESSAGE",
+    "ROUTE_REGISTERED",
+    "ROUTE_SERVED",
     "Expired",
     "QueueEntry",
     "RouteEntry",

@@ -1,10 +1,12 @@
 """Router control messages (seed 003 §Message interface of the router, PROTOCOL.md §7).
 
 They travel as the BODY of a unicast message whose ``dst`` is the router's id: ``enc([type, map])``.
-Types 1-5 are the seed's JOIN, JOIN_ACK, LEAVE, LEAVE_ACK and PULL; 6-12 are our extensions: PULL_NACK (the
+Types 1-5 are the seed's JOIN, JOIN_ACK, LEAVE, LEAVE_ACK and PULL; 6-13 are our extensions: PULL_NACK (the
 router does not have the requested message), the SYNC barrier with its SYNC_ACK (which counts the refusals
-since the previous SYNC), REFUSED (wire v1.1: a message the router did not take in full, and why), and STATUS
-with its reply (a local service asks for the router's counters; 9 and 10 before wire v1.1).
+since the previous SYNC), REFUSED (wire v1.1: a message the router did not take in full, and why), STATUS
+with its reply (a local service asks for the router's counters; 9 and 10 before wire v1.1), and REGISTER
+(a router names the keys it serves, so that unicast for them is routed to it: an edge router to its core
+nodes, a core node to its peers).
 """
 
 from __future__ import annotations
@@ -166,6 +168,26 @@ class StatusReply:
     stats: dict[str, int]
 
 
+MAX_REGISTER_KEYS = 1024  # keys in one REGISTER at most (more go in several)
+
+
+@dataclass(frozen=True, slots=True)
+class Register:
+    """Route unicast for ``keys`` to me, the sending router (type 13). From an edge router to a core node that
+    serves it: these are the edge's local services, and the core stores and forwards unicast for them while the
+    edge is away. From a core node to its peers: these keys are reachable through it. Adds to what the sender
+    registered before."""
+
+    keys: tuple[bytes, ...]
+
+
+def check_keys(v: Any, field: str) -> tuple[bytes, ...]:
+    """A list of 1 to MAX_REGISTER_KEYS public keys."""
+    if not isinstance(v, list) or not 1 <= len(v) <= MAX_REGISTER_KEYS:
+        raise RemoteProtocolError(f"expected a list of 1 to {MAX_REGISTER_KEYS} keys", field=field)
+    return tuple(check_pubkey(k, field) for k in v)
+
+
 def check_stats(v: Any, field: str) -> dict[str, int]:
     """A map of text metric names to uints."""
     if not isinstance(v, dict):
@@ -174,7 +196,7 @@ def check_stats(v: Any, field: str) -> dict[str, int]:
 
 
 RouterMessage = (
-    Join | JoinAck | Leave | LeaveAck | Pull | PullNack | Sync | SyncAck | Refused | Status | StatusReply
+    Join | JoinAck | Leave | LeaveAck | Pull | PullNack | Sync | SyncAck | Refused | Status | StatusReply | Register
 )
 
 ROUTER_CODEC: TaggedCodec[RouterMessage] = TaggedCodec(
@@ -192,6 +214,7 @@ ROUTER_CODEC: TaggedCodec[RouterMessage] = TaggedCodec(
         Kind(9, Refused, {"id": check_hash, "reason": check_uint64, "count": check_uint64}),
         Kind(11, Status, {}),
         Kind(12, StatusReply, {"stats": check_stats}),
+        Kind(13, Register, {"keys": check_keys}),
     ],
 )
 
