@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import yaml
 
-from upsycle_router.cli_daemon import check_dirs
+from upsycle_router.cli.daemon import check_dirs
 from upsycle_router.config import (
     DEFAULT_MAP_SIZE,
     MAX_MAP_SIZE,

@@ -1,34 +1,43 @@
-"""The ``upsycle-router`` command line: one subcommand per task, each module registering its own."""
+"""The ``upsycle-router`` command line: one subcommand per task, each module registering its own.
+
+:func:`main` is the console script (``upsycle-router``, and ``python -m upsycle_router``). It builds one
+argparse parser in which every command module adds its subcommands (``register``) and points them at a
+``cmd_*`` function that returns the exit code. The modules, one per family of commands:
+
+``daemon``     ``run``, ``id``, ``pubsub``, ``testnet``: the router itself
+``app``        ``send``, ``join``, ``leave``, ``publish``, ``pull``, ``status``, ``listen``: apps on its socket
+``group``      ``group ...``: end-to-end encrypted group sessions
+``discovery``  ``advert``, ``add-peer``, ``peers``, ``groups``, ``discovery``
+``store``      ``store check|backup|restore``: the LMDB store from outside
+``decode``     ``decode``, ``keygen``: offline tools
+``analyze``    ``analyze``, ``compact``: the Spark jobs (PySpark is imported only when one of them runs)
+
+What several of them share (the daemon's and the apps' options, connecting, exit codes) is in
+:mod:`upsycle_router.cli.common`, which imports none of them; no command module imports another.
+"""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
-from upsycle_router import (
-    __version__,
-    cli_analyze,
-    cli_client,
-    cli_daemon,
-    cli_decode,
-    cli_discovery,
-    cli_group,
-    cli_store,
-)
+from upsycle_router import __version__
+from upsycle_router.cli import analyze, app, daemon, decode, discovery, group, store
+
+DESCRIPTION = "The ``upsycle-router`` command line: one subcommand per task, each module registering its own."
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
-    parser = argparse.ArgumentParser(prog="upsycle-router", description=__doc__)
+    parser = argparse.ArgumentParser(prog="upsycle-router", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"upsycle-router {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    cli_decode.register(sub)
-    cli_analyze.register(sub)
-    cli_daemon.register(sub)
-    cli_client.register(sub)
-    cli_discovery.register(sub)
-    cli_group.register(sub)
-    cli_store.register(sub)
+    decode.register(sub)
+    analyze.register(sub)
+    daemon.register(sub)
+    app.register(sub)
+    discovery.register(sub)
+    group.register(sub)
+    store.register(sub)
     return parser
 
 
@@ -46,7 +55,3 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     return rc
-
-
-if __name__ == "__main__":
-    sys.exit(main())

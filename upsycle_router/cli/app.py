@@ -1,7 +1,9 @@
-"""CLI commands built on the client library: ``send``, ``join``, ``leave``, ``publish``, ``pull``, ``listen``.
+"""App commands built on the client library: ``send``, ``join``, ``leave``, ``publish``, ``pull``, ``listen``,
+``status``.
 
 Each connects to the router's Unix socket with an app key (``--key``, default
-``$XDG_CONFIG_HOME/upsycle-router/client.key``, created on first use), does one thing and exits. ``listen``
+``$XDG_CONFIG_HOME/upsycle-router/client.key``, created on first use; the options, the connection and the
+exit codes are :mod:`upsycle_router.cli.common`'s), does one thing and exits. ``listen``
 prints one JSON object per incoming message and runs until ``--count`` messages or ``--timeout`` seconds.
 ``send`` and ``publish`` wait for the SYNC_ACK after the message: when the router did not take it in full
 (REFUSED, wire v1.1) they still print its id, name the reason on stderr (``refused: quota (the recipient's
@@ -13,44 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
-from pathlib import Path
 from typing import Any
 
-from upsycle_router.cli_daemon import run_async
-from upsycle_router.client import Client, ClientError, SyncResult
-from upsycle_router.config import default_socket, load_config, parse_key
-from upsycle_router.crypto import Identity, load_key_file, load_or_create_key_file
-from upsycle_router.errors import ConfigError, KeyFileError, UpsycleError
+from upsycle_router.cli.common import app_options, read_body, run_app
+from upsycle_router.client import Client, SyncResult
+from upsycle_router.config import parse_key
+from upsycle_router.crypto import load_key_file
+from upsycle_router.errors import KeyFileError, UpsycleError
 from upsycle_router.wire.messages import Message, MulticastHeader
-
-
-def default_client_key() -> Path:
-    """``$XDG_CONFIG_HOME/upsycle-router/client.key``."""
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "upsycle-router" / "client.key"
-
-
-def _socket(args: argparse.Namespace) -> Path:
-    if args.socket:
-        return Path(args.socket)
-    if args.config:
-        unix = load_config(args.config).unix
-        if unix is not None:
-            return unix
-    return default_socket()
-
-
-def _identity(args: argparse.Namespace) -> Identity:
-    return load_or_create_key_file(args.key or default_client_key())
-
-
-def _body(args: argparse.Namespace) -> bytes:
-    raw: bytes = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
-    if args.hex:
-        return bytes.fromhex(raw.decode().strip())
-    return raw
 
 
 def message_summary(m: Message) -> dict[str, Any]:
@@ -80,40 +53,14 @@ def _report(mid: bytes, result: SyncResult) -> int:
     return 1
 
 
-async def _with_client(args: argparse.Namespace, fn: Any) -> int:
-    ident = _identity(args)
-    try:
-        client = await Client.connect(_socket(args), ident, timeout=args.timeout_connect)
-    except (OSError, TimeoutError) as e:
-        print(f"error: cannot connect to the router at {_socket(args)}: {e}", file=sys.stderr)
-        return 1
-    try:
-        rc: int = await fn(client)
-        return rc
-    finally:
-        await client.close()
-
-
-def _run(args: argparse.Namespace, fn: Any) -> int:
-    try:
-        rc: int = run_async(_with_client(args, fn))
-        return rc
-    except (ConfigError, KeyFileError) as e:  # a bad config or key file: like the daemon, exit 2
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ClientError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-
-
 def cmd_send(args: argparse.Namespace) -> int:
     """Send one unicast message; exit 1 when the router refused it."""
 
     async def go(c: Client) -> int:
-        mid = await c.send(parse_key(args.dst, "dst"), _body(args), args.ttl)
+        mid = await c.send(parse_key(args.dst, "dst"), read_body(args), args.ttl)
         return _report(mid, await c.sync())
 
-    return _run(args, go)
+    return run_app(args, go)
 
 
 def cmd_join(args: argparse.Namespace) -> int:
@@ -124,7 +71,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         print("joined" if ok else "refused")
         return 0 if ok else 1
 
-    return _run(args, go)
+    return run_app(args, go)
 
 
 def cmd_leave(args: argparse.Namespace) -> int:
@@ -135,7 +82,7 @@ def cmd_leave(args: argparse.Namespace) -> int:
         print("left" if ok else "refused")
         return 0 if ok else 1
 
-    return _run(args, go)
+    return run_app(args, go)
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
@@ -147,10 +94,10 @@ def cmd_publish(args: argparse.Namespace) -> int:
         return 2
 
     async def go(c: Client) -> int:
-        mid = await c.publish(group, _body(args), args.ttl)
+        mid = await c.publish(group, read_body(args), args.ttl)
         return _report(mid, await c.sync())
 
-    return _run(args, go)
+    return run_app(args, go)
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -164,7 +111,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
         print(json.dumps(message_summary(m)))
         return 0
 
-    return _run(args, go)
+    return run_app(args, go)
 
 
 def cmd_listen(args: argparse.Namespace) -> int:
@@ -189,7 +136,7 @@ def cmd_listen(args: argparse.Namespace) -> int:
         return 0
 
     try:
-        return _run(args, go)
+        return run_app(args, go)
     except UpsycleError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -208,20 +155,13 @@ def cmd_status(args: argparse.Namespace) -> int:
                 print(f"  {k:24} {st[k]}")
         return 0
 
-    return _run(args, go)
-
-
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--socket", help="the router's Unix socket (default: the daemon's default path)")
-    p.add_argument("--config", help="read the socket path from this daemon config")
-    p.add_argument("--key", help="this app's key file (default: ~/.config/upsycle-router/client.key)")
-    p.add_argument("--timeout-connect", type=float, default=10.0, help=argparse.SUPPRESS)
+    return run_app(args, go)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the client commands."""
     p = sub.add_parser("send", help="send a unicast message")
-    _common(p)
+    app_options(p)
     p.add_argument("dst", help="destination key (hex)")
     p.add_argument("body", nargs="?", default="-", help="message body, or - for stdin (default)")
     p.add_argument("--hex", action="store_true", help="the body is hex")
@@ -230,14 +170,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     for name, fn, helptext in (("join", cmd_join, "join a group"), ("leave", cmd_leave, "leave a group")):
         p = sub.add_parser(name, help=helptext)
-        _common(p)
+        app_options(p)
         p.add_argument("group", help="group key (hex)")
         if name == "join":
             p.add_argument("--non-local", action="store_true", help="also join the P2P overlay (pub/sub SUB)")
         p.set_defaults(func=fn)
 
     p = sub.add_parser("publish", help="publish to a group")
-    _common(p)
+    app_options(p)
     p.add_argument("--group-key", required=True, help="the group's key file (its private key signs)")
     p.add_argument("body", nargs="?", default="-", help="message body, or - for stdin (default)")
     p.add_argument("--hex", action="store_true", help="the body is hex")
@@ -245,18 +185,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=cmd_publish)
 
     p = sub.add_parser("pull", help="fetch a stored group message by id")
-    _common(p)
+    app_options(p)
     p.add_argument("group", help="group key (hex)")
     p.add_argument("id", help="message id (hex)")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("status", help="show the router's connections, queues, store and counters")
-    _common(p)
+    app_options(p)
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("listen", help="print incoming messages as JSON lines")
-    _common(p)
+    app_options(p)
     p.add_argument("--join", action="append", metavar="GROUP", help="join this group first (repeatable)")
     p.add_argument("--non-local", action="store_true", help="joins also ask the pub/sub service to SUB")
     p.add_argument("--count", type=int, help="exit after this many messages")

@@ -1,77 +1,36 @@
-"""``upsycle-router run`` and ``id``: start the daemon, print the router's id.
+"""``upsycle-router run``, ``id``, ``pubsub`` and ``testnet``: start the daemon, print the router's id, run
+the pub/sub service as its own process, run a local testnet.
 
 A config that cannot be used - the file (unreadable, not UTF-8, not YAML, a bad option), the command line, or
 a directory the daemon could not create or write - ends every command here with exit code 2 and one line
-``error: config: ...`` on stderr, before anything starts.
+``error: config: ...`` on stderr, before anything starts. Reading the config with the command line applied
+and printing that line are shared with other commands (:mod:`upsycle_router.cli.common`); the check of the
+directories ``run`` writes is here.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import dataclasses
 import logging
 import os
 import sys
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
 
-from upsycle_router.config import DaemonConfig, check_websocket, config_warnings, load_config
-from upsycle_router.crypto import Identity, load_or_create_key_file
+from upsycle_router.cli.common import (
+    add_daemon_options,
+    add_service_options,
+    config_error,
+    config_from_args,
+    run_async,
+    serve_from_args,
+)
+from upsycle_router.config import DaemonConfig, config_warnings
+from upsycle_router.crypto import load_or_create_key_file
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
 from upsycle_router.runtime.daemon import run_daemon
 from upsycle_router.runtime.logs import setup_logging
-from upsycle_router.runtime.service import RouterService
 from upsycle_router.store.integrity import StoreUnusable
-from upsycle_router.wire.discovery import TransportAddr
-
-
-def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
-    """Run a coroutine on uvloop when available, else on asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
-
-
-def config_from_args(args: argparse.Namespace) -> DaemonConfig:
-    """The config file (or defaults) with command-line overrides applied."""
-    cfg = load_config(getattr(args, "config", None))
-    over: dict[str, Any] = {}
-    if getattr(args, "data_dir", None):
-        over["data_dir"] = Path(args.data_dir)
-    if getattr(args, "unix", None):
-        over["unix"] = Path(args.unix)
-    if getattr(args, "listen", None):
-        try:
-            TransportAddr.parse(args.listen)
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"--listen: {e}") from None
-        over["tls"] = args.listen
-    if getattr(args, "websocket", None):
-        try:
-            TransportAddr.parse(args.websocket)
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"--websocket: {e}") from None
-        over["websocket"] = dataclasses.replace(cfg.websocket, listen=args.websocket)
-        check_websocket(over["websocket"])
-    if getattr(args, "durability", None):
-        over["durability"] = Durability(args.durability)
-    if getattr(args, "trace", None):
-        over["trace_dir"] = Path(args.trace)
-    if getattr(args, "log_level", None):
-        over["log_level"] = args.log_level
-    return dataclasses.replace(cfg, **over) if over else cfg
-
-
-def _config_error(e: Exception) -> int:
-    """Print a config error as one line on stderr; the exit code 2."""
-    msg = " ".join(str(e).splitlines())
-    print(f"error: config: {msg}" if isinstance(e, ConfigError) else f"error: {msg}", file=sys.stderr)
-    return 2
 
 
 def check_dir(path: Path, option: str) -> None:
@@ -102,14 +61,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         check_dirs(cfg)
         warnings = config_warnings(cfg)
     except ConfigError as e:
-        return _config_error(e)
+        return config_error(e)
     setup_logging(cfg.log_level)
     for w in warnings:
         logging.getLogger("upsycle_router.config").warning("%s", w)
     try:
         run_async(run_daemon(cfg))
     except (KeyFileError, ConfigError, StoreUnusable) as e:  # (a damaged store too: one line, exit 2)
-        return _config_error(e)
+        return config_error(e)
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -128,7 +87,7 @@ def cmd_id(args: argparse.Namespace) -> int:
             raise ConfigError(f"data_dir: cannot create {cfg.data_dir}: {e.strerror or e}") from None
         print(load_or_create_key_file(cfg.key_path).hex)
     except (KeyFileError, ConfigError) as e:
-        return _config_error(e)
+        return config_error(e)
     return 0
 
 
@@ -141,45 +100,6 @@ def cmd_pubsub(args: argparse.Namespace) -> int:
         ident, sock, params=gossip_params(cfg), policies=group_policies(cfg)))
 
 
-def add_service_options(p: argparse.ArgumentParser) -> None:
-    """Options of a command that runs a router service as its own process (see :func:`serve_from_args`)."""
-    add_daemon_options(p)
-    p.add_argument("--unix", help="the router's Unix socket (overrides the config)")
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
-
-
-def serve_from_args(
-    args: argparse.Namespace, key_file: str, make: Callable[[DaemonConfig, Identity, Path], RouterService]
-) -> int:
-    """Run a router service as its own process: its key is ``key_file`` in the router's data directory, it
-    talks to the router's Unix socket; a bad config or key is an error message and exit 2."""
-    try:
-        cfg = config_from_args(args)
-        ident = load_or_create_key_file(cfg.data_dir / key_file)
-        if cfg.unix is None:
-            raise ConfigError("the router has no Unix socket (listen.unix)")
-        service = make(cfg, ident, cfg.unix)
-    except (KeyFileError, ConfigError) as e:
-        return _config_error(e)
-    setup_logging(cfg.log_level)
-    return run_service(service)
-
-
-def run_service(service: RouterService) -> int:
-    """Run a router service as its own process until SIGTERM/SIGINT."""
-
-    async def main() -> None:
-        import signal
-
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: loop.create_task(service.stop()))
-        await service.run()
-
-    run_async(main())
-    return 0
-
-
 def cmd_testnet(args: argparse.Namespace) -> int:
     """Run a local testnet."""
     from upsycle_router.runtime.testnet import main_testnet
@@ -188,12 +108,6 @@ def cmd_testnet(args: argparse.Namespace) -> int:
         print("error: --nodes must be at least 1", file=sys.stderr)
         return 2
     return main_testnet(args)
-
-
-def add_daemon_options(p: argparse.ArgumentParser) -> None:
-    """``--config`` and ``--data-dir``, shared by commands that read the daemon's state."""
-    p.add_argument("-c", "--config", help="YAML config file (default: embedded defaults)")
-    p.add_argument("--data-dir", help="data directory (overrides the config)")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

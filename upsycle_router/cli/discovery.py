@@ -23,8 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from upsycle_router.cli_client import _common, _run
-from upsycle_router.cli_daemon import add_service_options, serve_from_args
+from upsycle_router.cli.common import add_service_options, app_options, run_app, serve_from_args
 from upsycle_router.client import Client, ClientError
 from upsycle_router.config import load_config, parse_key
 from upsycle_router.crypto import advert_valid, load_key_file, sign_message
@@ -127,7 +126,7 @@ def cmd_advert(args: argparse.Namespace) -> int:
             print(f"PNG written to {args.png}", file=sys.stderr)
         return 0
 
-    return _run(args, go)
+    return run_app(args, go)
 
 
 def check_link(link: str, now: float) -> PeerAdvertisement:
@@ -161,7 +160,7 @@ def cmd_add_peer(args: argparse.Namespace) -> int:
         print(f"added {adv.id.hex()} {adv.addr}")
         return 0
 
-    return _run(args, go)
+    return run_app(args, go)
 
 
 def _listing(args: argparse.Namespace, show: Any) -> int:
@@ -172,7 +171,7 @@ def _listing(args: argparse.Namespace, show: Any) -> int:
         show(reply)
         return 0
 
-    return _run(args, go)
+    return run_app(args, go)
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
@@ -217,7 +216,7 @@ def cmd_discovery(args: argparse.Namespace) -> int:
 
 
 def _app(p: argparse.ArgumentParser) -> None:
-    _common(p)
+    app_options(p)
     p.add_argument("--data-dir", help="the router's data directory (to find the discovery service's key)")
     p.add_argument("--service", help="the discovery service's address (hex), instead of reading its key")
 

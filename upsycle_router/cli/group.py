@@ -22,8 +22,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from upsycle_router.cli_client import _body, _common, _identity, _socket
-from upsycle_router.cli_daemon import run_async
+from upsycle_router.cli.common import app_identity, app_options, read_body, run_async, socket_path
 from upsycle_router.client import ClientError
 from upsycle_router.client.groups.core import GroupError
 from upsycle_router.client.groups.session import GroupManager, GroupSession
@@ -79,7 +78,7 @@ async def _after_send(s: GroupSession, args: argparse.Namespace) -> None:
 
 def _run(args: argparse.Namespace, fn: Callable[[GroupManager], Awaitable[int]]) -> int:
     async def go() -> int:
-        ident = _identity(args)
+        ident = app_identity(args)
         data = Path(args.data) if args.data else default_group_dir(ident)
         accept = None
         if getattr(args, "accept", None):
@@ -89,10 +88,10 @@ def _run(args: argparse.Namespace, fn: Callable[[GroupManager], Awaitable[int]])
                 return admin in admins
 
         try:
-            mgr = await GroupManager.open(ident, data, socket=_socket(args), accept=accept,
+            mgr = await GroupManager.open(ident, data, socket=socket_path(args), accept=accept,
                                           connect_timeout=args.timeout_connect)  # fmt: skip
         except (OSError, TimeoutError) as e:
-            print(f"error: cannot connect to the router at {_socket(args)}: {e}", file=sys.stderr)
+            print(f"error: cannot connect to the router at {socket_path(args)}: {e}", file=sys.stderr)
             return 1
         try:
             await mgr.wait_connected(args.timeout_connect)
@@ -163,7 +162,7 @@ def cmd_remove(args: argparse.Namespace) -> int:
 
 def cmd_send(args: argparse.Namespace) -> int:
     """Send one message to the group (or sealed to some members)."""
-    body = _body(args)
+    body = read_body(args)
 
     async def go(mgr: GroupManager) -> int:
         await settle(mgr)
@@ -218,7 +217,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gsub = g.add_subparsers(dest="group_command", metavar="SUBCOMMAND", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
-        _common(p)
+        app_options(p)
         p.add_argument("--data", help="this member's group state directory "
                                       "(default: ~/.local/state/upsycle-router/groups/<key prefix>)")  # fmt: skip
 

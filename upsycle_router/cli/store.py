@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from upsycle_router.cli_daemon import add_daemon_options, config_from_args
+from upsycle_router.cli.common import add_daemon_options, config_from_args
 from upsycle_router.errors import ConfigError
 from upsycle_router.store.backup import BackupError, backup, restore
 from upsycle_router.store.check import CheckReport, check_dir

@@ -1,0 +1,201 @@
+"""What several commands share: running a coroutine, the daemon's options, the app options, the exit codes.
+
+Every command module of :mod:`upsycle_router.cli` imports from here and from no other command module, so
+they form a star around this one (and this module imports none of them). Two kinds of command share code:
+
+Commands that read the daemon's config (``run``, ``id``, ``pubsub``, ``discovery``, ``store ...``) take
+``--config`` and ``--data-dir`` (:func:`add_daemon_options`) and build the config with the command line
+applied (:func:`config_from_args`). A config that cannot be used ends such a command with exit code 2 and
+one line ``error: config: ...`` on stderr (:func:`config_error`). A router service run as its own process
+(``pubsub``, ``discovery``) also takes ``--unix`` and ``--log-level`` (:func:`add_service_options`) and is
+started by :func:`serve_from_args`.
+
+App commands (``send``, ``listen``, ``group ...``, ``advert``, ...) connect to the router's Unix socket with
+an app key: :func:`app_options` adds ``--socket``, ``--config``, ``--key``; :func:`socket_path` and
+:func:`app_identity` resolve them (the key is created on first use); :func:`read_body` reads a message body
+from the argument or stdin. :func:`run_app` connects, runs one coroutine with the client and turns errors
+into exit codes: 2 for a bad config or key file, 1 when the router cannot be reached or the request fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from upsycle_router.client import Client, ClientError
+from upsycle_router.config import DaemonConfig, check_websocket, default_socket, load_config
+from upsycle_router.crypto import Identity, load_or_create_key_file
+from upsycle_router.durability import Durability
+from upsycle_router.errors import ConfigError, KeyFileError
+from upsycle_router.runtime.logs import setup_logging
+from upsycle_router.runtime.service import RouterService
+from upsycle_router.wire.discovery import TransportAddr
+
+
+def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
+    """Run a coroutine on uvloop when available, else on asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+# ---------------------------------------------------------------------------- the daemon's config
+
+
+def add_daemon_options(p: argparse.ArgumentParser) -> None:
+    """``--config`` and ``--data-dir``, shared by commands that read the daemon's state."""
+    p.add_argument("-c", "--config", help="YAML config file (default: embedded defaults)")
+    p.add_argument("--data-dir", help="data directory (overrides the config)")
+
+
+def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+    """The config file (or defaults) with command-line overrides applied."""
+    cfg = load_config(getattr(args, "config", None))
+    over: dict[str, Any] = {}
+    if getattr(args, "data_dir", None):
+        over["data_dir"] = Path(args.data_dir)
+    if getattr(args, "unix", None):
+        over["unix"] = Path(args.unix)
+    if getattr(args, "listen", None):
+        try:
+            TransportAddr.parse(args.listen)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"--listen: {e}") from None
+        over["tls"] = args.listen
+    if getattr(args, "websocket", None):
+        try:
+            TransportAddr.parse(args.websocket)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"--websocket: {e}") from None
+        over["websocket"] = dataclasses.replace(cfg.websocket, listen=args.websocket)
+        check_websocket(over["websocket"])
+    if getattr(args, "durability", None):
+        over["durability"] = Durability(args.durability)
+    if getattr(args, "trace", None):
+        over["trace_dir"] = Path(args.trace)
+    if getattr(args, "log_level", None):
+        over["log_level"] = args.log_level
+    return dataclasses.replace(cfg, **over) if over else cfg
+
+
+def config_error(e: Exception) -> int:
+    """Print a config error as one line on stderr; the exit code 2."""
+    msg = " ".join(str(e).splitlines())
+    print(f"error: config: {msg}" if isinstance(e, ConfigError) else f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def add_service_options(p: argparse.ArgumentParser) -> None:
+    """Options of a command that runs a router service as its own process (see :func:`serve_from_args`)."""
+    add_daemon_options(p)
+    p.add_argument("--unix", help="the router's Unix socket (overrides the config)")
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+
+
+def serve_from_args(
+    args: argparse.Namespace, key_file: str, make: Callable[[DaemonConfig, Identity, Path], RouterService]
+) -> int:
+    """Run a router service as its own process: its key is ``key_file`` in the router's data directory, it
+    talks to the router's Unix socket; a bad config or key is an error message and exit 2."""
+    try:
+        cfg = config_from_args(args)
+        ident = load_or_create_key_file(cfg.data_dir / key_file)
+        if cfg.unix is None:
+            raise ConfigError("the router has no Unix socket (listen.unix)")
+        service = make(cfg, ident, cfg.unix)
+    except (KeyFileError, ConfigError) as e:
+        return config_error(e)
+    setup_logging(cfg.log_level)
+    return run_service(service)
+
+
+def run_service(service: RouterService) -> int:
+    """Run a router service as its own process until SIGTERM/SIGINT."""
+
+    async def main() -> None:
+        import signal
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: loop.create_task(service.stop()))
+        await service.run()
+
+    run_async(main())
+    return 0
+
+
+# ---------------------------------------------------------------------------- apps on the router's socket
+
+
+def default_client_key() -> Path:
+    """``$XDG_CONFIG_HOME/upsycle-router/client.key``."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "upsycle-router" / "client.key"
+
+
+def app_options(p: argparse.ArgumentParser) -> None:
+    """``--socket``, ``--config`` and ``--key``: how an app command reaches the router and who it is."""
+    p.add_argument("--socket", help="the router's Unix socket (default: the daemon's default path)")
+    p.add_argument("--config", help="read the socket path from this daemon config")
+    p.add_argument("--key", help="this app's key file (default: ~/.config/upsycle-router/client.key)")
+    p.add_argument("--timeout-connect", type=float, default=10.0, help=argparse.SUPPRESS)
+
+
+def socket_path(args: argparse.Namespace) -> Path:
+    """The router's socket: ``--socket``, else the config's ``listen.unix``, else the default path."""
+    if args.socket:
+        return Path(args.socket)
+    if args.config:
+        unix = load_config(args.config).unix
+        if unix is not None:
+            return unix
+    return default_socket()
+
+
+def app_identity(args: argparse.Namespace) -> Identity:
+    """The app's key: ``--key`` or :func:`default_client_key` (created on first use)."""
+    return load_or_create_key_file(args.key or default_client_key())
+
+
+def read_body(args: argparse.Namespace) -> bytes:
+    """The message body: the ``body`` argument, or stdin for ``-``; decoded from hex with ``--hex``."""
+    raw: bytes = sys.stdin.buffer.read() if args.body == "-" else args.body.encode()
+    if args.hex:
+        return bytes.fromhex(raw.decode().strip())
+    return raw
+
+
+async def _with_client(args: argparse.Namespace, fn: Callable[[Client], Awaitable[int]]) -> int:
+    ident = app_identity(args)
+    try:
+        client = await Client.connect(socket_path(args), ident, timeout=args.timeout_connect)
+    except (OSError, TimeoutError) as e:
+        print(f"error: cannot connect to the router at {socket_path(args)}: {e}", file=sys.stderr)
+        return 1
+    try:
+        rc: int = await fn(client)
+        return rc
+    finally:
+        await client.close()
+
+
+def run_app(args: argparse.Namespace, fn: Callable[[Client], Awaitable[int]]) -> int:
+    """Connect to the router, run ``fn`` with the client and return its exit code; 2 for a bad config or key
+    file (like the daemon), 1 when the router cannot be reached or answers with an error."""
+    try:
+        rc: int = run_async(_with_client(args, fn))
+        return rc
+    except (ConfigError, KeyFileError) as e:  # a bad config or key file: like the daemon, exit 2
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ClientError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
