@@ -43,7 +43,7 @@ check`` walks record by record.
 
 Damage raises :class:`StoreDamaged`, whose message is one line: the file, what is wrong, and what to do
 (``store check``, ``store restore BACKUP``, or move the directory away to start empty). ``upsycle-router run``
-prints it and exits 2 (``cli_daemon``), as for a bad configuration. An ``lmdb.Error`` while the daemon starts
+prints it and exits 2 (``cli.daemon``), as for a bad configuration. An ``lmdb.Error`` while the daemon starts
 (:func:`store_errors`) becomes the same one-line exit: :class:`StoreDamaged` for LMDB's corruption errors,
 :class:`StoreUnusable` (map full, no readers slot, I/O error...) for the rest.
 
