@@ -40,9 +40,10 @@ from upsycle_router.core.events import (
 )
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, message_signature_valid, sign_advert, sign_message
+from upsycle_router.durability import Durability
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import EPOCH_2020, exp_in
-from upsycle_router.store.lmdb_store import Durability, LmdbStore
+from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.wire.control import Reason, Refused, RouterMessage, decode_control, encode_router
 from upsycle_router.wire.discovery import PeerAdvertisement, TransportAddr, encode_discovery
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message

@@ -22,10 +22,11 @@ from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.events import CloseConnection, ConnectionOpened, MessagesReceived
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, sign_message
+from upsycle_router.durability import Durability
 from upsycle_router.expiry import exp_in
 from upsycle_router.runtime.driver import Driver
 from upsycle_router.store.commit_thread import CommitThread
-from upsycle_router.store.lmdb_store import Durability, LmdbStore
+from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.wire.messages import MulticastHeader, UnicastHeader
 

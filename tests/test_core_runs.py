@@ -37,8 +37,9 @@ from upsycle_router.core.events import (
 )
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import message_signature_valid
+from upsycle_router.durability import Durability
 from upsycle_router.expiry import exp_in
-from upsycle_router.store.lmdb_store import Durability, LmdbStore
+from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.wire.control import Join, Leave
 from upsycle_router.wire.messages import Message
 

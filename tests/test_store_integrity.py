@@ -19,6 +19,7 @@ import lmdb
 import pytest
 
 from upsycle_router.cli import main
+from upsycle_router.durability import Durability
 from upsycle_router.store.backup import BackupError, backup, restore
 from upsycle_router.store.check import check_dir, check_file, check_store
 from upsycle_router.store.integrity import (
@@ -31,7 +32,7 @@ from upsycle_router.store.integrity import (
     marker_id,
     store_errors,
 )
-from upsycle_router.store.lmdb_store import Durability, LmdbStore, RouteEntry
+from upsycle_router.store.lmdb_store import LmdbStore, RouteEntry
 
 REPO = Path(__file__).resolve().parents[1]
 MAP = 1 << 24
@@ -426,7 +427,8 @@ def test_check_of_no_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 _WRITER = """
 import os, sys, time
-from upsycle_router.store.lmdb_store import Durability, LmdbStore
+from upsycle_router.durability import Durability
+from upsycle_router.store.lmdb_store import LmdbStore
 s = LmdbStore(sys.argv[1], Durability.NONE, map_size=1 << 30, index_batch=64)
 A = b"\\xa1" * 32
 print("ready", flush=True)
