@@ -1,5 +1,5 @@
 """Cyclon peer sampling on a virtual clock: views fill and mix from a single bootstrap node, samples become
-uniform-ish, and dead nodes disappear from every view and cache (tests/discovery_sim.py)."""
+uniform-ish, and dead nodes disappear from every view and cache (:mod:`upsycle_router.tools.sim.discovery`)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import random
 from collections import Counter
 
 import pytest
-from discovery_sim import T0, SamplingSim, ident, make_advert
 
 from upsycle_router.services.discovery.cyclon import CyclonView
 from upsycle_router.services.discovery.params import DiscoveryParams
+from upsycle_router.tools.sim.discovery import T0, SamplingSim, ident, make_advert
 from upsycle_router.wire.discovery import ShuffleEntry
 
 PARAMS = DiscoveryParams(sampling=True, view_size=8, shuffle_length=4, shuffle_period=10.0, shuffle_timeout=5.0)

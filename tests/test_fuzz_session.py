@@ -1,4 +1,4 @@
-"""A short, bounded slice of the fuzzing of ``bench/fuzz.py``, in the test suite.
+"""A short, bounded slice of the fuzzing of :mod:`upsycle_router.tools.fuzz`, in the test suite.
 
 Every target of ``tests/fuzz/fuzz_targets.py`` (each decoder, the chunked frame reader, all decoders at once,
 and the session state machine fed bytes from a peer, also after a valid handshake) gets ~300 hypothesis
@@ -143,7 +143,7 @@ def test_atheris_slice(tmp_path: Path) -> None:
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     runs = 2000 * len(ATHERIS_TARGETS)
     p = subprocess.run(
-        [sys.executable, "-m", "bench.fuzz", "--target", ",".join(ATHERIS_TARGETS), "--runs", str(runs),
+        [sys.executable, "-m", "upsycle_router.tools.fuzz", "--target", ",".join(ATHERIS_TARGETS), "--runs", str(runs),
          "--max-time", "30", "--engine", "atheris", "--artifacts", str(tmp_path / "artifacts"),
          "--corpus-dir", str(tmp_path)],
         cwd=str(REPO), env=env, capture_output=True, text=True, timeout=240, check=False,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from gossip_sim import make_message
 
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.services.pubsub import (
@@ -22,6 +21,7 @@ from upsycle_router.services.pubsub import (
 )
 from upsycle_router.services.pubsub.caches import MessageCache, SeenCache
 from upsycle_router.services.pubsub.outbox import Outbox
+from upsycle_router.tools.sim.gossip import make_message
 from upsycle_router.wire.gossip import GossipRpc, IHave, SubOpt
 from upsycle_router.wire.messages import UnicastHeader
 

@@ -1,4 +1,5 @@
-"""N-node deterministic simulations of the gossip mesh (tests/gossip_sim.py): degree, delivery, recovery, fanout."""
+"""N-node deterministic simulations of the gossip mesh (:mod:`upsycle_router.tools.sim.gossip`): degree, delivery,
+recovery, fanout."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from gossip_sim import Sim, SimNode, make_message
 
 from upsycle_router.crypto import Identity
 from upsycle_router.services.pubsub import GossipParams
+from upsycle_router.tools.sim.gossip import Sim, SimNode, make_message
 from upsycle_router.wire.messages import Message
 
 GK = Identity.from_seed(b"\x07" * 32)
@@ -195,9 +196,8 @@ def test_leave_prunes_and_stops_delivery() -> None:
 
 
 _DIGEST_SCRIPT = """
-import hashlib, sys
-sys.path.insert(0, {here!r})
-from gossip_sim import Sim, make_message
+import hashlib
+from upsycle_router.tools.sim.gossip import Sim, make_message
 from upsycle_router.crypto import Identity
 g = Identity.from_seed(b"\\x07" * 32)
 sim = Sim(12, seed=3)
@@ -219,7 +219,7 @@ print(h.hexdigest())
 
 
 def test_replay_is_independent_of_hash_randomization() -> None:
-    script = _DIGEST_SCRIPT.format(here=str(HERE))
+    script = _DIGEST_SCRIPT
     digests = set()
     for hashseed in ("0", "12345"):
         env = dict(os.environ, PYTHONHASHSEED=hashseed)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-from gossip_sim import make_message
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,6 +19,7 @@ from upsycle_router.services.pubsub import (
     message_size,
     validate,
 )
+from upsycle_router.tools.sim.gossip import make_message
 from upsycle_router.wire.app import AppHeader, AppMessage, AppMulticast
 from upsycle_router.wire.gossip import GossipRpc, SubOpt
 from upsycle_router.wire.messages import Message

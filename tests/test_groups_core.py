@@ -1,6 +1,6 @@
-"""Group session cores in a deterministic simulation (``group_sim.py``: real cores and LMDB stores, in-memory
-network, virtual clock): causal delivery under reordering and loss, anti-entropy, restarts, offline members,
-membership, key rotation, rejection of what a member may not do, late joiners."""
+"""Group session cores in a deterministic simulation (:mod:`upsycle_router.tools.sim.group`: real cores and LMDB
+stores, in-memory network, virtual clock): causal delivery under reordering and loss, anti-entropy, restarts,
+offline members, membership, key rotation, rejection of what a member may not do, late joiners."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from group_sim import GroupNet, Member
 
 from upsycle_router.client.groups import events as ev
 from upsycle_router.client.groups.core import GroupConfig, GroupCore, GroupError
 from upsycle_router.client.groups.keys import DecryptError, Epoch, decrypt, encrypt
 from upsycle_router.crypto import message_signature_valid, sign_app_message, sign_message
 from upsycle_router.expiry import exp_in
+from upsycle_router.tools.sim.group import GroupNet, Member
 from upsycle_router.wire.app import AppAck, AppBody, AppHeader, AppMessage, AppMulticast, MemberAdd
 from upsycle_router.wire.messages import Message, MulticastHeader
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import shutil
 import struct
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from upsycle_router import accel
+from upsycle_router.store.check import check_store
 from upsycle_router.store.lmdb_store import (
     SCHEMA_VERSION,
     Durability,
@@ -26,12 +26,6 @@ from upsycle_router.store.lmdb_store import (
     RouteEntry,
     StoredMessage,
 )
-
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # bench/ is a directory of scripts next to tests/, not an installed package
-    sys.path.insert(0, str(REPO))
-
-from bench.crash_harness import check_store  # noqa: E402
 
 MAP = 1 << 24
 T = 1_800_000_000.0

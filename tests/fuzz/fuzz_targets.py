@@ -1,4 +1,4 @@
-"""Fuzz targets: plain functions ``target(data: bytes) -> None`` for atheris (``bench/fuzz.py``) and hypothesis.
+"""Fuzz targets: plain functions ``target(data: bytes) -> None`` for ``upsycle_router.tools.fuzz`` and hypothesis.
 
 The invariant of every target: the code under test returns, or raises
 :class:`~upsycle_router.errors.RemoteProtocolError` (the peer's fault: the router answers with an ERROR frame

@@ -102,7 +102,7 @@ def cmd_pubsub(args: argparse.Namespace) -> int:
 
 def cmd_testnet(args: argparse.Namespace) -> int:
     """Run a local testnet."""
-    from upsycle_router.runtime.testnet import main_testnet
+    from upsycle_router.tools.testnet import main_testnet
 
     if args.nodes < 1:
         print("error: --nodes must be at least 1", file=sys.stderr)

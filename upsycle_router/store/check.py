@@ -24,8 +24,9 @@ snapshot being read), begins one read transaction, walks the file from the meta 
 snapshot and checks the tables in the same transaction: one consistent state, however long it takes.
 :func:`check_file` checks a single data file (a backup) the same way, without a lock file.
 
-:func:`check_store` is the short form the crash harness (``bench/crash_harness.py``) and the store tests use:
-the damage and the problems as one list, empty when all is well.
+:func:`check_store` is the short form the store tests use: the damage and the problems as one list, empty
+when all is well. The kill -9 harness (:mod:`upsycle_router.tools.crash`) runs :func:`check_dir` after every
+kill, and reads the count of queue entries left from its report.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Kill -9 crash-safety harness for the router daemon (PROTOCOL.md §7, SYNC barrier under ``durability: fsync``).
+"""The kill -9 harness: SIGKILL the daemon under load; a message a SYNC_ACK covered under ``fsync`` must survive.
 
 What it checks
 --------------
@@ -13,8 +13,10 @@ again and kills exactly the PID it started with SIGKILL:
 2. *Cycles*: start the daemon; a sender connects and keeps sending unicast messages to random recipients and
    multicast messages to the groups (unique bodies carrying a sequence number, ``ttl`` a week), calling
    ``sync()`` every few messages; every message sent before a SYNC whose SYNC_ACK arrived is *covered*. At a
-   random moment (seeded rng) the daemon gets SIGKILL. Then the store is opened read-only with ``lmdb`` and
-   checked: it opens, and its queue indexes, reference counts and quota counters agree.
+   random moment (seeded rng) the daemon gets SIGKILL. Then the store is checked with the store's own checker
+   (:func:`upsycle_router.store.check.check_dir`, what ``upsycle-router store check`` runs): the file is
+   sound, and its queue indexes, reference counts, quota counters and message indexes agree. The harness
+   knows nothing of the record layout itself.
 3. *Checks* (every ``check_every`` cycles, and always at the end; each a daemon lifetime of its own): every
    recipient connects and reads until it has every covered message addressed to it (or a bounded timeout).
    With ``drain_kill`` the intermediate checks SIGKILL the daemon while the queues drain, and whatever was not
@@ -27,7 +29,9 @@ acknowledgement; that is outside what SYNC promises).
 Figures: cycles, messages sent, covered, delivered (covered deliveries that arrived), lost (covered and never
 delivered: must be 0), duplicates within a session (must be 0), duplicates across sessions (allowed).
 
-Run ``python -m bench.crash_harness --cycles 20`` from the repository root.
+Run ``python -m upsycle_router.tools.crash --cycles 20`` (``--slow-drain``: :func:`slow_drain_crash` instead).
+The daemons it starts run the same ``upsycle_router`` as the harness: the directory holding the package goes
+first on their ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -50,17 +54,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import lmdb
-
+import upsycle_router
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import RemoteProtocolError, UpsycleError
-from upsycle_router.store.check import check_store
+from upsycle_router.store.check import check_dir
 from upsycle_router.transport.session import FrameReceived, MessagesDecoded, Session, SessionEvent
 from upsycle_router.wire.messages import Message
 from upsycle_router.wire.session import decode_frame
 
-REPO = Path(__file__).resolve().parents[1]
+# The directory holding the ``upsycle_router`` package: first on the daemons' PYTHONPATH.
+SOURCE = Path(upsycle_router.__file__).resolve().parents[1]
 BODY_MAGIC = b"crash-harness seq="
 _SUN_PATH_MAX = 100
 
@@ -191,12 +195,12 @@ class RouterProcess:
         """Start the daemon; return the seconds until its socket accepted a connection."""
         assert self.proc is None
         env = dict(os.environ)
-        env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env["PYTHONPATH"] = str(SOURCE) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self._log = open(self.log_path(self.starts), "wb")  # noqa: SIM115 - closed in _reap()
         self.starts += 1
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.command, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, cwd=str(REPO))  # fmt: skip
+                                     stdin=subprocess.DEVNULL, env=env, cwd=str(self.data_dir.parent))  # fmt: skip
         while True:
             rc = self.proc.poll()
             if rc is not None:
@@ -266,8 +270,9 @@ def _accepts(path: Path) -> bool:
 # ----------------------------------------------------------------------------------------- the store
 
 
-# check_store (imported above, from upsycle_router.store.check) opens the store read-only after each kill and
-# checks the file and its tables: queue indexes, reference counts, quota counters, message indexes.
+# After each kill the store is checked with check_dir (upsycle_router.store.check, ``upsycle-router store
+# check``): the file, then its tables (queue indexes, reference counts, quota counters, message indexes). It
+# opens the environment read-only; the harness reads nothing of the store itself.
 
 
 # ----------------------------------------------------------------------------------------- the harness
@@ -322,7 +327,7 @@ class Harness:
     def _crash(self) -> None:
         self.router.kill()
         if self.cfg.check_store:
-            problems = check_store(self.router.data_dir / "store")
+            problems = check_dir(self.router.data_dir / "store").all_problems()
             self.report.store_checks += 1
             self.report.store_problems.extend(problems)
 
@@ -460,7 +465,7 @@ class Harness:
                 session.add(msg.id)
                 seq = _seq_of(msg.body)
                 sent = self.messages.get(seq) if seq is not None else None
-                if sent is None or key not in sent.recipients:
+                if seq is None or sent is None or key not in sent.recipients:
                     self.report.unknown_received += 1
                     continue
                 if sent.mid is not None and sent.mid != msg.id:
@@ -523,11 +528,12 @@ class SlowDrainReport:
     left_in_store: int = 0  # queue entries still in the store right after the crash
     lost: int = 0
     duplicates_within_session: int = 0
+    store_problems: list[str] = field(default_factory=list)  # what the store's checker found after the crash
     elapsed: float = 0.0
 
     @property
     def ok(self) -> bool:
-        return self.lost == 0 and self.duplicates_within_session == 0
+        return self.lost == 0 and self.duplicates_within_session == 0 and not self.store_problems
 
 
 async def _raw_handshake(sock_path: Path, identity: Identity) -> tuple[socket.socket, Session, list[bytes]]:
@@ -571,7 +577,8 @@ async def slow_drain_crash(
     reads nothing for ``stall`` seconds while the router drains its queue; the daemon gets SIGKILL; the
     recipient reads what reached its socket; the daemon restarts and the recipient reads the rest. Every
     message must arrive (at least once): the router may only drop a queue entry once its bytes reached the
-    recipient's socket, not when they were handed to its own user-space write buffer.
+    recipient's socket, not when they were handed to its own user-space write buffer. Right after the kill
+    the store's checker counts the queue entries left and must find the store sound.
     """
     rep = SlowDrainReport()
     t0 = time.monotonic()
@@ -587,9 +594,9 @@ async def slow_drain_crash(
         c = await Client.connect(router.sock, sender)
         pad = b"p" * max(0, body_size - 24)
         try:
-            for seq in range(messages):
-                await c.send(recipient.public, _body(seq, 0) + pad, ttl=3600)
-                if seq % 100 == 99:
+            for n in range(messages):
+                await c.send(recipient.public, _body(n, 0) + pad, ttl=3600)
+                if n % 100 == 99:
                     await c.sync()
             await c.sync()
         finally:
@@ -602,7 +609,9 @@ async def slow_drain_crash(
         try:
             await asyncio.sleep(stall)
             router.kill()
-            rep.left_in_store = _queue_entries(router.data_dir / "store")
+            checked = check_dir(router.data_dir / "store")
+            rep.left_in_store = checked.counts.get("queue_entries", 0)
+            rep.store_problems = checked.all_problems()
             while True:
                 try:
                     data = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 5.0)
@@ -648,15 +657,6 @@ async def slow_drain_crash(
     return rep
 
 
-def _queue_entries(store_dir: Path) -> int:
-    env = lmdb.open(str(store_dir), readonly=True, lock=False, max_dbs=16)
-    try:
-        with env.begin() as txn:
-            return int(txn.stat(env.open_db(b"queues", txn=txn, create=False))["entries"])
-    finally:
-        env.close()
-
-
 def _short_tmp() -> Path:
     return Path(tempfile.mkdtemp(prefix="ur-crash-"))
 
@@ -682,7 +682,8 @@ def run(cfg: CrashConfig) -> CrashReport:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.crash_harness", description=__doc__.split("\n\n")[0])
+    about = (__doc__ or "").split("\n\n")[0]
+    p = argparse.ArgumentParser(prog="python -m upsycle_router.tools.crash", description=about)
     p.add_argument("--cycles", type=int, default=20, help="crash cycles (default 20)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--recipients", type=int, default=3)

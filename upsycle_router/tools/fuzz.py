@@ -6,12 +6,13 @@ the frame reader fed in chunks, all decoders at once, and the session state mach
 (plus a few cheap extra checks). Each target's corpus is seeded from ``tests/vectors/wire-v1.json`` and the
 fixed messages in ``tests/messages``.
 
-Usage (from the repository root)::
+A developer's tool: the targets and their seeds are test material, so it needs a source checkout (the
+``tests`` directory beside the ``upsycle_router`` package it runs). Usage::
 
     pip install atheris
-    python -m bench.fuzz --target all --runs 1000000     # 1,000,000 inputs in total, split over the targets
-    python -m bench.fuzz --target session --runs 200000 --max-time 300
-    python -m bench.fuzz --list
+    python -m upsycle_router.tools.fuzz --target all --runs 1000000   # 1,000,000 inputs, split over the targets
+    python -m upsycle_router.tools.fuzz --target session --runs 200000 --max-time 300
+    python -m upsycle_router.tools.fuzz --list
 
 Each target runs in a subprocess of its own (libFuzzer exits the process when it is done), ``--jobs`` at a
 time. The output names, per target, the inputs executed, the new corpus entries found, and any crash (the
@@ -40,17 +41,22 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-TARGETS_FILE = REPO / "tests" / "fuzz" / "fuzz_targets.py"
+import upsycle_router
+
+# The source checkout: the directory holding the ``upsycle_router`` package (first on the children's
+# PYTHONPATH, so they fuzz the same code) and the ``tests`` directory with the targets.
+SOURCE = Path(upsycle_router.__file__).resolve().parents[1]
+TARGETS_FILE = SOURCE / "tests" / "fuzz" / "fuzz_targets.py"
 DEFAULT_RUNS = 1_000_000
 DEFAULT_MAX_LEN = 4096
 
 
 def load_targets() -> ModuleType:
     """Import ``tests/fuzz/fuzz_targets.py`` by path (``tests`` is not a package; the name may be taken)."""
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
+    if not TARGETS_FILE.is_file():
+        raise SystemExit(f"no fuzz targets at {TARGETS_FILE}: the fuzz driver runs from a source checkout")
     spec = importlib.util.spec_from_file_location("upsycle_fuzz_targets", TARGETS_FILE)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -86,9 +92,10 @@ def cbor_dictionary() -> str:
 
 
 def _child_atheris(name: str, runs: int, max_len: int, max_time: int, corpus: Path, artifacts: Path) -> None:
-    import atheris
+    atheris: Any = importlib.import_module("atheris")  # optional, and without type information
 
-    # Instrument the code under test for coverage feedback (it must be imported here for the first time).
+    # Instrument the code under test for coverage feedback (it must be imported here for the first time: this
+    # module imports nothing of upsycle_router but the package's own empty __init__).
     with atheris.instrument_imports(include=["upsycle_router", "cbor2"]):
         mod = load_targets()
     target: Callable[[bytes], None] = mod.TARGETS[name]
@@ -201,13 +208,13 @@ _UNIT = re.compile(r"(?:Test unit written to|written to) (\S+)")
 
 
 def _run_target(name: str, a: argparse.Namespace, runs: int, engine: str, workdir: Path) -> Result:
-    cmd = [sys.executable, "-m", "bench.fuzz", "--child", name, "--runs", str(runs), "--max-len", str(a.max_len),
-           "--max-time", str(a.max_time), "--engine", engine, "--seed", str(a.seed),
+    cmd = [sys.executable, "-m", "upsycle_router.tools.fuzz", "--child", name, "--runs", str(runs),
+           "--max-len", str(a.max_len), "--max-time", str(a.max_time), "--engine", engine, "--seed", str(a.seed),
            "--corpus-dir", str(workdir / "corpus" / name), "--artifacts", str(a.artifacts)]  # fmt: skip
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["PYTHONPATH"] = str(SOURCE) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.monotonic()
-    p = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, check=False)
+    p = subprocess.run(cmd, cwd=str(SOURCE), env=env, capture_output=True, text=True, check=False)
     secs = time.monotonic() - t0
     err = p.stderr + p.stdout
     m = _EXEC.findall(err) or _DONE.findall(err)
@@ -223,7 +230,8 @@ def _run_target(name: str, a: argparse.Namespace, runs: int, engine: str, workdi
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fuzz", description=__doc__.split("\n\n")[0])
+    about = (__doc__ or "").split("\n\n")[0]
+    p = argparse.ArgumentParser(prog="python -m upsycle_router.tools.fuzz", description=about)
     p.add_argument("--target", default="all", help="target names, comma-separated (see --list), or 'all' (default)")
     p.add_argument(
         "--runs",

@@ -13,6 +13,7 @@ import hashlib
 import heapq
 import itertools
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from upsycle_router.crypto import Identity, sign_advert
@@ -76,7 +77,7 @@ class SamplingSim:
         for node in self.nodes[1:]:  # each node's router connected to the bootstrap node 0
             self._apply(node, node.core.router_advert(self.nodes[0].advert, now))
 
-    def _apply(self, node: SimNode, effects: list[object]) -> None:
+    def _apply(self, node: SimNode, effects: Sequence[object]) -> None:
         for e in effects:
             if isinstance(e, SendRpc):
                 heapq.heappush(self._queue, (self.now + self.latency, next(self._seq), e.router,

@@ -2,7 +2,7 @@
 
 :class:`GroupNet` plays the routers' part for :class:`~upsycle_router.client.groups.core.GroupCore`s: a
 ``Publish`` goes into the message store (``stored``, what a PULL can return) and to every member that has
-JOINed the multicast group, unless the test holds it back (``hold``: a member that is offline or a message
+JOINed the multicast group, unless the caller holds it back (``hold``: a member that is offline or a message
 lost in transit) or shuffles it (``reorder``); a ``SendUnicast`` carrying a welcome is opened by its
 recipient the way the asyncio adapter does it; ``Fetch`` is answered from ``stored`` (only for groups the
 message was published to, as a router's PULL does). Time is virtual: :meth:`GroupNet.run` advances the
@@ -23,7 +23,7 @@ from upsycle_router.client.groups.store import GroupStore
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.wire.app import AppMessage, decode_app_message
 from upsycle_router.wire.groups import decode_welcome, decode_welcome_message
-from upsycle_router.wire.messages import Message, UnicastHeader
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 
 
 @dataclass
@@ -122,8 +122,10 @@ class GroupNet:
                 self.notes.append(e)
 
     def _publish(self, sender: Member, msg: Message) -> None:
-        assert message_signature_valid(msg), "routers accept only group-signed messages"
-        grp = msg.header.grp  # type: ignore[union-attr]
+        h = msg.header
+        if not isinstance(h, MulticastHeader) or not message_signature_valid(msg):
+            raise AssertionError("routers accept only group-signed multicast messages")
+        grp = h.grp
         self.published.append(msg)
         self.stored[msg.id] = (grp, msg)
         targets = [m for m in self.members.values() if m is not sender and grp in m.joined]
@@ -227,11 +229,14 @@ class GroupNet:
 
     def app_of(self, msg: Message) -> AppMessage:
         """The application message inside a published group message (opened with any member's keys)."""
+        h = msg.header
+        if not isinstance(h, MulticastHeader):
+            raise AssertionError(f"{msg.id.hex()} is not a group message")
         for m in self.members.values():
             if m.core is None:
                 continue
             for e in m.core.membership.epochs():
-                if e.grp == msg.header.grp:  # type: ignore[union-attr]
+                if e.grp == h.grp:
                     try:
                         return decode_app_message(decrypt(e, msg.body))
                     except DecryptError:
@@ -244,14 +249,17 @@ class GroupNet:
         gid = m.core.gid
         order = list(reversed(m.store.recent(gid, 10**6)))
         pos = {mid: i for i, mid in enumerate(order)}
-        assert len(pos) == len(order), "an id was delivered twice"
+        if len(pos) != len(order):
+            raise AssertionError("an id was delivered twice")
         for mid in order:
             d = m.store.get_delivered(gid, mid)
-            assert d is not None
+            if d is None:
+                raise AssertionError(f"{m.name} lists {mid.hex()[:8]} as recent but has no delivery record of it")
             if d.flag == ev.BASELINE:
                 continue
             for dep in self.app_of(self.stored[mid][1]).header.deps:
-                assert dep in pos and pos[dep] < pos[mid], f"{m.name} delivered {mid.hex()[:8]} before a dependency"
+                if dep not in pos or pos[dep] >= pos[mid]:
+                    raise AssertionError(f"{m.name} delivered {mid.hex()[:8]} before a dependency")
         return order
 
     def close(self) -> None:
