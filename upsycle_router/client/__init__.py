@@ -2,6 +2,8 @@
 
 ``Client.sync()`` returns a :class:`SyncResult` naming the messages the router did not take in full since the
 previous SYNC (wire v1.1 REFUSED, docs/protocol.md "Refusals"); :class:`Refusal` is one of them.
+``Client.send(..., seal=True)`` encrypts a unicast body for its recipient; ``Client.recv_opened()`` and
+``Client.open_sealed()`` give back its plaintext as an :class:`Opened` (docs/protocol.md "Sealed unicast").
 """
 
 from __future__ import annotations
@@ -14,6 +16,17 @@ from upsycle_router.client.connection import (
     SyncResult,
     describe_reason,
 )
+from upsycle_router.client.sealed import Opened, SealedError
 from upsycle_router.wire.control import Reason
 
-__all__ = ["Client", "ClientError", "MessagesRefused", "Reason", "Refusal", "SyncResult", "describe_reason"]
+__all__ = [
+    "Client",
+    "ClientError",
+    "MessagesRefused",
+    "Opened",
+    "Reason",
+    "Refusal",
+    "SealedError",
+    "SyncResult",
+    "describe_reason",
+]

@@ -34,6 +34,14 @@ most :attr:`Client.track_limit` ids (a service that never syncs stays bounded); 
 id it does not know is held for the first unanswered epoch that overflowed and filed under it, in arrival
 order, up to its SYNC_ACK's count. At most ``track_limit`` such REFUSED are held; older ones become late
 refusals (and that SYNC_ACK's count is then not checked).
+
+Sealed unicast (docs/protocol.md "Sealed unicast")
+-------------------------------------------------
+``send(..., seal=True)`` encrypts the body for its recipient (:mod:`upsycle_router.client.sealed`) before
+signing; :meth:`Client.open_sealed` and :meth:`Client.recv_opened` give the plaintext of a sealed unicast
+addressed to this app, with a flag saying it came sealed, and raise :class:`SealedError` for one that does not
+open. ``recv()`` itself returns messages as they came (the sealed envelope), so nothing that reads raw bodies
+changes.
 """
 
 from __future__ import annotations
@@ -50,6 +58,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from upsycle_router.client.sealed import Opened, open_message
+from upsycle_router.client.sealed import seal as seal_body
 from upsycle_router.client.websocket import StreamLink, UpgradeRefused
 from upsycle_router.crypto import Identity, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError, UpsycleError
@@ -76,6 +86,7 @@ from upsycle_router.wire.control import (
 )
 from upsycle_router.wire.discovery import PeerAdvertisement
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
+from upsycle_router.wire.sealed import is_sealed
 from upsycle_router.wire.session import Error, decode_frame
 
 DEFAULT_TTL = 3600
@@ -541,9 +552,29 @@ class Client:
         return sign_message(UnicastHeader(self.identity.public, dst, ttl, exp), body, self.identity, via)
 
     async def send(
-        self, dst: bytes, body: bytes, ttl: int = DEFAULT_TTL, *, exp: int | None = None, via: bytes | None = None
+        self,
+        dst: bytes,
+        body: bytes,
+        ttl: int = DEFAULT_TTL,
+        *,
+        exp: int | None = None,
+        via: bytes | None = None,
+        seal: bool = False,
+        pad: bool = True,
     ) -> bytes:
-        """Send a signed unicast to ``dst``; return its id."""
+        """Send a signed unicast to ``dst``; return its id.
+
+        ``seal=True`` encrypts ``body`` for ``dst`` (a sealed body, :mod:`upsycle_router.client.sealed`): routers
+        on the way see the headers and the (padded, unless ``pad=False``) size, not the bytes; the recipient
+        reads it with :meth:`open_sealed` or :meth:`recv_opened`. Off by default here: a body for a router or a
+        service that does not open sealed bodies must stay plain (``upsycle-router send`` seals by default).
+        A plain body that begins like a sealed one is refused (ValueError): the recipient could not tell them
+        apart.
+        """
+        if seal:
+            body = seal_body(self.identity, dst, body, pad=pad)
+        elif is_sealed(body):
+            raise ValueError('a plain body may not begin like a sealed body (an array starting with "sealed")')
         msg = self._unicast(dst, body, ttl, exp, via)
         self.send_message(msg)
         await self.drain()
@@ -656,6 +687,16 @@ class Client:
             self._incoming.put_nowait(None)
             raise ClientError(self.closed_reason or "connection closed")
         return item
+
+    def open_sealed(self, msg: Message) -> Opened:
+        """``msg`` as this app should read it: a sealed unicast to us opened (``sealed=True``), anything else as
+        it came; :class:`SealedError` (carrying the message) for a sealed body that does not open."""
+        return open_message(self.identity, msg)
+
+    async def recv_opened(self, timeout: float | None = None) -> Opened:
+        """:meth:`recv`, then :meth:`open_sealed`: the next message with its plaintext. A sealed body that does
+        not open raises :class:`SealedError` (the message is consumed; it is ``error.message``)."""
+        return self.open_sealed(await self.recv(timeout))
 
     async def recv_batch(self, timeout: float | None = None, limit: int = 4096) -> list[Message]:
         """Every incoming message that is already here (at most ``limit``), waiting for the first one; raise
