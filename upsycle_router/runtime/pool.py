@@ -5,7 +5,10 @@ send and no open connection; the messages wait in the LMDB queue meanwhile (boun
 drain when the connection opens. Addresses come from the static ``peers`` list and from verified peer
 advertisements. Static peers are dialled at start and re-dialled with backoff while unreachable, so routers
 exchange advertisements (and pub/sub services learn of each other) without waiting for traffic. A dialled
-connection unused for ``idle_timeout`` seconds is closed; the next message re-dials it.
+connection unused for ``idle_timeout`` seconds is closed; the next message re-dials it. Only application
+traffic uses a connection (:func:`~upsycle_router.transport.connection.is_application`): the adverts both
+routers re-send every ``advert_ttl / 3`` seconds, their control messages and the gossip of the pub/sub and
+discovery services do not, or no connection would ever be idle.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ class ConnectionPool:
                         max_frame=self.max_frame,
                         dialled=True,
                         write_high_water=self.write_high_water,
+                        node_services=self._node_services(),
                     ),
                     host,
                     port,
@@ -118,18 +122,26 @@ class ConnectionPool:
         finally:
             self._dialing.pop(router, None)
 
+    def _node_services(self) -> frozenset[bytes]:
+        """This node's own services (pub/sub, discovery): their messages are housekeeping, not use."""
+        cfg = self.driver.router.config
+        return frozenset(k for k in (cfg.pubsub_service, cfg.discovery_service) if k is not None)
+
     async def _maintain(self) -> None:
         backoff = 1.0
         while not self._closing:
             await asyncio.sleep(min(backoff, max(1.0, self.idle_timeout / 4)))
             now = asyncio.get_running_loop().time()
             for c in list(self.driver.conns.values()):
-                idle = now - c.last_active > self.idle_timeout
-                if c.kind == "tls" and c.dialled and c.peer not in self.static and idle:
-                    log.info("closing idle connection to %s", (c.peer or b"").hex())
-                    c.close()
+                if c.kind == "tls" and c.dialled and c.peer not in self.static:
+                    idle = c.idle_seconds(now)
+                    if idle > self.idle_timeout:
+                        log.info("closing idle connection to %s (no application traffic for %.1f s)",
+                                 (c.peer or b"").hex(), idle)
+                        c.close()
             missing = [r for r in self.static if not self.connected(r) and r not in self._dialing]
-            if self.bootstrap and not any(c.kind == "tls" and not c.closed for c in self.driver.conns.values()):
+            routers = (c for c in self.driver.conns.values() if c.kind == "tls" and not c.local and not c.closed)
+            if self.bootstrap and not any(routers):
                 missing += [r for r in self.bootstrap if r not in self._dialing and r not in missing]
             for r in missing:
                 self.dial(r)

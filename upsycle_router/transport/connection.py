@@ -10,6 +10,13 @@ payloads travel: :class:`~upsycle_router.transport.stream.StreamConnection` leng
 stream (Unix socket, TLS), :class:`~upsycle_router.transport.websocket.WebSocketConnection` sends each as one
 binary WebSocket message. Every byte handed to the transport is counted in :attr:`Connection.written`, so
 :meth:`Connection.flushed` tells the driver which queued messages have left the process.
+
+Idle time (for the pool, which closes dialled connections nobody uses) counts application traffic only: a
+dialled connection notes the first routed message in either direction after each look at it
+(:meth:`Connection.idle_seconds`) that is neither to nor from a router of the link nor this node's own
+services (:func:`is_application`), so adverts, control messages and replies, and the gossip of the pub/sub
+and discovery services do not keep it open. One flag check per frame; a message is decoded for this only
+while nothing has been noted since the last look.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from upsycle_router.transport.session import (
     SessionEvent,
 )
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME
-from upsycle_router.wire.messages import Message
+from upsycle_router.wire.messages import Message, MulticastHeader, decode_message
 
 log = logging.getLogger("upsycle_router.transport")
 _ids = itertools.count(1)
@@ -44,6 +51,13 @@ CLOSE_LINGER = 0.5  # seconds input is drained after an ERROR, before the close
 # machine) crossed it, its traffic went through the store, which costs several times a direct delivery, and
 # the router stayed behind (mc 1->10: 4 of 5 runs at a quarter of the rate; at 4 MiB none of 6).
 WRITE_HIGH_WATER = 4 * 1024 * 1024
+
+
+def is_application(msg: Message, housekeeping: frozenset[bytes]) -> bool:
+    """Whether ``msg`` is application traffic: a group message, or a unicast message neither from nor to one
+    of the ``housekeeping`` keys (the routers of the link and this node's own services)."""
+    h = msg.header
+    return isinstance(h, MulticastHeader) or (h.src not in housekeeping and h.dst not in housekeeping)
 
 
 class ConnectionHandler(Protocol):
@@ -83,6 +97,7 @@ class Connection(asyncio.Protocol):
         dialled: bool = False,
         local_capable: bool | None = None,
         write_high_water: int = WRITE_HIGH_WATER,
+        node_services: frozenset[bytes] = frozenset(),
     ) -> None:
         self.id = next(_ids)
         self.handler = handler
@@ -100,7 +115,13 @@ class Connection(asyncio.Protocol):
         self.write_paused = False
         self.opened = asyncio.get_running_loop().create_future()
         self._handshake_timeout = handshake_timeout
-        self.last_active = asyncio.get_running_loop().time()
+        # Idle bookkeeping (dialled connections only; see the module docstring): when application traffic was
+        # last seen, and whether some was since the last look. Keys whose messages are housekeeping: this
+        # router, its services and (from the handshake) the peer router.
+        self.last_used = asyncio.get_running_loop().time()
+        self._watch_use = dialled
+        self._used = not dialled  # connections not watched count as always in use: nothing is decoded for them
+        self._housekeeping = node_services | {identity.public}
         self._timer: asyncio.TimerHandle | None = None
         self.written = 0  # bytes handed to the transport so far
         self._refusal: tuple[int, str] | None = None  # an ERROR asked for before the transport existed
@@ -204,6 +225,8 @@ class Connection(asyncio.Protocol):
     def _dispatch(self, events: list[SessionEvent]) -> None:
         for ev in events:
             if isinstance(ev, MessagesDecoded):
+                if not self._used:
+                    self._note_received(ev.messages)
                 self.handler.on_messages(self, ev.messages)
             elif isinstance(ev, FrameReceived):
                 self.handler.on_frame(self, ev.payload)
@@ -215,6 +238,7 @@ class Connection(asyncio.Protocol):
                         "the certificate key does not match the router id", field="id", code=ErrorCode.AUTH_FAILED
                     )
                 self.peer = ev.peer
+                self._housekeeping = self._housekeeping | {ev.peer}
                 self.handler.on_open(self, ev.peer)
                 if not self.opened.done():
                     self.opened.set_result(ev.peer)
@@ -231,6 +255,33 @@ class Connection(asyncio.Protocol):
         t = self.transport
         return t is not None and peer_cert_key(t.get_extra_info("ssl_object")) == peer
 
+    # ---------------------------------------------------------------- idle bookkeeping
+
+    def _note_received(self, messages: list[Message]) -> None:
+        """Routed messages arrived: note whether one is application traffic."""
+        keys = self._housekeeping
+        self._used = any(is_application(m, keys) for m in messages)
+
+    def _note_sent(self, payloads: list[bytes] | tuple[bytes, ...]) -> None:
+        """Routed messages go out: note whether one is application traffic."""
+        keys = self._housekeeping
+        for p in payloads:
+            try:
+                m = decode_message(p)
+            except RemoteProtocolError:  # not a routed message (an ERROR): not application traffic
+                continue
+            if is_application(m, keys):
+                self._used = True
+                return
+
+    def idle_seconds(self, now: float) -> float:
+        """Seconds (loop time) since application traffic last used this connection; used at ``now`` if there
+        was some since the previous call (so never less than the truth, by at most the time between calls)."""
+        if self._used:
+            self.last_used = now
+            self._used = not self._watch_use
+        return now - self.last_used
+
     # ---------------------------------------------------------------- driver side
 
     def send(self, payload: bytes) -> bool:
@@ -239,7 +290,8 @@ class Connection(asyncio.Protocol):
         if self.closed or t is None or t.is_closing():
             return False
         self._write_payload(t, payload)
-        self.last_active = asyncio.get_running_loop().time()
+        if not self._used:
+            self._note_sent((payload,))
         return True
 
     def send_all(self, payloads: list[bytes], framed: list[bytes], nbytes: int) -> bool:

@@ -41,7 +41,6 @@ class StreamConnection(Connection):
         """Run the session; hand events to the driver."""
         if self.closed:
             return
-        self.last_active = asyncio.get_running_loop().time()
         self._run_session(lambda: self.session.receive_data(data))
 
     def _write_payload(self, t: asyncio.Transport, payload: bytes) -> None:
@@ -57,11 +56,19 @@ class StreamConnection(Connection):
         """Gather one frame for :meth:`write_out` (called by the driver after its batch; at the latest at the
         end of this loop iteration); False if the connection is closed."""
         n = len(payload)
-        return self._gather((_LEN.pack(n), payload), 4 + n)
+        if not self._gather((_LEN.pack(n), payload), 4 + n):
+            return False
+        if not self._used:
+            self._note_sent((payload,))
+        return True
 
     def send_all(self, payloads: list[bytes], framed: list[bytes], nbytes: int) -> bool:
         """Gather several frames at once (``framed``: their length prefixes and payloads, ``nbytes`` long)."""
-        return self._gather(framed, nbytes)
+        if not self._gather(framed, nbytes):
+            return False
+        if not self._used:
+            self._note_sent(payloads)
+        return True
 
     def _gather(self, parts: tuple[bytes, ...] | list[bytes], nbytes: int) -> bool:
         t = self.transport
@@ -85,7 +92,6 @@ class StreamConnection(Connection):
         t = self.transport
         if t is not None and not t.is_closing():
             t.writelines(out)
-            self.last_active = self._loop.time()
 
     def buffered(self) -> int:
         """Bytes written but not yet sent by the transport (gathered ones included)."""

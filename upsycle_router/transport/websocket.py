@@ -169,7 +169,6 @@ class WebSocketConnection(Connection):
         """Feed wsproto; handle the upgrade, binary messages, pings and the close."""
         if self.closed:
             return
-        self.last_active = asyncio.get_running_loop().time()
         try:
             self.ws.receive_data(data)
             for ev in self.ws.events():
