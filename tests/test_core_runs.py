@@ -40,6 +40,7 @@ from upsycle_router.crypto import message_signature_valid
 from upsycle_router.durability import Durability
 from upsycle_router.expiry import exp_in
 from upsycle_router.store.lmdb_store import LmdbStore
+from upsycle_router.store.memory import MemoryStore
 from upsycle_router.wire.control import Join, Leave
 from upsycle_router.wire.messages import Message
 
@@ -51,15 +52,19 @@ GROUPS = [ident(f"group{i}") for i in range(3)]
 
 
 class Twin:
-    """Two routers with the same identity and config over two stores: ``runs`` on and off."""
+    """Two routers with the same identity and config over two stores: ``runs`` on and off - or, with
+    ``memory``, both with runs, the second over the store in memory (store/memory.py) instead of LMDB."""
 
-    def __init__(self, path: Path, config: CoreConfig, map_size: int, index_batch: int) -> None:
-        self.stores = [
-            LmdbStore(path / name, Durability.NONE, map_size=map_size, index_batch=index_batch)
-            for name in ("runs", "single")
-        ]
+    def __init__(
+        self, path: Path, config: CoreConfig, map_size: int, index_batch: int, *, memory: bool = False
+    ) -> None:
+        second: LmdbStore | MemoryStore = (
+            MemoryStore(map_size) if memory
+            else LmdbStore(path / "single", Durability.NONE, map_size=map_size, index_batch=index_batch)
+        )
+        self.stores = [LmdbStore(path / "runs", Durability.NONE, map_size=map_size, index_batch=index_batch), second]
         self.routers = [Router(X, store, config) for store in self.stores]
-        self.routers[1].runs = False
+        self.routers[1].runs = memory
         self.now = T0
         self.log: list[Effect] = []
         self.appends: list[int] = []  # messages per put_new_messages call of the router with runs
@@ -127,7 +132,9 @@ def _verified(msgs: list[Message]) -> bytes:
     return bytes(1 if message_signature_valid(m) else 0 for m in msgs)
 
 
-def run_scenario(tmp_path: Path, seed: int, *, map_size: int = 1 << 24, body: int = 64, steps: int = 60) -> Twin:
+def run_scenario(
+    tmp_path: Path, seed: int, *, map_size: int = 1 << 24, body: int = 64, steps: int = 60, memory: bool = False
+) -> Twin:
     rng = random.Random(seed)
     config = CoreConfig(
         trace=rng.random() < 0.5,
@@ -137,7 +144,7 @@ def run_scenario(tmp_path: Path, seed: int, *, map_size: int = 1 << 24, body: in
         queue_max_count=rng.choice([5, 100_000]),
         flush_batch=rng.choice([1, 3, 512]),  # a short queue window: subscribers stay behind (backlog)
     )
-    t = Twin(tmp_path, config, map_size, rng.choice([3, 16, 4096]))
+    t = Twin(tmp_path, config, map_size, rng.choice([3, 16, 4096]), memory=memory)
     conns: dict[int, bytes] = {}  # open connection -> app
     next_conn = 1
     sent: list[Message] = []
