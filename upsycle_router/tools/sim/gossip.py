@@ -14,8 +14,18 @@ PULL answers) and a :class:`GossipCore`. Effects travel with a random latency dr
 
 ``drop(kind, src, dst, payload)`` (kind ``"data"`` for forwards, ``"pull_reply"`` for a PULL's answer,
 ``"rpc"`` or ``"pull"``) may discard a transmission; ``forwards`` and ``rpcs`` log every one sent.
+
+Overlays: ``connect_all`` lets every pub/sub service know every other (a dense overlay); ``connect_random``
+gives each a few random peers around a ring (a sparse one, still connected); ``connect`` takes explicit pairs.
+Peer knowledge is always symmetric, as peer advertisements are. ``remove`` takes a node down mid-run: it stops
+(its timers never fire, whatever is on its way to it is lost) and the others learn it is gone a little later.
+
 Timers: the loop always runs the earliest of the next queued arrival and the earliest core deadline, so every
-``handle_timer`` call happens exactly at ``next_deadline()``.
+``handle_timer`` call happens exactly at ``next_deadline()``; on a tie the timer goes first, and among equal
+deadlines the node with the lowest index. Deadlines sit in a heap keyed ``(deadline, index)``: a core's
+deadline can only change when it is given an input, and every input goes through :meth:`Sim.apply`, which
+pushes the new deadline; entries that no longer match a node's current deadline are skipped when they reach
+the top. So an event costs O(log N), not a scan of N cores, and the order is exactly that of a scan.
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import itertools
 import math
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from upsycle_router.crypto import Identity, sign_message
@@ -68,6 +78,7 @@ class SimNode:
     ps_received: Counter[bytes] = field(default_factory=Counter)
     traces: list[Trace] = field(default_factory=list)
     pulls: list[Pull] = field(default_factory=list)
+    alive: bool = True
 
     @property
     def peer(self) -> Peer:
@@ -96,6 +107,8 @@ class Sim:
         self.drop: DropFn | None = None
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
+        self._timers: list[tuple[float, int]] = []  # (deadline, node index); stale entries skipped
+        self._deadline: list[float | None] = []
         self.nodes: list[SimNode] = []
         # (time, sender router, receiver router, message id) for every data transmission, including drops.
         self.forwards: list[tuple[float, bytes, bytes, bytes]] = []
@@ -115,6 +128,8 @@ class Sim:
                 default_policy=default_policy,
             )
             self.nodes.append(SimNode(i, router, service, core))
+            self._deadline.append(None)
+            self._refresh(self.nodes[-1])
         self.by_router = {node.router: node for node in self.nodes}
 
     # ------------------------------------------------------------------ scheduling
@@ -126,20 +141,37 @@ class Sim:
         lo, hi = self.latency
         return lo + (hi - lo) * self.rng.random()
 
+    def _refresh(self, node: SimNode) -> None:
+        """Note ``node``'s current deadline (after any input to its core)."""
+        d = node.core.next_deadline() if node.alive else None
+        if d != self._deadline[node.index]:
+            self._deadline[node.index] = d
+            if d is not None:
+                heapq.heappush(self._timers, (d, node.index))
+
+    def _next_timer(self) -> tuple[float, SimNode | None]:
+        timers = self._timers
+        while timers:
+            d, index = timers[0]
+            if self._deadline[index] == d:
+                return d, self.nodes[index]
+            heapq.heappop(timers)
+        return math.inf, None
+
     def run_until(self, until: float) -> None:
         """Process arrivals and timers in time order up to and including ``until``."""
+        for node in self.nodes:  # a caller may have given a core an input directly
+            self._refresh(node)
         while True:
             t_event = self._queue[0][0] if self._queue else math.inf
-            t_timer, timer_node = math.inf, None
-            for node in self.nodes:
-                d = node.core.next_deadline()
-                if d is not None and d < t_timer:
-                    t_timer, timer_node = d, node
+            t_timer, timer_node = self._next_timer()
             t = min(t_event, t_timer)
             if t > until:
                 break
             self.now = t
             if timer_node is not None and t_timer <= t_event:
+                heapq.heappop(self._timers)
+                self._deadline[timer_node.index] = None
                 self.apply(timer_node, timer_node.core.handle_timer(t))
             else:
                 _, _, fn = heapq.heappop(self._queue)
@@ -153,7 +185,8 @@ class Sim:
     # ------------------------------------------------------------------ effects
 
     def apply(self, node: SimNode, effects: list[Effect]) -> None:
-        """Carry out ``node``'s effects."""
+        """Carry out ``node``'s effects (the output of an input just given to its core)."""
+        self._refresh(node)
         for e in effects:
             if isinstance(e, SendRpc):
                 self._send_rpc(node, e)
@@ -181,7 +214,8 @@ class Sim:
             return
 
         def arrive() -> None:
-            self.apply(dst, dst.core.rpc_received(node.router, decode_rpc(data), self.now))
+            if dst.alive:
+                self.apply(dst, dst.core.rpc_received(node.router, decode_rpc(data), self.now))
 
         self._at(self.now + self._delay(), arrive)
 
@@ -197,18 +231,24 @@ class Sim:
             return
 
         def at_target() -> None:
+            if not target.alive:
+                return
             msg = target.store.get(e.id)
             if msg is not None and isinstance(msg.header, MulticastHeader) and msg.header.grp == e.group:
                 self._send_data(target, node, msg, "pull_reply")
             else:
                 back = self.now + self._delay()
-                self._at(back, lambda: self.apply(node, node.core.pull_failed(e.id, self.now)))
+                self._at(back, lambda: self._pull_failed(node, e.id))
 
         self._at(self.now + self._delay(), at_target)
 
+    def _pull_failed(self, node: SimNode, msg_id: bytes) -> None:
+        if node.alive:
+            self.apply(node, node.core.pull_failed(msg_id, self.now))
+
     def _router_receive(self, node: SimNode, msg: Message, via: bytes) -> None:
         assert isinstance(msg.header, MulticastHeader)
-        if msg.header.grp not in node.router_groups:
+        if not node.alive or msg.header.grp not in node.router_groups:
             return
         if self.router_dedup and msg.id in node.router_seen:
             return
@@ -222,11 +262,53 @@ class Sim:
     # ------------------------------------------------------------------ scenario helpers
 
     def connect_all(self) -> None:
-        """Every node learns every other node's pub/sub service (as from peer advertisements)."""
+        """Every node learns every other node's pub/sub service (as from peer advertisements): a dense overlay."""
         for node in self.nodes:
             for other in self.nodes:
                 if other is not node:
                     self.apply(node, node.core.peer_added(other.peer, self.now))
+
+    def connect(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """Nodes ``a`` and ``b`` of every pair learn each other's pub/sub service."""
+        for a, b in sorted({(min(a, b), max(a, b)) for a, b in pairs if a != b}):
+            na, nb = self.nodes[a], self.nodes[b]
+            self.apply(na, na.core.peer_added(nb.peer, self.now))
+            self.apply(nb, nb.core.peer_added(na.peer, self.now))
+
+    def connect_random(self, degree: int) -> set[tuple[int, int]]:
+        """A sparse overlay: a ring through all nodes in random order, then random links until every node knows
+        at least ``degree`` others. Returns the links (pairs of indexes, smaller first)."""
+        n = len(self.nodes)
+        order = list(range(n))
+        self.rng.shuffle(order)
+        links = {(min(a, b), max(a, b)) for a, b in zip(order, order[1:] + order[:1], strict=True) if a != b}
+        known: list[set[int]] = [set() for _ in range(n)]
+        for a, b in links:
+            known[a].add(b)
+            known[b].add(a)
+        for a in range(n):
+            while len(known[a]) < min(degree, n - 1):
+                b = self.rng.randrange(n)
+                if b != a and b not in known[a]:
+                    known[a].add(b)
+                    known[b].add(a)
+                    links.add((min(a, b), max(a, b)))
+        self.connect(links)
+        return links
+
+    def remove(self, index: int, notice_after: float = 1.0) -> None:
+        """Node ``index`` goes down now: it stops, and what is on its way to it is lost; after ``notice_after``
+        seconds every other node that is up learns it is gone (``peer_removed``, as from discovery)."""
+        node = self.nodes[index]
+        node.alive = False
+        self._refresh(node)
+
+        def noticed() -> None:
+            for other in self.nodes:
+                if other.alive:
+                    self.apply(other, other.core.peer_removed(node.router, self.now))
+
+        self._at(self.now + notice_after, noticed)
 
     def join(self, index: int, group: bytes) -> None:
         """The router of node ``index`` sends its PS SUB ``group``."""
@@ -241,6 +323,7 @@ class Sim:
     def publish(self, index: int, msg: Message) -> None:
         """A local app of node ``index`` publishes ``msg``: via the router when PS joined, else through PS."""
         node = self.nodes[index]
+        assert node.alive, "a node that is down publishes nothing"
         assert isinstance(msg.header, MulticastHeader)
         if msg.header.grp in node.router_groups:
             node.router_seen.add(msg.id)
@@ -253,5 +336,5 @@ class Sim:
             self.apply(node, node.core.publish(msg, self.now))
 
     def mesh_sizes(self, group: bytes) -> list[int]:
-        """The mesh degree of every node that joined ``group``."""
-        return [len(n.core.mesh_peers(group)) for n in self.nodes if group in n.core.joined]
+        """The mesh degree of every node that is up and joined ``group``."""
+        return [len(n.core.mesh_peers(group)) for n in self.nodes if n.alive and group in n.core.joined]
