@@ -519,9 +519,9 @@ def test_cli_send_and_publish_exit_1_naming_the_reason(router: FakeRouter, capsy
     router.refuse[b"queue me"] = (Reason.QUOTA, 0)
     router.refuse[b"everyone"] = (Reason.STORE_FULL, 3)
     dst = Identity.generate().public.hex()
-    rc, out, err = _cli(router, capsys, "send", dst, "fine")
+    rc, out, err = _cli(router, capsys, "send", "--plain", dst, "fine")
     assert (rc, err) == (0, "") and len(out.strip()) == 64
-    rc, out, err = _cli(router, capsys, "send", dst, "queue me")
+    rc, out, err = _cli(router, capsys, "send", "--plain", dst, "queue me")  # (the router refuses by body)
     assert rc == 1 and len(out.strip()) == 64
     assert err.strip() == "refused: quota (the recipient's queue is full)"
     gk = router.dir / "group.key"

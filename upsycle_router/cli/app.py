@@ -5,6 +5,12 @@ Each connects to the router's Unix socket with an app key (``--key``, default
 ``$XDG_CONFIG_HOME/upsycle-router/client.key``, created on first use; the options, the connection and the
 exit codes are :mod:`upsycle_router.cli.common`'s), does one thing and exits. ``listen``
 prints one JSON object per incoming message and runs until ``--count`` messages or ``--timeout`` seconds.
+
+``send`` seals the body for its recipient by default (docs/protocol.md "Sealed unicast": routers on the way
+see headers and a padded size, not the bytes); ``--plain`` sends it readable, ``--no-pad`` sealed without
+padding. ``listen`` opens sealed unicast addressed to its key and prints the plaintext with ``"sealed": true``;
+a sealed body that does not open is printed with ``"error"`` and no body, said on stderr, and makes
+``listen`` exit 1 when it ends (it keeps listening: one bad message from a stranger does not stop it).
 ``send`` and ``publish`` wait for the SYNC_ACK after the message: when the router did not take it in full
 (REFUSED, wire v1.1) they still print its id, name the reason on stderr (``refused: quota (the recipient's
 queue is full)``) and exit 1. ``status`` sends STATUS (type 11 since wire v1.1).
@@ -19,18 +25,21 @@ import sys
 from typing import Any
 
 from upsycle_router.cli.common import app_options, read_body, run_app
-from upsycle_router.client import Client, SyncResult
+from upsycle_router.client import Client, Opened, SealedError, SyncResult
 from upsycle_router.config import parse_key
 from upsycle_router.crypto import load_key_file
 from upsycle_router.errors import KeyFileError, UpsycleError
 from upsycle_router.wire.messages import Message, MulticastHeader
 
 
-def message_summary(m: Message) -> dict[str, Any]:
-    """One incoming message as the JSON object ``listen`` prints."""
+def message_summary(m: Message, opened: Opened | None = None, error: str | None = None) -> dict[str, Any]:
+    """One incoming message as the JSON object ``listen`` prints: ``body`` (UTF-8 text, else null) and
+    ``body_hex`` are the plaintext of a sealed unicast that ``opened`` holds; ``sealed`` says whether it came
+    sealed; with ``error`` (a sealed body that did not open) both are null."""
     h = m.header
+    body = opened.body if opened is not None else m.body
     try:
-        text: str | None = m.body.decode("utf-8")
+        text: str | None = body.decode("utf-8")
     except UnicodeDecodeError:
         text = None
     out: dict[str, Any] = {"type": "multicast" if m.is_multicast else "unicast", "id": m.id.hex()}
@@ -39,7 +48,11 @@ def message_summary(m: Message) -> dict[str, Any]:
     else:
         out["src"] = h.src.hex()
         out["dst"] = h.dst.hex()
-    out.update({"via": m.via.hex() if m.via else None, "body": text, "body_hex": m.body.hex()})
+    out["via"] = m.via.hex() if m.via else None
+    if error is not None:
+        out.update({"sealed": True, "error": error, "body": None, "body_hex": None})
+    else:
+        out.update({"sealed": opened is not None and opened.sealed, "body": text, "body_hex": body.hex()})
     return out
 
 
@@ -54,10 +67,11 @@ def _report(mid: bytes, result: SyncResult) -> int:
 
 
 def cmd_send(args: argparse.Namespace) -> int:
-    """Send one unicast message; exit 1 when the router refused it."""
+    """Send one unicast message, sealed for its recipient unless ``--plain``; exit 1 when the router refused it."""
 
     async def go(c: Client) -> int:
-        mid = await c.send(parse_key(args.dst, "dst"), read_body(args), args.ttl)
+        dst = parse_key(args.dst, "dst")
+        mid = await c.send(dst, read_body(args), args.ttl, seal=not args.plain, pad=not args.no_pad)
         return _report(mid, await c.sync())
 
     return run_app(args, go)
@@ -115,14 +129,14 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_listen(args: argparse.Namespace) -> int:
-    """Print incoming messages as JSON lines."""
+    """Print incoming messages as JSON lines, sealed ones opened; exit 1 if a sealed one did not open."""
 
     async def go(c: Client) -> int:
         for g in args.join or []:
             if not await c.join(parse_key(g, "group"), local=not args.non_local):
                 print(f"error: JOIN {g} refused", file=sys.stderr)
                 return 1
-        n = 0
+        n = failed = 0
         loop = asyncio.get_running_loop()
         deadline = None if args.timeout is None else loop.time() + args.timeout
         while args.count is None or n < args.count:
@@ -131,9 +145,15 @@ def cmd_listen(args: argparse.Namespace) -> int:
                 m = await c.recv(timeout=left)
             except TimeoutError:
                 break
-            print(json.dumps(message_summary(m)), flush=True)
+            try:
+                line = message_summary(m, c.open_sealed(m))
+            except SealedError as e:
+                failed += 1
+                line = message_summary(m, error=str(e))
+                print(f"error: {e}", file=sys.stderr, flush=True)
+            print(json.dumps(line), flush=True)
             n += 1
-        return 0
+        return 1 if failed else 0
 
     try:
         return run_app(args, go)
@@ -166,6 +186,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("body", nargs="?", default="-", help="message body, or - for stdin (default)")
     p.add_argument("--hex", action="store_true", help="the body is hex")
     p.add_argument("--ttl", type=int, default=3600, help="seconds the router may queue it (default 3600)")
+    p.add_argument("--plain", action="store_true", help="send the body readable (default: sealed for dst)")
+    p.add_argument("--no-pad", action="store_true", help="seal without padding (the exact size shows)")
     p.set_defaults(func=cmd_send)
 
     for name, fn, helptext in (("join", cmd_join, "join a group"), ("leave", cmd_leave, "leave a group")):
