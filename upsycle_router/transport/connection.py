@@ -124,6 +124,11 @@ class Connection(asyncio.Protocol):
         self._housekeeping = node_services | {identity.public}
         self._timer: asyncio.TimerHandle | None = None
         self.written = 0  # bytes handed to the transport so far
+        # Traffic, for the status view (``upsycle-router status``): bytes read, routed messages and frames
+        # taken in and sent after the handshake.
+        self.bytes_in = 0
+        self.messages_in = 0
+        self.messages_out = 0
         self._refusal: tuple[int, str] | None = None  # an ERROR asked for before the transport existed
         # (end offset in ``written``, queue ref) of queued messages not yet out of the transport's buffer
         self._unflushed: collections.deque[tuple[int, tuple[bytes, int]]] = collections.deque()
@@ -225,10 +230,12 @@ class Connection(asyncio.Protocol):
     def _dispatch(self, events: list[SessionEvent]) -> None:
         for ev in events:
             if isinstance(ev, MessagesDecoded):
+                self.messages_in += len(ev.messages)
                 if not self._used:
                     self._note_received(ev.messages)
                 self.handler.on_messages(self, ev.messages)
             elif isinstance(ev, FrameReceived):
+                self.messages_in += 1
                 self.handler.on_frame(self, ev.payload)
             elif isinstance(ev, HandshakeComplete):
                 if self._timer is not None:
@@ -290,6 +297,7 @@ class Connection(asyncio.Protocol):
         if self.closed or t is None or t.is_closing():
             return False
         self._write_payload(t, payload)
+        self.messages_out += 1
         if not self._used:
             self._note_sent((payload,))
         return True

@@ -41,6 +41,7 @@ class StreamConnection(Connection):
         """Run the session; hand events to the driver."""
         if self.closed:
             return
+        self.bytes_in += len(data)
         self._run_session(lambda: self.session.receive_data(data))
 
     def _write_payload(self, t: asyncio.Transport, payload: bytes) -> None:
@@ -58,6 +59,7 @@ class StreamConnection(Connection):
         n = len(payload)
         if not self._gather((_LEN.pack(n), payload), 4 + n):
             return False
+        self.messages_out += 1
         if not self._used:
             self._note_sent((payload,))
         return True
@@ -66,6 +68,7 @@ class StreamConnection(Connection):
         """Gather several frames at once (``framed``: their length prefixes and payloads, ``nbytes`` long)."""
         if not self._gather(framed, nbytes):
             return False
+        self.messages_out += len(payloads)
         if not self._used:
             self._note_sent(payloads)
         return True

@@ -169,6 +169,7 @@ class WebSocketConnection(Connection):
         """Feed wsproto; handle the upgrade, binary messages, pings and the close."""
         if self.closed:
             return
+        self.bytes_in += len(data)
         try:
             self.ws.receive_data(data)
             for ev in self.ws.events():
