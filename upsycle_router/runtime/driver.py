@@ -119,9 +119,17 @@ class Driver:
     # ------------------------------------------------------------ ConnectionHandler
 
     def on_open(self, conn: Connection, peer: bytes) -> None:
-        """A session completed its handshake: decide local or remote, tell the core."""
+        """A session completed its handshake: decide local or remote, tell the core.
+
+        On the Unix socket (and a WebSocket listener configured so) every peer is local unless
+        ``local_services`` lists the allowed keys. A key listed there is local on any transport it connects
+        over (TLS, WebSocket): a service hosted on another machine. Without the list, network peers stay
+        remote; a connection this router dialled is always to a router, never local."""
+        services = self.local_services
         if conn.local_capable:
-            conn.local = self.local_services is None or peer in self.local_services
+            conn.local = services is None or peer in services
+        elif services is not None and not conn.dialled:
+            conn.local = peer in services
         self.conns[conn.id] = conn
         if self._reading_paused:
             conn.pause_reading()
