@@ -3,12 +3,14 @@
 The core asks for a router with a :class:`~upsycle_router.core.events.Dial` effect when it has something to
 send and no open connection; the messages wait in the LMDB queue meanwhile (bounded by their ttl/exp) and
 drain when the connection opens. Addresses come from the static ``peers`` list and from verified peer
-advertisements. Static peers are dialled at start and re-dialled with backoff while unreachable, so routers
-exchange advertisements (and pub/sub services learn of each other) without waiting for traffic. A dialled
-connection unused for ``idle_timeout`` seconds is closed; the next message re-dials it. Only application
-traffic uses a connection (:func:`~upsycle_router.transport.connection.is_application`): the adverts both
-routers re-send every ``advert_ttl / 3`` seconds, their control messages and the gossip of the pub/sub and
-discovery services do not, or no connection would ever be idle.
+advertisements; an advertised address on a transport this router does not implement (only TLS over TCP is;
+an advert may also name UDP) is not recorded, so it is never dialled as TLS. Static peers are dialled at
+start and re-dialled with backoff while unreachable, so routers exchange advertisements (and pub/sub
+services learn of each other) without waiting for traffic. A dialled connection unused for ``idle_timeout``
+seconds is closed; the next message re-dials it. Only application traffic uses a connection
+(:func:`~upsycle_router.transport.connection.is_application`): the adverts both routers re-send every
+``advert_ttl / 3`` seconds, their control messages and the gossip of the pub/sub and discovery services do
+not, or no connection would ever be idle.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from upsycle_router.crypto import Identity
 from upsycle_router.runtime.driver import Driver
 from upsycle_router.transport.connection import WRITE_HIGH_WATER
 from upsycle_router.transport.stream import StreamConnection
+from upsycle_router.wire.discovery import TCP
 
 log = logging.getLogger("upsycle_router.pool")
 
@@ -54,6 +57,7 @@ class ConnectionPool:
         self._dialing: dict[bytes, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        driver.stats.setdefault("adverts_transport_skipped_total", 0)
 
     def add_static(self, router: bytes, host: str, port: int) -> None:
         """A configured peer: remember it and keep it connected."""
@@ -72,10 +76,17 @@ class ConnectionPool:
         t = asyncio.get_running_loop().create_task(self._maintain())
         self._tasks.add(t)
 
-    def learn(self, router: bytes, host: str, port: int) -> None:
-        """Record an advertised address (port 0: not dialable)."""
-        if port and router != self.identity.public and router not in self.static:
-            self.addrs[router] = (host, port)
+    def learn(self, router: bytes, host: str, port: int, transport: int = TCP) -> None:
+        """Record an advertised address (port 0: not dialable). Only TLS over TCP is implemented: an address
+        on another ``transport`` (the advert's ``proto``, e.g. UDP) is skipped and counted."""
+        if not port or router == self.identity.public or router in self.static:
+            return
+        if transport != TCP:
+            self.driver.stats["adverts_transport_skipped_total"] += 1
+            log.debug("not dialling router=%s at %s:%d: transport %d is not implemented (TLS over TCP only)",
+                      router.hex(), host, port, transport)
+            return
+        self.addrs[router] = (host, port)
 
     def connected(self, router: bytes) -> bool:
         """Whether some open connection authenticates ``router``."""
