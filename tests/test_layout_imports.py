@@ -203,3 +203,34 @@ def test_python_dash_m_runs_the_cli(module: str) -> None:
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("upsycle-router ")
+
+
+SPARK_FREE_ANALYTICS = ("upsycle_router.analytics", "upsycle_router.analytics.session")
+"""The analytics modules the CLI may load without the ``analytics`` extra; the others import PySpark."""
+
+
+def test_the_daemon_client_and_cli_load_no_analytics_dependency() -> None:
+    """Every module outside the Spark half of the analytics package, then ``upsycle-router --help``, in a fresh
+    interpreter: numpy, matplotlib, PySpark and py4j stay unloaded (a plain ``pip install .`` has none)."""
+    names = sorted(
+        name
+        for name in package_modules()
+        if not name.endswith("__main__")
+        and (not name.startswith("upsycle_router.analytics") or name in SPARK_FREE_ANALYTICS)
+    )
+    assert "upsycle_router.runtime.daemon" in names and "upsycle_router.client" in names
+    heavy = ["numpy", "matplotlib", "pyspark", "py4j"]
+    script = (
+        "import contextlib, importlib, io, json, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "from upsycle_router.cli import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+        "    main(['--help'])\n"
+        "assert 'analyze' in out.getvalue(), out.getvalue()\n"
+        f"print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []

@@ -1,13 +1,17 @@
 """``upsycle-router analyze`` and ``compact``: the fleet analytics jobs over trace journals.
 
 Both start a Spark session (embedded ``local[*]`` unless ``--master`` says otherwise), print stage lines on
-stderr and exit 0 on success, 1 when the Spark job fails and 2 for unusable input or a missing Java. PySpark
-is imported only when one of these commands runs, so registering them costs the other commands nothing.
+stderr and exit 0 on success, 1 when the Spark job fails and 2 for unusable input, a missing Java or a
+missing ``analytics`` extra. PySpark is imported only when one of these commands runs, so registering them
+costs the other commands nothing, and a plain ``pip install .`` (no PySpark, no matplotlib) still has a
+working CLI: these two commands then say in one line how to get what they need (:func:`missing_extra`,
+checked with ``importlib.util.find_spec`` before anything is imported).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +25,20 @@ def _conf(items: list[str]) -> dict[str, str]:
             raise argparse.ArgumentTypeError(f"--conf {item}: expected KEY=VALUE")
         conf[key.strip()] = value
     return conf
+
+
+NEEDS = {"analyze": ("pyspark", "matplotlib"), "compact": ("pyspark",)}
+"""The modules of the ``analytics`` extra each command imports."""
+
+EXTRA_HINT = "pip install 'upsycle-router[analytics]' (from a source tree: pip install '.[analytics]')"
+
+
+def missing_extra(app: str) -> str | None:
+    """The one-line error when a module ``app`` needs is not installed, else None."""
+    missing = [m for m in NEEDS[app] if importlib.util.find_spec(m) is None]
+    if not missing:
+        return None
+    return f"error: {app} needs the analytics extra ({', '.join(missing)} not installed): {EXTRA_HINT}"
 
 
 def _spark_options(args: argparse.Namespace, app: str) -> Any:
@@ -37,6 +55,10 @@ def _spark_options(args: argparse.Namespace, app: str) -> Any:
 
 
 def _run(args: argparse.Namespace, app: str) -> int:
+    hint = missing_extra(app)
+    if hint is not None:
+        print(hint, file=sys.stderr)
+        return 2
     try:
         options = _spark_options(args, app)
     except argparse.ArgumentTypeError as e:
