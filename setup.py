@@ -1,11 +1,19 @@
-"""Build hook for the optional C accelerator (everything else is in pyproject.toml).
+"""Build hook for the optional C accelerators (everything else is in pyproject.toml).
 
-``upsycle_router._accel`` is built where a C compiler and the Python headers exist; ``optional=True`` lets
-the install go on without it elsewhere, and the package then runs its Python implementations
-(upsycle_router/accel.py says which one is in use).
+Each layer's hot path has its own extension module, next to the Python code that uses it (and its ``.pyi``
+stub, its Python twin in that layer's ``accel.py``; ``upsycle_router/cext.py`` lists them):
 
-It includes the official C implementation of BLAKE3 (``vendor/blake3``): on x86-64 Unix with its assembly
-(SSE2 to AVX-512, picked at run time), on AArch64 with NEON, elsewhere the portable code.
+``upsycle_router.wire._codec``      frames decoded, message ids hashed (with the vendored BLAKE3)
+``upsycle_router.runtime._verify``  signatures verified in batches
+``upsycle_router.store._records``   the store's records of new messages; bulk index writes sorted
+``upsycle_router.store._idindex``   the store's id index in memory
+
+They are built where a C compiler and the Python headers exist; ``optional=True`` lets the install go on
+without one elsewhere, and the package then runs the Python twin of what is missing (``upsycle_router.accel``
+says which implementation runs).
+
+``_codec`` includes the official C implementation of BLAKE3 (``vendor/blake3``): on x86-64 Unix with its
+assembly (SSE2 to AVX-512, picked at run time), on AArch64 with NEON, elsewhere the portable code.
 """
 
 import platform
@@ -17,30 +25,41 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 B3 = "vendor/blake3/"
-sources = ["upsycle_router/_accel.c", B3 + "blake3.c", B3 + "blake3_dispatch.c", B3 + "blake3_portable.c"]
-macros: list[tuple[str, str | None]] = []
+blake3_sources = [B3 + "blake3.c", B3 + "blake3_dispatch.c", B3 + "blake3_portable.c"]
+blake3_macros: list[tuple[str, str | None]] = []
 # The machine the interpreter was built for: a 64-bit kernel may run a 32-bit userland (pointer size 4).
 machine = platform.machine().lower() if struct.calcsize("P") == 8 else ""
 if machine in ("x86_64", "amd64") and sys.platform != "win32":
-    sources += [B3 + f"blake3_{isa}_x86-64_unix.S" for isa in ("sse2", "sse41", "avx2", "avx512")]
+    blake3_sources += [B3 + f"blake3_{isa}_x86-64_unix.S" for isa in ("sse2", "sse41", "avx2", "avx512")]
 elif machine in ("aarch64", "arm64"):
-    sources.append(B3 + "blake3_neon.c")
+    blake3_sources.append(B3 + "blake3_neon.c")
 else:
-    macros += [("BLAKE3_USE_NEON", "0")] + [(f"BLAKE3_NO_{isa}", None) for isa in ("SSE2", "SSE41", "AVX2", "AVX512")]
+    blake3_macros += [("BLAKE3_USE_NEON", "0")] + [
+        (f"BLAKE3_NO_{isa}", None) for isa in ("SSE2", "SSE41", "AVX2", "AVX512")
+    ]
+
+WIRE, RUNTIME, STORE = "upsycle_router/wire/", "upsycle_router/runtime/", "upsycle_router/store/"
+
+
+def accelerator(name: str, sources: list[str], include_dirs: list[str], depends: list[str],
+                macros: list[tuple[str, str | None]] | None = None) -> Extension:
+    return Extension(name, sources, include_dirs=include_dirs, define_macros=macros or [], depends=depends,
+                     optional=True, extra_compile_args=["-O2"])
 
 
 class BuildExt(build_ext):
     """build_ext that also assembles ``.S`` files (the C compiler driver preprocesses and assembles them) and,
-    on Linux, exports nothing but the module's init function: the BLAKE3 functions stay private."""
+    on Linux, exports nothing but each module's init function: the BLAKE3 functions stay private."""
 
     def build_extensions(self) -> None:
         if ".S" not in self.compiler.src_extensions:
             self.compiler.src_extensions.append(".S")
         if sys.platform.startswith("linux"):
-            script = Path(self.build_temp) / "exports.map"
-            script.parent.mkdir(parents=True, exist_ok=True)
-            script.write_text("{\n  global: PyInit__accel;\n  local: *;\n};\n")
             for ext in self.extensions:
+                short = ext.name.rsplit(".", 1)[-1]
+                script = Path(self.build_temp) / f"exports-{ext.name}.map"
+                script.parent.mkdir(parents=True, exist_ok=True)
+                script.write_text(f"{{\n  global: PyInit_{short};\n  local: *;\n}};\n")
                 ext.extra_link_args = [*(ext.extra_link_args or []), f"-Wl,--version-script={script}"]
         super().build_extensions()
 
@@ -48,14 +67,10 @@ class BuildExt(build_ext):
 setup(
     cmdclass={"build_ext": BuildExt},
     ext_modules=[
-        Extension(
-            "upsycle_router._accel",
-            sources,
-            include_dirs=[B3],
-            define_macros=macros,
-            depends=[B3 + "blake3.h", B3 + "blake3_impl.h"],
-            optional=True,
-            extra_compile_args=["-O2"],
-        )
+        accelerator("upsycle_router.wire._codec", [WIRE + "_codec.c", *blake3_sources], [WIRE, B3],
+                    [WIRE + "_message.h", B3 + "blake3.h", B3 + "blake3_impl.h"], blake3_macros),
+        accelerator("upsycle_router.runtime._verify", [RUNTIME + "_verify.c"], [WIRE], [WIRE + "_message.h"]),
+        accelerator("upsycle_router.store._records", [STORE + "_records.c"], [STORE], [STORE + "_layout.h"]),
+        accelerator("upsycle_router.store._idindex", [STORE + "_idindex.c"], [STORE], [STORE + "_layout.h"]),
     ],
 )

@@ -1,11 +1,12 @@
-"""The C accelerator and its Python twin give the same answers: decoding, framing and verification.
+"""The C accelerators and their Python twins give the same answers: decoding, framing, verification, the store's
+records and its id index.
 
-``upsycle_router.accel`` uses the C extension when it was built and Python otherwise. These tests run the
-two side by side on the same inputs - valid messages of every shape, mutations of them, frame streams cut at
-random places, zero and oversize lengths, good and bad signatures, the verified-id cache - and require
-identical results, so the router behaves the same whichever one runs. They also check that the extension is
-actually built where a C compiler exists (a silent fallback would hide a broken build), and run a daemon on
-each path end to end.
+Each layer's ``accel`` module (``upsycle_router.wire.accel``, ``runtime.accel``, ``store.accel``) uses its C
+extension when it was built and Python otherwise. These tests run the two side by side on the same inputs - valid
+messages of every shape, mutations of them, frame streams cut at random places, zero and oversize lengths, good and
+bad signatures, the verified-id cache - and require identical results, so the router behaves the same whichever one
+runs. They also check that the extensions are actually built where a C compiler exists (a silent fallback would hide
+a broken build), that each one loads on its own, and run a daemon on each path end to end.
 """
 
 from __future__ import annotations
@@ -33,24 +34,79 @@ from upsycle_router.client import Client
 from upsycle_router.crypto import Identity, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import exp_in
+from upsycle_router.runtime import accel as runtime_accel
+from upsycle_router.store import accel as store_accel
+from upsycle_router.wire import accel as wire_accel
 from upsycle_router.wire.framing import FrameBuffer, frame
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, _decode_canonical
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-needs_c = pytest.mark.skipif(accel._C is None, reason="the C extension is not in use (UPSYCLE_ROUTER_PURE=1)")
+needs_c = pytest.mark.skipif(accel.IMPLEMENTATION != "c",
+                             reason="the C extensions are not in use (UPSYCLE_ROUTER_PURE=1, or not built)")
 
 
-def test_the_extension_is_built_where_a_compiler_exists() -> None:
+def test_the_extensions_are_built_where_a_compiler_exists() -> None:
     if os.environ.get("UPSYCLE_ROUTER_PURE", "") not in ("", "0"):
         pytest.skip("UPSYCLE_ROUTER_PURE is set")
     cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
     headers = Path(sysconfig.get_paths()["include"]) / "Python.h"
     if shutil.which(cc) is None or not headers.exists():
         pytest.skip(f"no C compiler ({cc}) or Python headers here: the Python implementation runs")
-    assert accel._C is not None, "upsycle_router._accel was not built (pip install -e . builds it)"
+    built = "was not built (pip install -e . or python setup.py build_ext --inplace builds it)"
+    assert wire_accel._C is not None, f"upsycle_router.wire._codec {built}"
+    assert runtime_accel._C is not None, f"upsycle_router.runtime._verify {built}"
+    assert store_accel._RECORDS is not None, f"upsycle_router.store._records {built}, or its LAYOUT is not layout.py's"
+    assert store_accel._INDEX is not None, f"upsycle_router.store._idindex {built}, or its LAYOUT is not layout.py's"
+    assert runtime_accel._VERIFY != 0, "crypto_sign_verify_detached was not found in PyNaCl's libsodium"
     assert accel.IMPLEMENTATION == "c"
-    assert accel._VERIFY != 0, "crypto_sign_verify_detached was not found in PyNaCl's libsodium"
+    # the names the package calls are the C functions themselves (bound once, no wrapper per call)
+    assert wire_accel.parse_frames is wire_accel._C.parse_frames and wire_accel.decode_canonical is wire_accel._C.decode
+    assert accel.join_frames is wire_accel.join_frames is wire_accel._C.join_frames
+    assert store_accel.msgs_records is store_accel._RECORDS.msgs_records
+    assert store_accel.sorted_items is store_accel._RECORDS.sorted_items
+    assert store_accel.IdIndex is store_accel._INDEX.IdIndex
+
+
+_ALONE = """
+import importlib.util, sys
+name, path = sys.argv[1], sys.argv[2]
+spec = importlib.util.spec_from_file_location(name, path)
+m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+assert not [k for k in sys.modules if k.startswith("upsycle_router") and k != name], "the package was imported"
+short = name.rsplit(".", 1)[1]
+if short == "_codec":
+    assert m.join_frames([b"ab"]) == b"\\0\\0\\0\\2ab"
+    try:
+        m.decode(b"")
+    except RuntimeError as e:
+        assert "bind() was not called" in str(e)
+    else:
+        raise AssertionError("decode before bind")
+elif short == "_verify":
+    assert m.verify_raw(0, bytes(32), b"", bytes(64)) is False
+elif short == "_records":
+    assert m.sorted_items({b"b": b"1", b"a": b"2"}) == [(b"a", b"2"), (b"b", b"1")] and m.LAYOUT
+elif short == "_idindex":
+    x = m.IdIndex(5)
+    x.add(bytes(32), 7)
+    assert x.find(bytes(32)) == [7] and m.LAYOUT
+print("ok")
+"""
+
+
+@needs_c
+@pytest.mark.parametrize("mod", ["wire._codec", "runtime._verify", "store._records", "store._idindex"])
+def test_each_extension_loads_on_its_own(mod: str) -> None:
+    """Each layer's extension is a module of its own: it loads and works without the package or the others
+    (a fresh interpreter loads just its shared object)."""
+    loaded = {"wire._codec": wire_accel._C, "runtime._verify": runtime_accel._C, "store._records": store_accel._RECORDS,
+              "store._idindex": store_accel._INDEX}[mod]
+    assert loaded is not None and loaded.__file__ is not None
+    r = subprocess.run([sys.executable, "-c", _ALONE, f"upsycle_router.{mod}", loaded.__file__], capture_output=True,
+                       text=True, timeout=60, check=False)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stderr[-2000:])
 
 
 @needs_c
@@ -90,12 +146,12 @@ def test_ids_of_many_inputs_at_once_are_blake3s(lengths: list[int], rnd: random.
     """The batch path (first chunks side by side, in groups of 64) gives the blake3 package's digests, for any mix
     of short and long inputs and any count, also across a group's end."""
     inputs = [rnd.randbytes(n) for n in lengths]
-    assert accel._C.blake3_many(inputs) == [blake3.blake3(x).digest() for x in inputs]
+    assert wire_accel._C.blake3_many(inputs) == [blake3.blake3(x).digest() for x in inputs]
 
 
 _GUARD_PAGE_CHECK = """
 import ctypes, mmap, sys, blake3
-from upsycle_router import accel
+from upsycle_router.wire import accel
 libc = ctypes.CDLL(None, use_errno=True)
 libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 PG = mmap.PAGESIZE
@@ -146,7 +202,7 @@ def test_a_stream_of_many_messages_gets_every_id_right() -> None:
         parts.append(frame(m.encode()))
         if i % 7 == 0:
             parts.append(frame(b"junk"))
-    items, pos, bad = accel._C.parse_frames(b"".join(parts), 1 << 20)
+    items, pos, bad = wire_accel._C.parse_frames(b"".join(parts), 1 << 20)
     got = [x for x in items if isinstance(x, Message)]
     assert (pos, bad, len(got), len(items)) == (len(b"".join(parts)), -1, 200, 200 + 29)
     for g, m in zip(got, msgs, strict=True):
@@ -194,9 +250,9 @@ def test_framing_gives_the_same_items_whichever_way_the_stream_is_cut(case: tupl
         else:
             assert item == payload and _decode_canonical(payload) is None
     # C and Python frame walkers agree item by item
-    if accel._C is not None:
-        c_items, c_pos, c_bad = accel._C.parse_frames(data, 1 << 20)
-        p_items, p_pos, p_bad = accel._parse_frames_py(data, 1 << 20)
+    if wire_accel._C is not None:
+        c_items, c_pos, c_bad = wire_accel._C.parse_frames(data, 1 << 20)
+        p_items, p_pos, p_bad = wire_accel._parse_frames_py(data, 1 << 20)
         assert (c_pos, c_bad) == (p_pos, p_bad) == (len(data), -1)
         assert item_values(c_items) == item_values(p_items)
 
@@ -206,10 +262,10 @@ def test_framing_gives_the_same_items_whichever_way_the_stream_is_cut(case: tupl
     "prefix,bad", [(b"\x00\x00\x00\x00", 0), (b"\x00\x00\x01\x01", 257), (b"\xff\xff\xff\xff", 2**32 - 1)]
 )
 def test_a_bad_length_stops_the_walk_where_it_is(impl: str, prefix: bytes, bad: int) -> None:
-    if impl == "c" and accel._C is None:
+    if impl == "c" and wire_accel._C is None:
         pytest.skip("the C extension is not in use")
     good = frame(b"\x82\x01\x02")
-    walk = accel._C.parse_frames if impl == "c" else accel._parse_frames_py  # type: ignore[union-attr]
+    walk = wire_accel._C.parse_frames if impl == "c" and wire_accel._C else wire_accel._parse_frames_py
     items, pos, got_bad = walk(good + prefix + b"rest", 256)
     assert (items, pos, got_bad) == ([b"\x82\x01\x02"], len(good), bad)
     with pytest.raises(RemoteProtocolError) as e:
@@ -280,7 +336,8 @@ def test_the_c_loop_matches_python_on_many_signatures() -> None:
     msgs = _signed(64)
     flip = {3, 17, 40, 63}
     mixed = [_broken(m, "sig") if i in flip else m for i, m in enumerate(msgs)]
-    c = accel._C.verify_batch(accel._VERIFY, mixed)  # type: ignore[union-attr]
+    assert runtime_accel._C is not None
+    c = runtime_accel._C.verify_batch(runtime_accel._VERIFY, mixed)
     assert c == bytes(message_signature_valid(m) for m in mixed)
     assert [i for i, ok in enumerate(c) if not ok] == sorted(flip)
 
@@ -292,8 +349,8 @@ async def test_a_daemon_routes_the_same_on_either_path(
 ) -> None:
     """A daemon on the Python path (UPSYCLE_ROUTER_PURE=1) or the C path routes unicast and multicast, refuses a
     forged signature and says which path it runs in its status."""
-    if not pure and accel._C is None:
-        pytest.skip("the C extension is not in use")
+    if not pure and accel.IMPLEMENTATION != "c":
+        pytest.skip("the C extensions are not in use")
     monkeypatch.setenv("UPSYCLE_ROUTER_PURE", "1" if pure else "0")
     d = daemon()
     alice, bob, group = Identity.generate(), Identity.generate(), Identity.generate()
@@ -338,7 +395,7 @@ def test_decoded_values_are_not_tracked_by_the_cyclic_collector() -> None:
 @SETTINGS
 def test_c_and_python_frame_a_run_alike(payloads: list[bytes]) -> None:
     joined = accel.join_frames(payloads)
-    assert joined == accel._join_frames_py(payloads) == b"".join(frame(p) for p in payloads)
+    assert joined == wire_accel._join_frames_py(payloads) == b"".join(frame(p) for p in payloads)
     buf = FrameBuffer(1 << 20)
     assert list(buf.feed(joined)) == payloads
 
@@ -356,7 +413,7 @@ def test_framing_a_run_refuses_anything_but_a_list_of_bytes(bad: object) -> None
 def test_c_sorts_a_bulk_index_write_as_python_does(d: dict[bytes, bytes]) -> None:
     # (keys sharing their first 8 bytes, or shorter than 8, are ordered by the rest and by length)
     d = {**d, b"12345678": b"", b"12345678\x00": b"", b"1234567": b"", b"1234567\x00": b"", b"": b""}
-    assert accel.sorted_items(d) == sorted(d.items())
+    assert store_accel.sorted_items(d) == store_accel._sorted_items_py(d) == sorted(d.items())
 
 
 @needs_c
@@ -378,14 +435,15 @@ def test_c_builds_the_stores_records_as_python_does(
 ) -> None:
     exps_c: dict[bytes, bytes] = {b"old": b"x"}
     exps_py: dict[bytes, bytes] = {b"old": b"x"}
-    got = accel._C.msgs_records(first, group, messages, exps_c)  # type: ignore[union-attr]
-    want = accel._msgs_records_py(first, group, messages, exps_py)
+    assert store_accel._RECORDS is not None
+    got = store_accel._RECORDS.msgs_records(first, group, messages, exps_c)
+    want = store_accel._msgs_records_py(first, group, messages, exps_py)
     assert got == want and exps_c == exps_py
     assert all(len(k) == 8 for k, _ in got[0]) and len(exps_c) == 1 + len({k for k, _ in got[0]})
 
 
-@pytest.mark.parametrize("impl", [pytest.param(accel._msgs_records_py, id="python")] + (
-    [pytest.param(accel._C.msgs_records, id="c")] if accel._C is not None else []))
+@pytest.mark.parametrize("impl", [pytest.param(store_accel._msgs_records_py, id="python")] + (
+    [pytest.param(store_accel._RECORDS.msgs_records, id="c")] if store_accel._RECORDS is not None else []))
 def test_the_stores_records_refuse_what_is_not_a_message(impl: object) -> None:
     f = impl  # type: ignore[assignment]
     m = bytes(32)
@@ -415,8 +473,8 @@ def _fingerprint(salt: int, mid: bytes, bits: int) -> int:
     return h >> (64 - bits)
 
 
-_INDEXES = [pytest.param(accel._IdIndexPy, id="python")] + (
-    [pytest.param(accel._C.IdIndex, id="c")] if accel._C is not None else []
+_INDEXES = [pytest.param(store_accel._IdIndexPy, id="python")] + (
+    [pytest.param(store_accel._INDEX.IdIndex, id="c")] if store_accel._INDEX is not None else []
 )
 
 
@@ -425,7 +483,7 @@ class _IndexModel:
 
     def __init__(self, impl: type, salt: int, bits: int) -> None:
         self.index = impl(salt, fp_bits=bits)
-        self.python = impl is accel._IdIndexPy
+        self.python = impl is store_accel._IdIndexPy
         self.fp = (lambda m: m) if self.python else (lambda m: _fingerprint(salt, m, bits))
         self.seqs: dict[object, set[int]] = defaultdict(set)
 
@@ -484,7 +542,7 @@ def test_the_id_index_grows_and_shrinks_without_losing_an_entry(impl: type) -> N
         if k % 1_000 == 0:
             model.check([ids[j] for j in order[k : k + 200]])
     model.check(ids)
-    assert impl is accel._IdIndexPy or model.index.nbytes <= slots // 8  # (it shrank)
+    assert impl is store_accel._IdIndexPy or model.index.nbytes <= slots // 8  # (it shrank)
     model.index.clear()
     assert len(model.index) == 0 and model.index.find(ids[order[-1]]) == []
 

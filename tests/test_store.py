@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from upsycle_router import accel
+from upsycle_router.store import accel
 from upsycle_router.store.check import check_store
 from upsycle_router.store.lmdb_store import (
     SCHEMA_VERSION,

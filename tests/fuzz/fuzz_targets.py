@@ -37,7 +37,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from upsycle_router import accel
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.transport.session import (
@@ -48,7 +47,7 @@ from upsycle_router.transport.session import (
     Session,
     State,
 )
-from upsycle_router.wire import gossip, session
+from upsycle_router.wire import accel, gossip, session
 from upsycle_router.wire.app import decode_app_message
 from upsycle_router.wire.cbor import enc
 from upsycle_router.wire.control import ROUTER_CODEC, decode_control

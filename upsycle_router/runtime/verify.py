@@ -2,7 +2,7 @@
 
 Ed25519 verification (libsodium, via PyNaCl) is the dominant per-message cost and releases the GIL, so a
 batch split across one thread per core runs in parallel with the event loop reading the next frames. Each
-thread verifies its whole chunk in one call (:func:`upsycle_router.accel.verify_batch`) that takes the GIL
+thread verifies its whole chunk in one call (:func:`upsycle_router.runtime.accel.verify_batch`) that takes the GIL
 once, not once per signature: a verify thread that needed the GIL after every signature waited for the busy
 event loop each time, and the loop waited for it. Small batches (light load) are verified inline: a thread
 hop would only add latency.
@@ -30,7 +30,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from upsycle_router.accel import verify_batch
+from upsycle_router.runtime.accel import verify_batch
 from upsycle_router.wire.messages import Message
 
 MIN_PARALLEL = 16  # below this many messages a batch is verified inline

@@ -29,7 +29,7 @@ Messages are kept in arrival order, under a sequence number: storing a message a
 entries come from one counter that is saved with every transaction that used it, so they only grow.
 
 The id index - which sequence number a message id is stored under, and the duplicate check of every message
-that arrives - lives in memory only (``_index``, :class:`~upsycle_router.accel.IdIndex`: a salted 64-bit
+that arrives - lives in memory only (``_index``, :class:`~upsycle_router.store.accel.IdIndex`: a salted 64-bit
 fingerprint and the sequence number per stored message, 23-46 bytes each). Kept on disk as a B-tree keyed by
 random ids (store schemas 2 and 3: ``msg_ids``), it rewrote a different page for almost every message and
 grew dearer with every message stored. It is built when the store is opened, from the ids ``msg_exp`` holds
@@ -67,9 +67,9 @@ from typing import Any
 
 import lmdb
 
-from upsycle_router import accel
-from upsycle_router.accel import msgs_records, sorted_items
 from upsycle_router.durability import Durability
+from upsycle_router.store import accel
+from upsycle_router.store.accel import msgs_records, sorted_items
 from upsycle_router.store.api import Expired, QueueEntry, RouteEntry, StoredMessage
 from upsycle_router.store.integrity import check_before_open, mark_initialised
 from upsycle_router.store.tables import LmdbTables

@@ -6,7 +6,7 @@ Both ends send HELLO on connect. On the peer's HELLO an end sends AUTH, a signat
 its own id, the peer's id and the peer's nonce; on the peer's AUTH it verifies it against the id the peer
 claimed in its HELLO (and, when dialling a known router, the id it expected). The session is OPEN once the
 peer's AUTH verified. After that every frame is a routed message or an ERROR. Routed messages in their
-deterministic form are decoded on the way (:mod:`upsycle_router.accel`: in C where built) and handed up in
+deterministic form are decoded on the way (:mod:`upsycle_router.wire.accel`: in C where built) and handed up in
 runs (:class:`MessagesDecoded`); any other frame is handed up unparsed (:class:`FrameReceived`) for the
 strict decoder, which names what is wrong with it.
 
@@ -24,9 +24,9 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from upsycle_router import accel
 from upsycle_router.crypto import Identity, auth_signature, auth_valid
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.wire import accel
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME, FrameBuffer, frame
 from upsycle_router.wire.messages import Message
 from upsycle_router.wire.session import NONCE_LEN, Auth, Error, Hello, decode_session_frame

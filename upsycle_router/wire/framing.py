@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import struct
 
-from upsycle_router import accel
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.wire import accel
 from upsycle_router.wire.messages import Message
 
 DEFAULT_MAX_FRAME = 1024 * 1024 + 4096
@@ -67,7 +67,7 @@ class FrameBuffer:
 
     def feed_decoded(self, data: bytes) -> list[Message | bytes]:
         """Like :meth:`feed`, but every routed message in deterministic form comes back decoded (see
-        :mod:`upsycle_router.accel`); other frames come back as their payload bytes."""
+        :mod:`upsycle_router.wire.accel`); other frames come back as their payload bytes."""
         buf = self._buf
         src: bytes | bytearray
         if buf:
