@@ -258,7 +258,7 @@ def test_rpc_from_unknown_peer() -> None:
 
 
 def test_forward_to_mesh_except_via_and_never_twice() -> None:
-    core = joined_core()
+    core = joined_core(params=GossipParams(flood_publish=False))
     mesh = sorted(core.mesh_peers(G))
     msg = make_message(GK, b"hello")
     out = core.message_received(msg.with_via(mesh[0]), mesh[0], 0.5)
@@ -337,7 +337,7 @@ def test_heartbeat_keeps_mesh_within_bounds() -> None:
 
 
 def test_fanout_publish_reuse_topup_and_expiry() -> None:
-    core = make_core(n_peers=12, subscribed=2)
+    core = make_core(n_peers=12, subscribed=2, params=GossipParams(flood_publish=False))
     m1 = make_message(GK, b"one")
     assert {r for r, _ in forwards(core.publish(m1, 0.5))} == {rid(1), rid(2)}
     for i in range(3, 13):
@@ -352,6 +352,69 @@ def test_fanout_publish_reuse_topup_and_expiry() -> None:
     assert core.fanout_peers(G) == fan  # at t=61 the last publish (1.5) is 59.5 s old
     core.handle_timer(62.0)
     assert not core.has_fanout(G)  # 60.5 s > fanout_ttl
+
+
+def test_flood_publish_sends_own_messages_to_every_subscribed_peer() -> None:
+    assert GossipParams().flood_publish
+    core = joined_core(n_peers=14, subscribed=10)
+    mesh = core.mesh_peers(G)
+    assert len(mesh) == 6
+    subscribed = {rid(i) for i in range(1, 11)}
+    own = make_message(GK, b"own")
+    assert {r for r, _ in forwards(core.message_received(own, None, 0.1))} == subscribed
+    relayed = make_message(GK, b"relayed")
+    via = sorted(mesh)[0]
+    assert {r for r, _ in forwards(core.message_received(relayed.with_via(via), via, 0.2))} == mesh - {via}
+    assert core.mesh_peers(G) == mesh  # flooding grafts nobody
+    # not joined: every subscribed peer too, and fanout state as without flooding (gossip, top-up, expiry)
+    fan = make_core(n_peers=14, subscribed=10)
+    out = fan.publish(make_message(GK, b"fanout"), 0.3)
+    assert {r for r, _ in forwards(out)} == subscribed
+    assert len(fan.fanout_peers(G)) == 6 and fan.fanout_peers(G) <= subscribed
+
+
+def test_without_flood_publish_a_thin_mesh_is_topped_up_to_D() -> None:
+    core = joined_core(n_peers=12, subscribed=2, params=GossipParams(flood_publish=False))
+    assert core.mesh_peers(G) == {rid(1), rid(2)}
+    for i in range(3, 13):
+        core.rpc_received(rid(i), GossipRpc(subs=(SubOpt(True, G),)), 0.1)
+    out = core.message_received(make_message(GK, b"own"), None, 0.2)
+    targets = {r for r, _ in forwards(out)}
+    assert len(targets) == 6 and {rid(1), rid(2)} <= targets
+    assert core.mesh_peers(G) == {rid(1), rid(2)}  # the extra peers are not grafted
+
+
+def test_a_message_published_into_an_empty_mesh_reaches_peers_grafted_later() -> None:
+    core = joined_core(n_peers=3, subscribed=0)
+    assert core.mesh_peers(G) == frozenset()
+    m = make_message(GK, b"nobody to send to")
+    assert forwards(core.message_received(m, None, 0.1)) == []
+    for i in (1, 2):
+        core.rpc_received(rid(i), GossipRpc(subs=(SubOpt(True, G),)), 0.2)
+    r = rpcs(core.handle_timer(1.0))
+    ihave_m = (IHave(G, (m.id,)),)
+    assert r == {rid(i): GossipRpc(graft=(G,), ihave=ihave_m) for i in (1, 2)}
+    # a peer that grafts us gets the same, once
+    r = rpcs(core.rpc_received(rid(3), GossipRpc(subs=(SubOpt(True, G),), graft=(G,)), 1.5))
+    assert r == {rid(3): GossipRpc(ihave=ihave_m)}
+    assert core.rpc_received(rid(3), GossipRpc(graft=(G,)), 1.6) == []
+    # and the IWANT that follows is answered from the mcache
+    assert forwards(core.rpc_received(rid(3), GossipRpc(iwant=(m.id,)), 1.7)) == [(rid(3), m.id)]
+
+
+def test_a_message_published_with_no_fanout_reaches_fanout_peers_added_later() -> None:
+    core = make_core(n_peers=3)
+    m1 = make_message(GK, b"first")
+    assert forwards(core.publish(m1, 0.1)) == [] and core.fanout_peers(G) == frozenset()
+    core.rpc_received(rid(1), GossipRpc(subs=(SubOpt(True, G),)), 0.2)
+    m2 = make_message(GK, b"second")
+    out = core.publish(m2, 0.3)  # the fanout is built now: m2 goes there, m1 is advertised
+    assert forwards(out) == [(rid(1), m2.id)]
+    assert rpcs(out) == {rid(1): GossipRpc(ihave=(IHave(G, (m1.id,)),))}
+    core.rpc_received(rid(2), GossipRpc(subs=(SubOpt(True, G),)), 0.4)
+    r = rpcs(core.handle_timer(1.0))  # the heartbeat tops the fanout up with rid(2)
+    assert r == {rid(2): GossipRpc(ihave=(IHave(G, (m2.id, m1.id)),))}
+    assert core.fanout_peers(G) == {rid(1), rid(2)}
 
 
 def test_fanout_gossip_excludes_fanout_peers() -> None:

@@ -4,6 +4,8 @@ recovery, fanout."""
 from __future__ import annotations
 
 import hashlib
+import heapq
+import math
 import os
 import random
 import subprocess
@@ -83,7 +85,7 @@ def test_every_subscriber_gets_every_message_exactly_once(router_dedup: bool) ->
 
 
 def test_gossip_heals_a_node_whose_mesh_links_drop_data() -> None:
-    sim = formed(20, seed=11)
+    sim = formed(20, seed=11, params=GossipParams(flood_publish=False))  # publishers would reach it directly
     victim = sim.nodes[5]
 
     def mesh_link_to_victim(kind: str, src: SimNode, dst: SimNode, payload: object) -> bool:
@@ -150,8 +152,9 @@ def test_pull_nack_frees_the_slot() -> None:
         assert [t.event for t in n.traces if t.event.startswith("pull")] == ["pull_failed"]
 
 
-def test_fanout_publisher_reaches_subscribers_and_forgets_fanout() -> None:
-    sim = formed(20, seed=41, joiners=range(1, 20))
+@pytest.mark.parametrize("flood", [True, False])
+def test_fanout_publisher_reaches_subscribers_and_forgets_fanout(flood: bool) -> None:
+    sim = formed(20, seed=41, joiners=range(1, 20), params=GossipParams(flood_publish=flood))
     publisher = sim.nodes[0]
     msgs = []
     for k in range(3):
@@ -163,7 +166,7 @@ def test_fanout_publisher_reaches_subscribers_and_forgets_fanout() -> None:
     fan = publisher.core.fanout_peers(G)
     assert len(fan) == 6 and G not in publisher.core.joined
     first_hops = {dst for _, src, dst, _ in sim.forwards if src == publisher.router}
-    assert first_hops == fan
+    assert first_hops == ({n.router for n in sim.nodes[1:]} if flood else fan)
     sim.run_for(3.0)
     for node in sim.nodes[1:]:
         assert all(node.delivered[m.id] == 1 for m in msgs)
@@ -197,6 +200,8 @@ def test_leave_prunes_and_stops_delivery() -> None:
 
 _DIGEST_SCRIPT = """
 import hashlib
+import heapq
+import math
 from upsycle_router.tools.sim.gossip import Sim, make_message
 from upsycle_router.crypto import Identity
 g = Identity.from_seed(b"\\x07" * 32)
@@ -230,3 +235,87 @@ def test_replay_is_independent_of_hash_randomization() -> None:
         digests.add(r.stdout.strip())
     assert len(digests) == 1
     assert hashlib.sha256(b"").hexdigest() not in digests
+
+
+class _ScanSim(Sim):
+    """The simulator with its former scheduler: every core's deadline scanned before every event."""
+
+    def run_until(self, until: float) -> None:
+        while True:
+            t_event = self._queue[0][0] if self._queue else math.inf
+            t_timer, timer_node = math.inf, None
+            for node in self.nodes:
+                d = node.core.next_deadline() if node.alive else None
+                if d is not None and d < t_timer:
+                    t_timer, timer_node = d, node
+            t = min(t_event, t_timer)
+            if t > until:
+                break
+            self.now = t
+            if timer_node is not None and t_timer <= t_event:
+                self.apply(timer_node, timer_node.core.handle_timer(t))
+            else:
+                _, _, fn = heapq.heappop(self._queue)
+                fn()
+        self.now = max(self.now, until)
+
+
+@pytest.mark.parametrize("jitter", [True, False])  # without jitter every heartbeat ties with others
+def test_timer_heap_runs_events_in_the_order_of_a_scan(jitter: bool) -> None:
+    def run(cls: type[Sim]) -> tuple[list[tuple[float, bytes, bytes, bytes]], list[tuple[float, bytes, bytes, bytes]]]:
+        sim = cls(12, seed=3, start_jitter=jitter)
+        sim.connect_all()
+        for i in range(12):
+            if i % 4 != 3:
+                sim.join(i, G)
+        sim.run_for(3.0)
+        for k in range(6):
+            sim.publish(k, make_message(GK, b"%d" % k))
+            sim.run_for(0.3)
+        sim.leave(1, G)
+        sim.remove(2)
+        sim.run_for(4.0)
+        return sim.forwards, [(t, s, d, rpc.encode()) for t, s, d, rpc in sim.rpcs]
+
+    heap, scan = run(Sim), run(_ScanSim)
+    assert len(heap[0]) > 100 and len(heap[1]) > 100
+    assert heap == scan
+
+
+@pytest.mark.parametrize("flood", [True, False])
+@pytest.mark.parametrize("size", [2, 3, 6])
+def test_a_publish_right_after_join_reaches_every_subscriber(size: int, flood: bool) -> None:
+    """All members JOIN at once and one publishes at that instant, before any subscription is known: the mesh
+    is empty, the message goes nowhere; the peers grafted at the next heartbeats get IHAVE for it."""
+    params = GossipParams(flood_publish=flood)
+    for seed in range(1, 9):
+        sim = Sim(size, seed=seed, params=params)
+        sim.connect_all()
+        sim.run_for(2.0)
+        for i in range(size):
+            sim.join(i, G)
+        m = make_message(GK, b"first")
+        sim.publish(0, m)
+        assert [dst for _, src, dst, _ in sim.forwards if src == sim.nodes[0].router] == []
+        sim.run_for(5.0)
+        assert [n.delivered[m.id] for n in sim.nodes] == [1] * size, seed
+        # the publisher advertised it to peers it grafted or that grafted it, and was asked for it
+        pub = sim.nodes[0].router
+        assert any(m.id in h.ids for _, src, _, rpc in sim.rpcs if src == pub for h in rpc.ihave)
+        assert any(m.id in rpc.iwant for _, _, dst, rpc in sim.rpcs if dst == pub)
+
+
+@pytest.mark.parametrize("size", [2, 3, 6])
+def test_a_publish_from_outside_right_after_the_group_forms_reaches_every_subscriber(size: int) -> None:
+    """The same for an app on a node whose pub/sub service has not joined (fanout, built empty)."""
+    for seed in range(1, 9):
+        sim = Sim(size + 1, seed=seed)
+        sim.connect_all()
+        sim.run_for(2.0)
+        for i in range(1, size + 1):
+            sim.join(i, G)
+        m = make_message(GK, b"from outside")
+        sim.publish(0, m)
+        assert sim.nodes[0].core.has_fanout(G) and not sim.nodes[0].core.fanout_peers(G)
+        sim.run_for(5.0)
+        assert [n.delivered[m.id] for n in sim.nodes] == [0] + [1] * size, seed

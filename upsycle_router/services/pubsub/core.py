@@ -23,7 +23,18 @@ Dissemination (seed 004 §Message Processing)
     traced and, since an id names exact bytes, remembered as seen), put in the seen cache and the mcache, and
     forwarded (:class:`Forward`) to every mesh peer of its group except the router it came from. A local
     publish goes to the mesh when we joined the group, else to ``fanout[group]``, filled with up to D peers
-    known to be subscribed when empty, and stamps the group's last-publish time. Data never travels in RPCs.
+    known to be subscribed when empty, and stamps the group's last-publish time. With ``flood_publish`` (on
+    by default, gossipsub v1.1's option, as go-libp2p and rust-libp2p do) it also goes to every other peer
+    known to be subscribed; without it a mesh of fewer than D peers is topped up for that message with
+    random subscribed peers outside it (rust-libp2p's rule; they are not grafted). Data never travels in RPCs.
+
+Publishing into an empty mesh (a deviation from v1.0, docs/gossip.md)
+    Right after a JOIN, or with no subscriber known yet, a local publish may have no one to go to; it stays
+    in the mcache. A peer that enters our mesh (we GRAFT it at join or in the heartbeat, or it GRAFTs us) or
+    our fanout (built or topped up) at once gets an IHAVE with the group's ids of the newest
+    ``mcache_gossip`` windows, as heartbeat gossip never goes to mesh or fanout peers. It asks for what it
+    lacks. So a message published before the mesh was built reaches the peers that join it within those
+    windows, in groups of any size.
 
 Membership and the mesh (seed 004 §Topic Membership, §Heartbeat)
     ``join`` moves the group's fanout peers into the mesh, fills it up to D from peers known to be subscribed,
@@ -289,6 +300,7 @@ class GossipCore:
         self._mesh[group] = mesh
         for router in sorted(mesh):
             ob.graft(self._peers[router], group)
+            self._gossip_to_new(router, group, ob)
         return ob.effects()
 
     def leave(self, group: bytes, now: float) -> list[Effect]:
@@ -361,14 +373,39 @@ class GossipCore:
             ob.trace("rejected", group=group, id=msg.id, reason=reason)
             return
         self._accepted(msg, now)
-        targets = self._mesh.get(group)
-        if targets is None:
-            targets = self._fanout.get(group)
-            if not targets:
-                targets = self._fanout[group] = set(self._select(self._subscribed(group), self._params.D))
+        self._publish_targets(msg, group, now, ob)
+
+    def _publish_targets(self, msg: Message, group: bytes, now: float, ob: Outbox) -> None:
+        """Forward a message published here: to the mesh (topped up to D without flood publish) or the fanout
+        (built from up to D subscribed peers when empty), and with flood publish to every subscribed peer."""
+        p = self._params
+        subscribed = self._subscribed(group)
+        mesh = self._mesh.get(group)
+        if mesh is not None:
+            targets = set(mesh)
+            if not p.flood_publish and len(targets) < p.D:
+                targets.update(self._select(subscribed - targets, p.D - len(targets)))
+        else:
+            fanout = self._fanout.get(group)
+            if not fanout:
+                fanout = self._fanout[group] = set(self._select(subscribed, p.D))
+                for router in sorted(fanout):
+                    self._gossip_to_new(router, group, ob, skip=msg.id)
             self._last_pub[group] = now
+            targets = set(fanout)
+        if p.flood_publish:
+            targets |= subscribed
         for router in sorted(targets):
             ob.forward(router, msg)
+
+    def _gossip_to_new(self, router: bytes, group: bytes, ob: Outbox, skip: bytes | None = None) -> None:
+        """IHAVE to a peer just added to our mesh or fanout of ``group``: the ids of the newest ``mcache_gossip``
+        windows, which it may have missed (sent to the mesh or fanout before it was in it, or published while
+        nobody was known to subscribe). Heartbeat gossip skips mesh and fanout peers, so without this a message
+        published into an empty mesh would reach nobody in a group of fewer than D + 1 nodes."""
+        ids = [i for i in self._mcache.gossip_ids(group) if i != skip]
+        if ids:
+            ob.ihave(self._peers[router], group, ids)
 
     def _note_missing(self, header: MulticastHeader, group: bytes, via: bytes, now: float, ob: Outbox) -> None:
         """Schedule a PULL check for ids in ``sn`` we have not seen."""
@@ -413,7 +450,9 @@ class GossipCore:
                 ob.prune(peer, group)
             else:
                 self._note_subscription(router, group, True, ob)
-                mesh.add(router)
+                if router not in mesh:
+                    mesh.add(router)
+                    self._gossip_to_new(router, group, ob)
         for group in rpc.prune:
             if group in self._mesh:
                 self._mesh[group].discard(router)
@@ -474,6 +513,7 @@ class GossipCore:
                 for router in self._select(self._subscribed(group) - mesh, p.D - len(mesh)):
                     mesh.add(router)
                     ob.graft(self._peers[router], group)
+                    self._gossip_to_new(router, group, ob)
             if len(mesh) > p.D_high:
                 for router in self._select(mesh, len(mesh) - p.D):
                     mesh.discard(router)
@@ -483,7 +523,9 @@ class GossipCore:
             if now - self._last_pub[group] > p.fanout_ttl:
                 del self._fanout[group], self._last_pub[group]
             elif len(fanout) < p.D:
-                fanout.update(self._select(self._subscribed(group) - fanout, p.D - len(fanout)))
+                for router in self._select(self._subscribed(group) - fanout, p.D - len(fanout)):
+                    fanout.add(router)
+                    self._gossip_to_new(router, group, ob)
         for group in sorted(set(self._mesh) | set(self._fanout)):
             ids = self._mcache.gossip_ids(group)
             if not ids:

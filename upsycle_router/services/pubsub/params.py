@@ -1,7 +1,10 @@
 """Tunable parameters of the gossip core.
 
 The first nine are gossipsub v1.0's parameters with the spec's defaults (seed 004 §Parameters); ``D_lazy``
-defaults to ``D`` as the spec suggests. The rest bound the state the core keeps and drive the recovery of
+defaults to ``D`` as the spec suggests. ``flood_publish`` is gossipsub v1.1's option (on by default there and
+here): a message published on this node goes to every peer known to subscribe to its group, not only to the
+mesh or fanout; off, it goes to the mesh topped up to ``D`` with other subscribed peers (as rust-libp2p does)
+or to the fanout. The rest bound the state the core keeps and drive the recovery of
 messages detected as missing from the ``sn`` header (seed 003 §Seen), which gossipsub does not have:
 
 - ``seen_max``: most ids the seen cache holds (the oldest are forgotten first beyond it);
@@ -32,6 +35,7 @@ class GossipParams:
     mcache_len: int = 5
     mcache_gossip: int = 3
     seen_ttl: float = 120.0
+    flood_publish: bool = True
     seen_max: int = 100_000
     iwant_timeout: float = 3.0
     pull_delay: float = 1.0
