@@ -61,6 +61,7 @@ class Pending:
     data: bytes  # the routed message, as persisted
     received_at: float
     payload: Any = None
+    grp: bytes = b""  # the multicast group address it came on (names its epoch)
 
 
 @dataclass(slots=True)

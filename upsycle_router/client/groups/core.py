@@ -3,10 +3,11 @@
 Theory of operation
 -------------------
 A :class:`GroupCore` is driven with inputs that take ``now`` (:meth:`received` for a routed multicast
-message of one of the group's epochs, :meth:`send` / :meth:`send_to` / :meth:`add` / :meth:`remove` /
-:meth:`rotate` / :meth:`ack` from the app, :meth:`handle_timer` at :meth:`next_deadline`) and returns
-effects (:mod:`.events`). State is written through to the injected store inside the adapter's transaction;
-randomness (keys, nonces) comes from the injected ``rng``.
+message of one of the group's epochs, :meth:`keys_received` for an admin's key share, :meth:`send` /
+:meth:`send_to` / :meth:`add` / :meth:`remove` / :meth:`add_admins` / :meth:`remove_admins` / :meth:`rotate` /
+:meth:`ack` from the app, :meth:`handle_timer` at :meth:`next_deadline`) and returns effects (:mod:`.events`).
+State is written through to the injected store inside the adapter's transaction; randomness (keys, nonces)
+comes from the injected ``rng``.
 
 Sending. An application message (seed 003 §Application messages) gets ``deps`` = the current heads,
 ``seq`` = this member's next seq, ``to`` = the group id, and the member's signature (PROTOCOL.md §3). It is
@@ -17,12 +18,24 @@ epoch (routers' pub/sub services PULL ids they missed from it). The routed bytes
 
 Receiving. The routed signature is checked, the envelope opened with the epoch named by ``grp``, the
 application message decoded and its signature and ``to`` checked; it goes into the :class:`CausalBuffer`.
-Each ready message is judged (:mod:`.membership`) and applied in causal order: data becomes a log entry,
-MEMBER_ADD / MEMBER_REMOVE change the members, a sealed key announcement from the admin starts the next
-epoch (JOIN its group, then an ACK in the new epoch tells the others this member is there; the old epoch's
-group is LEFT ``leave_delay`` later, so that messages sent concurrently with the rotation, by members that
-had not seen it yet, still arrive). Invalid messages are delivered as *rejected* (so that causality goes
-on, the same at every member) but never reach the log.
+Each ready message is judged against the membership state of its causal past (:mod:`.membership`: its
+sender must be a member there, its epoch the one there, and an operation's sender an admin there) and
+applied in causal order: data becomes a log entry, a membership operation is recorded and the state is
+resolved again. When the resolved epoch changes (a rotation, or concurrent rotations combined) the member
+JOINs the new epoch's group and ACKs in it at once (so the others know it is there); the old epoch's group
+is LEFT ``leave_delay`` later, so that messages sent concurrently with the rotation, by members that had
+not seen it yet, still arrive. Invalid messages are delivered as *rejected* (so that causality goes on, the
+same at every member) but never reach the log. A member that is not a member of the resolved state any
+more (removed, or added by an admin that was concurrently removed) leaves.
+
+Operations. A group that has only ever had its creator as admin uses the seed's MEMBER_ADD / MEMBER_REMOVE
+and announces new keys in a unicast, as before several admins existed (members running an older version
+understand them). The first ADMIN_ADD switches the group to GROUP_OP messages, which name the operations
+their sender had seen, so a member that joined later resolves concurrent operations exactly as the others.
+After each message from someone else that brought an operation, an admin closes the gaps concurrency can
+leave (:mod:`.membership`): it sends the keys of rotations to members added concurrently with them (a key
+share, routed to the member through the router its messages came from), and it rotates when a key that is
+not a member may hold the current epoch.
 
 Acknowledgements and repair. Each delivered message records the highest seq of this member's own messages
 in its causal past, so a message from member X shows which of our messages X has. A member ACKs (an
@@ -38,33 +51,48 @@ was welcomed ACKs at once, which is how it learns what it missed in the new epoc
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from upsycle_router.client.groups import events as ev
 from upsycle_router.client.groups.causal import BASELINE, BUFFERED, DUPLICATE, CausalBuffer, Pending
 from upsycle_router.client.groups.events import Delivered, Effect, LogEntry
 from upsycle_router.client.groups.keys import DecryptError, Epoch, Rng, decrypt, encrypt, open_sealed, seal_to
-from upsycle_router.client.groups.membership import Membership
+from upsycle_router.client.groups.membership import Base, EpochId, Membership, Resolution, merge, migrate
 from upsycle_router.client.groups.store import ACTIVE, REMOVED, GroupRecord, GroupStore
 from upsycle_router.crypto import Identity, app_message_valid, message_signature_valid, sign_app_message, sign_message
 from upsycle_router.errors import RemoteProtocolError, UpsycleError
 from upsycle_router.expiry import exp_in
 from upsycle_router.wire.app import (
+    OP_ADD,
+    OP_ADMIN_ADD,
+    OP_ADMIN_REMOVE,
+    OP_REMOVE,
+    OP_ROTATE,
+    ROTATING_OPS,
     AppAck,
     AppBody,
     AppHeader,
     AppMessage,
     AppMulticast,
     AppUnicast,
+    GroupOp,
     MemberAdd,
     MemberRemove,
     decode_app_message,
 )
 from upsycle_router.wire.cbor import MAX_SEEN
 from upsycle_router.wire.groups import (
+    MAX_OPS,
+    MAX_SHARED,
     EpochKeys,
+    History,
+    KeyShare,
+    KeyShareMessage,
+    OpRecord,
     SealedData,
+    SealedPayload,
     SealedUnicast,
+    SharedEpoch,
     Welcome,
     WelcomeMessage,
     decode_sealed_payload,
@@ -75,7 +103,7 @@ from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 
 
 class GroupError(UpsycleError):
-    """A group operation is not possible (not the admin, not a member any more, unknown member ...)."""
+    """A group operation is not possible (not an admin, not a member any more, unknown member ...)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +123,10 @@ class GroupConfig:
     leave_delay: float = 30.0  # the old epoch's group is left this long after a rotation (late concurrent messages)
 
 
+_LOG_KIND = {OP_ADD: ev.MEMBER_ADD, OP_REMOVE: ev.MEMBER_REMOVE, OP_ADMIN_ADD: ev.ADMIN_ADD,
+             OP_ADMIN_REMOVE: ev.ADMIN_REMOVE}  # fmt: skip
+
+
 class GroupCore:
     """One member's state machine for one group (see the module docstring)."""
 
@@ -110,6 +142,8 @@ class GroupCore:
         rec = store.get_group(gid)
         if rec is None:
             raise GroupError(f"unknown group {gid.hex()}")
+        if rec.version < 2:
+            rec = migrate(store, rec)
         self.identity = identity
         self.me = identity.public
         self.store = store
@@ -117,11 +151,15 @@ class GroupCore:
         self.config = config or GroupConfig()
         self.rng = rng
         self.record = rec
-        self.membership = Membership(store, gid, rec.admin)
+        self.membership = Membership(store, gid, rec)
         self.causal = CausalBuffer(
             store, gid, max_buffer=self.config.max_buffer, fetch_delay=self.config.fetch_delay,
             fetch_max=self.config.fetch_max, vv0=dict(rec.vv0),
         )  # fmt: skip
+        cur = self.membership.current.epoch
+        if self.membership.epoch_for(cur) is None:  # waiting for a key share: the newest epoch we have
+            cur = self.membership.epochs()[0].eid
+        self._cur: EpochId = cur  # the epoch this member sends in (and has JOINed)
         self._ack_at: float | None = None
         self._ack_wanted = False
         self._leave_at: dict[bytes, float] = {}  # old epochs' groups, left at these times
@@ -150,7 +188,6 @@ class GroupCore:
         gid = ep0.grp
         store.put_group(GroupRecord(gid, identity.public))
         store.put_epoch(gid, ep0)
-        store.put_snapshot(gid, 0, frozenset({identity.public}), 0)
         core = cls(identity, store, gid, config, rng, now)
         out: list[Effect] = [ev.JoinGroup(gid, ep0.grp)]
         core._log(LogEntry(0, ev.CREATED, b"", identity.public, 0, 0, b"", (identity.public,)), out)
@@ -166,27 +203,54 @@ class GroupCore:
             raise GroupError("the welcome does not list this member")
         if not welcome.base:
             raise GroupError("the welcome names no MEMBER_ADD")
-        old = store.get_group(welcome.gid)
+        gid = welcome.gid
+        creator = welcome.creator or welcome.admin
+        old = store.get_group(gid)
         if old is not None and old.status == ACTIVE:
-            raise GroupError(f"already a member of group {welcome.gid.hex()}")
-        if old is not None and old.admin != welcome.admin:
-            raise GroupError("the welcome names another admin than this group had")
-        store.put_group(GroupRecord(welcome.gid, welcome.admin, ACTIVE, welcome.adm, welcome.vv))
-        epoch = Epoch(welcome.epoch, Identity.from_seed(welcome.gseed), welcome.ckey, welcome.adm)
-        store.put_epoch(welcome.gid, epoch)
-        store.put_snapshot(welcome.gid, welcome.adm, frozenset(welcome.mem), welcome.epoch)
-        core = cls(identity, store, welcome.gid, config, rng, now)
+            raise GroupError(f"already a member of group {gid.hex()}")
+        if old is not None and old.admin != creator:
+            raise GroupError("the welcome names another creator than this group had")
+        h = welcome.hist
+        ops: tuple[OpRecord, ...] = ()
+        if h is None:  # a group of one admin: the welcome's state is the base
+            w = ((welcome.admin, welcome.adm),) if welcome.adm else ()
+            rec = GroupRecord(gid, creator, ACTIVE, welcome.adm, welcome.vv, wv=w, base_vec=w, base_mem=welcome.mem,
+                              base_admins=(welcome.admin,), base_epoch=welcome.epoch)  # fmt: skip
+        else:
+            rec = GroupRecord(gid, creator, ACTIVE, welcome.adm, welcome.vv, wv=welcome.opv, base_vec=h.vec,
+                              base_mem=h.mem, base_admins=h.admins, base_epoch=h.epoch)  # fmt: skip
+            ops = h.ops
+        st = Resolution(ops, Base.of(rec)).state
+        if st.members != frozenset(welcome.mem):
+            raise GroupError("the welcome's history does not give the members it lists")
+        store.clear_ops(gid)
+        store.clear_epochs(gid)
+        store.put_group(rec)
+        for o in ops:
+            store.put_op(gid, o)
+        if not st.epoch:
+            store.put_epoch(gid, Epoch(welcome.epoch, Identity.from_seed(welcome.gseed), welcome.ckey, welcome.adm))
+        numbers = {o.key: o.number for o in ops}
+        for a, n, gseed, ckey in welcome.keys:
+            if (a, n) in st.epoch and numbers.get((a, n)):
+                store.put_epoch(gid, Epoch(numbers[(a, n)], Identity.from_seed(gseed), ckey, 0, ((a, n),)))
+        core = cls(identity, store, gid, config, rng, now)
+        epoch = core.membership.epoch_for(st.epoch)
+        if epoch is None:
+            raise GroupError("the welcome does not hold the current epoch's keys")
+        core._cur = epoch.eid
         core.causal.clear(now)
         for sender, seq in welcome.vv:
             core.causal.set_vv(sender, seq)
         for mid in welcome.base:
             if not core.causal.is_delivered(mid):
-                core.causal.mark_delivered(mid, Delivered(b"", 0, welcome.adm, welcome.epoch, ev.BASELINE),
+                core.causal.mark_delivered(mid, Delivered(b"", 0, 0, welcome.epoch, ev.BASELINE, 0, rec.wv),
                                            head=False)  # fmt: skip
         core.causal.set_heads({welcome.base[0]})  # the MEMBER_ADD: the admin's only head when it welcomed
         if via is not None:
-            store.add_router(welcome.gid, via)
-        out: list[Effect] = [ev.JoinGroup(welcome.gid, epoch.grp)]
+            store.add_router(gid, via)
+            store.set_member_via(gid, welcome.admin, via)
+        out: list[Effect] = [ev.JoinGroup(gid, epoch.grp)]
         core._log(LogEntry(0, ev.WELCOME, welcome.base[0], welcome.admin, welcome.adm, epoch.number, b"",
                            tuple(sorted(welcome.mem))), out)  # fmt: skip
         core._want_ack(now)
@@ -196,8 +260,13 @@ class GroupCore:
 
     @property
     def admin(self) -> bytes:
-        """The member that may add, remove and rotate."""
+        """The member that created the group (its first admin)."""
         return self.record.admin
+
+    @property
+    def admins(self) -> frozenset[bytes]:
+        """The members that may add, remove, make admins and rotate (now)."""
+        return self.membership.current.admins
 
     @property
     def active(self) -> bool:
@@ -207,12 +276,19 @@ class GroupCore:
     @property
     def members(self) -> frozenset[bytes]:
         """The current members."""
-        return self.membership.members
+        return self.membership.current.members
 
     @property
     def epoch(self) -> Epoch:
-        """The current epoch."""
-        return self.membership.current
+        """The current epoch (the one this member sends in)."""
+        e = self.membership.epoch_for(self._cur)
+        assert e is not None, "the epoch this member sends in has keys"
+        return e
+
+    @property
+    def waiting_for_keys(self) -> bool:
+        """Whether the current epoch is one whose keys this member has not got yet (an admin sends them)."""
+        return self.membership.current.epoch != self._cur
 
     def groups(self) -> dict[bytes, int]:
         """Multicast group address -> epoch number, for every epoch this member has keys for."""
@@ -232,9 +308,10 @@ class GroupCore:
         period is still running, and resend the outbox."""
         out: list[Effect] = []
         if self.active:
-            out.append(ev.JoinGroup(self.gid, self.epoch.grp))
-            for e in self.membership.epochs()[1 : self.config.fetch_epochs]:
-                if e.grp not in self._leave_at:
+            cur = self.epoch
+            out.append(ev.JoinGroup(self.gid, cur.grp))
+            for e in self.membership.epochs()[: self.config.fetch_epochs]:
+                if e.grp != cur.grp and e.grp not in self._leave_at:
                     out.append(ev.LeaveGroup(self.gid, e.grp))
             out.extend(ev.JoinGroup(self.gid, g) for g in sorted(self._leave_at))
         else:
@@ -288,7 +365,7 @@ class GroupCore:
             note("wrong_group")
             return None
         ah = app.header
-        return Pending(msg.id, ah.from_, ah.seq, ah.deps, epoch.number, msg.encode(), received_at, app)
+        return Pending(msg.id, ah.from_, ah.seq, ah.deps, epoch.number, msg.encode(), received_at, app, h.grp)
 
     def received(self, msg: Message, now: float) -> list[Effect]:
         """A routed multicast message of this group (pushed by the router, or the answer to a PULL)."""
@@ -302,28 +379,40 @@ class GroupCore:
         p = self._pending(msg, now, out)
         if p is None:
             return out
+        if msg.via is not None and p.sender != self.me:
+            self.store.set_member_via(self.gid, p.sender, msg.via)
+        n_ops = len(self.membership.ops())
         verdict = self.causal.add(p, now)
         if verdict == BASELINE:
-            self.causal.mark_delivered(p.id, Delivered(p.sender, p.seq, self.record.base_adm, p.epoch, ev.BASELINE),
+            self.causal.mark_delivered(p.id, Delivered(p.sender, p.seq, 0, p.epoch, ev.BASELINE, 0, self.record.wv),
                                        head=False)  # fmt: skip
         elif verdict not in (BUFFERED, DUPLICATE):
             out.append(ev.Note(self.gid, "dropped", p.id, verdict))
         self._drain(now, out)
+        if len(self.membership.ops()) != n_ops:
+            self._admin_duties(now, out)
         return out
 
     def _drain(self, now: float, out: list[Effect]) -> None:
         while (p := self.causal.pop_ready()) is not None:
             self._deliver(p, now, out)
 
-    def _past(self, deps: tuple[bytes, ...]) -> tuple[int, int]:
-        """The highest admin seq and the highest own seq in the causal past named by ``deps``."""
-        a = own = 0
+    def _opv(self, d: Delivered) -> tuple[tuple[bytes, int], ...]:
+        """The operations in a delivered message's causal past (version 1 records: the admin's seq)."""
+        if d.opv or not d.adm:
+            return d.opv
+        return ((self.record.admin, d.adm),)
+
+    def _past(self, deps: tuple[bytes, ...]) -> tuple[dict[bytes, int], int]:
+        """The operations and the highest own seq in the causal past named by ``deps``."""
+        v: dict[bytes, int] = {}
+        own = 0
         for d in deps:
             rec = self.store.get_delivered(self.gid, d)
             if rec is not None:
-                a = max(a, rec.adm)
+                v = merge(v, self._opv(rec))
                 own = max(own, rec.own)
-        return a, own
+        return v, own
 
     def _unacked(self) -> frozenset[bytes]:
         """Current members (not this one) that have not acknowledged this member's last message."""
@@ -331,27 +420,34 @@ class GroupCore:
             return frozenset()
         return frozenset(m for m in self.members - {self.me} if self._acked.get(m, 0) < self._last_sent)
 
+    def _open_unicast(self, body: AppUnicast) -> tuple[SealedPayload | None, str | None]:
+        """The sealed payload for this member in a group unicast (None if it is not a recipient), or a note."""
+        try:
+            su = decode_sealed_unicast(body.data)
+        except RemoteProtocolError as e:
+            return None, f"malformed group unicast: {e}"
+        box = su.box_for(self.me)
+        if box is None:
+            return None, None
+        try:
+            return decode_sealed_payload(open_sealed(self.identity, box)), None
+        except (DecryptError, RemoteProtocolError) as e:
+            return None, f"sealed box: {e}"
+
     def _deliver(self, p: Pending, now: float, out: list[Effect]) -> None:
         """Judge a ready message against the state of its causal past, record it, and apply it."""
         app: AppMessage = p.payload
         body = app.body
-        a_before, own_before = self._past(p.deps)
-        members, epoch_no = self.membership.at(a_before)
-        admin = self.admin
-        reason: str | None = None
-        if p.sender not in members:
-            reason = "not_a_member"
-        elif p.epoch != epoch_no:
-            reason = "wrong_epoch"
-        elif isinstance(body, MemberAdd | MemberRemove) and p.sender != admin:
-            reason = "not_admin"
-        elif isinstance(body, MemberRemove) and admin in body.mem:
-            reason = "admin_cannot_be_removed"
-        adm = p.seq if p.sender == admin else a_before
+        v, own_before = self._past(p.deps)
+        payload, unote = self._open_unicast(body) if isinstance(body, AppUnicast) else (None, None)
+        keys = payload if isinstance(payload, EpochKeys) else None
+        op, reason = self._judge(p, body, v, keys)
+        opv = merge(dict(op.past), ((p.sender, p.seq),)) if op is not None else v
         own = p.seq if p.sender == self.me else own_before
         heads_before = set(self.causal.heads)
         flag = ev.REJECTED if reason else ev.OK
-        self.causal.mark_delivered(p.id, Delivered(p.sender, p.seq, adm, p.epoch, flag, own), p.deps)
+        self.causal.mark_delivered(p.id, Delivered(p.sender, p.seq, 0, p.epoch, flag, own, tuple(sorted(opv.items()))),
+                                   p.deps)  # fmt: skip
         if p.sender != self.me and own_before > self._acked.get(p.sender, 0):
             self._acked[p.sender] = own_before  # it has (at least) our messages up to this seq
             self.store.set_acked(self.gid, p.sender, own_before)
@@ -365,76 +461,183 @@ class GroupCore:
             # Acknowledge what others send (delayed, and only if we send nothing meanwhile), and answer an ACK
             # that shows its sender lacks something we have.
             self._want_ack(now + self.config.ack_delay)
-        if isinstance(body, AppMulticast):
+        if op is not None:
+            self._apply(p, op, body, keys, now, out)
+        elif isinstance(body, AppMulticast):
             self._entry(p, ev.MESSAGE, out, body.data)
-        elif isinstance(body, AppUnicast):
-            self._unicast(p, body, adm, epoch_no, now, out)
-        elif isinstance(body, MemberAdd):
-            self.membership.record(adm, members | frozenset(body.mem), epoch_no)
-            self._entry(p, ev.MEMBER_ADD, out, mem=tuple(sorted(body.mem)))
-        elif isinstance(body, MemberRemove):
-            self.membership.record(adm, members - frozenset(body.mem), epoch_no)
-            self._entry(p, ev.MEMBER_REMOVE, out, mem=tuple(sorted(body.mem)))
-            if self.me in body.mem:
-                self.record = GroupRecord(self.gid, admin, REMOVED, self.record.base_adm, self.record.vv0)
-                self.store.put_group(self.record)
-                out.extend(ev.LeaveGroup(self.gid, g) for g in [*self._leave_at, self.epoch.grp])
-                self._leave_at.clear()
-                self._ack_at = None
+        elif unote is not None:
+            out.append(ev.Note(self.gid, "ignored", p.id, unote))
+        elif isinstance(payload, SealedData):
+            self._entry(p, ev.UNICAST, out, payload.data)
+        elif keys is not None:
+            out.append(ev.Note(self.gid, "ignored", p.id, "epoch keys not from an admin, or for another epoch"))
+
+    def _judge(
+        self, p: Pending, body: AppBody, v: dict[bytes, int], keys: EpochKeys | None
+    ) -> tuple[OpRecord | None, str | None]:
+        """Why a ready message does not count (or None), and the membership operation it is (or None)."""
+        epoch = self.membership.by_grp(p.grp)
+        if isinstance(body, GroupOp):
+            declared = dict(body.past)
+            if not self._past_ok(declared, v):
+                return None, "bad_past"
+            st = self.membership.state(declared)  # exact, also for a member that joined later
+        else:
+            st = self.membership.state(v)
+        if p.sender not in st.members:
+            return None, "not_a_member"
+        if epoch is None or epoch.eid != st.epoch:
+            return None, "wrong_epoch"
+        if isinstance(body, MemberAdd | MemberRemove | GroupOp) and p.sender not in st.admins:
+            return None, "not_admin"
+        past = self.membership.normalize(v)
+        if isinstance(body, MemberAdd):
+            return OpRecord(p.sender, p.seq, OP_ADD, tuple(sorted(set(body.mem))), past, 0, True), None
+        if isinstance(body, MemberRemove):
+            if p.sender in body.mem:
+                return None, "admin_cannot_be_removed"
+            return OpRecord(p.sender, p.seq, OP_REMOVE, tuple(sorted(set(body.mem))), past, 0, True), None
+        if isinstance(body, GroupOp):
+            return self._group_op(p, body, st.members, st.number)
+        if keys is not None and p.sender in st.admins and keys.epoch == st.number + 1:
+            return OpRecord(p.sender, p.seq, OP_ROTATE, (), past, keys.epoch, True), None  # a group of one admin
+        return None, None
+
+    def _past_ok(self, declared: dict[bytes, int], v: dict[bytes, int]) -> bool:
+        """Whether an operation's declared past is its causal past: exactly, except where this member only
+        knows the past as history from its welcome (there it may only name less)."""
+        m = self.membership
+        nd, nv, nw = dict(m.normalize(declared)), dict(m.normalize(v)), dict(m.normalize(self.record.wv))
+        for a in nd.keys() | nv.keys():
+            d, c, w = nd.get(a, 0), nv.get(a, 0), nw.get(a, 0)
+            if d > c or (d < c and c > w):
+                return False
+        return True
+
+    def _group_op(
+        self, p: Pending, body: GroupOp, members: frozenset[bytes], number: int
+    ) -> tuple[OpRecord | None, str | None]:
+        if body.op in (OP_REMOVE, OP_ADMIN_REMOVE) and p.sender in body.mem:
+            return None, "cannot_remove_self"
+        if body.op == OP_ADMIN_ADD and not set(body.mem) <= members:
+            return None, "admin_not_a_member"
+        rotates = body.op in ROTATING_OPS
+        op = OpRecord(p.sender, p.seq, body.op, body.mem, self.membership.normalize(body.past),
+                      number + 1 if rotates else 0)  # fmt: skip
+        if rotates:
+            try:
+                rcpt = frozenset(decode_sealed_unicast(body.keys or b"").recipients)
+            except RemoteProtocolError:
+                return None, "bad_keys"
+            if rcpt != self.membership.tentative(op).members:
+                return None, "bad_keys"  # a rotation's keys go to exactly the members after it
+        return op, None
+
+    def _apply(self, p: Pending, op: OpRecord, body: AppBody, keys: EpochKeys | None, now: float,
+               out: list[Effect]) -> None:  # fmt: skip
+        """Record an operation that counts, then act on the state it resolves to."""
+        self.membership.add_op(op)
+        if op.number:
+            if isinstance(body, GroupOp):
+                keys = None
+                payload, unote = self._open_unicast(AppUnicast(body.keys or b""))
+                if isinstance(payload, EpochKeys):
+                    keys = payload
+                elif unote is not None:
+                    out.append(ev.Note(self.gid, "ignored", p.id, unote))
+            if keys is not None:
+                self.membership.add_epoch(Epoch(op.number, Identity.from_seed(keys.gseed), keys.ckey, 0, (op.key,)))
+        kind = _LOG_KIND.get(op.kind)
+        if kind is not None:
+            self._entry(p, kind, out, mem=op.mem)
+        self._settle(p, now, out)
+
+    def _settle(self, p: Pending, now: float, out: list[Effect]) -> None:
+        """After an operation: leave if this member is out; move to the resolved epoch if it changed."""
+        st = self.membership.current
+        if self.me not in st.members:
+            self._removed(out)
+            return
+        if st.epoch == self._cur:
+            return
+        new = self.membership.epoch_for(st.epoch)
+        if new is None:
+            out.append(ev.Note(self.gid, "waiting", p.id, "no keys for the new epoch yet (an admin sends them)"))
+            return
+        entry = LogEntry(0, ev.ROTATED, p.id, p.sender, p.seq, new.number, b"", tuple(sorted(st.members)))
+        self._switch(new, now, out, entry)
+
+    def _switch(self, new: Epoch, now: float, out: list[Effect], entry: LogEntry) -> None:
+        old = self.membership.epoch_for(self._cur)
+        self._cur = new.eid
+        self._leave_at.pop(new.grp, None)
+        out.append(ev.JoinGroup(self.gid, new.grp))
+        if old is not None and old.grp != new.grp:
+            self._leave_at[old.grp] = now + self.config.leave_delay
+        self._log(entry, out)
+        self._want_ack(now)  # at once: "I am in the new epoch", and anyone behind learns the heads
+
+    def _removed(self, out: list[Effect]) -> None:
+        if not self.active:
+            return
+        self.record = self.record.replace(status=REMOVED)
+        self.store.put_group(self.record)
+        out.extend(ev.LeaveGroup(self.gid, g) for g in [*self._leave_at, self.epoch.grp])
+        self._leave_at.clear()
+        self._ack_at = None
 
     def _entry(self, p: Pending, kind: str, out: list[Effect], data: bytes = b"", mem: tuple[bytes, ...] = ()) -> None:
         self._log(LogEntry(0, kind, p.id, p.sender, p.seq, p.epoch, data, mem), out)
 
-    def _unicast(self, p: Pending, body: AppUnicast, adm: int, epoch_no: int, now: float, out: list[Effect]) -> None:
-        try:
-            su = decode_sealed_unicast(body.data)
-        except RemoteProtocolError as e:
-            out.append(ev.Note(self.gid, "ignored", p.id, f"malformed group unicast: {e}"))
-            return
-        box = su.box_for(self.me)
-        if box is None:
-            return
-        try:
-            payload = decode_sealed_payload(open_sealed(self.identity, box))
-        except (DecryptError, RemoteProtocolError) as e:
-            out.append(ev.Note(self.gid, "ignored", p.id, f"sealed box: {e}"))
-            return
-        if isinstance(payload, SealedData):
-            self._entry(p, ev.UNICAST, out, payload.data)
-            return
-        self._epoch_keys(p, payload, adm, epoch_no, now, out)
-
-    def _epoch_keys(self, p: Pending, keys: EpochKeys, adm: int, epoch_no: int, now: float, out: list[Effect]) -> None:
-        if p.sender != self.admin:
-            out.append(ev.Note(self.gid, "ignored", p.id, "epoch keys from someone other than the admin"))
-            return
-        if keys.epoch != epoch_no + 1:
-            out.append(ev.Note(self.gid, "ignored", p.id, f"epoch keys for {keys.epoch}, expected {epoch_no + 1}"))
-            return
-        old = self.epoch
-        new = Epoch.from_keys(keys, adm)
-        self.membership.add_epoch(new)
-        members, _ = self.membership.at(adm)
-        self.membership.record(adm, members, new.number)
-        if new.number > old.number:
-            out.append(ev.JoinGroup(self.gid, new.grp))
-            self._leave_at[old.grp] = now + self.config.leave_delay
-        self._log(LogEntry(0, ev.ROTATED, p.id, p.sender, p.seq, new.number, b"", tuple(sorted(members))), out)
-        self._want_ack(now)  # at once: "I am in the new epoch", and anyone behind learns the heads
-
     def _log(self, e: LogEntry, out: list[Effect]) -> None:
         out.append(ev.Deliver(self.gid, self.store.append_log(self.gid, e)))
+
+    def keys_received(self, sender: bytes, share: KeyShare, now: float) -> list[Effect]:
+        """An admin's key share (already opened): remember the epochs, JOIN their groups for a while (the
+        messages this member missed are there), and move to the current epoch if it can now."""
+        out: list[Effect] = []
+        if not self.active:
+            return out
+        if sender not in self.admins:
+            out.append(ev.Note(self.gid, "ignored", b"", f"a key share from {sender.hex()[:16]}, not an admin"))
+            return out
+        got: list[Epoch] = []
+        for se in share.epochs:
+            if (not se.eid and self.record.base_vec) or self.membership.epoch_for(se.eid) is not None:
+                continue  # the base epoch of another history, or known
+            e = Epoch(se.number, Identity.from_seed(se.gseed), se.ckey, 0, se.eid)
+            self.membership.add_epoch(e)
+            got.append(e)
+        if not got:
+            return out
+        st = self.membership.current
+        for e in got:
+            out.append(ev.JoinGroup(self.gid, e.grp))
+            self._leave_at[e.grp] = now + self.config.leave_delay
+        new = self.membership.epoch_for(st.epoch)
+        if st.epoch != self._cur and new is not None:
+            self._switch(new, now, out, LogEntry(0, ev.ROTATED, b"", sender, 0, new.number, b"",
+                                                 tuple(sorted(st.members))))  # fmt: skip
+        self._want_ack(now)
+        return out
 
     # ------------------------------------------------------------ sending
 
     def _require_member(self) -> None:
         if not self.active:
             raise GroupError("this member was removed from the group")
+        if self.waiting_for_keys:
+            raise GroupError("waiting for the keys of the current epoch (an admin sends them)")
 
     def _require_admin(self) -> None:
         self._require_member()
-        if self.me != self.admin:
-            raise GroupError("only the group's admin adds, removes and rotates")
+        if self.me not in self.admins:
+            raise GroupError("only the group's admins add, remove and rotate")
+
+    def _legacy(self) -> bool:
+        """Whether the group has only ever had its creator as admin: its operations then keep the seed's
+        forms, which members running an older version understand."""
+        return self.admins == {self.record.admin} and all(o.legacy for o in self.membership.ops())
 
     def _sn(self) -> tuple[bytes, ...]:
         cur = self.epoch.number
@@ -463,9 +666,14 @@ class GroupCore:
             self.store.set_last_sent(self.gid, seq)
             self._retry_n = 0
             self._retry_at = now + self.config.ack_timeout if self.config.ack_delay > 0 else None
-        self._deliver(Pending(msg.id, self.me, seq, deps, epoch.number, msg.encode(), now, app), now, out)
+        self._deliver(Pending(msg.id, self.me, seq, deps, epoch.number, msg.encode(), now, app, epoch.grp), now, out)
         self._drain(now, out)
         return msg.id
+
+    def _unicast_to(self, member: bytes, body: bytes, now: float, out: list[Effect], via: bytes | None) -> None:
+        header = UnicastHeader(self.me, member, self.config.ttl, exp_in(now, self.config.lifetime))
+        msg = sign_message(header, body, self.identity, via)
+        out.append(ev.SendUnicast(self.gid, msg, self.store.outbox_add(self.gid, msg.encode())))
 
     def send(self, data: bytes, now: float) -> tuple[bytes, list[Effect]]:
         """Send ``data`` to the whole group (MULTICAST); return the message id and the effects."""
@@ -491,55 +699,136 @@ class GroupCore:
         out: list[Effect] = []
         return self._publish(AppAck(), now, out), out
 
+    def _op(self, kind: int, mem: list[bytes] | tuple[bytes, ...], keys: bytes | None = None) -> GroupOp:
+        """A GROUP_OP naming every operation this member has delivered (they are all in its causal past)."""
+        return GroupOp(kind, tuple(sorted(set(mem))), self.membership.everything, keys)
+
+    def _new_keys(self, members: frozenset[bytes]) -> bytes:
+        """A new epoch's keys, sealed to each of ``members`` (the GROUP_OP's ``keys``)."""
+        new = Epoch.generate(self.membership.current.number + 1, 0, self.rng)
+        payload = encode_sealed_payload(new.keys())
+        return SealedUnicast(tuple((m, seal_to(m, payload)) for m in sorted(members))).encode()
+
     def add(self, new: list[bytes] | tuple[bytes, ...], now: float, via: bytes | None = None) -> list[Effect]:
-        """Add members: publish MEMBER_ADD, then send each new member a welcome (a routed unicast, through
-        router ``via`` when the new member is on another router)."""
+        """Add members: publish the add, then send each new member a welcome (a routed unicast, through router
+        ``via`` when the new member is on another router)."""
         self._require_admin()
         todo = sorted(set(new) - self.members)
         if not todo:
             raise GroupError("already members")
         for m in todo:
             seal_to(m, b"")  # fail early for a key that cannot be converted for encryption
+        legacy = self._legacy()
+        if not legacy and len(self.membership.ops()) >= MAX_OPS:
+            raise GroupError(f"the group's history has {MAX_OPS} operations, more than a welcome can carry")
         out: list[Effect] = []
-        add_id = self._publish(MemberAdd(tuple(todo)), now, out)
+        add_id = self._publish(MemberAdd(tuple(todo)) if legacy else self._op(OP_ADD, todo), now, out)
+        st = self.membership.current
         epoch = self.epoch
         vv = tuple(sorted(self.causal.vv.items()))
         base = (add_id, *(i for i in self.store.recent(self.gid, self.config.welcome_base) if i != add_id))
-        welcome = Welcome(self.gid, self.me, tuple(sorted(self.members)), epoch.number, epoch.gkey.seed, epoch.ckey,
-                          self.membership.last_adm, vv, base[: self.config.welcome_base])
+        welcome = Welcome(self.gid, self.me, tuple(sorted(st.members)), epoch.number, epoch.gkey.seed, epoch.ckey,
+                          self.causal.vv[self.me], vv, base[: self.config.welcome_base])  # fmt: skip
+        if not legacy:
+            rec = self.record
+            hist = History(rec.base_vec, rec.base_mem, rec.base_admins, rec.base_epoch, tuple(self.membership.ops()))
+            keys = []
+            for part in st.epoch:
+                e = self.membership.epoch_for((part,))
+                if e is not None:
+                    keys.append((part[0], part[1], e.gkey.seed, e.ckey))
+            welcome = replace(welcome, creator=rec.admin, hist=hist, opv=self.membership.everything,
+                              keys=tuple(keys))  # fmt: skip
         body_plain = welcome.encode()
         for m in todo:
-            body = WelcomeMessage(seal_to(m, body_plain)).encode()
-            header = UnicastHeader(self.me, m, self.config.ttl, exp_in(now, self.config.lifetime))
-            msg = sign_message(header, body, self.identity, via)
-            out.append(ev.SendUnicast(self.gid, msg, self.store.outbox_add(self.gid, msg.encode())))
+            if via is not None:
+                self.store.set_member_via(self.gid, m, via)
+            self._unicast_to(m, WelcomeMessage(seal_to(m, body_plain)).encode(), now, out, via)
         return out
 
     def remove(self, gone: list[bytes] | tuple[bytes, ...], now: float) -> list[Effect]:
-        """Remove members: publish MEMBER_REMOVE, then rotate (new group key and content key for the rest)."""
+        """Remove members (admins among them stop being admins) and start a new epoch for the rest."""
         self._require_admin()
         if self.me in gone:
-            raise GroupError("the admin cannot remove itself")
+            raise GroupError("an admin cannot remove itself (another admin can)")
         todo = sorted(set(gone) & self.members)
         if not todo:
             raise GroupError("not members")
         out: list[Effect] = []
-        self._publish(MemberRemove(tuple(todo)), now, out)
-        self._rotate(now, out)
+        if self._legacy():
+            self._publish(MemberRemove(tuple(todo)), now, out)
+            self._rotate_legacy(now, out)
+        else:
+            self._publish(self._op(OP_REMOVE, todo, self._new_keys(self.members - set(todo))), now, out)
         return out
 
     def rotate(self, now: float) -> list[Effect]:
         """Start a new epoch without changing the members."""
         self._require_admin()
         out: list[Effect] = []
-        self._rotate(now, out)
+        if self._legacy():
+            self._rotate_legacy(now, out)
+        else:
+            self._publish(self._op(OP_ROTATE, (), self._new_keys(self.members)), now, out)
         return out
 
-    def _rotate(self, now: float, out: list[Effect]) -> None:
-        new = Epoch.generate(self.epoch.number + 1, 0, self.rng)
+    def _rotate_legacy(self, now: float, out: list[Effect]) -> None:
+        new = Epoch.generate(self.membership.current.number + 1, 0, self.rng)
         payload = encode_sealed_payload(new.keys())
         boxes = tuple((m, seal_to(m, payload)) for m in sorted(self.members))
         self._publish(AppUnicast(SealedUnicast(boxes).encode()), now, out)
+
+    def add_admins(self, keys: list[bytes] | tuple[bytes, ...], now: float) -> list[Effect]:
+        """Make members admins (ADMIN_ADD; the group uses GROUP_OP messages from then on)."""
+        self._require_admin()
+        strangers = set(keys) - self.members
+        if strangers:
+            raise GroupError(f"not members: {', '.join(sorted(k.hex() for k in strangers))}")
+        todo = sorted(set(keys) - self.admins)
+        if not todo:
+            raise GroupError("already admins")
+        out: list[Effect] = []
+        self._publish(self._op(OP_ADMIN_ADD, todo), now, out)
+        return out
+
+    def remove_admins(self, keys: list[bytes] | tuple[bytes, ...], now: float) -> list[Effect]:
+        """Make admins plain members again (ADMIN_REMOVE); what they do afterwards as admins does not count."""
+        self._require_admin()
+        if self.me in keys:
+            raise GroupError("an admin cannot remove itself from the admins (another admin can)")
+        todo = sorted(set(keys) & self.admins)
+        if not todo:
+            raise GroupError("not admins")
+        out: list[Effect] = []
+        self._publish(self._op(OP_ADMIN_REMOVE, todo), now, out)
+        return out
+
+    # ------------------------------------------------------------ admins' duties
+
+    def _admin_duties(self, now: float, out: list[Effect]) -> None:
+        """What an admin does after operations arrived: send keys that members added concurrently with a
+        rotation lack; rotate when a key that is not a member may hold the current epoch."""
+        if not self.active or self.waiting_for_keys or self.me not in self.admins or self._legacy():
+            return
+        self._share_keys(now, out)
+        gone = self.membership.excess()
+        if gone:
+            out.append(ev.Note(self.gid, "rotating", b"", f"{len(gone)} non-member(s) may hold the current keys"))
+            self._publish(self._op(OP_ROTATE, (), self._new_keys(self.members)), now, out)
+
+    def _share_keys(self, now: float, out: list[Effect]) -> None:
+        cur = self.membership.current.epoch
+        for member, needs in sorted(self.membership.key_needs(self.me).items()):
+            todo = [e for e in sorted(needs | {cur}) if not self.store.is_shared(self.gid, member, e)
+                    and (e or not self.record.base_vec)]  # fmt: skip
+            epochs = [(eid, e) for eid in todo if (e := self.membership.epoch_for(eid)) is not None][:MAX_SHARED]
+            if not any(eid in needs for eid, _ in epochs):
+                continue
+            share = KeyShare(self.gid, tuple(SharedEpoch(eid, e.number, e.gkey.seed, e.ckey) for eid, e in epochs))
+            body = KeyShareMessage(seal_to(member, share.encode())).encode()
+            self._unicast_to(member, body, now, out, self.store.member_via(self.gid, member))
+            for eid, _ in epochs:
+                self.store.add_shared(self.gid, member, eid)
 
     # ------------------------------------------------------------ timers
 
@@ -551,7 +840,7 @@ class GroupCore:
     def flush_ack(self, now: float) -> list[Effect]:
         """Send a wanted ACK now instead of at its deadline (a session that is about to stop)."""
         out: list[Effect] = []
-        if self.active and self._ack_wanted and self._ack_at is not None:
+        if self.active and self._ack_wanted and self._ack_at is not None and not self.waiting_for_keys:
             self._ack_at = None
             self._publish(AppAck(), now, out)
         return out
@@ -581,11 +870,11 @@ class GroupCore:
             out.append(ev.Fetch(self.gid, mid, groups, attempt))
         if self._ack_at is not None and self._ack_at <= now:
             self._ack_at = None
-            if self._ack_wanted:
+            if self._ack_wanted and not self.waiting_for_keys:
                 self._publish(AppAck(), now, out)
         if self._retry_at is not None and self._retry_at <= now:
             self._retry_at = None
-            if self._unacked() and self._retry_n < self.config.ack_retries:
+            if self._unacked() and self._retry_n < self.config.ack_retries and not self.waiting_for_keys:
                 # Someone has not shown that it has our last message: name our heads again (whoever lacks them
                 # fetches them). Its own ACK, or anything it sends, will show it.
                 self._retry_n += 1

@@ -20,13 +20,15 @@ MESSAGE = "message"  # MULTICAST: data for the whole group
 UNICAST = "unicast"  # UNICAST: data sealed for this member (and maybe others)
 MEMBER_ADD = "member_add"
 MEMBER_REMOVE = "member_remove"
+ADMIN_ADD = "admin_add"  # members made admins
+ADMIN_REMOVE = "admin_remove"  # admins made plain members
 ROTATED = "rotated"  # this member switched to a new epoch (new group key and content key)
 WELCOME = "welcome"  # the first entry of a member that was added: the members at that point
 CREATED = "created"  # the first entry of the member that created the group
 
 # Delivery flags.
 OK = 0
-REJECTED = 1  # delivered for causality, but invalid (not a member then, wrong epoch, not the admin's to do)
+REJECTED = 1  # delivered for causality, but invalid (not a member then, wrong epoch, not an admin's to do)
 BASELINE = 2  # history before this member joined: known from its welcome, never seen
 
 
@@ -41,7 +43,7 @@ class LogEntry:
     seq: int
     epoch: int
     data: bytes = b""
-    members: tuple[bytes, ...] = ()  # MEMBER_ADD / MEMBER_REMOVE: who; CREATED / WELCOME / ROTATED: all now
+    members: tuple[bytes, ...] = ()  # MEMBER_* / ADMIN_*: who; CREATED / WELCOME / ROTATED: all members now
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-friendly dict (``data`` as text when it is UTF-8, always as hex)."""
@@ -62,10 +64,11 @@ class Delivered:
 
     sender: bytes  # b"" for BASELINE ids
     seq: int
-    adm: int  # the highest admin seq in the message's causal past (itself included)
+    adm: int  # state version 1: the highest seq of the (only) admin in the message's causal past; 0 since
     epoch: int
     flag: int = OK
     own: int = 0  # the highest seq of this member's own messages in its causal past (itself included)
+    opv: tuple[tuple[bytes, int], ...] = ()  # the membership operations in its causal past (itself included)
 
 
 # ---------------------------------------------------------------------------------------------- effects

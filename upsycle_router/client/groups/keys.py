@@ -4,9 +4,15 @@ A group lives in *epochs*. Each epoch has a multicast group key (an Ed25519 key 
 multicast group address the epoch's messages are routed to, and whose private half signs them, so routers
 accept them: seed 003 §Unicast & multicast messages) and a 32-byte content key. Epoch 0 is generated when the
 group is created; its group address doubles as the group id (the ``to`` of every application message, stable
-across epochs). The admin starts epoch ``n + 1`` when it removes members (or rotates on purpose): fresh keys,
+across epochs). An admin starts a new epoch when it removes members (or rotates on purpose): fresh keys,
 announced to each remaining member in a sealed box, so a removed member holds neither the new group key (its
 messages to the new group fail the routers' signature check) nor the new content key (it cannot read).
+
+An epoch is named by the rotations it is made of (``eid``: ``(author, seq)`` of each; empty for the epoch the
+group was created with). Rotations by different admins that did not see each other are *combined*
+(:func:`combine`): the combined epoch's keys are derived from the keys of all of them, so only a member that
+received every one of them has it. Such a member needs no further message to move on, and a member that some
+of them left out (because one of the admins removed it) cannot follow.
 
 Encryption:
 
@@ -23,8 +29,9 @@ gives: whoever holds an epoch's content key reads all of that epoch's messages (
 
 from __future__ import annotations
 
+import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import nacl.bindings
@@ -47,12 +54,14 @@ class DecryptError(UpsycleError):
 
 @dataclass(frozen=True, slots=True)
 class Epoch:
-    """One epoch: its number, the multicast group key, the content key and the admin seq it starts at."""
+    """One epoch: its number, the multicast group key, the content key, the admin seq it starts at (groups of one
+    admin before version 2 of the state) and its name ``eid`` (the rotations it is made of)."""
 
     number: int
     gkey: Identity
     ckey: bytes
     start: int = 0
+    eid: tuple[tuple[bytes, int], ...] = ()
 
     @property
     def grp(self) -> bytes:
@@ -65,16 +74,32 @@ class Epoch:
         return cls(number, Identity.from_seed(rng(32)), rng(CONTENT_KEY_LEN), start)
 
     @classmethod
-    def from_keys(cls, keys: EpochKeys, start: int) -> Epoch:
+    def from_keys(cls, keys: EpochKeys, start: int, eid: tuple[tuple[bytes, int], ...] = ()) -> Epoch:
         """The epoch announced by a rotation."""
-        return cls(keys.epoch, Identity.from_seed(keys.gseed), keys.ckey, start)
+        return cls(keys.epoch, Identity.from_seed(keys.gseed), keys.ckey, start, eid)
 
     def keys(self) -> EpochKeys:
         """The announcement of this epoch's keys."""
         return EpochKeys(self.number, self.gkey.seed, self.ckey)
 
     def __repr__(self) -> str:  # never print secrets
-        return f"Epoch({self.number}, grp={self.grp.hex()[:16]}…, start={self.start})"
+        return f"Epoch({self.number}, grp={self.grp.hex()[:16]}…, parts={len(self.eid)})"
+
+
+_COMBINE = b"upsycle/grp-comb"  # blake2b personalization (16 bytes)
+
+
+def combine(parts: Sequence[Epoch], number: int) -> Epoch:
+    """The epoch made of concurrent rotations ``parts`` (each named by one rotation): its keys are derived from
+    all of theirs, in the order of their names, so every member that has them all derives the same epoch."""
+    if len(parts) < 2 or any(len(p.eid) != 1 for p in parts):
+        raise ValueError("combine at least two epochs, each started by one rotation")
+    ordered = sorted(parts, key=lambda p: p.eid)
+    material = b"".join(p.gkey.seed + p.ckey for p in ordered)
+    gseed = hashlib.blake2b(b"gseed" + material, digest_size=32, person=_COMBINE).digest()
+    ckey = hashlib.blake2b(b"ckey" + material, digest_size=32, person=_COMBINE).digest()
+    eid = tuple(p.eid[0] for p in ordered)
+    return Epoch(number, Identity.from_seed(gseed), ckey, 0, eid)
 
 
 def _aad(grp: bytes) -> bytes:

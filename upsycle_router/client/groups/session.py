@@ -9,7 +9,8 @@ router (:class:`~upsycle_router.client.Client`, re-established with backoff when
 
 * the *reader* takes every message the router delivers: a multicast message goes to the core of the group
   that owns its group address; a unicast whose BODY is a welcome is opened and, if ``accept`` agrees, starts
-  a new session;
+  a new session; one whose BODY is a key share (an admin's keys for a member added concurrently with a
+  rotation) goes to the core of its group;
 * the *worker* carries out the cores' effects in order: it publishes and sends outbox messages, then waits
   for the router's SYNC_ACK (committed) before it drops them from the outbox (one the router refused for
   want of room or for load stays in it, to be sent again when the session starts again); it JOINs
@@ -26,8 +27,9 @@ When the connection drops, pending effects are discarded: on reconnecting every 
 re-JOINs, re-LEAVEs and resends its outbox, and fetches come back on their own schedule.
 
 A :class:`GroupSession` is the app's handle on one group: ``send``, ``send_to``, ``add``, ``remove``,
-``rotate``, and ``recv`` / ``async for``, which read the member's causally ordered log from a persistent
-cursor (an app that restarts continues where it stopped; :meth:`GroupSession.log` re-reads anything).
+``add_admins``, ``remove_admins``, ``rotate``, and ``recv`` / ``async for``, which read the member's causally
+ordered log from a persistent cursor (an app that restarts continues where it stopped; :meth:`GroupSession.log`
+re-reads anything).
 """
 
 from __future__ import annotations
@@ -50,7 +52,12 @@ from upsycle_router.client.groups.store import ACTIVE, GroupStore
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.wire.control import Reason
-from upsycle_router.wire.groups import decode_welcome, decode_welcome_message
+from upsycle_router.wire.groups import (
+    decode_key_share,
+    decode_key_share_message,
+    decode_welcome,
+    decode_welcome_message,
+)
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 
 log = logging.getLogger("upsycle_router.groups")
@@ -60,7 +67,7 @@ log = logging.getLogger("upsycle_router.groups")
 RETRY_REASONS = frozenset({Reason.QUOTA, Reason.STORE_FULL, Reason.OVERLOADED, Reason.NO_ROUTE})
 
 Accept = Callable[[bytes, bytes], bool]
-"""``accept(admin, gid)``: whether to join a group this admin invites us to."""
+"""``accept(admin, gid)``: whether to join a group an admin (the one that added us) invites us to."""
 
 RECONNECT_MIN = 0.2
 RECONNECT_MAX = 5.0
@@ -317,7 +324,7 @@ class GroupManager:
         try:
             wm = decode_welcome_message(msg.body)
         except RemoteProtocolError:
-            log.debug("groups: ignoring a unicast from %s that is not a welcome", h.src.hex()[:16])
+            self._maybe_keys(msg, h)
             return
         if h.dst != self.identity.public or not message_signature_valid(msg):
             log.info("groups: ignoring a welcome not signed by its sender or not for us")
@@ -347,6 +354,26 @@ class GroupManager:
         self._dispatch(out)
         log.info("groups: joined group %s (admin %s)", welcome.gid.hex()[:16], welcome.admin.hex()[:16])
         self._welcomes.put_nowait(s)
+
+    def _maybe_keys(self, msg: Message, h: UnicastHeader) -> None:
+        try:
+            km = decode_key_share_message(msg.body)
+        except RemoteProtocolError:
+            log.debug("groups: ignoring a unicast from %s that is neither a welcome nor keys", h.src.hex()[:16])
+            return
+        if h.dst != self.identity.public or not message_signature_valid(msg):
+            log.info("groups: ignoring a key share not signed by its sender or not for us")
+            return
+        try:
+            share = decode_key_share(open_sealed(self.identity, km.box))
+        except (DecryptError, RemoteProtocolError) as e:
+            log.info("groups: ignoring a key share from %s: %s", h.src.hex()[:16], e)
+            return
+        if share.gid not in self.cores:
+            log.info("groups: ignoring a key share for group %s we are not in", share.gid.hex()[:16])
+            return
+        now = time.time()
+        self.run(share.gid, lambda core: core.keys_received(h.src, share, now))
 
     # ------------------------------------------------------------ effects
 
@@ -513,8 +540,13 @@ class GroupSession:
 
     @property
     def admin(self) -> bytes:
-        """The member that may add, remove and rotate."""
+        """The member that created the group (its first admin)."""
         return self.core.admin
+
+    @property
+    def admins(self) -> frozenset[bytes]:
+        """The members that may add and remove members and admins, and rotate."""
+        return self.core.admins
 
     @property
     def members(self) -> frozenset[bytes]:
@@ -571,15 +603,23 @@ class GroupSession:
         self.manager.run(self.gid, lambda core: core.ack(time.time())[1])
 
     async def add(self, *members: bytes, via: bytes | None = None) -> None:
-        """Add members (admin only); ``via``: the router the new members are on, when it is not ours."""
+        """Add members (admins only); ``via``: the router the new members are on, when it is not ours."""
         self.manager.run(self.gid, lambda core: core.add(members, time.time(), via))
 
     async def remove(self, *members: bytes) -> None:
-        """Remove members and rotate the keys (admin only)."""
+        """Remove members (admins among them too) and rotate the keys (admins only)."""
         self.manager.run(self.gid, lambda core: core.remove(members, time.time()))
 
+    async def add_admins(self, *members: bytes) -> None:
+        """Make members admins (admins only)."""
+        self.manager.run(self.gid, lambda core: core.add_admins(members, time.time()))
+
+    async def remove_admins(self, *members: bytes) -> None:
+        """Make admins plain members again (admins only; not oneself)."""
+        self.manager.run(self.gid, lambda core: core.remove_admins(members, time.time()))
+
     async def rotate(self) -> None:
-        """Start a new epoch with fresh keys (admin only)."""
+        """Start a new epoch with fresh keys (admins only)."""
         self.manager.run(self.gid, lambda core: core.rotate(time.time()))
 
     # ------------------------------------------------------------ receiving

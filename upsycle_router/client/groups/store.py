@@ -5,10 +5,10 @@ Theory of operation
 Every record is keyed by the 32-byte group id first, so one environment holds all the groups of one member
 (the key it belongs to is recorded once, in ``meta``, and a different key is refused). Named databases:
 
-``groups``     gid -> group record (admin, status, the welcome's baseline)
-``epochs``     gid || epoch (u32) -> [gseed, ckey, start]          (secret: the directory is private)
-``mhist``      gid || admin seq (u64) -> [members, epoch]           membership and epoch after each admin op
-``delivered``  gid || id -> [sender, seq, adm, epoch, flag]         every delivered (or baseline) id
+``groups``     gid -> group record (creator, status, the welcome's baseline, the membership base state)
+``epochs``     gid || 0x01 || eid -> [number, gseed, ckey, start]  (secret: the directory is private)
+``ops``        gid || n (u64) -> op record                          membership operations, in delivery order
+``delivered``  gid || id -> [sender, seq, adm, epoch, flag, own, opv]  every delivered (or baseline) id
 ``vv``         gid || sender -> seq (u64)                           highest delivered seq per sender
 ``heads``      gid || id -> ""                                      delivered ids no delivered message names
 ``dorder``     gid || n (u64) -> id                                 delivery order (recent ids, welcomes)
@@ -18,7 +18,17 @@ Every record is keyed by the 32-byte group id first, so one environment holds al
 ``routers``    gid || router -> ""                                  routers this group's messages came via
 ``acks``       gid || epoch (u32) || member -> ""                   members heard from in an epoch
 ``ackby``      gid || member -> seq (u64)                           highest own seq the member has acknowledged
+``shared``     gid || member || eid -> ""                           epoch keys this admin sent a member
+``mvia``       gid || member -> router                              the router a member's messages came through
 ``meta``       owner / gid || counter name -> u64 counters
+
+An epoch's ``eid`` is the ``(author, seq)`` of each rotation it was made of, as ``author || seq (u64)``, empty
+for the epoch the group was created with (:mod:`.keys`).
+
+Version 1 of the state (one admin) kept ``epochs`` as gid || epoch number (u32) -> [gseed, ckey, start] and the
+membership after each of the admin's operations in ``mhist`` (gid || admin seq (u64) -> [members, epoch]);
+delivered records had six fields. :func:`upsycle_router.client.groups.membership.migrate` turns such a group
+into version 2 when it is first loaded; the old tables are still read for that.
 
 All writes happen inside :meth:`GroupStore.transaction` (one per input of the core, opened by the adapter),
 so a crash leaves either all or nothing of one input. The directory is created with mode 0700 and the files
@@ -41,12 +51,16 @@ from upsycle_router.crypto import Identity
 from upsycle_router.errors import UpsycleError
 from upsycle_router.store.tables import LmdbTables
 from upsycle_router.wire.cbor import enc
+from upsycle_router.wire.groups import OpRecord, op_record_from_cbor
 
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 SCHEMA = b"groups-1"
 _DBS = ("meta", "groups", "epochs", "mhist", "delivered", "vv", "heads", "dorder", "buffer", "log", "outbox",
-        "routers", "acks", "ackby")  # fmt: skip
+        "routers", "acks", "ackby", "ops", "shared", "mvia")  # fmt: skip
+_EPOCH = b"\x01"  # new-style epoch keys: gid || 0x01 || eid (version 1 keys are gid || u32)
+
+Vec = tuple[tuple[bytes, int], ...]
 
 ACTIVE = "active"
 REMOVED = "removed"
@@ -57,28 +71,66 @@ class GroupStoreError(UpsycleError):
 
 
 class GroupRecord:
-    """The static part of a group's state."""
+    """The static part of a group's state: the creator (``admin``), whether this member is still in, the
+    welcome's baseline (``base_adm``, ``vv0``, and ``wv``: the membership operations the add had seen), and the
+    membership state the operations are resolved from (``base_vec``: the operations it covers, ``base_mem``,
+    ``base_admins``, ``base_epoch``). ``version`` 1 is the state of a group of one admin before it knew of
+    operations; 2 since."""
 
-    __slots__ = ("gid", "admin", "status", "base_adm", "vv0")
+    __slots__ = ("gid", "admin", "status", "base_adm", "vv0", "version", "wv", "base_vec", "base_mem",
+                 "base_admins", "base_epoch")  # fmt: skip
 
     def __init__(
         self, gid: bytes, admin: bytes, status: str = ACTIVE, base_adm: int = 0,
-        vv0: tuple[tuple[bytes, int], ...] = (),
+        vv0: tuple[tuple[bytes, int], ...] = (), *, version: int = 2, wv: Vec = (), base_vec: Vec = (),
+        base_mem: tuple[bytes, ...] | None = None, base_admins: tuple[bytes, ...] | None = None, base_epoch: int = 0,
     ) -> None:  # fmt: skip
         self.gid = gid
         self.admin = admin
         self.status = status
         self.base_adm = base_adm
         self.vv0 = vv0
+        self.version = version
+        self.wv = wv
+        self.base_vec = base_vec
+        self.base_mem = base_mem if base_mem is not None else (admin,)
+        self.base_admins = base_admins if base_admins is not None else (admin,)
+        self.base_epoch = base_epoch
+
+    def replace(self, **kw: object) -> GroupRecord:
+        """A copy with some fields changed."""
+        v = {k: getattr(self, k) for k in self.__slots__}
+        v.update(kw)
+        return GroupRecord(**v)
 
     def encode(self) -> bytes:
-        return enc({"admin": self.admin, "status": self.status, "base_adm": self.base_adm,
-                    "vv0": [[k, n] for k, n in self.vv0]})  # fmt: skip
+        m: dict[str, object] = {"admin": self.admin, "status": self.status, "base_adm": self.base_adm,
+                                "vv0": [[k, n] for k, n in self.vv0]}  # fmt: skip
+        if self.version >= 2:
+            m.update({"v": self.version, "wv": [[k, n] for k, n in self.wv],
+                      "bvec": [[k, n] for k, n in self.base_vec], "bmem": sorted(self.base_mem),
+                      "badm": sorted(self.base_admins), "bepoch": self.base_epoch})  # fmt: skip
+        return enc(m)
 
     @classmethod
     def decode(cls, gid: bytes, data: bytes) -> GroupRecord:
         m = cbor2.loads(data)
-        return cls(gid, m["admin"], m["status"], m["base_adm"], tuple((k, n) for k, n in m["vv0"]))
+        vv0 = tuple((k, n) for k, n in m["vv0"])
+        if m.get("v", 1) < 2:
+            return cls(gid, m["admin"], m["status"], m["base_adm"], vv0, version=1)
+        return cls(gid, m["admin"], m["status"], m["base_adm"], vv0, version=m["v"],
+                   wv=tuple((k, n) for k, n in m["wv"]), base_vec=tuple((k, n) for k, n in m["bvec"]),
+                   base_mem=tuple(m["bmem"]), base_admins=tuple(m["badm"]), base_epoch=m["bepoch"])  # fmt: skip
+
+
+def eid_bytes(eid: Vec) -> bytes:
+    """An epoch's name as bytes: ``author || seq (u64)`` for each of its rotations."""
+    return b"".join(a + _U64.pack(n) for a, n in eid)
+
+
+def eid_from_bytes(b: bytes) -> Vec:
+    """The inverse of :func:`eid_bytes`."""
+    return tuple((b[i : i + 32], _U64.unpack(b[i + 32 : i + 40])[0]) for i in range(0, len(b), 40))
 
 
 class GroupStore(LmdbTables):
@@ -168,16 +220,37 @@ class GroupStore(LmdbTables):
         return [k for k, _ in self._prefix("groups", b"")]
 
     def put_epoch(self, gid: bytes, epoch: Epoch) -> None:
-        self._put("epochs", gid + _U32.pack(epoch.number), enc([epoch.gkey.seed, epoch.ckey, epoch.start]))
+        self._put("epochs", gid + _EPOCH + eid_bytes(epoch.eid),
+                  enc([epoch.number, epoch.gkey.seed, epoch.ckey, epoch.start]))  # fmt: skip
 
     def epochs(self, gid: bytes) -> list[Epoch]:
+        """Every epoch whose keys this member has (oldest number first)."""
+        out = []
+        for k, v in self._prefix("epochs", gid + _EPOCH):
+            if (len(k) - 33) % 40:
+                continue  # a version 1 key (gid || u32) whose number starts with 0x01
+            number, seed, ckey, start = cbor2.loads(v)
+            out.append(Epoch(number, Identity.from_seed(seed), ckey, start, eid_from_bytes(k[33:])))
+        return sorted(out, key=lambda e: (e.number, e.eid))
+
+    def clear_epochs(self, gid: bytes) -> None:
+        for k, _ in self._prefix("epochs", gid):
+            self._delete("epochs", k)
+
+    def legacy_epochs(self, gid: bytes) -> list[Epoch]:
+        """Version 1 epochs (keyed by number)."""
         out = []
         for k, v in self._prefix("epochs", gid):
-            seed, ckey, start = cbor2.loads(v)
-            out.append(Epoch(_U32.unpack(k[32:])[0], Identity.from_seed(seed), ckey, start))
+            if len(k) == 36:
+                seed, ckey, start = cbor2.loads(v)
+                out.append(Epoch(_U32.unpack(k[32:])[0], Identity.from_seed(seed), ckey, start))
         return out
 
+    def delete_legacy_epoch(self, gid: bytes, number: int) -> None:
+        self._delete("epochs", gid + _U32.pack(number))
+
     def put_snapshot(self, gid: bytes, adm: int, members: frozenset[bytes], epoch: int) -> None:
+        """Version 1: the membership after the admin's operation with seq ``adm``."""
         self._put("mhist", gid + _U64.pack(adm), enc([sorted(members), epoch]))
 
     def snapshots(self, gid: bytes) -> list[tuple[int, frozenset[bytes], int]]:
@@ -187,17 +260,45 @@ class GroupStore(LmdbTables):
             out.append((_U64.unpack(k[32:])[0], frozenset(members), epoch))
         return out
 
+    # ------------------------------------------------------------ membership operations
+
+    def put_op(self, gid: bytes, op: OpRecord) -> None:
+        self._put("ops", gid + _U64.pack(self._next(gid, b"ops")), enc(op.to_cbor()))
+
+    def ops(self, gid: bytes) -> list[OpRecord]:
+        """The membership operations in the order they were recorded (a causal order)."""
+        return [op_record_from_cbor(cbor2.loads(v)) for _, v in self._prefix("ops", gid)]
+
+    def clear_ops(self, gid: bytes) -> None:
+        for k, _ in self._prefix("ops", gid):
+            self._delete("ops", k)
+
+    def add_shared(self, gid: bytes, member: bytes, eid: Vec) -> None:
+        self._put("shared", gid + member + eid_bytes(eid), b"")
+
+    def is_shared(self, gid: bytes, member: bytes, eid: Vec) -> bool:
+        return self._get("shared", gid + member + eid_bytes(eid)) is not None
+
+    def set_member_via(self, gid: bytes, member: bytes, router: bytes) -> None:
+        if self._get("mvia", gid + member) != router:
+            self._put("mvia", gid + member, router)
+
+    def member_via(self, gid: bytes, member: bytes) -> bytes | None:
+        return self._get("mvia", gid + member)
+
     # ------------------------------------------------------------ causal state
 
     def get_delivered(self, gid: bytes, mid: bytes) -> Delivered | None:
         v = self._get("delivered", gid + mid)
         if v is None:
             return None
-        sender, seq, adm, epoch, flag, own = cbor2.loads(v)
-        return Delivered(sender, seq, adm, epoch, flag, own)
+        r = cbor2.loads(v)
+        opv = tuple((k, n) for k, n in r[6]) if len(r) > 6 else ()
+        return Delivered(r[0], r[1], r[2], r[3], r[4], r[5], opv)
 
     def put_delivered(self, gid: bytes, mid: bytes, d: Delivered) -> None:
-        self._put("delivered", gid + mid, enc([d.sender, d.seq, d.adm, d.epoch, d.flag, d.own]))
+        self._put("delivered", gid + mid, enc([d.sender, d.seq, d.adm, d.epoch, d.flag, d.own,
+                                                [[k, n] for k, n in d.opv]]))  # fmt: skip
         self._put("dorder", gid + _U64.pack(self._next(gid, b"dorder")), mid)
 
     def delivered_count(self, gid: bytes) -> int:
