@@ -138,3 +138,21 @@ async def test_dialled_connection_carrying_application_messages_is_kept(tmp_path
         assert dials(b, a) == 1
         # Once they stop, the same connection goes idle and is closed.
         await wait_for(lambda: closings(b, a) == 1, WAIT, "B to close its idle connection to A")
+
+
+async def test_the_only_connection_to_a_bootstrap_node_is_not_closed_to_be_dialled_again(tmp_path: Path) -> None:
+    """A node dials its bootstrap node again whenever it has no router connection at all: closing that
+    connection when idle would only make it dial again a second later, every ``idle_timeout``."""
+    async with Network(tmp_path) as net:
+        a, b = net.add_nodes(2)
+        configure(a, b)
+        b.config["discovery"]["sampling"] = {"enabled": True, "period": 3600, "bootstrap": [a.peer_entry()]}
+        await net.start_all()
+        await net.wait_dialled(b, a, WAIT)
+        # Adverts only, for four idle timeouts; then an application message uses the same connection.
+        await asyncio.sleep(4 * IDLE)
+        x, y = await net.client(b), await net.client(a)
+        await x.send(y.identity.public, b"over the bootstrap connection", via=a.id)
+        await recv_body(y, b"over the bootstrap connection")
+        assert closings(b, a) == 0
+        assert dials(b, a) == 1

@@ -10,7 +10,8 @@ services learn of each other) without waiting for traffic. A dialled connection 
 seconds is closed; the next message re-dials it. Only application traffic uses a connection
 (:func:`~upsycle_router.transport.connection.is_application`): the adverts both routers re-send every
 ``advert_ttl / 3`` seconds, their control messages and the gossip of the pub/sub and discovery services do
-not, or no connection would ever be idle.
+not, or no connection would ever be idle. A bootstrap node's connection is kept while it is the node's only
+router connection: without any, the bootstrap nodes are dialled again at once.
 """
 
 from __future__ import annotations
@@ -143,16 +144,21 @@ class ConnectionPool:
         while not self._closing:
             await asyncio.sleep(min(backoff, max(1.0, self.idle_timeout / 4)))
             now = asyncio.get_running_loop().time()
-            for c in list(self.driver.conns.values()):
-                if c.kind == "tls" and c.dialled and c.peer not in self.static:
-                    idle = c.idle_seconds(now)
-                    if idle > self.idle_timeout:
-                        log.info("closing idle connection to %s (no application traffic for %.1f s)",
-                                 (c.peer or b"").hex(), idle)
-                        c.close()
+            routers = [c for c in self.driver.conns.values() if c.kind == "tls" and not c.local and not c.closed]
+            for c in routers:
+                if not c.dialled or c.peer in self.static:
+                    continue
+                idle = c.idle_seconds(now)
+                if idle <= self.idle_timeout:
+                    continue
+                if c.peer in self.bootstrap and len(routers) == 1:
+                    continue  # the node's only router connection: closed, it would be dialled again at once
+                log.info("closing idle connection to %s (no application traffic for %.1f s)",
+                         (c.peer or b"").hex(), idle)
+                c.close()
+                routers.remove(c)
             missing = [r for r in self.static if not self.connected(r) and r not in self._dialing]
-            routers = (c for c in self.driver.conns.values() if c.kind == "tls" and not c.local and not c.closed)
-            if self.bootstrap and not any(routers):
+            if self.bootstrap and not routers:
                 missing += [r for r in self.bootstrap if r not in self._dialing and r not in missing]
             for r in missing:
                 self.dial(r)
