@@ -73,6 +73,10 @@ MAX_TRACE_BYTES = TiB
 MAX_GOSSIP_DEGREE = 1000  # D, D_low, D_high, D_lazy, mcache_len, mcache_gossip
 MAX_HEARTBEAT = 3600.0
 MAX_GOSSIP_TTL = DAY  # fanout_ttl, seen_ttl
+MAX_VALIDATOR_TIMEOUT = 3600.0
+MAX_VALIDATOR_PENDING = 1_000_000
+SIGNATURE_POLICIES = ("StrictSign", "StrictNoSign", "LaxSign", "LaxNoSign")
+VERDICTS = ("accept", "reject", "ignore")
 MAX_CONFIG_BYTES = 16 * MiB
 
 
@@ -100,21 +104,34 @@ class PeerConfig:
 
 @dataclass(frozen=True, slots=True)
 class GroupPolicyConfig:
-    """Per-group validation for the pub/sub service (issue: remote routers)."""
+    """Per-group validation for the pub/sub service (``pubsub.groups.GROUP``). Each option works alone; what is
+    not configured is not checked: no signature policy (None), any sender (None), the 1 MiB size bound every
+    group has."""
 
     max_size: int = 1024 * 1024
     allowed_senders: frozenset[bytes] | None = None
-    signature_policy: str = "StrictNoSign"
+    signature_policy: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class PubsubConfig:
-    """The in-process pub/sub service."""
+    """The pub/sub service: where it runs, its gossip parameters, group policies and validator services.
+
+    ``validators`` maps a group to the key of the validator service (an app) that judges its messages;
+    ``default_validator`` (``"*"`` in the file) judges every group without one of its own. A message waits at
+    most ``validator_timeout`` seconds for the verdict, then gets ``validator_on_timeout`` (``accept``,
+    ``reject`` or ``ignore``); at most ``validator_max_pending`` messages wait at once.
+    """
 
     enabled: bool = True
     in_process: bool = True
     params: dict[str, float] = field(default_factory=dict)
     groups: dict[bytes, GroupPolicyConfig] = field(default_factory=dict)
+    validators: dict[bytes, bytes] = field(default_factory=dict)
+    default_validator: bytes | None = None
+    validator_timeout: float = 2.0
+    validator_on_timeout: str = "ignore"
+    validator_max_pending: int = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,7 +363,12 @@ def _peer_list(peers: Any, path: str) -> tuple[PeerConfig, ...]:
 
 
 def _parse_pubsub(v: Any) -> PubsubConfig:
-    pm = parse_map(v, "pubsub", {"enabled", "in_process", "params", "groups"})
+    pm = parse_map(
+        v,
+        "pubsub",
+        {"enabled", "in_process", "params", "groups", "validators", "validator_timeout", "validator_on_timeout",
+         "validator_max_pending"},
+    )  # fmt: skip
     enabled = parse_bool(pm.get("enabled", True), "pubsub.enabled")
     in_process = parse_bool(pm.get("in_process", True), "pubsub.in_process")
     params_raw = parse_map(pm.get("params"), "pubsub.params", _GOSSIP_PARAMS)
@@ -367,21 +389,52 @@ def _parse_pubsub(v: Any) -> PubsubConfig:
         raise fail("pubsub.groups", "expected a mapping of group hex key to policy")
     for gk, gv in graw.items():
         path = f"pubsub.groups.{gk}"
-        g = parse_key(gk, path)
-        gm = parse_map(gv, path, {"max_size", "allowed_senders", "signature_policy"})
-        policy = gm.get("signature_policy", "StrictNoSign")
-        if not isinstance(policy, str) or policy not in {"StrictSign", "StrictNoSign", "LaxSign", "LaxNoSign"}:
-            raise fail(
-                f"{path}.signature_policy", f"expected StrictSign, StrictNoSign, LaxSign or LaxNoSign, got {policy!r}"
-            )
-        groups[g] = GroupPolicyConfig(
-            max_size=parse_int(gm.get("max_size", 1024 * 1024), f"{path}.max_size", 1, MAX_FRAME_LIMIT, unit="bytes"),
-            allowed_senders=(
-                parse_keys(gm["allowed_senders"], f"{path}.allowed_senders") if "allowed_senders" in gm else None
-            ),
-            signature_policy=policy,
+        groups[parse_key(gk, path)] = _parse_group_policy(gv, path)
+    validators: dict[bytes, bytes] = {}
+    default_validator = None
+    vraw = pm.get("validators") or {}
+    if not isinstance(vraw, dict):
+        raise fail("pubsub.validators", 'expected a mapping of group hex key (or "*": every group) to service key')
+    for gk, vk in vraw.items():
+        path = f"pubsub.validators.{gk}"
+        if gk == "*":
+            default_validator = parse_key(vk, path)
+        else:
+            validators[parse_key(gk, path)] = parse_key(vk, path)
+    kw: dict[str, Any] = {}
+    if "validator_timeout" in pm:
+        kw["validator_timeout"] = parse_float(
+            pm["validator_timeout"], "pubsub.validator_timeout", 0.001, MAX_VALIDATOR_TIMEOUT, unit="seconds"
         )
-    return PubsubConfig(enabled, in_process, params, groups)
+    if "validator_on_timeout" in pm:
+        verdict = pm["validator_on_timeout"]
+        if not isinstance(verdict, str) or verdict.lower() not in VERDICTS:
+            raise fail("pubsub.validator_on_timeout", f"expected accept, reject or ignore, got {verdict!r}")
+        kw["validator_on_timeout"] = verdict.lower()
+    if "validator_max_pending" in pm:
+        kw["validator_max_pending"] = parse_int(
+            pm["validator_max_pending"], "pubsub.validator_max_pending", 1, MAX_VALIDATOR_PENDING
+        )
+    return PubsubConfig(enabled, in_process, params, groups, validators, default_validator, **kw)
+
+
+def _parse_group_policy(v: Any, path: str) -> GroupPolicyConfig:
+    """One ``pubsub.groups`` entry: only what it names is checked."""
+    gm = parse_map(v, path, {"max_size", "allowed_senders", "signature_policy"})
+    policy = gm.get("signature_policy")
+    if policy is not None and (not isinstance(policy, str) or policy not in SIGNATURE_POLICIES):
+        raise fail(
+            f"{path}.signature_policy", f"expected StrictSign, StrictNoSign, LaxSign or LaxNoSign, got {policy!r}"
+        )
+    senders = parse_keys(gm["allowed_senders"], f"{path}.allowed_senders") if "allowed_senders" in gm else None
+    if senders is not None and policy == "StrictNoSign":
+        raise fail(
+            path, "allowed_senders needs signed application messages, which signature_policy StrictNoSign refuses"
+        )
+    kw: dict[str, Any] = {"allowed_senders": senders, "signature_policy": policy}
+    if "max_size" in gm:
+        kw["max_size"] = parse_int(gm["max_size"], f"{path}.max_size", 1, MAX_FRAME_LIMIT, unit="bytes")
+    return GroupPolicyConfig(**kw)
 
 
 def _parse_websocket(listen: dict[str, Any], v: Any, base: WebSocketConfig) -> WebSocketConfig:

@@ -42,10 +42,10 @@ from upsycle_router.runtime.driver import Driver
 from upsycle_router.runtime.memory import STORM_TRIM_DELAY, TRIM_INTERVAL, PeakWatch, Trimmer
 from upsycle_router.runtime.metrics import MetricsServer
 from upsycle_router.runtime.pool import ConnectionPool
-from upsycle_router.runtime.pubsub_service import PubsubService
+from upsycle_router.runtime.pubsub_service import PubsubService, pubsub_policies, pubsub_service
 from upsycle_router.services.discovery import DISCOVERY_GROUP
 from upsycle_router.services.pubsub.params import GossipParams
-from upsycle_router.services.pubsub.validation import GroupPolicy, SignaturePolicy
+from upsycle_router.services.pubsub.validation import GroupPolicy
 from upsycle_router.store.integrity import store_errors
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
@@ -111,14 +111,11 @@ def gossip_params(cfg: DaemonConfig) -> GossipParams:
 
 
 def group_policies(cfg: DaemonConfig) -> dict[bytes, GroupPolicy]:
-    """Per-group validation from ``pubsub.groups``."""
-    out = {}
-    for g, p in cfg.pubsub.groups.items():
-        try:
-            out[g] = GroupPolicy(p.max_size, p.allowed_senders, SignaturePolicy(p.signature_policy))
-        except ValueError as e:
-            raise ConfigError(f"pubsub.groups.{g.hex()}: {e}") from None
-    return out
+    """Per-group validation from ``pubsub.groups`` and ``pubsub.validators`` (only what is configured)."""
+    try:
+        return pubsub_policies(cfg.pubsub)[1]
+    except ValueError as e:
+        raise ConfigError(f"pubsub: {e}") from None
 
 
 def discovery_service(cfg: DaemonConfig, identity: Identity, socket_path: Path) -> DiscoveryService:
@@ -160,7 +157,8 @@ class Daemon:
     async def start(self) -> None:
         """Open state and start listening."""
         cfg = self.config
-        params, policies = gossip_params(cfg), group_policies(cfg)
+        params = gossip_params(cfg)
+        group_policies(cfg)  # a policy the pub/sub core refuses stops the start before anything is opened
         cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self._lock_fd = os.open(cfg.data_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -251,9 +249,7 @@ class Daemon:
             await self.metrics.start(maddr.host, maddr.port)
             log.info("metrics on http://%s/metrics", cfg.metrics_listen)
         if self.pubsub_identity is not None and cfg.unix is not None and cfg.pubsub.in_process:
-            self.pubsub = PubsubService(
-                self.pubsub_identity, cfg.unix, params=params, policies=policies
-            )
+            self.pubsub = pubsub_service(cfg.pubsub, self.pubsub_identity, cfg.unix, params)
             self._pubsub_task = loop.create_task(self.pubsub.run())
         if self.discovery_identity is not None and cfg.unix is not None and cfg.discovery.in_process:
             self.discovery = discovery_service(cfg, self.discovery_identity, cfg.unix)

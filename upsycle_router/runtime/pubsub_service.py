@@ -11,38 +11,56 @@ everything between them is ordinary signed CBOR messages (seed 003 §Publish-Sub
   app published them (then the core publishes them into the mesh);
 - gossip RPCs from other nodes' pub/sub services (unicast; VIA = their router);
 - a unicast from a local app whose BODY is a multicast message: publish it through fanout (groups this
-  node has not joined).
+  node has not joined);
+- VERDICT from a validator service (a unicast whose ``src`` is a configured validator key).
 
 Core effects become messages: ``SendRpc`` a unicast to the peer's service with VIA = its router,
 ``Forward`` the multicast message with VIA = the next router, ``JoinGroup``/``LeaveGroup`` JOIN/LEAVE with
-``local = true``, ``Pull`` a PULL to the router that has the message. One timer follows the core's deadline.
-The service runs in-process by default (a task of the daemon) or as ``upsycle-router pubsub``.
+``local = true``, ``Pull`` a PULL to the router that has the message, ``Validate`` a VALIDATE unicast to the
+validator service (``ttl`` about its timeout, so a request the router queues for a validator that is away
+does not outlive the wait). One timer follows the core's deadline. The service runs in-process by default
+(a task of the daemon) or as ``upsycle-router pubsub``; :func:`pubsub_policies` turns the ``pubsub`` section
+of the daemon's config into the core's group policies (validator services included).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
+import math
 import os
 import random
 import time
 
 from upsycle_router.client import Client, ClientError
+from upsycle_router.config import GroupPolicyConfig, PubsubConfig
 from upsycle_router.crypto import Identity, advert_valid, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import exp_in
 from upsycle_router.runtime.service import RouterService
 from upsycle_router.services.pubsub.core import GossipCore
-from upsycle_router.services.pubsub.effects import Effect, Forward, JoinGroup, LeaveGroup, Peer, Pull, SendRpc
+from upsycle_router.services.pubsub.effects import (
+    Effect,
+    Forward,
+    JoinGroup,
+    LeaveGroup,
+    Peer,
+    Pull,
+    SendRpc,
+    Trace,
+    Validate,
+)
 from upsycle_router.services.pubsub.params import GossipParams
-from upsycle_router.services.pubsub.validation import GroupPolicy
+from upsycle_router.services.pubsub.validation import GroupPolicy, ServiceValidator, SignaturePolicy, Verdict
 from upsycle_router.wire.control import Join, Leave, PullNack, decode_control, encode_router
 from upsycle_router.wire.control import Pull as PullMsg
 from upsycle_router.wire.discovery import SERVICE_PUBSUB, PeerAdvertisement
 from upsycle_router.wire.gossip import GossipRpc, decode_service_body
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub, SubAck, Unsub, UnsubAck
+from upsycle_router.wire.validation import VALIDATION_CODEC, ValidateRequest, VerdictReply
 
 log = logging.getLogger("upsycle_router.pubsub")
 RPC_TTL = 30
@@ -60,11 +78,17 @@ class PubsubService(RouterService):
         *,
         params: GossipParams | None = None,
         policies: dict[bytes, GroupPolicy] | None = None,
+        default_policy: GroupPolicy | None = None,
         rng: random.Random | None = None,
     ) -> None:
         super().__init__(identity, socket_path, log)
         self.params = params or GossipParams()
         self.policies = policies or {}
+        self.default_policy = default_policy or GroupPolicy()
+        # who may answer VALIDATE (the core also checks the answer comes from the key it asked)
+        self.validator_keys = frozenset(
+            p.service.key for p in (self.default_policy, *self.policies.values()) if p.service is not None
+        )
         self.rng = rng or random.Random()
         self.core: GossipCore | None = None
         self._peer_expiry: dict[bytes, float] = {}  # router -> monotonic time its advertisement lapses
@@ -75,7 +99,12 @@ class PubsubService(RouterService):
         core = self.core
         if core is None or core.router != client.router_id:
             core = self.core = GossipCore(
-                client.router_id, now=time.monotonic(), rng=self.rng, params=self.params, policies=self.policies
+                client.router_id,
+                now=time.monotonic(),
+                rng=self.rng,
+                params=self.params,
+                default_policy=self.default_policy,
+                policies=self.policies,
             )
         else:
             for g in core.joined:  # after a reconnect, make sure the router still delivers our groups
@@ -120,6 +149,11 @@ class PubsubService(RouterService):
             return core.message_received(msg, msg.via, now)
         if h.src == client.router_id:
             return self._from_router(client, core, msg.body, now)
+        if h.src in self.validator_keys:
+            with contextlib.suppress(RemoteProtocolError):
+                answer = VALIDATION_CODEC.decode(msg.body)
+                if isinstance(answer, VerdictReply):
+                    return core.verdict_received(answer.id, Verdict(answer.verdict), now, service=h.src)
         try:
             body = decode_service_body(msg.body)
         except RemoteProtocolError:
@@ -194,8 +228,51 @@ class PubsubService(RouterService):
                 self._send_router(client, encode_router(Leave(e.group)))
             elif isinstance(e, Pull):
                 self._unicast(client, e.router, encode_router(PullMsg(e.group, e.id)), RPC_TTL, e.router)
+            elif isinstance(e, Validate):
+                # A repeated request (the message came again after the queue was full) must not have the id of
+                # the first, or the router would drop it as a replay: vary the ttl.
+                ttl = math.ceil(e.timeout) + next(self._ttl_offsets) % 64
+                body = VALIDATION_CODEC.encode(ValidateRequest.of(e.message, e.peer))
+                self._unicast(client, e.service, body, ttl, None)
+            elif isinstance(e, Trace) and e.reason is not None and e.reason.startswith("validator"):
+                log.info("pubsub: %s %s of group %s%s (%s)", e.event, _short(e.id), _short(e.group),
+                         "" if e.peer is None else f" from router {_short(e.peer)}", e.reason)  # fmt: skip
             else:
                 log.debug("pubsub: %s", e)
+
+
+def _short(b: bytes | None) -> str:
+    return "-" if b is None else b.hex()[:16]
+
+
+def pubsub_service(
+    cfg: PubsubConfig, identity: Identity, socket_path: str | os.PathLike[str], params: GossipParams
+) -> PubsubService:
+    """The pub/sub service the daemon's ``pubsub`` section describes (``params``: its gossip parameters, with
+    ``validator_max_pending`` applied here). Raise ValueError for a policy the core refuses."""
+    default, policies = pubsub_policies(cfg)
+    params = dataclasses.replace(params, max_pending_validations=cfg.validator_max_pending)
+    return PubsubService(identity, socket_path, params=params, policies=policies, default_policy=default)
+
+
+def pubsub_policies(cfg: PubsubConfig) -> tuple[GroupPolicy, dict[bytes, GroupPolicy]]:
+    """The core's default policy and per-group policies from the daemon's ``pubsub`` section: each group of
+    ``groups`` or ``validators`` gets its own policy (the options it names, and its validator service or
+    the ``"*"`` one); every other group gets the default (the ``"*"`` validator service, if any, and nothing
+    else). Raise ValueError for a policy the core refuses."""
+    on_timeout = Verdict[cfg.validator_on_timeout.upper()]
+
+    def service(key: bytes | None) -> ServiceValidator | None:
+        return None if key is None else ServiceValidator(key, cfg.validator_timeout, on_timeout)
+
+    default = GroupPolicy(service=service(cfg.default_validator))
+    policies: dict[bytes, GroupPolicy] = {}
+    for g in sorted(set(cfg.groups) | set(cfg.validators)):
+        p = cfg.groups.get(g, GroupPolicyConfig())
+        sp = None if p.signature_policy is None else SignaturePolicy(p.signature_policy)
+        key = cfg.validators.get(g, cfg.default_validator)
+        policies[g] = GroupPolicy(p.max_size, p.allowed_senders, sp, service=service(key))
+    return default, policies
 
 
 def _multicast_in(body: bytes) -> Message | None:

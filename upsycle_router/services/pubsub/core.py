@@ -36,6 +36,20 @@ Publishing into an empty mesh (a deviation from v1.0, docs/gossip.md)
     lacks. So a message published before the mesh was built reaches the peers that join it within those
     windows, in groups of any size.
 
+Validator services (seed 000 §Topic Validation: accept, reject, ignore)
+    When the group's policy names a validator service and the message passed every other rule, the message
+    is held instead of passed on: it enters the seen cache (copies arriving meanwhile are duplicates, and it
+    is not asked for with IWANT or PULL), a :class:`Validate` effect asks the service, and
+    ``verdict_received`` brings the answer. ACCEPT resumes the path above where it stopped (mcache, forward;
+    for a local publish, mesh or fanout); REJECT drops it and traces ``rejected`` with the router it came
+    via (gossipsub v1.0 has no peer score to lower); IGNORE drops it and traces ``ignored``. A verdict from
+    another key than the one asked, or for an id not held, changes nothing. A message still held
+    ``timeout`` seconds later gets the service's ``on_timeout`` verdict (``handle_timer``; the deadline is
+    part of ``next_deadline``). At most ``max_pending_validations`` messages are held: one more is ignored
+    without entering the seen cache, so a later copy (gossip, PULL) may be validated when there is room.
+    Rejected and ignored messages stay in the seen cache: an id names exact bytes, the answer would not
+    change.
+
 Membership and the mesh (seed 004 §Topic Membership, §Heartbeat)
     ``join`` moves the group's fanout peers into the mesh, fills it up to D from peers known to be subscribed,
     GRAFTs them all and announces the subscription to every known peer; ``leave`` PRUNEs the mesh, forgets it
@@ -60,24 +74,29 @@ Determinism
     a peer is coalesced into one :class:`SendRpc` (see :mod:`~upsycle_router.services.pubsub.outbox`).
 
 Traces
-    ``duplicate`` (already seen), ``rejected`` (reason from validation), ``ignored`` (not a multicast
-    message, or a subscription beyond ``max_peer_groups``), ``unknown_peer`` (an RPC from a router we have
+    ``duplicate`` (already seen), ``rejected`` (reason from validation, ``validator`` for a service's
+    REJECT, ``validator_timeout`` when that was the default), ``ignored`` (not a multicast message, a
+    subscription beyond ``max_peer_groups``, a validator's IGNORE, a full validation queue, a verdict for no
+    held message), ``unknown_peer`` (an RPC from a router we have
     no peer for), ``deprecated_policy`` (joined a group with a Lax signature policy), ``pull_skipped`` (too
     many PULLs outstanding or ids missing), ``pull_failed`` (PULL_NACK).
 """
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 
 from upsycle_router.services.pubsub.caches import MessageCache, SeenCache
-from upsycle_router.services.pubsub.effects import Effect, JoinGroup, LeaveGroup, Peer, Pull
+from upsycle_router.services.pubsub.effects import Effect, JoinGroup, LeaveGroup, Peer, Pull, Validate
 from upsycle_router.services.pubsub.outbox import Outbox
 from upsycle_router.services.pubsub.params import GossipParams
-from upsycle_router.services.pubsub.validation import GroupPolicy, validate
+from upsycle_router.services.pubsub.validation import GroupPolicy, ServiceValidator, Verdict, judge
 from upsycle_router.wire.gossip import GossipRpc
 from upsycle_router.wire.messages import Message, MulticastHeader
 
@@ -89,6 +108,18 @@ def _expire_front(d: OrderedDict[bytes, float], now: float) -> None:
         if d[first] > now:
             return
         del d[first]
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A message waiting for a validator service's verdict."""
+
+    msg: Message
+    group: bytes
+    via: bytes | None
+    validator: ServiceValidator
+    deadline: float
+    seq: int
 
 
 class GossipCore:
@@ -120,6 +151,9 @@ class GossipCore:
         self._iwant_sent: OrderedDict[bytes, float] = OrderedDict()
         self._missing: OrderedDict[bytes, tuple[float, bytes, bytes]] = OrderedDict()
         self._pulls: OrderedDict[bytes, float] = OrderedDict()
+        self._held: dict[bytes, _Held] = {}
+        self._held_deadlines: list[tuple[float, int, bytes]] = []  # heap; entries of released ids are stale
+        self._held_seq = itertools.count()
         self._hb_origin = now
         self._hb_count = 1
 
@@ -174,6 +208,11 @@ class GossipCore:
         """Ids with an outstanding PULL."""
         return frozenset(self._pulls)
 
+    @property
+    def pending_validations(self) -> frozenset[bytes]:
+        """Ids of the messages held for a validator service's verdict."""
+        return frozenset(self._held)
+
     def policy(self, group: bytes) -> GroupPolicy:
         """The validation policy of ``group``."""
         return self._policies.get(group, self._default_policy)
@@ -189,11 +228,21 @@ class GossipCore:
         return ob.effects()
 
     def next_deadline(self) -> float | None:
-        """When ``handle_timer`` must next be called: the next heartbeat or the first due missing-id check."""
+        """When ``handle_timer`` must next be called: the next heartbeat, the first due missing-id check or the
+        first validation deadline, whichever comes first."""
         t = self._hb_origin + self._hb_count * self._params.heartbeat_interval
         if self._missing:
             t = min(t, next(iter(self._missing.values()))[0])
+        heap = self._held_deadlines
+        while heap and self._stale(heap[0]):
+            heapq.heappop(heap)
+        if heap:
+            t = min(t, heap[0][0])
         return t
+
+    def _stale(self, entry: tuple[float, int, bytes]) -> bool:
+        held = self._held.get(entry[2])
+        return held is None or held.seq != entry[1]
 
     # ------------------------------------------------------------------ helpers
 
@@ -336,19 +385,7 @@ class GossipCore:
         if msg.id in self._seen:
             ob.trace("duplicate", group=group, id=msg.id, peer=via)
             return ob.effects()
-        reason = validate(msg, self.policy(group))
-        if reason is not None:
-            self._seen.add(msg.id, now)
-            ob.trace("rejected", group=group, id=msg.id, peer=via, reason=reason)
-            return ob.effects()
-        self._accepted(msg, now)
-        mesh = self._mesh.get(group)
-        if mesh is None:
-            return ob.effects()
-        for router in sorted(mesh):
-            if router != via:
-                ob.forward(router, msg)
-        self._note_missing(header, group, via, now, ob)
+        self._admit(msg, group, via, now, ob)
         return ob.effects()
 
     def publish(self, msg: Message, now: float) -> list[Effect]:
@@ -367,12 +404,40 @@ class GossipCore:
         if msg.id in self._seen:
             ob.trace("duplicate", group=group, id=msg.id)
             return
-        reason = validate(msg, self.policy(group))
-        if reason is not None:
+        self._admit(msg, group, None, now, ob)
+
+    def _admit(self, msg: Message, group: bytes, via: bytes | None, now: float, ob: Outbox) -> None:
+        """Validate a message not seen before: drop it, hold it for a validator service, or pass it on."""
+        policy = self.policy(group)
+        verdict, reason = judge(msg, policy)
+        if verdict is not Verdict.ACCEPT:
             self._seen.add(msg.id, now)
-            ob.trace("rejected", group=group, id=msg.id, reason=reason)
-            return
+            self._drop(msg, group, via, verdict, reason, ob)
+        elif policy.service is not None:
+            self._hold(msg, group, via, policy.service, now, ob)
+        else:
+            self._pass_on(msg, group, via, now, ob)
+
+    def _drop(
+        self, msg: Message, group: bytes, via: bytes | None, verdict: Verdict, reason: str | None, ob: Outbox
+    ) -> None:
+        event = "rejected" if verdict is Verdict.REJECT else "ignored"
+        ob.trace(event, group=group, id=msg.id, peer=via, reason=reason)
+
+    def _pass_on(self, msg: Message, group: bytes, via: bytes | None, now: float, ob: Outbox) -> None:
+        """An accepted message: cache it and forward it (from a remote router: to the mesh but the sender, and
+        note the ids its ``sn`` names; published here: to the mesh, or to the fanout)."""
         self._accepted(msg, now)
+        if via is not None:
+            mesh = self._mesh.get(group)
+            if mesh is None:
+                return
+            for router in sorted(mesh):
+                if router != via:
+                    ob.forward(router, msg)
+            assert isinstance(msg.header, MulticastHeader)
+            self._note_missing(msg.header, group, via, now, ob)
+            return
         self._publish_targets(msg, group, now, ob)
 
     def _publish_targets(self, msg: Message, group: bytes, now: float, ob: Outbox) -> None:
@@ -406,6 +471,42 @@ class GossipCore:
         ids = [i for i in self._mcache.gossip_ids(group) if i != skip]
         if ids:
             ob.ihave(self._peers[router], group, ids)
+
+    def _hold(
+        self, msg: Message, group: bytes, via: bytes | None, validator: ServiceValidator, now: float, ob: Outbox
+    ) -> None:
+        """Keep ``msg`` until the validator service answers (or its timeout passes)."""
+        if len(self._held) >= self._params.max_pending_validations:
+            ob.trace("ignored", group=group, id=msg.id, peer=via, reason="validation queue full")
+            return
+        self._seen.add(msg.id, now)
+        for table in (self._missing, self._pulls, self._iwant_sent):
+            table.pop(msg.id, None)
+        held = _Held(msg, group, via, validator, now + validator.timeout, next(self._held_seq))
+        self._held[msg.id] = held
+        heapq.heappush(self._held_deadlines, (held.deadline, held.seq, msg.id))
+        ob.add(Validate(validator.key, msg, via, validator.timeout))
+
+    def _conclude(self, held: _Held, verdict: Verdict, reason: str, now: float, ob: Outbox) -> None:
+        if verdict is Verdict.ACCEPT:
+            self._pass_on(held.msg, held.group, held.via, now, ob)
+        else:
+            self._drop(held.msg, held.group, held.via, verdict, reason, ob)
+
+    def verdict_received(
+        self, msg_id: bytes, verdict: Verdict, now: float, *, service: bytes | None = None
+    ) -> list[Effect]:
+        """A validator service's answer about ``msg_id``; ``service`` (the answer's ``src``) must be the key that
+        was asked, or the answer is ignored."""
+        ob = Outbox()
+        self._expire(now)
+        held = self._held.get(msg_id)
+        if held is None or (service is not None and service != held.validator.key):
+            ob.trace("ignored", id=msg_id, peer=service, reason="verdict for no message held")
+            return ob.effects()
+        del self._held[msg_id]
+        self._conclude(held, verdict, "validator", now, ob)
+        return ob.effects()
 
     def _note_missing(self, header: MulticastHeader, group: bytes, via: bytes, now: float, ob: Outbox) -> None:
         """Schedule a PULL check for ids in ``sn`` we have not seen."""
@@ -480,6 +581,7 @@ class GossipCore:
         """Run what is due at ``now``: missing-id PULLs, and the heartbeat when its time has come."""
         ob = Outbox()
         self._expire(now)
+        self._validations_due(now, ob)
         self._pull_due(now, ob)
         interval = self._params.heartbeat_interval
         if now >= self._hb_origin + self._hb_count * interval:
@@ -489,6 +591,16 @@ class GossipCore:
                 count += 1
             self._hb_count = count
         return ob.effects()
+
+    def _validations_due(self, now: float, ob: Outbox) -> None:
+        """Held messages whose validator did not answer in time get its ``on_timeout`` verdict."""
+        heap = self._held_deadlines
+        while heap and heap[0][0] <= now:
+            entry = heapq.heappop(heap)
+            if self._stale(entry):
+                continue
+            held = self._held.pop(entry[2])
+            self._conclude(held, held.validator.on_timeout, "validator_timeout", now, ob)
 
     def _pull_due(self, now: float, ob: Outbox) -> None:
         p = self._params

@@ -12,6 +12,8 @@ carried out. Effects are commands (imperative names):
   LEAVE for ``group`` to our router.
 - :class:`Pull`: send ``PULL {addr: group, id}`` to ``router``; the answer arrives as a normal multicast
   delivery (``message_received``), or as PULL_NACK (report it with ``pull_failed``).
+- :class:`Validate`: send VALIDATE for ``message`` to the validator service ``service`` (an app, usually on our
+  router); report its VERDICT with ``verdict_received``. The core holds the message meanwhile.
 - :class:`Trace`: nothing to send; an event worth a log line or a trace record (rejections and why,
   duplicates, deprecated policies, skipped pulls).
 """
@@ -72,6 +74,17 @@ class Pull:
 
 
 @dataclass(frozen=True, slots=True)
+class Validate:
+    """Ask the validator service ``service`` about ``message``, which came via router ``peer`` (None: published
+    on this node); an answer after ``timeout`` seconds no longer counts."""
+
+    service: bytes
+    message: Message
+    peer: bytes | None
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
 class Trace:
     """A noteworthy event: ``event`` names it, the other fields say what it was about (None if unknown)."""
 
@@ -82,4 +95,4 @@ class Trace:
     reason: str | None = None
 
 
-Effect = SendRpc | Forward | JoinGroup | LeaveGroup | Pull | Trace
+Effect = SendRpc | Forward | JoinGroup | LeaveGroup | Pull | Validate | Trace

@@ -12,7 +12,9 @@ messages detected as missing from the ``sn`` header (seed 003 §Seen), which gos
 - ``pull_delay``: how long an id named in ``sn`` may stay unseen (it may still be on its way) before a PULL;
 - ``pull_timeout``: how long an unanswered PULL counts against ``max_pending_pulls``;
 - ``max_pending_pulls``: most PULLs outstanding at once; ``max_missing``: most ids waiting for ``pull_delay``;
-- ``max_peer_groups``: most groups remembered as subscribed per peer (further announcements are ignored).
+- ``max_peer_groups``: most groups remembered as subscribed per peer (further announcements are ignored);
+- ``max_pending_validations``: most messages held at once waiting for a validator service's verdict (a
+  message beyond it is ignored: dropped, not remembered as seen, so it may come again).
 
 Times are in seconds of the clock the caller passes as ``now``.
 """
@@ -43,6 +45,7 @@ class GossipParams:
     max_pending_pulls: int = 64
     max_missing: int = 1024
     max_peer_groups: int = 10_000
+    max_pending_validations: int = 1024
 
     def __post_init__(self) -> None:
         if not 0 <= self.D_low <= self.D <= self.D_high:
@@ -59,7 +62,7 @@ class GossipParams:
         for name in ("iwant_timeout", "pull_delay", "pull_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("seen_max", "max_pending_pulls", "max_missing", "max_peer_groups"):
+        for name in ("seen_max", "max_pending_pulls", "max_missing", "max_peer_groups", "max_pending_validations"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.seen_max < 1:

@@ -32,8 +32,22 @@ the reason string is what the core puts in its ``rejected`` trace):
    signature verifies and whose ``from`` is in the set (``not_application_message``, ``bad_signature``,
    ``sender_not_allowed``). An unverified ``from`` would prove nothing, so the signature is checked whatever
    the policy says; combining the set with StrictNoSign is a contradiction and raises ``ValueError``.
-4. ``validator``: an embedder's hook ``(Message) -> bool``, run last; False rejects (``validator``), an
-   exception rejects too (``validator_error``) instead of escaping into the core.
+4. ``validator``: an embedder's hook ``(Message) -> bool | Verdict``, run last; False or
+   :attr:`Verdict.REJECT` rejects (``validator``), :attr:`Verdict.IGNORE` drops the message without blaming
+   anyone (``validator``), an exception rejects too (``validator_error``) instead of escaping into the core.
+5. ``service``: a :class:`ServiceValidator`, an app reached through the router that answers VALIDATE with a
+   verdict (``wire/validation.py``). It cannot be asked from here: :func:`judge` only reports that the
+   message passed every rule above, and the core holds the message until the service answers (or its
+   ``timeout`` passes, when ``on_timeout`` is the verdict). See the core's docstring.
+
+Every option is independent: a policy with only ``max_size`` inspects nothing but the size, one with only
+``allowed_senders`` checks the sender (and, necessarily, its signature) and nothing else. No signature policy
+is imposed when none is configured.
+
+The three verdicts are libp2p pubsub's (seed 000 §Topic Validation, and the extended validators of
+go-libp2p-pubsub): ACCEPT passes the message on; REJECT drops it as invalid (in gossipsub v1.1 that would
+cost the forwarding peer score; v1.0, which we implement, has no peer scoring, so the core only traces the
+peer); IGNORE drops it without a judgement (for example "not for us", or "cannot tell yet").
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ from upsycle_router.wire.cbor import PUBKEY_LEN, SIG_LEN
 from upsycle_router.wire.messages import Message, MulticastHeader
 
 MAX_MESSAGE_SIZE = 1 << 20
+DEFAULT_VALIDATOR_TIMEOUT = 2.0
 
 
 class SignaturePolicy(enum.Enum):
@@ -65,9 +80,40 @@ class SignaturePolicy(enum.Enum):
         return self in (SignaturePolicy.LAX_SIGN, SignaturePolicy.LAX_NO_SIGN)
 
 
+class Verdict(enum.Enum):
+    """A validator's answer; the values are the wire's (``wire/validation.py``)."""
+
+    ACCEPT = 0
+    REJECT = 1
+    IGNORE = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceValidator:
+    """A validator service: an app with key ``key`` that answers VALIDATE with a verdict.
+
+    The core holds a message for at most ``timeout`` seconds waiting for the answer; when none comes,
+    ``on_timeout`` is the verdict (IGNORE by default, as go-libp2p-pubsub does for a validator that times out:
+    nobody is blamed for a slow validator).
+    """
+
+    key: bytes
+    timeout: float = DEFAULT_VALIDATOR_TIMEOUT
+    on_timeout: Verdict = Verdict.IGNORE
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.key, bytes) or len(self.key) != PUBKEY_LEN:
+            raise ValueError("a validator service key must be 32 bytes")
+        if not (isinstance(self.timeout, int | float) and 0 < self.timeout < float("inf")):
+            raise ValueError(f"validator timeout must be a positive number of seconds, got {self.timeout!r}")
+        if not isinstance(self.on_timeout, Verdict):
+            raise ValueError(f"on_timeout must be a Verdict, got {self.on_timeout!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class GroupPolicy:
-    """What a group accepts: size bound, signature policy, allowed senders and an optional validator hook.
+    """What a group accepts: size bound, signature policy, allowed senders, an optional validator hook and an
+    optional validator service. Each is independent of the others; the defaults impose nothing but the size.
 
     ``signature_policy`` may also be given by its spec name (``"StrictSign"`` ...), as a configuration file
     would; ``allowed_senders`` may be any iterable of 32-byte keys and is stored as a frozenset.
@@ -76,7 +122,8 @@ class GroupPolicy:
     max_size: int = MAX_MESSAGE_SIZE
     allowed_senders: frozenset[bytes] | None = None
     signature_policy: SignaturePolicy | None = None
-    validator: Callable[[Message], bool] | None = None
+    validator: Callable[[Message], bool | Verdict] | None = None
+    service: ServiceValidator | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.signature_policy, str):
@@ -112,35 +159,44 @@ def _app_message(body: bytes) -> AppMessage | None:
         return None
 
 
-def validate(msg: Message, policy: GroupPolicy) -> str | None:
-    """None if ``msg`` passes ``policy``, else the reason it fails (a short snake_case word)."""
+def judge(msg: Message, policy: GroupPolicy) -> tuple[Verdict, str | None]:
+    """What the rules of ``policy`` that need no answer from elsewhere say about ``msg``: ``(ACCEPT, None)``
+    when it passes them all (a ``service`` is still to be asked), else REJECT or IGNORE and the reason."""
     header = msg.header
     if not isinstance(header, MulticastHeader):
-        return "not_multicast"
+        return Verdict.REJECT, "not_multicast"
     if message_size(msg) > policy.max_size:
-        return "too_large"
+        return Verdict.REJECT, "too_large"
     sp = policy.signature_policy
     inspect = sp is not None or policy.allowed_senders is not None
     app = _app_message(msg.body) if inspect else None
     if app is not None and sp is SignaturePolicy.STRICT_NO_SIGN:
-        return "signed"
+        return Verdict.REJECT, "signed"
     if app is None and sp is SignaturePolicy.STRICT_SIGN:
-        return "unsigned"
+        return Verdict.REJECT, "unsigned"
     if app is not None:
         if not app_message_valid(app):
-            return "bad_signature"
+            return Verdict.REJECT, "bad_signature"
         if app.header.to != header.grp:
-            return "wrong_group"
+            return Verdict.REJECT, "wrong_group"
     if policy.allowed_senders is not None:
         if app is None:
-            return "not_application_message"
+            return Verdict.REJECT, "not_application_message"
         if app.header.from_ not in policy.allowed_senders:
-            return "sender_not_allowed"
+            return Verdict.REJECT, "sender_not_allowed"
     if policy.validator is not None:
         try:
-            ok = policy.validator(msg)
+            answer = policy.validator(msg)
         except Exception as e:
-            return f"validator_error: {type(e).__name__}"
-        if not ok:
-            return "validator"
-    return None
+            return Verdict.REJECT, f"validator_error: {type(e).__name__}"
+        if isinstance(answer, Verdict):
+            if answer is not Verdict.ACCEPT:
+                return answer, "validator"
+        elif not answer:
+            return Verdict.REJECT, "validator"
+    return Verdict.ACCEPT, None
+
+
+def validate(msg: Message, policy: GroupPolicy) -> str | None:
+    """None if ``msg`` passes ``policy`` (but for its ``service``), else why not (a short snake_case word)."""
+    return judge(msg, policy)[1]
