@@ -452,6 +452,25 @@ def test_a_member_added_by_a_concurrently_removed_admin_leaves_and_gets_no_new_k
             decrypt(ep, net.stored[mid][1].body)
 
 
+def test_an_add_void_by_the_removal_that_rotated_needs_no_second_rotation(net: AdminNet) -> None:
+    (a, b), (m,) = group_of_admins(net, 2, "m")
+    e = net.member("e")
+    net.buffering = True
+    net.do(a, lambda c: c.remove([b.key], net.now))  # a removal from the group: a rotation without b (or e)
+    net.do(b, lambda c: c.add([e.key], net.now))
+    net.buffering = False
+    net.release()
+    net.run(30)
+    assert not core(b).active and core(a).members == core(m).members == {a.key, m.key}
+    assert core(a).epoch.number == core(m).epoch.number == 1, "e never had a way to the rotation's keys"
+    assert not net.shares
+    # (e itself never hears of it: nobody speaks in the epoch of its welcome any more; it reads nothing new)
+    mid = net.send(m, b"not for e")
+    for ep in core(e).membership.epochs():
+        with pytest.raises(DecryptError):
+            decrypt(ep, net.stored[mid][1].body)
+
+
 # ---------------------------------------------------------------------------------------------- version 1 state
 
 

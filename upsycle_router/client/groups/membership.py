@@ -40,8 +40,8 @@ Keys follow the members (the core acts on these): every rotation seals its keys 
 a removed member never gets the keys of the rotation that removed it, nor of any later one. Concurrency can
 leave two gaps, which admins close: a member added concurrently with a rotation did not get its keys
 (:meth:`Membership.key_needs`: an admin sends them in a key share), and a key that is not a member any more
-may still hold every part of the current epoch (:meth:`Membership.excess`, e.g. a member added by an admin
-who was concurrently removed: an admin then rotates).
+may still hold every part of the current epoch (:meth:`Membership.excess`, e.g. a member added, with the
+current keys, by an admin who was concurrently made a plain member: an admin then rotates).
 
 Each delivered message records the set of operations in its causal past as a vector (``opv``); a message is
 judged against the state of that set, so every member reaches the same verdict. A member that joined from a
@@ -121,8 +121,13 @@ class Resolution:
                     if o.kind == OP_REMOVE:
                         self.removals.setdefault(k, []).append(o)
         self.adds = [o for o in self.ops if o.kind == OP_ADD]
-        self.void = {o.key for o in self.ops if o.kind in (OP_ADD, OP_ADMIN_ADD)
-                     and any(self.concurrent(r, o) for r in role.get(o.author, ()))}  # fmt: skip
+        self.voided_by: dict[Key, list[OpRecord]] = {}  # void add -> the concurrent removals of its author
+        for o in self.ops:
+            if o.kind in (OP_ADD, OP_ADMIN_ADD):
+                rs = [r for r in role.get(o.author, ()) if self.concurrent(r, o)]
+                if rs:
+                    self.voided_by[o.key] = rs
+        self.void = set(self.voided_by)
         members = self._granted(base.members, OP_ADD, self.removals)
         admins = self._granted(base.admins, OP_ADMIN_ADD, role) & members
         self.rotations = [o for o in self.ops if o.number > 0]
@@ -323,10 +328,17 @@ class Membership:
             else:
                 c = self._by_key[part[0]]
                 h = set(self.after(c).members)
-                h |= {k for a in res.adds if res.concurrent(a, c) or part[0] in self.state(a.past).epoch
-                      for k in a.mem}  # fmt: skip
+                h |= {k for a in res.adds if part[0] in self.state(a.past).epoch  # its welcome had c
+                      or (res.concurrent(a, c) and not self._void_with(res, a, c)) for k in a.mem}  # fmt: skip
             holders = h if holders is None else holders & h
         return frozenset((holders or set()) - st.members)
+
+
+    @staticmethod
+    def _void_with(res: Resolution, a: OpRecord, c: OpRecord) -> bool:
+        """Whether add ``a`` is void in every state that has ``c`` (a removal that voids it is ``c`` or before
+        it): then no admin that has ``c`` counts ``a``, so nobody shares ``c``'s keys because of it."""
+        return any(r.key == c.key or res.before(r, c) for r in res.voided_by.get(a.key, ()))
 
 
 def migrate(store: GroupStore, rec: GroupRecord) -> GroupRecord:
