@@ -9,6 +9,7 @@ argparse parser in which every command module adds its subcommands (``register``
 ``group``      ``group ...``: end-to-end encrypted group sessions
 ``discovery``  ``advert``, ``add-peer``, ``peers``, ``groups``, ``discovery``
 ``store``      ``store check|backup|restore``: the LMDB store from outside
+``validator``  ``validator``: a validator service for the pub/sub service (``pubsub.validators``)
 ``decode``     ``decode``, ``keygen``: offline tools
 ``analyze``    ``analyze``, ``compact``: the Spark jobs (PySpark is imported only when one of them runs)
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 import argparse
 
 from upsycle_router import __version__
-from upsycle_router.cli import analyze, app, daemon, decode, discovery, group, store
+from upsycle_router.cli import analyze, app, daemon, decode, discovery, group, store, validator
 
 DESCRIPTION = "The ``upsycle-router`` command line: one subcommand per task, each module registering its own."
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     discovery.register(sub)
     group.register(sub)
     store.register(sub)
+    validator.register(sub)
     return parser
 
 

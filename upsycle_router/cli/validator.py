@@ -1,0 +1,103 @@
+"""``upsycle-router validator``: a small validator service for the pub/sub service, from the shell.
+
+It connects to the router's socket as an app (``--key``, like the other app commands), prints its key, and
+answers the pub/sub service's VALIDATE requests (:func:`upsycle_router.runtime.validator.serve_validator`)
+by simple rules on the message BODY, checked in this order:
+
+- ``--reject-larger-than N``: REJECT a BODY of more than N bytes;
+- ``--reject-matching REGEX`` / ``--ignore-matching REGEX``: REJECT / IGNORE a BODY in which the regular
+  expression (Python syntax, on bytes) matches somewhere;
+- anything else: ACCEPT.
+
+To use it, name its key in the daemon's config (``pubsub.validators: {"*": KEY}`` or per group). Each answer
+is printed as one JSON line (``id``, ``group``, ``peer``, ``size``, ``verdict``, ``reason``); it runs until
+SIGTERM/SIGINT (exit 0) or ``--count`` answers, and exits 1 when the router cannot be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import signal
+import sys
+
+from upsycle_router.cli.common import app_options, run_app
+from upsycle_router.client import Client
+from upsycle_router.runtime.validator import Judged, serve_validator
+from upsycle_router.services.pubsub.validation import Verdict
+from upsycle_router.wire.messages import Message, MulticastHeader
+
+
+class BodyRules:
+    """The command's rules: which BODY is rejected, which ignored; the reason of the last verdict."""
+
+    def __init__(self, larger_than: int | None, reject: list[str], ignore: list[str]) -> None:
+        self.larger_than = larger_than
+        self.reject = [re.compile(r.encode()) for r in reject]
+        self.ignore = [re.compile(r.encode()) for r in ignore]
+
+    def judge(self, msg: Message, peer: bytes | None) -> tuple[Verdict, str | None]:
+        """The verdict about ``msg`` and why (None when accepted)."""
+        body = msg.body
+        if self.larger_than is not None and len(body) > self.larger_than:
+            return Verdict.REJECT, f"body larger than {self.larger_than} bytes"
+        for r in self.reject:
+            if r.search(body):
+                return Verdict.REJECT, f"matches {r.pattern.decode()!r}"
+        for r in self.ignore:
+            if r.search(body):
+                return Verdict.IGNORE, f"matches {r.pattern.decode()!r}"
+        return Verdict.ACCEPT, None
+
+
+def cmd_validator(args: argparse.Namespace) -> int:
+    """Answer VALIDATE requests by the rules on the command line until stopped."""
+    if args.reject_larger_than is not None and args.reject_larger_than < 0:
+        print("error: --reject-larger-than must not be negative", file=sys.stderr)
+        return 2
+    try:
+        rules = BodyRules(args.reject_larger_than, args.reject_matching or [], args.ignore_matching or [])
+    except re.error as e:
+        print(f"error: bad regular expression: {e}", file=sys.stderr)
+        return 2
+    reasons: dict[bytes, str | None] = {}
+
+    def judge(msg: Message, peer: bytes | None) -> Verdict:
+        verdict, reasons[msg.id] = rules.judge(msg, peer)
+        return verdict
+
+    def report(j: Judged) -> None:
+        h = j.message.header
+        line = {
+            "id": j.message.id.hex(),
+            "group": h.grp.hex() if isinstance(h, MulticastHeader) else None,
+            "peer": None if j.peer is None else j.peer.hex(),
+            "size": len(j.message.body),
+            "verdict": j.verdict.name.lower(),
+            "reason": reasons.pop(j.message.id, None),
+        }
+        print(json.dumps(line), flush=True)
+
+    async def go(c: Client) -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        print(f"validator {c.identity.hex} answering on router {c.router_id.hex()}", file=sys.stderr, flush=True)
+        await serve_validator(c, judge, stop=stop, count=args.count, on_verdict=report)
+        return 0
+
+    return run_app(args, go)
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``validator``."""
+    p = sub.add_parser("validator", help="judge pub/sub messages for the router's pub/sub service (pubsub.validators)")
+    app_options(p)
+    p.add_argument("--reject-larger-than", type=int, metavar="N", help="reject a body of more than N bytes")
+    p.add_argument("--reject-matching", action="append", metavar="REGEX", help="reject a body the regex matches")
+    p.add_argument("--ignore-matching", action="append", metavar="REGEX", help="ignore a body the regex matches")
+    p.add_argument("--count", type=int, help="exit after answering this many requests")
+    p.set_defaults(func=cmd_validator)

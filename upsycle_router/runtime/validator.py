@@ -1,0 +1,118 @@
+"""A validator service: an app that judges a group's messages for the pub/sub service of its router.
+
+Theory of operation
+-------------------
+The daemon's config names the app's key in ``pubsub.validators`` (per group, or ``"*"`` for every group).
+Before the pub/sub service passes a message of such a group on to other nodes, it holds the message and
+sends this app a VALIDATE (``wire/validation.py``: the message id, the whole multicast message, the router it
+came from) as an ordinary unicast through the router; the app answers each with one VERDICT: ACCEPT (pass it
+on), REJECT (invalid) or IGNORE (drop it, nobody to blame). An answer that does not come within the service's
+``pubsub.validator_timeout`` counts as ``pubsub.validator_on_timeout``.
+
+:func:`serve_validator` is that loop around any judging function, for a :class:`~upsycle_router.client.Client`
+connected with the configured key: it reads what arrives, answers every well-formed VALIDATE, skips
+everything else (other unicasts, malformed requests), and returns when ``stop`` is set, the connection ends
+or ``count`` requests were answered. The judging function gets the decoded message and the router it came
+via (None: published on this node) and returns a :class:`~upsycle_router.services.pubsub.Verdict`, or an
+awaitable of one; one that raises gets REJECT (a validator that cannot judge a message does not let it
+through), and the error is logged. ``upsycle-router validator`` (``cli/validator.py``) is a small command
+built on it; docs/gossip.md shows a Python example.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import itertools
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from upsycle_router.client import Client, ClientError
+from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.services.pubsub.validation import Verdict
+from upsycle_router.wire.messages import Message, UnicastHeader
+from upsycle_router.wire.validation import VALIDATION_CODEC, ValidateRequest, VerdictReply
+
+log = logging.getLogger("upsycle_router.validator")
+VERDICT_TTL = 60  # seconds: the pub/sub service waits less than that (validator_timeout) anyway
+
+Judge = Callable[[Message, bytes | None], Verdict | Awaitable[Verdict]]
+
+
+@dataclass(frozen=True, slots=True)
+class Judged:
+    """One answered request: the message, the router it came via, the verdict and the pub/sub service asked."""
+
+    message: Message
+    peer: bytes | None
+    verdict: Verdict
+    service: bytes
+
+
+async def _judge(judge: Judge, msg: Message, peer: bytes | None) -> Verdict:
+    try:
+        v = judge(msg, peer)
+        if inspect.isawaitable(v):
+            v = await v
+    except Exception:
+        log.exception("validator: judging %s failed; rejecting it", msg.id.hex())
+        return Verdict.REJECT
+    if not isinstance(v, Verdict):
+        log.error("validator: judge returned %r for %s, not a Verdict; rejecting it", v, msg.id.hex())
+        return Verdict.REJECT
+    return v
+
+
+async def serve_validator(
+    client: Client,
+    judge: Judge,
+    *,
+    stop: asyncio.Event | None = None,
+    count: int | None = None,
+    on_verdict: Callable[[Judged], None] | None = None,
+) -> int:
+    """Answer VALIDATE requests arriving on ``client`` with ``judge``'s verdicts; return how many were answered
+    (see the module docstring for when it returns). ``on_verdict`` is told about each answer."""
+    stop = stop or asyncio.Event()
+    stopped = asyncio.ensure_future(stop.wait())
+    ttl_offsets = itertools.count()
+    answered = 0
+    try:
+        while count is None or answered < count:
+            receiving = asyncio.ensure_future(client.recv())
+            done, _ = await asyncio.wait({receiving, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if receiving not in done:
+                receiving.cancel()
+                with contextlib.suppress(asyncio.CancelledError, ClientError):
+                    await receiving
+                break
+            try:
+                msg = receiving.result()
+            except ClientError:
+                break
+            h = msg.header
+            if not isinstance(h, UnicastHeader) or h.src == client.router_id:
+                continue
+            try:
+                req = VALIDATION_CODEC.decode(msg.body)
+                if not isinstance(req, ValidateRequest):
+                    continue
+                target = req.message()
+            except RemoteProtocolError as e:
+                log.debug("validator: skipping a unicast from %s: %s", h.src.hex(), e)
+                continue
+            verdict = await _judge(judge, target, req.peer)
+            body = VALIDATION_CODEC.encode(VerdictReply(req.id, verdict.value))
+            # Two answers with the same body would be one message id within a minute (the router drops the second
+            # as a replay): vary the ttl.
+            await client.send(h.src, body, VERDICT_TTL + next(ttl_offsets) % 64)
+            answered += 1
+            if on_verdict is not None:
+                on_verdict(Judged(target, req.peer, verdict, h.src))
+    except ClientError as e:
+        log.info("validator: connection to the router ended: %s", e)
+    finally:
+        stopped.cancel()
+    return answered
