@@ -6,6 +6,7 @@ R is a remote router (a static peer); STRANGER a remote node X has no agreement 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ from core_harness import (
 
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.events import ConnectionOpened
-from upsycle_router.crypto import Identity, message_signature_valid
+from upsycle_router.crypto import Identity, message_signature_valid, sign_advert
 from upsycle_router.expiry import exp_in, unix_to_exp
 from upsycle_router.store.api import ROUTE_ADVERT, RouteEntry
 from upsycle_router.wire.cbor import decode_item, enc
@@ -42,7 +43,15 @@ from upsycle_router.wire.control import (
     SyncAck,
     encode_router,
 )
-from upsycle_router.wire.discovery import SERVICE_DISCOVERY, SERVICE_PUBSUB, decode_discovery, encode_discovery
+from upsycle_router.wire.discovery import (
+    SERVICE_DISCOVERY,
+    SERVICE_PUBSUB,
+    TCP,
+    UDP,
+    TransportAddr,
+    decode_discovery,
+    encode_discovery,
+)
 from upsycle_router.wire.messages import Message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub, Unsub
 
@@ -525,6 +534,17 @@ def test_encapsulated_multicast_that_already_expired_is_dropped(h: CoreHarness) 
 
 
 # ---------------------------------------------------------------- peer advertisements
+
+
+def test_peer_learned_names_the_advert_transport(h: CoreHarness) -> None:
+    """The driver dials only what it implements (TLS over TCP): the core tells it the advert's transport."""
+    r = h.open(R, local=False)
+    out = h.receive(r, advert_message(R, X, advert(R, host="198.51.100.7", port=4433)))
+    assert [(p.host, p.port, p.transport) for p in out.learned()] == [("198.51.100.7", 4433, TCP)]
+    tcp = advert(R, host="198.51.100.7", port=4433, rev=2)
+    udp = sign_advert(replace(tcp, addr=TransportAddr.parse("198.51.100.7:4433", UDP), sig=b""), R)
+    out = h.receive(r, advert_message(R, X, udp))
+    assert [(p.host, p.port, p.transport) for p in out.learned()] == [("198.51.100.7", 4433, UDP)]
 
 
 def test_advert_from_a_remote_router_adds_routes_and_emits_peer_learned(h: CoreHarness) -> None:

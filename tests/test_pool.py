@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.events import PeerLearned
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.durability import Durability
@@ -56,6 +57,17 @@ async def test_an_address_on_a_transport_not_implemented_is_skipped_and_counted(
     assert pool.driver.stats["adverts_transport_skipped_total"] == 2
     pool.learn(OTHER.public, "192.0.2.9", 7733)  # the default is what the core reports today: TCP
     assert pool.addrs[OTHER.public] == ("192.0.2.9", 7733)
+
+
+async def test_the_core_reports_the_advert_transport_and_the_pool_skips_udp(pool: ConnectionPool) -> None:
+    """The way an advert's address takes: the core's PeerLearned (with the advert's proto) through the effect
+    runner to the pool."""
+    driver = pool.driver
+    driver.dialer = pool
+    driver.apply_now([PeerLearned(PEER.public, "192.0.2.7", 7733, UDP),
+                      PeerLearned(OTHER.public, "192.0.2.9", 7733, TCP)])  # fmt: skip
+    assert PEER.public not in pool.addrs and pool.addrs[OTHER.public] == ("192.0.2.9", 7733)
+    assert driver.stats["adverts_transport_skipped_total"] == 1
 
 
 def unicast(src: Identity, dst: bytes) -> Message:

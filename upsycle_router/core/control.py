@@ -334,7 +334,7 @@ class ControlPlane:
         self.s.learn_route(adv.id, via, ROUTE_ADVERT, expiry)
         for _, svc in adv.svcs:
             self.s.learn_route(svc, adv.id, ROUTE_ADVERT, expiry)
-        out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port))
+        out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port, adv.addr.proto))
         for service in (self.s.config.pubsub_service, self.s.config.discovery_service):
             if service is not None and service != sender:
                 self._send_to_service(service, encode_discovery(adv), now, out)

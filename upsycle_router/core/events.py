@@ -159,11 +159,13 @@ class Throttle:
 
 @dataclass(frozen=True, slots=True)
 class PeerLearned:
-    """A verified peer advertisement arrived from router ``advert.id``: the driver may record its address."""
+    """A verified peer advertisement arrived from router ``advert.id``: the driver may record its address
+    (``transport``: the advert's ``proto``, 1 TCP or 2 UDP; only TCP is dialled)."""
 
     router: bytes
     host: str
     port: int
+    transport: int = 1
 
 
 Effect = Send | Fanout | Dial | CloseConnection | Trace | PeerLearned | Throttle

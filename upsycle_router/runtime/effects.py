@@ -64,8 +64,8 @@ class Dialer(Protocol):
     def dial(self, router: bytes) -> bool:
         """Start connecting to ``router``; False if its address is unknown."""
 
-    def learn(self, router: bytes, host: str, port: int) -> None:
-        """Remember a router's transport address."""
+    def learn(self, router: bytes, host: str, port: int, transport: int) -> None:
+        """Remember a router's transport address (``transport``: the advert's ``proto``)."""
 
 
 class EffectRunner:
@@ -172,7 +172,7 @@ class EffectRunner:
                     conn.close_with_error(e.code, e.reason)
             elif isinstance(e, PeerLearned):
                 if self.dialer is not None:
-                    self.dialer.learn(e.router, e.host, e.port)
+                    self.dialer.learn(e.router, e.host, e.port, e.transport)
             elif isinstance(e, Throttle):
                 conn = conns.get(e.conn)
                 if conn is not None and e.conn not in self.throttled:
