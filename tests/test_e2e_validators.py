@@ -7,6 +7,7 @@ the small ones are accepted and reach the subscriber on ``b``, the large ones ar
 validator's output (one JSON line per verdict) shows it judged every message and rejected exactly the large
 ones. A group listed under ``pubsub.groups`` with only ``max_size`` (and one with only ``allowed_senders``)
 no longer blocks or breaks anything: the daemon starts with both and passes plain application messages on.
+The pub/sub service run as its own process (``upsycle-router pubsub``) asks the validator too.
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import DaemonFactory
 from netutil import REPO, Network, collect, drain, subprocess_env
 
+from upsycle_router.client import Client
 from upsycle_router.crypto import Identity, sign_app_message, write_key_file
 from upsycle_router.wire.app import AppHeader, AppMessage, AppMulticast
 
@@ -29,10 +32,10 @@ pytestmark = pytest.mark.slow
 LIMIT = 32
 
 
-def _validator(sock: Path, key: Path) -> subprocess.Popen[str]:
+def _validator(sock: Path, key: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "upsycle_router", "validator", "--socket", str(sock), "--key", str(key),
-         "--reject-larger-than", str(LIMIT)],
+         "--reject-larger-than", str(LIMIT), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=subprocess_env(),
         cwd=str(REPO),
     )  # fmt: skip
@@ -137,3 +140,33 @@ async def test_groups_with_one_option_pass_plain_application_messages(tmp_path: 
             if mid in {m.id for m in got}:
                 break
             assert time.monotonic() < deadline, "no application message reached b"
+
+
+async def test_the_pub_sub_service_as_its_own_process_asks_the_validator(daemon: DaemonFactory, tmp_path: Path) -> None:
+    vkey_path = tmp_path / "validator.key"
+    vkey = write_key_file(vkey_path)
+    d = daemon(config={"pubsub": {"in_process": False, "validators": {"*": vkey.public.hex()}}})
+    pubsub = subprocess.Popen(
+        [sys.executable, "-m", "upsycle_router", "pubsub", "--data-dir", str(d.dir), "--unix", str(d.sock),
+         "--config", str(d.config_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=str(REPO),
+    )  # fmt: skip
+    validator = _validator(d.sock, vkey_path, "--count", "1")
+    published: set[bytes] = set()
+    try:
+        async with await Client.connect(d.sock, Identity.generate()) as app:
+            group = Identity.generate()
+            deadline = time.monotonic() + 30
+            # until both services are connected, a publish may not reach the validator: publish until it answers
+            while validator.poll() is None:
+                published.add(await app.publish(group, b"x" * (LIMIT + 1 + len(published))))
+                await asyncio.sleep(0.3)
+                assert time.monotonic() < deadline, "the validator was never asked"
+                assert pubsub.poll() is None, _stop(pubsub)
+    finally:
+        rc_p, _, err_p = _stop(pubsub)
+        rc_v, out, err_v = _stop(validator)
+    assert rc_p == 0, err_p[-2000:]
+    assert rc_v == 0, err_v[-2000:]
+    (line,) = [json.loads(x) for x in out.splitlines()]
+    assert bytes.fromhex(line["id"]) in published and line["verdict"] == "reject" and line["peer"] is None

@@ -25,7 +25,7 @@ from upsycle_router.cli.common import (
     serve_from_args,
 )
 from upsycle_router.config import DaemonConfig, config_warnings
-from upsycle_router.crypto import load_or_create_key_file
+from upsycle_router.crypto import Identity, load_or_create_key_file
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
 from upsycle_router.runtime.daemon import run_daemon
@@ -92,12 +92,16 @@ def cmd_id(args: argparse.Namespace) -> int:
 
 
 def cmd_pubsub(args: argparse.Namespace) -> int:
-    """Run the pub/sub service as its own process against a router's socket."""
+    """Run the pub/sub service as its own process against a router's socket (with the daemon's ``pubsub``
+    section: gossip parameters, group policies, validator services)."""
     from upsycle_router.runtime.daemon import gossip_params, group_policies
-    from upsycle_router.runtime.pubsub_service import PubsubService
+    from upsycle_router.runtime.pubsub_service import PubsubService, pubsub_service
 
-    return serve_from_args(args, "pubsub.key", lambda cfg, ident, sock: PubsubService(
-        ident, sock, params=gossip_params(cfg), policies=group_policies(cfg)))
+    def make(cfg: DaemonConfig, ident: Identity, sock: Path) -> PubsubService:
+        group_policies(cfg)  # a policy the pub/sub core refuses is a config error (exit 2)
+        return pubsub_service(cfg.pubsub, ident, sock, gossip_params(cfg))
+
+    return serve_from_args(args, "pubsub.key", make)
 
 
 def cmd_testnet(args: argparse.Namespace) -> int:
