@@ -1,29 +1,148 @@
-"""Structured logs: one line per event, ``TIME LEVEL LOGGER message key=value ...``, to stderr."""
+"""The daemon's log: one line per event on stderr, as text or as JSON, at a level that can change while it runs.
+
+Theory of operation
+-------------------
+:func:`setup_logging` gives the package's loggers (``upsycle_router.*``) one handler on stderr; nothing
+propagates to the root logger. Two formats (``log.format``):
+
+* ``text`` (the default): ``TIME LEVEL LOGGER message`` - the time in UTC with milliseconds; the messages
+  name what they are about as ``key=value`` words (``connection open conn=3 peer=ab12... kind=unix``); an
+  exception follows as ``exc='...'``;
+* ``json``: one JSON object per line with ``ts``, ``level``, ``logger`` and ``msg``, then the structured
+  fields: those the code passed (``extra={"fields": {...}}``, with their types) and the message's
+  ``key=value`` words (as strings), never replacing one of the four; ``exc`` for an exception. Values that
+  are not JSON types are written as their ``str``, bytes as hex.
+
+Under systemd (``JOURNAL_STREAM`` names the device and inode of our stderr: the journal reads it) each line
+starts with the syslog priority in angle brackets (``<6>`` for INFO, ``<4>`` WARNING, ``<3>`` ERROR, ``<7>``
+DEBUG, ``<2>`` CRITICAL), the sd-daemon convention: journald strips it and files the line at that priority,
+so ``journalctl -p warning`` works. The prefix is never written anywhere else (a terminal, a file, a pipe).
+
+:func:`set_level` and :func:`set_format` change them in place (the daemon's reload, on SIGHUP).
+:class:`RateLimitedLog` keeps a flood of one kind of event to a line per interval.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
 import sys
 import time
+from typing import Any
+
+LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("text", "json")
+PACKAGE_LOGGER = "upsycle_router"
+# sd-daemon(3): the syslog priority of each level
+_PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
 
-class _Formatter(logging.Formatter):
+_WORD = re.compile(r"(?:^|(?<= ))([a-z][a-z0-9_]*)=([^\s=]+)(?=$| )")  # a key=value word of a message
+
+
+def _timestamp(record: logging.LogRecord) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
+
+
+def _fields(record: logging.LogRecord) -> dict[str, Any]:
+    fields = getattr(record, "fields", None)
+    return fields if isinstance(fields, dict) else {}
+
+
+def _plain(v: Any) -> Any:
+    """A JSON value for ``v``: JSON's own types as they are, bytes as hex, anything else as its ``str``."""
+    if v is None or isinstance(v, bool | int | float | str):
+        return v
+    if isinstance(v, bytes | bytearray | memoryview):
+        return bytes(v).hex()
+    if isinstance(v, list | tuple | set | frozenset):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    return str(v)
+
+
+def _priority(record: logging.LogRecord) -> str:
+    return f"<{_PRIORITY.get(record.levelno, 6 if record.levelno < logging.WARNING else 3)}>"
+
+
+class TextFormatter(logging.Formatter):
+    """``TIME LEVEL LOGGER message`` (``journal``: with the ``<N>`` priority prefix)."""
+
+    def __init__(self, journal: bool = False) -> None:
+        super().__init__()
+        self.journal = journal
+
     def format(self, record: logging.LogRecord) -> str:
-        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
-        line = f"{ts} {record.levelname} {record.name} {record.getMessage()}"
+        line = f"{_timestamp(record)} {record.levelname} {record.name} {record.getMessage()}"
         if record.exc_info:
             line += " exc=" + repr(self.formatException(record.exc_info))
-        return line
+        return _priority(record) + line if self.journal else line
 
 
-def setup_logging(level: str = "info") -> None:
-    """Route the package's logs to stderr at ``level``."""
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ``ts``, ``level``, ``logger``, ``msg``, the fields, ``exc``."""
+
+    def __init__(self, journal: bool = False) -> None:
+        super().__init__()
+        self.journal = journal
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = record.getMessage()
+        obj: dict[str, Any] = {"ts": _timestamp(record), "level": record.levelname.lower(), "logger": record.name,
+                               "msg": msg}  # fmt: skip
+        for k, v in _fields(record).items():
+            obj.setdefault(str(k), _plain(v))
+        for m in _WORD.finditer(msg):
+            obj.setdefault(m.group(1), m.group(2).rstrip(",;:"))
+        if record.exc_info:
+            obj["exc"] = self.formatException(record.exc_info)
+        line = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        return _priority(record) + line if self.journal else line
+
+
+def stderr_is_journal() -> bool:
+    """Whether stderr is systemd's journal stream (``JOURNAL_STREAM=DEV:INODE`` names it)."""
+    want = os.environ.get("JOURNAL_STREAM", "")
+    dev, _, ino = want.partition(":")
+    if not dev.isdigit() or not ino.isdigit():
+        return False
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError, AttributeError):
+        return False
+    return st.st_dev == int(dev) and st.st_ino == int(ino)
+
+
+def formatter(fmt: str, journal: bool | None = None) -> logging.Formatter:
+    """The formatter of ``log.format`` (``journal``: the priority prefix; None: when stderr is the journal)."""
+    if fmt not in FORMATS:
+        raise ValueError(f"log format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    j = stderr_is_journal() if journal is None else journal
+    return JsonFormatter(j) if fmt == "json" else TextFormatter(j)
+
+
+def setup_logging(level: str = "info", fmt: str = "text") -> None:
+    """Route the package's logs to stderr at ``level`` in format ``fmt`` (``text`` or ``json``)."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter())
-    root = logging.getLogger("upsycle_router")
+    handler.setFormatter(formatter(fmt))
+    root = logging.getLogger(PACKAGE_LOGGER)
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
+
+
+def set_level(level: str) -> None:
+    """Change the package's log level (``debug``, ``info``, ``warning``, ``error``)."""
+    logging.getLogger(PACKAGE_LOGGER).setLevel(level.upper())
+
+
+def set_format(fmt: str) -> None:
+    """Change the format of the package's handlers (``text`` or ``json``)."""
+    for h in logging.getLogger(PACKAGE_LOGGER).handlers:
+        h.setFormatter(formatter(fmt))
 
 
 class RateLimitedLog:
@@ -56,4 +175,5 @@ class RateLimitedLog:
         since = now - self._last[key] if key in self._last else None
         self._last[key] = now
         window = f"in the last {since:.1f} s" if since is not None else "(first of its kind)"
-        self.logger.warning("%s %d message%s (%s) %s", self.what, n, "" if n == 1 else "s", key, window)
+        self.logger.warning("%s %d message%s (%s) %s", self.what, n, "" if n == 1 else "s", key, window,
+                            extra={"fields": {"reason": key, "count": n}})  # fmt: skip
