@@ -1,9 +1,11 @@
-"""``upsycle-router group create|add|remove|send|listen``: end-to-end encrypted group sessions from a shell.
+"""``upsycle-router group create|add|remove|rotate|admin|send|listen``: end-to-end encrypted group sessions
+from a shell.
 
 Each command connects to the router's Unix socket with an app key (``--key``, as the other app commands)
 and keeps the member's group state in its own directory (``--data``, default
-``$XDG_STATE_HOME/upsycle-router/groups/<first 16 hex digits of the key>``). Before ``add``, ``remove`` and
-``send`` it reads what the router had queued for the member (so new messages name what is already known),
+``$XDG_STATE_HOME/upsycle-router/groups/<first 16 hex digits of the key>``). Before ``add``, ``remove``,
+``rotate``, ``admin`` and ``send`` it reads what the router had queued for the member (so new messages name
+what is already known, and the member acts on the group as it is now),
 and afterwards it waits until the router has committed what it sent, then (``--wait``, default 5 s) until
 every member has acknowledged it; members that did not are named on stderr (they may be offline: they get it
 later). ``listen`` accepts welcomes (from the admins named with ``--accept``, or from anyone) and prints the
@@ -160,6 +162,42 @@ def cmd_remove(args: argparse.Namespace) -> int:
     return _run(args, go)
 
 
+def cmd_rotate(args: argparse.Namespace) -> int:
+    """Start a new epoch (fresh keys) with the same members."""
+
+    async def go(mgr: GroupManager) -> int:
+        await settle(mgr)
+        s = _session(mgr, args.group)
+        await s.rotate()
+        print(f"epoch {s.epoch}", flush=True)
+        await _after_send(s, args)
+        return 0
+
+    return _run(args, go)
+
+
+def cmd_admin(args: argparse.Namespace) -> int:
+    """Make members admins, make admins plain members, or list the admins."""
+
+    async def go(mgr: GroupManager) -> int:
+        await settle(mgr)
+        s = _session(mgr, args.group)
+        if args.admin_command == "list":
+            for k in sorted(s.admins):
+                print(k.hex())
+            return 0
+        keys = [parse_key(m, "member") for m in args.members]
+        if args.admin_command == "add":
+            await s.add_admins(*keys)
+        else:
+            await s.remove_admins(*keys)
+        print(f"admins now {len(s.admins)}", flush=True)
+        await _after_send(s, args)
+        return 0
+
+    return _run(args, go)
+
+
 def cmd_send(args: argparse.Namespace) -> int:
     """Send one message to the group (or sealed to some members)."""
     body = read_body(args)
@@ -213,7 +251,8 @@ def cmd_listen(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``group`` and its subcommands."""
-    g = sub.add_parser("group", help="end-to-end encrypted group sessions (create, add, remove, send, listen)")
+    g = sub.add_parser("group", help="end-to-end encrypted group sessions (create, add, remove, rotate, admin, "
+                                     "send, listen)")  # fmt: skip
     gsub = g.add_subparsers(dest="group_command", metavar="SUBCOMMAND", required=True)
 
     def common(p: argparse.ArgumentParser) -> None:
@@ -221,7 +260,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p.add_argument("--data", help="this member's group state directory "
                                       "(default: ~/.local/state/upsycle-router/groups/<key prefix>)")  # fmt: skip
 
-    p = gsub.add_parser("create", help="create a group (you are its admin); print its id")
+    p = gsub.add_parser("create", help="create a group (you are its first admin); print its id")
     common(p)
     p.set_defaults(func=cmd_create)
 
@@ -229,7 +268,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p.add_argument("--wait", type=float, default=5.0, metavar="SECONDS",
                        help="wait this long for every member's acknowledgement (default 5; 0: no wait)")  # fmt: skip
 
-    p = gsub.add_parser("add", help="add members (admin only); they get a welcome")
+    p = gsub.add_parser("add", help="add members (admins only); they get a welcome")
     common(p)
     wait(p)
     p.add_argument("group", help="group id (hex)")
@@ -237,12 +276,34 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--via", help="the router the new members are on, when it is not this one (hex id)")
     p.set_defaults(func=cmd_add)
 
-    p = gsub.add_parser("remove", help="remove members (admin only); rotates the group's keys")
+    p = gsub.add_parser("remove", help="remove members, admins too (admins only); rotates the group's keys")
     common(p)
     wait(p)
     p.add_argument("group", help="group id (hex)")
     p.add_argument("members", nargs="+", metavar="MEMBER", help="member key (hex)")
     p.set_defaults(func=cmd_remove)
+
+    p = gsub.add_parser("rotate", help="start a new epoch with fresh keys, same members (admins only)")
+    common(p)
+    wait(p)
+    p.add_argument("group", help="group id (hex)")
+    p.set_defaults(func=cmd_rotate)
+
+    p = gsub.add_parser("admin", help="the group's admins: add, remove (admins only), list")
+    asub = p.add_subparsers(dest="admin_command", metavar="ACTION", required=True)
+    for action, text in (("add", "make members admins"),
+                         ("remove", "make admins plain members again (not yourself; 'group remove' puts a key "
+                                    "out of the group)")):  # fmt: skip
+        q = asub.add_parser(action, help=f"{text} (admins only)")
+        common(q)
+        wait(q)
+        q.add_argument("group", help="group id (hex)")
+        q.add_argument("members", nargs="+", metavar="MEMBER", help="member key (hex)")
+        q.set_defaults(func=cmd_admin)
+    q = asub.add_parser("list", help="print the admins' keys, one per line")
+    common(q)
+    q.add_argument("group", help="group id (hex)")
+    q.set_defaults(func=cmd_admin)
 
     p = gsub.add_parser("send", help="send a message to the group")
     common(p)
