@@ -20,7 +20,6 @@ from upsycle_router.store.check import check_store
 from upsycle_router.tools.crash import CrashConfig, run_async, slow_drain_crash
 
 CYCLES = 20
-TIME_BOUND = 90.0  # seconds for the whole 20-cycle run (typically 20-30 s; a daemon start is ~0.5-1 s)
 
 
 @pytest.fixture
@@ -47,7 +46,6 @@ async def test_sigkill_cycles_lose_no_covered_message(short_dir: Path) -> None:
     assert rep.unknown_received == 0
     assert rep.store_checks == CYCLES + 1 + CYCLES // cfg.check_every - 1  # after every SIGKILL
     assert rep.store_problems == []
-    assert rep.elapsed < TIME_BOUND, f"crash harness took {rep.elapsed:.1f} s"
 
 
 @pytest.mark.slow
