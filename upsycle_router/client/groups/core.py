@@ -381,7 +381,7 @@ class GroupCore:
             return out
         if msg.via is not None and p.sender != self.me:
             self.store.set_member_via(self.gid, p.sender, msg.via)
-        n_ops = len(self.membership.ops())
+        n_ops = len(self.membership)
         verdict = self.causal.add(p, now)
         if verdict == BASELINE:
             self.causal.mark_delivered(p.id, Delivered(p.sender, p.seq, 0, p.epoch, ev.BASELINE, 0, self.record.wv),
@@ -389,7 +389,7 @@ class GroupCore:
         elif verdict not in (BUFFERED, DUPLICATE):
             out.append(ev.Note(self.gid, "dropped", p.id, verdict))
         self._drain(now, out)
-        if len(self.membership.ops()) != n_ops:
+        if len(self.membership) != n_ops:
             self._admin_duties(now, out)
         return out
 
@@ -719,7 +719,7 @@ class GroupCore:
         for m in todo:
             seal_to(m, b"")  # fail early for a key that cannot be converted for encryption
         legacy = self._legacy()
-        if not legacy and len(self.membership.ops()) >= MAX_OPS:
+        if not legacy and len(self.membership) >= MAX_OPS:
             raise GroupError(f"the group's history has {MAX_OPS} operations, more than a welcome can carry")
         out: list[Effect] = []
         add_id = self._publish(MemberAdd(tuple(todo)) if legacy else self._op(OP_ADD, todo), now, out)

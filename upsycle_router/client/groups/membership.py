@@ -203,6 +203,9 @@ class Membership:
         """Every recorded operation, in a causal order."""
         return list(self._ops)
 
+    def __len__(self) -> int:
+        return len(self._ops)
+
     def op(self, key: Key) -> OpRecord | None:
         """The operation ``(author, seq)``."""
         return self._by_key.get(key)
