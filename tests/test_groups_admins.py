@@ -139,8 +139,8 @@ def test_every_down_set_of_a_random_history_resolves_the_same_in_every_order() -
             ops.append(op(who, seqs[who], kind, *target, past=dict(seen[who]),
                           number=1 if kind in (OP_REMOVE, OP_ROTATE) else 0))  # fmt: skip
             seen[who][who] = seqs[who]
-        for x in ops:  # the causal past of each operation, with it: a set some member has at some point
-            bound = dict(x.past) | {x.author: x.seq}
+        for x in [*ops, None]:  # the causal past of each operation with it (a set some member has), and all
+            bound = dict(x.past) | {x.author: x.seq} if x is not None else {k: n for k, n in seqs.items()}
             down = [o for o in ops if o.seq <= bound.get(o.author, 0)]
             perm = down[:]
             rng.shuffle(perm)
