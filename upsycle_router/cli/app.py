@@ -13,7 +13,9 @@ a sealed body that does not open is printed with ``"error"`` and no body, said o
 ``listen`` exit 1 when it ends (it keeps listening: one bad message from a stranger does not stop it).
 ``send`` and ``publish`` wait for the SYNC_ACK after the message: when the router did not take it in full
 (REFUSED, wire v1.1) they still print its id, name the reason on stderr (``refused: quota (the recipient's
-queue is full)``) and exit 1. ``status`` sends STATUS (type 11 since wire v1.1).
+queue is full)``) and exit 1. ``status`` sends STATUS (type 11 since wire v1.1) for the counters and, when
+it knows the router's metrics listener (``--metrics``, or ``metrics.listen`` in ``--config``), adds its
+``/status`` view: version, uptime, peers, every connection's traffic, refusals by reason.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 from upsycle_router.cli.common import app_options, read_body, run_app
 from upsycle_router.client import Client, Opened, SealedError, SyncResult
-from upsycle_router.config import parse_key
+from upsycle_router.config import load_config, parse_key
 from upsycle_router.crypto import load_key_file
 from upsycle_router.errors import KeyFileError, UpsycleError
 from upsycle_router.wire.messages import Message, MulticastHeader
@@ -163,16 +165,26 @@ def cmd_listen(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print the router's sizes and counters."""
+    """Print the router's sizes and counters (and, from its metrics listener, version, uptime, connections)."""
+    from upsycle_router.runtime.metrics import counters_lines, fetch, status_lines
 
     async def go(c: Client) -> int:
         st = await c.status()
+        listen = args.metrics or (load_config(args.config).metrics_listen if args.config else None)
+        detail = None
+        if listen:
+            try:
+                code, body = await asyncio.to_thread(fetch, listen, "/status")
+                if code != 200:
+                    raise ValueError(f"HTTP {code}")
+                detail = json.loads(body)
+            except (OSError, ValueError) as e:
+                print(f"warning: no /status from the metrics listener {listen}: {e}", file=sys.stderr)
         if args.json:
-            print(json.dumps({"router": c.router_id.hex(), **st}, sort_keys=True))
+            print(json.dumps({"router": c.router_id.hex(), **st, **({"detail": detail} if detail else {})},
+                             sort_keys=True))  # fmt: skip
         else:
-            print(f"router {c.router_id.hex()}")
-            for k in sorted(st):
-                print(f"  {k:24} {st[k]}")
+            print("\n".join(status_lines(detail) if detail else counters_lines(c.router_id.hex(), st)))
         return 0
 
     return run_app(args, go)
@@ -215,6 +227,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("status", help="show the router's connections, queues, store and counters")
     app_options(p)
     p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--metrics", metavar="HOST:PORT", help="the router's metrics listener, for version, uptime "
+                   "and connections (default: metrics.listen of --config)")  # fmt: skip
     p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("listen", help="print incoming messages as JSON lines")

@@ -1,5 +1,9 @@
-"""``upsycle-router run``, ``id``, ``pubsub`` and ``testnet``: start the daemon, print the router's id, run
-the pub/sub service as its own process, run a local testnet.
+"""``upsycle-router run``, ``reload``, ``id``, ``pubsub`` and ``testnet``: start the daemon, make it read its
+config again, print the router's id, run the pub/sub service as its own process, run a local testnet.
+
+``run`` hands the daemon a loader - the same config file and command line - that it calls on SIGHUP.
+``reload`` checks the config first (a broken one is exit 2 and nothing is sent), then sends SIGHUP to the
+router running on the data directory (its PID is in ``DATA_DIR/lock``); the router logs what it changed.
 
 A config that cannot be used - the file (unreadable, not UTF-8, not YAML, a bad option), the command line, or
 a directory the daemon could not create or write - ends every command here with exit code 2 and one line
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -28,7 +33,7 @@ from upsycle_router.config import DaemonConfig, config_warnings
 from upsycle_router.crypto import Identity, load_or_create_key_file
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
-from upsycle_router.runtime.daemon import run_daemon
+from upsycle_router.runtime.daemon import run_daemon, running_pid
 from upsycle_router.runtime.logs import setup_logging
 from upsycle_router.store.integrity import StoreUnusable
 
@@ -62,11 +67,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         warnings = config_warnings(cfg)
     except ConfigError as e:
         return config_error(e)
-    setup_logging(cfg.log_level)
+    setup_logging(cfg.log_level, cfg.log_format)
     for w in warnings:
         logging.getLogger("upsycle_router.config").warning("%s", w)
     try:
-        run_async(run_daemon(cfg))
+        run_async(run_daemon(cfg, lambda: config_from_args(args)))
     except (KeyFileError, ConfigError, StoreUnusable) as e:  # (a damaged store too: one line, exit 2)
         return config_error(e)
     except RuntimeError as e:
@@ -74,6 +79,24 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 0
+    return 0
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    """Make the running router read its config again (SIGHUP), if the config loads."""
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as e:
+        rc = config_error(e)
+        print("nothing sent: the running router keeps its config", file=sys.stderr)
+        return rc
+    try:
+        pid = running_pid(cfg.data_dir)
+        os.kill(pid, signal.SIGHUP)
+    except (RuntimeError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"reload requested (SIGHUP to process {pid}); the router logs what it changed")
     return 0
 
 
@@ -125,6 +148,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--trace", metavar="DIR", help="write the trace journal to DIR")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("reload", help="make the running router read its config again (SIGHUP)")
+    add_daemon_options(p)
+    p.set_defaults(func=cmd_reload)
 
     p = sub.add_parser("pubsub", help="run the pub/sub service as a separate process (pubsub.in_process: false)")
     add_service_options(p)

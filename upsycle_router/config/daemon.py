@@ -193,6 +193,7 @@ class DaemonConfig:
     trace_dir: Path | None = None
     trace_max_bytes: int = 64 * 1024 * 1024
     log_level: str = "info"
+    log_format: str = "text"  # or "json": one JSON object per line (runtime/logs.py)
     pubsub: PubsubConfig = field(default_factory=PubsubConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     websocket: WebSocketConfig = field(default_factory=WebSocketConfig)
@@ -335,12 +336,17 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
         kw["trace_dir"] = None if trace["path"] is None else parse_path(trace["path"], "trace.path")
     if "max_bytes" in trace:
         kw["trace_max_bytes"] = parse_int(trace["max_bytes"], "trace.max_bytes", 4096, MAX_TRACE_BYTES, unit="bytes")
-    log = parse_map(top.get("log"), "log", {"level"})
+    log = parse_map(top.get("log"), "log", {"level", "format"})
     if "level" in log:
         level = parse_str(log["level"], "log.level").lower()
         if level not in {"debug", "info", "warning", "error"}:
             raise fail("log.level", f"expected debug, info, warning or error, got {level!r}")
         kw["log_level"] = level
+    if "format" in log:
+        fmt = parse_str(log["format"], "log.format").lower()
+        if fmt not in {"text", "json"}:
+            raise fail("log.format", f"expected text or json, got {fmt!r}")
+        kw["log_format"] = fmt
     if "pubsub" in top:
         kw["pubsub"] = _parse_pubsub(top["pubsub"])
     if "discovery" in top:

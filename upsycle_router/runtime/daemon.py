@@ -1,4 +1,4 @@
-"""The daemon: config in, a running router out; SIGTERM/SIGINT stop it cleanly.
+"""The daemon: config in, a running router out; SIGTERM/SIGINT stop it cleanly, SIGHUP reloads its config.
 
 Start-up: create the data directory (0700), load or create the router key, open the LMDB store, restore the
 routing core from it, listen on the Unix socket (file mode from the config, 0600 by default) and, when
@@ -12,12 +12,27 @@ per source), keeps ``limits.local_reserve`` file descriptors for the Unix socket
 transport/admission.py). Before listening it raises its soft open-files limit to the hard limit. When the
 number of accepted connections falls far below its peak (a connection storm ended) it gives the freed heap
 back to the system at once, instead of at the next periodic trim.
+
+Reload: SIGHUP (``systemctl reload``, ``upsycle-router reload``) reads the config again - the file and the
+command line, through the loader ``run`` gave - and applies what can change while it runs
+(:mod:`upsycle_router.config.reload` decides which): the log level and format, the static peers (added ones
+are dialled, removed ones hung up), the limits, the routing core's quotas and policy (its
+:class:`~upsycle_router.core.config.CoreConfig` replaced whole). It logs one line per change
+(``reload: log.level info -> debug``, ``reload: peers +1 -1``) and one WARNING naming the options that
+changed but need a restart (they keep their running values). A config that does not load is an ERROR with
+the reason; the daemon goes on with the one it has. The PID is written into the data directory's lock file
+(``DATA_DIR/lock``, held while the daemon runs), where ``upsycle-router reload`` finds it.
+
+Status and health: :meth:`Daemon.status_detail` is the ``/status`` view of the metrics listener (version,
+start time, peers, every connection's traffic and its rate over the last :data:`RATE_INTERVAL` seconds,
+refusals by reason); :meth:`Daemon.health` is ``/healthz`` (the store open, every listener accepting).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import fcntl
 import gc
 import logging
@@ -27,11 +42,13 @@ import socket
 import ssl
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from upsycle_router import accel
-from upsycle_router.config import DaemonConfig
+from upsycle_router import __version__, accel
+from upsycle_router.config import DaemonConfig, PeerConfig
+from upsycle_router.config.reload import Applies, ReloadPlan, peer_changes, plan_reload
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, load_or_create_key_file, sign_advert
@@ -39,6 +56,7 @@ from upsycle_router.errors import ConfigError, ErrorCode
 from upsycle_router.expiry import exp_in
 from upsycle_router.runtime.discovery_service import DiscoveryService, LanSocketConfig
 from upsycle_router.runtime.driver import Driver
+from upsycle_router.runtime.logs import set_format, set_level
 from upsycle_router.runtime.memory import STORM_TRIM_DELAY, TRIM_INTERVAL, PeakWatch, Trimmer
 from upsycle_router.runtime.metrics import MetricsServer
 from upsycle_router.runtime.pool import ConnectionPool
@@ -60,6 +78,7 @@ log = logging.getLogger("upsycle_router.daemon")
 STOP_TIMEOUT = 10.0
 ADVERT_TTL = 3600
 ADVERT_REFRESH = ADVERT_TTL / 3
+RATE_INTERVAL = 10.0  # seconds: the connections' message rates in the status view are over this interval
 
 
 def sd_notify(state: str) -> None:
@@ -100,6 +119,13 @@ def core_config(
     )
 
 
+# The routing core's options a reload replaces (CoreConfig fields; config/reload.py: CORE).
+CORE_RELOADABLE = (
+    "edge_nodes", "accept_join_from_any", "peers", "accept_pull_from_any", "queue_max_count", "queue_max_bytes",
+    "stranger_share", "remote_ttl_max", "backpressure_at",
+)  # fmt: skip
+
+
 def gossip_params(cfg: DaemonConfig) -> GossipParams:
     """Gossip parameters from ``pubsub.params`` (integers where gossipsub counts)."""
     ints = {"D", "D_low", "D_high", "D_lazy", "mcache_len", "mcache_gossip"}
@@ -128,8 +154,17 @@ def discovery_service(cfg: DaemonConfig, identity: Identity, socket_path: Path) 
 class Daemon:
     """One running router."""
 
-    def __init__(self, config: DaemonConfig) -> None:
+    def __init__(self, config: DaemonConfig, loader: Callable[[], DaemonConfig] | None = None) -> None:
         self.config = config
+        self.loader = loader  # reads the config again on SIGHUP (None: nothing to reload)
+        self.started_at = 0.0
+        self._started = False
+        self._reload_pending = False  # SIGHUP came during start(): reload once it is done
+        self._stopping = False
+        self._rate_handle: asyncio.TimerHandle | None = None
+        # Each connection's (messages_in, messages_out) at the last rate tick, and its rates since the one before.
+        self._traffic: dict[int, tuple[int, int]] = {}
+        self._rates: dict[int, tuple[float, float]] = {}
         self.identity: Identity | None = None
         self.store: LmdbStore | None = None
         self.driver: Driver | None = None
@@ -157,6 +192,13 @@ class Daemon:
     async def start(self) -> None:
         """Open state and start listening."""
         cfg = self.config
+        loop = asyncio.get_running_loop()
+        # Signals from the start on: the socket accepts (and a supervisor may signal) before start() returns.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.request_stop)
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signal.SIGHUP, self.reload)
         params = gossip_params(cfg)
         group_policies(cfg)  # a policy the pub/sub core refuses stops the start before anything is opened
         cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -167,6 +209,9 @@ class Daemon:
             os.close(self._lock_fd)
             self._lock_fd = None
             raise RuntimeError(f"{cfg.data_dir}: data directory in use by another router") from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)  # for upsycle-router reload
+        self.started_at = time.time()
         old_limit, fd_limit = raise_fd_limit()
         if fd_limit != old_limit:
             log.info("open files limit (RLIMIT_NOFILE) raised from %d to %d", old_limit, fd_limit)
@@ -200,7 +245,6 @@ class Daemon:
             verify_nice=cfg.verify_nice,
             burst=cfg.rate_burst,
         )
-        loop = asyncio.get_running_loop()
         self.admission = Admission(
             self.driver.stats,
             max_connections=cfg.max_connections,
@@ -210,26 +254,17 @@ class Daemon:
             handshake_timeout=cfg.handshake_timeout,
         )
         self.admission.on_close = self._connections_fell
-        self.driver.stats.update(memory_trims_total=0, memory_storm_trims_total=0)
+        self.driver.stats.update(memory_trims_total=0, memory_storm_trims_total=0, started_at=int(self.started_at))
         router.advert = self._own_advert(ident)
         if cfg.tls is not None or cfg.peers or cfg.core_nodes or cfg.discovery.enabled:
-            self.pool = ConnectionPool(
-                self.driver,
-                ident,
-                client_context(),
-                idle_timeout=cfg.idle_timeout,
-                handshake_timeout=cfg.handshake_timeout,
-                max_frame=cfg.max_frame,
-                write_high_water=cfg.effective_write_high_water,
-            )
+            pool = self._make_pool()
             for p in cfg.peers + cfg.core_nodes:
                 addr = TransportAddr.parse(p.addr)
-                self.pool.add_static(p.id, addr.host, addr.port)
+                pool.add_static(p.id, addr.host, addr.port)
             if cfg.discovery.enabled and cfg.discovery.sampling:
                 for b in cfg.discovery.bootstrap:
                     addr = TransportAddr.parse(b.addr)
-                    self.pool.add_bootstrap(b.id, addr.host, addr.port)
-            self.driver.dialer = self.pool
+                    pool.add_bootstrap(b.id, addr.host, addr.port)
         if cfg.unix is not None:
             await self._listen_unix(cfg.unix)
         if cfg.tls is not None:
@@ -245,9 +280,10 @@ class Daemon:
         self.driver.apply_now(router.start(time.time()))
         if cfg.metrics_listen is not None:
             maddr = TransportAddr.parse(cfg.metrics_listen)
-            self.metrics = MetricsServer(router.status, ident.hex)
+            self.metrics = MetricsServer(router.status, ident.hex, version=__version__, health=self.health,
+                                         detail=self.status_detail)  # fmt: skip
             await self.metrics.start(maddr.host, maddr.port)
-            log.info("metrics on http://%s/metrics", cfg.metrics_listen)
+            log.info("metrics on http://%s/metrics (and /healthz, /status)", cfg.metrics_listen)
         if self.pubsub_identity is not None and cfg.unix is not None and cfg.pubsub.in_process:
             self.pubsub = pubsub_service(cfg.pubsub, self.pubsub_identity, cfg.unix, params)
             self._pubsub_task = loop.create_task(self.pubsub.run())
@@ -257,14 +293,31 @@ class Daemon:
         self._readvertise_handle = loop.call_later(self._advert_refresh(), self._readvertise)
         if self.trimmer.available:
             self._trim_handle = loop.call_later(TRIM_INTERVAL, self._trim)
+        self._rate_handle = loop.call_later(RATE_INTERVAL, self._rate_tick)
         log.info(
             "started id=%s data_dir=%s unix=%s durability=%s hot_path=%s", ident.hex, cfg.data_dir, cfg.unix,
             cfg.durability.value, accel.IMPLEMENTATION,
         )
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
-                loop.add_signal_handler(sig, self.request_stop)
+        self._started = True
         sd_notify("READY=1")
+        if self._reload_pending:
+            self.reload()
+
+    def _make_pool(self) -> ConnectionPool:
+        """The connection pool (at start, or at the first reload that adds a peer), the driver's dialer."""
+        assert self.driver is not None and self.identity is not None
+        cfg = self.config
+        self.pool = ConnectionPool(
+            self.driver,
+            self.identity,
+            client_context(),
+            idle_timeout=cfg.idle_timeout,
+            handshake_timeout=cfg.handshake_timeout,
+            max_frame=cfg.max_frame,
+            write_high_water=cfg.effective_write_high_water,
+        )
+        self.driver.dialer = self.pool
+        return self.pool
 
     def _own_advert(self, ident: Identity) -> PeerAdvertisement:
         """This router's signed advertisement (sent to every router it connects to)."""
@@ -403,6 +456,191 @@ class Daemon:
         os.chmod(path, self.config.unix_mode)
         self._listen(sock, "unix", network=False)
 
+    # ------------------------------------------------------------ reload (SIGHUP)
+
+    def reload(self) -> None:
+        """Read the config again and apply what can change while the daemon runs (see the module docstring).
+        Never raises: a config that does not load, or a change that cannot be applied, is logged."""
+        if not self._started:
+            self._reload_pending = True
+            return
+        if self._stopping or self.driver is None:
+            return
+        if self.loader is None:
+            log.warning("reload: SIGHUP ignored: nothing to read the config from")
+            return
+        log.info("reload: reading the config")
+        sd_notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
+        try:
+            self._reload()
+        finally:
+            sd_notify("READY=1")
+
+    def _reload(self) -> None:
+        assert self.loader is not None
+        try:
+            loaded = self.loader()
+            plan = plan_reload(self.config, loaded)
+            for p in plan.config.peers:
+                TransportAddr.parse(p.addr)
+        except ConfigError as e:
+            log.error("reload: %s; running on with the config loaded before", " ".join(str(e).split()))
+            return
+        except Exception as e:  # noqa: BLE001 - whatever it is, the daemon goes on
+            log.error("reload: config not loaded (%s: %s); running on with the config loaded before",
+                      type(e).__name__, e)  # fmt: skip
+            return
+        try:
+            self._apply(plan)
+        except Exception:
+            log.exception("reload: applying the new config failed part way; what was applied stays")
+
+    def _apply(self, plan: ReloadPlan) -> None:
+        old, cfg = self.config, plan.config
+        self.config = cfg
+        lines = [ch.describe() for ch in plan.live.values()]
+        louder = logging.getLevelName(cfg.log_level.upper()) < logging.getLevelName(old.log_level.upper())
+        if louder:  # so that the line saying so is seen
+            self._apply_logging(cfg)
+        for line in lines:
+            log.info("reload: %s", line, extra={"fields": {"reload": line.split(" ", 1)[0]}})
+        if plan.restart:
+            log.warning("reload: %s changed but need%s a restart; running on with the values loaded at start",
+                        ", ".join(plan.restart), "s" if len(plan.restart) == 1 else "",
+                        extra={"fields": {"restart": plan.restart}})  # fmt: skip
+        elif not lines:
+            log.info("reload: nothing changed")
+        if not louder:
+            self._apply_logging(cfg)
+        if plan.applies(Applies.LIMITS):
+            self._apply_limits(cfg)
+        if plan.applies(Applies.PEERS):
+            self._apply_peers(old.peers, cfg)
+        self._apply_core(cfg)
+
+    def _apply_logging(self, cfg: DaemonConfig) -> None:
+        set_level(cfg.log_level)
+        set_format(cfg.log_format)
+
+    def _apply_limits(self, cfg: DaemonConfig) -> None:
+        """The limits read as the daemon goes (some for connections made from now on)."""
+        d, adm = self.driver, self.admission
+        assert d is not None and adm is not None
+        d.rate, d.burst = cfg.rate_per_connection, cfg.rate_burst
+        d.effects.outbound_buffer_max = cfg.outbound_buffer_max
+        adm.max_connections = cfg.max_connections
+        adm.max_handshakes = cfg.max_handshakes
+        adm.max_handshakes_per_source = cfg.max_handshakes_per_source
+        adm.local_reserve = cfg.local_reserve
+        adm.handshake_timeout = cfg.handshake_timeout
+        if self.pool is not None:
+            self.pool.idle_timeout = cfg.idle_timeout
+            self.pool.handshake_timeout = cfg.handshake_timeout
+            self.pool.max_frame = cfg.max_frame
+            self.pool.write_high_water = cfg.effective_write_high_water
+        self._check_fd_budget()
+
+    def _apply_peers(self, before: tuple[PeerConfig, ...], cfg: DaemonConfig) -> None:
+        """Dial the added peers, hang up on the removed ones (the connections this router dialled to them),
+        re-dial the ones whose address changed."""
+        assert self.driver is not None
+        added, removed, moved = peer_changes(before, cfg.peers)
+        pool = self.pool
+        if pool is None:
+            if not added:
+                return
+            pool = self._make_pool()
+            pool.start()
+        core_nodes = {p.id for p in cfg.core_nodes}
+        for p in removed:
+            if p.id not in core_nodes:
+                pool.static.discard(p.id)
+                pool.addrs.pop(p.id, None)
+        gone = {p.id for p in removed if p.id not in core_nodes} | {p.id for p in moved}
+        for c in list(self.driver.conns.values()):
+            if c.dialled and c.peer in gone:
+                log.info("reload: closing the connection to %s (peer %s)", (c.peer or b"").hex(),
+                         "removed" if c.peer not in {p.id for p in moved} else "moved")  # fmt: skip
+                c.close()
+        for p in added + moved:
+            addr = TransportAddr.parse(p.addr)
+            pool.add_static(p.id, addr.host, addr.port)
+            pool.dial(p.id)
+
+    def _apply_core(self, cfg: DaemonConfig) -> None:
+        """Replace the routing core's config if its quotas or policy changed."""
+        assert self.driver is not None
+        router = self.driver.router
+        running = router.config
+        fresh = core_config(cfg, running.pubsub_service, running.local_services, running.discovery_service)
+        new = dataclasses.replace(running, **{f: getattr(fresh, f) for f in CORE_RELOADABLE})
+        if new != running:
+            router.config = new
+
+    # ------------------------------------------------------------ health and status
+
+    def health(self) -> str | None:
+        """None while the daemon serves (store open, every listener accepting); else what is wrong."""
+        if self._stopping:
+            return "stopping"
+        if self.store is None:
+            return "store closed"
+        for listener in self._listeners:
+            if listener.sock.fileno() == -1:
+                return f"listener {listener.kind} closed"
+        return None
+
+    def _rate_tick(self) -> None:
+        """Every RATE_INTERVAL seconds: each connection's message rates over the interval that ended."""
+        loop = asyncio.get_running_loop()
+        if self.driver is not None:
+            traffic, rates = {}, {}
+            for c in self.driver.conns.values():
+                now_in, now_out = c.messages_in, c.messages_out
+                was_in, was_out = self._traffic.get(c.id, (0, 0))
+                traffic[c.id] = (now_in, now_out)
+                rates[c.id] = ((now_in - was_in) / RATE_INTERVAL, (now_out - was_out) / RATE_INTERVAL)
+            self._traffic, self._rates = traffic, rates
+        self._rate_handle = loop.call_later(RATE_INTERVAL, self._rate_tick)
+
+    def status_detail(self) -> dict[str, Any]:
+        """The ``/status`` view: version, start, counters, refusals by reason, peers, connections."""
+        assert self.driver is not None and self.identity is not None
+        router = self.driver.router
+        counters = router.status()
+
+        def by_reason(prefix: str) -> dict[str, int]:
+            return {k[len(prefix):-len("_total")]: v for k, v in counters.items()
+                    if k.startswith(prefix) and k.endswith("_total")}  # fmt: skip
+
+        conns = []
+        for c in sorted(self.driver.conns.values(), key=lambda c: c.id):
+            rate_in, rate_out = self._rates.get(c.id, (0.0, 0.0))
+            remote = c.transport.get_extra_info("peername") if c.transport is not None else None
+            conns.append({
+                "conn": c.id, "peer": c.peer.hex() if c.peer else None, "kind": c.kind, "local": c.local,
+                "dialled": c.dialled,
+                "remote": f"{remote[0]}:{remote[1]}" if isinstance(remote, tuple) and len(remote) >= 2 else None,
+                "messages_in": c.messages_in, "messages_out": c.messages_out, "bytes_in": c.bytes_in,
+                "bytes_out": c.written, "buffered": c.buffered(), "rate_in": rate_in, "rate_out": rate_out,
+            })  # fmt: skip
+        peers = [{"id": p.id.hex(), "addr": p.addr, "role": role, "connected": router.connected(p.id) is not None}
+                 for role, ps in (("peer", self.config.peers), ("core_node", self.config.core_nodes))
+                 for p in ps]  # fmt: skip
+        return {
+            "router": self.identity.hex,
+            "version": __version__,
+            "started_at": int(self.started_at),
+            "uptime_seconds": int(time.time() - self.started_at),
+            "rate_interval": RATE_INTERVAL,
+            "counters": counters,
+            "refusals": by_reason("refused_"),
+            "dropped": by_reason("dropped_"),
+            "connections_refused": by_reason("conn_refused_"),
+            "peers": peers,
+            "connections": conns,
+        }
+
     def request_stop(self) -> None:
         """Ask the daemon to stop (signal handlers call this)."""
         self._stopped.set()
@@ -416,7 +654,8 @@ class Daemon:
         """Stop accepting, close connections, flush and close the store."""
         sd_notify("STOPPING=1")
         log.info("stopping")
-        for h in (self._readvertise_handle, self._trim_handle, self._storm_trim_handle):
+        self._stopping = True
+        for h in (self._readvertise_handle, self._trim_handle, self._storm_trim_handle, self._rate_handle):
             if h is not None:
                 h.cancel()
         for listener in self._listeners:
@@ -454,9 +693,46 @@ class Daemon:
         if self.admission is not None:
             self.admission.close()
         if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._lock_fd, 0)  # no PID of a process that is gone
             os.close(self._lock_fd)
             self._lock_fd = None
         log.info("stopped")
+
+
+def running_pid(data_dir: Path) -> int:
+    """The PID of the router running on ``data_dir``, from its lock file (:class:`RuntimeError` saying why
+    there is none: no router runs there, or the process holding the lock is no router)."""
+    path = data_dir / "lock"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise RuntimeError(f"no router is running on {data_dir} (no {path})") from None
+    except OSError as e:
+        raise RuntimeError(f"{path}: {e.strerror or e}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pass  # held: something runs on this data directory
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            raise RuntimeError(f"no router is running on {data_dir}")
+        text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    finally:
+        os.close(fd)
+    if not text.isdigit():
+        raise RuntimeError(f"{path} is locked by a process that is no router (a store backup?)")
+    pid = int(text)
+    cmdline = Path(f"/proc/{pid}/cmdline")
+    if Path("/proc/self").exists():
+        try:
+            args = cmdline.read_bytes()
+        except OSError:
+            raise RuntimeError(f"{path} names process {pid}, which does not run (any more)") from None
+        if b"upsycle" not in args:
+            raise RuntimeError(f"{path} names process {pid}, which is no router")
+    return pid
 
 
 async def _socket_alive(path: Path) -> bool:
@@ -489,10 +765,10 @@ def tune_gc() -> None:
 SWITCH_INTERVAL = 0.0005
 
 
-async def run_daemon(config: DaemonConfig) -> None:
-    """Start a daemon and serve until SIGTERM/SIGINT."""
+async def run_daemon(config: DaemonConfig, loader: Callable[[], DaemonConfig] | None = None) -> None:
+    """Start a daemon and serve until SIGTERM/SIGINT; on SIGHUP ``loader`` reads the config again."""
     sys.setswitchinterval(SWITCH_INTERVAL)
-    d = Daemon(config)
+    d = Daemon(config, loader)
     with store_errors(config.data_dir / "store"):  # LMDB's errors at start: one line, exit 2
         await d.start()
     tune_gc()

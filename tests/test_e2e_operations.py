@@ -1,0 +1,209 @@
+"""Operating a running daemon (real daemon subprocesses): SIGHUP reloads the config - log level, static peers -
+and a config that does not load leaves it serving; ``upsycle-router reload``; JSON log lines; the metrics
+listener's ``/metrics``, ``/healthz`` and ``/status`` over HTTP on loopback; ``upsycle-router status``."""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from conftest import Daemon, DaemonFactory, async_wait_until, cli, wait_until
+from netutil import free_port
+
+from upsycle_router import __version__
+from upsycle_router.client import Client
+from upsycle_router.crypto import Identity, load_key_file
+
+pytestmark = pytest.mark.slow
+WAIT = 10.0
+
+
+def _hup(d: Daemon, config: dict[str, Any] | str) -> None:
+    """Write the daemon's config file anew and send it SIGHUP."""
+    assert d.config_path is not None and d.proc is not None
+    d.config_path.write_text(config if isinstance(config, str) else yaml.safe_dump(config), encoding="utf-8")
+    d.proc.send_signal(signal.SIGHUP)
+
+
+def _lines(d: Daemon, needle: str) -> list[str]:
+    return [line for line in d.log_text().splitlines() if needle in line]
+
+
+def _wait_line(d: Daemon, needle: str, count: int = 1) -> list[str]:
+    found: list[str] = wait_until(lambda: len(_lines(d, needle)) >= count and _lines(d, needle), WAIT,
+                                  f"log line {needle!r} (x{count})")  # fmt: skip
+    return found
+
+
+def _get(url: str, method: str = "GET") -> tuple[int, str, bytes]:
+    req = urllib.request.Request(url, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, r.headers.get("Content-Type", ""), r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers.get("Content-Type", ""), e.read()
+
+
+def _router_id(d: Daemon) -> bytes:
+    return load_key_file(d.dir / "router.key").public
+
+
+async def test_sighup_changes_the_log_level(daemon: DaemonFactory) -> None:
+    d = daemon(config={"log": {"level": "info"}})
+    _hup(d, {"log": {"level": "warning"}})
+    _wait_line(d, "reload: log.level info -> warning")  # logged before the level goes down: it is seen
+    quiet, loud = Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, quiet) as c:
+        await c.sync()
+    _hup(d, {"log": {"level": "info"}})
+    _wait_line(d, "reload: log.level warning -> info")
+    async with await Client.connect(d.sock, loud) as c:
+        await c.sync()
+    text = d.log_text()
+    assert "connection open conn=" in text
+    assert f"peer={quiet.public.hex()}" not in text, "an INFO line was logged at level warning"
+    assert "connection open conn=" in text.split("reload: log.level warning -> info", 1)[1]
+    assert f"peer={loud.public.hex()}" in text
+
+
+async def test_sighup_adds_and_removes_a_static_peer(daemon: DaemonFactory) -> None:
+    port = free_port()
+    a = daemon("--listen", f"127.0.0.1:{port}")
+    mport = free_port()
+    b = daemon(config={"metrics": {"listen": f"127.0.0.1:{mport}"}})
+    a_id, b_id = _router_id(a), _router_id(b)
+    peer = {"id": a_id.hex(), "addr": f"127.0.0.1:{port}"}
+    _hup(b, {"metrics": {"listen": f"127.0.0.1:{mport}"}, "peers": [peer]})
+    _wait_line(b, "reload: peers +1 -0")
+    _wait_line(a, f"peer={b_id.hex()} kind=tls")  # b dialled a
+
+    def detail() -> dict[str, Any]:
+        code, _, body = _get(f"http://127.0.0.1:{mport}/status")
+        assert code == 200
+        out: dict[str, Any] = json.loads(body)
+        return out
+
+    st = wait_until(lambda: (s := detail())["peers"] and s["peers"][0]["connected"] and s, WAIT, "peer connected")
+    assert st["peers"] == [{"id": a_id.hex(), "addr": f"127.0.0.1:{port}", "role": "peer", "connected": True}]
+    tls = [c for c in st["connections"] if c["kind"] == "tls"]
+    assert len(tls) == 1 and tls[0]["peer"] == a_id.hex() and tls[0]["dialled"] and not tls[0]["local"]
+
+    _hup(b, {"metrics": {"listen": f"127.0.0.1:{mport}"}})
+    _wait_line(b, "reload: peers +0 -1")
+    _wait_line(a, "connection closed conn=")  # b hung up on a
+    def no_tls() -> dict[str, Any] | None:
+        s = detail()
+        return None if any(c["kind"] == "tls" for c in s["connections"]) else s
+
+    st = wait_until(no_tls, WAIT, "the connection to the removed peer closed")
+    assert st["peers"] == []
+
+
+async def test_a_config_that_does_not_load_on_reload_keeps_the_daemon_serving(daemon: DaemonFactory) -> None:
+    d = daemon(config={"log": {"level": "info"}, "queue": {"max_count": 1000}})
+    _hup(d, "log: {level: [\n")  # not YAML
+    err = _wait_line(d, "reload:")
+    line = wait_until(lambda: [x for x in _lines(d, "reload:") if " ERROR " in x], WAIT, "the ERROR line")[0]
+    assert "not valid YAML" in line and "running on with the config loaded before" in line, err
+    _hup(d, {"queue": {"max_count": 0}})  # out of range
+    line = wait_until(lambda: [x for x in _lines(d, "reload:") if " ERROR " in x][1:], WAIT, "2nd ERROR")[0]
+    assert "queue.max_count" in line
+    assert d.running
+    a = Identity.generate()
+    async with await Client.connect(d.sock, a) as c:  # still serving, with the old config
+        st = await c.status()
+        assert st["connections"] >= 1
+        assert (await c.sync()).refused == ()
+    # a good one is applied again; what needs a restart is named (the command line's --data-dir still wins)
+    _hup(d, {"queue": {"max_count": 500}, "data_dir": "/elsewhere", "durability": "none", "store": {"map_size": 2**24}})
+    _wait_line(d, "reload: queue.max_count 1000 -> 500")
+    warn = _wait_line(d, "need a restart")[0]
+    assert " WARNING " in warn and "reload: durability, store.map_size changed but need a restart" in warn
+
+
+def test_the_reload_command(daemon: DaemonFactory, tmp_path: Path) -> None:
+    d = daemon(config={"log": {"level": "info"}})
+    assert d.config_path is not None
+    d.config_path.write_text("log: {level: debug}\n", encoding="utf-8")
+    r = cli("reload", "--config", str(d.config_path), "--data-dir", str(d.dir))
+    assert r.returncode == 0, r.stderr
+    assert "SIGHUP" in r.stdout
+    _wait_line(d, "reload: log.level info -> debug")
+    d.config_path.write_text("log: {level: loud}\n", encoding="utf-8")
+    r = cli("reload", "--config", str(d.config_path), "--data-dir", str(d.dir))
+    assert r.returncode == 2 and "log.level" in r.stderr and "nothing sent" in r.stderr
+    r = cli("reload", "--data-dir", str(tmp_path / "nobody"))
+    assert r.returncode == 1 and "no router is running" in r.stderr
+    assert len(_lines(d, "reload: reading the config")) == 1
+
+
+async def test_json_log_lines_parse(daemon: DaemonFactory) -> None:
+    d = daemon(config={"log": {"format": "json"}})
+    a = Identity.generate()
+    async with await Client.connect(d.sock, a) as c:
+        await c.sync()
+    await async_wait_until(lambda: f'"peer":"{a.public.hex()}"' in d.log_text(), WAIT, "the connection's line")
+    d.stop()
+    lines = [json.loads(x) for x in d.log_text().splitlines() if x.strip()]
+    assert lines and all({"ts", "level", "logger", "msg"} <= set(x) for x in lines)
+    started = [x for x in lines if x["msg"].startswith("started ")]
+    assert len(started) == 1 and started[0]["id"] == _router_id(d).hex() and started[0]["level"] == "info"
+    opened = [x for x in lines if x["msg"].startswith("connection open") and x.get("peer") == a.public.hex()]
+    assert opened and opened[0]["kind"] == "unix" and opened[0]["logger"] == "upsycle_router.driver"
+    assert lines[-1]["msg"] == "stopped"
+
+
+async def test_metrics_healthz_and_status_over_http(daemon: DaemonFactory) -> None:
+    port = free_port()
+    d = daemon(config={"metrics": {"listen": f"127.0.0.1:{port}"}})
+    base = f"http://127.0.0.1:{port}"
+    a, b = Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, a) as ca, await Client.connect(d.sock, b) as cb:
+        for i in range(5):
+            await ca.send(b.public, f"m{i}".encode())
+        await ca.sync()
+        for _ in range(5):
+            await cb.recv(timeout=5)
+        code, ctype, body = _get(base + "/healthz")
+        assert (code, body) == (200, b"ok\n") and ctype.startswith("text/plain")
+        code, ctype, body = _get(base + "/metrics")
+        text = body.decode()
+        assert code == 200 and ctype.startswith("text/plain; version=0.0.4")
+        assert "# TYPE upsycle_connections gauge" in text and "# TYPE upsycle_received_total counter" in text
+        assert f'upsycle_build_info{{node="{_router_id(d).hex()}",version="{__version__}"}} 1.0' in text
+        assert "process_start_time_seconds" in text
+        code, _, body = _get(base + "/metrics", "HEAD")
+        assert code == 200 and body == b""
+        code, ctype, body = _get(base + "/status")
+        assert code == 200 and ctype == "application/json"
+        st = json.loads(body)
+        assert st["version"] == __version__ and st["router"] == _router_id(d).hex()
+        assert st["uptime_seconds"] >= 0 and st["started_at"] == st["counters"]["started_at"]
+        conns = {c["peer"]: c for c in st["connections"]}
+        sender, receiver = conns[a.public.hex()], conns[b.public.hex()]
+        assert sender["kind"] == "unix" and sender["local"] and sender["remote"] is None
+        assert sender["messages_in"] >= 6 and sender["bytes_in"] > 0  # 5 messages and a SYNC
+        assert receiver["messages_out"] >= 5 and receiver["bytes_out"] > 0
+        assert {"rate_in", "rate_out", "buffered"} <= set(sender)
+        assert _get(base + "/nope")[0] == 404
+        assert _get(base + "/metrics", "POST")[0] == 405
+
+        key = d.dir / "cli.key"
+        r = cli("status", "--socket", str(d.sock), "--key", str(key), "--metrics", f"127.0.0.1:{port}")
+        assert r.returncode == 0, r.stderr
+        assert f"version {__version__}" in r.stdout and ", up " in r.stdout
+        assert f"connections ({len(st['connections']) + 1})" in r.stdout  # and the status command itself
+        assert a.public.hex()[:16] in r.stdout and " unix " in r.stdout
+        r = cli("status", "--socket", str(d.sock), "--key", str(key), "--metrics", f"127.0.0.1:{port}", "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["connections"] >= 3 and out["detail"]["version"] == __version__
+    r = cli("status", "--socket", str(d.sock), "--key", str(key))  # no metrics listener named: counters only
+    assert r.returncode == 0, r.stderr
+    assert ", up " in r.stdout and "received_total" in r.stdout and "version" not in r.stdout
