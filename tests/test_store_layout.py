@@ -15,6 +15,8 @@ import lmdb
 import pytest
 
 from upsycle_router.store import accel, layout
+from upsycle_router.store.api import RouteEntry
+from upsycle_router.store.check import check_store
 from upsycle_router.store.lmdb_store import Durability, LmdbStore
 
 _C_MODULES = [pytest.param(m, id=m.__name__) for m in (accel._RECORDS, accel._INDEX) if m is not None]
@@ -63,3 +65,13 @@ def test_the_record_helpers_read_what_the_store_writes(tmp_path: Path) -> None:
     assert exp_keys == [r[:8] + struct.pack(">Q", seq) for r, seq in zip(records, (1, 2), strict=True)]
     assert [struct.unpack(">Q", k[layout.MSG_EXP_SEQ_AT:])[0] for k in exp_keys] == [1, 2]
 
+
+def test_every_route_source_the_store_writes_passes_the_check(tmp_path: Path) -> None:
+    """The routes table's source byte is one of store.api's ROUTE_* numbers, REGISTER's included."""
+    s = LmdbStore(tmp_path / "store", Durability.NONE, map_size=1 << 24)
+    with s.transaction():
+        for n, source in enumerate(layout.ROUTE_SOURCES):
+            s.put_route(bytes([n + 1]) * 32, RouteEntry(b"\x44" * 32, None if n % 2 else 1_900_000_000.0, source))
+    assert {e.source for e in s.routes().values()} == {1, 2, 3, 4, 5}
+    s.close()
+    assert check_store(tmp_path / "store") == []

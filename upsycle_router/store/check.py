@@ -7,16 +7,16 @@ Two layers, checked in this order:
 1. *The file* (:mod:`upsycle_router.store.integrity`): the meta pages, and every page of every tree, node by
    node. Damage here means LMDB itself may crash or fail on the store: :attr:`CheckReport.damage`, exit 2.
    Nothing is read through LMDB's trees before this walk found them sound.
-2. *The tables* (:func:`check_tables`), the invariants :class:`~upsycle_router.store.lmdb_store.LmdbStore`
-   keeps (see its docstring for the layouts): every record decodes; every queue entry refers to a stored
+2. *The tables* (:func:`check_tables`), the invariants :class:`~upsycle_router.store.lmdb_store.LmdbStore` keeps (in
+   the layouts of :mod:`~upsycle_router.store.layout`): every record decodes; every queue entry refers to a stored
    message and has its ``queue_exp`` entry and vice versa; ``refs`` counts the queue entries of each message;
-   ``qstats`` holds each recipient's entry count and bytes, ``sqstats`` (when the store has it) those of the
-   entries whose size carries the stranger flag (the top bit; the real size is the other 31); no message is
-   stored twice; every message below ``indexed`` has its ``msg_exp`` entry holding its id (schemas 2 and 3:
-   an empty one, and an ``msg_ids`` entry) and none from ``indexed`` on (read back into memory when the store
-   opens); every ``msg_exp`` entry points at a message; the next sequence number in ``meta`` is above every
-   one in use. A disagreement is a :attr:`CheckReport.problems` entry, exit 1: the router runs, but e.g. a
-   quota is off or a message is never removed.
+   ``qstats`` holds each recipient's entry count and bytes, ``sqstats`` (when the store has it) those of the entries
+   whose size carries the stranger flag (the top bit; the real size is the other 31); no message is stored twice;
+   every message below ``indexed`` has its ``msg_exp`` entry holding its id (schemas 2 and 3: an empty one, and an
+   ``msg_ids`` entry) and none from ``indexed`` on (read back into memory when the store opens); every ``msg_exp``
+   entry points at a message; the next sequence number in ``meta`` is above every one in use. A disagreement is a
+   :attr:`CheckReport.problems` entry, exit 1: the router runs, but e.g. a quota is off or a message is never
+   removed.
 
 A running router is checked as it is: LMDB lets other processes read while it writes. :func:`check_dir`
 opens the environment read-only *with* its lock file (so the router does not reuse the pages of the
@@ -31,7 +31,6 @@ kill, and reads the count of queue entries left from its report.
 
 from __future__ import annotations
 
-import struct
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -42,19 +41,38 @@ import lmdb
 
 from upsycle_router.store import integrity
 from upsycle_router.store.integrity import DATA, MARKER, FileReport
+from upsycle_router.store.layout import (
+    CONTACT_KEY_LEN,
+    COUNTS,
+    KEY_LEN,
+    MSG_EXP_KEY_LEN,
+    MSG_EXP_SEQ_AT,
+    OLD_TABLES,
+    QUEUE,
+    QUEUE_EXP_KEY_LEN,
+    QUEUE_EXP_RECIPIENT_AT,
+    QUEUE_EXP_SEQ_AT,
+    QUEUE_KEY_LEN,
+    QUEUE_SEQ_AT,
+    REC_FLAG_AT,
+    REQUIRED,
+    ROUTE,
+    ROUTE_SOURCES,
+    SCHEMAS,
+    SEQ_LEN,
+    SIZE_MASK,
+    STRANGER_FLAG,
+    SUB_KEY_LEN,
+    SUB_LOCAL,
+    SUB_REMOTE,
+    TABLES,
+    U64,
+    record_decodes,
+    record_id,
+)
 
-_U64 = struct.Struct(">Q")
-_QVAL = struct.Struct(">32sQI")  # id, expires_ms, size (its top bit: queued by a stranger)
-_QSTAT = struct.Struct(">QQ")  # count, bytes
-STRANGER_FLAG = 0x8000_0000
-_SIZE_MASK = STRANGER_FLAG - 1
-SCHEMAS = (b"1", b"2", b"3", b"4")
 MAX_PROBLEMS = 200  # listed; the rest are counted
 _NO_INDEX = b"\xff" * 8
-
-# The tables of a store (a store written by an older version may lack some: they are created when it opens).
-REQUIRED = ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "queue_exp", "refs",
-            "qstats")
 
 
 @dataclass
@@ -135,10 +153,10 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
     if missing:  # (an older store: the router creates them, empty, when it opens the store)
         report.notes.append(f"tables not there yet, taken as empty: {', '.join(missing)}")
     for k, v in meta.items():
-        if k in (b"seq", b"indexed") and len(v) != 8:
-            p(f"meta {k.decode()!r} is {len(v)} bytes, not 8")
+        if k in (b"seq", b"indexed") and len(v) != SEQ_LEN:
+            p(f"meta {k.decode()!r} is {len(v)} bytes, not {SEQ_LEN}")
             return
-    next_seq = _U64.unpack(meta[b"seq"])[0] if b"seq" in meta else 1
+    next_seq = U64.unpack(meta[b"seq"])[0] if b"seq" in meta else 1
     highest = 0
 
     # ---- messages and their index
@@ -156,29 +174,30 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
         indexed = meta.get(b"indexed", _NO_INDEX) if schema != b"2" else _NO_INDEX
         n_indexed = 0
         for seq, v in by_seq:
-            if len(seq) != 8 or len(v) < 41 or v[8] not in (0, 1) or (v[8] == 1 and len(v) < 73):
+            if len(seq) != SEQ_LEN or not record_decodes(v):
                 p(f"message record {_short(seq)} does not decode ({len(seq)}-byte key, {len(v)}-byte value)")
                 continue
             n_msgs += 1
-            highest = max(highest, _U64.unpack(seq)[0])
-            mid = v[41:73] if v[8] == 1 else v[9:41]
+            highest = max(highest, U64.unpack(seq)[0])
+            mid = record_id(v)
             if mid in msgs:
                 p(f"message {_short(mid)} is stored twice")
             msgs[mid] = v
             if seq >= indexed:
-                if (ids is not None and mid in ids) or msg_exp.pop(v[:8] + seq, None) is not None:
+                if (ids is not None and mid in ids) or msg_exp.pop(v[:REC_FLAG_AT] + seq, None) is not None:
                     p(f"message {_short(mid)} at or after 'indexed' is in an index")
                 continue
             n_indexed += 1
             if ids is not None and ids.get(mid) != seq:
                 p(f"message {_short(mid)} is not indexed in msg_ids")
-            entry = msg_exp.pop(v[:8] + seq, None)
+            entry = msg_exp.pop(v[:REC_FLAG_AT] + seq, None)  # (its key: the record's expires_ms, seq)
             if entry is None:
-                p(f"message {_short(mid)} (seq {_U64.unpack(seq)[0]}) has no msg_exp entry")
+                p(f"message {_short(mid)} (seq {U64.unpack(seq)[0]}) has no msg_exp entry")
             elif entry != (b"" if ids is not None else mid):
                 p(f"the msg_exp entry of message {_short(mid)} does not hold its id")
         for k in list(msg_exp)[:MAX_PROBLEMS]:
-            what = f"seq {_U64.unpack_from(k, 8)[0]}" if len(k) == 16 else f"a {len(k)}-byte key"
+            ok = len(k) == MSG_EXP_KEY_LEN
+            what = f"seq {U64.unpack_from(k, MSG_EXP_SEQ_AT)[0]}" if ok else f"a {len(k)}-byte key"
             p(f"msg_exp entry for {what} points at no message")
         if ids is not None and len(ids) != n_indexed:
             p(f"{len(ids)} msg_ids entries for {n_indexed} indexed messages")
@@ -191,37 +210,39 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
     queue_exp = {k for k, _ in items("queue_exp")}
     n_queue = 0
     for k, v in items("queues"):
-        if len(k) != 40 or len(v) != _QVAL.size:
+        if len(k) != QUEUE_KEY_LEN or len(v) != QUEUE.size:
             p(f"queue entry {_short(k)} does not decode ({len(k)}-byte key, {len(v)}-byte value)")
             continue
         n_queue += 1
-        highest = max(highest, _U64.unpack_from(k, 32)[0])
-        mid, exp, size = _QVAL.unpack(v)
-        real = size & _SIZE_MASK
+        recipient, seq = k[:QUEUE_SEQ_AT], U64.unpack_from(k, QUEUE_SEQ_AT)[0]
+        highest = max(highest, seq)
+        mid, exp, size = QUEUE.unpack(v)
+        real = size & SIZE_MASK
         refs[mid] += 1
-        stats[k[:32]][0] += 1
-        stats[k[:32]][1] += real
+        stats[recipient][0] += 1
+        stats[recipient][1] += real
         if size & STRANGER_FLAG:
-            strangers[k[:32]][0] += 1
-            strangers[k[:32]][1] += real
+            strangers[recipient][0] += 1
+            strangers[recipient][1] += real
         if mid not in msgs:
-            p(f"queue entry {_short(k[:32])}/{_U64.unpack_from(k, 32)[0]} refers to missing message {_short(mid)}")
-        key = _U64.pack(exp) + k
+            p(f"queue entry {_short(recipient)}/{seq} refers to missing message {_short(mid)}")
+        key = U64.pack(exp) + k
         if key in queue_exp:
             queue_exp.discard(key)
         else:
-            p(f"queue entry {_short(k[:32])}/{_U64.unpack_from(k, 32)[0]} has no queue_exp entry")
+            p(f"queue entry {_short(recipient)}/{seq} has no queue_exp entry")
     for k in sorted(queue_exp)[:MAX_PROBLEMS]:
-        p(f"queue_exp entry {_short(k[8:40])}/{_U64.unpack_from(k, 40)[0] if len(k) == 48 else '?'} "
+        seq_of = U64.unpack_from(k, QUEUE_EXP_SEQ_AT)[0] if len(k) == QUEUE_EXP_KEY_LEN else "?"
+        p(f"queue_exp entry {_short(k[QUEUE_EXP_RECIPIENT_AT:QUEUE_EXP_SEQ_AT])}/{seq_of} "
           "matches no queue entry")
     report.counts["queue_entries"] = n_queue
     report.counts["recipients"] = len(stats)
     stored_refs: dict[bytes, int] = {}
     for mid, raw in items("refs"):
-        if len(raw) != 8:
-            p(f"refs record of message {_short(mid)} is {len(raw)} bytes, not 8")
+        if len(raw) != U64.size:
+            p(f"refs record of message {_short(mid)} is {len(raw)} bytes, not {U64.size}")
             continue
-        stored_refs[mid] = _U64.unpack(raw)[0]
+        stored_refs[mid] = U64.unpack(raw)[0]
     for mid in sorted(set(stored_refs) | set(refs)):
         if stored_refs.get(mid, 0) != refs.get(mid, 0):
             p(f"refs of message {_short(mid)} is {stored_refs.get(mid, 0)}, "
@@ -233,10 +254,10 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
             continue
         stored: dict[bytes, list[int]] = {}
         for r, raw in items(table):
-            if len(raw) != _QSTAT.size:
-                p(f"{table} record of {_short(r)} is {len(raw)} bytes, not {_QSTAT.size}")
+            if len(raw) != COUNTS.size:
+                p(f"{table} record of {_short(r)} is {len(raw)} bytes, not {COUNTS.size}")
                 continue
-            stored[r] = list(_QSTAT.unpack(raw))
+            stored[r] = list(COUNTS.unpack(raw))
         for r in sorted(set(stored) | set(want)):
             have, expect = stored.get(r, [0, 0]), want.get(r, [0, 0])
             if have != expect:
@@ -249,23 +270,23 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
     subs = 0
     for k, v in items("subs"):
         subs += 1
-        if len(k) != 64 or v not in (b"\x00", b"\x01"):
+        if len(k) != SUB_KEY_LEN or v not in (SUB_REMOTE, SUB_LOCAL):
             p(f"subscription record {_short(k)} does not decode")
     report.counts["subscriptions"] = subs
     routes = 0
     for k, v in items("routes"):
         routes += 1
-        if len(k) != 32 or len(v) != 41 or v[40] not in (1, 2, 3):
+        if len(k) != KEY_LEN or len(v) != ROUTE.size or v[ROUTE.size - 1] not in ROUTE_SOURCES:
             p(f"route to {_short(k)} does not decode")
     report.counts["routes"] = routes
-    for table, klen in (("locals", 32), ("psubs", 32), ("usubs", 32), ("contacts", 64)):
+    for table, klen in (("locals", KEY_LEN), ("psubs", KEY_LEN), ("usubs", KEY_LEN), ("contacts", CONTACT_KEY_LEN)):
         count = 0
         for k, _ in items(table):
             count += 1
             if len(k) != klen:
                 p(f"{table} record {_short(k)} is {len(k)} bytes, not {klen}")
         report.counts[table] = count
-    known = set(REQUIRED) | {"msg_ids", "sqstats", "contacts"}
+    known = set(TABLES) | set(OLD_TABLES)
     other = sorted(names - known)
     if other:
         report.notes.append(f"tables not checked: {', '.join(other)}")

@@ -2,22 +2,12 @@
 
 Theory of operation
 -------------------
-One LMDB environment holds every piece of state the router must not lose, in named sub-databases:
-
-``meta``       small values (schema version, the next sequence number, the first sequence number not indexed)
-``locals``     keys of services known to be local (so messages for them queue while they are away)
-``subs``       ``group || member`` -> ``local flag`` (one record per subscription)
-``psubs``      groups this router asked its pub/sub service to SUB to
-``usubs``      groups this (edge) router joined at its core nodes
-``routes``     ``dst`` -> ``router || expires_ms || source``
-``msgs``       ``seq`` -> ``expires_ms || group-or-empty || id || message bytes`` (in arrival order)
-``msg_exp``    ``expires_ms || seq`` -> ``id``: the expiry index of ``msgs`` (and the ids, for the id index)
-``queues``     ``recipient || seq`` -> ``id || expires_ms || size``: per-recipient FIFO queues
-``queue_exp``  ``expires_ms || recipient || seq`` -> ``b""``: the expiry index of ``queues``
-``qstats``     ``recipient`` -> ``count || bytes``: quota accounting
-``sqstats``    ``recipient`` -> ``count || bytes``: the part of ``qstats`` queued by strangers (fair queues)
-``refs``       ``id`` -> number of queue entries referring to the message
-``contacts``   ``local service || key`` -> ``b""``: keys a local service wrote to (they are not strangers to it)
+One LMDB environment holds every piece of state the router must not lose, in named tables: subscriptions
+(``subs``, ``psubs``, ``usubs``), local services and their contacts (``locals``, ``contacts``), the routing
+table (``routes``), the messages (``msgs``) and their expiry index (``msg_exp``), per-recipient queues
+(``queues``) with their expiry index (``queue_exp``), quota accounting (``qstats``, ``sqstats``) and the
+references of queue entries to messages (``refs``). What their keys and values hold, byte by byte, is
+:mod:`upsycle_router.store.layout`'s to say: this module writes and reads them through its names only.
 
 Fair queues: a queue entry that a sender the router was never told to trust queued (a *stranger*) carries
 ``STRANGER_FLAG`` in the top bit of its ``size``; ``sqstats`` adds those entries up per recipient, and the
@@ -60,7 +50,6 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -68,32 +57,56 @@ from typing import Any
 import lmdb
 
 from upsycle_router.durability import Durability
-from upsycle_router.store import accel
-from upsycle_router.store.accel import msgs_records, sorted_items
+from upsycle_router.store import accel, layout
+from upsycle_router.store.accel import IdIndexLike, msgs_records, sorted_items
 from upsycle_router.store.api import Expired, QueueEntry, RouteEntry, StoredMessage
 from upsycle_router.store.integrity import check_before_open, mark_initialised
+from upsycle_router.store.layout import (
+    HEAD_GROUP,
+    HEAD_NO_GROUP,
+    KEY_LEN,
+    MSG_EXP_SEQ_AT,
+    NEVER_MS,
+    QUEUE_EXP_KEY_LEN,
+    QUEUE_EXP_RECIPIENT_AT,
+    QUEUE_EXP_SEQ_AT,
+    QUEUE_SEQ_AT,
+    REC_DATA_AT,
+    REC_DATA_AT_GROUP,
+    REC_FLAG_AT,
+    REC_GROUP,
+    REC_GROUP_AT,
+    REC_ID_AT_GROUP,
+    REC_NO_GROUP,
+    SCHEMA_VERSION,
+    SIZE_MASK,
+    STRANGER_FLAG,
+    SUB_LOCAL,
+    SUB_REMOTE,
+    TABLES,
+    record_head,
+    record_id,
+)
 from upsycle_router.store.tables import LmdbTables
 
 log = logging.getLogger("upsycle_router.store")
 
-SCHEMA_VERSION = b"4"  # 4: the id index in memory (3: ``msg_ids``, lagging behind from ``indexed`` on; 2: never)
+# The records' structs, assigned here rather than imported: CPython 3.11 compiles a method call on an imported
+# name (``U64.pack(seq)``) as an attribute load and a call of the bound method it builds, ~50 ns a call more than
+# on a module variable, and the store makes several such calls per message.
+U64, QUEUE, COUNTS, ROUTE = layout.U64, layout.QUEUE, layout.COUNTS, layout.ROUTE
+
 INDEX_BATCH = 4096  # index entries held in memory before they are written in bulk (fewer in a small map)
-_U64 = struct.Struct(">Q")
-_QVAL = struct.Struct(">32sQI")  # id, expires_ms, size
-_QSTAT = struct.Struct(">QQ")
-STRANGER_FLAG = 0x8000_0000  # in a queue entry's size: queued by a stranger (sizes stay far below 2**31)
-_SIZE_MASK = STRANGER_FLAG - 1
-_NEVER_MS = 2**63 - 1
 
 
 def _ms(t: float | None) -> int:
     if t is None:
-        return _NEVER_MS
+        return NEVER_MS
     return max(0, int(t * 1000))
 
 
 def _sec(ms: int) -> float | None:
-    return None if ms == _NEVER_MS else ms / 1000.0
+    return None if ms == NEVER_MS else ms / 1000.0
 
 
 class LmdbStore(LmdbTables):
@@ -127,10 +140,10 @@ class LmdbStore(LmdbTables):
         # The msg_exp entries of messages stored from ``indexed`` on, not yet written: ``expires_ms || seq`` -> id;
         # ``_exp_min`` is the earliest of those expiries (ms) unless ``_exp_stale``.
         self._exps: dict[bytes, bytes] = {}
-        self._exp_min = _NEVER_MS
+        self._exp_min = NEVER_MS
         self._exp_stale = False
         # Every stored message: id -> seq (salted: nobody can aim ids at one slot).
-        self._index: Any = accel.IdIndex(int.from_bytes(os.urandom(8), "big"))
+        self._index: IdIndexLike = accel.IdIndex(int.from_bytes(os.urandom(8), "big"))
         self._db: dict[str, Any] = {}
         self._db["meta"] = self.env.open_db(b"meta")
         self._psize = int(self.env.stat()["psize"])
@@ -143,9 +156,9 @@ class LmdbStore(LmdbTables):
             v = self._get("meta", b"schema")
             if v not in (None, b"1", b"2", b"3", SCHEMA_VERSION):
                 raise RuntimeError(f"{self.path}: store schema {v!r} is not supported (expected {SCHEMA_VERSION!r})")
-            for name in ("locals", "subs", "psubs", "usubs", "routes", "msg_exp", "queues", "refs", "qstats",
-                         "queue_exp", "sqstats", "contacts"):
-                self._db[name] = self.env.open_db(name.encode(), txn=self._txn)
+            for name in TABLES:
+                if name not in ("meta", "msgs"):
+                    self._db[name] = self.env.open_db(name.encode(), txn=self._txn)
             if v == b"1":
                 self._migrate_1()
             else:
@@ -171,7 +184,7 @@ class LmdbStore(LmdbTables):
 
     def _before_commit(self) -> None:
         if self._next_seq != self._saved_seq:  # a batch that wrote nothing commits (and syncs) nothing
-            self._put("meta", b"seq", _U64.pack(self._next_seq))
+            self._put("meta", b"seq", U64.pack(self._next_seq))
 
     def _committed(self) -> None:
         self._saved_seq = self._next_seq
@@ -190,7 +203,7 @@ class LmdbStore(LmdbTables):
             self._stranger_bytes = self._load_stranger_bytes(txn)
 
     def _load_stranger_bytes(self, txn: Any) -> int:
-        return sum(_QSTAT.unpack(v)[1] for v in txn.cursor(db=self._db["sqstats"]).iternext(keys=False))
+        return sum(COUNTS.unpack(v)[1] for v in txn.cursor(db=self._db["sqstats"]).iternext(keys=False))
 
     # ------------------------------------------------------------ the message indexes
 
@@ -200,26 +213,26 @@ class LmdbStore(LmdbTables):
         store): then every record is read, and msg_exp is to be written again."""
         self._index.clear()
         self._exps.clear()
-        self._exp_min, self._exp_stale = _NEVER_MS, False
+        self._exp_min, self._exp_stale = NEVER_MS, False
         v = txn.get(b"indexed", db=self._db["meta"])
         if v is not None:
-            self._index.add_pairs(txn.cursor(db=self._db["msg_exp"]).iternext(), 8, 0)
+            self._index.add_pairs(txn.cursor(db=self._db["msg_exp"]).iternext(), MSG_EXP_SEQ_AT, 0)
         cur = txn.cursor(db=self._db["msgs"])
         if cur.set_range(bytes(v) if v is not None else b""):
             for k, rec in cur.iternext():
                 seq, rec = bytes(k), bytes(rec)
-                self._pending(self._record_id(rec), seq, rec[:8])
+                self._pending(record_id(rec), seq, rec[:REC_FLAG_AT])
         return v is not None
 
     def _pending(self, mid: bytes, seq: bytes, exp: bytes) -> None:
-        self._index.add(mid, _U64.unpack(seq)[0])
+        self._index.add(mid, U64.unpack(seq)[0])
         self._exps[exp + seq] = mid
-        self._exp_min = min(self._exp_min, _U64.unpack(exp)[0])
+        self._exp_min = min(self._exp_min, U64.unpack(exp)[0])
 
     def _pending_expiry(self) -> int:
-        """The earliest expiry (ms) of the msg_exp entries in memory (``_NEVER_MS``: none)."""
+        """The earliest expiry (ms) of the msg_exp entries in memory (``NEVER_MS``: none)."""
         if self._exp_stale:
-            self._exp_min = min((_U64.unpack_from(k, 0)[0] for k in self._exps), default=_NEVER_MS)
+            self._exp_min = min((U64.unpack_from(k, 0)[0] for k in self._exps), default=NEVER_MS)
             self._exp_stale = False
         return self._exp_min
 
@@ -230,8 +243,8 @@ class LmdbStore(LmdbTables):
         if self._exps:
             txn.cursor(db=self._db["msg_exp"]).putmulti(sorted_items(self._exps))
             self._exps.clear()
-            self._exp_min, self._exp_stale = _NEVER_MS, False
-        self._put("meta", b"indexed", _U64.pack(self._next_seq))
+            self._exp_min, self._exp_stale = NEVER_MS, False
+        self._put("meta", b"indexed", U64.pack(self._next_seq))
 
     def sync(self) -> None:
         """Flush committed transactions to disk."""
@@ -302,11 +315,11 @@ class LmdbStore(LmdbTables):
     def _take_seq(self) -> bytes:
         seq = self._next_seq
         self._next_seq += 1
-        return _U64.pack(seq)
+        return U64.pack(seq)
 
     def _load_seq(self) -> int:
         v = self._get("meta", b"seq")
-        return _U64.unpack(v)[0] if v else 1
+        return U64.unpack(v)[0] if v else 1
 
     # ------------------------------------------------------------ local services
 
@@ -331,7 +344,7 @@ class LmdbStore(LmdbTables):
 
     def contacts(self) -> set[tuple[bytes, bytes]]:
         """Every ``(local service, key it wrote to)``."""
-        return {(k[:32], k[32:]) for k, _ in self._prefix("contacts", b"")}
+        return {(k[:KEY_LEN], k[KEY_LEN:]) for k, _ in self._prefix("contacts", b"")}
 
     # ------------------------------------------------------------ subscriptions
 
@@ -339,7 +352,7 @@ class LmdbStore(LmdbTables):
         """Subscribe ``member`` to ``group``; True if it was not subscribed."""
         key = group + member
         new = self._get("subs", key) is None
-        self._put("subs", key, b"\x01" if local else b"\x00")
+        self._put("subs", key, SUB_LOCAL if local else SUB_REMOTE)
         return new
 
     def remove_subscriber(self, group: bytes, member: bytes) -> bool:
@@ -350,7 +363,7 @@ class LmdbStore(LmdbTables):
         """``group -> {member: local flag}`` for every subscription."""
         out: dict[bytes, dict[bytes, bool]] = {}
         for k, v in self._prefix("subs", b""):
-            out.setdefault(k[:32], {})[k[32:]] = v == b"\x01"
+            out.setdefault(k[:KEY_LEN], {})[k[KEY_LEN:]] = v == SUB_LOCAL
         return out
 
     def set_pubsub_subscribed(self, group: bytes, on: bool) -> None:
@@ -379,7 +392,7 @@ class LmdbStore(LmdbTables):
 
     def put_route(self, dst: bytes, entry: RouteEntry) -> None:
         """Add or replace the route to ``dst``."""
-        self._put("routes", dst, entry.router + _U64.pack(_ms(entry.expires)) + bytes([entry.source]))
+        self._put("routes", dst, ROUTE.pack(entry.router, _ms(entry.expires), entry.source))
 
     def delete_route(self, dst: bytes) -> bool:
         """Remove the route to ``dst``."""
@@ -387,9 +400,11 @@ class LmdbStore(LmdbTables):
 
     def routes(self) -> dict[bytes, RouteEntry]:
         """The whole routing table."""
-        return {
-            k: RouteEntry(v[:32], _sec(_U64.unpack_from(v, 32)[0]), v[40]) for k, v in self._prefix("routes", b"")
-        }
+        out = {}
+        for k, v in self._prefix("routes", b""):
+            router, ms, source = ROUTE.unpack_from(v)
+            out[k] = RouteEntry(router, _sec(ms), source)
+        return out
 
     # ------------------------------------------------------------ message store
 
@@ -399,13 +414,14 @@ class LmdbStore(LmdbTables):
         if self.has_message(mid):
             return False
         db = self._db
-        seq = _U64.pack(self._next_seq)
+        seq = U64.pack(self._next_seq)
         self._next_seq += 1
         exp_ms = _ms(expires)
-        exp = _U64.pack(exp_ms)
+        exp = U64.pack(exp_ms)
         # Sequence numbers only grow, so the record goes at the end of ``msgs`` (MDB_APPEND: no search). LMDB
         # refuses an append that is not at the end instead of misplacing it: that would be a reused number.
-        if not txn.put(seq, exp + (b"\x01" + group if group else b"\x00") + mid + data, db=db["msgs"], append=True):
+        if not txn.put(seq, exp + (HEAD_GROUP + group if group else HEAD_NO_GROUP) + mid + data, db=db["msgs"],
+                       append=True):
             # an lmdb.Error aborts the driver's whole batch: nothing of this transaction is committed
             raise lmdb.Error(f"{self.path}: message sequence number {self._next_seq - 1} used twice")
         self._index.add(mid, self._next_seq - 1)  # self._pending(mid, seq, exp), inline: this runs for every
@@ -428,7 +444,7 @@ class LmdbStore(LmdbTables):
         new = {mid for mid, _, _ in messages}
         if len(new) != len(messages) or self.stored_among(new):
             raise ValueError("put_new_messages: a message stored already, or listed twice")
-        head = b"\x01" + group if group else b"\x00"
+        head = record_head(group)
         msgs = self._db["msgs"]
         todo = len(messages)
         at = 0
@@ -447,27 +463,22 @@ class LmdbStore(LmdbTables):
             if len(exps) >= self.index_batch:
                 self._flush_index()
 
-    @staticmethod
-    def _record_id(v: bytes) -> bytes:
-        """The message id in a ``msgs`` record (``expires_ms || 0x01 group | 0x00 || id || data``)."""
-        return v[41:73] if v[8] == 1 else v[9:41]
-
     def _drop(self, mid: bytes, seq: bytes, v: bytes) -> None:
         """Remove the message ``mid`` stored under ``seq`` as record ``v``, with its index entries."""
         self._delete("msgs", seq)
-        self._index.discard(mid, _U64.unpack(seq)[0])
-        key = v[:8] + seq
+        self._index.discard(mid, U64.unpack(seq)[0])
+        key = v[:REC_FLAG_AT] + seq  # (its msg_exp key: the record's expires_ms, seq)
         if self._exps.pop(key, None) is None:
             self._delete("msg_exp", key)
-        elif _U64.unpack_from(key, 0)[0] <= self._exp_min:
+        elif U64.unpack_from(key, 0)[0] <= self._exp_min:
             self._exp_stale = True  # the earliest may have gone
 
     def _stored(self, mid: bytes, seqs: list[int] | None = None) -> tuple[bytes, bytes] | None:
         """``(seq, record)`` of a stored message; ``seqs``: what the id index gave for ``mid`` already."""
         for s in self._index.find(mid) if seqs is None else seqs:
-            seq = _U64.pack(s)
+            seq = U64.pack(s)
             v = self._get("msgs", seq)
-            if v is not None and self._record_id(v) == mid:  # (not another id with the same fingerprint)
+            if v is not None and record_id(v) == mid:  # (not another id with the same fingerprint)
                 return seq, v
         return None
 
@@ -476,11 +487,11 @@ class LmdbStore(LmdbTables):
         found = self._stored(mid)
         if found is None:
             return None
-        v = found[1]
-        exp = _U64.unpack_from(v, 0)[0]
-        if v[8] == 1:
-            return StoredMessage(v[73:], v[9:41], exp / 1000.0)
-        return StoredMessage(v[41:], None, exp / 1000.0)
+        v = found[1]  # (record_fields(v), inline: this runs for every message delivered from a queue)
+        exp = U64.unpack_from(v, 0)[0]
+        if v[REC_FLAG_AT] == REC_GROUP:
+            return StoredMessage(v[REC_DATA_AT_GROUP:], v[REC_GROUP_AT:REC_ID_AT_GROUP], exp / 1000.0)
+        return StoredMessage(v[REC_DATA_AT:], None, exp / 1000.0)
 
     def has_message(self, mid: bytes) -> bool:
         """Whether ``mid`` is in the message store."""
@@ -493,12 +504,12 @@ class LmdbStore(LmdbTables):
         if not hits:
             return set()
         with self._r() as txn:
-            get, rid, pack = txn.cursor(db=self._db["msgs"]).get, self._record_id, _U64.pack
+            get, rid, pack = txn.cursor(db=self._db["msgs"]).get, record_id, U64.pack
             return {mid for mid, s in hits if (v := get(pack(s))) is not None and rid(v) == mid}
 
     def message_ids(self) -> list[bytes]:
         """The ids of every stored message, oldest first."""
-        return [self._record_id(v) for _, v in self._prefix("msgs", b"")]
+        return [record_id(v) for _, v in self._prefix("msgs", b"")]
 
     def delete_message(self, mid: bytes) -> None:
         """Remove a message and its index entries."""
@@ -517,24 +528,24 @@ class LmdbStore(LmdbTables):
         self._next_seq += 1
         exp = _ms(expires)
         flagged = size | STRANGER_FLAG if stranger else size
-        self._put("queues", recipient + _U64.pack(seq), _QVAL.pack(mid, exp, flagged))
+        self._put("queues", recipient + U64.pack(seq), QUEUE.pack(mid, exp, flagged))
         if stranger:
             c, b = self.stranger_usage(recipient)
-            self._put("sqstats", recipient, _QSTAT.pack(c + 1, b + size))
+            self._put("sqstats", recipient, COUNTS.pack(c + 1, b + size))
             self._stranger_bytes += size
-        self._put("queue_exp", _U64.pack(exp) + recipient + _U64.pack(seq), b"")
+        self._put("queue_exp", U64.pack(exp) + recipient + U64.pack(seq), b"")
         refs = self._get("refs", mid)
-        self._put("refs", mid, _U64.pack((_U64.unpack(refs)[0] if refs else 0) + 1))
+        self._put("refs", mid, U64.pack((U64.unpack(refs)[0] if refs else 0) + 1))
         count, nbytes = self.queue_usage(recipient)
-        self._put("qstats", recipient, _QSTAT.pack(count + 1, nbytes + size))
+        self._put("qstats", recipient, COUNTS.pack(count + 1, nbytes + size))
         return QueueEntry(recipient, seq, mid, exp / 1000.0, size)
 
     def queue(self, recipient: bytes, limit: int | None = None, after: int = 0) -> list[QueueEntry]:
         """The oldest entries of ``recipient``'s queue with a sequence number above ``after``, in order."""
         out = []
-        for k, v in self._prefix("queues", recipient, recipient + _U64.pack(after + 1) if after > 0 else None):
-            mid, exp, size = _QVAL.unpack(v)
-            out.append(QueueEntry(recipient, _U64.unpack_from(k, 32)[0], mid, exp / 1000.0, size & _SIZE_MASK))
+        for k, v in self._prefix("queues", recipient, recipient + U64.pack(after + 1) if after > 0 else None):
+            mid, exp, size = QUEUE.unpack(v)
+            out.append(QueueEntry(recipient, U64.unpack_from(k, QUEUE_SEQ_AT)[0], mid, exp / 1000.0, size & SIZE_MASK))
             if limit is not None and len(out) >= limit:
                 break
         return out
@@ -545,35 +556,35 @@ class LmdbStore(LmdbTables):
         A unicast message (stored without a group) is deleted with its last queue entry; group messages stay
         in the message store until they expire, for PULL.
         """
-        key = recipient + _U64.pack(seq)
+        key = recipient + U64.pack(seq)
         v = self._get("queues", key)
         if v is None:
             return None
-        mid, exp, size = _QVAL.unpack(v)
+        mid, exp, size = QUEUE.unpack(v)
         if size & STRANGER_FLAG:
-            size &= _SIZE_MASK
+            size &= SIZE_MASK
             c, b = self.stranger_usage(recipient)
             if c <= 1:
                 self._delete("sqstats", recipient)
             else:
-                self._put("sqstats", recipient, _QSTAT.pack(c - 1, max(0, b - size)))
+                self._put("sqstats", recipient, COUNTS.pack(c - 1, max(0, b - size)))
             self._stranger_bytes = max(0, self._stranger_bytes - size)
         self._delete("queues", key)
-        self._delete("queue_exp", _U64.pack(exp) + key)
+        self._delete("queue_exp", U64.pack(exp) + key)
         refs_raw = self._get("refs", mid)
-        refs = (_U64.unpack(refs_raw)[0] if refs_raw else 1) - 1
+        refs = (U64.unpack(refs_raw)[0] if refs_raw else 1) - 1
         if refs > 0:
-            self._put("refs", mid, _U64.pack(refs))
+            self._put("refs", mid, U64.pack(refs))
         else:
             self._delete("refs", mid)
             found = self._stored(mid)
-            if found is not None and found[1][8] == 0:
+            if found is not None and found[1][REC_FLAG_AT] == REC_NO_GROUP:  # (unicast: no group)
                 self._drop(mid, *found)
         count, nbytes = self.queue_usage(recipient)
         if count <= 1:
             self._delete("qstats", recipient)
         else:
-            self._put("qstats", recipient, _QSTAT.pack(count - 1, max(0, nbytes - size)))
+            self._put("qstats", recipient, COUNTS.pack(count - 1, max(0, nbytes - size)))
         return QueueEntry(recipient, seq, mid, exp / 1000.0, size)
 
     def queue_usage(self, recipient: bytes) -> tuple[int, int]:
@@ -581,7 +592,7 @@ class LmdbStore(LmdbTables):
         v = self._get("qstats", recipient)
         if v is None:
             return 0, 0
-        c, b = _QSTAT.unpack(v)
+        c, b = COUNTS.unpack(v)
         return int(c), int(b)
 
     def stranger_usage(self, recipient: bytes) -> tuple[int, int]:
@@ -589,7 +600,7 @@ class LmdbStore(LmdbTables):
         v = self._get("sqstats", recipient)
         if v is None:
             return 0, 0
-        c, b = _QSTAT.unpack(v)
+        c, b = COUNTS.unpack(v)
         return int(c), int(b)
 
     def stranger_bytes(self) -> int:
@@ -600,7 +611,7 @@ class LmdbStore(LmdbTables):
         """Every recipient with a non-empty queue and its usage."""
         out: dict[bytes, tuple[int, int]] = {}
         for k, v in self._prefix("qstats", b""):
-            c, b = _QSTAT.unpack(v)
+            c, b = COUNTS.unpack(v)
             out[k] = (int(c), int(b))
         return out
 
@@ -613,7 +624,7 @@ class LmdbStore(LmdbTables):
             for db in ("msg_exp", "queue_exp"):
                 cur = txn.cursor(db=self._db[db])
                 if cur.first():
-                    t = _U64.unpack_from(cur.key(), 0)[0]
+                    t = U64.unpack_from(cur.key(), 0)[0]
                     best = t if best is None else min(best, t)
         return None if best is None else best / 1000.0
 
@@ -629,16 +640,16 @@ class LmdbStore(LmdbTables):
         victims: list[bytes] = []
         if cur.first():
             for k in cur.iternext(keys=True, values=False):
-                if _U64.unpack_from(k, 0)[0] > now_ms or len(victims) >= limit:
+                if U64.unpack_from(k, 0)[0] > now_ms or len(victims) >= limit:
                     break
                 victims.append(bytes(k))
         for k in victims:
-            recipient, seq = k[8:40], _U64.unpack_from(k, 40)[0]
-            v = self._get("queues", recipient + k[40:48])
+            recipient, seq = k[QUEUE_EXP_RECIPIENT_AT:QUEUE_EXP_SEQ_AT], U64.unpack_from(k, QUEUE_EXP_SEQ_AT)[0]
+            v = self._get("queues", recipient + k[QUEUE_EXP_SEQ_AT:QUEUE_EXP_KEY_LEN])
             if v is not None:
-                mid, _, size = _QVAL.unpack(v)
+                mid, _, size = QUEUE.unpack(v)
                 stored = self.get_message(mid)
-                out.append(Expired(recipient, mid, size & _SIZE_MASK, stored.group if stored is not None else None))
+                out.append(Expired(recipient, mid, size & SIZE_MASK, stored.group if stored is not None else None))
             self.dequeue(recipient, seq)
             self._delete("queue_exp", k)
         limit -= len(victims)
@@ -648,22 +659,22 @@ class LmdbStore(LmdbTables):
         mvictims: list[bytes] = []
         if cur.first():
             for k in cur.iternext(keys=True, values=False):
-                if _U64.unpack_from(k, 0)[0] > now_ms or len(mvictims) >= limit:
+                if U64.unpack_from(k, 0)[0] > now_ms or len(mvictims) >= limit:
                     break
                 mvictims.append(bytes(k))
         for k in mvictims:
-            seq = k[8:]
+            seq = k[MSG_EXP_SEQ_AT:]
             v = self._get("msgs", seq)
             if v is not None:
-                self._drop(self._record_id(v), seq, v)
+                self._drop(record_id(v), seq, v)
             else:
                 self._delete("msg_exp", k)
         limit -= len(mvictims)
         if self._exps and limit > 0 and self._pending_expiry() <= now_ms:  # stored since the last bulk write
-            for k in sorted(k for k in self._exps if _U64.unpack_from(k, 0)[0] <= now_ms)[:limit]:
-                v = self._get("msgs", k[8:])
+            for k in sorted(k for k in self._exps if U64.unpack_from(k, 0)[0] <= now_ms)[:limit]:
+                v = self._get("msgs", k[MSG_EXP_SEQ_AT:])
                 if v is not None:
-                    self._drop(self._record_id(v), k[8:], v)
+                    self._drop(record_id(v), k[MSG_EXP_SEQ_AT:], v)
                 else:
                     self._exps.pop(k, None)
         return out
