@@ -2,9 +2,10 @@
 #   docker build -t upsycle-router .
 #   docker run -v upsycle-data:/data -p 7733:7733 upsycle-router
 #
-# The build stage has a C compiler, so the wheel carries the C accelerator (upsycle_router._accel: frame
-# decoding, message ids with the vendored BLAKE3 C code in vendor/, batch signature verification); the
-# runtime image has no compiler.
+# The build stage has a C compiler, so the wheel carries the C accelerators (upsycle_router/wire/_codec.c: frame
+# decoding, message ids with the vendored BLAKE3 C code in vendor/; runtime/_verify.c: batch signature
+# verification; store/_records.c and store/_idindex.c: the store's records and id index); the runtime image has
+# no compiler.
 FROM python:3.11-slim AS build
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
  && rm -rf /var/lib/apt/lists/*
