@@ -346,7 +346,7 @@ ROUTER_CASES: list[tuple[str, bytes, str]] = [
     ("sync-n-bool", E([7, {"n": True}]), "n"),
     ("sync-ack-missing-n", E([8, {"result": 0}]), "n"),
     ("type-0", E([0, {"addr": PK}]), "type"),
-    ("type-13", E([13, {"n": 1}]), "type"),
+    ("type-14", E([14, {"n": 1}]), "type"),  # (13 is REGISTER)
     ("type-bool", E([True, {"addr": PK, "local": True}]), "type"),
     ("not-array", E({"addr": PK}), "router message"),
     ("array-3", E([3, {"addr": PK}, 1]), "router message"),
