@@ -4,9 +4,9 @@ Theory of operation
 -------------------
 Routers write one JSON line per routing decision. ``upsycle-router compact`` turns any number of journals
 into one Parquet table (bad lines kept and marked, never fatal); ``upsycle-router analyze`` does that and
-then computes the fleet figures (per-group delivery, duplicates, amplification and latency, drops, expiry,
-queue residency, why messages were not delivered) as Parquet tables, ``summary.json`` and a self-contained
-``report.html``. The modules, in data-flow order:
+then computes the fleet figures (per-group delivery, duplicates, amplification and latency, the expected
+deliveries that were lost and the cause of each, drops, expiry, queue residency, why messages were not
+delivered) as Parquet tables, ``summary.json`` and a self-contained ``report.html``. The modules, in data-flow order:
 
 * :mod:`.session`: finding Java and starting a Spark session that stays on loopback;
 * :mod:`.schema`: the record schema and the rules that make a line bad;

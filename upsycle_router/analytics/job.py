@@ -9,8 +9,10 @@ time:
    included, see :mod:`~upsycle_router.analytics.sources`); compacted tables given as input are read as they
    are. Everything after reads Parquet, never the JSON again.
 2. The per-message tables are built and kept (``persist``) because several outputs use them: the first
-   receipt of every id, and the app deliveries of published ids. ``messages.parquet`` (one row per
-   published id) is written and read back for the group statistics.
+   receipt of every id, and the app deliveries of published ids (each marked expected or not from the
+   subscribers' spans). ``messages.parquet`` (one row per published id) is written and read back for the
+   group statistics and the lost deliveries (``lost.parquet``), which only look at the messages that miss
+   any.
 3. Each output table is written to ``OUT/<name>.parquet``. Small tables are coalesced into one file.
 4. The small tables are collected into a :class:`~upsycle_router.analytics.report.Results`, from which
    ``summary.json``, ``report.html`` and the text summary are made in plain Python.
@@ -36,6 +38,7 @@ from pyspark.sql import functions as F
 
 from upsycle_router.analytics import stats
 from upsycle_router.analytics.report import (
+    MAX_LOST_ROWS,
     MAX_PLOTTED_GROUPS,
     Results,
     build_summary,
@@ -53,6 +56,7 @@ TABLES = (
     "expired_by_node",
     "queue_residency",
     "undelivered",
+    "lost",
     "bad_lines",
 )
 """The Parquet tables ``analyze`` writes into OUT (each as ``NAME.parquet``), besides ``events.parquet``."""
@@ -155,7 +159,9 @@ def run_analyze(
     progress("first receipts and app deliveries of every message")
     receipts = stats.first_receipts(ev).persist(StorageLevel.MEMORY_AND_DISK)
     published = stats.published_messages(receipts)
-    deliveries = stats.app_deliveries(ev, published).persist(StorageLevel.MEMORY_AND_DISK)
+    spans = stats.subscription_spans(ev).persist(StorageLevel.MEMORY_AND_DISK)
+    deliveries = stats.mark_expected(stats.app_deliveries(ev, published), spans)
+    deliveries = deliveries.persist(StorageLevel.MEMORY_AND_DISK)
     residency = stats.queue_residency(ev).persist(StorageLevel.MEMORY_AND_DISK)
     try:
         messages = _write(stats.message_stats(ev, published, deliveries), out, "messages", progress, small=False)
@@ -164,6 +170,7 @@ def run_analyze(
         expired = _write(stats.expired_by_node(ev), out, "expired_by_node", progress)
         per_node = _write(stats.residency_by_node(residency), out, "queue_residency", progress)
         _write(stats.undelivered(ev, receipts), out, "undelivered", progress, small=False)
+        lost = _write(stats.lost_deliveries(ev, messages, spans, deliveries), out, "lost", progress, small=False)
         _write(stats.bad_lines(events), out, "bad_lines", progress)
 
         progress("collecting the summary")
@@ -171,6 +178,10 @@ def run_analyze(
         node_rows = _rows(per_node)
         overall = stats.nearest_rank(residency, [], "residency_ms", stats.RESIDENCY_PERCENTILES).collect()
         totals_row = _totals(events)
+        lost_by_cause = {
+            r["cause"]: int(r["n"]) for r in lost.groupBy("cause").agg(F.count(F.lit(1)).alias("n")).collect()
+        }
+        lost_rows = _rows(lost.orderBy("published_ts", "id", "node", "dst").limit(MAX_LOST_ROWS))
         top = sorted(group_rows, key=lambda g: (-int(g["delivered"]), g["group"]))[:MAX_PLOTTED_GROUPS]
         top_groups = [g["group"] for g in top if int(g["delivered"]) > 0]
         cdf: dict[str, list[tuple[float, float]]] = {g: [] for g in top_groups}
@@ -179,6 +190,7 @@ def run_analyze(
                 cdf[row["group"]].append((float(row["latency_ms"]), float(row["fraction"])))
     finally:
         receipts.unpersist()
+        spans.unpersist()
         deliveries.unpersist()
         residency.unpersist()
 
@@ -205,6 +217,8 @@ def run_analyze(
         totals=totals,
         cdf=cdf,
         outputs=outputs,
+        lost=lost_rows,
+        lost_by_cause=lost_by_cause,
     )
     summary = build_summary(results)
     (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
