@@ -13,7 +13,9 @@ PULL answers) and a :class:`GossipCore`. Effects travel with a random latency dr
 - ``JoinGroup``/``LeaveGroup`` change the router's subscriptions for the node's PS.
 
 ``drop(kind, src, dst, payload)`` (kind ``"data"`` for forwards, ``"pull_reply"`` for a PULL's answer,
-``"rpc"`` or ``"pull"``) may discard a transmission; ``forwards`` and ``rpcs`` log every one sent.
+``"rpc"`` or ``"pull"``) may discard a transmission; ``forwards`` and ``rpcs`` log every one sent (with
+``record=False`` only their counts and bytes are kept, in ``sent``: for networks of 100,000 nodes, where the
+logs would not fit in memory). Each node notes when it first got each message (``first_at``).
 
 Overlays: ``connect_all`` lets every pub/sub service know every other (a dense overlay); ``connect_random``
 gives each a few random peers around a ring (a sparse one, still connected); ``connect`` takes explicit pairs.
@@ -78,6 +80,7 @@ class SimNode:
     ps_received: Counter[bytes] = field(default_factory=Counter)
     traces: list[Trace] = field(default_factory=list)
     pulls: list[Pull] = field(default_factory=list)
+    first_at: dict[bytes, float] = field(default_factory=dict)  # message id -> when the router first took it
     alive: bool = True
 
     @property
@@ -99,12 +102,17 @@ class Sim:
         router_dedup: bool = True,
         default_policy: GroupPolicy | None = None,
         start_jitter: bool = True,
+        record: bool = True,
     ) -> None:
         self.rng = random.Random(seed)
         self.now = 0.0
         self.latency = latency
         self.router_dedup = router_dedup
         self.drop: DropFn | None = None
+        self.record = record
+        # Transmissions sent (drops included): counts and bytes of "data" (forwards, PULL answers) and "rpc".
+        self.sent: Counter[str] = Counter()
+        self.events = 0  # arrivals and timer runs processed
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._timers: list[tuple[float, int]] = []  # (deadline, node index); stale entries skipped
@@ -169,6 +177,7 @@ class Sim:
             if t > until:
                 break
             self.now = t
+            self.events += 1
             if timer_node is not None and t_timer <= t_event:
                 heapq.heappop(self._timers)
                 self._deadline[timer_node.index] = None
@@ -209,7 +218,10 @@ class Sim:
         dst = self.by_router[e.peer.router]
         assert e.peer.service == dst.service
         data = e.rpc.encode()
-        self.rpcs.append((self.now, node.router, dst.router, e.rpc))
+        self.sent["rpc"] += 1
+        self.sent["rpc_bytes"] += len(data)
+        if self.record:
+            self.rpcs.append((self.now, node.router, dst.router, e.rpc))
         if self._dropped("rpc", node, dst, e.rpc):
             return
 
@@ -220,7 +232,10 @@ class Sim:
         self._at(self.now + self._delay(), arrive)
 
     def _send_data(self, src: SimNode, dst: SimNode, msg: Message, kind: str = "data") -> None:
-        self.forwards.append((self.now, src.router, dst.router, msg.id))
+        self.sent["data"] += 1
+        self.sent["data_bytes"] += len(msg.signed) + 101  # its encoding with VIA: heads, signature, VIA
+        if self.record:
+            self.forwards.append((self.now, src.router, dst.router, msg.id))
         if self._dropped(kind, src, dst, msg):
             return
         self._at(self.now + self._delay(), lambda: self._router_receive(dst, msg, src.router))
@@ -256,7 +271,9 @@ class Sim:
         node.store[msg.id] = msg
         node.delivered[msg.id] += 1
         node.ps_received[msg.id] += 1
-        self.first_via.setdefault(node.index, {}).setdefault(msg.id, via)
+        node.first_at.setdefault(msg.id, self.now)
+        if self.record:
+            self.first_via.setdefault(node.index, {}).setdefault(msg.id, via)
         self.apply(node, node.core.message_received(msg.with_via(via), via, self.now))
 
     # ------------------------------------------------------------------ scenario helpers
@@ -330,7 +347,9 @@ class Sim:
             node.store[msg.id] = msg
             node.delivered[msg.id] += 1
             node.ps_received[msg.id] += 1
-            self.first_via.setdefault(node.index, {}).setdefault(msg.id, None)
+            node.first_at.setdefault(msg.id, self.now)
+            if self.record:
+                self.first_via.setdefault(node.index, {}).setdefault(msg.id, None)
             self.apply(node, node.core.message_received(msg, None, self.now))
         else:
             self.apply(node, node.core.publish(msg, self.now))
