@@ -516,6 +516,13 @@ def html_report(summary: Mapping[str, Any], r: Results) -> str:
     if no_record:
         no_drops += f" {no_record:,} deliveries were lost without any record (see Lost deliveries)."
     res = summary["queue_residency_ms"]
+    queues = ""  # with nothing queued, the two empty tables below say all there is
+    if t["queued"]:
+        queues = (
+            f"<p>{_plural(t['queued'], 'message was', 'messages were')} queued; "
+            f"{_plural(summary['expired'], 'queued message', 'queued messages')} expired. Queue residency over all "
+            f"nodes: p50 {_fmt(res['p50'])} ms, p99 {_fmt(res['p99'])} ms.</p>"
+        )
     parts = [
         "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>",
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
@@ -554,9 +561,8 @@ def html_report(summary: Mapping[str, Any], r: Results) -> str:
             no_drops,
             left=2,
         ),
-        f"<h2>Expiry and queues</h2><p>{_plural(summary['expired'], 'queued message', 'queued messages')} expired. "
-        "Queue residency over all "
-        f"nodes: p50 {_fmt(res['p50'])} ms, p99 {_fmt(res['p99'])} ms.</p>",
+        "<h2>Expiry and queues</h2>",
+        queues,
         _table(
             ["node", "reason", "expired"],
             [_tr([_key(e["node"]), _txt(e["reason"]), _val(int(e["count"]))]) for e in expired],
