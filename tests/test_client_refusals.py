@@ -510,7 +510,7 @@ async def test_a_sync_that_timed_out_hands_its_refusals_over_as_late(router: Fak
 
 def _cli(router: FakeRouter, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
     key = router.dir / "cli.key"
-    rc = cli_main([args[0], "--socket", str(router.sock), "--key", str(key), *args[1:]])
+    rc = cli_main([args[0], "--socket", str(router.sock), "--key", str(key), "--create-key", *args[1:]])
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -527,7 +527,7 @@ def test_cli_send_and_publish_exit_1_naming_the_reason(router: FakeRouter, capsy
     gk = router.dir / "group.key"
     assert cli_main(["keygen", "--out", str(gk)]) == 0
     capsys.readouterr()
-    rc, out, err = _cli(router, capsys, "publish", "--group-key", str(gk), "everyone")
+    rc, out, err = _cli(router, capsys, "publish", "--raw", "--group-key", str(gk), "everyone")  # (refused by body)
     assert rc == 1 and err.strip() == "refused for 3 recipients: store_full (the router's store is full)"
     rc, out, err = _cli(router, capsys, "publish", "--group-key", str(gk), "heard")
     assert (rc, err) == (0, "")

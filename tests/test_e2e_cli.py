@@ -76,7 +76,7 @@ def test_cli_id_join_publish_listen_send_pull(daemon: DaemonFactory, tmp_path: P
                        "--timeout", "20")  # fmt: skip
     try:
         # meanwhile: join / leave and their result codes
-        j = cli("join", "--socket", sock, "--key", other_key, group)
+        j = cli("join", "--socket", sock, "--key", other_key, "--create-key", group)  # (a new key, as asked)
         assert (j.returncode, j.stdout.strip()) == (0, "joined"), j.stderr
         lv = cli("leave", "--socket", sock, "--key", other_key, group)
         assert (lv.returncode, lv.stdout.strip()) == (0, "left"), lv.stderr
@@ -101,6 +101,7 @@ def test_cli_id_join_publish_listen_send_pull(daemon: DaemonFactory, tmp_path: P
     assert len(lines) == 2, out
     mc, uc = lines
     assert mc["type"] == "multicast" and mc["group"] == group and mc["id"] == pub_id and mc["body"] == "hello group"
+    assert mc["from"] == sender  # publish wrote an application message signed by its --key
     assert uc["type"] == "unicast" and uc["id"] == send_id and uc["body"] == "hello listener"
     assert uc["src"] == sender and uc["dst"] == listener
 

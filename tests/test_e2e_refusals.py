@@ -220,7 +220,7 @@ async def test_refusals_reach_the_app_through_the_cli(daemon: DaemonFactory, tmp
     d = daemon()
     nobody = Identity.generate()
     r = await asyncio.to_thread(cli, "send", "--socket", str(d.sock), "--key", str(tmp_path / "me.key"),
-                                nobody.public.hex(), "hello")
+                                "--create-key", nobody.public.hex(), "hello")
     assert r.returncode != 0, r.stdout + r.stderr
     assert "no_route" in r.stderr or "no route" in r.stderr, r.stderr
     await async_wait_until(lambda: d.trace(event="refused", reason="no_route"), 5.0, "the refusal traced")

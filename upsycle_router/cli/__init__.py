@@ -5,6 +5,7 @@ argparse parser in which every command module adds its subcommands (``register``
 ``cmd_*`` function that returns the exit code. The modules, one per family of commands:
 
 ``daemon``     ``run``, ``id``, ``pubsub``, ``testnet``: the router itself
+``config_cmd`` ``config``, ``wait``: the effective config, the annotated example; wait for a router to answer
 ``app``        ``send``, ``join``, ``leave``, ``publish``, ``pull``, ``status``, ``listen``: apps on its socket
 ``group``      ``group ...``: end-to-end encrypted group sessions
 ``discovery``  ``advert``, ``add-peer``, ``peers``, ``groups``, ``discovery``
@@ -22,7 +23,7 @@ from __future__ import annotations
 import argparse
 
 from upsycle_router import __version__
-from upsycle_router.cli import analyze, app, daemon, decode, discovery, group, store, validator
+from upsycle_router.cli import analyze, app, config_cmd, daemon, decode, discovery, group, store, validator
 
 DESCRIPTION = "The ``upsycle-router`` command line: one subcommand per task, each module registering its own."
 
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     decode.register(sub)
     analyze.register(sub)
     daemon.register(sub)
+    config_cmd.register(sub)
     app.register(sub)
     discovery.register(sub)
     group.register(sub)

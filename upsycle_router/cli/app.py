@@ -11,6 +11,12 @@ see headers and a padded size, not the bytes); ``--plain`` sends it readable, ``
 padding. ``listen`` opens sealed unicast addressed to its key and prints the plaintext with ``"sealed": true``;
 a sealed body that does not open is printed with ``"error"`` and no body, said on stderr, and makes
 ``listen`` exit 1 when it ends (it keeps listening: one bad message from a stranger does not stop it).
+``publish`` sends the body as an application message (docs/protocol.md, "Other interfaces": ``[header, [2,
+body]]`` signed by the app's key, ``seq`` the time in microseconds), so the same text published twice is two
+messages with two ids - a repeat of one message keeps its id - and subscribers see who wrote it; ``--raw``
+publishes the bytes as they are. ``listen`` and ``pull`` show such a message's body and add ``from`` and
+``seq``. A group is given by its key or by a name from the group names file (``groups --add``);
+``publish --group NAME`` signs with the key file the name holds.
 ``send`` and ``publish`` wait for the SYNC_ACK after the message: when the router did not take it in full
 (REFUSED, wire v1.1) they still print its id, name the reason on stderr (``refused: quota (the recipient's
 queue is full)``) and exit 1. ``status`` sends STATUS (type 11 since wire v1.1) for the counters and, when
@@ -24,13 +30,16 @@ import argparse
 import asyncio
 import json
 import sys
+import time
+from dataclasses import dataclass
 from typing import Any
 
-from upsycle_router.cli.common import app_options, read_body, run_app
+from upsycle_router.cli.common import app_identity, app_options, group_address, group_signing_key, read_body, run_app
 from upsycle_router.client import Client, Opened, SealedError, SyncResult
 from upsycle_router.config import load_config, parse_key
-from upsycle_router.crypto import load_key_file
-from upsycle_router.errors import KeyFileError, UpsycleError
+from upsycle_router.crypto import Identity, app_message_valid, sign_app_message
+from upsycle_router.errors import ConfigError, KeyFileError, UpsycleError
+from upsycle_router.wire.app import AppHeader, AppMessage, AppMulticast, decode_app_message
 from upsycle_router.wire.messages import Message, MulticastHeader
 
 
@@ -53,9 +62,57 @@ def message_summary(m: Message, opened: Opened | None = None, error: str | None 
     out["via"] = m.via.hex() if m.via else None
     if error is not None:
         out.update({"sealed": True, "error": error, "body": None, "body_hex": None})
-    else:
-        out.update({"sealed": opened is not None and opened.sealed, "body": text, "body_hex": body.hex()})
+        return out
+    app = app_multicast(m)
+    if app is not None:
+        body = app.data
+        try:
+            text = body.decode("utf-8")
+        except UnicodeDecodeError:
+            text = None
+    out.update({"sealed": opened is not None and opened.sealed, "body": text, "body_hex": body.hex()})
+    if app is not None:
+        out.update({"from": app.sender.hex(), "seq": app.seq})
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class AppText:
+    """What ``listen`` shows of an application message: who wrote it, its seq and its data."""
+
+    sender: bytes
+    seq: int
+    data: bytes
+
+
+def app_multicast(m: Message) -> AppText | None:
+    """The MULTICAST application message a group message carries (as ``publish`` sends it), if its BODY is one
+    addressed to that group with a valid signature; None for any other BODY (shown as it is)."""
+    if not isinstance(m.header, MulticastHeader):
+        return None
+    try:
+        app = decode_app_message(m.body)
+    except UpsycleError:
+        return None
+    if not isinstance(app.body, AppMulticast) or app.header.to != m.header.grp or not app_message_valid(app):
+        return None
+    return AppText(app.header.from_, app.header.seq, app.body.data)
+
+
+_last_seq = 0
+
+
+def next_seq() -> int:
+    """A per-sender sequence number that does not repeat: the time in microseconds, above the last one."""
+    global _last_seq
+    _last_seq = max(_last_seq + 1, time.time_ns() // 1000)
+    return _last_seq
+
+
+def app_body(sender: Identity, group: bytes, data: bytes) -> bytes:
+    """``data`` as a MULTICAST application message from ``sender`` to ``group``, signed, with a fresh seq."""
+    msg = AppMessage(AppHeader((), sender.public, group, next_seq()), AppMulticast(data))
+    return sign_app_message(msg, sender).encode()
 
 
 def _report(mid: bytes, result: SyncResult) -> int:
@@ -83,7 +140,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     """JOIN a group with this key."""
 
     async def go(c: Client) -> int:
-        ok = await c.join(parse_key(args.group, "group"), local=not args.non_local)
+        ok = await c.join(group_address(args.group), local=not args.non_local)
         print("joined" if ok else "refused")
         return 0 if ok else 1
 
@@ -94,7 +151,7 @@ def cmd_leave(args: argparse.Namespace) -> int:
     """LEAVE a group."""
 
     async def go(c: Client) -> int:
-        ok = await c.leave(parse_key(args.group, "group"))
+        ok = await c.leave(group_address(args.group))
         print("left" if ok else "refused")
         return 0 if ok else 1
 
@@ -102,15 +159,20 @@ def cmd_leave(args: argparse.Namespace) -> int:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    """Publish one message to a group, signed with the group key file; exit 1 when the router refused it."""
+    """Publish one message to a group, signed with the group key file (the body an application message signed
+    by this app, unless ``--raw``); exit 1 when the router refused it."""
     try:
-        group = load_key_file(args.group_key)
-    except KeyFileError as e:
+        group = group_signing_key(args)
+        sender = None if args.raw else app_identity(args)
+    except (KeyFileError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    body = read_body(args)
+    if sender is not None:
+        body = app_body(sender, group.public, body)
 
     async def go(c: Client) -> int:
-        mid = await c.publish(group, read_body(args), args.ttl)
+        mid = await c.publish(group, body, args.ttl)
         return _report(mid, await c.sync())
 
     return run_app(args, go)
@@ -120,7 +182,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     """PULL a stored group message by id."""
 
     async def go(c: Client) -> int:
-        m = await c.pull(parse_key(args.group, "group"), bytes.fromhex(args.id))
+        m = await c.pull(group_address(args.group), bytes.fromhex(args.id))
         if m is None:
             print("not found", file=sys.stderr)
             return 1
@@ -135,7 +197,7 @@ def cmd_listen(args: argparse.Namespace) -> int:
 
     async def go(c: Client) -> int:
         for g in args.join or []:
-            if not await c.join(parse_key(g, "group"), local=not args.non_local):
+            if not await c.join(group_address(g), local=not args.non_local):
                 print(f"error: JOIN {g} refused", file=sys.stderr)
                 return 1
         n = failed = 0
@@ -187,7 +249,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print("\n".join(status_lines(detail) if detail else counters_lines(c.router_id.hex(), st)))
         return 0
 
-    return run_app(args, go)
+    return run_app(args, go, required=False)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -205,14 +267,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     for name, fn, helptext in (("join", cmd_join, "join a group"), ("leave", cmd_leave, "leave a group")):
         p = sub.add_parser(name, help=helptext)
         app_options(p)
-        p.add_argument("group", help="group key (hex)")
+        p.add_argument("group", help="group key (hex) or name (groups --add)")
         if name == "join":
             p.add_argument("--non-local", action="store_true", help="also join the P2P overlay (pub/sub SUB)")
         p.set_defaults(func=fn)
 
     p = sub.add_parser("publish", help="publish to a group")
     app_options(p)
-    p.add_argument("--group-key", required=True, help="the group's key file (its private key signs)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--group-key", metavar="FILE", help="the group's key file (its private key signs)")
+    which.add_argument("--group", metavar="NAME", help="the group by its name in the group names file "
+                       "(groups --add), which holds its key file")  # fmt: skip
+    p.add_argument("--raw", action="store_true", help="publish the bytes as they are, not as an application "
+                   "message signed by --key (identical bodies within a minute are then one message)")  # fmt: skip
     p.add_argument("body", nargs="?", default="-", help="message body, or - for stdin (default)")
     p.add_argument("--hex", action="store_true", help="the body is hex")
     p.add_argument("--ttl", type=int, default=3600, help="seconds routers may queue it (default 3600)")
@@ -220,7 +287,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("pull", help="fetch a stored group message by id")
     app_options(p)
-    p.add_argument("group", help="group key (hex)")
+    p.add_argument("group", help="group key (hex) or name (groups --add)")
     p.add_argument("id", help="message id (hex)")
     p.set_defaults(func=cmd_pull)
 
@@ -233,7 +300,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("listen", help="print incoming messages as JSON lines")
     app_options(p)
-    p.add_argument("--join", action="append", metavar="GROUP", help="join this group first (repeatable)")
+    p.add_argument("--join", action="append", metavar="GROUP", help="join this group (key or name) first "
+                   "(repeatable)")  # fmt: skip
     p.add_argument("--non-local", action="store_true", help="joins also ask the pub/sub service to SUB")
     p.add_argument("--count", type=int, help="exit after this many messages")
     p.add_argument("--timeout", type=float, help="exit after this many seconds")

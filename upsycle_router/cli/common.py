@@ -3,18 +3,28 @@
 Every command module of :mod:`upsycle_router.cli` imports from here and from no other command module, so
 they form a star around this one (and this module imports none of them). Two kinds of command share code:
 
-Commands that read the daemon's config (``run``, ``id``, ``pubsub``, ``discovery``, ``store ...``) take
-``--config`` and ``--data-dir`` (:func:`add_daemon_options`) and build the config with the command line
-applied (:func:`config_from_args`). A config that cannot be used ends such a command with exit code 2 and
+Commands that read the daemon's config (``run``, ``id``, ``config``, ``pubsub``, ``discovery``, ``store ...``)
+take ``--config`` and ``--data-dir`` (:func:`add_daemon_options`) and build the config with the command line
+applied (:func:`config_from_args`) on top of the config file found on the search path and the environment
+(:mod:`upsycle_router.config.sources`: ``--config``, ``$UPSYCLE_CONFIG``, ``/etc/upsycle-router/router.yaml``;
+``UPSYCLE_DATA_DIR``, ``UPSYCLE_SOCKET`` ...). A config that cannot be used ends such a command with exit code 2 and
 one line ``error: config: ...`` on stderr (:func:`config_error`). A router service run as its own process
 (``pubsub``, ``discovery``) also takes ``--unix`` and ``--log-level`` (:func:`add_service_options`) and is
 started by :func:`serve_from_args`.
 
 App commands (``send``, ``listen``, ``group ...``, ``advert``, ...) connect to the router's Unix socket with
-an app key: :func:`app_options` adds ``--socket``, ``--config``, ``--key``; :func:`socket_path` and
-:func:`app_identity` resolve them (the key is created on first use); :func:`read_body` reads a message body
-from the argument or stdin. :func:`run_app` connects, runs one coroutine with the client and turns errors
-into exit codes: 2 for a bad config or key file, 1 when the router cannot be reached or the request fails.
+an app key: :func:`app_options` adds ``--socket``, ``--config``, ``--key``, ``--create-key``;
+:func:`socket_path` and :func:`app_identity` resolve them. The socket is the daemon's, found the way the daemon
+finds it (the same file and environment). The default key (``~/.config/upsycle-router/client.key``) is
+created on first use; a key named with ``--key`` must exist (a mistyped path would otherwise be a new
+identity), unless ``--create-key`` asks for it. Commands that act as nobody in particular (``status``,
+``advert``, ``peers`` ...) pass ``required=False``: without a key file they connect with a throwaway key and
+write nothing. A group on the command line is 64 hex digits or a name from the user's group names file
+(:mod:`upsycle_router.client.names`): :func:`group_address` for its address, :func:`group_signing_key` for
+``publish``'s ``--group-key FILE`` / ``--group NAME``. :func:`read_body` reads a message body from the argument
+or stdin. :func:`run_app` connects,
+runs one coroutine with the client and turns errors into exit codes: 2 for a bad config or key file, 1 when
+the router cannot be reached or the request fails.
 """
 
 from __future__ import annotations
@@ -29,8 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from upsycle_router.client import Client, ClientError
-from upsycle_router.config import DaemonConfig, check_websocket, default_socket, load_config
-from upsycle_router.crypto import Identity, load_or_create_key_file
+from upsycle_router.client.names import HEX_KEY_RE, NAME_RE, lookup
+from upsycle_router.config import DaemonConfig, check_websocket, default_socket, parse_key
+from upsycle_router.config.sources import effective_config
+from upsycle_router.crypto import Identity, load_key_file, load_or_create_key_file
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
 from upsycle_router.runtime.logs import setup_logging
@@ -52,13 +64,15 @@ def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
 
 def add_daemon_options(p: argparse.ArgumentParser) -> None:
     """``--config`` and ``--data-dir``, shared by commands that read the daemon's state."""
-    p.add_argument("-c", "--config", help="YAML config file (default: embedded defaults)")
+    p.add_argument("-c", "--config", help="YAML config file (default: $UPSYCLE_CONFIG, else "
+                   "/etc/upsycle-router/router.yaml if it exists, else the embedded defaults)")  # fmt: skip
     p.add_argument("--data-dir", help="data directory (overrides the config)")
 
 
 def config_from_args(args: argparse.Namespace) -> DaemonConfig:
-    """The config file (or defaults) with command-line overrides applied."""
-    cfg = load_config(getattr(args, "config", None))
+    """The config file found on the search path (or the defaults) and the environment, with the command line
+    applied."""
+    cfg = effective_config(getattr(args, "config", None))
     over: dict[str, Any] = {}
     if getattr(args, "data_dir", None):
         over["data_dir"] = Path(args.data_dir)
@@ -141,28 +155,64 @@ def default_client_key() -> Path:
     return Path(base) / "upsycle-router" / "client.key"
 
 
+SYSTEM_SOCKET = Path("/run/upsycle-router/router.sock")  # the systemd unit's (systemd/upsycle-router.service)
+
+
 def app_options(p: argparse.ArgumentParser) -> None:
-    """``--socket``, ``--config`` and ``--key``: how an app command reaches the router and who it is."""
-    p.add_argument("--socket", help="the router's Unix socket (default: the daemon's default path)")
-    p.add_argument("--config", help="read the socket path from this daemon config")
-    p.add_argument("--key", help="this app's key file (default: ~/.config/upsycle-router/client.key)")
+    """``--socket``, ``--config``, ``--key`` and ``--create-key``: how an app command reaches the router and who
+    it is."""
+    p.add_argument("--socket", help="the router's Unix socket (default: $UPSYCLE_SOCKET, else the one in the "
+                   "daemon's config, else the daemon's default path)")  # fmt: skip
+    p.add_argument("--config", help="read the socket path from this daemon config (default: the daemon's "
+                   "search path: $UPSYCLE_CONFIG, /etc/upsycle-router/router.yaml)")  # fmt: skip
+    p.add_argument("--key", help="this app's key file, which must exist (default: "
+                   "~/.config/upsycle-router/client.key, created on first use)")  # fmt: skip
+    p.add_argument("--create-key", action="store_true", help="create the --key file if it does not exist")
     p.add_argument("--timeout-connect", type=float, default=10.0, help=argparse.SUPPRESS)
 
 
 def socket_path(args: argparse.Namespace) -> Path:
-    """The router's socket: ``--socket``, else the config's ``listen.unix``, else the default path."""
+    """The router's socket: ``--socket``, else the daemon's (``listen.unix`` of its config file, with
+    ``$UPSYCLE_SOCKET`` over it), else the default path - or, when nothing was configured and only the system
+    router's socket exists (the systemd unit's), that one."""
     if args.socket:
         return Path(args.socket)
-    if args.config:
-        unix = load_config(args.config).unix
-        if unix is not None:
-            return unix
-    return default_socket()
+    unix = effective_config(args.config, app=True).unix
+    default = default_socket()
+    if unix is None or unix == default:
+        if not default.exists() and SYSTEM_SOCKET.exists():
+            return SYSTEM_SOCKET
+        return default
+    return unix
 
 
-def app_identity(args: argparse.Namespace) -> Identity:
-    """The app's key: ``--key`` or :func:`default_client_key` (created on first use)."""
-    return load_or_create_key_file(args.key or default_client_key())
+def app_identity(args: argparse.Namespace, *, required: bool = True) -> Identity:
+    """The app's key: ``--key FILE`` (it must exist, unless ``--create-key``), or :func:`default_client_key`
+    (created on first use). ``required=False``: a command that acts as nobody in particular uses the key file
+    when there is one and a throwaway key otherwise, and never writes one."""
+    path = Path(args.key) if args.key else default_client_key()
+    if not required and not getattr(args, "create_key", False) and not path.exists():
+        return Identity.generate()
+    if args.key is None or getattr(args, "create_key", False):
+        return load_or_create_key_file(path)
+    if not path.exists() and not path.is_symlink():
+        raise KeyFileError(f"{path}: no such key file (create it with 'upsycle-router keygen --out {path}', "
+                           "or add --create-key)")  # fmt: skip
+    return load_key_file(path)
+
+
+def group_address(text: str) -> bytes:
+    """A group on the command line: its public key (64 hex digits) or its name in the group names file."""
+    if not HEX_KEY_RE.fullmatch(text) and NAME_RE.fullmatch(text):
+        return lookup(text).public_key()
+    return parse_key(text, "group")
+
+
+def group_signing_key(args: argparse.Namespace) -> Identity:
+    """The key a group message is signed with: ``--group-key FILE``, or the key file of ``--group NAME``."""
+    if getattr(args, "group_key", None):
+        return load_key_file(args.group_key)
+    return lookup(args.group).signing_key()
 
 
 def read_body(args: argparse.Namespace) -> bytes:
@@ -173,12 +223,13 @@ def read_body(args: argparse.Namespace) -> bytes:
     return raw
 
 
-async def _with_client(args: argparse.Namespace, fn: Callable[[Client], Awaitable[int]]) -> int:
-    ident = app_identity(args)
+async def _with_client(args: argparse.Namespace, fn: Callable[[Client], Awaitable[int]], required: bool) -> int:
+    ident = app_identity(args, required=required)
+    path = socket_path(args)
     try:
-        client = await Client.connect(socket_path(args), ident, timeout=args.timeout_connect)
+        client = await Client.connect(path, ident, timeout=args.timeout_connect)
     except (OSError, TimeoutError) as e:
-        print(f"error: cannot connect to the router at {socket_path(args)}: {e}", file=sys.stderr)
+        print(f"error: cannot connect to the router at {path}: {connect_error(e)}", file=sys.stderr)
         return 1
     try:
         rc: int = await fn(client)
@@ -187,11 +238,24 @@ async def _with_client(args: argparse.Namespace, fn: Callable[[Client], Awaitabl
         await client.close()
 
 
-def run_app(args: argparse.Namespace, fn: Callable[[Client], Awaitable[int]]) -> int:
+def connect_error(e: BaseException) -> str:
+    """Why a connection to the router's socket failed, with a hint of what to do."""
+    hint = ""
+    if isinstance(e, FileNotFoundError):
+        hint = " (is the router running? 'upsycle-router wait' waits until it answers)"
+    elif isinstance(e, ConnectionRefusedError):
+        hint = " (nothing listens there: a router that was killed?)"
+    elif isinstance(e, PermissionError):
+        hint = " (listen.unix_mode and listen.unix_group decide who may connect)"
+    return f"{e or type(e).__name__}{hint}"
+
+
+def run_app(args: argparse.Namespace, fn: Callable[[Client], Awaitable[int]], *, required: bool = True) -> int:
     """Connect to the router, run ``fn`` with the client and return its exit code; 2 for a bad config or key
-    file (like the daemon), 1 when the router cannot be reached or answers with an error."""
+    file (like the daemon), 1 when the router cannot be reached or answers with an error. ``required``: see
+    :func:`app_identity`."""
     try:
-        rc: int = run_async(_with_client(args, fn))
+        rc: int = run_async(_with_client(args, fn, required))
         return rc
     except (ConfigError, KeyFileError) as e:  # a bad config or key file: like the daemon, exit 2
         print(f"error: {e}", file=sys.stderr)

@@ -5,6 +5,11 @@ config again, print the router's id, run the pub/sub service as its own process,
 ``reload`` checks the config first (a broken one is exit 2 and nothing is sent), then sends SIGHUP to the
 router running on the data directory (its PID is in ``DATA_DIR/lock``); the router logs what it changed.
 
+``run --ready-file PATH`` has the daemon write PATH (its id) once it listens and remove it when it stops, for
+scripts; ``run --print-config`` prints the config it would run with (as ``config --print`` does, with this
+command line applied) and exits. ``id`` says on stderr when it created the router key (no router has run on
+that data directory yet: a data directory other than the daemon's, say).
+
 A config that cannot be used - the file (unreadable, not UTF-8, not YAML, a bad option), the command line, or
 a directory the daemon could not create or write - ends every command here with exit code 2 and one line
 ``error: config: ...`` on stderr, before anything starts. Reading the config with the command line applied
@@ -30,6 +35,8 @@ from upsycle_router.cli.common import (
     serve_from_args,
 )
 from upsycle_router.config import DaemonConfig, config_warnings
+from upsycle_router.config.dump import config_yaml
+from upsycle_router.config.sources import describe
 from upsycle_router.crypto import Identity, load_or_create_key_file
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
@@ -63,7 +70,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT."""
     try:
         cfg = config_from_args(args)
+        if args.print_config:
+            print(f"# upsycle-router config: {describe(args.config)}, then the command line")
+            sys.stdout.write(config_yaml(cfg))
+            return 0
         check_dirs(cfg)
+        ready_file = Path(args.ready_file) if args.ready_file else None
+        if ready_file is not None:
+            check_dir(ready_file.parent, "--ready-file")
         warnings = config_warnings(cfg)
     except ConfigError as e:
         return config_error(e)
@@ -71,7 +85,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for w in warnings:
         logging.getLogger("upsycle_router.config").warning("%s", w)
     try:
-        run_async(run_daemon(cfg, lambda: config_from_args(args)))
+        run_async(run_daemon(cfg, lambda: config_from_args(args), ready_file=ready_file))
     except (KeyFileError, ConfigError, StoreUnusable) as e:  # (a damaged store too: one line, exit 2)
         return config_error(e)
     except RuntimeError as e:
@@ -108,7 +122,11 @@ def cmd_id(args: argparse.Namespace) -> int:
             cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
             raise ConfigError(f"data_dir: cannot create {cfg.data_dir}: {e.strerror or e}") from None
+        created = not cfg.key_path.exists()
         print(load_or_create_key_file(cfg.key_path).hex)
+        if created:
+            print(f"note: created a new router key {cfg.key_path} (no router has run on this data directory yet)",
+                  file=sys.stderr)  # fmt: skip
     except (KeyFileError, ConfigError) as e:
         return config_error(e)
     return 0
@@ -147,6 +165,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--durability", choices=[d.value for d in Durability], help="when writes reach the disk")
     p.add_argument("--trace", metavar="DIR", help="write the trace journal to DIR")
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--ready-file", metavar="PATH", help="write PATH (the router's id) once the router listens; "
+                   "removed when it stops")  # fmt: skip
+    p.add_argument("--print-config", action="store_true", help="print the config it would run with, and exit")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("reload", help="make the running router read its config again (SIGHUP)")

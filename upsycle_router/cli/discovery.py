@@ -10,6 +10,13 @@ service's key file in the data directory (``--data-dir`` / ``--config``) unless 
   which publishes it to the router (routes, address) and adds it to its peer sample;
 - ``peers`` and ``groups`` list the adverts the service knows and the public groups they name.
 
+They act as nobody in particular: without a ``--key`` file they use a throwaway key. A router whose discovery
+service is off (the default; no ``discovery.key`` in its data directory) makes ``advert``, ``add-peer`` and
+``peers`` exit 1 with one line saying so. ``groups`` also lists this user's group names (the group names file,
+:mod:`upsycle_router.client.names`), first; ``groups --add NAME KEY`` and ``groups --remove NAME`` edit them
+and talk to no router. With the discovery service off it lists the names alone, and says on stderr that
+public groups need that service.
+
 ``discovery`` runs the discovery service as its own process (``discovery.in_process: false``).
 """
 
@@ -25,9 +32,11 @@ from typing import Any
 
 from upsycle_router.cli.common import add_service_options, app_options, run_app, serve_from_args
 from upsycle_router.client import Client, ClientError
-from upsycle_router.config import load_config, parse_key
+from upsycle_router.client.names import GroupName, add_name, default_names_file, load_names, remove_name
+from upsycle_router.config import parse_key
+from upsycle_router.config.sources import effective_config
 from upsycle_router.crypto import advert_valid, load_key_file, sign_message
-from upsycle_router.errors import ConfigError, RemoteProtocolError
+from upsycle_router.errors import ConfigError, KeyFileError, RemoteProtocolError
 from upsycle_router.expiry import exp_in, exp_iso, expires_at
 from upsycle_router.wire.discovery import (
     SERVICE_DISCOVERY,
@@ -48,18 +57,37 @@ from upsycle_router.wire.messages import UnicastHeader
 ANSWER_TIMEOUT = 10.0
 
 
+class DiscoveryOff(Exception):
+    """The router's data directory has no discovery service key: its discovery service is off."""
+
+
 def _service(args: argparse.Namespace) -> bytes:
-    """The discovery service's address: ``--service``, else the public half of DATA_DIR/discovery.key."""
+    """The discovery service's address: ``--service``, else the public half of DATA_DIR/discovery.key (the
+    data directory of ``--data-dir``, else of the daemon's config: the same search path and environment)."""
     if args.service:
         return parse_key(args.service, "--service")
     if args.data_dir:
         data_dir = Path(args.data_dir)
     else:
-        data_dir = load_config(args.config).data_dir
+        data_dir = effective_config(args.config, app=True).data_dir
     path = data_dir / "discovery.key"
     if not path.exists():
-        raise ConfigError(f"{path}: no discovery service key (is discovery.enabled on?); or pass --service HEX")
+        raise DiscoveryOff(f"the router's discovery service is off: there is no {path} (turn it on with "
+                           "discovery: {enabled: true} in the router's config, see docs/discovery.md; or pass "
+                           "--service HEX)")  # fmt: skip
     return load_key_file(path).public
+
+
+def _find_service(args: argparse.Namespace) -> bytes | int:
+    """:func:`_service`, or the exit code after one line on stderr saying why there is none."""
+    try:
+        return _service(args)
+    except DiscoveryOff as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (ConfigError, KeyFileError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 async def _ask(c: Client, service: bytes, body: DiscoveryMessage, want: type[Any]) -> Any:
@@ -108,7 +136,9 @@ def advert_summary(adv: PeerAdvertisement, now: float | None = None) -> dict[str
 
 def cmd_advert(args: argparse.Namespace) -> int:
     """Print this node's current advert as an ``upsycle:`` link (and QR code)."""
-    service = _service(args)
+    service = _find_service(args)
+    if isinstance(service, int):
+        return service
 
     async def go(c: Client) -> int:
         reply: PeersReply = await _ask(c, service, PeersQuery(_nonce()), PeersReply)
@@ -126,7 +156,7 @@ def cmd_advert(args: argparse.Namespace) -> int:
             print(f"PNG written to {args.png}", file=sys.stderr)
         return 0
 
-    return run_app(args, go)
+    return run_app(args, go, required=False)
 
 
 def check_link(link: str, now: float) -> PeerAdvertisement:
@@ -149,7 +179,9 @@ def cmd_add_peer(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    service = _service(args)
+    service = _find_service(args)
+    if isinstance(service, int):
+        return service
 
     async def go(c: Client) -> int:
         ack: AdvertAck = await _ask(c, service, AddPeer(_nonce(), adv), AdvertAck)
@@ -160,18 +192,20 @@ def cmd_add_peer(args: argparse.Namespace) -> int:
         print(f"added {adv.id.hex()} {adv.addr}")
         return 0
 
-    return run_app(args, go)
+    return run_app(args, go, required=False)
 
 
 def _listing(args: argparse.Namespace, show: Any) -> int:
-    service = _service(args)
+    service = _find_service(args)
+    if isinstance(service, int):
+        return service
 
     async def go(c: Client) -> int:
         reply: PeersReply = await _ask(c, service, PeersQuery(_nonce()), PeersReply)
         show(reply)
         return 0
 
-    return run_app(args, go)
+    return run_app(args, go, required=False)
 
 
 def cmd_peers(args: argparse.Namespace) -> int:
@@ -189,8 +223,43 @@ def cmd_peers(args: argparse.Namespace) -> int:
     return _listing(args, show)
 
 
+def _name_line(entry: GroupName, as_json: bool) -> str:
+    try:
+        group: str | None = entry.public_key().hex()
+        problem = None
+    except KeyFileError as e:
+        group, problem = None, str(e)
+    if as_json:
+        out = {"name": entry.name, "group": group, "key_file": None if entry.key_file is None else str(entry.key_file)}
+        return json.dumps({**out, **({"error": problem} if problem else {})})
+    what = f"key file {entry.key_file}" if entry.key_file is not None else "public key only"
+    return f"{entry.name:16} {group or '?' * 64}  {what}{f'  ({problem})' if problem else ''}"
+
+
 def cmd_groups(args: argparse.Namespace) -> int:
-    """List the public groups named in known adverts (this node's own included)."""
+    """Edit or list this user's group names, and list the public groups named in known adverts (this node's
+    own included)."""
+    try:
+        if args.add:
+            entry = add_name(args.add[0], args.add[1])
+            print(f"{entry.name} = {entry.public_key().hex()} ({default_names_file()})")
+            return 0
+        if args.remove:
+            if not remove_name(args.remove):
+                print(f"error: no group named {args.remove!r} in {default_names_file()}", file=sys.stderr)
+                return 1
+            return 0
+        names = load_names()
+    except (ConfigError, KeyFileError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    by_key: dict[str, str] = {}
+    for entry in names.values():
+        print(_name_line(entry, args.json))
+        try:
+            by_key[entry.public_key().hex()] = entry.name
+        except KeyFileError:
+            pass
 
     def show(reply: PeersReply) -> None:
         ads = ([reply.own] if reply.own is not None else []) + list(reply.ads)
@@ -200,11 +269,22 @@ def cmd_groups(args: argparse.Namespace) -> int:
                 by_group.setdefault(g, []).append(adv)
         for g in sorted(by_group):
             nodes = by_group[g]
+            name = by_key.get(g.hex())
             if args.json:
-                print(json.dumps({"group": g.hex(), "nodes": [a.id.hex() for a in nodes]}))
+                print(json.dumps({"group": g.hex(), "nodes": [a.id.hex() for a in nodes],
+                                  **({"name": name} if name else {})}))  # fmt: skip
             else:
-                print(f"{g.hex()}  {' '.join(a.id.hex()[:16] for a in nodes)}")
+                print(f"{g.hex()}  {' '.join(a.id.hex()[:16] for a in nodes)}{f'  ({name})' if name else ''}")
 
+    if not args.service:
+        try:
+            _service(args)
+        except DiscoveryOff:
+            print("note: no public groups listed: the router's discovery service is off (docs/discovery.md)",
+                  file=sys.stderr)  # fmt: skip
+            return 0
+        except (ConfigError, KeyFileError):
+            pass  # _listing says it
     return _listing(args, show)
 
 
@@ -239,9 +319,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per peer")
     p.set_defaults(func=cmd_peers)
 
-    p = sub.add_parser("groups", help="list the public groups named in known adverts")
+    p = sub.add_parser("groups", help="list your group names and the public groups named in known adverts")
     _app(p)
     p.add_argument("--json", action="store_true", help="one JSON object per group")
+    edit = p.add_mutually_exclusive_group()
+    edit.add_argument("--add", nargs=2, metavar=("NAME", "KEY"), help="name a group: KEY is its key file (to "
+                      "publish) or its public key (hex)")  # fmt: skip
+    edit.add_argument("--remove", metavar="NAME", help="forget a group name")
     p.set_defaults(func=cmd_groups)
 
     p = sub.add_parser("discovery", help="run the discovery service as a separate process")

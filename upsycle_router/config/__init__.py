@@ -1,12 +1,17 @@
 """The daemon's configuration: a YAML file (or nothing) in, a validated frozen :class:`DaemonConfig` out.
 
-Three modules, importing one way only (values <- discovery <- daemon; none imports this package back):
+Five modules, importing one way only (values <- discovery <- daemon <- sources, dump; none imports this
+package back):
 
 :mod:`~upsycle_router.config.values`     the parsing primitives: one YAML value and its option path in, a
                                          checked value or a :class:`~upsycle_router.errors.ConfigError` out
 :mod:`~upsycle_router.config.discovery`  the ``discovery:`` section (:class:`DiscoveryConfig`)
 :mod:`~upsycle_router.config.daemon`     everything else: :class:`DaemonConfig`, :func:`load_config`, the
                                          bounds of every number, the checks against the machine at start
+:mod:`~upsycle_router.config.sources`    where the config comes from: the file search path (``--config``,
+                                         ``$UPSYCLE_CONFIG``, ``/etc/upsycle-router/router.yaml``) and the
+                                         ``UPSYCLE_*`` environment variables over it
+:mod:`~upsycle_router.config.dump`       a config back to the file's YAML (``upsycle-router config``)
 
 This package re-exports what the rest of the code uses, so ``from upsycle_router.config import load_config``
 is the usual way in. Loading the config does not load the store (LMDB): the ``durability`` option's values

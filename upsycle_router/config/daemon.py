@@ -154,6 +154,7 @@ class DaemonConfig:
     data_dir: Path = field(default_factory=default_data_dir)
     unix: Path | None = field(default_factory=default_socket)
     unix_mode: int = 0o600
+    unix_group: str | None = None  # the socket's group (a name or a number), for apps run as other users
     tls: str | None = None
     key_file: Path | None = None
     durability: Durability = Durability.FSYNC
@@ -232,7 +233,7 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     kw: dict[str, Any] = {}
     if "data_dir" in top:
         kw["data_dir"] = parse_path(top["data_dir"], "data_dir")
-    listen = parse_map(top.get("listen"), "listen", {"unix", "unix_mode", "tls", "websocket", "path"})
+    listen = parse_map(top.get("listen"), "listen", {"unix", "unix_mode", "unix_group", "tls", "websocket", "path"})
     if "unix" in listen:
         kw["unix"] = None if listen["unix"] is None else parse_path(listen["unix"], "listen.unix")
     if "unix_mode" in listen:
@@ -248,6 +249,8 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
                 shown = f"{mode} (octal {mode:o}; an unquoted 600 is decimal in YAML: write it quoted, '0600')"
             raise fail("listen.unix_mode", f"expected a file mode from 0000 to 0777, like '0600', got {shown}")
         kw["unix_mode"] = mode
+    if "unix_group" in listen:
+        kw["unix_group"] = _unix_group(listen["unix_group"])
     if "tls" in listen:
         kw["tls"] = None if listen["tls"] is None else parse_hostport(listen["tls"], "listen.tls")
     if "key_file" in top:
@@ -354,6 +357,17 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     if "websocket" in listen or "path" in listen or "websocket" in top:
         kw["websocket"] = _parse_websocket(listen, top.get("websocket"), cfg.websocket)
     return DaemonConfig(**{**_as_dict(cfg), **kw})
+
+
+def _unix_group(v: Any) -> str | None:
+    """``listen.unix_group``: a group name or number (None: the daemon's own group)."""
+    if v is None:
+        return None
+    if isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32:
+        return str(v)
+    if isinstance(v, str) and v and not any(c.isspace() or c in ":/" for c in v):
+        return v
+    raise fail("listen.unix_group", f"expected a group name or number, like upsycle-apps, got {v!r}")
 
 
 def _peer_list(peers: Any, path: str) -> tuple[PeerConfig, ...]:
@@ -517,6 +531,22 @@ def load_config(path: str | os.PathLike[str] | None) -> DaemonConfig:
         raise ConfigError(f"{p}: {e}") from None
 
 
+def socket_gid(group: str) -> int:
+    """The group id of ``listen.unix_group``. :class:`ConfigError` when there is no such group, or when this
+    user may not give a file to it (it is neither root nor a member)."""
+    import grp
+
+    try:
+        gid = int(group) if group.isdigit() else grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"listen.unix_group: no group named {group!r} on this machine") from None
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise ConfigError(
+            f"listen.unix_group: this user is not a member of group {group}, so it cannot give the socket to it"
+        )
+    return gid
+
+
 def _nearest_existing(p: Path) -> Path:
     p = p.absolute()
     while not p.exists() and p.parent != p:
@@ -536,6 +566,7 @@ def config_warnings(cfg: DaemonConfig) -> list[str]:
     to log as WARNING at start (allowed, but probably not meant). A value the machine can never satisfy is a
     :class:`ConfigError` instead.
 
+    - ``listen.unix_group`` that does not exist or that this user cannot give the socket to: an error.
     - ``listen.unix_mode`` with group or other bits: other local users can connect to the socket (and, unless
       ``local_services`` lists the allowed keys, act as local services).
     - ``store.map_size`` against the filesystem of ``data_dir`` (its nearest existing parent): the LMDB map is a
@@ -544,6 +575,8 @@ def config_warnings(cfg: DaemonConfig) -> list[str]:
       it is the default, which is only warned about.
     """
     out: list[str] = []
+    if cfg.unix is not None and cfg.unix_group is not None:
+        socket_gid(cfg.unix_group)
     if cfg.unix is not None and cfg.unix_mode & 0o077:
         classes = ((0o070, "the members of the socket's group"), (0o007, "every other local user"))
         who = " and ".join(w for bit, w in classes if cfg.unix_mode & bit)

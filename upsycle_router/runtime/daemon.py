@@ -4,7 +4,8 @@ Start-up: create the data directory (0700), load or create the router key, open 
 routing core from it, listen on the Unix socket (file mode from the config, 0600 by default) and, when
 configured, on TLS. Shutdown: stop accepting, tell every peer ``ERROR 7 shutting down``, process what is
 pending, commit, sync and close LMDB, remove the socket file; bounded by ``STOP_TIMEOUT`` seconds.
-With ``NOTIFY_SOCKET`` set (systemd ``Type=notify``) it reports ``READY=1`` and ``STOPPING=1``.
+With ``NOTIFY_SOCKET`` set (systemd ``Type=notify``) it reports ``READY=1`` and ``STOPPING=1``; a ready file
+(``run --ready-file PATH``, for scripts) is written once it listens and removed when it has stopped.
 
 Listeners: the daemon accepts connections itself, through
 :class:`~upsycle_router.transport.admission.Listener`, which caps connections in their handshake (in all and
@@ -48,6 +49,7 @@ from typing import Any
 
 from upsycle_router import __version__, accel
 from upsycle_router.config import DaemonConfig, PeerConfig
+from upsycle_router.config.daemon import socket_gid
 from upsycle_router.config.reload import Applies, ReloadPlan, peer_changes, plan_reload
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.router import Router
@@ -454,6 +456,8 @@ class Daemon:
         finally:
             os.umask(old)
         os.chmod(path, self.config.unix_mode)
+        if self.config.unix_group is not None:
+            os.chown(path, -1, socket_gid(self.config.unix_group))
         self._listen(sock, "unix", network=False)
 
     # ------------------------------------------------------------ reload (SIGHUP)
@@ -765,18 +769,34 @@ def tune_gc() -> None:
 SWITCH_INTERVAL = 0.0005
 
 
-async def run_daemon(config: DaemonConfig, loader: Callable[[], DaemonConfig] | None = None) -> None:
-    """Start a daemon and serve until SIGTERM/SIGINT; on SIGHUP ``loader`` reads the config again."""
+async def run_daemon(
+    config: DaemonConfig, loader: Callable[[], DaemonConfig] | None = None, *, ready_file: Path | None = None
+) -> None:
+    """Start a daemon and serve until SIGTERM/SIGINT; on SIGHUP ``loader`` reads the config again.
+    ``ready_file`` is written (the router's id) once it listens, and removed when it stops."""
     sys.setswitchinterval(SWITCH_INTERVAL)
     d = Daemon(config, loader)
+    if ready_file is not None:
+        ready_file.unlink(missing_ok=True)  # a stale one (a router killed) would say ready too early
     with store_errors(config.data_dir / "store"):  # LMDB's errors at start: one line, exit 2
         await d.start()
     tune_gc()
     try:
+        if ready_file is not None and d.identity is not None:
+            write_ready_file(ready_file, d.identity.hex)
         await asyncio.wait_for(d.serve(), None)
     finally:
         if d.store is not None:
             await asyncio.wait_for(d.stop(), STOP_TIMEOUT)
+        if ready_file is not None:
+            ready_file.unlink(missing_ok=True)
+
+
+def write_ready_file(path: Path, router_id: str) -> None:
+    """``run --ready-file``: the router's id and a newline, in place at once (written aside, then renamed)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(router_id + "\n")
+    os.replace(tmp, path)
 
 
 def install_uvloop() -> bool:
