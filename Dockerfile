@@ -1,6 +1,11 @@
 # upsycle-router in a container: slim Python, non-root user, state in a volume.
 #   docker build -t upsycle-router .
-#   docker run -v upsycle-data:/data -p 7733:7733 upsycle-router
+#   docker run -d --name upsycle -v upsycle-data:/data -p 7733:7733 upsycle-router
+#   docker exec upsycle upsycle-router status     # the commands see the daemon's data and socket (ENV below)
+#   docker exec upsycle upsycle-router id         # the router's id, from /data
+# A config file, if any, goes to /etc/upsycle-router/router.yaml (-v ./router.yaml:/etc/upsycle-router/
+# router.yaml:ro); none is needed. The environment overrides its data_dir, listen.unix and listen.tls
+# (docs/config.md, "Where the config comes from"); -e UPSYCLE_LOG_LEVEL=debug and the like work too.
 #
 # The build stage has a C compiler, so the wheel carries the C accelerators (upsycle_router/wire/_codec.c: frame
 # decoding, message ids with the vendored BLAKE3 C code in vendor/; runtime/_verify.c: batch signature
@@ -13,6 +18,8 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY upsycle_router ./upsycle_router
 COPY vendor ./vendor
+# the package's router.example.yaml (config --example) is a link to this file
+COPY config ./config
 RUN pip wheel --no-cache-dir --wheel-dir /wheels .
 
 FROM python:3.11-slim
@@ -26,6 +33,9 @@ RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
 USER upsycle
 VOLUME ["/data"]
 EXPOSE 7733
-ENV XDG_STATE_HOME=/data XDG_RUNTIME_DIR=/run/upsycle-router
+# Read by the daemon and by every command run in the container (docker exec), so they agree on the data
+# directory (the router key, the store) and the socket.
+ENV UPSYCLE_DATA_DIR=/data UPSYCLE_SOCKET=/run/upsycle-router/router.sock UPSYCLE_LISTEN=0.0.0.0:7733
 ENTRYPOINT ["upsycle-router"]
-CMD ["run", "--data-dir", "/data", "--unix", "/run/upsycle-router/router.sock", "--listen", "0.0.0.0:7733"]
+CMD ["run"]
+HEALTHCHECK --interval=30s --timeout=10s CMD ["upsycle-router", "wait", "--timeout", "5"]
