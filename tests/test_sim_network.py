@@ -337,6 +337,21 @@ def test_bandwidth_queues_messages_first_in_first_out() -> None:
     assert other.received[last.id] - last.sent >= 6 * size / bw - 5 * 0.05
 
 
+def test_each_pair_of_routers_has_its_own_latency() -> None:
+    lm = LinkModel(latency=0.01, spread=0.14)
+    sc = Scenario(NetConfig(nodes=20, degree=4, seed=12, link=lm),
+                  Workload(groups=1, publishers=2, messages=4, interval=0.5, warmup=3.0, linger=3.0))
+    net = sc.net
+    pairs = {(a, b): net.pair_latency(a, b) for a in range(20) for b in net.nodes[a].static}
+    assert all(lm.latency <= v <= lm.latency + lm.spread for v in pairs.values())
+    assert all(pairs[(a, b)] == pairs[(b, a)] for a, b in pairs)  # a property of the pair, drawn once
+    assert len(set(pairs.values())) == len(pairs) // 2
+    f = sc.run()
+    assert f.delivery_ratio == 1.0
+    assert all(link.latency == pairs[(link.a, link.b)] for n in net.nodes for link in n.links.values())
+    assert f.latency_ms["max"] is not None and f.latency_ms["max"] > 1000 * (lm.latency + lm.spread / 2)
+
+
 def test_pubsub_only_stack() -> None:
     sc = PubsubScenario(NetConfig(nodes=300, degree=8, seed=6, link=LinkModel(latency=0.02, jitter=0.01)),
                         Workload(groups=1, publishers=3, messages=6, interval=0.5, warmup=4.0, linger=5.0))

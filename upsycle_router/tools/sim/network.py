@@ -43,8 +43,9 @@ signs them with Ed25519 instead. Nothing is verified on the way: every ``Message
 ``verified=True`` (the daemon's driver verifies before the core; the simulator trusts its own links). The
 cores still check what they check themselves (advert signatures).
 
-Links: one-way latency ``latency + U(0, jitter)`` per message (drawn from the simulator's seeded rng),
-first in first out per direction (a message never overtakes an earlier one on the same connection, as on
+Links: one-way latency ``latency + U(0, jitter)`` per message (drawn from the simulator's seeded rng; with
+``spread``, each pair of routers has a latency of its own, ``latency + U(0, spread)``, drawn once), first in
+first out per direction (a message never overtakes an earlier one on the same connection, as on
 TCP); ``bandwidth`` bytes/s per direction, a message leaving after those before it (queueing delay);
 ``loss``: each message crossing a link is lost with that probability (the sending router believes it sent
 it). A message in flight to a router that stops is lost.
@@ -145,6 +146,7 @@ class LinkModel:
 
     latency: float = 0.02
     jitter: float = 0.0
+    spread: float = 0.0  # each pair of routers has its own latency: ``latency + U(0, spread)``, drawn once
     loss: float = 0.0
     bandwidth: float = 0.0
     local_delay: float = 0.0001  # router <-> its own services and apps (the Unix socket)
@@ -152,7 +154,7 @@ class LinkModel:
     dial_timeout: float = 1.0  # a dial to a router that is down or cut off fails after this
 
     def __post_init__(self) -> None:
-        for name in ("latency", "jitter", "bandwidth", "local_delay", "handshake_rtts", "dial_timeout"):
+        for name in ("latency", "jitter", "spread", "bandwidth", "local_delay", "handshake_rtts", "dial_timeout"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
         if not 0 <= self.loss < 1:
@@ -223,10 +225,11 @@ class _Dir:
 class Link:
     """A connection between the routers of nodes ``a`` and ``b`` (``ca``/``cb``: its conn id at each end)."""
 
-    __slots__ = ("a", "b", "ca", "cb", "open", "to_b", "to_a")
+    __slots__ = ("a", "b", "ca", "cb", "latency", "open", "to_b", "to_a")
 
-    def __init__(self, a: int, b: int, ca: int, cb: int) -> None:
+    def __init__(self, a: int, b: int, ca: int, cb: int, latency: float) -> None:
         self.a, self.b, self.ca, self.cb = a, b, ca, cb
+        self.latency = latency  # one way, before jitter
         self.open = True
         self.to_b = _Dir()
         self.to_a = _Dir()
@@ -338,7 +341,7 @@ class Network:
         for node in self.nodes:
             for other, link in sorted(node.links.items()):
                 if other > node.index and not self.reachable(node.index, other):
-                    self._close_link(link, self.link.latency, self.link.latency)
+                    self._close_link(link, link.latency, link.latency)
 
     def heal(self) -> None:
         """Lift any partition; routers re-dial their static peers."""
@@ -402,8 +405,7 @@ class Network:
         node.alive = False
         node.epoch += 1
         for link in list(node.links.values()):
-            self._close_link(link, self.link.latency if link.a != i else -1.0, self.link.latency if link.b != i
-                             else -1.0)
+            self._close_link(link, link.latency if link.a != i else -1.0, link.latency if link.b != i else -1.0)
         node.conns.clear()
         node.router = None
         node.ps = None
@@ -478,7 +480,7 @@ class Network:
                 assert isinstance(e, CloseConnection)
                 ep = node.conns.get(e.conn)
                 if isinstance(ep, Link):
-                    self._close_link(ep, self.link.latency, self.link.latency)
+                    self._close_link(ep, ep.latency, ep.latency)
                 self.counters["closed_by_router"] += 1
             elif t is Throttle:
                 self.counters["throttles"] += 1
@@ -605,7 +607,7 @@ class Network:
         if lm.loss and self.rng.random() < lm.loss:
             c["link_lost"] += 1
             return
-        arrive = leave + lm.latency + (lm.jitter * self.rng.random() if lm.jitter else 0.0)
+        arrive = leave + ep.latency + (lm.jitter * self.rng.random() if lm.jitter else 0.0)
         if arrive < d.last:
             arrive = d.last
         d.last = arrive
@@ -640,8 +642,16 @@ class Network:
             return
         self._dialing.add(pair)
         self.counters["dials"] += 1
-        rtt = 2 * self.link.latency
+        rtt = 2 * self.pair_latency(i, j)
         self.at(self.now + self.link.handshake_rtts * rtt, self._handshake_done, i, j, node.epoch)
+
+    def pair_latency(self, a: int, b: int) -> float:
+        """The one-way latency between the routers of nodes ``a`` and ``b`` (before jitter)."""
+        lm = self.link
+        if not lm.spread:
+            return lm.latency
+        a, b = min(a, b), max(a, b)
+        return lm.latency + lm.spread * random.Random(derive(self.config.seed, "link", a, b)).random()
 
     def _dial_static(self, node: Node) -> None:
         """The pool dials the static peers that are up (they would re-dial it with backoff anyway)."""
@@ -659,7 +669,7 @@ class Network:
             return
         if j in a.links:
             return
-        link = Link(i, j, self._conn(a), self._conn(b))
+        link = Link(i, j, self._conn(a), self._conn(b), self.pair_latency(i, j))
         a.links[j] = link
         b.links[i] = link
         a.conns[link.ca] = link
@@ -804,7 +814,14 @@ class PubsubEndpoint:
             if isinstance(e, ps.Forward):
                 out.append(e.message.with_via(e.router))
             elif isinstance(e, ps.SendRpc):
-                out.append(self.unicast(e.peer.service, e.rpc.encode(), PS_RPC_TTL, e.peer.router))
+                rpc = e.rpc
+                out.append(self.unicast(e.peer.service, rpc.encode(), PS_RPC_TTL, e.peer.router))
+                c = self.net.counters
+                c["rpc"] += 1
+                for part, n in (("subs", rpc.subs), ("graft", rpc.graft), ("prune", rpc.prune), ("ihave", rpc.ihave),
+                                ("iwant", rpc.iwant)):
+                    if n:
+                        c[f"rpc_{part}"] += 1  # RPCs carrying this part (one RPC carries a step's control)
             elif isinstance(e, ps.JoinGroup):
                 out.append(self.unicast(self.router, encode_router(Join(e.group, True)), 60, None))
             elif isinstance(e, ps.LeaveGroup):
@@ -1001,6 +1018,7 @@ class Figures:
     delivered: int
     delivery_ratio: float | None
     latency_ms: dict[str, float | None]
+    latency_histogram: dict[str, int]  # first deliveries per 100 ms of latency ("0-100", "100-200", ...)
     data_transmissions: int
     transmissions_per_delivery: float | None
     data_bytes_per_delivered_byte: float | None
@@ -1107,9 +1125,10 @@ class Scenario:
 class PubsubScenario:
     """The same workload on :mod:`~upsycle_router.tools.sim.gossip`: the pub/sub cores alone, each with just
     enough of a router around it (no routing core, store, discovery, signatures on RPCs or journals), for
-    networks too large for the full stack. Each node knows the pub/sub services of its static peers; links
-    have the latency model (``latency`` to ``latency + jitter``, uniform) and loss, not bandwidth; churn takes
-    nodes down for good (no restart: nothing would survive one); partitions are not modelled."""
+    networks too large for the full stack. Each node knows the pub/sub services of its static peers; a
+    message's latency is drawn uniformly from ``latency`` to ``latency + spread + jitter`` (per message, not per
+    pair); links lose messages as ``loss`` says and have no bandwidth limit; churn takes nodes down for good
+    (no restart: nothing would survive one); partitions are not modelled."""
 
     def __init__(self, config: NetConfig, workload: Workload) -> None:
         from upsycle_router.tools.sim.gossip import Sim
@@ -1120,7 +1139,7 @@ class PubsubScenario:
         self.workload = w = workload
         lm = config.link
         self.sim = sim = Sim(config.nodes, seed=config.seed, params=config.gossip,
-                             latency=(lm.latency, lm.latency + lm.jitter), record=False)
+                             latency=(lm.latency, lm.latency + lm.spread + lm.jitter), record=False)
         if lm.loss:
             loss_rng = random.Random(derive(config.seed, "loss"))
             sim.drop = lambda kind, src, dst, payload: loss_rng.random() < lm.loss
@@ -1185,6 +1204,7 @@ class PubsubScenario:
             delivered=delivered,
             delivery_ratio=delivered / expected if expected else None,
             latency_ms=_percentiles(latencies),
+        latency_histogram=_histogram(latencies),
             data_transmissions=sent["data"],
             transmissions_per_delivery=sent["data"] / delivered if delivered else None,
             data_bytes_per_delivered_byte=sent["data_bytes"] / ideal if ideal else None,
@@ -1197,6 +1217,11 @@ class PubsubScenario:
             events_per_second=sim.events / wall if wall > 0 else 0.0,
             counters={},
         )
+
+
+def _histogram(latencies: list[float]) -> dict[str, int]:
+    counts: Counter[int] = Counter(int(v // 100) for v in latencies)
+    return {f"{b * 100}-{b * 100 + 100}": counts[b] for b in range(max(counts) + 1)} if counts else {}
 
 
 def _percentiles(latencies: list[float]) -> dict[str, float | None]:
@@ -1251,6 +1276,7 @@ def figures(sc: Scenario, wall: float) -> Figures:
         delivered=delivered,
         delivery_ratio=delivered / expected if expected else None,
         latency_ms=_percentiles(latencies),
+        latency_histogram=_histogram(latencies),
         data_transmissions=data_tx,
         transmissions_per_delivery=data_tx / delivered if delivered else None,
         data_bytes_per_delivered_byte=c["link_data_bytes"] / ideal if ideal else None,
