@@ -9,9 +9,10 @@ A :class:`Network` owns the daemons one test starts. Typical use::
         await net.wait_dialled(b, a)                 # ... and until b's log says it connected to a
         c = await net.client(a)                      # a client-library app on a's Unix socket
 
-Each node gets its own directory with a pre-generated router key (``router.key``, so its id is known before
-any config is written), a YAML config written at start, a Unix socket, a trace journal and one log file per
-start. Ports come from binding port 0; the reserving sockets stay bound until just before the daemons are
+Each node is a :class:`Node`, the shared :class:`~daemons.Daemon` with a pre-generated router key
+(``router.key``, so its id is known before any config is written), a YAML config written at every start and a
+fixed ``--listen`` port; like every daemon it has its own directory, Unix socket, trace journal and one log
+file per start. Ports come from binding port 0; the reserving sockets stay bound until just before the daemons are
 launched, so two nodes of one test never get the same port.
 
 On leaving the ``async with`` block every client is closed and every daemon still running gets SIGTERM —
@@ -24,40 +25,25 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import Any
 
 import yaml
+from daemons import HOST, REPO, STOP_TIMEOUT, Daemon, async_wait_until, daemon_dir, read_trace, subprocess_env
+from daemons import match_records as match
 
 from upsycle_router.client import Client
 from upsycle_router.crypto import Identity, write_key_file
 from upsycle_router.wire.messages import Message
 
-REPO = Path(__file__).resolve().parents[1]
-HOST = "127.0.0.1"
-START_TIMEOUT = 20.0  # generous: the test machine may be loaded; polling returns as soon as the socket accepts
-STOP_TIMEOUT = 12.0  # the daemon bounds its own shutdown by 10 s
+__all__ = ["HOST", "REPO", "read_trace", "match", "subprocess_env"]  # re-exported for the tests
 LOG_TAIL = 40  # lines per daemon in a failure report
-_SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux; keep a margin
-
-
-def subprocess_env() -> dict[str, str]:
-    """This checkout first on the path, unbuffered output."""
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 # ------------------------------------------------------------------------------------------ polling
@@ -65,14 +51,7 @@ def subprocess_env() -> dict[str, str]:
 
 async def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll ``pred`` (the event loop keeps running) until it is truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(interval)
+    return await async_wait_until(pred, timeout, what, interval)
 
 
 class PortReservation:
@@ -100,47 +79,24 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# ------------------------------------------------------------------------------------------ trace journal
-
-
-def read_trace(trace_dir: Path) -> list[dict[str, Any]]:
-    """Every complete record of a trace journal (a partial last line is skipped)."""
-    out: list[dict[str, Any]] = []
-    if not trace_dir.is_dir():
-        return out
-    for path in sorted(trace_dir.glob("trace-*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            with contextlib.suppress(json.JSONDecodeError):
-                out.append(json.loads(line))
-    return out
-
-
-def match(records: Iterable[dict[str, Any]], **fields: Any) -> list[dict[str, Any]]:
-    """The records whose fields equal ``fields`` (bytes compare as hex)."""
-    want = {k: v.hex() if isinstance(v, bytes | bytearray) else v for k, v in fields.items()}
-    return [r for r in records if all(r.get(k) == v for k, v in want.items())]
-
-
 # ------------------------------------------------------------------------------------------ one daemon
 
 
-class Node:
-    """One router daemon: directory, key, port and config are fixed before it first starts."""
+class Node(Daemon):
+    """A :class:`~daemons.Daemon` of a network: key, port and config fixed before it first starts.
+
+    Its key is written now (so its id is known before any config names it), it listens on its reserved port,
+    ``config`` is written at every start (change it, then restart), and it is ready once the log says it has
+    started. Its :meth:`start`, :meth:`stop` and :meth:`restart` are the coroutine forms (a network's tests
+    are async).
+    """
 
     def __init__(self, name: str, base: Path, port: int) -> None:
-        self.name = name
-        self.dir = base
+        super().__init__(base, name=name, listen=f"{HOST}:{port}", ready_log="started id=")
         self.identity = write_key_file(base / "router.key")
-        self.id: bytes = self.identity.public
+        self.id = self.identity.public
         self.port = port
-        self.sock = base / "s.sock"
-        self.trace_dir = base / "trace"
         self.config: dict[str, Any] = {"log": {"level": "info"}}
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.pids: list[int] = []  # every PID this node was started as (for the report)
-        self._log: IO[bytes] | None = None
-        self.starts = 0
-        self.log_path = base / "daemon-0.log"
 
     def __repr__(self) -> str:
         return f"Node({self.name} {self.id.hex()[:8]} :{self.port})"
@@ -153,117 +109,20 @@ class Node:
         """This node as an entry of another node's ``peers`` / ``core_nodes``."""
         return {"id": self.id.hex(), "addr": self.addr}
 
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+    def prepare(self) -> None:
+        self.write_config(yaml.safe_dump(self.config))
 
-    def launch(self) -> None:
-        """Write the config and start the process (no waiting)."""
-        assert self.proc is None, f"{self.name} already running"
-        config_path = self.dir / "router.yaml"
-        config_path.write_text(yaml.safe_dump(self.config), encoding="utf-8")
-        self.log_path = self.dir / f"daemon-{self.starts}.log"
-        self.starts += 1
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in _reap()
-        cmd = [sys.executable, "-m", "upsycle_router", "run", "--config", str(config_path),
-               "--data-dir", str(self.dir), "--unix", str(self.sock), "--listen", self.addr,
-               "--trace", str(self.trace_dir)]  # fmt: skip
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=subprocess_env(),
-            cwd=str(REPO),
-        )  # fmt: skip
-        self.pids.append(self.proc.pid)
+    async def start(self) -> None:  # type: ignore[override] - the coroutine form, see the class docstring
+        await self.start_async()
 
-    async def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
-        """Poll (bounded) until the Unix socket accepts and the log says the daemon has started."""
-        assert self.proc is not None
-        deadline = time.monotonic() + timeout
-        while True:
-            rc = self.proc.poll()
-            if rc is not None:
-                self._reap()
-                raise AssertionError(f"{self.name} exited with {rc} during start-up:\n{self.log_text()}")
-            if "started id=" in self.log_text() and self._accepts():
-                return
-            if time.monotonic() >= deadline:
-                self.kill()
-                raise AssertionError(f"{self.name} not ready after {timeout} s:\n{self.log_text()}")
-            await asyncio.sleep(0.05)
+    async def stop(self, timeout: float = STOP_TIMEOUT) -> float:  # type: ignore[override]
+        return await self.stop_async(timeout)
 
-    async def start(self) -> None:
-        self.launch()
-        await self.wait_ready()
-
-    def _accepts(self) -> bool:
-        if not self.sock.exists():
-            return False
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        s.settimeout(1.0)
-        try:
-            s.connect(str(self.sock))
-        except OSError:
-            return False
-        finally:
-            s.close()
-        return True
-
-    async def stop(self, timeout: float = STOP_TIMEOUT) -> int:
-        """SIGTERM exactly our PID, wait (bounded, polling), assert exit status 0."""
-        proc = self.proc
-        assert proc is not None, f"{self.name} not running"
-        rc = proc.poll()
-        if rc is not None:
-            self._reap()
-            raise AssertionError(f"{self.name} had exited with {rc} before SIGTERM:\n{self.log_text()}")
-        proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while (rc := proc.poll()) is None:
-            if time.monotonic() >= deadline:
-                self.kill()
-                raise AssertionError(f"{self.name} ignored SIGTERM for {timeout} s (killed):\n{self.log_text()}")
-            await asyncio.sleep(0.05)
-        self._reap()
-        assert rc == 0, f"{self.name} exited with {rc} after SIGTERM:\n{self.log_text()}"
-        return rc
-
-    async def restart(self) -> None:
-        await self.stop()
-        await self.start()
-
-    def kill(self) -> None:
-        """SIGKILL our PID (only when SIGTERM failed or start-up hung)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(5)
-        self._reap()
-
-    def _reap(self) -> None:
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        self.proc = None
-
-    # -------------------------------------------------------------- what it wrote
-
-    def log_text(self, all_starts: bool = False) -> str:
-        paths = [self.dir / f"daemon-{i}.log" for i in range(self.starts)] if all_starts else [self.log_path]
-        parts = []
-        for p in paths:
-            with contextlib.suppress(OSError):
-                parts.append(p.read_text(encoding="utf-8", errors="replace"))
-        return "".join(parts)
-
-    def log_size(self) -> int:
-        """The length of the current start's log so far (for ``Network.wait_dialled(since=...)``)."""
-        return len(self.log_text())
-
-    def trace(self, **fields: Any) -> list[dict[str, Any]]:
-        return match(read_trace(self.trace_dir), **fields)
+    async def restart(self) -> float:  # type: ignore[override]
+        return await self.restart_async()
 
     async def wait_trace(self, timeout: float = 10.0, **fields: Any) -> dict[str, Any]:
-        found = await wait_for(lambda: self.trace(**fields), timeout, f"{self.name} trace record {fields}")
-        return dict(found[0])
+        return await super().wait_trace(timeout, **fields)
 
 
 # ------------------------------------------------------------------------------------------ a network
@@ -303,12 +162,7 @@ class Network:
     def add_node(self, name: str | None = None) -> Node:
         """A node with its key and port fixed; configure ``node.config`` then start it."""
         name = name or f"n{len(self.nodes)}"
-        base = self.tmp_path / name
-        if len(str(base / "s.sock")) > _SUN_PATH_MAX:
-            base = Path(tempfile.mkdtemp(prefix="urnet-"))
-            self._cleanup.append(base)
-        base.mkdir(parents=True, exist_ok=True)
-        node = Node(name, base, self._ports.take())
+        node = Node(name, daemon_dir(self.tmp_path / name, self._cleanup, prefix="urnet-"), self._ports.take())
         self.nodes.append(node)
         return node
 
@@ -368,8 +222,7 @@ class Network:
         problems: list[str] = []
         running = [n for n in self.nodes if n.proc is not None]
         for n in running:  # signal all first: they shut down in parallel
-            if n.proc is not None and n.proc.poll() is None:
-                n.proc.send_signal(signal.SIGTERM)
+            n.signal(signal.SIGTERM)
         deadline = time.monotonic() + STOP_TIMEOUT
         for n in running:
             proc = n.proc
@@ -377,13 +230,11 @@ class Network:
             while proc.poll() is None and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)
             rc = proc.poll()
-            if rc is None:
-                n.kill()
-                problems.append(f"{n.name} (pid {proc.pid}) ignored SIGTERM (killed):\n{_tail(n.log_text())}")
-                continue
-            n._reap()
-            if rc != 0:
-                problems.append(f"{n.name} (pid {proc.pid}) exited with {rc}:\n{_tail(n.log_text())}")
+            try:
+                n.stopped(rc, STOP_TIMEOUT)  # kills it if it is still running; reaps it; requires exit 0
+            except AssertionError:
+                how = "ignored SIGTERM (killed)" if rc is None else f"exited with {rc}"
+                problems.append(f"{n.name} (pid {proc.pid}) {how}:\n{_tail(n.log_text())}")
         return problems
 
     def report(self) -> str:
