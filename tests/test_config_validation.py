@@ -8,13 +8,13 @@ import os
 import random
 import re
 import subprocess
-import sys
 from collections import namedtuple
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+from conftest import run_expecting_exit
 
 from upsycle_router.cli.daemon import check_dirs
 from upsycle_router.config import (
@@ -330,9 +330,9 @@ def test_unusable_directories_are_config_errors(tmp_path: Path) -> None:
 
 
 def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "state"), "XDG_RUNTIME_DIR": str(tmp_path / "run")}
-    return subprocess.run(
-        [sys.executable, "-m", "upsycle_router", *args], capture_output=True, text=True, timeout=30, env=env, cwd=REPO
+    """``python -m upsycle_router ARGS``, which must exit by itself (with its own state and runtime dirs)."""
+    return run_expecting_exit(
+        *args, timeout=30, env={"XDG_STATE_HOME": str(tmp_path / "state"), "XDG_RUNTIME_DIR": str(tmp_path / "run")}
     )
 
 
@@ -353,10 +353,7 @@ def test_run_exits_2_with_one_line(tmp_path: Path, data: bytes, option: str) -> 
     bad = tmp_path / "bad.yaml"
     bad.write_bytes(data)
     sock = tmp_path / "s.sock"
-    try:
-        r = _run(tmp_path, "run", "-c", str(bad), "--data-dir", str(tmp_path / "data"), "--unix", str(sock))
-    except subprocess.TimeoutExpired:
-        pytest.fail("the daemon started with a bad config")
+    r = _run(tmp_path, "run", "-c", str(bad), "--data-dir", str(tmp_path / "data"), "--unix", str(sock))
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert "Traceback" not in r.stderr, r.stderr
     lines = r.stderr.strip().splitlines()

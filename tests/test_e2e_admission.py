@@ -44,10 +44,8 @@ def free_port() -> int:
 
 
 def start(daemon: DaemonFactory, *args: str, config: dict[str, Any]) -> Daemon:
-    """Start a daemon and wait (bounded) until every listener is up (the fixture waits for the Unix one)."""
-    d = daemon(*args, config=config)
-    wait_until(lambda: "started id=" in d.log_text(), 20, "the daemon's 'started' line")
-    return d
+    """Start a daemon and wait (bounded) until every listener is up (its log says it has started)."""
+    return daemon(*args, config=config, ready_log="started id=")
 
 
 def start_with_nofile(daemon: DaemonFactory, soft: int, hard: int, *args: str, config: dict[str, Any]) -> Daemon:
@@ -58,9 +56,7 @@ def start_with_nofile(daemon: DaemonFactory, soft: int, hard: int, *args: str, c
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(subprocess, "Popen", functools.partial(subprocess.Popen, preexec_fn=limit))
-        d = daemon(*args, config=config)
-    wait_until(lambda: "started id=" in d.log_text(), 20, "the daemon's 'started' line")
-    return d
+        return daemon(*args, config=config, ready_log="started id=")
 
 
 class Flood:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, DaemonFactory, cli, subprocess_env
+from conftest import REPO, DaemonFactory, cli, run_expecting_exit, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -131,10 +129,8 @@ def test_cli_run_refuses_corrupt_config(tmp_path: Path, text: str, names: str) -
     cfg = tmp_path / "router.yaml"
     cfg.write_text(text)
     sock = tmp_path / "s.sock"
-    try:
-        r = cli("run", "--config", str(cfg), "--data-dir", str(tmp_path / "data"), "--unix", str(sock), timeout=20)
-    except subprocess.TimeoutExpired:
-        pytest.fail("the daemon started with a corrupt config")
+    r = run_expecting_exit("run", "--config", str(cfg), "--data-dir", str(tmp_path / "data"), "--unix", str(sock),
+                           timeout=20)  # fmt: skip
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert names in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
@@ -144,23 +140,9 @@ def test_cli_run_refuses_corrupt_config(tmp_path: Path, text: str, names: str) -
 def test_cli_second_daemon_on_same_data_dir_is_refused(daemon: DaemonFactory, tmp_path: Path) -> None:
     d = daemon()
     other_sock = tmp_path / "other.sock"
-    second = cli_start("run", "--data-dir", str(d.dir), "--unix", str(other_sock))
-    try:
-        deadline = time.monotonic() + 10
-        while second.poll() is None and not other_sock.exists() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        started = second.poll() is None
-    finally:
-        if second.poll() is None:
-            second.send_signal(signal.SIGTERM)
-        try:
-            _, err = second.communicate(timeout=10)
-        except subprocess.TimeoutExpired:
-            second.kill()
-            _, err = second.communicate(timeout=5)
-    assert not started, "a second router started on a data directory that is in use"
+    second = run_expecting_exit("run", "--data-dir", str(d.dir), "--unix", str(other_sock), timeout=10)
     assert second.returncode != 0
-    assert str(d.dir) in err or "data" in err.lower(), err
+    assert str(d.dir) in second.stderr or "data" in second.stderr.lower(), second.stderr
 
 
 def test_app_commands_exit_2_for_an_unusable_key_or_config_and_1_for_an_unreachable_router(tmp_path: Path) -> None:

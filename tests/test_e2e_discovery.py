@@ -39,36 +39,23 @@ pytestmark = pytest.mark.slow
 ADVERT_TTL = 4  # seconds: peers that stop advertising are gone this long after their last advert
 
 
-class NsDaemon(Daemon):
-    """A daemon run inside network namespace ``ns`` (``ip netns exec NS python -m upsycle_router run ...``)."""
-
-    def __init__(self, base: Path, extra: list[str], config: dict[str, Any], ns: str | None) -> None:
-        super().__init__(base, extra, config)
-        self.ns = ns
-
-    @property
-    def command(self) -> list[str]:
-        cmd = super().command
-        return ["ip", "netns", "exec", self.ns, *cmd] if self.ns else cmd
-
-    @property
-    def id(self) -> bytes:
-        return load_key_file(self.dir / "router.key").public
-
-    @property
-    def discovery(self) -> bytes:
-        return load_key_file(self.dir / "discovery.key").public
+def discovery_id(d: Daemon) -> bytes:
+    """The public key of ``d``'s discovery service."""
+    return load_key_file(d.dir / "discovery.key").public
 
 
 class Daemons:
+    """The daemons of one test, each run inside a network namespace (``ip netns exec NS python -m upsycle_router
+    run ...``) or on the host; :meth:`stop_all` stops them before the namespaces go."""
+
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
-        self.all: list[NsDaemon] = []
+        self.all: list[Daemon] = []
 
-    def start(self, name: str, config: dict[str, Any], listen: str, ns: str | None = None) -> NsDaemon:
+    def start(self, name: str, config: dict[str, Any], listen: str, ns: str | None = None) -> Daemon:
         base = self.tmp_path / name
         base.mkdir()
-        d = NsDaemon(base, ["--listen", listen], config, ns)
+        d = Daemon(base, config=config, listen=listen, wrapper=["ip", "netns", "exec", ns] if ns else [])
         self.all.append(d)
         d.start()
         return d
@@ -90,11 +77,11 @@ def discovery_config(**over: Any) -> dict[str, Any]:
     return cfg
 
 
-async def peers(d: NsDaemon, timeout: float = 5.0) -> list[PeerAdvertisement]:
+async def peers(d: Daemon, timeout: float = 5.0) -> list[PeerAdvertisement]:
     """The adverts ``d``'s discovery service knows (PEERS over its Unix socket, as the CLI does)."""
     async with await Client.connect(d.sock, Identity.generate(), timeout=5) as c:
         n = int.from_bytes(os.urandom(8), "big")
-        header = UnicastHeader(c.identity.public, d.discovery, 60, exp_in(time.time(), 120))
+        header = UnicastHeader(c.identity.public, discovery_id(d), 60, exp_in(time.time(), 120))
         c.send_message(sign_message(header, encode_discovery_message(PeersQuery(n)), c.identity))
         await c.drain()
         deadline = time.monotonic() + timeout
@@ -109,7 +96,7 @@ async def peers(d: NsDaemon, timeout: float = 5.0) -> list[PeerAdvertisement]:
     raise AssertionError(f"no PEERS_REPLY from {d.dir.name}")
 
 
-async def wait_known(d: NsDaemon, ids: set[bytes], timeout: float = 20.0) -> None:
+async def wait_known(d: Daemon, ids: set[bytes], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     known: set[bytes] = set()
     while time.monotonic() < deadline:
@@ -120,7 +107,7 @@ async def wait_known(d: NsDaemon, ids: set[bytes], timeout: float = 20.0) -> Non
     raise AssertionError(f"{d.dir.name} knows {len(ids & known)}/{len(ids)} after {timeout} s:\n{d.log_text()[-4000:]}")
 
 
-async def wait_forgotten(d: NsDaemon, gone: bytes, timeout: float) -> float:
+async def wait_forgotten(d: Daemon, gone: bytes, timeout: float) -> float:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if gone not in {a.id for a in await peers(d)}:
@@ -138,7 +125,7 @@ async def recv_body(c: Client, body: bytes, timeout: float = 15.0) -> Message:
     raise AssertionError(f"{body!r} not received")
 
 
-async def no_route_for(d: NsDaemon, app: Client, dst: bytes, timeout: float = 10.0) -> None:
+async def no_route_for(d: Daemon, app: Client, dst: bytes, timeout: float = 10.0) -> None:
     """Until a unicast from ``app`` to ``dst`` is dropped by ``d`` for want of a route."""
 
     async def probe() -> bool:
@@ -175,7 +162,7 @@ async def test_lan_discovery_in_namespaces_then_a_link_then_peers_drop(tmp_path:
         await wait_known(b, {a.id})
         adv_b = next(x for x in await peers(a) if x.id == b.id)
         assert adv_b.addr.host == lan.addr(1) and adv_b.addr.port == 7733
-        assert adv_b.service(SERVICE_DISCOVERY) == b.discovery
+        assert adv_b.service(SERVICE_DISCOVERY) == discovery_id(b)
 
         # Apps exchange unicast messages with no configured peers: alice names B's router as next hop.
         alice = await Client.connect(a.sock, Identity.generate())
@@ -214,8 +201,8 @@ async def test_lan_discovery_in_namespaces_then_a_link_then_peers_drop(tmp_path:
             assert a.running
 
             # B stops advertising (it stops): A drops it within its advert ttl, routes included.
-            assert b.discovery is not None
-            b_disc = b.discovery
+            assert discovery_id(b) is not None
+            b_disc = discovery_id(b)
             b.stop()
             took = await wait_forgotten(a, b.id, timeout=ADVERT_TTL + 6)
             assert took <= ADVERT_TTL + 6
@@ -262,7 +249,7 @@ async def test_core_nodes_find_each_other_from_one_bootstrap_and_drop_dead_ones(
             m = await recv_body(y, b"over sampled peers")
             assert m.via == nodes[1].id
             dead = nodes[2]
-            dead_disc = dead.discovery
+            dead_disc = discovery_id(dead)
             dead.stop()
             for n in (nodes[0], nodes[1], nodes[3]):
                 await wait_forgotten(n, dead.id, timeout=ADVERT_TTL + 10)

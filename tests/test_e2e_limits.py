@@ -9,7 +9,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import DaemonFactory, cli
+from conftest import DaemonFactory, cli, run_expecting_exit
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity, sign_message
@@ -65,7 +65,8 @@ def test_metrics_refuse_a_non_loopback_address(daemon: DaemonFactory, tmp_path: 
 
     cfg = pathlib.Path(tempfile.mkdtemp()) / "bad.yaml"
     cfg.write_text('metrics: {listen: "0.0.0.0:9464"}\n')
-    r = cli("run", "--config", str(cfg), "--data-dir", str(cfg.parent / "d"), "--unix", str(cfg.parent / "s"))
+    r = run_expecting_exit("run", "--config", str(cfg), "--data-dir", str(cfg.parent / "d"),
+                           "--unix", str(cfg.parent / "s"))  # fmt: skip
     assert r.returncode == 2
     assert "metrics.listen" in r.stderr and "loopback" in r.stderr
 

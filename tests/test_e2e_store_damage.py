@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
-from conftest import Daemon, DaemonFactory, cli, subprocess_env
+from conftest import Daemon, DaemonFactory, cli
 
 from upsycle_router.client import Client
 from upsycle_router.crypto import Identity
@@ -51,11 +50,7 @@ async def queue_for_offline_subscriber(d: Daemon) -> tuple[Identity, list[bytes]
 
 def start_expecting_refusal(d: Daemon) -> subprocess.CompletedProcess[str]:
     """Run the daemon's command on its damaged store: it must exit by itself, soon."""
-    t0 = time.monotonic()
-    r = subprocess.run(d.command, capture_output=True, text=True, timeout=REFUSE_TIMEOUT, env=subprocess_env(),
-                       stdin=subprocess.DEVNULL)
-    assert time.monotonic() - t0 < REFUSE_TIMEOUT
-    return r
+    return d.run_expecting_exit(timeout=REFUSE_TIMEOUT)
 
 
 def assert_refused(r: subprocess.CompletedProcess[str], what: str) -> None:

@@ -18,7 +18,7 @@ import ssl
 from pathlib import Path
 
 import pytest
-from conftest import Daemon, DaemonFactory, cli
+from conftest import Daemon, DaemonFactory, cli, run_expecting_exit
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -272,10 +272,11 @@ async def test_remote_policy_needs_edge_nodes_for_join(daemon: DaemonFactory) ->
 def test_plain_websocket_off_loopback_is_refused(tmp_path: Path) -> None:
     cfg = tmp_path / "r.yaml"
     cfg.write_text('listen: {websocket: "0.0.0.0:8765"}\nwebsocket: {tls: false}\n')
-    r = cli("run", "--data-dir", str(tmp_path / "d"), "--unix", str(tmp_path / "s.sock"), "--config", str(cfg))
+    r = run_expecting_exit("run", "--data-dir", str(tmp_path / "d"), "--unix", str(tmp_path / "s.sock"),
+                           "--config", str(cfg))  # fmt: skip
     assert r.returncode == 2 and "websocket.tls" in r.stderr and "loopback" in r.stderr, r.stderr
     cfg.write_text("listen: {path: no-slash}\n")
-    r = cli("run", "--data-dir", str(tmp_path / "d"), "--config", str(cfg))
+    r = run_expecting_exit("run", "--data-dir", str(tmp_path / "d"), "--config", str(cfg))
     assert r.returncode == 2 and "listen.path" in r.stderr, r.stderr
 
 
@@ -334,7 +335,8 @@ def test_missing_certificate_file_is_a_clear_error(tmp_path: Path) -> None:
         'listen: {websocket: "127.0.0.1:0"}\n'
         f"websocket: {{cert_file: {tmp_path}/none.crt, key_file: {tmp_path}/none.key}}\n"
     )
-    r = cli("run", "--data-dir", str(tmp_path / "d"), "--unix", str(tmp_path / "s.sock"), "--config", str(cfg))
+    r = run_expecting_exit("run", "--data-dir", str(tmp_path / "d"), "--unix", str(tmp_path / "s.sock"),
+                           "--config", str(cfg))  # fmt: skip
     assert r.returncode == 2 and "websocket.cert_file" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
 
