@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from conftest import REPO, run_expecting_exit
 
 from upsycle_router.config import DaemonConfig, load_config, parse_config
 from upsycle_router.config.dump import config_document, config_yaml
@@ -63,6 +63,10 @@ class Home:
             [sys.executable, "-m", "upsycle_router", *args], input=stdin, capture_output=True, text=True,
             timeout=CLI_TIMEOUT, env={**self.env, **env}, cwd=self.cwd, check=False,
         )  # fmt: skip
+
+    def run_expecting_exit(self, *args: str) -> subprocess.CompletedProcess[str]:
+        """A command that must refuse and exit, run in this home (the shared ``run_expecting_exit``)."""
+        return run_expecting_exit(*args, timeout=CLI_TIMEOUT, environ=self.env, cwd=self.cwd)
 
     def start(self, *args: str, **env: str) -> subprocess.Popen[str]:
         p = subprocess.Popen(
@@ -287,7 +291,7 @@ def test_socket_group_and_mode(home: Home) -> None:
     assert (st.st_gid, st.st_mode & 0o777) == (gid, 0o660)
     home.stop(p)
     cfg.write_text("listen: {unix_group: no-such-group-here}\n")
-    r = home.cli("run", "--config", str(cfg))
+    r = home.run_expecting_exit("run", "--config", str(cfg))
     assert r.returncode == 2
     assert r.stderr.strip() == "error: config: listen.unix_group: no group named 'no-such-group-here' on this machine"
 

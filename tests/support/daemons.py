@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -52,9 +52,10 @@ SUN_PATH_MAX = 100  # sockaddr_un.sun_path is 108 bytes on Linux; keep a margin
 PYTHON_M = (sys.executable, "-m", "upsycle_router")
 
 
-def subprocess_env(**extra: str) -> dict[str, str]:
-    """The environment for daemons and CLI runs: this checkout first on the path, unbuffered output."""
-    env = dict(os.environ)
+def subprocess_env(environ: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment for daemons and CLI runs: ``environ`` (default: this process's) with this checkout first
+    on the path, unbuffered output, and ``extra``."""
+    env = dict(os.environ if environ is None else environ)
     env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -133,25 +134,30 @@ def cli(
     return subprocess.run(
         [*PYTHON_M, *args],
         input=stdin.decode() if stdin is not None else None,
-        capture_output=True, text=True, timeout=timeout, env=subprocess_env(**(env or {})), cwd=str(REPO),
+        capture_output=True, text=True, timeout=timeout, env=subprocess_env(None, **(env or {})), cwd=str(REPO),
         check=False,
     )  # fmt: skip
 
 
 def run_expecting_exit(
-    *args: str, timeout: float = EXIT_TIMEOUT, env: dict[str, str] | None = None, argv: Sequence[str] | None = None
+    *args: str,
+    timeout: float = EXIT_TIMEOUT,
+    env: dict[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+    argv: Sequence[str] | None = None,
 ) -> subprocess.CompletedProcess[str]:
     """Run ``python -m upsycle_router ARGS`` (or ``argv`` as it is), which must exit by itself within ``timeout``
     seconds - a daemon that refuses to start; fail the test (the process killed) if it is still running then.
 
-    Its stdin is ``/dev/null``; ``env`` is added to :func:`subprocess_env`. The caller checks the exit status
-    and what it said.
+    Its stdin is ``/dev/null``, its environment ``subprocess_env(environ, **env)``, its working directory ``cwd``
+    (default: the checkout). The caller checks the exit status and what it said.
     """
     cmd = list(argv) if argv is not None else [*PYTHON_M, *args]
     try:
         return subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(**(env or {})), cwd=str(REPO),
-            stdin=subprocess.DEVNULL, check=False,
+            cmd, capture_output=True, text=True, timeout=timeout, env=subprocess_env(environ, **(env or {})),
+            cwd=str(cwd or REPO), stdin=subprocess.DEVNULL, check=False,
         )  # fmt: skip
     except subprocess.TimeoutExpired as e:  # run() has killed it
         err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else str(e.stderr or "")
