@@ -91,6 +91,8 @@ class Node(Daemon):
     are async).
     """
 
+    poll_interval = 0.05  # the pace the network's nodes have always been polled at
+
     def __init__(self, name: str, base: Path, port: int) -> None:
         super().__init__(base, name=name, listen=f"{HOST}:{port}", ready_log="started id=")
         self.identity = write_key_file(base / "router.key")

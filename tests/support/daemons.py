@@ -177,6 +177,8 @@ class Daemon:
     must have before the daemon counts as ready (the socket accepting is always required).
     """
 
+    poll_interval = 0.02  # seconds between two readiness checks
+
     def __init__(
         self,
         base: Path,
@@ -269,12 +271,12 @@ class Daemon:
     def wait_ready_sync(self, timeout: float = START_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
         while not self._ready(deadline, timeout):
-            time.sleep(0.02)
+            time.sleep(self.poll_interval)
 
     async def wait_ready(self, timeout: float = START_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
         while not self._ready(deadline, timeout):
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(self.poll_interval)
 
     def _accepts(self) -> bool:
         if not self.sock.exists():
