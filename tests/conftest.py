@@ -232,7 +232,7 @@ class Daemon:
 
         ``send_probe(body)`` must send a ``ttl = 0`` unicast to ``dst`` and return its id. A connected ``dst``
         gets it delivered; an offline one makes the router drop it with reason ``ttl_zero_offline``
-        (PROTOCOL.md §4), which is the signal we poll for.
+        (docs/protocol.md, "Time"), which is the signal we poll for.
         """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
