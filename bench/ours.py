@@ -64,16 +64,23 @@ class Daemon:
 
 def start_daemon(
     root: Path, name: str, identity: Identity, durability: str, *, cpu: set[int], tls: bool = False,
-    peers: list[tuple[Identity, int]] | None = None, pubsub: bool = True,
+    peers: list[tuple[Identity, int]] | None = None, pubsub: bool = True, extra: dict[str, Any] | None = None,
+    tree: Path | None = None, fresh: bool = True,
 ) -> Daemon:
-    """Start ``python -m upsycle_router run`` on a fresh data directory with a preset key."""
+    """Start ``python -m upsycle_router run`` on a fresh data directory with a preset key.
+
+    ``extra``: config sections merged over the bench's own (section by section); ``tree``: run the router
+    from another checkout (a baseline), not this one; ``fresh=False``: reuse the data directory (a restart)."""
     data = root / f"{name}-data"
-    data.mkdir(parents=True, mode=0o700)
-    write_key_file(data / "router.key", identity)
+    if fresh:
+        data.mkdir(parents=True, mode=0o700)
+        write_key_file(data / "router.key", identity)
     sock = root / f"{name}.sock"
     cfg: dict[str, Any] = {"log": {"level": "warning"}}
     if OUTBOUND_BUFFER_MAX:
         cfg["limits"] = {"outbound_buffer_max": OUTBOUND_BUFFER_MAX}
+    for section, values in (extra or {}).items():
+        cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
     if peers:
         cfg["peers"] = [{"id": p.hex, "addr": f"{LOOPBACK}:{port}"} for p, port in peers]
     if not pubsub:
@@ -86,7 +93,7 @@ def start_daemon(
     if tls:
         port = free_port()
         argv += ["--listen", f"{LOOPBACK}:{port}"]
-    child = Child(f"router {name}", argv, root / f"{name}.log", cpuset=cpu, cwd=REPO)
+    child = Child(f"router {name}", argv, root / f"{name}.log", cpuset=cpu, cwd=tree or REPO)
     ok = wait_unix(sock, 20.0) and (port is None or wait_port(port, 20.0))
     if not ok or not child.alive():
         child.stop()

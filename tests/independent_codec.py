@@ -1,4 +1,4 @@
-"""An independent, minimal encoder for the upsycle wire format, written from PROTOCOL.md and RFC 8949 only.
+"""An independent, minimal encoder for the upsycle wire format, written from docs/protocol.md and RFC 8949 only.
 
 It shares no code with ``upsycle_router.wire`` and does not use cbor2: heads, major types and the
 deterministic map-key order are spelled out here, and messages are signed with PyNaCl and hashed with the

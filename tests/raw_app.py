@@ -1,11 +1,11 @@
-"""A minimal upsycle app written from ``shared/PROTOCOL.md`` and seed 003 alone.
+"""A minimal upsycle app written from ``docs/protocol.md`` and seed 003 alone.
 
 It deliberately imports nothing from ``upsycle_router``: CBOR comes from cbor2 (with the deterministic map-key
 order of RFC 8949 §4.2.1 applied here), signatures from PyNaCl, ids from the blake3 package and the socket
 from asyncio. The end-to-end tests drive the real daemon with it, so a codec bug shared by the router and its
 own client library cannot hide a wire-contract violation.
 
-What is implemented (PROTOCOL.md section in brackets):
+What is implemented (the section of the protocol description in brackets):
 
 * framing: 4-byte big-endian length, then one CBOR item [§5];
 * the session handshake: HELLO ``["upsycle", 1, id, nonce]``, AUTH ``["auth", sig]`` over

@@ -1,12 +1,12 @@
 """An N-router simulation: several routing cores over real LMDB stores, wired by in-memory links.
 
-:class:`Net` owns one :class:`CoreHarness` per router. A ``Send`` on a router-to-router connection becomes a
-frame in flight on that link (FIFO per direction); :meth:`Net.run` delivers frames one at a time, picking the
-link with a seeded rng, to the other router as ``MessagesReceived`` (decoded from the bytes, verified as the
-driver does). A ``Send`` on an app connection lands in that app's inbox. Sends that drain a queue are reported
-back with ``QueueSent`` once "written", as the driver does. ``Dial(R)`` opens a new link to R when R is in the
-network and reachable, else answers ``DialFailed``. Both ends of a new link send their advertisement first
-(every router has one), so routers learn each other's services as in PROTOCOL.md §7.
+:class:`Net` owns one :class:`CoreHarness` per router. A ``Send`` on a router-to-router connection becomes a frame in
+flight on that link (FIFO per direction); :meth:`Net.run` delivers frames one at a time, picking the link with a seeded
+rng, to the other router as ``MessagesReceived`` (decoded from the bytes, verified as the driver does). A ``Send`` on an
+app connection lands in that app's inbox. Sends that drain a queue are reported back with ``QueueSent`` once "written",
+as the driver does. ``Dial(R)`` opens a new link to R when R is in the network and reachable, else answers
+``DialFailed``. Both ends of a new link send their advertisement first (every router has one), so routers learn each
+other's services as docs/protocol.md describes ("Router control messages").
 
 Topologies: a line R1 - R2 - R3 - R4 with apps on the ends (R2 serves R3 and R3 serves R4 as edge nodes),
 and a star of two edge routers R1, R3 using R2 as their core node (``upstream``).

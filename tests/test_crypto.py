@@ -364,7 +364,7 @@ def test_x25519_conversion_consistent() -> None:
         box_ca.decrypt(sealed)
 
 
-# ---------------------------------------------------------------- time (PROTOCOL.md §4)
+# ---------------------------------------------------------------- time (docs/protocol.md, "Time")
 
 
 def _civil_from_days(z: int) -> tuple[int, int, int]:

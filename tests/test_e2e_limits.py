@@ -156,6 +156,55 @@ async def test_a_burst_faster_than_verification_pauses_reading_and_loses_nothing
     assert st["bad_signature_total"] == 0
 
 
+async def test_reading_stops_per_connection_and_every_connection_is_read_again(daemon: DaemonFactory) -> None:
+    """While the verification pipeline is full the router pauses each connection that delivers (not every
+    connection at once): two apps flood it at the same time, a third app connects in the middle of the flood,
+    idle apps stay connected throughout. Everything of both floods arrives, in each sender's order; the app that
+    connected while reading was paused and the idle ones are read afterwards."""
+    d = daemon(config={"verify_threads": 2})
+    a1, a2, b, late = (Identity.generate() for _ in range(4))
+    idle = [Identity.generate() for _ in range(20)]
+    exp = exp_in(time.time(), 3600)
+    n = 4000
+    floods = {a.public: [sign_message(UnicastHeader(a.public, b.public, 600, exp), b"%06d" % i + b"." * 1000, a)
+                         for i in range(n)] for a in (a1, a2)}
+
+    async def run(opened: list[Client]) -> tuple[list[bytes], set[bytes], dict[str, int]]:
+        async def connect(key: Identity) -> Client:
+            opened.append(await Client.connect(d.sock, key))
+            return opened[-1]
+
+        idle_clients = [await connect(k) for k in idle]
+        rb, r1, r2 = await connect(b), await connect(a1), await connect(a2)
+        for i in range(n):  # interleaved: both sockets fill while the router is behind
+            r1.send_message(floods[a1.public][i])
+            r2.send_message(floods[a2.public][i])
+        rl = await connect(late)  # connects while the floods are being read
+        await asyncio.gather(r1.sync(timeout=60.0), r2.sync(timeout=60.0))
+        got: list[bytes] = []
+        while len(got) < 2 * n:
+            got.extend(m.id for m in await rb.recv_batch(timeout=10.0))
+        await rl.send(b.public, b"late")
+        for k, c in zip(idle, idle_clients, strict=True):
+            await c.send(b.public, k.public)
+        after = {(await rb.recv(timeout=10.0)).body for _ in range(1 + len(idle))}
+        return got, after, await rl.status()
+
+    opened: list[Client] = []
+    try:
+        got, after, st = await asyncio.wait_for(run(opened), 120)
+    finally:
+        for c in opened:  # aborted: a close would wait for a flood the router never read to be written
+            c._writer.transport.abort()  # type: ignore[attr-defined]
+            await c.close()
+    for key, msgs in floods.items():
+        mine = {m.id for m in msgs}
+        assert [i for i in got if i in mine] == [m.id for m in msgs], key.hex()
+    assert len(got) == 2 * n
+    assert after == {b"late", *(k.public for k in idle)}
+    assert st["read_pauses_total"] >= 1, st
+
+
 async def test_durability_batch_syncs_after_writes_only(daemon: DaemonFactory) -> None:
     """durability: batch flushes committed batches every sync_interval (on a thread of its own), and only when
     a batch wrote something: direct deliveries write nothing and cost no sync."""

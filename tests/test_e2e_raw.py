@@ -1,4 +1,4 @@
-"""End-to-end: a real daemon driven by ``raw_app`` (written from PROTOCOL.md alone, no upsycle_router import).
+"""End-to-end: a real daemon driven by ``raw_app`` (written from docs/protocol.md alone, no upsycle_router import).
 
 Every test starts ``python -m upsycle_router run`` as a subprocess and talks to it over its Unix socket with
 hand-built frames, so these tests check the wire contract itself, not the router's own client library.

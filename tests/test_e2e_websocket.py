@@ -1,11 +1,11 @@
 """End-to-end tests of the WebSocket transport against a real daemon.
 
-The wire is checked with :class:`wsutil.RawWebSocket` (RFC 6455 by hand) and ``raw_app``'s PROTOCOL.md codec,
-so neither the router's wsproto adapter nor its codec checks itself. Covered: the upgrade (path, Origin
-allow-list, malformed requests), the session handshake as binary messages, fragments and pings, every kind
-of bad input (each answered with an ERROR message and a Close frame, the daemon and other apps unaffected),
-the handshake timeout, size limits, local/remote policy, and ``wss://`` with the router's certificate and
-with an operator's certificate. The same client-library suite also runs over WebSocket in test_e2e_daemon.
+The wire is checked with :class:`wsutil.RawWebSocket` (RFC 6455 by hand) and ``raw_app``'s codec (written from
+docs/protocol.md), so neither the router's wsproto adapter nor its codec checks itself. Covered: the upgrade (path,
+Origin allow-list, malformed requests), the session handshake as binary messages, fragments and pings, every kind of bad
+input (each answered with an ERROR message and a Close frame, the daemon and other apps unaffected), the handshake
+timeout, size limits, local/remote policy, and ``wss://`` with the router's certificate and with an operator's
+certificate. The same client-library suite also runs over WebSocket in test_e2e_daemon.
 """
 
 from __future__ import annotations

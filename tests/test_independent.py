@@ -1,4 +1,4 @@
-"""Conformance against an independent encoder (tests/independent_codec.py, written from PROTOCOL.md only).
+"""Conformance against an independent encoder (tests/independent_codec.py, written from docs/protocol.md only).
 
 The independent encoder is first checked against RFC 8949 Appendix A and against the golden vectors, then
 used to build unicast and multicast messages that the router must read the same way: in process through

@@ -321,6 +321,25 @@ def test_churn_restart_keeps_the_store_and_what_others_queued() -> None:
     assert missing(sc) == [] and f.delivery_ratio == 1.0
 
 
+def test_a_dial_that_fails_fails_for_both_ends_that_asked() -> None:
+    net = Network(NetConfig(nodes=3, degree=0, seed=1, link=LinkModel(latency=0.05)))
+    for i in range(3):
+        net.start_node(i)
+    a, b = net.nodes[0], net.nodes[1]
+    net._dial(a, b.key.public)  # as the routers' Dial effects do: both at once, one handshake
+    net._dial(b, a.key.public)
+    assert b.router is not None
+    b.router.state.dialing.add(a.key.public)  # (what its router noted when it asked)
+    net.run_until(net.now + 0.01)
+    net.stop_node(0)  # the dialler goes down before the handshake ends
+    net.run_until(net.now + 2.0)
+    assert not b.links and a.key.public not in b.router.state.dialing  # b was told (DialFailed)
+    net.start_node(0)
+    net._dial(b, a.key.public)
+    net.run_until(net.now + 1.0)
+    assert 0 in b.links and 1 in a.links
+
+
 def test_bandwidth_queues_messages_first_in_first_out() -> None:
     size, bw = 2000, 4000.0  # half a second on the wire per message
     sc = Scenario(NetConfig(nodes=2, degree=1, seed=2, link=LinkModel(latency=0.01, bandwidth=bw)),

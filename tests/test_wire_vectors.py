@@ -1,4 +1,4 @@
-"""The golden vectors of PROTOCOL.md (tests/vectors/wire-v1.json, a copy of the shared file).
+"""The golden vectors of the wire protocol (tests/vectors/wire-v1.json; docs/protocol.md, "Worked example").
 
 Every routed message is decoded and checked against its recorded id, signed bytes, signature and validity,
 re-encoded byte for byte, re-signed from the key seeds (Ed25519 is deterministic, so signing the decoded
@@ -226,7 +226,7 @@ def test_auth_frames_recomputed_from_seeds() -> None:
     assert a_router.sig == auth_signature(router, alice.public, ALICE_NONCE)
     assert frame(Auth(a_alice.sig).encode()).hex() == SESSION["auth_alice_frame_hex"]
     assert frame(Auth(a_router.sig).encode()).hex() == SESSION["auth_router_frame_hex"]
-    # The payload is spelled out in PROTOCOL.md §6.2; check it with plain PyNaCl too.
+    # The payload is spelled out in docs/protocol.md ("Session handshake"); check it with plain PyNaCl too.
     payload = b"upsycle/1 session" + alice.public + router.public + ROUTER_NONCE
     assert nacl.signing.VerifyKey(alice.public).verify(payload, a_alice.sig) == payload
 

@@ -1,4 +1,4 @@
-"""Identities, signatures and ids (PROTOCOL.md §1, §3, §6).
+"""Identities, signatures and ids (docs/protocol.md: keys, signatures and ids, the session handshake).
 
 Every address is an Ed25519 public key. An :class:`Identity` holds the 32-byte seed and signs; verification
 is a free function over (public key, bytes, signature) that never raises for a bad signature or a key that is

@@ -1,10 +1,9 @@
 """Errors that mirror the wire.
 
-``RemoteProtocolError`` is the peer's fault: it carries the wire ERROR code (PROTOCOL.md §6.5) and, where
-the problem is one field of a message, the CDDL key of that field, so the error that is logged, traced and
-sent back names what was wrong. ``LocalProtocolError`` is our own misuse of an API (building an invalid
-value); it never reaches the wire. Conversion to an ERROR frame happens at one place: the session layer's
-receive boundary.
+``RemoteProtocolError`` is the peer's fault: it carries the wire ERROR code (docs/protocol.md, "Session handshake") and,
+where the problem is one field of a message, the CDDL key of that field, so the error that is logged, traced and sent
+back names what was wrong. ``LocalProtocolError`` is our own misuse of an API (building an invalid value); it never
+reaches the wire. Conversion to an ERROR frame happens at one place: the session layer's receive boundary.
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ import enum
 
 
 class ErrorCode(enum.IntEnum):
-    """Wire ERROR codes (PROTOCOL.md §6.5)."""
+    """Wire ERROR codes (docs/protocol.md, "Session handshake")."""
 
     PROTOCOL = 1
     AUTH_FAILED = 2

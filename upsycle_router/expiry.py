@@ -1,4 +1,4 @@
-"""Time on the wire (PROTOCOL.md §4).
+"""Time on the wire (docs/protocol.md, "Time").
 
 ``exp`` counts whole minutes since 2020-01-01T00:00:00Z; ``ttl`` counts seconds after arrival at this router.
 A message expires at ``min(arrival + ttl, exp)``. All functions here take Unix times in float seconds.

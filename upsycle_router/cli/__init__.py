@@ -13,6 +13,7 @@ argparse parser in which every command module adds its subcommands (``register``
 ``validator``  ``validator``: a validator service for the pub/sub service (``pubsub.validators``)
 ``decode``     ``decode``, ``keygen``: offline tools
 ``analyze``    ``analyze``, ``compact``: the Spark jobs (PySpark is imported only when one of them runs)
+``simulate``   ``simulate``: a deterministic simulation of many nodes around the real cores
 
 What several of them share (the daemon's and the apps' options, connecting, exit codes) is in
 :mod:`upsycle_router.cli.common`, which imports none of them; no command module imports another.
@@ -23,7 +24,7 @@ from __future__ import annotations
 import argparse
 
 from upsycle_router import __version__
-from upsycle_router.cli import analyze, app, config_cmd, daemon, decode, discovery, group, store, validator
+from upsycle_router.cli import analyze, app, config_cmd, daemon, decode, discovery, group, simulate, store, validator
 
 DESCRIPTION = "The ``upsycle-router`` command line: one subcommand per task, each module registering its own."
 
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.register(sub)
     store.register(sub)
     validator.register(sub)
+    simulate.register(sub)
     return parser
 
 

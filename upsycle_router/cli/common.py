@@ -40,8 +40,8 @@ from typing import Any
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.client.names import HEX_KEY_RE, NAME_RE, lookup
-from upsycle_router.config import DaemonConfig, check_websocket, default_socket, parse_key
-from upsycle_router.config.sources import effective_config
+from upsycle_router.config import DaemonConfig, check_websocket, parse_key
+from upsycle_router.config.sources import effective_config, router_socket
 from upsycle_router.crypto import Identity, load_key_file, load_or_create_key_file
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
@@ -155,9 +155,6 @@ def default_client_key() -> Path:
     return Path(base) / "upsycle-router" / "client.key"
 
 
-SYSTEM_SOCKET = Path("/run/upsycle-router/router.sock")  # the systemd unit's (systemd/upsycle-router.service)
-
-
 def app_options(p: argparse.ArgumentParser) -> None:
     """``--socket``, ``--config``, ``--key`` and ``--create-key``: how an app command reaches the router and who
     it is."""
@@ -172,18 +169,11 @@ def app_options(p: argparse.ArgumentParser) -> None:
 
 
 def socket_path(args: argparse.Namespace) -> Path:
-    """The router's socket: ``--socket``, else the daemon's (``listen.unix`` of its config file, with
-    ``$UPSYCLE_SOCKET`` over it), else the default path - or, when nothing was configured and only the system
-    router's socket exists (the systemd unit's), that one."""
+    """The router's socket: ``--socket``, else :func:`~upsycle_router.config.sources.router_socket` (the
+    daemon's, found as the daemon finds its config; the default; the system router's)."""
     if args.socket:
         return Path(args.socket)
-    unix = effective_config(args.config, app=True).unix
-    default = default_socket()
-    if unix is None or unix == default:
-        if not default.exists() and SYSTEM_SOCKET.exists():
-            return SYSTEM_SOCKET
-        return default
-    return unix
+    return router_socket(args.config)
 
 
 def app_identity(args: argparse.Namespace, *, required: bool = True) -> Identity:

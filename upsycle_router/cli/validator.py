@@ -2,7 +2,8 @@
 
 It connects to the router's socket as an app (``--key``, like the other app commands), prints its key, and
 answers the pub/sub service's VALIDATE requests (:func:`upsycle_router.runtime.validator.serve_validator`)
-by simple rules on the message BODY, checked in this order:
+by simple rules on the message's payload - the data of an application message (what ``upsycle-router
+publish`` sends), or the BODY as it is when it is no application message - checked in this order:
 
 - ``--reject-larger-than N``: REJECT a BODY of more than N bytes;
 - ``--reject-matching REGEX`` / ``--ignore-matching REGEX``: REJECT / IGNORE a BODY in which the regular
@@ -25,8 +26,10 @@ import sys
 
 from upsycle_router.cli.common import app_options, run_app
 from upsycle_router.client import Client
+from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.runtime.validator import Judged, serve_validator
 from upsycle_router.services.pubsub.validation import Verdict
+from upsycle_router.wire.app import AppMulticast, AppUnicast, decode_app_message
 from upsycle_router.wire.messages import Message, MulticastHeader
 
 
@@ -40,7 +43,7 @@ class BodyRules:
 
     def judge(self, msg: Message, peer: bytes | None) -> tuple[Verdict, str | None]:
         """The verdict about ``msg`` and why (None when accepted)."""
-        body = msg.body
+        body = payload(msg.body)
         if self.larger_than is not None and len(body) > self.larger_than:
             return Verdict.REJECT, f"body larger than {self.larger_than} bytes"
         for r in self.reject:
@@ -50,6 +53,15 @@ class BodyRules:
             if r.search(body):
                 return Verdict.IGNORE, f"matches {r.pattern.decode()!r}"
         return Verdict.ACCEPT, None
+
+
+def payload(body: bytes) -> bytes:
+    """The data of an application message in ``body``, or ``body`` itself when it is none."""
+    try:
+        app = decode_app_message(body)
+    except RemoteProtocolError:
+        return body
+    return app.body.data if isinstance(app.body, AppMulticast | AppUnicast) else body
 
 
 def cmd_validator(args: argparse.Namespace) -> int:

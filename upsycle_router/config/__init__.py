@@ -57,6 +57,7 @@ from upsycle_router.config.daemon import (
     parse_config,
 )
 from upsycle_router.config.discovery import BootstrapNode, DiscoveryConfig, parse_discovery
+from upsycle_router.config.sources import router_socket
 from upsycle_router.config.values import parse_key, size_text
 from upsycle_router.durability import Durability
 
@@ -99,5 +100,6 @@ __all__ = [
     "parse_config",
     "parse_discovery",
     "parse_key",
+    "router_socket",
     "size_text",
 ]

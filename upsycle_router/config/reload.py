@@ -35,6 +35,7 @@ from upsycle_router.config.daemon import DaemonConfig, PeerConfig
 OPTION = {
     "unix": "listen.unix",
     "unix_mode": "listen.unix_mode",
+    "unix_group": "listen.unix_group",
     "tls": "listen.tls",
     "queue_max_count": "queue.max_count",
     "queue_max_bytes": "queue.max_bytes",

@@ -15,7 +15,10 @@ A command that needs the daemon's config builds it in layers, each overriding th
 The daemon (``run``) and the app commands (``send``, ``listen``, ``status`` ...) read the same layers, so an app
 finds the socket the daemon listens on and ``id`` the key it uses, also in a container or under systemd where
 the daemon's settings come from the environment. :func:`effective_config` is layers 1-3; :func:`describe` says
-in one line where they came from (``config --print`` shows it).
+in one line where they came from (``config --print`` shows it). :func:`router_socket` is the socket an app
+connects to when nothing names one: the daemon's (``$UPSYCLE_SOCKET``, else ``listen.unix`` of the config
+file), else the default - or, when that does not exist and the system router's socket does (the systemd
+unit's ``/run/upsycle-router/router.sock``), that one. Python apps use it as the CLI does.
 
 An app command reading the system file (``/etc/...``) skips it when this user may not read it (the router's
 own config is not every user's business; the apps only want the socket path from it). The daemon does not
@@ -29,11 +32,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from upsycle_router.config.daemon import DaemonConfig, load_config, parse_config
+from upsycle_router.config.daemon import DaemonConfig, default_socket, load_config, parse_config
 from upsycle_router.errors import ConfigError
 
 CONFIG_ENV = "UPSYCLE_CONFIG"
 SYSTEM_CONFIG = Path("/etc/upsycle-router/router.yaml")
+SYSTEM_SOCKET = Path("/run/upsycle-router/router.sock")  # the systemd unit's (systemd/upsycle-router.service)
 
 # Environment variable -> the option it sets, as written in the file.
 ENVIRONMENT: dict[str, str] = {
@@ -129,3 +133,17 @@ def describe(
     if len(parts) == 1:
         return "the embedded defaults (no config file, no UPSYCLE_* environment variable)"
     return ", then ".join(parts)
+
+
+def router_socket(config: str | os.PathLike[str] | None = None) -> Path:
+    """The router's socket for an app: the daemon's (``$UPSYCLE_SOCKET``, else ``listen.unix`` of its config
+    file, ``config`` or the one on the search path), else the default path - or, when nothing was configured
+    and only the system router's socket exists, that one. A config file that does not load is a
+    :class:`ConfigError`."""
+    unix = effective_config(config, app=True).unix
+    default = default_socket()
+    if unix is None or unix == default:
+        if not default.exists() and SYSTEM_SOCKET.exists():
+            return SYSTEM_SOCKET
+        return default
+    return unix

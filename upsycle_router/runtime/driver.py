@@ -96,7 +96,7 @@ class Driver:
         self.pipeline = VerifyPipeline(self.verifier, self.stats)
         self.effects = EffectRunner(
             self.conns, self.stats, journal=journal, clock=clock, outbound_buffer_max=outbound_buffer_max,
-            push=self._push, acknowledged=self._schedule, reading=lambda: not self._reading_paused,
+            push=self._push, acknowledged=self._schedule, held=self._held_back,
         )
         self.batches = Batches(router, store, self.stats, done=self._done, resume=self._resume,
                                sync_interval=sync_interval)
@@ -105,7 +105,8 @@ class Driver:
         self._last_timer = -TIMER_INTERVAL  # loop time of the last timer run
         self.timer_due = False  # the timer fired: run the core's timer with the next batch
         self._closed = False
-        self._reading_paused = False  # the pipeline is full: no connection is read
+        self._reading_paused = False  # the pipeline is full: a connection that delivers is paused
+        self._held: set[int] = set()  # connections paused for that (resumed when the pipeline has room again)
 
     @property
     def dialer(self) -> Dialer | None:
@@ -132,7 +133,7 @@ class Driver:
             conn.local = peer in services
         self.conns[conn.id] = conn
         if self._reading_paused:
-            conn.pause_reading()
+            self._hold(conn)
         log.info("connection open conn=%d peer=%s kind=%s local=%s", conn.id, peer.hex(), conn.kind, conn.local)
         self._push(ConnectionOpened(conn.id, peer, conn.local))
 
@@ -164,7 +165,7 @@ class Driver:
         if k:
             self.stats["received_total"] += k
             self.pipeline.add_messages(conn.id, messages if k == n else messages[:k])
-            self._received()
+            self._received(conn)
         if k < n:
             self._overloaded(conn, len(messages[k].wire))
 
@@ -190,12 +191,17 @@ class Driver:
             return
         self.stats["received_total"] += 1
         self.pipeline.add_messages(conn.id, [item])
-        self._received()
+        self._received(conn)
 
-    def _received(self) -> None:
-        """Messages were added to the pipeline: seal a segment once there are enough (libuv reads a busy socket
-        many times per loop iteration: waiting for the iteration's end made segments of thousands), and stop
-        reading while the pipeline is full."""
+    def _received(self, conn: Connection) -> None:
+        """Messages were added to the pipeline (from ``conn``): seal a segment once there are enough (libuv reads
+        a busy socket many times per loop iteration: waiting for the iteration's end made segments of
+        thousands), and stop reading while the pipeline is full.
+
+        Reading stops connection by connection: the one that just delivered, and every other one as soon as it
+        delivers too (so each is read at most once more). Pausing every connection at once - and resuming them
+        all a moment later - cost a system call per connection each time: with thousands of idle apps
+        connected, more than routing the messages did."""
         pipeline = self.pipeline
         if pipeline.pending_msgs >= SEGMENT_SIZE:
             if not pipeline.full:
@@ -203,13 +209,28 @@ class Driver:
             elif not self._reading_paused:
                 self._reading_paused = True
                 self.stats["read_pauses_total"] += 1
-                for c in self.conns.values():
-                    c.pause_reading()
+        if self._reading_paused:
+            self._hold(conn)
         self._schedule()
+
+    def _hold(self, conn: Connection) -> None:
+        """Stop reading ``conn`` until the pipeline has room again."""
+        if conn.id not in self._held:
+            self._held.add(conn.id)
+            conn.pause_reading()
+
+    def _held_back(self, conn: Connection) -> bool:
+        """Whether ``conn`` must stay paused because the pipeline is full (its reading resumes with the others').
+        Asked by the effect runner when a throttle ends."""
+        if not self._reading_paused:
+            return False
+        self._held.add(conn.id)
+        return True
 
     def on_close(self, conn: Connection) -> None:
         """A connection ended."""
         self._buckets.pop(conn.id, None)
+        self._held.discard(conn.id)
         self.effects.forget(conn.id)
         if self.conns.pop(conn.id, None) is not None:
             log.info("connection closed conn=%d peer=%s", conn.id, (conn.peer or b"").hex())
@@ -279,8 +300,11 @@ class Driver:
         if self._reading_paused and not self.pipeline.full:
             self._reading_paused = False
             throttled = self.effects.throttled
-            for c in self.conns.values():
-                if c.id not in throttled:
+            held, self._held = self._held, set()
+            conns = self.conns
+            for cid in held:
+                c = conns.get(cid)
+                if c is not None and cid not in throttled:
                     c.resume_reading()
         if events or self.timer_due:
             timer, self.timer_due = self.timer_due, False

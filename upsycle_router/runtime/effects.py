@@ -12,8 +12,10 @@ only then) and carries them out in order:
   RateLimitedLog`);
 * writes: a ``Send`` to its connection; consecutive ``Fanout``\\ s to the same connections (a burst of one
   group's messages) go to each connection as one run - one call per connection and run instead of one per
-  message and subscriber - and each connection written to is flushed once per batch. A connection whose
-  outbound buffer passes ``outbound_buffer_max`` is a reader that does not read: it is closed;
+  message and subscriber - and each connection written to is flushed once per batch (the batch's last run
+  is written at once, connection by connection, as one buffer shared by all of them: one plain ``write``
+  each). A connection whose outbound buffer passes ``outbound_buffer_max`` is a reader that does not read: it
+  is closed;
 * a write that drains a queue entry (``Send.queue_ref``) is reported back to the core (``QueueSent``, which
   removes the entry) only once its bytes left the transport's buffer (:meth:`EffectRunner.release_flushed`,
   polled while some have not): a crash before then redelivers the entry instead of losing it;
@@ -81,7 +83,7 @@ class EffectRunner:
         outbound_buffer_max: int,
         push: Callable[[Event], None],
         acknowledged: Callable[[], None],
-        reading: Callable[[], bool],
+        held: Callable[[Connection], bool],
     ) -> None:
         self.conns = conns
         self.stats = stats
@@ -90,7 +92,7 @@ class EffectRunner:
         self.outbound_buffer_max = outbound_buffer_max
         self.push = push  # an event for the next batch (DialFailed)
         self.acknowledged = acknowledged  # queue entries were written out (queue_sent has them)
-        self.reading = reading  # whether the router reads its connections at all (not paused as a whole)
+        self.held = held  # whether the driver keeps a connection paused (its pipeline is full; resumed with it)
         self.dialer: Dialer | None = None
         self.loop = asyncio.get_running_loop()
         # Queue entries whose bytes left their transport buffer, for the core's next batch (QueueSent).
@@ -110,8 +112,19 @@ class EffectRunner:
                 if isinstance(e, Trace):
                     self.journal.record(e, now)
             self.journal.flush()
-        conns = self.conns
         sent_to: set[Connection] = set()
+        try:
+            self._apply(effects, now, sent_to)
+        finally:
+            limit = self.outbound_buffer_max
+            for conn in sent_to:  # one write per connection and batch
+                if conn.write_out() > limit:
+                    self._overflowed(conn)
+        if self._unflushed:
+            self.release_flushed()
+
+    def _apply(self, effects: list[Effect], now: float, sent_to: set[Connection]) -> None:
+        conns = self.conns
         # Consecutive fan-outs to the same connections are handed to each connection as one run.
         run: tuple[int, ...] = ()
         payloads: list[bytes] = []
@@ -179,25 +192,37 @@ class EffectRunner:
                     stats["throttled_total"] += 1
                     conn.pause_reading()
                     self.throttled[e.conn] = self.loop.call_later(e.seconds, self._unthrottle, e.conn)
-        if payloads:
-            self._fan_out(run, payloads, framed, nbytes, sent_to)
-        for conn in sent_to:  # one write per connection and batch
-            conn.write_out()
-            if conn.buffered() > self.outbound_buffer_max:
-                log.warning("conn=%d outbound buffer over %d bytes: disconnecting slow reader", conn.id,
-                            self.outbound_buffer_max)
-                conn.close_with_error(ErrorCode.OVERLOADED, "outbound buffer full (not reading)")
-        if self._unflushed:
-            self.release_flushed()
+        if payloads:  # the batch's last writes: out at once (nothing is gathered after them)
+            self._fan_out(run, payloads, framed, nbytes, sent_to, last=True)
 
     def _fan_out(
-        self, run: tuple[int, ...], payloads: list[bytes], framed: list[bytes], nbytes: int, sent_to: set[Connection]
+        self, run: tuple[int, ...], payloads: list[bytes], framed: list[bytes], nbytes: int, sent_to: set[Connection],
+        last: bool = False,
     ) -> None:
+        """Hand a run of frames to each connection of ``run``: gathered for the batch's end, or written at once
+        when they are the ``last`` writes of the batch (one call per connection)."""
         conns = self.conns
+        if len(run) > 1 and len(framed) > 1:
+            framed = [b"".join(framed)]  # one buffer for every connection: one plain write() each
+        if not last:
+            for cid in run:
+                conn = conns.get(cid)
+                if conn is not None and conn.send_all(payloads, framed, nbytes):
+                    sent_to.add(conn)
+            return
+        limit = self.outbound_buffer_max
         for cid in run:
             conn = conns.get(cid)
-            if conn is not None and conn.send_all(payloads, framed, nbytes):
-                sent_to.add(conn)
+            if conn is not None and conn.send_run(payloads, framed, nbytes) > limit:
+                self._overflowed(conn)
+
+    def _overflowed(self, conn: Connection) -> None:
+        """A connection's outbound buffer passed ``outbound_buffer_max``: a reader that does not read."""
+        if conn.closed:
+            return
+        log.warning("conn=%d outbound buffer over %d bytes: disconnecting slow reader", conn.id,
+                    self.outbound_buffer_max)
+        conn.close_with_error(ErrorCode.OVERLOADED, "outbound buffer full (not reading)")
 
     def release_flushed(self) -> None:
         """Report queue entries whose bytes left the transport buffer (QueueSent); poll while some have not."""
@@ -227,10 +252,10 @@ class EffectRunner:
     # ------------------------------------------------------------ backpressure
 
     def _unthrottle(self, cid: int) -> None:
-        """A slowed connection's pause is over: read it again (unless the whole router is not reading)."""
+        """A slowed connection's pause is over: read it again (unless the driver holds every connection back)."""
         self.throttled.pop(cid, None)
         conn = self.conns.get(cid)
-        if conn is not None and self.reading() and not self._closed:
+        if conn is not None and not self._closed and not self.held(conn):
             conn.resume_reading()
 
     def forget(self, cid: int) -> None:

@@ -310,8 +310,18 @@ class Connection(asyncio.Protocol):
                 return False
         return True
 
-    def write_out(self) -> None:
-        """Hand what :meth:`send` gathered to the transport (transports that gather override this)."""
+    def send_run(self, payloads: list[bytes], framed: list[bytes], nbytes: int) -> int:
+        """Write several payloads now, after anything gathered (the last writes of a batch to this connection:
+        nothing is gathered after them). Return the bytes the transport still buffers, or -1 if the connection
+        is closed."""
+        if not self.send_all(payloads, framed, nbytes):
+            return -1
+        return self.write_out()
+
+    def write_out(self) -> int:
+        """Hand what :meth:`send` gathered to the transport (transports that gather override this); return the
+        bytes still buffered (:meth:`buffered`)."""
+        return self.buffered()
 
     def flushed(self) -> int:
         """Bytes that left the transport's buffer (handed to the kernel) so far."""

@@ -1,4 +1,4 @@
-"""The session layer (PROTOCOL.md §5-6) as a pure state machine.
+"""The session layer (docs/protocol.md, "Framing" and "Session handshake") as a pure state machine.
 
 Theory of operation
 -------------------

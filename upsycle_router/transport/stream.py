@@ -23,13 +23,14 @@ WRITE_GATHER_MAX = 64 * 1024  # gathered frames are written at once beyond this 
 class StreamConnection(Connection):
     """One framed, authenticated stream connection.
 
-    Routed frames sent during one loop iteration (the driver's batch) are gathered and handed to the
-    transport in one ``writelines``: one system call per connection and batch instead of one per frame. They
+    Routed frames sent during a batch are gathered and handed to the transport in one write when the batch's
+    effects have been carried out (the effect runner calls :meth:`write_out` for every connection it sent
+    to): one system call per connection and batch instead of one per frame. The last frames of a batch for a
+    connection (:meth:`send_run`, a fan-out's deliveries) are written at once, after what was gathered. They
     count as written (and as buffered) from the moment they are sent, so :meth:`flushed` stays exact."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._loop = asyncio.get_running_loop()
         self._out: list[bytes] = []
         self._out_bytes = 0
 
@@ -54,8 +55,8 @@ class StreamConnection(Connection):
     # ---------------------------------------------------------------- gathered writes
 
     def send(self, payload: bytes) -> bool:
-        """Gather one frame for :meth:`write_out` (called by the driver after its batch; at the latest at the
-        end of this loop iteration); False if the connection is closed."""
+        """Gather one frame for :meth:`write_out` (called by the effect runner after its batch); False if the
+        connection is closed."""
         n = len(payload)
         if not self._gather((_LEN.pack(n), payload), 4 + n):
             return False
@@ -73,28 +74,51 @@ class StreamConnection(Connection):
             self._note_sent(payloads)
         return True
 
+    def send_run(self, payloads: list[bytes], framed: list[bytes], nbytes: int) -> int:
+        """Write several frames now (``framed``: their length prefixes and payloads, or all of them joined), after
+        what was gathered; return the bytes the transport still buffers, or -1 if the connection is closed.
+        Nothing gathered: straight to the transport (no list, no second call)."""
+        t = self.transport
+        if self.closed or t is None or t.is_closing():
+            return -1
+        self.messages_out += len(payloads)
+        if not self._used:
+            self._note_sent(payloads)
+        self.written += nbytes
+        if self._out:
+            self._out.extend(framed)
+            self._out_bytes += nbytes
+            return self.write_out()
+        if len(framed) == 1:
+            t.write(framed[0])
+        else:
+            t.writelines(framed)
+        return t.get_write_buffer_size()
+
     def _gather(self, parts: tuple[bytes, ...] | list[bytes], nbytes: int) -> bool:
         t = self.transport
         if self.closed or t is None or t.is_closing():
             return False
-        out = self._out
-        if not out:
-            self._loop.call_soon(self.write_out)
-        out.extend(parts)
+        self._out.extend(parts)
         self._out_bytes += nbytes
         self.written += nbytes
         if self._out_bytes >= WRITE_GATHER_MAX:
             self.write_out()
         return True
 
-    def write_out(self) -> None:
-        """Hand the gathered frames to the transport in one write."""
-        if not self._out:
-            return
-        out, self._out, self._out_bytes = self._out, [], 0
+    def write_out(self) -> int:
+        """Hand the gathered frames to the transport in one write; return the bytes it still buffers."""
         t = self.transport
-        if t is not None and not t.is_closing():
-            t.writelines(out)
+        if t is None:
+            return self._out_bytes
+        if self._out:
+            out, self._out, self._out_bytes = self._out, [], 0
+            if not t.is_closing():
+                if len(out) == 1:
+                    t.write(out[0])
+                else:
+                    t.writelines(out)
+        return t.get_write_buffer_size() + self._out_bytes
 
     def buffered(self) -> int:
         """Bytes written but not yet sent by the transport (gathered ones included)."""

@@ -1,4 +1,4 @@
-"""TLS 1.3 contexts whose certificate carries the router's own Ed25519 key (PROTOCOL.md §6.4).
+"""TLS 1.3 contexts whose certificate carries the router's own Ed25519 key (docs/protocol.md, "Session handshake").
 
 The router's certificate is self-signed with the router key itself, so its public key *is* the router's
 address. It is generated from the key file on first start and kept in the data directory. A client does not

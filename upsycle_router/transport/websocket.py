@@ -10,7 +10,7 @@ bytes between it, the transport and the session. A connection goes through three
    ``Origin`` come from non-browser clients and are accepted. A malformed request gets 400, a request still
    incomplete when the handshake timer fires 408; each is logged and the connection closed.
 2. **Session handshake.** Right after the ``101`` response the router sends HELLO as a binary message; the
-   session of PROTOCOL.md §6 runs exactly as on a stream, one CBOR item per message and no length prefix.
+   session handshake of docs/protocol.md runs exactly as on a stream, one CBOR item per message and no length prefix.
 3. **Open.** Every binary message is one routed message or ERROR, handed to the driver unparsed.
 
 Bad input is answered as on the other transports: a text message, an empty or oversize message

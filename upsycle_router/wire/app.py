@@ -1,10 +1,10 @@
 """Application messages of seed 003 (§Application messages): ``[header, body]``.
 
-``header = {deps, from, to, seq, sig}``; ``body`` is ``[0, {}]`` ACK, ``[1, bytes]`` UNICAST, ``[2, bytes]``
-MULTICAST, ``[11, {mem}]`` MEMBER_ADD or ``[12, {mem}]`` MEMBER_REMOVE, or our extension ``[13, {op, mem, past,
-? keys}]`` GROUP_OP (a membership operation of a group with several admins, docs/groups.md). ``sig`` is the
-``from`` member's signature over ``enc(header without "sig") || enc(body)`` (PROTOCOL.md §3). Apps put the
-encoded message in the BODY of a routed message; routers never look inside.
+``header = {deps, from, to, seq, sig}``; ``body`` is ``[0, {}]`` ACK, ``[1, bytes]`` UNICAST, ``[2, bytes]`` MULTICAST,
+``[11, {mem}]`` MEMBER_ADD or ``[12, {mem}]`` MEMBER_REMOVE, or our extension ``[13, {op, mem, past, ? keys}]`` GROUP_OP
+(a membership operation of a group with several admins, docs/groups.md). ``sig`` is the ``from`` member's signature over
+``enc(header without "sig") || enc(body)`` (docs/protocol.md, "Other interfaces"). Apps put the encoded message in the
+BODY of a routed message; routers never look inside.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Deterministic CBOR (RFC 8949 §4.2.1) and the strict decoding rules of PROTOCOL.md §2.
+"""Deterministic CBOR (RFC 8949 §4.2.1) and the strict decoding rules of docs/protocol.md ("Deterministic CBOR").
 
 Encoding goes through :func:`enc`, which always produces the core deterministic form (shortest heads,
 definite lengths, map keys sorted by their encoded bytes). Decoding goes through :func:`decode_item`, which

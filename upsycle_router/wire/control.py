@@ -1,4 +1,4 @@
-"""Router control messages (seed 003 §Message interface of the router, PROTOCOL.md §7).
+"""Router control messages (seed 003 §Message interface of the router; docs/protocol.md, "Router control messages").
 
 They travel as the BODY of a unicast message whose ``dst`` is the router's id: ``enc([type, map])``.
 Types 1-5 are the seed's JOIN, JOIN_ACK, LEAVE, LEAVE_ACK and PULL; 6-13 are our extensions: PULL_NACK (the
@@ -222,8 +222,9 @@ ROUTER_CODEC: TaggedCodec[RouterMessage] = TaggedCodec(
 def decode_control(body: bytes) -> RouterMessage | PeerAdvertisement:
     """Decode the BODY of a unicast addressed to a router.
 
-    Router control messages and the discovery interface's ``[1, PEER_ADVERTISEMENT]`` (sent router to router
-    on connect, PROTOCOL.md §7) share type number 1; an advertisement is told from JOIN by its ``sig`` key.
+    Router control messages and the discovery interface's ``[1, PEER_ADVERTISEMENT]`` (sent router to router on connect,
+    docs/protocol.md "Router control messages") share type number 1; an advertisement is told from JOIN by its ``sig``
+    key.
     """
     obj = decode_item(body, "router message")
     if (

@@ -3,7 +3,7 @@
 An advertisement names a node's router key (``id``), a transport address (``addr``: ``[1, ip, port]`` TCP or
 ``[2, ip, port]`` UDP, ip4 or ip6 as 4 or 16 bytes), public services (``svcs``: 1 = discovery, 2 = pub/sub),
 public groups (``grps``), a revision (``rev``, higher replaces lower), a lifetime (``ttl``, ``exp``) and the
-signature of the ``id`` key over ``enc(advertisement without "sig")`` (PROTOCOL.md §7).
+signature of the ``id`` key over ``enc(advertisement without "sig")`` (docs/protocol.md, "Other interfaces").
 
 An advert travels out of band as an ``upsycle:`` link (base64url of ``enc([1, PEER_ADVERTISEMENT])``). Discovery
 services speak a few more messages of the same ``[type, map]`` shape (types 2-6: Cyclon SHUFFLE and

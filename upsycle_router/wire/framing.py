@@ -1,4 +1,4 @@
-"""Stream framing (PROTOCOL.md §5): a 4-byte big-endian length ``N``, then ``N`` bytes of one CBOR item.
+"""Stream framing (docs/protocol.md, "Framing"): a 4-byte big-endian length ``N``, then ``N`` bytes of one CBOR item.
 
 :class:`FrameBuffer` is the pure reader: feed it whatever the transport received and it returns the complete
 frame payloads (:meth:`FrameBuffer.feed`), or decodes the routed messages among them on the way

@@ -1,4 +1,4 @@
-"""Gossip RPCs between pub/sub services (PROTOCOL.md §7, gossipsub v1.0 control messages).
+"""Gossip RPCs between pub/sub services (docs/gossip.md; gossipsub v1.0 control messages).
 
 A pub/sub service sends another node's pub/sub service one gossip RPC as the BODY of a unicast message:
 ``[16, {? "subs", ? "graft", ? "prune", ? "ihave", ? "iwant"}]`` (schema in ``gossip.cddl``, prose in

@@ -1,11 +1,11 @@
 """The routed messages of seed 003: ``[0, UNICAST_HEADER, BODY, SIG, ?VIA]`` and ``[1, MULTICAST_HEADER, ...]``.
 
-A :class:`Message` keeps, next to its fields, the exact bytes its signature covers (``signed`` =
-``enc(TYPE) || enc(HEADER) || enc(BODY)``) and its id (``BLAKE3-256(signed || enc(SIG))``). Because every
-accepted message is in deterministic encoding (PROTOCOL.md §3), both are slices of the received frame: the
-decoder takes them from the input instead of re-encoding, and :meth:`Message.encode` rebuilds a frame from
-``signed`` by adding the array head, the signature and, when set, VIA. VIA is outside both the signature and
-the id, so a router may set or clear it (:meth:`Message.with_via`) without touching either.
+A :class:`Message` keeps, next to its fields, the exact bytes its signature covers (``signed`` = ``enc(TYPE) ||
+enc(HEADER) || enc(BODY)``) and its id (``BLAKE3-256(signed || enc(SIG))``). Because every accepted message is in
+deterministic encoding (docs/protocol.md, "Signatures and message ids"), both are slices of the received frame: the
+decoder takes them from the input instead of re-encoding, and :meth:`Message.encode` rebuilds a frame from ``signed`` by
+adding the array head, the signature and, when set, VIA. VIA is outside both the signature and the id, so a router may
+set or clear it (:meth:`Message.with_via`) without touching either.
 """
 
 from __future__ import annotations

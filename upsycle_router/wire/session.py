@@ -1,4 +1,4 @@
-"""Session frames of PROTOCOL.md §6: HELLO, AUTH and ERROR.
+"""Session frames (docs/protocol.md, "Session handshake"): HELLO, AUTH and ERROR.
 
 ``HELLO = ["upsycle", 1, id, nonce]``, ``AUTH = ["auth", sig]`` with
 ``sig = Ed25519(own key, b"upsycle/1 session" || own_id || peer_id || peer_nonce)``, and

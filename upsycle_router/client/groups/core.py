@@ -9,12 +9,12 @@ message of one of the group's epochs, :meth:`keys_received` for an admin's key s
 State is written through to the injected store inside the adapter's transaction; randomness (keys, nonces)
 comes from the injected ``rng``.
 
-Sending. An application message (seed 003 §Application messages) gets ``deps`` = the current heads,
-``seq`` = this member's next seq, ``to`` = the group id, and the member's signature (PROTOCOL.md §3). It is
-encrypted for the current epoch (:mod:`.keys`) and wrapped in a routed multicast message to the epoch's
-group address, signed with the epoch's group key, with ``sn`` = up to 16 recently delivered ids of the
-epoch (routers' pub/sub services PULL ids they missed from it). The routed bytes go to the outbox first
-(so a crash resends them unchanged: same id), then the message is delivered locally, then published.
+Sending. An application message (seed 003 §Application messages) gets ``deps`` = the current heads, ``seq`` = this
+member's next seq, ``to`` = the group id, and the member's signature (docs/protocol.md, "Other interfaces"). It is
+encrypted for the current epoch (:mod:`.keys`) and wrapped in a routed multicast message to the epoch's group address,
+signed with the epoch's group key, with ``sn`` = up to 16 recently delivered ids of the epoch (routers' pub/sub services
+PULL ids they missed from it). The routed bytes go to the outbox first (so a crash resends them unchanged: same id),
+then the message is delivered locally, then published.
 
 Receiving. The routed signature is checked, the envelope opened with the epoch named by ``grp``, the
 application message decoded and its signature and ``to`` checked; it goes into the :class:`CausalBuffer`.

@@ -20,8 +20,8 @@ Encryption:
   random 24-byte nonce and the associated data ``b"upsycle/group 1" || grp``, which binds the ciphertext to
   the epoch's multicast address (it cannot be replayed into another group or epoch);
 * keys for one member (a rotation, a welcome) and data for some members are sealed with libsodium's
-  ``crypto_box_seal`` to the X25519 form of the member's Ed25519 key (PROTOCOL.md §1); only that member can
-  open them, routers and other members cannot.
+  ``crypto_box_seal`` to the X25519 form of the member's Ed25519 key (docs/protocol.md, "Keys and addresses");
+  only that member can open them, routers and other members cannot.
 
 There is no forward secrecy within an epoch and no post-compromise security beyond what a removal's rotation
 gives: whoever holds an epoch's content key reads all of that epoch's messages (docs/groups.md, Limits).

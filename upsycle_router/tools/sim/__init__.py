@@ -8,6 +8,9 @@ it: it turns each effect into an event at another node after a latency drawn fro
 sleeps, nothing touches a socket, and a seed replays a run exactly. The test suite drives them; they are
 here so that anyone can run a bigger network by hand.
 
+* :mod:`~upsycle_router.tools.sim.network`: the whole stack per node - the routing core over an in-memory
+  store, the pub/sub core, optionally the discovery core, apps - with links that have latency, loss and
+  bandwidth, churn, partitions and trace journals (``upsycle-router simulate``);
 * :mod:`~upsycle_router.tools.sim.gossip`: N pub/sub gossip cores with enough of a router around each
   (group subscriptions, duplicate check, message store, PULL answers);
 * :mod:`~upsycle_router.tools.sim.discovery`: N discovery cores doing peer sampling;

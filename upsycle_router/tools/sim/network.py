@@ -281,7 +281,8 @@ class Network:
         self.nodes = [Node(i, config.seed, config.discovery is not None) for i in range(config.nodes)]
         self.by_router = {n.key.public: n.index for n in self.nodes}
         self._side = [0] * config.nodes  # partition side of each node (all 0: no partition)
-        self._dialing: set[tuple[int, int]] = set()
+        # Handshakes under way: pair of nodes -> who asked (node index, its epoch), the dialler first.
+        self._dialing: dict[tuple[int, int], list[tuple[int, int]]] = {}
         self.counters: Counter[str] = Counter()
         self.events = 0
         # Hooks for the scenario: a local message handled by its router (JOINs, publishes) at the virtual time.
@@ -634,13 +635,15 @@ class Network:
         if j in node.links:
             return  # open already (its close is on its way to the router)
         pair = (min(i, j), max(i, j))
-        if pair in self._dialing:
-            return  # a handshake is under way: it opens the link at both ends
+        asked = self._dialing.get(pair)
+        if asked is not None:  # a handshake is under way: it opens the link at both ends, or fails for all
+            asked.append((i, node.epoch))
+            return
         if not self.nodes[j].alive or not self.reachable(i, j):
             self.counters["dials_failed"] += 1
             self.at(self.now + self.link.dial_timeout, self._dial_failed, node, node.epoch, router)
             return
-        self._dialing.add(pair)
+        self._dialing[pair] = [(i, node.epoch)]
         self.counters["dials"] += 1
         rtt = 2 * self.pair_latency(i, j)
         self.at(self.now + self.link.handshake_rtts * rtt, self._handshake_done, i, j, node.epoch)
@@ -660,12 +663,14 @@ class Network:
                 self._dial(node, self.nodes[j].key.public)
 
     def _handshake_done(self, i: int, j: int, epoch: int) -> None:
-        self._dialing.discard((min(i, j), max(i, j)))
+        asked = self._dialing.pop((min(i, j), max(i, j)), [])
         a, b = self.nodes[i], self.nodes[j]
-        if a.epoch != epoch:
-            return  # the dialler went down meanwhile
-        if not b.alive or not self.reachable(i, j):
-            self._dial_failed(a, epoch, b.key.public)
+        if a.epoch != epoch or not b.alive or not self.reachable(i, j):
+            # The dialler or the other end went down meanwhile, or a cut came between: it failed for whoever
+            # asked (and is still the node that asked).
+            for k, e in asked:
+                n = self.nodes[k]
+                self._dial_failed(n, e, self.nodes[j if k == i else i].key.public)
             return
         if j in a.links:
             return
