@@ -18,7 +18,7 @@ by a ``.pyi`` stub beside its ``.c`` file:
 Each ``accel.py`` imports its extension at import time and binds the module-level names the rest of the
 package calls to the C functions, or - when the extension was not built (no C compiler or Python headers
 at install time), cannot be imported, or :func:`pure_python` says so - to its Python twins, which give the
-same results (``tests/test_accel.py`` compares them). The choice is made once: a call goes straight to the
+same results (``tests/wire/test_accel.py`` compares them). The choice is made once: a call goes straight to the
 function chosen, with no test per call. :mod:`upsycle_router.accel` says which one runs
 (``IMPLEMENTATION``).
 """

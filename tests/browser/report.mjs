@@ -1,5 +1,5 @@
 // Renders an analytics report.html in headless Debian Chromium (playwright-core) for
-// tests/test_analytics_report_browser.py: takes a full-page screenshot and prints what the test checks.
+// tests/analytics/test_analytics_report_browser.py: takes a full-page screenshot and prints what the test checks.
 //
 // Usage: node report.mjs REPORT_URL SCREENSHOT.png WIDTH HEIGHT USER_DATA_DIR
 // Prints one line, "RESULT <json>": the viewport and page widths, every table's width against its container,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs what the browser test (tests/test_browser.py) needs; safe to run again (it only adds what is missing):
+# Installs what the browser test (tests/e2e/test_browser.py) needs; safe to run again (it only adds what is missing):
 #   - Debian's chromium and chromium-driver (the browser the test drives; never a downloaded browser build)
 #   - node and npm, if missing, and the JS client's npm dependencies (clients/js: npm ci, from the lock file)
 # When something cannot be installed it says so and exits 0: the browser test then skips with the reason.

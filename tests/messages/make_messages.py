@@ -3,7 +3,7 @@
     python3 tests/messages/make_messages.py
 
 Keys come from fixed seeds (``BLAKE3("upsycle-router test key " + name)``) and Ed25519 signing is
-deterministic, so running this again writes byte-identical files; tests/test_fixed_messages.py checks that.
+deterministic, so running this again writes byte-identical files; tests/wire/test_fixed_messages.py checks that.
 Each ``NAME.cbor`` holds one routed message in its wire encoding (no frame); ``expected.json`` records
 what a decoder must find in it.
 """

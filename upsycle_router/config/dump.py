@@ -5,7 +5,7 @@ Theory of operation
 :func:`config_document` turns a config into the mapping a YAML file would hold - the options under the names
 and sections the file uses (``listen.unix``, ``queue.max_count``, ``discovery.lan.interval`` ...), keys and
 ids as hex, paths as text, the socket mode as quoted octal - so that the printed text, read back as a config
-file, gives the same config (``tests/test_first_contact.py`` checks that for the defaults, the example file and
+file, gives the same config (``tests/repo/test_first_contact.py`` checks that for the defaults, the example file and
 a config that sets every section). Every field of the config must have its place in :data:`TOP` or in one of
 the section tables; a field that has none is an error here (and fails that test), so a new option cannot be
 left out of the printout unnoticed.

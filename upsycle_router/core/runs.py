@@ -15,7 +15,7 @@ does not change what anyone sees).
 That holds while every recipient is connected, reading and has nothing queued (nothing is queued by the run);
 when that or anything else of the run takes another path (the discovery group, groups joined at core nodes,
 no recipient at all), :func:`multicast_run` answers False with nothing done and the caller routes the messages
-one by one. tests/test_core_runs.py proves the two paths equal, effect by effect.
+one by one. tests/core/test_core_runs.py proves the two paths equal, effect by effect.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
  * repeated here as compile-time constants (no lookup per call). Each module that includes this header exports
  * them as the dict LAYOUT, under the names layout.py gives them; upsycle_router/store/accel.py uses a module
  * only if every one of them equals layout.py's (an extension built from older sources falls back to Python),
- * and tests/test_store_layout.py requires that they do.
+ * and tests/store/test_store_layout.py requires that they do.
  *
  *   msgs      seq -> expires_ms || flag (REC_GROUP: a group follows) [|| group] || id || data
  *   msg_exp   expires_ms || seq -> id

@@ -34,7 +34,7 @@ in number order; times are whole milliseconds since the Unix epoch (``expires_ms
 The C accelerators need some of these numbers at compile time: ``store/_layout.h`` repeats them, and each of
 the two extension modules exports its copy as the dict ``LAYOUT`` (name -> value, under the names used here).
 :mod:`upsycle_router.store.accel` uses an extension only if its ``LAYOUT`` equals :func:`c_layout` (one built
-from older sources is left out, and the Python twins run), and ``tests/test_store_layout.py`` requires that
+from older sources is left out, and the Python twins run), and ``tests/store/test_store_layout.py`` requires that
 they are equal and that the record helpers here agree with the offsets.
 """
 

@@ -19,7 +19,7 @@ disk is wanted. It keeps the LMDB store's contract, not its layout:
 * **room**: ``map_size`` bounds the bytes held (messages, plus ``ENTRY_BYTES`` per queue entry); 1/16 of it
   is kept free as in the LMDB store, and :attr:`pressure` is the share in use after :meth:`has_room`.
 
-Durability is nil: the process's memory is the store. tests/test_store_memory.py runs the same routing
+Durability is nil: the process's memory is the store. tests/store/test_store_memory.py runs the same routing
 scenarios on this store and on LMDB and compares the core's effects and the stores' contents.
 """
 

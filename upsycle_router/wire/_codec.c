@@ -16,7 +16,7 @@
  * the call into the blake3 package. Any other frame (a session frame, a message not in deterministic form,
  * garbage) is returned as its payload bytes for the strict Python decoder, which names the offending field.
  * The accepted form is exactly the one upsycle_router/wire/messages.py's _decode_canonical accepts;
- * tests/test_accel.py checks that both ways.
+ * tests/wire/test_accel.py checks that both ways.
  *
  * join_frames() is the other direction: a run of payloads, each behind its length, in one buffer.
  */

@@ -195,7 +195,7 @@ def _arg(head: bytes) -> int:
 def _decode_canonical(data: bytes) -> Message | None:
     """Decode a message in exactly the one deterministic form without the general CBOR decoder; None for
     anything else, which then goes through the strict decoder. This path only accepts inputs the strict decoder
-    accepts, with the same result (tests/test_fast_decode.py checks both ways)."""
+    accepts, with the same result (tests/wire/test_fast_decode.py checks both ways)."""
     header: Header
     if data[1:2] == b"\x00":
         m = _UNICAST_RE.match(data)

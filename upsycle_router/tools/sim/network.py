@@ -12,7 +12,7 @@ signed CBOR: the simulator carries bytes, and every receiver decodes what it get
 
 The cores' effects become events the way the daemon's adapters make them (:mod:`upsycle_router.runtime.
 driver`/``effects``, :mod:`~upsycle_router.runtime.pubsub_service`, :mod:`~upsycle_router.runtime.
-discovery_service`; the translation is written here, and ``tests/test_sim_network.py`` checks it against those
+discovery_service`; the translation is written here, and ``tests/tools/test_sim_network.py`` checks it against those
 adapters message by message):
 
 * the router's ``Send``/``Fanout`` to a service or app connection is that endpoint's input after
@@ -61,7 +61,7 @@ The clock: one heap of events keyed ``(time, sequence)``; each core's timer is a
 ``next_deadline()`` (re-armed after every input to it; stale entries are skipped), the router's no closer than
 ``TIMER_INTERVAL`` to its previous run (as the driver arms it). The simulator's rng draws latencies and
 losses; each core has its own rng seeded from the seed, the node and its start count. A seed replays a run
-exactly, journals included (``tests/test_sim_network.py`` compares journal bytes across processes with
+exactly, journals included (``tests/tools/test_sim_network.py`` compares journal bytes across processes with
 different hash seeds).
 """
 

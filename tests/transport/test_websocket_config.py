@@ -14,7 +14,7 @@ from upsycle_router.transport.session import FrameReceived, HandshakeComplete, S
 from upsycle_router.transport.websocket import WebSocketPolicy, close_code
 from upsycle_router.wire.framing import frame
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_and_a_full_section() -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "upsycle_router"
 CHECKED = ("upsycle_router.cli", "upsycle_router.config")
 

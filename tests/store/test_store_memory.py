@@ -2,7 +2,7 @@
 routing when the core runs on it.
 
 Contract tests run each case on both stores (a real LMDB environment and the store in memory); the twin
-scenarios (tests/test_core_runs.py ``run_scenario`` with ``memory=True``) route the same random traffic on a
+scenarios (tests/core/test_core_runs.py ``run_scenario`` with ``memory=True``) route the same random traffic on a
 core over LMDB and a core over memory and compare every effect and the stores' contents after each batch.
 """
 

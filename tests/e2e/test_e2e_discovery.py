@@ -2,7 +2,7 @@
 link, and random peer sampling on loopback from one bootstrap address; peers that stop advertising are
 dropped.
 
-The LAN test builds its own namespaces (tests/netns.py) and runs each daemon with ``ip netns exec``; the test
+The LAN test builds its own namespaces (tests/support/netns.py) and runs each daemon with ``ip netns exec``; the test
 talks to them through their Unix sockets, which live on the shared filesystem. Multicast is sent only inside
 those namespaces (each daemon's LAN interface is its veth). The sampling test uses loopback only, with LAN
 announcements off.

@@ -1,10 +1,10 @@
 """The wire v1.1 golden vectors (tests/vectors/wire-v1.1.json): REFUSED, SYNC_ACK's ``refused``, STATUS 11/12.
 
 Each control body is encoded from its fields and compared byte for byte, decoded back to the same fields,
-and encoded a second time by the independent encoder (tests/independent_codec.py, no shared code). Each
+and encoded a second time by the independent encoder (tests/support/independent_codec.py, no shared code). Each
 router-signed unicast is rebuilt from the fixed keys (Ed25519 is deterministic, so the signature and the id
 are fixed bytes), decoded, checked against its recorded fields, and built again by the independent encoder.
-The JS codec is checked against the same file by clients/js/test (tests/test_js_client.py runs it).
+The JS codec is checked against the same file by clients/js/test (tests/client/test_js_client.py runs it).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from upsycle_router.wire.control import (
 from upsycle_router.wire.framing import frame
 from upsycle_router.wire.messages import UnicastHeader, decode_message
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]
 VECTORS: dict[str, Any] = json.loads((HERE / "vectors" / "wire-v1.1.json").read_text())
 V1: dict[str, Any] = json.loads((HERE / "vectors" / "wire-v1.json").read_text())
 KEYS = {k["name"]: Identity.from_seed(bytes.fromhex(k["seed"])) for k in VECTORS["keys"]}

@@ -26,8 +26,8 @@ from upsycle_router.wire.app import AppMulticast, AppUnicast, MemberAdd, decode_
 from upsycle_router.wire.control import ROUTER_CODEC, Join, PullNack, Sync
 from upsycle_router.wire.messages import MulticastHeader, UnicastHeader, decode_message
 
-DIR = Path(__file__).parent / "messages"
-ROOT = Path(__file__).resolve().parent.parent
+DIR = Path(__file__).parents[1] / "messages"
+ROOT = Path(__file__).resolve().parents[2]
 EXPECTED: dict[str, dict[str, Any]] = json.loads((DIR / "expected.json").read_text())
 NAMES = sorted(EXPECTED)
 

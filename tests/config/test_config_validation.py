@@ -28,7 +28,7 @@ from upsycle_router.config import (
 from upsycle_router.config import daemon as config_mod
 from upsycle_router.errors import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 GROUP = "ab" * 32
 
 

@@ -29,7 +29,7 @@ from upsycle_router.wire.gossip import (
 )
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 G1, G2, G3 = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
 I1, I2, I3 = b"\x11" * 32, b"\x12" * 32, b"\x13" * 32
 SCHEMA = pycddl.Schema(cddl_text("gossip.cddl"))

@@ -20,10 +20,10 @@ from pyspark.sql import SparkSession
 
 from upsycle_router.analytics.session import SparkOptions, spark_session
 
-REPO = Path(__file__).resolve().parents[1]
-JOURNALS = Path(__file__).resolve().parent / "journals"
+REPO = Path(__file__).resolve().parents[2]
+JOURNALS = Path(__file__).resolve().parents[1] / "journals"
 SMALL = JOURNALS / "small"
-"""The committed three-node journal whose figures tests/test_analytics_small.py computes by hand."""
+"""The committed three-node journal whose figures tests/analytics/test_analytics_small.py computes by hand."""
 
 _session: list[SparkSession] = []
 

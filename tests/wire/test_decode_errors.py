@@ -4,7 +4,7 @@ Routed messages are checked through the library (``decode_message``) and through
 (exit 2, one line on stderr naming the field, no traceback, nothing on stdout). The other interfaces (router
 control bodies, pub/sub, discovery, application messages, session frames, post-handshake frames and the
 framing layer) are checked through their decoders. Bad inputs are built with the independent encoder
-(tests/independent_codec.py) or by hand, never with the codec under test.
+(tests/support/independent_codec.py) or by hand, never with the codec under test.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from upsycle_router.wire.framing import DEFAULT_MAX_FRAME, FrameBuffer, unframe_
 from upsycle_router.wire.messages import decode_message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 K = nacl.signing.SigningKey(bytes(range(32)))
 SRC = bytes(K.verify_key)
 DST = b"\xd5" * 32

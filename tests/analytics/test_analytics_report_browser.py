@@ -14,12 +14,12 @@ more groups (``f2…`` to ``fb…``) deliver everything.
 entry at all: the report must not say "drops: none", and its empty tables are sentences.
 
 The set of lost deliveries is also checked against a direct computation (replaying each subscriber's joins
-and leaves before each publish, as tests/analytics_reference.py does) on the seeded random fleet of
-tests/test_analytics_random.py, whose ties, repeated joins and unexpected deliveries are where a mistake in
+and leaves before each publish, as tests/support/analytics_reference.py does) on the seeded random fleet of
+tests/analytics/test_analytics_random.py, whose ties, repeated joins and unexpected deliveries are where a mistake in
 the subscription spans would show.
 
 The Spark job's ``lost.parquet`` and ``summary.json`` are checked against the scenario; then ``report.html``
-is rendered by headless Debian Chromium (playwright-core, as in tests/test_browser.py; ``tests/browser/
+is rendered by headless Debian Chromium (playwright-core, as in tests/e2e/test_browser.py; ``tests/browser/
 setup.sh`` installs them) at 1280x800 and at 480x800, screenshots are saved in the test's tmp dir, and the
 DOM is checked: the page never scrolls sideways (wide tables scroll inside their own container), the lost
 deliveries table lists the expected ids with their causes, the images load, the page asks for nothing over

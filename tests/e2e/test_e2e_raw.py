@@ -53,8 +53,8 @@ from raw_app import (
     unicast,
 )
 
-VECTORS = Path(__file__).parent / "vectors" / "wire-v1.json"
-VECTORS_V11 = Path(__file__).parent / "vectors" / "wire-v1.1.json"
+VECTORS = Path(__file__).parents[1] / "vectors" / "wire-v1.json"
+VECTORS_V11 = Path(__file__).parents[1] / "vectors" / "wire-v1.1.json"
 MALFORMED_CODES = (ERR_PROTOCOL, ERR_FRAME_TOO_LARGE)
 
 

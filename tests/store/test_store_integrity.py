@@ -34,7 +34,7 @@ from upsycle_router.store.integrity import (
 )
 from upsycle_router.store.lmdb_store import LmdbStore, RouteEntry
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MAP = 1 << 24
 T = 1_800_000_000.0
 A, B, C = (bytes([i]) * 32 for i in (0xA1, 0xB2, 0xC3))

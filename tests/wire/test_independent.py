@@ -1,4 +1,4 @@
-"""Conformance against an independent encoder (tests/independent_codec.py, written from docs/protocol.md only).
+"""Conformance against an independent encoder (tests/support/independent_codec.py, written from docs/protocol.md only).
 
 The independent encoder is first checked against RFC 8949 Appendix A and against the golden vectors, then
 used to build unicast and multicast messages that the router must read the same way: in process through
@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 from upsycle_router.crypto import message_signature_valid
 from upsycle_router.wire.messages import MulticastHeader, UnicastHeader, decode_message
 
-ROOT = Path(__file__).resolve().parent.parent
-VECTORS: dict[str, Any] = json.loads((Path(__file__).parent / "vectors" / "wire-v1.json").read_text())
-VECTORS_V11: dict[str, Any] = json.loads((Path(__file__).parent / "vectors" / "wire-v1.1.json").read_text())
+ROOT = Path(__file__).resolve().parents[2]
+VECTORS: dict[str, Any] = json.loads((Path(__file__).parents[1] / "vectors" / "wire-v1.json").read_text())
+VECTORS_V11: dict[str, Any] = json.loads((Path(__file__).parents[1] / "vectors" / "wire-v1.1.json").read_text())
 SEEDS = {k["name"]: bytes.fromhex(k["seed"]) for k in VECTORS["keys"]}
 KEYS = {name: nacl.signing.SigningKey(seed) for name, seed in SEEDS.items()}
 PUB = {name: bytes(k.verify_key) for name, k in KEYS.items()}

@@ -25,7 +25,7 @@ from upsycle_router.wire.cbor import enc
 from upsycle_router.wire.framing import frame
 from upsycle_router.wire.session import Auth, Hello
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SLICE = settings(
     max_examples=300,
     deadline=None,

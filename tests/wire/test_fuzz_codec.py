@@ -31,7 +31,7 @@ from upsycle_router.wire.framing import FrameBuffer, unframe_one
 from upsycle_router.wire.messages import decode_message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]
 VECTORS: dict[str, Any] = json.loads((HERE / "vectors" / "wire-v1.json").read_text())
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

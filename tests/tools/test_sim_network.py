@@ -52,7 +52,7 @@ from upsycle_router.wire.gossip import GossipRpc, IHave
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub, Unsub
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- the translation, against the daemon's adapters

@@ -4,7 +4,7 @@ Covered: routed unicast and multicast messages (with and without VIA, 0..16 seen
 message (JOIN .. SYNC_ACK), SUB .. UNSUB_ACK, PEER_ADVERTISEMENT over ip4/ip6 and TCP/UDP, application
 messages with every body kind, HELLO/AUTH/ERROR, post-handshake frames, and the framing buffer fed in
 random chunk splits. Where the encoding is simple enough, the library's bytes are also compared with the
-independent encoder (tests/independent_codec.py), so the round trip cannot pass by two symmetric mistakes.
+independent encoder (tests/support/independent_codec.py), so the round trip cannot pass by two symmetric mistakes.
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ from upsycle_router.wire.framing import FrameBuffer, frame, unframe_one
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 from upsycle_router.wire.session import Auth, Hello, decode_frame, decode_session_frame
 
-VECTORS: dict[str, Any] = json.loads((Path(__file__).parent / "vectors" / "wire-v1.json").read_text())
+VECTORS: dict[str, Any] = json.loads((Path(__file__).parents[1] / "vectors" / "wire-v1.json").read_text())
 KEYS = {k["name"]: Identity.from_seed(bytes.fromhex(k["seed"])) for k in VECTORS["keys"]}
 BY_PUBLIC = {k.public: k for k in KEYS.values()}
 MESSAGES = {m["name"]: m for m in VECTORS["messages"]}

@@ -54,7 +54,7 @@ from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, PubSubMessage, Sub, SubAck, Unsub, UnsubAck
 from upsycle_router.wire.session import Auth, Error, Hello
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]
 VECTORS: dict[str, Any] = json.loads((HERE / "vectors" / "wire-v1.json").read_text())
 ROOTS = [
     "message", "router-message", "pubsub-message", "discovery-message", "discovery-service-message", "app-message",

@@ -54,7 +54,7 @@ DG = DISCOVERY_GROUP
 
 @cache
 def schema() -> pycddl.Schema:
-    text = (Path(__file__).parents[1] / "upsycle_router" / "wire" / "upsycle.cddl").read_text()
+    text = (Path(__file__).parents[2] / "upsycle_router" / "wire" / "upsycle.cddl").read_text()
     return pycddl.Schema("root = discovery-service-message\n" + text)
 
 

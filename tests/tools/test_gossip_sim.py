@@ -22,7 +22,7 @@ from upsycle_router.wire.messages import Message
 
 GK = Identity.from_seed(b"\x07" * 32)
 G = GK.public
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]
 
 
 def formed(n: int, seed: int, params: GossipParams | None = None, joiners: range | None = None, **kw: object) -> Sim:
