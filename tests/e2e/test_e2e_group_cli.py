@@ -103,3 +103,23 @@ def test_group_commands_from_a_shell(daemon: DaemonFactory, tmp_path: Path) -> N
     assert r.returncode == 1 and "not a member" in r.stderr
     r = group("a", "send", "--wait", "0", "zz", "x")
     assert r.returncode != 0 and "group" in r.stderr
+
+
+def test_an_invitation_the_router_refuses_is_reported_not_promised(daemon: DaemonFactory, tmp_path: Path) -> None:
+    """A welcome to a key the router never saw is refused (no_route): ``group add`` says so and exits 1,
+    instead of promising that the member gets it when back."""
+    d = daemon()
+    a_key, stranger_key = tmp_path / "a.key", tmp_path / "stranger.key"
+    keygen(a_key)
+    stranger = keygen(stranger_key)  # a key that never connected to this router
+
+    def group(*args: str) -> subprocess.CompletedProcess[str]:
+        return cli("group", args[0], "--socket", str(d.sock), "--key", str(a_key), "--data", str(tmp_path / "a"),
+                   *args[1:], timeout=30)  # fmt: skip
+
+    gid = group("create").stdout.strip()
+    assert HEX64.match(gid)
+    r = group("add", gid, stranger)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "no_route" in r.stderr and stranger[:16] in r.stderr, r.stderr
+    assert "they get it when they are back" not in r.stderr, r.stderr

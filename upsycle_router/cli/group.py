@@ -32,6 +32,7 @@ from upsycle_router.client.groups.store import GroupStoreError
 from upsycle_router.config import parse_key
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ConfigError, KeyFileError
+from upsycle_router.wire.control import Reason, reason_label
 
 SETTLE_QUIET = 0.3
 SETTLE_MAX = 3.0
@@ -61,21 +62,34 @@ async def settle(mgr: GroupManager, quiet: float = SETTLE_QUIET, limit: float = 
 
 
 async def wait_acknowledged(s: GroupSession, seconds: float) -> frozenset[bytes]:
-    """Wait (at most ``seconds``) until every member has acknowledged this member's last message; return who
-    has not."""
+    """Wait (at most ``seconds``) until every member has acknowledged this member's last message, or the router
+    refused what went to those who have not; return who has not."""
     deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0 and s.core.unacknowledged():
+    refused = s.manager.refused_to
+    while (left := deadline - time.monotonic()) > 0 and (missing := s.core.unacknowledged()):
+        if all(k in refused for k in missing):
+            break
         await s.manager.wait_changed(min(left, 0.25))
     return s.core.unacknowledged()
 
 
-async def _after_send(s: GroupSession, args: argparse.Namespace) -> None:
-    if args.wait > 0:
-        missing = await wait_acknowledged(s, args.wait)
-        if missing:
-            names = ", ".join(sorted(k.hex()[:16] for k in missing))
-            print(f"note: not acknowledged yet by {names} (offline? they get it when they are back)",
-                  file=sys.stderr)  # fmt: skip
+async def _after_send(s: GroupSession, args: argparse.Namespace) -> int:
+    """Report who has not acknowledged: 1 if the router refused what went to some of them (wire v1.1
+    REFUSED: an invitation to a key the router never saw is no member "away"), else 0."""
+    if args.wait <= 0:
+        return 0
+    missing = await wait_acknowledged(s, args.wait)
+    refused = {k: s.manager.refused_to[k] for k in missing if k in s.manager.refused_to}
+    for k, why in sorted(refused.items()):
+        hint = " (the router never saw that key: the member must connect to a router first)" if (
+            why == Reason.NO_ROUTE) else ""
+        print(f"error: the router refused what went to {k.hex()[:16]}: {reason_label(why)}{hint}; it is kept and sent "
+              "again by the next group command here", file=sys.stderr)
+    away = sorted(k.hex()[:16] for k in missing if k not in refused)
+    if away:
+        print(f"note: not acknowledged yet by {', '.join(away)} (offline? they get it when they are back)",
+              file=sys.stderr)
+    return 1 if refused else 0
 
 
 def _run(args: argparse.Namespace, fn: Callable[[GroupManager], Awaitable[int]]) -> int:
@@ -142,8 +156,7 @@ def cmd_add(args: argparse.Namespace) -> int:
         via = parse_key(args.via, "via") if args.via else None
         await s.add(*(parse_key(m, "member") for m in args.members), via=via)
         print(f"added {len(args.members)}; members now {len(s.members)}")
-        await _after_send(s, args)
-        return 0
+        return await _after_send(s, args)
 
     return _run(args, go)
 
@@ -156,8 +169,7 @@ def cmd_remove(args: argparse.Namespace) -> int:
         s = _session(mgr, args.group)
         await s.remove(*(parse_key(m, "member") for m in args.members))
         print(f"removed {len(args.members)}; members now {len(s.members)}; epoch {s.epoch}", flush=True)
-        await _after_send(s, args)
-        return 0
+        return await _after_send(s, args)
 
     return _run(args, go)
 
@@ -170,8 +182,7 @@ def cmd_rotate(args: argparse.Namespace) -> int:
         s = _session(mgr, args.group)
         await s.rotate()
         print(f"epoch {s.epoch}", flush=True)
-        await _after_send(s, args)
-        return 0
+        return await _after_send(s, args)
 
     return _run(args, go)
 
@@ -192,8 +203,7 @@ def cmd_admin(args: argparse.Namespace) -> int:
         else:
             await s.remove_admins(*keys)
         print(f"admins now {len(s.admins)}", flush=True)
-        await _after_send(s, args)
-        return 0
+        return await _after_send(s, args)
 
     return _run(args, go)
 
@@ -210,8 +220,7 @@ def cmd_send(args: argparse.Namespace) -> int:
         else:
             mid = await s.send(body)
         print(mid.hex(), flush=True)
-        await _after_send(s, args)
-        return 0
+        return await _after_send(s, args)
 
     return _run(args, go)
 

@@ -109,6 +109,9 @@ class GroupManager:
         self._tasks: list[asyncio.Task[None]] = []
         self._fetch_tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        # The last REFUSED reason for a unicast (a welcome, a key share) to each key, until one is taken: what an
+        # inviter is told when a member does not acknowledge (a key its router never saw is no member "away").
+        self.refused_to: dict[bytes, int] = {}  # key -> REFUSED reason code
         self.connects = 0
 
     # ------------------------------------------------------------ opening and closing
@@ -411,6 +414,12 @@ class GroupManager:
                 for s in sent:
                     core = self.cores.get(s.gid)
                     r = refused.get(s.message.id)
+                    h = s.message.header
+                    if isinstance(s, ev.SendUnicast) and isinstance(h, UnicastHeader):
+                        if r is None:
+                            self.refused_to.pop(h.dst, None)
+                        else:
+                            self.refused_to[h.dst] = r.reason
                     if r is not None and r.reason in RETRY_REASONS:
                         # Not taken for now (a full queue or store, a busy router): it stays in the outbox and
                         # is sent again when the session (or its connection) starts again.
