@@ -103,7 +103,8 @@ class Connection(asyncio.Protocol):
         self.handler = handler
         self.kind = kind  # "unix", "tls" or "websocket"
         self.dialled = dialled
-        # whether peers on this connection may be local services (PROTOCOL.md §7); the driver decides
+        # whether peers on this connection may be local services (docs/protocol.md, "Local and remote
+        # peers"); the driver decides
         self.local_capable = kind == "unix" if local_capable is None else local_capable
         self.max_frame = max_frame
         self.write_high_water = write_high_water

@@ -3,7 +3,7 @@
 One :class:`StreamConnection` per accepted or dialled connection. Everything but the framing (the session,
 the handshake timer, flow control, the close rules) lives in
 :class:`~upsycle_router.transport.connection.Connection`; this class only frames payloads with the 4-byte
-length of PROTOCOL.md §5 and feeds received bytes to the session's frame reader.
+length of the stream framing (docs/protocol.md, "Framing") and feeds received bytes to the session's frame reader.
 """
 
 from __future__ import annotations
