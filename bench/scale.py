@@ -445,6 +445,11 @@ class Ctx:
         self.trees: list[tuple[str, Path]] = [("this", REPO)]
         if args.baseline_tree:
             self.trees.insert(0, ("baseline", args.baseline_tree.resolve()))
+        for spec in args.tree:  # more trees: LABEL=PATH
+            label, _, path = spec.partition("=")
+            self.trees.append((label, Path(path).resolve()))
+        if args.no_this:
+            self.trees = [t for t in self.trees if t[0] != "this"]
         self.router = _key("router")
         self.group = _key("group")
         self.publisher = _key("publisher")
@@ -848,6 +853,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--part", default=",".join(PARTS), help=f"comma-separated: {','.join(PARTS)}")
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="another checkout of the router (C extensions built) measured alternately in the same run")
+    p.add_argument("--tree", action="append", default=[], metavar="LABEL=DIR",
+                   help="a further checkout to measure alternately (repeatable)")
+    p.add_argument("--no-this", action="store_true", help="measure only the trees given, not this checkout")
     p.add_argument("--repeat", type=int, default=1, help="repetitions of every measurement (medians reported)")
     p.add_argument("--durability", default="fsync", choices=("fsync", "batch", "none"))
     p.add_argument("--max-connections", type=int, default=0,
