@@ -869,6 +869,44 @@ def test_a_failed_commit_is_rolled_back_in_memory_too(path: Path) -> None:
         s.close()
 
 
+def test_queue_usage_changed_in_a_transaction_is_seen_in_it_written_at_commit_and_dropped_on_abort(
+    path: Path,
+) -> None:
+    """The queue usage (qstats) a transaction changes is held in memory and written once before the commit: reads
+    inside the transaction see it, a commit writes it (the store checks clean), an abort or a failed commit on
+    the commit thread forgets it."""
+    s = LmdbStore(path, Durability.NONE, map_size=MAP)
+    try:
+        with s.transaction():
+            s.put_message(mid(1), b"one", G1, T + 50)
+            s.enqueue(A, mid(1), T + 50, 10)
+            s.enqueue(B, mid(1), T + 50, 10)
+            assert s.queue_usage(A) == (1, 10)
+            assert s.queue_recipients() == {A: (1, 10), B: (1, 10)}
+        with pytest.raises(RuntimeError), s.transaction():
+            s.dequeue(A, s.queue(A)[0].seq)
+            s.enqueue(C, mid(1), T + 50, 10)
+            assert s.queue_usage(A) == (0, 0)
+            assert s.queue_recipients() == {B: (1, 10), C: (1, 10)}
+            raise RuntimeError("boom")
+        assert s.queue_usage(A) == (1, 10) and s.queue_usage(C) == (0, 0)
+        assert s.queue_recipients() == {A: (1, 10), B: (1, 10)}
+        s.attach(s.env.begin(write=True))  # a commit that fails on the commit thread
+        s.dequeue(B, s.queue(B)[0].seq)
+        txn = s.detach()
+        txn.abort()
+        s.aborted()
+        assert s.queue_usage(B) == (1, 10)
+        with s.transaction():
+            s.dequeue(B, s.queue(B)[0].seq)
+            s.enqueue(A, mid(1), T + 50, 5)
+        assert s.queue_usage(A) == (2, 15) and s.queue_usage(B) == (0, 0)
+        assert s.queue_recipients() == {A: (2, 15)}
+    finally:
+        s.close()
+    assert check_store(path) == []  # qstats agree with the queues
+
+
 def test_sweep_and_delete_reach_messages_not_yet_indexed(path: Path) -> None:
     s = LmdbStore(path, Durability.NONE, map_size=MAP, index_batch=100)
     try:

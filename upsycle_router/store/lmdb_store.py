@@ -64,6 +64,7 @@ from upsycle_router.store.integrity import check_before_open, mark_initialised
 from upsycle_router.store.layout import (
     HEAD_GROUP,
     HEAD_NO_GROUP,
+    ID_LEN,
     KEY_LEN,
     MSG_EXP_SEQ_AT,
     NEVER_MS,
@@ -76,6 +77,7 @@ from upsycle_router.store.layout import (
     REC_FLAG_AT,
     REC_GROUP,
     REC_GROUP_AT,
+    REC_ID_AT,
     REC_ID_AT_GROUP,
     REC_NO_GROUP,
     SCHEMA_VERSION,
@@ -132,6 +134,10 @@ class LmdbStore(LmdbTables):
             readahead=False,
         )
         self._txn: Any = None
+        # Queue usage (qstats) changed by the open write transaction: recipient -> (count, bytes), written in one
+        # go before it commits (count 0: the record is deleted). A drain changes one recipient's usage 512 times
+        # a batch; read-modify-writing its record each time cost more than the rest of the dequeue.
+        self._qstats: dict[bytes, tuple[int, int]] = {}
         # has_room in this transaction: [estimated bytes used, most bytes usable, bytes used at its start]
         self._room: list[int] | None = None
         self._last_charge = 0  # what has_room admitted in the last committed transaction
@@ -181,8 +187,11 @@ class LmdbStore(LmdbTables):
 
     def _begun(self) -> None:
         self._room = None
+        self._qstats.clear()
 
     def _before_commit(self) -> None:
+        if self._qstats:
+            self._write_qstats()
         if self._next_seq != self._saved_seq:  # a batch that wrote nothing commits (and syncs) nothing
             self._put("meta", b"seq", U64.pack(self._next_seq))
 
@@ -196,6 +205,7 @@ class LmdbStore(LmdbTables):
         # The id index and the msg_exp entries in memory may include messages of the aborted transaction, or
         # miss ones it removed or wrote out: build them again from what is committed. (Sequence numbers stay
         # taken: a gap is harmless.)
+        self._qstats.clear()
         if not self._opened:
             return  # the opening transaction failed: its error is the one to see, and the store is not used
         with self.env.begin() as txn:
@@ -475,10 +485,23 @@ class LmdbStore(LmdbTables):
 
     def _stored(self, mid: bytes, seqs: list[int] | None = None) -> tuple[bytes, bytes] | None:
         """``(seq, record)`` of a stored message; ``seqs``: what the id index gave for ``mid`` already."""
-        for s in self._index.find(mid) if seqs is None else seqs:
+        if seqs is None:
+            seqs = self._index.find(mid)
+            if not seqs:
+                return None
+        txn = self._txn
+        if txn is None or len(mid) != ID_LEN:
+            for s in seqs:
+                seq = U64.pack(s)
+                v = self._get("msgs", seq)
+                if v is not None and record_id(v) == mid:  # (not another id with the same fingerprint)
+                    return seq, v
+            return None
+        msgs = self._db["msgs"]  # (inside a batch: this runs for every message a queue drain sends and removes)
+        for s in seqs:
             seq = U64.pack(s)
-            v = self._get("msgs", seq)
-            if v is not None and record_id(v) == mid:  # (not another id with the same fingerprint)
+            v = txn.get(seq, db=msgs)
+            if v is not None and v.startswith(mid, REC_ID_AT_GROUP if v[REC_FLAG_AT] == REC_GROUP else REC_ID_AT):
                 return seq, v
         return None
 
@@ -528,26 +551,37 @@ class LmdbStore(LmdbTables):
         self._next_seq += 1
         exp = _ms(expires)
         flagged = size | STRANGER_FLAG if stranger else size
-        self._put("queues", recipient + U64.pack(seq), QUEUE.pack(mid, exp, flagged))
+        txn, db = self._w(), self._db
+        seq_b = U64.pack(seq)
+        txn.put(recipient + seq_b, QUEUE.pack(mid, exp, flagged), db=db["queues"])
         if stranger:
             c, b = self.stranger_usage(recipient)
             self._put("sqstats", recipient, COUNTS.pack(c + 1, b + size))
             self._stranger_bytes += size
-        self._put("queue_exp", U64.pack(exp) + recipient + U64.pack(seq), b"")
-        refs = self._get("refs", mid)
-        self._put("refs", mid, U64.pack((U64.unpack(refs)[0] if refs else 0) + 1))
+        txn.put(U64.pack(exp) + recipient + seq_b, b"", db=db["queue_exp"])
+        refs = txn.get(mid, db=db["refs"])
+        txn.put(mid, U64.pack((U64.unpack(refs)[0] if refs else 0) + 1), db=db["refs"])
         count, nbytes = self.queue_usage(recipient)
-        self._put("qstats", recipient, COUNTS.pack(count + 1, nbytes + size))
+        self._qstats[recipient] = (count + 1, nbytes + size)
         return QueueEntry(recipient, seq, mid, exp / 1000.0, size)
 
     def queue(self, recipient: bytes, limit: int | None = None, after: int = 0) -> list[QueueEntry]:
         """The oldest entries of ``recipient``'s queue with a sequence number above ``after``, in order."""
-        out = []
-        for k, v in self._prefix("queues", recipient, recipient + U64.pack(after + 1) if after > 0 else None):
-            mid, exp, size = QUEUE.unpack(v)
-            out.append(QueueEntry(recipient, U64.unpack_from(k, QUEUE_SEQ_AT)[0], mid, exp / 1000.0, size & SIZE_MASK))
-            if limit is not None and len(out) >= limit:
-                break
+        out: list[QueueEntry] = []
+        unpack, seq_of = QUEUE.unpack, U64.unpack_from
+        with self._r() as txn:
+            cur = txn.cursor(db=self._db["queues"])
+            if not cur.set_range(recipient + U64.pack(after + 1) if after > 0 else recipient):
+                return out
+            n = len(recipient)
+            for k, v in cur:
+                if k[:n] != recipient:
+                    break
+                mid, exp, size = unpack(v)
+                out.append(QueueEntry(recipient, seq_of(k, QUEUE_SEQ_AT)[0], bytes(mid), exp / 1000.0,
+                                      size & SIZE_MASK))
+                if limit is not None and len(out) >= limit:
+                    break
         return out
 
     def dequeue(self, recipient: bytes, seq: int) -> QueueEntry | None:
@@ -556,8 +590,10 @@ class LmdbStore(LmdbTables):
         A unicast message (stored without a group) is deleted with its last queue entry; group messages stay
         in the message store until they expire, for PULL.
         """
+        txn, db = self._w(), self._db
         key = recipient + U64.pack(seq)
-        v = self._get("queues", key)
+        queues = db["queues"]
+        v = txn.get(key, db=queues)
         if v is None:
             return None
         mid, exp, size = QUEUE.unpack(v)
@@ -569,26 +605,38 @@ class LmdbStore(LmdbTables):
             else:
                 self._put("sqstats", recipient, COUNTS.pack(c - 1, max(0, b - size)))
             self._stranger_bytes = max(0, self._stranger_bytes - size)
-        self._delete("queues", key)
-        self._delete("queue_exp", U64.pack(exp) + key)
-        refs_raw = self._get("refs", mid)
+        txn.delete(key, db=queues)
+        txn.delete(U64.pack(exp) + key, db=db["queue_exp"])
+        refs_db = db["refs"]
+        refs_raw = txn.get(mid, db=refs_db)
         refs = (U64.unpack(refs_raw)[0] if refs_raw else 1) - 1
         if refs > 0:
-            self._put("refs", mid, U64.pack(refs))
+            txn.put(mid, U64.pack(refs), db=refs_db)
         else:
-            self._delete("refs", mid)
+            txn.delete(mid, db=refs_db)
             found = self._stored(mid)
             if found is not None and found[1][REC_FLAG_AT] == REC_NO_GROUP:  # (unicast: no group)
                 self._drop(mid, *found)
         count, nbytes = self.queue_usage(recipient)
-        if count <= 1:
-            self._delete("qstats", recipient)
-        else:
-            self._put("qstats", recipient, COUNTS.pack(count - 1, max(0, nbytes - size)))
+        self._qstats[recipient] = (count - 1, max(0, nbytes - size)) if count > 1 else (0, 0)
         return QueueEntry(recipient, seq, mid, exp / 1000.0, size)
+
+    def _write_qstats(self) -> None:
+        """Write the queue usage the open transaction changed (before it commits)."""
+        txn, qstats = self._w(), self._db["qstats"]
+        pack = COUNTS.pack
+        for recipient, (count, nbytes) in sorted(self._qstats.items()):
+            if count > 0:
+                txn.put(recipient, pack(count, nbytes), db=qstats)
+            else:
+                txn.delete(recipient, db=qstats)
+        self._qstats.clear()
 
     def queue_usage(self, recipient: bytes) -> tuple[int, int]:
         """``(count, bytes)`` queued for ``recipient``."""
+        pending = self._qstats.get(recipient)
+        if pending is not None:
+            return pending
         v = self._get("qstats", recipient)
         if v is None:
             return 0, 0
@@ -613,7 +661,12 @@ class LmdbStore(LmdbTables):
         for k, v in self._prefix("qstats", b""):
             c, b = COUNTS.unpack(v)
             out[k] = (int(c), int(b))
-        return out
+        for k, usage in self._qstats.items():  # (changed by the open transaction, not written yet)
+            if usage[0] > 0:
+                out[k] = usage
+            else:
+                out.pop(k, None)
+        return dict(sorted(out.items()))
 
     # ------------------------------------------------------------ expiry
 
