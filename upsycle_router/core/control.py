@@ -25,7 +25,18 @@ from collections.abc import Callable
 from upsycle_router.core.delivery import Delivery
 from upsycle_router.core.events import Effect, PeerLearned, Send, Trace
 from upsycle_router.core.state import Conn, RouterState
-from upsycle_router.core.trace import Ev, Kind, Role, Why
+from upsycle_router.core.trace import (
+    CONTROL,
+    DELIVERED,
+    DROPPED,
+    JOINED,
+    LEFT,
+    MULTICAST,
+    PULLED,
+    RECEIVED,
+    SERVICE,
+    Why,
+)
 from upsycle_router.crypto import advert_valid, message_signature_valid
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import exp_to_unix, expires_at
@@ -82,21 +93,21 @@ class ControlPlane:
             out.append(Send(c.id, reply.encode()))
             return
         if to in self.s.locals:
-            self.delivery.deliver(to, reply, None, len(reply.encode()), now, out, kind=Kind.CONTROL)
+            self.delivery.deliver(to, reply, None, len(reply.encode()), now, out, kind=CONTROL)
 
     def _send_to_service(self, service: bytes, body: bytes, now: float, out: list[Effect]) -> None:
         m = self.s.signed_to(service, body, now)
-        self.delivery.deliver(service, m, None, len(m.encode()), now, out, kind=Kind.CONTROL)
+        self.delivery.deliver(service, m, None, len(m.encode()), now, out, kind=CONTROL)
 
     def _to_cores(self, body: bytes, now: float, out: list[Effect]) -> None:
         """Send ``body`` (a JOIN or LEAVE of this edge router) to each of its core nodes."""
         for core in sorted(self.s.config.upstream):
             m = self.s.signed_to(core, body, now)
-            self.delivery.to_router(core, m, None, len(m.encode()), now, out, kind=Kind.CONTROL)
+            self.delivery.to_router(core, m, None, len(m.encode()), now, out, kind=CONTROL)
 
     def handle(self, c: Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
         def drop(reason: Why) -> None:
-            self.delivery.dropped(c, msg.id, reason, 0, now, out, Kind.CONTROL, None, h.src, h.dst, size)
+            self.delivery.dropped(c, msg.id, reason, 0, now, out, CONTROL, None, h.src, h.dst, size)
 
         try:
             body = decode_control(msg.body)
@@ -111,7 +122,7 @@ class ControlPlane:
             if not isinstance(inner.header, MulticastHeader):
                 drop(Why.UNKNOWN_CONTROL)
                 return
-            out.append(Trace(Ev.RECEIVED, inner.id, Kind.MULTICAST, inner.header.grp, None, None, c.peer,
+            out.append(Trace(RECEIVED, inner.id, MULTICAST, inner.header.grp, None, None, c.peer,
                              len(msg.body), local=c.local))
             # Refused under the id of the unicast that carried it (the one its sender knows), traced under its own.
             reason = (
@@ -119,7 +130,7 @@ class ControlPlane:
                 else None if message_signature_valid(inner) else Why.BAD_SIGNATURE
             )
             if reason is not None:
-                self.delivery.dropped(c, msg.id, reason, 0, now, out, Kind.MULTICAST, inner.header.grp, None,
+                self.delivery.dropped(c, msg.id, reason, 0, now, out, MULTICAST, inner.header.grp, None,
                                       None, len(msg.body), inner.id)
                 return
             self.route_multicast(c, inner.with_via(None) if c.local else inner, inner.header, len(msg.body), now, out,
@@ -174,14 +185,14 @@ class ControlPlane:
         if not self._may_join(c, requester, j.addr):
             # The negative answer first (a client waiting for it gets it), then the refusal (for its SYNC_ACK).
             self._reply(c, requester, encode_router(JoinAck(j.addr, Result.FAILURE)), now, out)
-            self.delivery.dropped(c, msg.id, Why.NOT_AUTHORIZED, 0, now, out, Kind.CONTROL, j.addr, h.src, h.dst,
+            self.delivery.dropped(c, msg.id, Why.NOT_AUTHORIZED, 0, now, out, CONTROL, j.addr, h.src, h.dst,
                                   size)
             return
         members = self.s.subs.setdefault(j.addr, {})
         if members.get(requester) != j.local:
             members[requester] = j.local
             self.s.store.add_subscriber(j.addr, requester, j.local)
-        out.append(Trace(Ev.JOINED, None, Kind.CONTROL, j.addr, requester, peer=c.peer, role=self.s.role(requester)))
+        out.append(Trace(JOINED, None, CONTROL, j.addr, requester, peer=c.peer, role=self.s.role(requester)))
         self._reply(c, requester, encode_router(JoinAck(j.addr, Result.SUCCESS)), now, out)
         if not j.local and c.local and self.s.config.upstream and j.addr not in self.s.upstream_groups:
             self.s.upstream_groups.add(j.addr)
@@ -201,7 +212,7 @@ class ControlPlane:
             return
         del members[requester]
         self.s.store.remove_subscriber(lv.addr, requester)
-        out.append(Trace(Ev.LEFT, None, Kind.CONTROL, lv.addr, requester, peer=c.peer, role=self.s.role(requester)))
+        out.append(Trace(LEFT, None, CONTROL, lv.addr, requester, peer=c.peer, role=self.s.role(requester)))
         self._reply(c, requester, encode_router(LeaveAck(lv.addr, Result.SUCCESS)), now, out)
         ps = self.s.config.pubsub_service
         remaining = set(members) - ({ps} if ps else set())
@@ -245,7 +256,7 @@ class ControlPlane:
                 if key not in mine and s.served_by(key) is None:
                     s.learn_route(key, c.peer, ROUTE_REGISTERED, expires)
             return
-        self.delivery.dropped(c, msg.id, Why.NOT_AUTHORIZED, 0, now, out, Kind.CONTROL, None, h.src, h.dst, size)
+        self.delivery.dropped(c, msg.id, Why.NOT_AUTHORIZED, 0, now, out, CONTROL, None, h.src, h.dst, size)
 
     def send_register(self, c: Conn, keys: list[bytes], now: float, out: list[Effect]) -> None:
         """REGISTER ``keys`` at the router on ``c`` (in as many messages as it takes)."""
@@ -266,7 +277,7 @@ class ControlPlane:
     ) -> None:
         if not self._may_pull(c, h.src):
             self._reply(c, h.src, encode_router(PullNack(p.addr, p.id)), now, out)
-            self.delivery.dropped(c, msg.id, Why.NOT_AUTHORIZED, 0, now, out, Kind.CONTROL, p.addr, h.src, h.dst,
+            self.delivery.dropped(c, msg.id, Why.NOT_AUTHORIZED, 0, now, out, CONTROL, p.addr, h.src, h.dst,
                                   size)
             return
         stored = self.s.store.get_message(p.id)
@@ -274,7 +285,7 @@ class ControlPlane:
             self._reply(c, h.src, encode_router(PullNack(p.addr, p.id)), now, out)
             return
         out.append(Send(c.id, stored.data))
-        out.append(Trace(Ev.PULLED, p.id, Kind.MULTICAST, p.addr, None, h.src, c.peer, len(stored.data)))
+        out.append(Trace(PULLED, p.id, MULTICAST, p.addr, None, h.src, c.peer, len(stored.data)))
 
     def _advert(
         self, c: Conn, msg: Message, adv: PeerAdvertisement, h: UnicastHeader, size: int, now: float, out: list[Effect]
@@ -282,7 +293,7 @@ class ControlPlane:
         from_discovery = c.local and h.src == self.s.config.discovery_service
 
         def drop(reason: Why) -> None:
-            self.delivery.dropped(c, msg.id, reason, 0, now, out, Kind.CONTROL, None, h.src, h.dst, size)
+            self.delivery.dropped(c, msg.id, reason, 0, now, out, CONTROL, None, h.src, h.dst, size)
 
         if not advert_valid(adv) or (adv.id != h.src and not from_discovery):
             drop(Why.BAD_SIGNATURE)
@@ -296,7 +307,7 @@ class ControlPlane:
 
         def drop(reason: Why) -> None:
             # Traced, not refused: the router is one member of the group, and the others still get the message.
-            out.append(Trace(Ev.DROPPED, msg.id, Kind.MULTICAST, h.grp, None, self.s.id, c.peer, size, reason))
+            out.append(Trace(DROPPED, msg.id, MULTICAST, h.grp, None, self.s.id, c.peer, size, reason))
 
         try:
             adv = decode_discovery(msg.body)
@@ -307,8 +318,8 @@ class ControlPlane:
             drop(Why.BAD_SIGNATURE)
             return
         if self._learn_advert(adv, adv.id, c.peer, now, out, drop):
-            out.append(Trace(Ev.DELIVERED, msg.id, Kind.MULTICAST, h.grp, None, self.s.id, self.s.id, size,
-                             role=Role.SERVICE))
+            out.append(Trace(DELIVERED, msg.id, MULTICAST, h.grp, None, self.s.id, self.s.id, size,
+                             role=SERVICE))
 
     def _learn_advert(
         self,

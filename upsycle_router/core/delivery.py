@@ -32,7 +32,7 @@ from __future__ import annotations
 from upsycle_router.core.events import ConnId, Dial, Effect, Send, Throttle, Trace
 from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.state import Conn, Forwarded, RouterState
-from upsycle_router.core.trace import REFUSAL, Ev, Kind, Why
+from upsycle_router.core.trace import DELIVERED, DROPPED, FORWARDED, QUEUED, REFUSAL, REFUSED, Kind, Why
 from upsycle_router.expiry import expires_at
 from upsycle_router.wire.control import Reason, Refused, encode_router, reason_label
 from upsycle_router.wire.messages import Message, UnicastHeader
@@ -93,7 +93,7 @@ class Delivery:
                     self.flush(c, now, out)  # sends it at once unless entries are in flight or c is blocked
                 return why
             if c.blocked:
-                out.append(Trace(Ev.DROPPED, msg.id, kind, group, None, key, key, size, Why.OVERLOADED,
+                out.append(Trace(DROPPED, msg.id, kind, group, None, key, key, size, Why.OVERLOADED,
                                  role=self.s.role(key)))
                 return Reason.OVERLOADED
             if fanout is not None:
@@ -101,10 +101,10 @@ class Delivery:
             else:
                 out.append(Send(conn, data))
             if self.s.tracing:
-                event = Ev.DELIVERED if c.local or group is not None else Ev.FORWARDED
+                event = DELIVERED if c.local or group is not None else FORWARDED
                 src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
                 out.append(Trace(event, msg.id, kind, group, src, key, key, size,
-                                 role=self.s.role(key) if event == Ev.DELIVERED else None))
+                                 role=self.s.role(key) if event == DELIVERED else None))
             return None
         return self.enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger, remote=remote,
                             origin=origin)
@@ -131,7 +131,7 @@ class Delivery:
         src = h.src if isinstance(h, UnicastHeader) else None
 
         def drop(reason: Why) -> Reason:
-            out.append(Trace(Ev.DROPPED, msg.id, kind, group, src, key, None, size, reason, role=self.s.role(key)))
+            out.append(Trace(DROPPED, msg.id, kind, group, src, key, None, size, reason, role=self.s.role(key)))
             if origin is not None and reason in (Why.QUOTA, Why.STORE_FULL):
                 self.throttle(origin, out)  # a sender still writing into a full queue or store is slowed too
             return REFUSAL[reason]
@@ -167,7 +167,7 @@ class Delivery:
             if count + 1 >= bp * cfg.queue_max_count or nbytes + n >= bp * cfg.queue_max_bytes or store.pressure >= bp:
                 self.throttle(origin, out)
         if self.s.tracing:
-            out.append(Trace(Ev.QUEUED, msg.id, kind, group, src, key, size=size, role=self.s.role(key)))
+            out.append(Trace(QUEUED, msg.id, kind, group, src, key, size=size, role=self.s.role(key)))
         return None
 
     def to_router(
@@ -197,7 +197,7 @@ class Delivery:
         if conn is not None:
             out.append(Send(conn, msg.encode()))
             if s.tracing:
-                out.append(Trace(Ev.FORWARDED, msg.id, kind, group, src, dst, router, size))
+                out.append(Trace(FORWARDED, msg.id, kind, group, src, dst, router, size))
             return None
         why = self.enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, origin=origin)
         if why is None and router not in s.dialing:
@@ -225,7 +225,7 @@ class Delivery:
         """Trace that the message ``mid`` that arrived on ``c`` was dropped (``reason``), and answer ``c`` with
         REFUSED when the reason is a refusal (``count`` recipients, 0: as a whole). ``traced``: the id the trace
         record names, when it is not ``mid``."""
-        out.append(Trace(Ev.DROPPED, traced or mid, kind, group, src, dst, c.peer, size, reason))
+        out.append(Trace(DROPPED, traced or mid, kind, group, src, dst, c.peer, size, reason))
         why = REFUSAL.get(reason)
         if why is not None:
             self.refuse(c, mid, why, count, now, out, kind, group, size)
@@ -241,7 +241,7 @@ class Delivery:
         c.refused += 1
         body = encode_router(Refused(mid, int(why), count))
         out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
-        out.append(Trace(Ev.REFUSED, mid, kind, group, peer=c.peer, size=size, reason=why.label))
+        out.append(Trace(REFUSED, mid, kind, group, peer=c.peer, size=size, reason=why.label))
 
     def sync_acknowledged(self, c: Conn) -> int:
         """The refusals ``c`` was answered since its last SYNC, counted afresh from now (a SYNC_ACK reports them)."""
@@ -264,7 +264,7 @@ class Delivery:
             return
         body = encode_router(Refused(r.id, r.reason, r.count))
         out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
-        out.append(Trace(Ev.REFUSED, r.id, fwd.kind, fwd.group, peer=c.peer, size=fwd.size,
+        out.append(Trace(REFUSED, r.id, fwd.kind, fwd.group, peer=c.peer, size=fwd.size,
                          reason=reason_label(r.reason)))
 
     def throttle(self, c: Conn, out: list[Effect]) -> None:

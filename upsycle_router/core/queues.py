@@ -24,7 +24,7 @@ import contextlib
 
 from upsycle_router.core.events import Effect, QueueSent, Send, Trace
 from upsycle_router.core.state import Conn, RouterState
-from upsycle_router.core.trace import Ev, Kind, Why
+from upsycle_router.core.trace import DELIVERED, EXPIRED, FORWARDED, MULTICAST, UNICAST, Why
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.wire.messages import UnicastHeader, decode_message
 
@@ -61,7 +61,7 @@ class QueueDrain:
             if stored is None or stored.expires <= now or e.expires <= now:
                 store.dequeue(c.peer, e.seq)
                 group = stored.group if stored is not None else None
-                out.append(Trace(Ev.EXPIRED, e.id, Kind.MULTICAST if group else Kind.UNICAST, group, dst=c.peer,
+                out.append(Trace(EXPIRED, e.id, MULTICAST if group else UNICAST, group, dst=c.peer,
                                  size=e.size, reason=Why.EXPIRED, role=s.role(c.peer)))
                 continue
             size = len(stored.data)
@@ -71,20 +71,20 @@ class QueueDrain:
             out.append(Send(c.id, stored.data, (c.peer, e.seq)))
             if not s.tracing:
                 continue
-            kind = Kind.MULTICAST if stored.group is not None else Kind.UNICAST
+            kind = MULTICAST if stored.group is not None else UNICAST
             if subscribed is None:
                 subscribed = s.subscribed_anywhere()
-            event = Ev.DELIVERED if c.local or c.peer in subscribed else Ev.FORWARDED
+            event = DELIVERED if c.local or c.peer in subscribed else FORWARDED
             src = dst = None
             if stored.group is None:
                 with contextlib.suppress(RemoteProtocolError):
                     hd = decode_message(stored.data).header
                     if isinstance(hd, UnicastHeader):
                         src, dst = hd.src, hd.dst
-            if event == Ev.DELIVERED or dst is None:
+            if event == DELIVERED or dst is None:
                 dst = c.peer
             out.append(Trace(event, e.id, kind, stored.group, src, dst, c.peer, len(stored.data),
-                             role=s.role(c.peer) if event == Ev.DELIVERED else None))
+                             role=s.role(c.peer) if event == DELIVERED else None))
 
     def queue_sent(self, ev: QueueSent, now: float, out: list[Effect]) -> None:
         """The driver wrote these queue entries: remove them, and let the window move on."""
@@ -106,6 +106,6 @@ class QueueDrain:
         """Remove queued and stored messages whose time has come (a trace record each)."""
         role = self.s.role
         for e in self.store.sweep(now):
-            kind = Kind.MULTICAST if e.group is not None else Kind.UNICAST
-            out.append(Trace(Ev.EXPIRED, e.id, kind, e.group, dst=e.recipient, size=e.size, reason=Why.EXPIRED,
+            kind = MULTICAST if e.group is not None else UNICAST
+            out.append(Trace(EXPIRED, e.id, kind, e.group, dst=e.recipient, size=e.size, reason=Why.EXPIRED,
                              role=role(e.recipient)))

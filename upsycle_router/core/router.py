@@ -72,7 +72,7 @@ from upsycle_router.core.events import (
 from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.runs import multicast_run
 from upsycle_router.core.state import Conn, RouterState
-from upsycle_router.core.trace import Ev, Kind, Why
+from upsycle_router.core.trace import CONTROL, DROPPED, DUPLICATE, JOINED, MULTICAST, RECEIVED, UNICAST, Why
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode
 from upsycle_router.expiry import EPOCH_2020
@@ -211,7 +211,7 @@ class Router:
         out: list[Effect] = []
         for group in sorted(s.subs):
             for member in sorted(s.subs[group]):
-                out.append(Trace(Ev.JOINED, None, Kind.CONTROL, group, member, role=s.role(member)))
+                out.append(Trace(JOINED, None, CONTROL, group, member, role=s.role(member)))
         for key in sorted(self.store.queue_recipients()):
             # (an edge node's queue waits for it to connect: it dials us)
             if key not in s.locals and key not in s.dialing and key not in s.config.edge_nodes:
@@ -393,18 +393,18 @@ class Router:
         h = msg.header
         if type(h) is MulticastHeader:
             if self.state.tracing:
-                out.append(Trace(Ev.RECEIVED, msg.id, Kind.MULTICAST, h.grp, None, None, c.peer, size, local=c.local))
+                out.append(Trace(RECEIVED, msg.id, MULTICAST, h.grp, None, None, c.peer, size, local=c.local))
             if EPOCH_2020 + h.exp * 60 <= now:  # exp_to_unix(h.exp), inline: this runs for every message
-                self._dropped(c, msg.id, Why.EXPIRED, 0, now, out, Kind.MULTICAST, h.grp, None, None, size)
+                self._dropped(c, msg.id, Why.EXPIRED, 0, now, out, MULTICAST, h.grp, None, None, size)
             elif not verified:
-                self._dropped(c, msg.id, Why.BAD_SIGNATURE, 0, now, out, Kind.MULTICAST, h.grp, None, None, size)
+                self._dropped(c, msg.id, Why.BAD_SIGNATURE, 0, now, out, MULTICAST, h.grp, None, None, size)
             else:
                 self._multicast(c, msg, h, size, now, out)
             return
         assert isinstance(h, UnicastHeader)
-        kind = Kind.CONTROL if h.dst == self.id else Kind.UNICAST
+        kind = CONTROL if h.dst == self.id else UNICAST
         if self.state.tracing:
-            out.append(Trace(Ev.RECEIVED, msg.id, kind, None, h.src, h.dst, c.peer, size, local=c.local))
+            out.append(Trace(RECEIVED, msg.id, kind, None, h.src, h.dst, c.peer, size, local=c.local))
         if EPOCH_2020 + h.exp * 60 <= now:
             self._dropped(c, msg.id, Why.EXPIRED, 0, now, out, kind, None, h.src, h.dst, size)
         elif not verified:
@@ -415,17 +415,17 @@ class Router:
     def _unicast(self, c: Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
         """Seed 003's unicast algorithm, from step 2 (the signature was checked)."""
         s = self.state
-        kind = Kind.CONTROL if h.dst == self.id else Kind.UNICAST
+        kind = CONTROL if h.dst == self.id else UNICAST
 
         def drop(reason: Why) -> None:
             self._dropped(c, msg.id, reason, 0, now, out, kind, None, h.src, h.dst, size)
 
-        if kind is Kind.UNICAST:
+        if kind is UNICAST:
             # Replay protection. Control messages are exempt: deterministic signatures give two identical
             # requests (the same JOIN twice in a minute) the same id, and control is only accepted from the
             # authenticated connection peer itself, for whom a replay changes nothing.
             if msg.id in s.seen.ids:
-                out.append(Trace(Ev.DUPLICATE, msg.id, kind, None, h.src, h.dst, c.peer, size, Why.DUPLICATE))
+                out.append(Trace(DUPLICATE, msg.id, kind, None, h.src, h.dst, c.peer, size, Why.DUPLICATE))
                 return
             s.seen.add(msg.id)
         via = msg.via  # as the sender set it (source routing by a local service, or an edge node's)
@@ -443,7 +443,7 @@ class Router:
             stranger = remote and h.src not in s.locals and h.src not in s.trusted and (
                 (h.dst, h.src) not in s.contacts
             )
-            why = self._deliver(h.dst, msg, None, size, now, out, kind=Kind.UNICAST, stranger=stranger,
+            why = self._deliver(h.dst, msg, None, size, now, out, kind=UNICAST, stranger=stranger,
                                 remote=remote, origin=c)
             if why is not None:
                 self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
@@ -454,7 +454,7 @@ class Router:
             stranger = remote and h.src not in s.locals and h.src not in s.trusted and (
                 (h.dst, h.src) not in s.contacts
             )
-            why = self._deliver(edge, msg, None, size, now, out, kind=Kind.UNICAST, stranger=stranger,
+            why = self._deliver(edge, msg, None, size, now, out, kind=UNICAST, stranger=stranger,
                                 remote=remote, origin=c)
             if why is not None:
                 self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
@@ -473,7 +473,7 @@ class Router:
         if (h.src, h.dst) not in s.contacts and len(s.contacts) < CONTACTS_MAX:
             s.contacts.add((h.src, h.dst))  # h.dst's messages to h.src are no stranger's
             self.store.add_contact(h.src, h.dst)
-        why = self._to_router(router, msg, None, size, now, out, kind=Kind.UNICAST, origin=c)
+        why = self._to_router(router, msg, None, size, now, out, kind=UNICAST, origin=c)
         if why is not None:
             self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
 
@@ -497,15 +497,15 @@ class Router:
             # The local discovery group (seed §Peer Discovery Service): the router is a member; only the
             # discovery service may publish; nothing on it leaves this node.
             if not (c.local and c.peer == self.state.config.discovery_service and msg.via in (None, self.id)):
-                self._dropped(c, ref, Why.NOT_AUTHORIZED, 0, now, out, Kind.MULTICAST, h.grp, None, None, size,
+                self._dropped(c, ref, Why.NOT_AUTHORIZED, 0, now, out, MULTICAST, h.grp, None, None, size,
                               msg.id)
                 return
             msg = msg.with_via(None)
             self.control.discovered(c, msg, h, size, now, out)
         if c.local and msg.via is not None and msg.via != self.id:  # step 2: source routing by a local service
-            why = self._to_router(msg.via, msg, h.grp, size, now, out, kind=Kind.MULTICAST, origin=c)
+            why = self._to_router(msg.via, msg, h.grp, size, now, out, kind=MULTICAST, origin=c)
             if why is not None:
-                self._refuse(c, ref, why, 0, now, out, Kind.MULTICAST, h.grp, size)
+                self._refuse(c, ref, why, 0, now, out, MULTICAST, h.grp, size)
             return
         grp = h.grp
         members, recipients = s.recipients(c, grp, discovery)
@@ -514,7 +514,7 @@ class Router:
         # Step 3: no local subscriber at all. The sender may be the only one: then it is stored (for PULL and
         # later members) and delivered to nobody.
         if not members and not recipients and not (c.local and h.grp in s.upstream_groups):
-            out.append(Trace(Ev.DROPPED, msg.id, Kind.MULTICAST, h.grp, None, None, c.peer, size,
+            out.append(Trace(DROPPED, msg.id, MULTICAST, h.grp, None, None, c.peer, size,
                              Why.NO_SUBSCRIBERS))
             return
         expiry = min(now + h.ttl, EPOCH_2020 + h.exp * 60)  # expires_at(now, h.ttl, h.exp)
@@ -522,7 +522,7 @@ class Router:
         # Step 4: the recently-seen list, then the store (the longer memory) - for a message that will be
         # stored, storing it is the check (one lookup instead of two).
         if mid in s.seen.ids or (expiry <= now and self.store.has_message(mid)):
-            out.append(Trace(Ev.DUPLICATE, mid, Kind.MULTICAST, grp, None, None, c.peer, size, Why.DUPLICATE))
+            out.append(Trace(DUPLICATE, mid, MULTICAST, grp, None, None, c.peer, size, Why.DUPLICATE))
             return
         if not c.local:  # step 7 (before storing, so stored copies carry VIA = R)
             msg = msg.with_via(c.peer)
@@ -532,11 +532,11 @@ class Router:
         if expiry > now:  # step 6
             store = self.store
             if not store.has_room(len(data)):
-                self._dropped(c, ref, Why.STORE_FULL, 0, now, out, Kind.MULTICAST, h.grp, None, None, size, msg.id)
+                self._dropped(c, ref, Why.STORE_FULL, 0, now, out, MULTICAST, h.grp, None, None, size, msg.id)
                 self.delivery.throttle(c, out)
                 return
             if not store.put_message(msg.id, data, h.grp, expiry):
-                out.append(Trace(Ev.DUPLICATE, msg.id, Kind.MULTICAST, h.grp, None, None, c.peer, size,
+                out.append(Trace(DUPLICATE, msg.id, MULTICAST, h.grp, None, None, c.peer, size,
                                  Why.DUPLICATE))
                 return
             if store.pressure >= self.state.config.backpressure_at:
@@ -549,7 +549,7 @@ class Router:
         failed = 0
         why = None
         for m in recipients:
-            r = deliver(m, msg, grp, size, now, out, kind=Kind.MULTICAST, data=data, fanout=direct, remote=remote,
+            r = deliver(m, msg, grp, size, now, out, kind=MULTICAST, data=data, fanout=direct, remote=remote,
                         origin=c)
             if r is not None:
                 failed += 1
@@ -558,12 +558,12 @@ class Router:
             out.append(Fanout(tuple(direct), (data,)))
         if c.local and h.grp in s.upstream_groups:  # an edge app published: hand it to our core nodes
             for core in sorted(self.state.config.upstream):
-                r = self._to_router(core, msg, h.grp, size, now, out, kind=Kind.MULTICAST, origin=c)
+                r = self._to_router(core, msg, h.grp, size, now, out, kind=MULTICAST, origin=c)
                 if r is not None:
                     failed += 1
                     why = why or r
         if why is not None:
-            self._refuse(c, ref, why, failed, now, out, Kind.MULTICAST, h.grp, size)
+            self._refuse(c, ref, why, failed, now, out, MULTICAST, h.grp, size)
 
     # ------------------------------------------------------------------ own advertisement
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from upsycle_router.core.delivery import Delivery
 from upsycle_router.core.events import ConnId, Effect, Fanout, Trace
 from upsycle_router.core.state import Conn, RouterState
-from upsycle_router.core.trace import Ev, Kind, Why
+from upsycle_router.core.trace import DELIVERED, DUPLICATE, MULTICAST, RECEIVED, Why
 from upsycle_router.expiry import EPOCH_2020
 from upsycle_router.wire.messages import Message
 
@@ -115,15 +115,15 @@ def multicast_run(
         msg = msgs[k]
         size = len(msg.wire) or len(msg.encode())
         if tracing:
-            out.append(Trace(Ev.RECEIVED, msg.id, Kind.MULTICAST, grp, None, None, peer, size, local=True))
+            out.append(Trace(RECEIVED, msg.id, MULTICAST, grp, None, None, peer, size, local=True))
             if type(result) is bytes:
                 for key, role in roles:
-                    out.append(Trace(Ev.DELIVERED, msg.id, Kind.MULTICAST, grp, None, key, key, size, role=role))
+                    out.append(Trace(DELIVERED, msg.id, MULTICAST, grp, None, key, key, size, role=role))
                 continue
         if result is Why.DUPLICATE:
-            out.append(Trace(Ev.DUPLICATE, msg.id, Kind.MULTICAST, grp, None, None, peer, size, Why.DUPLICATE))
+            out.append(Trace(DUPLICATE, msg.id, MULTICAST, grp, None, None, peer, size, Why.DUPLICATE))
         elif type(result) is Why:
-            delivery.dropped(c, msg.id, result, 0, now, out, Kind.MULTICAST, grp, None, None, size)
+            delivery.dropped(c, msg.id, result, 0, now, out, MULTICAST, grp, None, None, size)
     if delivered:
         out.append(Fanout(fanout, tuple(delivered)))
     return True

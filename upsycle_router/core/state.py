@@ -30,7 +30,7 @@ from typing import NamedTuple
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.events import ConnId
 from upsycle_router.core.seen import SeenIds
-from upsycle_router.core.trace import Kind, Role
+from upsycle_router.core.trace import APP, ROUTER, SERVICE, Kind, Role
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in
 from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_SERVED, RouteEntry, RouterStore
@@ -148,8 +148,8 @@ class RouterState:
         if key is None:
             return None
         if key in (self.config.pubsub_service, self.config.discovery_service):
-            return Role.SERVICE
-        return Role.APP if key in self.locals else Role.ROUTER
+            return SERVICE
+        return APP if key in self.locals else ROUTER
 
     def subscribed_anywhere(self) -> set[bytes]:
         """Every key that subscribes to some group here."""
