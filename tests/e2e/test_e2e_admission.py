@@ -246,6 +246,8 @@ async def test_fd_reserve_keeps_the_unix_socket_open_under_a_flood(daemon: Daemo
         assert warnings_about(d, "open files near the limit")
     st = await status(d)
     assert st["fd_limit"] == 200
+    assert st["connection_limit"] == 200 - 64  # limits.max_connections unset: the open-files limit less the reserve
+    assert "connections: at most 136 (limits.max_connections unset" in d.log_text()
 
 
 async def test_emfile_is_logged_the_connection_shed_and_the_listener_survives(daemon: DaemonFactory) -> None:

@@ -122,6 +122,32 @@ def test_max_connections_counts_every_accepted_connection_and_the_unix_socket_ge
     assert a.decide(False, None) == "max_connections"
 
 
+def test_an_unset_max_connections_is_what_the_open_files_limit_allows() -> None:
+    """Unset (the default), the connection limit is the open-files limit less the reserve: with 10 other
+    descriptors open, the open-files rules refuse first (fd_reserve, and fd_limit for the Unix socket), never
+    max_connections. Set, the setting counts; a reload may unset it again. The limit in force is a gauge."""
+    a, st = make(max_connections=None, fd_limit=12_000, local_reserve=64, max_handshakes=100_000,
+                 max_handshakes_per_source=100_000)  # fmt: skip
+    assert a.connection_limit() == 12_000 - 64
+    assert st["connection_limit"] == 12_000 - 64
+    n = 0
+    while (why := a.decide(True, f"s{n}")) is None:
+        a.handshake_done(a.admit(True, f"s{n}"))
+        n += 1
+    assert why == "fd_reserve" and n == 12_000 - 64 - 10  # 10,000 apps and more fit
+    while (why := a.decide(False, None)) is None:
+        a.admit(False, None)
+    assert why == "fd_limit"
+    b, _ = make(max_connections=None, fd_limit=12_000, local_reserve=64, max_handshakes=100_000,
+                max_handshakes_per_source=100_000)  # fmt: skip
+    b.max_connections = 500  # as a reload sets it
+    for i in range(500):
+        b.admit(True, f"s{i}")
+    assert b.connection_limit() == 500 and b.decide(True, "x") == "max_connections"
+    b.max_connections = None
+    assert b.connection_limit() == 12_000 - 64 and b.decide(True, "x") is None
+
+
 def test_the_fd_reserve_refuses_network_connections_first() -> None:
     a, _ = make(fd_limit=40, local_reserve=10, max_handshakes=100, max_handshakes_per_source=100,
                 max_connections=1000)  # fmt: skip

@@ -178,7 +178,8 @@ class DaemonConfig:
     queue_remote_ttl_max: float = 7 * 24 * 3600.0
     queue_backpressure_at: float = 0.8
     map_size: int = DEFAULT_MAP_SIZE
-    max_connections: int = 4096
+    # None: as many as the open-files limit allows (transport/admission.py: connection_limit)
+    max_connections: int | None = None
     # Admission control: connections still in their TLS or session handshake, in all and per source address,
     # and file descriptors held back so that the Unix socket always accepts a local app.
     max_handshakes: int = 256
@@ -308,7 +309,8 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
          "max_handshakes", "max_handshakes_per_source", "local_reserve"},
     )
     if "max_connections" in limits:
-        kw["max_connections"] = parse_int(limits["max_connections"], "limits.max_connections", 1, MAX_CONNECTIONS)
+        mc = limits["max_connections"]
+        kw["max_connections"] = None if mc is None else parse_int(mc, "limits.max_connections", 1, MAX_CONNECTIONS)
     for name in ("max_handshakes", "max_handshakes_per_source"):
         if name in limits:
             kw[name] = parse_int(limits[name], f"limits.{name}", 1, MAX_HANDSHAKES)

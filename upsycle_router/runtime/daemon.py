@@ -384,11 +384,16 @@ class Daemon:
         return listener
 
     def _check_fd_budget(self) -> None:
-        """Warn when the connection limit is more than the open-files limit allows."""
+        """Warn when the connection limit is more than the open-files limit allows (an unset limit is what the
+        open-files limit allows)."""
         adm = self.admission
         assert adm is not None
         adm.recount()
         room = adm.fd_limit - adm.local_reserve - adm.fds_open()
+        if self.config.max_connections is None:
+            log.info("connections: at most %d (limits.max_connections unset: the open-files limit %d less "
+                     "limits.local_reserve = %d)", adm.connection_limit(), adm.fd_limit, adm.local_reserve)
+            return
         if room < self.config.max_connections and (self.config.tls is not None or self.config.websocket.listen):
             log.warning(
                 "limits.max_connections = %d but the open-files limit %d (%d open, limits.local_reserve = %d) "

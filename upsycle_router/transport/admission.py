@@ -21,7 +21,12 @@ So the daemon accepts connections itself:
   (IPv4 address, IPv6 /64). A network connection is refused when the process is within ``local_reserve``
   descriptors of its soft ``RLIMIT_NOFILE``, when ``max_handshakes`` are handshaking, when its source already
   has ``max_handshakes_per_source`` handshaking, or when ``max_connections`` accepted connections are open
-  (connections the router dialled are not counted: the peers list and discovery bound them).
+  (connections the router dialled are not counted: the peers list and discovery bound them). Unset (the
+  default), ``max_connections`` is the open-files limit less ``local_reserve`` (:func:`connection_limit`):
+  no cap besides the descriptors themselves, which the rules above count as they are used (the store, the
+  journal, listeners and dialled connections included) - 65,472 under the service file's
+  ``LimitNOFILE=65536``. A fixed default (4,096) refused connection 4,097 on a router that had raised its
+  limit to 65,536 for tens of thousands of apps.
   The Unix socket only has ``max_connections + local_reserve`` and the last :data:`FD_MARGIN` descriptors as
   limits: the reserve is what lets a local app in while the network side is flooded. Refusals over
   ``max_connections`` on a transport without TLS (Unix socket, ``ws://``) and the Unix socket's at the open
@@ -38,7 +43,8 @@ So the daemon accepts connections itself:
 * Every refusal, EMFILE, TLS failure or timeout is counted in the router's status counters
   (:data:`COUNTERS`) and logged at most once per :data:`LOG_INTERVAL` per reason, with the count since the
   previous line (a WARNING; INFO for TLS handshakes that failed, which scanners and health checks cause).
-  ``handshaking``, ``connections_accepted``, ``fds_open`` and ``fd_limit`` are gauges there.
+  ``handshaking``, ``connections_accepted``, ``fds_open``, ``fd_limit`` and ``connection_limit`` (the
+  ``max_connections`` in force) are gauges there.
 
 At start the daemon raises its soft ``RLIMIT_NOFILE`` to the hard limit (:func:`raise_fd_limit`): the soft
 default of 1024 is a relic of ``select()``, which nothing here uses.
@@ -92,7 +98,7 @@ COUNTERS = (
     "handshake_timeouts_total",
     "tls_handshake_failures_total",
 )
-GAUGES = ("handshaking", "connections_accepted", "fds_open", "fd_limit")
+GAUGES = ("handshaking", "connections_accepted", "fds_open", "fd_limit", "connection_limit")
 
 
 # ------------------------------------------------------------------------------------------ descriptors
@@ -116,6 +122,12 @@ def raise_fd_limit() -> tuple[int, int]:
             return soft, soft
         return soft, target
     return soft, soft
+
+
+def connection_limit(fd_limit: int, local_reserve: int) -> int:
+    """``limits.max_connections`` when it is unset: the open-files limit ``fd_limit`` less ``local_reserve`` (the
+    descriptors in use otherwise are counted by the open-files rules as they are opened)."""
+    return max(1, fd_limit - local_reserve)
 
 
 def fd_soft_limit() -> int:
@@ -263,7 +275,7 @@ class Admission:
         self,
         stats: dict[str, int],
         *,
-        max_connections: int = 4096,
+        max_connections: int | None = None,
         max_handshakes: int = 256,
         max_handshakes_per_source: int = 16,
         local_reserve: int = 64,
@@ -272,7 +284,7 @@ class Admission:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.stats = stats
-        self.max_connections = max_connections
+        self.max_connections = max_connections  # None: connection_limit() of the open-files limit
         self.max_handshakes = max_handshakes
         self.max_handshakes_per_source = max_handshakes_per_source
         self.local_reserve = local_reserve
@@ -311,8 +323,14 @@ class Admission:
         st["connections_accepted"] = self.open
         st["fds_open"] = self.fds_open()
         st["fd_limit"] = self.fd_limit
+        st["connection_limit"] = self.connection_limit()
 
     # ------------------------------------------------------------ decisions
+
+    def connection_limit(self) -> int:
+        """Accepted connections open at most: ``max_connections``, or (unset) what the open-files limit allows."""
+        m = self.max_connections
+        return m if m is not None else connection_limit(self.fd_limit, self.local_reserve)
 
     def decide(self, network: bool, source: str | None) -> str | None:
         """The reason (a key of :data:`REASONS`) to refuse a connection just accepted, or None to keep it."""
@@ -323,7 +341,7 @@ class Admission:
         if not network:
             if fds > self.fd_limit - FD_MARGIN:
                 return "fd_limit"
-            if self.open >= self.max_connections + self.local_reserve:
+            if self.open >= self.connection_limit() + self.local_reserve:
                 return "max_connections"
             return None
         if fds > self.fd_limit - self.local_reserve:
@@ -332,7 +350,7 @@ class Admission:
             return "handshakes"
         if source is not None and self.per_source.get(source, 0) >= self.max_handshakes_per_source:
             return "per_source"
-        if self.open >= self.max_connections:
+        if self.open >= self.connection_limit():
             return "max_connections"
         return None
 
@@ -349,7 +367,9 @@ class Admission:
             return f"limits.max_handshakes_per_source = {self.max_handshakes_per_source}"
         if reason in ("fd_reserve", "fd_limit"):
             return f"about {self.fds_open()} of {self.fd_limit} open, limits.local_reserve = {self.local_reserve}"
-        return f"limits.max_connections = {self.max_connections}, limits.local_reserve = {self.local_reserve}"
+        limit = self.connection_limit()
+        setting = limit if self.max_connections is not None else f"{limit} (unset: the open-files limit allows it)"
+        return f"limits.max_connections = {setting}, limits.local_reserve = {self.local_reserve}"
 
     def admit(self, network: bool, source: str | None) -> Ticket:
         """Count a connection that is kept."""
