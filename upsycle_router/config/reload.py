@@ -30,33 +30,10 @@ from pathlib import Path
 from typing import Any
 
 from upsycle_router.config.daemon import DaemonConfig, PeerConfig
+from upsycle_router.config.dump import TOP
 
-# The option (as written in the file) of each DaemonConfig field.
-OPTION = {
-    "unix": "listen.unix",
-    "unix_mode": "listen.unix_mode",
-    "unix_group": "listen.unix_group",
-    "tls": "listen.tls",
-    "queue_max_count": "queue.max_count",
-    "queue_max_bytes": "queue.max_bytes",
-    "queue_stranger_share": "queue.stranger_share",
-    "queue_remote_ttl_max": "queue.remote_ttl_max",
-    "queue_backpressure_at": "queue.backpressure_at",
-    "map_size": "store.map_size",
-    "max_connections": "limits.max_connections",
-    "max_handshakes": "limits.max_handshakes",
-    "max_handshakes_per_source": "limits.max_handshakes_per_source",
-    "local_reserve": "limits.local_reserve",
-    "outbound_buffer_max": "limits.outbound_buffer_max",
-    "write_high_water": "limits.write_high_water",
-    "rate_per_connection": "limits.rate_per_connection",
-    "rate_burst": "limits.rate_burst",
-    "metrics_listen": "metrics.listen",
-    "trace_dir": "trace.path",
-    "trace_max_bytes": "trace.max_bytes",
-    "log_level": "log.level",
-    "log_format": "log.format",
-}
+# The option (as written in the file) of each DaemonConfig field (the same table `config` prints by).
+OPTION = TOP
 # Options of the sections kept as dataclasses, where the file names them differently.
 _SECTION_OPTION = {("websocket", "listen"): "listen.websocket", ("websocket", "path"): "listen.path"}
 
