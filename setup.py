@@ -7,6 +7,7 @@ stub, its Python twin in that layer's ``accel.py``; ``upsycle_router/cext.py`` l
 ``upsycle_router.runtime._verify``  signatures verified in batches
 ``upsycle_router.store._records``   the store's records of new messages; bulk index writes sorted
 ``upsycle_router.store._idindex``   the store's id index in memory
+``upsycle_router.transport._fanout`` one fan-out's bytes sent to many sockets in one call
 
 They are built where a C compiler and the Python headers exist; ``optional=True`` lets the install go on
 without one elsewhere, and the package then runs the Python twin of what is missing (``upsycle_router.accel``
@@ -39,6 +40,7 @@ else:
     ]
 
 WIRE, RUNTIME, STORE = "upsycle_router/wire/", "upsycle_router/runtime/", "upsycle_router/store/"
+TRANSPORT = "upsycle_router/transport/"
 
 
 def accelerator(name: str, sources: list[str], include_dirs: list[str], depends: list[str],
@@ -72,5 +74,6 @@ setup(
         accelerator("upsycle_router.runtime._verify", [RUNTIME + "_verify.c"], [WIRE], [WIRE + "_message.h"]),
         accelerator("upsycle_router.store._records", [STORE + "_records.c"], [STORE], [STORE + "_layout.h"]),
         accelerator("upsycle_router.store._idindex", [STORE + "_idindex.c"], [STORE], [STORE + "_layout.h"]),
+        accelerator("upsycle_router.transport._fanout", [TRANSPORT + "_fanout.c"], [], []),
     ],
 )

@@ -13,6 +13,8 @@ by a ``.pyi`` stub beside its ``.c`` file:
 ``upsycle_router.store._records``  the store's records of new messages, its bulk index writes sorted:
                                    :mod:`upsycle_router.store.accel`
 ``upsycle_router.store._idindex``  the store's id index in memory: :mod:`upsycle_router.store.accel`
+``upsycle_router.transport._fanout`` a fan-out's bytes sent to many sockets in one call, the GIL released:
+                                   :mod:`upsycle_router.transport.accel`
 =================================  =====================================================================
 
 Each ``accel.py`` imports its extension at import time and binds the module-level names the rest of the

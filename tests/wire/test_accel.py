@@ -11,6 +11,7 @@ a broken build), that each one loads on its own, and run a daemon on each path e
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -36,6 +37,7 @@ from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import exp_in
 from upsycle_router.runtime import accel as runtime_accel
 from upsycle_router.store import accel as store_accel
+from upsycle_router.transport import accel as transport_accel
 from upsycle_router.wire import accel as wire_accel
 from upsycle_router.wire.framing import FrameBuffer, frame
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, _decode_canonical
@@ -58,6 +60,7 @@ def test_the_extensions_are_built_where_a_compiler_exists() -> None:
     assert runtime_accel._C is not None, f"upsycle_router.runtime._verify {built}"
     assert store_accel._RECORDS is not None, f"upsycle_router.store._records {built}, or its LAYOUT is not layout.py's"
     assert store_accel._INDEX is not None, f"upsycle_router.store._idindex {built}, or its LAYOUT is not layout.py's"
+    assert transport_accel._C is not None, f"upsycle_router.transport._fanout {built}"
     assert runtime_accel._VERIFY != 0, "crypto_sign_verify_detached was not found in PyNaCl's libsodium"
     assert accel.IMPLEMENTATION == "c"
     # the names the package calls are the C functions themselves (bound once, no wrapper per call)
@@ -66,6 +69,7 @@ def test_the_extensions_are_built_where_a_compiler_exists() -> None:
     assert store_accel.msgs_records is store_accel._RECORDS.msgs_records
     assert store_accel.sorted_items is store_accel._RECORDS.sorted_items
     assert store_accel.IdIndex is store_accel._INDEX.IdIndex
+    assert transport_accel.fanout is transport_accel._C.fanout
 
 
 _ALONE = """
@@ -92,17 +96,23 @@ elif short == "_idindex":
     x = m.IdIndex(5)
     x.add(bytes(32), 7)
     assert x.find(bytes(32)) == [7] and m.LAYOUT
+elif short == "_fanout":
+    class C:
+        fd, written, messages_out = -1, 0, 0
+    c = C()
+    assert m.fanout({1: c}, (1, 2), b"x", 1) == [(c, 0)]
 print("ok")
 """
 
 
 @needs_c
-@pytest.mark.parametrize("mod", ["wire._codec", "runtime._verify", "store._records", "store._idindex"])
+@pytest.mark.parametrize("mod", ["wire._codec", "runtime._verify", "store._records", "store._idindex",
+                                 "transport._fanout"])
 def test_each_extension_loads_on_its_own(mod: str) -> None:
     """Each layer's extension is a module of its own: it loads and works without the package or the others
     (a fresh interpreter loads just its shared object)."""
     loaded = {"wire._codec": wire_accel._C, "runtime._verify": runtime_accel._C, "store._records": store_accel._RECORDS,
-              "store._idindex": store_accel._INDEX}[mod]
+              "store._idindex": store_accel._INDEX, "transport._fanout": transport_accel._C}[mod]
     assert loaded is not None and loaded.__file__ is not None
     r = subprocess.run([sys.executable, "-c", _ALONE, f"upsycle_router.{mod}", loaded.__file__], capture_output=True,
                        text=True, timeout=60, check=False)
@@ -567,3 +577,129 @@ def test_the_id_index_reads_records_and_expiry_entries_and_refuses_anything_else
     with pytest.raises(ValueError):
         x.add_pairs([], -1, 0)
     assert len(x) == 3
+
+
+# ------------------------------------------------------------------ fan-out writes (transport/_fanout.c)
+
+
+class _Target:
+    """What fanout() reads and updates on a connection: its socket (or -1) and two counters."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd, self.written, self.messages_out = fd, 0, 0
+
+
+def _fanout_case(impl: object, data: bytes) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
+    """One run over sockets in every state: empty (takes it all), no socket to offer (-1), full (takes nothing),
+    nearly full (takes part), peer gone (an error), and an id that is not in the table. Returns what fanout
+    returned (as positions), each target's counters, and the bytes each peer can read."""
+    import socket
+
+    pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(6)]
+    try:
+        for a, _ in pairs:
+            a.setblocking(False)
+            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+        full, part, gone = pairs[2][0], pairs[3][0], pairs[4][1]
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                full.send(b"f" * 4096)
+        with contextlib.suppress(BlockingIOError):  # nearly full: room for less than data
+            while True:
+                part.send(b"p" * 4096)
+        pairs[3][1].recv(len(data) // 2)
+        gone.close()
+        targets = [_Target(a.fileno()) for a, _ in pairs]
+        targets[1].fd = -1
+        conns = {i: t for i, t in enumerate(targets)}
+        rest = impl(conns, (0, 1, 2, 3, 4, 99, 5), data, 3)  # type: ignore[operator]
+        where = [(targets.index(c), sent) for c, sent in rest]
+        counters = [(t.written, t.messages_out) for t in targets]
+        readable = []
+        for i, (_, b) in enumerate(pairs):
+            if i == 4:
+                readable.append(-1)
+                continue
+            b.setblocking(False)
+            n = 0
+            with contextlib.suppress(BlockingIOError):
+                while chunk := b.recv(1 << 20):
+                    n += len(chunk)
+            readable.append(n)
+        return where, counters, readable
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
+
+
+@needs_c
+@pytest.mark.parametrize("size", [0, 1, 1200, 100_000])
+def test_c_and_python_fan_out_alike(size: int) -> None:
+    """The C fan-out and its Python twin send to the same sockets, report the same connections with the same
+    byte counts, and count the same bytes and messages on the ones that took everything."""
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    c = _fanout_case(transport_accel._C.fanout, data)  # type: ignore[union-attr]
+    py = _fanout_case(transport_accel.fanout_py, data)
+    assert c == py
+    where, counters, readable = c
+    positions = [i for i, _ in where]
+    if size:
+        assert positions == [1, 2, 3, 4]  # no socket, full, partly full, peer gone (the id 99 is skipped)
+        assert dict(where)[1] == 0 and dict(where)[2] == 0 and dict(where)[4] == 0
+        assert 0 <= dict(where)[3] < size
+        assert counters[0] == counters[5] == (size, 3) and counters[1] == (0, 0)
+        assert readable[0] == readable[5] == size
+    else:
+        assert positions == [1] and counters[0] == (0, 3)
+
+
+def test_fanout_refuses_what_it_cannot_use() -> None:
+    for impl in filter(None, (transport_accel._C and transport_accel._C.fanout, transport_accel.fanout_py)):
+        with pytest.raises((TypeError, AttributeError)):
+            impl({1: object()}, (1,), b"x", 1)  # type: ignore[operator]
+    if transport_accel._C is not None:
+        with pytest.raises(TypeError):
+            transport_accel._C.fanout([], (1,), b"x", 1)  # type: ignore[arg-type]
+        with pytest.raises(TypeError):
+            transport_accel._C.fanout({}, [1], b"x", 1)  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pure", [False, True], ids=["c", "python"])
+async def test_a_fan_out_reaches_readers_and_a_stalled_reader_alike_on_either_path(
+    daemon: DaemonFactory, monkeypatch: pytest.MonkeyPatch, pure: bool
+) -> None:
+    """Twenty subscribers on the Unix socket, one of which stops reading: a fan-out's bytes go straight to the
+    sockets that take them and through the transport for the rest (a socket that filled up, then the stalled
+    reader's buffer). Every subscriber gets every message, in order, once - the stalled one when it reads again."""
+    if not pure and accel.IMPLEMENTATION != "c":
+        pytest.skip("the C extensions are not in use")
+    monkeypatch.setenv("UPSYCLE_ROUTER_PURE", "1" if pure else "0")
+    d = daemon(config={"durability": "none"})
+    group, pub = Identity.generate(), Identity.generate()
+    keys = [Identity.generate() for _ in range(20)]
+    subs = [await Client.connect(d.sock, k) for k in keys]
+    try:
+        for s in subs:
+            assert await s.join(group.public)
+        stalled = subs[0]
+        stalled._writer.transport.pause_reading()  # type: ignore[attr-defined]
+        async with await Client.connect(d.sock, pub) as p:
+            ids = []
+            for i in range(400):  # 400 x 8 KiB: more than a socket buffer holds
+                ids.append(await p.publish(group, b"%04d" % i + b"." * 8192))
+                if i % 50 == 49:
+                    await p.sync()
+            await p.sync()
+        for s in subs[1:]:
+            got = [(await s.recv(timeout=10.0)).id for _ in ids]
+            assert got == ids
+        stalled._writer.transport.resume_reading()  # type: ignore[attr-defined]
+        assert [(await stalled.recv(timeout=10.0)).id for _ in ids] == ids
+        for s in subs:
+            with pytest.raises(TimeoutError):
+                await s.recv(timeout=0.2)
+    finally:
+        for s in subs:
+            await s.close()

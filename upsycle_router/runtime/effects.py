@@ -12,9 +12,10 @@ only then) and carries them out in order:
   RateLimitedLog`);
 * writes: a ``Send`` to its connection; consecutive ``Fanout``\\ s to the same connections (a burst of one
   group's messages) go to each connection as one run - one call per connection and run instead of one per
-  message and subscriber - and each connection written to is flushed once per batch (the batch's last run
-  is written at once, connection by connection, as one buffer shared by all of them: one plain ``write``
-  each). A connection whose outbound buffer passes ``outbound_buffer_max`` is a reader that does not read: it
+  message and subscriber - and each connection written to is flushed once per batch. The batch's last run is
+  written at once, as one buffer shared by all its connections: straight to the socket of each that offers
+  one, in one call for the run (:func:`upsycle_router.transport.accel.fanout`), through the transport of the
+  others. A connection whose outbound buffer passes ``outbound_buffer_max`` is a reader that does not read: it
   is closed;
 * a write that drains a queue entry (``Send.queue_ref``) is reported back to the core (``QueueSent``, which
   removes the entry) only once its bytes left the transport's buffer (:meth:`EffectRunner.release_flushed`,
@@ -48,6 +49,7 @@ from upsycle_router.core.trace import Ev
 from upsycle_router.errors import ErrorCode
 from upsycle_router.runtime.logs import RateLimitedLog
 from upsycle_router.trace.journal import TraceJournal
+from upsycle_router.transport.accel import fanout
 from upsycle_router.transport.connection import Connection
 from upsycle_router.wire.framing import length_prefix
 
@@ -211,9 +213,16 @@ class EffectRunner:
                     sent_to.add(conn)
             return
         limit = self.outbound_buffer_max
-        for cid in run:
-            conn = conns.get(cid)
+        if len(run) == 1:
+            conn = conns.get(run[0])
             if conn is not None and conn.send_run(payloads, framed, nbytes) > limit:
+                self._overflowed(conn)
+            return
+        # Straight to the sockets that take it (transport/accel.py: one call for the run); the rest of what a
+        # socket did not take, and the connections without a socket to write to, through their transports.
+        blob = framed[0]
+        for conn, sent in fanout(conns, run, blob, len(payloads)):
+            if conn.send_run(payloads, framed, nbytes, sent) > limit:
                 self._overflowed(conn)
 
     def _overflowed(self, conn: Connection) -> None:

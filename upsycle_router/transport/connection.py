@@ -124,7 +124,10 @@ class Connection(asyncio.Protocol):
         self._used = not dialled  # connections not watched count as always in use: nothing is decoded for them
         self._housekeeping = node_services | {identity.public}
         self._timer: asyncio.TimerHandle | None = None
-        self.written = 0  # bytes handed to the transport so far
+        self.written = 0  # bytes handed to the transport so far (or, for a fan-out, written to its socket: fd)
+        # The socket a fan-out may write to directly, bypassing the transport, or -1: only a Unix-socket connection
+        # whose transport buffers nothing has one (transport/stream.py keeps it; transport/accel.py writes to it).
+        self.fd = -1
         # Traffic, for the status view (``upsycle-router status``): bytes read, routed messages and frames
         # taken in and sent after the handshake.
         self.bytes_in = 0
@@ -311,10 +314,10 @@ class Connection(asyncio.Protocol):
                 return False
         return True
 
-    def send_run(self, payloads: list[bytes], framed: list[bytes], nbytes: int) -> int:
+    def send_run(self, payloads: list[bytes], framed: list[bytes], nbytes: int, sent: int = 0) -> int:
         """Write several payloads now, after anything gathered (the last writes of a batch to this connection:
         nothing is gathered after them). Return the bytes the transport still buffers, or -1 if the connection
-        is closed."""
+        is closed. (``sent``: bytes a fan-out wrote to :attr:`fd` directly - never for a connection without one.)"""
         if not self.send_all(payloads, framed, nbytes):
             return -1
         return self.write_out()

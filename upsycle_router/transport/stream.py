@@ -27,12 +27,42 @@ class StreamConnection(Connection):
     effects have been carried out (the effect runner calls :meth:`write_out` for every connection it sent
     to): one system call per connection and batch instead of one per frame. The last frames of a batch for a
     connection (:meth:`send_run`, a fan-out's deliveries) are written at once, after what was gathered. They
-    count as written (and as buffered) from the moment they are sent, so :meth:`flushed` stays exact."""
+    count as written (and as buffered) from the moment they are sent, so :meth:`flushed` stays exact.
+
+    A connection on the Unix socket offers its socket (:attr:`fd`) for a fan-out to write to directly
+    (:func:`upsycle_router.transport.accel.fanout`) while its transport buffers nothing and nothing is gathered:
+    bytes written then cannot overtake any. After every write through the transport :meth:`_settle` looks at
+    the transport's buffer again; gathering, closing and anything left buffered withdraw the offer (``fd`` -1)
+    until a later write finds the buffer empty. Bytes written directly count as written and are never
+    buffered, so :meth:`flushed` stays exact too."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._out: list[bytes] = []
         self._out_bytes = 0
+        self._sock_fd = -1  # the socket's descriptor on a Unix socket (no TLS): fd while nothing is buffered
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Note the socket a fan-out may write to (a Unix socket, no TLS), then start as every connection does."""
+        sock = transport.get_extra_info("socket")
+        if self.kind == "unix" and sock is not None and transport.get_extra_info("ssl_object") is None:
+            self._sock_fd = sock.fileno()
+        super().connection_made(transport)
+
+    def _settle(self) -> int:
+        """After a write through the transport: offer the socket for direct writes (``fd``) only if the
+        transport buffers nothing and nothing is gathered; return the bytes buffered (gathered ones included)."""
+        t = self.transport
+        if t is None:
+            self.fd = -1
+            return self._out_bytes
+        n = t.get_write_buffer_size()
+        self.fd = self._sock_fd if n == 0 and not self._out and not self.closed and not t.is_closing() else -1
+        return n + self._out_bytes
+
+    def _write(self, data: bytes) -> None:
+        super()._write(data)
+        self._settle()
 
     def _connected(self) -> None:
         """Send HELLO at once."""
@@ -48,6 +78,7 @@ class StreamConnection(Connection):
     def _write_payload(self, t: asyncio.Transport, payload: bytes) -> None:
         t.writelines((_LEN.pack(len(payload)), payload))
         self.written += 4 + len(payload)
+        self._settle()
 
     def _write_error(self, t: asyncio.Transport, code: int, reason: str) -> None:
         self._write(Session.error_frame(code, reason))
@@ -74,10 +105,11 @@ class StreamConnection(Connection):
             self._note_sent(payloads)
         return True
 
-    def send_run(self, payloads: list[bytes], framed: list[bytes], nbytes: int) -> int:
+    def send_run(self, payloads: list[bytes], framed: list[bytes], nbytes: int, sent: int = 0) -> int:
         """Write several frames now (``framed``: their length prefixes and payloads, or all of them joined), after
         what was gathered; return the bytes the transport still buffers, or -1 if the connection is closed.
-        Nothing gathered: straight to the transport (no list, no second call)."""
+        Nothing gathered: straight to the transport (no list, no second call). ``sent``: the socket took that
+        many bytes of ``framed[0]`` (all of them joined) directly already; the rest goes through the transport."""
         t = self.transport
         if self.closed or t is None or t.is_closing():
             return -1
@@ -85,20 +117,23 @@ class StreamConnection(Connection):
         if not self._used:
             self._note_sent(payloads)
         self.written += nbytes
-        if self._out:
+        if sent:  # (a direct write took part of it: nothing was gathered or buffered)
+            t.write(framed[0][sent:])
+        elif self._out:
             self._out.extend(framed)
             self._out_bytes += nbytes
             return self.write_out()
-        if len(framed) == 1:
+        elif len(framed) == 1:
             t.write(framed[0])
         else:
             t.writelines(framed)
-        return t.get_write_buffer_size()
+        return self._settle()
 
     def _gather(self, parts: tuple[bytes, ...] | list[bytes], nbytes: int) -> bool:
         t = self.transport
         if self.closed or t is None or t.is_closing():
             return False
+        self.fd = -1  # (gathered bytes must go first)
         self._out.extend(parts)
         self._out_bytes += nbytes
         self.written += nbytes
@@ -118,7 +153,7 @@ class StreamConnection(Connection):
                     t.write(out[0])
                 else:
                     t.writelines(out)
-        return t.get_write_buffer_size() + self._out_bytes
+        return self._settle()
 
     def buffered(self) -> int:
         """Bytes written but not yet sent by the transport (gathered ones included)."""
@@ -128,20 +163,29 @@ class StreamConnection(Connection):
         """Send what was gathered, then ERROR, and close."""
         if not self.closed:
             self.write_out()
+        self._sock_fd = self.fd = -1
         super().close_with_error(code, reason)
 
     def close(self) -> None:
         """Send what was gathered and close without an ERROR."""
         if not self.closed:
             self.write_out()
+        self._sock_fd = self.fd = -1
         super().close()
 
     def abort(self) -> None:
         """Drop the connection (and what was gathered) at once."""
         self._out, self._out_bytes = [], 0
+        self._sock_fd = self.fd = -1
         super().abort()
+
+    def pause_writing(self) -> None:
+        """The transport's buffer passed its high-water mark (it buffers: no direct writes)."""
+        self.fd = -1
+        super().pause_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The transport is gone: nothing gathered can be sent any more."""
         self._out, self._out_bytes = [], 0
+        self._sock_fd = self.fd = -1
         super().connection_lost(exc)

@@ -1,0 +1,157 @@
+/* upsycle_router.transport._fanout: one buffer written to many connections' sockets in one call (optional;
+ * upsycle_router/transport/accel.py has the Python equivalent and picks one; typed by _fanout.pyi beside this file).
+ *
+ * Theory of operation
+ * -------------------
+ * A group message for 1,000 subscribers is 1,000 writes of the same bytes. Through asyncio that is 1,000 method
+ * calls into the connection and its transport, about as much CPU as the system calls themselves. fanout() takes
+ * the driver's connections (a dict: id -> connection), the ids of a fan-out run and the run's framed bytes, and
+ * for each connection whose `fd` attribute is a socket (>= 0: a Unix-socket connection whose transport buffers
+ * nothing, so the bytes may bypass it without overtaking any) sends the bytes straight to the socket. It reads
+ * every `fd` first, holding the GIL; sends with the GIL released (the verify threads run meanwhile); then, with
+ * the GIL again, adds the bytes and messages to `written` and `messages_out` of each connection that took them
+ * all. Every other connection of the run - no direct socket, a partial send, a full socket buffer, an error -
+ * is returned with the number of bytes its socket took (0 if none): the caller hands it the rest through its
+ * transport, which queues it, or meets the same error and closes the connection.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <errno.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+
+typedef struct {
+    PyObject *conn; /* strong reference */
+    int fd;
+    Py_ssize_t sent;
+} target;
+
+static PyObject *str_fd, *str_written, *str_messages_out;
+
+static int
+add_to(PyObject *obj, PyObject *name, Py_ssize_t n)
+{
+    PyObject *old = PyObject_GetAttr(obj, name);
+    if (old == NULL)
+        return -1;
+    PyObject *delta = PyLong_FromSsize_t(n);
+    if (delta == NULL) {
+        Py_DECREF(old);
+        return -1;
+    }
+    PyObject *new = PyNumber_Add(old, delta);
+    Py_DECREF(old);
+    Py_DECREF(delta);
+    if (new == NULL)
+        return -1;
+    int r = PyObject_SetAttr(obj, name, new);
+    Py_DECREF(new);
+    return r;
+}
+
+/* fanout(conns, run, data, nmsgs) -> [(conn, sent), ...]: see the module comment. */
+static PyObject *
+fanout(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "fanout(conns, run, data, nmsgs) takes 4 arguments");
+        return NULL;
+    }
+    PyObject *conns = args[0], *run = args[1], *data = args[2];
+    if (!PyDict_Check(conns) || !PyTuple_Check(run) || !PyBytes_Check(data)) {
+        PyErr_SetString(PyExc_TypeError, "fanout takes a dict, a tuple of ids and bytes");
+        return NULL;
+    }
+    Py_ssize_t nmsgs = PyLong_AsSsize_t(args[3]);
+    if (nmsgs == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(run);
+    const char *buf = PyBytes_AS_STRING(data);
+    Py_ssize_t len = PyBytes_GET_SIZE(data);
+    target *t = PyMem_Calloc(n ? (size_t)n : 1, sizeof(target));
+    if (t == NULL)
+        return PyErr_NoMemory();
+    PyObject *out = NULL;
+    Py_ssize_t k = 0; /* targets taken */
+    Py_ssize_t direct = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *conn = PyDict_GetItemWithError(conns, PyTuple_GET_ITEM(run, i)); /* borrowed */
+        if (conn == NULL) {
+            if (PyErr_Occurred())
+                goto done;
+            continue; /* closed meanwhile */
+        }
+        PyObject *fdobj = PyObject_GetAttr(conn, str_fd);
+        if (fdobj == NULL)
+            goto done;
+        long fd = PyLong_AsLong(fdobj);
+        Py_DECREF(fdobj);
+        if (fd == -1 && PyErr_Occurred())
+            goto done;
+        Py_INCREF(conn);
+        t[k].conn = conn;
+        t[k].fd = fd >= 0 && fd <= 0x7fffffff ? (int)fd : -1;
+        t[k].sent = 0;
+        direct += t[k].fd >= 0;
+        k++;
+    }
+    if (direct && len) {
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t i = 0; i < k; i++) {
+            if (t[i].fd < 0)
+                continue;
+            ssize_t r;
+            do
+                r = send(t[i].fd, buf, (size_t)len, MSG_NOSIGNAL | MSG_DONTWAIT);
+            while (r < 0 && errno == EINTR);
+            t[i].sent = r > 0 ? (Py_ssize_t)r : 0;
+        }
+        Py_END_ALLOW_THREADS
+    }
+    out = PyList_New(0);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        if (t[i].fd >= 0 && t[i].sent == len) {
+            if (add_to(t[i].conn, str_written, len) < 0 || add_to(t[i].conn, str_messages_out, nmsgs) < 0)
+                goto fail;
+            continue;
+        }
+        PyObject *pair = Py_BuildValue("(On)", t[i].conn, t[i].sent);
+        if (pair == NULL || PyList_Append(out, pair) < 0) {
+            Py_XDECREF(pair);
+            goto fail;
+        }
+        Py_DECREF(pair);
+    }
+    goto done;
+fail:
+    Py_CLEAR(out);
+done:
+    for (Py_ssize_t i = 0; i < k; i++)
+        Py_DECREF(t[i].conn);
+    PyMem_Free(t);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"fanout", (PyCFunction)(void (*)(void))fanout, METH_FASTCALL,
+     "fanout(conns, run, data, nmsgs) -> [(conn, sent)]: data sent to each direct socket of the run (GIL released)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_fanout", "One buffer to many sockets (see upsycle_router/transport/accel.py).", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__fanout(void)
+{
+    str_fd = PyUnicode_InternFromString("fd");
+    str_written = PyUnicode_InternFromString("written");
+    str_messages_out = PyUnicode_InternFromString("messages_out");
+    if (str_fd == NULL || str_written == NULL || str_messages_out == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,11 @@
+"""upsycle_router.transport._fanout (_fanout.c): one buffer sent to many connections' sockets, the GIL released
+while sending; upsycle_router.transport.accel picks it."""
+
+from collections.abc import Mapping
+
+from upsycle_router.transport.connection import Connection
+
+def fanout(
+    conns: Mapping[int, Connection], run: tuple[int, ...], data: bytes, nmsgs: int, /
+) -> list[tuple[Connection, int]]:
+    """data to each connection of run whose fd is a socket; the others, with the bytes their socket took."""

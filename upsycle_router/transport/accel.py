@@ -1,0 +1,61 @@
+"""Fan-out writes, twice: the C extension :mod:`upsycle_router.transport._fanout` where it was built, Python
+otherwise, with the same results.
+
+Theory of operation
+-------------------
+:func:`fanout` hands one buffer - a fan-out run's frames - to every connection of the run whose ``fd`` is a
+socket it may write to directly (a Unix-socket connection whose transport buffers nothing: see
+:class:`~upsycle_router.transport.stream.StreamConnection`), adds what each took whole to its ``written`` and
+``messages_out``, and returns the others with the bytes their socket took (0 if none), for the caller to send
+the rest through their transports. The C version makes every send with the GIL released, in one call; through
+the transports each subscriber cost as many Python calls as its system call cost CPU.
+
+The name is bound once, at import (:mod:`upsycle_router.cext`); ``_C`` is the extension module in use, or None.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from types import ModuleType
+
+from upsycle_router.cext import pure_python
+from upsycle_router.transport.connection import Connection
+
+
+def fanout_py(
+    conns: Mapping[int, Connection], run: tuple[int, ...], data: bytes, nmsgs: int, /
+) -> list[tuple[Connection, int]]:
+    """``data`` to the socket of each connection of ``run`` that has one (``fd`` >= 0); the connections that did
+    not take it whole, with the bytes their socket took (the Python twin of ``_fanout.fanout``)."""
+    rest: list[tuple[Connection, int]] = []
+    n = len(data)
+    for cid in run:
+        conn = conns.get(cid)
+        if conn is None:
+            continue
+        fd = conn.fd
+        sent = 0
+        if fd >= 0 and n:
+            try:
+                sent = os.write(fd, data)  # (a non-blocking socket: EAGAIN raises, nothing waits)
+            except OSError:
+                sent = 0
+        if fd >= 0 and sent == n:
+            conn.written += n
+            conn.messages_out += nmsgs
+        else:
+            rest.append((conn, sent))
+    return rest
+
+
+_C: ModuleType | None = None
+fanout = fanout_py
+if not pure_python():
+    try:
+        from upsycle_router.transport import _fanout
+    except ImportError:
+        pass
+    else:
+        _C = _fanout
+        fanout = _fanout.fanout
