@@ -716,8 +716,13 @@ def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
 
 
 def _time_start(ctx: Ctx, rr: Path, tree: Path) -> tuple[Any, float]:
+    """Start the daemon on its existing store; seconds from exec until an app's SYNC is answered (its socket
+    accepts, the handshake is done, the router routes)."""
     t = time.monotonic()
     d = ctx.daemon(rr, tree, fresh=False)
+    app = clients.UpsycleApp(str(d.sock), _key("restart-probe"), timeout=120.0)
+    app.sync()
+    app.sock.close()
     return d, round(time.monotonic() - t, 3)
 
 
