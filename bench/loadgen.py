@@ -83,7 +83,8 @@ def receiver_main(pipe: Connection, spec: dict[str, Any]) -> None:
             break
         _, phase, expected, latency, t0, idle_s, max_s = cmd
         try:
-            res = _receive_phase(sel, socks, bufs, proto, phase, expected, latency, t0, idle_s, max_s)
+            res = _receive_phase(sel, socks, bufs, proto, phase, expected, latency, t0, idle_s, max_s,
+                                 raw=bool(spec.get("raw_latency")))
         except Exception as e:  # noqa: BLE001
             res = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)}
         pipe.send(("result", res))
@@ -94,7 +95,7 @@ def receiver_main(pipe: Connection, spec: dict[str, Any]) -> None:
 
 def _receive_phase(
     sel: selectors.BaseSelector, socks: list[socket.socket], bufs: list[bytearray], proto: str, phase: int,
-    expected: int, latency: bool, t0: int, idle_s: float, max_s: float,
+    expected: int, latency: bool, t0: int, idle_s: float, max_s: float, raw: bool = False,
 ) -> dict[str, Any]:
     tallies = [clients.Tally(phase, expected, latency, t0) for _ in socks]
     deadline = t0 + int(max_s * 1e9)
@@ -156,6 +157,7 @@ def _receive_phase(
         "first_ns": min(firsts) if firsts else 0,
         "last_ns": max(lasts) if lasts else 0,
         "latency": percentiles(lat) if latency else None,
+        **({"raw_latency_ns": lat} if raw and latency else {}),  # (several receivers: merged by the caller)
     }
 
 

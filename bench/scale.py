@@ -341,6 +341,78 @@ class Worker:
             self.proc.join(5)
 
 
+# ------------------------------------------------------------------ several receiver processes
+
+
+class MultiWorkload(Workload):
+    """A :class:`~bench.loadgen.Workload` whose subscriber connections are split over ``receivers`` processes,
+    pinned to the CPUs in turn from the load generator's (the last) on: one Python process reading 1,000 sockets
+    in turn takes ~5 ms per message for them all, which is then in every latency it measures. Their reports are
+    merged (latency percentiles over every delivery)."""
+
+    def __init__(self, pub_spec: dict[str, Any], recv_conns: list[dict[str, Any]], cpu: set[int],
+                 receivers: int) -> None:  # fmt: skip
+        super().__init__(pub_spec, recv_conns, cpu)
+        self.k = max(1, min(receivers, len(recv_conns)))
+        self.rpipes: list[Any] = []
+
+    def start(self, timeout: float = 60.0) -> None:
+        from bench.loadgen import publisher_main, receiver_main
+
+        order = [c for c in reversed(cpus())]
+        conns = self.recv_spec["conns"]
+        for i in range(self.k):
+            spec = {"conns": conns[i :: self.k], "cpu": [order[i % len(order)]], "raw_latency": self.k > 1}
+            pipe, _ = self._spawn(receiver_main, spec, timeout)
+            self.rpipes.append(pipe)
+        self.rpipe = self.rpipes[0]
+        self.ppipe, _ = self._spawn(publisher_main, self.pub_spec, timeout)
+
+    def phase(self, phase: int, expected: int, mode: str, *, latency: bool = False, idle_s: float = 5.0,
+              max_s: float = 120.0, lead_s: float = 0.3, live: tuple[float, float] | None = None) -> dict[str, Any]:
+        if self.k == 1:
+            return super().phase(phase, expected, mode, latency=latency, idle_s=idle_s, max_s=max_s, lead_s=lead_s)
+        from bench.common import percentiles
+
+        assert self.ppipe is not None
+        t0 = time.monotonic_ns() + int(lead_s * 1e9)
+        for rp in self.rpipes:
+            rp.send(("phase", phase, expected, latency, t0, idle_s, max_s))
+        self.ppipe.send(("phase", mode, phase, t0))
+        pub = self._result(self.ppipe, max_s + 60, "publisher")
+        recs = [self._result(rp, max_s + 60, "receiver") for rp in self.rpipes]
+        res: dict[str, Any] = {"publisher": pub}
+        bad = [r for r in recs if "error" in r]
+        if "error" in pub or bad:
+            res["receiver"] = bad[0] if bad else recs[0]
+            return res
+        raw: list[int] = []
+        for r in recs:
+            raw.extend(r.pop("raw_latency_ns", []))
+        rec = {"conns": sum(r["conns"] for r in recs), "received": sum(r["received"] for r in recs),
+               "dups": sum(r["dups"] for r in recs), "other": sum(r["other"] for r in recs),
+               "closed": sum(r["closed"] for r in recs), "last_ns": max(r["last_ns"] for r in recs),
+               "first_ns": min((r["first_ns"] for r in recs if r["first_ns"]), default=0),
+               "latency": percentiles(raw) if latency else None, "receivers": self.k}
+        res["receiver"] = rec
+        begin = max(t0, int(pub.get("start_ns", t0)))
+        span = (rec["last_ns"] - begin) / 1e9 if rec["last_ns"] else 0.0
+        res["messages"] = expected
+        res["seconds"] = round(span, 4)
+        res["deliveries"] = rec["received"]
+        res["loss"] = expected * rec["conns"] - rec["received"]
+        if span > 0:
+            res["deliveries_per_s"] = round(rec["received"] / span, 1)
+            res["msgs_per_s"] = round(rec["received"] / rec["conns"] / span, 1)
+        return res
+
+    def stop(self) -> None:
+        for rp in self.rpipes[1:]:
+            with contextlib.suppress(OSError, BrokenPipeError):
+                rp.send(("stop",))
+        super().stop()
+
+
 # ------------------------------------------------------------------ measuring
 
 
@@ -597,7 +669,7 @@ def part_fanout(ctx: Ctx) -> list[dict[str, Any]]:
                         recv = [{"proto": "upsycle", "path": str(d.sock), "seed": _key(f"sub-{i}").seed,
                                  "join": ctx.group.public, "local": True} for i in range(subs)]
                         pid = d.child.pid
-                    wl = Workload(pub, recv, load_cpu())
+                    wl = MultiWorkload(pub, recv, load_cpu(), a.receivers)
                     try:
                         wl.start(timeout=300)
                         spy = Spy(ctx, pid, f"fanout-{subs}-{label}") if tree is not None else None
@@ -872,6 +944,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--paced-seconds", type=float, default=10.0, help="length of each paced fan-out phase")
     p.add_argument("--fanout-max", type=int, default=2000, help="messages of the fan-out max phase")
     p.add_argument("--no-mosquitto", action="store_true", help="no Mosquitto peer in the fan-out part")
+    p.add_argument("--receivers", type=int, default=1,
+                   help="processes reading the fan-out's subscriber connections (pinned to the CPUs in turn, the "
+                        "load generator's first)")
     p.add_argument("--backlog", type=int, default=1_000_000, help="messages queued for the backlog part")
     p.add_argument("--groups", type=int, default=100_000, help="groups JOINed in the groups part")
     p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "ub-scale-cache",
