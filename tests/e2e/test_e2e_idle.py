@@ -36,14 +36,15 @@ from upsycle_router.wire.messages import Message, UnicastHeader
 pytestmark = pytest.mark.slow
 ADVERT_TTL = 3  # seconds: each router re-sends its advert every second
 IDLE = 2.0  # B's idle_timeout: adverts alone would refresh it twice over
+KEPT_IDLE = 6.0  # idle_timeout of the test whose traffic must keep the connection open
 WAIT = 30.0  # bound of every wait (generous: a loaded machine)
 
 
-def configure(*nodes: Node) -> None:
+def configure(*nodes: Node, idle: float = IDLE) -> None:
     for n in nodes:
         n.config.update({
             "durability": "none",
-            "idle_timeout": IDLE,
+            "idle_timeout": idle,
             "discovery": {"enabled": True, "advert_ttl": ADVERT_TTL, "lan": {"enabled": False}},
         })  # fmt: skip
 
@@ -65,10 +66,10 @@ async def ask(app: Client, service: bytes, request: DiscoveryMessage, n: int) ->
     raise AssertionError(f"no reply to {request!r}")
 
 
-async def link(net: Network) -> tuple[Node, Node, Client, Client]:
+async def link(net: Network, idle: float = IDLE) -> tuple[Node, Node, Client, Client]:
     """Routers A and B started; B's discovery service imported A's advert; app x on B, app y on A."""
     a, b = net.add_nodes(2)
-    configure(a, b)
+    configure(a, b, idle=idle)
     await net.start_all()
     x, y = await net.client(b), await net.client(a)
     n = int.from_bytes(os.urandom(6), "big")
@@ -117,13 +118,15 @@ async def test_dialled_connection_with_only_adverts_is_closed_and_the_next_messa
 
 async def test_dialled_connection_carrying_application_messages_is_kept(tmp_path: Path) -> None:
     async with Network(tmp_path) as net:
-        a, b, x, y = await link(net)
+        # (a longer idle timeout than the other tests': a loaded machine can stall a 0.25 s send loop for
+        # seconds, and a stall longer than the timeout is rightly taken for idleness)
+        a, b, x, y = await link(net, idle=KEPT_IDLE)
         await x.send(y.identity.public, b"first", via=a.id)
         await recv_body(y, b"first")
         await wait_for(lambda: dials(b, a) == 1, WAIT, "B to log its dial of A")
         # Application messages out on the dialled connection (B to A), then in only (A to B, the route back),
-        # each phase four idle timeouts long, one message every 0.25 s.
-        rounds = int(4 * IDLE / 0.25)
+        # each phase one and a half idle timeouts long, one message every 0.25 s.
+        rounds = int(1.5 * KEPT_IDLE / 0.25)
         for i in range(rounds):
             body = b"out %d" % i
             await x.send(y.identity.public, body, via=a.id)
