@@ -117,8 +117,8 @@ class StreamConnection(Connection):
         if not self._used:
             self._note_sent(payloads)
         self.written += nbytes
-        if sent:  # (a direct write took part of it: nothing was gathered or buffered)
-            t.write(framed[0][sent:])
+        if sent:  # (a direct write took part of it: nothing was gathered or buffered; the rest is not copied)
+            t.write(memoryview(framed[0])[sent:])
         elif self._out:
             self._out.extend(framed)
             self._out_bytes += nbytes
