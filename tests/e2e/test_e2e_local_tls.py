@@ -9,6 +9,7 @@ service does. An unlisted key over TLS stays remote (its local JOIN is refused),
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -34,6 +35,23 @@ async def recv_body(c: Client, body: bytes) -> Message:
         if m.body == body:
             return m
     raise AssertionError(f"{body!r} not received")
+
+
+async def until_gone(node: Node, key: bytes, times: int) -> None:
+    """Wait until ``node`` has logged the close of ``key``'s connection ``times`` times.
+
+    A message the router writes to a connection whose peer is closing, before it has read that close, counts
+    as delivered (there is no receipt from recipients; docs/protocol.md, "Refusals"): a test of "queued while
+    away" must send only once the router has seen the recipient go.
+    """
+    line = "connection closed conn="
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        closed = [x for x in node.log_text().splitlines() if line in x and f"peer={key.hex()}" in x]
+        if len(closed) >= times:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"the router did not see {key.hex()} go")
 
 
 async def status_refused(c: Client) -> bool:
@@ -67,6 +85,7 @@ async def test_listed_key_over_tls_is_local_unlisted_and_unconfigured_are_remote
             await s.close()
 
         # Away: a message for it is queued, and delivered when it connects again over TLS.
+        await until_gone(r, svc.public, 1)
         await x.send(svc.public, b"queued while away")
         assert (await x.sync()).ok
         s = await over_tls(r, svc)
