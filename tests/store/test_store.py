@@ -504,6 +504,51 @@ def test_enqueue_queue_dequeue(store: LmdbStore) -> None:
     assert store.queue_recipients() == {B: (1, 7)}
 
 
+def _tables(s: LmdbStore) -> dict[str, list[tuple[bytes, bytes]]]:
+    """Every record of every table of ``s``."""
+    with s.env.begin() as txn:
+        return {name: [(bytes(k), bytes(v)) for k, v in txn.cursor(db=db)] for name, db in sorted(s._db.items())}
+
+
+def _fill_queues(s: LmdbStore) -> list[int]:
+    """Group messages queued for A and B, unicast ones for A (one queued twice), entries a stranger queued, a
+    message not stored at all; return A's sequence numbers."""
+    with s.transaction():
+        for i in range(6):
+            s.put_message(mid(i), b"g%d" % i, G1, T)
+        for i in range(6, 10):
+            s.put_message(mid(i), b"u%d" % i, None, T)
+        seqs = []
+        for i in range(12):
+            m = mid(min(i, 10) if i != 11 else 7)
+            seqs.append(s.enqueue(A, m, T + i, 10 + i, stranger=i in (3, 8)).seq)
+            if i < 4:
+                s.enqueue(B, m, T + i, 10 + i)
+    return seqs
+
+
+@pytest.mark.parametrize("pick", ["all", "some", "twice and missing", "none"])
+def test_dequeue_many_is_dequeue_of_each(tmp_path: Path, pick: str) -> None:
+    one, many = open_store(tmp_path / "one"), open_store(tmp_path / "many")
+    seqs = _fill_queues(one)
+    assert _fill_queues(many) == seqs
+    chosen = {"all": seqs, "some": seqs[1::2] + seqs[:1], "twice and missing": [seqs[2], seqs[2], 999, *seqs[5:9]],
+              "none": []}[pick]
+    with one.transaction():
+        n = sum(one.dequeue(A, seq) is not None for seq in chosen)
+        usage = one.queue_usage(A), one.stranger_usage(A), one.stranger_bytes()
+    with many.transaction():
+        assert many.dequeue_many(A, chosen) == n
+        assert (many.queue_usage(A), many.stranger_usage(A), many.stranger_bytes()) == usage
+    assert _tables(many) == _tables(one)
+    for s in (one, many):
+        assert (s.queue_usage(A), s.stranger_usage(A), s.stranger_bytes()) == usage
+    assert [one.has_message(mid(i)) for i in range(11)] == [many.has_message(mid(i)) for i in range(11)]
+    assert many.queue(A) == one.queue(A) and many.queue(B) == one.queue(B)
+    one.close()
+    many.close()
+
+
 def test_queue_survives_reopen_and_sequence_numbers_are_never_reused(store: LmdbStore) -> None:
     with store.transaction():
         e1 = store.enqueue(A, mid(1), T, 1)
@@ -711,6 +756,16 @@ class QueueModel(RuleBasedStateMachine):
             assert self.store.dequeue(r, e.seq) is not None
             assert self.store.dequeue(r, e.seq) is None
         self.model[r].remove(e)
+
+    @precondition(lambda self: any(self.model.values()))
+    @rule(data=st.data())
+    def dequeue_many(self, data: st.DataObject) -> None:
+        r = data.draw(st.sampled_from([r for r in RECIPIENTS if self.model[r]]))
+        picked = data.draw(st.lists(st.sampled_from(self.model[r]), unique_by=lambda e: e.seq))
+        with self.store.transaction():
+            assert self.store.dequeue_many(r, [e.seq for e in picked] + [e.seq for e in picked[:1]]) == len(picked)
+        for e in picked:
+            self.model[r].remove(e)
 
     @rule(dt=st.integers(-1, 51), limit=st.integers(1, 5))
     def sweep(self, dt: int, limit: int) -> None:

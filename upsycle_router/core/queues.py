@@ -90,13 +90,25 @@ class QueueDrain:
         """The driver wrote these queue entries: remove them, and let the window move on."""
         s = self.s
         drained: set[bytes] = set()
-        for recipient, seq in ev.refs:
-            self.store.dequeue(recipient, seq)  # also drops a unicast message with its last entry
+        refs = ev.refs
+        i, n = 0, len(refs)
+        while i < n:  # each run of one recipient's entries, in order
+            recipient = refs[i][0]
+            j = i + 1
+            while j < n and refs[j][0] == recipient:
+                j += 1
+            seqs = [seq for _, seq in refs[i:j]]
+            i = j
+            self.store.dequeue_many(recipient, seqs)  # also drops a unicast message with its last entry
             drained.add(recipient)
             for cid in s.by_key.get(recipient, ()):
                 c = s.conns[cid]
                 s.keep(c)
-                c.inflight_bytes -= c.inflight.pop(seq, 0)
+                inflight = c.inflight
+                freed = 0
+                for seq in seqs:
+                    freed += inflight.pop(seq, 0)
+                c.inflight_bytes -= freed
         for recipient in drained:  # the window has room again
             conn = s.connected(recipient)
             if conn is not None:

@@ -621,6 +621,48 @@ class LmdbStore(LmdbTables):
         self._qstats[recipient] = (count - 1, max(0, nbytes - size)) if count > 1 else (0, 0)
         return QueueEntry(recipient, seq, mid, exp / 1000.0, size)
 
+    def dequeue_many(self, recipient: bytes, seqs: Iterable[int]) -> int:
+        """:meth:`dequeue` of each of ``seqs`` in turn (a queue drain's acknowledged entries), without building
+        the entries; return how many were there. The same reads and writes through three cursors: a drain removes
+        thousands of entries a batch, and the per-call costs (keyword arguments, a table lookup, the entry's
+        object) were half of :meth:`dequeue`'s. Entries a stranger queued take :meth:`dequeue` itself."""
+        txn, db = self._w(), self._db
+        qcur = txn.cursor(db=db["queues"])
+        ecur = txn.cursor(db=db["queue_exp"])
+        rcur = txn.cursor(db=db["refs"])
+        pack, unpack_entry, unpack_u64 = U64.pack, QUEUE.unpack, U64.unpack
+        count, nbytes = self.queue_usage(recipient)
+        removed = 0
+        for seq in seqs:
+            key = recipient + pack(seq)
+            if not qcur.set_key(key):
+                continue
+            mid, exp, size = unpack_entry(qcur.value())
+            if size & STRANGER_FLAG:  # (sqstats and the stranger bytes: as dequeue does them)
+                self._qstats[recipient] = (count, nbytes)
+                self.dequeue(recipient, seq)
+                count, nbytes = self.queue_usage(recipient)
+                removed += 1
+                continue
+            qcur.delete()
+            if ecur.set_key(pack(exp) + key):
+                ecur.delete()
+            had = rcur.set_key(mid)
+            refs = unpack_u64(rcur.value())[0] - 1 if had else 0
+            if refs > 0:
+                rcur.put(mid, pack(refs))
+            else:
+                if had:
+                    rcur.delete()
+                found = self._stored(mid)
+                if found is not None and found[1][REC_FLAG_AT] == REC_NO_GROUP:  # (unicast: no group)
+                    self._drop(mid, *found)
+            count, nbytes = (count - 1, max(0, nbytes - size)) if count > 1 else (0, 0)
+            removed += 1
+        if removed:
+            self._qstats[recipient] = (count, nbytes)
+        return removed
+
     def _write_qstats(self) -> None:
         """Write the queue usage the open transaction changed (before it commits)."""
         txn, qstats = self._w(), self._db["qstats"]

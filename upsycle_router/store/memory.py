@@ -287,6 +287,9 @@ class MemoryStore:
             self._set("qstats", recipient, (c - 1, max(0, b - size)))
         return QueueEntry(recipient, seq, mid, exp, size)
 
+    def dequeue_many(self, recipient: bytes, seqs: Iterable[int]) -> int:
+        return sum(self.dequeue(recipient, seq) is not None for seq in seqs)
+
     def queue_usage(self, recipient: bytes) -> tuple[int, int]:
         v: tuple[int, int] = self._t["qstats"].get(recipient, (0, 0))
         return v
