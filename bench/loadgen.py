@@ -102,6 +102,10 @@ def _receive_phase(
     idle_ns = int(idle_s * 1e9)
     last_progress = max(time.monotonic_ns(), t0)
     total = 0
+    # Kept up to date as sockets are read (summing every tally after each wake-up cost O(sockets) per wake-up:
+    # with hundreds of connections and a fan-out arriving over a few ms, that delayed the last of them).
+    count = 0
+    not_done = sum(1 for t in tallies if not t.done)
     closed: list[int] = []
     while True:
         events = sel.select(0.2)
@@ -122,6 +126,7 @@ def _receive_phase(
             buf = bufs[i]
             buf += data
             t = tallies[i]
+            before, was_done = t.count, t.done
             if proto == "upsycle":
                 used, reply = clients.upsycle_parse(buf, t, now)
             elif proto == "mqtt":
@@ -132,12 +137,14 @@ def _receive_phase(
                 del buf[:used]
             if reply:
                 s.sendall(reply)
-        count = sum(t.count for t in tallies)
+            count += t.count - before
+            if not was_done and t.done:
+                not_done -= 1
         now = time.monotonic_ns()
         if count != total or got_data:  # any data counts: a backlog of an earlier phase is still progress
             total = count
             last_progress = now
-        if all(t.done for t in tallies) or (closed and len(closed) == len(socks)):
+        if not_done == 0 or (closed and len(closed) == len(socks)):
             break
         if now > deadline or now - last_progress > idle_ns:
             break
