@@ -43,16 +43,15 @@ Bad lines, 4: A's first file line 7 (event "teleported"), B line 30 (truncated l
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from analytics_fixtures import SMALL, spark  # noqa: F401 - the shared session fixture
+from analytics_fixtures import SMALL, small_analysis, spark  # noqa: F401 - the shared session fixtures
 from analytics_reference import summary as reference_summary
 from pyspark.sql import SparkSession
 
-from upsycle_router.analytics.job import Analysis, run_analyze
+from upsycle_router.analytics.job import Analysis, Progress, run_analyze, run_compact
 from upsycle_router.analytics.report import text_summary
 
 pytestmark = pytest.mark.spark
@@ -104,10 +103,9 @@ SMALL_DROPS = {
 }
 
 
-@pytest.fixture(scope="module")
-def small(spark: SparkSession, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Analysis, Path]]:  # noqa: F811
-    out = tmp_path_factory.mktemp("small-out")
-    yield run_analyze(spark, [SMALL], out), out
+@pytest.fixture
+def small(small_analysis: tuple[Analysis, Path]) -> tuple[Analysis, Path]:  # noqa: F811
+    return small_analysis
 
 
 def _table(spark: SparkSession, out: Path, name: str) -> list[dict[str, Any]]:  # noqa: F811
@@ -232,3 +230,26 @@ def test_report_and_text(small: tuple[Analysis, Path]) -> None:
     text = text_summary(analysis.summary)
     assert len(text.splitlines()) <= 24
     assert "e1e1…e1e1" in text and "0.812" in text and "504.0" in text
+
+
+def test_file_uris_give_the_same_outputs(
+    spark: SparkSession,  # noqa: F811
+    small: tuple[Analysis, Path],
+    tmp_path: Path,
+) -> None:
+    # Inputs and OUT as Spark/Hadoop URIs (file://, the scheme every machine has) instead of local paths: the
+    # same summary, summary.json and report.html written through Hadoop's file system, the same tables.
+    analysis, plain = small
+    out = tmp_path / "out"
+    got = run_analyze(spark, ["file://" + str(SMALL.resolve())], "file://" + str(out))
+    assert got.summary == analysis.summary
+    assert got.outputs == analysis.outputs
+    assert json.loads((out / "summary.json").read_text()) == analysis.summary
+    assert (out / "report.html").read_text().count('src="data:image/png;base64,') == 3
+    for name in ("bad_lines", "messages", "lost", "undelivered"):
+        assert sorted(map(str, _table(spark, out, name))) == sorted(map(str, _table(spark, plain, name))), name
+    # compact between URIs: the same table as the one analyze wrote from plain paths.
+    table = "file://" + str(tmp_path / "events.parquet")
+    assert run_compact(spark, ["file://" + str(SMALL.resolve())], table, Progress("t", enabled=False)) == 4
+    rows = [r.asDict() for r in spark.read.parquet(table).collect()]
+    assert sorted(map(str, rows)) == sorted(map(str, _table(spark, plain, "events")))

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from pyspark.sql import SparkSession
 
+from upsycle_router.analytics.job import Analysis, run_analyze
 from upsycle_router.analytics.session import SparkOptions, spark_session
 
 REPO = Path(__file__).resolve().parents[2]
@@ -26,6 +27,7 @@ SMALL = JOURNALS / "small"
 """The committed three-node journal whose figures tests/analytics/test_analytics_small.py computes by hand."""
 
 _session: list[SparkSession] = []
+_small: list[tuple[Analysis, Path]] = []
 
 
 @pytest.fixture(scope="session")
@@ -55,3 +57,13 @@ def subprocess_env(**overrides: str) -> dict[str, str]:
 def cli(*args: str) -> list[str]:
     """The command line of ``python -m upsycle_router ARGS``."""
     return [sys.executable, "-m", "upsycle_router", *args]
+
+
+@pytest.fixture(scope="session")
+def small_analysis(spark: SparkSession, tmp_path_factory: pytest.TempPathFactory) -> tuple[Analysis, Path]:
+    """``run_analyze`` of :data:`SMALL` in the shared session and its OUT directory, computed once per test run
+    (the hand-computed figures, the URI variant and the cluster test all compare against it)."""
+    if not _small:
+        out = tmp_path_factory.mktemp("small-out")
+        _small.append((run_analyze(spark, [SMALL], out), out))
+    return _small[0]

@@ -5,18 +5,25 @@ Theory of operation
 :func:`run_analyze` works in stages, each announced on stderr by a :class:`Progress` line with the elapsed
 time:
 
-1. Journals given as text are compacted once into ``OUT/events.parquet`` (one row per line, bad lines
-   included, see :mod:`~upsycle_router.analytics.sources`); compacted tables given as input are read as they
-   are. Everything after reads Parquet, never the JSON again.
-2. The per-message tables are built and kept (``persist``) because several outputs use them: the first
-   receipt of every id, and the app deliveries of published ids (each marked expected or not from the
-   subscribers' spans). ``messages.parquet`` (one row per published id) is written and read back for the
-   group statistics and the lost deliveries (``lost.parquet``), which only look at the messages that miss
-   any.
-3. Each output table is written to ``OUT/<name>.parquet``. Small tables are coalesced into one file.
-4. The small tables are collected into a :class:`~upsycle_router.analytics.report.Results`, from which
-   ``summary.json``, ``report.html`` and the text summary are made in plain Python.
+1. Journals given as text are compacted once into ``OUT/events.parquet`` (one read of each file, one parse
+   of each line, bad lines included, see :mod:`~upsycle_router.analytics.sources`); compacted tables given
+   as input are read as they are. Everything after reads Parquet, never the JSON again.
+2. One aggregation counts the events, nodes and bad lines. Unless the session fixed it, the number of
+   shuffle partitions is chosen from the number of events (:func:`partitions_for`: about
+   :data:`ROWS_PER_PARTITION` records each, so that no task's share grows with the input).
+3. The records that carry a message id are partitioned by id once and kept (``persist``, memory then disk:
+   :func:`~upsycle_router.analytics.stats.by_message`); so are the per-message tables built from them (first
+   receipts, app deliveries marked expected or not, queue residency, one row per published message), which
+   stay partitioned by id, so the later joins by id move nothing. Subscription spans are small; below
+   :data:`MAX_BROADCAST_SPANS` rows they are broadcast to the joins that need them.
+4. Each output table is written to ``OUT/<name>.parquet``. Small tables are coalesced into one file.
+5. The small tables are collected into a :class:`~upsycle_router.analytics.report.Results` (never a large
+   one: per group, per node, per drop reason, the first :data:`~upsycle_router.analytics.report.MAX_LOST_ROWS`
+   lost deliveries, the CDF quantiles of a few groups), from which ``summary.json``, ``report.html`` and the
+   text summary are made in plain Python.
 
+``OUT`` and the inputs may be local paths or Spark/Hadoop URIs (:mod:`~upsycle_router.analytics.location`);
+``summary.json`` and ``report.html`` at a URI are written through Hadoop's file system, like the tables.
 Existing outputs of the same names in ``OUT`` are replaced; nothing else there is touched. The jobs take a
 running :class:`~pyspark.sql.SparkSession` (the CLI makes one with
 :func:`~upsycle_router.analytics.session.spark_session`; tests share one).
@@ -25,6 +32,7 @@ running :class:`~pyspark.sql.SparkSession` (the CLI makes one with
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from collections.abc import Iterable
@@ -37,6 +45,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from upsycle_router.analytics import stats
+from upsycle_router.analytics.location import HadoopFiles, is_uri, join, no_glob
 from upsycle_router.analytics.report import (
     MAX_LOST_ROWS,
     MAX_PLOTTED_GROUPS,
@@ -45,8 +54,8 @@ from upsycle_router.analytics.report import (
     html_report,
 )
 from upsycle_router.analytics.schema import PROBLEM_KINDS, problem_kind
-from upsycle_router.analytics.session import AnalyticsError
-from upsycle_router.analytics.sources import Inputs, compact, discover, no_glob, read_tables
+from upsycle_router.analytics.session import AUTO_PARTITIONS, AnalyticsError
+from upsycle_router.analytics.sources import Inputs, check_target, compact, discover, read_tables
 
 EVENTS_TABLE = "events.parquet"
 TABLES = (
@@ -60,6 +69,19 @@ TABLES = (
     "bad_lines",
 )
 """The Parquet tables ``analyze`` writes into OUT (each as ``NAME.parquet``), besides ``events.parquet``."""
+
+ROWS_PER_PARTITION = 250_000
+"""Records per shuffle partition when the job chooses their number."""
+MAX_PARTITIONS = 20_000
+MAX_BROADCAST_SPANS = 250_000
+"""Subscription spans broadcast to the joins below this many (a span is a few hundred bytes)."""
+KEEP = StorageLevel.MEMORY_AND_DISK
+LOST_KEYS = ("id", "group", "origin", "node", "dst", "last_node", "last_peer", "last_dst", "cause_node")
+
+
+def partitions_for(events: int, parallelism: int) -> int:
+    """Shuffle partitions for ``events`` records: one per :data:`ROWS_PER_PARTITION`, at least two per core."""
+    return max(2 * max(1, parallelism), min(MAX_PARTITIONS, math.ceil(events / ROWS_PER_PARTITION)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,24 +108,22 @@ class Progress:
             print(f"{self.name}: [{time.monotonic() - self.start:7.1f}s] {message}", file=out, flush=True)
 
 
-def _size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
-
-
 def _rows(df: DataFrame) -> list[dict[str, Any]]:
     return [row.asDict() for row in df.collect()]
 
 
-def run_compact(spark: SparkSession, paths: Iterable[str | Path], out: Path, progress: Progress) -> int:
+def _write_text(spark: SparkSession, out: str | Path, name: str, text: str) -> None:
+    if is_uri(out):
+        HadoopFiles(spark).write_bytes(join(out, name), text.encode("utf-8"))
+    else:
+        (Path(out) / name).write_text(text, encoding="utf-8")
+
+
+def run_compact(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, progress: Progress) -> int:
     """Compact journals (and/or tables) into the Parquet table ``out``; return its number of bad lines."""
     inputs = discover(paths)
-    check_compact_target(out)
-    progress(f"compacting {len(inputs.journals)} journal files ({_size(inputs.journal_bytes)}) -> {out}")
+    check_target(spark, out)
+    progress(f"compacting {inputs.describe() or 'tables'} -> {out}")
     compact(spark, inputs, out)
     table = read_tables(spark, [out], trusted=True)
     row = table.agg(F.count(F.lit(1)).alias("rows"), F.count("problem").alias("bad")).collect()[0]
@@ -111,88 +131,131 @@ def run_compact(spark: SparkSession, paths: Iterable[str | Path], out: Path, pro
     return int(row["bad"])
 
 
-def check_compact_target(out: Path) -> None:
-    """Refuse to replace anything at ``out`` but a Parquet table (a directory of parts)."""
-    if out.exists() and not (out.is_dir() and all(p.name.startswith(("part-", "_", ".")) for p in out.iterdir())):
-        raise AnalyticsError(f"{out}: exists and is not a Parquet table; not replacing it")
+def check_compact_target(out: str | Path) -> None:
+    """Refuse to replace anything at a local ``out`` but a Parquet table (a URI is checked once Spark runs)."""
+    check_target(None, out)
 
 
-def _write(df: DataFrame, out: Path, name: str, progress: Progress, *, small: bool = True) -> DataFrame:
+def _write(df: DataFrame, out: str | Path, name: str, progress: Progress, *, small: bool = True) -> DataFrame:
     progress(f"writing {name}.parquet")
-    path = out / f"{name}.parquet"
-    (df.coalesce(1) if small else df).write.mode("overwrite").parquet(str(path))
-    return df.sparkSession.read.schema(df.schema).parquet(no_glob(path))  # the schema is known: no inference job
+    path = join(out, f"{name}.parquet")
+    (df.coalesce(1) if small else df).write.mode("overwrite").parquet(path)
+    return read_tables_like(df, path)
+
+
+def read_tables_like(df: DataFrame, path: str) -> DataFrame:
+    """The table just written at ``path``, read back with ``df``'s schema (no inference job)."""
+    return df.sparkSession.read.schema(df.schema).parquet(no_glob(path))
 
 
 def _totals(events: DataFrame) -> dict[str, Any]:
-    """Good events, nodes, first and last ts, and bad lines by problem kind, in one aggregation."""
+    """Rows, good events, nodes, first and last ts, and bad lines by problem kind."""
     good = F.col("problem").isNull()
     kind = problem_kind(F.col("problem"))
     row = events.agg(
+        F.count(F.lit(1)).alias("rows"),
         F.count(F.when(good, 1)).alias("events"),
-        F.countDistinct(F.when(good, F.col("node"))).alias("nodes"),
         F.min(F.when(good, F.col("ts"))).alias("first_ts"),
         F.max(F.when(good, F.col("ts"))).alias("last_ts"),
         *[F.count(F.when(kind == k, 1)).alias(k) for k in PROBLEM_KINDS],
     ).collect()[0]
-    return row.asDict()
+    # Apart: a distinct count inside the aggregation above would copy every row once per distinct aggregate.
+    nodes = events.where(good).select("node").distinct().count()
+    return {**row.asDict(), "nodes": nodes}
+
+
+def _cdf(deliveries: DataFrame, groups: list[str]) -> dict[str, list[tuple[float, float]]]:
+    """Step points (latency, fraction reached) of each group's latency CDF."""
+    cdf: dict[str, list[tuple[float, float]]] = {g: [] for g in groups}
+    if not groups:
+        return cdf
+    for row in stats.as_hex(stats.cdf_quantiles(deliveries, groups), "group").collect():
+        points = cdf[row["group"]]
+        quantiles = row["q"] or []
+        for i, value in enumerate(quantiles):
+            fraction = (i + 1) / len(quantiles)
+            if points and points[-1][0] == value:
+                points[-1] = (float(value), fraction)
+            else:
+                points.append((float(value), fraction))
+    return cdf
 
 
 def run_analyze(
-    spark: SparkSession, paths: Iterable[str | Path], out: Path, progress: Progress | None = None
+    spark: SparkSession, paths: Iterable[str | Path], out: str | Path, progress: Progress | None = None
 ) -> Analysis:
     """Run the whole analysis into the directory ``out``; return the summary and what was written."""
     progress = progress or Progress("analyze", enabled=False)
     inputs = discover(paths)
-    out.mkdir(parents=True, exist_ok=True)
+    if not is_uri(out):
+        Path(out).mkdir(parents=True, exist_ok=True)
     parts: list[DataFrame] = []
-    if inputs.journals:
-        target = out / EVENTS_TABLE
-        progress(f"compacting {len(inputs.journals)} journal files ({_size(inputs.journal_bytes)}) -> {target}")
-        compact(spark, Inputs(journals=inputs.journals, tables=()), target)
+    if inputs.has_journals:
+        target = join(out, EVENTS_TABLE)
+        progress(f"compacting {inputs.describe()} -> {target}")
+        compact(spark, Inputs(journals=inputs.journals, tables=(), journal_uris=inputs.journal_uris), target)
         parts.append(read_tables(spark, [target], trusted=True))
-    if inputs.tables:
-        parts.append(read_tables(spark, inputs.tables))
+    if inputs.has_tables:
+        parts.append(read_tables(spark, [*inputs.tables, *inputs.table_uris]))
     events = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
-    ev = stats.good_events(events)
 
-    progress("first receipts and app deliveries of every message")
-    receipts = stats.first_receipts(ev).persist(StorageLevel.MEMORY_AND_DISK)
+    progress("counting events")
+    totals_row = _totals(events)
+    if totals_row["rows"] == 0 and inputs.journal_uris:
+        raise AnalyticsError(f"no trace records under {', '.join(inputs.journal_uris)}")
+    if spark.conf.get(AUTO_PARTITIONS, "false") == "true":
+        spark.conf.set(
+            "spark.sql.shuffle.partitions",
+            str(partitions_for(int(totals_row["events"]), spark.sparkContext.defaultParallelism)),
+        )
+    partitions = int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
+    progress(f"{int(totals_row['events']):,} events; partitioning them by message into {partitions}")
+
+    good = stats.good_events(events)
+    ranks = stats.file_ranks(events).persist(KEEP)
+    ev = stats.prepared(good, ranks)
+    msgs = stats.by_message(ev, partitions).persist(KEEP)
+    receipts = stats.first_receipts(msgs).persist(KEEP)
     published = stats.published_messages(receipts)
-    spans = stats.subscription_spans(ev).persist(StorageLevel.MEMORY_AND_DISK)
-    deliveries = stats.mark_expected(stats.app_deliveries(ev, published), spans)
-    deliveries = deliveries.persist(StorageLevel.MEMORY_AND_DISK)
-    residency = stats.queue_residency(ev).persist(StorageLevel.MEMORY_AND_DISK)
+    spans = stats.subscription_spans(ev).persist(KEEP)
+    kept = [ranks, msgs, receipts, spans]
     try:
-        messages = _write(stats.message_stats(ev, published, deliveries), out, "messages", progress, small=False)
-        groups = _write(stats.group_stats(messages, deliveries), out, "group_stats", progress)
-        drops = _write(stats.drops_by_node(ev), out, "drops_by_node", progress)
-        expired = _write(stats.expired_by_node(ev), out, "expired_by_node", progress)
-        per_node = _write(stats.residency_by_node(residency), out, "queue_residency", progress)
-        _write(stats.undelivered(ev, receipts), out, "undelivered", progress, small=False)
-        lost = _write(stats.lost_deliveries(ev, messages, spans, deliveries), out, "lost", progress, small=False)
+        broadcast = spans.count() <= MAX_BROADCAST_SPANS
+        deliveries = stats.mark_expected(stats.app_deliveries(msgs, published), spans, broadcast=broadcast)
+        deliveries = deliveries.persist(KEEP)
+        expected = stats.expected_per_message(stats.subscription_changes(ev), published)
+        messages = stats.message_stats(published, expected, deliveries).persist(KEEP)
+        residency = stats.queue_residency(msgs).persist(KEEP)
+        kept += [deliveries, messages, residency]
+        hex_ = stats.as_hex
+        _write(hex_(messages, "id", "group", "origin"), out, "messages", progress, small=False)
+        groups = _write(hex_(stats.group_stats(messages, deliveries), "group"), out, "group_stats", progress)
+        drops = _write(stats.drops_by_node(good), out, "drops_by_node", progress)
+        expired = _write(stats.expired_by_node(good), out, "expired_by_node", progress)
+        per_node = _write(hex_(stats.residency_by_node(residency), "node"), out, "queue_residency", progress)
+        undelivered = stats.undelivered(msgs, receipts)
+        _write(
+            hex_(undelivered, "id", "node", "group", "last_dst", "last_peer"), out, "undelivered", progress, small=False
+        )
+        missing = stats.missing_deliveries(messages, spans, deliveries, broadcast=broadcast).persist(KEEP)
+        kept.append(missing)
+        lost = hex_(stats.lost_deliveries(msgs, missing), *LOST_KEYS)
+        lost = _write(lost, out, "lost", progress, small=False)
         _write(stats.bad_lines(events), out, "bad_lines", progress)
 
         progress("collecting the summary")
         group_rows = _rows(groups)
         node_rows = _rows(per_node)
-        overall = stats.nearest_rank(residency, [], "residency_ms", stats.RESIDENCY_PERCENTILES).collect()
-        totals_row = _totals(events)
+        overall = residency.agg(*stats.percentiles(stats.RESIDENCY_PERCENTILES, "residency_ms")).collect()
         lost_by_cause = {
             r["cause"]: int(r["n"]) for r in lost.groupBy("cause").agg(F.count(F.lit(1)).alias("n")).collect()
         }
         lost_rows = _rows(lost.orderBy("published_ts", "id", "node", "dst").limit(MAX_LOST_ROWS))
         top = sorted(group_rows, key=lambda g: (-int(g["delivered"]), g["group"]))[:MAX_PLOTTED_GROUPS]
-        top_groups = [g["group"] for g in top if int(g["delivered"]) > 0]
-        cdf: dict[str, list[tuple[float, float]]] = {g: [] for g in top_groups}
-        if top_groups:
-            for row in stats.cdf_points(deliveries, top_groups).orderBy("group", "latency_ms").collect():
-                cdf[row["group"]].append((float(row["latency_ms"]), float(row["fraction"])))
+        cdf = _cdf(deliveries, [g["group"] for g in top if int(g["delivered"]) > 0])
     finally:
-        receipts.unpersist()
-        spans.unpersist()
-        deliveries.unpersist()
-        residency.unpersist()
+        for df in kept:
+            df.unpersist()
 
     totals = {
         "events": int(totals_row["events"]),
@@ -204,7 +267,7 @@ def run_analyze(
         "pending": sum(int(n["pending"]) for n in node_rows),
     }
     bad_by_problem = {k: int(totals_row[k]) for k in PROBLEM_KINDS if totals_row[k]}
-    outputs = ([EVENTS_TABLE] if inputs.journals else []) + [f"{t}.parquet" for t in TABLES]
+    outputs = ([EVENTS_TABLE] if inputs.has_journals else []) + [f"{t}.parquet" for t in TABLES]
     outputs += ["summary.json", "report.html"]
     results = Results(
         groups=group_rows,
@@ -221,8 +284,8 @@ def run_analyze(
         lost_by_cause=lost_by_cause,
     )
     summary = build_summary(results)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    _write_text(spark, out, "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
     progress("drawing report.html")
-    (out / "report.html").write_text(html_report(summary, results), encoding="utf-8")
+    _write_text(spark, out, "report.html", html_report(summary, results))
     progress("done")
     return Analysis(summary=summary, outputs=tuple(outputs))

@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-Journals are read as text, one row per line, and each line is parsed with ``from_json`` against
-:data:`RECORD_SCHEMA`, an explicit schema with a corrupt-record column; nothing is inferred. A line is *bad*
+Journals are read as text, one row per line, and each line is parsed once with ``from_json`` against
+:data:`RECORD_SCHEMA`, an explicit schema with a corrupt-record column; nothing is inferred
+(:func:`parse_lines`). A line is *bad*
 when :func:`problem_column` gives it a problem, checked in this order (the first that applies is kept):
 
 ``not_json``
@@ -34,9 +35,10 @@ and text (:data:`COMPACT_COLUMNS`) and every analysis skips them.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from pyspark.sql import Column
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -73,7 +75,6 @@ NEEDS: dict[str, tuple[str, ...]] = {
 }
 """Fields that must not be null for the given events (docs/trace.md says which events carry them)."""
 
-_HEX64 = "^[0-9a-f]{64}$"
 MAX_BAD_TEXT = 1000
 """The compacted table keeps at most this many characters of a bad line."""
 
@@ -126,29 +127,63 @@ def parse_record(value: Column) -> Column:
     return F.from_json(value, RECORD_SCHEMA, _JSON_OPTIONS)
 
 
-def _is_hex64(c: Column) -> Column:
-    return c.rlike(_HEX64)
+def is_hex64(c: Column) -> Column:
+    """``c`` is 64 lowercase hex digits (without a regular expression: ``rlike`` costs a Java string per row)."""
+    return (F.octet_length(c) == 64) & F.unhex(c).isNotNull() & (F.lower(c) == c)
 
 
-def problem_column(value: Column, rec: Column) -> Column:
-    """Why the line ``value`` parsed to ``rec`` is bad, or null when it is a good record (rules above)."""
-    syntax = F.from_json(value, _SYNTAX_SCHEMA, _JSON_OPTIONS)
-    ev = rec["event"]
-    ts = rec["ts"]
+def parse_lines(lines: DataFrame, keep: Sequence[str]) -> DataFrame:
+    """The record fields, ``problem`` and ``text`` of each line of ``lines`` (a ``value`` column), plus ``keep``.
+
+    Each line is parsed once. The second, all-strings parse that tells malformed JSON from a wrong type runs
+    only on the lines the first parse rejected. The rules are evaluated once per line, in a projection of
+    their own over plain columns (so Spark compiles it; ``from_json`` cannot be), and ``text`` is taken from
+    the ``problem`` column rather than by evaluating the rules again.
+    """
+    rec = F.col("_r")
+    corrupt = rec[_CORRUPT].isNotNull()
+    syntax_bad = F.when(corrupt, F.from_json(F.col("value"), _SYNTAX_SCHEMA, _JSON_OPTIONS)[_CORRUPT].isNotNull())
+    parsed = lines.select(*keep, "value", parse_record(F.col("value")).alias("_r")).select(
+        *keep,
+        "value",
+        *[rec[name].alias(name) for name, _ in RECORD_FIELDS],
+        rec.isNull().alias("_null"),
+        corrupt.alias("_corrupt"),
+        syntax_bad.alias("_syntax_bad"),
+    )
+    fields = [name for name, _ in RECORD_FIELDS]
+    with_problem = parsed.select(*keep, "value", *fields, problem_column().alias("problem"))
+    return with_problem.select(
+        *fields,
+        *keep,
+        "problem",
+        F.when(F.col("problem").isNotNull(), F.substring(F.col("value"), 1, MAX_BAD_TEXT)).alias("text"),
+    )
+
+
+def problem_column() -> Column:
+    """Why a line is bad, or null for a good record (rules above), over the columns :func:`parse_lines` makes:
+    the record fields and the flags ``_null`` (not an object), ``_corrupt`` (rejected by the typed parse) and
+    ``_syntax_bad`` (rejected by the all-strings parse too)."""
+    ev = F.col("event")
+    ts = F.col("ts")
+    corrupt = F.col("_corrupt")
     cases: list[tuple[Column, Any]] = [
-        (rec.isNull(), F.lit("not_json")),
-        (rec[_CORRUPT].isNotNull() & syntax[_CORRUPT].isNotNull(), F.lit("not_json")),
-        (rec[_CORRUPT].isNotNull(), F.lit("wrong_type")),
+        (F.col("_null"), F.lit("not_json")),
+        (corrupt & F.col("_syntax_bad"), F.lit("not_json")),
+        (corrupt, F.lit("wrong_type")),
         (F.isnan(ts) | (F.abs(ts) == F.lit(float("inf"))), F.lit("wrong_type")),
     ]
-    cases += [(rec[name].isNull(), F.lit(f"missing_field:{name}")) for name in REQUIRED]
+    cases += [(F.col(name).isNull(), F.lit(f"missing_field:{name}")) for name in REQUIRED]
     cases.append((~ev.isin(*EVENTS), F.lit("unknown_event")))
-    cases += [(ev.isin(*events) & rec[name].isNull(), F.lit(f"missing_field:{name}")) for name, events in NEEDS.items()]
-    cases += [(rec[name].isNotNull() & ~_is_hex64(rec[name]), F.lit(f"bad_value:{name}")) for name in HEX_FIELDS]
     cases += [
-        (~rec["type"].isin(*TYPES), F.lit("bad_value:type")),
-        (rec["role"].isNotNull() & ~rec["role"].isin(*ROLES), F.lit("bad_value:role")),
-        (rec["size"] < 0, F.lit("bad_value:size")),
+        (ev.isin(*events) & F.col(name).isNull(), F.lit(f"missing_field:{name}")) for name, events in NEEDS.items()
+    ]
+    cases += [(F.col(name).isNotNull() & ~is_hex64(F.col(name)), F.lit(f"bad_value:{name}")) for name in HEX_FIELDS]
+    cases += [
+        (~F.col("type").isin(*TYPES), F.lit("bad_value:type")),
+        (F.col("role").isNotNull() & ~F.col("role").isin(*ROLES), F.lit("bad_value:role")),
+        (F.col("size") < 0, F.lit("bad_value:size")),
     ]
     cond, result = cases[0]
     out = F.when(cond, result)

@@ -15,8 +15,17 @@ host and bind address are ``127.0.0.1`` (otherwise Spark resolves the host name,
 off the machine), the web UI is off, scratch space (``spark.local.dir``) and the SQL warehouse live in a
 private temporary directory that is removed when the session stops. For any other master (``spark://``,
 ``yarn``, ``k8s://``) those are left to the cluster's own configuration, since executors elsewhere must be
-able to reach the driver. The session time zone is UTC and the number of shuffle partitions is small by
-default (trace analytics shuffles little data per key; raise it for big fleets).
+able to reach the driver. The session time zone is UTC.
+
+Sizing (issue 22): with no ``shuffle_partitions`` the job picks the number of shuffle partitions from the
+size of its input (:data:`AUTO_PARTITIONS`, read by :mod:`~upsycle_router.analytics.job`), and adaptive
+query execution merges the small ones. With a local master and no ``driver_memory``, the driver (which is
+also the only executor) gets a quarter of the machine's memory, at least 1 GiB and at most 32 GiB
+(:func:`default_driver_memory`; a cgroup limit counts as the machine's size): nothing the job keeps grows
+with the input beyond what Spark spills to disk, so that is enough for any input, and more only saves
+spilling. ``spark.sql.requireAllClusterKeysForCoPartition`` is off: the job partitions all per-message work
+by message id once, and joins keyed by id and more (``(id, node)``) then need no second shuffle; ids are
+unique per message, so the partitions cannot be skewed.
 
 Spark's own log output is cut to errors by a log4j2 configuration written to the temporary directory
 (``verbose=True`` keeps Spark's default logging), and the console progress bar is off, so that the job's
@@ -83,11 +92,40 @@ class SparkOptions:
     """How to start Spark: master URL, shuffle partitions, driver memory and extra ``--conf`` settings."""
 
     master: str = "local[*]"
-    shuffle_partitions: int = 4
+    shuffle_partitions: int | None = None
+    """None: chosen by the job from the input's size."""
     driver_memory: str | None = None
+    """None: :func:`default_driver_memory` for a local master, Spark's default otherwise."""
     conf: Mapping[str, str] = field(default_factory=dict)
     verbose: bool = False
     app_name: str = "upsycle-router analytics"
+
+
+AUTO_PARTITIONS = "spark.upsycle.analytics.autoPartitions"
+"""Set to ``true`` in a session whose shuffle partitions the job should choose from its input."""
+
+
+def machine_memory() -> int | None:
+    """Bytes of memory this process may use: the physical memory, or a smaller cgroup limit."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(limit_file).read_text(encoding="ascii").strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            total = min(total, int(text))
+    return total
+
+
+def default_driver_memory(total: int | None = None) -> str:
+    """A quarter of ``total`` (default: :func:`machine_memory`) in MiB, within 1 GiB .. 32 GiB (``"6144m"``)."""
+    total = machine_memory() if total is None else total
+    mib = (total or 4 << 30) // 4 >> 20
+    return f"{max(1024, min(32 * 1024, mib))}m"
 
 
 def is_local_master(master: str) -> bool:
@@ -160,24 +198,32 @@ def prepare_environment(runtime: JavaRuntime, master: str, env: MutableMapping[s
 
 def session_conf(options: SparkOptions, scratch: Path) -> dict[str, str]:
     """The Spark settings :func:`spark_session` uses (the caller's ``conf`` wins over these)."""
+    local = is_local_master(options.master)
     conf: dict[str, str] = {
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         "spark.sql.session.timeZone": "UTC",
-        "spark.sql.shuffle.partitions": str(options.shuffle_partitions),
         "spark.sql.warehouse.dir": str(scratch / "warehouse"),
+        "spark.sql.requireAllClusterKeysForCoPartition": "false",
     }
-    if is_local_master(options.master):
+    if options.shuffle_partitions is None:
+        conf[AUTO_PARTITIONS] = "true"
+    else:
+        conf["spark.sql.shuffle.partitions"] = str(options.shuffle_partitions)
+    if local:
         conf.update(
             {
                 "spark.driver.host": "127.0.0.1",
                 "spark.driver.bindAddress": "127.0.0.1",
                 "spark.local.dir": str(scratch / "local"),
-                "spark.default.parallelism": str(options.shuffle_partitions),
             }
         )
+        if options.shuffle_partitions is not None:
+            conf["spark.default.parallelism"] = str(options.shuffle_partitions)
     if options.driver_memory:
         conf["spark.driver.memory"] = options.driver_memory
+    elif local:
+        conf["spark.driver.memory"] = default_driver_memory()
     if not options.verbose:
         log_conf = scratch / "log4j2.properties"
         conf["spark.driver.extraJavaOptions"] = f"-Dlog4j2.configurationFile={log_conf.as_uri()}"

@@ -2,20 +2,26 @@
 
 Theory of operation
 -------------------
-An input path is either a compacted table (a Parquet file, or a directory whose name ends in ``.parquet`` or
-that holds ``*.parquet`` parts directly) or a journal: a ``trace-*.jsonl`` file, or a directory searched
+An input is either a compacted table (a Parquet file, or a directory whose name ends in ``.parquet`` or that
+holds ``*.parquet`` parts directly) or journals: a ``trace-*.jsonl`` file, or a directory searched
 recursively for them, so one can point the job at a directory holding the journal directories of a whole
-fleet. :func:`discover` sorts that out in Python before Spark starts, so an empty or mistyped path is a
-clear error and not an empty analysis.
+fleet. For local paths :func:`discover` sorts that out in Python before Spark starts, so an empty or mistyped
+path is a clear error and not an empty analysis. A URI (:mod:`~upsycle_router.analytics.location`) is passed
+to Spark as it is: a name ending in ``.parquet`` is a table, anything else is searched by Spark's reader
+for ``trace-*.jsonl`` files (``recursiveFileLookup`` with ``pathGlobFilter``).
 
-:func:`read_journals` reads the journal files as text and turns each line into one row of
-:data:`~upsycle_router.analytics.schema.COMPACT_SCHEMA`: the parsed fields, plus ``file`` and ``line`` (the
-1-based line number in its file) and, for a bad line, ``problem`` and ``text``. Spark's text reader knows a
-row's file and the start offset of its split (``_metadata``) but not its line number; within one split, rows
-come in file order and ``monotonically_increasing_id`` numbers them consecutively, so the line number is the
-number of rows in the file's earlier splits plus the row's position in its split. The per-split row counts
-are a small aggregate joined back by broadcast. ``(ts, file, line)`` is the total order the analysis uses to
-break ties between records with the same ``ts`` of one node: the order the router wrote them.
+:func:`read_journals` reads the journal files as text, **once**, and turns each line into one row of
+:data:`~upsycle_router.analytics.schema.COMPACT_SCHEMA`: the parsed fields (each line parsed once, see
+:func:`~upsycle_router.analytics.schema.parse_lines`), plus ``file`` and ``line`` (the 1-based line number
+in its file) and, for a bad line, ``problem`` and ``text``. Spark's text reader knows a row's file but not
+its line number. The read is planned with one whole file per task (:func:`whole_files`: split size and the
+cost of opening a file set far above any journal's size, so Spark neither splits a file nor packs two into
+one task; a journal is at most ``trace.max_bytes``, 64 MiB by default). Rows of a task then come in file
+order and ``monotonically_increasing_id`` numbers them from 0 within the task, so the line number is that
+count plus one: no second pass over the files and no join. A task that reads anything but the start of a
+file fails the job (``raise_error``) rather than number lines wrongly. ``(ts, file, line)`` is the total
+order the analysis uses to break ties between records with the same ``ts`` of one node: the order the
+router wrote them. The number of tasks is the number of journal files.
 
 Compaction (:func:`compact`) writes that table to Parquet once; :func:`load_events` reads any mix of journals
 and compacted tables into one DataFrame of the same shape.
@@ -23,52 +29,91 @@ and compacted tables into one DataFrame of the same shape.
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from upsycle_router.analytics.schema import (
-    COMPACT_COLUMNS,
-    COMPACT_SCHEMA,
-    MAX_BAD_TEXT,
-    RECORD_FIELDS,
-    parse_record,
-    problem_column,
-)
+from upsycle_router.analytics.location import HadoopFiles, is_uri, name_of, no_glob
+from upsycle_router.analytics.schema import COMPACT_COLUMNS, COMPACT_SCHEMA, parse_lines
 from upsycle_router.analytics.session import AnalyticsError
 
+__all__ = ["JOURNAL_GLOB", "Inputs", "compact", "discover", "is_table", "load_events", "no_glob", "read_journals"]
+
 JOURNAL_GLOB = "trace-*.jsonl"
+WHOLE_FILE = 1 << 40
+"""Split size and file open cost while reading journals: larger than any journal, so one file per task."""
+_ROW_BITS = 33
+"""``monotonically_increasing_id`` is the task number shifted left by 33 bits plus the row's index in the task."""
 
 
 @dataclass(frozen=True, slots=True)
 class Inputs:
-    """The journal files and compacted tables found under the given paths."""
+    """The journal files and compacted tables found under the given paths (local ones found in Python, URIs
+    as given)."""
 
     journals: tuple[Path, ...]
     tables: tuple[Path, ...]
+    journal_uris: tuple[str, ...] = ()
+    table_uris: tuple[str, ...] = ()
 
     @property
     def journal_bytes(self) -> int:
-        """Total size of the journal files."""
+        """Total size of the local journal files."""
         return sum(p.stat().st_size for p in self.journals)
 
+    @property
+    def has_journals(self) -> bool:
+        """Whether there is anything to compact."""
+        return bool(self.journals or self.journal_uris)
 
-def is_table(path: Path) -> bool:
-    """Whether ``path`` is a compacted (Parquet) table rather than journals."""
+    @property
+    def has_tables(self) -> bool:
+        """Whether compacted tables were given."""
+        return bool(self.tables or self.table_uris)
+
+    def describe(self) -> str:
+        """``4 journal files (1.2 MiB)``, plus the URIs searched for journals."""
+        parts = []
+        if self.journals:
+            parts.append(f"{len(self.journals)} journal files ({_size(self.journal_bytes)})")
+        if self.journal_uris:
+            parts.append("journals under " + ", ".join(self.journal_uris))
+        return " and ".join(parts)
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def is_table(path: str | Path) -> bool:
+    """Whether ``path`` is a compacted (Parquet) table rather than journals (for a URI: by its name)."""
+    if is_uri(path):
+        return name_of(path).endswith(".parquet")
+    path = Path(path)
     if path.suffix == ".parquet":
         return True
     return path.is_dir() and any(p.suffix == ".parquet" and p.is_file() for p in path.iterdir())
 
 
 def discover(paths: Iterable[str | Path]) -> Inputs:
-    """Sort the given paths into journal files (found recursively) and compacted tables."""
+    """Sort the given paths into journal files (found recursively) and compacted tables; URIs stay as given."""
     journals: list[Path] = []
     tables: list[Path] = []
+    journal_uris: list[str] = []
+    table_uris: list[str] = []
     for raw in paths:
+        if is_uri(raw):
+            (table_uris if is_table(raw) else journal_uris).append(str(raw))
+            continue
         path = Path(raw)
         if not path.exists():
             raise AnalyticsError(f"{path}: no such file or directory")
@@ -82,44 +127,67 @@ def discover(paths: Iterable[str | Path]) -> Inputs:
                 raise AnalyticsError(f"{path}: no {JOURNAL_GLOB} files in it or below it")
             journals.extend(found)
     unique = sorted({p.resolve() for p in journals})
-    return Inputs(journals=tuple(unique), tables=tuple(p.resolve() for p in tables))
-
-
-def no_glob(path: Path) -> str:
-    """``path`` with Hadoop's glob characters escaped, so that Spark reads exactly that file."""
-    return re.sub(r"([\\*?\[\]{}])", r"\\\1", str(path))
-
-
-def read_journals(spark: SparkSession, files: Sequence[Path]) -> DataFrame:
-    """The compacted event table of the given journal files (lazy)."""
-    text = spark.read.text([no_glob(p) for p in files])
-    rows = text.select(
-        F.col("value"),
-        F.col("_metadata.file_path").alias("_file"),
-        F.col("_metadata.file_block_start").alias("_blk"),
-        F.monotonically_increasing_id().alias("_mid"),
+    return Inputs(
+        journals=tuple(unique),
+        tables=tuple(p.resolve() for p in tables),
+        journal_uris=tuple(dict.fromkeys(journal_uris)),
+        table_uris=tuple(dict.fromkeys(table_uris)),
     )
-    splits = rows.groupBy("_file", "_blk").agg(F.min("_mid").alias("_mid0"), F.count(F.lit(1)).alias("_rows"))
-    earlier = Window.partitionBy("_file").orderBy("_blk").rowsBetween(Window.unboundedPreceding, -1)
-    splits = splits.withColumn("_before", F.coalesce(F.sum("_rows").over(earlier), F.lit(0)))
-    numbered = rows.join(F.broadcast(splits), ["_file", "_blk"]).withColumn(
-        "line", (F.col("_before") + F.col("_mid") - F.col("_mid0") + 1).cast("long")
+
+
+@contextmanager
+def whole_files(spark: SparkSession) -> Iterator[None]:
+    """While inside: file reads are planned with one whole file per task (the settings are restored after).
+
+    Spark plans a file scan when an action runs, so the action that reads the journals must run inside.
+    """
+    keys = ("spark.sql.files.maxPartitionBytes", "spark.sql.files.openCostInBytes", "spark.sql.files.maxPartitionNum")
+    old = {k: spark.conf.get(k, None) for k in keys}
+    spark.conf.set(keys[0], str(WHOLE_FILE))
+    spark.conf.set(keys[1], str(WHOLE_FILE))
+    spark.conf.unset(keys[2])
+    try:
+        yield
+    finally:
+        for key, value in old.items():
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)
+
+
+def _numbered(text: DataFrame) -> DataFrame:
+    """``value``, ``_file`` and ``line`` of a text read planned by :func:`whole_files`."""
+    first_row = F.col("_metadata.file_block_start") == 0
+    index = F.monotonically_increasing_id().bitwiseAND(F.lit((1 << _ROW_BITS) - 1))
+    line = F.when(first_row, index + 1).otherwise(
+        F.raise_error(F.lit("a journal file was split between tasks; its line numbers would be wrong"))
     )
-    # Spark gives a URI (file:/a%20b/...): make it a local path again; '+' is literal in a URI path.
+    return text.select(F.col("value"), F.col("_metadata.file_path").alias("_file"), line.cast("long").alias("line"))
+
+
+def read_journals(spark: SparkSession, inputs: Inputs | Sequence[Path]) -> DataFrame:
+    """The compacted event table of the given journal files (lazy: run its actions inside :func:`whole_files`)."""
+    if not isinstance(inputs, Inputs):
+        inputs = Inputs(journals=tuple(inputs), tables=())
+    parts: list[DataFrame] = []
+    if inputs.journals:
+        parts.append(_numbered(spark.read.text([no_glob(p) for p in inputs.journals])))
+    for uri in inputs.journal_uris:
+        reader = spark.read.option("recursiveFileLookup", "true").option("pathGlobFilter", JOURNAL_GLOB)
+        parts.append(_numbered(reader.text(uri)))
+    if not parts:
+        raise AnalyticsError("no journals to read")
+    rows = parts[0]
+    for part in parts[1:]:
+        rows = rows.unionByName(part)
+    # Spark gives a URI (file:/a%20b/...): make a local one a path again; '+' is literal in a URI path.
     uri_path = F.regexp_replace(F.regexp_replace(F.col("_file"), "^file:(//)?", ""), "\\+", "%2B")
-    file_col = F.url_decode(uri_path)
-    parsed = numbered.select(F.col("value"), file_col.alias("file"), "line", parse_record(F.col("value")).alias("r"))
-    problem = problem_column(F.col("value"), F.col("r"))
-    return parsed.select(
-        *[F.col(f"r.{name}").alias(name) for name, _ in RECORD_FIELDS],
-        "file",
-        "line",
-        problem.alias("problem"),
-        F.when(problem.isNotNull(), F.substring(F.col("value"), 1, MAX_BAD_TEXT)).alias("text"),
-    )
+    rows = rows.select("value", F.url_decode(uri_path).alias("file"), "line")
+    return parse_lines(rows, ["file", "line"]).select(*COMPACT_COLUMNS)
 
 
-def read_tables(spark: SparkSession, tables: Sequence[Path], *, trusted: bool = False) -> DataFrame:
+def read_tables(spark: SparkSession, tables: Sequence[str | Path], *, trusted: bool = False) -> DataFrame:
     """The compacted event tables at the given paths, as one DataFrame.
 
     ``trusted`` tables were written by this package, so their schema is not read from the files (which costs
@@ -135,12 +203,13 @@ def read_tables(spark: SparkSession, tables: Sequence[Path], *, trusted: bool = 
 
 
 def load_events(spark: SparkSession, inputs: Inputs) -> DataFrame:
-    """Every row of the given journals and compacted tables (good and bad lines)."""
+    """Every row of the given journals and compacted tables (good and bad lines); journals read lazily, so run
+    the actions inside :func:`whole_files`."""
     parts: list[DataFrame] = []
-    if inputs.journals:
-        parts.append(read_journals(spark, inputs.journals))
-    if inputs.tables:
-        parts.append(read_tables(spark, inputs.tables))
+    if inputs.has_journals:
+        parts.append(read_journals(spark, inputs))
+    if inputs.has_tables:
+        parts.append(read_tables(spark, [*inputs.tables, *inputs.table_uris]))
     if not parts:
         raise AnalyticsError("no input: give journal directories, trace-*.jsonl files or compacted tables")
     df = parts[0]
@@ -149,9 +218,30 @@ def load_events(spark: SparkSession, inputs: Inputs) -> DataFrame:
     return df
 
 
-def compact(spark: SparkSession, inputs: Inputs, out: Path) -> None:
+def check_target(spark: SparkSession | None, out: str | Path) -> None:
+    """Refuse to replace anything at ``out`` but a Parquet table (a directory of parts)."""
+    if is_uri(out):
+        if spark is None:
+            return  # checked once Spark runs
+        files = HadoopFiles(spark)
+        uri = str(out)
+        if files.exists(uri) and not (
+            files.is_dir(uri) and all(n.startswith(("part-", "_", ".")) for n in files.names(uri))
+        ):
+            raise AnalyticsError(f"{out}: exists and is not a Parquet table; not replacing it")
+        return
+    path = Path(out)
+    if path.exists() and not (path.is_dir() and all(p.name.startswith(("part-", "_", ".")) for p in path.iterdir())):
+        raise AnalyticsError(f"{out}: exists and is not a Parquet table; not replacing it")
+
+
+def compact(spark: SparkSession, inputs: Inputs, out: str | Path) -> None:
     """Write the compacted event table of ``inputs`` to the Parquet directory ``out`` (replacing it)."""
-    out_resolved = out.resolve()
-    if any(out_resolved == t or out_resolved in t.parents for t in inputs.tables):
+    if not is_uri(out):
+        out_resolved = Path(out).resolve()
+        if any(out_resolved == t or out_resolved in t.parents for t in inputs.tables):
+            raise AnalyticsError(f"{out}: is one of the inputs")
+    elif str(out).rstrip("/") in (t.rstrip("/") for t in inputs.table_uris):
         raise AnalyticsError(f"{out}: is one of the inputs")
-    load_events(spark, inputs).write.mode("overwrite").parquet(str(out))
+    with whole_files(spark):
+        load_events(spark, inputs).write.mode("overwrite").parquet(str(out))

@@ -3,8 +3,22 @@
 Theory of operation
 -------------------
 Every function here takes DataFrames and returns a lazy DataFrame; nothing is collected. The definitions are
-those of docs/analytics.md, which this module implements literally:
+those of docs/analytics.md, which this module implements literally. The shapes are chosen so that no task
+ever holds all the rows of one group (a fleet's busiest group can carry most of its deliveries) and so that
+the records of the fleet are shuffled once:
 
+* :func:`prepared` replaces ``(file, line)`` by one number, ``pos``, that sorts the same way (the rank
+  of the file name among the input's files, shifted left by 33 bits, plus the line): journal order becomes
+  ``(ts, pos)`` (:data:`ORDER`). It also turns the keys (``id``, ``node``, ``group``, ``src``, ``dst``,
+  ``peer``: 64 hex digits in a good record) into their 32 bytes. Every row the job moves, hashes or compares
+  is then about half as wide; :func:`as_hex` turns the keys of an output table back into hex.
+* :func:`by_message` partitions the records that carry a message id by that id, once. Everything per
+  message - first receipts, app deliveries, queue residency, why not delivered, lost deliveries - groups or
+  joins by ``id`` (or by ``id`` and more), so it runs where the records already are; the job keeps the
+  partitioned table (``persist``) while it needs it. A message's records are a few thousand rows at most,
+  so these partitions cannot be skewed. Aggregations whose result is a whole record (the first receipt, a
+  last record) cannot use Spark's hash aggregation and sort their input instead, so they only see the rows
+  that can matter (received records; the (id, node) pairs a numeric aggregation found undelivered).
 * :func:`first_receipts` finds, per message id, the earliest ``received`` record on any node (ties at the
   same ``ts`` go to a ``local: true`` record, then to journal order). That ``ts`` is the message's ``t0``, the
   zero of its latencies; the id is *published* when that record is local and its type is ``multicast``.
@@ -12,29 +26,34 @@ those of docs/analytics.md, which this module implements literally:
 * :func:`expected_per_message` counts, for each published id of group G, the (node, subscriber) pairs with
   role ``app`` subscribed to G at the publish time, with a sweep instead of a join: the ``joined``/``left``
   records of each (node, group, subscriber), in journal order, become +1/-1 changes of the pair's state
-  (a repeated join or a leave without a join changes nothing), and a running sum over each group ordered by
-  ``(ts, kind)`` with publishes before changes at the same ``ts`` gives, at each publish, the number of pairs
-  whose last change strictly before it was a join. Cost: one sort per group, not publishes x subscribers.
+  (a repeated join or a leave without a join changes nothing), and a running sum ordered by ``(ts, kind)``
+  with publishes before changes at the same ``ts`` gives, at each publish, the number of pairs whose last
+  change strictly before it was a join. The sweep runs per (group, second): each second's running sum
+  starts from the sum of the group's changes in its earlier seconds (a small table: one row per group and
+  second with any publish or change), so a busy group is spread over as many tasks as it has seconds.
 * :func:`app_deliveries` keeps one row per (id, node, dst) of ``delivered`` records with role ``app`` of a
   published id, with how often it was delivered and the latency of its first delivery.
 * :func:`subscription_spans` turns the same joins and leaves into spans ``(since, until]`` of each app
   subscriber; a pair is subscribed at ``t`` when ``since < t <= until`` (``until`` null: to the end), which is
   the sweep's rule. :func:`mark_expected` flags each app delivery whose recipient was subscribed at the
-  publish time (a join on the pair's own spans, which are few), so a message's *missing* deliveries are
-  ``expected`` minus its expected deliveries made, and an unexpected delivery does not hide a missing one.
+  publish time (a join on the pair's own spans, which are few and usually broadcast), so a message's
+  *missing* deliveries are ``expected`` minus its expected deliveries made, and an unexpected delivery does
+  not hide a missing one.
 * :func:`lost_deliveries` lists the missing (id, node, subscriber) triples of the messages that have any:
-  only those messages are joined with their group's spans, so the cost follows the losses, not publishes x
-  subscribers. For each it finds the last record of the id at the subscriber's router (or anywhere, when it
-  never got there) and the most telling record of why, in this order: a drop or expiry of it for that
-  subscriber (or for everyone) at that router, a refusal there, a queue entry still waiting, the subscriber
-  leaving the group after the publish, a drop for lack of subscribers there, a drop on the way at another
-  router; with none of these it is *lost without a record*.
+  only those messages meet their group's spans, and only their records are read again, so the cost follows
+  the losses, not publishes x subscribers. For each it finds the last record of the id at the subscriber's
+  router (or anywhere, when it never got there) and the most telling record of why, in this order: a drop
+  or expiry of it for that subscriber (or for everyone) at that router, a refusal there, a queue entry still
+  waiting, the subscriber leaving the group after the publish, a drop for lack of subscribers there, a drop
+  on the way at another router; with none of these it is *lost without a record*.
 * :func:`queue_residency` pairs each ``queued`` record with the first ``delivered`` or ``expired`` record of
-  the same (node, id, dst) after it in journal order (a running ``last`` over the reversed order).
-* :func:`nearest_rank` gives exact nearest-rank percentiles with integer arithmetic: the p-th percentile of n
-  values is the smallest value whose cumulative count c satisfies ``100 * c >= p * n``, that is the value of
-  rank ``ceil(p * n / 100)``. It counts distinct values per key, so memory follows the number of distinct
-  values (latencies are in whole microseconds), not the number of rows.
+  the same (node, id, dst) after it in journal order (a running ``last`` over the reversed order), over the
+  (node, id, dst) that have a ``queued`` record only.
+* Percentiles (:func:`percentiles`) are Spark's ``percentile_approx`` with accuracy
+  :data:`PERCENTILE_ACCURACY`: an aggregate whose partial results (Greenwald-Khanna summaries) are merged,
+  so a group's values never have to meet in one task. For a key with fewer than ``PERCENTILE_ACCURACY / 2``
+  values it is the exact nearest-rank percentile (the value of rank ``ceil(p * n / 100)``); above that, the
+  rank of the value returned is within ``n / PERCENTILE_ACCURACY`` of that rank. The maximum is exact.
 
 Durations are in milliseconds rounded to 3 decimals (microseconds): ``ts`` is a double of Unix seconds, whose
 resolution at current dates is about a quarter of a microsecond, so finer digits are noise.
@@ -47,13 +66,31 @@ from collections.abc import Sequence
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
-ORDER = ("ts", "file", "line")
-"""Journal order: time, then the order the router wrote the records (file name, line)."""
+ORDER = ("ts", "pos")
+"""Journal order: time, then the order the router wrote the records (file name, line; see :func:`prepared`)."""
+
+LINE_BITS = 33
+"""``pos`` = file rank << 33 | line: lines per file stay below 2**33."""
 
 PERCENTILES = (50, 90, 99, 100)
 """Latency percentiles reported per group (100 is the maximum)."""
 
 RESIDENCY_PERCENTILES = (50, 99, 100)
+
+PERCENTILE_ACCURACY = 10_000
+"""``percentile_approx``'s accuracy: exact below 5,000 values per key, else a rank error of at most n / 10,000."""
+
+CDF_STEPS = 400
+"""Points of a plotted latency CDF per group (the quantiles at 1/400, 2/400, ... 1)."""
+
+SWEEP_SECONDS = 1.0
+"""Width of the time slices the expected-subscriber sweep runs in."""
+
+MESSAGE_COLUMNS = ("id", "node", "event", "ts", "pos", "type", "group", "dst", "peer", "reason", "local", "role")
+"""The columns of :func:`by_message`'s table: what any per-message figure reads."""
+
+KEYS = ("id", "node", "group", "src", "dst", "peer")
+"""The key columns: 64 lowercase hex digits in the compacted table, 32 bytes inside the job."""
 
 
 def good_events(events: DataFrame) -> DataFrame:
@@ -66,26 +103,48 @@ def bad_lines(events: DataFrame) -> DataFrame:
     return events.where(F.col("problem").isNotNull()).select("file", "line", "problem", "text")
 
 
+def file_ranks(events: DataFrame) -> DataFrame:
+    """``file``, ``rank``: each input file and its place in name order (a small table, one row per file)."""
+    files = events.select("file").where(F.col("file").isNotNull()).distinct()
+    return files.select("file", F.row_number().over(Window.orderBy("file")).cast("long").alias("rank"))
+
+
+def prepared(ev: DataFrame, ranks: DataFrame) -> DataFrame:
+    """``ev`` with ``pos`` (file rank << :data:`LINE_BITS` | line) in place of ``file`` and ``line``, and the
+    :data:`KEYS` as bytes."""
+    pos = F.coalesce(F.col("rank"), F.lit(0)) * F.lit(1 << LINE_BITS) + F.col("line")
+    joined = ev.join(F.broadcast(ranks), "file", "left").withColumn("pos", pos).drop("file", "line", "rank")
+    return joined.select(*[F.unhex(c).alias(c) if c in KEYS else F.col(c) for c in joined.columns])
+
+
+def as_hex(df: DataFrame, *columns: str) -> DataFrame:
+    """``df`` with the given key columns (bytes) as 64 lowercase hex digits again."""
+    return df.select(*[F.lower(F.hex(F.col(c))).alias(c) if c in columns else F.col(c) for c in df.columns])
+
+
+def by_message(ev: DataFrame, partitions: int) -> DataFrame:
+    """The records with a message id (:data:`MESSAGE_COLUMNS`), hash-partitioned by id into ``partitions``."""
+    return ev.where(F.col("id").isNotNull()).select(*MESSAGE_COLUMNS).repartition(partitions, "id")
+
+
 def millis(later: Column, earlier: Column) -> Column:
     """``later - earlier`` (seconds) in milliseconds, rounded to microseconds."""
     return F.round((later - earlier) * 1000.0, 3)
 
 
-def nearest_rank(df: DataFrame, keys: Sequence[str], value: str, pcts: Sequence[int]) -> DataFrame:
-    """Per key: ``n`` (non-null values) and ``p<P>`` for each P in ``pcts`` (exact nearest-rank, 100 = max)."""
-    keys = list(keys)
-    src = df if keys else df.withColumn("_all", F.lit(0))
-    part = keys or ["_all"]
-    counts = src.where(F.col(value).isNotNull()).groupBy(*part, value).agg(F.count(F.lit(1)).alias("_c"))
-    running = Window.partitionBy(*part).orderBy(value).rowsBetween(Window.unboundedPreceding, Window.currentRow)
-    whole = Window.partitionBy(*part)
-    cum = counts.withColumn("_hi", F.sum("_c").over(running)).withColumn("_n", F.sum("_c").over(whole))
-    aggs = [F.min(F.when(F.col("_hi") * 100 >= F.col("_n") * pct, F.col(value))).alias(f"p{pct}") for pct in pcts]
-    out = cum.groupBy(*part).agg(F.max("_n").alias("n"), *aggs)
-    return out if keys else out.drop("_all")
+def percentiles(pcts: Sequence[int], value: str, prefix: str = "p", suffix: str = "") -> list[Column]:
+    """Aggregates ``<prefix><P><suffix>`` for each P in ``pcts`` (100: the exact maximum), see the module doc."""
+    inner = [p for p in pcts if p < 100]
+    out: list[Column] = []
+    if inner:
+        approx = F.percentile_approx(value, [p / 100 for p in inner], PERCENTILE_ACCURACY)
+        out += [approx[i].alias(f"{prefix}{p}{suffix}") for i, p in enumerate(inner)]
+    if 100 in pcts:
+        out.append(F.max(value).alias(f"{prefix}100{suffix}"))
+    return out
 
 
-def first_receipts(ev: DataFrame) -> DataFrame:
+def first_receipts(msgs: DataFrame) -> DataFrame:
     """Per received id: ``t0``, ``published``, ``group``, ``origin``, ``type``, ``duplicate_events``, ``forwards``.
 
     ``t0`` is the earliest ``received`` ts on any node; the first receipt (earliest, a local one on a tie, then
@@ -94,23 +153,22 @@ def first_receipts(ev: DataFrame) -> DataFrame:
     event = F.col("event")
     nonlocal_rank = F.when(F.col("local"), 0).otherwise(1)
     receipt = F.struct(
-        F.col("ts"),
-        nonlocal_rank.alias("nonlocal"),
-        F.col("file"),
-        F.col("line"),
-        F.col("node"),
-        F.col("type"),
-        F.col("group"),
+        F.col("ts"), nonlocal_rank.alias("nonlocal"), F.col("pos"), F.col("node"), F.col("type"), F.col("group")
     )
-    per_id = (
-        ev.where(event.isin("received", "duplicate", "forwarded"))
+    first = msgs.where(event == "received").groupBy("id").agg(F.min(receipt).alias("f"))
+    counts = (
+        msgs.where(event.isin("duplicate", "forwarded"))
         .groupBy("id")
         .agg(
-            F.min(F.when(event == "received", receipt)).alias("f"),
-            F.count(F.when(event == "duplicate", 1)).alias("duplicate_events"),
-            F.count(F.when(event == "forwarded", 1)).alias("forwards"),
+            F.count(F.when(event == "duplicate", 1)).alias("_dup"),
+            F.count(F.when(event == "forwarded", 1)).alias("_fwd"),
         )
-        .where(F.col("f").isNotNull())
+    )
+    per_id = first.join(counts, "id", "left").select(
+        "id",
+        "f",
+        F.coalesce(F.col("_dup"), F.lit(0)).alias("duplicate_events"),
+        F.coalesce(F.col("_fwd"), F.lit(0)).alias("forwards"),
     )
     published = (F.col("f.nonlocal") == 0) & (F.col("f.type") == "multicast") & F.col("f.group").isNotNull()
     return per_id.select(
@@ -132,36 +190,51 @@ def published_messages(receipts: DataFrame) -> DataFrame:
     )
 
 
-def subscription_changes(ev: DataFrame) -> DataFrame:
-    """``group``, ``ts``, ``delta``: +1 when an app (node, subscriber) pair becomes subscribed, -1 when it stops."""
+def _pair_changes(ev: DataFrame) -> DataFrame:
+    """``node``, ``group``, ``src``, ``ts``, ``pos``, ``delta``: the app subscription records that change a pair's
+    state (+1 subscribed, -1 not), alternating per pair and starting with +1."""
     subs = ev.where(F.col("event").isin("joined", "left") & (F.col("role") == "app"))
     pair = Window.partitionBy("node", "group", "src").orderBy(*ORDER)
     state = F.when(F.col("event") == "joined", 1).otherwise(0)
-    delta = state - F.lag(state, 1, 0).over(pair)
-    return subs.select("group", "ts", delta.alias("delta")).where(F.col("delta") != 0)
+    changes = subs.select("node", "group", "src", *ORDER, (state - F.lag(state, 1, 0).over(pair)).alias("delta"))
+    return changes.where(F.col("delta") != 0)
 
 
-def expected_per_message(ev: DataFrame, published: DataFrame) -> DataFrame:
-    """``id``, ``expected``: app subscribers (distinct node, subscriber) of its group at its publish time."""
+def subscription_changes(ev: DataFrame) -> DataFrame:
+    """``group``, ``ts``, ``delta``: +1 when an app (node, subscriber) pair becomes subscribed, -1 when it stops."""
+    return _pair_changes(ev).select("group", "ts", "delta")
+
+
+def expected_per_message(changes: DataFrame, published: DataFrame) -> DataFrame:
+    """``id``, ``expected``: app subscribers (distinct node, subscriber) of its group at its publish time.
+
+    ``changes`` is :func:`subscription_changes`. The sweep is cut into :data:`SWEEP_SECONDS` slices (module doc).
+    """
     pubs = published.select(
         "group", F.col("published_ts").alias("ts"), F.lit(0).alias("kind"), F.lit(0).alias("delta"), "id"
     )
-    changes = subscription_changes(ev).select(
-        "group", "ts", F.lit(1).alias("kind"), "delta", F.lit(None).cast("string").alias("id")
+    items = pubs.unionByName(
+        changes.select("group", "ts", F.lit(1).alias("kind"), "delta", F.lit(None).cast("binary").alias("id"))
+    ).withColumn("slice", F.floor(F.col("ts") / F.lit(SWEEP_SECONDS)).cast("long"))
+    earlier = Window.partitionBy("group").orderBy("slice").rowsBetween(Window.unboundedPreceding, -1)
+    offsets = (
+        items.groupBy("group", "slice")
+        .agg(F.sum("delta").alias("_in"))
+        .select("group", "slice", F.coalesce(F.sum("_in").over(earlier), F.lit(0)).alias("_before"))
     )
-    sweep = Window.partitionBy("group").orderBy("ts", "kind").rowsBetween(Window.unboundedPreceding, Window.currentRow)
+    sweep = Window.partitionBy("group", "slice").orderBy("ts", "kind").rowsBetween(Window.unboundedPreceding, 0)
     return (
-        pubs.unionByName(changes)
-        .withColumn("subscribed", F.sum("delta").over(sweep))
+        items.withColumn("_running", F.sum("delta").over(sweep))
         .where(F.col("kind") == 0)
-        .select("id", F.col("subscribed").cast("long").alias("expected"))
+        .join(offsets, ["group", "slice"])
+        .select("id", (F.col("_before") + F.col("_running")).cast("long").alias("expected"))
     )
 
 
-def app_deliveries(ev: DataFrame, published: DataFrame) -> DataFrame:
+def app_deliveries(msgs: DataFrame, published: DataFrame) -> DataFrame:
     """One row per (id, node, dst) app delivery of a published id: ``group``, ``times``, ``latency_ms``."""
     per_dst = (
-        ev.where((F.col("event") == "delivered") & (F.col("role") == "app"))
+        msgs.where((F.col("event") == "delivered") & (F.col("role") == "app"))
         .groupBy("id", "node", "dst")
         .agg(F.count(F.lit(1)).alias("times"), F.min("ts").alias("first_ts"))
     )
@@ -177,13 +250,10 @@ def subscription_spans(ev: DataFrame) -> DataFrame:
     the end). The subscriber counts for a publish at ``t`` when ``since < t`` and ``until`` is null or ``>= t``:
     the rule of :func:`expected_per_message` (changes at exactly ``t`` do not count yet).
     """
-    subs = ev.where(F.col("event").isin("joined", "left") & (F.col("role") == "app"))
     pair = Window.partitionBy("node", "group", "src").orderBy(*ORDER)
-    state = F.when(F.col("event") == "joined", 1).otherwise(0)
-    changes = subs.select("node", "group", "src", *ORDER, (state - F.lag(state, 1, 0).over(pair)).alias("delta"))
-    changes = changes.where(F.col("delta") != 0)  # alternating +1, -1 per pair, starting with +1
     return (
-        changes.withColumn("until", F.lead("ts").over(pair))
+        _pair_changes(ev)
+        .withColumn("until", F.lead("ts").over(pair))
         .where(F.col("delta") == 1)
         .select("node", "group", F.col("src").alias("dst"), F.col("ts").alias("since"), "until")
     )
@@ -193,9 +263,13 @@ def _subscribed_at(spans: DataFrame, t: Column) -> Column:
     return (spans["since"] < t) & (spans["until"].isNull() | (spans["until"] >= t))
 
 
-def mark_expected(deliveries: DataFrame, spans: DataFrame) -> DataFrame:
+def _spans(spans: DataFrame, broadcast: bool) -> DataFrame:
+    return F.broadcast(spans) if broadcast else spans
+
+
+def mark_expected(deliveries: DataFrame, spans: DataFrame, *, broadcast: bool = False) -> DataFrame:
     """``deliveries`` with ``expected_recipient``: whether its (node, dst) was subscribed at the publish time."""
-    s = spans.select(
+    s = _spans(spans, broadcast).select(
         F.col("node").alias("_node"), F.col("group").alias("_group"), F.col("dst").alias("_dst"), "since", "until"
     )
     on = (
@@ -212,15 +286,16 @@ def mark_expected(deliveries: DataFrame, spans: DataFrame) -> DataFrame:
     )
 
 
-def message_stats(ev: DataFrame, published: DataFrame, deliveries: DataFrame) -> DataFrame:
+def message_stats(published: DataFrame, expected: DataFrame, deliveries: DataFrame) -> DataFrame:
     """Per published id: group, origin, publish ts, expected, delivered, redeliveries, duplicate events, forwards,
-    and ``missing``: expected deliveries not made (``deliveries`` marked by :func:`mark_expected`)."""
+    and ``missing``: expected deliveries not made (``deliveries`` marked by :func:`mark_expected`, ``expected``
+    from :func:`expected_per_message`)."""
     per_delivery = deliveries.groupBy("id").agg(
         F.count(F.lit(1)).alias("delivered"),
         F.sum(F.col("times") - 1).alias("redeliveries"),
         F.count(F.when(F.col("expected_recipient"), 1)).alias("expected_delivered"),
     )
-    out = published.join(expected_per_message(ev, published), "id", "left").join(per_delivery, "id", "left")
+    out = published.join(expected, "id", "left").join(per_delivery, "id", "left")
     counts = ("expected", "delivered", "redeliveries", "duplicate_events", "forwards", "expected_delivered")
     return out.select(
         "id", "group", "origin", "published_ts", *[F.coalesce(F.col(c), F.lit(0)).cast("long").alias(c) for c in counts]
@@ -239,9 +314,8 @@ def group_stats(messages: DataFrame, deliveries: DataFrame) -> DataFrame:
         ],
         F.count(F.when(F.col("missing") > 0, 1)).cast("long").alias("lost_messages"),
     )  # fmt: skip
-    lat = nearest_rank(deliveries, ["group"], "latency_ms", PERCENTILES).select(
-        "group", *[F.col(f"p{p}").alias(f"latency_p{p}_ms" if p < 100 else "latency_max_ms") for p in PERCENTILES]
-    )
+    lat = deliveries.groupBy("group").agg(*percentiles(PERCENTILES, "latency_ms", "latency_p", "_ms"))
+    lat = lat.withColumnRenamed("latency_p100_ms", "latency_max_ms")
     delivered = F.col("delivered")
     return (
         sums.join(lat, "group", "left")
@@ -262,9 +336,11 @@ def expired_by_node(ev: DataFrame) -> DataFrame:
     return ev.where(F.col("event") == "expired").groupBy("node", "reason").agg(F.count(F.lit(1)).alias("count"))
 
 
-def queue_residency(ev: DataFrame) -> DataFrame:
+def queue_residency(msgs: DataFrame) -> DataFrame:
     """One row per ``queued`` record: ``node``, ``id``, ``dst``, ``queued_ts``, ``resolution``, ``residency_ms``."""
-    q = ev.where(F.col("event").isin("queued", "delivered", "expired")).select("node", "id", "dst", "event", *ORDER)
+    q = msgs.where(F.col("event").isin("queued", "delivered", "expired")).select("node", "id", "dst", "event", *ORDER)
+    queued = q.where(F.col("event") == "queued").select("id", "node", "dst").distinct()
+    q = q.join(queued.hint("shuffle_hash"), ["id", "node", "dst"], "left_semi")
     after = (
         Window.partitionBy("node", "id", "dst")
         .orderBy(*[F.col(c).desc() for c in ORDER])
@@ -288,33 +364,38 @@ def queue_residency(ev: DataFrame) -> DataFrame:
 
 def residency_by_node(residency: DataFrame) -> DataFrame:
     """Per node: queued, delivered, expired, pending counts and residency p50/p99/max (ms) of resolved ones."""
-    counts = residency.groupBy("node").agg(
-        F.count(F.lit(1)).alias("queued"),
-        F.sum(F.when(F.col("resolution") == "delivered", 1).otherwise(0)).cast("long").alias("delivered"),
-        F.sum(F.when(F.col("resolution") == "expired", 1).otherwise(0)).cast("long").alias("expired"),
-        F.sum(F.when(F.col("resolution").isNull(), 1).otherwise(0)).cast("long").alias("pending"),
-    )
-    pct = nearest_rank(residency, ["node"], "residency_ms", RESIDENCY_PERCENTILES).select(
-        "node",
-        F.col("p50").alias("residency_p50_ms"),
-        F.col("p99").alias("residency_p99_ms"),
-        F.col("p100").alias("residency_max_ms"),
-    )
-    return counts.join(pct, "node", "left").orderBy("node")
-
-
-def undelivered(ev: DataFrame, receipts: DataFrame) -> DataFrame:
-    """For each (id, node) where a unicast or multicast id was received but never delivered: its last event there."""
-    received = ev.where((F.col("event") == "received") & (F.col("type") != "control")).select("id", "node").distinct()
-    delivered = ev.where(F.col("event") == "delivered").select("id", "node").distinct()
-    pairs = received.join(delivered, ["id", "node"], "left_anti")
-    last = (
-        ev.where(F.col("id").isNotNull())
-        .groupBy("id", "node")
+    return (
+        residency.groupBy("node")
         .agg(
-            F.max(F.struct(*[F.col(c) for c in ORDER], "event", "reason", "dst", "peer", "role")).alias("l"),
-            F.count(F.lit(1)).alias("events"),
+            F.count(F.lit(1)).alias("queued"),
+            F.sum(F.when(F.col("resolution") == "delivered", 1).otherwise(0)).cast("long").alias("delivered"),
+            F.sum(F.when(F.col("resolution") == "expired", 1).otherwise(0)).cast("long").alias("expired"),
+            F.sum(F.when(F.col("resolution").isNull(), 1).otherwise(0)).cast("long").alias("pending"),
+            *percentiles(RESIDENCY_PERCENTILES, "residency_ms", "residency_p", "_ms"),
         )
+        .withColumnRenamed("residency_p100_ms", "residency_max_ms")
+        .orderBy("node")
+    )
+
+
+def undelivered(msgs: DataFrame, receipts: DataFrame) -> DataFrame:
+    """For each (id, node) where a unicast or multicast id was received but never delivered: its last event there."""
+    event = F.col("event")
+    received = F.when((event == "received") & (F.col("type") != "control"), 1).otherwise(0)
+    pairs = (
+        msgs.groupBy("id", "node")
+        .agg(
+            F.count(F.lit(1)).alias("events"),
+            F.max(received).alias("_received"),
+            F.max(F.when(event == "delivered", 1).otherwise(0)).alias("_delivered"),
+        )
+        .where((F.col("_received") == 1) & (F.col("_delivered") == 0))
+        .select("id", "node", "events")
+    )
+    last = (
+        msgs.join(pairs.select("id", "node").hint("shuffle_hash"), ["id", "node"], "left_semi")
+        .groupBy("id", "node")
+        .agg(F.max(F.struct(*[F.col(c) for c in ORDER], "event", "reason", "dst", "peer", "role")).alias("l"))
     )
     info = receipts.select("id", F.col("type"), F.col("group").alias("_group"), "published")
     return (
@@ -337,42 +418,47 @@ def undelivered(ev: DataFrame, receipts: DataFrame) -> DataFrame:
     )
 
 
-def cdf_points(deliveries: DataFrame, groups: Sequence[str], steps: int = 400) -> DataFrame:
-    """Step points of the latency CDF of each group in ``groups``: ``group``, ``latency_ms``, ``fraction``.
-
-    Keeps, of each group's distinct latencies, those where the cumulative fraction crosses one of ``steps``
-    equal steps (plus the first and the last), so a plot needs at most ``steps + 2`` points per group.
-    """
-    d = deliveries.where(F.col("group").isin(*groups))
-    counts = d.groupBy("group", "latency_ms").agg(F.count(F.lit(1)).alias("_c"))
-    running = Window.partitionBy("group").orderBy("latency_ms").rowsBetween(Window.unboundedPreceding, 0)
-    cum = counts.withColumn("_hi", F.sum("_c").over(running)).withColumn(
-        "_n", F.sum("_c").over(Window.partitionBy("group"))
+def cdf_quantiles(deliveries: DataFrame, groups: Sequence[str], steps: int = CDF_STEPS) -> DataFrame:
+    """``group``, ``q``: the latencies at the fractions 1/steps, 2/steps, ... 1 of each group in ``groups`` (hex)
+    (``q[i]`` reached at fraction ``(i + 1) / steps``), for a CDF plot of at most ``steps`` points."""
+    fractions = [i / steps for i in range(1, steps + 1)]
+    return (
+        deliveries.where(F.col("group").isin(*[bytes.fromhex(g) for g in groups]))
+        .groupBy("group")
+        .agg(F.percentile_approx("latency_ms", fractions, PERCENTILE_ACCURACY).alias("q"))
     )
-    step_hi = F.floor(F.col("_hi") * steps / F.col("_n"))
-    step_lo = F.floor((F.col("_hi") - F.col("_c")) * steps / F.col("_n"))
-    keep = (step_hi != step_lo) | (F.col("_hi") == F.col("_c")) | (F.col("_hi") == F.col("_n"))
-    return cum.where(keep).select("group", "latency_ms", (F.col("_hi") / F.col("_n")).alias("fraction"))
 
 
 NOT_A_LOSS = ("duplicate", "no_subscribers")
 """Drop reasons that do not lose a message for anyone else: a second copy, nobody here to take it."""
 
 
-def _cause(rank: int, cause: Column, reason: Column, node: Column, ts: Column, file: Column, line: Column) -> Column:
+def _cause(rank: int, cause: Column, reason: Column, node: Column, ts: Column, pos: Column) -> Column:
     """A cause candidate as a struct; the greatest (rank, then journal order) is the cause."""
     return F.struct(
         F.lit(rank).alias("rank"),
         ts.alias("ts"),
-        file.alias("file"),
-        line.alias("line"),
+        pos.alias("pos"),
         cause.alias("cause"),
         reason.alias("reason"),
         node.alias("node"),
     )
 
 
-def lost_deliveries(ev: DataFrame, messages: DataFrame, spans: DataFrame, deliveries: DataFrame) -> DataFrame:
+def missing_deliveries(
+    messages: DataFrame, spans: DataFrame, deliveries: DataFrame, *, broadcast: bool = False
+) -> DataFrame:
+    """The expected deliveries not made: ``id``, ``group``, ``origin``, ``published_ts``, ``node``, ``dst`` and the
+    ``until`` of the recipient's span: the subscribed spans of the messages with ``missing > 0`` at their
+    publish time, less their deliveries (a join keyed by id with the deliveries as the hashed side)."""
+    short = messages.where(F.col("missing") > 0).select("id", "group", "origin", "published_ts")
+    s = _spans(spans, broadcast).select(F.col("group").alias("_group"), "node", "dst", "since", "until")
+    pairs = short.join(s, (short["group"] == s["_group"]) & _subscribed_at(s, short["published_ts"]))
+    pairs = pairs.select("id", "group", "origin", "published_ts", "node", "dst", "until")
+    return pairs.join(deliveries.select("id", "node", "dst").hint("shuffle_hash"), ["id", "node", "dst"], "left_anti")
+
+
+def lost_deliveries(msgs: DataFrame, missing: DataFrame) -> DataFrame:
     """One row per missing delivery: the message, its router and recipient, the last record seen, the cause.
 
     Columns: ``id``, ``group``, ``origin``, ``published_ts``, ``node`` (the recipient's router), ``dst``;
@@ -382,47 +468,41 @@ def lost_deliveries(ev: DataFrame, messages: DataFrame, spans: DataFrame, delive
     ``expired``, ``refused``, ``queued``, ``left`` or ``no_record``), ``cause_reason``, ``cause_node``,
     ``cause_ts`` (the record that says why; null for ``no_record``).
 
-    Three joins: each missing (id, node, dst) with the records of the id at ``node`` and the ``forwarded``
-    records of the id to ``node`` (one keyed join, one aggregation), then with the per-id figures (its last
-    record anywhere, its last drop on the way).
+    ``msgs`` (:func:`by_message`) and ``missing`` (:func:`missing_deliveries`) are partitioned by id, so every
+    join here is keyed by id (and more) and moves no rows: the records of the messages with a missing delivery
+    at the recipients' routers are joined to the missing triples (the triples are the hashed side), then
+    aggregated per triple, beside the count of ``forwarded`` records naming each such router and, per message,
+    its last drop on the way and (when its recipient's router has no record of it) its last record anywhere.
     """
-    short = messages.where(F.col("missing") > 0).select("id", "group", "origin", "published_ts")
-    s = spans.select(F.col("group").alias("_group"), "node", "dst", "since", "until")
-    pairs = short.join(s, (short["group"] == s["_group"]) & _subscribed_at(s, short["published_ts"])).drop("_group")
-    missing = pairs.join(deliveries.select("id", "node", "dst"), ["id", "node", "dst"], "left_anti")
-
     fields = ("event", "reason", "dst", "peer", "node", *ORDER)
-    recs = ev.join(short.select("id"), "id", "left_semi").select("id", *fields)
-    renamed = [F.col(c).alias(f"r_{c}") for c in fields]
-    keyed = recs.select(F.col("id").alias("_id"), F.col("node").alias("_key"), F.lit(False).alias("_sent"), *renamed)
-    keyed = keyed.unionByName(
-        recs.where(F.col("event") == "forwarded").select(
-            F.col("id").alias("_id"), F.col("peer").alias("_key"), F.lit(True).alias("_sent"), *renamed
-        )
-    )
-    on = (F.col("id") == F.col("_id")) & (F.col("node") == F.col("_key"))
-    j = missing.join(keyed, on, "left").drop("_id", "_key")
-    at_node = ~F.col("_sent")
+    ids = missing.select("id").distinct()
+    recs = msgs.join(ids.hint("shuffle_hash"), "id", "left_semi").select("id", *fields)
+    at = recs.select(F.col("id").alias("_id"), F.col("node").alias("_key"), *[F.col(c).alias(f"r_{c}") for c in fields])
+    keys = missing.select("id", "node", "dst")
+    j = at.join(keys.hint("shuffle_hash"), (F.col("_id") == F.col("id")) & (F.col("_key") == F.col("node")))
+    places = keys.select("id", "node").distinct()
     event, reason, rdst = F.col("r_event"), F.col("r_reason"), F.col("r_dst")
     mine = rdst == F.col("dst")
     anyone = rdst.isNull() | mine
     lossy = ~reason.isin(*NOT_A_LOSS)
-    order = (F.col("r_ts"), F.col("r_file"), F.col("r_line"))
 
     def cand(rank: int, cause: Column) -> Column:
-        return _cause(rank, cause, reason, F.col("r_node"), *order)
+        return _cause(rank, cause, reason, F.col("r_node"), F.col("r_ts"), F.col("r_pos"))
 
     here_cause = (
-        F.when(at_node & (((event == "expired") & mine) | ((event == "dropped") & anyone & lossy)), cand(6, event))
-        .when(at_node & (event == "refused") & anyone, cand(5, event))
-        .when(at_node & (event == "queued") & mine, cand(4, F.lit("queued")))
-        .when(at_node & (event == "dropped") & (reason == "no_subscribers"), cand(2, event))
+        F.when(((event == "expired") & mine) | ((event == "dropped") & anyone & lossy), cand(6, event))
+        .when((event == "refused") & anyone, cand(5, event))
+        .when((event == "queued") & mine, cand(4, F.lit("queued")))
+        .when((event == "dropped") & (reason == "no_subscribers"), cand(2, event))
     )
     record = F.struct(*[F.col(f"r_{c}").alias(c) for c in (*ORDER, "event", "reason", "node", "peer", "dst")])
-    per_pair = j.groupBy("id", "node", "dst", "group", "origin", "published_ts", "until").agg(
-        F.max(F.when(at_node, record)).alias("here"),
-        F.count(F.when(F.col("_sent"), 1)).alias("forwarded_to"),
-        F.max(here_cause).alias("c_here"),
+    here = j.groupBy("id", "node", "dst").agg(F.max(record).alias("here"), F.max(here_cause).alias("c_here"))
+    sent = (
+        recs.where(F.col("event") == "forwarded")
+        .select("id", F.col("peer").alias("node"))
+        .join(places.hint("shuffle_hash"), ["id", "node"], "left_semi")
+        .groupBy("id", "node")
+        .agg(F.count(F.lit(1)).alias("forwarded_to"))
     )
 
     # Per id: its last record anywhere, and its last drop or refusal on the way, for everyone (dropped first).
@@ -430,14 +510,19 @@ def lost_deliveries(ev: DataFrame, messages: DataFrame, spans: DataFrame, delive
     upstream = F.struct(
         F.when(F.col("event") == "dropped", 1).otherwise(0).alias("k"), *ORDER, "event", "reason", "node"
     )
-    per_id = recs.groupBy("id").agg(
-        F.max(F.struct(*ORDER, "event", "reason", "node", "peer", "dst")).alias("anywhere"),
-        F.max(F.when(way, upstream)).alias("u"),
+    # Only the messages with a missing delivery whose router has no record of them need their last record
+    # anywhere; drops and refusals are few.
+    unreached = missing.join(here, ["id", "node", "dst"], "left_anti").select("id").distinct()
+    anywhere = (
+        recs.join(unreached.hint("shuffle_hash"), "id", "left_semi")
+        .groupBy("id")
+        .agg(F.max(F.struct(*ORDER, "event", "reason", "node", "peer", "dst")).alias("anywhere"))
     )
+    upstreams = recs.where(way).groupBy("id").agg(F.max(upstream).alias("u"))
+    per_id = anywhere.join(upstreams, "id", "full")
     null_s, null_l = F.lit(None).cast("string"), F.lit(None).cast("long")
-    left = _cause(3, F.lit("left"), null_s, F.col("node"), F.col("until"), null_s, null_l)
-    on_the_way = _cause(1, F.col("u.event"), F.col("u.reason"), F.col("u.node"), F.col("u.ts"), F.col("u.file"),
-                        F.col("u.line"))  # fmt: skip
+    left = _cause(3, F.lit("left"), null_s, F.col("node"), F.col("until"), null_l)
+    on_the_way = _cause(1, F.col("u.event"), F.col("u.reason"), F.col("u.node"), F.col("u.ts"), F.col("u.pos"))
     cause = F.greatest(
         F.col("c_here"),
         F.when(F.col("until").isNotNull(), left),
@@ -445,7 +530,9 @@ def lost_deliveries(ev: DataFrame, messages: DataFrame, spans: DataFrame, delive
     )
     last = F.coalesce(F.col("here"), F.col("anywhere"))
     return (
-        per_pair.join(per_id, "id", "left")
+        missing.join(here, ["id", "node", "dst"], "left")
+        .join(sent, ["id", "node"], "left")
+        .join(per_id, "id", "left")
         .withColumn("c", cause)
         .select(
             "id",
@@ -461,7 +548,7 @@ def lost_deliveries(ev: DataFrame, messages: DataFrame, spans: DataFrame, delive
             last["peer"].alias("last_peer"),
             last["dst"].alias("last_dst"),
             F.col("here").isNotNull().alias("reached"),
-            F.col("forwarded_to").cast("long").alias("forwarded_to"),
+            F.coalesce(F.col("forwarded_to"), F.lit(0)).cast("long").alias("forwarded_to"),
             F.coalesce(F.col("c.cause"), F.lit("no_record")).alias("cause"),
             F.col("c.reason").alias("cause_reason"),
             F.col("c.node").alias("cause_node"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-from pathlib import Path
 from typing import Any
 
 
@@ -72,15 +71,16 @@ def _run(args: argparse.Namespace, app: str) -> int:
         from pyspark.errors import PySparkException
 
         from upsycle_router.analytics.job import Progress, check_compact_target, run_analyze, run_compact
+        from upsycle_router.analytics.location import join
         from upsycle_router.analytics.report import text_summary
         from upsycle_router.analytics.sources import discover
 
-        discover(args.paths)  # fail on a bad path before Spark starts
+        discover(args.paths)  # fail on a bad local path before Spark starts (URIs are Spark's to check)
         if app == "compact":
-            check_compact_target(Path(args.out))
+            check_compact_target(args.out)
         progress = Progress(app, enabled=not args.quiet)
         progress(f"starting Spark ({args.master})")
-        out = Path(args.out)
+        out: str = args.out
         try:
             with spark_session(options) as spark:
                 if app == "compact":
@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace, app: str) -> int:
     except AnalyticsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    sys.stdout.write(text_summary(result.summary, [str(out / name) for name in result.outputs]))
+    sys.stdout.write(text_summary(result.summary, [join(out, name) for name in result.outputs]))
     return 0
 
 
@@ -111,9 +111,16 @@ def cmd_compact(args: argparse.Namespace) -> int:
 def _spark_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--master", default="local[*]", help="Spark master URL (default: embedded local[*])")
     p.add_argument(
-        "--shuffle-partitions", type=int, default=4, metavar="N", help="spark.sql.shuffle.partitions (default: 4)"
+        "--shuffle-partitions",
+        type=int,
+        metavar="N",
+        help="spark.sql.shuffle.partitions (default: one per 250,000 events, at least two per core)",
     )
-    p.add_argument("--driver-memory", metavar="SIZE", help="spark.driver.memory, e.g. 4g")
+    p.add_argument(
+        "--driver-memory",
+        metavar="SIZE",
+        help="spark.driver.memory, e.g. 4g (default with a local master: a quarter of the machine's memory)",
+    )
     p.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE", help="any other Spark setting")
     p.add_argument("-q", "--quiet", action="store_true", help="no stage lines on stderr")
     p.add_argument("-v", "--verbose", action="store_true", help="keep Spark's own log output")
@@ -127,8 +134,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Read trace-*.jsonl journals (directories are searched recursively) or compacted Parquet "
         "tables of any number of routers and write the analytics of docs/analytics.md into --out.",
     )
-    p.add_argument("paths", nargs="+", metavar="JOURNAL_DIR", help="journal directory, trace file or Parquet table")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory (created; outputs replaced)")
+    p.add_argument(
+        "paths", nargs="+", metavar="JOURNAL_DIR", help="journal directory, trace file or Parquet table (path or URI)"
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory or URI (created; outputs replaced)")
     _spark_args(p)
     p.set_defaults(func=cmd_analyze)
 
@@ -138,7 +147,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Read trace-*.jsonl journals (directories are searched recursively) and write them as one "
         "Parquet table that analyze accepts as input.",
     )
-    p.add_argument("paths", nargs="+", metavar="JOURNAL_DIR", help="journal directory, trace file or Parquet table")
-    p.add_argument("--out", required=True, metavar="FILE.parquet", help="the Parquet table to write (a directory)")
+    p.add_argument(
+        "paths", nargs="+", metavar="JOURNAL_DIR", help="journal directory, trace file or Parquet table (path or URI)"
+    )
+    p.add_argument(
+        "--out", required=True, metavar="FILE.parquet", help="the Parquet table to write (a directory; path or URI)"
+    )
     _spark_args(p)
     p.set_defaults(func=cmd_compact)
