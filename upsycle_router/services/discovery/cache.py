@@ -10,6 +10,8 @@ re-publishes a still-heard advert before the router's route to it lapses (every 
 from __future__ import annotations
 
 import enum
+import heapq
+import itertools
 from dataclasses import dataclass
 
 from upsycle_router.expiry import expires_at
@@ -43,6 +45,18 @@ class AdvertCache:
     def __init__(self, max_adverts: int) -> None:
         self.max_adverts = max_adverts
         self.entries: dict[bytes, CacheEntry] = {}
+        # (expires, seq, node, entry) of every entry as it was set: current while that entry is still cached
+        # under that node with that expiry; the others are dropped when they come first (see next_expiry).
+        self._expiries: list[tuple[float, int, bytes, CacheEntry]] = []
+        self._seq = itertools.count()
+
+    def _expires(self, node: bytes, entry: CacheEntry) -> None:
+        heap = self._expiries
+        heapq.heappush(heap, (entry.expires, next(self._seq), node, entry))
+        if len(heap) > 2 * len(self.entries) + 64:
+            seq = self._seq
+            self._expiries = [(e.expires, next(seq), k, e) for k, e in self.entries.items()]
+            heapq.heapify(self._expiries)
 
     def offer(self, adv: PeerAdvertisement, arrival: float, now: float) -> Offer:
         """Take ``adv`` (signature already checked) if it is newer or fresher than what is cached."""
@@ -61,13 +75,16 @@ class AdvertCache:
                 if self.entries[victim].expires > expires:
                     return Offer.EXPIRED  # everything cached outlives it: not worth a slot
                 del self.entries[victim]
-            self.entries[adv.id] = CacheEntry(adv, arrival, expires)
+            entry = self.entries[adv.id] = CacheEntry(adv, arrival, expires)
+            self._expires(adv.id, entry)
             return Offer.NEW
         if adv.rev > old.advert.rev:
-            self.entries[adv.id] = CacheEntry(adv, arrival, expires, old.published)
+            entry = self.entries[adv.id] = CacheEntry(adv, arrival, expires, old.published)
+            self._expires(adv.id, entry)
             return Offer.NEWER
         if expires > old.expires:
             old.arrival, old.expires = arrival, expires
+            self._expires(adv.id, old)
             return Offer.REFRESHED
         return Offer.SAME
 
@@ -83,8 +100,15 @@ class AdvertCache:
         return gone
 
     def next_expiry(self) -> float | None:
-        """When the next advert lapses."""
-        return min((e.expires for e in self.entries.values()), default=None)
+        """When the next advert lapses (the earliest ``expires`` of the entries, without walking them)."""
+        heap = self._expiries
+        entries = self.entries
+        while heap:
+            t, _, node, entry = heap[0]
+            if entries.get(node) is entry and entry.expires == t:
+                return t
+            heapq.heappop(heap)
+        return None
 
     def live(self, now: float) -> list[PeerAdvertisement]:
         """The adverts that have not lapsed, by node id."""

@@ -67,6 +67,8 @@ different hash seeds).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import heapq
 import itertools
@@ -108,7 +110,9 @@ from upsycle_router.services.discovery.params import DiscoveryParams
 from upsycle_router.services.pubsub import effects as ps
 from upsycle_router.services.pubsub.core import GossipCore
 from upsycle_router.services.pubsub.params import GossipParams
+from upsycle_router.store.api import ROUTE_SERVED, RouteEntry
 from upsycle_router.store.memory import MemoryStore
+from upsycle_router.tools.sim.memo import Memo, Memos, memos
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.wire.control import Join, Leave, PullNack, decode_control, encode_router
 from upsycle_router.wire.control import Pull as PullMsg
@@ -132,6 +136,7 @@ ADVERT_TTL = 3600  # the daemon's advert ttl without discovery, and its advert l
 ADVERT_REFRESH = ADVERT_TTL / 3
 PS_RPC_TTL = 30  # runtime/pubsub_service.py RPC_TTL
 DS_RPC_TTL = 10  # runtime/discovery_service.py RPC_TTL
+FULL_GC_EVERY = 100_000  # gen-1 collections between full collections while the clock runs (gc.set_threshold)
 JOURNAL_FLUSH = 20_000  # trace records a node buffers before they are written (and its file closed)
 
 _ROUTER, _PUBSUB, _DISCOVERY, _READVERTISE = range(4)  # a node's timers
@@ -174,6 +179,7 @@ class NetConfig:
     advert_ttl: int | None = None  # None: the daemon's (120 s with discovery, else 3600 s)
     real_signatures: bool = False
     start_spread: float = 1.0  # nodes start at random times within this many seconds
+    memo: bool = True  # compute advert checks, decodes and encodes once per distinct advert (tools/sim/memo.py)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -210,6 +216,93 @@ def stand_in_signed(header: Header, body: bytes, key: Identity, via: bytes | Non
 
 
 # ---------------------------------------------------------------- the engine's parts
+
+
+class RouteTable(dict[bytes, RouteEntry]):
+    """A router's route table (``RouterState.routes``) that also keeps a heap of its expiries and the set of
+    keys its edge nodes serve, so that neither ``Router.next_deadline`` nor ``RouterState.served`` (at every
+    link that opens) walks every route: with discovery a router has hundreds. Entries are frozen: a heap item
+    is current while the table holds that very entry under its key; stale ones are dropped when they
+    surface, and the heap is rebuilt when they outnumber the table."""
+
+    __slots__ = ("_heap", "_seq", "_served")
+
+    def __init__(self, items: dict[bytes, RouteEntry]) -> None:
+        super().__init__(items)
+        self._seq = itertools.count()
+        self._heap: list[tuple[float, int, bytes, RouteEntry]] = []
+        self._served: set[bytes] = set()
+        self._rebuild()
+
+    def _rebuild(self) -> None:
+        seq = self._seq
+        self._heap = [(r.expires, next(seq), k, r) for k, r in dict.items(self) if r.expires is not None]
+        heapq.heapify(self._heap)
+        self._served = {k for k, r in dict.items(self) if r.source == ROUTE_SERVED}
+
+    def __setitem__(self, key: bytes, entry: RouteEntry) -> None:
+        dict.__setitem__(self, key, entry)
+        if entry.source == ROUTE_SERVED:
+            self._served.add(key)
+        else:
+            self._served.discard(key)
+        if entry.expires is not None:
+            heapq.heappush(self._heap, (entry.expires, next(self._seq), key, entry))
+            if len(self._heap) > 2 * len(self) + 64:
+                self._rebuild()
+
+    def __delitem__(self, key: bytes) -> None:
+        dict.__delitem__(self, key)
+        self._served.discard(key)
+
+    def pop(self, key: bytes, *default: Any) -> Any:
+        self._served.discard(key)
+        return dict.pop(self, key, *default)
+
+    def popitem(self) -> tuple[bytes, RouteEntry]:
+        k, r = dict.popitem(self)
+        self._served.discard(k)
+        return k, r
+
+    def clear(self) -> None:
+        dict.clear(self)
+        self._rebuild()
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        dict.update(self, *args, **kwargs)
+        self._rebuild()
+
+    def setdefault(self, key: bytes, default: Any = None) -> Any:
+        r = dict.setdefault(self, key, default)
+        self._rebuild()
+        return r
+
+    def served(self, edge: bytes | None = None) -> list[bytes]:
+        """``RouterState.served``: the keys edge routers registered here (those of ``edge`` only), sorted."""
+        return sorted(k for k in self._served if edge is None or dict.__getitem__(self, k).router == edge)
+
+    def earliest(self) -> float | None:
+        """The earliest expiry of a route, as ``min(r.expires for r in routes if r.expires is not None)``."""
+        heap = self._heap
+        get = dict.get
+        while heap and get(self, heap[0][2]) is not heap[0][3]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+
+def router_deadline(router: Router) -> float | None:
+    """``router.next_deadline()`` with its routes in a :class:`RouteTable`: the same value, without the scan."""
+    routes = router.state.routes
+    assert isinstance(routes, RouteTable)
+    t = router.store.next_expiry()
+    r = routes.earliest()
+    redial = router.state.redial
+    if redial:
+        d = min(redial.values())
+        r = d if r is None else min(r, d)
+    if r is not None:
+        t = r if t is None else min(t, r)
+    return t
 
 
 class _Dir:
@@ -287,6 +380,11 @@ class Network:
         self.events = 0
         # Hooks for the scenario: a local message handled by its router (JOINs, publishes) at the virtual time.
         self.on_local: dict[bytes, Callable[[float], None]] = {}
+        # Memos of what every node computes again on the same advert (tools/sim/memo.py); None: off.
+        self.memos = Memos() if config.memo else None
+        self.ps_router_body = Memo(_ps_router_body, PeerAdvertisement) if config.memo else _ps_router_body
+        self.encode_advert = self.memos.encode_discovery if self.memos is not None else encode_discovery
+        self.ds_body = Memo(decode_discovery_message, PeerAdvertisement) if config.memo else decode_discovery_message
         self._static_topology()
 
     # ------------------------------------------------------------ the clock
@@ -300,12 +398,20 @@ class Network:
         heap = self._heap
         pop = heapq.heappop
         n = 0
-        while heap and heap[0][0] <= t:
-            when, _, fn, args = pop(heap)
-            self.now = when
-            fn(*args)
-            n += 1
-        self.events += n
+        thresholds = gc.get_threshold()
+        # Young collections as usual; full ones (which walk every object of every node: gigabytes at 10,000
+        # nodes, for cycles the event loop hardly makes) only after FULL_GC_EVERY gen-1 ones.
+        gc.set_threshold(thresholds[0], thresholds[1], max(thresholds[2], FULL_GC_EVERY))
+        with memos(self.memos) if self.memos is not None else contextlib.nullcontext():
+            try:
+                while heap and heap[0][0] <= t:
+                    when, _, fn, args = pop(heap)
+                    self.now = when
+                    fn(*args)
+                    n += 1
+            finally:
+                self.events += n
+                gc.set_threshold(*thresholds)
         self.now = max(self.now, t)
 
     # ------------------------------------------------------------ topology, partitions
@@ -377,6 +483,9 @@ class Network:
             trace=node.journal is not None,
         )
         router = node.router = Router(node.key, node.store, core_cfg)
+        if cfg.memo:
+            table = router.state.routes = router.routes = RouteTable(router.state.routes)
+            router.state.served = table.served  # type: ignore[method-assign]
         router.advert = self._advert(node)
         self._router_effects(node, router.start(self.now))
         rng_seed = derive(cfg.seed, "cores", i, node.starts)
@@ -510,7 +619,7 @@ class Network:
         router = node.router
         assert router is not None
         node.checked = self.now
-        d = router.next_deadline()
+        d = router_deadline(router) if self.config.memo else router.next_deadline()
         if d is None:
             node.timer_at[_ROUTER] = None
             return
@@ -774,22 +883,14 @@ class PubsubEndpoint:
 
     def from_router(self, body: bytes, now: float) -> list[ps.Effect]:
         """``PubsubService._from_router`` (the advert's signature was checked by the router that passed it on)."""
-        try:
-            item = decode_service_body(body)
-        except RemoteProtocolError:
-            item = None
+        item = self.net.ps_router_body(body)
         if isinstance(item, Sub):
             self.send_router(PUBSUB_CODEC.encode(SubAck(item.addr, 0)))
             return self.core.join(item.addr, now)
         if isinstance(item, Unsub):
             self.send_router(PUBSUB_CODEC.encode(UnsubAck(item.addr, 0)))
             return self.core.leave(item.addr, now)
-        if item is not None:
-            return []
-        try:
-            ctl = decode_control(body)
-        except RemoteProtocolError:
-            return []
+        ctl = item
         if isinstance(ctl, PeerAdvertisement):
             svc = ctl.service(SERVICE_PUBSUB)
             if svc is not None and ctl.id != self.router:
@@ -847,6 +948,24 @@ class PubsubEndpoint:
         net._arm_ps(node)
 
 
+def _ps_router_body(body: bytes) -> Sub | Unsub | PeerAdvertisement | PullNack | None:
+    """What ``PubsubService._from_router`` makes of a body from its router: a pub/sub service body (SUB, UNSUB)
+    or else a router control body (an advert, PULL_NACK); None for anything else."""
+    try:
+        item = decode_service_body(body)
+    except RemoteProtocolError:
+        item = None
+    if isinstance(item, Sub | Unsub):
+        return item
+    if item is not None:
+        return None
+    try:
+        ctl = decode_control(body)
+    except RemoteProtocolError:
+        return None
+    return ctl if isinstance(ctl, PeerAdvertisement | PullNack) else None
+
+
 def _multicast_in(body: bytes) -> Message | None:
     """runtime/pubsub_service.py ``_multicast_in``: a signed multicast message in a unicast body."""
     try:
@@ -888,7 +1007,7 @@ class DiscoveryEndpoint:
         h = msg.header
         if not isinstance(h, UnicastHeader):
             return []
-        body = decode_discovery_message(msg.body)
+        body = self.net.ds_body(msg.body)
         if h.src == self.router:
             if isinstance(body, PeerAdvertisement):
                 return self.core.router_advert(body, now)
@@ -909,7 +1028,7 @@ class DiscoveryEndpoint:
                 adv = e.advert
                 ttl = min(adv.ttl, 3600)
                 header = MulticastHeader(DISCOVERY_GROUP.public, ttl, min(adv.exp, exp_in(now, ttl)), ())
-                out.append(sign(header, encode_discovery(adv), DISCOVERY_GROUP))
+                out.append(sign(header, self.net.encode_advert(adv), DISCOVERY_GROUP))
             elif isinstance(e, dcore.SendRpc):
                 uh = UnicastHeader(self.key.public, e.service, DS_RPC_TTL, exp_in(now, 60 + DS_RPC_TTL))
                 out.append(sign(uh, e.body, self.key, e.router))
