@@ -9,6 +9,7 @@ gives the same figures and journal bytes as one without.
 from __future__ import annotations
 
 import hashlib
+import random
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,10 +21,11 @@ from upsycle_router.core.router import Router
 from upsycle_router.core.state import RouterState
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.services.discovery import core as discovery_core
+from upsycle_router.services.discovery.cache import AdvertCache
 from upsycle_router.services.discovery.params import DiscoveryParams
 from upsycle_router.store.api import ROUTE_SERVED, RouteEntry
 from upsycle_router.tools.sim import network
-from upsycle_router.tools.sim.discovery import ident, make_advert
+from upsycle_router.tools.sim.discovery import T0, ident, make_advert
 from upsycle_router.tools.sim.memo import Memo, Memos, memos
 from upsycle_router.tools.sim.network import (
     LinkModel,
@@ -173,3 +175,30 @@ def test_route_table_heap_follows_writes_deletes_and_reloads() -> None:
     t.clear()
     t.update({b"y": RouteEntry(b"r", 7.0, 1), b"z": RouteEntry(b"r", 6.0, 1)})
     assert t.earliest() == 6.0 and dict(t) == {b"y": RouteEntry(b"r", 7.0, 1), b"z": RouteEntry(b"r", 6.0, 1)}
+
+
+def test_advert_cache_next_expiry_is_the_earliest_entry() -> None:
+    """The discovery cache's heap of expiries gives ``min(e.expires for e in entries)`` through offers of new,
+    newer, refreshed, older and lapsed adverts, evictions and expiry."""
+    rng = random.Random(7)
+    routers = [ident(f"r{i}") for i in range(12)]
+    svc = ident("s")
+    cache = AdvertCache(8)
+    now = T0
+    for step in range(3000):
+        i = rng.randrange(len(routers))
+        adv = make_advert(
+            routers[i],
+            svc,
+            i,
+            ttl=rng.choice((30, 60, 120)),
+            now=now,
+            rev=rng.randrange(1, 4),
+            lifetime=rng.choice((20.0, 3600.0)),
+        )
+        cache.offer(adv, now - rng.random() * 20, now)
+        if step % 7 == 0:
+            cache.expire(now)
+        assert cache.next_expiry() == min((e.expires for e in cache.entries.values()), default=None)
+        now += rng.random() * 2
+    assert len(cache._expiries) <= 2 * len(cache.entries) + 65
