@@ -132,6 +132,25 @@ async def test_a_subscriber_that_never_reads_is_queued_in_the_store_not_in_memor
     assert got == ids
 
 
+async def test_a_backlog_larger_than_the_outbound_limit_drains_without_closing_the_reader(
+    daemon: DaemonFactory,
+) -> None:
+    # The drain's window follows limits.outbound_buffer_max (half of it): a window of the core's default 4 MiB
+    # went into the transport buffer at once, over a 1 MiB limit, and closed the reader as one that does not read.
+    d = daemon(config={"durability": "none", "limits": {"outbound_buffer_max": 1024 * 1024}})
+    away, sender = Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, sender) as p:
+        async with await Client.connect(d.sock, away):
+            pass
+        await d.wait_offline(lambda body: p.send(away.public, body, ttl=0), away.public)
+        body = b"x" * 16384
+        ids = [await p.send(away.public, body + f"{i}".encode(), ttl=120) for i in range(400)]  # ~6.5 MB queued
+        await p.sync()
+    async with await Client.connect(d.sock, away) as s:
+        got = [(await s.recv(timeout=20)).id for _ in range(len(ids))]
+    assert got == ids  # all of them, in order, on the one connection
+
+
 async def test_a_burst_faster_than_verification_pauses_reading_and_loses_nothing(daemon: DaemonFactory) -> None:
     """Pre-signed messages written as fast as the socket takes them arrive far faster than two threads verify
     them: the router stops reading while its verification pipeline is full (the sender waits in its socket,

@@ -46,6 +46,8 @@ class CoreConfig:
     # to the recipient and not yet acknowledged (their bytes have not left the transport buffer). Each turn of
     # the window includes a commit (an fsync under durability fsync): 512 entries / 1 MiB drained a backlog at
     # two thirds of the rate of 4096 / 4 MiB (the transport's write high-water mark: more would block writing).
+    # The daemon sets both from limits.outbound_buffer_max (runtime/daemon.py, drain_window): these under its
+    # default, 8 MiB; up to 16,384 / 16 MiB when it is raised (a larger window drains faster under fsync).
     flush_batch: int = 4096
     flush_bytes: int = 4 * 1024 * 1024
     # Lifetime of routes learned from messages of remote nodes.

@@ -94,6 +94,22 @@ def sd_notify(state: str) -> None:
         s.sendto(state.encode(), addr)
 
 
+# The queue drain's window (CoreConfig.flush_batch / flush_bytes) follows limits.outbound_buffer_max: the window's
+# bytes go into the recipient's transport buffer at once, and a buffer over that limit closes the connection as a
+# reader that does not read. Half of it, at most 16 MiB, and entries in proportion (4,096 per 4 MiB): the default
+# limit (8 MiB) gives the core's default window, 4,096 / 4 MiB. Each turn of the window waits for a commit (under
+# fsync, for the disk): a backlog of 300,000 drained at 21k msg/s with 16,384 / 16 MiB, 14k with 4,096 / 4 MiB
+# (same run, docs/performance.md "Scale").
+DRAIN_WINDOW_MAX = 16 * 1024 * 1024
+DRAIN_ENTRIES_PER_MIB = 1024
+
+
+def drain_window(outbound_buffer_max: int) -> tuple[int, int]:
+    """``(flush_batch, flush_bytes)`` of the queue drain under ``limits.outbound_buffer_max``."""
+    nbytes = max(1, min(DRAIN_WINDOW_MAX, outbound_buffer_max // 2))
+    return max(16, DRAIN_ENTRIES_PER_MIB * nbytes // (1024 * 1024)), nbytes
+
+
 def core_config(
     cfg: DaemonConfig,
     pubsub_service: bytes | None = None,
@@ -117,6 +133,8 @@ def core_config(
         stranger_share=cfg.queue_stranger_share,
         remote_ttl_max=cfg.queue_remote_ttl_max,
         backpressure_at=cfg.queue_backpressure_at,
+        flush_batch=drain_window(cfg.outbound_buffer_max)[0],
+        flush_bytes=drain_window(cfg.outbound_buffer_max)[1],
         trace=cfg.trace_dir is not None,
     )
 
@@ -124,7 +142,7 @@ def core_config(
 # The routing core's options a reload replaces (CoreConfig fields; config/reload.py: CORE).
 CORE_RELOADABLE = (
     "edge_nodes", "accept_join_from_any", "peers", "accept_pull_from_any", "queue_max_count", "queue_max_bytes",
-    "stranger_share", "remote_ttl_max", "backpressure_at",
+    "stranger_share", "remote_ttl_max", "backpressure_at", "flush_batch", "flush_bytes",
 )  # fmt: skip
 
 
