@@ -53,7 +53,8 @@ the records of the fleet are shuffled once:
   :data:`PERCENTILE_ACCURACY`: an aggregate whose partial results (Greenwald-Khanna summaries) are merged,
   so a group's values never have to meet in one task. For a key with fewer than ``PERCENTILE_ACCURACY / 2``
   values it is the exact nearest-rank percentile (the value of rank ``ceil(p * n / 100)``); above that, the
-  rank of the value returned is within ``n / PERCENTILE_ACCURACY`` of that rank. The maximum is exact.
+  rank of the value returned is within about ``n / PERCENTILE_ACCURACY`` of that rank (Spark's target, which
+  merged summaries can slightly exceed; docs/analytics.md promises twice it). The maximum is exact.
 
 Durations are in milliseconds rounded to 3 decimals (microseconds): ``ts`` is a double of Unix seconds, whose
 resolution at current dates is about a quarter of a microsecond, so finer digits are noise.
@@ -78,7 +79,8 @@ PERCENTILES = (50, 90, 99, 100)
 RESIDENCY_PERCENTILES = (50, 99, 100)
 
 PERCENTILE_ACCURACY = 10_000
-"""``percentile_approx``'s accuracy: exact below 5,000 values per key, else a rank error of at most n / 10,000."""
+"""``percentile_approx``'s accuracy: exact below 5,000 values per key, else a rank error of about n / 10,000
+(documented: at most 2 n / 10,000)."""
 
 CDF_STEPS = 400
 """Points of a plotted latency CDF per group (the quantiles at 1/400, 2/400, ... 1)."""
