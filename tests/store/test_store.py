@@ -527,11 +527,18 @@ def _fill_queues(s: LmdbStore) -> list[int]:
     return seqs
 
 
+@pytest.mark.parametrize("read_first", [False, True], ids=["cold", "after a drain's read"])
 @pytest.mark.parametrize("pick", ["all", "some", "twice and missing", "none"])
-def test_dequeue_many_is_dequeue_of_each(tmp_path: Path, pick: str) -> None:
+def test_dequeue_many_is_dequeue_of_each(tmp_path: Path, pick: str, read_first: bool) -> None:
+    """``dequeue_many`` writes what ``dequeue`` of each writes; also after ``queue_messages`` read the queues
+    (it remembers which ids are group messages, so that their removal needs no lookup)."""
     one, many = open_store(tmp_path / "one"), open_store(tmp_path / "many")
     seqs = _fill_queues(one)
     assert _fill_queues(many) == seqs
+    if read_first:
+        with many.transaction():
+            assert len(many.queue_messages(A, 100)) == len(seqs) and many.queue_messages(B, 100)
+        assert many._group_ids  # (the hints this case is about)
     chosen = {"all": seqs, "some": seqs[1::2] + seqs[:1], "twice and missing": [seqs[2], seqs[2], 999, *seqs[5:9]],
               "none": []}[pick]
     with one.transaction():

@@ -15,7 +15,7 @@ import pytest
 from test_core_runs import _reasons, run_scenario
 
 from upsycle_router.durability import Durability
-from upsycle_router.store.api import ROUTE_ADVERT, RouteEntry, RouterStore, StoredMessage
+from upsycle_router.store.api import ROUTE_ADVERT, QueuedMessage, RouteEntry, RouterStore, StoredMessage
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.store.memory import MemoryStore
 
@@ -41,6 +41,56 @@ def test_both_are_router_stores(store: RouterStore) -> None:
     assert isinstance(store, LmdbStore | MemoryStore)
     st: RouterStore = store  # (mypy checks the protocol here)
     assert st.stats()["map_size"] == 1 << 24
+
+
+def _composed(
+    store: LmdbStore | MemoryStore, r: bytes, limit: int, after: int, max_bytes: int | None
+) -> list[QueuedMessage]:
+    """:meth:`queue_messages` the slow way: :meth:`queue`, then :meth:`get_message` of each entry."""
+    out: list[QueuedMessage] = []
+    budget = max_bytes
+    for e in store.queue(r, limit, after):
+        if budget is not None and budget <= 0:
+            break
+        m = store.get_message(e.id)
+        if m is None:
+            out.append(QueuedMessage(e.seq, e.id, e.size, e.expires, None, None, 0.0))
+            continue
+        out.append(QueuedMessage(e.seq, e.id, e.size, e.expires, m.data, m.group, m.expires))
+        if budget is not None:
+            budget -= len(m.data)
+    return out
+
+
+@pytest.mark.parametrize("in_txn", [False, True])
+def test_queue_messages_is_queue_with_get_message_of_each(store: LmdbStore | MemoryStore, in_txn: bool) -> None:
+    """The drain's fused read gives what the entries and their messages give one by one: group and unicast
+    messages, a message never stored, one queued twice, one deleted since; with limits, ``after`` and bytes."""
+    with store.transaction():
+        for i in range(5):
+            store.put_message(mid(i), b"g" * (10 + i), G, 1000.0 + i)
+        for i in range(5, 9):
+            store.put_message(mid(i), b"u" * (20 + i), None, 2000.0 + i)
+        for i in range(12):
+            store.enqueue(A, mid(min(i, 9) if i != 11 else 2), 900.0 + i, 10 + i, stranger=i == 3)
+            store.enqueue(B, mid(i % 5), 950.0, 1)
+        store.delete_message(mid(4))
+    seqs = [e.seq for e in store.queue(A)]
+    cases = [(limit, after, max_bytes) for limit in (1, 3, 12, 50) for after in (0, seqs[0], seqs[5], seqs[-1])
+             for max_bytes in (None, 1, 10, 11, 60, 10_000)]
+    for limit, after, max_bytes in cases:
+        want = _composed(store, A, limit, after, max_bytes)
+        if in_txn:
+            with store.transaction():
+                got = store.queue_messages(A, limit, after, max_bytes)
+        else:
+            got = store.queue_messages(A, limit, after, max_bytes)
+        assert got == want, (limit, after, max_bytes)
+    full = store.queue_messages(A, 50)
+    assert [q.data is None for q in full] == [e.id in (mid(4), mid(9)) for e in store.queue(A)]
+    assert {q.group for q in full if q.data is not None} == {G, None}
+    assert store.queue_messages(A, 0) == [] and store.queue_messages(A, 5, 0, 0) == []
+    assert [q.id for q in store.queue_messages(B, 50)] == [e.id for e in store.queue(B)]
 
 
 def test_messages_once_per_id_and_unicast_goes_with_its_last_queue_entry(store: LmdbStore | MemoryStore) -> None:

@@ -47,8 +47,9 @@ class QueueDrain:
         if room <= 0 or budget <= 0:
             return  # the window is full: acknowledgements resume the drain
         store = self.store
-        entries = store.queue(c.peer, limit=room, after=c.sent)
-        c.backlog = len(entries) >= room  # as many as fit: more may be waiting
+        entries = store.queue_messages(c.peer, room, c.sent, budget)
+        # as many as fit (entries or bytes): more may be waiting
+        c.backlog = len(entries) >= room or sum(len(e.data) for e in entries if e.data is not None) >= budget
         if not entries:
             return
         subscribed: set[bytes] | None = None
@@ -57,33 +58,33 @@ class QueueDrain:
                 c.backlog = True
                 break
             c.sent = e.seq
-            stored = store.get_message(e.id)
-            if stored is None or stored.expires <= now or e.expires <= now:
+            data = e.data
+            if data is None or e.message_expires <= now or e.expires <= now:
                 store.dequeue(c.peer, e.seq)
-                group = stored.group if stored is not None else None
+                group = e.group if data is not None else None
                 out.append(Trace(EXPIRED, e.id, MULTICAST if group else UNICAST, group, dst=c.peer,
                                  size=e.size, reason=Why.EXPIRED, role=s.role(c.peer)))
                 continue
-            size = len(stored.data)
+            size = len(data)
             c.inflight[e.seq] = size
             c.inflight_bytes += size
             budget -= size
-            out.append(Send(c.id, stored.data, (c.peer, e.seq)))
+            out.append(Send(c.id, data, (c.peer, e.seq)))
             if not s.tracing:
                 continue
-            kind = MULTICAST if stored.group is not None else UNICAST
+            kind = MULTICAST if e.group is not None else UNICAST
             if subscribed is None:
                 subscribed = s.subscribed_anywhere()
             event = DELIVERED if c.local or c.peer in subscribed else FORWARDED
             src = dst = None
-            if stored.group is None:
+            if e.group is None:
                 with contextlib.suppress(RemoteProtocolError):
-                    hd = decode_message(stored.data).header
+                    hd = decode_message(data).header
                     if isinstance(hd, UnicastHeader):
                         src, dst = hd.src, hd.dst
             if event == DELIVERED or dst is None:
                 dst = c.peer
-            out.append(Trace(event, e.id, kind, stored.group, src, dst, c.peer, len(stored.data),
+            out.append(Trace(event, e.id, kind, e.group, src, dst, c.peer, len(data),
                              role=s.role(c.peer) if event == DELIVERED else None))
 
     def queue_sent(self, ev: QueueSent, now: float, out: list[Effect]) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 # Where a route came from (RouteEntry.source).
 ROUTE_CONNECTION = 1  # a direct connection
@@ -63,6 +63,21 @@ class QueueEntry:
     id: bytes
     expires: float
     size: int
+
+
+class QueuedMessage(NamedTuple):
+    """A queue entry and its stored message, as a queue drain reads them (:meth:`RouterStore.queue_messages`):
+    the entry's ``seq``, ``id``, ``size`` and ``expires``, and the message's ``data``, ``group`` and
+    ``message_expires`` - ``data`` None (and ``message_expires`` 0.0) when the message is no longer stored.
+    A tuple, not a dataclass: a drain builds thousands a batch."""
+
+    seq: int
+    id: bytes
+    size: int
+    expires: float
+    data: bytes | None
+    group: bytes | None
+    message_expires: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +127,13 @@ class RouterStore(Protocol):
         self, recipient: bytes, mid: bytes, expires: float, size: int, *, stranger: bool = False
     ) -> QueueEntry: ...
     def queue(self, recipient: bytes, limit: int | None = None, after: int = 0) -> list[QueueEntry]: ...
+    def queue_messages(
+        self, recipient: bytes, limit: int, after: int = 0, max_bytes: int | None = None
+    ) -> list[QueuedMessage]:
+        """:meth:`queue` (at most ``limit``, above ``after``) with :meth:`get_message` of each entry; with
+        ``max_bytes``, up to the entry whose message brings the messages' bytes to it."""
+        ...
+
     def dequeue(self, recipient: bytes, seq: int) -> QueueEntry | None: ...
     def dequeue_many(self, recipient: bytes, seqs: Iterable[int]) -> int: ...
     def queue_usage(self, recipient: bytes) -> tuple[int, int]: ...

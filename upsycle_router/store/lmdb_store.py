@@ -59,7 +59,7 @@ import lmdb
 from upsycle_router.durability import Durability
 from upsycle_router.store import accel, layout
 from upsycle_router.store.accel import IdIndexLike, msgs_records, sorted_items
-from upsycle_router.store.api import Expired, QueueEntry, RouteEntry, StoredMessage
+from upsycle_router.store.api import Expired, QueuedMessage, QueueEntry, RouteEntry, StoredMessage
 from upsycle_router.store.integrity import check_before_open, mark_initialised
 from upsycle_router.store.layout import (
     HEAD_GROUP,
@@ -92,6 +92,8 @@ from upsycle_router.store.layout import (
 from upsycle_router.store.tables import LmdbTables
 
 log = logging.getLogger("upsycle_router.store")
+GROUP_HINTS = 1 << 17
+"""At most this many group-message ids are remembered between a drain's read and its removals."""
 
 # The records' structs, assigned here rather than imported: CPython 3.11 compiles a method call on an imported
 # name (``U64.pack(seq)``) as an attribute load and a call of the bound method it builds, ~50 ns a call more than
@@ -138,6 +140,11 @@ class LmdbStore(LmdbTables):
         # go before it commits (count 0: the record is deleted). A drain changes one recipient's usage 512 times
         # a batch; read-modify-writing its record each time cost more than the rest of the dequeue.
         self._qstats: dict[bytes, tuple[int, int]] = {}
+        # Ids of group messages a queue drain read (queue_messages) and has not removed yet: removing the last
+        # queue entry of one needs no message lookup (only a unicast message goes with its last entry). A hint
+        # of a fact that never changes (an id is a group message's or a unicast's for good), so aborted
+        # transactions leave it right; bounded by GROUP_HINTS.
+        self._group_ids: set[bytes] = set()
         # has_room in this transaction: [estimated bytes used, most bytes usable, bytes used at its start]
         self._room: list[int] | None = None
         self._last_charge = 0  # what has_room admitted in the last committed transaction
@@ -584,6 +591,60 @@ class LmdbStore(LmdbTables):
                     break
         return out
 
+    def queue_messages(
+        self, recipient: bytes, limit: int, after: int = 0, max_bytes: int | None = None
+    ) -> list[QueuedMessage]:
+        """:meth:`queue` and :meth:`get_message` of each entry, in one pass over one transaction: what a queue
+        drain reads (no entry or message object per entry; the message found as :meth:`_stored` finds it).
+        ``max_bytes``: stop after the entry whose message brings the messages' bytes to it."""
+        out: list[QueuedMessage] = []
+        if limit <= 0 or (max_bytes is not None and max_bytes <= 0):
+            return out
+        budget = max_bytes
+        unpack, u64_from, pack, find = QUEUE.unpack, U64.unpack_from, U64.pack, self._index.find
+        n = len(recipient)
+        with self._r() as txn:
+            cur = txn.cursor(db=self._db["queues"])
+            if not cur.set_range(recipient + pack(after + 1) if after > 0 else recipient):
+                return out
+            get, msgs, id_at_group = txn.get, self._db["msgs"], REC_ID_AT_GROUP
+            hints = self._group_ids
+            if len(hints) > GROUP_HINTS:
+                hints.clear()
+            for k, v in cur:
+                if k[:n] != recipient:
+                    break
+                mid, exp, size = unpack(v)
+                mid = bytes(mid)
+                data: bytes | None = None
+                group: bytes | None = None
+                mexp = 0.0
+                if len(mid) != ID_LEN:  # (never for a real id: the general lookup)
+                    found = self._stored(mid)
+                    seqs: Sequence[int] = ()
+                    rec = found[1] if found is not None else None
+                else:
+                    seqs, rec = find(mid) or (), None
+                for s in seqs:
+                    r = get(pack(s), db=msgs)
+                    if r is not None and r.startswith(mid, id_at_group if r[REC_FLAG_AT] == REC_GROUP else REC_ID_AT):
+                        rec = r
+                        break
+                if rec is not None:
+                    mexp = u64_from(rec, 0)[0] / 1000.0
+                    if rec[REC_FLAG_AT] == REC_GROUP:
+                        data, group = rec[REC_DATA_AT_GROUP:], rec[REC_GROUP_AT:REC_ID_AT_GROUP]
+                        hints.add(mid)
+                    else:
+                        data = rec[REC_DATA_AT:]
+                    if budget is not None:
+                        budget -= len(data)
+                out.append(QueuedMessage(u64_from(k, QUEUE_SEQ_AT)[0], mid, size & SIZE_MASK, exp / 1000.0, data,
+                                         group, mexp))
+                if len(out) >= limit or (budget is not None and budget <= 0):
+                    break
+        return out
+
     def dequeue(self, recipient: bytes, seq: int) -> QueueEntry | None:
         """Remove one queue entry and return it (None if it was not there).
 
@@ -631,6 +692,7 @@ class LmdbStore(LmdbTables):
         ecur = txn.cursor(db=db["queue_exp"])
         rcur = txn.cursor(db=db["refs"])
         pack, unpack_entry, unpack_u64 = U64.pack, QUEUE.unpack, U64.unpack
+        hints = self._group_ids
         count, nbytes = self.queue_usage(recipient)
         removed = 0
         for seq in seqs:
@@ -654,6 +716,11 @@ class LmdbStore(LmdbTables):
             else:
                 if had:
                     rcur.delete()
+                if mid in hints:  # a group message: it stays stored until it expires
+                    hints.discard(mid)
+                    count, nbytes = (count - 1, max(0, nbytes - size)) if count > 1 else (0, 0)
+                    removed += 1
+                    continue
                 found = self._stored(mid)
                 if found is not None and found[1][REC_FLAG_AT] == REC_NO_GROUP:  # (unicast: no group)
                     self._drop(mid, *found)

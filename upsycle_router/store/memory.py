@@ -30,7 +30,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from upsycle_router.store.api import Expired, QueueEntry, RouteEntry, StoredMessage
+from upsycle_router.store.api import Expired, QueuedMessage, QueueEntry, RouteEntry, StoredMessage
 
 ENTRY_BYTES = 128  # what a queue entry is charged against the room, beside its message
 _MISSING = object()
@@ -286,6 +286,25 @@ class MemoryStore:
         else:
             self._set("qstats", recipient, (c - 1, max(0, b - size)))
         return QueueEntry(recipient, seq, mid, exp, size)
+
+    def queue_messages(
+        self, recipient: bytes, limit: int, after: int = 0, max_bytes: int | None = None
+    ) -> list[QueuedMessage]:
+        out: list[QueuedMessage] = []
+        if limit <= 0 or (max_bytes is not None and max_bytes <= 0):
+            return out
+        budget = max_bytes
+        for e in self.queue(recipient, limit, after):
+            m = self.get_message(e.id)
+            if m is None:
+                out.append(QueuedMessage(e.seq, e.id, e.size, e.expires, None, None, 0.0))
+            else:
+                out.append(QueuedMessage(e.seq, e.id, e.size, e.expires, m.data, m.group, m.expires))
+                if budget is not None:
+                    budget -= len(m.data)
+                    if budget <= 0:
+                        break
+        return out
 
     def dequeue_many(self, recipient: bytes, seqs: Iterable[int]) -> int:
         return sum(self.dequeue(recipient, seq) is not None for seq in seqs)
