@@ -50,11 +50,18 @@ def configure(*nodes: Node, idle: float = IDLE) -> None:
 
 
 async def ask(app: Client, service: bytes, request: DiscoveryMessage, n: int) -> DiscoveryMessage:
-    """Send ``request`` to a discovery service; its reply with the same ``n`` (other messages are skipped)."""
-    header = UnicastHeader(app.identity.public, service, 60, exp_in(time.time(), 120))
-    app.send_message(sign_message(header, encode_discovery_message(request), app.identity))
-    await app.drain()
+    """Send ``request`` to a discovery service; its reply with the same ``n`` (other messages are skipped).
+
+    Sent again while the router refuses it: a router that has just started may not have its discovery
+    service connected yet, and refuses a message for a key it has never seen (``no_route``)."""
     deadline = time.monotonic() + WAIT
+    while True:
+        header = UnicastHeader(app.identity.public, service, 60, exp_in(time.time(), 120))
+        app.send_message(sign_message(header, encode_discovery_message(request), app.identity))
+        if (await app.sync(timeout=WAIT)).ok:
+            break
+        assert time.monotonic() < deadline, f"{request!r} refused for {WAIT} s"
+        await asyncio.sleep(0.2)
     while (left := deadline - time.monotonic()) > 0:
         msg = await app.recv(timeout=left)
         try:
