@@ -81,10 +81,13 @@ async def peers(d: Daemon, timeout: float = 5.0) -> list[PeerAdvertisement]:
     """The adverts ``d``'s discovery service knows (PEERS over its Unix socket, as the CLI does)."""
     async with await Client.connect(d.sock, Identity.generate(), timeout=5) as c:
         n = int.from_bytes(os.urandom(8), "big")
-        header = UnicastHeader(c.identity.public, discovery_id(d), 60, exp_in(time.time(), 120))
-        c.send_message(sign_message(header, encode_discovery_message(PeersQuery(n)), c.identity))
-        await c.drain()
         deadline = time.monotonic() + timeout
+        while True:  # sent again while refused: just after start the discovery service may not be connected yet
+            header = UnicastHeader(c.identity.public, discovery_id(d), 60, exp_in(time.time(), 120))
+            c.send_message(sign_message(header, encode_discovery_message(PeersQuery(n)), c.identity))
+            if (await c.sync(timeout=timeout)).ok or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
         while (left := deadline - time.monotonic()) > 0:
             msg = await c.recv(timeout=left)
             try:
