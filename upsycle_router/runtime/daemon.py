@@ -117,6 +117,7 @@ def core_config(
     discovery_service: bytes | None = None,
 ) -> CoreConfig:
     """The routing core's policy from the daemon config."""
+    flush_batch, flush_bytes = drain_window(cfg.outbound_buffer_max)
     return CoreConfig(
         local_services=local_services,
         edge_nodes=cfg.edge_nodes,
@@ -133,8 +134,8 @@ def core_config(
         stranger_share=cfg.queue_stranger_share,
         remote_ttl_max=cfg.queue_remote_ttl_max,
         backpressure_at=cfg.queue_backpressure_at,
-        flush_batch=drain_window(cfg.outbound_buffer_max)[0],
-        flush_bytes=drain_window(cfg.outbound_buffer_max)[1],
+        flush_batch=flush_batch,
+        flush_bytes=flush_bytes,
         trace=cfg.trace_dir is not None,
     )
 

@@ -718,12 +718,8 @@ class LmdbStore(LmdbTables):
                     rcur.delete()
                 if mid in hints:  # a group message: it stays stored until it expires
                     hints.discard(mid)
-                    count, nbytes = (count - 1, max(0, nbytes - size)) if count > 1 else (0, 0)
-                    removed += 1
-                    continue
-                found = self._stored(mid)
-                if found is not None and found[1][REC_FLAG_AT] == REC_NO_GROUP:  # (unicast: no group)
-                    self._drop(mid, *found)
+                elif (found := self._stored(mid)) is not None and found[1][REC_FLAG_AT] == REC_NO_GROUP:
+                    self._drop(mid, *found)  # (unicast: no group)
             count, nbytes = (count - 1, max(0, nbytes - size)) if count > 1 else (0, 0)
             removed += 1
         if removed:
