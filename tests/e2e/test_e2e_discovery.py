@@ -11,6 +11,7 @@ announcements off.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -82,8 +83,8 @@ async def peers(d: Daemon, timeout: float = 5.0) -> list[PeerAdvertisement]:
     async with await Client.connect(d.sock, Identity.generate(), timeout=5) as c:
         n = int.from_bytes(os.urandom(8), "big")
         deadline = time.monotonic() + timeout
-        while True:  # sent again while refused: just after start the discovery service may not be connected yet
-            header = UnicastHeader(c.identity.public, discovery_id(d), 60, exp_in(time.time(), 120))
+        for attempt in itertools.count():  # sent again while refused (discovery not connected yet), new bytes
+            header = UnicastHeader(c.identity.public, discovery_id(d), 60 + attempt, exp_in(time.time(), 120))
             c.send_message(sign_message(header, encode_discovery_message(PeersQuery(n)), c.identity))
             if (await c.sync(timeout=timeout)).ok or time.monotonic() > deadline:
                 break

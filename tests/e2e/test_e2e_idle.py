@@ -11,6 +11,7 @@ while application messages flow (either way), and be dialled again by the next m
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import time
 from pathlib import Path
@@ -55,8 +56,8 @@ async def ask(app: Client, service: bytes, request: DiscoveryMessage, n: int) ->
     Sent again while the router refuses it: a router that has just started may not have its discovery
     service connected yet, and refuses a message for a key it has never seen (``no_route``)."""
     deadline = time.monotonic() + WAIT
-    while True:
-        header = UnicastHeader(app.identity.public, service, 60, exp_in(time.time(), 120))
+    for attempt in itertools.count():  # (another ttl each time: the same bytes again are a duplicate, dropped)
+        header = UnicastHeader(app.identity.public, service, 60 + attempt, exp_in(time.time(), 120))
         app.send_message(sign_message(header, encode_discovery_message(request), app.identity))
         if (await app.sync(timeout=WAIT)).ok:
             break
