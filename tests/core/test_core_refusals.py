@@ -389,6 +389,36 @@ def test_a_duplicate_is_not_refused(h: CoreHarness) -> None:
     assert sync(h, c[ALICE], ALICE, 1) == SyncAck(1, 0, 0)
 
 
+def test_a_refused_unicast_sent_again_once_its_recipient_is_here_is_delivered(h: CoreHarness) -> None:
+    # The same bytes again are the same id. A refused message was never taken, so the router must not
+    # remember it as seen: the verbatim retry would be acknowledged as a duplicate and delivered to nobody.
+    a = h.open(ALICE)
+    m = unicast(ALICE, BOB)
+    h.expect_refused(h.receive(a, m), a, m.id, Reason.NO_ROUTE)
+    b = h.open(BOB)
+    out = h.receive(a, m)
+    assert out.refusals() == [] and "duplicate" not in out.events()
+    assert [s.conn for s in out.sends()] == [b]
+    out = h.receive(a, m)  # taken now: a third copy is a replay
+    assert out.events() == ["received", "duplicate"] and out.sends() == []
+
+
+def test_a_unicast_refused_for_quota_is_queued_when_sent_again_after_the_queue_drained(tmp_path: Path) -> None:
+    h = harness(tmp_path, queue_max_count=1)
+    a = h.open(ALICE)
+    away(h, BOB)
+    m1, m2 = unicast(ALICE, BOB, b"1"), unicast(ALICE, BOB, b"2")
+    assert h.receive(a, m1).refusals() == []
+    h.expect_refused(h.receive(a, m2), a, m2.id, Reason.QUOTA, 0)
+    b = h.open(BOB)
+    h.queue_sent(h.last)  # the queue went out: its entry is gone
+    h.close(b)
+    assert [e.id for e in h.store.queue(BOB.public)] == []
+    out = h.receive(a, m2)
+    assert out.refusals() == [] and "duplicate" not in out.events()
+    assert [e.id for e in h.store.queue(BOB.public)] == [m2.id]
+
+
 def test_a_multicast_with_no_subscriber_is_not_refused(h: CoreHarness) -> None:
     a = h.open(ALICE)
     m = multicast(G)

@@ -161,6 +161,26 @@ async def test_unicast_to_a_key_the_router_never_saw_is_refused_no_route(daemon:
         assert ok.ok and ok.refused == ()
 
 
+async def test_a_refused_unicast_sent_again_verbatim_once_its_recipient_is_known_is_delivered(
+    daemon: DaemonFactory,
+) -> None:
+    """A retry of a refused message is the same bytes, hence the same id: the router must route it anew (it
+    never took the first copy), not acknowledge it as a replay and deliver it to nobody."""
+    d = daemon()
+    sender, rcpt = Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, sender) as c:
+        m = sign_message(UnicastHeader(sender.public, rcpt.public, 600, exp_in(time.time(), 600)), b"retry", sender)
+        c.send_message(m)
+        res = await c.sync()
+        assert [(r.id, r.reason) for r in res.refused] == [(m.id, Reason.NO_ROUTE)]
+        async with await Client.connect(d.sock, rcpt) as rc:  # now a local service the router knows
+            c.send_message(m)
+            res = await c.sync()
+            assert res.ok and res.refused == ()
+            got = await rc.recv(timeout=10)
+            assert got.id == m.id and got.body == b"retry"
+
+
 async def test_bad_signature_expired_and_bad_control_bodies_are_answered_counted_and_logged(
     daemon: DaemonFactory,
 ) -> None:

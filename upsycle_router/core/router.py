@@ -25,6 +25,8 @@ of recipients it was not taken for) on the connection it came in on, signed by t
 (``refused``). The answer is an effect of the same batch as the message, so it is written before the
 SYNC_ACK that covers it; each connection counts its refusals since its last SYNC for that SYNC_ACK. A REFUSED
 that a next router sends for a message forwarded for a local app is passed on to the app (a late refusal).
+A refused unicast is not remembered as seen (only a message taken is): the same bytes sent again once the
+cause is gone (the recipient connected, a route learnt) are routed anew, not dropped as a duplicate.
 
 Fair queues: a queue entry is a *stranger's* when its sender is none of the keys the router was told to
 trust (local services, configured peers, edge and core nodes, keys the recipient itself wrote to); strangers
@@ -424,10 +426,12 @@ class Router:
             # Replay protection. Control messages are exempt: deterministic signatures give two identical
             # requests (the same JOIN twice in a minute) the same id, and control is only accepted from the
             # authenticated connection peer itself, for whom a replay changes nothing.
+            # Only a message taken is remembered (below, where it is): one refused was not taken, and the same
+            # bytes sent again once the refusal's cause is gone (the recipient connected, a route learnt) must
+            # be routed, not dropped as a duplicate of a message this router never held.
             if msg.id in s.seen.ids:
                 out.append(Trace(DUPLICATE, msg.id, kind, None, h.src, h.dst, c.peer, size, Why.DUPLICATE))
                 return
-            s.seen.add(msg.id)
         via = msg.via  # as the sender set it (source routing by a local service, or an edge node's)
         if not c.local:
             # Step 2: remember where replies go, and mark the last hop.
@@ -447,6 +451,8 @@ class Router:
                                 remote=remote, origin=c)
             if why is not None:
                 self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
+            else:
+                s.seen.add(msg.id)
             return
         edge = s.served_by(h.dst)
         if edge is not None and edge != c.peer:  # 3.2 for an edge node's service: store and forward to the edge
@@ -458,6 +464,8 @@ class Router:
                                 remote=remote, origin=c)
             if why is not None:
                 self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
+            else:
+                s.seen.add(msg.id)
             return
         # 3.3 relays only for local services (and the services of an edge node, from that edge node)
         src_local = h.src in s.locals if c.local else s.served_by(h.src) == c.peer
@@ -476,6 +484,8 @@ class Router:
         why = self._to_router(router, msg, None, size, now, out, kind=UNICAST, origin=c)
         if why is not None:
             self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
+        else:
+            s.seen.add(msg.id)
 
     def _multicast(
         self,
