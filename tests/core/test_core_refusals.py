@@ -371,6 +371,60 @@ def test_multicast_not_taken_for_some_recipients_counts_them(tmp_path: Path) -> 
     assert out.events()[-1] == "refused"  # after every recipient's record
 
 
+def _owed_setup(tmp_path: Path) -> tuple[CoreHarness, int, Message]:
+    """BOB, CAROL, DAVE subscribe and are away; BOB's queue is full: a multicast is taken for CAROL and DAVE and
+    refused for BOB (count 1)."""
+    h = harness(tmp_path, queue_max_count=1)
+    subscribe(h, BOB, CAROL, DAVE, leave_away=True)
+    a = h.open(ALICE)
+    assert h.receive(a, unicast(ALICE, BOB, b"filler")).refusals() == []
+    m = multicast(G)
+    h.expect_refused(h.receive(a, m), a, m.id, Reason.QUOTA, 1)
+    return h, a, m
+
+
+def test_a_multicast_refused_for_some_recipients_sent_again_goes_to_those_only(tmp_path: Path) -> None:
+    h, a, m = _owed_setup(tmp_path)
+    out = h.receive(a, m)  # BOB's queue is still full: refused for him again, a duplicate for the others
+    h.expect_refused(out, a, m.id, Reason.QUOTA, 1)
+    assert out.traces("queued") == []
+    b = h.open(BOB)
+    h.queue_sent(h.last)  # BOB read his queue (the filler): room again
+    h.close(b)
+    out = h.receive(a, m)
+    assert out.refusals() == [] and [t.dst for t in out.traces("queued")] == [BOB.public]
+    for w in (BOB, CAROL, DAVE):
+        assert [e.id for e in h.store.queue(w.public)] == [m.id]
+    out = h.receive(a, m)  # taken for everyone now: a plain duplicate
+    assert out.events() == ["received", "duplicate"] and out.sends() == []
+
+
+def test_a_multicast_owed_to_a_recipient_goes_the_per_message_way_in_a_run(tmp_path: Path) -> None:
+    """Sent again in a run of the group's messages while every recipient reads: the run falls back to the
+    per-message path, so the owed recipient gets it and the others get the new messages only."""
+    h, a, m = _owed_setup(tmp_path)
+    conns = {}
+    for w in (BOB, CAROL, DAVE):  # each reads its queue (CAROL's and DAVE's hold m)
+        conns[w] = h.open(w)
+        h.queue_sent(h.last)
+    fresh = multicast(G, b"fresh")
+    out = h.handle(MessagesReceived(a, (m, fresh), (True, True)))  # one read: a run
+    assert out.refusals() == []
+    assert [x.id for x in out.messages(conns[BOB])] == [m.id, fresh.id]
+    for w in (CAROL, DAVE):
+        assert [x.id for x in out.messages(conns[w])] == [fresh.id]
+
+
+def test_batch_lost_restores_what_a_multicast_is_owed(tmp_path: Path) -> None:
+    h, a, m = _owed_setup(tmp_path)
+    b = h.open(BOB)
+    h.queue_sent(h.last)
+    h.close(b)
+    assert h.lost([rx(a, m)]) == Effects()  # taken for BOB in a batch that did not commit
+    out = h.receive(a, m)
+    assert out.refusals() == [] and [t.dst for t in out.traces("queued")] == [BOB.public]
+
+
 # ---------------------------------------------------------------- drops that are no refusal
 
 

@@ -181,6 +181,37 @@ async def test_a_refused_unicast_sent_again_verbatim_once_its_recipient_is_known
             assert got.id == m.id and got.body == b"retry"
 
 
+async def test_a_multicast_refused_for_one_subscriber_sent_again_reaches_that_one_only(
+    daemon: DaemonFactory,
+) -> None:
+    """Two subscribers away, one with a full queue: the publish is refused for one (count 1). Sent again, byte
+    for byte, once that queue was read: no refusal, and each subscriber has the message exactly once."""
+    d = daemon(config={"queue": {"max_count": 2}})
+    group, full, other, pub = (Identity.generate() for _ in range(4))
+    await _register(d, full, group.public)
+    await _register(d, other, group.public)
+    async with await Client.connect(d.sock, pub) as c:
+        for i in range(2):
+            await c.send(full.public, f"filler {i}".encode())
+        m = sign_message_multicast(group, b"news")
+        c.send_message(m)
+        res = await c.sync()
+        assert [(r.id, r.reason, r.count) for r in res.refused] == [(m.id, Reason.QUOTA, 1)]
+        got_full = await _drain(d, full, 2)
+        assert [g.body for g in got_full] == [b"filler 0", b"filler 1"]
+        # Away again, as the router sees it (a message written to a connection it has not yet seen close counts
+        # as delivered: there are no receipts).
+        closed = "connection closed conn="
+        await async_wait_until(
+            lambda: sum(closed in x and f"peer={full.public.hex()}" in x for x in d.log_text().splitlines()) >= 2,
+            10, "the router saw the subscriber go")
+        c.send_message(m)
+        res = await c.sync()
+        assert res.ok and res.refused == ()
+    assert [g.id for g in await _drain(d, full, 1)] == [m.id]
+    assert [g.id for g in await _drain(d, other, 1)] == [m.id]
+
+
 async def test_bad_signature_expired_and_bad_control_bodies_are_answered_counted_and_logged(
     daemon: DaemonFactory,
 ) -> None:

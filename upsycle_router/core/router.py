@@ -26,7 +26,9 @@ of recipients it was not taken for) on the connection it came in on, signed by t
 SYNC_ACK that covers it; each connection counts its refusals since its last SYNC for that SYNC_ACK. A REFUSED
 that a next router sends for a message forwarded for a local app is passed on to the app (a late refusal).
 A refused unicast is not remembered as seen (only a message taken is): the same bytes sent again once the
-cause is gone (the recipient connected, a route learnt) are routed anew, not dropped as a duplicate.
+cause is gone (the recipient connected, a route learnt) are routed anew, not dropped as a duplicate. A
+multicast message taken for some recipients only is remembered with those it was refused for (bounded, in
+memory): sent again, it is a duplicate for the others and goes to those (or is refused for them again).
 
 Fair queues: a queue entry is a *stranger's* when its sender is none of the keys the router was told to
 trust (local services, configured peers, edge and core nodes, keys the recipient itself wrote to); strangers
@@ -158,6 +160,8 @@ class Router:
         """The driver begins routing a batch of events in one store transaction."""
         s = self.state
         self._batch_mark = s.seen.added
+        if s.owed_undo:
+            s.owed_undo = []
         if s.resub or self._batch_resub:
             self._batch_resub = set(s.resub)
         if s.dialing or self._batch_dialing:
@@ -184,6 +188,7 @@ class Router:
         is as it was. (The driver then replays the batch's connection events.)"""
         s = self.state
         s.seen.forget_since(self._batch_mark)
+        s.undo_owed()
         for live, kept in ((s.resub, self._batch_resub), (s.dialing, self._batch_dialing)):
             live.clear()
             live.update(kept)
@@ -531,15 +536,21 @@ class Router:
         mid = msg.id
         # Step 4: the recently-seen list, then the store (the longer memory) - for a message that will be
         # stored, storing it is the check (one lookup instead of two).
+        owed = None
         if mid in s.seen.ids or (expiry <= now and self.store.has_message(mid)):
-            out.append(Trace(DUPLICATE, mid, MULTICAST, grp, None, None, c.peer, size, Why.DUPLICATE))
-            return
+            owed = s.owed.get(mid)
+            if owed is None:
+                out.append(Trace(DUPLICATE, mid, MULTICAST, grp, None, None, c.peer, size, Why.DUPLICATE))
+                return
+            # Sent again after it was taken for some recipients only: a duplicate for the others, but those it
+            # was refused for get it now (or it is refused for them again).
+            s.owe(mid, None)
         if not c.local:  # step 7 (before storing, so stored copies carry VIA = R)
             msg = msg.with_via(c.peer)
         elif msg.via is not None:
             msg = msg.with_via(None)
         data = msg.encode()
-        if expiry > now:  # step 6
+        if expiry > now and owed is None:  # step 6
             store = self.store
             if not store.has_room(len(data)):
                 self._dropped(c, ref, Why.STORE_FULL, 0, now, out, MULTICAST, h.grp, None, None, size, msg.id)
@@ -551,29 +562,37 @@ class Router:
                 return
             if store.pressure >= self.state.config.backpressure_at:
                 self.delivery.throttle(c, out)
-        s.seen.add(msg.id)  # step 5
+        cores: Iterable[bytes] = ()
+        if owed is not None:
+            recipients = [m for m in owed[0] if m != c.peer]
+            cores = owed[1]
+        else:
+            s.seen.add(msg.id)  # step 5
+            if c.local and h.grp in s.upstream_groups:  # an edge app published: hand it to our core nodes too
+                cores = sorted(self.state.config.upstream)
         # Step 8. Subscribers that get it now get it in one Fanout; the others are queued while away or behind.
         direct: list[ConnId] = []
         deliver = self._deliver
         remote = not c.local
-        failed = 0
+        failed: list[bytes] = []
         why = None
         for m in recipients:
             r = deliver(m, msg, grp, size, now, out, kind=MULTICAST, data=data, fanout=direct, remote=remote,
                         origin=c)
             if r is not None:
-                failed += 1
+                failed.append(m)
                 why = why or r
         if direct:
             out.append(Fanout(tuple(direct), (data,)))
-        if c.local and h.grp in s.upstream_groups:  # an edge app published: hand it to our core nodes
-            for core in sorted(self.state.config.upstream):
-                r = self._to_router(core, msg, h.grp, size, now, out, kind=MULTICAST, origin=c)
-                if r is not None:
-                    failed += 1
-                    why = why or r
+        failed_cores: list[bytes] = []
+        for core in cores:
+            r = self._to_router(core, msg, h.grp, size, now, out, kind=MULTICAST, origin=c)
+            if r is not None:
+                failed_cores.append(core)
+                why = why or r
         if why is not None:
-            self._refuse(c, ref, why, failed, now, out, MULTICAST, h.grp, size)
+            s.owe(mid, (tuple(failed), tuple(failed_cores)))
+            self._refuse(c, ref, why, len(failed) + len(failed_cores), now, out, MULTICAST, h.grp, size)
 
     # ------------------------------------------------------------------ own advertisement
 

@@ -14,8 +14,9 @@ does not change what anyone sees).
 
 That holds while every recipient is connected, reading and has nothing queued (nothing is queued by the run);
 when that or anything else of the run takes another path (the discovery group, groups joined at core nodes,
-no recipient at all), :func:`multicast_run` answers False with nothing done and the caller routes the messages
-one by one. tests/core/test_core_runs.py proves the two paths equal, effect by effect.
+no recipient at all, a message sent again that is owed to recipients it was refused for),
+:func:`multicast_run` answers False with nothing done and the caller routes the messages one by one.
+tests/core/test_core_runs.py proves the two paths equal, effect by effect.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def multicast_run(
     with nothing done (see the module docstring)."""
     if grp == s.config.discovery_group or grp in s.upstream_groups:
         return False
+    owed = s.owed
+    if owed and any(msgs[k].id in owed for k in range(lo, hi)):
+        return False  # sent again after a partial refusal: owed to some recipients (the per-message path)
     peer = c.peer
     recipients = s.recipients(c, grp, False)[1]
     if not recipients:
