@@ -18,16 +18,23 @@ Phases (each a command from the main process):
 
 from __future__ import annotations
 
+import array
 import contextlib
+import hashlib
+import json
 import multiprocessing as mp
 import os
 import pickle
 import selectors
+import shutil
 import socket
+import subprocess
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from bench import clients
@@ -69,7 +76,26 @@ def receiver_main(pipe: Connection, spec: dict[str, Any]) -> None:
     except Exception as e:  # noqa: BLE001 - reported to the main process
         pipe.send(("error", f"{type(e).__name__}: {e}"))
         return
+    fast = fast_receiver(proto, socks) if spec.get("fast") and proto in ("upsycle", "mqtt") else None
     pipe.send(("ready", len(socks)))
+    if fast is not None:
+        try:
+            while pipe.poll(600):
+                cmd = pipe.recv()
+                if cmd[0] == "stop":
+                    break
+                _, phase, expected, latency, t0, idle_s, max_s = cmd
+                try:
+                    res = fast.phase(phase, expected, latency, t0, idle_s, max_s, raw=bool(spec.get("raw_latency")))
+                except Exception as e:  # noqa: BLE001
+                    res = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)}
+                pipe.send(("result", res))
+        finally:
+            fast.stop()
+            for s in socks:
+                with contextlib.suppress(OSError):
+                    s.close()
+        return
     bufs = [bytearray() for _ in socks]
     sel = selectors.DefaultSelector()
     for i, s in enumerate(socks):
@@ -91,6 +117,77 @@ def receiver_main(pipe: Connection, spec: dict[str, Any]) -> None:
     for s in socks:
         with contextlib.suppress(OSError):
             s.close()
+
+
+FASTRECV_C = Path(__file__).with_name("fastrecv.c")
+
+
+def fast_receiver_binary() -> str | None:
+    """bench/fastrecv.c compiled (once per source version, under the temporary directory), or None without a C
+    compiler."""
+    src = FASTRECV_C.read_bytes()
+    out = Path(tempfile.gettempdir()) / f"upsycle-bench-fastrecv-{hashlib.sha256(src).hexdigest()[:12]}"
+    if out.exists():
+        return str(out)
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        return None
+    tmp = out.with_name(out.name + f".{os.getpid()}")
+    r = subprocess.run([cc, "-O2", "-o", str(tmp), str(FASTRECV_C)], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0:
+        raise RuntimeError(f"fastrecv.c did not compile: {r.stderr.strip()}")
+    tmp.replace(out)
+    return str(out)
+
+
+class FastReceiver:
+    """A bench/fastrecv.c process reading ``socks`` (set up by this process) phase by phase; it reports what
+    :func:`_receive_phase` reports."""
+
+    def __init__(self, binary: str, proto: str, socks: list[socket.socket]) -> None:
+        fds = [s.fileno() for s in socks]
+        self.proc = subprocess.Popen([binary, proto, *map(str, fds)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     pass_fds=fds)
+
+    def phase(self, phase: int, expected: int, latency: bool, t0: int, idle_s: float, max_s: float,
+              raw: bool = False) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(f"phase {expected} {int(latency)} {t0} {int(idle_s * 1e9)} {int(max_s * 1e9)} "
+                              f"{phase}\n".encode())
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"fastrecv exited with {self.proc.wait(5)}")
+        rec: dict[str, Any] = json.loads(line)
+        nlat = rec.pop("nlat")
+        lat = array.array("q")
+        if nlat:
+            lat.frombytes(self.proc.stdout.read(8 * nlat))
+        values = lat.tolist()
+        rec["expected_per_conn"] = expected
+        rec["latency"] = percentiles(values) if latency else None
+        rec["reader"] = "c"
+        if raw and latency:
+            rec["raw_latency_ns"] = values
+        return rec
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(b"stop\n")
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def fast_receiver(proto: str, socks: list[socket.socket]) -> FastReceiver | None:
+    binary = fast_receiver_binary()
+    return None if binary is None else FastReceiver(binary, proto, socks)
 
 
 def _receive_phase(

@@ -351,9 +351,11 @@ class MultiWorkload(Workload):
     merged (latency percentiles over every delivery)."""
 
     def __init__(self, pub_spec: dict[str, Any], recv_conns: list[dict[str, Any]], cpu: set[int],
-                 receivers: int) -> None:  # fmt: skip
+                 receivers: int, fast: bool = False) -> None:  # fmt: skip
         super().__init__(pub_spec, recv_conns, cpu)
         self.k = max(1, min(receivers, len(recv_conns)))
+        self.fast = fast
+        self.recv_spec["fast"] = fast
         self.rpipes: list[Any] = []
 
     def start(self, timeout: float = 60.0) -> None:
@@ -362,7 +364,8 @@ class MultiWorkload(Workload):
         order = [c for c in reversed(cpus())]
         conns = self.recv_spec["conns"]
         for i in range(self.k):
-            spec = {"conns": conns[i :: self.k], "cpu": [order[i % len(order)]], "raw_latency": self.k > 1}
+            spec = {"conns": conns[i :: self.k], "cpu": [order[i % len(order)]], "raw_latency": self.k > 1,
+                    "fast": self.fast}
             pipe, _ = self._spawn(receiver_main, spec, timeout)
             self.rpipes.append(pipe)
         self.rpipe = self.rpipes[0]
@@ -393,7 +396,8 @@ class MultiWorkload(Workload):
                "dups": sum(r["dups"] for r in recs), "other": sum(r["other"] for r in recs),
                "closed": sum(r["closed"] for r in recs), "last_ns": max(r["last_ns"] for r in recs),
                "first_ns": min((r["first_ns"] for r in recs if r["first_ns"]), default=0),
-               "latency": percentiles(raw) if latency else None, "receivers": self.k}
+               "latency": percentiles(raw) if latency else None, "receivers": self.k,
+               "reader": recs[0].get("reader", "python")}
         res["receiver"] = rec
         begin = max(t0, int(pub.get("start_ns", t0)))
         span = (rec["last_ns"] - begin) / 1e9 if rec["last_ns"] else 0.0
@@ -669,7 +673,7 @@ def part_fanout(ctx: Ctx) -> list[dict[str, Any]]:
                         recv = [{"proto": "upsycle", "path": str(d.sock), "seed": _key(f"sub-{i}").seed,
                                  "join": ctx.group.public, "local": True} for i in range(subs)]
                         pid = d.child.pid
-                    wl = MultiWorkload(pub, recv, load_cpu(), a.receivers)
+                    wl = MultiWorkload(pub, recv, load_cpu(), a.receivers, fast=not a.python_receivers)
                     try:
                         wl.start(timeout=300)
                         spy = Spy(ctx, pid, f"fanout-{subs}-{label}") if tree is not None else None
@@ -944,6 +948,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--paced-seconds", type=float, default=10.0, help="length of each paced fan-out phase")
     p.add_argument("--fanout-max", type=int, default=2000, help="messages of the fan-out max phase")
     p.add_argument("--no-mosquitto", action="store_true", help="no Mosquitto peer in the fan-out part")
+    p.add_argument("--python-receivers", action="store_true",
+                   help="fan-out: read the subscriber sockets in Python (default: bench/fastrecv.c, compiled "
+                        "with cc on first use; Python when there is no C compiler)")
     p.add_argument("--receivers", type=int, default=1,
                    help="processes reading the fan-out's subscriber connections (pinned to the CPUs in turn, the "
                         "load generator's first)")
