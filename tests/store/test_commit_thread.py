@@ -303,3 +303,67 @@ async def test_when_the_replay_of_a_lost_batch_fails_too_its_connections_are_clo
     assert [e for e in done[-1] if isinstance(e, CloseConnection)] == [CloseConnection(2, 6, "store error")]
     await driver.aclose()
     store.close()
+
+
+async def test_fanouts_go_out_while_the_commit_is_in_flight_and_the_rest_waits_for_it(tmp_path: Path) -> None:
+    """A stored group message for a subscriber that is here is written while the disk syncs; the batch's trace
+    records and its SYNC_ACK wait for the commit (an acknowledgement never precedes what it reports)."""
+    router_id, app, service, group = (Identity.from_seed(bytes([n]) * 32) for n in (31, 32, 33, 34))
+    store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
+    journal = TraceJournal(tmp_path / "trace", router_id.public)
+    router = Router(router_id, store, CoreConfig(pubsub_service=service.public))
+    driver, gate = _gated_driver(router, store, (app.public, service.public), journal)
+    await _until(lambda: gate.commits == 1 and driver.batches.committing is None)
+    early: list[list[Any]] = []
+    done: list[list[Any]] = []
+    real_early, real_done = driver.batches.early, driver.batches.done
+    assert real_early is not None
+
+    def record_early(effects: list[Any], now: float) -> list[Any]:
+        rest = real_early(effects, now)
+        early.append([e for e in effects if not any(e is r for r in rest)])
+        return rest
+
+    def record_done(effects: list[Any], now: float) -> None:
+        done.append(list(effects))
+        real_done(effects, now)
+
+    driver.batches.early, driver.batches.done = record_early, record_done
+    gate.open.clear()
+    m = sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"now", group)
+    driver.push(MessagesReceived.one(1, m, True))
+    await _until(lambda: driver.batches.committing is not None)
+    assert [type(e).__name__ for e in early[-1]] == ["Fanout"] and early[-1][0].conns == (2,)  # to the service
+    assert done == [] and m.id.hex() not in [r.get("id") for r in _records(tmp_path / "trace")]
+    gate.open.set()
+    await _until(lambda: driver.batches.committing is None and done)
+    assert not any(type(e).__name__ == "Fanout" for e in done[-1])  # written once, early
+    assert ("delivered", m.id.hex()) in [(r["event"], r.get("id")) for r in _records(tmp_path / "trace")]
+    await driver.aclose()
+    journal.close()
+    store.close()
+
+
+async def test_a_fanout_to_a_connection_written_to_before_it_in_the_batch_waits_too(tmp_path: Path) -> None:
+    """The split keeps each connection's order: a fan-out goes early only to connections nothing before it in
+    the batch writes to; one held back holds back every later fan-out to its connections."""
+    from upsycle_router.core.events import Fanout, Send, Trace
+    from upsycle_router.core.trace import DELIVERED, MULTICAST
+
+    store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
+    router = Router(Identity.from_seed(bytes([41]) * 32), store)
+    driver = Driver(router, store, verify_threads=1)
+    tr = Trace(DELIVERED, b"\x01" * 32, MULTICAST, b"\x02" * 32, None, b"\x03" * 32, b"\x03" * 32, 10)
+    effects: list[Any] = [
+        Fanout((1, 2), (b"a",)),  # early: nothing before it
+        Send(2, b"ack"),  # holds 2 from here on
+        Fanout((3,), (b"b",)),  # early
+        Fanout((2, 4), (b"c",)),  # held (2), and with it 4
+        tr,
+        Fanout((4,), (b"d",)),  # held: after c on 4
+        Fanout((5,), (b"e",)),  # early
+    ]
+    rest = driver.effects.apply_early(effects, 0.0)
+    assert rest == [effects[1], effects[3], tr, effects[5]]
+    await driver.aclose()
+    store.close()

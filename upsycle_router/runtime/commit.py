@@ -5,7 +5,8 @@ Theory of operation
 This is the router's one rule about durability, in one place: :class:`Batches` routes a batch of core events
 inside ONE LMDB write transaction, commits it, and only then hands the batch's effects on to be carried out
 (frames written, SYNC_ACKs and REFUSED answered, dials started, trace records written). Whoever gets an
-answer can rely on the state it reports being in the store.
+answer can rely on the state it reports being in the store. (Under ``fsync``, deliveries to subscribers
+connected now are the one exception, below.)
 
 How the commit happens depends on ``durability``:
 
@@ -13,7 +14,15 @@ How the commit happens depends on ``durability``:
            (:class:`~upsycle_router.store.commit_thread.CommitThread`): the event loop goes on reading,
            decoding and verifying, and the next batch is routed once the commit returned
            (:attr:`Batches.busy` is true meanwhile). A batch that wrote nothing (direct deliveries only) needs
-           no commit: its effects are carried out at once and its transaction serves the next batch;
+           no commit: its effects are carried out at once and its transaction serves the next batch.
+           One kind of effect does not wait for the disk: the batch's fan-outs - group messages written
+           straight to subscribers connected now - go out while the commit is in flight (``early``:
+           :meth:`~upsycle_router.runtime.effects.EffectRunner.apply_early`, which keeps each connection's
+           order). A delivery acknowledges nothing, so it need not wait: a subscriber reading a message the
+           disk has not yet taken is what every broker does (RabbitMQ, Mosquitto); the sender's SYNC_ACK, the
+           trace records, queue drains and every other answer still wait. If the router dies before the sync,
+           or the commit fails, the sender got no acknowledgement and sends again: that subscriber may see the
+           message twice (at-least-once, as after any crash);
 ``batch``  the commit is not synced; a sync of everything committed runs every ``sync_interval`` on a
            thread of its own (the wait for the disk stopped the event loop for milliseconds);
 ``none``   the commit is not synced (the OS writes it back; the store is closed cleanly on exit).
@@ -76,12 +85,14 @@ class Batches:
         *,
         done: Done,
         resume: Callable[[], None],
+        early: Callable[[list[Effect], float], list[Effect]] | None = None,
         sync_interval: float = 0.05,
     ) -> None:
         self.router = router
         self.store = store
         self.stats = stats
         self.done = done  # a batch's effects, once committed
+        self.early = early  # fsync: the effects carried out while the commit is in flight (returns the rest)
         self.resume = resume  # the commit in flight returned: route what waits
         self.sync_interval = sync_interval
         self.loop = asyncio.get_running_loop()
@@ -134,7 +145,10 @@ class Batches:
             self._idle_txn = txn
             self._finish(effects, now)
             return
-        rec = _Commit(committer.commit(txn), events, effects, now)
+        future = committer.commit(txn)
+        if self.early is not None:  # while the disk syncs: deliveries to subscribers that are here now
+            effects = self.early(effects, now)
+        rec = _Commit(future, events, effects, now)
         self.committing = rec
         # The callback must not hold ``rec``: the future keeps its callbacks, and future -> callback -> rec ->
         # future would be a reference cycle holding the whole batch until a full garbage collection.

@@ -99,7 +99,7 @@ class Driver:
             push=self._push, acknowledged=self._schedule, held=self._held_back,
         )
         self.batches = Batches(router, store, self.stats, done=self._done, resume=self._resume,
-                               sync_interval=sync_interval)
+                               early=self.effects.apply_early, sync_interval=sync_interval)
         self._flush_handle: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last_timer = -TIMER_INTERVAL  # loop time of the last timer run

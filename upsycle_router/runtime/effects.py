@@ -20,6 +20,8 @@ only then) and carries them out in order:
 * a write that drains a queue entry (``Send.queue_ref``) is reported back to the core (``QueueSent``, which
   removes the entry) only once its bytes left the transport's buffer (:meth:`EffectRunner.release_flushed`,
   polled while some have not): a crash before then redelivers the entry instead of losing it;
+* under ``durability: fsync`` the batch's fan-outs are carried out a step earlier, while its commit is in
+  flight (:meth:`EffectRunner.apply_early`, see :mod:`upsycle_router.runtime.commit`); the rest as above;
 * dials go to the connection pool (a failed one comes back as ``DialFailed``), learned addresses to its
   address book, ``Throttle`` stops reading a connection for a moment (backpressure), ``CloseConnection``
   sends ERROR and closes.
@@ -106,6 +108,34 @@ class EffectRunner:
         self._refusal_log = RateLimitedLog(log, "refused")
         self._refusal_flush: asyncio.TimerHandle | None = None
         self._closed = False
+
+    def apply_early(self, effects: list[Effect], now: float) -> list[Effect]:
+        """``durability: fsync``, a batch whose commit is in flight: write its fan-outs now - the multicast
+        messages it delivers straight to subscribers - to connections nothing before them in the batch writes
+        to; return the rest of the effects, in order, for :meth:`apply` once the commit returned. (Its trace
+        records, acknowledgements, queue drains and everything else wait for the commit; a connection's writes
+        keep their order, as a fan-out to a connection held back holds back every later one to it.)"""
+        early: list[Effect] = []
+        rest: list[Effect] = []
+        held: set[int] = set()
+        for e in effects:
+            kind = type(e)
+            if kind is Fanout:
+                assert isinstance(e, Fanout)
+                if held.isdisjoint(e.conns):
+                    early.append(e)
+                    continue
+                held.update(e.conns)
+            elif kind is Send:
+                assert isinstance(e, Send)
+                held.add(e.conn)
+            elif kind is CloseConnection:
+                assert isinstance(e, CloseConnection)
+                held.add(e.conn)
+            rest.append(e)
+        if early:
+            self.apply(early, now)
+        return rest
 
     def apply(self, effects: list[Effect], now: float) -> None:
         """Carry out ``effects``, in order (trace records of the whole batch first)."""
