@@ -41,6 +41,7 @@ from upsycle_router.wire.cbor import decode_item, enc
 from upsycle_router.wire.control import (
     Join,
     JoinAck,
+    Leave,
     Pull,
     PullNack,
     Reason,
@@ -413,6 +414,17 @@ def test_a_multicast_owed_to_a_recipient_goes_the_per_message_way_in_a_run(tmp_p
     assert [x.id for x in out.messages(conns[BOB])] == [m.id, fresh.id]
     for w in (CAROL, DAVE):
         assert [x.id for x in out.messages(conns[w])] == [fresh.id]
+
+
+def test_a_multicast_owed_to_a_subscriber_that_left_the_group_is_not_sent_to_it(tmp_path: Path) -> None:
+    h, a, m = _owed_setup(tmp_path)
+    b = h.open(BOB)
+    h.queue_sent(h.last)
+    h.receive(b, control(BOB, X, Leave(G.public), now=h.now))
+    h.close(b)
+    out = h.receive(a, m)
+    assert out.refusals() == [] and out.traces("queued") == [] and out.sends() == []
+    assert [e.id for e in h.store.queue(BOB.public)] == []
 
 
 def test_batch_lost_restores_what_a_multicast_is_owed(tmp_path: Path) -> None:

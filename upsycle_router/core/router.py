@@ -563,9 +563,10 @@ class Router:
             if store.pressure >= self.state.config.backpressure_at:
                 self.delivery.throttle(c, out)
         cores: Iterable[bytes] = ()
-        if owed is not None:
-            recipients = [m for m in owed[0] if m != c.peer]
-            cores = owed[1]
+        if owed is not None:  # those still among its recipients (one that LEFT the group meanwhile is not)
+            now_recipients = set(recipients)
+            recipients = [m for m in owed[0] if m in now_recipients]
+            cores = owed[1] if c.local and h.grp in s.upstream_groups else ()
         else:
             s.seen.add(msg.id)  # step 5
             if c.local and h.grp in s.upstream_groups:  # an edge app published: hand it to our core nodes too
