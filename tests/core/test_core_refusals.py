@@ -372,10 +372,10 @@ def test_multicast_not_taken_for_some_recipients_counts_them(tmp_path: Path) -> 
     assert out.events()[-1] == "refused"  # after every recipient's record
 
 
-def _owed_setup(tmp_path: Path) -> tuple[CoreHarness, int, Message]:
+def _owed_setup(tmp_path: Path, **kw: object) -> tuple[CoreHarness, int, Message]:
     """BOB, CAROL, DAVE subscribe and are away; BOB's queue is full: a multicast is taken for CAROL and DAVE and
     refused for BOB (count 1)."""
-    h = harness(tmp_path, queue_max_count=1)
+    h = harness(tmp_path, queue_max_count=1, **kw)
     subscribe(h, BOB, CAROL, DAVE, leave_away=True)
     a = h.open(ALICE)
     assert h.receive(a, unicast(ALICE, BOB, b"filler")).refusals() == []
@@ -425,6 +425,19 @@ def test_a_multicast_owed_to_a_subscriber_that_left_the_group_is_not_sent_to_it(
     out = h.receive(a, m)
     assert out.refusals() == [] and out.traces("queued") == [] and out.sends() == []
     assert [e.id for e in h.store.queue(BOB.public)] == []
+
+
+def test_a_multicast_is_owed_even_once_the_recently_seen_list_forgot_it(tmp_path: Path) -> None:
+    h, a, m = _owed_setup(tmp_path, seen_max=1)
+    b = h.open(BOB)
+    h.queue_sent(h.last)
+    h.close(b)
+    eve = ident("eve")
+    away(h, eve)
+    assert h.receive(a, unicast(ALICE, eve)).refusals() == []  # taken: m is no longer among the recently seen
+    assert m.id not in h.router.seen and h.store.has_message(m.id)
+    out = h.receive(a, m)
+    assert out.refusals() == [] and [t.dst for t in out.traces("queued")] == [BOB.public]
 
 
 def test_batch_lost_restores_what_a_multicast_is_owed(tmp_path: Path) -> None:

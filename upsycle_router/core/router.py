@@ -536,15 +536,14 @@ class Router:
         mid = msg.id
         # Step 4: the recently-seen list, then the store (the longer memory) - for a message that will be
         # stored, storing it is the check (one lookup instead of two).
-        owed = None
-        if mid in s.seen.ids or (expiry <= now and self.store.has_message(mid)):
-            owed = s.owed.get(mid)
-            if owed is None:
-                out.append(Trace(DUPLICATE, mid, MULTICAST, grp, None, None, c.peer, size, Why.DUPLICATE))
-                return
-            # Sent again after it was taken for some recipients only: a duplicate for the others, but those it
-            # was refused for get it now (or it is refused for them again).
+        owed = s.owed.get(mid) if s.owed else None
+        if owed is not None:
+            # Sent again after it was taken for some recipients only (so it is held): a duplicate for the others,
+            # but those it was refused for get it now (or it is refused for them again).
             s.owe(mid, None)
+        elif mid in s.seen.ids or (expiry <= now and self.store.has_message(mid)):
+            out.append(Trace(DUPLICATE, mid, MULTICAST, grp, None, None, c.peer, size, Why.DUPLICATE))
+            return
         if not c.local:  # step 7 (before storing, so stored copies carry VIA = R)
             msg = msg.with_via(c.peer)
         elif msg.via is not None:
