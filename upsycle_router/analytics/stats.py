@@ -472,16 +472,19 @@ def lost_deliveries(msgs: DataFrame, missing: DataFrame) -> DataFrame:
 
     ``msgs`` (:func:`by_message`) and ``missing`` (:func:`missing_deliveries`) are partitioned by id, so every
     join here is keyed by id (and more) and moves no rows: the records of the messages with a missing delivery
-    at the recipients' routers are joined to the missing triples (the triples are the hashed side), then
+    at the recipients' routers are joined to the missing triples, then
     aggregated per triple, beside the count of ``forwarded`` records naming each such router and, per message,
     its last drop on the way and (when its recipient's router has no record of it) its last record anywhere.
+    These joins are left to Spark (sort-merge: it spills). With the missing triples as the hashed side
+    (``shuffle_hash``), 100 M events of a fleet's day ran out of memory here: a task's hash table cannot spill,
+    and the aggregate after it found no memory left (AGGREGATE_OUT_OF_MEMORY).
     """
     fields = ("event", "reason", "dst", "peer", "node", *ORDER)
     ids = missing.select("id").distinct()
-    recs = msgs.join(ids.hint("shuffle_hash"), "id", "left_semi").select("id", *fields)
+    recs = msgs.join(ids, "id", "left_semi").select("id", *fields)
     at = recs.select(F.col("id").alias("_id"), F.col("node").alias("_key"), *[F.col(c).alias(f"r_{c}") for c in fields])
     keys = missing.select("id", "node", "dst")
-    j = at.join(keys.hint("shuffle_hash"), (F.col("_id") == F.col("id")) & (F.col("_key") == F.col("node")))
+    j = at.join(keys, (F.col("_id") == F.col("id")) & (F.col("_key") == F.col("node")))
     places = keys.select("id", "node").distinct()
     event, reason, rdst = F.col("r_event"), F.col("r_reason"), F.col("r_dst")
     mine = rdst == F.col("dst")
@@ -502,7 +505,7 @@ def lost_deliveries(msgs: DataFrame, missing: DataFrame) -> DataFrame:
     sent = (
         recs.where(F.col("event") == "forwarded")
         .select("id", F.col("peer").alias("node"))
-        .join(places.hint("shuffle_hash"), ["id", "node"], "left_semi")
+        .join(places, ["id", "node"], "left_semi")
         .groupBy("id", "node")
         .agg(F.count(F.lit(1)).alias("forwarded_to"))
     )
@@ -516,7 +519,7 @@ def lost_deliveries(msgs: DataFrame, missing: DataFrame) -> DataFrame:
     # anywhere; drops and refusals are few.
     unreached = missing.join(here, ["id", "node", "dst"], "left_anti").select("id").distinct()
     anywhere = (
-        recs.join(unreached.hint("shuffle_hash"), "id", "left_semi")
+        recs.join(unreached, "id", "left_semi")
         .groupBy("id")
         .agg(F.max(F.struct(*ORDER, "event", "reason", "node", "peer", "dst")).alias("anywhere"))
     )
