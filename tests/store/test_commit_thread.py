@@ -367,3 +367,43 @@ async def test_a_fanout_to_a_connection_written_to_before_it_in_the_batch_waits_
     assert rest == [effects[1], effects[3], tr, effects[5]]
     await driver.aclose()
     store.close()
+
+
+async def test_a_large_batch_writes_its_fanouts_after_the_commit(tmp_path: Path) -> None:
+    """Under load (a batch of more than EARLY_MAX_MESSAGES messages) nothing goes out before the commit."""
+    from upsycle_router.runtime.commit import EARLY_MAX_MESSAGES
+
+    router_id, app, service, group = (Identity.from_seed(bytes([n]) * 32) for n in (51, 52, 53, 54))
+    store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
+    router = Router(router_id, store, CoreConfig(pubsub_service=service.public))
+    driver, gate = _gated_driver(router, store, (app.public, service.public))
+    await _until(lambda: gate.commits == 1 and driver.batches.committing is None)
+    early: list[int] = []
+    real_early = driver.batches.early
+    assert real_early is not None
+
+    def record_early(effects: list[Any], now: float) -> list[Any]:
+        rest = real_early(effects, now)
+        early.append(len(effects) - len(rest))
+        return rest
+
+    driver.batches.early = record_early
+    done: list[list[Any]] = []
+    real_done = driver.batches.done
+
+    def record_done(effects: list[Any], now: float) -> None:
+        done.append(list(effects))
+        real_done(effects, now)
+
+    driver.batches.done = record_done
+    gate.open.clear()
+    ms = [sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"m%d" % n, group)
+          for n in range(EARLY_MAX_MESSAGES + 1)]
+    driver.push(MessagesReceived(1, ms, [True] * len(ms)))
+    await _until(lambda: driver.batches.committing is not None)
+    assert early == []
+    gate.open.set()
+    await _until(lambda: driver.batches.committing is None and done)
+    assert [type(e).__name__ for e in done[-1]].count("Fanout") >= 1
+    await driver.aclose()
+    store.close()
