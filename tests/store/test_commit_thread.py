@@ -137,14 +137,53 @@ def _gated_driver(
     return driver, gate
 
 
-async def test_effects_wait_for_the_commit_while_the_loop_goes_on(tmp_path: Path) -> None:
-    router_id, app, service, group = (Identity.from_seed(bytes([n]) * 32) for n in (1, 2, 3, 4))
+async def _publishing(
+    tmp_path: Path, seed: int, *, journal: bool = True
+) -> tuple[Identity, LmdbStore, TraceJournal | None, Driver, _Gate]:
+    """A router whose local pub/sub service (connection 2) gets every group message published by an app
+    (connection 1), each stored first: ``(group, store, journal, driver, gate)`` once the connections' batch
+    committed, the gate still open."""
+    router_id, app, service, group = (Identity.from_seed(bytes([n]) * 32) for n in range(seed, seed + 4))
     store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
-    journal = TraceJournal(tmp_path / "trace", router_id.public)
-    # A local publish reaches the (local) pub/sub service: each message is stored, then delivered to it.
+    tj = TraceJournal(tmp_path / "trace", router_id.public) if journal else None
     router = Router(router_id, store, CoreConfig(pubsub_service=service.public))
-    driver, gate = _gated_driver(router, store, (app.public, service.public), journal)
+    driver, gate = _gated_driver(router, store, (app.public, service.public), tj)
     await _until(lambda: gate.commits == 1 and driver.batches.committing is None)
+    return group, store, tj, driver, gate
+
+
+def _record_done(driver: Driver) -> list[list[Any]]:
+    """The effects of each batch the driver carries out after its commit, from now on."""
+    done: list[list[Any]] = []
+    real_done = driver.batches.done
+
+    def record(effects: list[Any], now: float) -> None:
+        done.append(list(effects))
+        real_done(effects, now)
+
+    driver.batches.done = record
+    return done
+
+
+def _record_early(driver: Driver) -> list[list[Any]]:
+    """The effects of each batch the driver carries out while its commit is in flight, from now on."""
+    early: list[list[Any]] = []
+    real_early = driver.batches.early
+    assert real_early is not None
+
+    def record(effects: list[Any], now: float) -> list[Any]:
+        rest = real_early(effects, now)
+        early.append([e for e in effects if not any(e is r for r in rest)])
+        return rest
+
+    driver.batches.early = record
+    return early
+
+
+async def test_effects_wait_for_the_commit_while_the_loop_goes_on(tmp_path: Path) -> None:
+    # A local publish reaches the (local) pub/sub service: each message is stored, then delivered to it.
+    group, store, journal, driver, gate = await _publishing(tmp_path, 1)
+    assert journal is not None
     gate.open.clear()
 
     def message(n: int) -> Any:
@@ -288,14 +327,7 @@ async def test_when_the_replay_of_a_lost_batch_fails_too_its_connections_are_clo
     router = Router(router_id, store)
     driver, gate = _gated_driver(router, store, (app.public,))
     await _until(lambda: driver.batches.committing is None and router.connections() == 1)
-    done: list[list[Any]] = []
-    real_done = driver.batches.done
-
-    def record(effects: list[Any], now: float) -> None:
-        done.append(list(effects))
-        real_done(effects, now)
-
-    driver.batches.done = record
+    done = _record_done(driver)
     gate.fail = 2  # the batch, then its replay
     driver.push(ConnectionOpened(2, peer.public, True))
     await _until(lambda: driver.stats.get("store_errors_total") == 1 and driver.batches.committing is None)
@@ -308,27 +340,9 @@ async def test_when_the_replay_of_a_lost_batch_fails_too_its_connections_are_clo
 async def test_fanouts_go_out_while_the_commit_is_in_flight_and_the_rest_waits_for_it(tmp_path: Path) -> None:
     """A stored group message for a subscriber that is here is written while the disk syncs; the batch's trace
     records and its SYNC_ACK wait for the commit (an acknowledgement never precedes what it reports)."""
-    router_id, app, service, group = (Identity.from_seed(bytes([n]) * 32) for n in (31, 32, 33, 34))
-    store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
-    journal = TraceJournal(tmp_path / "trace", router_id.public)
-    router = Router(router_id, store, CoreConfig(pubsub_service=service.public))
-    driver, gate = _gated_driver(router, store, (app.public, service.public), journal)
-    await _until(lambda: gate.commits == 1 and driver.batches.committing is None)
-    early: list[list[Any]] = []
-    done: list[list[Any]] = []
-    real_early, real_done = driver.batches.early, driver.batches.done
-    assert real_early is not None
-
-    def record_early(effects: list[Any], now: float) -> list[Any]:
-        rest = real_early(effects, now)
-        early.append([e for e in effects if not any(e is r for r in rest)])
-        return rest
-
-    def record_done(effects: list[Any], now: float) -> None:
-        done.append(list(effects))
-        real_done(effects, now)
-
-    driver.batches.early, driver.batches.done = record_early, record_done
+    group, store, journal, driver, gate = await _publishing(tmp_path, 31)
+    assert journal is not None
+    early, done = _record_early(driver), _record_done(driver)
     gate.open.clear()
     m = sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"now", group)
     driver.push(MessagesReceived.one(1, m, True))
@@ -373,35 +387,14 @@ async def test_a_large_batch_writes_its_fanouts_after_the_commit(tmp_path: Path)
     """Under load (a batch of more than EARLY_MAX_MESSAGES messages) nothing goes out before the commit."""
     from upsycle_router.runtime.commit import EARLY_MAX_MESSAGES
 
-    router_id, app, service, group = (Identity.from_seed(bytes([n]) * 32) for n in (51, 52, 53, 54))
-    store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
-    router = Router(router_id, store, CoreConfig(pubsub_service=service.public))
-    driver, gate = _gated_driver(router, store, (app.public, service.public))
-    await _until(lambda: gate.commits == 1 and driver.batches.committing is None)
-    early: list[int] = []
-    real_early = driver.batches.early
-    assert real_early is not None
-
-    def record_early(effects: list[Any], now: float) -> list[Any]:
-        rest = real_early(effects, now)
-        early.append(len(effects) - len(rest))
-        return rest
-
-    driver.batches.early = record_early
-    done: list[list[Any]] = []
-    real_done = driver.batches.done
-
-    def record_done(effects: list[Any], now: float) -> None:
-        done.append(list(effects))
-        real_done(effects, now)
-
-    driver.batches.done = record_done
+    group, store, _, driver, gate = await _publishing(tmp_path, 51, journal=False)
+    early, done = _record_early(driver), _record_done(driver)
     gate.open.clear()
     ms = [sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"m%d" % n, group)
           for n in range(EARLY_MAX_MESSAGES + 1)]
     driver.push(MessagesReceived(1, ms, [True] * len(ms)))
     await _until(lambda: driver.batches.committing is not None)
-    assert early == []
+    assert early == []  # not even asked
     gate.open.set()
     await _until(lambda: driver.batches.committing is None and done)
     assert [type(e).__name__ for e in done[-1]].count("Fanout") >= 1
