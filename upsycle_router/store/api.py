@@ -16,7 +16,12 @@ The contract, whatever the implementation:
 * queues are per recipient, first in first out, numbered by a sequence (``seq``) that only grows; a queue
   entry names a stored message; :meth:`queue_usage` and :meth:`stranger_usage` are the quota accounting;
 * :meth:`has_room` says whether ``nbytes`` more fit, keeping what expiry and deliveries need to remove
-  messages; after it, :attr:`pressure` is how full the store is (0.0 to 1.0, the backpressure mark's gauge).
+  messages; after it, :attr:`pressure` is how full the store is (0.0 to 1.0, the backpressure mark's gauge);
+* a stored group message taken for some of its recipients only is *owed* to the others (:class:`Owed`, written
+  with :meth:`put_owed` in the transaction of the batch that refused it): the entry names a stored message
+  (:meth:`put_owed` raises ValueError otherwise) and goes with it - when the message leaves the store (the
+  expiry sweep, :meth:`delete_message`) its entry is removed in the same transaction - so the entries are
+  bounded by what the store holds, and survive restarts as the message does.
 
 Times are Unix seconds (floats); ``None`` as an expiry means never.
 """
@@ -80,6 +85,14 @@ class QueuedMessage(NamedTuple):
     message_expires: float
 
 
+class Owed(NamedTuple):
+    """Whom a stored multicast message is owed to: the local ``recipients`` and the ``cores`` (core nodes of
+    an edge router) it was refused for. The same bytes sent again go to these only (core/router.py)."""
+
+    recipients: tuple[bytes, ...]
+    cores: tuple[bytes, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class Expired:
     """A queue entry (or a stored message) that reached its expiry; ``group`` is the message's group (None for
@@ -122,6 +135,13 @@ class RouterStore(Protocol):
     def stored_among(self, mids: Iterable[bytes]) -> set[bytes]: ...
     def has_room(self, nbytes: int) -> bool: ...
 
+    # multicast messages owed to recipients they were refused for (each goes with its stored message)
+    def put_owed(self, mid: bytes, owed: Owed) -> None: ...
+    def delete_owed(self, mid: bytes) -> bool: ...
+    def get_owed(self, mid: bytes) -> Owed | None: ...
+    def any_owed(self, mids: Iterable[bytes]) -> bool: ...
+    def owed(self) -> dict[bytes, Owed]: ...
+
     # queues
     def enqueue(
         self, recipient: bytes, mid: bytes, expires: float, size: int, *, stranger: bool = False
@@ -154,6 +174,7 @@ __all__ = [
     "ROUTE_REGISTERED",
     "ROUTE_SERVED",
     "Expired",
+    "Owed",
     "QueueEntry",
     "RouteEntry",
     "RouterStore",

@@ -14,7 +14,8 @@ Two layers, checked in this order:
    whose size carries the stranger flag (the top bit; the real size is the other 31); no message is stored twice;
    every message below ``indexed`` has its ``msg_exp`` entry holding its id (schemas 2 and 3: an empty one, and an
    ``msg_ids`` entry) and none from ``indexed`` on (read back into memory when the store opens); every ``msg_exp``
-   entry points at a message; the next sequence number in ``meta`` is above every one in use. A disagreement is a
+   entry points at a message; every ``owed`` entry decodes and names a stored group message (it goes with the
+   message); the next sequence number in ``meta`` is above every one in use. A disagreement is a
    :attr:`CheckReport.problems` entry, exit 1: the router runs, but e.g. a quota is off or a message is never
    removed.
 
@@ -55,6 +56,7 @@ from upsycle_router.store.layout import (
     QUEUE_KEY_LEN,
     QUEUE_SEQ_AT,
     REC_FLAG_AT,
+    REC_GROUP,
     REQUIRED,
     ROUTE,
     ROUTE_SOURCES,
@@ -67,6 +69,7 @@ from upsycle_router.store.layout import (
     SUB_REMOTE,
     TABLES,
     U64,
+    owed_fields,
     record_decodes,
     record_id,
 )
@@ -202,6 +205,23 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
         if ids is not None and len(ids) != n_indexed:
             p(f"{len(ids)} msg_ids entries for {n_indexed} indexed messages")
     report.counts["messages"] = len(msgs) if schema == b"1" else n_msgs
+
+    # ---- multicast messages owed to recipients they were refused for
+    owed = 0
+    for mid, v in items("owed"):
+        owed += 1
+        try:
+            owed_fields(v)
+        except ValueError as e:
+            p(f"owed record of message {_short(mid)} does not decode ({e})")
+            continue
+        rec = msgs.get(mid)
+        if rec is None:
+            if schema != b"1":
+                p(f"owed record of message {_short(mid)} names no stored message (it goes with the message)")
+        elif schema != b"1" and rec[REC_FLAG_AT] != REC_GROUP:
+            p(f"owed record of message {_short(mid)} names a message without a group")
+    report.counts["owed"] = owed
 
     # ---- queues and their accounting
     refs: dict[bytes, int] = defaultdict(int)

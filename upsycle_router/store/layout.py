@@ -30,6 +30,9 @@ in number order; times are whole milliseconds since the Unix epoch (``expires_ms
 ``sqstats``    recipient -> :data:`COUNTS`: the part of ``qstats`` that strangers queued
 ``refs``       message id -> the number of queue entries that refer to it (U64)
 ``contacts``   ``local service || key it wrote to`` -> ``b""``
+``owed``       message id -> :data:`OWED_HEAD` (the number of recipients) ``|| recipients || cores``, 32 bytes
+               each: a stored group message and whom it is still owed to (:func:`owed_record`); it goes with
+               its ``msgs`` record
 
 The C accelerators need some of these numbers at compile time: ``store/_layout.h`` repeats them, and each of
 the two extension modules exports its copy as the dict ``LAYOUT`` (name -> value, under the names used here).
@@ -49,7 +52,7 @@ SCHEMAS = (b"1", b"2", b"3", SCHEMA_VERSION)  # every schema a store may have be
 
 # The tables, in the order the store opens them.
 TABLES = ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "refs", "qstats",
-          "queue_exp", "sqstats", "contacts")
+          "queue_exp", "sqstats", "contacts", "owed")
 # Those every store has (one written by an older version may lack the others: they are created when it opens).
 REQUIRED = ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "queue_exp", "refs",
             "qstats")
@@ -102,6 +105,9 @@ SUB_REMOTE = b"\x00"
 SUB_KEY_LEN = 2 * KEY_LEN
 CONTACT_KEY_LEN = 2 * KEY_LEN
 
+# owed: id -> the number of recipients || recipients || cores (keys of KEY_LEN bytes)
+OWED_HEAD = struct.Struct(">I")
+
 
 def record_head(group: bytes | None) -> bytes:
     """What follows ``expires_ms`` in a ``msgs`` record, before the id: the flag, and the group if any."""
@@ -126,6 +132,22 @@ def record_decodes(v: bytes) -> bool:
     if len(v) < REC_DATA_AT or v[REC_FLAG_AT] not in (REC_NO_GROUP, REC_GROUP):
         return False
     return v[REC_FLAG_AT] == REC_NO_GROUP or len(v) >= REC_DATA_AT_GROUP
+
+
+def owed_record(recipients: tuple[bytes, ...], cores: tuple[bytes, ...]) -> bytes:
+    """An ``owed`` record: whom a message is owed to."""
+    return OWED_HEAD.pack(len(recipients)) + b"".join(recipients) + b"".join(cores)
+
+
+def owed_fields(v: bytes) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    """An ``owed`` record's ``(recipients, cores)``; ValueError if it does not decode."""
+    if len(v) < OWED_HEAD.size or (len(v) - OWED_HEAD.size) % KEY_LEN:
+        raise ValueError(f"an owed record of {len(v)} bytes")
+    n = OWED_HEAD.unpack_from(v, 0)[0]
+    keys = [v[at : at + KEY_LEN] for at in range(OWED_HEAD.size, len(v), KEY_LEN)]
+    if n > len(keys):
+        raise ValueError(f"an owed record of {len(keys)} keys names {n} recipients")
+    return tuple(keys[:n]), tuple(keys[n:])
 
 
 def c_layout() -> dict[str, int]:

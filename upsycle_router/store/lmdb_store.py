@@ -5,14 +5,21 @@ Theory of operation
 One LMDB environment holds every piece of state the router must not lose, in named tables: subscriptions
 (``subs``, ``psubs``, ``usubs``), local services and their contacts (``locals``, ``contacts``), the routing
 table (``routes``), the messages (``msgs``) and their expiry index (``msg_exp``), per-recipient queues
-(``queues``) with their expiry index (``queue_exp``), quota accounting (``qstats``, ``sqstats``) and the
-references of queue entries to messages (``refs``). What their keys and values hold, byte by byte, is
+(``queues``) with their expiry index (``queue_exp``), quota accounting (``qstats``, ``sqstats``), the
+references of queue entries to messages (``refs``) and the group messages owed to recipients they were refused
+for (``owed``). What their keys and values hold, byte by byte, is
 :mod:`upsycle_router.store.layout`'s to say: this module writes and reads them through its names only.
 
 Fair queues: a queue entry that a sender the router was never told to trust queued (a *stranger*) carries
 ``STRANGER_FLAG`` in the top bit of its ``size``; ``sqstats`` adds those entries up per recipient, and the
 store keeps their total bytes in memory (:meth:`LmdbStore.stranger_bytes`), so the core can hold strangers to
 a share of each queue and of the store.
+
+An ``owed`` entry names a stored group message (:meth:`LmdbStore.put_owed`) and is removed with it
+(:meth:`LmdbStore._drop`, whichever way the message goes), so the table holds no more entries than ``msgs``
+holds messages. Their ids are also kept in memory (``_owed``, read when the store opens and again after a
+transaction that did not commit): the routing core asks about every multicast it routes, and almost always
+none is owed.
 
 Messages are kept in arrival order, under a sequence number: storing a message appends it to the end of
 ``msgs`` (one B-tree page written for several messages). Sequence numbers (``seq``) of messages and of queue
@@ -59,7 +66,7 @@ import lmdb
 from upsycle_router.durability import Durability
 from upsycle_router.store import accel, layout
 from upsycle_router.store.accel import IdIndexLike, msgs_records, sorted_items
-from upsycle_router.store.api import Expired, QueuedMessage, QueueEntry, RouteEntry, StoredMessage
+from upsycle_router.store.api import Expired, Owed, QueuedMessage, QueueEntry, RouteEntry, StoredMessage
 from upsycle_router.store.integrity import check_before_open, mark_initialised
 from upsycle_router.store.layout import (
     HEAD_GROUP,
@@ -86,6 +93,8 @@ from upsycle_router.store.layout import (
     SUB_LOCAL,
     SUB_REMOTE,
     TABLES,
+    owed_fields,
+    owed_record,
     record_head,
     record_id,
 )
@@ -130,7 +139,7 @@ class LmdbStore(LmdbTables):
         self.env = lmdb.open(
             str(self.path),
             map_size=map_size,
-            max_dbs=16,
+            max_dbs=32,
             sync=self.durability is Durability.FSYNC,
             metasync=self.durability is Durability.FSYNC,
             readahead=False,
@@ -157,6 +166,8 @@ class LmdbStore(LmdbTables):
         self._exp_stale = False
         # Every stored message: id -> seq (salted: nobody can aim ids at one slot).
         self._index: IdIndexLike = accel.IdIndex(int.from_bytes(os.urandom(8), "big"))
+        # The ids in ``owed`` (refilled in place from the store after a transaction that did not commit).
+        self._owed: set[bytes] = set()
         self._db: dict[str, Any] = {}
         self._db["meta"] = self.env.open_db(b"meta")
         self._psize = int(self.env.stat()["psize"])
@@ -185,6 +196,7 @@ class LmdbStore(LmdbTables):
             if not self._load_index(self._txn) or len(self._exps) >= self.index_batch:
                 self._flush_index()
             self._stranger_bytes = self._load_stranger_bytes(self._txn)
+            self._load_owed(self._txn)
         self._opened = True
         mark_initialised(self.path)  # from now on an empty or missing data file is damage, not a new store
         # has_room's last verdict: the share of the usable map in use (the core slows senders from a point on)
@@ -218,9 +230,14 @@ class LmdbStore(LmdbTables):
         with self.env.begin() as txn:
             self._load_index(txn)
             self._stranger_bytes = self._load_stranger_bytes(txn)
+            self._load_owed(txn)
 
     def _load_stranger_bytes(self, txn: Any) -> int:
         return sum(COUNTS.unpack(v)[1] for v in txn.cursor(db=self._db["sqstats"]).iternext(keys=False))
+
+    def _load_owed(self, txn: Any) -> None:
+        self._owed.clear()
+        self._owed.update(bytes(k) for k in txn.cursor(db=self._db["owed"]).iternext(keys=True, values=False))
 
     # ------------------------------------------------------------ the message indexes
 
@@ -481,8 +498,13 @@ class LmdbStore(LmdbTables):
                 self._flush_index()
 
     def _drop(self, mid: bytes, seq: bytes, v: bytes) -> None:
-        """Remove the message ``mid`` stored under ``seq`` as record ``v``, with its index entries."""
+        """Remove the message ``mid`` stored under ``seq`` as record ``v``, with its index entries and what it
+        is owed."""
         self._delete("msgs", seq)
+        owed = self._owed
+        if owed and mid in owed:
+            self._delete("owed", mid)
+            owed.discard(mid)
         self._index.discard(mid, U64.unpack(seq)[0])
         key = v[:REC_FLAG_AT] + seq  # (its msg_exp key: the record's expires_ms, seq)
         if self._exps.pop(key, None) is None:
@@ -546,6 +568,42 @@ class LmdbStore(LmdbTables):
         found = self._stored(mid)
         if found is not None:
             self._drop(mid, *found)
+
+    # ------------------------------------------------------------ owed
+
+    def put_owed(self, mid: bytes, owed: Owed) -> None:
+        """Record whom the stored group message ``mid`` is owed to (replacing what was); ValueError if it is
+        not stored."""
+        found = self._stored(mid)
+        if found is None or found[1][REC_FLAG_AT] != REC_GROUP:
+            raise ValueError("put_owed: not a stored group message")
+        if any(len(k) != KEY_LEN for k in (*owed.recipients, *owed.cores)):
+            raise ValueError("put_owed: keys are 32 bytes")
+        self._put("owed", mid, owed_record(owed.recipients, owed.cores))
+        self._owed.add(mid)
+
+    def delete_owed(self, mid: bytes) -> bool:
+        """Forget whom ``mid`` is owed to (it was taken for all of them); True if it was owed."""
+        if mid not in self._owed:
+            return False
+        self._owed.discard(mid)
+        return self._delete("owed", mid)
+
+    def get_owed(self, mid: bytes) -> Owed | None:
+        """Whom ``mid`` is owed to, or None."""
+        if mid not in self._owed:  # (no LMDB read: this is asked of every multicast routed one by one)
+            return None
+        v = self._get("owed", mid)
+        return Owed(*owed_fields(v)) if v is not None else None
+
+    def any_owed(self, mids: Iterable[bytes]) -> bool:
+        """Whether any of ``mids`` is owed to someone."""
+        owed = self._owed
+        return bool(owed) and not owed.isdisjoint(mids)
+
+    def owed(self) -> dict[bytes, Owed]:
+        """Every owed entry."""
+        return {k: Owed(*owed_fields(v)) for k, v in self._prefix("owed", b"")}
 
     # ------------------------------------------------------------ queues
 
@@ -890,4 +948,5 @@ class LmdbStore(LmdbTables):
         out["live_bytes"] = self._live_bytes()
         out["id_index_bytes"] = int(self._index.nbytes)
         out["stranger_queued_bytes"] = self._stranger_bytes
+        out["owed_entries"] = len(self._owed)
         return out

@@ -12,6 +12,7 @@ disk is wanted. It keeps the LMDB store's contract, not its layout:
 * **messages** are stored once per id, in arrival order under a sequence number shared with queue entries
   (it only grows); a unicast message (no group) goes with its last queue entry, a group message stays until
   it expires (for PULL);
+* **owed** entries (:meth:`put_owed`) name a stored group message and go with it;
 * **queues** per recipient, first in first out; quota accounting (:meth:`queue_usage`) and the strangers'
   part of it (:meth:`stranger_usage`, :meth:`stranger_bytes`);
 * **expiry**: two heaps (queue entries, messages) with lazy deletion; :meth:`sweep` removes due queue
@@ -30,7 +31,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from upsycle_router.store.api import Expired, QueuedMessage, QueueEntry, RouteEntry, StoredMessage
+from upsycle_router.store.api import Expired, Owed, QueuedMessage, QueueEntry, RouteEntry, StoredMessage
 
 ENTRY_BYTES = 128  # what a queue entry is charged against the room, beside its message
 _MISSING = object()
@@ -44,7 +45,7 @@ class MemoryStore:
         self.pressure = 0.0
         self._t: dict[str, dict[Any, Any]] = {
             name: {} for name in ("locals", "contacts", "subs", "psubs", "usubs", "routes", "msgs", "ids", "queues",
-                                  "qstats", "sqstats", "refs")
+                                  "qstats", "sqstats", "refs", "owed")
         }
         self._next_seq = 1
         self._stranger_bytes = 0
@@ -215,9 +216,32 @@ class MemoryStore:
         self._used -= len(self._t["msgs"][seq][1])
         self._del("msgs", seq)
         self._del("ids", mid)
+        self._del("owed", mid)
 
     def delete_message(self, mid: bytes) -> None:
         self._drop(mid)
+
+    # ------------------------------------------------------------ owed
+
+    def put_owed(self, mid: bytes, owed: Owed) -> None:
+        seq = self._t["ids"].get(mid)
+        if seq is None or self._t["msgs"][seq][2] is None:
+            raise ValueError("put_owed: not a stored group message")
+        self._set("owed", mid, Owed(tuple(owed.recipients), tuple(owed.cores)))
+
+    def delete_owed(self, mid: bytes) -> bool:
+        return self._del("owed", mid)
+
+    def get_owed(self, mid: bytes) -> Owed | None:
+        owed: Owed | None = self._t["owed"].get(mid)
+        return owed
+
+    def any_owed(self, mids: Iterable[bytes]) -> bool:
+        owed = self._t["owed"]
+        return bool(owed) and any(m in owed for m in mids)
+
+    def owed(self) -> dict[bytes, Owed]:
+        return dict(sorted(self._t["owed"].items()))
 
     def has_room(self, nbytes: int) -> bool:
         limit = self.map_size - max(self.map_size // 16, 1)
@@ -368,6 +392,7 @@ class MemoryStore:
             "routes_entries": len(self._t["routes"]),
             "msgs_entries": len(self._t["msgs"]),
             "queue_entries": len(self._t["queues"]),
+            "owed_entries": len(self._t["owed"]),
             "map_size": self.map_size,
             "used_bytes": self._used,
             "live_bytes": self._used,
