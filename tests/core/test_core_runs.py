@@ -100,6 +100,7 @@ class Twin:
     def check_state(self) -> None:
         a, b = self.stores
         assert a.message_ids() == b.message_ids()
+        assert a.owed() == b.owed()
         for mid in a.message_ids():
             assert a.get_message(mid) == b.get_message(mid)
         for app in [*APPS, PUBSUB]:

@@ -25,10 +25,14 @@ of recipients it was not taken for) on the connection it came in on, signed by t
 (``refused``). The answer is an effect of the same batch as the message, so it is written before the
 SYNC_ACK that covers it; each connection counts its refusals since its last SYNC for that SYNC_ACK. A REFUSED
 that a next router sends for a message forwarded for a local app is passed on to the app (a late refusal).
-A refused unicast is not remembered as seen (only a message taken is): the same bytes sent again once the
-cause is gone (the recipient connected, a route learnt) are routed anew, not dropped as a duplicate. A
-multicast message taken for some recipients only is remembered with those it was refused for (bounded, in
-memory): sent again, it is a duplicate for the others and goes to those (or is refused for them again).
+A refused message is not remembered as seen (only a message taken in full is): the same bytes sent again once
+the cause is gone (the recipient connected, a route learnt) are routed anew, not dropped as a duplicate. A
+stored multicast message taken for some recipients only is *owed* to those it was refused for: the store keeps
+them beside the message (:meth:`~upsycle_router.store.api.RouterStore.put_owed`, in the batch's transaction,
+so a batch that does not commit leaves nothing, and a restart loses nothing), and sent again it is a duplicate
+for the others and goes to those (or is refused for them again). The entry goes with the stored message; sent
+again after that, the message is neither stored nor seen, and is routed anew - to every recipient (at least
+once, never lost). So is a message never stored (``ttl`` 0) sent again after a partial refusal.
 
 Fair queues: a queue entry is a *stranger's* when its sender is none of the keys the router was told to
 trust (local services, configured peers, edge and core nodes, keys the recipient itself wrote to); strangers
@@ -80,7 +84,7 @@ from upsycle_router.core.trace import CONTROL, DROPPED, DUPLICATE, JOINED, MULTI
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode
 from upsycle_router.expiry import EPOCH_2020
-from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_MESSAGE, RouterStore
+from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_MESSAGE, Owed, RouterStore
 from upsycle_router.wire.control import Join, RouterMessage, encode_router
 from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
@@ -160,8 +164,6 @@ class Router:
         """The driver begins routing a batch of events in one store transaction."""
         s = self.state
         self._batch_mark = s.seen.added
-        if s.owed_undo:
-            s.owed_undo = []
         if s.resub or self._batch_resub:
             self._batch_resub = set(s.resub)
         if s.dialing or self._batch_dialing:
@@ -188,7 +190,6 @@ class Router:
         is as it was. (The driver then replays the batch's connection events.)"""
         s = self.state
         s.seen.forget_since(self._batch_mark)
-        s.undo_owed()
         for live, kept in ((s.resub, self._batch_resub), (s.dialing, self._batch_dialing)):
             live.clear()
             live.update(kept)
@@ -536,12 +537,11 @@ class Router:
         mid = msg.id
         # Step 4: the recently-seen list, then the store (the longer memory) - for a message that will be
         # stored, storing it is the check (one lookup instead of two).
-        owed = s.owed.get(mid) if s.owed else None
-        if owed is not None:
-            # Sent again after it was taken for some recipients only (so it is held): a duplicate for the others,
-            # but those it was refused for get it now (or it is refused for them again).
-            s.owe(mid, None)
-        elif mid in s.seen.ids or (expiry <= now and self.store.has_message(mid)):
+        store = self.store
+        # Owed: sent again after it was taken for some recipients only (so it is held): a duplicate for the
+        # others, but those it was refused for get it now (or it is refused for them again).
+        owed = store.get_owed(mid)
+        if owed is None and (mid in s.seen.ids or (expiry <= now and store.has_message(mid))):
             out.append(Trace(DUPLICATE, mid, MULTICAST, grp, None, None, c.peer, size, Why.DUPLICATE))
             return
         if not c.local:  # step 7 (before storing, so stored copies carry VIA = R)
@@ -550,7 +550,6 @@ class Router:
             msg = msg.with_via(None)
         data = msg.encode()
         if expiry > now and owed is None:  # step 6
-            store = self.store
             if not store.has_room(len(data)):
                 self._dropped(c, ref, Why.STORE_FULL, 0, now, out, MULTICAST, h.grp, None, None, size, msg.id)
                 self.delivery.throttle(c, out)
@@ -564,12 +563,10 @@ class Router:
         cores: Iterable[bytes] = ()
         if owed is not None:  # those still among its recipients (one that LEFT the group meanwhile is not)
             now_recipients = set(recipients)
-            recipients = [m for m in owed[0] if m in now_recipients]
-            cores = owed[1] if c.local and h.grp in s.upstream_groups else ()
-        else:
-            s.seen.add(msg.id)  # step 5
-            if c.local and h.grp in s.upstream_groups:  # an edge app published: hand it to our core nodes too
-                cores = sorted(self.state.config.upstream)
+            recipients = [m for m in owed.recipients if m in now_recipients]
+            cores = owed.cores if c.local and h.grp in s.upstream_groups else ()
+        elif c.local and h.grp in s.upstream_groups:  # an edge app published: hand it to our core nodes too
+            cores = sorted(self.state.config.upstream)
         # Step 8. Subscribers that get it now get it in one Fanout; the others are queued while away or behind.
         direct: list[ConnId] = []
         deliver = self._deliver
@@ -590,9 +587,14 @@ class Router:
             if r is not None:
                 failed_cores.append(core)
                 why = why or r
-        if why is not None:
-            s.owe(mid, (tuple(failed), tuple(failed_cores)))
-            self._refuse(c, ref, why, len(failed) + len(failed_cores), now, out, MULTICAST, h.grp, size)
+        if why is None:  # taken in full
+            s.seen.add(mid)  # step 5
+            if owed is not None:
+                store.delete_owed(mid)
+            return
+        if expiry > now:  # (stored: owed to those it was refused for, until it leaves the store)
+            store.put_owed(mid, Owed(tuple(failed), tuple(failed_cores)))
+        self._refuse(c, ref, why, len(failed) + len(failed_cores), now, out, MULTICAST, h.grp, size)
 
     # ------------------------------------------------------------------ own advertisement
 

@@ -47,8 +47,8 @@ def multicast_run(
     with nothing done (see the module docstring)."""
     if grp == s.config.discovery_group or grp in s.upstream_groups:
         return False
-    owed = s.owed
-    if owed and any(msgs[k].id in owed for k in range(lo, hi)):
+    store = s.store
+    if store.any_owed(msgs[k].id for k in range(lo, hi)):
         return False  # sent again after a partial refusal: owed to some recipients (the per-message path)
     peer = c.peer
     recipients = s.recipients(c, grp, False)[1]
@@ -67,7 +67,6 @@ def multicast_run(
     fanout = tuple(direct)
     # First what the store decides, in message order (the recently-seen list, room, the stored ids), with
     # the seen list's changes; the messages stored in one call afterwards (``new``) count as stored.
-    store = s.store
     seen = s.seen.ids
     add = s.seen.add
     stored = store.stored_among([msgs[k].id for k in range(lo, hi)])  # (has_message of each, at once)

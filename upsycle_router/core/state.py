@@ -17,8 +17,11 @@ Two kinds of state:
   Every change is written to the store in the same batch, so the store is the truth after a restart and after
   a batch that did not commit (the containers are refilled in place: whoever holds one sees the new content);
 * in memory only: open connections and their queue windows (:class:`Conn`), the recently-seen ids, pending
-  dials, advertisement revisions, messages forwarded for local apps (:class:`Forwarded`), multicast messages
-  owed to recipients they were refused for (:meth:`RouterState.owe`), counters.
+  dials, advertisement revisions, messages forwarded for local apps (:class:`Forwarded`), counters.
+
+(Stored multicast messages owed to recipients they were refused for are the store's alone:
+:meth:`~upsycle_router.store.api.RouterStore.get_owed`; the core asks it and writes there, in the batch's
+transaction.)
 
 The parts read the containers directly (``state.conns``, ``state.by_key``: a dict lookup costs no call on the
 message path) and change them only as the module that owns each job says.
@@ -36,8 +39,6 @@ from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in
 from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_SERVED, RouteEntry, RouterStore
 from upsycle_router.wire.messages import Message, UnicastHeader
-
-OWED_MAX = 16_384  # multicast ids remembered with the recipients they were refused for (oldest forgotten)
 
 
 class Forwarded(NamedTuple):
@@ -95,11 +96,6 @@ class RouterState:
         self.map_size = int(store.stats()["map_size"])  # strangers' share of the store is a share of this
         # Messages forwarded for local apps (their next router may refuse them late): id -> where from.
         self.forwarded: dict[bytes, Forwarded] = {}
-        # Multicast messages taken for some of their recipients only (refused with a count): id -> the local
-        # recipients and the core nodes it was not taken for. The same bytes sent again are a duplicate, but not
-        # for these: they get it then (see owe()). Bounded; ``owed_undo`` holds the batch's changes (batch_lost).
-        self.owed: dict[bytes, tuple[tuple[bytes, ...], tuple[bytes, ...]]] = {}
-        self.owed_undo: list[tuple[bytes, tuple[tuple[bytes, ...], tuple[bytes, ...]] | None]] = []
         self.throttled: set[ConnId] = set()  # connections slowed in this batch
         # A pub/sub service starting with this router knows none of them: SUB again when it first connects.
         self.resub: set[bytes] = set(self.pubsub_groups)
@@ -117,28 +113,6 @@ class RouterState:
         self.batch_conns: dict[ConnId, tuple[int, dict[int, int], int, bool]] = {}
         self.batch_opened: set[ConnId] = set()
         self.batch_refused: dict[ConnId, int] = {}
-
-    def owe(self, mid: bytes, owed: tuple[tuple[bytes, ...], tuple[bytes, ...]] | None) -> None:
-        """Set (or with None, clear) the recipients message ``mid`` is owed to, forgetting the oldest entry when
-        OWED_MAX are held; each change is logged for :meth:`undo_owed`."""
-        table, undo = self.owed, self.owed_undo
-        undo.append((mid, table.pop(mid, None)))
-        if owed is None:
-            return
-        if len(table) >= OWED_MAX:
-            oldest = next(iter(table))
-            undo.append((oldest, table.pop(oldest)))
-        table[mid] = owed
-
-    def undo_owed(self) -> None:
-        """Put back what owe() changed since ``owed_undo`` was last emptied (a batch that did not commit)."""
-        table, undo = self.owed, self.owed_undo
-        while undo:
-            mid, was = undo.pop()
-            if was is None:
-                table.pop(mid, None)
-            else:
-                table[mid] = was
 
     def configure(self, config: CoreConfig) -> None:
         """Replace the policy knobs (what is derived from them follows; the recently-seen list keeps its size)."""
