@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import io
 import json
 import os
 import random
@@ -42,7 +43,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -388,9 +389,12 @@ def _loadavg() -> tuple[float, float, float]:
     return (round(a, 2), round(b, 2), round(c, 2))
 
 
-def run_spark(journals: Path, out: Path, extra: list[str]) -> dict[str, Any]:
-    """``upsycle-router analyze`` (default options plus ``extra``) as a subprocess: wall, peak RSS, summary."""
+def run_spark(journals: Path, out: Path, extra: list[str], event_log: Path | None = None) -> dict[str, Any]:
+    """``upsycle-router analyze`` (default options plus ``extra``) as a subprocess: wall, peak RSS, summary;
+    with ``event_log`` (an empty directory), the executors' time by stage too (``cpu_by_stage``)."""
     env = dict(os.environ, PYTHONPATH=str(REPO), SPARK_LOCAL_IP="127.0.0.1")
+    if event_log is not None:
+        extra = [*extra, *event_log_args(event_log)]
     cmd = [sys.executable, "-m", "upsycle_router", "analyze", str(journals), "--out", str(out), *extra]
     load = _loadavg()
     start = time.monotonic()
@@ -402,11 +406,76 @@ def run_spark(journals: Path, out: Path, extra: list[str]) -> dict[str, Any]:
     result: dict[str, Any] = {"wall_s": round(wall, 1), "peak_rss": rss, "rss_by_process": peak.breakdown(),
                               "returncode": proc.returncode, "load_before": load, "load_after": _loadavg(),
                               "stages": stderr.splitlines()}  # fmt: skip
+    if event_log is not None:
+        logs = [p for p in event_log.iterdir() if p.is_file()]
+        with open(max(logs, key=lambda p: p.stat().st_mtime), encoding="utf-8") if logs else io.StringIO() as f:
+            result["cpu_by_stage"] = cpu_by_stage(f)
     if proc.returncode == 0:
         result["summary"] = json.loads((out / "summary.json").read_text())
     else:
         result["stdout"] = stdout[-4000:]
     return result
+
+
+EVENT_LOG_CONF = (
+    "spark.eventLog.enabled=true",
+    "spark.eventLog.compress=false",
+    "spark.eventLog.rolling.enabled=false",
+)
+"""With ``--cpu-by-stage``: Spark writes its event log (one plain JSON-lines file) for :func:`cpu_by_stage`."""
+
+
+def event_log_args(directory: Path) -> list[str]:
+    """``analyze`` options that make Spark write its event log into ``directory``."""
+    confs = [*EVENT_LOG_CONF, f"spark.eventLog.dir={directory.resolve().as_uri()}"]
+    return [arg for conf in confs for arg in ("--conf", conf)]
+
+
+def cpu_by_stage(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """Executor time by the description of the Spark job a task served (``analyze``'s stage lines, see
+    ``upsycle_router.analytics.job.Progress``), in order of first appearance, from the lines of an event log:
+    ``stage``, ``jobs``, ``tasks``, ``run_s`` (task run time), ``cpu_s`` (task CPU time), ``gc_s``, ``shuffle_mb``
+    (bytes written to shuffles), ``spill_mb``, ``input_rows``. A task of a stage no described job started counts
+    under ``"(none)"``."""
+    job_of_stage: dict[int, str] = {}
+    out: dict[str, dict[str, Any]] = {}
+
+    def row(stage: str) -> dict[str, Any]:
+        return out.setdefault(stage, {"stage": stage, "jobs": 0, "tasks": 0, "run_s": 0.0, "cpu_s": 0.0,
+                                      "gc_s": 0.0, "shuffle_mb": 0.0, "spill_mb": 0.0, "input_rows": 0})  # fmt: skip
+
+    for line in lines:
+        if '"SparkListenerJobStart"' not in line and '"SparkListenerTaskEnd"' not in line:
+            continue  # (most lines are other events; parse only these)
+        event = json.loads(line)
+        kind = event.get("Event")
+        if kind == "SparkListenerJobStart":
+            stage = (event.get("Properties") or {}).get("spark.job.description") or "(none)"
+            row(stage)["jobs"] += 1
+            for sid in event.get("Stage IDs", ()):
+                job_of_stage.setdefault(int(sid), stage)
+        elif kind == "SparkListenerTaskEnd":
+            m = event.get("Task Metrics") or {}
+            r = row(job_of_stage.get(int(event.get("Stage ID", -1)), "(none)"))
+            r["tasks"] += 1
+            r["run_s"] += m.get("Executor Run Time", 0) / 1e3
+            r["cpu_s"] += m.get("Executor CPU Time", 0) / 1e9
+            r["gc_s"] += m.get("JVM GC Time", 0) / 1e3
+            r["shuffle_mb"] += (m.get("Shuffle Write Metrics") or {}).get("Shuffle Bytes Written", 0) / 2**20
+            r["spill_mb"] += m.get("Disk Bytes Spilled", 0) / 2**20
+            r["input_rows"] += (m.get("Input Metrics") or {}).get("Records Read", 0)
+    return [{k: round(v, 1) if isinstance(v, float) else v for k, v in r.items()} for r in out.values()]
+
+
+def _stage_lines(rows: list[dict[str, Any]]) -> list[str]:
+    total = sum(r["cpu_s"] for r in rows) or 1.0
+    lines = [f"{'executor CPU':>12s} {'share':>6s} {'run':>8s} {'GC':>6s} {'shuffle':>9s} {'spill':>8s}  stage"]
+    for r in rows:
+        if r["tasks"]:
+            share = 100 * r["cpu_s"] / total
+            lines.append(f"{r['cpu_s']:10.1f} s {share:5.1f}% {r['run_s']:6.1f} s {r['gc_s']:4.1f} s "
+                         f"{r['shuffle_mb']:6.0f} MB {r['spill_mb']:5.0f} MB  {r['stage']}")  # fmt: skip
+    return lines
 
 
 DUCKDB_SQL = """
@@ -624,6 +693,11 @@ def _iter_args(argv: list[str] | None) -> Iterator[argparse.Namespace]:
     p.add_argument("--no-duckdb", action="store_true")
     p.add_argument("--no-spark", action="store_true")
     p.add_argument("--spark-args", default="", help="extra analyze options, e.g. '--driver-memory 8g'")
+    p.add_argument(
+        "--cpu-by-stage",
+        action="store_true",
+        help="Spark writes its event log; print the executors' CPU time by analyze stage",
+    )
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "analytics-scale-latest.json")
     yield p.parse_args(argv)
 
@@ -651,9 +725,16 @@ def main(argv: list[str] | None = None) -> int:
     spark: dict[str, Any] | None = None
     if not args.no_spark:
         out = base / "out"
-        spark = run_spark(journals, out, args.spark_args.split())
+        log_dir = Path(tempfile.mkdtemp(prefix="analytics-eventlog-")) if args.cpu_by_stage else None
+        try:
+            spark = run_spark(journals, out, args.spark_args.split(), log_dir)
+        finally:
+            if log_dir is not None:
+                shutil.rmtree(log_dir, ignore_errors=True)
         print(_report(events, "analyze", spark))
         for line in spark["stages"]:
+            print("   ", line)
+        for line in _stage_lines(spark.get("cpu_by_stage", [])):
             print("   ", line)
         for name, rss in sorted(spark["rss_by_process"].items(), key=lambda kv: -kv[1]):
             print(f"    peak RSS {_mib(rss):>12s}  {name}")

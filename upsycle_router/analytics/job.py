@@ -3,7 +3,9 @@
 Theory of operation
 -------------------
 :func:`run_analyze` works in stages, each announced on stderr by a :class:`Progress` line with the elapsed
-time:
+time (and named in Spark: the line is the description of the Spark jobs that follow it, so the Spark UI and
+its event log tell which stage each job served; ``python -m bench.analytics_scale --cpu-by-stage`` sums the
+executors' CPU time by it):
 
 1. Journals given as text are compacted once into ``OUT/events.parquet`` (one read of each file, one parse
    of each line, bad lines included, see :mod:`~upsycle_router.analytics.sources`); compacted tables given
@@ -93,19 +95,35 @@ class Analysis:
 
 
 class Progress:
-    """Stage lines on stderr: ``analyze: [  12.3s] stage``."""
+    """Stage lines on stderr: ``analyze: [  12.3s] stage``; bound to a session (:meth:`on`), each stage line is
+    also the description of the Spark jobs that follow it (the Spark UI and event log name the stage)."""
 
     def __init__(self, name: str, enabled: bool = True, stream: TextIO | None = None) -> None:
         self.name = name
         self.enabled = enabled
         self.stream = stream
         self.start = time.monotonic()
+        self.jobs: Any = None  # the SparkContext whose job descriptions follow the stages (None: none)
+
+    def on(self, spark: SparkSession) -> Progress:
+        """The same stage lines (same start), which also describe ``spark``'s jobs from now on."""
+        bound = Progress(self.name, self.enabled, self.stream)
+        bound.start = self.start
+        bound.jobs = spark.sparkContext
+        return bound
 
     def __call__(self, message: str) -> None:
-        """Print one stage line."""
+        """Print one stage line (and describe the jobs that follow it)."""
         if self.enabled:
             out = self.stream or sys.stderr
             print(f"{self.name}: [{time.monotonic() - self.start:7.1f}s] {message}", file=out, flush=True)
+        if self.jobs is not None:
+            self.jobs.setJobDescription(f"{self.name}: {message}")
+
+    def finish(self) -> None:
+        """Jobs after this one are not described as the last stage."""
+        if self.jobs is not None:
+            self.jobs.setJobDescription(None)
 
 
 def _rows(df: DataFrame) -> list[dict[str, Any]]:
@@ -123,11 +141,15 @@ def run_compact(spark: SparkSession, paths: Iterable[str | Path], out: str | Pat
     """Compact journals (and/or tables) into the Parquet table ``out``; return its number of bad lines."""
     inputs = discover(paths)
     check_target(spark, out)
-    progress(f"compacting {inputs.describe() or 'tables'} -> {out}")
-    compact(spark, inputs, out)
-    table = read_tables(spark, [out], trusted=True)
-    row = table.agg(F.count(F.lit(1)).alias("rows"), F.count("problem").alias("bad")).collect()[0]
-    progress(f"wrote {row['rows']:,} rows, {row['bad']:,} bad lines")
+    progress = progress.on(spark)
+    try:
+        progress(f"compacting {inputs.describe() or 'tables'} -> {out}")
+        compact(spark, inputs, out)
+        table = read_tables(spark, [out], trusted=True)
+        row = table.agg(F.count(F.lit(1)).alias("rows"), F.count("problem").alias("bad")).collect()[0]
+        progress(f"wrote {row['rows']:,} rows, {row['bad']:,} bad lines")
+    finally:
+        progress.finish()
     return int(row["bad"])
 
 
@@ -185,7 +207,14 @@ def run_analyze(
     spark: SparkSession, paths: Iterable[str | Path], out: str | Path, progress: Progress | None = None
 ) -> Analysis:
     """Run the whole analysis into the directory ``out``; return the summary and what was written."""
-    progress = progress or Progress("analyze", enabled=False)
+    progress = (progress or Progress("analyze", enabled=False)).on(spark)
+    try:
+        return _analyze(spark, paths, out, progress)
+    finally:
+        progress.finish()
+
+
+def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, progress: Progress) -> Analysis:
     inputs = discover(paths)
     if not is_uri(out):
         Path(out).mkdir(parents=True, exist_ok=True)
