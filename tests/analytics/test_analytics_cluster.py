@@ -3,16 +3,17 @@
 The cluster is started from the pyspark package's own jars and scripts (``bin/spark-class``): one master
 (``org.apache.spark.deploy.master.Master``) and two workers (``org.apache.spark.deploy.worker.Worker``, one
 core each, so the job's shuffles cross executor processes), all bound to 127.0.0.1 on ports that were free a
-moment before, each in its own process group that the test stops by its id at the end. Every wait is
-bounded. The CLI then runs as a user would run it against such a cluster (``--master spark://...`` plus the
-driver's loopback address, the only settings a cluster on one machine needs), and its ``summary.json`` must
-equal the one the in-process ``local[1]`` session wrote for the same journals (``small_analysis``, shared with
-test_analytics_small.py). Skipped, saying why, only
-when the pyspark package has no jars or scripts to start a cluster with.
+moment before, each in its own process group that the test stops by its id at the end. The workers start side
+by side once the master listens. Every wait is bounded. The CLI then runs as a user would run it against such
+a cluster (``--master spark://...`` plus the driver's loopback address, the only settings a cluster on one
+machine needs), and its ``summary.json`` must equal the one the in-process ``local[1]`` session wrote for the
+same journals (``small_analysis``, shared with test_analytics_small.py). Skipped, saying why, only when the
+pyspark package has no jars or scripts to start a cluster with.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -46,6 +47,15 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((HOST, 0))
         return int(s.getsockname()[1])
+
+
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports that were free a moment before (all bound at once, so no two are the same)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(n)]
+        for s in socks:
+            s.bind((HOST, 0))
+        return [int(s.getsockname()[1]) for s in socks]
 
 
 def _listening(port: int) -> bool:
@@ -111,16 +121,21 @@ class _Cluster:
             *("--host", HOST, "--port", str(self.port), "--webui-port", str(_free_port())),
         )
         self._wait("the master", master, lambda: _listening(self.port))
-        for i in range(workers):
+        logs: list[Path] = []
+        ports = _free_ports(2 * workers)
+        for i in range(workers):  # started side by side: each JVM's start-up overlaps the others'
             work = self.root / f"work-{i}"
             work.mkdir()
-            log = self._start(
-                f"worker-{i}",
-                "org.apache.spark.deploy.worker.Worker",
-                *("--host", HOST, "--port", str(_free_port()), "--webui-port", str(_free_port())),
-                *("--cores", "1", "--memory", "1g", "--work-dir", str(work)),
-                self.url,
+            logs.append(
+                self._start(
+                    f"worker-{i}",
+                    "org.apache.spark.deploy.worker.Worker",
+                    *("--host", HOST, "--port", str(ports[2 * i]), "--webui-port", str(ports[2 * i + 1])),
+                    *("--cores", "1", "--memory", "1g", "--work-dir", str(work)),
+                    self.url,
+                )
             )
+        for i, log in enumerate(logs):
             self._wait(f"worker {i}", log, lambda log=log: "Successfully registered with master" in log.read_text())
 
     def stop(self) -> None:
