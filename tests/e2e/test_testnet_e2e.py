@@ -1,23 +1,28 @@
-"""End to end: ``upsycle-router testnet`` runs real routers, ``analyze`` reads their journals.
+"""End to end: ``upsycle-router testnet`` runs real routers, the analysis reads their journals.
 
 The testnet counts what its subscriber apps actually received; the analysis must agree with that count,
-computed independently from the routers' trace journals by Spark.
+computed independently from the routers' trace journals by Spark. The analysis is ``analyze``'s own job
+(``run_analyze``) in the test run's one Spark session (analytics_fixtures): the ``analyze`` command line around
+it is tested on its own in tests/analytics (test_analytics_cli.py, local; test_analytics_cluster.py, a cluster).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from analytics_fixtures import spark  # noqa: F401 - the shared session fixture
+from pyspark.sql import SparkSession
+
+from upsycle_router.analytics.job import run_analyze
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark]
 
 
-def test_testnet_then_analyze(tmp_path: Path) -> None:
+def test_testnet_then_analyze(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
     out = tmp_path / "tn"
     r = subprocess.run(
         [sys.executable, "-m", "upsycle_router", "testnet", "--nodes", "3", "--topology", "ring", "--groups", "2",
@@ -32,14 +37,8 @@ def test_testnet_then_analyze(tmp_path: Path) -> None:
     assert len(journals) >= 3
 
     report = tmp_path / "report"
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
-    a = subprocess.run(
-        [sys.executable, "-m", "upsycle_router", "analyze", str(out / "journals"), "--out", str(report),
-         "--master", "local[1]", "-q"],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    assert a.returncode == 0, a.stdout + a.stderr
-    summary = json.loads((report / "summary.json").read_text())
+    summary = run_analyze(spark, [out / "journals"], report).summary
+    assert json.loads((report / "summary.json").read_text()) == summary
     groups = summary["groups"]
     assert set(groups) == set(net["groups"])
     assert sum(g["published"] for g in groups.values()) == net["published"]
