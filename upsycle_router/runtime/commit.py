@@ -18,15 +18,15 @@ How the commit happens depends on ``durability``:
            One kind of effect does not wait for the disk: the batch's fan-outs - group messages written
            straight to subscribers connected now - go out while the commit is in flight (``early``:
            :meth:`~upsycle_router.runtime.effects.EffectRunner.apply_early`, which keeps each connection's
-           order), in a batch of at most ``EARLY_MAX_MESSAGES`` messages - under load, when batches are
+           order), in a batch of at most ``EARLY_MAX_MESSAGES`` messages. Under load, when batches are
            larger, the writes after the commit cost less (writing during the commit cost up to a third more
            CPU per message at max, as writes and commits interleave into more, smaller batches), and the
            sync's wait is a small share of the time a message waits anyway. A delivery acknowledges nothing,
-           so it need not wait: a subscriber reading a message the
-           disk has not yet taken is what every broker does (RabbitMQ, Mosquitto); the sender's SYNC_ACK, the
-           trace records, queue drains and every other answer still wait. If the router dies before the sync,
-           or the commit fails, the sender got no acknowledgement and sends again: that subscriber may see the
-           message twice (at-least-once, as after any crash);
+           so it need not wait: a subscriber reading a message the disk has not yet taken is what every
+           broker does (RabbitMQ, Mosquitto); the sender's SYNC_ACK, the trace records, queue drains and
+           every other answer still wait. If the router dies before the sync, or the commit fails, the sender
+           got no acknowledgement and sends again: that subscriber may see the message twice (at-least-once,
+           as after any crash);
 ``batch``  the commit is not synced; a sync of everything committed runs every ``sync_interval`` on a
            thread of its own (the wait for the disk stopped the event loop for milliseconds);
 ``none``   the commit is not synced (the OS writes it back; the store is closed cleanly on exit).
