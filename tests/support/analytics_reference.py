@@ -15,15 +15,27 @@ from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
-EVENTS = {"received", "delivered", "queued", "forwarded", "duplicate", "expired", "dropped", "pulled", "joined", "left"}
+EVENTS = {
+    "received",
+    "delivered",
+    "queued",
+    "forwarded",
+    "duplicate",
+    "expired",
+    "dropped",
+    "refused",
+    "pulled",
+    "joined",
+    "left",
+}
 NEEDS = {
-    "id": {"received", "delivered", "queued", "forwarded", "duplicate", "expired", "pulled"},
+    "id": {"received", "delivered", "queued", "forwarded", "duplicate", "expired", "pulled", "refused"},
     "dst": {"delivered", "queued", "expired", "pulled"},
     "group": {"joined", "left"},
     "src": {"joined", "left"},
     "role": {"delivered", "queued", "expired", "joined", "left"},
     "local": {"received"},
-    "reason": {"dropped", "expired"},
+    "reason": {"dropped", "expired", "refused"},
 }
 HEX = set("0123456789abcdef")
 

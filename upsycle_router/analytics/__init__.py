@@ -9,7 +9,9 @@ deliveries that were lost and the cause of each, drops, expiry, queue residency,
 delivered) as Parquet tables, ``summary.json`` and a self-contained ``report.html``. The modules, in data-flow order:
 
 * :mod:`.session`: finding Java and starting a Spark session that stays on loopback;
-* :mod:`.schema`: the record schema and the rules that make a line bad;
+* :mod:`.rules`: the record layout and the rules that make a line bad, as plain data;
+* :mod:`.schema`: the same as Spark column expressions (the reference parse);
+* :mod:`.arrowparse`: the same with Arrow, for local journals (the fast parse, in worker processes);
 * :mod:`.sources`: finding journals, numbering their lines, compacting them;
 * :mod:`.stats`: the metrics as lazy DataFrame transformations;
 * :mod:`.job`: the stages of the two jobs and their outputs;

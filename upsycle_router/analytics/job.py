@@ -144,7 +144,7 @@ def run_compact(spark: SparkSession, paths: Iterable[str | Path], out: str | Pat
     progress = progress.on(spark)
     try:
         progress(f"compacting {inputs.describe() or 'tables'} -> {out}")
-        compact(spark, inputs, out)
+        progress(compact(spark, inputs, out).describe())
         table = read_tables(spark, [out], trusted=True)
         row = table.agg(F.count(F.lit(1)).alias("rows"), F.count("problem").alias("bad")).collect()[0]
         progress(f"wrote {row['rows']:,} rows, {row['bad']:,} bad lines")
@@ -222,7 +222,8 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
     if inputs.has_journals:
         target = join(out, EVENTS_TABLE)
         progress(f"compacting {inputs.describe()} -> {target}")
-        compact(spark, Inputs(journals=inputs.journals, tables=(), journal_uris=inputs.journal_uris), target)
+        done = compact(spark, Inputs(journals=inputs.journals, tables=(), journal_uris=inputs.journal_uris), target)
+        progress(done.describe())
         parts.append(read_tables(spark, [target], trusted=True))
     if inputs.has_tables:
         parts.append(read_tables(spark, [*inputs.tables, *inputs.table_uris]))

@@ -42,60 +42,52 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-EVENTS = (
-    "received",
-    "delivered",
-    "queued",
-    "forwarded",
-    "duplicate",
-    "expired",
-    "dropped",
-    "refused",
-    "pulled",
-    "joined",
-    "left",
+from upsycle_router.analytics.rules import (
+    COMPACT_COLUMNS,
+    EVENTS,
+    HEX_FIELDS,
+    MAX_BAD_TEXT,
+    NEEDS,
+    PROBLEM_KINDS,
+    RECORD_KINDS,
+    REQUIRED,
+    ROLES,
+    SOURCE_KINDS,
+    TYPES,
 )
-"""Every ``event`` value of docs/trace.md."""
 
-TYPES = ("unicast", "multicast", "control")
-ROLES = ("app", "service", "router")
-PROBLEM_KINDS = ("not_json", "wrong_type", "missing_field", "unknown_event", "bad_value")
-"""The categories of bad lines (the part of a problem before ``:``)."""
-HEX_FIELDS = ("node", "id", "group", "src", "dst", "peer")
-REQUIRED = ("ts", "node", "event", "type", "size")
+__all__ = [
+    "COMPACT_COLUMNS",
+    "COMPACT_SCHEMA",
+    "EVENTS",
+    "HEX_FIELDS",
+    "MAX_BAD_TEXT",
+    "NEEDS",
+    "PROBLEM_KINDS",
+    "RECORD_FIELDS",
+    "RECORD_SCHEMA",
+    "REQUIRED",
+    "ROLES",
+    "SOURCE_FIELDS",
+    "TYPES",
+    "is_hex64",
+    "parse_lines",
+    "parse_record",
+    "problem_column",
+    "problem_kind",
+]
 
-NEEDS: dict[str, tuple[str, ...]] = {
-    "id": ("received", "delivered", "queued", "forwarded", "duplicate", "expired", "pulled", "refused"),
-    "dst": ("delivered", "queued", "expired", "pulled"),
-    "group": ("joined", "left"),
-    "src": ("joined", "left"),
-    "role": ("delivered", "queued", "expired", "joined", "left"),
-    "local": ("received",),
-    "reason": ("dropped", "expired", "refused"),
+_SPARK_TYPES: dict[str, T.DataType] = {
+    "double": T.DoubleType(),
+    "string": T.StringType(),
+    "long": T.LongType(),
+    "boolean": T.BooleanType(),
 }
-"""Fields that must not be null for the given events (docs/trace.md says which events carry them)."""
-
-MAX_BAD_TEXT = 1000
-"""The compacted table keeps at most this many characters of a bad line."""
 
 _CORRUPT = "_corrupt_record"
 _JSON_OPTIONS = {"columnNameOfCorruptRecord": _CORRUPT, "allowNonNumericNumbers": "false", "mode": "PERMISSIVE"}
 
-RECORD_FIELDS: tuple[tuple[str, T.DataType], ...] = (
-    ("ts", T.DoubleType()),
-    ("node", T.StringType()),
-    ("event", T.StringType()),
-    ("id", T.StringType()),
-    ("type", T.StringType()),
-    ("group", T.StringType()),
-    ("src", T.StringType()),
-    ("dst", T.StringType()),
-    ("peer", T.StringType()),
-    ("size", T.LongType()),
-    ("reason", T.StringType()),
-    ("local", T.BooleanType()),
-    ("role", T.StringType()),
-)
+RECORD_FIELDS: tuple[tuple[str, T.DataType], ...] = tuple((n, _SPARK_TYPES[k]) for n, k in RECORD_KINDS)
 """The record fields in docs/trace.md order, with their Spark types."""
 
 RECORD_SCHEMA = T.StructType(
@@ -108,18 +100,11 @@ _SYNTAX_SCHEMA = T.StructType(
 )
 """Every field as a string: parses any syntactically valid object, which tells bad JSON from a wrong type."""
 
-SOURCE_FIELDS: tuple[tuple[str, T.DataType], ...] = (
-    ("file", T.StringType()),
-    ("line", T.LongType()),
-    ("problem", T.StringType()),
-    ("text", T.StringType()),
-)
+SOURCE_FIELDS: tuple[tuple[str, T.DataType], ...] = tuple((n, _SPARK_TYPES[k]) for n, k in SOURCE_KINDS)
 """Where a record came from, and for a bad line what is wrong with it and its (truncated) text."""
 
 COMPACT_SCHEMA = T.StructType([T.StructField(n, t, True) for n, t in RECORD_FIELDS + SOURCE_FIELDS])
 """The compacted event table (``events.parquet``): one row per journal line, good or bad."""
-
-COMPACT_COLUMNS = tuple(f.name for f in COMPACT_SCHEMA.fields)
 
 
 def parse_record(value: Column) -> Column:

@@ -1,0 +1,311 @@
+"""Arrow's parse of local journals (upsycle_router/analytics/arrowparse.py) against Spark's, its slow twin.
+
+The Spark tests compact the same files twice, once with Arrow offered every file and once with Spark parsing
+all of them (``upsycle.analytics.arrowParse=false``), and require the two tables equal row for row: on every
+kind of bad line of test_analytics_parse.CASES, one line to a file, so that Arrow is offered each alone; and
+on a few hundred lines damaged at random. The other tests run Arrow's side alone: what the screen refuses,
+the value rules against the independent reference classifier, and real worker processes that die.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+from analytics_fixtures import spark  # noqa: F401 - the shared session fixture
+from analytics_reference import classify
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pyspark.sql import SparkSession
+from test_analytics_parse import CASES, K, line, rec
+
+from upsycle_router.analytics import arrowparse
+from upsycle_router.analytics.arrowparse import MAX_LINE, Worker, compact_files, parse, screen
+from upsycle_router.analytics.rules import RECORD_KINDS
+from upsycle_router.analytics.schema import COMPACT_COLUMNS
+from upsycle_router.analytics.sources import ARROW_PARSE, Compaction, compact, discover, no_glob
+
+# --- the screen and the parse, without Spark ---------------------------------------------------------------
+
+
+def test_screen_finds_the_lines() -> None:
+    starts, ends = screen(b'{"a":1}\n{"b":22}\n')  # type: ignore[misc]
+    assert (starts.tolist(), ends.tolist()) == ([0, 8], [7, 16])
+    starts, ends = screen(b'{"a":1}\n{"b":22}')  # type: ignore[misc]  # no newline after the last line
+    assert (starts.tolist(), ends.tolist()) == ([0, 8], [7, 16])
+    starts, ends = screen(b"")  # type: ignore[misc]
+    assert (starts.tolist(), ends.tolist()) == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("data", "why"),
+    [
+        (b'{"a":1}\n\n{"b":2}\n', "empty"),
+        (b'{"a":1}\n   \n', "start with {"),
+        (b'{"a":1}\r\n', "carriage return"),
+        (b'{"a":"\r"}\n', "carriage return"),
+        (b'\xef\xbb\xbf{"a":1}\n', "start with {"),  # a byte-order mark
+        (b'{"a":"\xff"}\n', "UTF-8"),
+        (b'{"a":1} \n', "end with }"),
+        (b'{"a":1}\n{"b":', "end with }"),  # cut short
+        (b"null\n", "start with {"),  # Arrow's reader crashes on this one (pyarrow 26)
+        (b"[1]\n", "start with {"),
+        (b'{"a":"' + b"x" * MAX_LINE + b'"}\n', "longer than"),
+    ],
+)
+def test_screen_refuses(data: bytes, why: str) -> None:
+    result = screen(data)
+    assert isinstance(result, str) and why in result
+    assert parse(data, "f") == result
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        (line().replace("1795324800.5", "NaN"), "finite"),
+        (line().replace("1795324800.5", "Infinity"), "finite"),
+        (line().replace("1795324800.5", "1.7976931348623159e308"), "finite"),  # rounds to infinity
+        (line().replace("1795324800.5", "1e400"), "Arrow does not parse it"),
+        (line()[:-1] + ',"ts":1}', "Arrow does not parse it"),  # a field twice
+        (line()[:-1] + "}" + line(), "records in"),  # two objects on one line
+        (line(size=1.5), "Arrow does not parse it"),
+        (line(size=10).replace('"size":10', '"size":1e1'), "Arrow does not parse it"),
+        (line(node=12345678), "Arrow does not parse it"),
+        (line(local="true"), "Arrow does not parse it"),
+    ],
+)
+def test_parse_refuses_what_spark_reads_otherwise(text: str, why: str) -> None:
+    result = parse(text.encode() + b"\n", "f")
+    assert isinstance(result, str) and why in result
+
+
+def _arrow_takes(text: str, problem: str | None) -> bool:
+    """Whether Arrow should take a one-line file: valid JSON of the right types (strings where strings go)."""
+    if problem is not None and problem.split(":")[0] in ("not_json", "wrong_type"):
+        return False
+    record = json.loads(text)
+    return all(record.get(n) is None or kind != "string" or isinstance(record[n], str) for n, kind in RECORD_KINDS)
+
+
+def test_parse_takes_the_value_rules() -> None:
+    taken = 0
+    for text, problem in CASES:
+        table = parse(text.encode() + b"\n", "/j/trace-000000.jsonl")
+        assert isinstance(table, str) != _arrow_takes(text, problem), (text, table)
+        if isinstance(table, str):
+            continue
+        taken += 1
+        row = table.to_pylist()[0]
+        assert (row["problem"], row["text"], row["file"], row["line"]) == (
+            problem,
+            text if problem else None,
+            "/j/trace-000000.jsonl",
+            1,
+        )
+    assert taken >= 25  # every value rule, and the good records
+
+
+def test_parse_keeps_line_numbers_and_fields() -> None:
+    lines = [line(size=i, node="cd" * 32 if i % 3 else "CD" * 32) for i in range(1, 501)]
+    table = parse(("\n".join(lines) + "\n").encode(), "x")
+    assert not isinstance(table, str)
+    assert table.column_names == list(COMPACT_COLUMNS)
+    rows = table.to_pylist()
+    assert [r["line"] for r in rows] == list(range(1, 501))
+    assert [r["size"] for r in rows] == list(range(1, 501))
+    assert [r["problem"] for r in rows] == [None if i % 3 else "bad_value:node" for i in range(1, 501)]
+    assert all(r["text"] == (None if r["problem"] is None else lines[r["line"] - 1]) for r in rows)
+    assert rows[0]["ts"] == 1795324800.5 and rows[0]["local"] is False and rows[0]["role"] is None
+
+
+FIELDS = list(rec())
+VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.sampled_from([K, K.upper(), K[:-1], K + "a", "zz" * 32, "received", "delivered", "joined", "refused"]),
+    st.sampled_from(["unicast", "multicast", "control", "app", "service", "router", "admin", "", "\u00e9"]),
+    st.text(max_size=8),
+)
+
+
+@st.composite
+def damaged_lines(draw: st.DrawFn) -> str:
+    """A record with fields removed, replaced by values of any type, or added, as JSON text."""
+    record = rec(event=draw(st.sampled_from(["received", "delivered", "joined", "dropped", "refused", "x"])))
+    for name in draw(st.lists(st.sampled_from(FIELDS), max_size=4)):
+        if draw(st.booleans()):
+            record.pop(name, None)
+        else:
+            record[name] = draw(VALUES)
+    if draw(st.booleans()):
+        record[draw(st.sampled_from(["extra", "TS", "Node"]))] = draw(VALUES)
+    return json.dumps(record, separators=(",", ":") if draw(st.booleans()) else (", ", ": "))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(damaged_lines(), min_size=1, max_size=4))
+def test_taken_lines_match_the_reference(lines: list[str]) -> None:
+    table = parse(("\n".join(lines) + "\n").encode(), "f")
+    if isinstance(table, str):
+        return
+    for row, text in zip(table.to_pylist(), lines, strict=True):
+        assert row["problem"] == classify(text), text
+        assert row["text"] == (text if row["problem"] else None)
+
+
+# --- worker processes -----------------------------------------------------------------------------------------
+
+
+def test_workers_write_parts_and_leave_the_rest(tmp_path: Path) -> None:
+    good = tmp_path / "trace-000000.jsonl"
+    good.write_text("\n".join(line(size=i) for i in range(1000)) + "\n")
+    cut = tmp_path / "trace-000001.jsonl"
+    cut.write_text(line() + '\n{"ts":1')
+    empty = tmp_path / "trace-000002.jsonl"
+    empty.write_text("")
+    out = tmp_path / "out"
+    out.mkdir()
+    results = compact_files([good, cut, empty], out, workers=2)
+    assert [(r.rows, r.bad, r.fallback is None) for r in results] == [(1000, 0, True), (0, 0, False), (0, 0, True)]
+    assert sorted(p.name for p in out.iterdir()) == ["part-arrow-00000.parquet"]
+    assert pq.read_table(out / "part-arrow-00000.parquet").column("size").to_pylist() == list(range(1000))
+    arrowparse.finish_table(out)
+    assert (out / "_SUCCESS").exists()
+
+
+def test_a_worker_killed_on_a_file_answers_nothing(tmp_path: Path) -> None:
+    worker = Worker()
+    try:
+        worker.proc.send_signal(signal.SIGKILL)
+        worker.proc.wait(timeout=30)
+        assert worker.ask(str(tmp_path / "trace-000000.jsonl"), str(tmp_path / "p.parquet")) is None
+    finally:
+        worker.close()
+
+
+def test_files_of_dying_workers_are_left_to_spark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each worker dies on its first file (a real process that exits): every file falls back, no part stays."""
+    dies = [sys.executable, "-c", "import sys; sys.stdin.readline(); open(sys.argv[1], 'w').close(); sys.exit(3)"]
+    monkeypatch.setattr(Worker, "command", [*dies, str(tmp_path / "out" / "part-arrow-00000.parquet")])
+    paths = []
+    for i in range(3):
+        p = tmp_path / f"trace-00000{i}.jsonl"
+        p.write_text(line() + "\n")
+        paths.append(p)
+    (tmp_path / "out").mkdir()
+    results = compact_files(paths, tmp_path / "out", workers=2)
+    assert [r.fallback for r in results] == ["the Arrow worker died"] * 3
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+# --- against Spark ----------------------------------------------------------------------------------------------
+
+
+def _random_lines(rng: random.Random) -> list[str]:
+    """A journal's worth of lines, some damaged in the ways journals get damaged, or in odd ways."""
+    lines = []
+    for _ in range(rng.randint(1, 3)):
+        r = rec(event=rng.choice(["received", "delivered", "joined", "dropped", "refused", "teleported"]))
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            name = rng.choice(FIELDS)
+            r[name] = rng.choice([None, 1, -1, 2.5, True, K.upper(), "x", K, [1], {"a": 1}, 2**64, "\u00e9"])
+        text = json.dumps(r, separators=(",", ":"))
+        damage = rng.randrange(16)
+        if damage == 0:
+            text = text[: rng.randrange(len(text))]
+        elif damage == 1:
+            text = text.replace(
+                '"ts":1795324800.5', rng.choice(['"ts":NaN', '"ts":-Infinity', '"ts":1e999', '"ts":-0'])
+            )
+        elif damage == 2:
+            text = text[:-1] + rng.choice(
+                [',"ts":1}', ',"x":1,"x":2}', ',"n\\u006fde":"a"}', ',"deep":' + "[" * 30 + "]" * 30 + "}"]
+            )
+        elif damage == 3:
+            text = rng.choice([" ", "\t", ""]) + text + rng.choice([" ", "\t", ""])
+        elif damage == 4:
+            text = text.replace(
+                "1795324800.5", rng.choice(["1795324800", "1.7953248005e9", "17953248005E-1", "1795324800.50"])
+            )
+        elif damage == 5:
+            text = text.replace(
+                '"size":10', rng.choice(['"size":10.0', '"size":1e1', '"size":-0', '"size":9223372036854775807'])
+            )
+        lines.append(text)
+    return lines
+
+
+@pytest.fixture(scope="module")
+def journals(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("arrow") / "fleet [1] a+b%20 é"
+    rng = random.Random(2211)
+    files: dict[str, bytes] = {}
+    for i, (text, _) in enumerate(CASES):
+        files[f"cases/{i:03d}/trace-000000.jsonl"] = text.encode() + b"\n"
+    files["all/trace-000000.jsonl"] = ("\n".join(t for t, _ in CASES) + "\n").encode()
+    values = [t for t, p in CASES if p is None or p.split(":")[0] not in ("not_json", "wrong_type")]
+    files["values/trace-000000.jsonl"] = "\n".join(values * 20).encode()  # no newline at the end
+    files["empty/trace-000000.jsonl"] = b""
+    files["crlf/trace-000000.jsonl"] = (line() + "\r\n" + line(size=-1) + "\r\n").encode()
+    for i in range(40):
+        files[f"random/{i:03d}/trace-000000.jsonl"] = ("\n".join(_random_lines(rng)) + "\n").encode()
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def _rows(spark: SparkSession, table: Path) -> list[tuple[Any, ...]]:  # noqa: F811
+    rows = spark.read.parquet(no_glob(table)).select(*COMPACT_COLUMNS).collect()
+    # NaN never equals itself; Spark's side never has one in a row it keeps (a NaN ts is a bad line, fields null)
+    return sorted(
+        (tuple("NaN" if isinstance(v, float) and math.isnan(v) else v for v in r) for r in rows),
+        key=lambda t: (t[COMPACT_COLUMNS.index("file")], t[COMPACT_COLUMNS.index("line")]),
+    )
+
+
+@pytest.fixture(scope="module")
+def both(spark: SparkSession, journals: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:  # noqa: F811
+    out = tmp_path_factory.mktemp("arrow-out")
+    inputs = discover([journals])
+    fast = compact(spark, inputs, out / "fast.parquet")
+    spark.conf.set(ARROW_PARSE, "false")
+    try:
+        slow = compact(spark, inputs, out / "slow.parquet")
+    finally:
+        spark.conf.unset(ARROW_PARSE)
+    yield fast, slow, _rows(spark, out / "fast.parquet"), _rows(spark, out / "slow.parquet"), out
+
+
+@pytest.mark.spark
+def test_arrow_and_spark_make_the_same_table(both: Any) -> None:
+    fast, slow, fast_rows, slow_rows, _ = both
+    assert len(fast_rows) == len(slow_rows) > 400
+    for a, b in zip(fast_rows, slow_rows, strict=True):
+        assert a == b
+    assert isinstance(fast, Compaction) and isinstance(slow, Compaction)
+    assert slow.arrow_files == 0 and slow.why_spark == f"{ARROW_PARSE} is false"
+    files = fast.arrow_files + fast.spark_files
+    # Arrow took the clean files, the empty one and most of the random ones; Spark the rest
+    assert fast.arrow_files >= 35 and fast.spark_files >= 40 and files == slow.spark_files
+    assert sum(1 for r in fast_rows if r[COMPACT_COLUMNS.index("problem")]) > 100
+
+
+@pytest.mark.spark
+def test_arrow_parts_and_spark_parts_share_the_table(both: Any) -> None:
+    out = both[4] / "fast.parquet"
+    names = [p.name for p in out.iterdir()]
+    assert any(n.startswith("part-arrow-") for n in names) and any(
+        n.startswith("part-") and not n.startswith("part-arrow-") for n in names
+    )
+    assert "_SUCCESS" in names and not any(n.endswith(".tmp") for n in names)
