@@ -37,6 +37,7 @@ import io
 import json
 import os
 import random
+import resource
 import shutil
 import subprocess
 import sys
@@ -397,13 +398,18 @@ def run_spark(journals: Path, out: Path, extra: list[str], event_log: Path | Non
         extra = [*extra, *event_log_args(event_log)]
     cmd = [sys.executable, "-m", "upsycle_router", "analyze", str(journals), "--out", str(out), *extra]
     load = _loadavg()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = PeakRss(proc.pid)
     stdout, stderr = proc.communicate()
     wall = time.monotonic() - start
     rss = peak.stop()
-    result: dict[str, Any] = {"wall_s": round(wall, 1), "peak_rss": rss, "rss_by_process": peak.breakdown(),
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    # every process analyze started and reaped (the JVM, Arrow's parse workers) is in its children's usage
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    result: dict[str, Any] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss": rss,
+                              "rss_by_process": peak.breakdown(),
                               "returncode": proc.returncode, "load_before": load, "load_after": _loadavg(),
                               "stages": stderr.splitlines()}  # fmt: skip
     if event_log is not None:
@@ -667,8 +673,9 @@ def _mib(n: int) -> str:
 def _report(events: int, name: str, r: dict[str, Any]) -> str:
     if r["returncode"] != 0:
         return f"{name:8s} FAILED (exit {r['returncode']}) after {r['wall_s']} s"
+    cpu = f"  CPU {r['cpu_s']:,.1f} s" if "cpu_s" in r else ""
     return (f"{name:8s} {r['wall_s']:8.1f} s  {events / r['wall_s']:>10,.0f} events/s  peak RSS {_mib(r['peak_rss'])}"
-            f"  (load {r['load_before'][0]} -> {r['load_after'][0]})")  # fmt: skip
+            f"{cpu}  (load {r['load_before'][0]} -> {r['load_after'][0]})")  # fmt: skip
 
 
 def _journals_events(root: Path) -> int:

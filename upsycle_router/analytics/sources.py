@@ -62,7 +62,7 @@ __all__ = [
 ]
 
 JOURNAL_GLOB = "trace-*.jsonl"
-ARROW_PARSE = "upsycle.analytics.arrowParse"
+ARROW_PARSE = "spark.upsycle.analytics.arrowParse"
 """Session setting: ``false`` leaves every journal to Spark's parser (the default, ``true``, offers local
 journals to Arrow's first: :func:`compact`)."""
 WHOLE_FILE = 1 << 40
