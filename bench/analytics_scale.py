@@ -37,7 +37,6 @@ import io
 import json
 import os
 import random
-import resource
 import shutil
 import subprocess
 import sys
@@ -328,13 +327,15 @@ def _hwm_kib(pid: int) -> int:
 
 class PeakRss:
     """Polls a process tree: the peak RSS (``VmHWM``) of each process in it, summed at the end (not below a JVM:
-    its children are short-lived spawn helpers that share its memory)."""
+    its children are short-lived spawn helpers that share its memory), and the CPU time each used up to the
+    last poll that saw it (:meth:`cpu_seconds`)."""
 
     def __init__(self, pid: int, interval: float = 0.25) -> None:
         self.pid = pid
         self.interval = interval
         self.peaks: dict[int, int] = {}
         self.names: dict[int, str] = {}
+        self.cpu: dict[int, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -345,6 +346,9 @@ class PeakRss:
             while todo:
                 pid = todo.pop()
                 hwm = _hwm_kib(pid)
+                used = _cpu_s(pid)
+                if used is not None:
+                    self.cpu[pid] = max(self.cpu.get(pid, 0.0), used)
                 if hwm:
                     self.peaks[pid] = max(self.peaks.get(pid, 0), hwm)
                     if pid not in self.names:
@@ -362,9 +366,23 @@ class PeakRss:
         self._thread.join()
         return sum(self.peaks.values()) * 1024
 
+    def cpu_seconds(self) -> float:
+        """User plus system CPU time of the processes seen (each up to its last poll: within ``interval``)."""
+        return sum(self.cpu.values())
+
     def breakdown(self) -> dict[str, int]:
         """Peak RSS in bytes per process of the tree (``pid name``)."""
         return {f"{pid} {self.names.get(pid, '?')}": kib * 1024 for pid, kib in self.peaks.items()}
+
+
+def _cpu_s(pid: int) -> float | None:
+    """utime + stime of ``pid`` in seconds (its own threads, not its reaped children), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _exe(pid: int) -> str:
@@ -398,16 +416,13 @@ def run_spark(journals: Path, out: Path, extra: list[str], event_log: Path | Non
         extra = [*extra, *event_log_args(event_log)]
     cmd = [sys.executable, "-m", "upsycle_router", "analyze", str(journals), "--out", str(out), *extra]
     load = _loadavg()
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak = PeakRss(proc.pid)
     stdout, stderr = proc.communicate()
     wall = time.monotonic() - start
     rss = peak.stop()
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    # every process analyze started and reaped (the JVM, Arrow's parse workers) is in its children's usage
-    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    cpu = peak.cpu_seconds()  # the whole tree: analyze, the JVM, Arrow's parse workers
     result: dict[str, Any] = {"wall_s": round(wall, 1), "cpu_s": round(cpu, 1), "peak_rss": rss,
                               "rss_by_process": peak.breakdown(),
                               "returncode": proc.returncode, "load_before": load, "load_after": _loadavg(),
@@ -601,8 +616,8 @@ def run_duckdb(journals: Path, threads: int | None = None, check: dict[str, Any]
     proc.stdin = None  # closed above: communicate() must not flush it
     rest, stderr = proc.communicate()
     shutil.rmtree(tmp, ignore_errors=True)
-    result: dict[str, Any] = {"wall_s": round(wall, 1), "peak_rss": rss, "returncode": proc.returncode,
-                              "load_before": load, "load_after": _loadavg()}  # fmt: skip
+    result: dict[str, Any] = {"wall_s": round(wall, 1), "cpu_s": round(peak.cpu_seconds(), 1), "peak_rss": rss,
+                              "returncode": proc.returncode, "load_before": load, "load_after": _loadavg()}  # fmt: skip
     if proc.returncode == 0:
         result["groups"] = json.loads(first)
         if check is not None:
