@@ -3,8 +3,9 @@
 The Spark tests compact the same files twice, once with Arrow offered every file and once with Spark
 parsing all of them (``spark.upsycle.analytics.arrowParse=false``), and require the two tables equal row for
 row: on every kind of bad line of test_analytics_parse.CASES, one line to a file, so that Arrow is offered
-each alone; and on about a hundred lines damaged at random. The other tests run Arrow's side alone: what the screen refuses,
-the value rules against the independent reference classifier, and real worker processes that die.
+each alone; and on about a hundred lines damaged at random. The other tests run Arrow's side alone: what the
+screen refuses, the value rules against the independent reference classifier, and real worker processes
+that die.
 """
 
 from __future__ import annotations

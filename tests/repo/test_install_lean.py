@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from analytics_fixtures import REPO, SMALL, cli, subprocess_env
 
-HEAVY = ("pyspark", "numpy", "matplotlib")
+HEAVY = ("pyspark", "pyarrow", "numpy", "matplotlib")
 PIP_TIMEOUT = 600
 CLI_TIMEOUT = 60
 APPS = """
@@ -69,7 +69,7 @@ def test_base_dependencies_leave_the_analytics_out() -> None:
     assert {"cbor2", "pynacl", "lmdb", "cryptography"} <= base
     assert base.isdisjoint(HEAVY)
     extras: dict[str, list[str]] = project["optional-dependencies"]  # type: ignore[assignment]
-    assert {_name(r) for r in extras["analytics"]} == {"pyspark", "matplotlib"}
+    assert {_name(r) for r in extras["analytics"]} == {"pyspark", "pyarrow", "numpy", "matplotlib"}
     assert "upsycle-router[analytics]" in [r.replace(" ", "") for r in extras["test"]]
 
 
