@@ -310,3 +310,16 @@ def test_arrow_parts_and_spark_parts_share_the_table(both: Any) -> None:
         n.startswith("part-") and not n.startswith("part-arrow-") for n in names
     )
     assert "_SUCCESS" in names and not any(n.endswith(".tmp") for n in names)
+
+
+@pytest.mark.spark
+def test_compacting_again_replaces_the_table(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
+    j = tmp_path / "j"
+    j.mkdir()
+    out = tmp_path / "events.parquet"
+    out.write_text("not a table")  # analyze replaces whatever is at OUT/events.parquet
+    for sizes in ([1, 2, 3], [7]):
+        (j / "trace-000000.jsonl").write_text("".join(line(size=s) + "\n" for s in sizes))
+        done = compact(spark, discover([j]), out)
+        assert (done.arrow_files, done.spark_files) == (1, 0)
+        assert sorted(r["size"] for r in spark.read.parquet(no_glob(out)).collect()) == sizes

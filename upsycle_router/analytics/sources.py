@@ -306,8 +306,10 @@ def compact(spark: SparkSession, inputs: Inputs, out: str | Path) -> Compaction:
     from upsycle_router.analytics import arrowparse  # imports pyarrow: only when it is used
 
     target = Path(out)
-    if target.exists():
-        shutil.rmtree(target)  # what Spark's overwrite does; check_target made sure it is a table
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target)  # what Spark's overwrite does (check_target made sure it is a table)
+    elif target.exists() or target.is_symlink():
+        target.unlink()
     target.mkdir(parents=True)
     results = arrowparse.compact_files(inputs.journals, target, spark.sparkContext.defaultParallelism)
     left = tuple(Path(r.path) for r in results if r.fallback)
