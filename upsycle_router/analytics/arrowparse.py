@@ -14,13 +14,17 @@ into the same table. So the table is the same whichever parser made each part.
 A file is taken only when equality is certain. Spark's parser and Arrow's differ on inputs no router writes
 (Arrow reads ``NaN`` and ``Infinity``, skips empty lines, reads two objects on one line, takes a byte-order
 mark, does not check UTF-8; Jackson limits numbers to 1,000 digits and nesting to 1,000 levels; Hadoop's
-line reader also ends a line at a carriage return), so :func:`screen` lets a file through only if:
+line reader also ends a line at a carriage return). So :func:`screen` first sorts the lines: a *plain* line
+starts with ``{``, ends with ``}`` and is at most :data:`MAX_LINE` bytes long; any other line is *odd* (an
+empty line, a crash's cut-short last line, text that is no object at all). Arrow parses the plain lines,
+and the odd ones go back, with their line numbers, to Spark's parse (``schema.parse_lines`` over just those
+lines), so one cut-short line does not cost the whole file. The file is left to Spark whole unless:
 
 * it is valid UTF-8 and holds no carriage return;
-* every line starts with ``{`` and ends with ``}`` and is at most :data:`MAX_LINE` bytes long;
-* Arrow parses it against the record schema with no error (a field of the wrong JSON type, a duplicated
-  field, an integer ``size`` written as ``12.0``, malformed JSON: each is an error) into exactly one row per
-  line;
+* it has at most :data:`MAX_ODD_LINES` odd lines (:data:`MAX_ODD_BYTES` in all);
+* Arrow parses its plain lines against the record schema with no error (a field of the wrong JSON type, a
+  duplicated field, an integer ``size`` written as ``12.0``, malformed JSON: each is an error) into exactly
+  one row per line (with every line an object that starts and ends it, that means one object per line);
 * every ``ts`` is finite.
 
 Of the bad-line rules (:mod:`~upsycle_router.analytics.schema`), only those on values can then apply
@@ -85,6 +89,9 @@ COMPACT_SCHEMA = pa.schema([pa.field(n, _ARROW_TYPES[k]) for n, k in RECORD_KIND
 
 MAX_LINE = 1000
 """Longest line (bytes) the fast path takes: below Jackson's limits on number length and nesting depth."""
+MAX_ODD_LINES = 1000
+MAX_ODD_BYTES = 1 << 20
+"""A file with more odd lines than these (count or bytes) is left to Spark whole."""
 MAX_FILE = 1 << 30
 """Largest journal (bytes) the fast path takes; a worker holds one file and its table in memory."""
 _HEX64 = "^[0-9a-f]{64}$"
@@ -95,19 +102,47 @@ _OPEN, _CLOSE, _LF, _CR = ord("{"), ord("}"), ord("\n"), ord("\r")
 
 @dataclass(frozen=True, slots=True)
 class FileResult:
-    """What happened to one journal: ``rows`` written (``bad`` of them bad lines), or why Spark must parse it."""
+    """What happened to one journal: ``rows`` written (``bad`` of them bad lines) and its odd lines, or why
+    Spark must parse the whole file."""
 
     path: str
     rows: int = 0
     bad: int = 0
     fallback: str | None = None
+    odd: tuple[tuple[int, str], ...] = ()
+    """(line number, text) of the lines left to Spark: not single objects of at most :data:`MAX_LINE` bytes."""
 
 
-def screen(data: bytes) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | str:
-    """The start and end offsets of the lines of ``data``, or why the fast path must not take it."""
+@dataclass(frozen=True, slots=True)
+class Lines:
+    """The lines of a journal: start and end offsets, and which are *plain* (Arrow may parse them)."""
+
+    starts: np.ndarray[Any, Any]
+    ends: np.ndarray[Any, Any]
+    plain: np.ndarray[Any, Any]
+
+    def odd(self, data: bytes) -> list[tuple[int, str]]:
+        """(line number, text) of each line that is not plain."""
+        return [(int(i) + 1, data[self.starts[i] : self.ends[i]].decode("utf-8")) for i in np.flatnonzero(~self.plain)]
+
+    def plain_bytes(self, data: bytes) -> bytes:
+        """``data`` without its odd lines (each removed with its newline)."""
+        odd = np.flatnonzero(~self.plain)
+        if not len(odd):
+            return data
+        pieces, pos = [], 0
+        for i in odd.tolist():
+            pieces.append(data[pos : self.starts[i]])
+            pos = int(self.ends[i]) + 1
+        pieces.append(data[pos:])
+        return b"".join(pieces)
+
+
+def screen(data: bytes) -> Lines | str:
+    """The lines of ``data``, or why the fast path must not take the file at all."""
     if not data:
         empty = np.zeros(0, dtype=np.int64)
-        return empty, empty
+        return Lines(empty, empty, np.zeros(0, dtype=bool))
     if not data.isascii():
         try:
             data.decode("utf-8")
@@ -115,16 +150,15 @@ def screen(data: bytes) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | s
             return "not valid UTF-8"
     buf = np.frombuffer(data, dtype=np.uint8)
     if (buf == _CR).any():
-        return "holds a carriage return"
+        return "holds a carriage return"  # Hadoop's line reader ends a line there too
     newlines = np.flatnonzero(buf == _LF)
     ends = newlines if data.endswith(b"\n") else np.append(newlines, len(data))
     starts = np.concatenate(([0], newlines[: len(ends) - 1] + 1))
     lengths = ends - starts
-    if int(lengths.min()) < 2 or int(lengths.max()) > MAX_LINE:
-        return f"a line is empty or longer than {MAX_LINE} bytes"
-    if not (buf[starts] == _OPEN).all() or not (buf[ends - 1] == _CLOSE).all():
-        return "a line does not start with { and end with }"
-    return starts, ends
+    plain = (lengths >= 2) & (lengths <= MAX_LINE)
+    sized = np.flatnonzero(plain)
+    plain[sized] = (buf[starts[sized]] == _OPEN) & (buf[ends[sized] - 1] == _CLOSE)
+    return Lines(starts, ends, plain)
 
 
 def problems(table: pa.Table) -> pa.ChunkedArray | pa.Array:
@@ -167,17 +201,30 @@ def problems(table: pa.Table) -> pa.ChunkedArray | pa.Array:
     return out
 
 
-def parse(data: bytes, file: str) -> pa.Table | str:
-    """The compacted rows of one journal's bytes (``file`` names it), or why the fast path does not take it."""
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """One journal as the fast path takes it: the rows of its plain lines, and its odd lines for Spark."""
+
+    table: pa.Table
+    odd: list[tuple[int, str]]
+
+
+def parse(data: bytes, file: str) -> Parsed | str:
+    """The compacted rows of one journal's bytes (``file`` names it) but for its odd lines, which are returned
+    as they are for Spark to parse; or why the fast path does not take the file."""
     lines = screen(data)
     if isinstance(lines, str):
         return lines
-    starts, ends = lines
-    n = len(starts)
+    odd = lines.odd(data)
+    if len(odd) > MAX_ODD_LINES or sum(len(t) for _, t in odd) > MAX_ODD_BYTES:
+        return f"{len(odd)} lines are not single objects of at most {MAX_LINE} bytes"
+    numbers = np.flatnonzero(lines.plain)
+    n = len(numbers)
     if n == 0:
-        return COMPACT_SCHEMA.empty_table()
+        return Parsed(COMPACT_SCHEMA.empty_table(), odd)
     try:
-        records = pj.read_json(pa.BufferReader(data), read_options=_READ, parse_options=_PARSE)
+        body = pa.BufferReader(lines.plain_bytes(data))
+        records = pj.read_json(body, read_options=_READ, parse_options=_PARSE)
     except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
         return f"Arrow does not parse it: {str(exc).splitlines()[0][:200]}"
     if records.num_rows != n:
@@ -189,35 +236,39 @@ def parse(data: bytes, file: str) -> pa.Table | str:
     if len(bad):
         texts: list[str | None] = [None] * n
         for i in bad.tolist():
-            texts[i] = data[starts[i] : ends[i]].decode("utf-8")[:MAX_BAD_TEXT]
+            k = numbers[i]
+            texts[i] = data[lines.starts[k] : lines.ends[k]].decode("utf-8")[:MAX_BAD_TEXT]
         text: Any = pa.array(texts, pa.string())
     else:
         text = pa.nulls(n, pa.string())
     columns = [records[name] for name, _ in RECORD_KINDS] + [
         pa.repeat(pa.scalar(file, pa.string()), n),
-        pa.array(np.arange(1, n + 1, dtype=np.int64)),
+        pa.array(numbers + 1, pa.int64()),
         problem,
         text,
     ]
-    return pa.Table.from_arrays(columns, schema=COMPACT_SCHEMA)
+    return Parsed(pa.Table.from_arrays(columns, schema=COMPACT_SCHEMA), odd)
 
 
 def compact_file(path: str, out: str) -> FileResult:
-    """Parse the journal at ``path`` with Arrow and write its rows to the Parquet file ``out``, if it takes it."""
+    """Parse the journal at ``path`` with Arrow and write the rows of its plain lines to the Parquet file
+    ``out``, if it takes it; its odd lines come back in the result."""
     size = os.path.getsize(path)
     if size > MAX_FILE:
         return FileResult(path, fallback=f"larger than {MAX_FILE} bytes")
     with open(path, "rb") as f:
         data = f.read()
-    table = parse(data, path)
-    if isinstance(table, str):
-        return FileResult(path, fallback=table)
+    parsed = parse(data, path)
+    if isinstance(parsed, str):
+        return FileResult(path, fallback=parsed)
+    table = parsed.table
     if table.num_rows:
         part = Path(out)
         temporary = part.with_name("." + part.name + ".tmp")  # Spark's readers skip dot files
         pq.write_table(table, temporary, compression="snappy")
         temporary.rename(part)
-    return FileResult(path, rows=table.num_rows, bad=table.num_rows - table["problem"].null_count)
+    bad = table.num_rows - table["problem"].null_count
+    return FileResult(path, rows=table.num_rows, bad=bad, odd=tuple(parsed.odd))
 
 
 def compact_files(paths: Iterable[str | Path], out_dir: str | Path, workers: int) -> list[FileResult]:
@@ -303,7 +354,8 @@ class Worker:
         if not line:
             return None
         answer = json.loads(line)
-        return FileResult(path, rows=answer["rows"], bad=answer["bad"], fallback=answer["fallback"])
+        odd = tuple((int(n), str(t)) for n, t in answer["odd"])
+        return FileResult(path, rows=answer["rows"], bad=answer["bad"], fallback=answer["fallback"], odd=odd)
 
     def close(self) -> None:
         """End the worker (it exits at the end of its input) and reap it."""
@@ -329,7 +381,7 @@ def main() -> None:
             result = compact_file(task["path"], task["out"])
         except OSError as exc:
             result = FileResult(task["path"], fallback=f"Arrow could not read or write it: {exc}")
-        answer = {"rows": result.rows, "bad": result.bad, "fallback": result.fallback}
+        answer = {"rows": result.rows, "bad": result.bad, "fallback": result.fallback, "odd": result.odd}
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()
 

@@ -263,10 +263,13 @@ class Compaction:
     arrow_files: int = 0
     spark_files: int = 0
     why_spark: str | None = None
+    odd_lines: int = 0
+    """Lines of the files Arrow took that Spark parsed (not single objects of at most 1,000 bytes)."""
 
     def describe(self) -> str:
-        """``198 journal files parsed by Arrow, 2 by Spark (first: ...)``."""
-        text = f"{self.arrow_files} journal files parsed by Arrow, {self.spark_files} by Spark"
+        """``198 journal files parsed by Arrow (3 odd lines of them by Spark), 2 by Spark (first: ...)``."""
+        odd = f" ({self.odd_lines} odd lines of them by Spark)" if self.odd_lines else ""
+        text = f"{self.arrow_files} journal files parsed by Arrow{odd}, {self.spark_files} by Spark"
         return text + (f" (first: {self.why_spark})" if self.why_spark else "")
 
 
@@ -314,10 +317,20 @@ def compact(spark: SparkSession, inputs: Inputs, out: str | Path) -> Compaction:
     results = arrowparse.compact_files(inputs.journals, target, spark.sparkContext.defaultParallelism)
     left = tuple(Path(r.path) for r in results if r.fallback)
     rest = Inputs(journals=left, tables=inputs.tables, journal_uris=inputs.journal_uris, table_uris=inputs.table_uris)
+    odd = [(text, r.path, n) for r in results if not r.fallback for n, text in r.odd]
+    parts: list[DataFrame] = []
     if rest.has_journals or rest.has_tables:
+        parts.append(load_events(spark, rest))
+    if odd:  # the lines Arrow left in the files it took: parsed by the same rules, with their own numbers
+        lines = spark.createDataFrame(odd, "value string, file string, line long")
+        parts.append(parse_lines(lines, ["file", "line"]).select(*COMPACT_COLUMNS))
+    if parts:
+        df = parts[0]
+        for part in parts[1:]:
+            df = df.unionByName(part)
         with whole_files(spark):
-            load_events(spark, rest).write.mode("append").parquet(str(out))
+            df.write.mode("append").parquet(str(out))
     else:
         arrowparse.finish_table(target)
     why = next((f"{Path(r.path).name}: {r.fallback}" for r in results if r.fallback), None)
-    return Compaction(arrow_files=len(results) - len(left), spark_files=len(left), why_spark=why)
+    return Compaction(arrow_files=len(results) - len(left), spark_files=len(left), why_spark=why, odd_lines=len(odd))
