@@ -9,7 +9,7 @@ import time
 import urllib.request
 
 import pytest
-from conftest import DaemonFactory, cli, run_expecting_exit
+from conftest import DaemonFactory, async_wait_until, cli, run_expecting_exit
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity, sign_message
@@ -79,8 +79,10 @@ async def test_a_flooding_connection_is_closed_overloaded_others_keep_working(da
             for i in range(2000):
                 await bad.send(victim.public, f"flood {i}".encode())
             await bad.sync(timeout=5)
-        await asyncio.sleep(0.1)
-        assert bad.error is not None and bad.error.code == 6  # ERROR 6 overloaded
+        # the send may fail on the closed socket before the reader has taken the ERROR frame: wait (bounded) for
+        # the reader to finish, not a fixed 0.1 s (too short with a loaded CPU)
+        await async_wait_until(lambda: bad.closed_reason is not None, 10, "the flooder's connection to close")
+        assert bad.error is not None and bad.error.code == 6, bad.closed_reason  # ERROR 6 overloaded
         # the other client is still served
         await good.send(victim.public, b"still here")
         got = [await good.recv(timeout=5) for _ in range(1)]
