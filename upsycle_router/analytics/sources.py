@@ -27,8 +27,9 @@ Compaction (:func:`compact`) writes that table to Parquet once; :func:`load_even
 and compacted tables into one DataFrame of the same shape. With a local master and a local output, local
 journals are first offered to Arrow's parser (:mod:`~upsycle_router.analytics.arrowparse`, the fast twin of
 :func:`read_journals`, proven equal to it by the tests), which writes the files it takes as Parquet parts
-of the table; Spark then appends the rest (the files Arrow did not take, journals at URIs, compacted
-tables) to the same table. :data:`ARROW_PARSE` turns the fast path off.
+of the table; Spark then appends the rest (the odd lines of the files Arrow took, parsed by
+:func:`~upsycle_router.analytics.schema.parse_lines` with their own line numbers; the files Arrow did not
+take; journals at URIs; compacted tables) to the same table. :data:`ARROW_PARSE` turns the fast path off.
 """
 
 from __future__ import annotations
