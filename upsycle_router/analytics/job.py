@@ -57,7 +57,7 @@ from upsycle_router.analytics.report import (
 )
 from upsycle_router.analytics.schema import PROBLEM_KINDS, problem_kind
 from upsycle_router.analytics.session import AUTO_PARTITIONS, AnalyticsError
-from upsycle_router.analytics.sources import Inputs, check_target, compact, discover, read_tables
+from upsycle_router.analytics.sources import Inputs, check_target, compact, discover, read_tables, union_all
 
 EVENTS_TABLE = "events.parquet"
 TABLES = (
@@ -227,7 +227,7 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
         parts.append(read_tables(spark, [target], trusted=True))
     if inputs.has_tables:
         parts.append(read_tables(spark, [*inputs.tables, *inputs.table_uris]))
-    events = parts[0] if len(parts) == 1 else parts[0].unionByName(parts[1])
+    events = union_all(parts)
 
     progress("counting events")
     totals_row = _totals(events)

@@ -34,6 +34,7 @@ take; journals at URIs; compacted tables) to the same table. :data:`ARROW_PARSE`
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
@@ -60,6 +61,7 @@ __all__ = [
     "load_events",
     "no_glob",
     "read_journals",
+    "union_all",
 ]
 
 JOURNAL_GLOB = "trace-*.jsonl"
@@ -200,13 +202,16 @@ def read_journals(spark: SparkSession, inputs: Inputs | Sequence[Path]) -> DataF
         parts.append(_numbered(reader.text(uri)))
     if not parts:
         raise AnalyticsError("no journals to read")
-    rows = parts[0]
-    for part in parts[1:]:
-        rows = rows.unionByName(part)
+    rows = union_all(parts)
     # Spark gives a URI (file:/a%20b/...): make a local one a path again; '+' is literal in a URI path.
     uri_path = F.regexp_replace(F.regexp_replace(F.col("_file"), "^file:(//)?", ""), "\\+", "%2B")
     rows = rows.select("value", F.url_decode(uri_path).alias("file"), "line")
     return parse_lines(rows, ["file", "line"]).select(*COMPACT_COLUMNS)
+
+
+def union_all(parts: Sequence[DataFrame]) -> DataFrame:
+    """The rows of all ``parts`` (at least one), matched by column name."""
+    return functools.reduce(DataFrame.unionByName, parts)
 
 
 def read_tables(spark: SparkSession, tables: Sequence[str | Path], *, trusted: bool = False) -> DataFrame:
@@ -234,10 +239,7 @@ def load_events(spark: SparkSession, inputs: Inputs) -> DataFrame:
         parts.append(read_tables(spark, [*inputs.tables, *inputs.table_uris]))
     if not parts:
         raise AnalyticsError("no input: give journal directories, trace-*.jsonl files or compacted tables")
-    df = parts[0]
-    for part in parts[1:]:
-        df = df.unionByName(part)
-    return df
+    return union_all(parts)
 
 
 def check_target(spark: SparkSession | None, out: str | Path) -> None:
@@ -326,11 +328,8 @@ def compact(spark: SparkSession, inputs: Inputs, out: str | Path) -> Compaction:
         lines = spark.createDataFrame(odd, "value string, file string, line long")
         parts.append(parse_lines(lines, ["file", "line"]).select(*COMPACT_COLUMNS))
     if parts:
-        df = parts[0]
-        for part in parts[1:]:
-            df = df.unionByName(part)
         with whole_files(spark):
-            df.write.mode("append").parquet(str(out))
+            union_all(parts).write.mode("append").parquet(str(out))
     else:
         arrowparse.finish_table(target)
     why = next((f"{Path(r.path).name}: {r.fallback}" for r in results if r.fallback), None)
