@@ -29,7 +29,7 @@ from pyspark.sql import SparkSession
 from test_analytics_parse import CASES, K, line, rec
 
 from upsycle_router.analytics import arrowparse
-from upsycle_router.analytics.arrowparse import MAX_LINE, Worker, compact_files, parse, screen
+from upsycle_router.analytics.arrowparse import MAX_LINE, MAX_ODD_BYTES, Worker, compact_files, parse, screen
 from upsycle_router.analytics.rules import RECORD_KINDS
 from upsycle_router.analytics.schema import COMPACT_COLUMNS
 from upsycle_router.analytics.sources import ARROW_PARSE, Compaction, compact, discover, no_glob
@@ -79,6 +79,7 @@ def test_odd_lines_go_to_spark_with_their_numbers(data: bytes) -> None:
         (b'{"a":"\r"}\n', "carriage return"),
         (b'{"a":"\xff"}\n', "UTF-8"),
         (b"x\n" * 1001, "1001 lines"),
+        (b"{}\n" + b"x" * (MAX_ODD_BYTES + 1) + b"\n", "1 lines"),  # one odd line over the byte bound
     ],
 )
 def test_screen_refuses(data: bytes, why: str) -> None:

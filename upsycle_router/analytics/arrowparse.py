@@ -215,9 +215,11 @@ def parse(data: bytes, file: str) -> Parsed | str:
     lines = screen(data)
     if isinstance(lines, str):
         return lines
+    odd_index = np.flatnonzero(~lines.plain)
+    odd_bytes = int((lines.ends[odd_index] - lines.starts[odd_index]).sum())
+    if len(odd_index) > MAX_ODD_LINES or odd_bytes > MAX_ODD_BYTES:  # before decoding any of them
+        return f"{len(odd_index)} lines are not single objects of at most {MAX_LINE} bytes"
     odd = lines.odd(data)
-    if len(odd) > MAX_ODD_LINES or sum(len(t) for _, t in odd) > MAX_ODD_BYTES:
-        return f"{len(odd)} lines are not single objects of at most {MAX_LINE} bytes"
     numbers = np.flatnonzero(lines.plain)
     n = len(numbers)
     if n == 0:
