@@ -231,9 +231,16 @@ def test_a_worker_killed_on_a_file_answers_nothing(tmp_path: Path) -> None:
 
 
 def test_files_of_dying_workers_are_left_to_spark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each worker dies on its first file (a real process that exits): every file falls back, no part stays."""
-    dies = [sys.executable, "-c", "import sys; sys.stdin.readline(); open(sys.argv[1], 'w').close(); sys.exit(3)"]
-    monkeypatch.setattr(Worker, "command", [*dies, str(tmp_path / "out" / "part-arrow-00000.parquet")])
+    """Each worker dies on its first file (a real process that exits) after writing the part it was asked
+    for and that part's temporary file: every file falls back, and neither file stays."""
+    dies = (
+        "import json, pathlib, sys\n"
+        "out = pathlib.Path(json.loads(sys.stdin.readline())['out'])\n"
+        "out.write_bytes(b'half')\n"
+        "out.with_name('.' + out.name + '.tmp').write_bytes(b'half')\n"
+        "sys.exit(3)\n"
+    )
+    monkeypatch.setattr(Worker, "command", [sys.executable, "-c", dies])
     paths = []
     for i in range(3):
         p = tmp_path / f"trace-00000{i}.jsonl"

@@ -252,6 +252,11 @@ def parse(data: bytes, file: str) -> Parsed | str:
     return Parsed(pa.Table.from_arrays(columns, schema=COMPACT_SCHEMA), odd)
 
 
+def temporary_of(part: Path) -> Path:
+    """Where a part is written before it is renamed into place (Spark's readers skip dot files)."""
+    return part.with_name("." + part.name + ".tmp")
+
+
 def compact_file(path: str, out: str) -> FileResult:
     """Parse the journal at ``path`` with Arrow and write the rows of its plain lines to the Parquet file
     ``out``, if it takes it; its odd lines come back in the result."""
@@ -266,7 +271,7 @@ def compact_file(path: str, out: str) -> FileResult:
     table = parsed.table
     if table.num_rows:
         part = Path(out)
-        temporary = part.with_name("." + part.name + ".tmp")  # Spark's readers skip dot files
+        temporary = temporary_of(part)
         pq.write_table(table, temporary, compression="snappy")
         temporary.rename(part)
     bad = table.num_rows - table["problem"].null_count
@@ -302,6 +307,7 @@ def compact_files(paths: Iterable[str | Path], out_dir: str | Path, workers: int
                 result = worker.ask(todo[i], str(part(i)))
                 if result is None:  # the worker died on this file: its part may be half there
                     part(i).unlink(missing_ok=True)
+                    temporary_of(part(i)).unlink(missing_ok=True)
                     worker.close()
                     worker = None
                     result = FileResult(todo[i], fallback="the Arrow worker died")
