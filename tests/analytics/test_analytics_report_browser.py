@@ -355,12 +355,83 @@ def direct_lost(paths: list[Path]) -> tuple[set[tuple[str, str, str]], int]:
     return lost, unexpected
 
 
+NOT_A_LOSS = ("duplicate", "no_subscribers")
+
+
+def direct_causes(paths: list[Path], lost: set[tuple[str, str, str]]) -> dict[tuple[str, str, str], tuple[Any, ...]]:
+    """For each lost (id, node, subscriber), by the definitions of docs/analytics.md read one record at a time:
+    (last_event, last_node, last_ts, reached, forwarded_to, cause, cause_reason, cause_node, cause_ts)."""
+    records, _ = load(paths)
+    by_id: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    changes: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in sorted(records, key=lambda r: r["_order"]):
+        if r.get("id") is not None:
+            by_id[r["id"]].append(r)
+        if r["event"] in ("joined", "left") and r["role"] == "app":
+            changes[(r["node"], r["group"], r["src"])].append(r)
+    t0: dict[str, tuple[float, str]] = {}
+    for i, recs in by_id.items():
+        receipts = [r for r in recs if r["event"] == "received"]
+        if receipts:
+            first = min(receipts, key=lambda r: (r["ts"], 0 if r["local"] else 1, r["_order"][1], r["_order"][2]))
+            t0[i] = (first["ts"], first["group"])
+    out = {}
+    for i, node, dst in lost:
+        recs, (ts0, g) = by_id[i], t0[i]
+        here = [r for r in recs if r["node"] == node]
+        last = (here or recs)[-1]
+        candidates: list[tuple[Any, ...]] = []  # (rank, ts, order, cause, reason, node)
+        for r in here:
+            ev, mine, reason = r["event"], r["dst"] == dst, r["reason"]
+            lossy = reason is not None and reason not in NOT_A_LOSS
+            if (ev == "expired" and mine) or (ev == "dropped" and (r["dst"] is None or mine) and lossy):
+                candidates.append((6, r["ts"], r["_order"], ev, reason, node))
+            elif ev == "refused" and (r["dst"] is None or mine):
+                candidates.append((5, r["ts"], r["_order"], ev, reason, node))
+            elif ev == "queued" and mine:
+                candidates.append((4, r["ts"], r["_order"], "queued", reason, node))
+            elif ev == "dropped" and reason == "no_subscribers":
+                candidates.append((2, r["ts"], r["_order"], ev, reason, node))
+        # The subscriber's span at the publish: from its last join before t0 to the next change of its state.
+        state, flips = 0, []
+        for c in changes[(node, g, dst)]:
+            if (1 if c["event"] == "joined" else 0) != state:
+                state = 1 - state
+                flips.append(c["ts"])
+        later = [ts for ts in flips if ts >= ts0]
+        if later:  # expected, so subscribed at t0: the next flip is the leave that ended the span
+            candidates.append((3, later[0], (), "left", None, node))
+        way = [
+            r for r in recs
+            if r["event"] in ("dropped", "refused") and r["dst"] is None and r["reason"] not in (None, *NOT_A_LOSS)
+        ]  # fmt: skip
+        if way:
+            u = max(way, key=lambda r: (r["event"] == "dropped", r["_order"]))
+            if u["node"] != node:
+                candidates.append((1, u["ts"], u["_order"], u["event"], u["reason"], u["node"]))
+        forwarded = sum(1 for r in recs if r["event"] == "forwarded" and r["peer"] == node)
+        if candidates:
+            _, cts, _, cause, creason, cnode = max(candidates, key=lambda c: c[:3])
+        else:
+            cts, cause, creason, cnode = None, "no_record", None, None
+        out[(i, node, dst)] = (last["event"], last["node"], last["ts"], bool(here), forwarded, cause, creason, cnode,
+                               cts)  # fmt: skip
+    return out
+
+
 def test_lost_matches_a_direct_computation(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
     generate(20261122, tmp_path / "journals")
     analysis = run_analyze(spark, [tmp_path / "journals"], tmp_path / "out")
-    got = {(r["id"], r["node"], r["dst"]) for r in spark.read.parquet(str(tmp_path / "out" / "lost.parquet")).collect()}
+    rows = spark.read.parquet(str(tmp_path / "out" / "lost.parquet")).collect()
+    got = {(r["id"], r["node"], r["dst"]) for r in rows}
     want, unexpected = direct_lost([tmp_path / "journals"])
     assert got == want
+    # Each lost delivery's last record and cause, against the definitions applied record by record.
+    fields = ("last_event", "last_node", "last_ts", "reached", "forwarded_to", "cause", "cause_reason", "cause_node",
+              "cause_ts")  # fmt: skip
+    direct = direct_causes([tmp_path / "journals"], want)
+    assert {(r["id"], r["node"], r["dst"]): tuple(r[f] for f in fields) for r in rows} == direct
+    assert len({d[5] for d in direct.values()}) > 2  # several causes, not only "lost without a record"
     lost = analysis.summary["lost"]
     assert lost["deliveries"] == len(want) > 10
     assert lost["unexpected_deliveries"] == unexpected > 0  # a delivery nobody expected hides no missing one

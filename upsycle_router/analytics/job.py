@@ -15,9 +15,12 @@ executors' CPU time by it):
    :data:`ROWS_PER_PARTITION` records each, so that no task's share grows with the input).
 3. The records that carry a message id are partitioned by id once and kept (``persist``, memory then disk:
    :func:`~upsycle_router.analytics.stats.by_message`); so are the per-message tables built from them (first
-   receipts, app deliveries marked expected or not, queue residency, one row per published message), which
-   stay partitioned by id, so the later joins by id move nothing. Subscription spans are small; below
-   :data:`MAX_BROADCAST_SPANS` rows they are broadcast to the joins that need them.
+   receipts, app deliveries marked expected or not, queue residency, one row per published message, the
+   missing deliveries and the few records that explain them), which stay partitioned by id, so the later
+   joins by id move nothing. Reading the kept records back is what the later stages spend most on, so each
+   reads them as few times as it can (see :mod:`~upsycle_router.analytics.stats`). The subscription changes
+   are found once and kept for the expected-subscriber sweep and the subscription spans; the spans are
+   small, and below :data:`MAX_BROADCAST_SPANS` rows they are broadcast to the joins that need them.
 4. Each output table is written to ``OUT/<name>.parquet``. Small tables are coalesced into one file.
 5. The small tables are collected into a :class:`~upsycle_router.analytics.report.Results` (never a large
    one: per group, per node, per drop reason, the first :data:`~upsycle_router.analytics.report.MAX_LOST_ROWS`
@@ -247,13 +250,14 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
     msgs = stats.by_message(ev, partitions).persist(KEEP)
     receipts = stats.first_receipts(msgs).persist(KEEP)
     published = stats.published_messages(receipts)
-    spans = stats.subscription_spans(ev).persist(KEEP)
-    kept = [ranks, msgs, receipts, spans]
+    changes = stats.pair_changes(ev).persist(KEEP)
+    spans = stats.subscription_spans(changes).persist(KEEP)
+    kept = [ranks, msgs, receipts, changes, spans]
     try:
         broadcast = spans.count() <= MAX_BROADCAST_SPANS
         deliveries = stats.mark_expected(stats.app_deliveries(msgs, published), spans, broadcast=broadcast)
         deliveries = deliveries.persist(KEEP)
-        expected = stats.expected_per_message(stats.subscription_changes(ev), published)
+        expected = stats.expected_per_message(stats.subscription_changes(changes), published)
         messages = stats.message_stats(published, expected, deliveries).persist(KEEP)
         residency = stats.queue_residency(msgs).persist(KEEP)
         kept += [deliveries, messages, residency]
@@ -268,8 +272,9 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
             hex_(undelivered, "id", "node", "group", "last_dst", "last_peer"), out, "undelivered", progress, small=False
         )
         missing = stats.missing_deliveries(messages, spans, deliveries, broadcast=broadcast).persist(KEEP)
-        kept.append(missing)
-        lost = hex_(stats.lost_deliveries(msgs, missing), *LOST_KEYS)
+        near = stats.lost_records(msgs, missing).persist(KEEP)
+        kept += [missing, near]
+        lost = hex_(stats.lost_deliveries(msgs, near, missing), *LOST_KEYS)
         lost = _write(lost, out, "lost", progress, small=False)
         _write(stats.bad_lines(events), out, "bad_lines", progress)
 

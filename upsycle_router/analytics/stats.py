@@ -16,9 +16,14 @@ the records of the fleet are shuffled once:
   message - first receipts, app deliveries, queue residency, why not delivered, lost deliveries - groups or
   joins by ``id`` (or by ``id`` and more), so it runs where the records already are; the job keeps the
   partitioned table (``persist``) while it needs it. A message's records are a few thousand rows at most,
-  so these partitions cannot be skewed. Aggregations whose result is a whole record (the first receipt, a
-  last record) cannot use Spark's hash aggregation and sort their input instead, so they only see the rows
-  that can matter (received records; the (id, node) pairs a numeric aggregation found undelivered).
+  so these partitions cannot be skewed. ``type``, ``group`` and ``local`` are read on ``received`` records
+  only and are null on the others (:data:`RECEIPT_COLUMNS`), which narrows most rows. Aggregations whose
+  result is a whole record (the first receipt, a last record) cannot use Spark's hash aggregation and sort
+  their input instead, so they only see the rows that can matter (received, duplicate and forwarded
+  records; the (id, node) pairs a numeric aggregation found undelivered). What costs most after the
+  partitioning is reading the kept table back (each pass decodes every row of the columns it reads), so
+  each figure reads it as few times as it can: once for the first receipts and their counts, once for why
+  not delivered after the pass that finds the pairs, twice for lost deliveries.
 * :func:`first_receipts` finds, per message id, the earliest ``received`` record on any node (ties at the
   same ``ts`` go to a ``local: true`` record, then to journal order). That ``ts`` is the message's ``t0``, the
   zero of its latencies; the id is *published* when that record is local and its type is ``multicast``.
@@ -31,6 +36,7 @@ the records of the fleet are shuffled once:
   change strictly before it was a join. The sweep runs per (group, second): each second's running sum
   starts from the sum of the group's changes in its earlier seconds (a small table: one row per group and
   second with any publish or change), so a busy group is spread over as many tasks as it has seconds.
+  The changes (:func:`pair_changes`, a small table) are found once and kept for the sweep and the spans.
 * :func:`app_deliveries` keeps one row per (id, node, dst) of ``delivered`` records with role ``app`` of a
   published id, with how often it was delivered and the latency of its first delivery.
 * :func:`subscription_spans` turns the same joins and leaves into spans ``(since, until]`` of each app
@@ -40,8 +46,11 @@ the records of the fleet are shuffled once:
   *missing* deliveries are ``expected`` minus its expected deliveries made, and an unexpected delivery does
   not hide a missing one.
 * :func:`lost_deliveries` lists the missing (id, node, subscriber) triples of the messages that have any:
-  only those messages meet their group's spans, and only their records are read again, so the cost follows
-  the losses, not publishes x subscribers. For each it finds the last record of the id at the subscriber's
+  only those messages meet their group's spans, so the cost follows the losses, not publishes x
+  subscribers. One pass over the kept records (:func:`lost_records`) picks the few that can matter - those
+  at the routers that miss a delivery, the ``forwarded`` records naming such a router, the drops on the
+  way - and a second one the records of the messages that never reached a recipient's router. For each
+  missing triple it finds the last record of the id at the subscriber's
   router (or anywhere, when it never got there) and the most telling record of why, in this order: a drop
   or expiry of it for that subscriber (or for everyone) at that router, a refusal there, a queue entry still
   waiting, the subscriber leaving the group after the publish, a drop for lack of subscribers there, a drop
@@ -91,6 +100,10 @@ SWEEP_SECONDS = 1.0
 MESSAGE_COLUMNS = ("id", "node", "event", "ts", "pos", "type", "group", "dst", "peer", "reason", "local", "role")
 """The columns of :func:`by_message`'s table: what any per-message figure reads."""
 
+RECEIPT_COLUMNS = ("type", "group", "local")
+"""Columns read on ``received`` records only (first receipts, why not delivered): :func:`by_message` keeps them
+on those and nulls them on the others, which makes every other row 32 bytes and two strings narrower."""
+
 KEYS = ("id", "node", "group", "src", "dst", "peer")
 """The key columns: 64 lowercase hex digits in the compacted table, 32 bytes inside the job."""
 
@@ -125,8 +138,11 @@ def as_hex(df: DataFrame, *columns: str) -> DataFrame:
 
 
 def by_message(ev: DataFrame, partitions: int) -> DataFrame:
-    """The records with a message id (:data:`MESSAGE_COLUMNS`), hash-partitioned by id into ``partitions``."""
-    return ev.where(F.col("id").isNotNull()).select(*MESSAGE_COLUMNS).repartition(partitions, "id")
+    """The records with a message id (:data:`MESSAGE_COLUMNS`, the :data:`RECEIPT_COLUMNS` null but on ``received``
+    records), hash-partitioned by id into ``partitions``."""
+    received = F.col("event") == "received"
+    columns = [F.when(received, F.col(c)).alias(c) if c in RECEIPT_COLUMNS else F.col(c) for c in MESSAGE_COLUMNS]
+    return ev.where(F.col("id").isNotNull()).select(*columns).repartition(partitions, "id")
 
 
 def millis(later: Column, earlier: Column) -> Column:
@@ -150,27 +166,23 @@ def first_receipts(msgs: DataFrame) -> DataFrame:
     """Per received id: ``t0``, ``published``, ``group``, ``origin``, ``type``, ``duplicate_events``, ``forwards``.
 
     ``t0`` is the earliest ``received`` ts on any node; the first receipt (earliest, a local one on a tie, then
-    journal order) gives the rest. One aggregation also counts the id's ``duplicate`` and ``forwarded`` records.
+    journal order) gives the rest. The same aggregation (one pass over those three events) also counts the id's
+    ``duplicate`` and ``forwarded`` records.
     """
     event = F.col("event")
     nonlocal_rank = F.when(F.col("local"), 0).otherwise(1)
     receipt = F.struct(
         F.col("ts"), nonlocal_rank.alias("nonlocal"), F.col("pos"), F.col("node"), F.col("type"), F.col("group")
     )
-    first = msgs.where(event == "received").groupBy("id").agg(F.min(receipt).alias("f"))
-    counts = (
-        msgs.where(event.isin("duplicate", "forwarded"))
+    per_id = (
+        msgs.where(event.isin("received", "duplicate", "forwarded"))
         .groupBy("id")
         .agg(
-            F.count(F.when(event == "duplicate", 1)).alias("_dup"),
-            F.count(F.when(event == "forwarded", 1)).alias("_fwd"),
+            F.min(F.when(event == "received", receipt)).alias("f"),
+            F.count(F.when(event == "duplicate", 1)).alias("duplicate_events"),
+            F.count(F.when(event == "forwarded", 1)).alias("forwards"),
         )
-    )
-    per_id = first.join(counts, "id", "left").select(
-        "id",
-        "f",
-        F.coalesce(F.col("_dup"), F.lit(0)).alias("duplicate_events"),
-        F.coalesce(F.col("_fwd"), F.lit(0)).alias("forwards"),
+        .where(F.col("f").isNotNull())
     )
     published = (F.col("f.nonlocal") == 0) & (F.col("f.type") == "multicast") & F.col("f.group").isNotNull()
     return per_id.select(
@@ -192,9 +204,10 @@ def published_messages(receipts: DataFrame) -> DataFrame:
     )
 
 
-def _pair_changes(ev: DataFrame) -> DataFrame:
+def pair_changes(ev: DataFrame) -> DataFrame:
     """``node``, ``group``, ``src``, ``ts``, ``pos``, ``delta``: the app subscription records that change a pair's
-    state (+1 subscribed, -1 not), alternating per pair and starting with +1."""
+    state (+1 subscribed, -1 not), alternating per pair and starting with +1 (a small table: the job keeps it for
+    :func:`subscription_changes` and :func:`subscription_spans`)."""
     subs = ev.where(F.col("event").isin("joined", "left") & (F.col("role") == "app"))
     pair = Window.partitionBy("node", "group", "src").orderBy(*ORDER)
     state = F.when(F.col("event") == "joined", 1).otherwise(0)
@@ -202,9 +215,10 @@ def _pair_changes(ev: DataFrame) -> DataFrame:
     return changes.where(F.col("delta") != 0)
 
 
-def subscription_changes(ev: DataFrame) -> DataFrame:
-    """``group``, ``ts``, ``delta``: +1 when an app (node, subscriber) pair becomes subscribed, -1 when it stops."""
-    return _pair_changes(ev).select("group", "ts", "delta")
+def subscription_changes(changes: DataFrame) -> DataFrame:
+    """``group``, ``ts``, ``delta``: +1 when an app (node, subscriber) pair becomes subscribed, -1 when it stops
+    (``changes`` is :func:`pair_changes`)."""
+    return changes.select("group", "ts", "delta")
 
 
 def expected_per_message(changes: DataFrame, published: DataFrame) -> DataFrame:
@@ -245,8 +259,9 @@ def app_deliveries(msgs: DataFrame, published: DataFrame) -> DataFrame:
     )
 
 
-def subscription_spans(ev: DataFrame) -> DataFrame:
-    """``node``, ``group``, ``dst``, ``since``, ``until``: each span an app subscriber ``dst`` was subscribed.
+def subscription_spans(changes: DataFrame) -> DataFrame:
+    """``node``, ``group``, ``dst``, ``since``, ``until``: each span an app subscriber ``dst`` was subscribed
+    (``changes`` is :func:`pair_changes`).
 
     From the ``ts`` of the join that subscribed it to the ``ts`` of the leave that ended it (null: subscribed to
     the end). The subscriber counts for a publish at ``t`` when ``since < t`` and ``until`` is null or ``>= t``:
@@ -254,8 +269,7 @@ def subscription_spans(ev: DataFrame) -> DataFrame:
     """
     pair = Window.partitionBy("node", "group", "src").orderBy(*ORDER)
     return (
-        _pair_changes(ev)
-        .withColumn("until", F.lead("ts").over(pair))
+        changes.withColumn("until", F.lead("ts").over(pair))
         .where(F.col("delta") == 1)
         .select("node", "group", F.col("src").alias("dst"), F.col("ts").alias("since"), "until")
     )
@@ -387,36 +401,34 @@ def undelivered(msgs: DataFrame, receipts: DataFrame) -> DataFrame:
     pairs = (
         msgs.groupBy("id", "node")
         .agg(
-            F.count(F.lit(1)).alias("events"),
-            F.max(received).alias("_received"),
-            F.max(F.when(event == "delivered", 1).otherwise(0)).alias("_delivered"),
+            F.max(received).alias("_received"), F.max(F.when(event == "delivered", 1).otherwise(0)).alias("_delivered")
         )
         .where((F.col("_received") == 1) & (F.col("_delivered") == 0))
-        .select("id", "node", "events")
+        .select("id", "node")
     )
+    # The semi-join keeps every record of those pairs, so the count is the pair's number of records.
     last = (
-        msgs.join(pairs.select("id", "node").hint("shuffle_hash"), ["id", "node"], "left_semi")
+        msgs.join(pairs.hint("shuffle_hash"), ["id", "node"], "left_semi")
         .groupBy("id", "node")
-        .agg(F.max(F.struct(*[F.col(c) for c in ORDER], "event", "reason", "dst", "peer", "role")).alias("l"))
+        .agg(
+            F.count(F.lit(1)).alias("events"),
+            F.max(F.struct(*[F.col(c) for c in ORDER], "event", "reason", "dst", "peer", "role")).alias("l"),
+        )
     )
     info = receipts.select("id", F.col("type"), F.col("group").alias("_group"), "published")
-    return (
-        pairs.join(last, ["id", "node"])
-        .join(info, "id", "left")
-        .select(
-            "id",
-            "node",
-            "type",
-            F.col("_group").alias("group"),
-            F.coalesce(F.col("published"), F.lit(False)).alias("published"),
-            F.col("l.event").alias("last_event"),
-            F.col("l.reason").alias("last_reason"),
-            F.col("l.ts").alias("last_ts"),
-            F.col("l.dst").alias("last_dst"),
-            F.col("l.peer").alias("last_peer"),
-            F.col("l.role").alias("last_role"),
-            "events",
-        )
+    return last.join(info, "id", "left").select(
+        "id",
+        "node",
+        "type",
+        F.col("_group").alias("group"),
+        F.coalesce(F.col("published"), F.lit(False)).alias("published"),
+        F.col("l.event").alias("last_event"),
+        F.col("l.reason").alias("last_reason"),
+        F.col("l.ts").alias("last_ts"),
+        F.col("l.dst").alias("last_dst"),
+        F.col("l.peer").alias("last_peer"),
+        F.col("l.role").alias("last_role"),
+        "events",
     )
 
 
@@ -460,7 +472,35 @@ def missing_deliveries(
     return pairs.join(deliveries.select("id", "node", "dst").hint("shuffle_hash"), ["id", "node", "dst"], "left_anti")
 
 
-def lost_deliveries(msgs: DataFrame, missing: DataFrame) -> DataFrame:
+LOST_FIELDS = ("event", "reason", "dst", "peer", "node", *ORDER)
+"""The fields of a message's records that :func:`lost_deliveries` reads."""
+
+
+def _on_the_way() -> Column:
+    """A drop or refusal of a message for everyone (``dst`` null) that loses it (not a duplicate, not for lack of
+    subscribers)."""
+    return F.col("event").isin("dropped", "refused") & F.col("dst").isNull() & ~F.col("reason").isin(*NOT_A_LOSS)
+
+
+def lost_records(msgs: DataFrame, missing: DataFrame) -> DataFrame:
+    """The records :func:`lost_deliveries` reads besides those of the messages that never reached a recipient's
+    router, from one pass over ``msgs``: ``id``, :data:`LOST_FIELDS`, ``at`` (the record is at a router that misses
+    a delivery of its id), ``sent_there`` (a ``forwarded`` record naming such a router as its peer); the other
+    rows are the drops and refusals on the way. The records of the messages with a missing delivery meet, in
+    one join by id (the hashed side: one row per such message), the set of their routers that miss one; a
+    filter keeps the few rows above: a small table, which the job keeps."""
+    places = missing.groupBy("id").agg(F.collect_set("node").alias("_places"))
+    joined = msgs.join(places.hint("shuffle_hash"), "id")
+    at = F.array_contains(F.col("_places"), F.col("node"))
+    sent_there = F.coalesce(
+        (F.col("event") == "forwarded") & F.array_contains(F.col("_places"), F.col("peer")), F.lit(False)
+    )
+    return joined.where(at | sent_there | _on_the_way()).select(
+        "id", *LOST_FIELDS, at.alias("at"), sent_there.alias("sent_there")
+    )
+
+
+def lost_deliveries(msgs: DataFrame, near: DataFrame, missing: DataFrame) -> DataFrame:
     """One row per missing delivery: the message, its router and recipient, the last record seen, the cause.
 
     Columns: ``id``, ``group``, ``origin``, ``published_ts``, ``node`` (the recipient's router), ``dst``;
@@ -470,72 +510,82 @@ def lost_deliveries(msgs: DataFrame, missing: DataFrame) -> DataFrame:
     ``expired``, ``refused``, ``queued``, ``left`` or ``no_record``), ``cause_reason``, ``cause_node``,
     ``cause_ts`` (the record that says why; null for ``no_record``).
 
-    ``msgs`` (:func:`by_message`) and ``missing`` (:func:`missing_deliveries`) are partitioned by id, so every
-    join here is keyed by id (and more) and moves no rows: the records of the messages with a missing delivery
-    at the recipients' routers are joined to the missing triples, then
-    aggregated per triple, beside the count of ``forwarded`` records naming each such router and, per message,
-    its last drop on the way and (when its recipient's router has no record of it) its last record anywhere.
-    These joins are left to Spark (sort-merge: it spills). With the missing triples as the hashed side
-    (``shuffle_hash``), 100 M events of a fleet's day ran out of memory here: a task's hash table cannot spill,
-    and the aggregate after it found no memory left (AGGREGATE_OUT_OF_MEMORY).
+    ``msgs`` (:func:`by_message`), ``near`` (:func:`lost_records`) and ``missing`` (:func:`missing_deliveries`)
+    are partitioned by id, so every join here is keyed by id (and more) and moves no rows. ``msgs`` itself is
+    read once more, for the records of the messages whose recipient's router has no record of them (a
+    semi-join with their ids, the hashed side). The rest comes from ``near``: per (id, router), the last
+    record and the most telling record for everyone there (``dst`` null, or a drop for lack of subscribers);
+    per missing (id, router, subscriber), the most telling record for that subscriber (``dst`` = the
+    subscriber); per (id, router), the ``forwarded`` records naming it; per id, the last drop on the way. A
+    missing delivery's cause is the greatest of its candidates, which is what one pass over each (router,
+    subscriber)'s records would pick: a record for another subscriber can only be a drop for lack of
+    subscribers, which counts for everyone. The joins with ``missing`` are left to Spark (sort-merge: it
+    spills). With the missing triples as the hashed side of a join with the records (``shuffle_hash``), 100 M
+    events of a fleet's day ran out of memory here: a task's hash table cannot spill, and the aggregate after
+    it found no memory left (AGGREGATE_OUT_OF_MEMORY); the hashed sides here and in :func:`lost_records` are
+    distinct keys, not joined rows.
     """
-    fields = ("event", "reason", "dst", "peer", "node", *ORDER)
-    ids = missing.select("id").distinct()
-    recs = msgs.join(ids, "id", "left_semi").select("id", *fields)
-    at = recs.select(F.col("id").alias("_id"), F.col("node").alias("_key"), *[F.col(c).alias(f"r_{c}") for c in fields])
     keys = missing.select("id", "node", "dst")
-    j = at.join(keys, (F.col("_id") == F.col("id")) & (F.col("_key") == F.col("node")))
     places = keys.select("id", "node").distinct()
-    event, reason, rdst = F.col("r_event"), F.col("r_reason"), F.col("r_dst")
-    mine = rdst == F.col("dst")
-    anyone = rdst.isNull() | mine
+    event, reason, rdst = F.col("event"), F.col("reason"), F.col("dst")
     lossy = ~reason.isin(*NOT_A_LOSS)
 
     def cand(rank: int, cause: Column) -> Column:
-        return _cause(rank, cause, reason, F.col("r_node"), F.col("r_ts"), F.col("r_pos"))
+        return _cause(rank, cause, reason, F.col("node"), F.col("ts"), F.col("pos"))
 
-    here_cause = (
-        F.when(((event == "expired") & mine) | ((event == "dropped") & anyone & lossy), cand(6, event))
-        .when((event == "refused") & anyone, cand(5, event))
-        .when((event == "queued") & mine, cand(4, F.lit("queued")))
+    # A record's candidate for every subscriber at its router, and for its own subscriber (dst) only.
+    for_all = (
+        F.when(rdst.isNull() & (event == "dropped") & lossy, cand(6, event))
+        .when(rdst.isNull() & (event == "refused"), cand(5, event))
         .when((event == "dropped") & (reason == "no_subscribers"), cand(2, event))
     )
-    record = F.struct(*[F.col(f"r_{c}").alias(c) for c in (*ORDER, "event", "reason", "node", "peer", "dst")])
-    here = j.groupBy("id", "node", "dst").agg(F.max(record).alias("here"), F.max(here_cause).alias("c_here"))
+    for_dst = (
+        F.when((event == "expired") | ((event == "dropped") & lossy), cand(6, event))
+        .when(event == "refused", cand(5, event))
+        .when(event == "queued", cand(4, F.lit("queued")))
+        .when((event == "dropped") & (reason == "no_subscribers"), cand(2, event))
+    )
+    at = near.where(F.col("at"))
+    record = F.struct(*ORDER, "event", "reason", "node", "peer", "dst")
+    here = at.groupBy("id", "node").agg(F.max(record).alias("here"), F.max(for_all).alias("c_all"))
+    telling = at.where(rdst.isNotNull() & event.isin("expired", "dropped", "refused", "queued"))
+    for_one = (
+        telling.join(keys.hint("shuffle_hash"), ["id", "node", "dst"], "left_semi")
+        .groupBy("id", "node", "dst")
+        .agg(F.max(for_dst).alias("c_dst"))
+    )
     sent = (
-        recs.where(F.col("event") == "forwarded")
+        near.where(F.col("sent_there"))
         .select("id", F.col("peer").alias("node"))
-        .join(places, ["id", "node"], "left_semi")
         .groupBy("id", "node")
         .agg(F.count(F.lit(1)).alias("forwarded_to"))
     )
 
     # Per id: its last record anywhere, and its last drop or refusal on the way, for everyone (dropped first).
-    way = F.col("event").isin("dropped", "refused") & F.col("dst").isNull() & ~F.col("reason").isin(*NOT_A_LOSS)
-    upstream = F.struct(
-        F.when(F.col("event") == "dropped", 1).otherwise(0).alias("k"), *ORDER, "event", "reason", "node"
-    )
+    upstream = F.struct(F.when(event == "dropped", 1).otherwise(0).alias("k"), *ORDER, "event", "reason", "node")
     # Only the messages with a missing delivery whose router has no record of them need their last record
-    # anywhere; drops and refusals are few.
-    unreached = missing.join(here, ["id", "node", "dst"], "left_anti").select("id").distinct()
+    # anywhere; drops and refusals are few (those of messages with nothing missing meet no row below).
+    unreached = places.join(here, ["id", "node"], "left_anti").select("id").distinct()
     anywhere = (
-        recs.join(unreached, "id", "left_semi")
+        msgs.join(unreached.hint("shuffle_hash"), "id", "left_semi")
         .groupBy("id")
         .agg(F.max(F.struct(*ORDER, "event", "reason", "node", "peer", "dst")).alias("anywhere"))
     )
-    upstreams = recs.where(way).groupBy("id").agg(F.max(upstream).alias("u"))
+    upstreams = near.where(_on_the_way()).groupBy("id").agg(F.max(upstream).alias("u"))
     per_id = anywhere.join(upstreams, "id", "full")
     null_s, null_l = F.lit(None).cast("string"), F.lit(None).cast("long")
     left = _cause(3, F.lit("left"), null_s, F.col("node"), F.col("until"), null_l)
     on_the_way = _cause(1, F.col("u.event"), F.col("u.reason"), F.col("u.node"), F.col("u.ts"), F.col("u.pos"))
     cause = F.greatest(
-        F.col("c_here"),
+        F.col("c_all"),
+        F.col("c_dst"),
         F.when(F.col("until").isNotNull(), left),
         F.when(F.col("u").isNotNull() & (F.col("u.node") != F.col("node")), on_the_way),
     )
     last = F.coalesce(F.col("here"), F.col("anywhere"))
     return (
-        missing.join(here, ["id", "node", "dst"], "left")
+        missing.join(here, ["id", "node"], "left")
+        .join(for_one, ["id", "node", "dst"], "left")
         .join(sent, ["id", "node"], "left")
         .join(per_id, "id", "left")
         .withColumn("c", cause)
