@@ -556,6 +556,78 @@ def test_dequeue_many_is_dequeue_of_each(tmp_path: Path, pick: str, read_first: 
     many.close()
 
 
+def _refs(s: LmdbStore) -> dict[bytes, int]:
+    return {k: struct.unpack(">Q", v)[0] for k, v in _tables(s)["refs"]}
+
+
+def _fill_stored_queues(s: LmdbStore) -> None:
+    """:func:`_fill_queues` without its entry of a message that is not stored (which ``store check`` reports)."""
+    seqs = _fill_queues(s)
+    with s.transaction():
+        assert s.dequeue(A, seqs[10]) is not None
+
+
+def _drain(s: LmdbStore, *recipients: bytes) -> None:
+    """Remove every queue entry of ``recipients`` as a queue drain does (read, then ``dequeue_many``)."""
+    for r in recipients:
+        with s.transaction():
+            entries = s.queue_messages(r, 1000)
+            s.dequeue_many(r, [e.seq for e in entries])
+
+
+def test_refs_count_the_entries_of_messages_without_a_group(path: Path) -> None:
+    """A group message stays stored until it expires, whatever its queue entries: it has no refs record. A unicast
+    message (and an id queued without a stored message) has its entries counted, and goes with the last one."""
+    s = open_store(path)
+    _fill_queues(s)
+    assert _refs(s) == {mid(6): 1, mid(7): 2, mid(8): 1, mid(9): 1, mid(10): 1}
+    s.close()
+    s = open_store(path)
+    _drain(s, A, B)
+    assert _refs(s) == {} and _tables(s)["queues"] == [] and _tables(s)["queue_exp"] == []
+    assert [s.has_message(mid(i)) for i in range(10)] == [True] * 6 + [False] * 4
+    s.close()
+    assert check_store(path) == []
+
+
+def test_a_schema_4_store_loses_the_refs_of_its_group_messages(path: Path) -> None:
+    """Schema 4 counted the queue entries of group messages too. Opened now, those records are deleted (the
+    unicasts' stay); the store checks clean before and after, and drains to nothing."""
+    s = open_store(path)
+    _fill_stored_queues(s)
+    with s.transaction():  # as schema 4 wrote it: every queued id counted
+        for i in range(6):
+            n = sum(1 for r in (A, B) for e in s.queue(r) if e.id == mid(i))
+            s._put("refs", mid(i), struct.pack(">Q", n))
+        s._put("meta", b"schema", b"4")
+    s.close()
+    assert check_store(path) == []  # (a consistent schema 4 store)
+    s = open_store(path)
+    assert s._get("meta", b"schema") == SCHEMA_VERSION
+    assert _refs(s) == {mid(6): 1, mid(7): 2, mid(8): 1, mid(9): 1}
+    s.close()
+    assert check_store(path) == []
+    s = open_store(path)
+    _drain(s, A, B)
+    assert _refs(s) == {} and _tables(s)["queues"] == []
+    assert [s.has_message(mid(i)) for i in range(10)] == [True] * 6 + [False] * 4
+    s.close()
+    assert check_store(path) == []
+
+
+def test_check_finds_a_refs_record_of_a_group_message(path: Path) -> None:
+    s = open_store(path)
+    _fill_stored_queues(s)
+    s.close()
+    assert check_store(path) == []
+    s = open_store(path)
+    with s.transaction():
+        s._put("refs", mid(2), struct.pack(">Q", 2))
+    s.close()
+    problems = check_store(path)
+    assert len(problems) == 1 and "has a group, but a refs record (2)" in problems[0], problems
+
+
 def test_queue_survives_reopen_and_sequence_numbers_are_never_reused(store: LmdbStore) -> None:
     with store.transaction():
         e1 = store.enqueue(A, mid(1), T, 1)

@@ -32,6 +32,7 @@ from upsycle_router.store.integrity import (
     marker_id,
     store_errors,
 )
+from upsycle_router.store.layout import SCHEMA_VERSION
 from upsycle_router.store.lmdb_store import LmdbStore, RouteEntry
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,7 +101,7 @@ def test_a_sound_store_opens_and_is_marked(store: Path) -> None:
     assert opens(store) == {"messages": 60, "queued": 60, "subs": 1}
     assert marker_id(store) == first  # (written once)
     report = diagnose(store)
-    assert report is not None and report.ok and report.meta_table[b"schema"] == b"4"
+    assert report is not None and report.ok and report.meta_table[b"schema"] == SCHEMA_VERSION
 
 
 def test_a_new_directory_is_a_new_store(tmp_path: Path) -> None:
@@ -339,7 +340,7 @@ def test_check_of_a_sound_store(store: Path) -> None:
     assert report.exit_code == 0, report.all_problems()
     assert report.counts["messages"] == 60 and report.counts["queue_entries"] == 60
     assert report.counts["recipients"] == 2 and report.counts["subscriptions"] == 1 and report.counts["routes"] == 1
-    assert report.schema == "4" and "OK" in report.verdict()
+    assert report.schema == SCHEMA_VERSION.decode() and "OK" in report.verdict()
 
 
 def _break_qstats(p: Path) -> str:
@@ -478,7 +479,7 @@ def test_backup_is_one_checked_file_that_lmdb_opens(store: Path, tmp_path: Path)
     assert report.exit_code == 0 and report.counts["messages"] == 60 and report.counts["queue_entries"] == 60
     env = lmdb.open(str(out), subdir=False, readonly=True, lock=False, max_dbs=16)
     with env.begin() as txn:
-        assert txn.get(b"schema", db=env.open_db(b"meta", txn=txn, create=False)) == b"4"
+        assert txn.get(b"schema", db=env.open_db(b"meta", txn=txn, create=False)) == SCHEMA_VERSION
     env.close()
     with pytest.raises(BackupError, match="exists"):
         backup(store, out)

@@ -28,7 +28,10 @@ in number order; times are whole milliseconds since the Unix epoch (``expires_ms
 ``queue_exp``  ``expires_ms || recipient || seq`` -> ``b""`` (the expiry index of ``queues``)
 ``qstats``     recipient -> :data:`COUNTS`: ``count || bytes`` of its queue
 ``sqstats``    recipient -> :data:`COUNTS`: the part of ``qstats`` that strangers queued
-``refs``       message id -> the number of queue entries that refer to it (U64)
+``refs``       message id -> the number of queue entries that refer to it (U64), for a message stored without
+               a group only (one that goes with its last queue entry); a group message stays stored until it
+               expires whatever its queue entries, so it has no ``refs`` record (schema 4 and before counted
+               them too: the conversion to schema 5 deletes those records)
 ``contacts``   ``local service || key it wrote to`` -> ``b""``
 ``owed``       message id -> :data:`OWED_HEAD` (the number of recipients) ``|| recipients || cores``, 32 bytes
                each: a stored group message and whom it is still owed to (:func:`owed_record`); it goes with
@@ -47,8 +50,10 @@ import struct
 
 from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_CONNECTION, ROUTE_MESSAGE, ROUTE_REGISTERED, ROUTE_SERVED
 
-SCHEMA_VERSION = b"4"  # 4: the id index in memory (3: ``msg_ids``, lagging behind from ``indexed`` on; 2: never)
-SCHEMAS = (b"1", b"2", b"3", SCHEMA_VERSION)  # every schema a store may have been written in (older: converted)
+# 5: ``refs`` counts the queue entries of messages without a group only (4: of every message; the id index in
+# memory since 4; 3: ``msg_ids``, lagging behind from ``indexed`` on; 2: never)
+SCHEMA_VERSION = b"5"
+SCHEMAS = (b"1", b"2", b"3", b"4", SCHEMA_VERSION)  # every schema a store may have been written in (older: converted)
 
 # The tables, in the order the store opens them.
 TABLES = ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "refs", "qstats",

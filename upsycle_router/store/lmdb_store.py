@@ -6,8 +6,8 @@ One LMDB environment holds every piece of state the router must not lose, in nam
 (``subs``, ``psubs``, ``usubs``), local services and their contacts (``locals``, ``contacts``), the routing
 table (``routes``), the messages (``msgs``) and their expiry index (``msg_exp``), per-recipient queues
 (``queues``) with their expiry index (``queue_exp``), quota accounting (``qstats``, ``sqstats``), the
-references of queue entries to messages (``refs``) and the group messages owed to recipients they were refused
-for (``owed``). What their keys and values hold, byte by byte, is
+references of queue entries to the messages without a group (``refs``) and the group messages owed to
+recipients they were refused for (``owed``). What their keys and values hold, byte by byte, is
 :mod:`upsycle_router.store.layout`'s to say: this module writes and reads them through its names only.
 
 Fair queues: a queue entry that a sender the router was never told to trust queued (a *stranger*) carries
@@ -20,6 +20,12 @@ An ``owed`` entry names a stored group message (:meth:`LmdbStore.put_owed`) and 
 holds messages. Their ids are also kept in memory (``_owed``, read when the store opens and again after a
 transaction that did not commit): the routing core asks about every multicast it routes, and almost always
 none is owed.
+
+A message without a group (unicast) goes with its last queue entry: ``refs`` counts its entries. A group
+message stays stored until it expires, for PULL, whatever its queue entries, so it has no ``refs`` record:
+counting them (up to store schema 4) cost a write of a page chosen by the random id on every enqueue and
+every removal, the largest part of a large backlog's drain. A queue drain knows which ids it read are group
+messages (``_group_ids``), so removing their entries touches only the queue tables.
 
 Messages are kept in arrival order, under a sequence number: storing a message appends it to the end of
 ``msgs`` (one B-tree page written for several messages). Sequence numbers (``seq``) of messages and of queue
@@ -40,7 +46,7 @@ sequence number ``msg_exp`` may lack: it is written with every bulk write, in th
 index never runs ahead of the messages or behind ``indexed``. Opening the store (after a crash, say) reads the
 records from ``indexed`` on, which carry their id and expiry, back into memory. A bulk write needs at most two
 new pages per entry; ``has_room`` keeps that much of the map free, and a small map holds fewer entries in
-memory. Stores of schemas 1 to 3 are converted when opened, in one transaction.
+memory. Stores of schemas 1 to 4 are converted when opened, in one transaction.
 
 All writes happen inside :meth:`LmdbStore.transaction`, one write transaction that the driver opens around a
 batch of events (group commit). Reads outside a transaction use a short read transaction. Durability:
@@ -88,6 +94,7 @@ from upsycle_router.store.layout import (
     REC_ID_AT_GROUP,
     REC_NO_GROUP,
     SCHEMA_VERSION,
+    SCHEMAS,
     SIZE_MASK,
     STRANGER_FLAG,
     SUB_LOCAL,
@@ -178,7 +185,7 @@ class LmdbStore(LmdbTables):
         self._saved_seq = self._next_seq
         with self.transaction():
             v = self._get("meta", b"schema")
-            if v not in (None, b"1", b"2", b"3", SCHEMA_VERSION):
+            if v is not None and v not in SCHEMAS:
                 raise RuntimeError(f"{self.path}: store schema {v!r} is not supported (expected {SCHEMA_VERSION!r})")
             for name in TABLES:
                 if name not in ("meta", "msgs"):
@@ -187,7 +194,7 @@ class LmdbStore(LmdbTables):
                 self._migrate_1()
             else:
                 self._db["msgs"] = self.env.open_db(b"msgs", txn=self._txn)
-            if v is not None and v != SCHEMA_VERSION:
+            if v in (b"1", b"2", b"3"):
                 self._migrate_ids()
             if v != SCHEMA_VERSION:
                 self._put("meta", b"schema", SCHEMA_VERSION)
@@ -195,6 +202,8 @@ class LmdbStore(LmdbTables):
             # converted store has no ``indexed`` mark: every record is read, and msg_exp written.
             if not self._load_index(self._txn) or len(self._exps) >= self.index_batch:
                 self._flush_index()
+            if v is not None and v != SCHEMA_VERSION:
+                self._migrate_refs()
             self._stranger_bytes = self._load_stranger_bytes(self._txn)
             self._load_owed(self._txn)
         self._opened = True
@@ -345,6 +354,23 @@ class LmdbStore(LmdbTables):
             pass
         txn.drop(self._db["msg_exp"], delete=False)
         self._delete("meta", b"indexed")
+
+    def _migrate_refs(self) -> None:
+        """Schemas 1-4 to 5, in the opening transaction, once the id index is built: delete the ``refs``
+        records of group messages (schema 5 counts the queue entries of messages without a group only). A
+        record whose message is no longer stored stays: its entries' removal counts it down as before."""
+        txn = self._w()
+        cur = txn.cursor(db=self._db["refs"])
+        stale = []
+        for k in cur.iternext(keys=True, values=False):
+            found = self._stored(bytes(k))
+            if found is not None and found[1][REC_FLAG_AT] == REC_GROUP:
+                stale.append(bytes(k))
+        for mid in stale:
+            txn.delete(mid, db=self._db["refs"])
+        if stale:
+            log.info("store %s: %d reference counts of group messages removed (store schema %s)", self.path,
+                     len(stale), SCHEMA_VERSION.decode())
 
     def _take_seq(self) -> bytes:
         seq = self._next_seq
@@ -624,8 +650,10 @@ class LmdbStore(LmdbTables):
             self._put("sqstats", recipient, COUNTS.pack(c + 1, b + size))
             self._stranger_bytes += size
         txn.put(U64.pack(exp) + recipient + seq_b, b"", db=db["queue_exp"])
-        refs = txn.get(mid, db=db["refs"])
-        txn.put(mid, U64.pack((U64.unpack(refs)[0] if refs else 0) + 1), db=db["refs"])
+        found = self._stored(mid)
+        if found is None or found[1][REC_FLAG_AT] != REC_GROUP:  # (a group message stays until it expires)
+            refs = txn.get(mid, db=db["refs"])
+            txn.put(mid, U64.pack((U64.unpack(refs)[0] if refs else 0) + 1), db=db["refs"])
         count, nbytes = self.queue_usage(recipient)
         self._qstats[recipient] = (count + 1, nbytes + size)
         return QueueEntry(recipient, seq, mid, exp / 1000.0, size)
@@ -732,7 +760,8 @@ class LmdbStore(LmdbTables):
         if refs > 0:
             txn.put(mid, U64.pack(refs), db=refs_db)
         else:
-            txn.delete(mid, db=refs_db)
+            if refs_raw is not None:
+                txn.delete(mid, db=refs_db)
             found = self._stored(mid)
             if found is not None and found[1][REC_FLAG_AT] == REC_NO_GROUP:  # (unicast: no group)
                 self._drop(mid, *found)
@@ -767,6 +796,11 @@ class LmdbStore(LmdbTables):
             qcur.delete()
             if ecur.set_key(pack(exp) + key):
                 ecur.delete()
+            count, nbytes = (count - 1, max(0, nbytes - size)) if count > 1 else (0, 0)
+            removed += 1
+            if mid in hints:  # a group message: no refs record, and it stays stored until it expires
+                hints.discard(mid)
+                continue
             had = rcur.set_key(mid)
             refs = unpack_u64(rcur.value())[0] - 1 if had else 0
             if refs > 0:
@@ -774,12 +808,8 @@ class LmdbStore(LmdbTables):
             else:
                 if had:
                     rcur.delete()
-                if mid in hints:  # a group message: it stays stored until it expires
-                    hints.discard(mid)
-                elif (found := self._stored(mid)) is not None and found[1][REC_FLAG_AT] == REC_NO_GROUP:
+                if (found := self._stored(mid)) is not None and found[1][REC_FLAG_AT] == REC_NO_GROUP:
                     self._drop(mid, *found)  # (unicast: no group)
-            count, nbytes = (count - 1, max(0, nbytes - size)) if count > 1 else (0, 0)
-            removed += 1
         if removed:
             self._qstats[recipient] = (count, nbytes)
         return removed

@@ -266,7 +266,9 @@ class MemoryStore:
             c, b = self.stranger_usage(recipient)
             self._set("sqstats", recipient, (c + 1, b + size))
             self._stranger_bytes += size
-        self._set("refs", mid, self._t["refs"].get(mid, 0) + 1)
+        stored = self.get_message(mid)
+        if stored is None or stored.group is None:  # (as the LMDB store: a group message has no refs record)
+            self._set("refs", mid, self._t["refs"].get(mid, 0) + 1)
         c, b = self.queue_usage(recipient)
         self._set("qstats", recipient, (c + 1, b + size))
         heapq.heappush(self._qexp, (exp, recipient, seq))
