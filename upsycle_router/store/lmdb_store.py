@@ -356,21 +356,28 @@ class LmdbStore(LmdbTables):
         self._delete("meta", b"indexed")
 
     def _migrate_refs(self) -> None:
-        """Schemas 1-4 to 5, in the opening transaction, once the id index is built: delete the ``refs``
-        records of group messages (schema 5 counts the queue entries of messages without a group only). A
-        record whose message is no longer stored stays: its entries' removal counts it down as before."""
-        txn = self._w()
-        cur = txn.cursor(db=self._db["refs"])
-        stale = []
-        for k in cur.iternext(keys=True, values=False):
-            found = self._stored(bytes(k))
+        """Schemas 1-4 to 5, in the opening transaction, once the id index is built: empty ``refs`` and count
+        again the queue entries of messages without a group (schema 5 counts only those; an entry whose message
+        is no longer stored counts as one without). Emptying the table frees its pages without copying them,
+        so a store near the end of its map converts too: it needs room only for the counts written again."""
+        txn, refs_db = self._w(), self._db["refs"]
+        txn.drop(refs_db, delete=False)
+        counted = skipped = 0
+        for _, v in txn.cursor(db=self._db["queues"]):
+            if len(v) != QUEUE.size:
+                continue  # (damage: ``store check`` names it)
+            mid = bytes(QUEUE.unpack(v)[0])
+            found = self._stored(mid)
             if found is not None and found[1][REC_FLAG_AT] == REC_GROUP:
-                stale.append(bytes(k))
-        for mid in stale:
-            txn.delete(mid, db=self._db["refs"])
-        if stale:
-            log.info("store %s: %d reference counts of group messages removed (store schema %s)", self.path,
-                     len(stale), SCHEMA_VERSION.decode())
+                skipped += 1
+                continue
+            raw = txn.get(mid, db=refs_db)
+            txn.put(mid, U64.pack((U64.unpack(raw)[0] if raw else 0) + 1), db=refs_db)
+            counted += 1
+        if counted or skipped:
+            log.info("store %s converted to schema %s: queue entries counted again, %d of messages without a "
+                     "group, %d of group messages (no longer counted)", self.path, SCHEMA_VERSION.decode(), counted,
+                     skipped)
 
     def _take_seq(self) -> bytes:
         seq = self._next_seq
