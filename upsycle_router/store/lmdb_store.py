@@ -360,24 +360,31 @@ class LmdbStore(LmdbTables):
         again the queue entries of messages without a group (schema 5 counts only those; an entry whose message
         is no longer stored counts as one without). Emptying the table frees its pages without copying them,
         so a store near the end of its map converts too: it needs room only for the counts written again."""
-        txn, refs_db = self._w(), self._db["refs"]
-        txn.drop(refs_db, delete=False)
+        txn = self._w()
+        txn.drop(self._db["refs"], delete=False)
         counted = skipped = 0
         for _, v in txn.cursor(db=self._db["queues"]):
             if len(v) != QUEUE.size:
                 continue  # (damage: ``store check`` names it)
-            mid = bytes(QUEUE.unpack(v)[0])
-            found = self._stored(mid)
-            if found is not None and found[1][REC_FLAG_AT] == REC_GROUP:
+            if self._count_entry(bytes(QUEUE.unpack(v)[0])):
+                counted += 1
+            else:
                 skipped += 1
-                continue
-            raw = txn.get(mid, db=refs_db)
-            txn.put(mid, U64.pack((U64.unpack(raw)[0] if raw else 0) + 1), db=refs_db)
-            counted += 1
         if counted or skipped:
             log.info("store %s converted to schema %s: queue entries counted again, %d of messages without a "
                      "group, %d of group messages (no longer counted)", self.path, SCHEMA_VERSION.decode(), counted,
                      skipped)
+
+    def _count_entry(self, mid: bytes) -> bool:
+        """Count one more queue entry of ``mid`` in ``refs``, unless it is a stored group message (which stays
+        stored until it expires: no refs record); whether it was counted."""
+        found = self._stored(mid)
+        if found is not None and found[1][REC_FLAG_AT] == REC_GROUP:
+            return False
+        txn, refs_db = self._w(), self._db["refs"]
+        raw = txn.get(mid, db=refs_db)
+        txn.put(mid, U64.pack((U64.unpack(raw)[0] if raw else 0) + 1), db=refs_db)
+        return True
 
     def _take_seq(self) -> bytes:
         seq = self._next_seq
@@ -657,10 +664,7 @@ class LmdbStore(LmdbTables):
             self._put("sqstats", recipient, COUNTS.pack(c + 1, b + size))
             self._stranger_bytes += size
         txn.put(U64.pack(exp) + recipient + seq_b, b"", db=db["queue_exp"])
-        found = self._stored(mid)
-        if found is None or found[1][REC_FLAG_AT] != REC_GROUP:  # (a group message stays until it expires)
-            refs = txn.get(mid, db=db["refs"])
-            txn.put(mid, U64.pack((U64.unpack(refs)[0] if refs else 0) + 1), db=db["refs"])
+        self._count_entry(mid)
         count, nbytes = self.queue_usage(recipient)
         self._qstats[recipient] = (count + 1, nbytes + size)
         return QueueEntry(recipient, seq, mid, exp / 1000.0, size)
