@@ -105,6 +105,7 @@ from upsycle_router.store.layout import (
     record_head,
     record_id,
 )
+from upsycle_router.store.readahead import WINDOW, Readahead
 from upsycle_router.store.tables import LmdbTables
 
 log = logging.getLogger("upsycle_router.store")
@@ -138,6 +139,7 @@ class LmdbStore(LmdbTables):
         durability: Durability = Durability.FSYNC,
         map_size: int = 1 << 31,
         index_batch: int = INDEX_BATCH,
+        readahead: int = WINDOW,
     ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -207,6 +209,8 @@ class LmdbStore(LmdbTables):
             self._stranger_bytes = self._load_stranger_bytes(self._txn)
             self._load_owed(self._txn)
         self._opened = True
+        # Queue drains ask the kernel for the pages they read next (0: never); None where that cannot work.
+        self._ahead = Readahead.open(self.env, self.path / "data.mdb", readahead)
         mark_initialised(self.path)  # from now on an empty or missing data file is damage, not a new store
         # has_room's last verdict: the share of the usable map in use (the core slows senders from a point on)
         self.pressure = 0.0
@@ -305,6 +309,8 @@ class LmdbStore(LmdbTables):
                 log.warning("%s: message index entries not written on close: %s", self.path, e)
         self.env.sync(True)
         self.env.close()
+        if self._ahead is not None:
+            self._ahead.close()
 
     def _prefix(self, db: str, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         """The records whose key starts with ``prefix`` (from key ``start`` on, if given), in key order."""
@@ -708,6 +714,8 @@ class LmdbStore(LmdbTables):
             hints = self._group_ids
             if len(hints) > GROUP_HINTS:
                 hints.clear()
+            last_rec = -1  # the sequence number of the last message record read
+            k, exp = b"", 0
             for k, v in cur:
                 if k[:n] != recipient:
                     break
@@ -728,6 +736,7 @@ class LmdbStore(LmdbTables):
                         rec = r
                         break
                 if rec is not None:
+                    last_rec = s
                     mexp = u64_from(rec, 0)[0] / 1000.0
                     if rec[REC_FLAG_AT] == REC_GROUP:
                         data, group = rec[REC_DATA_AT_GROUP:], rec[REC_GROUP_AT:REC_ID_AT_GROUP]
@@ -740,7 +749,25 @@ class LmdbStore(LmdbTables):
                                          group, mexp))
                 if len(out) >= limit or (budget is not None and budget <= 0):
                     break
+        if self._ahead is not None and out and self._ahead.due(recipient, len(out)):
+            self._read_ahead(recipient, k, last_rec, exp)
         return out
+
+    def _read_ahead(self, recipient: bytes, qkey: bytes, rec_seq: int, exp: int) -> None:
+        """Ask for the pages of ``queues``, ``queue_exp`` and ``msgs`` after those of a drain's last entry
+        (``qkey``), its expiry and its message record (readahead.py)."""
+        ahead, db = self._ahead, self._db
+        assert ahead is not None
+        window = ahead.window
+        with self.env.begin(buffers=True) as txn:
+            for table, name, key, size in (
+                (0, "msgs", U64.pack(rec_seq) if rec_seq >= 0 else b"", window),
+                (1, "queues", qkey, window >> 3),
+                (2, "queue_exp", U64.pack(exp) + qkey, window >> 3),
+            ):
+                cur = txn.cursor(db=db[name])
+                if key and cur.set_key(key):
+                    ahead.advise(recipient, table, cur.key(), size)
 
     def dequeue(self, recipient: bytes, seq: int) -> QueueEntry | None:
         """Remove one queue entry and return it (None if it was not there).
