@@ -28,8 +28,11 @@ every removal, the largest part of a large backlog's drain. A queue drain knows 
 messages (``_group_ids``), so removing their entries touches only the queue tables.
 
 Messages are kept in arrival order, under a sequence number: storing a message appends it to the end of
-``msgs`` (one B-tree page written for several messages). Sequence numbers (``seq``) of messages and of queue
-entries come from one counter that is saved with every transaction that used it, so they only grow.
+``msgs`` (one B-tree page written for several messages). A queue drain reads its entries, their expiry
+entries and their messages in that order too, so it asks the kernel for the pages past the last ones it read
+(:mod:`~upsycle_router.store.readahead`): LMDB's own read-ahead is off, for the random lookups. Sequence numbers
+(``seq``) of messages and of queue entries come from one counter that is saved with every transaction that used
+it, so they only grow.
 
 The id index - which sequence number a message id is stored under, and the duplicate check of every message
 that arrives - lives in memory only (``_index``, :class:`~upsycle_router.store.accel.IdIndex`: a salted 64-bit
@@ -714,8 +717,7 @@ class LmdbStore(LmdbTables):
             hints = self._group_ids
             if len(hints) > GROUP_HINTS:
                 hints.clear()
-            last_rec = -1  # the sequence number of the last message record read
-            k, exp = b"", 0
+            last_rec, last_key, last_exp = -1, b"", 0  # the last message record, queue entry and expiry read
             for k, v in cur:
                 if k[:n] != recipient:
                     break
@@ -733,10 +735,9 @@ class LmdbStore(LmdbTables):
                 for s in seqs:
                     r = get(pack(s), db=msgs)
                     if r is not None and r.startswith(mid, id_at_group if r[REC_FLAG_AT] == REC_GROUP else REC_ID_AT):
-                        rec = r
+                        rec, last_rec = r, s
                         break
                 if rec is not None:
-                    last_rec = s
                     mexp = u64_from(rec, 0)[0] / 1000.0
                     if rec[REC_FLAG_AT] == REC_GROUP:
                         data, group = rec[REC_DATA_AT_GROUP:], rec[REC_GROUP_AT:REC_ID_AT_GROUP]
@@ -747,10 +748,11 @@ class LmdbStore(LmdbTables):
                         budget -= len(data)
                 out.append(QueuedMessage(u64_from(k, QUEUE_SEQ_AT)[0], mid, size & SIZE_MASK, exp / 1000.0, data,
                                          group, mexp))
+                last_key, last_exp = k, exp
                 if len(out) >= limit or (budget is not None and budget <= 0):
                     break
         if self._ahead is not None and out and self._ahead.due(recipient, len(out)):
-            self._read_ahead(recipient, k, last_rec, exp)
+            self._read_ahead(recipient, last_key, last_rec, last_exp)
         return out
 
     def _read_ahead(self, recipient: bytes, qkey: bytes, rec_seq: int, exp: int) -> None:
