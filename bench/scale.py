@@ -703,6 +703,22 @@ def _store_bytes(data: Path) -> int:
     return sum(p.stat().st_blocks * 512 for p in data.rglob("*.mdb") if p.is_file())
 
 
+def drop_caches() -> int:
+    """Sync, then drop the clean page cache that no process maps; return the MiB of page cache dropped."""
+    def cached() -> int:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("Cached:")) // 1024
+
+    before = cached()
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w", encoding="ascii") as f:
+            f.write("1\n")
+    except OSError as e:
+        raise WorkloadError(f"--drop-caches: {e} (it needs root)") from e
+    return before - cached()
+
+
 def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
     a = ctx.args
     q = a.backlog
@@ -740,6 +756,8 @@ def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
                 rec["fill_msg_s"] = round(q / rec["fill_s"])
                 rec["fill_cpu_us_per_msg"] = round((c1 - c0) * 1e6 / q, 2)
                 wait_quiet([d.child.pid])
+                if a.drop_caches:
+                    rec["dropped_caches"] = drop_caches()
                 rec["rss_before_kib"] = r0
                 rec["rss_filled_kib"] = rss_kib(d.child.pid)
                 rec["rss_max_fill_kib"] = fill
@@ -955,6 +973,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="processes reading the fan-out's subscriber connections (pinned to the CPUs in turn, the "
                         "load generator's first)")
     p.add_argument("--backlog", type=int, default=1_000_000, help="messages queued for the backlog part")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="backlog: after the fill, sync and drop the clean page cache the daemon has not mapped "
+                        "(/proc/sys/vm/drop_caches, root only), so the drain reads the store from the disk - as on a "
+                        "machine whose memory manager paged the store out")
     p.add_argument("--groups", type=int, default=100_000, help="groups JOINed in the groups part")
     p.add_argument("--cache", type=Path, default=Path(tempfile.gettempdir()) / "ub-scale-cache",
                    help="presigned messages, kept between runs (a day)")

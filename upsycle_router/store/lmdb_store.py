@@ -718,6 +718,7 @@ class LmdbStore(LmdbTables):
             if len(hints) > GROUP_HINTS:
                 hints.clear()
             last_rec, last_key, last_exp = -1, b"", 0  # the last message record, queue entry and expiry read
+            got = 0  # the messages' bytes read
             for k, v in cur:
                 if k[:n] != recipient:
                     break
@@ -744,6 +745,7 @@ class LmdbStore(LmdbTables):
                         hints.add(mid)
                     else:
                         data = rec[REC_DATA_AT:]
+                    got += len(data)
                     if budget is not None:
                         budget -= len(data)
                 out.append(QueuedMessage(u64_from(k, QUEUE_SEQ_AT)[0], mid, size & SIZE_MASK, exp / 1000.0, data,
@@ -752,15 +754,16 @@ class LmdbStore(LmdbTables):
                 if len(out) >= limit or (budget is not None and budget <= 0):
                     break
         if self._ahead is not None and out and self._ahead.due(recipient, len(out)):
-            self._read_ahead(recipient, last_key, last_rec, last_exp)
+            self._read_ahead(recipient, last_key, last_rec, last_exp, got)
         return out
 
-    def _read_ahead(self, recipient: bytes, qkey: bytes, rec_seq: int, exp: int) -> None:
+    def _read_ahead(self, recipient: bytes, qkey: bytes, rec_seq: int, exp: int, got: int) -> None:
         """Ask for the pages of ``queues``, ``queue_exp`` and ``msgs`` after those of a drain's last entry
-        (``qkey``), its expiry and its message record (readahead.py)."""
+        (``qkey``), its expiry and its message record (readahead.py): the window, or twice the messages' bytes
+        this call read (``got``) if that is more - the next call may read as much - up to four windows."""
         ahead, db = self._ahead, self._db
         assert ahead is not None
-        window = ahead.window
+        window = min(max(ahead.window, 2 * got), 4 * ahead.window)
         with self.env.begin(buffers=True) as txn:
             for table, name, key, size in (
                 (0, "msgs", U64.pack(rec_seq) if rec_seq >= 0 else b"", window),

@@ -13,11 +13,14 @@ page - ~2.5 messages - and drained 3-4 times slower than with the pages cached.
 
 So the drain asks the kernel for what comes next, without waiting for it: every :data:`EVERY` messages a
 recipient's drain reads, :meth:`Readahead.advise` takes the place in the file of the last record read of each
-of those tables and hands the kernel the next ``window`` bytes after it (``posix_fadvise(POSIX_FADV_WILLNEED)``
-on a descriptor of the data file, which shares the page cache with the map: the kernel starts reading and
-returns at once). Per recipient and table it remembers how far it has asked, so each call asks only for the
-bytes past that; a record found before that point (a page LMDB reused from its free list, say) starts the
-window again from there. A window that is not used costs page cache and disk reads, never a wrong result:
+of those tables and hands the kernel the next ``window`` bytes after it (the store makes that twice what the
+drain's last read took, if that is more) with ``posix_fadvise(POSIX_FADV_WILLNEED)`` on a descriptor of the
+data file, which shares the page cache with the map: the kernel starts reading and returns at once. It asks in
+pieces of :data:`CHUNK` bytes: Linux reads no more than the device's read-ahead size (``read_ahead_kb``, 128
+KiB by default) of each call, and a drain that asked for 23 MiB at once got the first 8 MiB read ahead and the
+rest one page at a time. Per recipient and table it remembers how far it has asked, so each call asks only
+for the bytes past that; a record found before that point (a page LMDB reused from its free list, say) starts
+the window again from there. A window that is not used costs page cache and disk reads, never a wrong result:
 this module changes what is in the cache, not what the store reads.
 
 Where a record lies in the file: LMDB hands out records of a read transaction opened with ``buffers=True`` as
@@ -41,6 +44,9 @@ WINDOW = 16 << 20
 """Bytes of the message table asked for ahead of a drain (the queue tables: an eighth of it)."""
 EVERY = 64
 """A recipient's drain asks for more after this many messages read."""
+CHUNK = 128 << 10
+"""Bytes asked for per ``posix_fadvise`` call: Linux reads at most the device's read-ahead size per call (the
+rest of a longer range is silently left out), and that is 128 KiB unless someone raised it."""
 MAX_TRACKED = 4096
 """At most this many (recipient, table) positions are remembered (then all are forgotten)."""
 
@@ -156,7 +162,8 @@ class Readahead:
         if end <= start:
             return
         try:
-            os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_WILLNEED)
+            for at in range(start, end, CHUNK):
+                os.posix_fadvise(self.fd, at, min(CHUNK, end - at), os.POSIX_FADV_WILLNEED)
         except OSError:
             return
         self._asked[key] = end
