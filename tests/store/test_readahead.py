@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from upsycle_router.durability import Durability
 from upsycle_router.store.layout import U64
-from upsycle_router.store.lmdb_store import Durability, LmdbStore
-from upsycle_router.store.readahead import EVERY, Readahead, buffer_address, mapping_start
+from upsycle_router.store.lmdb_store import LmdbStore
+from upsycle_router.store.readahead import CHUNK, EVERY, Readahead, buffer_address, mapping_start
 
 PAGE = mmap.PAGESIZE
 T = 1_800_000_000.0
@@ -72,6 +73,31 @@ def test_advise_asks_only_past_what_it_asked_for(tmp_path: Path) -> None:
         m.close()
         ra.close()
     assert ra.fd == -1
+
+
+def test_a_long_window_is_asked_for_in_pieces_the_kernel_reads_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Linux reads at most the device's read-ahead size (128 KiB by default) of one posix_fadvise call: a window
+    # asked for in one call would mostly not be read ahead.
+    calls: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def recording(fd: int, offset: int, length: int, advice: int) -> None:
+        calls.append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    pages = 3 * CHUNK // PAGE + 5
+    ra, m = _readahead(tmp_path, pages, pages)
+    try:
+        ra.advise(R, 0, memoryview(m)[PAGE:], ra.window)
+    finally:
+        m.close()
+        ra.close()
+    assert calls and all(0 < n <= CHUNK for _, n in calls)
+    assert calls[0][0] == PAGE and all(a + n == b for (a, n), (b, _) in zip(calls, calls[1:], strict=False))
+    assert sum(n for _, n in calls) == pages * PAGE == ra.asked_bytes
 
 
 def test_due_every_so_many_messages_per_recipient(tmp_path: Path) -> None:
