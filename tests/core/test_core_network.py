@@ -22,7 +22,7 @@ import pytest
 from core_harness import CoreHarness, Effects, advert, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import Dial, Fanout, PeerLearned, Send, sends
+from upsycle_router.core.events import Dial, Fanout, PeerLearned, QueueRun, Send, sends
 from upsycle_router.core.router import REDIAL_MIN
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import RemoteProtocolError
@@ -162,7 +162,7 @@ class Net:
     def _effects(self, node: CoreHarness, effects: Effects) -> None:
         written: list[tuple[bytes, int]] = []
         for e in effects:
-            if isinstance(e, Fanout):
+            if isinstance(e, (Fanout, QueueRun)):
                 self._effects(node, Effects(sends([e])))
             elif isinstance(e, Send):
                 if (node.id, e.conn) in self.links:

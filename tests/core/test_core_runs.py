@@ -29,6 +29,7 @@ from upsycle_router.core.events import (
     Event,
     Fanout,
     MessagesReceived,
+    QueueRun,
     QueueSent,
     Send,
     Trace,
@@ -118,7 +119,7 @@ class Twin:
 
 def _normal(effects: list[Effect]) -> tuple[list[Effect], dict[int, list[Send]], list[Effect]]:
     """Trace records, each connection's writes, and the other effects, each in order."""
-    writes = (Send, Fanout)
+    writes = (Send, Fanout, QueueRun)
     per_conn: dict[int, list[Send]] = {}
     for s in sends(effects):
         per_conn.setdefault(s.conn, []).append(s)
@@ -225,7 +226,7 @@ def run_scenario(
                 msgs = [message(bias) for _ in range(rng.randrange(1, 40))]
                 events.append(MessagesReceived(cid, msgs, _verified(msgs)))
             out = t.batch(events)
-            queue_refs.extend(e.queue_ref for e in out if isinstance(e, Send) and e.queue_ref is not None)
+            queue_refs.extend(e.queue_ref for e in sends(out) if e.queue_ref is not None)
         t.check_state()
     return t
 

@@ -1,9 +1,9 @@
 """Inputs to and outputs of the routing core.
 
 The values are immutable: frozen dataclasses, and for those made once or more per routed message
-(:class:`Send`, :class:`Fanout`, :class:`Trace`) typed named tuples, which are as immutable and four times
-cheaper to build. One input type per fact (a read's messages arrive as one :class:`MessagesReceived`, a single
-message as one of length 1), one effect type per command.
+(:class:`Send`, :class:`Fanout`, :class:`QueueRun`, :class:`Trace`) typed named tuples, which are as immutable
+and four times cheaper to build. One input type per fact (a read's messages arrive as one
+:class:`MessagesReceived`, a single message as one of length 1), one effect type per command.
 
 Inputs are named in the past tense (what happened); effects are commands (what the driver must do). The
 driver feeds inputs in arrival order inside one store transaction per batch, commits, and only then carries
@@ -102,9 +102,21 @@ class Fanout(NamedTuple):
     datas: tuple[bytes, ...]
 
 
+class QueueRun(NamedTuple):
+    """Write ``datas``, in order, to ``conn``: queued messages of ``peer``, each draining the queue entry of the
+    same place in ``seqs`` (one effect for what one drain step writes to one connection, instead of one
+    :class:`Send` with a ``queue_ref`` per entry). The driver reports each entry (``QueueSent``) once its bytes
+    left the connection's buffer."""
+
+    conn: ConnId
+    peer: bytes
+    seqs: tuple[int, ...]
+    datas: tuple[bytes, ...]
+
+
 def sends(effects: Iterable[Effect]) -> Iterator[Send]:
     """The effects' writes as one :class:`Send` each, in order (a :class:`Fanout` as one per connection and
-    message, message by message)."""
+    message, message by message; a :class:`QueueRun` as one per entry, with its ``queue_ref``)."""
     for e in effects:
         if isinstance(e, Send):
             yield e
@@ -112,6 +124,9 @@ def sends(effects: Iterable[Effect]) -> Iterator[Send]:
             for data in e.datas:
                 for c in e.conns:
                     yield Send(c, data)
+        elif isinstance(e, QueueRun):
+            for seq, data in zip(e.seqs, e.datas, strict=True):
+                yield Send(e.conn, data, (e.peer, seq))
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,4 +183,4 @@ class PeerLearned:
     transport: int = 1
 
 
-Effect = Send | Fanout | Dial | CloseConnection | Trace | PeerLearned | Throttle
+Effect = Send | Fanout | QueueRun | Dial | CloseConnection | Trace | PeerLearned | Throttle

@@ -4,8 +4,9 @@ Theory of operation
 -------------------
 Messages for a recipient that is away, behind or not reading wait in its queue in the store
 (:meth:`~upsycle_router.core.delivery.Delivery.enqueue` puts them there). When the recipient is connected,
-:meth:`QueueDrain.flush` writes the entries not yet on its connection, each as a
-:class:`~upsycle_router.core.events.Send` with a ``queue_ref``; the driver reports each entry's bytes written
+:meth:`QueueDrain.flush` writes the entries not yet on its connection, as one
+:class:`~upsycle_router.core.events.QueueRun` (their messages and sequence numbers, in order; the trace
+records of the step after it); the driver reports each entry's bytes written
 (:class:`~upsycle_router.core.events.QueueSent`), and only then is the entry removed from the store
 (:meth:`QueueDrain.queue_sent`). A crash in between redelivers rather than loses (at least once; one
 connection never gets the same entry twice: ``Conn.sent`` is the highest sequence written on it).
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 
-from upsycle_router.core.events import Effect, QueueSent, Send, Trace
+from upsycle_router.core.events import Effect, QueueRun, QueueSent, Trace
 from upsycle_router.core.state import Conn, RouterState
 from upsycle_router.core.trace import DELIVERED, EXPIRED, FORWARDED, MULTICAST, UNICAST, Why
 from upsycle_router.errors import RemoteProtocolError
@@ -53,29 +54,34 @@ class QueueDrain:
         if not entries:
             return
         subscribed: set[bytes] | None = None
+        peer, inflight, tracing = c.peer, c.inflight, s.tracing
+        seqs: list[int] = []
+        datas: list[bytes] = []
+        traces: list[Effect] = []  # after the writes (the driver journals a batch's records before any write)
         for e in entries:
             if budget <= 0:  # enough bytes in flight: the rest waits for acknowledgements
                 c.backlog = True
                 break
-            c.sent = e.seq
+            seq = c.sent = e.seq
             data = e.data
             if data is None or e.message_expires <= now or e.expires <= now:
-                store.dequeue(c.peer, e.seq)
+                store.dequeue(peer, seq)
                 group = e.group if data is not None else None
-                out.append(Trace(EXPIRED, e.id, MULTICAST if group else UNICAST, group, dst=c.peer,
-                                 size=e.size, reason=Why.EXPIRED, role=s.role(c.peer)))
+                traces.append(Trace(EXPIRED, e.id, MULTICAST if group else UNICAST, group, dst=peer,
+                                    size=e.size, reason=Why.EXPIRED, role=s.role(peer)))
                 continue
             size = len(data)
-            c.inflight[e.seq] = size
+            inflight[seq] = size
             c.inflight_bytes += size
             budget -= size
-            out.append(Send(c.id, data, (c.peer, e.seq)))
-            if not s.tracing:
+            seqs.append(seq)
+            datas.append(data)
+            if not tracing:
                 continue
             kind = MULTICAST if e.group is not None else UNICAST
             if subscribed is None:
                 subscribed = s.subscribed_anywhere()
-            event = DELIVERED if c.local or c.peer in subscribed else FORWARDED
+            event = DELIVERED if c.local or peer in subscribed else FORWARDED
             src = dst = None
             if e.group is None:
                 with contextlib.suppress(RemoteProtocolError):
@@ -83,9 +89,12 @@ class QueueDrain:
                     if isinstance(hd, UnicastHeader):
                         src, dst = hd.src, hd.dst
             if event == DELIVERED or dst is None:
-                dst = c.peer
-            out.append(Trace(event, e.id, kind, e.group, src, dst, c.peer, len(data),
-                             role=s.role(c.peer) if event == DELIVERED else None))
+                dst = peer
+            traces.append(Trace(event, e.id, kind, e.group, src, dst, peer, len(data),
+                                role=s.role(peer) if event == DELIVERED else None))
+        if seqs:
+            out.append(QueueRun(c.id, peer, tuple(seqs), tuple(datas)))
+        out.extend(traces)
 
     def queue_sent(self, ev: QueueSent, now: float, out: list[Effect]) -> None:
         """The driver wrote these queue entries: remove them, and let the window move on."""

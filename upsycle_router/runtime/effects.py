@@ -17,9 +17,11 @@ only then) and carries them out in order:
   one, in one call for the run (:func:`upsycle_router.transport.accel.fanout`), through the transport of the
   others. A connection whose outbound buffer passes ``outbound_buffer_max`` is a reader that does not read: it
   is closed;
-* a write that drains a queue entry (``Send.queue_ref``) is reported back to the core (``QueueSent``, which
-  removes the entry) only once its bytes left the transport's buffer (:meth:`EffectRunner.release_flushed`,
-  polled while some have not): a crash before then redelivers the entry instead of losing it;
+* a write that drains a queue entry (each entry of a ``QueueRun``, a ``Send`` with a ``queue_ref``) is
+  reported back to the core (``QueueSent``, which removes the entry) only once its bytes left the transport's
+  buffer (:meth:`EffectRunner.release_flushed`, polled while some have not): a crash before then redelivers
+  the entry instead of losing it. A ``QueueRun`` goes to its connection in one call (a stream connection
+  gathers its frames joined in one buffer);
 * under ``durability: fsync`` the batch's fan-outs are carried out a step earlier, while its commit is in
   flight (:meth:`EffectRunner.apply_early`, see :mod:`upsycle_router.runtime.commit`); the rest as above;
 * dials go to the connection pool (a failed one comes back as ``DialFailed``), learned addresses to its
@@ -43,6 +45,7 @@ from upsycle_router.core.events import (
     Event,
     Fanout,
     PeerLearned,
+    QueueRun,
     Send,
     Throttle,
     Trace,
@@ -126,8 +129,8 @@ class EffectRunner:
                     early.append(e)
                     continue
                 held.update(e.conns)
-            elif kind is Send:
-                assert isinstance(e, Send)
+            elif kind is Send or kind is QueueRun:
+                assert isinstance(e, (Send, QueueRun))
                 held.add(e.conn)
             elif kind is CloseConnection:
                 assert isinstance(e, CloseConnection)
@@ -199,13 +202,19 @@ class EffectRunner:
             if payloads:  # anything written after the run goes out after it
                 self._fan_out(run, payloads, framed, nbytes, sent_to)
                 payloads, framed, nbytes, run = [], [], 0, ()
-            if kind is Send:
+            if kind is QueueRun:
+                assert isinstance(e, QueueRun)
+                conn = conns.get(e.conn)
+                # Dequeued only once their bytes left our buffer: a crash before then must redeliver.
+                if conn is not None and conn.send_queued(e.peer, e.seqs, e.datas):
+                    sent_to.add(conn)
+                    self._unflushed.add(conn.id)
+            elif kind is Send:
                 assert isinstance(e, Send)
                 conn = conns.get(e.conn)
                 if conn is not None and conn.send(e.data):
                     sent_to.add(conn)
                     if e.queue_ref is not None:
-                        # Dequeue only once the bytes left our buffer: a crash before then must redeliver.
                         conn.mark_queued(e.queue_ref)
                         self._unflushed.add(conn.id)
             elif isinstance(e, Dial):

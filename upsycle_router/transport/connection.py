@@ -27,7 +27,7 @@ import contextlib
 import itertools
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast
 
 from upsycle_router.crypto import Identity
@@ -273,7 +273,7 @@ class Connection(asyncio.Protocol):
         keys = self._housekeeping
         self._used = any(is_application(m, keys) for m in messages)
 
-    def _note_sent(self, payloads: list[bytes] | tuple[bytes, ...]) -> None:
+    def _note_sent(self, payloads: Sequence[bytes]) -> None:
         """Routed messages go out: note whether one is application traffic."""
         keys = self._housekeeping
         for p in payloads:
@@ -312,6 +312,17 @@ class Connection(asyncio.Protocol):
         for p in payloads:
             if not self.send(p):
                 return False
+        return True
+
+    def send_queued(self, peer: bytes, seqs: Sequence[int], payloads: Sequence[bytes]) -> bool:
+        """Write queued messages ``payloads`` in order, each draining the queue entry ``(peer, seq)`` of the same
+        place in ``seqs`` (:meth:`take_flushed` names each once its last byte left the transport's buffer);
+        False if none was written (the connection is closed)."""
+        pending = self._unflushed
+        for i, (seq, payload) in enumerate(zip(seqs, payloads, strict=True)):
+            if not self.send(payload):
+                return i > 0
+            pending.append((self.written, (peer, seq)))
         return True
 
     def send_run(self, payloads: list[bytes], framed: list[bytes], nbytes: int, sent: int = 0) -> int:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from collections.abc import Sequence
 from typing import Any
 
 from upsycle_router.transport.connection import CLOSE_LINGER, Connection, ConnectionHandler
 from upsycle_router.transport.session import Session
+from upsycle_router.wire.accel import join_frames
 
 __all__ = ["CLOSE_LINGER", "ConnectionHandler", "StreamConnection"]
 _LEN = struct.Struct(">I")
@@ -103,6 +105,24 @@ class StreamConnection(Connection):
         self.messages_out += len(payloads)
         if not self._used:
             self._note_sent(payloads)
+        return True
+
+    def send_queued(self, peer: bytes, seqs: Sequence[int], payloads: Sequence[bytes]) -> bool:
+        """Gather queued messages as :meth:`Connection.send_queued` writes them, in one buffer (their frames
+        joined in C) and one gather for the run instead of a frame and a call per message."""
+        if len(payloads) == 1:
+            return super().send_queued(peer, seqs, payloads)
+        blob = join_frames(list(payloads))
+        at = self.written
+        if not self._gather((blob,), len(blob)):
+            return False
+        self.messages_out += len(payloads)
+        if not self._used:
+            self._note_sent(payloads)
+        pending = self._unflushed
+        for seq, payload in zip(seqs, payloads, strict=True):
+            at += 4 + len(payload)
+            pending.append((at, (peer, seq)))
         return True
 
     def send_run(self, payloads: list[bytes], framed: list[bytes], nbytes: int, sent: int = 0) -> int:

@@ -15,9 +15,9 @@ driver`/``effects``, :mod:`~upsycle_router.runtime.pubsub_service`, :mod:`~upsyc
 discovery_service`; the translation is written here, and ``tests/tools/test_sim_network.py`` checks it against those
 adapters message by message):
 
-* the router's ``Send``/``Fanout`` to a service or app connection is that endpoint's input after
-  ``local_delay``; to a link, a transmission (below). ``Send.queue_ref`` is reported back (``QueueSent``) when
-  its bytes left: at once for a local connection, after the link's serialisation delay for a link;
+* the router's ``Send``/``Fanout``/``QueueRun`` to a service or app connection is that endpoint's input after
+  ``local_delay``; to a link, a transmission (below). Each entry of a ``QueueRun`` is reported back
+  (``QueueSent``) when its bytes left: at once for a local connection, after the link's serialisation delay for a link;
   ``Dial`` opens a link after a handshake (``handshake_rtts`` round trips) if the other router is up and
   reachable, else ``DialFailed`` after ``dial_timeout``; ``Trace`` is a journal record (``ts`` = the virtual
   clock, ``node`` = the router id); ``PeerLearned`` needs nothing (the simulator knows every address);
@@ -95,6 +95,7 @@ from upsycle_router.core.events import (
     Fanout,
     MessagesReceived,
     PeerLearned,
+    QueueRun,
     QueueSent,
     Send,
     Throttle,
@@ -570,6 +571,10 @@ class Network:
             if t is Send:
                 assert isinstance(e, Send)
                 self._write(node, e.conn, e.data, e.queue_ref)
+            elif t is QueueRun:
+                assert isinstance(e, QueueRun)
+                for seq, data in zip(e.seqs, e.datas, strict=True):
+                    self._write(node, e.conn, data, (e.peer, seq))
             elif t is Fanout:
                 assert isinstance(e, Fanout)
                 for data in e.datas:
