@@ -1,0 +1,140 @@
+"""A queue drain's run of messages written in one call (``send_queued``) equals one write per message.
+
+:meth:`StreamConnection.send_queued` gathers a run's frames joined in one buffer and notes where each entry's
+last byte lies; :meth:`Connection.send_queued` (the general one) writes and notes them one at a time, as a
+``Send`` with a ``queue_ref`` each did. Both run here over real Unix socket pairs on the daemon's loop: the
+bytes the other end reads, the position noted for each entry and the entries :meth:`take_flushed` names
+(all of them, and the part whose bytes had left when only part of the run had) must be the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+
+import uvloop
+
+from upsycle_router.crypto import Identity
+from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.transport.connection import Connection
+from upsycle_router.transport.stream import StreamConnection
+from upsycle_router.wire.messages import Message
+
+PEER = bytes(range(32))
+
+
+class Handler:
+    def on_open(self, conn: Connection, peer: bytes) -> None: ...
+    def on_frame(self, conn: Connection, payload: bytes) -> None: ...
+    def on_messages(self, conn: Connection, messages: list[Message]) -> None: ...
+    def on_close(self, conn: Connection) -> None: ...
+    def on_protocol_error(self, conn: Connection, error: RemoteProtocolError) -> None: ...
+    def on_write_blocked(self, conn: Connection, blocked: bool) -> None: ...
+
+
+async def _pair(ident: Identity) -> tuple[StreamConnection, socket.socket]:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    theirs.setblocking(False)
+    loop = asyncio.get_running_loop()
+    _t, conn = await loop.connect_accepted_socket(
+        lambda: StreamConnection(Handler(), ident, kind="unix", handshake_timeout=30.0), sock=ours
+    )
+    return conn, theirs
+
+
+async def _read(sock: socket.socket, n: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    out = bytearray()
+    async with asyncio.timeout(10):
+        while len(out) < n:
+            chunk = await loop.sock_recv(sock, n - len(out))
+            assert chunk, "closed early"
+            out += chunk
+    return bytes(out)
+
+
+async def _both_ways(seed: int) -> None:
+    rng = random.Random(seed)
+    ident = Identity.generate()
+    fast, fast_end = await _pair(ident)
+    slow, slow_end = await _pair(ident)
+    try:
+        # what the connections wrote first (HELLO) is read and set aside
+        for conn, end in ((fast, fast_end), (slow, slow_end)):
+            conn.write_out()
+            await _read(end, conn.written)
+        assert fast.written == slow.written
+        n = rng.randrange(2, 400)
+        seqs = tuple(sorted(rng.sample(range(1, 10 * n), n)))
+        payloads = tuple(rng.randbytes(rng.randrange(0, 3000)) for _ in range(n))
+        base = fast.written
+        assert fast.send_queued(PEER, seqs, payloads)
+        assert Connection.send_queued(slow, PEER, seqs, payloads)
+        assert fast.written == slow.written == base + sum(4 + len(p) for p in payloads)
+        assert list(fast._unflushed) == list(slow._unflushed)  # the same place noted for each entry
+        assert [ref for _, ref in fast._unflushed] == [(PEER, s) for s in seqs]
+        fast.write_out()
+        slow.write_out()
+        want = b"".join(len(p).to_bytes(4, "big") + p for p in payloads)
+        assert await _read(fast_end, len(want)) == want
+        assert await _read(slow_end, len(want)) == want
+        assert fast.take_flushed() == slow.take_flushed() == [(PEER, s) for s in seqs]
+        assert not fast.has_unflushed and not slow.has_unflushed
+    finally:
+        for conn in (fast, slow):
+            conn.abort()
+        fast_end.close()
+        slow_end.close()
+
+
+def test_a_run_in_one_call_writes_and_acknowledges_as_one_call_per_message() -> None:
+    for seed in range(6):
+        uvloop.run(_both_ways(seed))
+
+
+async def _part_flushed() -> None:
+    """A run larger than the socket takes at once: only the entries whose bytes all left are named."""
+    ident = Identity.generate()
+    conn, end = await _pair(ident)
+    try:
+        conn.write_out()
+        await _read(end, conn.written)
+        payloads = tuple(bytes([i % 251]) * 60_000 for i in range(64))  # ~3.8 MB: more than the socket buffers
+        seqs = tuple(range(1, 65))
+        assert conn.send_queued(PEER, seqs, payloads)
+        conn.write_out()
+        await asyncio.sleep(0.05)
+        done = conn.flushed()
+        part = conn.take_flushed()
+        ends = [conn.written - sum(4 + len(p) for p in payloads[i + 1 :]) for i in range(len(payloads))]
+        assert part == [(PEER, s) for s, at in zip(seqs, ends, strict=True) if at <= done]
+        assert len(part) < len(seqs)  # the reader has not read: part of the run is still buffered
+        got = await _read(end, sum(4 + len(p) for p in payloads))
+        assert got == b"".join(len(p).to_bytes(4, "big") + p for p in payloads)
+        async with asyncio.timeout(10):
+            rest: list[tuple[bytes, int]] = []
+            while len(part) + len(rest) < len(seqs):
+                rest += conn.take_flushed()
+                await asyncio.sleep(0.01)
+        assert part + rest == [(PEER, s) for s in seqs]
+    finally:
+        conn.abort()
+        end.close()
+
+
+def test_only_entries_whose_bytes_left_are_acknowledged() -> None:
+    uvloop.run(_part_flushed())
+
+
+async def _closed() -> None:
+    conn, end = await _pair(Identity.generate())
+    end.close()
+    conn.abort()
+    assert not conn.send_queued(PEER, (1, 2), (b"a", b"b"))
+    assert not Connection.send_queued(conn, PEER, (1, 2), (b"a", b"b"))
+    assert not conn.has_unflushed
+
+
+def test_a_closed_connection_takes_no_run() -> None:
+    uvloop.run(_closed())
