@@ -360,8 +360,9 @@ async def test_fanouts_go_out_while_the_commit_is_in_flight_and_the_rest_waits_f
 
 async def test_a_fanout_to_a_connection_written_to_before_it_in_the_batch_waits_too(tmp_path: Path) -> None:
     """The split keeps each connection's order: a fan-out goes early only to connections nothing before it in
-    the batch writes to; one held back holds back every later fan-out to its connections."""
-    from upsycle_router.core.events import Fanout, Send, Trace
+    the batch writes to (a Send, a queue drain's run, a held fan-out); one held back holds back every later
+    fan-out to its connections."""
+    from upsycle_router.core.events import Fanout, QueueRun, Send, Trace
     from upsycle_router.core.trace import DELIVERED, MULTICAST
 
     store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
@@ -376,9 +377,11 @@ async def test_a_fanout_to_a_connection_written_to_before_it_in_the_batch_waits_
         tr,
         Fanout((4,), (b"d",)),  # held: after c on 4
         Fanout((5,), (b"e",)),  # early
+        QueueRun(6, b"\x06" * 32, (1, 2), (b"q1", b"q2")),  # a queue drain's run: holds 6 from here on
+        Fanout((6,), (b"f",)),  # held: after the run on 6
     ]
     rest = driver.effects.apply_early(effects, 0.0)
-    assert rest == [effects[1], effects[3], tr, effects[5]]
+    assert rest == [effects[1], effects[3], tr, effects[5], effects[7], effects[8]]
     await driver.aclose()
     store.close()
 
