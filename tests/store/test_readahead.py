@@ -55,19 +55,19 @@ def test_advise_asks_only_past_what_it_asked_for(tmp_path: Path) -> None:
     ra, m = _readahead(tmp_path, 64, 8)
     view = memoryview(m)
     try:
-        ra.advise(R, 0, view[100:], ra.window)  # page 0: pages 0-7
+        ra.advise(R, "msgs", view[100:], ra.window)  # page 0: pages 0-7
         assert ra.asked_bytes == 8 * PAGE
-        ra.advise(R, 0, view[2 * PAGE + 5 :], ra.window)  # page 2: only pages 8 and 9 are new
+        ra.advise(R, "msgs", view[2 * PAGE + 5 :], ra.window)  # page 2: only pages 8 and 9 are new
         assert ra.asked_bytes == 10 * PAGE
-        ra.advise(R, 0, view[2 * PAGE :], ra.window)  # nothing new
+        ra.advise(R, "msgs", view[2 * PAGE :], ra.window)  # nothing new
         assert ra.asked_bytes == 10 * PAGE
-        ra.advise(R, 1, view[2 * PAGE :], ra.window)  # another table of the same drain: its own window
+        ra.advise(R, "queues", view[2 * PAGE :], ra.window)  # another table of the same drain: its own window
         assert ra.asked_bytes == 18 * PAGE
-        ra.advise(R, 0, view[40 * PAGE :], ra.window)  # a jump ahead: a new window
+        ra.advise(R, "msgs", view[40 * PAGE :], ra.window)  # a jump ahead: a new window
         assert ra.asked_bytes == 26 * PAGE
-        ra.advise(R, 0, view[PAGE:], ra.window)  # behind what it asked (a reused page): the window again
+        ra.advise(R, "msgs", view[PAGE:], ra.window)  # behind what it asked (a reused page): the window again
         assert ra.asked_bytes == 34 * PAGE
-        ra.advise(R, 0, memoryview(b"elsewhere"), ra.window)  # not in the map: nothing (or a window past it)
+        ra.advise(R, "msgs", memoryview(b"elsewhere"), ra.window)  # not in the map: nothing (or a window past it)
     finally:
         view.release()
         m.close()
@@ -91,7 +91,7 @@ def test_a_long_window_is_asked_for_in_pieces_the_kernel_reads_whole(
     pages = 3 * CHUNK // PAGE + 5
     ra, m = _readahead(tmp_path, pages, pages)
     try:
-        ra.advise(R, 0, memoryview(m)[PAGE:], ra.window)
+        ra.advise(R, "msgs", memoryview(m)[PAGE:], ra.window)
     finally:
         m.close()
         ra.close()

@@ -769,12 +769,12 @@ class LmdbStore(LmdbTables):
         assert ahead is not None
         window = min(max(ahead.window, 2 * got), 4 * ahead.window)
         with self.env.begin(buffers=True) as txn:
-            for table, name, key, size in (
-                (0, "msgs", U64.pack(rec_seq) if rec_seq >= 0 else b"", window),
-                (1, "queues", qkey, window >> 3),
-                (2, "queue_exp", U64.pack(exp) + qkey, window >> 3),
+            for table, key, size in (
+                ("msgs", U64.pack(rec_seq) if rec_seq >= 0 else b"", window),
+                ("queues", qkey, window >> 3),
+                ("queue_exp", U64.pack(exp) + qkey, window >> 3),
             ):
-                cur = txn.cursor(db=db[name])
+                cur = txn.cursor(db=db[table])
                 if key and cur.set_key(key):
                     ahead.advise(recipient, table, cur.key(), size)
 

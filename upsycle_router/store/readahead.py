@@ -112,7 +112,7 @@ class Readahead:
         self.base = base  # the map's address of the data file's first byte
         self.window = window
         self.page = page
-        self._asked: dict[tuple[bytes, int], int] = {}  # (recipient, table) -> file offset asked for up to
+        self._asked: dict[tuple[bytes, str], int] = {}  # (recipient, table) -> file offset asked for up to
         self._count: dict[bytes, int] = {}  # recipient -> messages read since it last asked
         self.asked_bytes = 0  # bytes handed to the kernel in all (statistics)
 
@@ -147,7 +147,7 @@ class Readahead:
         self._count[recipient] = 0
         return True
 
-    def advise(self, recipient: bytes, table: int, record: Any, window: int) -> None:
+    def advise(self, recipient: bytes, table: str, record: Any, window: int) -> None:
         """Ask for ``window`` bytes of the data file from the page of ``record`` (a buffer into the map: a key
         LMDB returned, which lies in its leaf page) on, past what was asked for ``(recipient, table)`` already."""
         at = buffer_address(record) - self.base
@@ -162,8 +162,8 @@ class Readahead:
         if end <= start:
             return
         try:
-            for at in range(start, end, CHUNK):
-                os.posix_fadvise(self.fd, at, min(CHUNK, end - at), os.POSIX_FADV_WILLNEED)
+            for piece in range(start, end, CHUNK):
+                os.posix_fadvise(self.fd, piece, min(CHUNK, end - piece), os.POSIX_FADV_WILLNEED)
         except OSError:
             return
         self._asked[key] = end
