@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conn_handler import NullHandler
 
 from upsycle_router.crypto import Identity
-from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.runtime.memory import PeakWatch
 from upsycle_router.transport import admission as adm_mod
 from upsycle_router.transport.admission import (
@@ -30,10 +30,8 @@ from upsycle_router.transport.admission import (
     raise_fd_limit,
     source_of,
 )
-from upsycle_router.transport.connection import Connection
 from upsycle_router.transport.stream import StreamConnection
 from upsycle_router.transport.tls import server_context
-from upsycle_router.wire.messages import Message
 
 LOOPS = ["asyncio", "uvloop"]
 
@@ -300,15 +298,6 @@ def test_peak_watch_reports_the_end_of_a_storm_once() -> None:
 # ------------------------------------------------------------------------------------------ a real listener
 
 
-class Handler:
-    def on_open(self, conn: Connection, peer: bytes) -> None: ...
-    def on_frame(self, conn: Connection, payload: bytes) -> None: ...
-    def on_messages(self, conn: Connection, messages: list[Message]) -> None: ...
-    def on_close(self, conn: Connection) -> None: ...
-    def on_protocol_error(self, conn: Connection, error: RemoteProtocolError) -> None: ...
-    def on_write_blocked(self, conn: Connection, blocked: bool) -> None: ...
-
-
 class FlakyAccept:
     """A listening socket whose next ``accept`` fails with ``err`` (the rest is the real socket)."""
 
@@ -359,7 +348,7 @@ async def _refuses_over_the_caps(tmp_path: Path) -> None:
     a = Admission(stats, max_handshakes=3, max_handshakes_per_source=2, handshake_timeout=0.5)
     ident = Identity.generate()
     ln = Listener(a, listen_tcp("127.0.0.1", 0), "tls",
-                  lambda: StreamConnection(Handler(), ident, kind="tls", handshake_timeout=0.5),
+                  lambda: StreamConnection(NullHandler(), ident, kind="tls", handshake_timeout=0.5),
                   ssl_context=server_context(ident, tmp_path))  # fmt: skip
     ln.start()
     port = ln.sock.getsockname()[1]
@@ -403,7 +392,7 @@ async def _sheds_at_emfile(err: int) -> None:
     opened: list[StreamConnection] = []
 
     def factory() -> StreamConnection:
-        c = StreamConnection(Handler(), ident, kind="tls", handshake_timeout=5.0)
+        c = StreamConnection(NullHandler(), ident, kind="tls", handshake_timeout=5.0)
         opened.append(c)
         return c
 

@@ -14,23 +14,13 @@ import random
 import socket
 
 import uvloop
+from conn_handler import NullHandler
 
 from upsycle_router.crypto import Identity
-from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.transport.connection import Connection
 from upsycle_router.transport.stream import StreamConnection
-from upsycle_router.wire.messages import Message
 
 PEER = bytes(range(32))
-
-
-class Handler:
-    def on_open(self, conn: Connection, peer: bytes) -> None: ...
-    def on_frame(self, conn: Connection, payload: bytes) -> None: ...
-    def on_messages(self, conn: Connection, messages: list[Message]) -> None: ...
-    def on_close(self, conn: Connection) -> None: ...
-    def on_protocol_error(self, conn: Connection, error: RemoteProtocolError) -> None: ...
-    def on_write_blocked(self, conn: Connection, blocked: bool) -> None: ...
 
 
 async def _pair(ident: Identity) -> tuple[StreamConnection, socket.socket]:
@@ -38,7 +28,7 @@ async def _pair(ident: Identity) -> tuple[StreamConnection, socket.socket]:
     theirs.setblocking(False)
     loop = asyncio.get_running_loop()
     _t, conn = await loop.connect_accepted_socket(
-        lambda: StreamConnection(Handler(), ident, kind="unix", handshake_timeout=30.0), sock=ours
+        lambda: StreamConnection(NullHandler(), ident, kind="unix", handshake_timeout=30.0), sock=ours
     )
     return conn, theirs
 
