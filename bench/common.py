@@ -279,3 +279,15 @@ def _stat_seconds(path: str) -> float:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process (all its threads) so far."""
     return _stat_seconds(f"/proc/{pid}/stat")
+
+
+def cpu_split(pid: int) -> dict[str, float]:
+    """A process's user and system CPU seconds and its minor and major page faults so far (all 0 if gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return {"user_s": 0.0, "sys_s": 0.0, "minflt": 0, "majflt": 0}
+    tck = os.sysconf("SC_CLK_TCK")
+    return {"user_s": int(fields[11]) / tck, "sys_s": int(fields[12]) / tck, "minflt": int(fields[7]),
+            "majflt": int(fields[9])}

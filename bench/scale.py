@@ -64,6 +64,7 @@ from bench.common import (
     REPO,
     RESULTS,
     cpu_seconds,
+    cpu_split,
     cpus,
     load_cpu,
     machine,
@@ -764,6 +765,7 @@ def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
                 rec["store_bytes"] = _store_bytes(rr / "a-data")
                 sampler = Sampler(d.child.pid)
                 c0 = cpu_seconds(d.child.pid)
+                split0 = cpu_split(d.child.pid)
                 spy = Spy(ctx, d.child.pid, f"backlog-{label}")
                 drain = Worker(drain_main, {"path": str(d.sock), "seed": sub.seed, "expected": q, "phase": BACKLOG,
                                             "cpu": sorted(load_cpu()), "idle_s": 30.0})
@@ -773,6 +775,7 @@ def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
                     drain.stop()
                     spy.stop()
                 c1 = cpu_seconds(d.child.pid)
+                split1 = cpu_split(d.child.pid)
                 rec["rss_max_drain_kib"] = sampler.stop()
                 sampler = None
                 rec["rss_drained_kib"] = rss_kib(d.child.pid)
@@ -784,6 +787,10 @@ def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
                 rec["drain_s"] = round(span, 2)
                 rec["drain_msg_s"] = round(res["received"] / span) if span > 0 else None
                 rec["drain_cpu_us_per_msg"] = round((c1 - c0) * 1e6 / max(1, res["received"]), 2)
+                got = max(1, res["received"])  # user and system time, and page faults (reading the store)
+                rec["drain_user_us_per_msg"] = round((split1["user_s"] - split0["user_s"]) * 1e6 / got, 2)
+                rec["drain_sys_us_per_msg"] = round((split1["sys_s"] - split0["sys_s"]) * 1e6 / got, 2)
+                rec["drain_faults"] = {k: int(split1[k] - split0[k]) for k in ("minflt", "majflt")}
                 marks = res["marks"]
                 if len(marks) >= 4:  # the rate over each fifth of the backlog: does it slow down as it drains?
                     pts = [(0, res["t_connect"]), *marks]
@@ -802,7 +809,9 @@ def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
             mx = rec.get("rss_max_drain_kib") or {}
             _log(f"backlog [{label}] {q:,} queued: filled at {rec.get('fill_msg_s')} msg/s, drained at "
                  f"{rec.get('drain_msg_s')} msg/s ({rec.get('received')} received, by fifth "
-                 f"{rec.get('drain_msg_s_by_fifth')}), RSS max {mx.get('VmRSS', 0) // 1024} MiB (anon "
+                 f"{rec.get('drain_msg_s_by_fifth')}; CPU per message {rec.get('drain_user_us_per_msg')} us user + "
+                 f"{rec.get('drain_sys_us_per_msg')} us system, faults {rec.get('drain_faults')}), "
+                 f"RSS max {mx.get('VmRSS', 0) // 1024} MiB (anon "
                  f"{mx.get('RssAnon', 0) // 1024} MiB, file {mx.get('RssFile', 0) // 1024} MiB), store "
                  f"{rec.get('store_bytes', 0) >> 20} MiB{'  ' + str(rec['error']) if rec.get('error') else ''}")
             out.append(rec)
