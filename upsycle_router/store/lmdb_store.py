@@ -713,10 +713,7 @@ class LmdbStore(LmdbTables):
             cur = txn.cursor(db=self._db["queues"])
             if not cur.set_range(recipient + pack(after + 1) if after > 0 else recipient):
                 return out
-            # The records through a cursor: LMDB looks for a key on the cursor's page first, and a drain's next
-            # record is mostly on the page of the last (a third of the cost of ``txn.get``'s lookup from the root).
-            mcur = txn.cursor(db=self._db["msgs"])
-            at_key, value, id_at_group = mcur.set_key, mcur.value, REC_ID_AT_GROUP
+            get, msgs, id_at_group = txn.get, self._db["msgs"], REC_ID_AT_GROUP
             hints = self._group_ids
             if len(hints) > GROUP_HINTS:
                 hints.clear()
@@ -737,11 +734,10 @@ class LmdbStore(LmdbTables):
                 else:
                     seqs, rec = find(mid) or (), None
                 for s in seqs:
-                    if at_key(pack(s)):
-                        r = value()
-                        if r.startswith(mid, id_at_group if r[REC_FLAG_AT] == REC_GROUP else REC_ID_AT):
-                            rec, last_rec = r, s
-                            break
+                    r = get(pack(s), db=msgs)
+                    if r is not None and r.startswith(mid, id_at_group if r[REC_FLAG_AT] == REC_GROUP else REC_ID_AT):
+                        rec, last_rec = r, s
+                        break
                 if rec is not None:
                     mexp = u64_from(rec, 0)[0] / 1000.0
                     if rec[REC_FLAG_AT] == REC_GROUP:
