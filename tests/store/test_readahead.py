@@ -13,7 +13,7 @@ import pytest
 from upsycle_router.durability import Durability
 from upsycle_router.store.layout import U64
 from upsycle_router.store.lmdb_store import LmdbStore
-from upsycle_router.store.readahead import CHUNK, EVERY, Readahead, buffer_address, mapping_start
+from upsycle_router.store.readahead import CHUNK, EVERY, FIRST, Readahead, buffer_address, mapping_start
 
 PAGE = mmap.PAGESIZE
 T = 1_800_000_000.0
@@ -114,6 +114,20 @@ def test_due_every_so_many_messages_per_recipient(tmp_path: Path) -> None:
         ra.close()
 
 
+def test_the_lead_doubles_as_a_drain_goes_on_up_to_the_window(tmp_path: Path) -> None:
+    ra, m = _readahead(tmp_path, 1, 1)
+    ra.window = 8 * FIRST
+    try:
+        assert [ra.lead(R) for _ in range(6)] == [FIRST, 2 * FIRST, 4 * FIRST, 8 * FIRST, 8 * FIRST, 8 * FIRST]
+        assert ra.lead(G) == FIRST  # another recipient's drain starts short
+        for k in range(5000):  # past the recipients it keeps: all are forgotten, and start short again
+            ra.due(k.to_bytes(32, "big"), 1)
+        assert ra.lead(R) == FIRST
+    finally:
+        m.close()
+        ra.close()
+
+
 def _fill(path: Path, n: int, size: int = 1500) -> list[bytes]:
     s = LmdbStore(path, Durability.NONE, map_size=1 << 28)
     ids = [i.to_bytes(32, "big") for i in range(1, n + 1)]
@@ -180,3 +194,4 @@ def test_a_drain_with_read_ahead_reads_what_one_without_reads(tmp_path: Path) ->
     finally:
         on.close()
         off.close()
+

@@ -759,11 +759,12 @@ class LmdbStore(LmdbTables):
 
     def _read_ahead(self, recipient: bytes, qkey: bytes, rec_seq: int, exp: int, got: int) -> None:
         """Ask for the pages of ``queues``, ``queue_exp`` and ``msgs`` after those of a drain's last entry
-        (``qkey``), its expiry and its message record (readahead.py): the window, or twice the messages' bytes
-        this call read (``got``) if that is more - the next call may read as much - up to four windows."""
+        (``qkey``), its expiry and its message record (readahead.py): the recipient's lead, or twice the
+        messages' bytes this call read (``got``) if that is more - the next call may read as much - up to four
+        windows."""
         ahead, db = self._ahead, self._db
         assert ahead is not None
-        window = min(max(ahead.window, 2 * got), 4 * ahead.window)
+        window = min(max(ahead.lead(recipient), 2 * got), 4 * ahead.window)
         with self.env.begin(buffers=True) as txn:
             for table, key, size in (
                 ("msgs", U64.pack(rec_seq) if rec_seq >= 0 else b"", window),

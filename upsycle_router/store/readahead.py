@@ -13,8 +13,9 @@ page - ~2.5 messages - and drained 3-4 times slower than with the pages cached.
 
 So the drain asks the kernel for what comes next, without waiting for it: every :data:`EVERY` messages a
 recipient's drain reads, :meth:`Readahead.advise` takes the place in the file of the last record read of each
-of those tables and hands the kernel the next ``window`` bytes after it (the store makes that twice what the
-drain's last read took, if that is more) with ``posix_fadvise(POSIX_FADV_WILLNEED)`` on a descriptor of the
+of those tables and hands the kernel the next bytes after it - the recipient's *lead* (:meth:`Readahead.lead`),
+or twice what the drain's last read took if that is more - with
+``posix_fadvise(POSIX_FADV_WILLNEED)`` on a descriptor of the
 data file, which shares the page cache with the map: the kernel starts reading and returns at once. It asks in
 pieces of :data:`CHUNK` bytes: Linux reads no more than the device's read-ahead size (``read_ahead_kb``, 128
 KiB by default) of each call, and a drain that asked for 23 MiB at once got the first 8 MiB read ahead and the
@@ -22,6 +23,12 @@ rest one page at a time. Per recipient and table it remembers how far it has ask
 for the bytes past that; a record found before that point (a page LMDB reused from its free list, say) starts
 the window again from there. A window that is not used costs page cache and disk reads, never a wrong result:
 this module changes what is in the cache, not what the store reads.
+
+The lead grows as a drain goes on, as the kernel's own read-ahead does: :data:`FIRST` bytes when a recipient's
+drain starts, twice as many each time it asks again, up to ``window`` (:data:`WINDOW`). Most drains are short
+(an app that was away a minute), and a long first window would read tens of MiB of other records for each of
+them; a long drain needs the long lead: with 16 MiB, a 10 M-message backlog read from the disk at ~45k
+messages a second still waited for ~35,000 pages the kernel had not read yet, with 64 MiB for ~5,600.
 
 Where a record lies in the file: LMDB hands out records of a read transaction opened with ``buffers=True`` as
 buffers pointing into its map; :func:`buffer_address` gives a buffer's address (the C buffer protocol, through
@@ -40,8 +47,11 @@ from typing import Any
 
 log = logging.getLogger("upsycle_router.store")
 
-WINDOW = 16 << 20
-"""Bytes of the message table asked for ahead of a drain (the queue tables: an eighth of it)."""
+WINDOW = 64 << 20
+"""The longest lead: bytes of the message table asked for ahead of a long drain (the queue tables: an eighth
+of it)."""
+FIRST = 1 << 20
+"""The lead of a drain that just started (it doubles each time the drain asks again, up to the window)."""
 EVERY = 64
 """A recipient's drain asks for more after this many messages read."""
 CHUNK = 128 << 10
@@ -114,6 +124,7 @@ class Readahead:
         self.page = page
         self._asked: dict[tuple[bytes, str], int] = {}  # (recipient, table) -> file offset asked for up to
         self._count: dict[bytes, int] = {}  # recipient -> messages read since it last asked
+        self._lead: dict[bytes, int] = {}  # recipient -> its lead the last time it asked
         self.asked_bytes = 0  # bytes handed to the kernel in all (statistics)
 
     @classmethod
@@ -144,8 +155,17 @@ class Readahead:
         if len(self._count) >= MAX_TRACKED:
             self._count.clear()
             self._asked.clear()
+            self._lead.clear()
         self._count[recipient] = 0
         return True
+
+    def lead(self, recipient: bytes) -> int:
+        """Bytes to ask for ahead of ``recipient``'s drain now (it is asking again): :data:`FIRST` the first
+        time, then twice the last lead, up to :attr:`window`."""
+        last = self._lead.get(recipient)
+        n = min(self.window, FIRST if last is None else 2 * last)
+        self._lead[recipient] = n
+        return n
 
     def advise(self, recipient: bytes, table: str, record: Any, window: int) -> None:
         """Ask for ``window`` bytes of the data file from the page of ``record`` (a buffer into the map: a key
