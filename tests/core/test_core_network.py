@@ -22,7 +22,7 @@ import pytest
 from core_harness import CoreHarness, Effects, advert, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import Dial, Fanout, PeerLearned, QueueRun, Send, sends
+from upsycle_router.core.events import Dial, Fanout, PeerLearned, QueueRun, Send, Write, writes
 from upsycle_router.core.router import REDIAL_MIN
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import RemoteProtocolError
@@ -162,22 +162,10 @@ class Net:
     def _effects(self, node: CoreHarness, effects: Effects) -> None:
         written: list[tuple[bytes, int]] = []
         for e in effects:
-            if isinstance(e, (Fanout, QueueRun)):
-                self._effects(node, Effects(sends([e])))
-            elif isinstance(e, Send):
-                if (node.id, e.conn) in self.links:
-                    self._transmit(node.id, e.conn, e.data)
-                elif (node.id, e.conn) in self.apps:
-                    app, m = self.apps[(node.id, e.conn)], decode_message(e.data)
-                    body = _refusal(m, node.id)
-                    if body is not None:
-                        app.refused.append(body)
-                    else:
-                        app.inbox.append(m)
-                else:
-                    continue  # connection gone: not written, stays queued
-                if e.queue_ref is not None:
-                    written.append(e.queue_ref)
+            if isinstance(e, (Send, Fanout, QueueRun)):
+                for w in writes([e]):
+                    if self._write(node, w) and w.queue_ref is not None:
+                        written.append(w.queue_ref)
             elif isinstance(e, Dial):
                 if e.router in self.nodes and e.router not in self.unreachable:
                     self.link(node.id, e.router)
@@ -187,6 +175,22 @@ class Net:
                 self.addresses[node.id][e.router] = (e.host, e.port)
         if written:
             self._effects(node, node.queue_sent(written))
+
+    def _write(self, node: CoreHarness, w: Write) -> bool:
+        """One message to a linked router or to an app; False if the connection is gone (not written: an
+        entry it would drain stays queued)."""
+        if (node.id, w.conn) in self.links:
+            self._transmit(node.id, w.conn, w.data)
+        elif (node.id, w.conn) in self.apps:
+            app, m = self.apps[(node.id, w.conn)], decode_message(w.data)
+            body = _refusal(m, node.id)
+            if body is not None:
+                app.refused.append(body)
+            else:
+                app.inbox.append(m)
+        else:
+            return False
+        return True
 
     # ------------------------------------------------------------ inspection
 

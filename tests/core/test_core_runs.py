@@ -33,8 +33,9 @@ from upsycle_router.core.events import (
     QueueSent,
     Send,
     Trace,
+    Write,
     WriteBlocked,
-    sends,
+    writes,
 )
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import message_signature_valid
@@ -117,16 +118,16 @@ class Twin:
             store.close()
 
 
-def _normal(effects: list[Effect]) -> tuple[list[Effect], dict[int, list[Send]], list[Effect]]:
+def _normal(effects: list[Effect]) -> tuple[list[Effect], dict[int, list[Write]], list[Effect]]:
     """Trace records, each connection's writes, and the other effects, each in order."""
-    writes = (Send, Fanout, QueueRun)
-    per_conn: dict[int, list[Send]] = {}
-    for s in sends(effects):
+    kinds = (Send, Fanout, QueueRun)
+    per_conn: dict[int, list[Write]] = {}
+    for s in writes(effects):
         per_conn.setdefault(s.conn, []).append(s)
     return (
         [e for e in effects if isinstance(e, Trace)],
         per_conn,
-        [e for e in effects if not isinstance(e, (Trace, *writes))],
+        [e for e in effects if not isinstance(e, (Trace, *kinds))],
     )
 
 
@@ -226,7 +227,7 @@ def run_scenario(
                 msgs = [message(bias) for _ in range(rng.randrange(1, 40))]
                 events.append(MessagesReceived(cid, msgs, _verified(msgs)))
             out = t.batch(events)
-            queue_refs.extend(e.queue_ref for e in sends(out) if e.queue_ref is not None)
+            queue_refs.extend(e.queue_ref for e in writes(out) if e.queue_ref is not None)
         t.check_state()
     return t
 

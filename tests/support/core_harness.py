@@ -36,7 +36,8 @@ from upsycle_router.core.events import (
     Send,
     Throttle,
     Trace,
-    sends,
+    Write,
+    writes,
 )
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, message_signature_valid, sign_advert, sign_message
@@ -148,9 +149,9 @@ class Effects(list[Effect]):
         super().__init__(effects)
         self.router = router
 
-    def sends(self, conn: int | None = None) -> list[Send]:
-        """Send effects (on ``conn``, if given), in order."""
-        return [e for e in sends(self) if conn is None or e.conn == conn]
+    def sends(self, conn: int | None = None) -> list[Write]:
+        """The writes (on ``conn``, if given), one per message and connection, in order (``events.writes``)."""
+        return [e for e in writes(self) if conn is None or e.conn == conn]
 
     def messages(self, conn: int | None = None) -> list[Message]:
         """The decoded messages of :meth:`sends`."""
@@ -181,7 +182,7 @@ class Effects(list[Effect]):
         return [e for e in self if isinstance(e, PeerLearned)]
 
     def queue_refs(self) -> tuple[tuple[bytes, int], ...]:
-        """The queue references of the Sends that drained queue entries."""
+        """The queue entries the writes drained (the entries of the QueueRuns), in order."""
         return tuple(s.queue_ref for s in self.sends() if s.queue_ref is not None)
 
     def throttles(self) -> list[Throttle]:

@@ -1,8 +1,8 @@
 """A queue drain's run of messages written in one call (``send_queued``) equals one write per message.
 
 :meth:`StreamConnection.send_queued` gathers a run's frames joined in one buffer and notes where each entry's
-last byte lies; :meth:`Connection.send_queued` (the general one) writes and notes them one at a time, as a
-``Send`` with a ``queue_ref`` each did. Both run here over real Unix socket pairs on the daemon's loop: the
+last byte lies; :meth:`Connection.send_queued` (the general one) writes and notes them one at a time
+(:meth:`Connection.mark_queued`). Both run here over real Unix socket pairs on the daemon's loop: the
 bytes the other end reads, the position noted for each entry and the entries :meth:`take_flushed` names
 (all of them, and the part whose bytes had left when only part of the run had) must be the same.
 """

@@ -86,11 +86,10 @@ Event = ConnectionOpened | ConnectionClosed | MessagesReceived | QueueSent | Dia
 
 
 class Send(NamedTuple):
-    """Write one routed message to ``conn``; ``queue_ref`` names the queue entry it drains, if any."""
+    """Write one routed message to ``conn``."""
 
     conn: ConnId
     data: bytes
-    queue_ref: tuple[bytes, int] | None = None
 
 
 class Fanout(NamedTuple):
@@ -105,7 +104,7 @@ class Fanout(NamedTuple):
 class QueueRun(NamedTuple):
     """Write ``datas``, in order, to ``conn``: queued messages of ``peer``, each draining the queue entry of the
     same place in ``seqs`` (one effect for what one drain step writes to one connection, instead of one
-    :class:`Send` with a ``queue_ref`` per entry). The driver reports each entry (``QueueSent``) once its bytes
+    :class:`Send` per entry). The driver reports each entry (``QueueSent``) once its bytes
     left the connection's buffer."""
 
     conn: ConnId
@@ -114,19 +113,30 @@ class QueueRun(NamedTuple):
     datas: tuple[bytes, ...]
 
 
-def sends(effects: Iterable[Effect]) -> Iterator[Send]:
-    """The effects' writes as one :class:`Send` each, in order (a :class:`Fanout` as one per connection and
+class Write(NamedTuple):
+    """One message written to one connection, as :func:`writes` lists the effects' writes: a :class:`Send`, one
+    message of a :class:`Fanout` to one of its connections, or one entry of a :class:`QueueRun`, whose queue
+    entry ``(peer, seq)`` it drains (``queue_ref``; None for the others). Not an effect: the core emits the
+    three above; tests and the simulator look at their writes one by one."""
+
+    conn: ConnId
+    data: bytes
+    queue_ref: tuple[bytes, int] | None = None
+
+
+def writes(effects: Iterable[Effect]) -> Iterator[Write]:
+    """The effects' writes as one :class:`Write` each, in order (a :class:`Fanout` as one per connection and
     message, message by message; a :class:`QueueRun` as one per entry, with its ``queue_ref``)."""
     for e in effects:
         if isinstance(e, Send):
-            yield e
+            yield Write(e.conn, e.data)
         elif isinstance(e, Fanout):
             for data in e.datas:
                 for c in e.conns:
-                    yield Send(c, data)
+                    yield Write(c, data)
         elif isinstance(e, QueueRun):
             for seq, data in zip(e.seqs, e.datas, strict=True):
-                yield Send(e.conn, data, (e.peer, seq))
+                yield Write(e.conn, data, (e.peer, seq))
 
 
 @dataclass(frozen=True, slots=True)

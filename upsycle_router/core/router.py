@@ -41,7 +41,7 @@ stays queued for ``remote_ttl_max`` at most. From ``backpressure_at`` of a queue
 sender filling it is slowed (:class:`Throttle`: the driver stops reading its connection for a moment) before
 anything is refused.
 
-Queues drain when a recipient connects: entries are sent with a ``queue_ref`` and removed only when the
+Queues drain when a recipient connects: entries are sent (:class:`QueueRun`) and removed only when the
 driver reports them written (:class:`QueueSent`), so a crash redelivers rather than loses (at least once;
 a subscriber's session never gets the same entry twice).
 

@@ -17,7 +17,7 @@ only then) and carries them out in order:
   one, in one call for the run (:func:`upsycle_router.transport.accel.fanout`), through the transport of the
   others. A connection whose outbound buffer passes ``outbound_buffer_max`` is a reader that does not read: it
   is closed;
-* a write that drains a queue entry (each entry of a ``QueueRun``, a ``Send`` with a ``queue_ref``) is
+* a write that drains a queue entry (each entry of a ``QueueRun``) is
   reported back to the core (``QueueSent``, which removes the entry) only once its bytes left the transport's
   buffer (:meth:`EffectRunner.release_flushed`, polled while some have not): a crash before then redelivers
   the entry instead of losing it. A ``QueueRun`` goes to its connection in one call (a stream connection
@@ -214,9 +214,6 @@ class EffectRunner:
                 conn = conns.get(e.conn)
                 if conn is not None and conn.send(e.data):
                     sent_to.add(conn)
-                    if e.queue_ref is not None:
-                        conn.mark_queued(e.queue_ref)
-                        self._unflushed.add(conn.id)
             elif isinstance(e, Dial):
                 if self.dialer is None or not self.dialer.dial(e.router):
                     self.push(DialFailed(e.router))

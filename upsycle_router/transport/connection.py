@@ -318,11 +318,10 @@ class Connection(asyncio.Protocol):
         """Write queued messages ``payloads`` in order, each draining the queue entry ``(peer, seq)`` of the same
         place in ``seqs`` (:meth:`take_flushed` names each once its last byte left the transport's buffer);
         False if none was written (the connection is closed)."""
-        pending = self._unflushed
         for i, (seq, payload) in enumerate(zip(seqs, payloads, strict=True)):
             if not self.send(payload):
                 return i > 0
-            pending.append((self.written, (peer, seq)))
+            self.mark_queued((peer, seq))
         return True
 
     def send_run(self, payloads: list[bytes], framed: list[bytes], nbytes: int, sent: int = 0) -> int:

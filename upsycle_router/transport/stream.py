@@ -16,6 +16,7 @@ from typing import Any
 from upsycle_router.transport.connection import CLOSE_LINGER, Connection, ConnectionHandler
 from upsycle_router.transport.session import Session
 from upsycle_router.wire.accel import join_frames
+from upsycle_router.wire.framing import framed_size
 
 __all__ = ["CLOSE_LINGER", "ConnectionHandler", "StreamConnection"]
 _LEN = struct.Struct(">I")
@@ -120,8 +121,8 @@ class StreamConnection(Connection):
         if not self._used:
             self._note_sent(payloads)
         pending = self._unflushed
-        for seq, payload in zip(seqs, payloads, strict=True):
-            at += 4 + len(payload)
+        for seq, payload in zip(seqs, payloads, strict=True):  # where each entry's frame ends in the stream
+            at += framed_size(len(payload))
             pending.append((at, (peer, seq)))
         return True
 

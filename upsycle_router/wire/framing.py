@@ -28,6 +28,11 @@ def length_prefix(n: int) -> bytes:
     return _LEN.pack(n)
 
 
+def framed_size(n: int) -> int:
+    """Bytes of the frame of a payload of ``n`` bytes (its length prefix and the payload)."""
+    return _LEN.size + n
+
+
 def check_length(n: int, max_frame: int) -> None:
     """Raise for a zero or oversize frame length."""
     if n == 0:

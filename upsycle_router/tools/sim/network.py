@@ -570,7 +570,7 @@ class Network:
             t = type(e)
             if t is Send:
                 assert isinstance(e, Send)
-                self._write(node, e.conn, e.data, e.queue_ref)
+                self._write(node, e.conn, e.data, None)
             elif t is QueueRun:
                 assert isinstance(e, QueueRun)
                 for seq, data in zip(e.seqs, e.datas, strict=True):
