@@ -122,22 +122,27 @@ def receiver_main(pipe: Connection, spec: dict[str, Any]) -> None:
 FASTRECV_C = Path(__file__).with_name("fastrecv.c")
 
 
-def fast_receiver_binary() -> str | None:
-    """bench/fastrecv.c compiled (once per source version, under the temporary directory), or None without a C
-    compiler."""
-    src = FASTRECV_C.read_bytes()
-    out = Path(tempfile.gettempdir()) / f"upsycle-bench-fastrecv-{hashlib.sha256(src).hexdigest()[:12]}"
+def c_binary(source: Path) -> str | None:
+    """A C program of bench/ compiled (once per source version, under the temporary directory), or None without
+    a C compiler."""
+    src = source.read_bytes()
+    out = Path(tempfile.gettempdir()) / f"upsycle-bench-{source.stem}-{hashlib.sha256(src).hexdigest()[:12]}"
     if out.exists():
         return str(out)
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
         return None
     tmp = out.with_name(out.name + f".{os.getpid()}")
-    r = subprocess.run([cc, "-O2", "-o", str(tmp), str(FASTRECV_C)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([cc, "-O2", "-o", str(tmp), str(source)], capture_output=True, text=True, timeout=120)
     if r.returncode != 0:
-        raise RuntimeError(f"fastrecv.c did not compile: {r.stderr.strip()}")
+        raise RuntimeError(f"{source.name} did not compile: {r.stderr.strip()}")
     tmp.replace(out)
     return str(out)
+
+
+def fast_receiver_binary() -> str | None:
+    """bench/fastrecv.c compiled, or None without a C compiler."""
+    return c_binary(FASTRECV_C)
 
 
 class FastReceiver:

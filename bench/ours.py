@@ -65,12 +65,13 @@ class Daemon:
 def start_daemon(
     root: Path, name: str, identity: Identity, durability: str, *, cpu: set[int], tls: bool = False,
     peers: list[tuple[Identity, int]] | None = None, pubsub: bool = True, extra: dict[str, Any] | None = None,
-    tree: Path | None = None, fresh: bool = True,
+    tree: Path | None = None, fresh: bool = True, start_timeout: float = 20.0,
 ) -> Daemon:
     """Start ``python -m upsycle_router run`` on a fresh data directory with a preset key.
 
     ``extra``: config sections merged over the bench's own (section by section); ``tree``: run the router
-    from another checkout (a baseline), not this one; ``fresh=False``: reuse the data directory (a restart)."""
+    from another checkout (a baseline), not this one; ``fresh=False``: reuse the data directory (a restart);
+    ``start_timeout``: seconds to wait for its socket (a restart on a large store takes longer)."""
     data = root / f"{name}-data"
     if fresh:
         data.mkdir(parents=True, mode=0o700)
@@ -94,7 +95,7 @@ def start_daemon(
         port = free_port()
         argv += ["--listen", f"{LOOPBACK}:{port}"]
     child = Child(f"router {name}", argv, root / f"{name}.log", cpuset=cpu, cwd=tree or REPO)
-    ok = wait_unix(sock, 20.0) and (port is None or wait_port(port, 20.0))
+    ok = wait_unix(sock, start_timeout) and (port is None or wait_port(port, start_timeout))
     if not ok or not child.alive():
         child.stop()
         raise RuntimeError(f"router {name} did not start: {child.tail()}")

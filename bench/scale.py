@@ -49,6 +49,7 @@ import resource
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -538,14 +539,15 @@ class Ctx:
         d.mkdir()
         return d
 
-    def daemon(self, run_root: Path, tree: Path, extra: dict[str, Any] | None = None, fresh: bool = True) -> Any:
+    def daemon(self, run_root: Path, tree: Path, extra: dict[str, Any] | None = None, fresh: bool = True,
+               start_timeout: float = 20.0) -> Any:
         ex: dict[str, Any] = {}
         if self.args.max_connections:
             ex["limits"] = {"max_connections": self.args.max_connections}
         for k, v in (extra or {}).items():
             ex[k] = {**ex.get(k, {}), **v}
         return start_daemon(run_root, "a", self.router, self.args.durability, cpu=server_cpu(), extra=ex, tree=tree,
-                            fresh=fresh)
+                            fresh=fresh, start_timeout=start_timeout)
 
 
 def part_connections(ctx: Ctx) -> list[dict[str, Any]]:
@@ -637,14 +639,51 @@ def _fanout_line(system: str, label: str, subs: int, rec: dict[str, Any]) -> str
             f"us CPU/msg){'  ' + str(rec['error']) if rec.get('error') else ''}")
 
 
+FANFLOOR_C = Path(__file__).with_name("fanfloor.c")
+
+
+def fanout_floor(subs: int, frame: int, seconds: float) -> dict[str, Any]:
+    """The fan-out latency of this machine with no router in it (bench/fanfloor.c): one process writes each
+    message of ``frame`` bytes to ``subs`` Unix sockets in turn, one ``send`` each, from the first CPU; one
+    process on the load CPU reads them all through one epoll set; 20 and 200 messages a second for ``seconds``
+    each. The latency of a delivery counts from the moment the writer began to write its message."""
+    from bench.loadgen import c_binary
+
+    binary = c_binary(FANFLOOR_C)
+    if binary is None:
+        return {"error": "no C compiler"}
+    rec: dict[str, Any] = {}
+    for name, rate in (("paced20", 20), ("paced200", 200)):
+        argv = [binary, str(subs), str(frame), str(rate), str(max(1, int(rate * seconds))), str(cpus()[0]),
+                str(min(load_cpu()))]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=seconds + 120)
+        if r.returncode != 0:
+            rec[name] = {"error": f"fanfloor exited with {r.returncode}: {r.stderr.strip()[-300:]}"}
+            continue
+        m = json.loads(r.stdout)
+        rec[name] = {"latency": {"p50_ms": m["p50_ms"], "p99_ms": m["p99_ms"], "max_ms": m["max_ms"]},
+                     "deliveries": m["deliveries"], "write_ms_p50": m["write_ms_p50"],
+                     "write_ms_p99": m["write_ms_p99"]}
+    return rec
+
+
 def part_fanout(ctx: Ctx) -> list[dict[str, Any]]:
+    import pickle
+
     from bench import peers
 
     a = ctx.args
     msgs = presign_phases(ctx.cache / f"fanout-{a.paced_seconds:g}-{a.fanout_max}.pkl", ctx.group, _fanout_plan(a))
+    with open(msgs, "rb") as f:
+        frame = 4 + len(pickle.load(f)[P20][0])  # (a length prefix and the message)
     out = []
     for rep in range(a.repeat):
         for subs in a.subscribers:
+            floor: dict[str, Any] = {"part": "fanout", "tree": "floor", "system": "floor", "rep": rep,
+                                     "subscribers": subs, "frame_bytes": frame,
+                                     **fanout_floor(subs, frame, a.paced_seconds)}
+            _log(_fanout_line("floor (no router: bench/fanfloor.c)", "floor", subs, floor))
+            out.append(floor)
             systems: list[tuple[str, Path | None]] = [(label, tree) for label, tree in ctx.trees]
             if not a.no_mosquitto:
                 systems.append(("mosquitto-qos1", None))
@@ -720,6 +759,30 @@ def drop_caches() -> int:
     return before - cached()
 
 
+def _snapshot(root: Path | None, q: int) -> Path | None:
+    """The directory of a saved store of ``q`` queued messages under ``root`` young enough to drain (its queue
+    entries expire :data:`TTL` seconds after the fill; a quarter of that is kept as margin), or None."""
+    if root is None:
+        return None
+    snap = root / f"backlog-{q}"
+    try:
+        meta = json.loads((snap / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return snap if time.time() - float(meta["filled_at"]) < 0.75 * TTL else None
+
+
+def _save_snapshot(root: Path, q: int, data: Path) -> None:
+    """Copy a stopped daemon's filled store to ``root`` for later drains (:func:`_snapshot`)."""
+    snap = root / f"backlog-{q}"
+    shutil.rmtree(snap, ignore_errors=True)
+    snap.mkdir(parents=True)
+    t = time.monotonic()
+    shutil.copytree(data, snap / "a-data")
+    (snap / "meta.json").write_text(json.dumps({"queued": q, "filled_at": time.time()}))
+    _log(f"backlog: the filled store saved to {snap} ({time.monotonic() - t:.0f} s)")
+
+
 def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
     a = ctx.args
     q = a.backlog
@@ -733,30 +796,51 @@ def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
         for label, tree in ctx.trees:
             rr = ctx.run_root(f"backlog-{label}")
             rec: dict[str, Any] = {"part": "backlog", "tree": label, "rep": rep, "queued": q, "frame_bytes": size}
-            d = ctx.daemon(rr, tree, extra)
+            snap = _snapshot(a.backlog_snapshot, q)
+            d = ctx.daemon(rr, tree, extra) if snap is None else None
             pub = None
             sampler = None
             try:
-                app = clients.UpsycleApp(str(d.sock), sub)
-                app.join(ctx.group.public, True)
-                app.sock.close()
-                time.sleep(0.2)
-                r0 = rss_kib(d.child.pid)
-                sampler = Sampler(d.child.pid)
-                pub = Worker(publish_main, {"path": str(d.sock), "seed": ctx.publisher.seed, "file": str(frames),
-                                            "cpu": sorted(load_cpu()), "timeout": 1800})
-                pub.wait("ready", 60)
-                c0 = cpu_seconds(d.child.pid)
-                pub.send(("go",))
-                res = pub.wait("result", 3600)
-                c1 = cpu_seconds(d.child.pid)
-                fill = sampler.stop()
-                if res.get("error"):
-                    raise WorkloadError(f"publisher: {res['error']}")
-                rec["fill_s"] = round((res["t_done"] - res["t0"]) / 1e9, 2)
-                rec["fill_msg_s"] = round(q / rec["fill_s"])
-                rec["fill_cpu_us_per_msg"] = round((c1 - c0) * 1e6 / q, 2)
-                wait_quiet([d.child.pid])
+                if d is None:  # the store of an earlier fill (--backlog-snapshot), copied in
+                    assert snap is not None
+                    rec["snapshot"] = str(snap)
+                    t = time.monotonic()
+                    shutil.copytree(snap / "a-data", rr / "a-data")
+                    rec["snapshot_copy_s"] = round(time.monotonic() - t, 1)
+                    t = time.monotonic()
+                    d = ctx.daemon(rr, tree, extra, fresh=False, start_timeout=900.0)
+                    rec["restart_s"] = round(time.monotonic() - t, 1)
+                    r0 = fill = None
+                else:
+                    app = clients.UpsycleApp(str(d.sock), sub)
+                    app.join(ctx.group.public, True)
+                    app.sock.close()
+                    time.sleep(0.2)
+                    r0 = rss_kib(d.child.pid)
+                    sampler = Sampler(d.child.pid)
+                    pub = Worker(publish_main, {"path": str(d.sock), "seed": ctx.publisher.seed, "file": str(frames),
+                                                "cpu": sorted(load_cpu()), "timeout": 1800})
+                    pub.wait("ready", 60)
+                    c0 = cpu_seconds(d.child.pid)
+                    pub.send(("go",))
+                    res = pub.wait("result", 3600)
+                    c1 = cpu_seconds(d.child.pid)
+                    fill = sampler.stop()
+                    if res.get("error"):
+                        raise WorkloadError(f"publisher: {res['error']}")
+                    rec["fill_s"] = round((res["t_done"] - res["t0"]) / 1e9, 2)
+                    rec["fill_msg_s"] = round(q / rec["fill_s"])
+                    rec["fill_cpu_us_per_msg"] = round((c1 - c0) * 1e6 / q, 2)
+                    wait_quiet([d.child.pid])
+                    if a.backlog_snapshot is not None:  # keep the filled store; drain it after a restart
+                        pub.stop()
+                        pub = None
+                        d.child.stop()
+                        _save_snapshot(a.backlog_snapshot, q, rr / "a-data")
+                        d.sock.unlink(missing_ok=True)
+                        t = time.monotonic()
+                        d = ctx.daemon(rr, tree, extra, fresh=False, start_timeout=900.0)
+                        rec["restart_s"] = round(time.monotonic() - t, 1)
                 if a.drop_caches:
                     rec["dropped_caches"] = drop_caches()
                 rec["rss_before_kib"] = r0
@@ -804,7 +888,8 @@ def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
                     sampler.stop()
                 if pub is not None:
                     pub.stop()
-                d.child.stop()
+                if d is not None:
+                    d.child.stop()
                 discard_data(rr)
             mx = rec.get("rss_max_drain_kib") or {}
             _log(f"backlog [{label}] {q:,} queued: filled at {rec.get('fill_msg_s')} msg/s, drained at "
@@ -921,7 +1006,7 @@ def summary(res: dict[str, Any]) -> list[str]:
                          "idle connection")
     fan = res.get("fanout") or []
     for subs in res["args"]["subscribers"]:
-        for label in [*labels, "mosquitto-qos1"]:
+        for label in ["floor", *labels, "mosquitto-qos1"]:
             rs = _by(fan, tree=label, subscribers=subs)
             if not rs:
                 continue
@@ -942,7 +1027,7 @@ def summary(res: dict[str, Any]) -> list[str]:
             store = _median([r["store_bytes"] / 2**20 for r in rs])
             lines.append(f"[{label}] backlog {res['args']['backlog']:,}: drain "
                          f"{_median([r['drain_msg_s'] for r in rs])} msg/s, fill "
-                         f"{_median([r['fill_msg_s'] for r in rs])} msg/s; RSS max {rss} MiB (anon {anon} MiB); "
+                         f"{_median([r.get('fill_msg_s') for r in rs])} msg/s; RSS max {rss} MiB (anon {anon} MiB); "
                          f"store {store} MiB")
         rs = _by(res.get("groups") or [], tree=label)
         if rs:
@@ -982,6 +1067,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="processes reading the fan-out's subscriber connections (pinned to the CPUs in turn, the "
                         "load generator's first)")
     p.add_argument("--backlog", type=int, default=1_000_000, help="messages queued for the backlog part")
+    p.add_argument("--backlog-snapshot", type=Path, default=None, metavar="DIR",
+                   help="backlog: drain a copy of the store the last fill saved under DIR (filled less than 45 min "
+                        "ago), or fill, save it there and drain after a restart; for A/B runs of the drain alone")
     p.add_argument("--drop-caches", action="store_true",
                    help="backlog: after the fill, sync and drop the clean page cache the daemon has not mapped "
                         "(/proc/sys/vm/drop_caches, root only), so the drain reads the store from the disk - as on a "
