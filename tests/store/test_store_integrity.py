@@ -23,6 +23,7 @@ from upsycle_router.durability import Durability
 from upsycle_router.store.backup import BackupError, backup, restore
 from upsycle_router.store.check import check_dir, check_file, check_store
 from upsycle_router.store.integrity import (
+    CLEAN,
     MARKER,
     StoreDamaged,
     StoreUnusable,
@@ -220,6 +221,76 @@ def test_every_page_in_use_overwritten_is_found(store: Path, fill: str) -> None:
         data.write_bytes(original)
     assert kinds["tree"] > 10 and kinds["overflow"] == 6 and kinds["data"] > 0, kinds
     assert opens(store)["messages"] == 60
+
+
+
+# ---------------------------------------------------------------- after a clean close, no walk
+
+
+def _walked(caplog: pytest.LogCaptureFixture) -> list[bool]:
+    """For each check at open logged since the last clear: whether it walked the pages."""
+    out = []
+    for r in caplog.records:
+        if "pages in use walked" in r.getMessage():
+            out.append(True)
+        elif "its pages are not walked" in r.getMessage():
+            out.append(False)
+    return out
+
+
+def test_a_clean_close_spares_the_next_open_the_walk(store: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="upsycle_router.store")
+    assert (store / CLEAN).exists()  # make_store closed it
+    s = LmdbStore(store, Durability.NONE, map_size=MAP)
+    assert not (store / CLEAN).exists()  # removed before LMDB opened the file: a crash from here on leaves none
+    s.close()
+    assert (store / CLEAN).exists()
+    assert opens(store)["messages"] == 60
+    assert _walked(caplog) == [False, False]
+
+
+def test_after_a_crash_the_next_open_walks(store: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="upsycle_router.store")
+    crash = ("import os, sys; from upsycle_router.durability import Durability\n"
+             "from upsycle_router.store.lmdb_store import LmdbStore\n"
+             "s = LmdbStore(sys.argv[1], Durability.FSYNC, map_size=1 << 24)\n"
+             "with s.transaction():\n    s.put_message(bytes(32), b'x', None, 1_800_000_000.0)\n"
+             "os._exit(0)  # no close\n")  # fmt: skip
+    subprocess.run([sys.executable, "-c", crash, str(store)], check=True, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                   timeout=60)  # fmt: skip
+    assert not (store / CLEAN).exists()
+    assert opens(store)["messages"] == 61
+    assert _walked(caplog) == [True]
+
+
+@pytest.mark.parametrize("how", ["a page overwritten at once", "a page overwritten later", "truncated",
+                                 "replaced by a damaged copy"])  # fmt: skip
+def test_a_file_changed_since_its_clean_close_is_walked(store: Path, how: str) -> None:
+    data = store / "data.mdb"
+    original = data.read_bytes()
+    pgno = max(p for p, t in _pages_in_use(store).items() if t == "msgs"  # a leaf or branch page of the table
+               and struct.unpack_from("=QHH", original, p * PSIZE)[::2] in ((p, 1), (p, 2)))  # fmt: skip
+    if how == "a page overwritten at once":  # within the same tick of the kernel's coarse clock as the close
+        LmdbStore(store, Durability.NONE, map_size=MAP).close()
+    assert (store / CLEAN).exists()
+    if how == "a page overwritten later":
+        time.sleep(0.05)
+    if how == "truncated":
+        os.truncate(data, data.stat().st_size // 2)
+    elif how == "replaced by a damaged copy":
+        copy = store / "copy"
+        shutil.copyfile(data, copy)
+        with open(copy, "r+b") as f:
+            f.seek(pgno * PSIZE)
+            f.write(bytes(PSIZE))
+        os.replace(copy, data)
+    else:
+        with open(data, "r+b") as f:
+            f.seek(pgno * PSIZE)
+            f.write(bytes(PSIZE))
+    with pytest.raises(StoreDamaged):
+        check_before_open(store)
+    assert not (store / CLEAN).exists()
 
 
 @pytest.mark.parametrize("slot", [0, 1])

@@ -76,7 +76,7 @@ from upsycle_router.durability import Durability
 from upsycle_router.store import accel, layout
 from upsycle_router.store.accel import IdIndexLike, msgs_records, sorted_items
 from upsycle_router.store.api import Expired, Owed, QueuedMessage, QueueEntry, RouteEntry, StoredMessage
-from upsycle_router.store.integrity import check_before_open, mark_initialised
+from upsycle_router.store.integrity import check_before_open, mark_clean, mark_initialised
 from upsycle_router.store.layout import (
     HEAD_GROUP,
     HEAD_NO_GROUP,
@@ -314,6 +314,8 @@ class LmdbStore(LmdbTables):
         self.env.close()
         if self._ahead is not None:
             self._ahead.close()
+        if self._opened:
+            mark_clean(self.path)  # the next open need not walk the file (integrity.py)
 
     def _prefix(self, db: str, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         """The records whose key starts with ``prefix`` (from key ``start`` on, if given), in key order."""
