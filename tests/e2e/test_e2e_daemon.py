@@ -283,12 +283,14 @@ async def test_sigterm_exits_zero_quickly_and_restart_works(daemon: DaemonFactor
     rid = c.router_id
     took = d.stop()
     assert took < 5.0
+    assert (d.dir / "store" / "store.clean").is_file()  # closed cleanly: the next start need not walk the store
     with pytest.raises(ClientError):  # the connection ended with the daemon
         await c.recv(timeout=5)
     if c.error is not None:
         assert c.error.code == 7, c.error
     await c.close()
     d.start()
+    assert not (d.dir / "store" / "store.clean").exists()  # taken while it runs: a crash leaves none
     c = await connect(d, ident)
     try:
         assert c.router_id == rid
