@@ -47,12 +47,12 @@ check`` walks record by record.
 beside it (:func:`mark_clean`): the file's inode, size, modification time (ns) and the transaction id of its
 newer meta page. It first sets the file's modification time back by one nanosecond: the kernel stamps a write
 with a coarse clock, so a write in the same few milliseconds as the close could leave the time as it was, but
-never one nanosecond before it. :func:`check_before_open` removes that record (durably) before anything else and walks the
-file only if the record is missing or any of the four differs: a crash, a kill or a power cut leaves no record
-(the next start walks), and a file that was written, replaced, restored, truncated or extended since the close
-no longer matches. The meta pages are read either way. What the record cannot
-see is a change that keeps the size and the modification time (a disk's silent corruption): LMDB has no
-checksums to find that with in any case; ``store check`` walks the whole file on demand.
+never one nanosecond before it. :func:`check_before_open` removes that record (durably) before anything else
+and walks the file only if the record is missing or any of the four differs: a crash, a kill or a power cut
+leaves no record (the next start walks), and a file that was written, replaced, restored, truncated or
+extended since the close no longer matches. The meta pages are read either way. What the record cannot see is
+a change that keeps the size and the modification time (a disk's silent corruption): LMDB has no checksums to
+find that with in any case; ``store check`` walks the whole file on demand.
 
 Damage raises :class:`StoreDamaged`, whose message is one line: the file, what is wrong, and what to do
 (``store check``, ``store restore BACKUP``, or move the directory away to start empty). ``upsycle-router run``
