@@ -266,12 +266,19 @@ def machine_ticks() -> tuple[int, int]:
     return v[3] + v[4], sum(v)
 
 
-def _stat_seconds(path: str) -> float:
-    """User + system CPU seconds from a /proc ``stat`` file (0 if it is gone)."""
+def _stat_fields(path: str) -> list[str] | None:
+    """The fields of a /proc ``stat`` file after the command name (state first), or None if it is gone."""
     try:
         with open(path) as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+            return f.read().rsplit(")", 1)[1].split()
     except OSError:
+        return None
+
+
+def _stat_seconds(path: str) -> float:
+    """User + system CPU seconds from a /proc ``stat`` file (0 if it is gone)."""
+    fields = _stat_fields(path)
+    if fields is None:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
@@ -283,10 +290,8 @@ def cpu_seconds(pid: int) -> float:
 
 def cpu_split(pid: int) -> dict[str, float]:
     """A process's user and system CPU seconds and its minor and major page faults so far (all 0 if gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    if fields is None:
         return {"user_s": 0.0, "sys_s": 0.0, "minflt": 0, "majflt": 0}
     tck = os.sysconf("SC_CLK_TCK")
     return {"user_s": int(fields[11]) / tck, "sys_s": int(fields[12]) / tck, "minflt": int(fields[7]),

@@ -77,7 +77,6 @@ int main(int argc, char **argv) {
         perror("pipe");
         return 2;
     }
-    int64_t *starts = calloc((size_t)count, sizeof *starts);
     pid_t child = fork();
     if (child < 0) {
         perror("fork");
@@ -172,6 +171,5 @@ int main(int argc, char **argv) {
            "\"p50_ms\": %.3f, \"p99_ms\": %.3f, \"max_ms\": %.3f, \"write_ms_p50\": %.3f, \"write_ms_p99\": %.3f}\n",
            n, size, rate, count, got, pct_ms(lat, got, 0.5), pct_ms(lat, got, 0.99), pct_ms(lat, got, 1.0),
            pct_ms(wr, (size_t)count, 0.5), pct_ms(wr, (size_t)count, 0.99));
-    free(starts);
     return got == (size_t)n * (size_t)count ? 0 : 1;
 }

@@ -807,9 +807,7 @@ def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
                     t = time.monotonic()
                     shutil.copytree(snap / "a-data", rr / "a-data")
                     rec["snapshot_copy_s"] = round(time.monotonic() - t, 1)
-                    t = time.monotonic()
-                    d = ctx.daemon(rr, tree, extra, fresh=False, start_timeout=900.0)
-                    rec["restart_s"] = round(time.monotonic() - t, 1)
+                    d, rec["restart_s"] = _time_start(ctx, rr, tree, extra, start_timeout=900.0)
                     r0 = fill = None
                 else:
                     app = clients.UpsycleApp(str(d.sock), sub)
@@ -838,9 +836,7 @@ def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
                         d.child.stop()
                         _save_snapshot(a.backlog_snapshot, q, rr / "a-data")
                         d.sock.unlink(missing_ok=True)
-                        t = time.monotonic()
-                        d = ctx.daemon(rr, tree, extra, fresh=False, start_timeout=900.0)
-                        rec["restart_s"] = round(time.monotonic() - t, 1)
+                        d, rec["restart_s"] = _time_start(ctx, rr, tree, extra, start_timeout=900.0)
                 if a.drop_caches:
                     rec["dropped_caches"] = drop_caches()
                 rec["rss_before_kib"] = r0
@@ -903,11 +899,12 @@ def part_backlog(ctx: Ctx) -> list[dict[str, Any]]:
     return out
 
 
-def _time_start(ctx: Ctx, rr: Path, tree: Path) -> tuple[Any, float]:
+def _time_start(ctx: Ctx, rr: Path, tree: Path, extra: dict[str, Any] | None = None,
+                start_timeout: float = 20.0) -> tuple[Any, float]:
     """Start the daemon on its existing store; seconds from exec until an app's SYNC is answered (its socket
     accepts, the handshake is done, the router routes)."""
     t = time.monotonic()
-    d = ctx.daemon(rr, tree, fresh=False)
+    d = ctx.daemon(rr, tree, extra, fresh=False, start_timeout=start_timeout)
     app = clients.UpsycleApp(str(d.sock), _key("restart-probe"), timeout=120.0)
     app.sync()
     app.sock.close()

@@ -117,7 +117,7 @@ class Write(NamedTuple):
     """One message written to one connection, as :func:`writes` lists the effects' writes: a :class:`Send`, one
     message of a :class:`Fanout` to one of its connections, or one entry of a :class:`QueueRun`, whose queue
     entry ``(peer, seq)`` it drains (``queue_ref``; None for the others). Not an effect: the core emits the
-    three above; tests and the simulator look at their writes one by one."""
+    three above; the tests look at their writes one by one."""
 
     conn: ConnId
     data: bytes
