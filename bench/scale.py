@@ -59,7 +59,7 @@ from multiprocessing.connection import Connection as Pipe
 from pathlib import Path
 from typing import Any
 
-from bench import clients
+from bench import clients, common
 from bench.common import (
     LOOPBACK,
     REPO,
@@ -1076,11 +1076,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="presigned messages, kept between runs (a day)")
     p.add_argument("--profile", action="store_true", help="py-spy the daemon while it is measured (summary printed)")
     p.add_argument("--profile-native", action="store_true", help="with --profile: native frames too (py-spy --native)")
+    p.add_argument("--pin-server", action="store_true",
+                   help="pin the daemon and Mosquitto to the first CPU, away from the load generator's (default: "
+                        "they may use every CPU)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     p.add_argument("--out", type=Path, default=None, help="JSON output (default bench/results/scale-latest.json)")
     args = p.parse_args(argv)
     args.subscribers = [int(x) for x in str(args.subscribers).split(",") if x.strip()]
     return args
+
+
+def pin_server(args: argparse.Namespace) -> None:
+    """``--pin-server``: the daemons and Mosquitto start on the first CPU only (bench/common.server_cpu)."""
+    common.PIN_SERVER = bool(args.pin_server)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1090,6 +1098,7 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"unknown part(s): {', '.join(sorted(bad))}", file=sys.stderr)
         return 2
+    pin_server(args)
     nofile = raise_nofile()
     if "connections" in parts and nofile < args.idle + 256:
         print(f"the open-files limit ({nofile}) is too low for {args.idle} idle connections", file=sys.stderr)

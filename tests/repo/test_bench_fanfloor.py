@@ -17,8 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from bench import common  # noqa: E402
 from bench.loadgen import c_binary  # noqa: E402
-from bench.scale import FANFLOOR_C, fanout_floor  # noqa: E402
+from bench.scale import FANFLOOR_C, fanout_floor, parse_args, pin_server  # noqa: E402
 
 
 def _binary() -> str:
@@ -54,3 +55,13 @@ def test_the_bench_records_both_paced_rates() -> None:
     assert set(rec) == {"paced20", "paced200"}
     assert rec["paced20"]["deliveries"] == 5 * 10 and rec["paced200"]["deliveries"] == 5 * 100
     assert all(0 < rec[k]["latency"]["p50_ms"] <= rec[k]["latency"]["p99_ms"] for k in rec)
+
+
+def test_pin_server_keeps_the_system_under_test_off_the_load_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(common, "PIN_SERVER", False)
+    pin_server(parse_args(["--part", "fanout"]))
+    assert common.server_cpu() == set(common.cpus())
+    pin_server(parse_args(["--part", "fanout", "--pin-server"]))
+    assert common.server_cpu() == {common.cpus()[0]}
+    if len(common.cpus()) > 1:
+        assert not common.server_cpu() & common.load_cpu()
