@@ -195,3 +195,84 @@ def test_a_drain_with_read_ahead_reads_what_one_without_reads(tmp_path: Path) ->
         on.close()
         off.close()
 
+
+
+# ------------------------------------------------------------------ a whole table at open (ask_for_table)
+
+
+def test_the_leaf_pages_of_a_table_are_those_the_walk_finds(tmp_path: Path) -> None:
+    from upsycle_router.store import integrity
+
+    _fill(tmp_path / "s", 3000)
+    data = tmp_path / "s" / "data.mdb"
+    report = integrity.inspect(data)
+    assert report.ok, report.summary()
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        for table in ("msg_exp", "msgs", "queues"):
+            rec = report.tables[table]
+            psize, pages = integrity.leaf_pages(fd, size, table)
+            assert psize == report.meta.psize  # type: ignore[union-attr]
+            assert rec.depth >= 2 and len(pages) == len(set(pages)) == rec.leaf_pages > 1, table
+            assert all(report.pages[p] == table for p in pages)
+            for p in pages:  # each one a leaf page, by its own header
+                flags = int.from_bytes(os.pread(fd, 2, p * psize + 10), "little")
+                assert flags & integrity.P_LEAF and not flags & integrity.P_BRANCH
+        assert integrity.leaf_pages(fd, size, "no such table") == (psize, [])
+    finally:
+        os.close(fd)
+
+
+def test_a_file_that_is_no_store_gives_no_pages_and_no_error(tmp_path: Path) -> None:
+    from upsycle_router.store import integrity
+    from upsycle_router.store.readahead import ask_for_table
+
+    _fill(tmp_path / "s", 600)
+    data = tmp_path / "s" / "data.mdb"
+    good = data.read_bytes()
+    psize = integrity.inspect(data).meta.psize  # type: ignore[union-attr]
+    for damaged in (os.urandom(len(good)), good[: 2 * psize], good[: 3 * psize] + os.urandom(len(good) - 3 * psize)):
+        data.write_bytes(damaged)
+        fd = os.open(data, os.O_RDONLY)
+        try:
+            _, pages = integrity.leaf_pages(fd, len(damaged), "msg_exp")
+        finally:
+            os.close(fd)
+        assert all(2 <= p < len(damaged) // psize for p in pages)
+        assert ask_for_table(data, "msg_exp") >= 0
+    assert ask_for_table(tmp_path / "no-such-file", "msg_exp") == 0
+
+
+def test_opening_a_store_asks_for_the_index_table_in_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from upsycle_router.store import integrity
+    from upsycle_router.store.readahead import GAP
+
+    ids = _fill(tmp_path / "s", 3000)
+    data = tmp_path / "s" / "data.mdb"
+    fd = os.open(data, os.O_RDONLY)
+    try:
+        psize, leaves = integrity.leaf_pages(fd, os.fstat(fd).st_size, "msg_exp")
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # (out of the page cache)
+    finally:
+        os.close(fd)
+    calls: list[tuple[int, int]] = []
+    real = os.posix_fadvise
+
+    def recording(fd: int, offset: int, length: int, advice: int) -> None:
+        if advice == os.POSIX_FADV_WILLNEED:
+            calls.append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", recording)
+    s = LmdbStore(tmp_path / "s", Durability.NONE, map_size=1 << 28)
+    try:
+        asked = {p for off, n in calls for p in range(off // psize, (off + n) // psize)}
+        assert len(leaves) > 1 and set(leaves) <= asked  # every leaf of msg_exp, before the index was read from it
+        assert all(0 < n <= CHUNK and off % psize == 0 and n % psize == 0 for off, n in calls)
+        extra = asked - set(leaves)  # only the gaps of at most GAP pages between two leaves
+        assert all(min(leaves) < p < max(leaves) for p in extra)
+        assert len(extra) <= GAP * len(leaves)
+        assert all(s.has_message(m) for m in ids[::97])  # the index is whole
+    finally:
+        s.close()

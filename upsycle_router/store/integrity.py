@@ -483,6 +483,78 @@ def inspect(
     return report
 
 
+def leaf_pages(f: int, size: int, table: str) -> tuple[int, list[int]]:
+    """The page size and the leaf page numbers of the named table ``table`` in the open data file ``f`` of
+    ``size`` bytes, as the newer meta page has it, in no particular order: what the store asks the kernel for
+    before it reads the whole table (readahead.py). Only the main tree and the table's branch pages are read
+    (``pread``), never its leaves. Anything unexpected - a page out of place, a loop, bounds that cannot be,
+    the table missing - ends the search with no pages: this serves reading ahead, not checking
+    (the walk above does that)."""
+    try:
+        meta = read_meta(f, size)
+    except _Bad:
+        return 0, []
+    psize, last = meta.psize, min(meta.last_pg, size // meta.psize - 1)
+
+    def nodes(pgno: int) -> tuple[bool, bytes, tuple[int, ...]] | None:
+        """(leaf?, the page, its node offsets), or None for a page that is not a sound branch or leaf page."""
+        if not 2 <= pgno <= last:
+            return None
+        page = os.pread(f, psize, pgno * psize)
+        if len(page) < psize:
+            return None
+        hdr_pgno, _, flags, lower, upper = _HDR.unpack_from(page, 0)
+        kind = flags & ~(P_DIRTY | P_KEEP)
+        if hdr_pgno != pgno or kind not in (P_BRANCH, P_LEAF) or not _HDR_SIZE <= lower <= upper <= psize:
+            return None
+        ptrs = struct.unpack_from(f"={(lower - _HDR_SIZE) >> 1}H", page, _HDR_SIZE)
+        if ptrs and (min(ptrs) < upper or max(ptrs) > psize - _NODE_SIZE):
+            return None
+        return kind == P_LEAF, page, ptrs
+
+    def children(page: bytes, ptrs: tuple[int, ...]) -> list[int]:
+        out = []
+        for ptr in ptrs:
+            lo, hi, nflags, _ = _NODE.unpack_from(page, ptr)
+            out.append(lo | hi << 16 | nflags << 32)
+        return out
+
+    # The table's record: a node of the main tree's leaves (F_SUBDATA) named ``table``.
+    want, rec = table.encode(), None
+    stack, seen = [(meta.main.root, 1)], set()
+    while stack and rec is None:
+        pgno, depth = stack.pop()
+        got = nodes(pgno) if pgno not in seen and depth <= _MAX_DEPTH else None
+        seen.add(pgno)
+        if got is None:
+            return psize, []
+        leaf, page, ptrs = got
+        if not leaf:
+            stack.extend((c, depth + 1) for c in children(page, ptrs))
+            continue
+        for ptr in ptrs:
+            lo, hi, nflags, ksize = _NODE.unpack_from(page, ptr)
+            key = page[ptr + _NODE_SIZE : ptr + _NODE_SIZE + ksize]
+            if key == want and nflags & F_SUBDATA and (lo | hi << 16) == _DB.size:
+                rec = DbRecord.unpack(page, ptr + _NODE_SIZE + ksize)
+                break
+    if rec is None or rec.root == P_INVALID or not 1 <= rec.depth <= _MAX_DEPTH:
+        return psize, []
+    if rec.depth == 1:
+        return psize, [rec.root]
+    level = [rec.root]
+    for _ in range(rec.depth - 1):  # branch levels: each gives the page numbers of the level below
+        below: list[int] = []
+        for pgno in level:
+            got = nodes(pgno) if pgno not in seen else None
+            seen.add(pgno)
+            if got is None or got[0]:
+                return psize, []
+            below.extend(children(got[1], got[2]))
+        level = below
+    return psize, level
+
+
 # ----------------------------------------------------------------------------------------- at store open
 
 

@@ -108,7 +108,7 @@ from upsycle_router.store.layout import (
     record_head,
     record_id,
 )
-from upsycle_router.store.readahead import WINDOW, Readahead
+from upsycle_router.store.readahead import WINDOW, Readahead, ask_for_table
 from upsycle_router.store.tables import LmdbTables
 
 log = logging.getLogger("upsycle_router.store")
@@ -188,6 +188,8 @@ class LmdbStore(LmdbTables):
         self.index_batch = max(1, min(index_batch, int(self.env.info()["map_size"]) // (64 * self._psize)))
         self._next_seq = self._load_seq()
         self._saved_seq = self._next_seq
+        # The index is built from all of msg_exp: its leaf pages are asked for at once, not read one by one.
+        ask_for_table(self.path / "data.mdb", "msg_exp")
         with self.transaction():
             v = self._get("meta", b"schema")
             if v is not None and v not in SCHEMAS:
