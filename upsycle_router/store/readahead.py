@@ -38,7 +38,7 @@ found), :meth:`Readahead.open` returns None and the store reads as before.
 
 *A whole table at open.* Opening the store reads all of ``msg_exp`` (the id index is built from it), in key
 order, which is not file order: its leaf pages lie among those of the other tables, wherever LMDB found free
-pages when it wrote them. With read-ahead off, each leaf was one wait for the disk - 146,000 of them, ~30 s,
+pages when it wrote them. With read-ahead off, each leaf was one wait for the disk - 146,000 of them, ~26 s,
 for a 10 M-message store not in the page cache. :func:`ask_for_table` first finds the table's leaf pages
 from its branch pages (``integrity.leaf_pages``: the main tree and the branch pages are read, a few hundred
 pages for 10 M entries), sorts them and asks for each run of neighbouring pages at once, so the disk reads
@@ -53,6 +53,8 @@ import os
 import struct
 from pathlib import Path
 from typing import Any
+
+from upsycle_router.store.integrity import leaf_pages
 
 log = logging.getLogger("upsycle_router.store")
 
@@ -211,8 +213,6 @@ def ask_for_table(data_file: Path, table: str) -> int:
     """Ask the kernel for every leaf page of ``table`` in ``data_file`` (see the module docstring), without
     waiting for them; the bytes asked for (0 where nothing could be asked: no ``posix_fadvise``, no such table,
     a file that cannot be read - the store then reads as before)."""
-    from upsycle_router.store.integrity import leaf_pages
-
     if not hasattr(os, "posix_fadvise"):
         return 0
     try:
