@@ -410,3 +410,45 @@ def test_a_connection_opened_in_a_lost_batch_gets_each_entry_once(tmp_path: Path
     out = h.lost([QueueSent(tuple(refs[:1])), ConnectionOpened(b2, BOB.public, True)])
     data = [s.data for s in out.sends(b2)]
     assert len(data) == len(set(data)) and data == [m.encode() for m in ms[1:]]
+
+
+def test_a_lost_batch_puts_every_window_back_exactly(tmp_path: Path) -> None:
+    """batch_lost undoes the window changes of the batch (Conn.inflight, its bytes, sent, backlog) from the
+    batch's undo log, not from a copy: acknowledgements taking entries out and flushes putting new ones in, several
+    of each in one batch, on two connections - each window is then what a copy taken before the batch holds."""
+    h = make(tmp_path, flush_batch=3)
+    _, ms = queue_for_bob(h, 12)
+    b1 = h.open(BOB)
+    b2 = h.open(BOB)  # (a second connection of the same recipient: its own window)
+    conns = h.router.state.conns
+
+    def windows() -> dict[int, tuple[int, dict[int, int], int, bool]]:
+        return {cid: (c.sent, dict(c.inflight), c.inflight_bytes, c.backlog) for cid, c in conns.items()}
+
+    refs = [r for r in h.log.queue_refs()]
+    assert len(refs) >= 3 and any(conns[c].inflight for c in (b1, b2))
+    for cut in (1, 2, len(refs)):
+        before = windows()
+
+        class Lost(Exception):
+            pass
+
+        h.router.batch_begun()
+        try:
+            with h.store.transaction():
+                h.router.handle(QueueSent(tuple(refs[:cut])), h.now)  # takes entries out, flushes more in
+                h.router.handle(QueueSent(tuple(refs[cut:])), h.now)
+                assert windows() != before
+                raise Lost
+        except Lost:
+            pass
+        h.router.batch_lost()
+        assert windows() == before
+    out = h.queue_sent(refs)
+    while out.queue_refs():
+        out = h.queue_sent(out)
+    assert h.store.queue(BOB.public) == [] and all(not c.inflight for c in conns.values())
+    for conn in (b1, b2):  # each entry at most once per connection, every one delivered
+        data = [s.data for s in h.log.sends(conn)]
+        assert len(data) == len(set(data))
+    assert {s.data for s in h.log.sends(b1) + h.log.sends(b2)} == {m.encode() for m in ms}

@@ -42,7 +42,7 @@ class QueueDrain:
         if c.blocked:
             return
         s = self.s
-        s.keep(c)
+        undo = s.keep(c)
         room = self.s.config.flush_batch - len(c.inflight)
         budget = self.s.config.flush_bytes - c.inflight_bytes
         if room <= 0 or budget <= 0:
@@ -93,6 +93,7 @@ class QueueDrain:
             traces.append(Trace(event, e.id, kind, e.group, src, dst, peer, len(data),
                                 role=s.role(peer) if event == DELIVERED else None))
         if seqs:
+            undo.added.extend(seqs)
             out.append(QueueRun(c.id, peer, tuple(seqs), tuple(datas)))
         out.extend(traces)
 
@@ -113,11 +114,14 @@ class QueueDrain:
             drained.add(recipient)
             for cid in s.by_key.get(recipient, ()):
                 c = s.conns[cid]
-                s.keep(c)
+                removed = s.keep(c).removed
                 inflight = c.inflight
                 freed = 0
                 for seq in seqs:
-                    freed += inflight.pop(seq, 0)
+                    size = inflight.pop(seq, None)
+                    if size is not None:
+                        removed[seq] = size
+                        freed += size
                 c.inflight_bytes -= freed
         for recipient in drained:  # the window has room again
             conn = s.connected(recipient)

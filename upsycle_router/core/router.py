@@ -199,10 +199,11 @@ class Router:
         for conn in s.batch_opened:  # not open as far as the core knows: replaying the batch opens them
             self._on_close(ConnectionClosed(conn))
         s.batch_opened = set()
-        for conn, (sent, inflight, inflight_bytes, backlog) in s.batch_conns.items():
+        for conn, (sent, window, inflight_bytes, backlog) in s.batch_conns.items():
             c = self._conns.get(conn)
             if c is not None:  # its queue window as it was: the batch's Sends never went out
-                c.sent, c.inflight, c.inflight_bytes, c.backlog = sent, inflight, inflight_bytes, backlog
+                window.undo(c.inflight)
+                c.sent, c.inflight_bytes, c.backlog = sent, inflight_bytes, backlog
         s.batch_conns = {}
         for conn, refused in s.batch_refused.items():
             c = self._conns.get(conn)

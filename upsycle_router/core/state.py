@@ -72,6 +72,26 @@ class Conn:
         self.refused = 0  # REFUSED answers sent on this connection since its last SYNC (for the SYNC_ACK)
 
 
+class WindowUndo:
+    """What one batch changed in a connection's queue window (``Conn.inflight``), to put it back if the batch
+    does not commit: the seqs it added, and the entries (seq -> bytes) it took out. A batch adds only seqs past
+    ``Conn.sent`` and takes out only entries written by earlier batches, so the two never share a seq, and
+    undoing is taking the added ones out and putting the others back. (Copying the window instead, up to
+    16,384 entries for each batch of a long drain, was ~4 % of a drain's CPU.)"""
+
+    __slots__ = ("added", "removed")
+
+    def __init__(self) -> None:
+        self.added: list[int] = []
+        self.removed: dict[int, int] = {}
+
+    def undo(self, inflight: dict[int, int]) -> None:
+        """Put ``inflight`` back as it was before the batch."""
+        for seq in self.added:
+            inflight.pop(seq, None)
+        inflight.update(self.removed)
+
+
 class RouterState:
     """The routing core's state (see the module docstring)."""
 
@@ -109,8 +129,8 @@ class RouterState:
         self.tracing = config.trace  # build the routine per-message Trace records
         self.counters: dict[str, int] = {}  # driver-side counters, reported by status()
         # What the current batch changed, as it was before (for Router.batch_lost): each connection's queue-drain
-        # state (sent, inflight, inflight_bytes, backlog), the connections it opened, refusal counts.
-        self.batch_conns: dict[ConnId, tuple[int, dict[int, int], int, bool]] = {}
+        # state (sent, its window's undo log, inflight_bytes, backlog), the connections it opened, refusal counts.
+        self.batch_conns: dict[ConnId, tuple[int, WindowUndo, int, bool]] = {}
         self.batch_opened: set[ConnId] = set()
         self.batch_refused: dict[ConnId, int] = {}
 
@@ -142,10 +162,13 @@ class RouterState:
         conns = self.by_key.get(key)
         return conns[-1] if conns else None
 
-    def keep(self, c: Conn) -> None:
-        """Remember ``c``'s queue-drain state before the batch changes it (for batch_lost)."""
-        if c.id not in self.batch_conns:
-            self.batch_conns[c.id] = (c.sent, dict(c.inflight), c.inflight_bytes, c.backlog)
+    def keep(self, c: Conn) -> WindowUndo:
+        """Remember ``c``'s queue-drain state before the batch changes it (for batch_lost); the batch's undo log
+        of ``c.inflight``, where whoever changes the window next records what it changed (see WindowUndo)."""
+        kept = self.batch_conns.get(c.id)
+        if kept is None:
+            kept = self.batch_conns[c.id] = (c.sent, WindowUndo(), c.inflight_bytes, c.backlog)
+        return kept[1]
 
     def role(self, key: bytes | None) -> Role | None:
         """Who ``key`` is to this router, for trace records."""
