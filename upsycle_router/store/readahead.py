@@ -127,6 +127,13 @@ def mapping_start(address: int, maps: str = "/proc/self/maps") -> int | None:
     return None
 
 
+def will_need(fd: int, start: int, end: int) -> None:
+    """Ask the kernel for bytes ``start`` to ``end`` of ``fd`` without waiting, in pieces of :data:`CHUNK` (each
+    call is read only up to the device's read-ahead size). Raises OSError."""
+    for piece in range(start, end, CHUNK):
+        os.posix_fadvise(fd, piece, min(CHUNK, end - piece), os.POSIX_FADV_WILLNEED)
+
+
 class Readahead:
     """Asks the kernel for the pages a queue drain reads next (see the module docstring)."""
 
@@ -195,8 +202,7 @@ class Readahead:
         if end <= start:
             return
         try:
-            for piece in range(start, end, CHUNK):
-                os.posix_fadvise(self.fd, piece, min(CHUNK, end - piece), os.POSIX_FADV_WILLNEED)
+            will_need(self.fd, start, end)
         except OSError:
             return
         self._asked[key] = end
@@ -231,8 +237,7 @@ def ask_for_table(data_file: Path, table: str) -> int:
                 last = pgno
                 continue
             start, end = first * psize, (last + 1) * psize
-            for piece in range(start, end, CHUNK):
-                os.posix_fadvise(fd, piece, min(CHUNK, end - piece), os.POSIX_FADV_WILLNEED)
+            will_need(fd, start, end)
             asked += end - start
             first = last = pgno
         return asked
