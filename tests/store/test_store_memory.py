@@ -8,6 +8,7 @@ core over LMDB and a core over memory and compare every effect and the stores' c
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,6 +92,40 @@ def test_queue_messages_is_queue_with_get_message_of_each(store: LmdbStore | Mem
     assert {q.group for q in full if q.data is not None} == {G, None}
     assert store.queue_messages(A, 0) == [] and store.queue_messages(A, 5, 0, 0) == []
     assert [q.id for q in store.queue_messages(B, 50)] == [e.id for e in store.queue(B)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_queue_messages_in_any_order_of_storing(store: LmdbStore | MemoryStore, seed: int) -> None:
+    """The fused read follows the stored records while the queue lists them in storing order and looks the
+    others up: runs in storing order, backwards, shuffled, other recipients' records in between, messages
+    deleted or never stored; every call, in and out of a transaction, gives the slow way's answer."""
+    rng = random.Random(seed)
+    ids = [mid(i) for i in range(60)]
+    with store.transaction():
+        for i, m in enumerate(ids):
+            store.put_message(m, bytes([i]) * (5 + i % 7), G if i % 3 else None, 1000.0 + i)
+    order = list(range(60))
+    chunks = [order[:20], order[20:35][::-1], rng.sample(order[35:], 25)]  # in order, backwards, shuffled
+    with store.transaction():
+        for chunk in chunks:
+            for i in chunk:
+                if rng.random() < 0.8:  # the rest are another recipient's records between A's
+                    store.enqueue(A, ids[i], 900.0 + i, 5 + i % 7)
+                else:
+                    store.enqueue(B, ids[i], 900.0 + i, 5 + i % 7)
+        store.enqueue(A, mid(999), 950.0, 3)  # never stored
+        for i in rng.sample(range(60), 6):
+            if store.get_message(ids[i]) is not None and store.get_message(ids[i]).group is not None:  # type: ignore[union-attr]
+                store.delete_message(ids[i])
+    seqs = [e.seq for e in store.queue(A)]
+    for after in [0, *rng.sample(seqs, 5)]:
+        for limit in (1, 2, 7, 100):
+            want = _composed(store, A, limit, after, None)
+            assert store.queue_messages(A, limit, after) == want, (after, limit)
+            with store.transaction():
+                assert store.queue_messages(A, limit, after) == want, (after, limit)
+    got = store.queue_messages(A, 100)
+    assert len(got) == len(seqs) and sum(q.data is None for q in got) >= 1
 
 
 def test_messages_once_per_id_and_unicast_goes_with_its_last_queue_entry(store: LmdbStore | MemoryStore) -> None:

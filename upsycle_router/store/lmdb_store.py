@@ -717,7 +717,14 @@ class LmdbStore(LmdbTables):
             cur = txn.cursor(db=self._db["queues"])
             if not cur.set_range(recipient + pack(after + 1) if after > 0 else recipient):
                 return out
-            get, msgs, id_at_group = txn.get, self._db["msgs"], REC_ID_AT_GROUP
+            id_at_group = REC_ID_AT_GROUP
+            # The message records are read through one cursor. A queue mostly lists its messages in the order
+            # they were stored, so the record after the last one read is tried first (one step, no search and
+            # no index lookup); where it is another message's, the index says where to look (and the cursor
+            # stays there). The record found is the message's either way: no message is stored twice.
+            mcur = txn.cursor(db=self._db["msgs"])
+            mnext, mitem, mset, mvalue = mcur.next, mcur.item, mcur.set_key, mcur.value
+            placed = False  # whether mcur is on the last record read
             hints = self._group_ids
             if len(hints) > GROUP_HINTS:
                 hints.clear()
@@ -731,16 +738,23 @@ class LmdbStore(LmdbTables):
                 data: bytes | None = None
                 group: bytes | None = None
                 mexp = 0.0
+                rec = None
                 if len(mid) != ID_LEN:  # (never for a real id: the general lookup)
                     found = self._stored(mid)
                     seqs: Sequence[int] = ()
                     rec = found[1] if found is not None else None
+                    placed = False
                 else:
-                    seqs, rec = find(mid) or (), None
+                    if placed and mnext():
+                        mk, r = mitem()
+                        if r.startswith(mid, id_at_group if r[REC_FLAG_AT] == REC_GROUP else REC_ID_AT):
+                            rec, last_rec = r, u64_from(mk)[0]
+                    seqs = find(mid) or () if rec is None else ()
+                    placed = rec is not None
                 for s in seqs:
-                    r = get(pack(s), db=msgs)
+                    r = mvalue() if mset(pack(s)) else None
                     if r is not None and r.startswith(mid, id_at_group if r[REC_FLAG_AT] == REC_GROUP else REC_ID_AT):
-                        rec, last_rec = r, s
+                        rec, last_rec, placed = r, s, True
                         break
                 if rec is not None:
                     mexp = u64_from(rec, 0)[0] / 1000.0
@@ -794,12 +808,7 @@ class LmdbStore(LmdbTables):
         mid, exp, size = QUEUE.unpack(v)
         if size & STRANGER_FLAG:
             size &= SIZE_MASK
-            c, b = self.stranger_usage(recipient)
-            if c <= 1:
-                self._delete("sqstats", recipient)
-            else:
-                self._put("sqstats", recipient, COUNTS.pack(c - 1, max(0, b - size)))
-            self._stranger_bytes = max(0, self._stranger_bytes - size)
+            self._stranger_dequeued(recipient, size)
         txn.delete(key, db=queues)
         txn.delete(U64.pack(exp) + key, db=db["queue_exp"])
         refs_db = db["refs"]
@@ -817,14 +826,23 @@ class LmdbStore(LmdbTables):
         self._qstats[recipient] = (count - 1, max(0, nbytes - size)) if count > 1 else (0, 0)
         return QueueEntry(recipient, seq, mid, exp / 1000.0, size)
 
+    def _stranger_dequeued(self, recipient: bytes, size: int) -> None:
+        """Count out of ``sqstats`` and the stranger bytes an entry of ``size`` bytes a stranger queued."""
+        c, b = self.stranger_usage(recipient)
+        if c <= 1:
+            self._delete("sqstats", recipient)
+        else:
+            self._put("sqstats", recipient, COUNTS.pack(c - 1, max(0, b - size)))
+        self._stranger_bytes = max(0, self._stranger_bytes - size)
+
     def dequeue_many(self, recipient: bytes, seqs: Iterable[int]) -> int:
         """:meth:`dequeue` of each of ``seqs`` in turn (a queue drain's acknowledged entries), without building
         the entries; return how many were there. The same reads and writes through three cursors: a drain removes
         thousands of entries a batch, and the per-call costs (keyword arguments, a table lookup, the entry's
-        object) were half of :meth:`dequeue`'s. Entries a stranger queued take :meth:`dequeue` itself."""
+        object) were half of :meth:`dequeue`'s. ``Cursor.pop`` finds, reads and deletes an entry in one call."""
         txn, db = self._w(), self._db
-        qcur = txn.cursor(db=db["queues"])
-        ecur = txn.cursor(db=db["queue_exp"])
+        qpop = txn.cursor(db=db["queues"]).pop
+        epop = txn.cursor(db=db["queue_exp"]).pop
         rcur = txn.cursor(db=db["refs"])
         pack, unpack_entry, unpack_u64 = U64.pack, QUEUE.unpack, U64.unpack
         hints = self._group_ids
@@ -832,18 +850,14 @@ class LmdbStore(LmdbTables):
         removed = 0
         for seq in seqs:
             key = recipient + pack(seq)
-            if not qcur.set_key(key):
+            v = qpop(key)
+            if v is None:
                 continue
-            mid, exp, size = unpack_entry(qcur.value())
-            if size & STRANGER_FLAG:  # (sqstats and the stranger bytes: as dequeue does them)
-                self._qstats[recipient] = (count, nbytes)
-                self.dequeue(recipient, seq)
-                count, nbytes = self.queue_usage(recipient)
-                removed += 1
-                continue
-            qcur.delete()
-            if ecur.set_key(pack(exp) + key):
-                ecur.delete()
+            mid, exp, size = unpack_entry(v)
+            if size & STRANGER_FLAG:
+                size &= SIZE_MASK
+                self._stranger_dequeued(recipient, size)
+            epop(pack(exp) + key)
             count, nbytes = (count - 1, max(0, nbytes - size)) if count > 1 else (0, 0)
             removed += 1
             if mid in hints:  # a group message: no refs record, and it stays stored until it expires
