@@ -1278,3 +1278,56 @@ class MessageModel(RuleBasedStateMachine):
 
 MessageModel.TestCase.settings = _model_settings(30)
 test_messages_match_model = MessageModel.TestCase
+
+
+def test_dequeue_many_counts_out_a_strangers_entry_queued_before_its_message(tmp_path: Path) -> None:
+    """A stranger's entry queued while its message was not stored counts in ``refs``; the message then stored
+    for a group and read by a drain, ``dequeue_many`` still takes the entry out of ``refs``, as ``dequeue``
+    does (the drain's group shortcut skips ``refs``)."""
+    x = b"\x01" * 32
+    stores = {}
+    for how in ("one", "many"):
+        s = open_store(tmp_path / how)
+        with s.transaction():
+            seq = s.enqueue(A, x, T, 10, stranger=True).seq
+            s.put_message(x, b"g", G1, T + 1)
+        assert _refs(s) == {x: 1}
+        with s.transaction():
+            assert [q.id for q in s.queue_messages(A, 10)] == [x]
+            if how == "one":
+                assert s.dequeue(A, seq) is not None
+            else:
+                assert s.dequeue_many(A, [seq]) == 1
+        assert _refs(s) == {} and s.stranger_usage(A) == (0, 0) and s.queue_usage(A) == (0, 0)
+        stores[how] = s
+    assert _tables(stores["many"]) == _tables(stores["one"])
+    for s in stores.values():
+        s.close()
+    assert check_store(tmp_path / "many") == []
+
+
+def test_a_drain_in_storing_order_follows_the_records_without_the_index(tmp_path: Path) -> None:
+    """``queue_messages`` reads a queue that lists its messages in storing order by stepping a cursor, not by
+    looking each id up (the index is asked once, for the first entry, and again where the order breaks)."""
+    s = open_store(tmp_path / "s")
+    with s.transaction():
+        s.put_new_messages(G1, [(mid(i), b"m%d" % i, T) for i in range(100)])
+        for i in [*range(60), 99, *range(60, 99)]:  # one break in the order
+            s.enqueue(A, mid(i), T, 10)
+    index = s._index
+    asked: list[bytes] = []
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            return getattr(index, name)
+
+        def find(self, m: bytes) -> object:
+            asked.append(m)
+            return index.find(m)
+
+    s._index = Spy()  # type: ignore[assignment]
+    got = s.queue_messages(A, 200)
+    assert [q.data for q in got] == [b"m%d" % i for i in [*range(60), 99, *range(60, 99)]]
+    assert asked == [mid(0), mid(99), mid(60)]
+    s._index = index
+    s.close()

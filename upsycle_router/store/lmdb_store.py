@@ -854,13 +854,16 @@ class LmdbStore(LmdbTables):
             if v is None:
                 continue
             mid, exp, size = unpack_entry(v)
-            if size & STRANGER_FLAG:
+            stranger = size & STRANGER_FLAG
+            if stranger:
                 size &= SIZE_MASK
                 self._stranger_dequeued(recipient, size)
             epop(pack(exp) + key)
             count, nbytes = (count - 1, max(0, nbytes - size)) if count > 1 else (0, 0)
             removed += 1
-            if mid in hints:  # a group message: no refs record, and it stays stored until it expires
+            # A group message: no refs record, and it stays stored until it expires. (A stranger's entry may
+            # have been queued, and counted in refs, before its message was stored: refs is looked at.)
+            if mid in hints and not stranger:
                 hints.discard(mid)
                 continue
             had = rcur.set_key(mid)
