@@ -1331,3 +1331,19 @@ def test_a_drain_in_storing_order_follows_the_records_without_the_index(tmp_path
     assert asked == [mid(0), mid(99), mid(60)]
     s._index = index
     s.close()
+
+
+def test_a_drain_steps_over_a_damaged_record_between_two_messages(tmp_path: Path) -> None:
+    """A record too short to hold a flag between two queued messages' records (damage) is not taken for the
+    next message, and does not stop the drain: both messages are read, as ``get_message`` reads them."""
+    s = open_store(tmp_path / "s")
+    with s.transaction():
+        s.put_new_messages(G1, [(mid(i), b"m%d" % i, T) for i in range(2)])
+        for i in range(2):
+            s.enqueue(A, mid(i), T, 10)
+    with s.env.begin(write=True) as txn:
+        first = bytes(next(iter(txn.cursor(db=s._db["msgs"])))[0])
+        txn.put(first + b"\x00", b"x", db=s._db["msgs"])  # sorts between the two records
+    got = s.queue_messages(A, 10)
+    assert [(q.id, q.data) for q in got] == [(mid(i), s.get_message(mid(i)).data) for i in range(2)]  # type: ignore[union-attr]
+    s.close()

@@ -747,13 +747,16 @@ class LmdbStore(LmdbTables):
                 else:
                     if placed and mnext():
                         mk, r = mitem()
-                        if r.startswith(mid, id_at_group if r[REC_FLAG_AT] == REC_GROUP else REC_ID_AT):
+                        if len(r) > REC_FLAG_AT and r.startswith(
+                            mid, id_at_group if r[REC_FLAG_AT] == REC_GROUP else REC_ID_AT
+                        ):  # (a damaged record too short for a flag is not the message's)
                             rec, last_rec = r, u64_from(mk)[0]
                     seqs = find(mid) or () if rec is None else ()
                     placed = rec is not None
                 for s in seqs:
                     r = mvalue() if mset(pack(s)) else None
-                    if r is not None and r.startswith(mid, id_at_group if r[REC_FLAG_AT] == REC_GROUP else REC_ID_AT):
+                    if (r is not None and len(r) > REC_FLAG_AT
+                            and r.startswith(mid, id_at_group if r[REC_FLAG_AT] == REC_GROUP else REC_ID_AT)):
                         rec, last_rec, placed = r, s, True
                         break
                 if rec is not None:
