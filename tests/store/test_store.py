@@ -1347,3 +1347,19 @@ def test_a_drain_steps_over_a_damaged_record_between_two_messages(tmp_path: Path
     got = s.queue_messages(A, 10)
     assert [(q.id, q.data) for q in got] == [(mid(i), s.get_message(mid(i)).data) for i in range(2)]  # type: ignore[union-attr]
     s.close()
+
+
+def test_a_damaged_record_too_short_for_a_flag_is_no_message(tmp_path: Path) -> None:
+    """Where the id index points at a record too short to hold its flag (damage), the message is not stored as
+    far as every lookup goes - in a batch and outside one - rather than an IndexError: the same rule as the
+    drain's (``store check`` reports the record)."""
+    s = open_store(tmp_path / "s")
+    with s.transaction():
+        s.put_new_messages(G1, [(mid(1), b"m1", T)])
+    with s.env.begin(write=True) as txn:
+        seq = bytes(next(iter(txn.cursor(db=s._db["msgs"])))[0])
+        txn.put(seq, b"x", db=s._db["msgs"])
+    assert s.get_message(mid(1)) is None and not s.has_message(mid(1))
+    with s.transaction():
+        assert s.get_message(mid(1)) is None
+    s.close()

@@ -576,14 +576,15 @@ class LmdbStore(LmdbTables):
             for s in seqs:
                 seq = U64.pack(s)
                 v = self._get("msgs", seq)
-                if v is not None and record_id(v) == mid:  # (not another id with the same fingerprint)
+                if v is not None and len(v) > REC_FLAG_AT and record_id(v) == mid:  # (not another id's, nor damage)
                     return seq, v
             return None
         msgs = self._db["msgs"]  # (inside a batch: this runs for every message a queue drain sends and removes)
         for s in seqs:
             seq = U64.pack(s)
             v = txn.get(seq, db=msgs)
-            if v is not None and v.startswith(mid, REC_ID_AT_GROUP if v[REC_FLAG_AT] == REC_GROUP else REC_ID_AT):
+            if (v is not None and len(v) > REC_FLAG_AT
+                    and v.startswith(mid, REC_ID_AT_GROUP if v[REC_FLAG_AT] == REC_GROUP else REC_ID_AT)):
                 return seq, v
         return None
 
