@@ -197,6 +197,164 @@ def test_a_drain_with_read_ahead_reads_what_one_without_reads(tmp_path: Path) ->
 
 
 
+# ------------------------------------------------------------------ giving back what a long drain has read
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def _cached(path: Path) -> list[bool]:
+    """Which pages of ``path`` are in the page cache (mincore on a map of its own, which reads none of them)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as m:
+            vec = (ctypes.c_ubyte * ((size + PAGE - 1) // PAGE))()
+            assert _libc.mincore(buffer_address(m), size, vec) == 0, ctypes.get_errno()
+            return [bool(v & 1) for v in vec]
+    finally:
+        os.close(fd)
+
+
+def _warm(path: Path) -> None:
+    """Bring ``path`` into the page cache clean, one page per page-cache entry. The page cache may hold a file
+    in large folios (up to 2 MiB, from writes and read-ahead), and ``POSIX_FADV_DONTNEED`` drops only those
+    wholly inside the range it is given: a drain gives back megabytes at a time, so only its edges stay, but
+    these tests count single pages."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # (clean pages: the page cache drops only those)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # (no read-ahead: a folio per page read)
+        for at in range(0, os.fstat(fd).st_size, PAGE):
+            os.pread(fd, 1, at)
+    finally:
+        os.close(fd)
+
+
+def _releasing(tmp_path: Path, pages: int) -> tuple[Readahead, mmap.mmap, Path]:
+    """A read-ahead over a file of ``pages`` clean pages, all in the page cache: a window of 8 pages, 4 kept
+    behind, giving back above any size."""
+    f = tmp_path / "data"
+    f.write_bytes(os.urandom(pages * PAGE))
+    _warm(f)
+    fd = os.open(f, os.O_RDONLY)
+    m = mmap.mmap(fd, pages * PAGE, access=mmap.ACCESS_READ)
+    ra = Readahead(fd, buffer_address(m), 8 * PAGE, PAGE, release_above=0)
+    ra.behind = 4 * PAGE
+    assert all(_cached(f))
+    return ra, m, f
+
+
+def test_a_long_drain_gives_back_the_pages_behind_it(tmp_path: Path) -> None:
+    ra, m, f = _releasing(tmp_path, 64)
+    view = memoryview(m)
+    try:
+        for page in range(2, 41):  # a drain reading the message table from page 2 to page 40
+            ra.advise(R, "msgs", view[page * PAGE + 10 :], ra.window)
+        cached = _cached(f)
+        # what it read from its start up to 4 pages behind its place is given back; the rest is cached
+        assert cached[:2] == [True] * 2 and cached[2:36] == [False] * 34 and all(cached[36:])
+        assert ra.released_bytes == 34 * PAGE
+        # the pages behind its place were given back by this process's map too: reading them reads the file again
+        assert bytes(view[3 * PAGE : 4 * PAGE]) == f.read_bytes()[3 * PAGE : 4 * PAGE]
+    finally:
+        view.release()
+        m.close()
+        ra.close()
+
+
+def test_no_pages_are_given_back_by_short_drains_small_stores_or_jumps(tmp_path: Path) -> None:
+    ra, m, f = _releasing(tmp_path, 64)
+    view = memoryview(m)
+    try:
+        for page in range(2, 30):  # a lead shorter than the window: a drain that may end soon
+            ra.advise(R, "msgs", view[page * PAGE :], ra.window // 2)
+        ra.advise(R, "queues", view[40 * PAGE :], ra.window)  # another table: never given back
+        ra.advise(R, "queues", view[60 * PAGE :], ra.window)
+        assert ra.released_bytes == 0
+        ra.release_above = 64 * PAGE  # a file no larger than that: left to the kernel
+        for page in range(30, 50):
+            ra.advise(G, "msgs", view[page * PAGE :], ra.window)
+        assert ra.released_bytes == 0
+        ra.release_above = 0
+        ra.advise(G, "msgs", view[62 * PAGE :], ra.window)  # 12 pages on: past the window, not its own records
+        assert ra.released_bytes == 0
+        ra.advise(G, "msgs", view[63 * PAGE :], ra.window)
+        assert ra.released_bytes == 0  # (from page 62 on only)
+        assert all(_cached(f))
+    finally:
+        view.release()
+        m.close()
+        ra.close()
+
+
+def test_the_pages_another_drain_reads_next_are_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from upsycle_router.store import readahead
+
+    ra, m, f = _releasing(tmp_path, 64)
+    view = memoryview(m)
+    other = bytes(32)
+    try:
+        ra.advise(other, "msgs", view[10 * PAGE :], ra.window)  # another drain, at page 10: asked up to 18
+        for page in range(0, 31):
+            ra.advise(R, "msgs", view[page * PAGE :], ra.window)
+        cached = _cached(f)  # given back up to 4 pages behind page 30, but for pages 10-17
+        assert cached[:10] == [False] * 10 and all(cached[10:18]) and cached[18:26] == [False] * 8
+        assert all(cached[26:])
+        assert ra.released_bytes == 18 * PAGE
+        # a drain that has not read for more than STALE calls keeps nothing
+        monkeypatch.setattr(readahead, "STALE", 3)
+        ra.advise(G, "msgs", view[40 * PAGE :], ra.window)  # at page 40, asked up to 48
+        for page in range(31, 51):
+            ra.advise(R, "msgs", view[page * PAGE :], ra.window)
+        assert _cached(f)[26:46] == [False] * 20 and all(_cached(f)[46:])
+        assert ra.released_bytes == 38 * PAGE
+    finally:
+        view.release()
+        m.close()
+        ra.close()
+
+
+def test_a_drain_that_gives_back_reads_what_one_that_keeps_reads(tmp_path: Path) -> None:
+    _fill(tmp_path / "a", 3000)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    for d in ("a", "b"):
+        _warm(tmp_path / d / "data.mdb")
+    on = LmdbStore(tmp_path / "a", Durability.NONE, map_size=1 << 28, readahead=256 << 10, release_above=0)
+    keep = LmdbStore(tmp_path / "b", Durability.NONE, map_size=1 << 28, readahead=256 << 10, release_above=None)
+    try:
+        assert on._ahead is not None and keep._ahead is not None
+        on._ahead.behind = 64 << 10
+        got = _drain(on)
+        assert got == _drain(keep)
+        assert len(got) == 3000 and all(data == mid * (1500 // 32) for _, mid, data in got)
+        assert on._ahead.released_bytes > 3000 * 1500 // 2 and keep._ahead.released_bytes == 0
+        assert sum(_cached(tmp_path / "a" / "data.mdb")) < sum(_cached(tmp_path / "b" / "data.mdb"))
+        # what was given back is read again from the file, the same
+        assert [(q.id, q.data) for q in on.queue_messages(R, 10)] == []
+        assert on.get_message(got[0][1]) == keep.get_message(got[0][1]) is not None
+        assert on.queue_usage(R) == keep.queue_usage(R) == (0, 0)
+    finally:
+        on.close()
+        keep.close()
+
+
+def test_a_store_gives_back_only_above_half_the_memory_by_default(tmp_path: Path) -> None:
+    from upsycle_router.store.readahead import memory_size
+
+    _fill(tmp_path / "s", 10)
+    memory = memory_size()
+    assert memory is not None and memory > 0
+    for given, expected in ((-1, memory // 2), (None, None), (0, 0)):
+        s = LmdbStore(tmp_path / "s", Durability.NONE, map_size=1 << 28, release_above=given)
+        try:
+            assert s._ahead is not None and s._ahead.release_above == expected
+        finally:
+            s.close()
+
+
 # ------------------------------------------------------------------ a whole table at open (ask_for_table)
 
 

@@ -143,6 +143,7 @@ class LmdbStore(LmdbTables):
         map_size: int = 1 << 31,
         index_batch: int = INDEX_BATCH,
         readahead: int = WINDOW,
+        release_above: int | None = -1,
     ) -> None:
         self.path = Path(path)
         self.path.mkdir(parents=True, exist_ok=True)
@@ -214,8 +215,10 @@ class LmdbStore(LmdbTables):
             self._stranger_bytes = self._load_stranger_bytes(self._txn)
             self._load_owed(self._txn)
         self._opened = True
-        # Queue drains ask the kernel for the pages they read next (0: never); None where that cannot work.
-        self._ahead = Readahead.open(self.env, self.path / "data.mdb", readahead)
+        # Queue drains ask the kernel for the pages they read next (0: never); None where that cannot work. Long
+        # drains give back what they have read while the data file is larger than ``release_above`` bytes (-1:
+        # half the machine's memory; None: never).
+        self._ahead = Readahead.open(self.env, self.path / "data.mdb", readahead, release_above)
         mark_initialised(self.path)  # from now on an empty or missing data file is damage, not a new store
         # has_room's last verdict: the share of the usable map in use (the core slows senders from a point on)
         self.pressure = 0.0

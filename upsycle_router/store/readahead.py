@@ -36,6 +36,23 @@ ctypes), and the mapping of ``/proc/self/maps`` that holds the address of a reco
 gives where the file starts in memory. Where either is missing (not Linux, no ``posix_fadvise``, a map not
 found), :meth:`Readahead.open` returns None and the store reads as before.
 
+*Releasing what a long drain has read.* A backlog larger than the memory that could cache it is read once,
+from the front: a page of ``msgs`` a drain has passed is, for that drain, never read again. Left to the kernel,
+the pages read stay cached until memory runs out, the page cache grows by the whole backlog (12-13 GB for
+10 M messages), and the drain's CPU per message grew by ~40 % over its last fifths on the reference VM, where
+every page of memory the guest had not used before costs several microseconds more to hand out. So where the
+data file is larger than ``release_above`` (half the machine's memory unless the store says otherwise) and a
+drain's lead has reached the whole window (a long drain), :meth:`Readahead.advise` also gives back the
+``msgs`` pages more than :data:`BEHIND` bytes behind the drain's place: ``madvise(MADV_DONTNEED)`` on the
+store's map (the map is read-only - LMDB writes through the file - so this only drops this process's page
+table entries; the next read of such a page maps it again from the file) and then
+``posix_fadvise(POSIX_FADV_DONTNEED)``, which drops the clean pages from the page cache (dirty ones are written
+first, never lost). Like the window, this changes what is cached, never what is read. A page another
+recipient's drain is about to read - between its place and what it asked for, if it asked within the last
+:data:`STALE` calls - is kept; a drain of the same group further behind reads the rest from the disk again,
+with its own window. Only ``msgs`` is given back: the queue tables' pages are freed by the drain itself and
+reused by LMDB for new writes. A store that fits in half the memory is left to the kernel as before.
+
 *A whole table at open.* Opening the store reads all of ``msg_exp`` (the id index is built from it), in key
 order, which is not file order: its leaf pages lie among those of the other tables, wherever LMDB found free
 pages when it wrote them. With read-ahead off, each leaf was one wait for the disk - 146,000 of them, ~26 s,
@@ -49,6 +66,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import os
 import struct
 from pathlib import Path
@@ -72,6 +90,10 @@ GAP = 8
 """Pages between two leaves of a table asked for at open that are asked for too, to make one run of the two."""
 MAX_TRACKED = 4096
 """At most this many (recipient, table) positions are remembered (then all are forgotten)."""
+BEHIND = 32 << 20
+"""Bytes of ``msgs`` left cached behind a long drain's place when it gives back what it has read."""
+STALE = 1024
+"""A drain's place keeps its pages from being given back by others for this many ``msgs`` calls of any drain."""
 
 
 class _PyBuffer(ctypes.Structure):
@@ -100,6 +122,20 @@ _get_buffer.restype = ctypes.c_int
 _release_buffer = ctypes.pythonapi["PyBuffer_Release"]
 _release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
 _release_buffer.restype = None
+try:
+    _madvise: Any = ctypes.CDLL(None, use_errno=True).madvise
+    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    _madvise.restype = ctypes.c_int
+except (AttributeError, OSError):  # (no C library to load, or no madvise in it)
+    _madvise = None
+
+
+def memory_size() -> int | None:
+    """The machine's physical memory in bytes (None where it cannot be told)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
 
 
 def buffer_address(obj: Any) -> int:
@@ -137,19 +173,31 @@ def will_need(fd: int, start: int, end: int) -> None:
 class Readahead:
     """Asks the kernel for the pages a queue drain reads next (see the module docstring)."""
 
-    def __init__(self, fd: int, base: int, window: int, page: int) -> None:
+    def __init__(self, fd: int, base: int, window: int, page: int, release_above: int | None = None) -> None:
         self.fd = fd
         self.base = base  # the map's address of the data file's first byte
         self.window = window
         self.page = page
+        # Long drains give back the msgs pages they have read while the data file is larger than this (None: never).
+        self.release_above = release_above if _madvise is not None else None
+        self.behind = BEHIND
         self._asked: dict[tuple[bytes, str], int] = {}  # (recipient, table) -> file offset asked for up to
         self._count: dict[bytes, int] = {}  # recipient -> messages read since it last asked
         self._lead: dict[bytes, int] = {}  # recipient -> its lead the last time it asked
+        # recipient -> (page of its drain's last msgs record, asked for up to, the tick of that call)
+        self._places: dict[bytes, tuple[int, int, int]] = {}
+        self._released: dict[bytes, int] = {}  # recipient -> msgs offset its drain has given back pages up to
+        self._tick = 0  # msgs calls of advise so far
         self.asked_bytes = 0  # bytes handed to the kernel in all (statistics)
+        self.released_bytes = 0  # bytes given back (statistics)
 
     @classmethod
-    def open(cls, env: Any, data_file: Path, window: int = WINDOW) -> Readahead | None:
-        """A read-ahead for ``env``'s map of ``data_file``, or None where it cannot work (or ``window`` <= 0)."""
+    def open(
+        cls, env: Any, data_file: Path, window: int = WINDOW, release_above: int | None = -1
+    ) -> Readahead | None:
+        """A read-ahead for ``env``'s map of ``data_file``, or None where it cannot work (or ``window`` <= 0).
+        Long drains give back what they have read while the file is larger than ``release_above`` bytes (-1:
+        half the machine's memory; None: never)."""
         if window <= 0 or not hasattr(os, "posix_fadvise"):
             return None
         try:
@@ -164,7 +212,12 @@ class Readahead:
         except (OSError, TypeError, ValueError) as e:
             log.info("%s: no read-ahead for queue drains: %s", data_file, e)
             return None
-        return cls(fd, base, window, int(env.stat()["psize"]))
+        if release_above == -1:
+            memory = memory_size()
+            release_above = None if memory is None else memory // 2
+        if env.flags().get("writemap"):
+            release_above = None  # (pages written through the map: left alone)
+        return cls(fd, base, window, int(env.stat()["psize"]), release_above)
 
     def due(self, recipient: bytes, read: int) -> bool:
         """Count ``read`` messages of ``recipient``'s drain; whether it is time to ask for more."""
@@ -176,6 +229,8 @@ class Readahead:
             self._count.clear()
             self._asked.clear()
             self._lead.clear()
+            self._places.clear()
+            self._released.clear()
         self._count[recipient] = 0
         return True
 
@@ -197,6 +252,8 @@ class Readahead:
         end = start + window
         key = (recipient, table)
         asked = self._asked.get(key, -1)
+        if table == "msgs":
+            self._went_on(recipient, start, max(end, asked), window)
         if start <= asked <= end:
             start = asked
         if end <= start:
@@ -207,6 +264,51 @@ class Readahead:
             return
         self._asked[key] = end
         self.asked_bytes += end - start
+
+    def _went_on(self, recipient: bytes, place: int, asked: int, window: int) -> None:
+        """Note where ``recipient``'s drain reads ``msgs`` now; give back what a long drain has read (module
+        docstring)."""
+        self._tick += 1
+        last = self._places.get(recipient)
+        self._places[recipient] = (place, asked, self._tick)
+        released = self._released.get(recipient)
+        if released is None or last is None or place < released or place - last[0] > self.window:
+            # A drain starting, or going on from somewhere else - further back (a record in a page LMDB reused)
+            # or far ahead (the records in between are not its own): it gives back from here on.
+            self._released[recipient] = place
+            return
+        end = place - self.behind
+        if self.release_above is None or window < self.window or end <= released:
+            return
+        try:
+            if os.fstat(self.fd).st_size <= self.release_above:
+                return
+        except OSError:
+            return
+        self._released[recipient] = end
+        kept = sorted(
+            (at, to)
+            for who, (at, to, tick) in self._places.items()
+            if who != recipient and self._tick - tick <= STALE and at < end and to > released
+        )
+        for at, to in kept:  # (the pages other drains read next stay)
+            if at > released:
+                self._give_back(released, at)
+            released = max(released, to)
+        if end > released:
+            self._give_back(released, end)
+        if len(self._places) > 2 * STALE:  # (forget the places of drains long gone)
+            self._places = {k: v for k, v in self._places.items() if self._tick - v[2] <= STALE}
+
+    def _give_back(self, start: int, end: int) -> None:
+        """Drop bytes ``start`` to ``end`` of the data file from this process's map and from the page cache."""
+        if _madvise(self.base + start, end - start, mmap.MADV_DONTNEED) != 0:
+            return  # (nothing given back where the map would not let go)
+        try:
+            os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            return
+        self.released_bytes += end - start
 
     def close(self) -> None:
         """Close the data file's descriptor."""
