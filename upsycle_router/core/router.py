@@ -93,6 +93,11 @@ from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
 REDIAL_MIN = 2.0
 REDIAL_MAX = 60.0
 CONTACTS_MAX = 1_000_000  # (local service, key it wrote to) pairs remembered at most
+RUN_ALONE = 24
+"""A message with no other of its group beside it in the read goes the way of a run (core/runs.py) too when its
+group has this many local members or more: a run costs a few microseconds more to set up than the
+per-message path, and ~0.3 µs less per recipient (in process: 1,000 subscribers 311-333 µs a message
+against 404-678, 10 subscribers 73-79 µs against 68-71)."""
 
 
 class Router:
@@ -122,6 +127,7 @@ class Router:
         self.delivery = Delivery(s, self.queues)
         self.control = ControlPlane(s, self.delivery, self._multicast)
         self.runs = True  # route runs of one group's messages together (core/runs.py); tests compare both ways
+        self.run_alone = RUN_ALONE  # a single message is a run from this many members of its group on
         # Bound once: these run for every message.
         d = self.delivery
         self._deliver = d.deliver
@@ -382,7 +388,8 @@ class Router:
             h = msg.header
             j = i + 1
             if type(h) is MulticastHeader and msg.via is None:
-                # A run of one group's messages published here (a burst of a publisher's messages).
+                # A run of one group's messages published here (a burst of a publisher's messages; or one message
+                # alone to a large group: RUN_ALONE).
                 grp = h.grp
                 while j < n:
                     m = msgs[j]
@@ -390,7 +397,9 @@ class Router:
                     if type(hj) is not MulticastHeader or hj.grp != grp or m.via is not None:
                         break
                     j += 1
-                if j - i > 1 and multicast_run(self.state, self.delivery, c, grp, msgs, verified, i, j, now, out):
+                if (j - i > 1 or len(self.state.subs.get(grp) or ()) >= self.run_alone) and multicast_run(
+                    self.state, self.delivery, c, grp, msgs, verified, i, j, now, out
+                ):
                     i = j
                     continue
             for k in range(i, j):  # one by one
