@@ -50,8 +50,14 @@ table entries; the next read of such a page maps it again from the file) and the
 first, never lost). Like the window, this changes what is cached, never what is read. A page another
 recipient's drain is about to read - between its place and what it asked for, if it asked within the last
 :data:`STALE` calls - is kept; a drain of the same group further behind reads the rest from the disk again,
-with its own window. Only ``msgs`` is given back: the queue tables' pages are freed by the drain itself and
-reused by LMDB for new writes. A store that fits in half the memory is left to the kernel as before.
+with its own window. Only the place of ``msgs`` records counts (the queue tables' pages are freed by the drain
+itself and reused by LMDB for new writes), but the range given back is the file's: other tables' pages in it go
+too, and a record LMDB wrote into a reused page behind the drain is read from the disk again - reads, never
+other bytes. The place is that of the record's key, in its leaf page: a message too large for a leaf (over
+~2 KiB, in LMDB's overflow pages elsewhere in the file) moves the place by its key only, so a backlog of such
+messages gives back little - as the read-ahead, it then does what the kernel would. LMDB's map never moves
+while the store is open (the store never resizes it), so an address in it stays one in the file. A store that
+fits in half the memory is left to the kernel as before.
 
 *A whole table at open.* Opening the store reads all of ``msg_exp`` (the id index is built from it), in key
 order, which is not file order: its leaf pages lie among those of the other tables, wherever LMDB found free
@@ -252,8 +258,8 @@ class Readahead:
         end = start + window
         key = (recipient, table)
         asked = self._asked.get(key, -1)
-        if table == "msgs":
-            self._went_on(recipient, start, max(end, asked), window)
+        if table == "msgs":  # (what it has asked for, to a whole page: the ranges given back must be whole pages)
+            self._went_on(recipient, start, -(-max(end, asked) // self.page) * self.page, window)
         if start <= asked <= end:
             start = asked
         if end <= start:
@@ -272,9 +278,10 @@ class Readahead:
         last = self._places.get(recipient)
         self._places[recipient] = (place, asked, self._tick)
         released = self._released.get(recipient)
-        if released is None or last is None or place < released or place - last[0] > self.window:
+        if released is None or last is None or place < released or place - last[1] > self.window:
             # A drain starting, or going on from somewhere else - further back (a record in a page LMDB reused)
-            # or far ahead (the records in between are not its own): it gives back from here on.
+            # or more than a window past what it asked for (the records in between are not its own): it gives
+            # back from here on.
             self._released[recipient] = place
             return
         end = place - self.behind
