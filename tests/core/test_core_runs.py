@@ -1,4 +1,5 @@
-"""Runs of one group's messages (``Router._multicast_run``) against the per-message path they stand in for.
+"""Runs of one group's messages (``Router._multicast_run``) against the per-message path they stand in for; and
+the per-message path's inline direct deliveries (``Router.inline``) against a call of ``Delivery.deliver`` each.
 
 The core routes a run of multicast messages a local service published to one group together when every
 recipient is connected and reading. That must not change anything: two routers over two real stores get
@@ -148,8 +149,9 @@ def run_scenario(
         flush_batch=rng.choice([1, 3, 512]),  # a short queue window: subscribers stay behind (backlog)
     )
     t = Twin(tmp_path, config, map_size, rng.choice([3, 16, 4096]), memory=memory)
-    for router in t.routers:  # (a message alone is a run too from this many members on: these groups are small)
-        router.run_alone = rng.choice([0, 2, 1_000])
+    # The per-message path's direct deliveries inline (Router._multicast) or through Delivery.deliver each: the
+    # second router does the latter in half of the scenarios, so its effects are those of deliver.
+    t.routers[1].inline = rng.random() < 0.5
     conns: dict[int, bytes] = {}  # open connection -> app
     next_conn = 1
     sent: list[Message] = []
@@ -278,28 +280,6 @@ def test_runs_are_taken_and_fan_out(tmp_path: Path) -> None:
     assert t.appends == [20]
     assert out == [Fanout(tuple(subs), tuple(m.encode() for m in msgs))]
     assert t.stores[0].message_ids() == [m.id for m in msgs]
-    t.check_state()
-    t.close()
-
-
-def test_a_message_alone_to_a_large_group_is_a_run(tmp_path: Path) -> None:
-    """One message in a read, to a group of RUN_ALONE local members or more, goes the way of a run (one
-    ``put_new_messages``); to a smaller group it goes the per-message way. Both give the same effects."""
-    from upsycle_router.core.router import RUN_ALONE
-
-    config = CoreConfig(trace=True)
-    t = Twin(tmp_path, config, 1 << 24, 4096)
-    assert t.routers[0].run_alone == RUN_ALONE > 1
-    t.batch([ConnectionOpened(1, APPS[0].public, True)])
-    subs = [ident(f"member{i}") for i in range(RUN_ALONE)]
-    for i, app in enumerate(subs):
-        t.batch([ConnectionOpened(i + 2, app.public, True)])
-        m = control(app, X, Join(GROUPS[0].public, True), now=t.now)
-        t.batch([MessagesReceived(i + 2, [m], _verified([m]))])
-        one = multicast(GROUPS[0], i.to_bytes(2, "big"), now=t.now)
-        out = t.batch([MessagesReceived(1, [one], _verified([one]))])  # (compared with the per-message path)
-        assert Fanout(tuple(range(2, i + 3)), (one.encode(),)) in out
-        assert t.appends == ([1] if i + 1 == RUN_ALONE else [])  # a run only once the group is large enough
     t.check_state()
     t.close()
 

@@ -80,7 +80,7 @@ from upsycle_router.core.events import (
 from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.runs import multicast_run
 from upsycle_router.core.state import Conn, RouterState
-from upsycle_router.core.trace import CONTROL, DROPPED, DUPLICATE, JOINED, MULTICAST, RECEIVED, UNICAST, Why
+from upsycle_router.core.trace import CONTROL, DELIVERED, DROPPED, DUPLICATE, JOINED, MULTICAST, RECEIVED, UNICAST, Why
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode
 from upsycle_router.expiry import EPOCH_2020
@@ -93,11 +93,6 @@ from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
 REDIAL_MIN = 2.0
 REDIAL_MAX = 60.0
 CONTACTS_MAX = 1_000_000  # (local service, key it wrote to) pairs remembered at most
-RUN_ALONE = 24
-"""A message with no other of its group beside it in the read goes the way of a run (core/runs.py) too when its
-group has this many local members or more: a run costs a few microseconds more to set up than the
-per-message path, and ~0.3 µs less per recipient (in process: 1,000 subscribers 311-333 µs a message
-against 404-678, 10 subscribers 73-79 µs against 68-71)."""
 
 
 class Router:
@@ -127,7 +122,7 @@ class Router:
         self.delivery = Delivery(s, self.queues)
         self.control = ControlPlane(s, self.delivery, self._multicast)
         self.runs = True  # route runs of one group's messages together (core/runs.py); tests compare both ways
-        self.run_alone = RUN_ALONE  # a single message is a run from this many members of its group on
+        self.inline = True  # a multicast's direct deliveries without a call each (_multicast); tests compare both
         # Bound once: these run for every message.
         d = self.delivery
         self._deliver = d.deliver
@@ -388,8 +383,7 @@ class Router:
             h = msg.header
             j = i + 1
             if type(h) is MulticastHeader and msg.via is None:
-                # A run of one group's messages published here (a burst of a publisher's messages; or one message
-                # alone to a large group: RUN_ALONE).
+                # A run of one group's messages published here (a burst of a publisher's messages).
                 grp = h.grp
                 while j < n:
                     m = msgs[j]
@@ -397,9 +391,7 @@ class Router:
                     if type(hj) is not MulticastHeader or hj.grp != grp or m.via is not None:
                         break
                     j += 1
-                if (j - i > 1 or len(self.state.subs.get(grp) or ()) >= self.run_alone) and multicast_run(
-                    self.state, self.delivery, c, grp, msgs, verified, i, j, now, out
-                ):
+                if j - i > 1 and multicast_run(self.state, self.delivery, c, grp, msgs, verified, i, j, now, out):
                     i = j
                     continue
             for k in range(i, j):  # one by one
@@ -583,7 +575,21 @@ class Router:
         remote = not c.local
         failed: list[bytes] = []
         why = None
+        # A recipient that is connected, reads and has nothing queued joins the Fanout: Delivery.deliver's first
+        # case, inline (deliver costs a call with keyword arguments per recipient, the better part of routing
+        # a message to 1,000 subscribers); everyone else goes through deliver. ``inline`` off: deliver for all
+        # (tests compare the two).
+        by_key, conns = (self._by_key, self._conns) if self.inline else ({}, {})
+        tracing = s.tracing
         for m in recipients:
+            ids = by_key.get(m)
+            if ids:
+                rc = conns[ids[-1]]
+                if not (rc.backlog or rc.blocked):
+                    direct.append(ids[-1])
+                    if tracing:
+                        out.append(Trace(DELIVERED, msg.id, MULTICAST, grp, None, m, m, size, role=s.role(m)))
+                    continue
             r = deliver(m, msg, grp, size, now, out, kind=MULTICAST, data=data, fanout=direct, remote=remote,
                         origin=c)
             if r is not None:
