@@ -77,6 +77,9 @@ class Delivery:
         for ``key``, or None. With ``fanout``, a delivery now adds the connection to it (the caller writes one
         Fanout for all of them) instead of a Send. ``stranger``, ``remote`` and ``origin`` (the connection it
         came in on, slowed when it fills the queue) are for :meth:`enqueue`."""
+        # (Router._multicast does the first case below - connected, no backlog, not blocked: into the fanout,
+        # with its DELIVERED record - inline for each recipient; a change here goes there too. The twin tests of
+        # tests/core/test_core_runs.py compare the two.)
         data = data if data is not None else msg.encode()
         conns = self.by_key.get(key)  # state.connected(key), inline: this runs for every delivery
         if conns:
