@@ -1,5 +1,6 @@
 """Runs of one group's messages (``Router._multicast_run``) against the per-message path they stand in for; and
-the per-message path's inline direct deliveries (``Router.inline``) against a call of ``Delivery.deliver`` each.
+the per-message path's inline direct deliveries (``Delivery.to_members``; ``Delivery.inline``) against a call
+of ``Delivery.deliver`` each.
 
 The core routes a run of multicast messages a local service published to one group together when every
 recipient is connected and reading. That must not change anything: two routers over two real stores get
@@ -149,9 +150,9 @@ def run_scenario(
         flush_batch=rng.choice([1, 3, 512]),  # a short queue window: subscribers stay behind (backlog)
     )
     t = Twin(tmp_path, config, map_size, rng.choice([3, 16, 4096]), memory=memory)
-    # The per-message path's direct deliveries inline (Router._multicast) or through Delivery.deliver each: the
+    # The per-message path's direct deliveries inline (Delivery.to_members) or through Delivery.deliver each: the
     # second router does the latter in half of the scenarios, so its effects are those of deliver.
-    t.routers[1].inline = rng.random() < 0.5
+    t.routers[1].delivery.inline = rng.random() < 0.5
     conns: dict[int, bytes] = {}  # open connection -> app
     next_conn = 1
     sent: list[Message] = []

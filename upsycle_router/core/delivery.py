@@ -29,10 +29,10 @@ connection for a moment), and so is one whose messages are refused for want of r
 
 from __future__ import annotations
 
-from upsycle_router.core.events import ConnId, Dial, Effect, Send, Throttle, Trace
+from upsycle_router.core.events import ConnId, Dial, Effect, Fanout, Send, Throttle, Trace
 from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.state import Conn, Forwarded, RouterState
-from upsycle_router.core.trace import DELIVERED, DROPPED, FORWARDED, QUEUED, REFUSAL, REFUSED, Kind, Why
+from upsycle_router.core.trace import DELIVERED, DROPPED, FORWARDED, MULTICAST, QUEUED, REFUSAL, REFUSED, Kind, Why
 from upsycle_router.expiry import expires_at
 from upsycle_router.wire.control import Reason, Refused, encode_router, reason_label
 from upsycle_router.wire.messages import Message, UnicastHeader
@@ -56,6 +56,7 @@ class Delivery:
         self.conns = state.conns
         self.by_key = state.by_key
         self.flush = queues.flush
+        self.inline = True  # to_members' direct deliveries without a deliver call each; tests compare both ways
 
     def deliver(
         self,
@@ -77,8 +78,8 @@ class Delivery:
         for ``key``, or None. With ``fanout``, a delivery now adds the connection to it (the caller writes one
         Fanout for all of them) instead of a Send. ``stranger``, ``remote`` and ``origin`` (the connection it
         came in on, slowed when it fills the queue) are for :meth:`enqueue`."""
-        # (Router._multicast does the first case below - connected, no backlog, not blocked: into the fanout,
-        # with its DELIVERED record - inline for each recipient; a change here goes there too. The twin tests of
+        # (to_members does the first case below - connected, no backlog, not blocked: into the fanout, with its
+        # DELIVERED record - inline for each recipient; a change here goes there too. The twin tests of
         # tests/core/test_core_runs.py compare the two.)
         data = data if data is not None else msg.encode()
         conns = self.by_key.get(key)  # state.connected(key), inline: this runs for every delivery
@@ -111,6 +112,48 @@ class Delivery:
             return None
         return self.enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger, remote=remote,
                             origin=origin)
+
+    def to_members(
+        self,
+        recipients: list[bytes],
+        msg: Message,
+        group: bytes,
+        data: bytes,
+        size: int,
+        now: float,
+        out: list[Effect],
+        *,
+        remote: bool,
+        origin: Conn,
+    ) -> tuple[list[bytes], Reason | None]:
+        """:meth:`deliver` the multicast ``msg`` of ``group`` to each of ``recipients``, those that get it now in
+        one ``Fanout``; the recipients it was not taken for, and the first reason. A recipient that is connected,
+        reads and has nothing queued is deliver's first case, done here inline (a call with keyword arguments
+        per recipient is the better part of routing a message to 1,000 subscribers); with :attr:`inline` off,
+        deliver does every recipient (tests compare the two)."""
+        direct: list[ConnId] = []
+        failed: list[bytes] = []
+        why = None
+        by_key, conns = (self.by_key, self.conns) if self.inline else ({}, {})
+        s = self.s
+        tracing = s.tracing
+        for m in recipients:
+            ids = by_key.get(m)
+            if ids:
+                rc = conns[ids[-1]]
+                if not (rc.backlog or rc.blocked):
+                    direct.append(ids[-1])
+                    if tracing:
+                        out.append(Trace(DELIVERED, msg.id, MULTICAST, group, None, m, m, size, role=s.role(m)))
+                    continue
+            r = self.deliver(m, msg, group, size, now, out, kind=MULTICAST, data=data, fanout=direct,
+                             remote=remote, origin=origin)  # fmt: skip
+            if r is not None:
+                failed.append(m)
+                why = why or r
+        if direct:
+            out.append(Fanout(tuple(direct), (data,)))
+        return failed, why
 
     def enqueue(
         self,

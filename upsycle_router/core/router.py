@@ -70,7 +70,6 @@ from upsycle_router.core.events import (
     DialFailed,
     Effect,
     Event,
-    Fanout,
     MessagesReceived,
     QueueSent,
     Send,
@@ -80,7 +79,7 @@ from upsycle_router.core.events import (
 from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.runs import multicast_run
 from upsycle_router.core.state import Conn, RouterState
-from upsycle_router.core.trace import CONTROL, DELIVERED, DROPPED, DUPLICATE, JOINED, MULTICAST, RECEIVED, UNICAST, Why
+from upsycle_router.core.trace import CONTROL, DROPPED, DUPLICATE, JOINED, MULTICAST, RECEIVED, UNICAST, Why
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode
 from upsycle_router.expiry import EPOCH_2020
@@ -122,10 +121,10 @@ class Router:
         self.delivery = Delivery(s, self.queues)
         self.control = ControlPlane(s, self.delivery, self._multicast)
         self.runs = True  # route runs of one group's messages together (core/runs.py); tests compare both ways
-        self.inline = True  # a multicast's direct deliveries without a call each (_multicast); tests compare both
         # Bound once: these run for every message.
         d = self.delivery
         self._deliver = d.deliver
+        self._to_members = d.to_members
         self._to_router = d.to_router
         self._dropped = d.dropped
         self._refuse = d.refuse
@@ -570,33 +569,7 @@ class Router:
         elif c.local and h.grp in s.upstream_groups:  # an edge app published: hand it to our core nodes too
             cores = sorted(self.state.config.upstream)
         # Step 8. Subscribers that get it now get it in one Fanout; the others are queued while away or behind.
-        direct: list[ConnId] = []
-        deliver = self._deliver
-        remote = not c.local
-        failed: list[bytes] = []
-        why = None
-        # A recipient that is connected, reads and has nothing queued joins the Fanout: Delivery.deliver's first
-        # case, inline (deliver costs a call with keyword arguments per recipient, the better part of routing
-        # a message to 1,000 subscribers); everyone else goes through deliver. ``inline`` off: deliver for all
-        # (tests compare the two).
-        by_key, conns = (self._by_key, self._conns) if self.inline else ({}, {})
-        tracing = s.tracing
-        for m in recipients:
-            ids = by_key.get(m)
-            if ids:
-                rc = conns[ids[-1]]
-                if not (rc.backlog or rc.blocked):
-                    direct.append(ids[-1])
-                    if tracing:
-                        out.append(Trace(DELIVERED, msg.id, MULTICAST, grp, None, m, m, size, role=s.role(m)))
-                    continue
-            r = deliver(m, msg, grp, size, now, out, kind=MULTICAST, data=data, fanout=direct, remote=remote,
-                        origin=c)
-            if r is not None:
-                failed.append(m)
-                why = why or r
-        if direct:
-            out.append(Fanout(tuple(direct), (data,)))
+        failed, why = self._to_members(recipients, msg, grp, data, size, now, out, remote=not c.local, origin=c)
         failed_cores: list[bytes] = []
         for core in cores:
             r = self._to_router(core, msg, h.grp, size, now, out, kind=MULTICAST, origin=c)
