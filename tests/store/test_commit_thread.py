@@ -19,7 +19,7 @@ import lmdb
 import pytest
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import CloseConnection, ConnectionOpened, MessagesReceived
+from upsycle_router.core.events import CloseConnection, ConnectionOpened, Fanout, MessagesReceived, Send
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.durability import Durability
@@ -28,7 +28,8 @@ from upsycle_router.runtime.driver import Driver
 from upsycle_router.store.commit_thread import CommitThread
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
-from upsycle_router.wire.messages import MulticastHeader, UnicastHeader
+from upsycle_router.wire.control import Reason, Refused, Sync, SyncAck, decode_control, encode_router
+from upsycle_router.wire.messages import MulticastHeader, UnicastHeader, decode_message
 
 MAP = 1 << 24
 WAIT = 10.0  # seconds: an upper bound for things that happen at once, never reached when all is well
@@ -321,6 +322,39 @@ async def test_a_batch_whose_commit_failed_leaves_no_trace_in_the_store(tmp_path
     store.close()
 
 
+async def test_the_messages_of_a_batch_whose_commit_failed_are_refused_and_the_next_sync_ack_counts_them(
+    tmp_path: Path,
+) -> None:
+    """Wire v1.1: a message whose batch did not commit was not taken - nothing of it was stored or delivered - so
+    it is answered REFUSED store_full (as a whole), and a SYNC that comes in a later batch reports it; without
+    that, a sender whose SYNC_ACK came back clean would count a message nobody will ever get as safe."""
+    router_id, app, service, group = (Identity.from_seed(bytes([n]) * 32) for n in (20, 21, 22, 23))
+    store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
+    router = Router(router_id, store, CoreConfig(pubsub_service=service.public))
+    driver, gate = _gated_driver(router, store, (app.public, service.public))
+    await _until(lambda: driver.batches.committing is None and router.connections() == 2)
+    done = _record_done(driver)
+    gate.fail = 1
+    lost = sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 60)), b"lost", group)
+    driver.push(MessagesReceived.one(1, lost, True))
+    await _until(lambda: driver.stats.get("store_errors_total") == 1 and driver.batches.committing is None)
+    answers = [decode_message(e.data) for e in done[-1] if isinstance(e, Send) and e.conn == 1]
+    assert [decode_control(m.body) for m in answers] == [Refused(lost.id, int(Reason.STORE_FULL), 0)]
+    assert all(m.header.src == router_id.public for m in answers)
+    assert not [e for e in done[-1] if isinstance(e, Send) and e.conn != 1]
+    assert not [e for e in done[-1] if isinstance(e, Fanout)]  # nothing of it delivered to the service
+    ask = sign_message(UnicastHeader(app.public, router_id.public, 60, exp_in(time.time(), 60)),
+                       encode_router(Sync(1)), app)  # fmt: skip
+    driver.push(MessagesReceived.one(1, ask, True))
+    await _until(lambda: driver.batches.committing is None and any(
+        isinstance(e, Send) and e.conn == 1 for batch in done[1:] for e in batch))  # fmt: skip
+    acks = [decode_control(decode_message(e.data).body) for batch in done[1:] for e in batch
+            if isinstance(e, Send) and e.conn == 1]  # fmt: skip
+    assert acks == [SyncAck(1, 1, 1)]  # result 1: one REFUSED since the last SYNC
+    await driver.aclose()
+    store.close()
+
+
 async def test_when_the_replay_of_a_lost_batch_fails_too_its_connections_are_closed(tmp_path: Path) -> None:
     router_id, app, peer = (Identity.from_seed(bytes([n]) * 32) for n in (16, 17, 18))
     store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
@@ -330,9 +364,13 @@ async def test_when_the_replay_of_a_lost_batch_fails_too_its_connections_are_clo
     done = _record_done(driver)
     gate.fail = 2  # the batch, then its replay
     driver.push(ConnectionOpened(2, peer.public, True))
+    msg = sign_message(UnicastHeader(app.public, peer.public, 60, exp_in(time.time(), 60)), b"lost", app)
+    driver.push(MessagesReceived.one(1, msg, True))  # (the same batch: pushed in the same loop turn)
     await _until(lambda: driver.stats.get("store_errors_total") == 1 and driver.batches.committing is None)
     assert router.connected(peer.public) is None  # the core does not count it as open
-    assert [e for e in done[-1] if isinstance(e, CloseConnection)] == [CloseConnection(2, 6, "store error")]
+    # ... and the sender of the lost message gets no SYNC_ACK on that connection: it is closed too.
+    assert [e for e in done[-1] if isinstance(e, CloseConnection)] == [
+        CloseConnection(1, 6, "store error"), CloseConnection(2, 6, "store error")]
     await driver.aclose()
     store.close()
 

@@ -84,7 +84,7 @@ from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode
 from upsycle_router.expiry import EPOCH_2020
 from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_MESSAGE, Owed, RouterStore
-from upsycle_router.wire.control import Join, RouterMessage, encode_router
+from upsycle_router.wire.control import Join, Reason, RouterMessage, encode_router
 from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
@@ -180,6 +180,21 @@ class Router:
             s.batch_refused = {}
         if s.throttled:
             s.throttled = set()
+
+    def not_taken(self, ev: MessagesReceived, why: Reason, now: float) -> list[Effect]:
+        """REFUSED (``why``, as a whole) for each message of ``ev``: messages the router did not take after all -
+        their batch did not commit (a disk error), so nothing of them was stored, queued or sent. Each counts for
+        its connection's next SYNC_ACK, so a sender never takes a message lost this way for a safe one."""
+        out: list[Effect] = []
+        c = self._conns.get(ev.conn)
+        if c is None:
+            return out
+        for msg in ev.messages:
+            h = msg.header
+            multicast = type(h) is MulticastHeader
+            self._refuse(c, msg.id, why, 0, now, out, MULTICAST if multicast else UNICAST,
+                         h.grp if isinstance(h, MulticastHeader) else None, len(msg.wire) or len(msg.encode()))
+        return out
 
     def batch_lost(self) -> None:
         """The batch begun last did not commit: nothing of it is in the store, and none of its effects were

@@ -24,17 +24,19 @@ How the commit happens depends on ``durability``:
            sync's wait is a small share of the time a message waits anyway. A delivery acknowledges nothing,
            so it need not wait: a subscriber reading a message the disk has not yet taken is what every
            broker does (RabbitMQ, Mosquitto); the sender's SYNC_ACK, the trace records, queue drains and
-           every other answer still wait. If the router dies before the sync, or the commit fails, the sender
-           got no acknowledgement and sends again: that subscriber may see the message twice (at-least-once,
-           as after any crash);
+           every other answer still wait. If the router dies before the sync, the sender got no
+           acknowledgement and sends again; if the commit fails, it gets REFUSED (below) and sends again:
+           either way that subscriber may see the message twice (at-least-once, as after any crash);
 ``batch``  the commit is not synced; a sync of everything committed runs every ``sync_interval`` on a
            thread of its own (the wait for the disk stopped the event loop for milliseconds);
 ``none``   the commit is not synced (the OS writes it back; the store is closed cleanly on exit).
 
-A transaction that fails (a disk error) is dropped whole: nothing of the batch is acknowledged or delivered
-(senders waiting for SYNC_ACK see no answer and send again), the core forgets what the batch changed
-(:meth:`~upsycle_router.core.router.Router.batch_lost`), and the batch's connection events are replayed alone,
-so the core's idea of its connections matches the store again. If that fails too, those connections are closed.
+A transaction that fails (a disk error) is dropped whole: nothing of the batch is acknowledged or delivered,
+the core forgets what the batch changed (:meth:`~upsycle_router.core.router.Router.batch_lost`), and the
+batch's connection events are replayed alone, so the core's idea of its connections matches the store again;
+each message of the batch is answered REFUSED ``store_full`` in the same transaction (wire v1.1: it was not
+taken, and the sender's next SYNC_ACK counts it). If that fails too, those connections, and the connections
+the batch's messages came on, are closed (their senders see no SYNC_ACK).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from upsycle_router.errors import ErrorCode
 from upsycle_router.runtime.verify import name_thread
 from upsycle_router.store.commit_thread import CommitThread
 from upsycle_router.store.lmdb_store import LmdbStore
+from upsycle_router.wire.control import Reason
 
 log = logging.getLogger("upsycle_router.driver")
 
@@ -242,12 +245,16 @@ class Batches:
                 for ev in events:
                     if not isinstance(ev, MessagesReceived):
                         effects.extend(router.handle(ev, now))
+                for ev in events:  # after the connections' events: one the batch opened can be answered
+                    if isinstance(ev, MessagesReceived):
+                        effects.extend(router.not_taken(ev, Reason.STORE_FULL, now))
         except lmdb.Error:
             # That transaction failed too: none of it is carried out, and the core no longer knows where the
-            # connections of these events stand (opened, queue windows). Close them: their peers connect again
-            # to a router whose state matches its store.
+            # connections of these events stand (opened, queue windows), nor what it answered the senders. Close
+            # them: their peers connect again to a router whose state matches its store, and a sender whose
+            # connection closes before its SYNC_ACK knows nothing since its last one is safe.
             router.batch_lost()
-            conns = {ev.conn for ev in events if isinstance(ev, (ConnectionOpened, WriteBlocked))}
+            conns = {ev.conn for ev in events if isinstance(ev, (ConnectionOpened, WriteBlocked, MessagesReceived))}
             for ev in events:
                 if isinstance(ev, QueueSent):
                     conns.update(c for c in (router.connected(r) for r, _ in ev.refs) if c is not None)
