@@ -321,6 +321,36 @@ def test_too_large(tmp_path: Path) -> None:
     assert [x.id for x in out.messages(b)] == [m2.id] and out.refusals() == []
 
 
+@pytest.mark.parametrize("kind", ["unicast", "multicast"])
+def test_a_message_from_a_remote_node_that_vias_growth_would_make_too_large_for_a_frame(
+    tmp_path: Path, kind: str
+) -> None:
+    """A message from a remote node gets VIA (34 bytes more when it had none): one that would then be a frame
+    larger than max_frame is refused too_large - no recipient could read it, and writing it would make a reader
+    that keeps to max_frame close its connection. One byte smaller, it is delivered, VIA and all, at the limit."""
+    fits = None
+    for extra in (1, 0):
+        h = harness(tmp_path / str(extra), max_frame=2000, edge_nodes=frozenset({R.public}))
+        b = h.open(BOB)
+        if kind == "multicast":
+            h.receive(b, control(BOB, X, Join(G.public, True), now=h.now))
+        r = h.open(R, local=False)
+        m0 = multicast(G, b"") if kind == "multicast" else unicast(ALICE, BOB, b"")
+        body = b"x" * (2000 - 34 - len(m0.encode()) - 2 + extra)  # (a longer body's head is 2 bytes longer)
+        m = multicast(G, body) if kind == "multicast" else unicast(ALICE, BOB, body)
+        assert len(m.encode()) + 34 == 2000 + extra and m.via is None
+        out = h.receive(r, m)
+        if extra:
+            [t] = out.traces("dropped")
+            assert t.reason == "too_large"
+            h.expect_refused(out, r, m.id, Reason.TOO_LARGE, 0)
+            assert out.messages(b) == []
+        else:
+            [fits] = out.messages(b)
+            assert out.refusals() == []
+    assert fits is not None and fits.via == R.public and len(fits.encode()) == 2000
+
+
 def test_malformed(h: CoreHarness) -> None:
     a = h.open(ALICE)
     m = unicast(ALICE, X, b"\xff not a control body")

@@ -383,8 +383,9 @@ class Client:
                         return
         except RemoteProtocolError as e:
             self.closed_reason = f"protocol error: {e}"
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception):  # ERROR, then close (wire §5, §6.3): the router sees the end
                 self._writer.write(self._link.error(e.code, str(e)))
+                self._writer.close()
         except UpgradeRefused as e:
             self.closed_reason = str(e)
         except (ConnectionError, OSError) as e:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from upsycle_router.wire.framing import DEFAULT_MAX_FRAME
+
 
 @dataclass(frozen=True, slots=True)
 class CoreConfig:
@@ -50,6 +52,10 @@ class CoreConfig:
     # default, 8 MiB; up to 16,384 / 16 MiB when it is raised (a larger window drains faster under fsync).
     flush_batch: int = 4096
     flush_bytes: int = 4 * 1024 * 1024
+    # The largest frame a connection may carry (the daemon's ``max_frame``). A message from a remote node gets
+    # VIA (34 bytes more when it had none): one that would then be larger is refused ``too_large`` - no
+    # recipient could read it.
+    max_frame: int = DEFAULT_MAX_FRAME
     # Lifetime of routes learned from messages of remote nodes.
     learned_route_ttl: float = 24 * 3600.0
     # Build the routine Trace records of the message path (received, delivered, forwarded, queued). A router

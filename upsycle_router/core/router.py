@@ -91,6 +91,7 @@ from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
 
 REDIAL_MIN = 2.0
 REDIAL_MAX = 60.0
+VIA_BYTES = 2 + 32  # what VIA adds to an encoded message: a byte string head and the key (the array head stays)
 CONTACTS_MAX = 1_000_000  # (local service, key it wrote to) pairs remembered at most
 
 
@@ -422,6 +423,8 @@ class Router:
                 self._dropped(c, msg.id, Why.EXPIRED, 0, now, out, MULTICAST, h.grp, None, None, size)
             elif not verified:
                 self._dropped(c, msg.id, Why.BAD_SIGNATURE, 0, now, out, MULTICAST, h.grp, None, None, size)
+            elif not c.local and self._too_large_with_via(msg, size):
+                self._dropped(c, msg.id, Why.TOO_LARGE, 0, now, out, MULTICAST, h.grp, None, None, size)
             else:
                 self._multicast(c, msg, h, size, now, out)
             return
@@ -433,8 +436,15 @@ class Router:
             self._dropped(c, msg.id, Why.EXPIRED, 0, now, out, kind, None, h.src, h.dst, size)
         elif not verified:
             self._dropped(c, msg.id, Why.BAD_SIGNATURE, 0, now, out, kind, None, h.src, h.dst, size)
+        elif not c.local and kind is UNICAST and self._too_large_with_via(msg, size):
+            self._dropped(c, msg.id, Why.TOO_LARGE, 0, now, out, kind, None, h.src, h.dst, size)
         else:
             self._unicast(c, msg, h, size, now, out)
+
+    def _too_large_with_via(self, msg: Message, size: int) -> bool:
+        """Whether ``msg`` (``size`` bytes as it arrived from a remote node) would be a frame larger than
+        ``max_frame`` once it carries VIA (unicast step 2, multicast step 7): nobody could read it."""
+        return size + (0 if msg.via is not None else VIA_BYTES) > self.state.config.max_frame
 
     def _unicast(self, c: Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
         """Seed 003's unicast algorithm, from step 2 (the signature was checked)."""

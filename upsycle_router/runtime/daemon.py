@@ -137,13 +137,14 @@ def core_config(
         flush_batch=flush_batch,
         flush_bytes=flush_bytes,
         trace=cfg.trace_dir is not None,
+        max_frame=cfg.max_frame,
     )
 
 
 # The routing core's options a reload replaces (CoreConfig fields; config/reload.py: CORE).
 CORE_RELOADABLE = (
     "edge_nodes", "accept_join_from_any", "peers", "accept_pull_from_any", "queue_max_count", "queue_max_bytes",
-    "stranger_share", "remote_ttl_max", "backpressure_at", "flush_batch", "flush_bytes",
+    "stranger_share", "remote_ttl_max", "backpressure_at", "flush_batch", "flush_bytes", "max_frame",
 )  # fmt: skip
 
 
