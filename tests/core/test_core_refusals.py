@@ -15,6 +15,7 @@ EDGE an edge node; REMOTE_SVC a service behind R; STRANGER and STRANGER2 keys X 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -483,6 +484,35 @@ def test_batch_lost_restores_what_a_multicast_is_owed(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- drops that are no refusal
 
 
+@pytest.mark.parametrize("runs", [False, True], ids=["per-message", "run"])
+def test_a_message_the_router_holds_sent_again_to_a_full_store_is_a_duplicate_not_refused(
+    tmp_path: Path, runs: bool
+) -> None:
+    """Wire v1.1: a duplicate of a message the router already holds is taken. After a restart the recently-seen
+    list is empty, so the store is what knows the message; a full store must still take the copy as a duplicate
+    (it holds it), not refuse it store_full - on the per-message path and in a run of the group's messages."""
+    h = harness(tmp_path, map_size=4 << 20)
+    b = h.open(BOB)
+    h.receive(b, control(BOB, X, Join(G.public, True), now=h.now))
+    a = h.open(ALICE)
+    m = multicast(G, b"M" * 60_000, now=h.now)
+    assert h.receive(a, m).refusals() == []  # delivered, and stored (for PULL and later members)
+    h.restart()
+    h.open(BOB)  # (its subscription survived) a reader: a run of two messages takes the run path
+    a = h.open(ALICE)
+    for _ in range(200):  # fill the store until it refuses
+        x = multicast(G, os.urandom(60_000), now=h.now)
+        if [r.reason for r in h.receive(a, x).refusals()] == [Reason.STORE_FULL]:
+            break
+    else:
+        raise AssertionError("the store never filled")
+    other = multicast(G, os.urandom(60_000), now=h.now)
+    msgs = [other, m] if runs else [m]
+    out = h.handle(MessagesReceived(a, tuple(msgs), tuple(True for _ in msgs)))
+    assert m.id not in [r.id for r in out.refusals(a)]
+    assert [t.id for t in out.traces("duplicate")] == [m.id]
+
+
 def test_a_duplicate_is_not_refused(h: CoreHarness) -> None:
     c = subscribe(h, ALICE, BOB)
     m = multicast(G)
@@ -569,6 +599,28 @@ def test_a_late_refusal_reaches_the_app_and_is_not_counted(tmp_path: Path) -> No
     assert out.sends() == [] and out.events() == ["received"]
 
 
+def test_a_late_refusal_before_the_apps_next_sync_ack_is_counted_by_it(tmp_path: Path) -> None:
+    """Wire v1.1: a SYNC_ACK counts the REFUSED answers sent on the connection for the messages since the
+    previous SYNC. A next router's refusal passed on before the app's SYNC for that message is one of them; the
+    same refusal after that SYNC_ACK (the test above) is counted by none. A batch that is lost forgets that the
+    SYNC_ACK it wrote was sent."""
+    h = harness(tmp_path, peers=frozenset({R.public}))
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    m = unicast(ALICE, REMOTE_SVC, via=R.public)
+    assert h.receive(a, m).refusals() == []
+    out = h.receive(r, control(R, X, Refused(m.id, Reason.NO_ROUTE, 0)))
+    h.expect_refused(out, a, m.id, Reason.NO_ROUTE)
+    assert sync(h, a, ALICE, 1) == SyncAck(1, 1, 1)  # m was sent since the last SYNC: its REFUSED counts
+    assert sync(h, a, ALICE, 2) == SyncAck(2, 0, 0)
+    # A SYNC_ACK written in a batch that did not commit was never sent: the span it closed is still open.
+    m2 = unicast(ALICE, REMOTE_SVC, b"second", via=R.public)
+    h.receive(a, m2)
+    h.lost([MessagesReceived.one(a, control(ALICE, X, Sync(3), now=h.now), True)])
+    h.receive(r, control(R, X, Refused(m2.id, Reason.NO_ROUTE, 0), now=h.now + 1), now=h.now + 1)
+    assert sync(h, a, ALICE, 3) == SyncAck(3, 1, 1)
+
+
 def test_a_late_refusal_of_a_forwarded_multicast_reaches_the_app(tmp_path: Path) -> None:
     h = harness(tmp_path, peers=frozenset({R.public}))
     a = h.open(ALICE)
@@ -609,8 +661,9 @@ def test_a_refused_from_anyone_is_never_answered(tmp_path: Path) -> None:
         assert out.events() == ["received"]
     # Still remembered for R's own REFUSED.
     h.expect_refused(h.receive(r, control(R, X, Refused(m.id, Reason.EXPIRED, 0))), a, m.id, Reason.EXPIRED)
-    for who, conn in ((ALICE, a), (R, r), (STRANGER, s)):
-        assert sync(h, conn, who, 1).refused == 0
+    # Counted: R's own REFUSED of m, passed on to alice before her first SYNC; none of the others.
+    for who, conn, refused in ((ALICE, a, 1), (R, r, 0), (STRANGER, s, 0)):
+        assert sync(h, conn, who, 1).refused == refused
 
 
 # ---------------------------------------------------------------- fair queues
@@ -647,6 +700,25 @@ def test_a_stranger_fills_only_its_share_of_a_queue(tmp_path: Path) -> None:
     assert h.store.stranger_usage(BOB.public) == (0, 0) and h.store.queue(BOB.public) == []
     h.close(b)
     assert h.receive(r, unicast(STRANGER, BOB, b"room again")).refusals() == []
+
+
+def test_what_strangers_queued_takes_nothing_from_a_friends_quota(tmp_path: Path) -> None:
+    """Wire v1.1, fair queues: what strangers may queue for a recipient is bounded separately from what
+    everyone else may. A stranger that filled its share of Bob's queue leaves a configured peer the whole
+    quota: all ten of its messages are queued (they used to be five, the rest refused for quota)."""
+    h = harness(tmp_path, queue_max_count=10, stranger_share=0.5, peers=frozenset({R.public}))
+    s = h.open(STRANGER, local=False)
+    away(h, BOB)
+    for i in range(10):
+        h.receive(s, unicast(STRANGER, BOB, b"s%d" % i))
+    assert h.store.stranger_usage(BOB.public)[0] == 5  # its share; the other five refused
+    r = h.open(R, local=False)  # a configured peer: no stranger
+    friends = [unicast(R, BOB, b"f%d" % i) for i in range(10)]
+    for m in friends:
+        assert h.receive(r, m).refusals() == []
+    m = unicast(R, BOB, b"one too many")
+    h.expect_refused(h.receive(r, m), r, m.id, Reason.QUOTA, 0)  # the friends' own quota is still a bound
+    assert h.store.queue_usage(BOB.public)[0] == 15
 
 
 def test_a_key_the_recipient_wrote_to_is_no_stranger(tmp_path: Path) -> None:

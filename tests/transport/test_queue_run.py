@@ -128,3 +128,39 @@ async def _closed() -> None:
 
 def test_a_closed_connection_takes_no_run() -> None:
     uvloop.run(_closed())
+
+
+async def _peer_gone_with_bytes_buffered() -> None:
+    """The reader goes away while the transport still buffers a queue run and some deliveries: the transport
+    fails and drops its buffer (then reports it empty), but nothing of that counts as having left - no queue
+    entry is named (it stays queued), and every delivery still buffered is given back (``take_direct``)."""
+    conn, end = await _pair(Identity.generate())
+    try:
+        conn.write_out()
+        await _read(end, conn.written)
+        direct = [bytes([i]) * 60_000 for i in range(8)]  # ~480 KB: the socket takes part of it
+        for p in direct:
+            assert conn.send(p)
+            conn.note_direct((p,))
+        payloads = tuple(bytes([100 + i]) * 60_000 for i in range(16))
+        assert conn.send_queued(PEER, tuple(range(1, 17)), payloads)
+        assert conn.direct_pending(conn.write_out())  # some deliveries are still in the transport's buffer
+        before = conn.take_flushed()
+        end.close()  # the reader is gone: the next write fails and the transport drops its buffer
+        async with asyncio.timeout(10):
+            while not conn.transport.is_closing():
+                conn.send(b"x" * 60_000)
+                conn.write_out()
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
+        assert conn.take_flushed() == []  # no queue entry counts as written out after the failure
+        assert len(before) < len(payloads)
+        back = conn.take_direct()
+        assert back and back == direct[len(direct) - len(back) :]  # the last ones, in order: never read
+    finally:
+        conn.abort()
+        end.close()
+
+
+def test_a_reader_gone_leaves_buffered_entries_queued_and_gives_deliveries_back() -> None:
+    uvloop.run(_peer_gone_with_bytes_buffered())

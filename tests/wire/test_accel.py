@@ -100,7 +100,7 @@ elif short == "_fanout":
     class C:
         fd, written, messages_out = -1, 0, 0
     c = C()
-    assert m.fanout({1: c}, (1, 2), b"x", 1) == [(c, 0)]
+    assert m.fanout({1: c}, (1, 2), b"x", 1) == ([(c, 0)], [2])
 print("ok")
 """
 
@@ -589,10 +589,13 @@ class _Target:
         self.fd, self.written, self.messages_out = fd, 0, 0
 
 
-def _fanout_case(impl: object, data: bytes) -> tuple[list[tuple[int, int]], list[tuple[int, int]], list[int]]:
+def _fanout_case(
+    impl: object, data: bytes
+) -> tuple[list[tuple[int, int]], list[int], list[tuple[int, int]], list[int]]:
     """One run over sockets in every state: empty (takes it all), no socket to offer (-1), full (takes nothing),
-    nearly full (takes part), peer gone (an error), and an id that is not in the table. Returns what fanout
-    returned (as positions), each target's counters, and the bytes each peer can read."""
+    nearly full (takes part), peer gone (an error), and two ids that are not in the table. Returns what fanout
+    returned (as positions, and the ids it found no connection for), each target's counters, and the bytes each
+    peer can read."""
     import socket
 
     pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(6)]
@@ -612,7 +615,7 @@ def _fanout_case(impl: object, data: bytes) -> tuple[list[tuple[int, int]], list
         targets = [_Target(a.fileno()) for a, _ in pairs]
         targets[1].fd = -1
         conns = {i: t for i, t in enumerate(targets)}
-        rest = impl(conns, (0, 1, 2, 3, 4, 99, 5), data, 3)  # type: ignore[operator]
+        rest, gone_ids = impl(conns, (0, 1, 2, 3, 4, 99, 5, 98), data, 3)  # type: ignore[operator]
         where = [(targets.index(c), sent) for c, sent in rest]
         counters = [(t.written, t.messages_out) for t in targets]
         readable = []
@@ -626,7 +629,7 @@ def _fanout_case(impl: object, data: bytes) -> tuple[list[tuple[int, int]], list
                 while chunk := b.recv(1 << 20):
                     n += len(chunk)
             readable.append(n)
-        return where, counters, readable
+        return where, gone_ids, counters, readable
     finally:
         for a, b in pairs:
             a.close()
@@ -642,10 +645,11 @@ def test_c_and_python_fan_out_alike(size: int) -> None:
     c = _fanout_case(transport_accel._C.fanout, data)  # type: ignore[union-attr]
     py = _fanout_case(transport_accel.fanout_py, data)
     assert c == py
-    where, counters, readable = c
+    where, gone_ids, counters, readable = c
     positions = [i for i, _ in where]
+    assert gone_ids == [99, 98]  # no connection: named for the caller to give back, in the run's order
     if size:
-        assert positions == [1, 2, 3, 4]  # no socket, full, partly full, peer gone (the id 99 is skipped)
+        assert positions == [1, 2, 3, 4]  # no socket, full, partly full, peer gone
         assert dict(where)[1] == 0 and dict(where)[2] == 0 and dict(where)[4] == 0
         assert 0 <= dict(where)[3] < size
         assert counters[0] == counters[5] == (size, 3) and counters[1] == (0, 0)

@@ -11,8 +11,8 @@ Reason` it was not taken:
   queued first and a reader that does not read holds nothing in memory;
 * :meth:`Delivery.enqueue` - into the recipient's queue in the store, within its quota; a *stranger* (a
   remote sender the router was never told to trust, to whom the recipient never wrote) within its share of
-  the queue and of the store; a remote sender's entry lives ``remote_ttl_max`` at most; the store keeps room
-  for expiry and deliveries;
+  the queue and of the store, which the quota of everyone else does not count; a remote sender's entry lives
+  ``remote_ttl_max`` at most; the store keeps room for expiry and deliveries;
 * :meth:`Delivery.to_router` - to a remote router over its connection, or queued while the pool dials it.
 
 Nothing is lost in silence (wire v1.1): whatever is not taken is answered by :meth:`Delivery.refuse` -
@@ -195,6 +195,11 @@ class Delivery:
             return drop(Why.TOO_LARGE)  # no queue could ever hold it
         store = self.store
         count, nbytes = store.queue_usage(key)
+        if not stranger and store.stranger_bytes():
+            # What strangers queued is bounded on its own (their share, below): it takes nothing from the
+            # quota of everyone else, so a stranger cannot get a friend's message refused.
+            scount, sbytes = store.stranger_usage(key)
+            count, nbytes = count - scount, nbytes - sbytes
         if count + 1 > cfg.queue_max_count or nbytes + n > cfg.queue_max_bytes:
             return drop(Why.QUOTA)
         if stranger:
@@ -239,7 +244,7 @@ class Delivery:
             fwd = s.forwarded
             if len(fwd) >= FORWARDED_MAX:
                 del fwd[next(iter(fwd))]
-            fwd[msg.id] = Forwarded(origin.id, router, kind, group, size)
+            fwd[msg.id] = Forwarded(origin.id, router, kind, group, size, origin.syncs)
         if conn is not None:
             out.append(Send(conn, msg.encode()))
             if s.tracing:
@@ -281,26 +286,31 @@ class Delivery:
         group: bytes | None, size: int,
     ) -> None:
         """Answer REFUSED on ``c`` (it counts for the connection's next SYNC_ACK), and trace it."""
-        batch_refused = self.s.batch_refused
-        if c.id not in batch_refused:
-            batch_refused[c.id] = c.refused
+        self._counting(c)
         c.refused += 1
         body = encode_router(Refused(mid, int(why), count))
         out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
         out.append(Trace(REFUSED, mid, kind, group, peer=c.peer, size=size, reason=why.label))
 
-    def sync_acknowledged(self, c: Conn) -> int:
-        """The refusals ``c`` was answered since its last SYNC, counted afresh from now (a SYNC_ACK reports them)."""
+    def _counting(self, c: Conn) -> None:
+        """``c``'s refusal count and SYNC_ACK count change in this batch: keep what they were before it, for
+        :meth:`~upsycle_router.core.router.Router.batch_lost`."""
         batch_refused = self.s.batch_refused
         if c.id not in batch_refused:
-            batch_refused[c.id] = c.refused
+            batch_refused[c.id] = (c.refused, c.syncs)
+
+    def sync_acknowledged(self, c: Conn) -> int:
+        """The refusals ``c`` was answered since its last SYNC, counted afresh from now (a SYNC_ACK reports them)."""
+        self._counting(c)
         k, c.refused = c.refused, 0
+        c.syncs += 1
         return k
 
     def late_refusal(self, router: bytes, r: Refused, now: float, out: list[Effect]) -> None:
         """Router ``router`` refused ``r.id``: if that is a message forwarded to it for a local app, tell the app,
-        if it is still connected (a late refusal: its SYNC_ACK may have come back already). A REFUSED from any
-        other router means nothing here."""
+        if it is still connected (a late refusal: its SYNC_ACK may have come back already; if it has not - no
+        SYNC_ACK on that connection since the message - the app's next SYNC_ACK counts it, as any REFUSED sent
+        for a message since the previous SYNC). A REFUSED from any other router means nothing here."""
         fwd = self.s.forwarded.get(r.id)
         if fwd is None or fwd.router != router:
             return
@@ -308,6 +318,9 @@ class Delivery:
         c = self.conns.get(fwd.conn)
         if c is None:
             return
+        if c.syncs == fwd.span:  # no SYNC_ACK since the message: this REFUSED is counted by the next one
+            self._counting(c)
+            c.refused += 1
         body = encode_router(Refused(r.id, r.reason, r.count))
         out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
         out.append(Trace(REFUSED, r.id, fwd.kind, fwd.group, peer=c.peer, size=fwd.size,

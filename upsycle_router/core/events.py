@@ -79,7 +79,17 @@ class WriteBlocked:
     blocked: bool
 
 
-Event = ConnectionOpened | ConnectionClosed | MessagesReceived | QueueSent | DialFailed | WriteBlocked
+@dataclass(frozen=True, slots=True)
+class Undelivered:
+    """Messages written for a connection of ``peer`` that closed before they left the router (still in its own
+    buffer, or written after the close began): ``datas``, in the order they were written. Route them to
+    ``peer`` again - queued while it is away - so that what was counted as delivered is not lost."""
+
+    peer: bytes
+    datas: tuple[bytes, ...]
+
+
+Event = ConnectionOpened | ConnectionClosed | MessagesReceived | QueueSent | DialFailed | WriteBlocked | Undelivered
 
 
 # ---------------------------------------------------------------- effects

@@ -74,6 +74,7 @@ from upsycle_router.core.events import (
     QueueSent,
     Send,
     Trace,
+    Undelivered,
     WriteBlocked,
 )
 from upsycle_router.core.queues import QueueDrain
@@ -81,12 +82,12 @@ from upsycle_router.core.runs import multicast_run
 from upsycle_router.core.state import Conn, RouterState
 from upsycle_router.core.trace import CONTROL, DROPPED, DUPLICATE, JOINED, MULTICAST, RECEIVED, UNICAST, Why
 from upsycle_router.crypto import Identity
-from upsycle_router.errors import ErrorCode
+from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.expiry import EPOCH_2020
 from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_MESSAGE, Owed, RouterStore
 from upsycle_router.wire.control import Join, Reason, RouterMessage, encode_router
 from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
-from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
 
 REDIAL_MIN = 2.0
@@ -159,7 +160,42 @@ class Router:
                 c.blocked = event.blocked
                 if not event.blocked:
                     self._flush(c, now, out)
+        elif isinstance(event, Undelivered):
+            self._undelivered(event, now, out)
         return out
+
+    def _undelivered(self, ev: Undelivered, now: float, out: list[Effect]) -> None:
+        """Messages written for ``ev.peer`` that its connection did not take: a group message or a unicast for
+        the peer itself is delivered again (queued while it is away, as any message for it), a unicast the peer
+        was the next router for is forwarded again (queued for that router while the pool dials it). The
+        router's own answers (acknowledgements, REFUSED, advertisements) were for that session only. A message
+        with ttl 0 cannot wait for the peer: dropped (trace reason ``undelivered``) unless the peer is back
+        already. What cannot be queued now (quota, expired) is traced as dropped, as for any recipient."""
+        peer = ev.peer
+        s = self.state
+        for data in ev.datas:
+            try:
+                msg = decode_message(data)
+            except RemoteProtocolError:  # (only the router's own writes come here)
+                continue
+            h = msg.header
+            size = len(data)
+            if h.ttl == 0 and s.connected(peer) is None and not (isinstance(h, UnicastHeader) and h.src == self.id):
+                # deliver now or drop: it was written for the peer once, and cannot wait for it
+                multicast = type(h) is MulticastHeader
+                out.append(Trace(DROPPED, msg.id, MULTICAST if multicast else UNICAST,
+                                 h.grp if isinstance(h, MulticastHeader) else None,
+                                 h.src if isinstance(h, UnicastHeader) else None, peer, None, size, Why.UNDELIVERED,
+                                 role=s.role(peer)))  # fmt: skip
+                continue
+            if type(h) is MulticastHeader:
+                self._deliver(peer, msg, h.grp, size, now, out, kind=MULTICAST, data=data)
+            elif not isinstance(h, UnicastHeader) or h.src == self.id:
+                continue
+            elif h.dst == peer:
+                self._deliver(peer, msg, None, size, now, out, kind=UNICAST, data=data)
+            else:
+                self._to_router(peer, msg, None, size, now, out, kind=UNICAST)
 
     def batch_begun(self) -> None:
         """The driver begins routing a batch of events in one store transaction."""
@@ -221,10 +257,10 @@ class Router:
                 window.undo(c.inflight)
                 c.sent, c.inflight_bytes, c.backlog = sent, inflight_bytes, backlog
         s.batch_conns = {}
-        for conn, refused in s.batch_refused.items():
+        for conn, (refused, syncs) in s.batch_refused.items():
             c = self._conns.get(conn)
             if c is not None:
-                c.refused = refused
+                c.refused, c.syncs = refused, syncs
         s.batch_refused = {}
         s.load_mirrored()
 
@@ -577,6 +613,9 @@ class Router:
         data = msg.encode()
         if expiry > now and owed is None:  # step 6
             if not store.has_room(len(data)):
+                if store.has_message(msg.id):  # held already: a duplicate (taken), even when the store is full
+                    out.append(Trace(DUPLICATE, msg.id, MULTICAST, h.grp, None, None, c.peer, size, Why.DUPLICATE))
+                    return
                 self._dropped(c, ref, Why.STORE_FULL, 0, now, out, MULTICAST, h.grp, None, None, size, msg.id)
                 self.delivery.throttle(c, out)
                 return

@@ -90,8 +90,8 @@ def multicast_run(
             continue
         data = msg.encode()
         if expiry > now:
-            if not store.has_room(len(data)):
-                outcome.append(Why.STORE_FULL)
+            if not store.has_room(len(data)):  # (held already: a duplicate, taken, even when the store is full)
+                outcome.append(Why.DUPLICATE if mid in pending or mid in stored else Why.STORE_FULL)
                 continue
             if mid in pending or mid in stored:
                 outcome.append(Why.DUPLICATE)

@@ -49,12 +49,14 @@ class Forwarded(NamedTuple):
     kind: Kind
     group: bytes | None
     size: int
+    span: int  # the app connection's ``syncs`` when it was sent: its REFUSED counts for the next SYNC_ACK if equal
 
 
 class Conn:
     """One open connection, as the core sees it."""
 
-    __slots__ = ("id", "peer", "local", "inflight", "inflight_bytes", "sent", "blocked", "backlog", "refused")
+    __slots__ = ("id", "peer", "local", "inflight", "inflight_bytes", "sent", "blocked", "backlog", "refused",
+                 "syncs")
 
     def __init__(self, conn: ConnId, peer: bytes, local: bool) -> None:
         self.id = conn
@@ -70,6 +72,7 @@ class Conn:
         # Entries already sent (in flight) do not count: a message written now goes out after them anyway.
         self.backlog = True
         self.refused = 0  # REFUSED answers sent on this connection since its last SYNC (for the SYNC_ACK)
+        self.syncs = 0  # SYNC_ACKs sent on it: which of its spans between SYNCs a message was sent in
 
 
 class WindowUndo:
@@ -129,10 +132,11 @@ class RouterState:
         self.tracing = config.trace  # build the routine per-message Trace records
         self.counters: dict[str, int] = {}  # driver-side counters, reported by status()
         # What the current batch changed, as it was before (for Router.batch_lost): each connection's queue-drain
-        # state (sent, its window's undo log, inflight_bytes, backlog), the connections it opened, refusal counts.
+        # state (sent, its window's undo log, inflight_bytes, backlog), the connections it opened, its refusal
+        # and SYNC_ACK counts.
         self.batch_conns: dict[ConnId, tuple[int, WindowUndo, int, bool]] = {}
         self.batch_opened: set[ConnId] = set()
-        self.batch_refused: dict[ConnId, int] = {}
+        self.batch_refused: dict[ConnId, tuple[int, int]] = {}
 
     def configure(self, config: CoreConfig) -> None:
         """Replace the policy knobs (what is derived from them follows; the recently-seen list keeps its size)."""

@@ -64,6 +64,7 @@ class Why(StrEnum):
     NO_SUBSCRIBERS = "no_subscribers"
     DUPLICATE = "duplicate"
     STALE_REVISION = "stale_revision"
+    UNDELIVERED = "undelivered"  # ttl 0, written for a connection that closed before it left: it cannot wait
 
 
 class Role(StrEnum):

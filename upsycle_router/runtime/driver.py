@@ -32,6 +32,7 @@ from upsycle_router.core.events import (
     Event,
     QueueSent,
     Trace,
+    Undelivered,
     WriteBlocked,
 )
 from upsycle_router.core.router import Router
@@ -90,7 +91,7 @@ class Driver:
         self.stats = router.counters
         self.stats.update({"received_total": 0, "malformed_total": 0, "bad_signature_total": 0, "batches_total": 0,
                            "overloaded_total": 0, "read_pauses_total": 0, "syncs_total": 0, "throttled_total": 0,
-                           "duplicates_total": 0, "expired_total": 0,
+                           "duplicates_total": 0, "expired_total": 0, "undelivered_total": 0,
                            "hot_path_c": int(accel.IMPLEMENTATION == "c")})
         self.verifier = Verifier(verify_threads, nice=verify_nice)
         self.pipeline = VerifyPipeline(self.verifier, self.stats)
@@ -228,13 +229,20 @@ class Driver:
         return True
 
     def on_close(self, conn: Connection) -> None:
-        """A connection ended."""
+        """A connection ended, or this side began to close it (told again when it is gone): the core hears
+        of it once, and then of the deliveries it was written that had not left the router (``Undelivered``:
+        routed to the peer again, so queued while it is away)."""
         self._buckets.pop(conn.id, None)
         self._held.discard(conn.id)
-        self.effects.forget(conn.id)
+        self.effects.forget(conn.id, conn.peer)
         if self.conns.pop(conn.id, None) is not None:
             log.info("connection closed conn=%d peer=%s", conn.id, (conn.peer or b"").hex())
             self._push(ConnectionClosed(conn.id))
+        if conn.peer is not None:
+            datas = conn.take_direct()
+            if datas:
+                self.stats["undelivered_total"] += len(datas)
+                self._push(Undelivered(conn.peer, tuple(datas)))
 
     def on_write_blocked(self, conn: Connection, blocked: bool) -> None:
         """Tell the core to queue for (or resume writing to) a connection that does not keep up."""

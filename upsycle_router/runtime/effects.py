@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from upsycle_router import accel
@@ -49,6 +49,7 @@ from upsycle_router.core.events import (
     Send,
     Throttle,
     Trace,
+    Undelivered,
 )
 from upsycle_router.core.trace import Ev
 from upsycle_router.errors import ErrorCode
@@ -65,6 +66,7 @@ log = logging.getLogger("upsycle_router.driver")
 _BY_REASON = frozenset({Ev.REFUSED, Ev.DROPPED})
 _COUNTED = {Ev.DUPLICATE: "duplicates_total", Ev.EXPIRED: "expired_total"}
 RELEASE_POLL = 0.002  # seconds between looks at transport buffers still holding queued messages
+GONE_KEEP = 60.0  # seconds a closed connection's peer is remembered, for writes to it routed before its close
 
 
 class Dialer(Protocol):
@@ -104,7 +106,11 @@ class EffectRunner:
         self.loop = asyncio.get_running_loop()
         # Queue entries whose bytes left their transport buffer, for the core's next batch (QueueSent).
         self.queue_sent: list[tuple[bytes, int]] = []
-        self._unflushed: set[int] = set()  # connections with queue refs still in their transport buffer
+        self._unflushed: set[int] = set()  # connections with queue refs or deliveries still in their buffer
+        # Closed connections: conn -> (peer, when), for writes the core routed to them before it heard of the
+        # close; what such a write carried goes back to the core for the peer (Undelivered).
+        self._gone: dict[int, tuple[bytes, float]] = {}
+        self._returned: dict[bytes, list[bytes]] = {}
         self._release_handle: asyncio.TimerHandle | None = None
         # Connections the core slowed down (backpressure): conn -> the timer that resumes reading it.
         self.throttled: dict[int, asyncio.TimerHandle] = {}
@@ -153,8 +159,13 @@ class EffectRunner:
         finally:
             limit = self.outbound_buffer_max
             for conn in sent_to:  # one write per connection and batch
-                if conn.write_out() > limit:
+                left = conn.write_out()
+                if left > limit:
                     self._overflowed(conn)
+                elif conn.direct_pending(left):
+                    self._unflushed.add(conn.id)
+            if self._returned:
+                self._give_back()
         if self._unflushed:
             self.release_flushed()
 
@@ -214,6 +225,9 @@ class EffectRunner:
                 conn = conns.get(e.conn)
                 if conn is not None and conn.send(e.data):
                     sent_to.add(conn)
+                    conn.note_direct((e.data,))
+                else:
+                    self._not_written(e.conn, (e.data,))
             elif isinstance(e, Dial):
                 if self.dialer is None or not self.dialer.dial(e.router):
                     self.push(DialFailed(e.router))
@@ -247,19 +261,35 @@ class EffectRunner:
                 conn = conns.get(cid)
                 if conn is not None and conn.send_all(payloads, framed, nbytes):
                     sent_to.add(conn)
+                    conn.note_direct(payloads)
+                else:
+                    self._not_written(cid, payloads)
             return
-        limit = self.outbound_buffer_max
         if len(run) == 1:
             conn = conns.get(run[0])
-            if conn is not None and conn.send_run(payloads, framed, nbytes) > limit:
-                self._overflowed(conn)
+            self._run_to(conn, run[0], payloads, framed, nbytes, 0)
             return
         # Straight to the sockets that take it (transport/accel.py: one call for the run); the rest of what a
         # socket did not take, and the connections without a socket to write to, through their transports.
-        blob = framed[0]
-        for conn, sent in fanout(conns, run, blob, len(payloads)):
-            if conn.send_run(payloads, framed, nbytes, sent) > limit:
-                self._overflowed(conn)
+        rest, gone = fanout(conns, run, framed[0], len(payloads))
+        for conn, sent in rest:
+            self._run_to(conn, conn.id, payloads, framed, nbytes, sent)
+        for cid in gone:
+            self._not_written(cid, payloads)
+
+    def _run_to(
+        self, conn: Connection | None, cid: int, payloads: list[bytes], framed: list[bytes], nbytes: int, sent: int
+    ) -> None:
+        """A fan-out run's last writes to one connection (``sent`` bytes of it its socket took already)."""
+        left = conn.send_run(payloads, framed, nbytes, sent) if conn is not None else -1
+        if conn is None or left < 0:
+            self._not_written(cid, payloads)
+            return
+        conn.note_direct(payloads)
+        if left > self.outbound_buffer_max:
+            self._overflowed(conn)
+        elif conn.direct_pending(left):
+            self._unflushed.add(conn.id)
 
     def _overflowed(self, conn: Connection) -> None:
         """A connection's outbound buffer passed ``outbound_buffer_max``: a reader that does not read."""
@@ -280,7 +310,7 @@ class EffectRunner:
                 self._unflushed.discard(cid)
                 continue
             self.queue_sent.extend(conn.take_flushed())
-            if not conn.has_unflushed:
+            if not conn.has_unflushed and not conn.direct_pending(conn.buffered()):
                 self._unflushed.discard(cid)
         if self._closed:
             return
@@ -303,11 +333,37 @@ class EffectRunner:
         if conn is not None and not self._closed and not self.held(conn):
             conn.resume_reading()
 
-    def forget(self, cid: int) -> None:
-        """Connection ``cid`` closed."""
+    def forget(self, cid: int, peer: bytes | None) -> None:
+        """Connection ``cid`` (of ``peer``, if its handshake completed) closed."""
         handle = self.throttled.pop(cid, None)
         if handle is not None:
             handle.cancel()
+        now = self.loop.time()
+        gone = self._gone
+        while gone:  # (oldest first)
+            first = next(iter(gone))
+            if gone[first][1] > now - GONE_KEEP:
+                break
+            del gone[first]
+        if peer is not None and cid not in gone:
+            gone[cid] = (peer, now)
+
+    def _not_written(self, cid: int, payloads: Sequence[bytes]) -> None:
+        """Deliveries routed to connection ``cid`` found it closed: back to the core for its peer."""
+        conn = self.conns.get(cid)
+        peer = conn.peer if conn is not None else self._gone.get(cid, (None, 0.0))[0]
+        if peer is None:  # (a connection the core cannot have routed to; never seen)
+            log.error("conn=%d: %d deliveries for a connection nobody knows: not delivered", cid, len(payloads))
+            self.stats["undeliverable_total"] = self.stats.get("undeliverable_total", 0) + len(payloads)
+            return
+        self._returned.setdefault(peer, []).extend(payloads)
+
+    def _give_back(self) -> None:
+        """Hand what the batch could not write to the core (for the next batch), one event per peer."""
+        returned, self._returned = self._returned, {}
+        for peer, datas in returned.items():
+            self.stats["undelivered_total"] += len(datas)
+            self.push(Undelivered(peer, tuple(datas)))
 
     # ------------------------------------------------------------ the refusal log
 

@@ -12,7 +12,8 @@
  * the GIL again, adds the bytes and messages to `written` and `messages_out` of each connection that took them
  * all. Every other connection of the run - no direct socket, a partial send, a full socket buffer, an error -
  * is returned with the number of bytes its socket took (0 if none): the caller hands it the rest through its
- * transport, which queues it, or meets the same error and closes the connection.
+ * transport, which queues it, or meets the same error and closes the connection. The ids of the run that name
+ * no connection (closed since the run was routed) are returned too, for the caller to give back.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -49,7 +50,7 @@ add_to(PyObject *obj, PyObject *name, Py_ssize_t n)
     return r;
 }
 
-/* fanout(conns, run, data, nmsgs) -> [(conn, sent), ...]: see the module comment. */
+/* fanout(conns, run, data, nmsgs) -> ([(conn, sent), ...], [id, ...]): see the module comment. */
 static PyObject *
 fanout(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -71,13 +72,17 @@ fanout(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     target *t = PyMem_Calloc(n ? (size_t)n : 1, sizeof(target));
     if (t == NULL)
         return PyErr_NoMemory();
-    PyObject *out = NULL;
+    PyObject *out = NULL, *gone = PyList_New(0), *result = NULL;
+    if (gone == NULL) {
+        PyMem_Free(t);
+        return NULL;
+    }
     Py_ssize_t k = 0; /* targets taken */
     Py_ssize_t direct = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *conn = PyDict_GetItemWithError(conns, PyTuple_GET_ITEM(run, i)); /* borrowed */
         if (conn == NULL) {
-            if (PyErr_Occurred())
+            if (PyErr_Occurred() || PyList_Append(gone, PyTuple_GET_ITEM(run, i)) < 0)
                 goto done;
             continue; /* closed meanwhile */
         }
@@ -114,29 +119,30 @@ fanout(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t i = 0; i < k; i++) {
         if (t[i].fd >= 0 && t[i].sent == len) {
             if (add_to(t[i].conn, str_written, len) < 0 || add_to(t[i].conn, str_messages_out, nmsgs) < 0)
-                goto fail;
+                goto done;
             continue;
         }
         PyObject *pair = Py_BuildValue("(On)", t[i].conn, t[i].sent);
         if (pair == NULL || PyList_Append(out, pair) < 0) {
             Py_XDECREF(pair);
-            goto fail;
+            goto done;
         }
         Py_DECREF(pair);
     }
-    goto done;
-fail:
-    Py_CLEAR(out);
+    result = PyTuple_Pack(2, out, gone); /* (NULL if that fails: then nothing is returned) */
 done:
+    Py_XDECREF(out);
+    Py_DECREF(gone);
     for (Py_ssize_t i = 0; i < k; i++)
         Py_DECREF(t[i].conn);
     PyMem_Free(t);
-    return out;
+    return result;
 }
 
 static PyMethodDef methods[] = {
     {"fanout", (PyCFunction)(void (*)(void))fanout, METH_FASTCALL,
-     "fanout(conns, run, data, nmsgs) -> [(conn, sent)]: data sent to each direct socket of the run (GIL released)"},
+     "fanout(conns, run, data, nmsgs) -> ([(conn, sent)], [id]): data sent to each direct socket of the run (GIL "
+     "released); the others, and the ids that name no connection"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,5 +7,6 @@ from upsycle_router.transport.connection import Connection
 
 def fanout(
     conns: Mapping[int, Connection], run: tuple[int, ...], data: bytes, nmsgs: int, /
-) -> list[tuple[Connection, int]]:
-    """data to each connection of run whose fd is a socket; the others, with the bytes their socket took."""
+) -> tuple[list[tuple[Connection, int]], list[int]]:
+    """data to each connection of run whose fd is a socket; the others, with the bytes their socket took; the
+    ids of run that name no connection."""

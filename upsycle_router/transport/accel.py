@@ -7,8 +7,10 @@ Theory of operation
 socket it may write to directly (a Unix-socket connection whose transport buffers nothing: see
 :class:`~upsycle_router.transport.stream.StreamConnection`), adds what each took whole to its ``written`` and
 ``messages_out``, and returns the others with the bytes their socket took (0 if none), for the caller to send
-the rest through their transports. The C version makes every send with the GIL released, in one call; through
-the transports each subscriber cost as many Python calls as its system call cost CPU.
+the rest through their transports, and the ids of the run that name no connection (closed since the run was
+routed: the caller gives their messages back to the router). The C version makes every send with the GIL
+released, in one call; through the transports each subscriber cost as many Python calls as its system call
+cost CPU.
 
 The name is bound once, at import (:mod:`upsycle_router.cext`); ``_C`` is the extension module in use, or None.
 """
@@ -25,14 +27,17 @@ from upsycle_router.transport.connection import Connection
 
 def fanout_py(
     conns: Mapping[int, Connection], run: tuple[int, ...], data: bytes, nmsgs: int, /
-) -> list[tuple[Connection, int]]:
+) -> tuple[list[tuple[Connection, int]], list[int]]:
     """``data`` to the socket of each connection of ``run`` that has one (``fd`` >= 0); the connections that did
-    not take it whole, with the bytes their socket took (the Python twin of ``_fanout.fanout``)."""
+    not take it whole, with the bytes their socket took, and the ids of ``run`` that name no connection (the
+    Python twin of ``_fanout.fanout``)."""
     rest: list[tuple[Connection, int]] = []
+    gone: list[int] = []
     n = len(data)
     for cid in run:
         conn = conns.get(cid)
         if conn is None:
+            gone.append(cid)
             continue
         fd = conn.fd
         sent = 0
@@ -46,7 +51,7 @@ def fanout_py(
             conn.messages_out += nmsgs
         else:
             rest.append((conn, sent))
-    return rest
+    return rest, gone
 
 
 _C: ModuleType | None = None

@@ -136,6 +136,10 @@ class Connection(asyncio.Protocol):
         self._refusal: tuple[int, str] | None = None  # an ERROR asked for before the transport existed
         # (end offset in ``written``, queue ref) of queued messages not yet out of the transport's buffer
         self._unflushed: collections.deque[tuple[int, tuple[bytes, int]]] = collections.deque()
+        # (end offset in ``written``, payloads) of deliveries (not from a queue) whose bytes may still be in the
+        # transport's buffer: given back to the router (take_direct) if the connection closes before they left
+        self._direct: collections.deque[tuple[int, Sequence[bytes]]] = collections.deque()
+        self._flushed = 0  # flushed(), as last known while the transport could tell
         # admission accounting (transport/admission.py): called once when the transport is gone
         self.on_lost: Callable[[Connection], None] | None = None
         self.handshake_timed_out = False
@@ -338,8 +342,13 @@ class Connection(asyncio.Protocol):
         return self.buffered()
 
     def flushed(self) -> int:
-        """Bytes that left the transport's buffer (handed to the kernel) so far."""
-        return self.written - self.buffered()
+        """Bytes that left the transport's buffer (handed to the kernel) so far. Once the transport is closing,
+        what it reports as buffered no longer says what left (a transport that failed drops its buffer and then
+        reports it empty): the last count from before stands."""
+        t = self.transport
+        if t is not None and not t.is_closing():
+            self._flushed = self.written - self.buffered()
+        return self._flushed
 
     def mark_queued(self, ref: tuple[bytes, int]) -> None:
         """The payload just sent drains the queue entry ``ref``: :meth:`take_flushed` names it once its last
@@ -354,6 +363,36 @@ class Connection(asyncio.Protocol):
         out: list[tuple[bytes, int]] = []
         while pending and pending[0][0] <= done:
             out.append(pending.popleft()[1])
+        return out
+
+    def note_direct(self, payloads: Sequence[bytes]) -> None:
+        """The routed messages ``payloads`` were just written (or gathered) as deliveries: remember them until
+        their bytes have left the transport's buffer (:meth:`direct_pending`)."""
+        self._direct.append((self.written, payloads))
+
+    def direct_pending(self, buffered: int) -> bool:
+        """Forget the deliveries whose bytes left the transport's buffer, which still holds ``buffered`` bytes
+        (:meth:`buffered`); whether some have not."""
+        direct = self._direct
+        t = self.transport
+        if direct and t is not None and not t.is_closing():  # (see flushed: a closing transport cannot tell)
+            if not buffered:
+                direct.clear()
+                return False
+            done = self.written - buffered
+            while direct and direct[0][0] <= done:
+                direct.popleft()
+        return bool(direct)
+
+    def take_direct(self) -> list[bytes]:
+        """The connection closes: the deliveries whose bytes are not known to have left the transport's buffer,
+        in the order they were written - all that are left when the transport is gone, only those it still holds
+        while it can tell. Each is given once."""
+        t = self.transport
+        if t is not None and not t.is_closing():
+            self.direct_pending(self.buffered())
+        out = [p for _, payloads in self._direct for p in payloads]
+        self._direct.clear()
         return out
 
     @property
@@ -402,6 +441,7 @@ class Connection(asyncio.Protocol):
             except (OSError, RuntimeError, NotImplementedError):
                 pass
             asyncio.get_running_loop().call_later(CLOSE_LINGER, t.close)
+        self._closing()
 
     def close(self) -> None:
         """Close without an ERROR."""
@@ -412,13 +452,22 @@ class Connection(asyncio.Protocol):
         if t is not None:
             if not t.is_closing():
                 self._write_close(t)
+                self._closing()
             t.close()
 
     def abort(self) -> None:
         """Drop the connection at once."""
         self.closed = True
         if self.transport is not None:
+            self._closing()
             self.transport.abort()
+
+    def _closing(self) -> None:
+        """This side began the close: the driver hears of it now (not once the transport is gone, which after an
+        ERROR is ``CLOSE_LINGER`` later), so that nothing more is routed to the connection meanwhile, and what
+        its transport still holds is given back while the transport can tell how much that is."""
+        if self.peer is not None:
+            self.handler.on_close(self)
 
     def _handshake_expired(self) -> None:
         if not self.session.is_open and not self.closed:

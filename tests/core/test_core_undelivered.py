@@ -1,0 +1,122 @@
+"""Deliveries a connection did not take (``Undelivered``): the driver gives back what it wrote for a connection
+that closed before the bytes left the router - still in its own buffer, or routed before the core heard of the
+close - and the core routes each message to the peer again, so what it counted as delivered is not lost
+(wire v1.1: what the router acknowledges, it delivers).
+
+A real router over a real LMDB store (tests/support/core_harness.py); each test closes a recipient's connection
+after a delivery, hands the core the delivery's bytes back, and looks where the message went."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support.core_harness import CoreHarness, control, ident, multicast, unicast
+
+from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.events import Dial, Undelivered
+from upsycle_router.wire.control import Join, JoinAck, Sync
+
+X = ident("X")
+R = ident("R")
+ALICE = ident("alice")
+BOB = ident("bob")
+G = ident("group")
+
+
+@pytest.fixture
+def h(tmp_path: Path) -> CoreHarness:
+    return CoreHarness(tmp_path / "x", X, CoreConfig(peers=frozenset({R.public})))
+
+
+def joined(h: CoreHarness) -> int:
+    c = h.open(BOB)
+    out = h.receive(c, control(BOB, X, Join(G.public, True), now=h.now))
+    assert [b for _, b in out.replies(c)] == [JoinAck(G.public, 0)]
+    return c
+
+
+def test_a_group_message_given_back_is_queued_and_reaches_the_subscriber_when_it_is_back(h: CoreHarness) -> None:
+    b = joined(h)
+    a = h.open(ALICE)
+    m = multicast(G, b"news", now=h.now)
+    out = h.receive(a, m)
+    [written] = [s for s in out.sends(b)]
+    assert out.refusals() == []  # taken: the publisher's next SYNC_ACK counts nothing
+    h.close(b)
+    out = h.handle(Undelivered(BOB.public, (written.data,)))
+    assert [t.event for t in out.traces()] == ["queued"] and out.sends() == []
+    assert [e.id for e in h.store.queue(BOB.public)] == [m.id]
+    b2 = h.open(BOB)
+    assert [x.id for x in h.last.messages(b2)] == [m.id]
+
+
+def test_a_unicast_given_back_is_queued_for_its_recipient(h: CoreHarness) -> None:
+    b = h.open(BOB)
+    a = h.open(ALICE)
+    m = unicast(ALICE, BOB, b"for bob", now=h.now)
+    [written] = h.receive(a, m).sends(b)
+    h.close(b)
+    h.handle(Undelivered(BOB.public, (written.data,)))
+    assert [e.id for e in h.store.queue(BOB.public)] == [m.id]
+    b2 = h.open(BOB)
+    assert [x.id for x in h.last.messages(b2)] == [m.id]
+
+
+def test_back_before_it_was_given_back_the_recipient_gets_it_at_once(h: CoreHarness) -> None:
+    b = joined(h)
+    a = h.open(ALICE)
+    m = multicast(G, b"news", now=h.now)
+    [written] = h.receive(a, m).sends(b)
+    h.close(b)
+    b2 = h.open(BOB)  # (reconnected before the driver's event was routed)
+    out = h.handle(Undelivered(BOB.public, (written.data,)))
+    assert [x.id for x in out.messages(b2)] == [m.id] and h.store.queue(BOB.public) == []
+
+
+def test_the_routers_own_answers_are_not_given_again(h: CoreHarness) -> None:
+    b = h.open(BOB)
+    out = h.receive(b, control(BOB, X, Sync(1), now=h.now))
+    [ack] = out.sends(b)
+    h.close(b)
+    out = h.handle(Undelivered(BOB.public, (ack.data,)))
+    assert list(out) == [] and h.store.queue(BOB.public) == []
+
+
+def test_a_unicast_the_peer_was_the_next_router_for_is_forwarded_again(h: CoreHarness) -> None:
+    r = h.open(R, local=False)
+    h.close(r)
+    m = unicast(ALICE, ident("somewhere").public, b"via R", now=h.now)
+    out = h.handle(Undelivered(R.public, (m.encode(),)))
+    assert [e.id for e in h.store.queue(R.public)] == [m.id]  # queued for R ...
+    assert [e for e in out if isinstance(e, Dial)] == [Dial(R.public)]  # ... while the pool dials it
+
+
+def test_a_ttl_zero_message_cannot_wait_and_is_traced_as_dropped_undelivered(h: CoreHarness) -> None:
+    b = h.open(BOB)
+    a = h.open(ALICE)
+    m = unicast(ALICE, BOB, b"now or never", ttl=0, now=h.now)
+    [written] = h.receive(a, m).sends(b)
+    h.close(b)
+    out = h.handle(Undelivered(BOB.public, (written.data,)))
+    [t] = out.traces("dropped")
+    assert (t.id, t.dst, t.reason) == (m.id, BOB.public, "undelivered")
+    assert h.store.queue(BOB.public) == [] and out.sends() == []
+    # Back already: delivered now, as ttl 0 asks.
+    b2 = h.open(BOB)
+    out = h.handle(Undelivered(BOB.public, (written.data,)))
+    assert [x.id for x in out.messages(b2)] == [m.id]
+
+
+def test_what_cannot_be_queued_is_traced_as_dropped(tmp_path: Path) -> None:
+    h = CoreHarness(tmp_path / "q", X, CoreConfig(queue_max_count=1))
+    b = h.open(BOB)
+    a = h.open(ALICE)
+    m1, m2 = (unicast(ALICE, BOB, body, now=h.now) for body in (b"one", b"two"))
+    w1 = h.receive(a, m1).sends(b)[0]
+    w2 = h.receive(a, m2).sends(b)[0]
+    h.close(b)
+    out = h.handle(Undelivered(BOB.public, (w1.data, w2.data)))
+    assert [e.id for e in h.store.queue(BOB.public)] == [m1.id]  # the first, in order
+    [t] = out.traces("dropped")
+    assert (t.id, t.reason) == (m2.id, "quota") and out.sends() == []  # nobody to answer: traced and counted
