@@ -89,7 +89,18 @@ class Undelivered:
     datas: tuple[bytes, ...]
 
 
-Event = ConnectionOpened | ConnectionClosed | MessagesReceived | QueueSent | DialFailed | WriteBlocked | Undelivered
+@dataclass(frozen=True, slots=True)
+class NotAdmitted:
+    """Messages that arrived on ``conn`` over its rate limit, in order: not routed, each refused (overloaded)."""
+
+    conn: ConnId
+    messages: tuple[Message, ...]
+
+
+Event = (
+    ConnectionOpened | ConnectionClosed | MessagesReceived | QueueSent | DialFailed | WriteBlocked | Undelivered
+    | NotAdmitted
+)
 
 
 # ---------------------------------------------------------------- effects

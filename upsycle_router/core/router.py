@@ -56,7 +56,7 @@ recipient, queueing, forwarding and refusing is :mod:`~upsycle_router.core.deliv
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.control import ControlPlane
@@ -71,6 +71,7 @@ from upsycle_router.core.events import (
     Effect,
     Event,
     MessagesReceived,
+    NotAdmitted,
     QueueSent,
     Send,
     Trace,
@@ -85,7 +86,7 @@ from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.expiry import EPOCH_2020
 from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_MESSAGE, Owed, RouterStore
-from upsycle_router.wire.control import Join, Reason, RouterMessage, encode_router
+from upsycle_router.wire.control import Join, RouterMessage, encode_router
 from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
@@ -162,6 +163,8 @@ class Router:
                     self._flush(c, now, out)
         elif isinstance(event, Undelivered):
             self._undelivered(event, now, out)
+        elif isinstance(event, NotAdmitted):
+            out.extend(self.not_taken(event.conn, event.messages, Why.OVERLOADED, now))
         return out
 
     def _undelivered(self, ev: Undelivered, now: float, out: list[Effect]) -> None:
@@ -218,19 +221,23 @@ class Router:
         if s.throttled:
             s.throttled = set()
 
-    def not_taken(self, ev: MessagesReceived, why: Reason, now: float) -> list[Effect]:
-        """REFUSED (``why``, as a whole) for each message of ``ev``: messages the router did not take after all -
-        their batch did not commit (a disk error), so nothing of them was stored, queued or sent. Each counts for
-        its connection's next SYNC_ACK, so a sender never takes a message lost this way for a safe one."""
+    def not_taken(self, conn: ConnId, messages: Sequence[Message], why: Why, now: float) -> list[Effect]:
+        """Each of ``messages`` that arrived on ``conn`` dropped (``why``) and refused as a whole, not routed: over
+        the connection's rate limit, or in a batch that did not commit (a disk error: nothing of them was stored,
+        queued or sent). Each counts for the connection's next SYNC_ACK, so a sender never takes such a message
+        for a safe one."""
         out: list[Effect] = []
-        c = self._conns.get(ev.conn)
+        c = self._conns.get(conn)
         if c is None:
             return out
-        for msg in ev.messages:
+        for msg in messages:
             h = msg.header
-            multicast = type(h) is MulticastHeader
-            self._refuse(c, msg.id, why, 0, now, out, MULTICAST if multicast else UNICAST,
-                         h.grp if isinstance(h, MulticastHeader) else None, len(msg.wire) or len(msg.encode()))
+            size = len(msg.wire) or len(msg.encode())
+            if isinstance(h, MulticastHeader):
+                self._dropped(c, msg.id, why, 0, now, out, MULTICAST, h.grp, None, None, size)
+            else:
+                kind = CONTROL if h.dst == self.id else UNICAST
+                self._dropped(c, msg.id, why, 0, now, out, kind, None, h.src, h.dst, size)
         return out
 
     def batch_lost(self) -> None:

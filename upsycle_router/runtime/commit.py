@@ -60,12 +60,12 @@ from upsycle_router.core.events import (
     WriteBlocked,
 )
 from upsycle_router.core.router import Router
+from upsycle_router.core.trace import Why
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ErrorCode
 from upsycle_router.runtime.verify import name_thread
 from upsycle_router.store.commit_thread import CommitThread
 from upsycle_router.store.lmdb_store import LmdbStore
-from upsycle_router.wire.control import Reason
 
 log = logging.getLogger("upsycle_router.driver")
 
@@ -247,7 +247,7 @@ class Batches:
                         effects.extend(router.handle(ev, now))
                 for ev in events:  # after the connections' events: one the batch opened can be answered
                     if isinstance(ev, MessagesReceived):
-                        effects.extend(router.not_taken(ev, Reason.STORE_FULL, now))
+                        effects.extend(router.not_taken(ev.conn, ev.messages, Why.STORE_FULL, now))
         except lmdb.Error:
             # That transaction failed too: none of it is carried out, and the core no longer knows where the
             # connections of these events stand (opened, queue windows), nor what it answered the senders. Close

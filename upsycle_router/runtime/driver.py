@@ -30,6 +30,7 @@ from upsycle_router.core.events import (
     ConnectionOpened,
     Effect,
     Event,
+    NotAdmitted,
     QueueSent,
     Trace,
     Undelivered,
@@ -56,6 +57,7 @@ TIMER_INTERVAL = 0.1  # seconds between timer runs at the most (expiry sweeps ar
 # (2,048 messages, 2.4 MiB to each of 10 subscribers) put every subscriber over its write high-water mark by
 # construction, and their traffic went through the store (mc 1->10: 4 of 5 runs at a quarter of the rate).
 MAX_BATCH = 512
+RATE_PAUSE_MAX = 1.0  # seconds a connection over its rate limit is not read, at most
 
 __all__ = ["Dialer", "Driver", "MAX_BATCH", "TIMER_INTERVAL"]
 
@@ -86,6 +88,7 @@ class Driver:
         self.rate = rate
         self.burst = burst
         self._buckets: dict[int, tuple[float, float]] = {}  # conn -> (tokens, last refill)
+        self._paused_for_rate: dict[int, asyncio.TimerHandle] = {}  # conn -> when it is read again
         self.loop = asyncio.get_running_loop()
         self.conns: dict[int, Connection] = {}
         self.stats = router.counters
@@ -150,12 +153,29 @@ class Driver:
         self._buckets[conn.id] = (tokens - k, t)
         return k
 
-    def _overloaded(self, conn: Connection, size: int) -> None:
+    def _overloaded(self, conn: Connection, messages: list[Message]) -> None:
+        """``messages`` arrived on ``conn`` over its rate limit: each is refused (overloaded, in arrival order
+        after the ones admitted before them, so before any later SYNC_ACK), and the connection is not read
+        until its bucket has refilled for them - a sender that keeps flooding waits in its socket instead of
+        having every message it sends answered."""
         self.stats["overloaded_total"] += 1
-        self.effects.trace_now(Trace(Ev.DROPPED, None, Kind.UNICAST, peer=conn.peer, size=size,
-                                     reason=Why.OVERLOADED))
-        log.warning("conn=%d peer=%s over its rate limit: closing", conn.id, (conn.peer or b"").hex())
-        conn.close_with_error(ErrorCode.OVERLOADED, f"rate limit of {self.rate:g} messages/s exceeded")
+        self._push(NotAdmitted(conn.id, tuple(messages)))
+        if conn.id not in self._paused_for_rate:
+            log.warning("conn=%d peer=%s over its rate limit: refusing %d messages, reading it again in %.3f s",
+                        conn.id, (conn.peer or b"").hex(), len(messages), len(messages) / self.rate)
+        self._pause_for_rate(conn, len(messages) / self.rate)
+
+    def _pause_for_rate(self, conn: Connection, seconds: float) -> None:
+        if conn.id in self._paused_for_rate:
+            return
+        conn.pause_reading()
+        self._paused_for_rate[conn.id] = self.loop.call_later(min(seconds, RATE_PAUSE_MAX), self._rate_resume, conn.id)
+
+    def _rate_resume(self, cid: int) -> None:
+        self._paused_for_rate.pop(cid, None)
+        conn = self.conns.get(cid)
+        if conn is not None and not self._closed and cid not in self._held and cid not in self.effects.throttled:
+            conn.resume_reading()
 
     def on_messages(self, conn: Connection, messages: list[Message]) -> None:
         """Routed messages arrived on ``conn``, decoded: queue them for verification and the core."""
@@ -168,13 +188,10 @@ class Driver:
             self.pipeline.add_messages(conn.id, messages if k == n else messages[:k])
             self._received(conn)
         if k < n:
-            self._overloaded(conn, len(messages[k].wire))
+            self._overloaded(conn, messages[k:])
 
     def on_frame(self, conn: Connection, payload: bytes) -> None:
         """Decode one frame that was not decoded on the way (not a routed message in deterministic form)."""
-        if not self._admit(conn, 1):
-            self._overloaded(conn, len(payload))
-            return
         try:
             item = decode_frame(payload)
         except RemoteProtocolError as e:
@@ -189,6 +206,9 @@ class Driver:
             conn.close()
             return
         if self._closed:
+            return
+        if not self._admit(conn, 1):
+            self._overloaded(conn, [item])
             return
         self.stats["received_total"] += 1
         self.pipeline.add_messages(conn.id, [item])
@@ -222,7 +242,9 @@ class Driver:
 
     def _held_back(self, conn: Connection) -> bool:
         """Whether ``conn`` must stay paused because the pipeline is full (its reading resumes with the others').
-        Asked by the effect runner when a throttle ends."""
+        Asked by the effect runner when a throttle ends; also while it is over its rate limit."""
+        if conn.id in self._paused_for_rate:
+            return True  # (read again when its bucket has refilled)
         if not self._reading_paused:
             return False
         self._held.add(conn.id)
@@ -234,6 +256,9 @@ class Driver:
         routed to the peer again, so queued while it is away)."""
         self._buckets.pop(conn.id, None)
         self._held.discard(conn.id)
+        paused = self._paused_for_rate.pop(conn.id, None)
+        if paused is not None:
+            paused.cancel()
         self.effects.forget(conn.id, conn.peer)
         if self.conns.pop(conn.id, None) is not None:
             log.info("connection closed conn=%d peer=%s", conn.id, (conn.peer or b"").hex())
@@ -312,7 +337,7 @@ class Driver:
             conns = self.conns
             for cid in held:
                 c = conns.get(cid)
-                if c is not None and cid not in throttled:
+                if c is not None and cid not in throttled and cid not in self._paused_for_rate:
                     c.resume_reading()
         if events or self.timer_due:
             timer, self.timer_due = self.timer_due, False
