@@ -47,6 +47,7 @@ from upsycle_router.wire.control import (
     PullNack,
     Reason,
     Refused,
+    Register,
     Sync,
     SyncAck,
 )
@@ -788,6 +789,22 @@ def test_a_remote_senders_entry_lives_remote_ttl_max_at_most(tmp_path: Path) -> 
     out = h.timer(T0 + 600)
     assert sorted(t.id for t in out.traces("expired")) == sorted([remote.id, trusted.id])
     assert [e.id for e in h.store.queue(BOB.public)] == [local.id]
+
+
+def test_a_remote_senders_message_queued_for_another_router_lives_remote_ttl_max_at_most(tmp_path: Path) -> None:
+    """The cap holds for every queue: a message an edge node's app sends through this core towards a router that
+    is away is queued for that router, and lives ``remote_ttl_max`` at most there too."""
+    h = harness(tmp_path, remote_ttl_max=60.0, edge_nodes=frozenset({EDGE.public}))
+    app, svc, other = ident("edge-app"), ident("far-svc"), ident("far-router")
+    e = h.open(EDGE, local=False)
+    h.receive(e, control(EDGE, X, Register((app.public,)), now=h.now))
+    o = h.open(other, local=False)
+    h.receive(o, unicast(svc, ALICE, b"teaches the route svc -> other", now=h.now))
+    h.close(o)
+    m = unicast(app, svc, b"from the edge app", ttl=30 * 24 * 3600, now=h.now)
+    assert h.receive(e, m).refusals() == []
+    [entry] = h.store.queue(other.public)
+    assert (entry.id, entry.expires) == (m.id, T0 + 60)
 
 
 # ---------------------------------------------------------------- backpressure

@@ -250,7 +250,8 @@ class Delivery:
             if s.tracing:
                 out.append(Trace(FORWARDED, msg.id, kind, group, src, dst, router, size))
             return None
-        why = self.enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, origin=origin)
+        why = self.enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, origin=origin,
+                           remote=origin is not None and not origin.local)  # (a remote sender's: capped)
         if why is None and router not in s.dialing:
             s.dialing.add(router)
             out.append(Dial(router))
