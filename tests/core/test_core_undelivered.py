@@ -14,8 +14,8 @@ import pytest
 from support.core_harness import CoreHarness, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import Dial, Undelivered
-from upsycle_router.wire.control import Join, JoinAck, Sync
+from upsycle_router.core.events import Dial, NotAdmitted, Undelivered
+from upsycle_router.wire.control import Join, JoinAck, Reason, Refused, Sync
 
 X = ident("X")
 R = ident("R")
@@ -120,3 +120,39 @@ def test_what_cannot_be_queued_is_traced_as_dropped(tmp_path: Path) -> None:
     assert [e.id for e in h.store.queue(BOB.public)] == [m1.id]  # the first, in order
     [t] = out.traces("dropped")
     assert (t.id, t.reason) == (m2.id, "quota") and out.sends() == []  # nobody to answer: traced and counted
+
+
+def test_a_group_message_forwarded_to_a_router_is_forwarded_again(h: CoreHarness) -> None:
+    """A group message a local service sent with VIA = R went to router R; given back (R's connection closed),
+    it is forwarded to R again - queued for R while the pool dials it - not queued as R's subscription."""
+    r = h.open(R, local=False)
+    h.close(r)
+    m = multicast(G, b"for R's side", now=h.now)
+    out = h.handle(Undelivered(R.public, (m.encode(),)))
+    assert [e.id for e in h.store.queue(R.public)] == [m.id]
+    assert [e for e in out if isinstance(e, Dial)] == [Dial(R.public)]
+
+
+def test_a_strangers_unicast_given_back_counts_as_a_strangers(tmp_path: Path) -> None:
+    """A unicast from a remote sender nobody trusts (it carries VIA: it came from a router) is queued within the
+    strangers' share when it is given back, as it would have been had its recipient been away."""
+    h = CoreHarness(tmp_path / "s", X, CoreConfig(queue_max_count=10, stranger_share=0.1))
+    b = h.open(BOB)
+    h.close(b)
+    stranger, relay = ident("stranger"), ident("relay")
+    first, second = (unicast(stranger, BOB, body, now=h.now).with_via(relay.public) for body in (b"1", b"2"))
+    out = h.handle(Undelivered(BOB.public, (first.encode(), second.encode())))
+    assert h.store.stranger_usage(BOB.public)[0] == 1  # its share of a queue of 10
+    assert [(t.id, t.reason) for t in out.traces("dropped")] == [(second.id, "stranger_quota")]
+
+
+def test_an_answer_over_the_rate_limit_is_dropped_not_answered(h: CoreHarness) -> None:
+    """Over a connection's rate limit messages are refused (overloaded) - except answers (a REFUSED, an
+    acknowledgement): an answer is never answered, or two routers over their limits would refuse each other's
+    refusals for ever."""
+    r = h.open(R, local=False)
+    answer = control(R, X, Refused(b"\x01" * 32, Reason.NO_ROUTE, 0), now=h.now)
+    data = unicast(R, BOB, b"data", now=h.now)
+    out = h.handle(NotAdmitted(r, (answer, data)))
+    assert [(t.id, t.reason) for t in out.traces("dropped")] == [(answer.id, "overloaded"), (data.id, "overloaded")]
+    assert [x.id for x in out.refusals(r)] == [data.id]

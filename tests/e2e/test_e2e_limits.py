@@ -9,9 +9,9 @@ import time
 import urllib.request
 
 import pytest
-from conftest import DaemonFactory, cli, run_expecting_exit
+from conftest import DaemonFactory, async_wait_until, cli, run_expecting_exit
 
-from upsycle_router.client import Client, MessagesRefused
+from upsycle_router.client import Client, ClientError, MessagesRefused
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in
 from upsycle_router.wire.control import Reason
@@ -82,7 +82,7 @@ async def test_a_flooding_connection_is_refused_overloaded_and_slowed_others_kee
     d = daemon(config={"limits": {"rate_per_connection": 200, "rate_burst": 50}})
     victim, flooder = Identity.generate(), Identity.generate()
     async with await Client.connect(d.sock, victim) as good, await Client.connect(d.sock, flooder) as bad:
-        sent = [await bad.send(victim.public, f"flood {i}".encode()) for i in range(600)]
+        sent = [await bad.send(victim.public, f"flood {i}".encode()) for i in range(180)]  # < a second over it
         res = None
         for _ in range(20):  # a SYNC that arrives over the limit is refused too: sent again once there is room
             try:
@@ -102,6 +102,24 @@ async def test_a_flooding_connection_is_refused_overloaded_and_slowed_others_kee
         await good.send(victim.public, b"still here")  # the other client is served
         assert (await good.recv(timeout=5)).body == b"still here"
     assert d.trace(event="dropped", reason="overloaded") and d.trace(event="refused", reason="overloaded")
+
+
+async def test_a_flood_of_more_than_a_seconds_worth_over_the_limit_is_closed_overloaded(daemon: DaemonFactory) -> None:
+    """Each REFUSED costs the router a signature: a connection that sends more than a second's worth of its
+    rate over the limit before it is read again gets ERROR 6 and is closed, as before refusals existed. What
+    it sent before is answered or delivered as usual; nothing after its last SYNC_ACK counts as safe."""
+    d = daemon(config={"limits": {"rate_per_connection": 200, "rate_burst": 50}})
+    victim, flooder = Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, victim) as good, await Client.connect(d.sock, flooder) as bad:
+        with pytest.raises(ClientError):
+            for i in range(3000):
+                await bad.send(victim.public, f"flood {i}".encode())
+            await bad.sync(timeout=5)
+        await async_wait_until(lambda: bad.closed_reason is not None, 10, "the flooder's connection to close")
+        assert bad.error is not None and bad.error.code == 6, bad.closed_reason  # ERROR 6 overloaded
+        await good.send(victim.public, b"still here")  # the other client is still served
+        await good.sync()
+    assert d.trace(event="refused", reason="overloaded")  # the first ones over the limit were refused
 
 
 async def test_disk_quota_refuses_new_messages_and_keeps_stored_ones(daemon: DaemonFactory) -> None:

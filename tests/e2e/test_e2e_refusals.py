@@ -406,3 +406,31 @@ async def test_messages_in_the_routers_buffer_for_a_subscriber_that_stops_readin
     missing = [i for i, mid in enumerate(ids) if mid not in got and mid not in read]
     assert missing == list(range(len(read), len(read) + len(missing))) and len(missing) <= in_socket, (
         missing, d.trace(id=ids[missing[0]]) if missing else None)
+
+
+async def test_group_messages_for_a_subscriber_that_ended_its_side_are_queued_for_it(
+    daemon: DaemonFactory,
+) -> None:
+    """A subscriber ends its side of the connection (end of input) and reads no more: the router's transport
+    closes once it has written what it holds, which it never will. The router hears of the close at the end of
+    input, so the group's messages are queued for the subscriber - not written again and again to a
+    connection that cannot take them - and it gets them when it is back, all but what its socket held."""
+    d = daemon()
+    group, sub_key, pub_key = Identity.generate(), Identity.generate(), Identity.generate()
+    sub = await Client.connect(d.sock, sub_key)
+    assert await sub.join(group.public, local=True)
+    sub._writer.transport.pause_reading()  # type: ignore[attr-defined]
+    async with await Client.connect(d.sock, pub_key) as pub:
+        ids = [await pub.publish(group, b"%d" % i + os.urandom(50_000), ttl=GROUP_TTL) for i in range(20)]
+        await pub.sync(timeout=30)  # (the router's buffer for it holds some of these now)
+        sub._writer.write_eof()  # type: ignore[attr-defined]
+        await async_wait_until(lambda: "connection closed" in d.log_text(), 10.0, "the router to see the end")
+        ids += [await pub.publish(group, b"%d" % i + os.urandom(50_000), ttl=GROUP_TTL) for i in range(20, 40)]
+        res = await pub.sync(timeout=30)
+        assert res.ok and not res.refused
+    sub._writer.transport.abort()  # type: ignore[attr-defined]
+    # (all but what its own socket held when it went away: the first ones, handed to the kernel for it)
+    in_socket = int(Path("/proc/sys/net/core/wmem_default").read_text()) // 50_000 + 1
+    got = {m.id for m in await _drain(d, sub_key, len(ids) - in_socket)}
+    missing = [i for i, mid in enumerate(ids) if mid not in got]
+    assert missing == list(range(len(missing))) and len(missing) <= in_socket, missing

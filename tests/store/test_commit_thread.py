@@ -19,7 +19,15 @@ import lmdb
 import pytest
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import CloseConnection, ConnectionOpened, Fanout, MessagesReceived, Send
+from upsycle_router.core.events import (
+    CloseConnection,
+    ConnectionClosed,
+    ConnectionOpened,
+    Fanout,
+    MessagesReceived,
+    Send,
+    Undelivered,
+)
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.durability import Durability
@@ -371,6 +379,26 @@ async def test_when_the_replay_of_a_lost_batch_fails_too_its_connections_are_clo
     # ... and the sender of the lost message gets no SYNC_ACK on that connection: it is closed too.
     assert [e for e in done[-1] if isinstance(e, CloseConnection)] == [
         CloseConnection(1, 6, "store error"), CloseConnection(2, 6, "store error")]
+    await driver.aclose()
+    store.close()
+
+
+async def test_deliveries_given_back_in_a_batch_that_fails_twice_are_routed_with_the_next(tmp_path: Path) -> None:
+    """A batch whose commit and replay both fail loses nothing it was given back (``Undelivered``): the
+    deliveries go into the next batch and are queued for their recipient there."""
+    router_id, app, away_app = (Identity.from_seed(bytes([n]) * 32) for n in (24, 25, 26))
+    store = LmdbStore(tmp_path / "store", Durability.FSYNC, MAP)
+    router = Router(router_id, store)
+    driver, gate = _gated_driver(router, store, (app.public, away_app.public))
+    await _until(lambda: driver.batches.committing is None and router.connections() == 2)
+    driver.push(ConnectionClosed(2))  # away_app is away (a local service the router keeps a queue for)
+    await _until(lambda: driver.batches.committing is None and router.connections() == 1)
+    m = sign_message(UnicastHeader(app.public, away_app.public, 60, exp_in(time.time(), 60)), b"back", app)
+    gate.fail = 2  # the batch, then its replay
+    driver.push(Undelivered(away_app.public, (m.encode(),)))
+    await _until(lambda: driver.stats.get("store_errors_total") == 1)
+    await _until(lambda: driver.batches.committing is None and bool(store.queue(away_app.public)))
+    assert [e.id for e in store.queue(away_app.public)] == [m.id]
     await driver.aclose()
     store.close()
 

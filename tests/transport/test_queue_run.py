@@ -164,3 +164,39 @@ async def _peer_gone_with_bytes_buffered() -> None:
 
 def test_a_reader_gone_leaves_buffered_entries_queued_and_gives_deliveries_back() -> None:
     uvloop.run(_peer_gone_with_bytes_buffered())
+
+
+class _TakesBack(NullHandler):
+    """Gives back on close, as the driver does (``take_direct`` when it hears of the close)."""
+
+    def __init__(self) -> None:
+        self.back: list[bytes] = []
+
+    def on_close(self, conn: Connection) -> None:
+        self.back += conn.take_direct()
+
+
+async def _abort_with_gathered() -> None:
+    """Deliveries gathered for the batch's end (not yet handed to the transport) when the connection is
+    aborted: given back with the rest, not counted as written because the gathered bytes were dropped first."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    handler = _TakesBack()
+    loop = asyncio.get_running_loop()
+    _t, conn = await loop.connect_accepted_socket(
+        lambda: StreamConnection(handler, Identity.generate(), kind="unix", handshake_timeout=30.0), sock=ours
+    )
+    try:
+        conn.write_out()
+        conn.peer = PEER  # (as after the handshake: the driver is told of closes from now on)
+        payloads = [b"a" * 100, b"b" * 100]
+        for p in payloads:
+            assert conn.send(p)
+            conn.note_direct((p,))
+        conn.abort()
+        assert handler.back == payloads
+    finally:
+        theirs.close()
+
+
+def test_deliveries_gathered_when_the_connection_is_aborted_are_given_back() -> None:
+    uvloop.run(_abort_with_gathered())

@@ -86,7 +86,18 @@ from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.expiry import EPOCH_2020
 from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_MESSAGE, Owed, RouterStore
-from upsycle_router.wire.control import Join, RouterMessage, encode_router
+from upsycle_router.wire.control import (
+    Join,
+    JoinAck,
+    LeaveAck,
+    PullNack,
+    Refused,
+    RouterMessage,
+    StatusReply,
+    SyncAck,
+    decode_control,
+    encode_router,
+)
 from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
@@ -95,6 +106,15 @@ REDIAL_MIN = 2.0
 REDIAL_MAX = 60.0
 VIA_BYTES = 2 + 32  # what VIA adds to an encoded message: a byte string head and the key (the array head stays)
 CONTACTS_MAX = 1_000_000  # (local service, key it wrote to) pairs remembered at most
+
+
+def _is_answer(msg: Message) -> bool:
+    """Whether a message to the router carries an answer (REFUSED, an acknowledgement, a status reply)."""
+    try:
+        body = decode_control(msg.body)
+    except RemoteProtocolError:
+        return False
+    return isinstance(body, Refused | JoinAck | LeaveAck | SyncAck | PullNack | StatusReply)
 
 
 class Router:
@@ -191,12 +211,23 @@ class Router:
                                  h.src if isinstance(h, UnicastHeader) else None, peer, None, size, Why.UNDELIVERED,
                                  role=s.role(peer)))  # fmt: skip
                 continue
+            # From a remote node (it carries VIA, unicast step 2 / multicast step 7): queued as it was routed, a
+            # remote sender's entry capped, a stranger's within the strangers' share.
+            remote = msg.via is not None
             if type(h) is MulticastHeader:
-                self._deliver(peer, msg, h.grp, size, now, out, kind=MULTICAST, data=data)
+                members = s.subs.get(h.grp)
+                if peer in s.locals or (members is not None and peer in members):
+                    self._deliver(peer, msg, h.grp, size, now, out, kind=MULTICAST, data=data, remote=remote)
+                else:  # a router it was forwarded to (VIA): forwarded again, dialled while it is away
+                    self._to_router(peer, msg, h.grp, size, now, out, kind=MULTICAST)
             elif not isinstance(h, UnicastHeader) or h.src == self.id:
                 continue
-            elif h.dst == peer:
-                self._deliver(peer, msg, None, size, now, out, kind=UNICAST, data=data)
+            elif h.dst == peer or peer == s.served_by(h.dst):
+                stranger = remote and h.src not in s.locals and h.src not in s.trusted and (
+                    (h.dst, h.src) not in s.contacts
+                )
+                self._deliver(peer, msg, None, size, now, out, kind=UNICAST, data=data, stranger=stranger,
+                              remote=remote)
             else:
                 self._to_router(peer, msg, None, size, now, out, kind=UNICAST)
 
@@ -235,6 +266,8 @@ class Router:
             size = len(msg.wire) or len(msg.encode())
             if isinstance(h, MulticastHeader):
                 self._dropped(c, msg.id, why, 0, now, out, MULTICAST, h.grp, None, None, size)
+            elif h.dst == self.id and _is_answer(msg):  # an answer is never answered (no loops between routers)
+                out.append(Trace(DROPPED, msg.id, CONTROL, None, h.src, h.dst, c.peer, size, why))
             else:
                 kind = CONTROL if h.dst == self.id else UNICAST
                 self._dropped(c, msg.id, why, 0, now, out, kind, None, h.src, h.dst, size)

@@ -56,7 +56,9 @@ from upsycle_router.core.events import (
     Effect,
     Event,
     MessagesReceived,
+    NotAdmitted,
     QueueSent,
+    Undelivered,
     WriteBlocked,
 )
 from upsycle_router.core.router import Router
@@ -102,11 +104,13 @@ class Batches:
         resume: Callable[[], None],
         early: Callable[[list[Effect], float], list[Effect]] | None = None,
         sync_interval: float = 0.05,
+        retry: Callable[[Event], None] | None = None,
     ) -> None:
         self.router = router
         self.store = store
         self.stats = stats
         self.done = done  # a batch's effects, once committed
+        self.retry = retry  # an event for the next batch (what a batch that could not commit must not lose)
         self.early = early  # fsync: the effects carried out while the commit is in flight (returns the rest)
         self.resume = resume  # the commit in flight returned: route what waits
         self.sync_interval = sync_interval
@@ -254,7 +258,11 @@ class Batches:
             # them: their peers connect again to a router whose state matches its store, and a sender whose
             # connection closes before its SYNC_ACK knows nothing since its last one is safe.
             router.batch_lost()
-            conns = {ev.conn for ev in events if isinstance(ev, (ConnectionOpened, WriteBlocked, MessagesReceived))}
+            conns = {ev.conn for ev in events
+                     if isinstance(ev, (ConnectionOpened, WriteBlocked, MessagesReceived, NotAdmitted))}  # fmt: skip
+            for ev in events:  # deliveries given back are routed again with the next batch, not lost here
+                if isinstance(ev, Undelivered) and self.retry is not None:
+                    self.retry(ev)
             for ev in events:
                 if isinstance(ev, QueueSent):
                     conns.update(c for c in (router.connected(r) for r, _ in ev.refs) if c is not None)

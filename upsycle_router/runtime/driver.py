@@ -58,6 +58,7 @@ TIMER_INTERVAL = 0.1  # seconds between timer runs at the most (expiry sweeps ar
 # construction, and their traffic went through the store (mc 1->10: 4 of 5 runs at a quarter of the rate).
 MAX_BATCH = 512
 RATE_PAUSE_MAX = 1.0  # seconds a connection over its rate limit is not read, at most
+RATE_REFUSED_MIN = 64  # messages over the rate limit refused before a close, at least (see Driver._overloaded)
 
 __all__ = ["Dialer", "Driver", "MAX_BATCH", "TIMER_INTERVAL"]
 
@@ -89,6 +90,7 @@ class Driver:
         self.burst = burst
         self._buckets: dict[int, tuple[float, float]] = {}  # conn -> (tokens, last refill)
         self._paused_for_rate: dict[int, asyncio.TimerHandle] = {}  # conn -> when it is read again
+        self._rate_refused: dict[int, int] = {}  # conn -> messages refused over its rate since it was read again
         self.loop = asyncio.get_running_loop()
         self.conns: dict[int, Connection] = {}
         self.stats = router.counters
@@ -103,7 +105,7 @@ class Driver:
             push=self._push, acknowledged=self._schedule, held=self._held_back,
         )
         self.batches = Batches(router, store, self.stats, done=self._done, resume=self._resume,
-                               early=self.effects.apply_early, sync_interval=sync_interval)
+                               early=self.effects.apply_early, sync_interval=sync_interval, retry=self._push)
         self._flush_handle: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last_timer = -TIMER_INTERVAL  # loop time of the last timer run
@@ -157,8 +159,17 @@ class Driver:
         """``messages`` arrived on ``conn`` over its rate limit: each is refused (overloaded, in arrival order
         after the ones admitted before them, so before any later SYNC_ACK), and the connection is not read
         until its bucket has refilled for them - a sender that keeps flooding waits in its socket instead of
-        having every message it sends answered."""
+        having every message it sends answered. One that sends more than a second's worth of its rate (at least
+        RATE_REFUSED_MIN) over it before it is read again is closed with ERROR 6, as before refusals: each
+        REFUSED costs a signature, and a flood must not buy more of them than its rate."""
         self.stats["overloaded_total"] += 1
+        refused = self._rate_refused.get(conn.id, 0) + len(messages)
+        if refused > max(RATE_REFUSED_MIN, self.rate * RATE_PAUSE_MAX):
+            log.warning("conn=%d peer=%s flooding over its rate limit: closing", conn.id, (conn.peer or b"").hex())
+            self.effects.trace_now(Trace(Ev.DROPPED, None, Kind.UNICAST, peer=conn.peer, reason=Why.OVERLOADED))
+            conn.close_with_error(ErrorCode.OVERLOADED, f"rate limit of {self.rate:g} messages/s exceeded")
+            return
+        self._rate_refused[conn.id] = refused
         self._push(NotAdmitted(conn.id, tuple(messages)))
         if conn.id not in self._paused_for_rate:
             log.warning("conn=%d peer=%s over its rate limit: refusing %d messages, reading it again in %.3f s",
@@ -173,6 +184,7 @@ class Driver:
 
     def _rate_resume(self, cid: int) -> None:
         self._paused_for_rate.pop(cid, None)
+        self._rate_refused.pop(cid, None)
         conn = self.conns.get(cid)
         if conn is not None and not self._closed and cid not in self._held and cid not in self.effects.throttled:
             conn.resume_reading()
@@ -259,6 +271,7 @@ class Driver:
         paused = self._paused_for_rate.pop(conn.id, None)
         if paused is not None:
             paused.cancel()
+        self._rate_refused.pop(conn.id, None)
         self.effects.forget(conn.id, conn.peer)
         if self.conns.pop(conn.id, None) is not None:
             log.info("connection closed conn=%d peer=%s", conn.id, (conn.peer or b"").hex())

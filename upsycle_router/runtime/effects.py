@@ -351,6 +351,10 @@ class EffectRunner:
     def _not_written(self, cid: int, payloads: Sequence[bytes]) -> None:
         """Deliveries routed to connection ``cid`` found it closed: back to the core for its peer."""
         conn = self.conns.get(cid)
+        if conn is not None:
+            # Closed under us (its transport failed, or closes after the peer's end of input) before the driver
+            # heard of it: tell the core now, so that what goes back is queued, not written to it again.
+            conn.handler.on_close(conn)
         peer = conn.peer if conn is not None else self._gone.get(cid, (None, 0.0))[0]
         if peer is None:  # (a connection the core cannot have routed to; never seen)
             log.error("conn=%d: %d deliveries for a connection nobody knows: not delivered", cid, len(payloads))

@@ -195,6 +195,12 @@ class Connection(asyncio.Protocol):
         if self.on_lost is not None:
             self.on_lost(self)
 
+    def eof_received(self) -> bool | None:
+        """The peer ended its side: the transport closes once it has written what it holds. The driver hears of
+        the close now (as when this side begins one), not only when the transport is gone."""
+        self._closing()
+        return None
+
     def pause_writing(self) -> None:
         """The transport's buffer is above its high-water mark: the peer is not keeping up."""
         self.write_paused = True

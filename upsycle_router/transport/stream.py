@@ -196,6 +196,8 @@ class StreamConnection(Connection):
 
     def abort(self) -> None:
         """Drop the connection (and what was gathered) at once."""
+        if not self.closed:
+            self._closing()  # (first: what was gathered is given back with what the transport holds)
         self._out, self._out_bytes = [], 0
         self._sock_fd = self.fd = -1
         super().abort()
