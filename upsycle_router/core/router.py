@@ -223,11 +223,8 @@ class Router:
             elif not isinstance(h, UnicastHeader) or h.src == self.id:
                 continue
             elif h.dst == peer or peer == s.served_by(h.dst):
-                stranger = remote and h.src not in s.locals and h.src not in s.trusted and (
-                    (h.dst, h.src) not in s.contacts
-                )
-                self._deliver(peer, msg, None, size, now, out, kind=UNICAST, data=data, stranger=stranger,
-                              remote=remote)
+                self._deliver(peer, msg, None, size, now, out, kind=UNICAST, data=data,
+                              stranger=remote and s.stranger(h.src, h.dst), remote=remote)
             else:
                 self._to_router(peer, msg, None, size, now, out, kind=UNICAST)
 
@@ -552,9 +549,7 @@ class Router:
         if h.dst in s.locals:  # 3.2
             remote = not c.local
             # A stranger: a remote sender the router was never told to trust, to whom the recipient never wrote.
-            stranger = remote and h.src not in s.locals and h.src not in s.trusted and (
-                (h.dst, h.src) not in s.contacts
-            )
+            stranger = remote and s.stranger(h.src, h.dst)
             why = self._deliver(h.dst, msg, None, size, now, out, kind=UNICAST, stranger=stranger,
                                 remote=remote, origin=c)
             if why is not None:
@@ -565,9 +560,7 @@ class Router:
         edge = s.served_by(h.dst)
         if edge is not None and edge != c.peer:  # 3.2 for an edge node's service: store and forward to the edge
             remote = not c.local
-            stranger = remote and h.src not in s.locals and h.src not in s.trusted and (
-                (h.dst, h.src) not in s.contacts
-            )
+            stranger = remote and s.stranger(h.src, h.dst)
             why = self._deliver(edge, msg, None, size, now, out, kind=UNICAST, stranger=stranger,
                                 remote=remote, origin=c)
             if why is not None:

@@ -222,6 +222,12 @@ class RouterState:
             return min(upstream)
         return None
 
+    def stranger(self, src: bytes, dst: bytes) -> bool:
+        """Whether a message ``src`` sent from a remote node to ``dst`` is a stranger's: ``src`` is no key the
+        router was told to trust (local service, configured peer, edge or core node) and ``dst`` never wrote to
+        it (fair queues: strangers fill only their share)."""
+        return src not in self.locals and src not in self.trusted and (dst, src) not in self.contacts
+
     def served_by(self, key: bytes) -> bytes | None:
         """The edge router serving ``key`` (it REGISTERed it here), if any."""
         r = self.routes.get(key)

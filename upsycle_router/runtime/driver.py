@@ -33,7 +33,6 @@ from upsycle_router.core.events import (
     NotAdmitted,
     QueueSent,
     Trace,
-    Undelivered,
     WriteBlocked,
 )
 from upsycle_router.core.router import Router
@@ -279,8 +278,7 @@ class Driver:
         if conn.peer is not None:
             datas = conn.take_direct()
             if datas:
-                self.stats["undelivered_total"] += len(datas)
-                self._push(Undelivered(conn.peer, tuple(datas)))
+                self.effects.give_back(conn.peer, datas)
 
     def on_write_blocked(self, conn: Connection, blocked: bool) -> None:
         """Tell the core to queue for (or resume writing to) a connection that does not keep up."""

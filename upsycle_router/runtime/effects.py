@@ -366,8 +366,12 @@ class EffectRunner:
         """Hand what the batch could not write to the core (for the next batch), one event per peer."""
         returned, self._returned = self._returned, {}
         for peer, datas in returned.items():
-            self.stats["undelivered_total"] += len(datas)
-            self.push(Undelivered(peer, tuple(datas)))
+            self.give_back(peer, datas)
+
+    def give_back(self, peer: bytes, datas: Sequence[bytes]) -> None:
+        """Deliveries for ``peer`` that did not leave the router back to the core, counted (``Undelivered``)."""
+        self.stats["undelivered_total"] += len(datas)
+        self.push(Undelivered(peer, tuple(datas)))
 
     # ------------------------------------------------------------ the refusal log
 

@@ -394,9 +394,7 @@ class Connection(asyncio.Protocol):
         """The connection closes: the deliveries whose bytes are not known to have left the transport's buffer,
         in the order they were written - all that are left when the transport is gone, only those it still holds
         while it can tell. Each is given once."""
-        t = self.transport
-        if t is not None and not t.is_closing():
-            self.direct_pending(self.buffered())
+        self.direct_pending(self.buffered())  # (trims only while the transport can tell)
         out = [p for _, payloads in self._direct for p in payloads]
         self._direct.clear()
         return out
