@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from analytics_fixtures import spark  # noqa: F401 - the shared session fixture
@@ -191,6 +193,27 @@ def test_taken_lines_match_the_reference(lines: list[str]) -> None:
     for row, text in zip(parsed.table.to_pylist(), lines, strict=True):
         assert row["problem"] == classify(text), text
         assert row["text"] == (text if row["problem"] else None)
+
+
+HEX_VALUES = st.one_of(
+    st.none(),
+    st.sampled_from([K, K.upper(), K[:-1], K + "a", K[:10] + "g" + K[11:], K[:63] + "\u00e9", K[:62] + "\u00e9", ""]),
+    st.text(alphabet="0123456789abcdefABG\u00e9\n", min_size=60, max_size=66),
+    st.text(max_size=70),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(HEX_VALUES, max_size=12), min_size=1, max_size=4), st.integers(0, 5), st.integers(0, 5))
+def test_the_hex_check_is_the_regular_expression(chunks: list[list[str | None]], start: int, drop: int) -> None:
+    """``not_hex64`` (one pass over each chunk's bytes) against the rule as a regular expression, on chunked
+    and sliced columns."""
+    column = pa.chunked_array([pa.array(c, pa.string()) for c in chunks], pa.string())
+    column = column.slice(min(start, len(column)), max(0, len(column) - start - drop))
+    regex = pc.invert(pc.match_substring_regex(column, "^[0-9a-f]{64}$"))
+    slow = pc.fill_null(pc.and_(pc.is_valid(column), regex), False)
+    fast = arrowparse.not_hex64(column)
+    assert fast.to_pylist() == slow.to_pylist(), column.to_pylist()
 
 
 # --- worker processes -----------------------------------------------------------------------------------------
