@@ -214,6 +214,9 @@ def test_the_hex_check_is_the_regular_expression(chunks: list[list[str | None]],
     slow = pc.fill_null(pc.and_(pc.is_valid(column), regex), False)
     fast = arrowparse.not_hex64(column)
     assert fast.to_pylist() == slow.to_pylist(), column.to_pylist()
+    # A column of another string type (64-bit offsets) takes the regular expression itself.
+    large = arrowparse.not_hex64(column.cast(pa.large_string()))
+    assert large.to_pylist() == slow.to_pylist()
 
 
 # --- worker processes -----------------------------------------------------------------------------------------

@@ -205,8 +205,17 @@ def not_hex64(column: pa.ChunkedArray) -> pa.ChunkedArray:
     return pa.chunked_array([_not_hex64(chunk) for chunk in column.chunks], pa.bool_())
 
 
+def _not_hex64_slow(chunk: pa.Array) -> pa.Array:
+    """The rule as a regular expression per value: the reference, and the way for a chunk that is not
+    ``string`` (32-bit offsets)."""
+    matches = pc.match_substring_regex(chunk, "^[0-9a-f]{64}$")
+    return pc.fill_null(pc.and_(pc.is_valid(chunk), pc.invert(matches)), False)
+
+
 def _not_hex64(chunk: pa.Array) -> pa.Array:
     n = len(chunk)
+    if chunk.type != pa.string():
+        return _not_hex64_slow(chunk)
     if n == 0:
         return pa.array([], pa.bool_())
     _, offset_buffer, data = chunk.buffers()
