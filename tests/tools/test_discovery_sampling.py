@@ -152,3 +152,23 @@ def test_age_out_with_max_age(max_age: float) -> None:
     view.add(_adv(0), 0, T0)
     assert view.age_out(T0 + max_age, max_age) == []
     assert view.age_out(T0 + max_age + 1, max_age) == [_adv(0).id]
+
+
+def test_an_exported_age_is_never_younger_than_the_entry() -> None:
+    """Ages travel in whole seconds: rounded down, every hop made an entry younger than it is, so a dead node's
+    advert passed back and forth more often than once a second never aged (the e2e test of a dead core node
+    failed under load). Rounded up, it ages at least as fast as time passes, and lapses."""
+    a = CyclonView(ident("a").public, 4, 4, random.Random(1))
+    b = CyclonView(ident("b").public, 4, 4, random.Random(2))
+    dead = _adv(0)
+    a.add(dead, 0, T0)
+    now = T0
+    for step in range(40):  # passed between a and b every 0.3 s for 12 s
+        now += 0.3
+        src, dst = (a, b) if step % 2 == 0 else (b, a)
+        reply = src.answer(ident("peer").public, (), now)
+        (entry,) = [e for e in reply if e.advert.id == dead.id]
+        assert entry.age >= now - T0 - 1e-9, (step, entry.age, now - T0)
+        src.remove(dead.id)
+        dst.merge(reply, [], now)
+    assert a.age_out(now, 4.0) + b.age_out(now, 4.0) == [dead.id]

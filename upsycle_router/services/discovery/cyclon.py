@@ -18,6 +18,7 @@ Live nodes keep injecting age-0 copies of themselves; copies of a dead node only
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -91,7 +92,9 @@ class CyclonView:
         return self.rng.sample(pool, min(n, len(pool)))
 
     def _export(self, ids: list[bytes], now: float) -> list[ShuffleEntry]:
-        return [ShuffleEntry(int(self.entries[k].age(now)), self.entries[k].advert) for k in ids]
+        # Ages travel in whole seconds, rounded up: rounded down, every hop made an entry younger than it is,
+        # and a dead node's advert passed on more often than once a second never aged out.
+        return [ShuffleEntry(math.ceil(self.entries[k].age(now)), self.entries[k].advert) for k in ids]
 
     def start_shuffle(
         self, own: PeerAdvertisement, now: float
