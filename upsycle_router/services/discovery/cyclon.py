@@ -3,7 +3,7 @@
 Every node keeps a partial view of at most ``view_size`` entries; an entry is another node's signed advert
 and its age. Ages are kept in seconds (the time since the advert's node put a fresh copy into circulation)
 rather than in shuffle rounds, so they mean the same at every node whatever its shuffle period, and they
-travel with the entries.
+travel with the entries, in whole seconds rounded up (so a copy is never younger than the one it came from).
 
 Shuffle, initiator P (:meth:`CyclonView.start_shuffle`): pick the oldest entry Q and ``l - 1`` other random
 entries; take Q out of the view (if Q is dead it never answers and is gone - that is how dead nodes leave);
