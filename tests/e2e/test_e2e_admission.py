@@ -12,9 +12,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import re
 import resource
 import socket
+import struct
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -22,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import Daemon, DaemonFactory, wait_until
+from conftest import Daemon, DaemonFactory, async_wait_until, wait_until
+from raw_app import Key, auth, dec, frame, hello, unicast
 from wsutil import ws_url
 
 from upsycle_router.client import Client, ClientError
@@ -332,6 +335,44 @@ async def test_max_connections_counts_handshaking_ones_and_the_unix_socket_has_t
                 for a in apps:
                     await a.close()
         assert warnings_about(d, "connection limit reached")
+
+
+async def read_raw_frame(r: asyncio.StreamReader) -> bytes:
+    (n,) = struct.unpack(">I", await asyncio.wait_for(r.readexactly(4), 5))
+    return await asyncio.wait_for(r.readexactly(n), 5)
+
+
+async def test_a_closed_connection_whose_app_does_not_read_is_reset_and_its_slot_freed(daemon: DaemonFactory) -> None:
+    """A local app that stops reading is closed for its full outbound buffer (ERROR 6). That close cannot
+    finish by itself - the router's last bytes wait for a reader that never comes - so handshake_timeout
+    later the router resets the connection: its slot, descriptor and buffer are free again, and it is
+    counted and logged."""
+    timeout = 1.0
+    d = start(daemon, config={"handshake_timeout": timeout, "durability": "none",
+                              "limits": {"outbound_buffer_max": 256 * 1024}})  # fmt: skip
+    async with await Client.connect(d.sock, Identity.generate(), timeout=5) as observer:
+        base = (await observer.status())["connections_accepted"]
+        sock = socket.socket(socket.AF_UNIX)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(str(d.sock))
+        sock.setblocking(False)
+        r, w = await asyncio.open_connection(sock=sock)
+        try:
+            key = Key.generate()
+            h = dec(await read_raw_frame(r))  # HELLO
+            w.write(frame(hello(key, os.urandom(32))) + frame(auth(key, h[2], h[3])))
+            assert dec(await read_raw_frame(r))[0] == "auth"
+            body = os.urandom(500_000)
+            for _ in range(8):  # ~4 MB to itself, which it never reads
+                w.write(frame(unicast(key, key.public, body, ttl=600).encode()))
+            await asyncio.wait_for(w.drain(), 10)
+            await async_wait_until(lambda: warnings_about(d, "disconnecting slow reader"), 10, "ERROR 6")
+            st = await poll(observer.status, lambda st: st["connections_accepted"] == base, timeout + 5.0,
+                            "the closed connection's slot back")  # fmt: skip
+            assert st["close_timeouts_total"] == 1, st
+        finally:
+            w.transport.abort()
+    assert warnings_about(d, "took nothing within handshake_timeout (1 s): connection reset")
 
 
 # ------------------------------------------------------------------------------------------ memory

@@ -14,6 +14,7 @@ import asyncio
 import datetime as dt
 import ipaddress
 import os
+import socket
 import ssl
 from pathlib import Path
 
@@ -149,10 +150,41 @@ async def test_origin_allow_list_path_and_bad_requests(daemon: DaemonFactory) ->
     ws = await RawWebSocket.open(url, request=b"\x16\x03\x01 not http at all\r\n\r\n")
     assert ws.status == 400 and await ws.eof()
     await ws.close()
+    key = f"Sec-WebSocket-Key: {'A' * 22}==\r\nSec-WebSocket-Version: 13\r\n"
+    upgrade = f"GET /upsycle HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n{key}"
+    for pad in (15 * 1024, 17 * 1024, 96 * 1024):  # a head over 16 KiB is refused, in one write as in several
+        ws = await RawWebSocket.open(url, request=(upgrade + f"X-Pad: {'p' * pad}\r\n\r\n").encode())
+        assert ws.status == (101 if pad < 16 * 1024 else 400), (pad, ws.status, ws.body)
+        await ws.close()
     with pytest.raises(ClientError, match="HTTP 403"):
         await Client.connect_websocket(url, Identity.generate(), origin="https://elsewhere.example", timeout=5)
     assert "not in the allow-list" in d.log_text()
     await still_serving(d)
+
+
+async def test_frames_sent_with_the_upgrade_request_are_read(daemon: DaemonFactory) -> None:
+    """A client that sends its HELLO right behind the upgrade request, in the same write (RFC 6455 asks it to
+    wait for the 101): the router reads it instead of dropping it, and the session opens."""
+    d = ws_daemon(daemon)
+    url = ws_url(d)
+    host, port = url.split("/")[2].split(":")
+    key = Key.generate()
+    nonce = os.urandom(32)
+    req = (f"GET /upsycle HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+           f"Sec-WebSocket-Key: {'B' * 22}==\r\nSec-WebSocket-Version: 13\r\n\r\n").encode()
+    payload = hello(key, nonce)
+    masked = bytes([0x80 | OP_BINARY, 0x80 | len(payload)]) + bytes(4) + payload  # a zero mask key
+    ws = await RawWebSocket.open(url, request=req + masked)
+    try:
+        assert ws.status == 101
+        h = dec(await ws.read_message())
+        router_id, router_nonce = h[2], h[3]
+        a = dec(await ws.read_message(timeout=5))  # the router's AUTH: it read our HELLO
+        assert a[0] == "auth" and verify(router_id, AUTH_CONTEXT + router_id + key.public + nonce, a[1]), a
+        ws.send(auth(key, router_id, router_nonce))
+        await sync(ws, key, router_id)
+    finally:
+        await ws.close()
 
 
 async def test_any_origin_with_star(daemon: DaemonFactory) -> None:
@@ -179,6 +211,37 @@ async def test_fragmented_message_and_ping(daemon: DaemonFactory) -> None:
         assert await ws.read_frame() == (OP_PONG, b"between fragments")
         msg = decode_message(await ws.read_message())
         assert decode_control(msg.body) == (SYNC_ACK, {"n": 3, "result": SUCCESS, "refused": 0})  # wire v1.1
+    finally:
+        await ws.close()
+
+
+async def test_a_peer_that_pings_and_never_reads_gets_only_the_latest_pong_once_it_reads(
+    daemon: DaemonFactory,
+) -> None:
+    """16 MiB of pings from a peer that reads nothing: answered one by one they would be 16 MiB of pongs in the
+    router's buffer. Above the write high-water mark only the latest ping is kept, and answered when the peer
+    reads again (RFC 6455 5.5.3), so what reaches the peer is a fraction of it and ends with that last pong."""
+    d = ws_daemon(daemon, limits={"write_high_water": 64 * 1024})
+    ws, key, router_id = await raw_session(ws_url(d))
+    try:
+        ws.writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        ping = bytes([0x80 | OP_PING, 0x80 | 125]) + bytes(4) + b"p" * 125  # masked with a zero key
+        pings = 0
+        while pings * len(ping) < 16 * 1024 * 1024:
+            ws.writer.write(ping * 1024)
+            pings += 1024
+            await asyncio.wait_for(ws.writer.drain(), 10)
+        ws.send_frame(OP_PING, b"the last one")
+        await asyncio.wait_for(ws.writer.drain(), 10)
+        pongs = 0
+        while True:
+            op, data = await ws.read_frame(timeout=10)
+            assert op == OP_PONG, (op, data[:20])
+            pongs += 1
+            if data == b"the last one":
+                break
+        assert pongs < pings // 4, (pongs, pings)
+        await sync(ws, key, router_id)  # the session still works
     finally:
         await ws.close()
 

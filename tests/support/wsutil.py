@@ -91,6 +91,9 @@ class RawWebSocket:
             if origin is not None:
                 lines.append(f"Origin: {origin}")
             request = ("\r\n".join(lines) + "\r\n\r\n").encode()
+        else:  # the key the request itself names (if any) is the one the 101 must answer
+            m = re.search(rb"(?im)^sec-websocket-key:[ \t]*(\S+)[ \t]*\r$", request)
+            key = m.group(1) if m else key
         w.write(request)
         try:
             head = await asyncio.wait_for(r.readuntil(b"\r\n\r\n"), timeout)

@@ -96,6 +96,7 @@ COUNTERS = (
     "accept_emfile_total",
     "accept_errors_total",
     "handshake_timeouts_total",
+    "close_timeouts_total",
     "tls_handshake_failures_total",
 )
 GAUGES = ("handshaking", "connections_accepted", "fds_open", "fd_limit", "connection_limit")
@@ -424,6 +425,13 @@ class Admission:
         """A connection's session handshake (HELLO/AUTH, or the WebSocket upgrade) timed out."""
         self.stats["handshake_timeouts_total"] += 1
 
+    def close_timed_out(self) -> None:
+        """A connection's close did not finish within ``handshake_timeout`` (its peer did not take what was left
+        to send): its transport was aborted."""
+        self.stats["close_timeouts_total"] += 1
+        self.warnings.event("close_timeout", f"a closing connection's peer took nothing within handshake_timeout "
+                            f"({self.handshake_timeout:g} s): connection reset")  # fmt: skip
+
     def out_of_fds(self, kind: str, err: int, shed: bool) -> None:
         """``accept`` failed with EMFILE or ENFILE (``shed``: the waiting connection was accepted and closed)."""
         self.stats["accept_emfile_total"] += 1
@@ -629,4 +637,6 @@ class Listener:
     def _lost(self, ticket: Ticket, conn: Connection) -> None:
         if conn.handshake_timed_out:
             self.admission.session_timed_out()
+        if conn.close_timed_out:
+            self.admission.close_timed_out()
         self.admission.closed(ticket)

@@ -124,6 +124,8 @@ class Connection(asyncio.Protocol):
         self._used = not dialled  # connections not watched count as always in use: nothing is decoded for them
         self._housekeeping = node_services | {identity.public}
         self._timer: asyncio.TimerHandle | None = None
+        self._close_timer: asyncio.TimerHandle | None = None  # drops a close the peer does not let finish
+        self.lost = False  # connection_lost has run: the transport is gone
         self.written = 0  # bytes handed to the transport so far (or, for a fan-out, written to its socket: fd)
         # The socket a fan-out may write to directly, bypassing the transport, or -1: only a Unix-socket connection
         # whose transport buffers nothing has one (transport/stream.py keeps it; transport/accel.py writes to it).
@@ -143,6 +145,7 @@ class Connection(asyncio.Protocol):
         # admission accounting (transport/admission.py): called once when the transport is gone
         self.on_lost: Callable[[Connection], None] | None = None
         self.handshake_timed_out = False
+        self.close_timed_out = False  # the close did not finish in time and the transport was aborted
 
     # ---------------------------------------------------------------- what subclasses provide
 
@@ -187,7 +190,10 @@ class Connection(asyncio.Protocol):
         """Report the close once."""
         if self._timer is not None:
             self._timer.cancel()
+        if self._close_timer is not None:
+            self._close_timer.cancel()
         self.closed = True
+        self.lost = True
         if not self.opened.done():
             self.opened.set_exception(ConnectionError("connection closed before the handshake completed"))
             self.opened.exception()  # mark retrieved
@@ -199,6 +205,7 @@ class Connection(asyncio.Protocol):
         """The peer ended its side: the transport closes once it has written what it holds. The driver hears of
         the close now (as when this side begins one), not only when the transport is gone."""
         self._closing()
+        self.close_deadline()
         return None
 
     def pause_writing(self) -> None:
@@ -446,6 +453,7 @@ class Connection(asyncio.Protocol):
                 pass
             asyncio.get_running_loop().call_later(CLOSE_LINGER, t.close)
         self._closing()
+        self.close_deadline()
 
     def close(self) -> None:
         """Close without an ERROR."""
@@ -458,6 +466,7 @@ class Connection(asyncio.Protocol):
                 self._write_close(t)
                 self._closing()
             t.close()
+            self.close_deadline()
 
     def abort(self) -> None:
         """Drop the connection at once."""
@@ -465,6 +474,23 @@ class Connection(asyncio.Protocol):
         if self.transport is not None:
             self._closing()
             self.transport.abort()
+
+    def close_deadline(self) -> None:
+        """Bound the close this side began (or the peer's EOF): a transport closes once it has written what it
+        holds, and a peer that does not read would keep it - its descriptor, its buffer, its admission slot -
+        for ever. If the transport is not gone ``handshake_timeout`` seconds later (at least twice
+        :data:`CLOSE_LINGER`), it is aborted (a reset)."""
+        if self._close_timer is None and self.transport is not None and not self.lost:
+            delay = max(self._handshake_timeout, 2 * CLOSE_LINGER)  # an ERROR's linger always runs first
+            self._close_timer = asyncio.get_running_loop().call_later(delay, self._close_expired)
+
+    def _close_expired(self) -> None:
+        t = self.transport
+        if t is not None and not self.lost:
+            log.info("conn %d: the peer took nothing more within %g s of the close: connection reset", self.id,
+                     max(self._handshake_timeout, 2 * CLOSE_LINGER))
+            self.close_timed_out = True
+            t.abort()
 
     def _closing(self) -> None:
         """This side began the close: the driver hears of it now (not once the transport is gone, which after an

@@ -16,7 +16,11 @@ bytes between it, the transport and the session. A connection goes through three
 Bad input is answered as on the other transports: a text message, an empty or oversize message
 (``max_frame``) or a WebSocket framing violation is a protocol error, answered with an ERROR message (code 1,
 or 4 for a message over ``max_frame``), then a WebSocket Close frame, then the close. A message is bounded
-while it is reassembled, so the adapter never buffers more than one maximum message. Pings are answered.
+while it is reassembled, so the adapter never buffers more than one maximum message. Pings are answered;
+while the peer is not reading (the transport's buffer above ``write_high_water``) only the latest is, once
+it reads again (RFC 6455 §5.5.3), so a peer that pings and never reads cannot grow the router's buffers.
+A close that the peer does not let finish (it does not read what is left) is cut off after
+``handshake_timeout``, as on every transport.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from upsycle_router.wire.framing import DEFAULT_MAX_FRAME, check_length
 
 log = logging.getLogger("upsycle_router.transport")
 DEFAULT_PATH = "/upsycle"
+MAX_REQUEST_HEAD = 16 * 1024  # bytes of the upgrade request's head (request line and headers): more is a 400
 
 # WebSocket close codes (RFC 6455 §7.4) sent after an ERROR with the given wire code
 CLOSE_CODES = {
@@ -127,6 +132,7 @@ class WebSocketConnection(Connection):
         self.origin: str | None = None
         self._message = bytearray()  # the binary message being reassembled
         self._http_refusal: tuple[int, str] | None = None  # answer the upgrade request with this status
+        self._pong: Ping | None = None  # the latest ping not answered yet: the peer was not reading
 
     # ---------------------------------------------------------------- transport hooks
 
@@ -158,6 +164,13 @@ class WebSocketConnection(Connection):
             self._http_refusal = (503, reason)  # answered when the request arrives (bounded by the timer)
             return
         super().close_with_error(code, reason)
+
+    def resume_writing(self) -> None:
+        """The peer reads again: answer the ping held back meanwhile."""
+        super().resume_writing()
+        ping, self._pong = self._pong, None
+        if ping is not None and not self.closed and self.ws.state is ConnectionState.OPEN:
+            self._write(self.ws.send(ping.response()))
 
     def _write_close(self, t: asyncio.Transport) -> None:
         if self.upgraded and self.ws.state in (ConnectionState.OPEN, ConnectionState.REMOTE_CLOSING):
@@ -199,7 +212,10 @@ class WebSocketConnection(Connection):
             raise RemoteProtocolError("text WebSocket message: send each CBOR item as a binary message",
                                       field="frame")  # fmt: skip
         elif isinstance(ev, Ping):
-            self._write(self.ws.send(ev.response()))
+            if self.write_paused:  # a peer that pings but does not read gets no more than the buffer holds
+                self._pong = ev  # RFC 6455 5.5.3: answering only the latest ping is allowed
+            else:
+                self._write(self.ws.send(ev.response()))
         elif isinstance(ev, CloseConnection):
             if self.ws.state is ConnectionState.OPEN:  # wsproto's framing parser failed: our side's verdict
                 raise RemoteProtocolError(f"WebSocket framing: {ev.reason}", field="frame")
@@ -212,6 +228,14 @@ class WebSocketConnection(Connection):
         if self._http_refusal is not None:
             log.warning("conn %d: WebSocket request refused: %s", self.id, self._http_refusal[1])
             self._reject(*self._http_refusal)
+            return
+        # What came in the same reads as the request, after it: frames sent before the 101 (RFC 6455 says to
+        # wait for it, but they are unambiguous). wsproto's server leaves them in h11's buffer.
+        h11c = getattr(self.ws.handshake, "_h11_connection", None)
+        trailing = bytes(h11c.trailing_data[0]) if isinstance(h11c, h11.Connection) else b""
+        if self.bytes_in - len(trailing) > MAX_REQUEST_HEAD:  # (h11 bounds only a head that is still incomplete)
+            log.warning("conn %d: WebSocket upgrade request over %d bytes refused", self.id, MAX_REQUEST_HEAD)
+            self._reject(400, f"request head over {MAX_REQUEST_HEAD} bytes")
             return
         headers = {k.lower(): v for k, v in req.extra_headers}
         raw_origin = headers.get(b"origin")
@@ -229,6 +253,8 @@ class WebSocketConnection(Connection):
         self.upgraded = True
         log.info("conn %d: WebSocket upgraded path=%s origin=%s", self.id, path, self.origin)
         self._send_session_output()  # HELLO
+        if trailing:  # read after HELLO went out, by the loop over events that is running now (data_received)
+            self.ws.receive_data(trailing)
 
     def _reject(self, status: int, reason: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
         """Answer the upgrade request with an HTTP error and close."""
@@ -248,3 +274,4 @@ class WebSocketConnection(Connection):
                 f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body
             )
         t.close()
+        self.close_deadline()
