@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core_harness import CoreHarness, multicast
+from core_harness import T0, CoreHarness, multicast, unicast
 from test_core_refusals import ALICE, BOB, CAROL, DAVE, G, _owed_setup, harness, subscribe
 
 from upsycle_router.core.events import MessagesReceived
@@ -108,3 +108,27 @@ def test_a_partly_refused_multicast_with_ttl_0_sent_again_is_routed_anew(tmp_pat
     out = h.handle(MessagesReceived.one(a, m, True))
     assert out.refusals() == []
     assert [x.id for x in out.messages(b)] == [m.id] and [x.id for x in out.messages(conns[CAROL])] == [m.id]
+
+
+def test_a_copy_taken_later_for_the_one_it_was_refused_for_is_kept_as_long_as_his_entry(tmp_path: Path) -> None:
+    """The same bytes taken for BOB 30 s after the first copy: his entry expires at that arrival + ttl (ttl
+    counts from the arrival at this router), and the stored message, kept since the first copy, stays as
+    long (it went at the first copy's expiry, and BOB, back before his entry's, got nothing)."""
+    h = harness(tmp_path, queue_max_count=1)
+    subscribe(h, BOB, CAROL, leave_away=True)
+    a = h.open(ALICE, now=T0)
+    assert h.receive(a, unicast(ALICE, BOB, b"filler"), now=T0).refusals() == []  # BOB's queue is full
+    m = multicast(G, b"news", ttl=60)
+    h.expect_refused(h.receive(a, m, now=T0), a, m.id, Reason.QUOTA, 1)
+    b = h.open(BOB, now=T0 + 10)
+    h.queue_sent(h.last)  # BOB reads the filler: room again
+    h.close(b)
+    out = h.receive(a, m, now=T0 + 30)
+    assert out.refusals() == [] and [t.dst for t in out.traces("queued")] == [BOB.public]
+    assert [e.expires for e in h.store.queue(BOB.public)] == [T0 + 90]
+    stored = h.store.get_message(m.id)
+    assert stored is not None and stored.expires == T0 + 90
+    h.timer(now=T0 + 65)  # past the first copy's expiry
+    assert h.store.has_message(m.id)
+    b = h.open(BOB, now=T0 + 70)
+    assert [x.id for x in h.last.messages(b)] == [m.id]

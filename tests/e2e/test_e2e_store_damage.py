@@ -9,6 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import lmdb
 import pytest
 from conftest import Daemon, DaemonFactory, cli
 
@@ -97,6 +98,33 @@ async def test_a_damaged_store_is_refused_with_one_line_and_exit_2(
     assert check.returncode == 2, check.stdout + check.stderr
     assert "DAMAGED" in check.stdout
     assert_refused(start_expecting_refusal(d), what)  # (and again: no state left behind that would let it start)
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "value"), [("meta", b"seq", b"\x00" * 7), ("sqstats", b"\x0a" * 32, b"\x00" * 5)]
+)
+async def test_a_record_that_does_not_decode_is_refused_with_one_line_and_exit_2(
+    daemon: DaemonFactory, table: str, key: bytes, value: bytes
+) -> None:
+    """LMDB's file is sound but a record the router reads whole when it opens the store does not decode (the
+    next sequence number; a recipient's count of strangers' entries): one line, exit 2, no traceback, and
+    store check names the record."""
+    d = daemon()
+    await queue_for_offline_subscriber(d)
+    d.stop()
+    env = lmdb.open(str(d.dir / "store"), max_dbs=32)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(key, value, db=env.open_db(table.encode(), txn=txn, create=False))
+    finally:
+        env.close()
+    check = cli("store", "check", "--data-dir", str(d.dir))
+    assert check.returncode == 1 and f"is {len(value)} bytes, not" in check.stdout, check.stdout + check.stderr
+    r = start_expecting_refusal(d)  # (the file was written by another program: the start walks it first, INFO)
+    assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout, f"exit {r.returncode}\n{r.stderr}"
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "data.mdb: a record does not decode" in errors[0], r.stderr
+    assert "store restore" in errors[0] and "store check" in errors[0], errors
 
 
 async def test_backup_while_running_then_restore_after_damage_gives_the_messages_back(

@@ -201,3 +201,69 @@ def test_the_core_routes_the_same_on_both_stores(tmp_path: Path, seed: int) -> N
     t = run_scenario(tmp_path, seed, memory=True, map_size=1 << 30)
     assert len(t.log) > 50 and "duplicate" in _reasons(t)  # the scenario routed plenty, duplicates among it
     t.close()
+
+
+def _extend_stores(tmp_path: Path) -> list[tuple[str, LmdbStore | MemoryStore]]:
+    """An LMDB store whose expiry index is written at once (``index_batch`` 1), one that holds it in memory
+    until later, and the store in memory."""
+    return [
+        ("lmdb indexed", LmdbStore(tmp_path / "a", Durability.NONE, map_size=1 << 24, index_batch=1)),
+        ("lmdb pending", LmdbStore(tmp_path / "b", Durability.NONE, map_size=1 << 24)),
+        ("memory", MemoryStore(1 << 24)),
+    ]
+
+
+def test_extend_message_keeps_a_message_longer_never_shorter(tmp_path: Path) -> None:
+    """A copy of a stored message queued later than it was stored keeps it as long as its queue entry
+    (core/delivery.py): the expiry moves later, never earlier, on both stores, and the sweep follows it."""
+    for name, s in _extend_stores(tmp_path):
+        with s.transaction():
+            s.put_message(mid(1), b"a", G, 10.0)
+            s.put_message(mid(2), b"b", G, 20.0)
+        with pytest.raises(RuntimeError, match="roll back"), s.transaction():
+            assert s.extend_message(mid(1), 50.0)
+            raise RuntimeError("roll back")
+        assert s.get_message(mid(1)) == StoredMessage(b"a", G, 10.0), name
+        with s.transaction():
+            assert s.extend_message(mid(1), 30.0), name
+            assert not s.extend_message(mid(2), 15.0), name  # not earlier
+            assert not s.extend_message(mid(2), 20.0), name
+            assert not s.extend_message(mid(3), 15.0), name  # not stored
+        if isinstance(s, LmdbStore):
+            s = _reopened(s)
+        assert s.get_message(mid(1)) == StoredMessage(b"a", G, 30.0), name
+        assert s.next_expiry() == 20.0, name
+        with s.transaction():
+            s.sweep(25.0)
+        assert s.message_ids() == [mid(1)], name
+        assert s.next_expiry() == 30.0, name
+        with s.transaction():
+            s.sweep(30.0)
+        assert s.message_ids() == [] and s.next_expiry() is None, name
+        s.close()
+
+
+def _reopened(s: LmdbStore) -> LmdbStore:
+    path, batch = s.path, s.index_batch
+    s.close()
+    return LmdbStore(path, Durability.NONE, map_size=1 << 24, index_batch=batch)
+
+
+def test_a_limited_sweep_takes_the_earliest_due_messages_on_both(tmp_path: Path) -> None:
+    """With a limit, both stores remove due messages earliest first, whether the LMDB store's index entry of
+    each is written (msg_exp) or still in memory."""
+    for name, s in [*_extend_stores(tmp_path), ("lmdb batch 3", LmdbStore(tmp_path / "c", Durability.NONE,
+                                                                          map_size=1 << 24, index_batch=3))]:
+        with s.transaction():
+            s.put_message(mid(1), b"a", G, 20.0)
+            s.put_message(mid(2), b"b", G, 30.0)
+            s.put_message(mid(4), b"d", G, 200.0)  # (batch 3: these three are written to msg_exp)
+            s.put_message(mid(3), b"c", G, 10.0)  # (and this one is held in memory)
+        left = [mid(1), mid(2), mid(4), mid(3)]  # (oldest first)
+        for first in (mid(3), mid(1), mid(2)):
+            with s.transaction():
+                s.sweep(100.0, limit=1)
+            left.remove(first)
+            assert s.message_ids() == left, name
+        assert s.next_expiry() == 200.0, name
+        s.close()

@@ -41,6 +41,7 @@ import os
 import signal
 import socket
 import ssl
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -66,7 +67,7 @@ from upsycle_router.runtime.pubsub_service import PubsubService, pubsub_policies
 from upsycle_router.services.discovery import DISCOVERY_GROUP
 from upsycle_router.services.pubsub.params import GossipParams
 from upsycle_router.services.pubsub.validation import GroupPolicy
-from upsycle_router.store.integrity import store_errors
+from upsycle_router.store.integrity import damaged, store_errors
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.admission import Admission, Listener, listen_tcp, listen_unix, raise_fd_limit
@@ -251,7 +252,10 @@ class Daemon:
             local_services = local_services | {ps_key}
         if local_services is not None and disc_key is not None:
             local_services = local_services | {disc_key}
-        self.store = LmdbStore(cfg.data_dir / "store", cfg.durability, cfg.map_size)
+        try:
+            self.store = LmdbStore(cfg.data_dir / "store", cfg.durability, cfg.map_size)
+        except (struct.error, ValueError, IndexError) as e:  # a record read at start that does not decode
+            raise damaged(cfg.data_dir / "store", f"a record does not decode ({e})") from None
         if cfg.trace_dir is not None:
             self.journal = TraceJournal(cfg.trace_dir, ident.public, cfg.trace_max_bytes)
         router = Router(ident, self.store, core_config(cfg, ps_key, local_services, disc_key))

@@ -18,7 +18,8 @@ Two layers, checked in this order:
    entry points at a message; every ``owed`` entry decodes and names a stored group message (it goes with the
    message); the next sequence number in ``meta`` is above every one in use. A disagreement is a
    :attr:`CheckReport.problems` entry, exit 1: the router runs, but e.g. a quota is off or a message is never
-   removed.
+   removed - unless the record is one the router reads whole when it opens the store (``meta`` ``seq``, a
+   ``sqstats`` record): then it refuses to start, with one line naming the store (exit 2).
 
 A running router is checked as it is: LMDB lets other processes read while it writes. :func:`check_dir`
 opens the environment read-only *with* its lock file (so the router does not reuse the pages of the

@@ -523,6 +523,29 @@ class LmdbStore(LmdbTables):
             self._flush_index()
         return True
 
+    def extend_message(self, mid: bytes, expires: float) -> bool:
+        """Keep the stored message ``mid`` until ``expires`` at least: a queue entry made for it later than it was
+        stored (an identical copy that arrived again) must not outlive it. Its record and its expiry index entry
+        move to the later expiry; False (nothing changed) if it is not stored or expires as late already."""
+        txn = self._w()
+        found = self._stored(mid)
+        if found is None:
+            return False
+        seq, v = found
+        old = v[:REC_FLAG_AT]
+        later = _ms(expires)
+        if later <= U64.unpack(old)[0]:
+            return False
+        exp = U64.pack(later)
+        txn.put(seq, exp + v[REC_FLAG_AT:], db=self._db["msgs"])  # (the same key: an overwrite, not an append)
+        if self._exps.pop(old + seq, None) is None:  # indexed already: msg_exp moves in this transaction
+            self._delete("msg_exp", old + seq)
+            txn.put(exp + seq, mid, db=self._db["msg_exp"])
+        else:  # not yet: the entry in memory moves (a reopen reads it back from the record, as any other)
+            self._exps[exp + seq] = mid
+            self._exp_stale = True  # the earliest may have been the old one
+        return True
+
     def put_new_messages(self, group: bytes | None, messages: Sequence[tuple[bytes, bytes, float]]) -> None:
         """Store messages of ``group``, ``(id, data, expires)`` each, that are not stored: the caller asked
         :meth:`has_message` of each in this transaction, and lists an id once. The same as :meth:`put_message`
@@ -980,21 +1003,18 @@ class LmdbStore(LmdbTables):
                 if U64.unpack_from(k, 0)[0] > now_ms or len(mvictims) >= limit:
                     break
                 mvictims.append(bytes(k))
+        if self._exps and self._pending_expiry() <= now_ms:  # stored since the last bulk write
+            # Due messages go in expiry order (then storing order) wherever their index entry is, as in the
+            # memory store: with a limit, the same ones go first.
+            pending = sorted(k for k in self._exps if U64.unpack_from(k, 0)[0] <= now_ms)[:limit]
+            mvictims = sorted(mvictims + pending)[:limit]
         for k in mvictims:
             seq = k[MSG_EXP_SEQ_AT:]
             v = self._get("msgs", seq)
-            if v is not None:
+            if v is not None and v[:REC_FLAG_AT] == k[:MSG_EXP_SEQ_AT]:
                 self._drop(record_id(v), seq, v)
-            else:
+            elif self._exps.pop(k, None) is None:  # (an entry left without its record: damage)
                 self._delete("msg_exp", k)
-        limit -= len(mvictims)
-        if self._exps and limit > 0 and self._pending_expiry() <= now_ms:  # stored since the last bulk write
-            for k in sorted(k for k in self._exps if U64.unpack_from(k, 0)[0] <= now_ms)[:limit]:
-                v = self._get("msgs", k[MSG_EXP_SEQ_AT:])
-                if v is not None:
-                    self._drop(record_id(v), k[MSG_EXP_SEQ_AT:], v)
-                else:
-                    self._exps.pop(k, None)
         return out
 
     def _live_bytes(self) -> int:

@@ -184,6 +184,18 @@ class MemoryStore:
         heapq.heappush(self._mexp, (exp, seq))
         return True
 
+    def extend_message(self, mid: bytes, expires: float) -> bool:
+        seq = self._t["ids"].get(mid)
+        if seq is None:
+            return False
+        m, data, group, exp = self._t["msgs"][seq]
+        later = self._ms(expires)
+        if later <= exp:
+            return False
+        self._set("msgs", seq, (m, data, group, later))
+        heapq.heappush(self._mexp, (later, seq))  # (the entry at the old expiry no longer matches: skipped)
+        return True
+
     def put_new_messages(self, group: bytes | None, messages: Sequence[tuple[bytes, bytes, float]]) -> None:
         new = {mid for mid, _, _ in messages}
         if len(new) != len(messages) or self.stored_among(new):
@@ -355,7 +367,8 @@ class MemoryStore:
         q, m = self._qexp, self._mexp
         while q and (q[0][1], q[0][2]) not in self._t["queues"]:
             heapq.heappop(q)
-        while m and m[0][1] not in self._t["msgs"]:
+        msgs = self._t["msgs"]
+        while m and (m[0][1] not in msgs or msgs[m[0][1]][3] != m[0][0]):  # gone, or its expiry moved later
             heapq.heappop(m)
 
     def next_expiry(self) -> float | None:
@@ -380,9 +393,9 @@ class MemoryStore:
             self.dequeue(recipient, seq)
         m = self._mexp
         while m and n < limit and m[0][0] <= now:
-            _, seq = heapq.heappop(m)
+            exp, seq = heapq.heappop(m)
             rec = self._t["msgs"].get(seq)
-            if rec is None:
+            if rec is None or rec[3] != exp:  # gone, or kept longer (extend_message)
                 continue
             n += 1
             self._drop(rec[0])
