@@ -75,8 +75,10 @@ TABLES = (
 )
 """The Parquet tables ``analyze`` writes into OUT (each as ``NAME.parquet``), besides ``events.parquet``."""
 
-ROWS_PER_PARTITION = 250_000
-"""Records per shuffle partition when the job chooses their number."""
+ROWS_PER_PARTITION = 1_000_000
+"""Records per shuffle partition when the job chooses their number. (250,000, the first choice, gave 81
+partitions at 20 M events, and the job took 12-14 % longer than with 20 for the same tables: see
+docs/performance.md.)"""
 MAX_PARTITIONS = 20_000
 MAX_BROADCAST_SPANS = 250_000
 """Subscription spans broadcast to the joins below this many (a span is a few hundred bytes)."""

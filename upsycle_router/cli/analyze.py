@@ -114,7 +114,7 @@ def _spark_args(p: argparse.ArgumentParser) -> None:
         "--shuffle-partitions",
         type=int,
         metavar="N",
-        help="spark.sql.shuffle.partitions (default: one per 250,000 events, at least two per core)",
+        help="spark.sql.shuffle.partitions (default: one per 1,000,000 events, at least two per core)",
     )
     p.add_argument(
         "--driver-memory",
