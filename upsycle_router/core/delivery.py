@@ -211,8 +211,10 @@ class Delivery:
         stored = store.has_message(msg.id)
         if not store.has_room(QUEUE_ENTRY_BYTES if stored else QUEUE_ENTRY_BYTES + n):
             return drop(Why.STORE_FULL)  # the store (disk quota) is full: refuse new messages, keep the stored ones
-        if not store.put_message(msg.id, data, group, expiry):  # held already (an earlier copy of it):
-            store.extend_message(msg.id, expiry)  # kept at least as long as this entry, which refers to it
+        if stored:  # an earlier copy: kept at least as long as this entry, which refers to it
+            store.extend_message(msg.id, expiry)
+        else:
+            store.put_message(msg.id, data, group, expiry)
         store.enqueue(key, msg.id, expiry, n, stranger=stranger)
         if origin is not None and origin.id not in self.s.throttled:
             bp = cfg.backpressure_at

@@ -482,15 +482,14 @@ class Connection(asyncio.Protocol):
         :data:`CLOSE_LINGER`), it is aborted (a reset)."""
         if self._close_timer is None and self.transport is not None and not self.lost:
             delay = max(self._handshake_timeout, 2 * CLOSE_LINGER)  # an ERROR's linger always runs first
-            self._close_timer = asyncio.get_running_loop().call_later(delay, self._close_expired)
+            self._close_timer = asyncio.get_running_loop().call_later(delay, self._close_expired, delay)
 
-    def _close_expired(self) -> None:
-        t = self.transport
-        if t is not None and not self.lost:
-            log.info("conn %d: the peer took nothing more within %g s of the close: connection reset", self.id,
-                     max(self._handshake_timeout, 2 * CLOSE_LINGER))
-            self.close_timed_out = True
-            t.abort()
+    def _close_expired(self, delay: float) -> None:
+        """The close armed by :meth:`close_deadline` did not finish (connection_lost cancels this timer)."""
+        log.info("conn %d: the peer took nothing more within %g s of the close: connection reset", self.id, delay)
+        self.close_timed_out = True
+        if self.transport is not None:
+            self.transport.abort()
 
     def _closing(self) -> None:
         """This side began the close: the driver hears of it now (not once the transport is gone, which after an
