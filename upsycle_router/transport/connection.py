@@ -446,14 +446,20 @@ class Connection(asyncio.Protocol):
         self.closed = True
         if not t.is_closing():
             self._write_error(t, code, reason)
-            try:
-                if t.can_write_eof():
-                    t.write_eof()
-            except (OSError, RuntimeError, NotImplementedError):
-                pass
-            asyncio.get_running_loop().call_later(CLOSE_LINGER, t.close)
+            self._linger_close(t)
         self._closing()
         self.close_deadline()
+
+    def _linger_close(self, t: asyncio.Transport) -> None:
+        """Shut the write side down (where the transport can) and close :data:`CLOSE_LINGER` later; input that
+        arrives meanwhile is read and discarded (``closed`` is set). Closing a socket with unread input makes
+        the kernel send a reset, which can reach the peer before it has read the answer we wrote last."""
+        try:
+            if t.can_write_eof():
+                t.write_eof()
+        except (OSError, RuntimeError, NotImplementedError):
+            pass
+        asyncio.get_running_loop().call_later(CLOSE_LINGER, t.close)
 
     def close(self) -> None:
         """Close without an ERROR."""

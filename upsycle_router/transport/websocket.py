@@ -151,7 +151,7 @@ class WebSocketConnection(Connection):
     def _write_error(self, t: asyncio.Transport, code: int, reason: str) -> None:
         if not self.upgraded:
             overloaded = code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN)
-            self._reject(408 if code == ErrorCode.HANDSHAKE_TIMEOUT else 503 if overloaded else 400, reason)
+            self._write_refusal(408 if code == ErrorCode.HANDSHAKE_TIMEOUT else 503 if overloaded else 400, reason)
             return
         if self.ws.state is ConnectionState.OPEN:
             self._write(self.ws.send(BytesMessage(data=Session.error_payload(code, reason))))
@@ -257,11 +257,18 @@ class WebSocketConnection(Connection):
             self.ws.receive_data(trailing)
 
     def _reject(self, status: int, reason: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        """Answer the upgrade request with an HTTP error and close."""
+        """Answer the upgrade request with an HTTP error and close (after a linger: the rest of a request we
+        refused before reading all of it would otherwise make our close a reset, lost with it the answer)."""
         self.closed = True
         t = self.transport
         if t is None or t.is_closing():
             return
+        self._write_refusal(status, reason, extra)
+        self._linger_close(t)
+        self.close_deadline()
+
+    def _write_refusal(self, status: int, reason: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Write the HTTP error answering the upgrade request."""
         body = (reason + "\n").encode("utf-8", "replace")
         try:
             headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
@@ -273,5 +280,3 @@ class WebSocketConnection(Connection):
                 f"HTTP/1.1 {status} Error\r\ncontent-type: text/plain; charset=utf-8\r\n"
                 f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body
             )
-        t.close()
-        self.close_deadline()
