@@ -18,11 +18,7 @@ executors' CPU time by it):
    receipts, app deliveries marked expected or not, queue residency, one row per published message, the
    missing deliveries and the few records that explain them), which stay partitioned by id, so the later
    joins by id move nothing. Reading the kept records back is what the later stages spend most on, so each
-   reads them as few times as it can (see :mod:`~upsycle_router.analytics.stats`). Each kept table is
-   materialized (:func:`_keep`) before the next one is planned on it: a plan made while a cached table is
-   still unbuilt sees adaptive execution's unfinished plan, whose partitioning is unknown, and shuffles the
-   cached rows by id once more for every aggregation and join (2 M events: 105 s against 74 s, every table
-   identical). The subscription changes
+   reads them as few times as it can (see :mod:`~upsycle_router.analytics.stats`). The subscription changes
    are found once and kept for the expected-subscriber sweep and the subscription spans; the spans are
    small, and below :data:`MAX_BROADCAST_SPANS` rows they are broadcast to the joins that need them.
 4. Each output table is written to ``OUT/<name>.parquet``. Small tables are coalesced into one file.
@@ -133,14 +129,6 @@ class Progress:
         """Jobs after this one are not described as the last stage."""
         if self.jobs is not None:
             self.jobs.setJobDescription(None)
-
-
-def _keep(df: DataFrame) -> DataFrame:
-    """``df`` persisted and built now, so that the plans made on it later know how its rows are partitioned
-    (module doc, stage 3)."""
-    df = df.persist(KEEP)
-    df.count()
-    return df
 
 
 def _rows(df: DataFrame) -> list[dict[str, Any]]:
@@ -259,21 +247,21 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
     progress(f"{int(totals_row['events']):,} events; partitioning them by message into {partitions}")
 
     good = stats.good_events(events)
-    ranks = _keep(stats.file_ranks(events))
+    ranks = stats.file_ranks(events).persist(KEEP)
     ev = stats.prepared(good, ranks)
-    msgs = _keep(stats.by_message(ev, partitions))
-    receipts = _keep(stats.first_receipts(msgs))
+    msgs = stats.by_message(ev, partitions).persist(KEEP)
+    receipts = stats.first_receipts(msgs).persist(KEEP)
     published = stats.published_messages(receipts)
-    changes = _keep(stats.pair_changes(ev))
-    spans = _keep(stats.subscription_spans(changes))
+    changes = stats.pair_changes(ev).persist(KEEP)
+    spans = stats.subscription_spans(changes).persist(KEEP)
     kept = [ranks, msgs, receipts, changes, spans]
     try:
         broadcast = spans.count() <= MAX_BROADCAST_SPANS
         deliveries = stats.mark_expected(stats.app_deliveries(msgs, published), spans, broadcast=broadcast)
-        deliveries = _keep(deliveries)
+        deliveries = deliveries.persist(KEEP)
         expected = stats.expected_per_message(stats.subscription_changes(changes), published)
-        messages = _keep(stats.message_stats(published, expected, deliveries))
-        residency = _keep(stats.queue_residency(msgs))
+        messages = stats.message_stats(published, expected, deliveries).persist(KEEP)
+        residency = stats.queue_residency(msgs).persist(KEEP)
         kept += [deliveries, messages, residency]
         hex_ = stats.as_hex
         _write(hex_(messages, "id", "group", "origin"), out, "messages", progress, small=False)
@@ -285,8 +273,8 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
         _write(
             hex_(undelivered, "id", "node", "group", "last_dst", "last_peer"), out, "undelivered", progress, small=False
         )
-        missing = _keep(stats.missing_deliveries(messages, spans, deliveries, broadcast=broadcast))
-        near = _keep(stats.lost_records(msgs, missing))
+        missing = stats.missing_deliveries(messages, spans, deliveries, broadcast=broadcast).persist(KEEP)
+        near = stats.lost_records(msgs, missing).persist(KEEP)
         kept += [missing, near]
         lost = hex_(stats.lost_deliveries(msgs, near, missing), *LOST_KEYS)
         lost = _write(lost, out, "lost", progress, small=False)
