@@ -56,6 +56,7 @@ TIMER_INTERVAL = 0.1  # seconds between timer runs at the most (expiry sweeps ar
 # (2,048 messages, 2.4 MiB to each of 10 subscribers) put every subscriber over its write high-water mark by
 # construction, and their traffic went through the store (mc 1->10: 4 of 5 runs at a quarter of the rate).
 MAX_BATCH = 512
+CLOSE_ROUNDS_MAX = 100_000  # batches routed at shutdown at most (each routes what is left, up to MAX_BATCH)
 RATE_PAUSE_MAX = 1.0  # seconds a connection over its rate limit is not read, at most
 RATE_REFUSED_MIN = 64  # messages over the rate limit refused before a close, at least (see Driver._overloaded)
 
@@ -406,10 +407,22 @@ class Driver:
             self._flush_handle = None
         self.pipeline.verify_rest_inline()
         self.batches.close()  # the commit in flight finishes; what remains commits on this thread
-        self._drain()
-        for _ in range(2):  # the pending batch, then the queue acknowledgements it produced
-            self._seal(inline=True)
+        # Route every segment, then what arrived after them (the deliveries closing connections gave back,
+        # which must be queued: their senders were told they were taken), then the queue acknowledgements
+        # those batches produced - until nothing is left. No input arrives any more, so this ends; the bound
+        # only guards against a bug that would keep producing work.
+        for _ in range(CLOSE_ROUNDS_MAX):
             self._drain()
+            if self.pipeline.segments:
+                continue
+            if not (self.pipeline.pending or self.effects.queue_sent):
+                break
+            self._seal(inline=True)
+        else:
+            log.error("shutdown: work still pending after %d batches; the rest is not routed", CLOSE_ROUNDS_MAX)
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()  # scheduled by a drain above; there is nothing left for it
+            self._flush_handle = None
         if self._timer is not None:
             self._timer.cancel()
         self.batches.shutdown()
