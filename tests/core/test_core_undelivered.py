@@ -14,13 +14,14 @@ import pytest
 from support.core_harness import CoreHarness, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import Dial, NotAdmitted, Undelivered
-from upsycle_router.wire.control import Join, JoinAck, Reason, Refused, Sync
+from upsycle_router.core.events import Dial, MessagesReceived, NotAdmitted, Undelivered
+from upsycle_router.wire.control import Join, JoinAck, Reason, Refused, Sync, SyncAck
 
 X = ident("X")
 R = ident("R")
 ALICE = ident("alice")
 BOB = ident("bob")
+CAROL = ident("carol")
 G = ident("group")
 
 
@@ -108,18 +109,47 @@ def test_a_ttl_zero_message_cannot_wait_and_is_traced_as_dropped_undelivered(h: 
     assert [x.id for x in out.messages(b2)] == [m.id]
 
 
-def test_what_cannot_be_queued_is_traced_as_dropped(tmp_path: Path) -> None:
+def test_what_was_taken_is_queued_past_the_quota(tmp_path: Path) -> None:
+    """Two unicasts written straight to BOB (taken: ALICE's SYNC_ACK counts no refusal), given back when his
+    connection closes: both are queued, in order, though his quota is one message - the quota bounded what
+    was admitted, and these were. Only what could not wait is dropped (ttl 0, expired)."""
     h = CoreHarness(tmp_path / "q", X, CoreConfig(queue_max_count=1))
     b = h.open(BOB)
     a = h.open(ALICE)
     m1, m2 = (unicast(ALICE, BOB, body, now=h.now) for body in (b"one", b"two"))
     w1 = h.receive(a, m1).sends(b)[0]
     w2 = h.receive(a, m2).sends(b)[0]
+    assert [b_ for _, b_ in h.receive(a, control(ALICE, X, Sync(1), now=h.now)).replies(a)] == [SyncAck(1, 0, 0)]
     h.close(b)
     out = h.handle(Undelivered(BOB.public, (w1.data, w2.data)))
-    assert [e.id for e in h.store.queue(BOB.public)] == [m1.id]  # the first, in order
-    [t] = out.traces("dropped")
-    assert (t.id, t.reason) == (m2.id, "quota") and out.sends() == []  # nobody to answer: traced and counted
+    assert [e.id for e in h.store.queue(BOB.public)] == [m1.id, m2.id]
+    assert out.traces("dropped") == [] and out.refusals() == []
+    b = h.open(BOB)
+    assert [m.id for m in h.last.messages(b)] == [m1.id, m2.id]
+    # A new message for BOB meets the quota as before: the given-back entries count in it.
+    h.close(b)
+    m3 = unicast(ALICE, BOB, b"three", now=h.now)
+    assert [(r.id, r.reason) for r in h.receive(a, m3).refusals()] == [(m3.id, Reason.QUOTA)]
+
+
+def test_what_was_taken_is_queued_when_the_store_is_full_for_new_messages(tmp_path: Path) -> None:
+    """The store fills up (new messages refused ``store_full``) in the batch in which a delivery BOB's closed
+    connection did not take comes back: it is queued in the part of the store's margin lent to what was
+    taken, and BOB gets it when he is back."""
+    h = CoreHarness(tmp_path / "s", X, CoreConfig(), map_size=1 << 23)
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    h.close(h.open(CAROL))
+    big = bytes(32 * 1024)
+    m = unicast(ALICE, BOB, big + b"for bob", now=h.now)
+    [w] = h.receive(a, m).sends(b)  # BOB reads: written at once, taken
+    h.close(b)
+    fill = [unicast(ALICE, CAROL, big + i.to_bytes(4, "big"), now=h.now) for i in range(400)]
+    out = h.handle_all([MessagesReceived.one(a, f, True) for f in fill] + [Undelivered(BOB.public, (w.data,))])
+    assert {r.reason for r in out.refusals()} == {Reason.STORE_FULL}  # the store was full for new messages
+    assert [t for t in out.traces("dropped") if t.id == m.id] == []
+    b = h.open(BOB)
+    assert [x.id for x in h.last.messages(b)] == [m.id]
 
 
 def test_a_group_message_forwarded_to_a_router_is_forwarded_again(h: CoreHarness) -> None:
@@ -134,16 +164,19 @@ def test_a_group_message_forwarded_to_a_router_is_forwarded_again(h: CoreHarness
 
 
 def test_a_strangers_unicast_given_back_counts_as_a_strangers(tmp_path: Path) -> None:
-    """A unicast from a remote sender nobody trusts (it carries VIA: it came from a router) is queued within the
-    strangers' share when it is given back, as it would have been had its recipient been away."""
+    """A unicast from a remote sender nobody trusts (it carries VIA: it came from a router), given back, is
+    queued as a stranger's entry - past the strangers' share, since it was taken - and a new one from that
+    stranger then meets the share."""
     h = CoreHarness(tmp_path / "s", X, CoreConfig(queue_max_count=10, stranger_share=0.1))
     b = h.open(BOB)
     h.close(b)
     stranger, relay = ident("stranger"), ident("relay")
-    first, second = (unicast(stranger, BOB, body, now=h.now).with_via(relay.public) for body in (b"1", b"2"))
+    first, second, third = (unicast(stranger, BOB, body, now=h.now).with_via(relay.public) for body in (b"1", b"2", b"3"))
     out = h.handle(Undelivered(BOB.public, (first.encode(), second.encode())))
-    assert h.store.stranger_usage(BOB.public)[0] == 1  # its share of a queue of 10
-    assert [(t.id, t.reason) for t in out.traces("dropped")] == [(second.id, "stranger_quota")]
+    assert h.store.stranger_usage(BOB.public)[0] == 2 and out.traces("dropped") == []
+    r = h.open(R, local=False)
+    out = h.receive(r, third)
+    assert [(t.id, t.reason) for t in out.traces("dropped")] == [(third.id, "stranger_quota")]
 
 
 def test_an_answer_over_the_rate_limit_is_dropped_not_answered(h: CoreHarness) -> None:

@@ -73,11 +73,12 @@ class Delivery:
         stranger: bool = False,
         remote: bool = False,
         origin: Conn | None = None,
+        taken: bool = False,
     ) -> Reason | None:
         """Hand ``msg`` to recipient ``key`` now, or queue it while ``key`` is away; the reason it was not taken
         for ``key``, or None. With ``fanout``, a delivery now adds the connection to it (the caller writes one
-        Fanout for all of them) instead of a Send. ``stranger``, ``remote`` and ``origin`` (the connection it
-        came in on, slowed when it fills the queue) are for :meth:`enqueue`."""
+        Fanout for all of them) instead of a Send. ``stranger``, ``remote``, ``origin`` (the connection it
+        came in on, slowed when it fills the queue) and ``taken`` are for :meth:`enqueue`."""
         # (to_members does the first case below - connected, no backlog, not blocked: into the fanout, with its
         # DELIVERED record - inline for each recipient; a change here goes there too. The twin tests of
         # tests/core/test_core_runs.py compare the two.)
@@ -90,7 +91,7 @@ class Delivery:
                 # The recipient's queue still holds unsent entries (append, so nothing overtakes what was queued
                 # first), or it does not read: keep the message in the store rather than in memory.
                 why = self.enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger,
-                                   remote=remote, origin=origin)
+                                   remote=remote, origin=origin, taken=taken)
                 if why is None:
                     self.s.keep(c)
                     c.backlog = True
@@ -111,7 +112,7 @@ class Delivery:
                                  role=self.s.role(key) if event == DELIVERED else None))
             return None
         return self.enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger, remote=remote,
-                            origin=origin)
+                            origin=origin, taken=taken)
 
     def to_members(
         self,
@@ -169,10 +170,17 @@ class Delivery:
         stranger: bool = False,
         remote: bool = False,
         origin: Conn | None = None,
+        taken: bool = False,
     ) -> Reason | None:
         """Queue ``msg`` for ``key``; the reason it was not queued, or None. Strangers' entries count against
         their share of the queue and of the store; a remote sender's entry lives ``remote_ttl_max`` at most;
-        ``origin`` is slowed once the queue or the store is past the backpressure mark."""
+        ``origin`` is slowed once the queue or the store is past the backpressure mark.
+
+        ``taken``: the router took the message for ``key`` already - it was written to ``key``'s connection, which
+        closed before it left (``Undelivered``) - and its sender was told so. It is queued past the quota and
+        the strangers' share (both bounded what was admitted; what comes back is bounded by the outbound
+        buffer of one connection), and may use part of the store's margin (``has_room(reserve=True)``); only
+        an expired message, or a store with not even that room, is dropped."""
         h = msg.header
         src = h.src if isinstance(h, UnicastHeader) else None
 
@@ -200,16 +208,17 @@ class Delivery:
             # quota of everyone else, so a stranger cannot get a friend's message refused.
             scount, sbytes = store.stranger_usage(key)
             count, nbytes = count - scount, nbytes - sbytes
-        if count + 1 > cfg.queue_max_count or nbytes + n > cfg.queue_max_bytes:
-            return drop(Why.QUOTA)
-        if stranger:
-            share = cfg.stranger_share
-            scount, sbytes = store.stranger_usage(key)
-            if (scount + 1 > share * cfg.queue_max_count or sbytes + n > share * cfg.queue_max_bytes
-                    or store.stranger_bytes() + n > share * self.s.map_size):
-                return drop(Why.STRANGER_QUOTA)
+        if not taken:
+            if count + 1 > cfg.queue_max_count or nbytes + n > cfg.queue_max_bytes:
+                return drop(Why.QUOTA)
+            if stranger:
+                share = cfg.stranger_share
+                scount, sbytes = store.stranger_usage(key)
+                if (scount + 1 > share * cfg.queue_max_count or sbytes + n > share * cfg.queue_max_bytes
+                        or store.stranger_bytes() + n > share * self.s.map_size):
+                    return drop(Why.STRANGER_QUOTA)
         stored = store.has_message(msg.id)
-        if not store.has_room(QUEUE_ENTRY_BYTES if stored else QUEUE_ENTRY_BYTES + n):
+        if not store.has_room(QUEUE_ENTRY_BYTES if stored else QUEUE_ENTRY_BYTES + n, reserve=taken):
             return drop(Why.STORE_FULL)  # the store (disk quota) is full: refuse new messages, keep the stored ones
         if stored:  # an earlier copy: kept at least as long as this entry, which refers to it
             store.extend_message(msg.id, expiry)
@@ -235,10 +244,11 @@ class Delivery:
         *,
         kind: Kind,
         origin: Conn | None = None,
+        taken: bool = False,
     ) -> Reason | None:
         """Forward to a remote router: over its open connection, or queued while the pool dials it; the reason
         it was not taken, or None. A message a local app (``origin``) sent is remembered for a while, so that a
-        REFUSED from the next router reaches the app."""
+        REFUSED from the next router reaches the app. ``taken``: as for :meth:`enqueue`."""
         s = self.s
         conn = s.connected(router)
         src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
@@ -253,7 +263,7 @@ class Delivery:
             if s.tracing:
                 out.append(Trace(FORWARDED, msg.id, kind, group, src, dst, router, size))
             return None
-        why = self.enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, origin=origin,
+        why = self.enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, origin=origin, taken=taken,
                            remote=origin is not None and not origin.local)  # (a remote sender's: capped)
         if why is None and router not in s.dialing:
             s.dialing.add(router)

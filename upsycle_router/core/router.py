@@ -193,7 +193,9 @@ class Router:
         was the next router for is forwarded again (queued for that router while the pool dials it). The
         router's own answers (acknowledgements, REFUSED, advertisements) were for that session only. A message
         with ttl 0 cannot wait for the peer: dropped (trace reason ``undelivered``) unless the peer is back
-        already. What cannot be queued now (quota, expired) is traced as dropped, as for any recipient."""
+        already. The rest was taken - its sender was told so - and is queued past the quotas
+        (:meth:`~upsycle_router.core.delivery.Delivery.enqueue`, ``taken``); only an expired one, or one the
+        store has no room for even in its margin, is traced as dropped."""
         peer = ev.peer
         s = self.state
         for data in ev.datas:
@@ -217,16 +219,17 @@ class Router:
             if type(h) is MulticastHeader:
                 members = s.subs.get(h.grp)
                 if peer in s.locals or (members is not None and peer in members):
-                    self._deliver(peer, msg, h.grp, size, now, out, kind=MULTICAST, data=data, remote=remote)
+                    self._deliver(peer, msg, h.grp, size, now, out, kind=MULTICAST, data=data, remote=remote,
+                                  taken=True)  # fmt: skip
                 else:  # a router it was forwarded to (VIA): forwarded again, dialled while it is away
-                    self._to_router(peer, msg, h.grp, size, now, out, kind=MULTICAST)
+                    self._to_router(peer, msg, h.grp, size, now, out, kind=MULTICAST, taken=True)
             elif not isinstance(h, UnicastHeader) or h.src == self.id:
                 continue
             elif h.dst == peer or peer == s.served_by(h.dst):
                 self._deliver(peer, msg, None, size, now, out, kind=UNICAST, data=data,
-                              stranger=remote and s.stranger(h.src, h.dst), remote=remote)
+                              stranger=remote and s.stranger(h.src, h.dst), remote=remote, taken=True)
             else:
-                self._to_router(peer, msg, None, size, now, out, kind=UNICAST)
+                self._to_router(peer, msg, None, size, now, out, kind=UNICAST, taken=True)
 
     def batch_begun(self) -> None:
         """The driver begins routing a batch of events in one store transaction."""

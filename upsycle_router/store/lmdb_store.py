@@ -167,7 +167,8 @@ class LmdbStore(LmdbTables):
         # of a fact that never changes (an id is a group message's or a unicast's for good), so aborted
         # transactions leave it right; bounded by GROUP_HINTS.
         self._group_ids: set[bytes] = set()
-        # has_room in this transaction: [estimated bytes used, most bytes usable, bytes used at its start]
+        # has_room in this transaction: [estimated bytes used, most bytes usable, bytes used at its start,
+        # the part of the margin a reserve=True write may use]
         self._room: list[int] | None = None
         self._last_charge = 0  # what has_room admitted in the last committed transaction
         self._next_seq = 0
@@ -1031,8 +1032,10 @@ class LmdbStore(LmdbTables):
         free_pages = (int(self.env.info()["map_size"]) - self._live_bytes()) // self._psize
         return max(1, min(limit, free_pages // 8))
 
-    def has_room(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more can be written with a safety margin left in the map.
+    def has_room(self, nbytes: int, *, reserve: bool = False) -> bool:
+        """Whether ``nbytes`` more can be written with a safety margin left in the map (``reserve``: with half of
+        the margin beyond a bulk index write's pages lent, for what the router has already taken and must keep:
+        deliveries a closing connection gave back).
 
         LMDB fails a whole transaction when its map is full, so the router refuses new messages (trace
         reason ``quota``) before that point: it keeps 1/16 of the map (at least 1 MiB, and at least what a bulk
@@ -1043,11 +1046,13 @@ class LmdbStore(LmdbTables):
         need = 4 * nbytes + 2 * self._psize  # (the pages of its index entries, when they are written out)
         if self._txn is None or self._room is None:
             used, size = self._live_bytes() + self._last_charge, int(self.env.info()["map_size"])
-            margin = max(size // 16, 1 << 20, 2 * self._psize * self.index_batch)
+            index = 2 * self._psize * self.index_batch  # (a bulk index write's pages: never lent)
+            margin = max(size // 16, 1 << 20, index)
+            lend = max(0, margin - index) // 2
             if self._txn is None:
-                return used + need + margin <= size
-            self._room = [used, size - margin, used]  # read once per transaction; what it admits is added up
-        used, limit = self._room[0], self._room[1]
+                return used + need + margin - (lend if reserve else 0) <= size
+            self._room = [used, size - margin, used, lend]  # read once per transaction; what it admits is added up
+        used, limit = self._room[0], self._room[1] + (self._room[3] if reserve else 0)
         if used + need > limit:
             self.pressure = 1.0
             return False

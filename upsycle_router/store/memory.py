@@ -255,8 +255,9 @@ class MemoryStore:
     def owed(self) -> dict[bytes, Owed]:
         return dict(sorted(self._t["owed"].items()))
 
-    def has_room(self, nbytes: int) -> bool:
-        limit = self.map_size - max(self.map_size // 16, 1)
+    def has_room(self, nbytes: int, *, reserve: bool = False) -> bool:
+        margin = max(self.map_size // 16, 1)
+        limit = self.map_size - (margin - margin // 2 if reserve else margin)
         queued = sum(c for c, _ in self._t["qstats"].values()) * ENTRY_BYTES
         used = self._used + queued
         if used + nbytes > limit:
