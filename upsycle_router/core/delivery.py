@@ -254,10 +254,7 @@ class Delivery:
         src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
         dst = msg.header.dst if isinstance(msg.header, UnicastHeader) else None
         if origin is not None and origin.local:
-            fwd = s.forwarded
-            if len(fwd) >= FORWARDED_MAX:
-                del fwd[next(iter(fwd))]
-            fwd[msg.id] = Forwarded(origin.id, router, kind, group, size, origin.syncs)
+            self.remember(origin, router, msg.id, kind, group, size)
         if conn is not None:
             out.append(Send(conn, msg.encode()))
             if s.tracing:
@@ -269,6 +266,15 @@ class Delivery:
             s.dialing.add(router)
             out.append(Dial(router))
         return why
+
+    def remember(self, origin: Conn, router: bytes, mid: bytes, kind: Kind, group: bytes | None, size: int) -> None:
+        """The message ``mid`` the local app on ``origin`` sent went (or waits to go) to router ``router``:
+        remembered for a while (the latest :data:`FORWARDED_MAX`), so that a REFUSED from that router reaches
+        the app (:meth:`late_refusal`)."""
+        fwd = self.s.forwarded
+        if len(fwd) >= FORWARDED_MAX:
+            del fwd[next(iter(fwd))]
+        fwd[mid] = Forwarded(origin.id, router, kind, group, size, origin.syncs)
 
     # ------------------------------------------------------------------ refusals (wire v1.1)
 

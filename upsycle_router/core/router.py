@@ -570,6 +570,9 @@ class Router:
                 self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
             else:
                 s.seen.add(msg.id)
+                if c.local:  # sent on to the edge node: its REFUSED reaches the app; the reply is no stranger's
+                    self.delivery.remember(c, edge, msg.id, UNICAST, None, size)
+                    self._contact(h.src, h.dst)
             return
         # 3.3 relays only for local services (and the services of an edge node, from that edge node)
         src_local = h.src in s.locals if c.local else s.served_by(h.src) == c.peer
@@ -582,14 +585,19 @@ class Router:
         if router is None:
             drop(Why.NO_ROUTE)
             return
-        if (h.src, h.dst) not in s.contacts and len(s.contacts) < CONTACTS_MAX:
-            s.contacts.add((h.src, h.dst))  # h.dst's messages to h.src are no stranger's
-            self.store.add_contact(h.src, h.dst)
+        self._contact(h.src, h.dst)
         why = self._to_router(router, msg, None, size, now, out, kind=UNICAST, origin=c)
         if why is not None:
             self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
         else:
             s.seen.add(msg.id)
+
+    def _contact(self, src: bytes, dst: bytes) -> None:
+        """The local app ``src`` wrote to ``dst`` (not local): ``dst``'s messages to ``src`` are no stranger's."""
+        s = self.state
+        if (src, dst) not in s.contacts and len(s.contacts) < CONTACTS_MAX:
+            s.contacts.add((src, dst))
+            self.store.add_contact(src, dst)
 
     def _multicast(
         self,

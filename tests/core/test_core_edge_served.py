@@ -1,0 +1,74 @@
+"""A local app writing to an app of an edge node this router serves (unicast step 3.2, the edge branch: stored
+and forwarded to the edge node): the edge node's REFUSED for it reaches the app (wire v1.1, late refusals), and
+the edge app's reply is no stranger's (fair queues: keys the recipient wrote to are no strangers) - as for a
+key reached through a route (step 3.3), the twin each test compares with.
+
+One real router core over a real LMDB store (tests/support/core_harness.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from core_harness import CoreHarness, control, ident, unicast
+
+from upsycle_router.core.config import CoreConfig
+from upsycle_router.wire.control import Reason, Refused, Register
+
+X = ident("X")
+EDGE, R = ident("edge"), ident("R")
+ALICE = ident("alice")
+Y = ident("edge-app")  # an app on EDGE, registered with X
+K = ident("remote-svc")  # a service behind the configured peer R
+
+
+def harness(tmp_path: Path) -> CoreHarness:
+    # strangers may queue nothing (0.1 of 5 entries is less than one), friends up to 5
+    cfg = CoreConfig(queue_max_count=5, stranger_share=0.1, edge_nodes=frozenset({EDGE.public}),
+                     peers=frozenset({R.public}))  # fmt: skip
+    return CoreHarness(tmp_path / "x", X, cfg)
+
+
+def test_the_edge_nodes_refusal_of_an_apps_unicast_reaches_the_app(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    e = h.open(EDGE, local=False)
+    h.receive(e, control(EDGE, X, Register((Y.public,)), now=h.now))
+    a = h.open(ALICE)
+    m = unicast(ALICE, Y, b"to Y", now=h.now)
+    out = h.receive(a, m)
+    assert out.sends(e) and out.refusals() == []
+    out = h.receive(e, control(EDGE, X, Refused(m.id, Reason.QUOTA, 0), now=h.now))  # Y's queue on EDGE is full
+    assert out.refusals(a) == [Refused(m.id, Reason.QUOTA, 0)]
+    # ... and from no other router: R's REFUSED for the same id means nothing here
+    r = h.open(R, local=False)
+    assert h.receive(r, control(R, X, Refused(m.id, Reason.QUOTA, 0), now=h.now)).refusals(a) == []
+
+
+def test_a_routed_forwards_refusal_reaches_the_app_too(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    r = h.open(R, local=False)
+    a = h.open(ALICE)
+    m = unicast(ALICE, K, b"to K", now=h.now, via=R.public)
+    assert h.receive(a, m).sends(r)
+    assert h.receive(r, control(R, X, Refused(m.id, Reason.QUOTA, 0), now=h.now)).refusals(a) == [
+        Refused(m.id, Reason.QUOTA, 0)
+    ]
+
+
+def test_the_reply_of_an_edge_app_the_app_wrote_to_is_no_strangers(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    e = h.open(EDGE, local=False)
+    h.receive(e, control(EDGE, X, Register((Y.public,)), now=h.now))
+    a = h.open(ALICE)
+    assert h.receive(a, unicast(ALICE, Y, b"hi Y", now=h.now)).refusals() == []
+    h.close(a)  # away: the reply is queued
+    reply = unicast(Y, ALICE, b"hi alice", now=h.now)
+    out = h.receive(e, reply)
+    assert out.refusals() == [] and [t.id for t in out.traces("queued")] == [reply.id]
+    # A key ALICE never wrote to, through the same edge node, is a stranger: nothing in a share of 0.
+    other = ident("other-edge-app")
+    h.receive(e, control(EDGE, X, Register((Y.public, other.public)), now=h.now))
+    cold = unicast(other, ALICE, b"hello?", now=h.now)
+    assert [(x.id, x.reason) for x in h.receive(e, cold).refusals()] == [(cold.id, Reason.QUOTA)]
+    # The contact survives a restart (it is stored).
+    h.restart()
+    assert h.receive(h.open(EDGE, local=False), unicast(Y, ALICE, b"again", now=h.now)).refusals() == []
