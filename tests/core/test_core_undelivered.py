@@ -171,7 +171,8 @@ def test_a_strangers_unicast_given_back_counts_as_a_strangers(tmp_path: Path) ->
     b = h.open(BOB)
     h.close(b)
     stranger, relay = ident("stranger"), ident("relay")
-    first, second, third = (unicast(stranger, BOB, body, now=h.now).with_via(relay.public) for body in (b"1", b"2", b"3"))
+    first, second, third = (unicast(stranger, BOB, body, now=h.now).with_via(relay.public)
+                            for body in (b"1", b"2", b"3"))  # fmt: skip
     out = h.handle(Undelivered(BOB.public, (first.encode(), second.encode())))
     assert h.store.stranger_usage(BOB.public)[0] == 2 and out.traces("dropped") == []
     r = h.open(R, local=False)
