@@ -54,6 +54,14 @@ import os
 from dataclasses import dataclass, replace
 
 from upsycle_router.client.groups import events as ev
+from upsycle_router.client.groups.binding import (
+    WelcomeRefused,
+    admins_ever,
+    check_welcome,
+    encode_welcome,
+    make_creation_proof,
+    welcome_creator,
+)
 from upsycle_router.client.groups.causal import BASELINE, BUFFERED, DUPLICATE, CausalBuffer, Pending
 from upsycle_router.client.groups.events import Delivered, Effect, LogEntry
 from upsycle_router.client.groups.keys import DecryptError, Epoch, Rng, decrypt, encrypt, open_sealed, seal_to
@@ -121,6 +129,10 @@ class GroupConfig:
     welcome_base: int = 1024  # delivered ids a welcome lists as the new member's history
     fetch_epochs: int = 3  # a missing id is looked for in this many newest epochs' groups
     leave_delay: float = 30.0  # the old epoch's group is left this long after a rotation (late concurrent messages)
+    # Welcomes carry the group's creation proof and none is taken without one (:mod:`.binding`). Off, a core
+    # sends the welcome map without ``proof`` and takes welcomes without one (a proof that is given is still
+    # checked): for tests of the welcome format before proofs only; GroupManager always turns it on.
+    bound_welcomes: bool = True
 
 
 _LOG_KIND = {OP_ADD: ev.MEMBER_ADD, OP_REMOVE: ev.MEMBER_REMOVE, OP_ADMIN_ADD: ev.ADMIN_ADD,
@@ -186,7 +198,7 @@ class GroupCore:
         """A new group with this member as its only member and admin."""
         ep0 = Epoch.generate(0, 0, rng)
         gid = ep0.grp
-        store.put_group(GroupRecord(gid, identity.public))
+        store.put_group(GroupRecord(gid, identity.public, proof=make_creation_proof(ep0.gkey, identity.public)))
         store.put_epoch(gid, ep0)
         core = cls(identity, store, gid, config, rng, now)
         out: list[Effect] = [ev.JoinGroup(gid, ep0.grp)]
@@ -196,29 +208,33 @@ class GroupCore:
     @classmethod
     def from_welcome(
         cls, identity: Identity, store: GroupStore, welcome: Welcome, via: bytes | None,
-        config: GroupConfig | None = None, rng: Rng = os.urandom, now: float = 0.0,
+        config: GroupConfig | None = None, rng: Rng = os.urandom, now: float = 0.0, proof: bytes | None = None,
     ) -> tuple[GroupCore, list[Effect]]:  # fmt: skip
-        """Join a group from a welcome (already opened and checked to come from ``welcome.admin``)."""
+        """Join a group from a welcome (already opened and checked to come from ``welcome.admin``) and its
+        creation proof. Raises :class:`~.binding.WelcomeRefused` for a welcome that does not prove it belongs to
+        its group (no or a bad proof, an admin that is none by its history), GroupError for others."""
+        cfg = config or GroupConfig()
+        check_welcome(welcome, proof, require_proof=cfg.bound_welcomes)
         if identity.public not in welcome.mem:
             raise GroupError("the welcome does not list this member")
         if not welcome.base:
             raise GroupError("the welcome names no MEMBER_ADD")
         gid = welcome.gid
-        creator = welcome.creator or welcome.admin
+        creator = welcome_creator(welcome)
         old = store.get_group(gid)
         if old is not None and old.status == ACTIVE:
             raise GroupError(f"already a member of group {gid.hex()}")
         if old is not None and old.admin != creator:
-            raise GroupError("the welcome names another creator than this group had")
+            raise WelcomeRefused("the welcome names another creator than this group had")
         h = welcome.hist
         ops: tuple[OpRecord, ...] = ()
         if h is None:  # a group of one admin: the welcome's state is the base
             w = ((welcome.admin, welcome.adm),) if welcome.adm else ()
             rec = GroupRecord(gid, creator, ACTIVE, welcome.adm, welcome.vv, wv=w, base_vec=w, base_mem=welcome.mem,
-                              base_admins=(welcome.admin,), base_epoch=welcome.epoch)  # fmt: skip
+                              base_admins=(welcome.admin,), base_epoch=welcome.epoch, proof=proof or b"")  # fmt: skip
         else:
             rec = GroupRecord(gid, creator, ACTIVE, welcome.adm, welcome.vv, wv=welcome.opv, base_vec=h.vec,
-                              base_mem=h.mem, base_admins=h.admins, base_epoch=h.epoch)  # fmt: skip
+                              base_mem=h.mem, base_admins=h.admins, base_epoch=h.epoch, proof=proof or b"")  # fmt: skip
             ops = h.ops
         st = Resolution(ops, Base.of(rec)).state
         if st.members != frozenset(welcome.mem):
@@ -234,7 +250,7 @@ class GroupCore:
         for a, n, gseed, ckey in welcome.keys:
             if (a, n) in st.epoch and numbers.get((a, n)):
                 store.put_epoch(gid, Epoch(numbers[(a, n)], Identity.from_seed(gseed), ckey, 0, ((a, n),)))
-        core = cls(identity, store, gid, config, rng, now)
+        core = cls(identity, store, gid, cfg, rng, now)
         epoch = core.membership.epoch_for(st.epoch)
         if epoch is None:
             raise GroupError("the welcome does not hold the current epoch's keys")
@@ -293,6 +309,48 @@ class GroupCore:
     def groups(self) -> dict[bytes, int]:
         """Multicast group address -> epoch number, for every epoch this member has keys for."""
         return {e.grp: e.number for e in self.membership.epochs()}
+
+    def creation_proof(self) -> bytes:
+        """The group's creation proof (:mod:`.binding`), which every welcome carries. A group recorded before
+        proofs has none: a member that holds the epoch-0 group key (the creator, or a member since epoch 0)
+        makes it for the creator its record names, once. GroupError if there is no way to get it."""
+        if self.record.proof:
+            return self.record.proof
+        e0 = self.membership.by_grp(self.gid)
+        if e0 is None:
+            raise GroupError("this group has no creation proof (recorded by an older version) and this member "
+                             "has no key of its first epoch: the creator (or a member since then) must add members")
+        proof = make_creation_proof(e0.gkey, self.record.admin)
+        self.record = self.record.replace(proof=proof)
+        self.store.put_group(self.record)
+        return proof
+
+    def welcome_again(self, welcome: Welcome, proof: bytes | None, now: float) -> list[Effect]:
+        """A welcome to this group, which this member is in already. From the same group (the same creator, a
+        creation proof that verifies, an admin this member knows of) it is a resent or concurrent welcome and
+        changes nothing. Anything else is a *conflict*: a welcome that names this group's id for another
+        creator or another set of admins. It is reported (a ``conflict`` note) and changes nothing either: the
+        group this member is in stays as it is. Raises :class:`~.binding.WelcomeRefused` for a welcome that
+        does not prove it belongs to its group at all."""
+        check_welcome(welcome, proof, require_proof=self.config.bound_welcomes)
+        out: list[Effect] = []
+        creator = welcome_creator(welcome)
+        if creator != self.record.admin:
+            reason = (f"a welcome from {welcome.admin.hex()[:16]} names creator {creator.hex()[:16]}, this "
+                      f"group's is {self.record.admin.hex()[:16]}: kept the group this member is in")  # fmt: skip
+            out.append(ev.Note(self.gid, "conflict", b"", reason))
+            return out
+        known = admins_ever(self.record.base_admins, self.membership.ops()) | self.admins | {self.record.admin}
+        if welcome.admin not in known:
+            reason = (f"a welcome from {welcome.admin.hex()[:16]}, who is no admin this member knows of (its "
+                      "history gives other admins): kept the group this member is in")  # fmt: skip
+            out.append(ev.Note(self.gid, "conflict", b"", reason))
+            return out
+        if proof is not None and not self.record.proof:
+            self.record = self.record.replace(proof=proof)
+            self.store.put_group(self.record)
+        out.append(ev.Note(self.gid, "ignored", b"", f"a welcome again, from admin {welcome.admin.hex()[:16]}"))
+        return out
 
     def rotation_pending(self) -> frozenset[bytes]:
         """Current members not yet heard from in the current epoch (empty: the last rotation completed)."""
@@ -716,6 +774,8 @@ class GroupCore:
         todo = sorted(set(new) - self.members)
         if not todo:
             raise GroupError("already members")
+        if self.config.bound_welcomes:
+            self.creation_proof()  # fail before publishing the add when no welcome can be sent
         for m in todo:
             seal_to(m, b"")  # fail early for a key that cannot be converted for encryption
         legacy = self._legacy()
@@ -739,7 +799,7 @@ class GroupCore:
                     keys.append((part[0], part[1], e.gkey.seed, e.ckey))
             welcome = replace(welcome, creator=rec.admin, hist=hist, opv=self.membership.everything,
                               keys=tuple(keys))  # fmt: skip
-        body_plain = welcome.encode()
+        body_plain = encode_welcome(welcome, self.creation_proof()) if self.config.bound_welcomes else welcome.encode()
         for m in todo:
             if via is not None:
                 self.store.set_member_via(self.gid, m, via)

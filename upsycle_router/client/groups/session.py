@@ -8,9 +8,13 @@ router (:class:`~upsycle_router.client.Client`, re-established with backoff when
 :class:`.core.GroupCore` per group and runs three tasks:
 
 * the *reader* takes every message the router delivers: a multicast message goes to the core of the group
-  that owns its group address; a unicast whose BODY is a welcome is opened and, if ``accept`` agrees, starts
-  a new session; one whose BODY is a key share (an admin's keys for a member added concurrently with a
-  rotation) goes to the core of its group;
+  that owns its group address; a unicast whose BODY is a welcome is opened and checked (signed by the admin it
+  names, a creation proof binding its group id to its creator, an admin by its own history: :mod:`.binding`)
+  and, if ``accept`` agrees, starts a new session; a welcome that fails is refused, and a welcome to a group
+  this member is in already is either a resent one (nothing happens) or a *conflict* (another creator or
+  admins for the same group id: reported, the group stays as it is); both are logged and counted in
+  :attr:`GroupManager.welcome_problems`; one whose BODY is a key share (an admin's keys for a member added
+  concurrently with a rotation) goes to the core of its group;
 * the *worker* carries out the cores' effects in order: it publishes and sends outbox messages, then waits
   for the router's SYNC_ACK (committed) before it drops them from the outbox (one the router refused for
   want of room or for load stays in it, to be sent again when the session starts again); it JOINs
@@ -39,12 +43,15 @@ import contextlib
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from upsycle_router.client.connection import Client, ClientError
 from upsycle_router.client.groups import events as ev
+from upsycle_router.client.groups.binding import WelcomeRefused, check_welcome, open_welcome
 from upsycle_router.client.groups.core import GroupConfig, GroupCore, GroupError
 from upsycle_router.client.groups.events import Effect, LogEntry
 from upsycle_router.client.groups.keys import DecryptError, Rng, open_sealed
@@ -55,7 +62,6 @@ from upsycle_router.wire.control import Reason
 from upsycle_router.wire.groups import (
     decode_key_share,
     decode_key_share_message,
-    decode_welcome,
     decode_welcome_message,
 )
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
@@ -92,7 +98,8 @@ class GroupManager:
         self.identity = identity
         self.store = store
         self._connect = connect
-        self.config = config or GroupConfig()
+        # a member on a real connection sends and requires welcomes with the group's creation proof
+        self.config = replace(config or GroupConfig(), bound_welcomes=True)
         self.accept: Accept = accept or (lambda admin, gid: True)
         self.rng = rng
         self.cores: dict[bytes, GroupCore] = {}
@@ -112,6 +119,9 @@ class GroupManager:
         # The last REFUSED reason for a unicast (a welcome, a key share) to each key, until one is taken: what an
         # inviter is told when a member does not acknowledge (a key its router never saw is no member "away").
         self.refused_to: dict[bytes, int] = {}  # key -> REFUSED reason code
+        # Welcomes that were refused (no or a bad creation proof, not from an admin, malformed ...) and welcomes
+        # that conflict with a group this member is in (another creator or admins for its id), by that word.
+        self.welcome_problems: Counter[str] = Counter()
         self.connects = 0
 
     # ------------------------------------------------------------ opening and closing
@@ -254,6 +264,9 @@ class GroupManager:
         for e in out:
             if isinstance(e, ev.Deliver):
                 self._notify()
+            elif isinstance(e, ev.Note) and e.what == "conflict":
+                self.welcome_problems["conflict"] += 1
+                log.warning("group %s: conflicting welcome: %s", e.gid.hex()[:16], e.reason)
             elif isinstance(e, ev.Note):
                 log.info("group %s: %s message %s: %s", e.gid.hex()[:16], e.what, e.id.hex()[:16], e.reason)
             else:
@@ -333,30 +346,44 @@ class GroupManager:
             log.info("groups: ignoring a welcome not signed by its sender or not for us")
             return
         try:
-            welcome = decode_welcome(open_sealed(self.identity, wm.box))
+            welcome, proof = open_welcome(self.identity, wm.box)
         except (DecryptError, RemoteProtocolError) as e:
-            log.info("groups: ignoring a welcome from %s: %s", h.src.hex()[:16], e)
+            self._welcome_refused(None, h.src, str(e))
             return
+        gid = welcome.gid
         if welcome.admin != h.src:
-            log.info("groups: ignoring a welcome to %s sent by someone else than its admin", welcome.gid.hex()[:16])
+            self._welcome_refused(gid, h.src, "sent by someone else than the admin it names")
             return
-        rec = self.store.get_group(welcome.gid)
-        if rec is not None and rec.status == ACTIVE:
-            return  # a resent welcome
-        if not self.accept(welcome.admin, welcome.gid):
-            log.info("groups: not accepting the welcome to %s from %s", welcome.gid.hex()[:16], h.src.hex()[:16])
+        try:
+            check_welcome(welcome, proof, require_proof=self.config.bound_welcomes)
+        except WelcomeRefused as e:
+            self._welcome_refused(gid, h.src, str(e))
             return
         now = time.time()
+        rec = self.store.get_group(gid)
+        if rec is not None and rec.status == ACTIVE and gid in self.cores:
+            # resent or concurrent (nothing to do), or a conflict: another creator or admins for this gid
+            self.run(gid, lambda core: core.welcome_again(welcome, proof, now))
+            return
+        if not self.accept(welcome.admin, gid):
+            log.info("groups: not accepting the welcome to %s from %s", gid.hex()[:16], h.src.hex()[:16])
+            return
         try:
-            core, out = self._call(welcome.gid, lambda: GroupCore.from_welcome(
-                self.identity, self.store, welcome, msg.via, self.config, self.rng, now))  # fmt: skip
-        except GroupError as e:
-            log.info("groups: welcome to %s refused: %s", welcome.gid.hex()[:16], e)
+            core, out = self._call(gid, lambda: GroupCore.from_welcome(
+                self.identity, self.store, welcome, msg.via, self.config, self.rng, now, proof))  # fmt: skip
+        except (GroupError, WelcomeRefused) as e:
+            self._welcome_refused(gid, h.src, str(e))
             return
         s = self._add_core(core)
         self._dispatch(out)
         log.info("groups: joined group %s (admin %s)", welcome.gid.hex()[:16], welcome.admin.hex()[:16])
         self._welcomes.put_nowait(s)
+
+    def _welcome_refused(self, gid: bytes | None, src: bytes, reason: str) -> None:
+        """Report a welcome that is not taken because it is bad (logged and counted, never fatal)."""
+        self.welcome_problems["refused"] += 1
+        to = gid.hex()[:16] if gid is not None else "?"
+        log.info("groups: refused a welcome to %s from %s: %s", to, src.hex()[:16], reason)
 
     def _maybe_keys(self, msg: Message, h: UnicastHeader) -> None:
         try:

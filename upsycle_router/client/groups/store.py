@@ -5,7 +5,7 @@ Theory of operation
 Every record is keyed by the 32-byte group id first, so one environment holds all the groups of one member
 (the key it belongs to is recorded once, in ``meta``, and a different key is refused). Named databases:
 
-``groups``     gid -> group record (creator, status, the welcome's baseline, the membership base state)
+``groups``     gid -> group record (creator, status, the welcome's baseline, the membership base state, proof)
 ``epochs``     gid || 0x01 || eid -> [number, gseed, ckey, start]  (secret: the directory is private)
 ``ops``        gid || n (u64) -> op record                          membership operations, in delivery order
 ``delivered``  gid || id -> [sender, seq, adm, epoch, flag, own, opv]  every delivered (or baseline) id
@@ -74,16 +74,18 @@ class GroupRecord:
     """The static part of a group's state: the creator (``admin``), whether this member is still in, the
     welcome's baseline (``base_adm``, ``vv0``, and ``wv``: the membership operations the add had seen), and the
     membership state the operations are resolved from (``base_vec``: the operations it covers, ``base_mem``,
-    ``base_admins``, ``base_epoch``). ``version`` 1 is the state of a group of one admin before it knew of
-    operations; 2 since."""
+    ``base_admins``, ``base_epoch``), and the group's creation proof (``proof``: the creator bound to the gid by
+    the epoch-0 group key, :mod:`.binding`; empty in a record written before proofs). ``version`` 1 is the state
+    of a group of one admin before it knew of operations; 2 since."""
 
     __slots__ = ("gid", "admin", "status", "base_adm", "vv0", "version", "wv", "base_vec", "base_mem",
-                 "base_admins", "base_epoch")  # fmt: skip
+                 "base_admins", "base_epoch", "proof")  # fmt: skip
 
     def __init__(
         self, gid: bytes, admin: bytes, status: str = ACTIVE, base_adm: int = 0,
         vv0: tuple[tuple[bytes, int], ...] = (), *, version: int = 2, wv: Vec = (), base_vec: Vec = (),
         base_mem: tuple[bytes, ...] | None = None, base_admins: tuple[bytes, ...] | None = None, base_epoch: int = 0,
+        proof: bytes = b"",
     ) -> None:  # fmt: skip
         self.gid = gid
         self.admin = admin
@@ -96,6 +98,7 @@ class GroupRecord:
         self.base_mem = base_mem if base_mem is not None else (admin,)
         self.base_admins = base_admins if base_admins is not None else (admin,)
         self.base_epoch = base_epoch
+        self.proof = proof
 
     def replace(self, **kw: object) -> GroupRecord:
         """A copy with some fields changed."""
@@ -110,6 +113,8 @@ class GroupRecord:
             m.update({"v": self.version, "wv": [[k, n] for k, n in self.wv],
                       "bvec": [[k, n] for k, n in self.base_vec], "bmem": sorted(self.base_mem),
                       "badm": sorted(self.base_admins), "bepoch": self.base_epoch})  # fmt: skip
+        if self.proof:
+            m["proof"] = self.proof
         return enc(m)
 
     @classmethod
@@ -117,10 +122,11 @@ class GroupRecord:
         m = cbor2.loads(data)
         vv0 = tuple((k, n) for k, n in m["vv0"])
         if m.get("v", 1) < 2:
-            return cls(gid, m["admin"], m["status"], m["base_adm"], vv0, version=1)
+            return cls(gid, m["admin"], m["status"], m["base_adm"], vv0, version=1, proof=m.get("proof", b""))
         return cls(gid, m["admin"], m["status"], m["base_adm"], vv0, version=m["v"],
                    wv=tuple((k, n) for k, n in m["wv"]), base_vec=tuple((k, n) for k, n in m["bvec"]),
-                   base_mem=tuple(m["bmem"]), base_admins=tuple(m["badm"]), base_epoch=m["bepoch"])  # fmt: skip
+                   base_mem=tuple(m["bmem"]), base_admins=tuple(m["badm"]), base_epoch=m["bepoch"],
+                   proof=m.get("proof", b""))  # fmt: skip
 
 
 def eid_bytes(eid: Vec) -> bytes:

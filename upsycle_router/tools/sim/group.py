@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from upsycle_router.client.groups import events as ev
+from upsycle_router.client.groups.binding import open_welcome
 from upsycle_router.client.groups.core import GroupConfig, GroupCore
-from upsycle_router.client.groups.keys import DecryptError, decrypt, open_sealed
+from upsycle_router.client.groups.keys import DecryptError, decrypt
 from upsycle_router.client.groups.store import GroupStore
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.wire.app import AppMessage, decode_app_message
-from upsycle_router.wire.groups import decode_welcome, decode_welcome_message
+from upsycle_router.wire.groups import decode_welcome_message
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 
 
@@ -153,11 +154,11 @@ class GroupNet:
         assert isinstance(h, UnicastHeader) and message_signature_valid(msg)
         m = self.members[h.dst]
         wm = decode_welcome_message(msg.body)
-        welcome = decode_welcome(open_sealed(m.identity, wm.box))
+        welcome, proof = open_welcome(m.identity, wm.box)
         assert welcome.admin == h.src
         with m.store.transaction():
             m.core, out = GroupCore.from_welcome(m.identity, m.store, welcome, None, self.config, self.randbytes,
-                                                 self.now)  # fmt: skip
+                                                 self.now, proof)  # fmt: skip
         self.apply(m, out)
 
     def _fetch(self, m: Member, f: ev.Fetch) -> None:
