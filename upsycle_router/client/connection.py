@@ -9,9 +9,13 @@ decodes every frame: router replies (unicast from the router's id whose BODY is 
 PULL_NACK, SYNC_ACK or STATUS_REPLY) resolve the future of the request that asked for them; the answer to a
 PULL (the pulled message itself) resolves that PULL; REFUSED answers are refusals (below); everything else
 goes to the incoming queue that ``recv()`` and ``async for`` read. Requests are matched to replies by group
-(JOIN/LEAVE), by ``n`` (SYNC) and by id (PULL). A PULL may also be sent through our router to another router
+(JOIN/LEAVE), by ``n`` (SYNC) and by id (PULL), and by the router the request went to: a reply counts only
+when that router signed it. A PULL may also be sent through our router to another router
 (``pull(..., via=R)``): R answers with the stored message, which our router delivers like any multicast
-message, or with a PULL_NACK signed by R.
+message, or with a PULL_NACK signed by R. Nothing else R signs is a reply: JOIN, LEAVE, STATUS and SYNC go to
+our router and only its answers count, a PULL sent to our router is answered by our router only, and a
+PULL_NACK from R answers only a PULL that went to R and is still waiting. Any other message R signs (one
+shaped like a router reply included) is an ordinary message for ``recv()``.
 
 Refusals (wire v1.1, docs/protocol.md "Refusals")
 -------------------------------------------------
@@ -227,6 +231,15 @@ _Reply = RouterMessage | Message | SyncResult | Refusal  # what a request's futu
 
 
 @dataclass(slots=True)
+class _Waiter:
+    """A pending request: the future its answer resolves, and the router it was sent to (the only router
+    whose reply answers it)."""
+
+    fut: asyncio.Future[_Reply]
+    router: bytes
+
+
+@dataclass(slots=True)
 class _Epoch:
     """The ids sent between two SYNCs and the refusals filed under them."""
 
@@ -252,10 +265,10 @@ class Client:
         self._link = link or StreamLink(Session(identity))
         self.router_id: bytes = b""
         self._incoming: asyncio.Queue[Message | None] = asyncio.Queue()
-        self._waiters: dict[tuple[str, bytes | int], asyncio.Future[_Reply]] = {}
+        self._waiters: dict[tuple[str, bytes | int], _Waiter] = {}
         self._sync_n = itertools.count(int.from_bytes(os.urandom(6), "big"))
         self._remote_pulls = itertools.count()
-        self._pull_routers: set[bytes] = set()  # remote routers we sent a PULL to (their PULL_NACK is a reply)
+        self._pull_routers: set[bytes] = set()  # remote routers a PULL still waits for (its PULL_NACK answers it)
         self._request_ids: dict[bytes, tuple[str, bytes | int]] = {}  # id of a pending request -> its waiter
         self._epoch = _Epoch()  # ids sent since the last sync()
         self._unanswered: dict[int, _Epoch] = {}  # SYNC n -> the epoch it closed, in the order sent
@@ -396,10 +409,10 @@ class Client:
             if not self._opened.done():
                 self._opened.set_exception(ClientError(self.closed_reason))
                 self._opened.exception()
-            for fut in self._waiters.values():
-                if not fut.done():
-                    fut.set_exception(ClientError(self.closed_reason))
-                    fut.exception()
+            for w in self._waiters.values():
+                if not w.fut.done():
+                    w.fut.set_exception(ClientError(self.closed_reason))
+                    w.fut.exception()
             self._incoming.put_nowait(None)
 
     def _on_frame(self, payload: bytes) -> None:
@@ -411,42 +424,57 @@ class Client:
 
     def _on_message(self, item: Message) -> None:
         h = item.header
-        if isinstance(h, UnicastHeader):
-            from_router = h.src == self.router_id or h.src in self._pull_routers
-            # dst = our router: only our router hands us such a message - the next router's REFUSED, passed on
-            if (from_router or h.dst == self.router_id) and message_signature_valid(item):
-                try:
-                    ctl = decode_control(item.body)
-                except RemoteProtocolError:
-                    ctl = None
-                if isinstance(ctl, Refused):
-                    self._on_refused(Refusal.from_wire(ctl))
-                    return
-                if from_router and ctl is not None and not isinstance(ctl, PeerAdvertisement):
-                    if isinstance(ctl, SyncAck):
-                        if h.src == self.router_id:
-                            self._on_sync_ack(ctl)
-                        return
-                    key = _reply_key(ctl)
-                    if key is not None:
-                        fut = self._waiters.pop(key, None)
-                        if fut is not None and not fut.done():
-                            fut.set_result(ctl)
-                        return
-        fut = self._waiters.pop(("pull", item.id), None)
-        if fut is not None and not fut.done():
-            fut.set_result(item)
+        if isinstance(h, UnicastHeader) and self._router_answer(item, h):
+            return
+        w = self._waiters.pop(("pull", item.id), None)  # the pulled message itself, whoever delivers it
+        if w is not None and not w.fut.done():
+            w.fut.set_result(item)
             return
         self._incoming.put_nowait(item)
+
+    def _router_answer(self, item: Message, h: UnicastHeader) -> bool:
+        """Take ``item`` if it is a router's answer for us: a REFUSED our router hands us, a SYNC_ACK of our
+        router, a reply of our router (stale ones are dropped), or the reply to a pending request signed by the
+        router that request went to. False for anything else: an ordinary message."""
+        ours = h.src == self.router_id
+        # dst = our router: only our router hands us such a message - the next router's REFUSED, passed on
+        passed_on = h.dst == self.router_id
+        if not (ours or passed_on or h.src in self._pull_routers) or not message_signature_valid(item):
+            return False
+        try:
+            ctl = decode_control(item.body)
+        except RemoteProtocolError:
+            return False
+        if isinstance(ctl, Refused):
+            if not (ours or passed_on):
+                return False  # another router's REFUSED reaches us only through our router, addressed to it
+            self._on_refused(Refusal.from_wire(ctl))
+            return True
+        if isinstance(ctl, SyncAck):
+            if ours:
+                self._on_sync_ack(ctl)
+            return ours
+        if isinstance(ctl, PeerAdvertisement):
+            return False
+        key = _reply_key(ctl)
+        if key is None:
+            return False
+        w = self._waiters.get(key)
+        if w is not None and w.router == h.src:  # the router the request went to, and no other
+            del self._waiters[key]
+            if not w.fut.done():
+                w.fut.set_result(ctl)
+            return True
+        return ours  # our router's reply to nothing pending is dropped; another router's is just a message
 
     # ------------------------------------------------------------ refusals
 
     def _on_refused(self, r: Refusal) -> None:
         key = self._request_ids.pop(r.id, None)
         if key is not None:  # a request of ours: answer it now rather than let it time out
-            fut = self._waiters.pop(key, None)
-            if fut is not None and not fut.done():
-                fut.set_result(r)
+            w = self._waiters.pop(key, None)
+            if w is not None and not w.fut.done():
+                w.fut.set_result(r)
         home: _Epoch | None = None
         for ep in (*self._unanswered.values(), self._epoch):  # oldest first
             if r.id in ep.ids:
@@ -508,13 +536,13 @@ class Client:
             outcome = ClientError(f"SYNC failed (SYNC_ACK {ack.n}: result {ack.result}, no refusals counted)")
         else:
             outcome = SyncResult(ack.n, tuple(refused))
-        fut = self._waiters.pop(("sync", ack.n), None)
-        if fut is not None and not fut.done():
+        w = self._waiters.pop(("sync", ack.n), None)
+        if w is not None and not w.fut.done():
             if isinstance(outcome, SyncResult):
-                fut.set_result(outcome)
+                w.fut.set_result(outcome)
             else:
-                fut.set_exception(outcome)
-                fut.exception()
+                w.fut.set_exception(outcome)
+                w.fut.exception()
             return
         for r in refused:  # nobody waits for this SYNC any more (it timed out): nothing is lost in silence
             self._late(r)
@@ -602,26 +630,30 @@ class Client:
         self, key: tuple[str, bytes | int], body: RouterMessage, timeout: float, *, router: bytes | None = None
     ) -> _Reply:
         fut: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
-        self._waiters[key] = fut
-        if router is None or router == self.router_id:
+        dest = self.router_id if router is None else router
+        remote = dest != self.router_id
+        w = _Waiter(fut, dest)
+        self._waiters[key] = w
+        if not remote:
             msg = self._unicast(self.router_id, encode_router(body), 60, None, None)
         else:
             # Through our router (VIA) to another one. Our router's replay protection drops a unicast whose id it
             # has seen, and an identical request within the same minute has the same id: vary the ttl.
-            self._pull_routers.add(router)
-            msg = self._unicast(router, encode_router(body), 60 + next(self._remote_pulls) % 3600, None, router)
+            self._pull_routers.add(w.router)
+            msg = self._unicast(w.router, encode_router(body), 60 + next(self._remote_pulls) % 3600, None, w.router)
         self._request_ids[msg.id] = key  # a REFUSED for it fails the request (possibly while we drain)
         try:
             self.send_message(msg)
             await self.drain()
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
-            self._waiters.pop(key, None)
             raise ClientError(f"no answer from the router to {type(body).__name__} within {timeout} s") from None
         finally:
             self._request_ids.pop(msg.id, None)
-            if self._waiters.get(key) is fut:
+            if self._waiters.get(key) is w:
                 del self._waiters[key]
+            if remote and all(o.router != w.router for o in self._waiters.values()):
+                self._pull_routers.discard(w.router)
 
     async def join(self, group: bytes, local: bool = True, *, timeout: float = 10.0) -> bool:
         """JOIN a group; True on success, False when the router refused (JOIN_ACK result 1, or REFUSED: the
