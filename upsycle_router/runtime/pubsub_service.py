@@ -6,10 +6,13 @@ The service holds its own key and connects to its router's Unix socket with the 
 everything between them is ordinary signed CBOR messages (seed 003 §Publish-Subscribe Service):
 
 - from the router: SUB/UNSUB (answered SUB_ACK/UNSUB_ACK; the core then JOINs/LEAVEs the group locally),
-  peer advertisements of connected routers (their ``svcs`` name the peers' pub/sub services), PULL_NACKs;
+  peer advertisements of connected routers (their ``svcs`` name the peers' pub/sub services; a peer is kept
+  until its advert lapses, ``min(arrival + ttl, exp)`` as every receiver keeps an advert, unless a newer one
+  came), PULL_NACKs;
 - multicast messages of joined groups, with VIA = the remote router they came from, or none when a local
   app published them (then the core publishes them into the mesh);
-- gossip RPCs from other nodes' pub/sub services (unicast; VIA = their router);
+- gossip RPCs from other nodes' pub/sub services (unicast; VIA = their router; the core learns, for a while,
+  the sender of one through a router no advert named a service of: docs/gossip.md "Peers");
 - a unicast from a local app whose BODY is a multicast message: publish it through fanout (groups this
   node has not joined);
 - VERDICT from a validator service (a unicast whose ``src`` is a configured validator key).
@@ -38,7 +41,7 @@ from upsycle_router.client import Client, ClientError
 from upsycle_router.config import GroupPolicyConfig, PubsubConfig
 from upsycle_router.crypto import Identity, advert_valid, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError
-from upsycle_router.expiry import exp_in
+from upsycle_router.expiry import exp_in, exp_to_unix
 from upsycle_router.runtime.service import RouterService
 from upsycle_router.services.pubsub.core import GossipCore
 from upsycle_router.services.pubsub.effects import (
@@ -193,7 +196,11 @@ class PubsubService(RouterService):
         if isinstance(ctl, PeerAdvertisement):
             svc = ctl.service(SERVICE_PUBSUB)
             if svc is not None and advert_valid(ctl) and ctl.id != client.router_id:
-                self._peer_expiry[ctl.id] = now + ctl.ttl
+                # kept until min(arrival + ttl, exp) (docs/discovery.md); exp is wall-clock time, ``now`` monotonic
+                lifetime = min(float(ctl.ttl), exp_to_unix(ctl.exp) - time.time())
+                if lifetime <= 0:
+                    return []  # lapsed already (the router refuses such adverts)
+                self._peer_expiry[ctl.id] = now + lifetime
                 # A new revision (a restarted router advertises anew): greet it again, its service may have
                 # forgotten our subscriptions.
                 old_rev = self._peer_rev.get(ctl.id)

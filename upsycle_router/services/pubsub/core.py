@@ -7,6 +7,16 @@ Where it sits
     router id and the service's address), which the adapter learns from peer advertisements. This class
     holds everything PS decides; the adapter moves bytes and calls it.
 
+Peers (docs/gossip.md "Peers")
+    ``peer_added`` names a router's pub/sub service as its advert does; the adapter calls ``peer_removed``
+    when that advert lapses. A gossip RPC whose sender (``service``, the unicast's ``src``) comes through a
+    router we know no peer for makes that sender the router's peer for now - *learned*: its hello must not be
+    lost when it overtakes the advert that names it. A learned peer is kept ``learned_peer_ttl`` seconds after
+    its last RPC, at most ``max_learned_peers`` of them at once (an RPC from one more unknown service is
+    ignored), and an advert naming the router's service replaces it at once: whatever the learned one
+    announced (subscriptions, mesh and fanout places) is forgotten first, unless it was the advertised service
+    itself. An RPC through a router whose peer is another key, advertised or learned, is ignored.
+
 Inputs and effects
     Every input takes ``now`` (seconds, never decreasing) and returns a list of effects
     (:mod:`~upsycle_router.services.pubsub.effects`): ``peer_added``/``peer_removed`` (ambient discovery),
@@ -77,9 +87,10 @@ Traces
     ``duplicate`` (already seen), ``rejected`` (reason from validation, ``validator`` for a service's
     REJECT, ``validator_timeout`` when that was the default), ``ignored`` (not a multicast message, a
     subscription beyond ``max_peer_groups``, a validator's IGNORE, a full validation queue, a verdict for no
-    held message), ``unknown_peer`` (an RPC from a router we have
-    no peer for), ``deprecated_policy`` (joined a group with a Lax signature policy), ``pull_skipped`` (too
-    many PULLs outstanding or ids missing), ``pull_failed`` (PULL_NACK).
+    held message), ``unknown_peer`` (an RPC through a router whose peer is another service, or from an unknown
+    service while ``max_learned_peers`` are learned already), ``deprecated_policy`` (joined a group with a Lax
+    signature policy), ``pull_skipped`` (too many PULLs outstanding or ids missing), ``pull_failed``
+    (PULL_NACK).
 """
 
 from __future__ import annotations
@@ -141,6 +152,7 @@ class GossipCore:
         self._default_policy = default_policy or GroupPolicy()
         self._policies: dict[bytes, GroupPolicy] = dict(policies or {})
         self._peers: dict[bytes, Peer] = {}
+        self._learned: OrderedDict[bytes, float] = OrderedDict()  # router -> expiry of a learned peer, in order
         self._peer_groups: dict[bytes, set[bytes]] = {}
         self._group_peers: dict[bytes, set[bytes]] = {}
         self._mesh: dict[bytes, set[bytes]] = {}
@@ -173,6 +185,11 @@ class GossipCore:
     def peers(self) -> Mapping[bytes, Peer]:
         """Known peers by router id (a copy)."""
         return dict(self._peers)
+
+    @property
+    def learned_peers(self) -> frozenset[bytes]:
+        """Router ids of the peers known only from their RPCs (no advert named them)."""
+        return frozenset(self._learned)
 
     @property
     def joined(self) -> frozenset[bytes]:
@@ -262,6 +279,12 @@ class GossipCore:
         self._seen.expire(now)
         _expire_front(self._iwant_sent, now)
         _expire_front(self._pulls, now)
+        learned = self._learned
+        while learned:
+            router, expiry = next(iter(learned.items()))
+            if expiry > now:
+                break
+            self._forget_peer(router)
 
     def _trace_deprecated(self, group: bytes, ob: Outbox) -> None:
         warning = self.policy(group).deprecation()
@@ -308,18 +331,28 @@ class GossipCore:
     # ------------------------------------------------------------------ inputs: peers and membership
 
     def peer_added(self, peer: Peer, now: float, *, greet: bool = False) -> list[Effect]:
-        """A peer's pub/sub service became known (or changed address): greet it with our subscriptions.
-        ``greet``: greet a known peer again (it may have restarted and forgotten them)."""
+        """A peer's pub/sub service became known from an advert (or changed address): greet it with our
+        subscriptions. ``greet``: greet a known peer again (it may have restarted and forgotten them). It
+        replaces a peer learned from RPCs at that router; another service's announcements are forgotten."""
         ob = Outbox()
         self._expire(now)
+        if peer.router != self._router and self._learned.pop(peer.router, None) is not None:
+            old = self._peers.get(peer.router)
+            if old is not None and old.service != peer.service:
+                self._forget_peer(peer.router)
         self._add_peer(peer, ob, greet)
         return ob.effects()
 
     def peer_removed(self, router: bytes, now: float) -> list[Effect]:
         """The peer at ``router`` is gone: forget it everywhere."""
         self._expire(now)
+        self._forget_peer(router)
+        return []
+
+    def _forget_peer(self, router: bytes) -> None:
+        self._learned.pop(router, None)
         if self._peers.pop(router, None) is None:
-            return []
+            return
         for group in sorted(self._peer_groups.pop(router, set())):
             members = self._group_peers.get(group)
             if members is not None:
@@ -329,7 +362,16 @@ class GossipCore:
         for table in (self._mesh, self._fanout):
             for members in table.values():
                 members.discard(router)
-        return []
+
+    def _learn_peer(self, router: bytes, service: bytes, now: float, ob: Outbox) -> Peer | None:
+        """Make ``service`` the peer at ``router`` (no advert named one) until ``learned_peer_ttl`` after its
+        last RPC; None when ``max_learned_peers`` are learned already."""
+        if len(self._learned) >= self._params.max_learned_peers:
+            return None
+        peer = Peer(router, service)
+        self._add_peer(peer, ob)
+        self._learned[router] = now + self._params.learned_peer_ttl
+        return peer
 
     def join(self, group: bytes, now: float) -> list[Effect]:
         """JOIN(group) after a SUB: build the mesh from fanout then subscribed peers, GRAFT, announce."""
@@ -532,16 +574,23 @@ class GossipCore:
     def rpc_received(
         self, from_router: bytes, rpc: GossipRpc, now: float, *, service: bytes | None = None
     ) -> list[Effect]:
-        """A gossip RPC from the peer at ``from_router``; ``service`` (the unicast's ``src``) adds it if new."""
+        """A gossip RPC from the peer at ``from_router``. ``service`` (the unicast's ``src``) must be that peer's
+        service; through a router we know no peer for, it becomes a learned peer (module docstring, "Peers")."""
         ob = Outbox()
         self._expire(now)
         peer = self._peers.get(from_router)
         if peer is None and service is not None and from_router != self._router:
-            peer = Peer(from_router, service)
-            self._add_peer(peer, ob)
+            peer = self._learn_peer(from_router, service, now, ob)
+            if peer is None:
+                ob.trace("unknown_peer", peer=from_router, reason="gossip RPC from an unknown service, and "
+                         "max_learned_peers peers learned from RPCs are known already")  # fmt: skip
+                return ob.effects()
         if peer is None or (service is not None and peer.service != service):
             ob.trace("unknown_peer", peer=from_router, reason="gossip RPC from no known peer's pub/sub service")
             return ob.effects()
+        if from_router in self._learned:  # kept learned_peer_ttl after its last RPC
+            self._learned[from_router] = now + self._params.learned_peer_ttl
+            self._learned.move_to_end(from_router)
         router = peer.router
         for s in rpc.subs:
             self._note_subscription(router, s.group, s.subscribe, ob)

@@ -14,7 +14,10 @@ messages detected as missing from the ``sn`` header (seed 003 §Seen), which gos
 - ``max_pending_pulls``: most PULLs outstanding at once; ``max_missing``: most ids waiting for ``pull_delay``;
 - ``max_peer_groups``: most groups remembered as subscribed per peer (further announcements are ignored);
 - ``max_pending_validations``: most messages held at once waiting for a validator service's verdict (a
-  message beyond it is ignored: dropped, not remembered as seen, so it may come again).
+  message beyond it is ignored: dropped, not remembered as seen, so it may come again);
+- ``max_learned_peers``: most peers known only from their gossip RPCs (no advert named them) at once; an RPC
+  from one more unknown service is ignored (0: an RPC from a service no advert named is always ignored);
+- ``learned_peer_ttl``: how long such a peer is kept after its last RPC (the default ``advert_ttl``).
 
 Times are in seconds of the clock the caller passes as ``now``.
 """
@@ -46,6 +49,8 @@ class GossipParams:
     max_missing: int = 1024
     max_peer_groups: int = 10_000
     max_pending_validations: int = 1024
+    max_learned_peers: int = 64
+    learned_peer_ttl: float = 120.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.D_low <= self.D <= self.D_high:
@@ -56,13 +61,16 @@ class GossipParams:
             raise ValueError(f"D_lazy must not be negative, got {self.D_lazy}")
         if not 1 <= self.mcache_gossip <= self.mcache_len:
             raise ValueError(f"need 1 <= mcache_gossip <= mcache_len, got {self.mcache_gossip}, {self.mcache_len}")
-        for name in ("heartbeat_interval", "fanout_ttl", "seen_ttl"):
+        for name in ("heartbeat_interval", "fanout_ttl", "seen_ttl", "learned_peer_ttl"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("iwant_timeout", "pull_delay", "pull_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
-        for name in ("seen_max", "max_pending_pulls", "max_missing", "max_peer_groups", "max_pending_validations"):
+        for name in (
+            "seen_max", "max_pending_pulls", "max_missing", "max_peer_groups", "max_pending_validations",
+            "max_learned_peers",
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.seen_max < 1:
