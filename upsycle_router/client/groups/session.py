@@ -17,7 +17,9 @@ router (:class:`~upsycle_router.client.Client`, re-established with backoff when
   concurrently with a rotation) goes to the core of its group;
 * the *worker* carries out the cores' effects in order: it publishes and sends outbox messages, then waits
   for the router's SYNC_ACK (committed) before it drops them from the outbox (one the router refused for
-  want of room or for load stays in it, to be sent again when the session starts again); it JOINs
+  want of room or for load stays in it, to be sent again when the session starts again; one it refused for
+  good - not authorized, too large, expired ... - or for some recipients only is reported to the app:
+  :attr:`GroupManager.refused` and the ``on_refused`` callback; a refused JOIN too); it JOINs
   (non-local, so the router's pub/sub service carries the group between routers) and LEAVEs groups; it
   starts fetches;
 * the *timer* calls ``handle_timer`` on each core at its deadline (missing-dependency fetches, ACKs).
@@ -43,13 +45,13 @@ import contextlib
 import logging
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from upsycle_router.client.connection import Client, ClientError
+from upsycle_router.client.connection import Client, ClientError, Refusal
 from upsycle_router.client.groups import events as ev
 from upsycle_router.client.groups.binding import WelcomeRefused, check_welcome, open_welcome
 from upsycle_router.client.groups.core import GroupConfig, GroupCore, GroupError
@@ -80,6 +82,11 @@ RECONNECT_MAX = 5.0
 PULL_TIMEOUT = 5.0
 MAX_FETCHES = 8
 MAX_REMOTE_ROUTERS = 4
+MAX_REFUSED = 1_000  # newest refusals kept in GroupManager.refused
+
+OnRefused = Callable[[bytes, Refusal | None, bytes], None]
+"""``on_refused(gid, refusal, what)``: the router refused, for good, a message of group ``gid`` (``what``: the
+message id) or the JOIN of one of its epoch addresses (``refusal`` None, ``what``: that address)."""
 
 
 class GroupManager:
@@ -94,6 +101,7 @@ class GroupManager:
         config: GroupConfig | None = None,
         accept: Accept | None = None,
         rng: Rng = os.urandom,
+        on_refused: OnRefused | None = None,
     ) -> None:
         self.identity = identity
         self.store = store
@@ -122,6 +130,10 @@ class GroupManager:
         # Welcomes that were refused (no or a bad creation proof, not from an admin, malformed ...) and welcomes
         # that conflict with a group this member is in (another creator or admins for its id), by that word.
         self.welcome_problems: Counter[str] = Counter()
+        # What the router refused for good (not sent again): (gid, the REFUSED, the message id) for a message,
+        # (gid, None, the group address) for a JOIN; the newest MAX_REFUSED. ``on_refused`` hears of each.
+        self.refused: deque[tuple[bytes, Refusal | None, bytes]] = deque(maxlen=MAX_REFUSED)
+        self.on_refused = on_refused
         self.connects = 0
 
     # ------------------------------------------------------------ opening and closing
@@ -137,6 +149,7 @@ class GroupManager:
         config: GroupConfig | None = None,
         accept: Accept | None = None,
         connect_timeout: float = 10.0,
+        on_refused: OnRefused | None = None,
     ) -> GroupManager:
         """Open the member's state in ``data_dir`` and connect to the router at ``socket`` (or via ``connect``).
 
@@ -151,7 +164,7 @@ class GroupManager:
 
             connect = connect_unix
         store = GroupStore(data_dir, identity.public)
-        self = cls(identity, store, connect, config=config, accept=accept)
+        self = cls(identity, store, connect, config=config, accept=accept, on_refused=on_refused)
         try:
             self._load()
             first = await connect()
@@ -430,6 +443,7 @@ class GroupManager:
             elif isinstance(e, ev.JoinGroup):
                 if not await client.join(e.addr, local=False):
                     log.warning("groups: the router refused JOIN %s", e.addr.hex()[:16])
+                    self._refused(e.gid, None, e.addr)
             elif isinstance(e, ev.LeaveGroup):
                 await client.leave(e.addr)
             elif isinstance(e, ev.Fetch):
@@ -454,9 +468,19 @@ class GroupManager:
                         continue
                     if r is not None:
                         log.warning("groups: the router refused a message for good: %s", r)
+                        self._refused(s.gid, r, s.message.id)
                     if core is not None:
                         core.outbox_done(s.n)
             self._notify()
+
+    def _refused(self, gid: bytes, r: Refusal | None, what: bytes) -> None:
+        """Report a refusal for good to the app (:attr:`refused`, ``on_refused``)."""
+        self.refused.append((gid, r, what))
+        if self.on_refused is not None:
+            try:
+                self.on_refused(gid, r, what)
+            except Exception:  # noqa: BLE001 - the app's callback must not stop the worker
+                log.exception("groups: the on_refused callback failed")
 
     def _start_fetch(self, f: ev.Fetch) -> None:
         if f.id in self._fetching:
