@@ -104,7 +104,7 @@ from upsycle_router.core.events import (
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, message_signature_valid, sign_advert, sign_message
 from upsycle_router.errors import RemoteProtocolError
-from upsycle_router.expiry import exp_in
+from upsycle_router.expiry import exp_in, exp_to_unix
 from upsycle_router.services.discovery import DISCOVERY_GROUP
 from upsycle_router.services.discovery import core as dcore
 from upsycle_router.services.discovery.params import DiscoveryParams
@@ -899,7 +899,10 @@ class PubsubEndpoint:
         if isinstance(ctl, PeerAdvertisement):
             svc = ctl.service(SERVICE_PUBSUB)
             if svc is not None and ctl.id != self.router:
-                self.peer_expiry[ctl.id] = now + ctl.ttl
+                lifetime = min(float(ctl.ttl), exp_to_unix(ctl.exp) - now)  # as the daemon's service keeps it
+                if lifetime <= 0:
+                    return []
+                self.peer_expiry[ctl.id] = now + lifetime
                 old_rev = self.peer_rev.get(ctl.id)
                 self.peer_rev[ctl.id] = ctl.rev
                 return self.core.peer_added(ps.Peer(ctl.id, svc), now, greet=old_rev is not None and ctl.rev != old_rev)
