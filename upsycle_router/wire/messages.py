@@ -196,6 +196,8 @@ def _decode_canonical(data: bytes) -> Message | None:
     """Decode a message in exactly the one deterministic form without the general CBOR decoder; None for
     anything else, which then goes through the strict decoder. This path only accepts inputs the strict decoder
     accepts, with the same result (tests/wire/test_fast_decode.py checks both ways)."""
+    if type(data) is not bytes:  # a bytearray or memoryview: the fields are bytes, as the C decoder makes them
+        data = bytes(data)
     header: Header
     if data[1:2] == b"\x00":
         m = _UNICAST_RE.match(data)
