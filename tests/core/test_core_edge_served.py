@@ -9,16 +9,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core_harness import CoreHarness, control, ident, unicast
+import pytest
+from core_harness import CoreHarness, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.wire.control import Reason, Refused, Register
+from upsycle_router.core.events import MessagesReceived
+from upsycle_router.wire.control import Join, Reason, Refused, Register
 
 X = ident("X")
 EDGE, R = ident("edge"), ident("R")
 ALICE = ident("alice")
 Y = ident("edge-app")  # an app on EDGE, registered with X
 K = ident("remote-svc")  # a service behind the configured peer R
+G = ident("group")
 
 
 def harness(tmp_path: Path) -> CoreHarness:
@@ -72,3 +75,26 @@ def test_the_reply_of_an_edge_app_the_app_wrote_to_is_no_strangers(tmp_path: Pat
     # The contact survives a restart (it is stored).
     h.restart()
     assert h.receive(h.open(EDGE, local=False), unicast(Y, ALICE, b"again", now=h.now)).refusals() == []
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["one by one", "as a run"])
+def test_a_member_routers_refusal_of_an_apps_group_message_reaches_the_app(tmp_path: Path, together: bool) -> None:
+    """The edge node EDGE is a member of group G here (it JOINed for its apps): a group message ALICE publishes
+    goes to it, and its REFUSED for it (say its app's queue is full) reaches ALICE - whether the message was
+    routed alone or in a run of the group's messages (core/runs.py). A REFUSED for it from a router that is no
+    member of G means nothing."""
+    h = harness(tmp_path)
+    e = h.open(EDGE, local=False)
+    assert h.receive(e, control(EDGE, X, Join(G.public, False), now=h.now)).replies(e)
+    a = h.open(ALICE)
+    m1, m2 = (multicast(G, body, now=h.now) for body in (b"one", b"two"))
+    if together:
+        out = h.handle_all([MessagesReceived(a, (m1, m2), (True, True))])
+    else:
+        out = h.receive(a, m1)
+        out = h.receive(a, m2)
+    assert out.refusals() == [] and out.sends(e)
+    out = h.receive(e, control(EDGE, X, Refused(m2.id, Reason.QUOTA, 1), now=h.now))
+    assert out.refusals(a) == [Refused(m2.id, Reason.QUOTA, 1)]
+    r = h.open(R, local=False)
+    assert h.receive(r, control(R, X, Refused(m1.id, Reason.QUOTA, 1), now=h.now)).refusals(a) == []

@@ -189,6 +189,7 @@ class ControlPlane:
                                   size)
             return
         members = self.s.subs.setdefault(j.addr, {})
+        self.s.router_members.pop(j.addr, None)
         if members.get(requester) != j.local:
             members[requester] = j.local
             self.s.store.add_subscriber(j.addr, requester, j.local)
@@ -211,6 +212,7 @@ class ControlPlane:
             self._reply(c, requester, encode_router(LeaveAck(lv.addr, Result.FAILURE)), now, out)
             return
         del members[requester]
+        self.s.router_members.pop(lv.addr, None)
         self.s.store.remove_subscriber(lv.addr, requester)
         out.append(Trace(LEFT, None, CONTROL, lv.addr, requester, peer=c.peer, role=self.s.role(requester)))
         self._reply(c, requester, encode_router(LeaveAck(lv.addr, Result.SUCCESS)), now, out)

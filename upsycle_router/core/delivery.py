@@ -45,6 +45,8 @@ QUEUE_ENTRY_BYTES = 128
 THROTTLE_SECONDS = 0.05
 # Messages forwarded for local apps whose next router may still refuse them, remembered at most.
 FORWARDED_MAX = 65_536
+ANY_MEMBER = b""
+"""The ``router`` of a :class:`~upsycle_router.core.state.Forwarded` multicast: any router member of its group."""
 
 
 class Delivery:
@@ -331,10 +333,17 @@ class Delivery:
         if it is still connected (a late refusal: its SYNC_ACK may have come back already; if it has not - no
         SYNC_ACK on that connection since the message - the app's next SYNC_ACK counts it, as any REFUSED sent
         for a message since the previous SYNC). A REFUSED from any other router means nothing here."""
-        fwd = self.s.forwarded.get(r.id)
-        if fwd is None or fwd.router != router:
+        s = self.s
+        fwd = s.forwarded.get(r.id)
+        if fwd is None:
             return
-        del self.s.forwarded[r.id]
+        if fwd.router == ANY_MEMBER:  # a multicast: from any router among its group's members (each may refuse)
+            if router in s.locals or router not in s.subs.get(fwd.group or b"", ()):
+                return
+        elif fwd.router != router:
+            return
+        else:
+            del s.forwarded[r.id]
         c = self.conns.get(fwd.conn)
         if c is None:
             return

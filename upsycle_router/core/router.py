@@ -60,7 +60,7 @@ from collections.abc import Iterable, Sequence
 
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.control import ControlPlane
-from upsycle_router.core.delivery import Delivery
+from upsycle_router.core.delivery import ANY_MEMBER, Delivery
 from upsycle_router.core.events import (
     CloseConnection,
     ConnectionClosed,
@@ -408,6 +408,7 @@ class Router:
         if ev.local:
             if ev.peer not in s.locals:
                 s.locals.add(ev.peer)
+                s.router_members.clear()
                 for core in sorted(self.state.config.upstream):  # a new local service: our core nodes learn it
                     cid = s.connected(core)
                     if cid is not None:
@@ -678,6 +679,8 @@ class Router:
             cores = sorted(self.state.config.upstream)
         # Step 8. Subscribers that get it now get it in one Fanout; the others are queued while away or behind.
         failed, why = self._to_members(recipients, msg, grp, data, size, now, out, remote=not c.local, origin=c)
+        if c.local and s.has_router_member(grp):  # a member router's REFUSED for it reaches the app
+            self.delivery.remember(c, ANY_MEMBER, mid, MULTICAST, grp, size)
         failed_cores: list[bytes] = []
         for core in cores:
             r = self._to_router(core, msg, h.grp, size, now, out, kind=MULTICAST, origin=c)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from upsycle_router.core.delivery import Delivery
+from upsycle_router.core.delivery import ANY_MEMBER, Delivery
 from upsycle_router.core.events import ConnId, Effect, Fanout, Trace
 from upsycle_router.core.state import Conn, RouterState
 from upsycle_router.core.trace import DELIVERED, DUPLICATE, MULTICAST, RECEIVED, Why
@@ -129,4 +129,9 @@ def multicast_run(
             delivery.dropped(c, msg.id, result, 0, now, out, MULTICAST, grp, None, None, size)
     if delivered:
         out.append(Fanout(fanout, tuple(delivered)))
+        if s.has_router_member(grp):  # a member router's REFUSED for one reaches the app (as Router._multicast)
+            for k, result in zip(range(lo, hi), outcome, strict=True):
+                if type(result) is bytes:
+                    msg = msgs[k]
+                    delivery.remember(c, ANY_MEMBER, msg.id, MULTICAST, grp, len(msg.wire) or len(msg.encode()))
     return True

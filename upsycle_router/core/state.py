@@ -113,6 +113,8 @@ class RouterState:
         self.pubsub_groups: set[bytes] = set()
         self.upstream_groups: set[bytes] = set()
         self.contacts: set[tuple[bytes, bytes]] = set()  # (local service, key it wrote to): not strangers to it
+        # group -> whether a router (a key not local) is among its members: cached, dropped on any change
+        self.router_members: dict[bytes, bool] = {}
         self.load_mirrored()
         # Keys the router was told to trust (beside its local services and the contacts of each recipient).
         self.trusted = frozenset(config.peers | config.edge_nodes | config.upstream)
@@ -158,6 +160,16 @@ class RouterState:
         self.upstream_groups.update(store.upstream_subscribed())
         self.contacts.clear()
         self.contacts.update(store.contacts())
+        self.router_members.clear()
+
+    def has_router_member(self, grp: bytes) -> bool:
+        """Whether a remote router (an edge node, say) is a member of ``grp``: a local app's message of ``grp``
+        goes to it, and its REFUSED for it is passed on to the app (a late refusal)."""
+        known = self.router_members.get(grp)
+        if known is None:
+            locals_ = self.locals
+            known = self.router_members[grp] = any(m not in locals_ for m in self.subs.get(grp, ()))
+        return known
 
     # ------------------------------------------------------------------ questions
 
