@@ -5,25 +5,17 @@ only logged; a message the router takes is not. A real router daemon, real group
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from daemons import async_wait_until
 
 from upsycle_router.client.connection import Refusal
 from upsycle_router.client.groups.session import GroupManager
 from upsycle_router.crypto import Identity
 from upsycle_router.wire.control import Reason
-
-
-async def _until(pred: Callable[[], object], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.slow
@@ -40,11 +32,11 @@ async def test_a_message_refused_for_an_away_member_is_reported_to_the_sender(
             await g.add(bob.public)
             s = await mb.next_welcome(timeout=20)
             await s.send(b"hello")
-            await _until(lambda: any(e.data == b"hello" for e in g.log()), "alice reading bob")
+            await async_wait_until(lambda: any(e.data == b"hello" for e in g.log()), 20.0, "alice reading bob")
         await asyncio.sleep(0.5)  # bob is away now; his subscription stays with the router
         await g.send(b"fits in bob's queue")  # taken: not reported
         await g.send(b"x" * 32768)  # larger than any queue of this router may hold: refused for bob
-        await _until(lambda: len(heard) >= 1, "alice hearing of the refusal")
+        await async_wait_until(lambda: len(heard) >= 1, 20.0, "alice hearing of the refusal")
         await asyncio.sleep(0.5)
         assert [(gid, rr.reason if rr else None) for gid, rr, _ in heard] == [(g.gid, Reason.TOO_LARGE)]
         refusal = heard[0][1]

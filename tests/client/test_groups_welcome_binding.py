@@ -12,8 +12,6 @@ real router, for the attack as a stranger mounts it: a forged welcome sent to a 
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +19,7 @@ from typing import Any
 
 import cbor2
 import pytest
+from daemons import async_wait_until
 
 from upsycle_router.client import Client
 from upsycle_router.client.groups import events as ev
@@ -265,14 +264,6 @@ def test_a_second_welcome_for_a_group_with_another_creator_is_a_conflict_and_cha
 # ---------------------------------------------------------------------------------------------- a real router
 
 
-async def _until(pred: Callable[[], object], what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 @pytest.mark.slow
 async def test_the_forgery_on_a_real_router_is_refused_and_the_real_welcome_then_works(
     tmp_path: Path, daemon: Callable[..., Any]
@@ -287,13 +278,14 @@ async def test_the_forgery_on_a_real_router_is_refused_and_the_real_welcome_then
         async with await Client.connect(r.sock, mallory) as mc:
             await mc.send(bob.public, WelcomeMessage(seal_to(bob.public, fake.encode())).encode())
             await mc.sync()
-            await _until(lambda: mb.welcome_problems["refused"] == 1, "bob refusing mallory's welcome")
+            await async_wait_until(lambda: mb.welcome_problems["refused"] == 1, 20.0, "bob refusing mallory's welcome")
         assert g.gid not in mb.sessions
         await g.add(bob.public)
         s = await mb.next_welcome(timeout=20)
         assert s.gid == g.gid and s.admin == alice.public and s.members == {alice.public, bob.public}
         await s.send(b"secret for the group")
-        await _until(lambda: any(e.data == b"secret for the group" for e in g.log()), "alice reading bob")
+        await async_wait_until(lambda: any(e.data == b"secret for the group" for e in g.log()), 20.0,
+                               "alice reading bob")  # fmt: skip
         # the real welcome again, and a welcome for the same gid bound to another creator by someone who holds
         # the epoch-0 group key: the first changes nothing, the second is reported as a conflict
         e0 = ma.cores[g.gid].membership.by_grp(g.gid)
@@ -302,7 +294,7 @@ async def test_the_forgery_on_a_real_router_is_refused_and_the_real_welcome_then
         async with await Client.connect(r.sock, mallory) as mc:
             await mc.send(bob.public, WelcomeMessage(seal_to(bob.public, bound)).encode())
             await mc.sync()
-            await _until(lambda: mb.welcome_problems["conflict"] == 1, "bob reporting the conflict")
+            await async_wait_until(lambda: mb.welcome_problems["conflict"] == 1, 20.0, "bob reporting the conflict")
         assert mb.welcome_problems["refused"] == 1
         assert s.admin == alice.public and s.members == {alice.public, bob.public}
         assert mb.cores[g.gid].epoch.ckey == ma.cores[g.gid].epoch.ckey
