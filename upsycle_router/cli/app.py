@@ -164,10 +164,13 @@ def cmd_publish(args: argparse.Namespace) -> int:
     try:
         group = group_signing_key(args)
         sender = None if args.raw else app_identity(args)
+        body = read_body(args)
     except (KeyFileError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    body = read_body(args)
+    except ValueError as e:  # --hex and a body that is not hex
+        print(f"error: body: {e}", file=sys.stderr)
+        return 2
     if sender is not None:
         body = app_body(sender, group.public, body)
 

@@ -20,6 +20,7 @@ directories ``run`` writes is here.
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
 import signal
@@ -40,9 +41,13 @@ from upsycle_router.config.sources import describe
 from upsycle_router.crypto import Identity, load_or_create_key_file
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
-from upsycle_router.runtime.daemon import run_daemon, running_pid
+from upsycle_router.runtime.daemon import ListenError, run_daemon, running_pid
 from upsycle_router.runtime.logs import setup_logging
 from upsycle_router.store.integrity import StoreUnusable
+
+PATH_ERRNOS = frozenset({errno.EEXIST, errno.EISDIR, errno.ENOTDIR, errno.ENOENT, errno.EACCES, errno.EPERM,
+                         errno.ENAMETOOLONG, errno.ELOOP})  # fmt: skip
+"""A start-up OSError with one of these is the config's (exit 2): the path is not what it names."""
 
 
 def check_dir(path: Path, option: str) -> None:
@@ -88,9 +93,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_async(run_daemon(cfg, lambda: config_from_args(args), ready_file=ready_file))
     except (KeyFileError, ConfigError, StoreUnusable) as e:  # (a damaged store too: one line, exit 2)
         return config_error(e)
+    except ListenError as e:  # an address in use may free itself (1); one not on this host will not (2)
+        print(f"error: {e}", file=sys.stderr)
+        return 1 if e.errno == errno.EADDRINUSE else 2
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # a path that is not what the config says (a file where a directory must be ...)
+        print(f"error: cannot start: {e}", file=sys.stderr)
+        return 2 if e.errno in PATH_ERRNOS else 1
     except KeyboardInterrupt:
         return 0
     return 0

@@ -210,7 +210,11 @@ def cmd_admin(args: argparse.Namespace) -> int:
 
 def cmd_send(args: argparse.Namespace) -> int:
     """Send one message to the group (or sealed to some members)."""
-    body = read_body(args)
+    try:
+        body = read_body(args)
+    except ValueError as e:  # --hex and a body that is not hex
+        print(f"error: body: {e}", file=sys.stderr)
+        return 2
 
     async def go(mgr: GroupManager) -> int:
         await settle(mgr)
@@ -227,7 +231,11 @@ def cmd_send(args: argparse.Namespace) -> int:
 
 def cmd_listen(args: argparse.Namespace) -> int:
     """Print group log entries as JSON lines."""
-    only = parse_key(args.group, "group") if args.group else None
+    try:
+        only = parse_key(args.group, "group") if args.group else None
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     async def go(mgr: GroupManager) -> int:
         printed = 0

@@ -41,10 +41,11 @@ import os
 import signal
 import socket
 import ssl
+import stat
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -197,6 +198,7 @@ class Daemon:
         self.pool: ConnectionPool | None = None
         self.metrics: MetricsServer | None = None
         self._lock_fd: int | None = None
+        self._unix_bound = False  # this process bound listen.unix (only then does stop() remove it)
         self._readvertise_handle: asyncio.TimerHandle | None = None
         self.trimmer = Trimmer()
         self._trim_handle: asyncio.TimerHandle | None = None
@@ -296,7 +298,9 @@ class Daemon:
         if cfg.tls is not None:
             addr = TransportAddr.parse(cfg.tls)
             ctx = server_context(ident, cfg.data_dir)
-            self._listen(listen_tcp(addr.host, addr.port), "tls", ssl_context=ctx)
+            with _opening("listen.tls", cfg.tls):
+                sock = listen_tcp(addr.host, addr.port)
+            self._listen(sock, "tls", ssl_context=ctx)
             log.info("listening tls=%s", cfg.tls)
         if cfg.websocket.listen is not None:
             await self._listen_websocket(ident)
@@ -308,7 +312,8 @@ class Daemon:
             maddr = TransportAddr.parse(cfg.metrics_listen)
             self.metrics = MetricsServer(router.status, ident.hex, version=__version__, health=self.health,
                                          detail=self.status_detail)  # fmt: skip
-            await self.metrics.start(maddr.host, maddr.port)
+            with _opening("metrics.listen", cfg.metrics_listen):
+                await self.metrics.start(maddr.host, maddr.port)
             log.info("metrics on http://%s/metrics (and /healthz, /status)", cfg.metrics_listen)
         if self.pubsub_identity is not None and cfg.unix is not None and cfg.pubsub.in_process:
             self.pubsub = pubsub_service(cfg.pubsub, self.pubsub_identity, cfg.unix, params)
@@ -468,22 +473,32 @@ class Daemon:
                 raise ConfigError(f"websocket.cert_file / key_file: {e}") from None
         local = ws.local if ws.local is not None else is_loopback(addr.host)
         self._ws_policy = WebSocketPolicy(ws.path, ws.origins, local)
-        listener = self._listen(listen_tcp(addr.host, addr.port), "websocket", ssl_context=ctx)
+        with _opening("websocket.listen", ws.listen):
+            sock = listen_tcp(addr.host, addr.port)
+        listener = self._listen(sock, "websocket", ssl_context=ctx)
         port = listener.sock.getsockname()[1]
         host = f"[{addr.host}]" if ":" in addr.host else addr.host
         log.info("listening websocket=%s://%s:%d%s local=%s", "wss" if ctx else "ws", host, port, ws.path, local)
 
     async def _listen_unix(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if path.exists() or path.is_symlink():
+        try:
+            st: os.stat_result | None = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None:
+            if not stat.S_ISSOCK(st.st_mode):  # a typo must not delete a file (the config, say)
+                raise ConfigError(f"listen.unix: {path} exists and is not a socket")
             if await _socket_alive(path):
                 raise RuntimeError(f"{path}: another router is listening on this socket")
             path.unlink()
         old = os.umask(0o177)
         try:
-            sock = listen_unix(path)
+            with _opening("listen.unix", path):
+                sock = listen_unix(path)
         finally:
             os.umask(old)
+        self._unix_bound = True
         os.chmod(path, self.config.unix_mode)
         if self.config.unix_group is not None:
             os.chown(path, -1, socket_gid(self.config.unix_group))
@@ -720,7 +735,7 @@ class Daemon:
         if self.store is not None:
             self.store.close()
             self.store = None
-        if self.config.unix is not None:
+        if self.config.unix is not None and self._unix_bound:
             with contextlib.suppress(OSError):
                 self.config.unix.unlink()
         if self.admission is not None:
@@ -798,6 +813,24 @@ def tune_gc() -> None:
 SWITCH_INTERVAL = 0.0005
 
 
+class ListenError(RuntimeError):
+    """A listener the config asks for could not be opened: the option, its value, the system's reason."""
+
+    def __init__(self, option: str, value: object, err: OSError) -> None:
+        super().__init__(f"{option}: {value}: {err.strerror or err}")
+        self.errno = err.errno
+
+
+@contextlib.contextmanager
+def _opening(option: str, value: object) -> Iterator[None]:
+    """Name the option when opening its listener fails (an address in use or not on this host, a path too
+    long for a Unix socket ...)."""
+    try:
+        yield
+    except OSError as e:
+        raise ListenError(option, value, e) from None
+
+
 async def run_daemon(
     config: DaemonConfig, loader: Callable[[], DaemonConfig] | None = None, *, ready_file: Path | None = None
 ) -> None:
@@ -807,8 +840,16 @@ async def run_daemon(
     d = Daemon(config, loader)
     if ready_file is not None:
         ready_file.unlink(missing_ok=True)  # a stale one (a router killed) would say ready too early
-    with store_errors(config.data_dir / "store"):  # LMDB's errors at start: one line, exit 2
-        await d.start()
+    try:
+        with store_errors(config.data_dir / "store"):  # LMDB's errors at start: one line, exit 2
+            await d.start()
+    except BaseException:
+        # A start that failed part way (an address in use, say) leaves nothing open: the store closed (marked
+        # clean: the next start need not walk it), the lock released, the socket removed if it was bound here.
+        if d.store is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(d.stop(), STOP_TIMEOUT)
+        raise
     tune_gc()
     try:
         if ready_file is not None and d.identity is not None:

@@ -89,6 +89,9 @@ def backup(store_dir: Path, out: Path, *, force: bool = False) -> BackupResult:
         raise BackupError(f"{out}: exists already (--force replaces it)")
     if out.is_dir():
         raise BackupError(f"{out}: is a directory; name the backup file")
+    if store_dir.resolve() in (out.absolute().parent.resolve(), out.resolve().parent):
+        # data.mdb or lock.mdb replaced under a running router: it goes on writing to the old file, lost
+        raise BackupError(f"{out}: is in the store's own directory {store_dir}; write the backup elsewhere")
     first = integrity.diagnose(store_dir, walk=False)
     if first is None:
         raise BackupError(f"{store_dir / DATA}: there is no store to back up")
