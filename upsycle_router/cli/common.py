@@ -74,10 +74,12 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     applied."""
     cfg = effective_config(getattr(args, "config", None))
     over: dict[str, Any] = {}
-    if getattr(args, "data_dir", None):
-        over["data_dir"] = Path(args.data_dir)
-    if getattr(args, "unix", None):
-        over["unix"] = Path(args.unix)
+    data_dir = path_option(args, "data_dir", "--data-dir")
+    if data_dir is not None:
+        over["data_dir"] = data_dir
+    unix = path_option(args, "unix", "--unix")
+    if unix is not None:
+        over["unix"] = unix
     if getattr(args, "listen", None):
         try:
             TransportAddr.parse(args.listen)
@@ -98,6 +100,17 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
     if getattr(args, "log_level", None):
         over["log_level"] = args.log_level
     return dataclasses.replace(cfg, **over) if over else cfg
+
+
+def path_option(args: argparse.Namespace, attr: str, option: str) -> Path | None:
+    """The path an option names, None when it is not given; an empty one (``--data-dir "$UNSET"``) is a
+    :class:`ConfigError`, never the default in disguise."""
+    value = getattr(args, attr, None)
+    if value is None:
+        return None
+    if not value:
+        raise ConfigError(f"{option}: empty path")
+    return Path(value)
 
 
 def config_error(e: Exception) -> int:
@@ -171,8 +184,9 @@ def app_options(p: argparse.ArgumentParser) -> None:
 def socket_path(args: argparse.Namespace) -> Path:
     """The router's socket: ``--socket``, else :func:`~upsycle_router.config.sources.router_socket` (the
     daemon's, found as the daemon finds its config; the default; the system router's)."""
-    if args.socket:
-        return Path(args.socket)
+    sock = path_option(args, "socket", "--socket")
+    if sock is not None:
+        return sock
     return router_socket(args.config)
 
 

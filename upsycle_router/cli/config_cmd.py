@@ -9,7 +9,8 @@ comment, says where it came from. ``config --path`` prints only the file that wo
 ``config/router.example.yaml``). A config that does not load is exit 2 and one line, as for ``run``.
 
 ``wait`` waits until a router answers on its socket - a complete session handshake, not just a socket file -
-and prints the router's id; exit 1 after ``--timeout`` seconds (default 30) without an answer. It connects
+and prints the router's id; exit 1 after ``--timeout`` seconds (default 30) without an answer (a timeout that
+is not a finite number >= 0 is exit 2). It connects
 with a throwaway key and writes nothing. Scripts start a daemon in the background and ``wait`` for it, instead
 of sleeping or polling for the socket file (which exists a moment before the router answers).
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import time
 from importlib import resources
@@ -48,7 +50,10 @@ def cmd_config(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
         return 0
     if args.path:
-        path, why = find_config(args.config)
+        try:
+            path, why = find_config(args.config)
+        except ConfigError as e:
+            return config_error(e)
         if path is not None:
             print(path)
         print(f"({why})" if path is not None else "no config file: the embedded defaults", file=sys.stderr)
@@ -64,6 +69,9 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_wait(args: argparse.Namespace) -> int:
     """Wait until a router answers on its socket; print its id."""
+    if not math.isfinite(args.timeout) or args.timeout < 0:
+        print(f"error: --timeout: expected a finite number of seconds >= 0, got {args.timeout:g}", file=sys.stderr)
+        return 2
     try:
         path = socket_path(args)
     except ConfigError as e:

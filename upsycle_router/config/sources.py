@@ -63,9 +63,12 @@ def find_config(
 ) -> tuple[Path | None, str]:
     """The config file to read and why: ``(path, "--config")``, ``(path, "$UPSYCLE_CONFIG")``,
     ``(system, "the system config")`` or ``(None, "no config file")``. ``app``: skip a system file this user
-    cannot read (see the module docstring)."""
+    cannot read (see the module docstring). An empty ``explicit`` (``--config "$UNSET"``) is a
+    :class:`ConfigError`, not the search path."""
     env = _env(environ)
-    if explicit:
+    if explicit is not None:
+        if not os.fspath(explicit):
+            raise ConfigError("--config: empty path")
         return Path(explicit), "--config"
     if env.get(CONFIG_ENV):
         return Path(env[CONFIG_ENV]), f"${CONFIG_ENV}"

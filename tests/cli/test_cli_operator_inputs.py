@@ -1,0 +1,173 @@
+"""What an operator gets wrong on the command line or in the data directory, through the real CLI: an empty
+path option (``--data-dir "$UNSET"``), a ``wait --timeout`` that is no number of seconds, and a damaged TLS
+certificate or key in the data directory (made again from the router key, or one line and exit 2)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import ssl
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from daemons import HOST, Daemon, cli, daemon_dir, run_expecting_exit, wait_until
+from netutil import free_port
+
+from upsycle_router.crypto import Identity, load_key_file
+from upsycle_router.transport.tls import cert_public_key, client_context, peer_cert_key, write_certificate
+
+
+def _environ(tmp_path: Path) -> dict[str, str]:
+    """An environment whose default data directory, socket and config live under ``tmp_path``, with no
+    ``UPSYCLE_*`` variable and no system config reachable through ``$UPSYCLE_CONFIG``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UPSYCLE_")}
+    for var in ("XDG_STATE_HOME", "XDG_RUNTIME_DIR", "XDG_CONFIG_HOME"):
+        env[var] = str(tmp_path / var.lower())
+    return env
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+# ------------------------------------------------------------------------------------- empty path options
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (("config", "--data-dir", ""), "--data-dir"),
+        (("config", "--config", ""), "--config"),
+        (("config", "--path", "--config", ""), "--config"),
+        (("run", "--print-config", "--unix", ""), "--unix"),
+        (("run", "--print-config", "--data-dir", ""), "--data-dir"),
+        (("id", "--data-dir", ""), "--data-dir"),
+        (("store", "check", "--data-dir", ""), "--data-dir"),
+        (("wait", "--timeout", "1", "--socket", ""), "--socket"),
+        (("status", "--socket", ""), "--socket"),
+    ],
+)
+def test_an_empty_path_option_is_an_error_not_the_default(tmp_path: Path, args: tuple[str, ...], option: str) -> None:
+    r = run_expecting_exit(*args, environ=_environ(tmp_path))
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert _one_error_line(r.stderr).endswith(f"{option}: empty path")
+    assert r.stdout == ""
+
+
+def test_store_restore_with_an_empty_data_dir_leaves_the_default_store_alone(tmp_path: Path) -> None:
+    env = _environ(tmp_path)
+    default_dir = Path(env["XDG_STATE_HOME"]) / "upsycle-router"
+    backup = tmp_path / "backup.mdb"
+    backup.write_bytes(b"not a store")
+    r = run_expecting_exit("store", "restore", str(backup), "--force", "--data-dir", "", environ=env)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert _one_error_line(r.stderr) == "error: config: --data-dir: empty path"
+    assert not default_dir.exists()
+
+
+# ------------------------------------------------------------------------------------------ wait --timeout
+
+
+@pytest.mark.parametrize("timeout", ["nan", "inf", "-inf", "-1"])
+def test_wait_refuses_a_timeout_that_is_no_number_of_seconds(tmp_path: Path, timeout: str) -> None:
+    sock = tmp_path / "none.sock"
+    r = run_expecting_exit("wait", "--socket", str(sock), f"--timeout={timeout}", timeout=15,
+                           environ=_environ(tmp_path))  # fmt: skip
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert _one_error_line(r.stderr).startswith("error: --timeout: expected a finite number of seconds >= 0")
+
+
+def test_wait_with_a_zero_timeout_gives_up_at_once(tmp_path: Path) -> None:
+    r = run_expecting_exit("wait", "--socket", str(tmp_path / "none.sock"), "--timeout", "0", timeout=15,
+                           environ=_environ(tmp_path))  # fmt: skip
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert "no router answered" in r.stderr
+
+
+# ---------------------------------------------------------------------------- damaged TLS certificate / key
+
+
+def _damage(d: Path, how: str) -> str:
+    """Damage the TLS pair in data directory ``d``; the name of the file the warning must name."""
+    crt, key = d / "router.crt", d / "router-tls.key"
+    if how == "truncated crt":
+        crt.write_text("-----BEGIN CERTIFICATE-----\nMIIB")
+        key.write_text("x\n")
+        return "router.crt"
+    if how == "empty crt":
+        crt.write_bytes(b"")
+        return "router.crt"
+    if how == "garbage key":
+        key.write_text("garbage\n")
+        return "router-tls.key"
+    if how == "empty key":
+        key.write_bytes(b"")
+        return "router-tls.key"
+    assert how == "another router's key"
+    other = d / "other"
+    other.mkdir()
+    write_certificate(Identity.generate(), other)
+    shutil.copy(other / "router-tls.key", key)
+    shutil.rmtree(other)
+    return "router-tls.key"
+
+
+def _tls_peer_key(port: int) -> bytes | None:
+    try:
+        with socket.create_connection((HOST, port), timeout=2) as raw:
+            with client_context().wrap_socket(raw) as s:
+                return peer_cert_key(s)
+    except (OSError, ssl.SSLError):
+        return None
+
+
+@pytest.mark.parametrize("how", ["truncated crt", "empty crt", "garbage key", "empty key", "another router's key"])
+def test_a_damaged_tls_certificate_or_key_is_made_again_at_start(tmp_path: Path, how: str) -> None:
+    cleanup: list[Path] = []
+    base = daemon_dir(tmp_path / "r", cleanup)
+    port = free_port()
+    d = Daemon(base, listen=f"{HOST}:{port}")
+    try:
+        assert cli("id", "--data-dir", str(base)).returncode == 0
+        ident = load_key_file(base / "router.key")
+        write_certificate(ident, base)
+        named = _damage(base, how)
+        d.start()
+        assert wait_until(lambda: _tls_peer_key(port), 20, "the TLS listener answering") == ident.public
+        warnings = [ln for ln in d.log_text().splitlines() if " WARNING " in ln and named in ln]
+        assert warnings, d.log_text()
+        assert "Traceback" not in d.log_text()
+        cert = x509.load_pem_x509_certificate((base / "router.crt").read_bytes())
+        assert cert_public_key(cert) == ident.public
+        assert (base / "router-tls.key").stat().st_mode & 0o777 == 0o600
+        assert not [p.name for p in base.iterdir() if p.name.endswith(".tmp")]
+    finally:
+        if d.proc is not None:
+            d.stop()
+        for p in cleanup:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def test_a_tls_certificate_that_cannot_be_made_again_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    cleanup: list[Path] = []
+    base = daemon_dir(tmp_path / "r", cleanup)
+    d = base / "d"
+    assert cli("id", "--data-dir", str(d)).returncode == 0
+    (d / "router.crt").mkdir()  # neither read as a certificate nor replaced by one (also for root)
+    (d / "router.crt" / "x").write_text("x")
+    (d / "router-tls.key").write_text("garbage\n")
+    r = run_expecting_exit("run", "--data-dir", str(d), "--unix", str(base / "s.sock"), "--listen",
+                           f"{HOST}:{free_port()}", environ=_environ(tmp_path))  # fmt: skip
+    for p in cleanup:
+        shutil.rmtree(p, ignore_errors=True)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1, r.stderr
+    assert errors[0].startswith("error: config: ") and "router.crt: cannot write the TLS certificate" in errors[0]
+    assert " WARNING " in r.stderr  # it tried to make the pair again first
+    assert "Traceback" not in r.stderr
