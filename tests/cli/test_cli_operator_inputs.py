@@ -50,6 +50,9 @@ def _one_error_line(stderr: str) -> str:
         (("store", "check", "--data-dir", ""), "--data-dir"),
         (("wait", "--timeout", "1", "--socket", ""), "--socket"),
         (("status", "--socket", ""), "--socket"),
+        (("run", "--print-config", "--trace", ""), "--trace"),
+        (("run", "--ready-file", ""), "--ready-file"),
+        (("advert", "--data-dir", ""), "--data-dir"),
     ],
 )
 def test_an_empty_path_option_is_an_error_not_the_default(tmp_path: Path, args: tuple[str, ...], option: str) -> None:

@@ -95,8 +95,9 @@ def config_from_args(args: argparse.Namespace) -> DaemonConfig:
         check_websocket(over["websocket"])
     if getattr(args, "durability", None):
         over["durability"] = Durability(args.durability)
-    if getattr(args, "trace", None):
-        over["trace_dir"] = Path(args.trace)
+    trace = path_option(args, "trace", "--trace")
+    if trace is not None:
+        over["trace_dir"] = trace
     if getattr(args, "log_level", None):
         over["log_level"] = args.log_level
     return dataclasses.replace(cfg, **over) if over else cfg

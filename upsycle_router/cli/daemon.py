@@ -32,6 +32,7 @@ from upsycle_router.cli.common import (
     add_service_options,
     config_error,
     config_from_args,
+    path_option,
     run_async,
     serve_from_args,
 )
@@ -80,7 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.stdout.write(config_yaml(cfg))
             return 0
         check_dirs(cfg)
-        ready_file = Path(args.ready_file) if args.ready_file else None
+        ready_file = path_option(args, "ready_file", "--ready-file")
         if ready_file is not None:
             check_dir(ready_file.parent, "--ready-file")
         warnings = config_warnings(cfg)

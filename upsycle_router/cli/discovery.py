@@ -27,10 +27,9 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from upsycle_router.cli.common import add_service_options, app_options, run_app, serve_from_args
+from upsycle_router.cli.common import add_service_options, app_options, path_option, run_app, serve_from_args
 from upsycle_router.client import Client, ClientError
 from upsycle_router.client.names import GroupName, add_name, default_names_file, load_names, remove_name
 from upsycle_router.config import parse_key
@@ -66,10 +65,8 @@ def _service(args: argparse.Namespace) -> bytes:
     data directory of ``--data-dir``, else of the daemon's config: the same search path and environment)."""
     if args.service:
         return parse_key(args.service, "--service")
-    if args.data_dir:
-        data_dir = Path(args.data_dir)
-    else:
-        data_dir = effective_config(args.config, app=True).data_dir
+    given = path_option(args, "data_dir", "--data-dir")
+    data_dir = given if given is not None else effective_config(args.config, app=True).data_dir
     path = data_dir / "discovery.key"
     if not path.exists():
         raise DiscoveryOff(f"the router's discovery service is off: there is no {path} (turn it on with "
