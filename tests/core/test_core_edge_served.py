@@ -98,3 +98,34 @@ def test_a_member_routers_refusal_of_an_apps_group_message_reaches_the_app(tmp_p
     assert out.refusals(a) == [Refused(m2.id, Reason.QUOTA, 1)]
     r = h.open(R, local=False)
     assert h.receive(r, control(R, X, Refused(m1.id, Reason.QUOTA, 1), now=h.now)).refusals(a) == []
+
+
+@pytest.mark.parametrize("member_router", [False, True], ids=["cores only", "cores and a member router"])
+def test_each_core_nodes_refusal_of_an_edge_apps_group_message_reaches_the_app(
+    tmp_path: Path, member_router: bool
+) -> None:
+    """On an edge node with two core nodes, a group message its app ALICE publishes goes to both cores (and to
+    a member router, if the group has one): a REFUSED from either core reaches ALICE, and so does the member
+    router's. (Each forward was remembered under the router it went to, the last one replacing the others: only
+    the last core's REFUSED counted, and none of the member router's once a core had been sent the message.)"""
+    c1, c2 = ident("core-1"), ident("core-2")
+    cfg = CoreConfig(upstream=frozenset({c1.public, c2.public}), edge_nodes=frozenset({EDGE.public}))
+    h = CoreHarness(tmp_path / "x", X, cfg)
+    k1, k2 = h.open(c1, local=False), h.open(c2, local=False)
+    a = h.open(ALICE)
+    assert h.receive(a, control(ALICE, X, Join(G.public, False), now=h.now)).replies(a)  # G: an upstream group
+    if member_router:
+        e = h.open(EDGE, local=False)
+        assert h.receive(e, control(EDGE, X, Join(G.public, False), now=h.now)).replies(e)
+    m = multicast(G, b"up", now=h.now)
+    out = h.receive(a, m)
+    assert out.refusals() == [] and out.sends(k1) and out.sends(k2)
+    for who, conn, reason in [(c1, k1, Reason.QUOTA), (c2, k2, Reason.STORE_FULL)]:
+        out = h.receive(conn, control(who, X, Refused(m.id, reason, 0), now=h.now))
+        assert out.refusals(a) == [Refused(m.id, reason, 0)]
+    if member_router:
+        out = h.receive(e, control(EDGE, X, Refused(m.id, Reason.QUOTA, 1), now=h.now))
+        assert out.refusals(a) == [Refused(m.id, Reason.QUOTA, 1)]
+    # A router that is neither a core nor a member of G: nothing.
+    r = h.open(R, local=False)
+    assert h.receive(r, control(R, X, Refused(m.id, Reason.QUOTA, 0), now=h.now)).refusals(a) == []

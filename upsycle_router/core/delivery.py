@@ -46,7 +46,8 @@ THROTTLE_SECONDS = 0.05
 # Messages forwarded for local apps whose next router may still refuse them, remembered at most.
 FORWARDED_MAX = 65_536
 ANY_MEMBER = b""
-"""The ``router`` of a :class:`~upsycle_router.core.state.Forwarded` multicast: any router member of its group."""
+"""The ``router`` of a :class:`~upsycle_router.core.state.Forwarded` multicast: any router member of its group, or
+any core node (``upstream``) it was handed to."""
 
 
 class Delivery:
@@ -274,6 +275,8 @@ class Delivery:
         remembered for a while (the latest :data:`FORWARDED_MAX`), so that a REFUSED from that router reaches
         the app (:meth:`late_refusal`)."""
         fwd = self.s.forwarded
+        if router != ANY_MEMBER and (seen := fwd.get(mid)) is not None and seen.router == ANY_MEMBER:
+            return  # a group message: it also went to member routers or core nodes, each of which may refuse it
         if len(fwd) >= FORWARDED_MAX:
             del fwd[next(iter(fwd))]
         fwd[mid] = Forwarded(origin.id, router, kind, group, size, origin.syncs)
@@ -337,8 +340,9 @@ class Delivery:
         fwd = s.forwarded.get(r.id)
         if fwd is None:
             return
-        if fwd.router == ANY_MEMBER:  # a multicast: from any router among its group's members (each may refuse)
-            if router in s.locals or router not in s.subs.get(fwd.group or b"", ()):
+        if fwd.router == ANY_MEMBER:  # a multicast: from any member router of its group or core node (each may refuse)
+            member = router not in s.locals and router in s.subs.get(fwd.group or b"", ())
+            if not member and router not in s.config.upstream:
                 return
         elif fwd.router != router:
             return

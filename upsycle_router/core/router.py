@@ -679,7 +679,7 @@ class Router:
             cores = sorted(self.state.config.upstream)
         # Step 8. Subscribers that get it now get it in one Fanout; the others are queued while away or behind.
         failed, why = self._to_members(recipients, msg, grp, data, size, now, out, remote=not c.local, origin=c)
-        if c.local and s.has_router_member(grp):  # a member router's REFUSED for it reaches the app
+        if c.local and (cores or s.has_router_member(grp)):  # a member router's or core's REFUSED reaches the app
             self.delivery.remember(c, ANY_MEMBER, mid, MULTICAST, grp, size)
         failed_cores: list[bytes] = []
         for core in cores:
