@@ -9,6 +9,7 @@ and assorted corrupt lines. Both implementations must agree on every figure (per
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from collections.abc import Iterator
@@ -20,7 +21,8 @@ from analytics_fixtures import spark  # noqa: F401 - the shared session fixture
 from analytics_reference import summary as reference_summary
 from pyspark.sql import SparkSession
 
-from upsycle_router.analytics.job import Progress, run_analyze, run_compact
+from upsycle_router.analytics.job import TABLES, Analysis, Progress, run_analyze, run_compact
+from upsycle_router.analytics.session import KEY_CODES
 
 pytestmark = pytest.mark.spark
 
@@ -180,10 +182,18 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield root
 
 
-def test_spark_matches_the_reference(spark: SparkSession, fleet: Path) -> None:  # noqa: F811
+@pytest.fixture(scope="module")
+def analyzed(spark: SparkSession, fleet: Path) -> tuple[Analysis, int, str]:  # noqa: F811
+    """``analyze`` of the fleet (keys as codes: the default), its number of bad lines and its stage lines."""
     # Through a compacted table, which is also how ``analyze`` takes a Parquet input.
     bad = run_compact(spark, [fleet / "journals"], fleet / "events.parquet", Progress("t", enabled=False))
-    analysis = run_analyze(spark, [fleet / "events.parquet"], fleet / "out")
+    stream = io.StringIO()
+    analysis = run_analyze(spark, [fleet / "events.parquet"], fleet / "out", Progress("t", stream=stream))
+    return analysis, bad, stream.getvalue()
+
+
+def test_spark_matches_the_reference(fleet: Path, analyzed: tuple[Analysis, int, str]) -> None:
+    analysis, bad, _ = analyzed
     assert "events.parquet" not in analysis.outputs and not (fleet / "out" / "events.parquet").exists()
     got = analysis.summary
     assert got["bad_lines"] == bad
@@ -208,6 +218,42 @@ def test_spark_matches_the_reference(spark: SparkSession, fleet: Path) -> None: 
     # The journal exercises what it is meant to: subscribers, redeliveries and duplicates in several groups.
     assert sum(g["expected"] > 0 for g in want["groups"].values()) >= 2
     assert sum(g["duplicates"] for g in want["groups"].values()) > 0
+
+
+def _rows(spark: SparkSession, path: Path) -> list[str]:  # noqa: F811
+    return sorted(json.dumps(r.asDict(recursive=True), sort_keys=True, default=str)
+                  for r in spark.read.parquet(str(path)).collect())  # fmt: skip
+
+
+def test_keys_as_codes_or_bytes_give_the_same_tables(
+    spark: SparkSession,  # noqa: F811
+    fleet: Path,
+    analyzed: tuple[Analysis, int, str],
+) -> None:
+    """The job carries the keys as 64-bit codes (the run above) or, when told to or when two keys share a code,
+    as their 32 bytes (stats.key_form): every table row for row, and summary.json in full, are the same (its
+    groups are small enough for exact percentiles). A code never leaks into a table: the keys are hex again."""
+    _, _, said = analyzed
+    stream = io.StringIO()
+    spark.conf.set(KEY_CODES, "false")
+    try:
+        run_analyze(spark, [fleet / "events.parquet"], fleet / "out-bytes", Progress("t", stream=stream))
+    finally:
+        spark.conf.unset(KEY_CODES)
+    assert "their keys as 64-bit codes" in said and "their keys as bytes" in stream.getvalue()
+    codes, raw = fleet / "out", fleet / "out-bytes"
+    sizes = {}
+    for table in TABLES:
+        a = _rows(spark, codes / f"{table}.parquet")
+        assert a == _rows(spark, raw / f"{table}.parquet"), table
+        sizes[table] = len(a)
+    assert sizes["lost"] > 0 and sizes["undelivered"] > 0 and sizes["queue_residency"] >= 3, sizes
+    for table, key in (("group_stats", "group"), ("queue_residency", "node")):  # ordered by the key's hex digits
+        got = [r[key] for r in spark.read.parquet(str(codes / f"{table}.parquet")).collect()]
+        assert got == sorted(got) and len(got) >= 3
+    assert json.loads((codes / "summary.json").read_text()) == json.loads((raw / "summary.json").read_text())
+    lost = spark.read.parquet(str(codes / "lost.parquet")).collect()
+    assert all(len(r["id"]) == 64 and len(r["node"]) == 64 and len(r["dst"]) == 64 for r in lost)
 
 
 def _close(got: float | None, want: float | None, rel: float) -> bool:

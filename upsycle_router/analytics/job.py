@@ -10,9 +10,11 @@ executors' CPU time by it):
 1. Journals given as text are compacted once into ``OUT/events.parquet`` (one read of each file, one parse
    of each line, bad lines included, see :mod:`~upsycle_router.analytics.sources`); compacted tables given
    as input are read as they are. Everything after reads Parquet, never the JSON again.
-2. One aggregation counts the events, nodes and bad lines. Unless the session fixed it, the number of
-   shuffle partitions is chosen from the number of events (:func:`partitions_for`: about
-   :data:`ROWS_PER_PARTITION` records each, so that no task's share grows with the input).
+2. One aggregation counts the events, nodes and bad lines; another collects the distinct keys, which the job
+   then carries as 64-bit codes when no two of them share one (:func:`~upsycle_router.analytics.stats.key_form`).
+   Unless the session fixed it, the number of shuffle partitions is chosen from the number of events
+   (:func:`partitions_for`: about :data:`ROWS_PER_PARTITION` records each, so that no task's share grows with
+   the input).
 3. The records that carry a message id are partitioned by id once and kept (``persist``, memory then disk:
    :func:`~upsycle_router.analytics.stats.by_message`); so are the per-message tables built from them (first
    receipts, app deliveries marked expected or not, queue residency, one row per published message, the
@@ -59,7 +61,7 @@ from upsycle_router.analytics.report import (
     html_report,
 )
 from upsycle_router.analytics.schema import PROBLEM_KINDS, problem_kind
-from upsycle_router.analytics.session import AUTO_PARTITIONS, AnalyticsError
+from upsycle_router.analytics.session import AUTO_PARTITIONS, KEY_CODES, AnalyticsError
 from upsycle_router.analytics.sources import Inputs, check_target, compact, discover, read_tables, union_all
 
 EVENTS_TABLE = "events.parquet"
@@ -191,12 +193,12 @@ def _totals(events: DataFrame) -> dict[str, Any]:
     return {**row.asDict(), "nodes": nodes}
 
 
-def _cdf(deliveries: DataFrame, groups: list[str]) -> dict[str, list[tuple[float, float]]]:
+def _cdf(deliveries: DataFrame, keys: stats.KeyForm, groups: list[str]) -> dict[str, list[tuple[float, float]]]:
     """Step points (latency, fraction reached) of each group's latency CDF."""
     cdf: dict[str, list[tuple[float, float]]] = {g: [] for g in groups}
     if not groups:
         return cdf
-    for row in stats.as_hex(stats.cdf_quantiles(deliveries, groups), "group").collect():
+    for row in stats.as_hex(stats.cdf_quantiles(deliveries, keys.literal_values(groups)), keys, "group").collect():
         points = cdf[row["group"]]
         quantiles = row["q"] or []
         for i, value in enumerate(quantiles):
@@ -244,17 +246,18 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
             str(partitions_for(int(totals_row["events"]), spark.sparkContext.defaultParallelism)),
         )
     partitions = int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
-    progress(f"{int(totals_row['events']):,} events; partitioning them by message into {partitions}")
-
     good = stats.good_events(events)
+    keys = stats.key_form(good, codes=spark.conf.get(KEY_CODES, "true") == "true")
+    form = "their keys as 64-bit codes" if keys.codes is not None else "their keys as bytes"
+    progress(f"{int(totals_row['events']):,} events, {form}; partitioning them by message into {partitions}")
     ranks = stats.file_ranks(events).persist(KEEP)
-    ev = stats.prepared(good, ranks)
+    ev = stats.prepared(good, ranks, keys)
     msgs = stats.by_message(ev, partitions).persist(KEEP)
     receipts = stats.first_receipts(msgs).persist(KEEP)
     published = stats.published_messages(receipts)
     changes = stats.pair_changes(ev).persist(KEEP)
     spans = stats.subscription_spans(changes).persist(KEEP)
-    kept = [ranks, msgs, receipts, changes, spans]
+    kept = [ranks, msgs, receipts, changes, spans, *([keys.codes] if keys.codes is not None else [])]
     try:
         broadcast = spans.count() <= MAX_BROADCAST_SPANS
         deliveries = stats.mark_expected(stats.app_deliveries(msgs, published), spans, broadcast=broadcast)
@@ -263,12 +266,19 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
         messages = stats.message_stats(published, expected, deliveries).persist(KEEP)
         residency = stats.queue_residency(msgs).persist(KEEP)
         kept += [deliveries, messages, residency]
-        hex_ = stats.as_hex
+
+        def hex_(df: DataFrame, *columns: str) -> DataFrame:
+            return stats.as_hex(df, keys, *columns)
+
         _write(hex_(messages, "id", "group", "origin"), out, "messages", progress, small=False)
-        groups = _write(hex_(stats.group_stats(messages, deliveries), "group"), out, "group_stats", progress)
+        groups = _write(
+            hex_(stats.group_stats(messages, deliveries), "group").orderBy("group"), out, "group_stats", progress
+        )
         drops = _write(stats.drops_by_node(good), out, "drops_by_node", progress)
         expired = _write(stats.expired_by_node(good), out, "expired_by_node", progress)
-        per_node = _write(hex_(stats.residency_by_node(residency), "node"), out, "queue_residency", progress)
+        per_node = _write(
+            hex_(stats.residency_by_node(residency), "node").orderBy("node"), out, "queue_residency", progress
+        )
         undelivered = stats.undelivered(msgs, receipts)
         _write(
             hex_(undelivered, "id", "node", "group", "last_dst", "last_peer"), out, "undelivered", progress, small=False
@@ -289,7 +299,7 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
         }
         lost_rows = _rows(lost.orderBy("published_ts", "id", "node", "dst").limit(MAX_LOST_ROWS))
         top = sorted(group_rows, key=lambda g: (-int(g["delivered"]), g["group"]))[:MAX_PLOTTED_GROUPS]
-        cdf = _cdf(deliveries, [g["group"] for g in top if int(g["delivered"]) > 0])
+        cdf = _cdf(deliveries, keys, [g["group"] for g in top if int(g["delivered"]) > 0])
     finally:
         for df in kept:
             df.unpersist()

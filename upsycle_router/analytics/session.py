@@ -103,6 +103,9 @@ class SparkOptions:
 
 AUTO_PARTITIONS = "spark.upsycle.analytics.autoPartitions"
 """Set to ``true`` in a session whose shuffle partitions the job should choose from its input."""
+KEY_CODES = "spark.upsycle.analytics.keyCodes"
+"""``false``: the job carries the keys as their 32 bytes even when 64-bit codes would do (see
+:func:`~upsycle_router.analytics.stats.key_form`); both give the same tables."""
 
 
 def machine_memory() -> int | None:

@@ -10,8 +10,13 @@ the records of the fleet are shuffled once:
 * :func:`prepared` replaces ``(file, line)`` by one number, ``pos``, that sorts the same way (the rank
   of the file name among the input's files, shifted left by 33 bits, plus the line): journal order becomes
   ``(ts, pos)`` (:data:`ORDER`). It also turns the keys (``id``, ``node``, ``group``, ``src``, ``dst``,
-  ``peer``: 64 hex digits in a good record) into their 32 bytes. Every row the job moves, hashes or compares
-  is then about half as wide; :func:`as_hex` turns the keys of an output table back into hex.
+  ``peer``: 64 hex digits in a good record) into the job's form of them (:class:`KeyForm`): 64-bit codes
+  (``xxhash64`` of the digits) when :func:`key_form` has checked that no two distinct keys of the input
+  share one - then grouping, joining and comparing codes is exactly doing so with the keys -, else their 32
+  bytes. Copying, hashing and comparing 32-byte keys was about 40 % of the JVM's time; with codes every row
+  the job moves carries 8 bytes per key. :func:`as_hex` turns the keys of an output table back into hex (the
+  bytes in hex, or each code looked up in the kept dictionary of the input's keys). A key never decides an
+  order here (the orders that matter end in ``pos``, unique per record), so the form changes no result.
 * :func:`by_message` partitions the records that carry a message id by that id, once. Everything per
   message - first receipts, app deliveries, queue residency, why not delivered, lost deliveries - groups or
   joins by ``id`` (or by ``id`` and more), so it runs where the records already are; the job keeps the
@@ -72,7 +77,9 @@ resolution at current dates is about a quarter of a microsecond, so finer digits
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
@@ -124,17 +131,87 @@ def file_ranks(events: DataFrame) -> DataFrame:
     return files.select("file", F.row_number().over(Window.orderBy("file")).cast("long").alias("rank"))
 
 
-def prepared(ev: DataFrame, ranks: DataFrame) -> DataFrame:
+CODE_BITS = 64
+"""Width of a key's code (:func:`code_of`): all 64 bits of ``xxhash64``; tests narrow it to force collisions."""
+
+
+def code_of(c: Column, bits: int = CODE_BITS) -> Column:
+    """The 64-bit code of a key given as hex digits (``xxhash64`` of the text, null for null), or its low ``bits``."""
+    h = F.xxhash64(c)
+    if bits < 64:
+        h = h.bitwiseAND(F.lit((1 << bits) - 1))
+    return F.when(c.isNotNull(), h)
+
+
+@dataclass(frozen=True)
+class KeyForm:
+    """How the job carries the :data:`KEYS`: as 64-bit codes (``codes`` set), or as their 32 bytes.
+
+    ``codes`` is the dictionary of the input's keys, ``code``, ``hex``, ``is_id`` (one row per distinct key and
+    whether it came from the ``id`` column), which the job keeps; :func:`key_form` chooses codes only when no two
+    distinct keys of the input share one, so either form gives the same tables."""
+
+    codes: DataFrame | None
+    bits: int = CODE_BITS
+
+    def key(self, c: str) -> Column:
+        """The form the job carries the hex key column ``c`` in."""
+        return code_of(F.col(c), self.bits).alias(c) if self.codes is not None else F.unhex(c).alias(c)
+
+    def literal_values(self, hex_keys: Sequence[str]) -> list[object]:
+        """The values the keys ``hex_keys`` (not ids) take inside the job, for a filter."""
+        if self.codes is None:
+            return [bytes.fromhex(k) for k in hex_keys]
+        rows = self.codes.where(~F.col("is_id") & F.col("hex").isin(*hex_keys)).select("code").collect()
+        return [r["code"] for r in rows]
+
+
+def key_dictionary(ev: DataFrame) -> DataFrame:
+    """``hex``, ``is_id``: the distinct keys of the good rows ``ev`` (ids apart from the other keys)."""
+    keys = F.array(*[F.struct(F.col(c).alias("hex"), F.lit(c == "id").alias("is_id")) for c in KEYS])
+    return ev.select(F.explode(keys).alias("k")).where(F.col("k.hex").isNotNull()).select("k.*").distinct()
+
+
+def key_form(ev: DataFrame, *, codes: bool = True, bits: int = CODE_BITS) -> KeyForm:
+    """Codes for the keys of ``ev`` (the good rows) when no two distinct keys share one, else the 32 bytes.
+
+    The dictionary is built (one aggregation over the key columns) and kept; the check counts the distinct
+    keys and the distinct codes among them: equal counts mean the code is one-to-one on this input, so grouping,
+    joining and comparing codes is exactly grouping, joining and comparing keys. With ``codes`` false, or when
+    two keys collide, the job keeps the 32 bytes (and the dictionary is let go)."""
+    if not codes:
+        return KeyForm(None)
+    dictionary = key_dictionary(ev).withColumn("code", code_of(F.col("hex"), bits))
+    dictionary = dictionary.persist(StorageLevel.MEMORY_AND_DISK)
+    row = dictionary.agg(F.countDistinct("hex").alias("keys"), F.countDistinct("code").alias("codes")).collect()[0]
+    if row["keys"] != row["codes"]:
+        dictionary.unpersist()
+        return KeyForm(None, bits)
+    return KeyForm(dictionary, bits)
+
+
+def prepared(ev: DataFrame, ranks: DataFrame, keys: KeyForm) -> DataFrame:
     """``ev`` with ``pos`` (file rank << :data:`LINE_BITS` | line) in place of ``file`` and ``line``, and the
-    :data:`KEYS` as bytes."""
+    :data:`KEYS` in the job's form (``keys``)."""
     pos = F.coalesce(F.col("rank"), F.lit(0)) * F.lit(1 << LINE_BITS) + F.col("line")
     joined = ev.join(F.broadcast(ranks), "file", "left").withColumn("pos", pos).drop("file", "line", "rank")
-    return joined.select(*[F.unhex(c).alias(c) if c in KEYS else F.col(c) for c in joined.columns])
+    return joined.select(*[keys.key(c) if c in KEYS else F.col(c) for c in joined.columns])
 
 
-def as_hex(df: DataFrame, *columns: str) -> DataFrame:
-    """``df`` with the given key columns (bytes) as 64 lowercase hex digits again."""
-    return df.select(*[F.lower(F.hex(F.col(c))).alias(c) if c in columns else F.col(c) for c in df.columns])
+def as_hex(df: DataFrame, keys: KeyForm, *columns: str) -> DataFrame:
+    """``df`` with the given key columns (in the job's form) as 64 lowercase hex digits again: the bytes in hex,
+    or each code looked up in the dictionary (a broadcast join per column; ``id`` among the ids)."""
+    if keys.codes is None:
+        return df.select(*[F.lower(F.hex(F.col(c))).alias(c) if c in columns else F.col(c) for c in df.columns])
+    out = df
+    names: dict[str, Column] = {}
+    for i, c in enumerate(columns):
+        d = keys.codes.where(F.col("is_id") == (c == "id")).select(
+            F.col("code").alias(f"_code{i}"), F.col("hex").alias(f"_hex{i}")
+        )
+        out = out.join(F.broadcast(d), out[c] == d[f"_code{i}"], "left")
+        names[c] = F.col(f"_hex{i}").alias(c)
+    return out.select(*[names.get(c, F.col(c)) for c in df.columns])
 
 
 def by_message(ev: DataFrame, partitions: int) -> DataFrame:
@@ -226,11 +303,12 @@ def expected_per_message(changes: DataFrame, published: DataFrame) -> DataFrame:
 
     ``changes`` is :func:`subscription_changes`. The sweep is cut into :data:`SWEEP_SECONDS` slices (module doc).
     """
+    id_type = published.schema["id"].dataType  # the job's form of the keys: codes or bytes
     pubs = published.select(
         "group", F.col("published_ts").alias("ts"), F.lit(0).alias("kind"), F.lit(0).alias("delta"), "id"
     )
     items = pubs.unionByName(
-        changes.select("group", "ts", F.lit(1).alias("kind"), "delta", F.lit(None).cast("binary").alias("id"))
+        changes.select("group", "ts", F.lit(1).alias("kind"), "delta", F.lit(None).cast(id_type).alias("id"))
     ).withColumn("slice", F.floor(F.col("ts") / F.lit(SWEEP_SECONDS)).cast("long"))
     earlier = Window.partitionBy("group").orderBy("slice").rowsBetween(Window.unboundedPreceding, -1)
     offsets = (
@@ -320,7 +398,8 @@ def message_stats(published: DataFrame, expected: DataFrame, deliveries: DataFra
 
 def group_stats(messages: DataFrame, deliveries: DataFrame) -> DataFrame:
     """Per group: the summary figures of docs/analytics.md, plus the raw counts they come from, the missing
-    deliveries and the number of messages with any (``lost_messages``)."""
+    deliveries and the number of messages with any (``lost_messages``); in no order (the job orders it by the
+    group's hex digits)."""
     sums = messages.groupBy("group").agg(
         F.count(F.lit(1)).alias("published"),
         *[
@@ -338,7 +417,6 @@ def group_stats(messages: DataFrame, deliveries: DataFrame) -> DataFrame:
         .withColumn("delivery_ratio", F.when(F.col("expected") > 0, delivered / F.col("expected")).cast("double"))
         .withColumn("duplicates", (F.col("duplicate_events") + F.col("redeliveries")).cast("long"))
         .withColumn("forwards_per_delivery", F.when(delivered > 0, F.col("forwards") / delivered).cast("double"))
-        .orderBy("group")
     )
 
 
@@ -379,7 +457,8 @@ def queue_residency(msgs: DataFrame) -> DataFrame:
 
 
 def residency_by_node(residency: DataFrame) -> DataFrame:
-    """Per node: queued, delivered, expired, pending counts and residency p50/p99/max (ms) of resolved ones."""
+    """Per node: queued, delivered, expired, pending counts and residency p50/p99/max (ms) of resolved ones (in no
+    order: the job orders it by the node's hex digits)."""
     return (
         residency.groupBy("node")
         .agg(
@@ -390,7 +469,6 @@ def residency_by_node(residency: DataFrame) -> DataFrame:
             *percentiles(RESIDENCY_PERCENTILES, "residency_ms", "residency_p", "_ms"),
         )
         .withColumnRenamed("residency_p100_ms", "residency_max_ms")
-        .orderBy("node")
     )
 
 
@@ -432,12 +510,13 @@ def undelivered(msgs: DataFrame, receipts: DataFrame) -> DataFrame:
     )
 
 
-def cdf_quantiles(deliveries: DataFrame, groups: Sequence[str], steps: int = CDF_STEPS) -> DataFrame:
-    """``group``, ``q``: the latencies at the fractions 1/steps, 2/steps, ... 1 of each group in ``groups`` (hex)
-    (``q[i]`` reached at fraction ``(i + 1) / steps``), for a CDF plot of at most ``steps`` points."""
+def cdf_quantiles(deliveries: DataFrame, groups: Sequence[object], steps: int = CDF_STEPS) -> DataFrame:
+    """``group``, ``q``: the latencies at the fractions 1/steps, 2/steps, ... 1 of each group in ``groups`` (their
+    values inside the job: :meth:`KeyForm.literal_values`) (``q[i]`` reached at fraction ``(i + 1) / steps``), for
+    a CDF plot of at most ``steps`` points."""
     fractions = [i / steps for i in range(1, steps + 1)]
     return (
-        deliveries.where(F.col("group").isin(*[bytes.fromhex(g) for g in groups]))
+        deliveries.where(F.col("group").isin(*groups))
         .groupBy("group")
         .agg(F.percentile_approx("latency_ms", fractions, PERCENTILE_ACCURACY).alias("q"))
     )
