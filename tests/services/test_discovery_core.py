@@ -261,6 +261,25 @@ def test_router_adverts_are_cached_but_not_published_back() -> None:
     assert core.counters["shuffle_timeouts"] == 1
 
 
+def test_a_shuffle_reply_counts_only_from_the_service_asked() -> None:
+    """Another key behind the shuffle target's router (any app there can send to us through it) cannot answer
+    the shuffle for its discovery service: its SHUFFLE_REPLY is not merged into the view, and the real one
+    still is."""
+    params = DiscoveryParams(sampling=True, shuffle_period=5.0)
+    core = DiscoveryCore(X.public, params, random.Random(2), T0)
+    core.own_advert(advert(X, svcs=((SERVICE_DISCOVERY, DISC.public),)), T0)
+    core.router_advert(advert(R, svcs=((SERVICE_DISCOVERY, R_DISC.public),)), T0)
+    d = core.next_deadline()
+    assert d is not None
+    assert [e.service for e in core.handle_timer(d) if not isinstance(e, Publish)] == [R_DISC.public]  # type: ignore[union-attr]
+    planted = advert(R2, svcs=((SERVICE_DISCOVERY, ident("r2-disc").public),))
+    forged = ShuffleReply((ShuffleEntry(0, planted),))
+    core.rpc_received(ident("someone-behind-R").public, R.public, forged, d)  # (signed adverts are cached all the same)
+    assert core.counters["shuffle_replies_unexpected"] == 1 and R2.public not in core.view
+    core.rpc_received(R_DISC.public, R.public, forged, d)  # the service asked: merged
+    assert core.counters["shuffle_replies"] == 1 and R2.public in core.view
+
+
 # ---------------------------------------------------------------- the router and the discovery group
 
 

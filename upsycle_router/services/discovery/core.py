@@ -96,7 +96,8 @@ class DiscoveryCore:
         self.view = CyclonView(router, params.view_size, params.shuffle_length, rng)
         self._next_announce: float | None = None
         self._next_shuffle: float | None = None
-        self._pending: dict[bytes, tuple[float, tuple[bytes, ...]]] = {}  # shuffle target -> (deadline, sent ids)
+        # shuffle target router -> (deadline, sent ids, the discovery service asked)
+        self._pending: dict[bytes, tuple[float, tuple[bytes, ...], bytes]] = {}
         self.counters: dict[str, int] = {}
 
     def _count(self, name: str, n: int = 1) -> None:
@@ -183,10 +184,11 @@ class DiscoveryCore:
             out.append(SendRpc(router, service, encode_discovery_message(ShuffleReply(reply))))
             self._count("shuffles_answered")
             return out
-        pending = self._pending.pop(router, None)
-        if pending is None:
+        pending = self._pending.get(router)
+        if pending is None or pending[2] != service:  # only the service asked answers (not another key behind it)
             self._count("shuffle_replies_unexpected")
             return out
+        del self._pending[router]
         self.view.merge(entries, pending[1], now)
         self._count("shuffle_replies")
         return out
@@ -199,7 +201,7 @@ class DiscoveryCore:
             self._count("expired")
         if self.params.sampling:
             self.view.age_out(now, self.params.max_age)
-        for target in [t for t, (dl, _) in self._pending.items() if dl <= now]:
+        for target in [t for t, (dl, _, _) in self._pending.items() if dl <= now]:
             del self._pending[target]
             self._count("shuffle_timeouts")
         if self._next_announce is not None and self._next_announce <= now and self.own is not None:
@@ -219,7 +221,7 @@ class DiscoveryCore:
     def next_deadline(self) -> float | None:
         """When :meth:`handle_timer` must run next."""
         times = [t for t in (self._next_announce, self._next_shuffle, self.cache.next_expiry()) if t is not None]
-        times.extend(dl for dl, _ in self._pending.values())
+        times.extend(dl for dl, _, _ in self._pending.values())
         return min(times, default=None)
 
     def peers(self, now: float) -> list[PeerAdvertisement]:
@@ -280,6 +282,6 @@ class DiscoveryCore:
         target, entries, sent = started
         service = target.service(SERVICE_DISCOVERY)
         assert service is not None and shufflable(target)
-        self._pending[target.id] = (now + self.params.shuffle_timeout, sent)
+        self._pending[target.id] = (now + self.params.shuffle_timeout, sent, service)
         out.append(SendRpc(target.id, service, encode_discovery_message(Shuffle(entries))))
         self._count("shuffles_sent")
