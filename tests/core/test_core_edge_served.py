@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from core_harness import CoreHarness, control, ident, multicast, unicast
+from core_harness import T0, CoreHarness, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.events import MessagesReceived
@@ -19,6 +19,7 @@ from upsycle_router.wire.control import Join, Reason, Refused, Register
 X = ident("X")
 EDGE, R = ident("edge"), ident("R")
 ALICE = ident("alice")
+BOB = ident("bob")
 Y = ident("edge-app")  # an app on EDGE, registered with X
 K = ident("remote-svc")  # a service behind the configured peer R
 G = ident("group")
@@ -129,3 +130,67 @@ def test_each_core_nodes_refusal_of_an_edge_apps_group_message_reaches_the_app(
     # A router that is neither a core nor a member of G: nothing.
     r = h.open(R, local=False)
     assert h.receive(r, control(R, X, Refused(m.id, Reason.QUOTA, 0), now=h.now)).refusals(a) == []
+
+
+# A frame limit a little above what the test messages need: a message of SIZE bytes plus VIA (34) does not fit.
+BODY = b"x" * 400
+
+
+def _limit(m: object) -> int:
+    """A max_frame that ``m`` fits but not once the next router adds VIA."""
+    return len(m.encode()) + 20  # type: ignore[attr-defined]
+
+
+def test_a_local_message_the_next_router_could_not_take_with_via_is_refused_up_front(tmp_path: Path) -> None:
+    """An app's message within 34 bytes of max_frame fits here, but the next router adds VIA, which makes it a
+    frame over max_frame there: it would be refused there, after this router's SYNC_ACK said it was taken. So
+    it is refused here, with too_large, before anything is sent: to an edge node's app (edge-served), to a
+    group's member router (the local subscriber still gets it; the REFUSED counts the member router), alone
+    or in a run. A message that already names its next router (VIA set) does not grow, and goes."""
+    probe = unicast(ALICE, Y, BODY, now=T0)
+    cfg = CoreConfig(edge_nodes=frozenset({EDGE.public}), peers=frozenset({R.public}), max_frame=_limit(probe))
+    h = CoreHarness(tmp_path / "x", X, cfg)
+    e = h.open(EDGE, local=False)
+    h.receive(e, control(EDGE, X, Register((Y.public,)), now=h.now))
+    a = h.open(ALICE)
+    m = unicast(ALICE, Y, BODY, now=h.now)
+    out = h.receive(a, m)
+    assert out.refusals(a) == [Refused(m.id, Reason.TOO_LARGE, 0)] and out.sends(e) == []
+    small = unicast(ALICE, Y, BODY[:-40], now=h.now)  # 34 bytes of room: goes
+    out = h.receive(a, small)
+    assert out.refusals(a) == [] and out.sends(e)
+    r = h.open(R, local=False)
+    routed = unicast(ALICE, K, BODY[:-34], now=h.now, via=R.public)  # VIA set already (its 34 bytes): no growth
+    out = h.receive(a, routed)
+    assert out.refusals(a) == [] and out.sends(r)
+
+    # A group with a local subscriber and a member router (EDGE joined for its apps).
+    b = h.open(BOB)
+    assert h.receive(b, control(BOB, X, Join(G.public, True), now=h.now)).replies(b)
+    assert h.receive(e, control(EDGE, X, Join(G.public, False), now=h.now)).replies(e)
+    n = len(BODY) + (cfg.max_frame - 10) - len(multicast(G, BODY, now=h.now).encode())  # 10 bytes of room: not 34
+    for together in (False, True):
+        m1, m2 = (multicast(G, b"x" * (n - 2) + bytes([together, k]), now=h.now) for k in (1, 2))
+        assert cfg.max_frame - 34 < len(m1.encode()) <= cfg.max_frame
+        if together:
+            out = h.handle_all([MessagesReceived(a, (m1, m2), (True, True))])
+        else:
+            out = h.receive(a, m1)
+            out.extend(h.receive(a, m2))
+        assert out.refusals(a) == [Refused(m1.id, Reason.TOO_LARGE, 1), Refused(m2.id, Reason.TOO_LARGE, 1)]
+        assert out.sends(e) == [] and len(out.messages(b)) == 2
+
+
+def test_a_group_message_too_large_for_the_core_with_via_is_refused_for_it(tmp_path: Path) -> None:
+    core = ident("core")
+    probe = multicast(G, BODY, now=T0)  # (fits, but not with VIA)
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(upstream=frozenset({core.public}), max_frame=_limit(probe)))
+    k = h.open(core, local=False)
+    a = h.open(ALICE)
+    assert h.receive(a, control(ALICE, X, Join(G.public, False), now=h.now)).replies(a)  # G: an upstream group
+    m = multicast(G, BODY, now=h.now)
+    out = h.receive(a, m)
+    assert out.refusals(a) == [Refused(m.id, Reason.TOO_LARGE, 1)] and out.sends(k) == []
+    fits = multicast(G, BODY[:-40], now=h.now)
+    out = h.receive(a, fits)
+    assert out.refusals(a) == [] and out.sends(k)

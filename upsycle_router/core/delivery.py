@@ -45,6 +45,7 @@ QUEUE_ENTRY_BYTES = 128
 THROTTLE_SECONDS = 0.05
 # Messages forwarded for local apps whose next router may still refuse them, remembered at most.
 FORWARDED_MAX = 65_536
+VIA_BYTES = 2 + 32  # what VIA adds to an encoded message: a byte string head and the key (the array head stays)
 ANY_MEMBER = b""
 """The ``router`` of a :class:`~upsycle_router.core.state.Forwarded` multicast: any router member of its group, or
 any core node (``upstream``) it was handed to."""
@@ -253,6 +254,8 @@ class Delivery:
         it was not taken, or None. A message a local app (``origin``) sent is remembered for a while, so that a
         REFUSED from the next router reaches the app. ``taken``: as for :meth:`enqueue`."""
         s = self.s
+        if origin is not None and origin.local and self.too_large_with_via(msg, size):
+            return Reason.TOO_LARGE  # (refused by the caller: the next router would refuse it, after our SYNC_ACK)
         conn = s.connected(router)
         src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
         dst = msg.header.dst if isinstance(msg.header, UnicastHeader) else None
@@ -269,6 +272,12 @@ class Delivery:
             s.dialing.add(router)
             out.append(Dial(router))
         return why
+
+    def too_large_with_via(self, msg: Message, size: int) -> bool:
+        """Whether ``msg`` (``size`` bytes) would be a frame larger than ``max_frame`` once the next router adds
+        VIA (unicast step 2, multicast step 7): that router would refuse it, so it is refused here, where the
+        sender's SYNC_ACK can still count it."""
+        return size + (0 if msg.via is not None else VIA_BYTES) > self.s.config.max_frame
 
     def remember(self, origin: Conn, router: bytes, mid: bytes, kind: Kind, group: bytes | None, size: int) -> None:
         """The message ``mid`` the local app on ``origin`` sent went (or waits to go) to router ``router``:

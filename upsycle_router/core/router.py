@@ -91,6 +91,7 @@ from upsycle_router.wire.control import (
     JoinAck,
     LeaveAck,
     PullNack,
+    Reason,
     Refused,
     RouterMessage,
     StatusReply,
@@ -104,7 +105,6 @@ from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
 
 REDIAL_MIN = 2.0
 REDIAL_MAX = 60.0
-VIA_BYTES = 2 + 32  # what VIA adds to an encoded message: a byte string head and the key (the array head stays)
 CONTACTS_MAX = 1_000_000  # (local service, key it wrote to) pairs remembered at most
 
 
@@ -521,7 +521,7 @@ class Router:
     def _too_large_with_via(self, msg: Message, size: int) -> bool:
         """Whether ``msg`` (``size`` bytes as it arrived from a remote node) would be a frame larger than
         ``max_frame`` once it carries VIA (unicast step 2, multicast step 7): nobody could read it."""
-        return size + (0 if msg.via is not None else VIA_BYTES) > self.state.config.max_frame
+        return self.delivery.too_large_with_via(msg, size)
 
     def _unicast(self, c: Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
         """Seed 003's unicast algorithm, from step 2 (the signature was checked)."""
@@ -563,6 +563,9 @@ class Router:
             return
         edge = s.served_by(h.dst)
         if edge is not None and edge != c.peer:  # 3.2 for an edge node's service: store and forward to the edge
+            if c.local and self.delivery.too_large_with_via(msg, size):  # the edge node would refuse it
+                self._refuse(c, msg.id, Reason.TOO_LARGE, 0, now, out, kind, None, size)
+                return
             remote = not c.local
             stranger = remote and s.stranger(h.src, h.dst)
             why = self._deliver(edge, msg, None, size, now, out, kind=UNICAST, stranger=stranger,
@@ -678,7 +681,15 @@ class Router:
         elif c.local and h.grp in s.upstream_groups:  # an edge app published: hand it to our core nodes too
             cores = sorted(self.state.config.upstream)
         # Step 8. Subscribers that get it now get it in one Fanout; the others are queued while away or behind.
+        too_far: list[bytes] = []
+        if c.local and s.has_router_member(grp) and self.delivery.too_large_with_via(msg, size):
+            # A member router would refuse it (with VIA it is a frame over max_frame): refused for them here.
+            too_far = [m for m in recipients if m not in s.locals]
+            recipients = [m for m in recipients if m in s.locals]
         failed, why = self._to_members(recipients, msg, grp, data, size, now, out, remote=not c.local, origin=c)
+        if too_far:
+            failed += too_far
+            why = why or Reason.TOO_LARGE
         if c.local and (cores or s.has_router_member(grp)):  # a member router's or core's REFUSED reaches the app
             self.delivery.remember(c, ANY_MEMBER, mid, MULTICAST, grp, size)
         failed_cores: list[bytes] = []

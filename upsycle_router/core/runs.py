@@ -47,6 +47,10 @@ def multicast_run(
     with nothing done (see the module docstring)."""
     if grp == s.config.discovery_group or grp in s.upstream_groups:
         return False
+    if s.has_router_member(grp):
+        too_large = delivery.too_large_with_via
+        if any(too_large(msgs[k], len(msgs[k].wire) or len(msgs[k].encode())) for k in range(lo, hi)):
+            return False  # refused for its member routers (the per-message path)
     store = s.store
     if store.any_owed(msgs[k].id for k in range(lo, hi)):
         return False  # sent again after a partial refusal: owed to some recipients (the per-message path)
