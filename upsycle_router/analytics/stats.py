@@ -16,7 +16,8 @@ the records of the fleet are shuffled once:
   bytes. Copying, hashing and comparing 32-byte keys was about 40 % of the JVM's time; with codes every row
   the job moves carries 8 bytes per key. :func:`as_hex` turns the keys of an output table back into hex (the
   bytes in hex, or each code looked up in the kept dictionary of the input's keys). A key never decides an
-  order here (the orders that matter end in ``pos``, unique per record), so the form changes no result.
+  order here (the orders that matter end in ``pos``, unique per record of an input file), so the form
+  changes no result.
 * :func:`by_message` partitions the records that carry a message id by that id, once. Everything per
   message - first receipts, app deliveries, queue residency, why not delivered, lost deliveries - groups or
   joins by ``id`` (or by ``id`` and more), so it runs where the records already are; the job keeps the
