@@ -177,9 +177,8 @@ def read_tables_like(df: DataFrame, path: str) -> DataFrame:
     return df.sparkSession.read.schema(df.schema).parquet(no_glob(path))
 
 
-def _totals(events: DataFrame, nodes: int | None) -> dict[str, Any]:
-    """Rows, good events, nodes (unless ``nodes`` gives their number), first and last ts, and bad lines by
-    problem kind."""
+def _totals(events: DataFrame) -> dict[str, Any]:
+    """Rows, good events, nodes, first and last ts, and bad lines by problem kind."""
     good = F.col("problem").isNull()
     kind = problem_kind(F.col("problem"))
     row = events.agg(
@@ -190,8 +189,7 @@ def _totals(events: DataFrame, nodes: int | None) -> dict[str, Any]:
         *[F.count(F.when(kind == k, 1)).alias(k) for k in PROBLEM_KINDS],
     ).collect()[0]
     # Apart: a distinct count inside the aggregation above would copy every row once per distinct aggregate.
-    if nodes is None:
-        nodes = events.where(good).select("node").distinct().count()
+    nodes = events.where(good).select("node").distinct().count()
     return {**row.asDict(), "nodes": nodes}
 
 
@@ -239,9 +237,7 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
     events = union_all(parts)
 
     progress("counting events")
-    good = stats.good_events(events)
-    keys = stats.key_form(good, codes=spark.conf.get(KEY_CODES, "true") == "true")  # (it counts the nodes too)
-    totals_row = _totals(events, keys.nodes)
+    totals_row = _totals(events)
     if totals_row["rows"] == 0 and inputs.journal_uris:
         raise AnalyticsError(f"no trace records under {', '.join(inputs.journal_uris)}")
     if spark.conf.get(AUTO_PARTITIONS, "false") == "true":
@@ -250,6 +246,8 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
             str(partitions_for(int(totals_row["events"]), spark.sparkContext.defaultParallelism)),
         )
     partitions = int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
+    good = stats.good_events(events)
+    keys = stats.key_form(good, codes=spark.conf.get(KEY_CODES, "true") == "true")
     form = "their keys as 64-bit codes" if keys.codes is not None else "their keys as bytes"
     progress(f"{int(totals_row['events']):,} events, {form}; partitioning them by message into {partitions}")
     ranks = stats.file_ranks(events).persist(KEEP)

@@ -154,7 +154,6 @@ class KeyForm:
 
     codes: DataFrame | None
     bits: int = CODE_BITS
-    nodes: int | None = None  # distinct ``node`` keys, counted from the dictionary (None: not counted)
 
     def key(self, c: str) -> Column:
         """The form the job carries the hex key column ``c`` in."""
@@ -169,13 +168,8 @@ class KeyForm:
 
 
 def key_dictionary(ev: DataFrame) -> DataFrame:
-    """``hex``, ``is_id``, ``is_node``: the distinct keys of the good rows ``ev``, ids apart from the other keys,
-    and the keys of the ``node`` column apart again (a router's key seen as ``node`` and as ``peer`` is two rows:
-    the job counts its nodes from this table too)."""
-    keys = F.array(
-        *[F.struct(F.col(c).alias("hex"), F.lit(c == "id").alias("is_id"), F.lit(c == "node").alias("is_node"))
-          for c in KEYS]
-    )  # fmt: skip
+    """``hex``, ``is_id``: the distinct keys of the good rows ``ev`` (ids apart from the other keys)."""
+    keys = F.array(*[F.struct(F.col(c).alias("hex"), F.lit(c == "id").alias("is_id")) for c in KEYS])
     return ev.select(F.explode(keys).alias("k")).where(F.col("k.hex").isNotNull()).select("k.*").distinct()
 
 
@@ -190,15 +184,11 @@ def key_form(ev: DataFrame, *, codes: bool = True, bits: int = CODE_BITS) -> Key
         return KeyForm(None)
     dictionary = key_dictionary(ev).withColumn("code", code_of(F.col("hex"), bits))
     dictionary = dictionary.persist(StorageLevel.MEMORY_AND_DISK)
-    row = dictionary.agg(
-        F.countDistinct("hex").alias("keys"),
-        F.countDistinct("code").alias("codes"),
-        F.count(F.when(F.col("is_node"), 1)).alias("nodes"),
-    ).collect()[0]
+    row = dictionary.agg(F.countDistinct("hex").alias("keys"), F.countDistinct("code").alias("codes")).collect()[0]
     if row["keys"] != row["codes"]:
         dictionary.unpersist()
-        return KeyForm(None, bits, int(row["nodes"]))
-    return KeyForm(dictionary, bits, int(row["nodes"]))
+        return KeyForm(None, bits)
+    return KeyForm(dictionary, bits)
 
 
 def prepared(ev: DataFrame, ranks: DataFrame, keys: KeyForm) -> DataFrame:
@@ -219,7 +209,7 @@ def as_hex(df: DataFrame, keys: KeyForm, *columns: str) -> DataFrame:
     for i, c in enumerate(columns):
         d = keys.codes.where(F.col("is_id") == (c == "id")).select(
             F.col("code").alias(f"_code{i}"), F.col("hex").alias(f"_hex{i}")
-        ).distinct()  # (one row per key: a router's key is there as a node and as a peer)
+        )
         out = out.join(F.broadcast(d), out[c] == d[f"_code{i}"], "left")
         names[c] = F.col(f"_hex{i}").alias(c)
     return out.select(*[names.get(c, F.col(c)) for c in df.columns])
