@@ -500,7 +500,7 @@ class Router:
                 self._dropped(c, msg.id, Why.EXPIRED, 0, now, out, MULTICAST, h.grp, None, None, size)
             elif not verified:
                 self._dropped(c, msg.id, Why.BAD_SIGNATURE, 0, now, out, MULTICAST, h.grp, None, None, size)
-            elif not c.local and self._too_large_with_via(msg, size):
+            elif not c.local and self.delivery.too_large_with_via(msg, size):  # with VIA nobody could read it
                 self._dropped(c, msg.id, Why.TOO_LARGE, 0, now, out, MULTICAST, h.grp, None, None, size)
             else:
                 self._multicast(c, msg, h, size, now, out)
@@ -513,15 +513,10 @@ class Router:
             self._dropped(c, msg.id, Why.EXPIRED, 0, now, out, kind, None, h.src, h.dst, size)
         elif not verified:
             self._dropped(c, msg.id, Why.BAD_SIGNATURE, 0, now, out, kind, None, h.src, h.dst, size)
-        elif not c.local and kind is UNICAST and self._too_large_with_via(msg, size):
+        elif not c.local and kind is UNICAST and self.delivery.too_large_with_via(msg, size):
             self._dropped(c, msg.id, Why.TOO_LARGE, 0, now, out, kind, None, h.src, h.dst, size)
         else:
             self._unicast(c, msg, h, size, now, out)
-
-    def _too_large_with_via(self, msg: Message, size: int) -> bool:
-        """Whether ``msg`` (``size`` bytes as it arrived from a remote node) would be a frame larger than
-        ``max_frame`` once it carries VIA (unicast step 2, multicast step 7): nobody could read it."""
-        return self.delivery.too_large_with_via(msg, size)
 
     def _unicast(self, c: Conn, msg: Message, h: UnicastHeader, size: int, now: float, out: list[Effect]) -> None:
         """Seed 003's unicast algorithm, from step 2 (the signature was checked)."""
