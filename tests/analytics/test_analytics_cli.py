@@ -12,6 +12,7 @@ import pytest
 from analytics_fixtures import REPO, SMALL, cli, subprocess_env
 
 from upsycle_router.analytics.session import (
+    LOCAL_JIT_OPTIONS,
     JavaNotFoundError,
     JavaRuntime,
     SparkOptions,
@@ -160,8 +161,12 @@ def test_session_settings_stay_on_loopback_for_local_masters(tmp_path: Path) -> 
     assert conf["spark.ui.enabled"] == "false"
     assert conf["spark.sql.shuffle.partitions"] == "3"
     assert conf["spark.local.dir"] == str(tmp_path / "local")
+    assert conf["spark.driver.defaultJavaOptions"] == LOCAL_JIT_OPTIONS
+    mine = session_conf(SparkOptions(conf={"spark.driver.defaultJavaOptions": "-Xss4m"}), tmp_path)
+    assert mine["spark.driver.defaultJavaOptions"] == "-Xss4m"
     remote = session_conf(SparkOptions(master="spark://cluster:7077", conf={"spark.executor.memory": "8g"}), tmp_path)
     assert "spark.driver.host" not in remote and "spark.local.dir" not in remote
+    assert "spark.driver.defaultJavaOptions" not in remote
     assert remote["spark.executor.memory"] == "8g"
     assert is_local_master("local") and is_local_master("local[4]") and is_local_master("local[*, 2]")
     assert not is_local_master("yarn")

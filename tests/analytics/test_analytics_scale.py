@@ -20,7 +20,7 @@ from pyspark.sql import SparkSession
 
 from upsycle_router.analytics import stats
 from upsycle_router.analytics.job import ROWS_PER_PARTITION, partitions_for
-from upsycle_router.analytics.session import SparkOptions, default_driver_memory, session_conf
+from upsycle_router.analytics.session import LOCAL_JIT_OPTIONS, SparkOptions, default_driver_memory, session_conf
 
 
 def _rank_distance(ordered: list[float], value: float, pct: int) -> int:
@@ -67,3 +67,10 @@ def test_default_sizing() -> None:
     assert conf["spark.driver.memory"].endswith("m")
     cluster = session_conf(SparkOptions(master="spark://127.0.0.1:7077", shuffle_partitions=64), Path("/scratch"))
     assert cluster["spark.sql.shuffle.partitions"] == "64" and "spark.driver.memory" not in cluster
+
+
+@pytest.mark.spark
+def test_the_local_jvm_runs_with_the_jit_thresholds(spark: SparkSession) -> None:  # noqa: F811
+    """The settings reach the JVM the session started (a driver option set after start would do nothing)."""
+    args = list(spark.sparkContext._jvm.java.lang.management.ManagementFactory.getRuntimeMXBean().getInputArguments())  # type: ignore[union-attr]
+    assert all(option in args for option in LOCAL_JIT_OPTIONS.split()), args

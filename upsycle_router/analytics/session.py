@@ -27,6 +27,13 @@ spilling. ``spark.sql.requireAllClusterKeysForCoPartition`` is off: the job part
 by message id once, and joins keyed by id and more (``(id, node)``) then need no second shuffle; ids are
 unique per message, so the partitions cannot be skewed.
 
+With a local master the JVM's optimizing compiler (C2) waits four times longer than its default before it
+compiles a method (:data:`LOCAL_JIT_OPTIONS`, given as ``spark.driver.defaultJavaOptions``, which a
+``--conf`` of the same key replaces): every stage of the job is new generated code, and on a small machine
+C2 compiling it took a quarter of the JVM's CPU (66-70 of 273-295 s at 20 M events, beside the two cores
+the tasks need); with the higher thresholds it compiles only what runs longest (47-52 s), the tasks' own CPU
+is the same and the job ~3 % shorter (docs/performance.md). A cluster's executors are left alone.
+
 Spark's own log output is cut to errors by a log4j2 configuration written to the temporary directory
 (``verbose=True`` keeps Spark's default logging), and the console progress bar is off, so that the job's
 own stage lines on stderr are readable.
@@ -50,6 +57,12 @@ from upsycle_router.errors import UpsycleError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+
+LOCAL_JIT_OPTIONS = (
+    "-XX:Tier4InvocationThreshold=20000 -XX:Tier4MinInvocationThreshold=2400 "
+    "-XX:Tier4CompileThreshold=60000 -XX:Tier4BackEdgeThreshold=160000"
+)
+"""JVM options of a local master's driver: C2 compiles a method after four times HotSpot's default counts."""
 
 MIN_JAVA = 17
 """Spark 4 runs on Java 17 or newer."""
@@ -219,6 +232,7 @@ def session_conf(options: SparkOptions, scratch: Path) -> dict[str, str]:
                 "spark.driver.host": "127.0.0.1",
                 "spark.driver.bindAddress": "127.0.0.1",
                 "spark.local.dir": str(scratch / "local"),
+                "spark.driver.defaultJavaOptions": LOCAL_JIT_OPTIONS,
             }
         )
         if options.shuffle_partitions is not None:
