@@ -27,6 +27,8 @@ from upsycle_router.config import (
 )
 from upsycle_router.config import daemon as config_mod
 from upsycle_router.errors import ConfigError
+from upsycle_router.runtime.daemon import gossip_params
+from upsycle_router.services.pubsub.params import GossipParams
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP = "ab" * 32
@@ -64,6 +66,10 @@ FLOAT_OPTIONS = [
     "pubsub.params.heartbeat_interval",
     "pubsub.params.fanout_ttl",
     "pubsub.params.seen_ttl",
+    "pubsub.params.iwant_timeout",
+    "pubsub.params.pull_delay",
+    "pubsub.params.pull_timeout",
+    "pubsub.params.learned_peer_ttl",
     "discovery.lan.interval",
     "discovery.lan.jitter",
     "discovery.lan.rate",
@@ -112,6 +118,11 @@ INT_BOUNDS = [
     Bound("pubsub.params.D", 1000, {"pubsub": {"params": {"D_high": 1000}}}),
     Bound("pubsub.params.D_low", 1000, {"pubsub": {"params": {"D": 1000, "D_high": 1000}}}),
     Bound("pubsub.params.mcache_gossip", 1000, {"pubsub": {"params": {"mcache_len": 1000}}}),
+    Bound("pubsub.params.seen_max", 100_000_000, {}),
+    Bound("pubsub.params.max_pending_pulls", 1_000_000, {}),
+    Bound("pubsub.params.max_missing", 1_000_000, {}),
+    Bound("pubsub.params.max_peer_groups", 1_000_000, {}),
+    Bound("pubsub.params.max_learned_peers", 1_000_000, {}),
     Bound(f"pubsub.groups.{GROUP}.max_size", 64 * 1024 * 1024, {}),
     Bound("discovery.advert_ttl", 7 * 24 * 3600, {}),
     Bound("discovery.lan.port", 65535, {}),
@@ -130,6 +141,10 @@ FLOAT_BOUNDS = [
     Bound("pubsub.params.heartbeat_interval", 3600.0, {}),
     Bound("pubsub.params.fanout_ttl", 86400.0, {}),
     Bound("pubsub.params.seen_ttl", 86400.0, {}),
+    Bound("pubsub.params.iwant_timeout", 3600.0, {}),
+    Bound("pubsub.params.pull_delay", 3600.0, {}),
+    Bound("pubsub.params.pull_timeout", 3600.0, {}),
+    Bound("pubsub.params.learned_peer_ttl", 86400.0, {}),
     Bound("discovery.lan.interval", 3600.0, {}),
     Bound("discovery.lan.jitter", 0.99, {}),
     Bound("discovery.lan.rate", 10_000.0, {}),
@@ -221,6 +236,26 @@ def test_in_range_values_still_parse() -> None:
     )  # fmt: skip
     assert cfg.unix_mode == 0o660 and cfg.max_frame == 1024 and cfg.queue_backpressure_at == 1.0
     assert cfg.pubsub.params["D"] == 8 and isinstance(cfg.pubsub.params["D"], int)
+
+
+def test_every_gossip_bound_can_be_set_and_reaches_the_core() -> None:
+    """The pub/sub service's bounds (learned peers, PULLs, its seen cache) are in the config file too, not only
+    gossipsub's nine; what the file says is what the core gets."""
+    fields = set(GossipParams.__dataclass_fields__) - {"max_pending_validations"}
+    assert fields == set(config_mod.GOSSIP_PARAMS)  # (validator_max_pending sets the last one)
+    cfg = parse_config(
+        {"pubsub": {"params": {"max_learned_peers": 0, "learned_peer_ttl": 30, "seen_max": 500, "pull_delay": 0,
+                               "iwant_timeout": 1.5, "max_missing": 7, "flood_publish": False}}}
+    )  # fmt: skip
+    p = gossip_params(cfg)
+    assert (p.max_learned_peers, p.learned_peer_ttl, p.seen_max, p.pull_delay) == (0, 30.0, 500, 0.0)
+    assert (p.iwant_timeout, p.max_missing) == (1.5, 7) and isinstance(p.max_missing, int)
+    assert p.flood_publish is False and gossip_params(parse_config({})).flood_publish is True
+    assert p.D == GossipParams().D  # what the file does not set keeps its default
+    refused({"pubsub": {"params": {"seen_max": 0}}}, "pubsub.params.seen_max")
+    refused({"pubsub": {"params": {"learned_peer_ttl": 0}}}, "pubsub.params.learned_peer_ttl")
+    refused({"pubsub": {"params": {"max_learned_peers": -1}}}, "pubsub.params.max_learned_peers")
+    refused({"pubsub": {"params": {"flood_publish": "no"}}}, "pubsub.params.flood_publish")
 
 
 def test_pubsub_params_are_checked_together_at_load() -> None:

@@ -221,10 +221,24 @@ _TOP = {
     "discovery",
     "websocket",
 }  # fmt: skip
-_GOSSIP_PARAMS = {
-    "D", "D_low", "D_high", "D_lazy", "heartbeat_interval", "fanout_ttl", "mcache_len", "mcache_gossip", "seen_ttl",
-}  # fmt: skip
-_GOSSIP_INTS = {"D", "D_low", "D_high", "D_lazy", "mcache_len", "mcache_gossip"}
+MAX_GOSSIP_BOUND = 1_000_000  # max_pending_pulls, max_missing, max_peer_groups, max_learned_peers
+MAX_GOSSIP_SEEN = 100_000_000  # the pub/sub service's seen cache (seen_max)
+MAX_GOSSIP_WAIT = 3600.0  # iwant_timeout, pull_delay, pull_timeout
+GOSSIP_PARAMS: dict[str, tuple[type, float, float]] = {
+    **{k: (int, 0, MAX_GOSSIP_DEGREE) for k in ("D", "D_low", "D_high", "D_lazy", "mcache_len", "mcache_gossip")},
+    "heartbeat_interval": (float, 0.001, MAX_HEARTBEAT),
+    "fanout_ttl": (float, 0.001, MAX_GOSSIP_TTL),
+    "seen_ttl": (float, 0.001, MAX_GOSSIP_TTL),
+    "seen_max": (int, 1, MAX_GOSSIP_SEEN),
+    **{
+        k: (int, 0, MAX_GOSSIP_BOUND)
+        for k in ("max_pending_pulls", "max_missing", "max_peer_groups", "max_learned_peers")
+    },
+    **{k: (float, 0.0, MAX_GOSSIP_WAIT) for k in ("iwant_timeout", "pull_delay", "pull_timeout")},
+    "learned_peer_ttl": (float, 0.001, MAX_GOSSIP_TTL),
+    "flood_publish": (bool, 0, 1),
+}
+"""The ``pubsub.params`` a config may set (:class:`GossipParams` fields): kind, least and largest value."""
 
 
 def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
@@ -393,14 +407,16 @@ def _parse_pubsub(v: Any) -> PubsubConfig:
     )  # fmt: skip
     enabled = parse_bool(pm.get("enabled", True), "pubsub.enabled")
     in_process = parse_bool(pm.get("in_process", True), "pubsub.in_process")
-    params_raw = parse_map(pm.get("params"), "pubsub.params", _GOSSIP_PARAMS)
+    params_raw = parse_map(pm.get("params"), "pubsub.params", set(GOSSIP_PARAMS))
     params: dict[str, float] = {}
     for k, x in params_raw.items():
-        if k in _GOSSIP_INTS:
-            params[k] = parse_int(x, f"pubsub.params.{k}", 0, MAX_GOSSIP_DEGREE)
+        kind, lo, hi = GOSSIP_PARAMS[k]
+        if kind is bool:
+            params[k] = parse_bool(x, f"pubsub.params.{k}")
+        elif kind is int:
+            params[k] = parse_int(x, f"pubsub.params.{k}", int(lo), int(hi))
         else:
-            hi = MAX_HEARTBEAT if k == "heartbeat_interval" else MAX_GOSSIP_TTL
-            params[k] = parse_float(x, f"pubsub.params.{k}", 0.001, hi, unit="seconds")
+            params[k] = parse_float(x, f"pubsub.params.{k}", lo, hi, unit="seconds")
     try:
         GossipParams(**params)  # type: ignore[arg-type]
     except ValueError as e:

@@ -51,7 +51,7 @@ from typing import Any
 
 from upsycle_router import __version__, accel
 from upsycle_router.config import DaemonConfig, PeerConfig
-from upsycle_router.config.daemon import socket_gid
+from upsycle_router.config.daemon import GOSSIP_PARAMS, socket_gid
 from upsycle_router.config.reload import Applies, ReloadPlan, peer_changes, plan_reload
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.router import Router
@@ -151,11 +151,10 @@ CORE_RELOADABLE = (
 
 
 def gossip_params(cfg: DaemonConfig) -> GossipParams:
-    """Gossip parameters from ``pubsub.params`` (integers where gossipsub counts)."""
-    ints = {"D", "D_low", "D_high", "D_lazy", "mcache_len", "mcache_gossip"}
-    kw = {k: int(v) if k in ints else float(v) for k, v in cfg.pubsub.params.items()}
+    """Gossip parameters from ``pubsub.params`` (each of the kind :data:`GOSSIP_PARAMS` gives it)."""
+    kw = {k: GOSSIP_PARAMS[k][0](v) for k, v in cfg.pubsub.params.items()}
     try:
-        return GossipParams(**kw)  # type: ignore[arg-type]
+        return GossipParams(**kw)
     except ValueError as e:
         raise ConfigError(f"pubsub.params: {e}") from None
 
