@@ -676,8 +676,9 @@ class Router:
         elif c.local and h.grp in s.upstream_groups:  # an edge app published: hand it to our core nodes too
             cores = sorted(self.state.config.upstream)
         # Step 8. Subscribers that get it now get it in one Fanout; the others are queued while away or behind.
+        member_routers = c.local and s.has_router_member(grp)  # a local app's message goes to member routers too
         too_far: list[bytes] = []
-        if c.local and s.has_router_member(grp) and self.delivery.too_large_with_via(msg, size):
+        if member_routers and self.delivery.too_large_with_via(msg, size):
             # A member router would refuse it (with VIA it is a frame over max_frame): refused for them here.
             too_far = [m for m in recipients if m not in s.locals]
             recipients = [m for m in recipients if m in s.locals]
@@ -685,7 +686,7 @@ class Router:
         if too_far:
             failed += too_far
             why = why or Reason.TOO_LARGE
-        if c.local and (cores or s.has_router_member(grp)):  # a member router's or core's REFUSED reaches the app
+        if member_routers or (c.local and cores):  # a member router's or core's REFUSED reaches the app
             self.delivery.remember(c, ANY_MEMBER, mid, MULTICAST, grp, size)
         failed_cores: list[bytes] = []
         for core in cores:
