@@ -185,6 +185,7 @@ async def test_metrics_healthz_and_status_over_http(daemon: DaemonFactory) -> No
         st = json.loads(body)
         assert st["version"] == __version__ and st["router"] == _router_id(d).hex()
         assert st["uptime_seconds"] >= 0 and st["started_at"] == st["counters"]["started_at"]
+        assert st["services"] == {"pubsub": load_key_file(d.dir / "pubsub.key").hex}  # discovery is off
         conns = {c["peer"]: c for c in st["connections"]}
         sender, receiver = conns[a.public.hex()], conns[b.public.hex()]
         assert sender["kind"] == "unix" and sender["local"] and sender["remote"] is None
@@ -200,6 +201,7 @@ async def test_metrics_healthz_and_status_over_http(daemon: DaemonFactory) -> No
         assert f"version {__version__}" in r.stdout and ", up " in r.stdout
         assert f"connections ({len(st['connections']) + 1})" in r.stdout  # and the status command itself
         assert a.public.hex()[:16] in r.stdout and " unix " in r.stdout
+        assert f"  pubsub service {st['services']['pubsub']}" in r.stdout
         r = cli("status", "--socket", str(d.sock), "--key", str(key), "--metrics", f"127.0.0.1:{port}", "--json")
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)

@@ -7,7 +7,9 @@ the small ones are accepted and reach the subscriber on ``b``, the large ones ar
 validator's output (one JSON line per verdict) shows it judged every message and rejected exactly the large
 ones. A group listed under ``pubsub.groups`` with only ``max_size`` (and one with only ``allowed_senders``)
 no longer blocks or breaks anything: the daemon starts with both and passes plain application messages on.
-The pub/sub service run as its own process (``upsycle-router pubsub``) asks the validator too.
+The pub/sub service run as its own process (``upsycle-router pubsub``) asks the validator too. The validator
+answers only its router's pub/sub service: another app sending it a VALIDATE gets nothing back, and without
+the service's key (no ``pubsub.key`` in the data directory named) it does not start.
 """
 
 from __future__ import annotations
@@ -21,21 +23,26 @@ from pathlib import Path
 
 import pytest
 from conftest import DaemonFactory
+from daemons import Daemon
 from netutil import REPO, Network, collect, drain, subprocess_env
 
 from upsycle_router.client import Client
-from upsycle_router.crypto import Identity, sign_app_message, write_key_file
+from upsycle_router.crypto import Identity, sign_app_message, sign_message, write_key_file
+from upsycle_router.expiry import exp_in
+from upsycle_router.runtime.validator import pubsub_service_key
 from upsycle_router.wire.app import AppHeader, AppMessage, AppMulticast
+from upsycle_router.wire.messages import MulticastHeader
+from upsycle_router.wire.validation import VALIDATION_CODEC, ValidateRequest
 
 pytestmark = pytest.mark.slow
 
 LIMIT = 32
 
 
-def _validator(sock: Path, key: Path, *extra: str) -> subprocess.Popen[str]:
+def _validator(d: Daemon, key: Path, *extra: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "upsycle_router", "validator", "--socket", str(sock), "--key", str(key),
-         "--reject-larger-than", str(LIMIT), *extra],
+        [sys.executable, "-m", "upsycle_router", "validator", "--socket", str(d.sock), "--data-dir", str(d.dir),
+         "--key", str(key), "--reject-larger-than", str(LIMIT), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True, env=subprocess_env(),
         cwd=str(REPO),
     )  # fmt: skip
@@ -74,7 +81,7 @@ async def test_a_validator_service_keeps_rejected_messages_from_other_routers(tm
             }
         await net.start_all()
         await net.wait_dialled(b, a)
-        validator = _validator(a.sock, vkey_path)
+        validator = _validator(a, vkey_path)
         try:
             sub = await net.client(b)
             assert await sub.join(group.public, local=False)
@@ -106,7 +113,7 @@ async def test_a_validator_service_keeps_rejected_messages_from_other_routers(tm
         finally:
             rc, out, err = _stop(validator)
         assert rc == 0, err[-2000:]
-        assert f"validator {vkey.public.hex()}" in err
+        assert f"validator {vkey.public.hex()} answering pub/sub service {pubsub_service_key(a.dir).hex()}" in err
         verdicts = {bytes.fromhex(line["id"]): line for line in map(json.loads, out.splitlines())}
         for mid in small:
             assert verdicts[mid]["verdict"] == "accept" and verdicts[mid]["peer"] is None
@@ -151,7 +158,7 @@ async def test_the_pub_sub_service_as_its_own_process_asks_the_validator(daemon:
          "--config", str(d.config_path)],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=str(REPO),
     )  # fmt: skip
-    validator = _validator(d.sock, vkey_path, "--count", "1")
+    validator = _validator(d, vkey_path, "--count", "1")
     published: set[bytes] = set()
     try:
         async with await Client.connect(d.sock, Identity.generate()) as app:
@@ -170,3 +177,64 @@ async def test_the_pub_sub_service_as_its_own_process_asks_the_validator(daemon:
     assert rc_v == 0, err_v[-2000:]
     (line,) = [json.loads(x) for x in out.splitlines()]
     assert bytes.fromhex(line["id"]) in published and line["verdict"] == "reject" and line["peer"] is None
+
+
+async def test_the_validator_answers_only_the_pub_sub_service(daemon: DaemonFactory, tmp_path: Path) -> None:
+    """An app that sends the validator a well-formed VALIDATE gets no VERDICT (the validator is nobody's oracle);
+    the router's own pub/sub service, asking about the next publish, gets its answer."""
+    vkey_path = tmp_path / "validator.key"
+    vkey = write_key_file(vkey_path)
+    d = daemon(config={"pubsub": {"validators": {"*": vkey.public.hex()}}})
+    validator = _validator(d, vkey_path, "--count", "1")
+    try:
+        assert validator.stderr is not None
+        first = await asyncio.wait_for(asyncio.to_thread(validator.stderr.readline), 60)
+        assert first.startswith(f"validator {vkey.public.hex()} answering"), first  # connected
+        async with await Client.connect(d.sock, Identity.generate()) as stranger:
+            group = Identity.generate()
+            # the stranger's request is the pub/sub service's own kind of request, about a well-formed message
+            header = MulticastHeader(group.public, 600, exp_in(time.time(), 3600), ())
+            ask = VALIDATION_CODEC.encode(ValidateRequest.of(sign_message(header, b"is this ok?", group), None))
+            for k in range(3):
+                await stranger.send(vkey.public, ask, 60 + k)
+            got = await collect(stranger, set(), timeout=3.0, settle=3.0)
+            verdicts = [m for m in got if m.header.src == vkey.public]  # type: ignore[union-attr]
+            assert verdicts == [], "the validator answered an app that is not the pub/sub service"
+            assert validator.poll() is None, _stop(validator)
+            # the pub/sub service is answered: publish until the validator has answered once (--count 1)
+            deadline = time.monotonic() + 30
+            n = 0
+            while validator.poll() is None:
+                await stranger.publish(group, b"x" * (LIMIT + 1 + n))
+                n += 1
+                await asyncio.sleep(0.3)
+                assert time.monotonic() < deadline, "the validator never answered the pub/sub service"
+    finally:
+        rc, out, err = _stop(validator)
+    assert rc == 0, err[-2000:]
+    assert f"not answering {stranger.identity.hex}: not the pub/sub service" in err
+    assert err.count("not answering") == 1  # each stranger logged once
+    (line,) = [json.loads(x) for x in out.splitlines()]
+    assert line["verdict"] == "reject" and line["size"] > LIMIT
+
+
+def test_the_validator_needs_the_pub_sub_service_key(tmp_path: Path) -> None:
+    """No pubsub.key where the data directory is: exit 1 and one line that says what to pass."""
+    vkey_path = tmp_path / "validator.key"
+    write_key_file(vkey_path)
+    empty = tmp_path / "not-a-data-dir"
+    empty.mkdir()
+    r = subprocess.run(
+        [sys.executable, "-m", "upsycle_router", "validator", "--socket", str(tmp_path / "none.sock"),
+         "--data-dir", str(empty), "--key", str(vkey_path)],
+        capture_output=True, text=True, env=subprocess_env(), cwd=str(REPO), timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert f"no pub/sub service key at {empty / 'pubsub.key'}" in r.stderr and "--service HEX" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "upsycle_router", "validator", "--socket", str(tmp_path / "none.sock"),
+         "--service", "zz", "--key", str(vkey_path)],
+        capture_output=True, text=True, env=subprocess_env(), cwd=str(REPO), timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2 and "--service" in r.stderr, r.stderr

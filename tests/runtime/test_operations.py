@@ -171,8 +171,10 @@ def test_the_status_view_reads_a_detail_object() -> None:
         "connections": [{"conn": 4, "peer": "ef" * 32, "kind": "tls", "local": False, "messages_in": 10,
                          "messages_out": 2, "bytes_in": 5000, "bytes_out": 10, "rate_in": 1.5, "rate_out": 0.0}],
         "refusals": {"quota": 2}, "connections_refused": {"per_source": 0}, "counters": {"received_total": 10},
+        "services": {"pubsub": "12" * 32},
     }  # fmt: skip
     text = "\n".join(status_lines(detail))
+    assert f"  pubsub service {'12' * 32}" in text
     assert "version 1.2.3" in text and "up 1h 2m" in text and "not connected" in text
     assert "efefefefefefefef tls" in text and "4.9 KiB" in text and "quota" in text
     assert "per_source" not in text  # no refusals of that kind

@@ -22,7 +22,9 @@ identity), unless ``--create-key`` asks for it. Commands that act as nobody in p
 write nothing. A group on the command line is 64 hex digits or a name from the user's group names file
 (:mod:`upsycle_router.client.names`): :func:`group_address` for its address, :func:`group_signing_key` for
 ``publish``'s ``--group-key FILE`` / ``--group NAME``. :func:`read_body` reads a message body from the argument
-or stdin. :func:`run_app` connects,
+or stdin. Commands that talk to a service of the router (the discovery commands, ``validator``) find its
+address with :func:`service_address`: ``--service HEX``, else the service's key file in the data directory.
+:func:`run_app` connects,
 runs one coroutine with the client and turns errors into exit codes: 2 for a bad config or key file, 1 when
 the router cannot be reached or the request fails.
 """
@@ -112,6 +114,38 @@ def path_option(args: argparse.Namespace, attr: str, option: str) -> Path | None
     if not value:
         raise ConfigError(f"{option}: empty path")
     return Path(value)
+
+
+class ServiceOff(Exception):
+    """The router's data directory holds no key file of a service: that service is off there (or it is
+    another data directory)."""
+
+
+def service_address(args: argparse.Namespace, key_file: str, off: str) -> bytes:
+    """A router service's address: ``--service HEX``, else the public half of ``DATA_DIR/key_file`` (the data
+    directory of ``--data-dir``, else of the daemon's config: the same search path and environment as ``run``).
+    No such file raises :class:`ServiceOff` with ``off`` (``{path}`` in it names the file)."""
+    if args.service:
+        return parse_key(args.service, "--service")
+    given = path_option(args, "data_dir", "--data-dir")
+    data_dir = given if given is not None else effective_config(args.config, app=True).data_dir
+    path = data_dir / key_file
+    if not path.exists():
+        raise ServiceOff(off.format(path=path))
+    return load_key_file(path).public
+
+
+def find_service(args: argparse.Namespace, key_file: str, off: str) -> bytes | int:
+    """:func:`service_address`, or the exit code after one line on stderr saying why there is none: 1 when the
+    service is off, 2 for a bad config, key file or ``--service``."""
+    try:
+        return service_address(args, key_file, off)
+    except ServiceOff as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (ConfigError, KeyFileError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def config_error(e: Exception) -> int:

@@ -29,12 +29,18 @@ import sys
 import time
 from typing import Any
 
-from upsycle_router.cli.common import add_service_options, app_options, path_option, run_app, serve_from_args
+from upsycle_router.cli.common import (
+    ServiceOff,
+    add_service_options,
+    app_options,
+    find_service,
+    run_app,
+    serve_from_args,
+    service_address,
+)
 from upsycle_router.client import Client, ClientError
 from upsycle_router.client.names import GroupName, add_name, default_names_file, load_names, remove_name
-from upsycle_router.config import parse_key
-from upsycle_router.config.sources import effective_config
-from upsycle_router.crypto import advert_valid, load_key_file, sign_message
+from upsycle_router.crypto import advert_valid, sign_message
 from upsycle_router.errors import ConfigError, KeyFileError, RemoteProtocolError
 from upsycle_router.expiry import exp_in, exp_iso, expires_at
 from upsycle_router.wire.discovery import (
@@ -56,35 +62,15 @@ from upsycle_router.wire.messages import UnicastHeader
 ANSWER_TIMEOUT = 10.0
 
 
-class DiscoveryOff(Exception):
-    """The router's data directory has no discovery service key: its discovery service is off."""
-
-
-def _service(args: argparse.Namespace) -> bytes:
-    """The discovery service's address: ``--service``, else the public half of DATA_DIR/discovery.key (the
-    data directory of ``--data-dir``, else of the daemon's config: the same search path and environment)."""
-    if args.service:
-        return parse_key(args.service, "--service")
-    given = path_option(args, "data_dir", "--data-dir")
-    data_dir = given if given is not None else effective_config(args.config, app=True).data_dir
-    path = data_dir / "discovery.key"
-    if not path.exists():
-        raise DiscoveryOff(f"the router's discovery service is off: there is no {path} (turn it on with "
-                           "discovery: {enabled: true} in the router's config, see docs/discovery.md; or pass "
-                           "--service HEX)")  # fmt: skip
-    return load_key_file(path).public
+DISCOVERY_OFF = (
+    "the router's discovery service is off: there is no {path} (turn it on with discovery: "
+    "{{enabled: true}} in the router's config, see docs/discovery.md; or pass --service HEX)"
+)
 
 
 def _find_service(args: argparse.Namespace) -> bytes | int:
-    """:func:`_service`, or the exit code after one line on stderr saying why there is none."""
-    try:
-        return _service(args)
-    except DiscoveryOff as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except (ConfigError, KeyFileError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """The discovery service's address (``--service``, else DATA_DIR/discovery.key), or the exit code."""
+    return find_service(args, "discovery.key", DISCOVERY_OFF)
 
 
 async def _ask(c: Client, service: bytes, body: DiscoveryMessage, want: type[Any]) -> Any:
@@ -275,8 +261,8 @@ def cmd_groups(args: argparse.Namespace) -> int:
 
     if not args.service:
         try:
-            _service(args)
-        except DiscoveryOff:
+            service_address(args, "discovery.key", DISCOVERY_OFF)
+        except ServiceOff:
             print("note: no public groups listed: the router's discovery service is off (docs/discovery.md)",
                   file=sys.stderr)  # fmt: skip
             return 0

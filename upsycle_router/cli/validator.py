@@ -10,6 +10,10 @@ publish`` sends), or the BODY as it is when it is no application message - check
   expression (Python syntax, on bytes) matches somewhere;
 - anything else: ACCEPT.
 
+It answers only the router's pub/sub service: ``--service HEX``, else the public half of ``pubsub.key`` in the
+router's data directory (``--data-dir``, else the daemon's config, found as ``run`` finds it); without either
+it exits 1 saying so. Requests from any other key are not answered (each sender is logged once).
+
 To use it, name its key in the daemon's config (``pubsub.validators: {"*": KEY}`` or per group). Each answer
 is printed as one JSON line (``id``, ``group``, ``peer``, ``size``, ``verdict``, ``reason``); it runs until
 SIGTERM/SIGINT (exit 0) or ``--count`` answers, and exits 1 when the router cannot be reached.
@@ -24,10 +28,10 @@ import re
 import signal
 import sys
 
-from upsycle_router.cli.common import app_options, run_app
+from upsycle_router.cli.common import app_options, find_service, run_app
 from upsycle_router.client import Client
 from upsycle_router.errors import RemoteProtocolError
-from upsycle_router.runtime.validator import Judged, serve_validator
+from upsycle_router.runtime.validator import PUBSUB_KEY_FILE, Judged, serve_validator
 from upsycle_router.services.pubsub.validation import Verdict
 from upsycle_router.wire.app import AppMulticast, AppUnicast, decode_app_message
 from upsycle_router.wire.messages import Message, MulticastHeader
@@ -64,6 +68,10 @@ def payload(body: bytes) -> bytes:
     return app.body.data if isinstance(app.body, AppMulticast | AppUnicast) else body
 
 
+PUBSUB_OFF = ("no pub/sub service key at {path}: is that the router's data directory, and has the router run? "
+              "(pass --data-dir DIR or --service HEX; 'upsycle-router status' shows the key)")
+
+
 def cmd_validator(args: argparse.Namespace) -> int:
     """Answer VALIDATE requests by the rules on the command line until stopped."""
     if args.reject_larger_than is not None and args.reject_larger_than < 0:
@@ -74,6 +82,9 @@ def cmd_validator(args: argparse.Namespace) -> int:
     except re.error as e:
         print(f"error: bad regular expression: {e}", file=sys.stderr)
         return 2
+    service = find_service(args, PUBSUB_KEY_FILE, PUBSUB_OFF)
+    if isinstance(service, int):
+        return service
     reasons: dict[bytes, str | None] = {}
 
     def judge(msg: Message, peer: bytes | None) -> Verdict:
@@ -97,8 +108,9 @@ def cmd_validator(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        print(f"validator {c.identity.hex} answering on router {c.router_id.hex()}", file=sys.stderr, flush=True)
-        await serve_validator(c, judge, stop=stop, count=args.count, on_verdict=report)
+        print(f"validator {c.identity.hex} answering pub/sub service {service.hex()} on router {c.router_id.hex()}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        await serve_validator(c, judge, services={service}, stop=stop, count=args.count, on_verdict=report)
         return 0
 
     return run_app(args, go)
@@ -112,4 +124,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--reject-matching", action="append", metavar="REGEX", help="reject a body the regex matches")
     p.add_argument("--ignore-matching", action="append", metavar="REGEX", help="ignore a body the regex matches")
     p.add_argument("--count", type=int, help="exit after answering this many requests")
+    p.add_argument("--data-dir", help="the router's data directory (to find the pub/sub service's key)")
+    p.add_argument("--service", help="the pub/sub service's address (hex), instead of reading its key")
     p.set_defaults(func=cmd_validator)

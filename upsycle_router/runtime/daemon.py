@@ -325,8 +325,9 @@ class Daemon:
             self._trim_handle = loop.call_later(TRIM_INTERVAL, self._trim)
         self._rate_handle = loop.call_later(RATE_INTERVAL, self._rate_tick)
         log.info(
-            "started id=%s data_dir=%s unix=%s durability=%s hot_path=%s", ident.hex, cfg.data_dir, cfg.unix,
+            "started id=%s data_dir=%s unix=%s durability=%s hot_path=%s%s", ident.hex, cfg.data_dir, cfg.unix,
             cfg.durability.value, accel.IMPLEMENTATION,
+            "".join(f" {name}={key}" for name, key in self.service_keys().items()),
         )
         self._started = True
         sd_notify("READY=1")
@@ -651,7 +652,7 @@ class Daemon:
         self._rate_handle = loop.call_later(RATE_INTERVAL, self._rate_tick)
 
     def status_detail(self) -> dict[str, Any]:
-        """The ``/status`` view: version, start, counters, refusals by reason, peers, connections."""
+        """The ``/status`` view: version, start, counters, refusals by reason, services, peers, connections."""
         assert self.driver is not None and self.identity is not None
         router = self.driver.router
         counters = router.status()
@@ -684,9 +685,20 @@ class Daemon:
             "refusals": by_reason("refused_"),
             "dropped": by_reason("dropped_"),
             "connections_refused": by_reason("conn_refused_"),
+            "services": self.service_keys(),
             "peers": peers,
             "connections": conns,
         }
+
+    def service_keys(self) -> dict[str, str]:
+        """The addresses of this node's services (those it has a key for), by name: what a validator or a
+        discovery command needs to know whom to answer or ask."""
+        out = {}
+        if self.pubsub_identity is not None:
+            out["pubsub"] = self.pubsub_identity.hex
+        if self.discovery_identity is not None:
+            out["discovery"] = self.discovery_identity.hex
+        return out
 
     def request_stop(self) -> None:
         """Ask the daemon to stop (signal handlers call this)."""

@@ -20,9 +20,10 @@ address: the metrics say who talks to whom and how much. Three paths, for ``GET`
     ``200 ok`` while the store is open and every listener accepts; ``503`` and a one-line reason otherwise
     (``store closed``, ``listener tls closed``, ``stopping``).
 ``/status``
-    One JSON object: the version, start time and uptime, the counters, the refusals by reason, the static
-    peers and the open connections with their traffic (what :meth:`Daemon.status_detail` builds). The wire's
-    STATUS_REPLY carries only the ``{name: uint}`` counters; this is the richer view of the same daemon.
+    One JSON object: the version, start time and uptime, the counters, the refusals by reason, the addresses
+    of the node's services (``services``: ``pubsub``, ``discovery``), the static peers and the open
+    connections with their traffic (what :meth:`Daemon.status_detail` builds). The wire's STATUS_REPLY carries
+    only the ``{name: uint}`` counters; this is the richer view of the same daemon.
 
 Anything else is ``404``, another method ``405``. :func:`fetch` and :func:`status_lines` are the client side
 (``upsycle-router status``).
@@ -244,6 +245,7 @@ def status_lines(detail: dict[str, Any]) -> list[str]:
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(detail.get("started_at", 0)))
     up = duration_text(detail.get("uptime_seconds", 0))
     out = [f"router {detail.get('router', '?')}", f"  version {detail.get('version', '?')}, started {started}, up {up}"]
+    out += [f"  {name} service {key}" for name, key in sorted(detail.get("services", {}).items())]
     peers = detail.get("peers", [])
     if peers:
         out.append(f"peers ({len(peers)})")

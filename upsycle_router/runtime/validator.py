@@ -10,13 +10,16 @@ on), REJECT (invalid) or IGNORE (drop it, nobody to blame). An answer that does 
 ``pubsub.validator_timeout`` counts as ``pubsub.validator_on_timeout``.
 
 :func:`serve_validator` is that loop around any judging function, for a :class:`~upsycle_router.client.Client`
-connected with the configured key: it reads what arrives, answers every well-formed VALIDATE, skips
-everything else (other unicasts, malformed requests), and returns when ``stop`` is set, the connection ends
-or ``count`` requests were answered. The judging function gets the decoded message and the router it came
-via (None: published on this node) and returns a :class:`~upsycle_router.services.pubsub.Verdict`, or an
-awaitable of one; one that raises gets REJECT (a validator that cannot judge a message does not let it
-through), and the error is logged. ``upsycle-router validator`` (``cli/validator.py``) is a small command
-built on it; docs/gossip.md shows a Python example.
+connected with the configured key: it reads what arrives, answers every well-formed VALIDATE from one of
+``services`` (the pub/sub service's key: :func:`pubsub_service_key` reads it from the router's data
+directory; ``None`` answers any sender), skips everything else (other unicasts, malformed requests, requests
+from other keys: any app could otherwise use the validator as an oracle and spend its CPU; each such sender
+is logged once), and returns when ``stop`` is set, the connection ends or ``count`` requests were answered.
+The judging function gets the decoded message and the router it came via (None: published on this node)
+and returns a :class:`~upsycle_router.services.pubsub.Verdict`, or an awaitable of one; one that raises gets
+REJECT (a validator that cannot judge a message does not let it through), and the error is logged.
+``upsycle-router validator`` (``cli/validator.py``) is a small command built on it; docs/gossip.md shows a
+Python example.
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ import contextlib
 import inspect
 import itertools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
+from pathlib import Path
 
 from upsycle_router.client import Client, ClientError
+from upsycle_router.crypto import load_key_file
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.services.pubsub.validation import Verdict
 from upsycle_router.wire.messages import Message, UnicastHeader
@@ -39,6 +44,14 @@ log = logging.getLogger("upsycle_router.validator")
 VERDICT_TTL = 60  # seconds: the pub/sub service waits less than that (validator_timeout) anyway
 
 Judge = Callable[[Message, bytes | None], Verdict | Awaitable[Verdict]]
+PUBSUB_KEY_FILE = "pubsub.key"  # in the router's data directory; the daemon creates it
+MAX_LOGGED_STRANGERS = 1024  # senders of unasked-for requests logged once each, up to this many
+
+
+def pubsub_service_key(data_dir: str | Path) -> bytes:
+    """The address of the pub/sub service of the router whose data directory is ``data_dir`` (the public half
+    of its key file, which the daemon creates at its first start); :class:`KeyFileError` if it cannot be read."""
+    return load_key_file(Path(data_dir) / PUBSUB_KEY_FILE).public
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,12 +82,16 @@ async def serve_validator(
     client: Client,
     judge: Judge,
     *,
+    services: Collection[bytes] | None,
     stop: asyncio.Event | None = None,
     count: int | None = None,
     on_verdict: Callable[[Judged], None] | None = None,
 ) -> int:
-    """Answer VALIDATE requests arriving on ``client`` with ``judge``'s verdicts; return how many were answered
-    (see the module docstring for when it returns). ``on_verdict`` is told about each answer."""
+    """Answer VALIDATE requests arriving on ``client`` from ``services`` (None: from anyone) with ``judge``'s
+    verdicts; return how many were answered (see the module docstring for when it returns). ``on_verdict`` is
+    told about each answer."""
+    allowed = None if services is None else frozenset(services)
+    strangers: set[bytes] = set()
     stop = stop or asyncio.Event()
     stopped = asyncio.ensure_future(stop.wait())
     ttl_offsets = itertools.count()
@@ -94,6 +111,12 @@ async def serve_validator(
                 break
             h = msg.header
             if not isinstance(h, UnicastHeader) or h.src == client.router_id:
+                continue
+            if allowed is not None and h.src not in allowed:
+                if h.src not in strangers and len(strangers) < MAX_LOGGED_STRANGERS:
+                    strangers.add(h.src)
+                    log.warning("validator: not answering %s: not the pub/sub service (%s)", h.src.hex(),
+                                ", ".join(k.hex() for k in sorted(allowed)))  # fmt: skip
                 continue
             try:
                 req = VALIDATION_CODEC.decode(msg.body)
