@@ -305,6 +305,42 @@ def test_iwant_answered_from_mcache_only() -> None:
     assert core.rpc_received(rid(3), ask, 5.1) == []
 
 
+@pytest.mark.parametrize("limit", [0, 1, 3])
+def test_iwant_answered_at_most_gossip_retransmission_times_per_peer(limit: int) -> None:
+    """gossipsub v1.1's GossipRetransmission: a peer that asks for the same cached message again and again gets
+    it ``limit`` times; later requests are ignored (and traced), another peer still gets it, and the count
+    goes with the message when it leaves the mcache."""
+    core = joined_core(params=GossipParams(gossip_retransmission=limit))
+    msg = make_message(GK, b"wanted")
+    core.message_received(msg, None, 0.0)
+    ask = GossipRpc(iwant=(msg.id,))
+    sent = 0
+    for k in range(limit + 3):
+        out = core.rpc_received(rid(3), ask, 0.1 + k / 100)
+        sent += len(forwards(out))
+        if k >= limit:
+            assert forwards(out) == [] and [t.reason for t in traces(out, "ignored")] == [
+                "asked for too many times (gossip_retransmission)"
+            ]
+    assert sent == limit
+    assert forwards(core.rpc_received(rid(4), ask, 0.5)) == ([(rid(4), msg.id)] if limit else [])
+
+
+def test_the_retransmission_counts_leave_with_the_message() -> None:
+    cache = MessageCache(length=2, gossip=1)
+    msg = make_message(GK, b"counted")
+    cache.put(msg)
+    assert cache.get_for_peer(msg.id, rid(1)) == (msg, 1)
+    assert cache.get_for_peer(msg.id, rid(1)) == (msg, 2)
+    assert cache.get_for_peer(msg.id, rid(2)) == (msg, 1)
+    cache.shift()
+    cache.shift()  # the message's window falls out
+    assert cache.get_for_peer(msg.id, rid(1)) == (None, 0)
+    assert cache._served == {}  # no count left behind
+    cache.put(msg)  # cached again (a later copy): counted afresh
+    assert cache.get_for_peer(msg.id, rid(1)) == (msg, 1)
+
+
 def test_heartbeat_gossip_to_non_mesh_peers_for_mcache_gossip_windows() -> None:
     core = joined_core(n_peers=20, subscribed=20)
     mesh = core.mesh_peers(G)

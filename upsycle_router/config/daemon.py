@@ -230,6 +230,7 @@ GOSSIP_PARAMS: dict[str, tuple[type, float, float]] = {
     "fanout_ttl": (float, 0.001, MAX_GOSSIP_TTL),
     "seen_ttl": (float, 0.001, MAX_GOSSIP_TTL),
     "seen_max": (int, 1, MAX_GOSSIP_SEEN),
+    "gossip_retransmission": (int, 0, MAX_GOSSIP_DEGREE),
     **{
         k: (int, 0, MAX_GOSSIP_BOUND)
         for k in ("max_pending_pulls", "max_missing", "max_peer_groups", "max_learned_peers")

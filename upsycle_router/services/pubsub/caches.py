@@ -7,7 +7,9 @@ also expiry order, and expiring is popping from the front.
 
 :class:`MessageCache` is the mcache: the full messages of the last ``mcache_len`` heartbeat windows, of which
 the newest ``mcache_gossip`` are advertised in IHAVE. ``put`` adds to the current window, ``shift`` (at the
-end of every heartbeat) opens a new one and drops the oldest together with its messages.
+end of every heartbeat) opens a new one and drops the oldest together with its messages. ``get_for_peer``
+also counts how often each peer asked for a message by IWANT while it was cached (the counts go with the
+message), for the core's ``gossip_retransmission`` limit.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class MessageCache:
         self._gossip = gossip
         self._messages: dict[bytes, Message] = {}
         self._windows: deque[list[tuple[bytes, bytes]]] = deque([[]], maxlen=length)
+        self._served: dict[bytes, dict[bytes, int]] = {}  # id -> peer -> times sent for its IWANTs
 
     def __len__(self) -> int:
         return len(self._messages)
@@ -73,6 +76,16 @@ class MessageCache:
         """The cached message with this id, if still cached."""
         return self._messages.get(msg_id)
 
+    def get_for_peer(self, msg_id: bytes, peer: bytes) -> tuple[Message | None, int]:
+        """The cached message with this id (if still cached) for ``peer``'s IWANT, and how many times ``peer``
+        has asked for it while cached, this time included (go-libp2p's ``GetForPeer``)."""
+        msg = self._messages.get(msg_id)
+        if msg is None:
+            return None, 0
+        by_peer = self._served.setdefault(msg_id, {})
+        n = by_peer[peer] = by_peer.get(peer, 0) + 1
+        return msg, n
+
     def gossip_ids(self, group: bytes) -> list[bytes]:
         """Ids of ``group``'s messages in the newest ``gossip`` windows, newest first."""
         out: list[bytes] = []
@@ -87,4 +100,5 @@ class MessageCache:
         if len(self._windows) == self._windows.maxlen:
             for mid, _ in self._windows[-1]:
                 self._messages.pop(mid, None)
+                self._served.pop(mid, None)
         self._windows.appendleft([])

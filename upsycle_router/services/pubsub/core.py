@@ -74,9 +74,11 @@ Membership and the mesh (seed 004 §Topic Membership, §Heartbeat)
 Gossip and recovery
     An IHAVE for a joined group is answered with IWANT for the ids not seen; an id asked for is not asked of
     another peer for ``iwant_timeout`` seconds. An IWANT is answered with a Forward of every requested message
-    still in the mcache. Independently, the ``sn`` header of an accepted message lists ids its publisher had
-    seen; ids we have not seen ``pull_delay`` seconds later become :class:`Pull` effects addressed to the
-    router the message came via, at most ``max_pending_pulls`` outstanding (``pull_timeout`` each).
+    still in the mcache, at most ``gossip_retransmission`` times per peer and message (gossipsub v1.1's
+    limit: further requests are ignored and traced). Independently, the ``sn`` header of an accepted message
+    lists ids its publisher had seen; ids we have not seen ``pull_delay`` seconds later become :class:`Pull`
+    effects addressed to the router the message came via, at most ``max_pending_pulls`` outstanding
+    (``pull_timeout`` each).
 
 Determinism
     Sets are only iterated in sorted order and random choices are ``rng.sample`` of sorted lists, so effects
@@ -618,10 +620,15 @@ class GossipCore:
             for msg_id in want:
                 self._iwant_sent[msg_id] = expiry
             ob.iwant(peer, list(want))
+        limit = self._params.gossip_retransmission
         for msg_id in rpc.iwant:
-            msg = self._mcache.get(msg_id)
-            if msg is not None:
-                ob.forward(router, msg)
+            msg, times = self._mcache.get_for_peer(msg_id, router)
+            if msg is None:
+                continue
+            if times > limit:
+                ob.trace("ignored", id=msg_id, peer=router, reason="asked for too many times (gossip_retransmission)")
+                continue
+            ob.forward(router, msg)
         return ob.effects()
 
     # ------------------------------------------------------------------ timer

@@ -1,12 +1,16 @@
 """Tunable parameters of the gossip core.
 
 The first nine are gossipsub v1.0's parameters with the spec's defaults (seed 004 §Parameters); ``D_lazy``
-defaults to ``D`` as the spec suggests. ``flood_publish`` is gossipsub v1.1's option (on by default there and
+defaults to ``D`` as the spec suggests. ``flood_publish`` and ``gossip_retransmission`` are gossipsub v1.1's
+options; ``flood_publish`` (on by default there and
 here): a message published on this node goes to every peer known to subscribe to its group, not only to the
 mesh or fanout; off, it goes to the mesh topped up to ``D`` with other subscribed peers (as rust-libp2p does)
 or to the fanout. The rest bound the state the core keeps and drive the recovery of
 messages detected as missing from the ``sn`` header (seed 003 §Seen), which gossipsub does not have:
 
+- ``gossip_retransmission``: how many times one peer is sent the same message in answer to its IWANTs
+  (gossipsub v1.1's ``GossipRetransmission``, default 3 as there); later IWANTs of that peer for that id
+  are ignored, so a peer cannot make this node send a cached message again and again;
 - ``seen_max``: most ids the seen cache holds (the oldest are forgotten first beyond it);
 - ``iwant_timeout``: an id asked for with IWANT is not asked of another peer again before this many seconds;
 - ``pull_delay``: how long an id named in ``sn`` may stay unseen (it may still be on its way) before a PULL;
@@ -41,6 +45,7 @@ class GossipParams:
     mcache_gossip: int = 3
     seen_ttl: float = 120.0
     flood_publish: bool = True
+    gossip_retransmission: int = 3
     seen_max: int = 100_000
     iwant_timeout: float = 3.0
     pull_delay: float = 1.0
@@ -69,7 +74,7 @@ class GossipParams:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         for name in (
             "seen_max", "max_pending_pulls", "max_missing", "max_peer_groups", "max_pending_validations",
-            "max_learned_peers",
+            "max_learned_peers", "gossip_retransmission",
         ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
