@@ -263,7 +263,7 @@ class Router:
             return out
         for msg in messages:
             h = msg.header
-            size = len(msg.wire) or len(msg.encode())
+            size = msg.size
             if isinstance(h, MulticastHeader):
                 self._dropped(c, msg.id, why, 0, now, out, MULTICAST, h.grp, None, None, size)
             elif h.dst == self.id and _is_answer(msg):  # an answer is never answered (no loops between routers)
@@ -464,7 +464,7 @@ class Router:
         msgs, verified = ev.messages, ev.verified
         if not c.local or not self.runs:
             for msg, ok in zip(msgs, verified, strict=True):
-                message(c, msg, bool(ok), len(msg.wire) or len(msg.encode()), now, out)
+                message(c, msg, bool(ok), msg.size, now, out)
             return
         n = len(msgs)
         if len(verified) != n:
@@ -488,7 +488,7 @@ class Router:
                     continue
             for k in range(i, j):  # one by one
                 m = msgs[k]
-                message(c, m, bool(verified[k]), len(m.wire) or len(m.encode()), now, out)
+                message(c, m, bool(verified[k]), m.size, now, out)
             i = j
 
     def _message(self, c: Conn, msg: Message, verified: bool, size: int, now: float, out: list[Effect]) -> None:

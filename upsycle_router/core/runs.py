@@ -47,9 +47,10 @@ def multicast_run(
     with nothing done (see the module docstring)."""
     if grp == s.config.discovery_group or grp in s.upstream_groups:
         return False
-    if s.has_router_member(grp):
+    member_routers = s.has_router_member(grp)
+    if member_routers:
         too_large = delivery.too_large_with_via
-        if any(too_large(msgs[k], len(msgs[k].wire) or len(msgs[k].encode())) for k in range(lo, hi)):
+        if any(too_large(msgs[k], msgs[k].size) for k in range(lo, hi)):
             return False  # refused for its member routers (the per-message path)
     store = s.store
     if store.any_owed(msgs[k].id for k in range(lo, hi)):
@@ -120,7 +121,7 @@ def multicast_run(
             if not tracing:
                 continue
         msg = msgs[k]
-        size = len(msg.wire) or len(msg.encode())
+        size = msg.size
         if tracing:
             out.append(Trace(RECEIVED, msg.id, MULTICAST, grp, None, None, peer, size, local=True))
             if type(result) is bytes:
@@ -133,9 +134,9 @@ def multicast_run(
             delivery.dropped(c, msg.id, result, 0, now, out, MULTICAST, grp, None, None, size)
     if delivered:
         out.append(Fanout(fanout, tuple(delivered)))
-        if s.has_router_member(grp):  # a member router's REFUSED for one reaches the app (as Router._multicast)
+        if member_routers:  # a member router's REFUSED for one reaches the app (as Router._multicast)
             for k, result in zip(range(lo, hi), outcome, strict=True):
                 if type(result) is bytes:
                     msg = msgs[k]
-                    delivery.remember(c, ANY_MEMBER, msg.id, MULTICAST, grp, len(msg.wire) or len(msg.encode()))
+                    delivery.remember(c, ANY_MEMBER, msg.id, MULTICAST, grp, msg.size)
     return True

@@ -159,6 +159,12 @@ class Message:
         h = self.header
         return h.grp if isinstance(h, MulticastHeader) else h.src
 
+    @property
+    def size(self) -> int:
+        """Bytes of the message's encoding, VIA included: the length of ``wire`` when it came off the wire
+        (nothing encoded again), else of :meth:`encode`."""
+        return len(self.wire) or len(self.encode())
+
     def encode(self) -> bytes:
         """The message's CBOR encoding (deterministic, VIA included when set)."""
         if self.wire:
