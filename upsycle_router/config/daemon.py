@@ -32,6 +32,7 @@ from upsycle_router.config.values import (
     MiB,
     TiB,
     fail,
+    is_loopback,
     parse_bool,
     parse_float,
     parse_hostport,
@@ -45,7 +46,6 @@ from upsycle_router.config.values import (
 )
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError
-from upsycle_router.runtime.metrics import is_loopback
 from upsycle_router.services.pubsub.params import GossipParams
 from upsycle_router.wire.discovery import TransportAddr
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME

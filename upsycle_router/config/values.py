@@ -11,6 +11,7 @@ a quoted number). This module imports nothing of the package but the error type 
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 from pathlib import Path
@@ -21,6 +22,14 @@ from upsycle_router.wire.discovery import TransportAddr
 
 KiB, MiB, GiB, TiB = 1 << 10, 1 << 20, 1 << 30, 1 << 40
 DAY = 24 * 3600.0
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a literal loopback address (``127.0.0.1``, ``::1``, ``[::1]``); a name is not."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def fail(path: str, msg: str) -> ConfigError:

@@ -53,6 +53,7 @@ from upsycle_router import __version__, accel
 from upsycle_router.config import DaemonConfig, PeerConfig
 from upsycle_router.config.daemon import GOSSIP_PARAMS, socket_gid
 from upsycle_router.config.reload import Applies, ReloadPlan, peer_changes, plan_reload
+from upsycle_router.config.values import is_loopback
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, load_or_create_key_file, sign_advert
@@ -456,7 +457,6 @@ class Daemon:
 
     async def _listen_websocket(self, ident: Identity) -> None:
         """Listen for web apps (docs/websocket.md): wss:// with the configured or the router's certificate."""
-        from upsycle_router.runtime.metrics import is_loopback
         from upsycle_router.transport.websocket import server_context as wss_context
 
         ws = self.config.websocket

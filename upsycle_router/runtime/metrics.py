@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import json
 import logging
 import re
@@ -47,18 +46,12 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 
+from upsycle_router.config.values import is_loopback
+
 log = logging.getLogger("upsycle_router.metrics")
 
 REQUEST_TIMEOUT = 5.0
 MAX_REQUEST_HEAD = 64 * 1024
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` is a literal loopback address."""
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 BY_REASON = re.compile(r"^(refused|dropped)_([a-z0-9_]+)_total$")
