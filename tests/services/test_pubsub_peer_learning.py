@@ -191,3 +191,38 @@ async def test_an_advert_lapses_at_its_exp_when_that_comes_before_arrival_plus_t
     # an advert whose exp has passed names nobody
     node.advert(r, ps.public, 300.0, ttl=3600, exp=exp_in(time.time(), -120))
     assert r.public not in node.core.peers
+
+
+async def test_a_relayed_rpc_counts_for_the_peer_whose_service_sent_it(node: Node) -> None:
+    """An edge node's pub/sub service talks to ours through its core router: VIA names the core, not the edge's
+    router. The RPC is signed by the edge's service, which the edge router's advert names: it counts for that
+    peer (its GRAFT puts the edge router in our mesh), whether the relay has a peer of its own (which it does
+    not replace) or none (nobody is learned at the relay)."""
+    edge_r, edge_ps = Identity.generate(), Identity.generate()
+    core_r, core_ps = Identity.generate(), Identity.generate()
+    bare_r = Identity.generate()  # a router no advert named
+    node.advert(edge_r, edge_ps.public, 0.0)
+    node.advert(core_r, core_ps.public, 0.0)
+    eff = node.rpc_from(edge_ps, core_r, rpc(graft=True), 0.5)
+    assert not unknown_peer(eff)
+    assert edge_r.public in node.core.mesh_peers(G) and core_r.public not in node.core.mesh_peers(G)
+    assert node.core.peers[core_r.public].service == core_ps.public  # the relay's own peer stays
+    node.rpc_from(edge_ps, bare_r, rpc(sub=False), 1.0)
+    assert bare_r.public not in node.core.peers and not node.core.learned_peers
+    assert G not in node.core.peer_groups(edge_r.public)  # its unsubscription counted for the edge router
+    assert edge_r.public not in node.core.mesh_peers(G)
+
+
+async def test_a_service_two_adverts_name_is_not_taken_through_a_relay(node: Node) -> None:
+    """A key that two routers' adverts both name as their pub/sub service (one of them lies) is nobody's for a
+    relayed RPC: through a router whose peer is another key it is ignored, as before."""
+    r1, r2, ps = Identity.generate(), Identity.generate(), Identity.generate()
+    relay_r, relay_ps = Identity.generate(), Identity.generate()
+    node.advert(r1, ps.public, 0.0)
+    node.advert(r2, ps.public, 0.0)
+    node.advert(relay_r, relay_ps.public, 0.0)
+    assert unknown_peer(node.rpc_from(ps, relay_r, rpc(graft=True), 0.5))
+    assert not {r1.public, r2.public, relay_r.public} & node.core.mesh_peers(G)
+    # through its own router it is that router's peer, as always
+    assert not unknown_peer(node.rpc_from(ps, r1, rpc(graft=True), 0.6))
+    assert r1.public in node.core.mesh_peers(G)

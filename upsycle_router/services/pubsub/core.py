@@ -15,7 +15,9 @@ Peers (docs/gossip.md "Peers")
     its last RPC, at most ``max_learned_peers`` of them at once (an RPC from one more unknown service is
     ignored), and an advert naming the router's service replaces it at once: whatever the learned one
     announced (subscriptions, mesh and fanout places) is forgotten first, unless it was the advertised service
-    itself. An RPC through a router whose peer is another key, advertised or learned, is ignored.
+    itself. An RPC whose sender is the service of a known peer (at exactly one router) is that peer's, whatever
+    router it came through (relayed, its VIA names the last router on the way, not the sender's). Any other
+    RPC through a router whose peer is another key, advertised or learned, is ignored.
 
 Inputs and effects
     Every input takes ``now`` (seconds, never decreasing) and returns a list of effects
@@ -154,6 +156,7 @@ class GossipCore:
         self._default_policy = default_policy or GroupPolicy()
         self._policies: dict[bytes, GroupPolicy] = dict(policies or {})
         self._peers: dict[bytes, Peer] = {}
+        self._service_routers: dict[bytes, set[bytes]] = {}  # a peer's service -> the routers it is the peer at
         self._learned: OrderedDict[bytes, float] = OrderedDict()  # router -> expiry of a learned peer, in order
         self._peer_groups: dict[bytes, set[bytes]] = {}
         self._group_peers: dict[bytes, set[bytes]] = {}
@@ -317,11 +320,29 @@ class GossipCore:
         if peer.router == self._router:
             return
         old = self._peers.get(peer.router)
+        if old is not None:
+            self._unindex(old)
         self._peers[peer.router] = peer
+        self._service_routers.setdefault(peer.service, set()).add(peer.router)
         self._peer_groups.setdefault(peer.router, set())
         if old != peer or greet:
             for group in sorted(self._mesh):
                 ob.announce(peer, group, True)
+
+    def _unindex(self, peer: Peer) -> None:
+        routers = self._service_routers.get(peer.service)
+        if routers is not None:
+            routers.discard(peer.router)
+            if not routers:
+                del self._service_routers[peer.service]
+
+    def _peer_of(self, service: bytes) -> Peer | None:
+        """The peer whose service is ``service``, when exactly one router has it as its peer."""
+        routers = self._service_routers.get(service)
+        if routers is None or len(routers) != 1:
+            return None
+        (router,) = routers
+        return self._peers[router]
 
     def _accepted(self, msg: Message, now: float) -> None:
         self._seen.add(msg.id, now)
@@ -353,8 +374,10 @@ class GossipCore:
 
     def _forget_peer(self, router: bytes) -> None:
         self._learned.pop(router, None)
-        if self._peers.pop(router, None) is None:
+        peer = self._peers.pop(router, None)
+        if peer is None:
             return
+        self._unindex(peer)
         for group in sorted(self._peer_groups.pop(router, set())):
             members = self._group_peers.get(group)
             if members is not None:
@@ -581,6 +604,12 @@ class GossipCore:
         ob = Outbox()
         self._expire(now)
         peer = self._peers.get(from_router)
+        if service is not None and (peer is None or peer.service != service):
+            # Relayed: VIA names the last router on the way, not the sender's. A sender that is a known peer's
+            # service (at one router) speaks for that peer whichever way its signed RPC came.
+            known = self._peer_of(service)
+            if known is not None:
+                peer, from_router = known, known.router
         if peer is None and service is not None and from_router != self._router:
             peer = self._learn_peer(from_router, service, now, ob)
             if peer is None:
