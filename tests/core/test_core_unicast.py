@@ -417,6 +417,34 @@ def test_replay_memory_is_bounded_by_seen_max(tmp_path: Path) -> None:
     assert h.receive(a, ms[0]).sends(b)  # the oldest id was forgotten
 
 
+def test_a_held_unicast_sent_again_is_a_duplicate_after_the_seen_list_forgot_it(tmp_path: Path) -> None:
+    """A copy of a unicast the router still holds (queued for its recipient) is taken as a duplicate - not
+    queued a second time, which would deliver it twice - also once the recently-seen list has forgotten its
+    id: the store is the longer memory (PROTOCOL: a duplicate of a message the router holds is taken)."""
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(seen_max=1))
+    a = h.open(ALICE)
+    h.close(h.open(BOB))
+    m, other = unicast(ALICE, BOB, b"held"), unicast(ALICE, BOB, b"other")
+    assert h.receive(a, m).traces("queued")
+    assert h.receive(a, other).traces("queued")
+    assert m.id not in h.router.seen
+    out = h.receive(a, m)
+    assert out.events() == ["received", "duplicate"] and out.refusals() == []
+    assert [e.id for e in h.store.queue(BOB.public)] == [m.id, other.id]
+
+
+def test_a_held_unicast_sent_again_after_a_restart_is_delivered_once(h: CoreHarness) -> None:
+    a = h.open(ALICE)
+    h.close(h.open(BOB))
+    m = unicast(ALICE, BOB, b"held across a restart")
+    assert h.receive(a, m).traces("queued")
+    h.restart()
+    a = h.open(ALICE)
+    out = h.receive(a, m)
+    assert out.traces("duplicate") and out.refusals() == []
+    assert [e.id for e in h.store.queue(BOB.public)] == [m.id]
+
+
 def test_control_messages_are_exempt_from_replay_protection(h: CoreHarness) -> None:
     a = h.open(ALICE)
     m = control(ALICE, X, Sync(1))

@@ -533,7 +533,10 @@ class Router:
             # Only a message taken is remembered (below, where it is): one refused was not taken, and the same
             # bytes sent again once the refusal's cause is gone (the recipient connected, a route learnt) must
             # be routed, not dropped as a duplicate of a message this router never held.
-            if msg.id in s.seen.ids:
+            # Then the store, the longer memory (as for multicast): a copy still held - queued for its
+            # recipient, its edge node or its next hop; one id is one recipient - was taken already, also after
+            # a restart or once the recently-seen list has forgotten it. Taking it again would queue it twice.
+            if msg.id in s.seen.ids or self.store.has_message(msg.id):
                 out.append(Trace(DUPLICATE, msg.id, kind, None, h.src, h.dst, c.peer, size, Why.DUPLICATE))
                 return
         via = msg.via  # as the sender set it (source routing by a local service, or an edge node's)
