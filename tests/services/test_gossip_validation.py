@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import cbor2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -67,6 +68,45 @@ CASES: list[tuple[SignaturePolicy | None, Message, str | None]] = [
     (P.LAX_NO_SIGN, WRONG_GROUP, "wrong_group"),
 ]
 
+
+
+# Bodies with an application message's origin fields that the strict decoder refuses (a lenient reader would
+# still find a sender and a signature): every signature policy rejects them, whatever the signature.
+_H = {"deps": [], "from": ALICE.public, "to": GK.public, "seq": 1}
+_GOOD_SIG = sign_app_message(AppMessage(AppHeader((), ALICE.public, GK.public, 1), AppMulticast(b"hi")),
+                             ALICE).header.sig  # fmt: skip
+UNREADABLE = {
+    "keys out of order, valid sig": cbor2.dumps([{"sig": _GOOD_SIG, **_H}, [2, b"hi"]]),
+    "keys out of order, no valid sig": cbor2.dumps([{"sig": bytes(64), **_H}, [2, b"hi"]]),
+    "a trailing byte": app_body(ALICE) + b"\x00",
+    "a 63-byte sig": cbor2.dumps([{**_H, "sig": bytes(63)}, [2, b"hi"]], canonical=True),
+    "an extra header key": cbor2.dumps([{**_H, "sig": _GOOD_SIG, "x": 0}, [2, b"hi"]], canonical=True),
+    "an unknown body type": cbor2.dumps([{**_H, "sig": bytes(64)}, [3, b"hi"]], canonical=True),
+    "from alone": cbor2.dumps([{"from": ALICE.public}], canonical=True),
+}
+
+
+@pytest.mark.parametrize("policy", list(P))
+@pytest.mark.parametrize("name", sorted(UNREADABLE))
+def test_origin_fields_the_strict_decoder_refuses_are_rejected_by_every_signature_policy(
+    policy: SignaturePolicy, name: str
+) -> None:
+    """StrictNoSign must not spread a body that exposes a sender, the Lax policies must reject a present
+    signature they cannot verify, StrictSign wants a readable one: such a body was taken for one without
+    origin fields (opaque) and accepted by StrictNoSign and both Lax policies."""
+    msg = make_message(GK, UNREADABLE[name])
+    assert validate(msg, GroupPolicy(signature_policy=policy)) == "malformed_application_message"
+    assert validate(msg, GroupPolicy()) is None  # no policy: not inspected, as before
+
+
+@pytest.mark.parametrize("body", [b"\x00opaque", b"", cbor2.dumps({"from": 1}), cbor2.dumps([{"x": 1}, 2]),
+                                  cbor2.dumps([1, {"from": 2}]), b"\x9f\x9f\x9f", b"\x5b" + b"\xff" * 8])
+def test_bodies_without_that_shape_stay_opaque(body: bytes) -> None:
+    """Only an array whose first element is a map with from/seq/sig counts; anything else (not CBOR, a map at
+    the top, other keys, a truncated or absurd item) is an opaque body, accepted by StrictNoSign."""
+    msg = make_message(GK, body)
+    assert validate(msg, GroupPolicy(signature_policy=P.STRICT_NO_SIGN)) is None
+    assert validate(msg, GroupPolicy(signature_policy=P.STRICT_SIGN)) == "unsigned"
 
 @pytest.mark.parametrize(("policy", "msg", "reason"), CASES)
 def test_signature_policies(policy: SignaturePolicy | None, msg: Message, reason: str | None) -> None:

@@ -22,6 +22,12 @@ the reason string is what the core puts in its ``rejected`` trace):
    LaxNoSign        accepted iff ``sig`` verifies            accepted
    ================ ======================================= ======================================
 
+   A BODY that has the shape of an application message with origin fields (a CBOR array whose first element
+   is a map with ``from``, ``seq`` or ``sig``: :func:`carries_origin`) but that the strict decoder refuses -
+   non-deterministic encoding, trailing bytes, a malformed field, an unknown body type - is rejected under
+   every policy (``malformed_application_message``): it is neither a readable signed message nor a body
+   without a sender.
+
    ``None`` (the default) leaves authentication to the group signature, as the seed's design does.
    StrictNoSign is for groups whose bodies are opaque (for example end-to-end encrypted, or anonymous):
    a body that exposes a sender is refused rather than spread. The two Lax policies behave alike when
@@ -53,8 +59,11 @@ peer); IGNORE drops it without a judgement (for example "not for us", or "cannot
 from __future__ import annotations
 
 import enum
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import cbor2
 
 from upsycle_router.crypto import app_message_valid
 from upsycle_router.errors import RemoteProtocolError
@@ -159,6 +168,22 @@ def _app_message(body: bytes) -> AppMessage | None:
         return None
 
 
+ORIGIN_FIELDS = frozenset({"from", "seq", "sig"})
+
+
+def carries_origin(body: bytes) -> bool:
+    """Whether ``body`` has the shape of an application message with origin fields - a CBOR array (the first
+    item of the BODY, whatever follows it) whose first element is a map with ``from``, ``seq`` or ``sig`` - so
+    that a lenient reader would find a sender or a signature in it, whether or not the strict decoder takes it
+    (non-deterministic encoding, trailing bytes, a bad field, an unknown body type)."""
+    try:
+        obj = cbor2.CBORDecoder(io.BytesIO(body)).decode()
+    except Exception:  # noqa: BLE001 - anything a hostile BODY makes the decoder do: not that shape
+        return False
+    return (isinstance(obj, list) and len(obj) >= 1 and isinstance(obj[0], dict)
+            and any(isinstance(k, str) and k in ORIGIN_FIELDS for k in obj[0]))  # fmt: skip
+
+
 def judge(msg: Message, policy: GroupPolicy) -> tuple[Verdict, str | None]:
     """What the rules of ``policy`` that need no answer from elsewhere say about ``msg``: ``(ACCEPT, None)``
     when it passes them all (a ``service`` is still to be asked), else REJECT or IGNORE and the reason."""
@@ -170,6 +195,11 @@ def judge(msg: Message, policy: GroupPolicy) -> tuple[Verdict, str | None]:
     sp = policy.signature_policy
     inspect = sp is not None or policy.allowed_senders is not None
     app = _app_message(msg.body) if inspect else None
+    if app is None and sp is not None and carries_origin(msg.body):
+        # Origin fields the strict decoder refuses: a StrictNoSign group must not spread a body exposing a
+        # sender, and no other policy can verify a signature it cannot read (the Lax ones must reject a
+        # present, invalid signature; StrictSign wants a readable one).
+        return Verdict.REJECT, "malformed_application_message"
     if app is not None and sp is SignaturePolicy.STRICT_NO_SIGN:
         return Verdict.REJECT, "signed"
     if app is None and sp is SignaturePolicy.STRICT_SIGN:
