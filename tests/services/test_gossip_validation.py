@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 
 import cbor2
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from upsycle_router.crypto import Identity, app_message_valid, sign_app_message
+from upsycle_router.runtime.pubsub_service import PubsubService
 from upsycle_router.services.pubsub import (
     Forward,
     GossipCore,
@@ -213,3 +215,15 @@ def test_core_traces_deprecated_policies() -> None:
     assert [e.event for e in out if isinstance(e, Trace)] == ["deprecated_policy"]
     assert core.set_policy(OTHER_GROUP.public, None) == []
     assert core.policy(OTHER_GROUP.public) == GroupPolicy()
+
+
+def test_the_service_logs_a_deprecated_policy_as_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """The spec asks for the Lax policies to be discouraged with deprecation warnings, and docs/gossip.md says
+    one is logged: at WARNING, seen at the daemon's default level (info), not only with debug logs."""
+    core, _ = _core(GroupPolicy(signature_policy=P.LAX_SIGN))
+    svc = PubsubService(Identity.from_seed(b"\x09" * 32), "/nonexistent")
+    with caplog.at_level(logging.INFO, logger="upsycle_router"):
+        traced = [e for e in core.join(GK.public, 0.5) if isinstance(e, Trace)]
+        svc._apply(None, traced)  # type: ignore[arg-type] - a trace sends nothing
+    [rec] = [r for r in caplog.records if "deprecated" in r.getMessage()]
+    assert rec.levelno == logging.WARNING and GK.public.hex() in rec.getMessage() and "LaxSign" in rec.getMessage()

@@ -292,6 +292,18 @@ def test_no_answer_in_time_gets_the_configured_verdict(default: Verdict) -> None
     assert late == [Trace("ignored", None, OPAQUE.id, VALIDATOR, "verdict for no message held")]
 
 
+def test_an_answer_after_the_deadline_decides_nothing_even_before_the_timer_ran() -> None:
+    """A busy loop may hand the core a verdict before it runs the timer that was due earlier: the deadline
+    decides (on_timeout REJECT), not the late ACCEPT."""
+    core = make_core(GroupPolicy(service=ServiceValidator(VALIDATOR, 2.0, Verdict.REJECT)))
+    core.message_received(OPAQUE, ROUTERS[0], 0.1)
+    out = core.verdict_received(OPAQUE.id, Verdict.ACCEPT, 5.0, service=VALIDATOR)  # deadline 2.1, no timer run
+    assert not forwards(out) and core.cached(OPAQUE.id) is None
+    assert ("rejected", "validator_timeout") in traces(out)
+    assert ("ignored", "verdict for no message held") in traces(out)
+    assert core.pending_validations == frozenset()
+
+
 def test_only_the_asked_key_is_believed() -> None:
     core = make_core(GroupPolicy(service=SERVICE))
     core.message_received(OPAQUE, ROUTERS[0], 0.1)

@@ -241,6 +241,8 @@ class PubsubService(RouterService):
                 ttl = math.ceil(e.timeout) + next(self._ttl_offsets) % 64
                 body = VALIDATION_CODEC.encode(ValidateRequest.of(e.message, e.peer))
                 self._unicast(client, e.service, body, ttl, None)
+            elif isinstance(e, Trace) and e.event == "deprecated_policy":
+                log.warning("pubsub: group %s: %s", e.group.hex() if e.group else "-", e.reason)
             elif isinstance(e, Trace) and e.reason is not None and e.reason.startswith("validator"):
                 log.info("pubsub: %s %s of group %s%s (%s)", e.event, _short(e.id), _short(e.group),
                          "" if e.peer is None else f" from router {_short(e.peer)}", e.reason)  # fmt: skip

@@ -564,9 +564,11 @@ class GossipCore:
         self, msg_id: bytes, verdict: Verdict, now: float, *, service: bytes | None = None
     ) -> list[Effect]:
         """A validator service's answer about ``msg_id``; ``service`` (the answer's ``src``) must be the key that
-        was asked, or the answer is ignored."""
+        was asked, or the answer is ignored. Held messages whose deadline has passed by ``now`` get their
+        ``on_timeout`` first, so an answer that comes after its message's deadline decides nothing."""
         ob = Outbox()
         self._expire(now)
+        self._validations_due(now, ob)  # an answer after the deadline is too late, whatever the timer's turn
         held = self._held.get(msg_id)
         if held is None or (service is not None and service != held.validator.key):
             ob.trace("ignored", id=msg_id, peer=service, reason="verdict for no message held")
