@@ -79,7 +79,10 @@ def joined_core(n_peers: int = 10, subscribed: int = 10, params: GossipParams | 
 
 def test_params_defaults_follow_the_seed() -> None:
     p = GossipParams()
-    assert (p.D, p.D_low, p.D_high, p.D_lazy) == (6, 4, 12, 6)
+    assert (p.D, p.D_low, p.D_high, p.lazy) == (6, 4, 12, 6)
+    # D_lazy's default is D (seed 004), not a fixed 6: with D = 10 gossip goes to 10 peers
+    assert p.D_lazy is None and GossipParams(D=10, D_high=12).lazy == 10
+    assert GossipParams(D=10, D_high=12, D_lazy=3).lazy == 3 and GossipParams(D_lazy=0).lazy == 0
     assert (p.heartbeat_interval, p.fanout_ttl, p.mcache_len, p.mcache_gossip, p.seen_ttl) == (1.0, 60.0, 5, 3, 120.0)
 
 

@@ -730,6 +730,6 @@ class GossipCore:
             if not ids:
                 continue
             exclude = self._mesh.get(group, set()) | self._fanout.get(group, set())
-            for router in self._select(self._subscribed(group) - exclude, p.D_lazy):
+            for router in self._select(self._subscribed(group) - exclude, p.lazy):
                 ob.ihave(self._peers[router], group, ids)
         self._mcache.shift()

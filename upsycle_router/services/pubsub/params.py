@@ -1,12 +1,12 @@
 """Tunable parameters of the gossip core.
 
 The first nine are gossipsub v1.0's parameters with the spec's defaults (seed 004 §Parameters); ``D_lazy``
-defaults to ``D`` as the spec suggests. ``flood_publish`` and ``gossip_retransmission`` are gossipsub v1.1's
-options; ``flood_publish`` (on by default there and
-here): a message published on this node goes to every peer known to subscribe to its group, not only to the
-mesh or fanout; off, it goes to the mesh topped up to ``D`` with other subscribed peers (as rust-libp2p does)
-or to the fanout. The rest bound the state the core keeps and drive the recovery of
-messages detected as missing from the ``sn`` header (seed 003 §Seen), which gossipsub does not have:
+defaults to ``D`` as the spec says: unset (None), :attr:`GossipParams.lazy` is ``D``, whatever ``D`` is.
+``flood_publish`` and ``gossip_retransmission`` are gossipsub v1.1's options; ``flood_publish`` (on by default
+there and here): a message published on this node goes to every peer known to subscribe to its group, not
+only to the mesh or fanout; off, it goes to the mesh topped up to ``D`` with other subscribed peers (as
+rust-libp2p does) or to the fanout. The rest bound the state the core keeps and drive the recovery of messages
+detected as missing from the ``sn`` header (seed 003 §Seen), which gossipsub does not have:
 
 - ``gossip_retransmission``: how many times one peer is sent the same message in answer to its IWANTs
   (gossipsub v1.1's ``GossipRetransmission``, default 3 as there); later IWANTs of that peer for that id
@@ -38,7 +38,7 @@ class GossipParams:
     D: int = 6
     D_low: int = 4
     D_high: int = 12
-    D_lazy: int = 6
+    D_lazy: int | None = None  # None: D, as the spec's default (see ``lazy``)
     heartbeat_interval: float = 1.0
     fanout_ttl: float = 60.0
     mcache_len: int = 5
@@ -62,7 +62,7 @@ class GossipParams:
             raise ValueError(f"need 0 <= D_low <= D <= D_high, got {self.D_low}, {self.D}, {self.D_high}")
         if self.D < 1:
             raise ValueError(f"D must be at least 1, got {self.D}")
-        if self.D_lazy < 0:
+        if self.D_lazy is not None and self.D_lazy < 0:
             raise ValueError(f"D_lazy must not be negative, got {self.D_lazy}")
         if not 1 <= self.mcache_gossip <= self.mcache_len:
             raise ValueError(f"need 1 <= mcache_gossip <= mcache_len, got {self.mcache_gossip}, {self.mcache_len}")
@@ -80,3 +80,8 @@ class GossipParams:
                 raise ValueError(f"{name} must not be negative, got {getattr(self, name)}")
         if self.seen_max < 1:
             raise ValueError("seen_max must be at least 1")
+
+    @property
+    def lazy(self) -> int:
+        """The gossip degree in effect: ``D_lazy``, or ``D`` when it is not set (the spec's default)."""
+        return self.D if self.D_lazy is None else self.D_lazy
