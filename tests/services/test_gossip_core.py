@@ -210,10 +210,42 @@ def test_join_takes_fanout_peers_first() -> None:
 def test_graft_for_unjoined_group_answered_with_prune() -> None:
     core = make_core(n_peers=2)
     out = core.rpc_received(rid(1), GossipRpc(graft=(G,)), 0.0)
-    assert rpcs(out) == {rid(1): GossipRpc(prune=(G,))}
+    # PRUNE, and "not subscribed": a peer that GRAFTs us may believe an announcement we made before a restart
+    assert rpcs(out) == {rid(1): GossipRpc(subs=(SubOpt(False, G),), prune=(G,))}
     core.join(G, 0.0)
     assert core.rpc_received(rid(2), GossipRpc(graft=(G,)), 0.1) == []
     assert rid(2) in core.mesh_peers(G) and G in core.peer_groups(rid(2))
+
+
+def test_a_peer_greeted_again_is_grafted_again_where_it_is_in_our_mesh() -> None:
+    """A new revision of a peer's advert (its node may have restarted and forgotten its mesh) greets it again:
+    the hello announces our groups and GRAFTs it again for each group it is in our mesh of, so that the link
+    is two-way again (a no-op for a peer that did not restart)."""
+    core = joined_core(n_peers=8, subscribed=8)
+    mesh = core.mesh_peers(G)
+    inside = next(i for i in range(1, 9) if rid(i) in mesh)
+    outside = next(i for i in range(1, 9) if rid(i) not in mesh)
+    for i, graft in ((inside, (G,)), (outside, ())):
+        out = core.peer_added(peer(i), 2.0, greet=True)
+        assert rpcs(out) == {rid(i): GossipRpc(subs=(SubOpt(True, G),), graft=graft)}
+    assert core.mesh_peers(G) == mesh
+
+
+def test_a_restarted_peer_that_did_not_rejoin_leaves_our_mesh_and_groups() -> None:
+    """Two real cores: B restarts (a fresh core) and does not join G again. A greets it again (new revision):
+    A's GRAFT is answered with PRUNE and an unsubscription, so A no longer counts B in its mesh of G nor
+    sends it G's messages (it kept both before)."""
+    a = GossipCore(rid(1), now=0.0, rng=random.Random(1))
+    a.peer_added(peer(2), 0.0)
+    a.join(G, 0.0)
+    a.rpc_received(rid(2), GossipRpc(subs=(SubOpt(True, G),), graft=(G,)), 0.1)
+    assert rid(2) in a.mesh_peers(G) and G in a.peer_groups(rid(2))
+    b = GossipCore(rid(2), now=5.0, rng=random.Random(3))  # restarted, forgot everything, not in G
+    b.peer_added(peer(1), 5.0)
+    hello = rpcs(a.peer_added(peer(2), 5.0, greet=True))[rid(2)]
+    answer = rpcs(b.rpc_received(rid(1), hello, 5.1, service=peer(1).service))[rid(1)]
+    a.rpc_received(rid(2), answer, 5.2, service=peer(2).service)
+    assert rid(2) not in a.mesh_peers(G) and G not in a.peer_groups(rid(2))
 
 
 def test_leave_prunes_mesh_peers_and_announces() -> None:
@@ -227,7 +259,9 @@ def test_leave_prunes_mesh_peers_and_announces() -> None:
         assert rpc.subs == (SubOpt(False, G),)
         assert rpc.prune == ((G,) if router in mesh else ())
     assert G not in core.joined and core.mesh_peers(G) == frozenset()
-    assert rpcs(core.rpc_received(rid(1), GossipRpc(graft=(G,)), 1.1)) == {rid(1): GossipRpc(prune=(G,))}
+    assert rpcs(core.rpc_received(rid(1), GossipRpc(graft=(G,)), 1.1)) == {
+        rid(1): GossipRpc(subs=(SubOpt(False, G),), prune=(G,))
+    }
     assert core.leave(G, 1.2) == [LeaveGroup(G)]
 
 

@@ -328,6 +328,11 @@ class GossipCore:
         if old != peer or greet:
             for group in sorted(self._mesh):
                 ob.announce(peer, group, True)
+                if peer.router in self._mesh[group]:
+                    # Greeted again (a new revision: the node may have restarted and forgotten its mesh): GRAFT
+                    # again, so that the link is two-way once more - a peer that rejoined takes us back into
+                    # its mesh, one that did not answers PRUNE. For a peer that did not restart it is a no-op.
+                    ob.graft(peer, group)
 
     def _unindex(self, peer: Peer) -> None:
         routers = self._service_routers.get(peer.service)
@@ -631,6 +636,7 @@ class GossipCore:
             mesh = self._mesh.get(group)
             if mesh is None:
                 ob.prune(peer, group)
+                ob.announce(peer, group, False)  # and not subscribed: whatever it heard from us before
             else:
                 self._note_subscription(router, group, True, ob)
                 if router not in mesh:
