@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from conftest import REPO, Daemon, DaemonFactory, cli, subprocess_env
+from netutil import Network, collect
 
 from upsycle_router.client import Client
 from upsycle_router.crypto import Identity, load_key_file
@@ -66,3 +67,43 @@ def test_a_service_without_a_socket_is_an_error(tmp_path: Path) -> None:
         r = cli(command, "--data-dir", str(tmp_path / command), "--config", str(cfg))
         assert r.returncode == 2
         assert "no Unix socket" in r.stderr, r.stderr
+
+
+async def test_a_restarted_pubsub_service_is_greeted_again_by_the_other_nodes(tmp_path: Path) -> None:
+    """Node a runs its pub/sub service as its own process, started after a and b connected; an app on b
+    subscribes to G non-locally. b's service greeted a's before it was there, and knows it by its key and a's
+    advert revision; a's router advertises a new revision when the service connects, so b's service greets it
+    (its subscriptions) and a's publishes reach b - within seconds, not at the next advert refresh (20
+    minutes). The same when the service restarts while a's router runs on (it forgot that b subscribes)."""
+    async with Network(tmp_path) as net:
+        a, b = net.add_nodes(2)
+        b.config["peers"] = [a.peer_entry()]
+        a.config["pubsub"]["in_process"] = False
+        await net.start_all()
+        await net.wait_dialled(b, a)
+        service = _service("pubsub", a)
+        try:
+            sub = await net.client(b)
+            group = Identity.generate()
+            assert await sub.join(group.public, local=False)
+            pub = await net.client(a)
+
+            async def reaches_b(label: bytes, seconds: float) -> bool:
+                deadline = asyncio.get_running_loop().time() + seconds
+                k = 0
+                while asyncio.get_running_loop().time() < deadline:
+                    mid = await pub.publish(group, b"%s %d" % (label, k))
+                    k += 1
+                    got = await collect(sub, {mid}, timeout=0.5, settle=0.0)
+                    if mid in {m.id for m in got}:
+                        return True
+                return False
+
+            assert await reaches_b(b"before", 30), a.log_text()[-2000:]
+            rc, err = _stop(service)
+            assert rc == 0, err[-2000:]
+            service = _service("pubsub", a)
+            assert await reaches_b(b"after", 20), a.log_text()[-3000:]
+            assert a.log_text().count("pub/sub service connected: advertising a new revision") == 2
+        finally:
+            _stop(service)

@@ -273,6 +273,7 @@ class Daemon:
             verify_nice=cfg.verify_nice,
             burst=cfg.rate_burst,
         )
+        self.driver.on_local_open = self._local_opened
         self.admission = Admission(
             self.driver.stats,
             max_connections=cfg.max_connections,
@@ -375,6 +376,21 @@ class Daemon:
         if self.config.discovery.enabled:
             return min(ADVERT_REFRESH, max(1.0, self.config.discovery.advert_ttl / 3))
         return ADVERT_REFRESH
+
+    def _local_opened(self, peer: bytes) -> None:
+        """A local peer connected. When it is the pub/sub service, run as its own process and connecting after
+        the router started (it started later, or restarted while the router ran on), it knows nothing of which
+        peers subscribe to what, and the other nodes, which know it by its key and the router's advert
+        revision, greeted it already (before it was there) or not since it restarted, and would not greet it
+        again before their next refresh: advertise a new revision now, which makes them greet it (and GRAFT
+        it again). (The in-process service connects while the daemon starts, before the first advert.)"""
+        ps = self.pubsub_identity
+        if ps is None or peer != ps.public or not self._started:
+            return
+        log.info("pub/sub service connected: advertising a new revision, so that other nodes greet it")
+        if self._readvertise_handle is not None:
+            self._readvertise_handle.cancel()
+        self._readvertise_handle = asyncio.get_running_loop().call_later(0.0, self._readvertise)
 
     def _readvertise(self) -> None:
         assert self.driver is not None and self.identity is not None

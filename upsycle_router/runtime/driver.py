@@ -113,6 +113,7 @@ class Driver:
         self._closed = False
         self._reading_paused = False  # the pipeline is full: a connection that delivers is paused
         self._held: set[int] = set()  # connections paused for that (resumed when the pipeline has room again)
+        self.on_local_open: Callable[[bytes], None] | None = None  # told the key of each local peer that opens
 
     @property
     def dialer(self) -> Dialer | None:
@@ -142,6 +143,8 @@ class Driver:
             self._hold(conn)
         log.info("connection open conn=%d peer=%s kind=%s local=%s", conn.id, peer.hex(), conn.kind, conn.local)
         self._push(ConnectionOpened(conn.id, peer, conn.local))
+        if conn.local and self.on_local_open is not None:
+            self.on_local_open(peer)
 
     def _admit(self, conn: Connection, n: int) -> int:
         """Token bucket per connection: ``rate`` frames per second, bursts of ``burst``. How many of ``n``
