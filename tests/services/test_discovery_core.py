@@ -280,6 +280,26 @@ def test_a_shuffle_reply_counts_only_from_the_service_asked() -> None:
     assert core.counters["shuffle_replies"] == 1 and R2.public in core.view
 
 
+def test_an_older_revision_in_a_shuffle_never_enters_the_view() -> None:
+    """docs/discovery.md: a lower revision than one accepted is refused. The cache refused it, but the entry
+    was kept for the view (its node was cached), so the old advert was sampled and passed on in the next
+    shuffles. Now the view keeps the node with the advert the cache holds."""
+    params = DiscoveryParams(sampling=True, view_size=4, shuffle_length=2)
+    core = DiscoveryCore(X.public, params, random.Random(1), T0)
+    core.own_advert(advert(X, svcs=((SERVICE_DISCOVERY, DISC.public),)), T0)
+    svcs = ((SERVICE_DISCOVERY, ident("r2-disc").public),)
+    new, old = advert(R2, rev=5, host="10.0.0.5", svcs=svcs), advert(R2, rev=3, host="10.0.0.3", svcs=svcs)
+    core.router_advert(new, T0)
+    assert R2.public in core.view
+    core.view.remove(R2.public)  # (it was a shuffle target, or replaced)
+    q = advert(R, svcs=((SERVICE_DISCOVERY, R_DISC.public),))
+    core.rpc_received(R_DISC.public, R.public, Shuffle((ShuffleEntry(0, q), ShuffleEntry(0, old))), T0 + 1)
+    assert core.counters["refused_older"] == 1 and core.cache.get(R2.public).advert.rev == 5  # type: ignore[union-attr]
+    assert R2.public in core.view and core.view.entries[R2.public].advert == new
+    reply = core.view.answer(ident("z").public, (), T0 + 2)
+    assert all(e.advert.rev == 5 for e in reply if e.advert.id == R2.public)
+
+
 # ---------------------------------------------------------------- the router and the discovery group
 
 

@@ -239,7 +239,9 @@ class DiscoveryCore:
     def _checked(
         self, entries: tuple[ShuffleEntry, ...], now: float, source: bytes, out: list[Effect]
     ) -> tuple[ShuffleEntry, ...]:
-        """The entries with a valid signature, each offered to the cache (back-dated by its age)."""
+        """The entries with a valid signature, each offered to the cache (back-dated by its age). One the cache
+        refused (an older revision, or lapsed by its age) whose node the cache knows stays a sample of that node,
+        but with the advert the cache holds: the refused copy never enters the view, to be passed on."""
         ok = []
         for e in entries:
             if e.advert.id == self.router:
@@ -247,9 +249,12 @@ class DiscoveryCore:
             if not self._valid(e.advert):
                 out.append(Rejected(source.hex(), f"bad signature on the advert of {e.advert.id.hex()} in a shuffle"))
                 continue
-            r = self._accept(e.advert, now - e.age, now, out, source.hex())
-            if r or self.cache.get(e.advert.id) is not None:
+            if self._accept(e.advert, now - e.age, now, out, source.hex()):
                 ok.append(e)
+                continue
+            cached = self.cache.get(e.advert.id)
+            if cached is not None:
+                ok.append(e if cached.advert == e.advert else ShuffleEntry(e.age, cached.advert))
         return tuple(ok)
 
     def _accept(self, adv: PeerAdvertisement, arrival: float, now: float, out: list[Effect], source: str) -> bool:
