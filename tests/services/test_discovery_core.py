@@ -146,9 +146,14 @@ def test_cache_is_bounded_and_evicts_the_soonest_to_lapse() -> None:
     c = AdvertCache(2)
     assert c.offer(advert(ident("a"), ttl=100), T0, T0) is Offer.NEW
     assert c.offer(advert(ident("b"), ttl=50), T0, T0) is Offer.NEW
-    assert c.offer(advert(ident("c"), ttl=10), T0, T0) is Offer.EXPIRED  # lapses before anything cached
+    assert c.offer(advert(ident("c"), ttl=10), T0, T0) is Offer.FULL  # lapses before anything cached
     assert c.offer(advert(ident("d"), ttl=200), T0, T0) is Offer.NEW
     assert set(c.entries) == {ident("a").public, ident("d").public}
+    # imported into a full cache: refused for what it is, not as "expired"
+    core = DiscoveryCore(X.public, DiscoveryParams(max_adverts=1), random.Random(1), T0)
+    assert core.import_advert(advert(ident("e"), ttl=3000), T0)[0] is None
+    reason, out = core.import_advert(advert(ident("f"), ttl=100), T0)
+    assert reason is not None and reason.startswith("the advert cache is full") and out == []
 
 
 def test_sender_limiter_burst_refill_and_bound() -> None:

@@ -27,6 +27,7 @@ class Offer(enum.Enum):
     SAME = "same"  # the same revision, nothing newer about it
     OLDER = "older"  # a lower revision than the cached one: refused
     EXPIRED = "expired"  # lapsed already: refused
+    FULL = "full"  # the cache is full of adverts that all outlive it: refused
 
 
 @dataclass(slots=True)
@@ -73,7 +74,7 @@ class AdvertCache:
             if len(self.entries) >= self.max_adverts:
                 victim = min(self.entries, key=lambda k: self.entries[k].expires)
                 if self.entries[victim].expires > expires:
-                    return Offer.EXPIRED  # everything cached outlives it: not worth a slot
+                    return Offer.FULL  # everything cached outlives it: not worth a slot
                 del self.entries[victim]
             entry = self.entries[adv.id] = CacheEntry(adv, arrival, expires)
             self._expires(adv.id, entry)

@@ -167,6 +167,9 @@ class DiscoveryCore:
             return "a newer revision of this node's advert is known", []
         if r is Offer.EXPIRED:
             return "the advert has expired", []
+        if r is Offer.FULL:
+            return (f"the advert cache is full ({self.cache.max_adverts} adverts, every one of which lapses after "
+                    "this one would)"), []  # fmt: skip
         self._publish(adv, now, out)  # always: the app asked for it
         if self.params.sampling:
             self.view.add(adv, 0.0, now)
@@ -260,7 +263,7 @@ class DiscoveryCore:
     def _accept(self, adv: PeerAdvertisement, arrival: float, now: float, out: list[Effect], source: str) -> bool:
         """Offer to the cache; publish when the router should hear of it. True if the advert is current."""
         r = self.cache.offer(adv, arrival, now)
-        if r is Offer.OLDER or r is Offer.EXPIRED:
+        if r is Offer.OLDER or r is Offer.EXPIRED or r is Offer.FULL:
             self._count(f"refused_{r.value}")
             return False
         entry = self.cache.get(adv.id)
