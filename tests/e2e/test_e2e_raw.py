@@ -521,6 +521,32 @@ async def test_raw_malformed_frames_close_only_that_connection(daemon: DaemonFac
         await b.close()
 
 
+async def test_raw_messages_before_a_bad_frame_in_the_same_write_are_routed(daemon: DaemonFactory) -> None:
+    """A sender's messages before a bad frame length are routed as when they came in an earlier read: how the
+    stream was cut into reads changes nothing. The sender then gets its ERROR and is closed."""
+    d = daemon()
+    b = await RawApp.connect(d.sock)
+    try:
+        for name, tail, code in [
+            ("zero", b"\x00\x00\x00\x00", ERR_PROTOCOL),
+            ("oversize", struct.pack(">I", MAX_FRAME + 1), ERR_FRAME_TOO_LARGE),
+        ]:
+            a = await RawApp.connect(d.sock)
+            try:
+                first, second = unicast(a.key, b.key.public, name.encode() + b"-1"), unicast(
+                    a.key, b.key.public, name.encode() + b"-2")
+                a.conn.write(frame(first.encode()) + frame(second.encode()) + tail)
+                await a.conn.drain()
+                got, reason = await a.conn.expect_error_and_close(timeout=5)
+                assert got == code, (name, got, reason)
+            finally:
+                await a.close()
+            received = [await b.recv(timeout=5), await b.recv(timeout=5)]
+            assert sorted(m.body for m in received) == [first.body, second.body], name
+    finally:
+        await b.close()
+
+
 @pytest.mark.slow
 async def test_raw_pull_stored_message_and_nack(daemon: DaemonFactory) -> None:
     d = daemon()

@@ -24,7 +24,9 @@ Targets (:data:`TARGETS`):
   alice dialling the router), how much of a valid handshake precedes the input (nothing, the peer's HELLO, or
   HELLO and AUTH, so the session is OPEN and the input reaches the post-handshake path), and the maximum frame
   size; the second byte picks the chunk size. Frames the session hands up go through
-  :func:`~upsycle_router.wire.session.decode_frame`, as the driver does.
+  :func:`~upsycle_router.wire.session.decode_frame`, as the driver does. The same bytes fed all at once must
+  give the same events (messages, frames, the peer's ERROR) and the same violation: the frames before a
+  violation in one read come with it (:class:`~upsycle_router.transport.session.ViolationAfter`).
 
 :func:`seeds` gives each target a starting corpus built from the golden vectors (``tests/vectors/wire-v1.json``)
 and the fixed messages in ``tests/messages``, already in the shape the target expects.
@@ -46,6 +48,7 @@ from upsycle_router.transport.session import (
     PeerError,
     Session,
     State,
+    ViolationAfter,
 )
 from upsycle_router.wire import accel, gossip, session
 from upsycle_router.wire.app import decode_app_message
@@ -160,6 +163,10 @@ def fuzz_framing(data: bytes) -> None:
                 consumed += 4 + len(p)
             if fb.pending > max_frame + 4:
                 raise InvariantViolation(f"FrameBuffer holds {fb.pending} bytes (max frame {max_frame})")
+            if fb.error is not None or fd.error is not None:  # a bad length after the frames returned
+                if fb.error is None or fd.error is None or str(fb.error) != str(fd.error):
+                    raise InvariantViolation(f"feed and feed_decoded met other bad lengths: {fb.error} / {fd.error}")
+                raise fb.error
     except RemoteProtocolError as e:
         _check_error(e, "FrameBuffer.feed")
         return
@@ -200,58 +207,88 @@ def fuzz_accel(data: bytes) -> None:
         raise InvariantViolation("the C frame walker and the Python one disagree")
 
 
-def fuzz_session(data: bytes) -> None:
-    """Bytes from a peer into a :class:`Session` (see the module docstring for the meaning of bytes 0 and 1)."""
-    if len(data) < 2:
-        return
-    mode, chunk = data[0], _chunk_size(data[1])
+def _session_events(s: Session, events: list[Any], opened: bool) -> tuple[bool, list[tuple[object, ...]]]:
+    """Check a batch of session events; return whether the session is open after them, and the batch told as
+    plain values (one per message: how the frames were grouped into batches depends on the reads)."""
+    told: list[tuple[object, ...]] = []
+    for ev in events:
+        if isinstance(ev, HandshakeComplete):
+            if opened or ev.peer != s.peer:
+                raise InvariantViolation(f"a second or inconsistent HandshakeComplete: {ev} ({s.state})")
+            opened = True
+            told.append(("open", ev.peer))
+        elif isinstance(ev, MessagesDecoded):
+            if not opened:
+                raise InvariantViolation("a message was handed up before the handshake completed")
+            for m in ev.messages:  # decoded on the way: exactly what the strict decoder makes of it
+                if session.decode_frame(m.encode()) != m:
+                    raise InvariantViolation(f"a decoded message does not round-trip: {m}")
+                told.append(("message", m.encode()))
+        elif isinstance(ev, FrameReceived):
+            if not opened:
+                raise InvariantViolation("a frame was handed up before the handshake completed")
+            try:
+                session.decode_frame(ev.payload)  # what the driver and the client do with it
+            except RemoteProtocolError as e:
+                _check_error(e, "decode_frame")
+            told.append(("frame", ev.payload))
+        elif isinstance(ev, PeerError):
+            if s.state is not State.CLOSED:
+                raise InvariantViolation("PeerError without closing the session")
+            told.append(("peer error", ev.code, ev.reason))
+        else:
+            raise InvariantViolation(f"unknown session event {ev!r}")
+    return opened, told
+
+
+def _session_story(data: bytes, chunk: int) -> list[tuple[object, ...]]:
+    """What a :class:`Session` made of the peer's bytes fed ``chunk`` bytes at a time: its events and the
+    violation that ended it, as plain values (see :func:`fuzz_session`)."""
+    mode = data[0]
     own, nonce, expected, hello, auth = _SIDES[mode & 1]
     prefix = (b"", hello, hello + auth, hello + auth)[(mode >> 1) & 3]
     max_frame = DEFAULT_MAX_FRAME if mode < 0x80 else 128 + (mode & 0x70) * 4  # 128..576: a HELLO fits
     s = Session(own, expected_peer=expected, max_frame=max_frame, nonce=nonce)
     if not s.data_to_send():
         raise InvariantViolation("a new session has no HELLO to send")
+    story: list[tuple[object, ...]] = []
+    opened = False
     if prefix:
         events = s.receive_data(prefix)  # valid: must not raise
         s.data_to_send()
-        opened = len(prefix) > len(hello)
-        if opened != s.is_open or opened != any(isinstance(ev, HandshakeComplete) for ev in events):
+        opened, told = _session_events(s, events, opened)
+        story += told
+        if (len(prefix) > len(hello)) != s.is_open or opened != s.is_open:
             raise InvariantViolation(f"the vectors' handshake went wrong: {events} ({s.state})")
     stream = data[2:]
     try:
         for i in range(0, len(stream), chunk):
-            opened = s.is_open
             events = s.receive_data(stream[i : i + chunk])
-            out = s.data_to_send()
-            if not isinstance(out, bytes):
+            if not isinstance(s.data_to_send(), bytes):
                 raise InvariantViolation("data_to_send() did not return bytes")
-            for ev in events:
-                if isinstance(ev, HandshakeComplete):
-                    if opened or ev.peer != s.peer:
-                        raise InvariantViolation(f"a second or inconsistent HandshakeComplete: {ev} ({s.state})")
-                    opened = True
-                elif isinstance(ev, MessagesDecoded):
-                    if not opened:
-                        raise InvariantViolation("a message was handed up before the handshake completed")
-                    for m in ev.messages:  # decoded on the way: exactly what the strict decoder makes of it
-                        if session.decode_frame(m.encode()) != m:
-                            raise InvariantViolation(f"a decoded message does not round-trip: {m}")
-                elif isinstance(ev, FrameReceived):
-                    if not opened:
-                        raise InvariantViolation("a frame was handed up before the handshake completed")
-                    try:
-                        session.decode_frame(ev.payload)  # what the driver and the client do with it
-                    except RemoteProtocolError as e:
-                        _check_error(e, "decode_frame")
-                elif isinstance(ev, PeerError):
-                    if s.state is not State.CLOSED:
-                        raise InvariantViolation("PeerError without closing the session")
-                else:
-                    raise InvariantViolation(f"unknown session event {ev!r}")
+            opened, told = _session_events(s, events, opened)
+            story += told
             if s.state is State.CLOSED:
-                return
+                break
     except RemoteProtocolError as e:
         _check_error(e, "Session.receive_data")
+        if isinstance(e, ViolationAfter):  # the frames before it in the same data
+            if not e.events:
+                raise InvariantViolation("ViolationAfter without the events before it") from e
+            story += _session_events(s, e.events, opened)[1]
+        story.append(("violation", int(e.code), str(e)))
+    return story
+
+
+def fuzz_session(data: bytes) -> None:
+    """Bytes from a peer into a :class:`Session` (see the module docstring for the meaning of bytes 0 and 1),
+    fed in chunks of the size byte 1 picks and all at once: the same events and the same violation either way."""
+    if len(data) < 2:
+        return
+    chunked = _session_story(data, _chunk_size(data[1]))
+    whole = _session_story(data, 1 << 30)
+    if chunked != whole:
+        raise InvariantViolation(f"the session made other events of the same bytes cut otherwise: {chunked} / {whole}")
 
 
 TARGETS: dict[str, Callable[[bytes], None]] = {

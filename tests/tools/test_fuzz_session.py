@@ -16,13 +16,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from fuzz.fuzz_targets import ALICE, ROUTER, TARGETS, fuzz_session, seeds
+from fuzz.fuzz_targets import ALICE, ROUTER, TARGETS, _items, fuzz_session, seeds
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from upsycle_router.transport.session import Session, State
+from upsycle_router.crypto import auth_signature
+from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.transport.session import MessagesDecoded, Session, State, ViolationAfter
+from upsycle_router.wire.accel import decode_canonical
 from upsycle_router.wire.cbor import enc
-from upsycle_router.wire.framing import frame
+from upsycle_router.wire.framing import FrameBuffer, frame
 from upsycle_router.wire.session import Auth, Hello
 
 REPO = Path(__file__).resolve().parents[2]
@@ -130,6 +133,53 @@ SESSION_EDGE_CASES = {
 @pytest.mark.parametrize("data", list(SESSION_EDGE_CASES.values()), ids=list(SESSION_EDGE_CASES))
 def test_session_edge_cases(data: bytes) -> None:
     fuzz_session(data)
+
+
+def _a_message() -> bytes:
+    return next(i for i in _items() if i[:1] == b"\x84" and decode_canonical(i) is not None)
+
+
+@pytest.mark.parametrize(
+    ("tail", "code"),
+    [
+        (b"\x00\x00\x00\x00", ErrorCode.PROTOCOL),
+        (b"\xff\xff\xff\xff", ErrorCode.FRAME_TOO_LARGE),
+        (frame(Hello(ALICE.public, b"\x00" * 32).encode()), ErrorCode.PROTOCOL),
+    ],
+    ids=["zero length", "oversize length", "hello after open"],
+)
+def test_frames_before_a_violation_in_the_same_read_come_with_it(tail: bytes, code: ErrorCode) -> None:
+    """Two messages then a violation, in one read: the messages are handed up with the error (as they are when
+    they came in an earlier read), and the fuzz target's two ways of cutting the bytes agree."""
+    msg = _a_message()
+    data = frame(msg) + frame(msg) + tail
+    s = Session(ROUTER, nonce=b"\x00" * 32)
+    s.receive_data(frame(Hello(ALICE.public, b"\x01" * 32).encode()))
+    s.receive_data(frame(Auth(auth_signature(ALICE, ROUTER.public, b"\x00" * 32)).encode()))
+    assert s.is_open
+    with pytest.raises(ViolationAfter) as e:
+        s.receive_data(data)
+    assert e.value.code == code
+    assert [m.encode() for ev in e.value.events if isinstance(ev, MessagesDecoded) for m in ev.messages] == [msg, msg]
+    try:  # nothing after the violation is handed up
+        later = s.receive_data(frame(msg))
+    except RemoteProtocolError:
+        later = []
+    assert later == []
+    fuzz_session(b"\x04\x01" + data)  # byte by byte and all at once: the same story
+
+
+def test_frame_buffer_hands_over_the_frames_before_a_bad_length() -> None:
+    fb = FrameBuffer()
+    assert fb.feed(frame(b"\x01") + b"\x00\x00\x00\x00" + frame(b"\x02")) == [b"\x01"]
+    assert fb.error is not None and fb.error.code == ErrorCode.PROTOCOL and fb.pending == 0
+    with pytest.raises(RemoteProtocolError):
+        fb.feed(frame(b"\x03"))
+    fd = FrameBuffer(max_frame=8)
+    assert fd.feed_decoded(frame(b"\x01") + b"\x00\x00\x00\x09") == [b"\x01"]
+    assert fd.error is not None and fd.error.code == ErrorCode.FRAME_TOO_LARGE
+    with pytest.raises(RemoteProtocolError):
+        fd.feed_decoded(b"")
 
 
 ATHERIS_TARGETS = ["session", "decoders", "framing"]

@@ -278,8 +278,11 @@ def test_a_bad_length_stops_the_walk_where_it_is(impl: str, prefix: bytes, bad: 
     walk = wire_accel._C.parse_frames if impl == "c" and wire_accel._C else wire_accel._parse_frames_py
     items, pos, got_bad = walk(good + prefix + b"rest", 256)
     assert (items, pos, got_bad) == ([b"\x82\x01\x02"], len(good), bad)
+    fb = FrameBuffer(max_frame=256)
+    assert fb.feed_decoded(good + prefix) == [b"\x82\x01\x02"]  # the frame before it; the error kept
+    assert fb.error is not None and fb.error.field == "frame"
     with pytest.raises(RemoteProtocolError) as e:
-        FrameBuffer(max_frame=256).feed_decoded(good + prefix)
+        FrameBuffer(max_frame=256).feed_decoded(prefix)  # nothing before it: at once
     assert e.value.field == "frame"
 
 

@@ -613,8 +613,11 @@ def test_frame_buffer_accepts_max_frame_exactly() -> None:
 
 def test_frame_buffer_error_after_good_frame() -> None:
     good = ic.frame(b"\x01")
+    fb = FrameBuffer()
+    assert fb.feed(good + b"\x00\x00\x00\x00") == [b"\x01"]  # the frame before it; the error kept
+    assert fb.error is not None and fb.error.field == "frame"
     with pytest.raises(RemoteProtocolError):
-        FrameBuffer().feed(good + b"\x00\x00\x00\x00")
+        fb.feed(b"")
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,7 @@ from upsycle_router.transport.session import (
     PeerError,
     Session,
     SessionEvent,
+    ViolationAfter,
 )
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME
 from upsycle_router.wire.messages import Message, MulticastHeader, decode_message
@@ -236,12 +237,22 @@ class Connection(asyncio.Protocol):
     def _run_session(self, feed: Callable[[], list[SessionEvent]]) -> None:
         """Feed the session (``feed``); send its output; hand events to the driver; ERROR and close on a
         violation."""
+        violation: RemoteProtocolError | None = None
         try:
             events = feed()
+        except ViolationAfter as e:  # the frames before it first
+            events, violation = e.events, e
+        except RemoteProtocolError as e:
+            self.protocol_error(e)
+            return
+        try:
             self._send_session_output()
             self._dispatch(events)
         except RemoteProtocolError as e:
             self.protocol_error(e)
+            return
+        if violation is not None and not self.closed:
+            self.protocol_error(violation)
 
     def protocol_error(self, e: RemoteProtocolError) -> None:
         """Report a violation by the peer, then send ERROR and close."""

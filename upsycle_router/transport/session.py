@@ -11,7 +11,9 @@ runs (:class:`MessagesDecoded`); any other frame is handed up unparsed (:class:`
 strict decoder, which names what is wrong with it.
 
 Transitions are a table ``(state, input) -> state``; an input with no entry is a protocol error, answered
-with an ERROR frame and a close. Errors are :class:`RemoteProtocolError` (peer's fault) with the wire code.
+with an ERROR frame and a close. Errors are :class:`RemoteProtocolError` (peer's fault) with the wire code. The
+frames received before a violation are handled first, whether or not they came in the same read
+(:class:`ViolationAfter`).
 :meth:`Session.receive_data` returns events; :meth:`Session.data_to_send` drains bytes for the transport.
 Message transports that carry one CBOR item per transport message (WebSocket) use the unframed pair
 :meth:`Session.receive_payloads` / :meth:`Session.payloads_to_send` instead; the state machine is the same.
@@ -92,6 +94,15 @@ class PeerError:
 SessionEvent = HandshakeComplete | FrameReceived | MessagesDecoded | PeerError
 
 
+class ViolationAfter(RemoteProtocolError):
+    """A violation that came after other frames of the same received data: ``events`` are theirs, in order,
+    for the caller to handle before it answers the violation (the same code and reason)."""
+
+    def __init__(self, error: RemoteProtocolError, events: list[SessionEvent]) -> None:
+        super().__init__(error.reason, field=error.field, code=error.code)
+        self.events = events
+
+
 class Session:
     """One end of a session; the same class serves routers, apps and the client library."""
 
@@ -130,13 +141,27 @@ class Session:
         self.state = nxt
 
     def receive_data(self, data: bytes) -> list[SessionEvent]:
-        """Feed received stream bytes; raise RemoteProtocolError on any violation (send :meth:`error_frame`)."""
-        if self.state is not State.OPEN:
-            return self.receive_payloads(self._frames.feed(data))
-        return self._receive_open(self._frames.feed_decoded(data))
+        """Feed received stream bytes; raise RemoteProtocolError on any violation (send :meth:`error_frame`).
 
-    def _receive_open(self, items: list[Message | bytes]) -> list[SessionEvent]:
+        The frames before a violation are the peer's too: where any came in the same ``data``, the error is a
+        :class:`ViolationAfter` holding their events, to be handled before the violation is answered - so how
+        the stream was cut into reads changes nothing."""
         events: list[SessionEvent] = []
+        frames = self._frames
+        try:
+            if self.state is not State.OPEN:
+                self._receive_payloads(frames.feed(data), events)
+            else:
+                self._receive_open(frames.feed_decoded(data), events)
+            if frames.error is not None and self.state is not State.CLOSED:
+                raise frames.error
+        except RemoteProtocolError as e:
+            if events:
+                raise ViolationAfter(e, events) from e
+            raise
+        return events
+
+    def _receive_open(self, items: list[Message | bytes], events: list[SessionEvent]) -> None:
         run: list[Message] = []
         for item in items:
             if type(item) is Message:
@@ -147,10 +172,9 @@ class Session:
                 run = []
             assert isinstance(item, bytes)
             if self._undecoded(item, events):
-                return events
+                return
         if run:
             events.append(MessagesDecoded(run))
-        return events
 
     def _undecoded(self, payload: bytes, events: list[SessionEvent]) -> bool:
         """An OPEN session's frame that is not a routed message in deterministic form: an ERROR (True: the
@@ -169,6 +193,10 @@ class Session:
     def receive_payloads(self, payloads: Iterable[bytes]) -> list[SessionEvent]:
         """Feed whole frame payloads (one CBOR item each, already size-checked by the transport)."""
         events: list[SessionEvent] = []
+        self._receive_payloads(payloads, events)
+        return events
+
+    def _receive_payloads(self, payloads: Iterable[bytes], events: list[SessionEvent]) -> None:
         for payload in payloads:
             if self.state is State.OPEN:
                 msg = accel.decode_canonical(payload)
@@ -179,10 +207,10 @@ class Session:
                         events.append(MessagesDecoded([msg]))
                     continue
                 if self._undecoded(payload, events):
-                    return events
+                    return
                 continue
             if self.state is State.CLOSED:
-                return events
+                return
             f = decode_session_frame(payload)
             if isinstance(f, Hello):
                 self._advance(Input.HELLO)
@@ -208,8 +236,7 @@ class Session:
             else:
                 self._advance(Input.ERROR)
                 events.append(PeerError(f.code, f.reason))
-                return events
-        return events
+                return
 
     @property
     def is_open(self) -> bool:

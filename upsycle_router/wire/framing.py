@@ -2,8 +2,11 @@
 
 :class:`FrameBuffer` is the pure reader: feed it whatever the transport received and it returns the complete
 frame payloads (:meth:`FrameBuffer.feed`), or decodes the routed messages among them on the way
-(:meth:`FrameBuffer.feed_decoded`). ``N = 0`` or ``N > max_frame`` raises :class:`RemoteProtocolError` as
-soon as the length is known, so the reader never buffers more than one maximum frame.
+(:meth:`FrameBuffer.feed_decoded`). ``N = 0`` or ``N > max_frame`` is a :class:`RemoteProtocolError` as soon as
+the length is known, so the reader never buffers more than one maximum frame. The frames that were complete
+before such a length in the same data are still returned - the same frames whichever way the stream was cut
+into reads - with the error kept in :attr:`FrameBuffer.error`, for the caller to raise once it has handled
+them (the session layer does); the next call raises it anyway.
 """
 
 from __future__ import annotations
@@ -33,46 +36,71 @@ def framed_size(n: int) -> int:
     return _LEN.size + n
 
 
-def check_length(n: int, max_frame: int) -> None:
-    """Raise for a zero or oversize frame length."""
+def length_error(n: int, max_frame: int) -> RemoteProtocolError | None:
+    """The error of a zero or oversize frame length, or None for a good one."""
     if n == 0:
-        raise RemoteProtocolError("zero-length frame", field="frame")
+        return RemoteProtocolError("zero-length frame", field="frame")
     if n > max_frame:
-        raise RemoteProtocolError(
+        return RemoteProtocolError(
             f"frame of {n} bytes exceeds the maximum of {max_frame}", field="frame", code=ErrorCode.FRAME_TOO_LARGE
         )
+    return None
+
+
+def check_length(n: int, max_frame: int) -> None:
+    """Raise for a zero or oversize frame length."""
+    e = length_error(n, max_frame)
+    if e is not None:
+        raise e
 
 
 class FrameBuffer:
     """Reassembles frames from stream chunks."""
 
-    __slots__ = ("_buf", "max_frame")
+    __slots__ = ("_buf", "error", "max_frame")
 
     def __init__(self, max_frame: int = DEFAULT_MAX_FRAME) -> None:
         self.max_frame = max_frame
         self._buf = bytearray()
+        self.error: RemoteProtocolError | None = None
+        """The zero or oversize length met (nothing after it is read), or None."""
+
+    def _check_if(self, cond: bool = True) -> None:
+        """Raise the bad length met (if ``cond``): nothing after it is read."""
+        if cond and self.error is not None:
+            raise self.error
 
     def feed(self, data: bytes) -> list[bytes]:
-        """Add received bytes; return every complete frame payload, in order."""
+        """Add received bytes; return every complete frame payload, in order. A bad length raises at once when no
+        frame came before it in ``data``; otherwise the frames are returned, the error is in :attr:`error`, and the
+        next call raises it."""
+        self._check_if()
         buf = self._buf
         buf += data
         out: list[bytes] = []
         pos = 0
         n_buf = len(buf)
+        max_frame = self.max_frame
         while n_buf - pos >= 4:
             (n,) = _LEN.unpack_from(buf, pos)
-            check_length(n, self.max_frame)
+            if n == 0 or n > max_frame:
+                self.error = length_error(n, max_frame)
+                break
             if n_buf - pos - 4 < n:
                 break
             out.append(bytes(buf[pos + 4 : pos + 4 + n]))
             pos += 4 + n
-        if pos:
+        if self.error is not None:
+            buf.clear()  # nothing after a bad length is read
+            self._check_if(not out)
+        elif pos:
             del buf[:pos]
         return out
 
     def feed_decoded(self, data: bytes) -> list[Message | bytes]:
         """Like :meth:`feed`, but every routed message in deterministic form comes back decoded (see
         :mod:`upsycle_router.wire.accel`); other frames come back as their payload bytes."""
+        self._check_if()
         buf = self._buf
         src: bytes | bytearray
         if buf:
@@ -82,8 +110,10 @@ class FrameBuffer:
             src = data  # the common case: nothing left over from the last chunk, no copy
         items, pos, bad = accel.parse_frames(src, self.max_frame)
         if bad >= 0:
-            check_length(bad, self.max_frame)
-        if src is buf:
+            self.error = length_error(bad, self.max_frame)
+            buf.clear()  # nothing after a bad length is read
+            self._check_if(not items)
+        elif src is buf:
             del buf[:pos]
         elif pos < len(data):
             buf += memoryview(data)[pos:]
