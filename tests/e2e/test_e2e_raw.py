@@ -95,9 +95,15 @@ async def expect_refused(
     for mid, (_, _, label) in refused.items():
         rec = await d.wait_trace(event="refused", id=mid)
         assert (rec["reason"], rec["peer"]) == (label, app.key.public.hex()), rec
-        events = [r["event"] for r in d.trace(id=mid)]
+        records = d.trace(id=mid)
+        events = [r["event"] for r in records]
         assert events.count("refused") == 1 and "dropped" in events, events
         assert events.index("dropped") < events.index("refused"), events
+        drop = records[events.index("dropped")]
+        assert drop["peer"] == app.key.public.hex(), drop  # the connection it came from (docs/trace.md)
+        if rec["type"] == "unicast":  # a unicast's records name its keys
+            assert (rec["src"], rec["dst"]) == (drop["src"], drop["dst"]) and rec["src"] == app.key.public.hex(), (
+                rec, drop)
 
 
 async def sync_after_probes(d: Daemon, app: RawApp, probes: list[bytes]) -> None:

@@ -189,7 +189,8 @@ class Delivery:
         src = h.src if isinstance(h, UnicastHeader) else None
 
         def drop(reason: Why) -> Reason:
-            out.append(Trace(DROPPED, msg.id, kind, group, src, key, None, size, reason, role=self.s.role(key)))
+            peer = origin.peer if origin is not None else None
+            out.append(Trace(DROPPED, msg.id, kind, group, src, key, peer, size, reason, role=self.s.role(key)))
             if origin is not None and reason in (Why.QUOTA, Why.STORE_FULL):
                 self.throttle(origin, out)  # a sender still writing into a full queue or store is slowed too
             return REFUSAL[reason]
@@ -260,7 +261,7 @@ class Delivery:
         src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
         dst = msg.header.dst if isinstance(msg.header, UnicastHeader) else None
         if origin is not None and origin.local:
-            self.remember(origin, router, msg.id, kind, group, size)
+            self.remember(origin, router, msg.id, kind, group, size, src, dst)
         if conn is not None:
             out.append(Send(conn, msg.encode()))
             if s.tracing:
@@ -279,16 +280,19 @@ class Delivery:
         sender's SYNC_ACK can still count it."""
         return size + (0 if msg.via is not None else VIA_BYTES) > self.s.config.max_frame
 
-    def remember(self, origin: Conn, router: bytes, mid: bytes, kind: Kind, group: bytes | None, size: int) -> None:
+    def remember(
+        self, origin: Conn, router: bytes, mid: bytes, kind: Kind, group: bytes | None, size: int,
+        src: bytes | None = None, dst: bytes | None = None,
+    ) -> None:
         """The message ``mid`` the local app on ``origin`` sent went (or waits to go) to router ``router``:
         remembered for a while (the latest :data:`FORWARDED_MAX`), so that a REFUSED from that router reaches
-        the app (:meth:`late_refusal`)."""
+        the app (:meth:`late_refusal`). ``src`` and ``dst``: a unicast's keys, for the trace."""
         fwd = self.s.forwarded
         if router != ANY_MEMBER and (seen := fwd.get(mid)) is not None and seen.router == ANY_MEMBER:
             return  # a group message: it also went to member routers or core nodes, each of which may refuse it
         if len(fwd) >= FORWARDED_MAX:
             del fwd[next(iter(fwd))]
-        fwd[mid] = Forwarded(origin.id, router, kind, group, size, origin.syncs)
+        fwd[mid] = Forwarded(origin.id, router, kind, group, size, origin.syncs, src, dst)
 
     # ------------------------------------------------------------------ refusals (wire v1.1)
 
@@ -313,18 +317,19 @@ class Delivery:
         out.append(Trace(DROPPED, traced or mid, kind, group, src, dst, c.peer, size, reason))
         why = REFUSAL.get(reason)
         if why is not None:
-            self.refuse(c, mid, why, count, now, out, kind, group, size)
+            self.refuse(c, mid, why, count, now, out, kind, group, size, src, dst)
 
     def refuse(
         self, c: Conn, mid: bytes, why: Reason, count: int, now: float, out: list[Effect], kind: Kind,
-        group: bytes | None, size: int,
+        group: bytes | None, size: int, src: bytes | None = None, dst: bytes | None = None,
     ) -> None:
-        """Answer REFUSED on ``c`` (it counts for the connection's next SYNC_ACK), and trace it."""
+        """Answer REFUSED on ``c`` (it counts for the connection's next SYNC_ACK), and trace it (``src`` and
+        ``dst``: a unicast's keys)."""
         self._counting(c)
         c.refused += 1
         body = encode_router(Refused(mid, int(why), count))
         out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
-        out.append(Trace(REFUSED, mid, kind, group, peer=c.peer, size=size, reason=why.label))
+        out.append(Trace(REFUSED, mid, kind, group, src, dst, c.peer, size, why.label))
 
     def _counting(self, c: Conn) -> None:
         """``c``'s refusal count and SYNC_ACK count change in this batch: keep what they were before it, for
@@ -365,8 +370,8 @@ class Delivery:
             c.refused += 1
         body = encode_router(Refused(r.id, r.reason, r.count))
         out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
-        out.append(Trace(REFUSED, r.id, fwd.kind, fwd.group, peer=c.peer, size=fwd.size,
-                         reason=reason_label(r.reason)))
+        out.append(Trace(REFUSED, r.id, fwd.kind, fwd.group, fwd.src, fwd.dst, c.peer, fwd.size,
+                         reason_label(r.reason)))
 
     def throttle(self, c: Conn, out: list[Effect]) -> None:
         """Slow ``c`` (once per batch): what it sends fills a queue or the store past the backpressure mark, or

@@ -555,25 +555,25 @@ class Router:
             why = self._deliver(h.dst, msg, None, size, now, out, kind=UNICAST, stranger=stranger,
                                 remote=remote, origin=c)
             if why is not None:
-                self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
+                self._refuse(c, msg.id, why, 0, now, out, kind, None, size, h.src, h.dst)
             else:
                 s.seen.add(msg.id)
             return
         edge = s.served_by(h.dst)
         if edge is not None and edge != c.peer:  # 3.2 for an edge node's service: store and forward to the edge
             if c.local and self.delivery.too_large_with_via(msg, size):  # the edge node would refuse it
-                self._refuse(c, msg.id, Reason.TOO_LARGE, 0, now, out, kind, None, size)
+                self._refuse(c, msg.id, Reason.TOO_LARGE, 0, now, out, kind, None, size, h.src, h.dst)
                 return
             remote = not c.local
             stranger = remote and s.stranger(h.src, h.dst)
             why = self._deliver(edge, msg, None, size, now, out, kind=UNICAST, stranger=stranger,
                                 remote=remote, origin=c)
             if why is not None:
-                self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
+                self._refuse(c, msg.id, why, 0, now, out, kind, None, size, h.src, h.dst)
             else:
                 s.seen.add(msg.id)
                 if c.local:  # sent on to the edge node: its REFUSED reaches the app; the reply is no stranger's
-                    self.delivery.remember(c, edge, msg.id, UNICAST, None, size)
+                    self.delivery.remember(c, edge, msg.id, UNICAST, None, size, h.src, h.dst)
                     self._contact(h.src, h.dst)
             return
         # 3.3 relays only for local services (and the services of an edge node, from that edge node)
@@ -590,7 +590,7 @@ class Router:
         self._contact(h.src, h.dst)
         why = self._to_router(router, msg, None, size, now, out, kind=UNICAST, origin=c)
         if why is not None:
-            self._refuse(c, msg.id, why, 0, now, out, kind, None, size)
+            self._refuse(c, msg.id, why, 0, now, out, kind, None, size, h.src, h.dst)
         else:
             s.seen.add(msg.id)
 

@@ -50,6 +50,8 @@ class Forwarded(NamedTuple):
     group: bytes | None
     size: int
     span: int  # the app connection's ``syncs`` when it was sent: its REFUSED counts for the next SYNC_ACK if equal
+    src: bytes | None = None  # a unicast's keys (for the trace of a REFUSED passed on)
+    dst: bytes | None = None
 
 
 class Conn:
