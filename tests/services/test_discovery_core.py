@@ -18,19 +18,21 @@ import pytest
 from core_harness import T0, CoreHarness, Effects, advert, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.crypto import advert_valid, sign_message
+from upsycle_router.crypto import Identity, advert_valid, sign_advert, sign_message
 from upsycle_router.errors import LocalProtocolError, RemoteProtocolError
 from upsycle_router.expiry import exp_in, exp_to_unix
 from upsycle_router.services.discovery import DISCOVERY_GROUP, Announce, DiscoveryCore, Publish, Rejected
-from upsycle_router.services.discovery.cache import AdvertCache, Offer
+from upsycle_router.services.discovery.cache import AdvertCache, Offer, advert_size
 from upsycle_router.services.discovery.params import DiscoveryParams
 from upsycle_router.services.discovery.ratelimit import SenderLimiter
+from upsycle_router.wire.cbor import enc
 from upsycle_router.wire.control import Join, JoinAck, Reason, Refused, Result
 from upsycle_router.wire.discovery import (
     SERVICE_DISCOVERY,
     SERVICE_PUBSUB,
     AddPeer,
     AdvertAck,
+    PeerAdvertisement,
     PeersQuery,
     PeersReply,
     Shuffle,
@@ -154,6 +156,39 @@ def test_cache_is_bounded_and_evicts_the_soonest_to_lapse() -> None:
     assert core.import_advert(advert(ident("e"), ttl=3000), T0)[0] is None
     reason, out = core.import_advert(advert(ident("f"), ttl=100), T0)
     assert reason is not None and reason.startswith("the advert cache is full") and out == []
+
+
+def _big(who: Identity, groups: int, ttl: int, rev: int = 1) -> PeerAdvertisement:
+    adv = replace(advert(who, ttl=ttl, rev=rev), grps=tuple(bytes([i % 256, i // 256]) * 16 for i in range(groups)))
+    return sign_advert(adv, who)
+
+
+def test_cache_is_bounded_in_bytes_too() -> None:
+    """Adverts with long lists of groups fill the cache's bytes before its count: the soonest to lapse make
+    room, one that lapses before all of them is refused, and the byte count follows every change."""
+    a, b, c, d = (ident(n) for n in "abcd")
+    a1, b1, d1 = _big(a, 100, ttl=100), _big(b, 100, ttl=50), _big(d, 100, ttl=200)
+    size = advert_size(a1)
+    assert advert_size(b1) == advert_size(d1) == size  # (ttl 50, 100 and 200 are each one byte long in CBOR)
+    cache = AdvertCache(100, max_bytes=2 * size + size // 2)
+    assert cache.offer(a1, T0, T0) is Offer.NEW
+    assert cache.offer(b1, T0, T0) is Offer.NEW
+    assert cache.bytes == 2 * size
+    assert cache.offer(_big(c, 100, ttl=10), T0, T0) is Offer.FULL  # lapses before both
+    assert cache.offer(d1, T0, T0) is Offer.NEW  # b lapses soonest: it makes room
+    assert set(cache.entries) == {a.public, d.public} and cache.bytes == 2 * size
+    small = advert(b, ttl=5)
+    assert cache.offer(small, T0, T0) is Offer.NEW  # a small one fits beside them
+    assert cache.offer(_big(a, 200, ttl=100, rev=2), T0, T0) is Offer.FULL  # a larger revision: no room
+    assert cache.get(a.public).advert == a1  # type: ignore[union-attr]  # (the old one stays)
+    a3 = _big(a, 50, ttl=100, rev=3)
+    assert cache.offer(a3, T0, T0) is Offer.NEWER  # a smaller one always fits
+    assert cache.bytes == advert_size(a3) + size + advert_size(small)
+    assert cache.offer(_big(c, 10_000, ttl=10_000), T0, T0) is Offer.FULL  # alone larger than the cache
+    cache.expire(T0 + 100)
+    assert set(cache.entries) == {d.public} and cache.bytes == size
+    assert advert_size(d1) == len(enc(d1.to_cbor()))  # the encoded advert's bytes
+    assert DiscoveryParams().max_advert_bytes == 32 << 20
 
 
 def test_sender_limiter_burst_refill_and_bound() -> None:

@@ -91,7 +91,7 @@ class DiscoveryCore:
         self.params = params
         self.rng = rng
         self.own: PeerAdvertisement | None = None
-        self.cache = AdvertCache(params.max_adverts)
+        self.cache = AdvertCache(params.max_adverts, params.max_advert_bytes)
         self.limiter = SenderLimiter(params.lan_rate, params.lan_burst, params.max_senders)
         self.view = CyclonView(router, params.view_size, params.shuffle_length, rng)
         self._next_announce: float | None = None
@@ -168,8 +168,8 @@ class DiscoveryCore:
         if r is Offer.EXPIRED:
             return "the advert has expired", []
         if r is Offer.FULL:
-            return (f"the advert cache is full ({self.cache.max_adverts} adverts, every one of which lapses after "
-                    "this one would)"), []  # fmt: skip
+            return (f"the advert cache is full ({self.cache.max_adverts} adverts or {self.cache.max_bytes} bytes, "
+                    "of adverts that all lapse after this one would)"), []  # fmt: skip
         self._publish(adv, now, out)  # always: the app asked for it
         if self.params.sampling:
             self.view.add(adv, 0.0, now)

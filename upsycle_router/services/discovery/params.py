@@ -13,7 +13,8 @@ after ``shuffle_timeout`` seconds is given up (its target already left the view,
 whose age (seconds since its node put a fresh copy into circulation) passes ``max_age`` is aged out;
 ``None`` means each advert's own ``ttl``.
 
-``max_adverts`` bounds the advert cache (the soonest-expiring advert makes room for a new one).
+``max_adverts`` and ``max_advert_bytes`` (their encoded bytes in all) bound the advert cache (the soonest-expiring
+adverts make room for a new one).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class DiscoveryParams:
     shuffle_timeout: float = 5.0
     max_age: float | None = None
     max_adverts: int = 4096
+    max_advert_bytes: int = 32 << 20
 
     def __post_init__(self) -> None:
         for name in ("lan_interval", "lan_rate", "shuffle_period", "shuffle_timeout"):
@@ -45,7 +47,7 @@ class DiscoveryParams:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not 0 <= self.lan_jitter < 1:
             raise ValueError(f"lan_jitter must be in [0, 1), got {self.lan_jitter}")
-        for name in ("lan_burst", "max_senders", "view_size", "shuffle_length", "max_adverts"):
+        for name in ("lan_burst", "max_senders", "view_size", "shuffle_length", "max_adverts", "max_advert_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.shuffle_length > self.view_size:
