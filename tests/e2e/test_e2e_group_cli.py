@@ -123,3 +123,33 @@ def test_an_invitation_the_router_refuses_is_reported_not_promised(daemon: Daemo
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert "no_route" in r.stderr and stranger[:16] in r.stderr, r.stderr
     assert "they get it when they are back" not in r.stderr, r.stderr
+
+
+def test_a_message_sent_before_the_new_member_took_its_welcome_reaches_it(
+    daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    """docs/groups.md's recipe, each command run to its end before the next: bob is offline from before the add
+    until after the message, so he had not joined the group's address when alice published it. He gets it in
+    his first listen, after the welcome (the admin's unicast copy), and once only; a second message, sent after
+    bob has taken the welcome, reaches him by the group's address as usual."""
+    d = daemon()
+    keys = {n: tmp_path / f"{n}.key" for n in "ab"}
+    pub = {n: keygen(k) for n, k in keys.items()}
+
+    def group(who: str, *args: str) -> subprocess.CompletedProcess[str]:
+        r = cli("group", args[0], "--socket", str(d.sock), "--key", str(keys[who]), "--data", str(tmp_path / who),
+                *args[1:], timeout=60)  # fmt: skip
+        assert r.returncode == 0, (args, r.stderr)
+        return r
+
+    group("b", "listen", "--timeout", "1")  # bob connects once: his router knows him now
+    gid = group("a", "create").stdout.strip()
+    group("a", "add", gid, pub["b"])
+    group("a", "send", "--wait", "0", gid, "hello, group")
+    got = entries(group("b", "listen", "--count", "2", "--timeout", "20").stdout)
+    assert [(e["kind"], e["data"]) for e in got] == [("welcome", ""), ("message", "hello, group")], got
+    group("a", "send", "--wait", "0", gid, "second")
+    got = entries(group("b", "listen", "--count", "1", "--timeout", "20").stdout)
+    assert [(e["kind"], e["data"]) for e in got] == [("message", "second")], got
+    got = entries(group("b", "listen", "--from-start", "--timeout", "2").stdout)
+    assert [e["data"] for e in got if e["kind"] == "message"] == ["hello, group", "second"], got

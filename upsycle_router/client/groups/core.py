@@ -45,7 +45,10 @@ name all of the receiver's heads (its sender lacks something), so ACKs settle. A
 current member acknowledge its last message after ``ack_timeout`` ACKs itself (names its heads again, so
 whoever lacks them fetches them), backing off and giving up after ``ack_retries``: a message lost between
 routers reaches everyone who is online, and those who are not get the ACK queued. A member that rotated or
-was welcomed ACKs at once, which is how it learns what it missed in the new epoch.
+was welcomed ACKs at once, which is how it learns what it missed in the new epoch. Until a member it welcomed
+has shown the add, an admin also sends each message it publishes to that member in a unicast (the routed group
+message as the body): before the welcome is taken the new member has not joined the group's address, so its
+router keeps nothing of the group for it, while a unicast to it is queued for when it is back.
 """
 
 from __future__ import annotations
@@ -176,6 +179,7 @@ class GroupCore:
         self._ack_wanted = False
         self._leave_at: dict[bytes, float] = {}  # old epochs' groups, left at these times
         self._acked: dict[bytes, int] = store.acked(gid)
+        self._welcomed: dict[bytes, int] = store.welcomed(gid)
         self._last_sent = store.last_sent(gid)
         self._retry_n = 0
         self._retry_at: float | None = now + self.config.ack_timeout if self._unacked() else None
@@ -717,6 +721,8 @@ class GroupCore:
         header = MulticastHeader(epoch.grp, self.config.ttl, exp_in(now, self.config.lifetime), self._sn())
         msg = sign_message(header, encrypt(epoch, app.encode(), self.rng), epoch.gkey)
         out.append(ev.Publish(self.gid, msg, self.store.outbox_add(self.gid, msg.encode())))
+        if self._welcomed and not isinstance(body, AppAck):
+            self._copy_to_joining(msg, now, out)
         self._ack_wanted = False
         self._ack_at = None
         if not isinstance(body, AppAck):
@@ -727,6 +733,19 @@ class GroupCore:
         self._deliver(Pending(msg.id, self.me, seq, deps, epoch.number, msg.encode(), now, app, epoch.grp), now, out)
         self._drain(now, out)
         return msg.id
+
+    def _copy_to_joining(self, msg: Message, now: float, out: list[Effect]) -> None:
+        """Send the routed group message ``msg`` also in a unicast to each member this member welcomed that has
+        not shown the add yet: until it takes its welcome it has not joined the group's address, so its router
+        keeps nothing of the group for it, while a unicast to it is queued. (Once it has joined, it ACKs at
+        once; from then on what it missed is named by heads and fetched, as for any member.)"""
+        members = self.members
+        for m, seq in sorted(self._welcomed.items()):
+            if m not in members or self._acked.get(m, 0) >= seq:
+                del self._welcomed[m]
+                self.store.forget_welcomed(self.gid, m)
+                continue
+            self._unicast_to(m, msg.encode(), now, out, self.store.member_via(self.gid, m))
 
     def _unicast_to(self, member: bytes, body: bytes, now: float, out: list[Effect], via: bytes | None) -> None:
         header = UnicastHeader(self.me, member, self.config.ttl, exp_in(now, self.config.lifetime))
@@ -804,6 +823,8 @@ class GroupCore:
             if via is not None:
                 self.store.set_member_via(self.gid, m, via)
             self._unicast_to(m, WelcomeMessage(seal_to(m, body_plain)).encode(), now, out, via)
+            self._welcomed[m] = self._last_sent  # the add's seq: what it shows once it has joined
+            self.store.set_welcomed(self.gid, m, self._last_sent)
         return out
 
     def remove(self, gone: list[bytes] | tuple[bytes, ...], now: float) -> list[Effect]:

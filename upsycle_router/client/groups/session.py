@@ -66,7 +66,7 @@ from upsycle_router.wire.groups import (
     decode_key_share_message,
     decode_welcome_message,
 )
-from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 
 log = logging.getLogger("upsycle_router.groups")
 
@@ -392,6 +392,25 @@ class GroupManager:
         log.info("groups: joined group %s (admin %s)", welcome.gid.hex()[:16], welcome.admin.hex()[:16])
         self._welcomes.put_nowait(s)
 
+    def _maybe_copy(self, msg: Message, h: UnicastHeader) -> None:
+        """A group message an admin sent us in a unicast while we had not taken its welcome yet (GroupCore's
+        theory of operation): received as if it had come to the group's address (the core checks it as any)."""
+        try:
+            inner = decode_message(msg.body)
+        except RemoteProtocolError:
+            inner = None
+        ih = inner.header if inner is not None else None
+        gid = self._by_grp.get(ih.grp) if isinstance(ih, MulticastHeader) else None
+        if inner is None or gid is None:
+            log.debug("groups: ignoring a unicast from %s that is no welcome, keys or group message",
+                      h.src.hex()[:16])  # fmt: skip
+            return
+        if h.dst != self.identity.public or not message_signature_valid(msg):
+            log.info("groups: ignoring a group message copy not signed by its sender or not for us")
+            return
+        now = time.time()
+        self.run(gid, lambda core: core.received(inner, now))
+
     def _welcome_refused(self, gid: bytes | None, src: bytes, reason: str) -> None:
         """Report a welcome that is not taken because it is bad (logged and counted, never fatal)."""
         self.welcome_problems["refused"] += 1
@@ -402,7 +421,7 @@ class GroupManager:
         try:
             km = decode_key_share_message(msg.body)
         except RemoteProtocolError:
-            log.debug("groups: ignoring a unicast from %s that is neither a welcome nor keys", h.src.hex()[:16])
+            self._maybe_copy(msg, h)
             return
         if h.dst != self.identity.public or not message_signature_valid(msg):
             log.info("groups: ignoring a key share not signed by its sender or not for us")

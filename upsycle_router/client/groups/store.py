@@ -57,7 +57,7 @@ _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 SCHEMA = b"groups-1"
 _DBS = ("meta", "groups", "epochs", "mhist", "delivered", "vv", "heads", "dorder", "buffer", "log", "outbox",
-        "routers", "acks", "ackby", "ops", "shared", "mvia")  # fmt: skip
+        "routers", "acks", "ackby", "ops", "shared", "mvia", "welcomed")  # fmt: skip
 _EPOCH = b"\x01"  # new-style epoch keys: gid || 0x01 || eid (version 1 keys are gid || u32)
 
 Vec = tuple[tuple[bytes, int], ...]
@@ -291,6 +291,17 @@ class GroupStore(LmdbTables):
 
     def member_via(self, gid: bytes, member: bytes) -> bytes | None:
         return self._get("mvia", gid + member)
+
+    def set_welcomed(self, gid: bytes, member: bytes, seq: int) -> None:
+        """This member welcomed ``member`` with its message ``seq`` (the add)."""
+        self._put("welcomed", gid + member, _U64.pack(seq))
+
+    def welcomed(self, gid: bytes) -> dict[bytes, int]:
+        """The members this member welcomed that may not have joined yet, with the seq of their add."""
+        return {k[32:]: _U64.unpack(v)[0] for k, v in self._prefix("welcomed", gid)}
+
+    def forget_welcomed(self, gid: bytes, member: bytes) -> None:
+        self._delete("welcomed", gid + member)
 
     # ------------------------------------------------------------ causal state
 
