@@ -5,7 +5,9 @@ message (not a broken frame) is answered with REFUSED (wire v1.1), except the re
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import struct
 
 import cbor2
 import pytest
@@ -123,3 +125,22 @@ async def test_a_remote_peer_cannot_send_as_a_local_service(daemon: DaemonFactor
     [ref] = d.trace(event="refused", id=m.id.hex())
     assert (ref["reason"], ref["peer"]) == ("not_authorized", outsider.identity.public.hex()), ref
     assert not d.trace(event="forwarded", id=m.id.hex())
+
+
+async def test_bad_frame_lengths_are_counted_as_malformed(daemon: DaemonFactory) -> None:
+    """A zero or oversize frame length (ERROR 1 / ERROR 4 and a close) counts in ``malformed_total``, as a frame
+    that does not decode does - before, only the latter did."""
+    d = daemon()
+    async with await Client.connect(d.sock, Identity.generate(), timeout=10) as c:
+        before = (await c.status())["malformed_total"]
+        for bad in (b"\x00\x00\x00\x00", struct.pack(">I", 1 << 30), frame(b"\xff\xfe")):
+            r, w = await asyncio.open_unix_connection(str(d.sock))
+            try:
+                await asyncio.wait_for(r.read(4096), 5)  # the router's HELLO
+                w.write(bad)
+                await w.drain()
+                await asyncio.wait_for(r.read(), 5)  # ERROR, then the close
+            finally:
+                w.close()
+        st = await c.status()
+    assert st["malformed_total"] == before + 3, st

@@ -292,6 +292,8 @@ class Driver:
     def on_protocol_error(self, conn: Connection, error: RemoteProtocolError) -> None:
         """Log and trace a session-level violation (the connection closes itself)."""
         log.warning("protocol error conn=%d peer=%s: %s", conn.id, (conn.peer or b"").hex(), error)
+        if error.code in (ErrorCode.PROTOCOL, ErrorCode.FRAME_TOO_LARGE):  # a bad frame (timeouts: admission's)
+            self.stats["malformed_total"] += 1
         reason = Why.OVERLOADED if error.code == ErrorCode.OVERLOADED else Why.MALFORMED
         self.effects.trace_now(Trace(Ev.DROPPED, None, Kind.UNICAST, peer=conn.peer, reason=reason))
 
