@@ -278,9 +278,13 @@ def test_pubsub_params_are_checked_together_at_load() -> None:
         (b"just text\n", "expected a mapping of options"),
         (b"42\n", "expected a mapping of options"),
         (b"#" * (17 << 20), "larger than 16 MiB"),
+        (b"durability: none\nmax_frame: 2048\ndurability: fsync\n", "line 3, column 1: while constructing a "
+                                                                      "mapping; found duplicate key 'durability'"),
+        (b"log:\n  level: info\n  level: debug\n", "line 3, column 3: while constructing a mapping; found "
+                                                   "duplicate key 'level'"),
     ],
     ids=["utf16", "latin1", "random", "control", "unclosed", "deep", "tag", "long_int", "list", "scalar", "number",
-         "huge"],
+         "huge", "duplicate_key", "nested_duplicate_key"],
 )  # fmt: skip
 def test_files_that_are_not_a_config(tmp_path: Path, data: bytes, expect: str) -> None:
     p = tmp_path / "r.yaml"
@@ -289,6 +293,14 @@ def test_files_that_are_not_a_config(tmp_path: Path, data: bytes, expect: str) -
         load_config(p)
     msg = str(exc.value)
     assert msg.startswith(f"{p}: ") and expect in msg and "\n" not in msg, msg
+
+
+def test_yaml_merge_keys_may_repeat_what_they_merge(tmp_path: Path) -> None:
+    """A merge key's mapping may name a key the mapping names again (that is what overriding is): no duplicate."""
+    p = tmp_path / "r.yaml"
+    p.write_bytes(b"limits: &l {max_connections: 100}\nqueue:\n  <<: {max_count: 10}\n  max_count: 20\n")
+    cfg = load_config(p)
+    assert cfg.max_connections == 100 and cfg.queue_max_count == 20
 
 
 def test_an_empty_file_and_a_bom_are_fine(tmp_path: Path) -> None:

@@ -536,7 +536,7 @@ def load_config(path: str | os.PathLike[str] | None) -> DaemonConfig:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{p}: not a UTF-8 text file (byte {e.start}: {e.reason})") from None
     try:
-        raw = yaml.safe_load(text)
+        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
@@ -548,6 +548,28 @@ def load_config(path: str | os.PathLike[str] | None) -> DaemonConfig:
         return parse_config(raw)
     except ConfigError as e:
         raise ConfigError(f"{p}: {e}") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key written twice in one mapping (the last one would win without a word:
+    ``durability: none`` then ``durability: fsync``)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            try:
+                duplicate = key in seen
+                seen.add(key)
+            except TypeError:  # an unhashable key: the constructor says so
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping", node.start_mark, f"found duplicate key {key!r}", key_node.start_mark
+                )
+        return super().construct_mapping(node, deep)
 
 
 def socket_gid(group: str) -> int:
