@@ -452,3 +452,19 @@ def test_a_lost_batch_puts_every_window_back_exactly(tmp_path: Path) -> None:
         data = [s.data for s in h.log.sends(conn)]
         assert len(data) == len(set(data))
     assert {s.data for s in h.log.sends(b1) + h.log.sends(b2)} == {m.encode() for m in ms}
+
+
+def test_a_queue_entry_whose_message_the_store_lost_is_dropped_as_damage_not_as_expired(h: CoreHarness) -> None:
+    """A message outlives its queue entries (the store extends it for each), so an entry whose message is gone
+    long before the entry's expiry is damage to the store: it is dropped with ``store_damaged`` (the driver
+    logs it as an error), not passed off as an expiry; the other entries are delivered."""
+    _, ms = queue_for_bob(h, 3)
+    with h.store.transaction():
+        h.store.delete_message(ms[1].id)  # what a damaged record leaves: the entry, no message
+    assert len(h.store.queue(BOB.public)) == 3
+    b = h.open(BOB)
+    out = h.last
+    assert [s.data for s in out.sends(b)] == [ms[0].encode(), ms[2].encode()]
+    assert out.traces("expired") == []
+    [t] = out.traces("dropped")
+    assert (t.id, t.dst, t.reason, t.role) == (ms[1].id, BOB.public, "store_damaged", "app")

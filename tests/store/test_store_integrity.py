@@ -311,21 +311,37 @@ def _leaf_of(path: Path, table: str) -> int:
     raise AssertionError(f"no leaf page of {table}")
 
 
-def test_a_record_flag_flipped_is_found_by_the_deep_walk_and_lmdb_s_error_becomes_store_damaged(store: Path) -> None:
-    """The walk at open looks at pages, not at each record: a record made to point at overflow pages that do
-    not exist passes it, LMDB fails on it while the store opens (msg_exp is read whole), and that error becomes
-    StoreDamaged in one line; ``store check`` (node by node) finds it before LMDB does."""
+def test_a_record_flag_flipped_is_found_by_the_walk_at_open(store: Path) -> None:
+    """A record made to point at overflow pages that do not exist: the walk at open goes record by record (as
+    ``store check``), so the store is refused in one line before LMDB follows the record (a page-by-page walk
+    passed it, and LMDB then failed or read past the file)."""
     pgno = _leaf_of(store, "msg_exp")
     with open(store / "data.mdb", "r+b") as f:
         f.seek(pgno * PSIZE + 16)
         ptr = struct.unpack("=H", f.read(2))[0]
         f.seek(pgno * PSIZE + ptr + 4)
         f.write(struct.pack("=H", 0x01))  # F_BIGDATA: the first 8 bytes of the id are taken for a page number
-    check_before_open(store)  # (passes)
     report = check_dir(store)
     assert report.exit_code == 2 and any("msg_exp" in d for d in report.damage), report.damage
-    with pytest.raises(StoreDamaged, match="LMDB reports damage") as e, store_errors(store):
-        LmdbStore(store, Durability.NONE, map_size=MAP)  # (its environment stays open: the last use here)
+    with pytest.raises(StoreDamaged, match="msg_exp") as e:
+        check_before_open(store)
+    one_line_naming_the_file(e.value, store)
+    with pytest.raises(StoreDamaged, match="msg_exp"):
+        LmdbStore(store, Durability.NONE, map_size=MAP)
+
+
+def test_a_record_that_runs_past_its_page_is_refused_at_open(store: Path) -> None:
+    """What a black-box audit found: 512 bytes overwritten inside a leaf page, so that a record's size runs past
+    the page's end. The page-by-page walk passed it and LMDB read past the map (SIGBUS at start or at the first
+    delivery); the walk at open now refuses the store."""
+    pgno = _leaf_of(store, "msgs")
+    with open(store / "data.mdb", "r+b") as f:
+        f.seek(pgno * PSIZE + 16)
+        ptr = struct.unpack("=H", f.read(2))[0]
+        f.seek(pgno * PSIZE + ptr)
+        f.write(struct.pack("=I", PSIZE * 4))  # the record's data size: four pages, inside a page of its own
+    with pytest.raises(StoreDamaged, match="msgs") as e:
+        check_before_open(store)
     one_line_naming_the_file(e.value, store)
 
 

@@ -25,7 +25,7 @@ import contextlib
 
 from upsycle_router.core.events import Effect, QueueRun, QueueSent, Trace
 from upsycle_router.core.state import Conn, RouterState
-from upsycle_router.core.trace import DELIVERED, EXPIRED, FORWARDED, MULTICAST, UNICAST, Why
+from upsycle_router.core.trace import DELIVERED, DROPPED, EXPIRED, FORWARDED, MULTICAST, UNICAST, Why
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.wire.messages import UnicastHeader, decode_message
 
@@ -67,6 +67,10 @@ class QueueDrain:
             if data is None or e.message_expires <= now or e.expires <= now:
                 store.dequeue(peer, seq)
                 group = e.group if data is not None else None
+                if data is None and e.expires > now:  # a message outlives its entries: the store lost it
+                    traces.append(Trace(DROPPED, e.id, UNICAST, None, dst=peer, size=e.size,
+                                        reason=Why.STORE_DAMAGED, role=s.role(peer)))
+                    continue
                 traces.append(Trace(EXPIRED, e.id, MULTICAST if group else UNICAST, group, dst=peer,
                                     size=e.size, reason=Why.EXPIRED, role=s.role(peer)))
                 continue

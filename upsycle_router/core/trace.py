@@ -65,6 +65,7 @@ class Why(StrEnum):
     DUPLICATE = "duplicate"
     STALE_REVISION = "stale_revision"
     UNDELIVERED = "undelivered"  # ttl 0, written for a connection that closed before it left: it cannot wait
+    STORE_DAMAGED = "store_damaged"  # a queue entry whose message the store does not hold, long before it expires
 
 
 class Role(StrEnum):

@@ -51,7 +51,7 @@ from upsycle_router.core.events import (
     Trace,
     Undelivered,
 )
-from upsycle_router.core.trace import Ev
+from upsycle_router.core.trace import Ev, Why
 from upsycle_router.errors import ErrorCode
 from upsycle_router.runtime.logs import RateLimitedLog
 from upsycle_router.trace.journal import TraceJournal
@@ -188,6 +188,9 @@ class EffectRunner:
                     if event is Ev.REFUSED:
                         self._refusal_log.note(e.reason or "unknown", now)
                         self._arm_refusal_flush()
+                    elif e.reason == Why.STORE_DAMAGED:
+                        log.error("queued message %s for %s is not in the store (damage?): dropped; run "
+                                  "`upsycle-router store check`", (e.id or b"").hex(), (e.dst or b"").hex())
                 elif event in _COUNTED:
                     stats[_COUNTED[event]] += 1
                 continue
