@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import stat
 import struct
 import time
@@ -21,7 +22,7 @@ from raw_app import Key as RawKey
 from wsutil import merge_config, ws_config, ws_url
 
 from upsycle_router.client import Client, ClientError
-from upsycle_router.crypto import Identity
+from upsycle_router.crypto import Identity, load_key_file
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 
 pytestmark = pytest.mark.slow
@@ -274,6 +275,22 @@ async def test_router_id_matches_cli_and_socket_is_private(daemon: DaemonFactory
         assert stat.S_IMODE(os.stat(d.sock).st_mode) == 0o600
     finally:
         await c.close()
+
+
+async def test_a_lost_router_key_beside_a_store_is_a_new_id_said_out_loud(daemon: DaemonFactory) -> None:
+    """The router key deleted while its store stays: the router starts with a new key (its queues are kept),
+    and says at WARNING that its id changed, which peers that know the old id will refuse. A first start (no
+    store yet) makes its key without that warning."""
+    d = daemon()
+    old = d.id
+    assert "beside an existing store" not in d.log_text()
+    d.stop()
+    (d.dir / "router.key").unlink()
+    d.start()
+    new = load_key_file(d.dir / "router.key").public
+    assert new != old
+    text = d.log_text()
+    assert re.search(rf"WARNING .*created a new router key {new.hex()} .*beside an existing store", text), text
 
 
 async def test_sigterm_exits_zero_quickly_and_restart_works(daemon: DaemonFactory) -> None:

@@ -69,7 +69,7 @@ from upsycle_router.runtime.pubsub_service import PubsubService, pubsub_policies
 from upsycle_router.services.discovery import DISCOVERY_GROUP
 from upsycle_router.services.pubsub.params import GossipParams
 from upsycle_router.services.pubsub.validation import GroupPolicy
-from upsycle_router.store.integrity import damaged, store_errors
+from upsycle_router.store.integrity import MARKER, damaged, store_errors
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.admission import Admission, Listener, listen_tcp, listen_unix, raise_fd_limit
@@ -242,7 +242,12 @@ class Daemon:
             log.info("open files limit (RLIMIT_NOFILE) raised from %d to %d", old_limit, fd_limit)
         else:
             log.info("open files limit (RLIMIT_NOFILE) is %d", fd_limit)
+        had_key = os.path.lexists(cfg.key_path)
         self.identity = ident = load_or_create_key_file(cfg.key_path)
+        if not had_key and (cfg.data_dir / "store" / MARKER).exists():
+            log.warning("created a new router key %s at %s, beside an existing store: this router now has a new id "
+                        "(its queued messages are kept; peers, edge and core nodes that know the old id will refuse "
+                        "it); to keep the old id, stop it and put the old key back", ident.hex, cfg.key_path)
         if cfg.pubsub.enabled:
             self.pubsub_identity = load_or_create_key_file(cfg.data_dir / "pubsub.key")
         ps_key = self.pubsub_identity.public if self.pubsub_identity is not None else None
