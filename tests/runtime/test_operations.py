@@ -21,6 +21,7 @@ from upsycle_router.runtime.logs import JsonFormatter, TextFormatter, stderr_is_
 from upsycle_router.runtime.metrics import MetricsServer, render, status_lines
 
 A, B, C = bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ------------------------------------------------------------------------------------------ reload plan
@@ -51,6 +52,22 @@ def test_a_reload_applies_live_options_and_keeps_the_others() -> None:
     # the same file again: the restart-only options are named again, nothing live changes
     again = plan_reload(cfg, loaded)
     assert again.live == {} and again.restart == plan.restart
+
+
+def test_gossip_params_written_out_at_their_defaults_are_no_change() -> None:
+    """The example config writes ``pubsub.params`` at their defaults: reloading it under the embedded defaults
+    changes nothing (it said "pubsub.params changed, needs a restart" at every reload); a value that differs
+    is named as written, and a pub/sub option beside it alone."""
+    example = REPO / "upsycle_router" / "config" / "router.example.yaml"
+    written = parse_config({"pubsub": {"params": {"D": 6, "D_low": 4, "heartbeat_interval": 1.0}}})
+    assert written.pubsub.params and written.pubsub == DaemonConfig().pubsub
+    assert plan_reload(DaemonConfig(), written).restart == []
+    from upsycle_router.config import load_config
+
+    assert load_config(example).pubsub.params  # (it does write some out)
+    assert "pubsub.params" not in plan_reload(DaemonConfig(), load_config(example)).restart
+    changed = parse_config({"pubsub": {"params": {"D": 6, "D_low": 3}, "validator_timeout": 1.0}})
+    assert plan_reload(written, changed).restart == ["pubsub.validator_timeout", "pubsub.params"]
 
 
 def test_nothing_changed_and_a_moved_peer() -> None:

@@ -125,13 +125,16 @@ class PubsubConfig:
 
     enabled: bool = True
     in_process: bool = True
-    params: dict[str, float] = field(default_factory=dict)
+    params: dict[str, float] = field(default_factory=dict, compare=False)  # as written; ``gossip`` is compared
     groups: dict[bytes, GroupPolicyConfig] = field(default_factory=dict)
     validators: dict[bytes, bytes] = field(default_factory=dict)
     default_validator: bytes | None = None
     validator_timeout: float = 2.0
     validator_on_timeout: str = "ignore"
     validator_max_pending: int = 1024
+    gossip: GossipParams = field(default_factory=GossipParams)
+    """``params`` in effect (the defaults where it is silent): two configs that write the same values otherwise
+    - a default written out, or left out - are equal."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -419,7 +422,7 @@ def _parse_pubsub(v: Any) -> PubsubConfig:
         else:
             params[k] = parse_float(x, f"pubsub.params.{k}", lo, hi, unit="seconds")
     try:
-        GossipParams(**params)  # type: ignore[arg-type]
+        gossip = GossipParams(**params)  # type: ignore[arg-type]
     except ValueError as e:
         raise fail("pubsub.params", str(e)) from None
     groups: dict[bytes, GroupPolicyConfig] = {}
@@ -454,7 +457,7 @@ def _parse_pubsub(v: Any) -> PubsubConfig:
         kw["validator_max_pending"] = parse_int(
             pm["validator_max_pending"], "pubsub.validator_max_pending", 1, MAX_VALIDATOR_PENDING
         )
-    return PubsubConfig(enabled, in_process, params, groups, validators, default_validator, **kw)
+    return PubsubConfig(enabled, in_process, params, groups, validators, default_validator, **kw, gossip=gossip)
 
 
 def _parse_group_policy(v: Any, path: str) -> GroupPolicyConfig:

@@ -143,10 +143,13 @@ def _fields(obj: Any, table: dict[str, str], doc: dict[str, Any], skip: frozense
 
 def _pubsub(ps: Any) -> dict[str, Any]:
     """The ``pubsub`` section: its fields by their own names, except the default validator, which the file
-    lists as ``validators: {"*": KEY}``, and the group policies (only what each sets)."""
+    lists as ``validators: {"*": KEY}``, the group policies (only what each sets), and ``gossip`` (``params``
+    in effect, derived from them)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(ps):
         value = getattr(ps, f.name)
+        if f.name == "gossip":
+            continue
         if f.name == "default_validator":
             if value is not None:
                 out.setdefault("validators", {})["*"] = plain(value)

@@ -35,7 +35,8 @@ from upsycle_router.config.dump import TOP
 # The option (as written in the file) of each DaemonConfig field (the same table `config` prints by).
 OPTION = TOP
 # Options of the sections kept as dataclasses, where the file names them differently.
-_SECTION_OPTION = {("websocket", "listen"): "listen.websocket", ("websocket", "path"): "listen.path"}
+_SECTION_OPTION = {("websocket", "listen"): "listen.websocket", ("websocket", "path"): "listen.path",
+                   ("pubsub", "gossip"): "pubsub.params"}
 
 # Fields applied while the daemon runs (see the module docstring), by what applies them.
 LOGGING = frozenset({"log_level", "log_format"})
@@ -133,7 +134,7 @@ class ReloadPlan:
 def _section_changes(section: str, old: Any, new: Any) -> list[str]:
     out = []
     for f in dataclasses.fields(old):
-        if getattr(old, f.name) != getattr(new, f.name):
+        if f.compare and getattr(old, f.name) != getattr(new, f.name):  # (not: the same value written otherwise)
             out.append(_SECTION_OPTION.get((section, f.name), f"{section}.{f.name}"))
     return out or [section]
 

@@ -51,7 +51,7 @@ from typing import Any
 
 from upsycle_router import __version__, accel
 from upsycle_router.config import DaemonConfig, PeerConfig
-from upsycle_router.config.daemon import GOSSIP_PARAMS, socket_gid
+from upsycle_router.config.daemon import socket_gid
 from upsycle_router.config.reload import Applies, ReloadPlan, peer_changes, plan_reload
 from upsycle_router.config.values import is_loopback
 from upsycle_router.core.config import CoreConfig
@@ -152,12 +152,8 @@ CORE_RELOADABLE = (
 
 
 def gossip_params(cfg: DaemonConfig) -> GossipParams:
-    """Gossip parameters from ``pubsub.params`` (each of the kind :data:`GOSSIP_PARAMS` gives it)."""
-    kw = {k: GOSSIP_PARAMS[k][0](v) for k, v in cfg.pubsub.params.items()}
-    try:
-        return GossipParams(**kw)
-    except ValueError as e:
-        raise ConfigError(f"pubsub.params: {e}") from None
+    """Gossip parameters from ``pubsub.params`` (built and checked when the config was read)."""
+    return cfg.pubsub.gossip
 
 
 def group_policies(cfg: DaemonConfig) -> dict[bytes, GroupPolicy]:
