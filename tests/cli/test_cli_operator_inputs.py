@@ -174,3 +174,29 @@ def test_a_tls_certificate_that_cannot_be_made_again_is_one_line_and_exit_2(tmp_
     assert errors[0].startswith("error: config: ") and "router.crt: cannot write the TLS certificate" in errors[0]
     assert " WARNING " in r.stderr  # it tried to make the pair again first
     assert "Traceback" not in r.stderr
+
+
+# ------------------------------------------------------------------------------ send / publish / pull inputs
+
+
+@pytest.mark.parametrize(
+    ("args", "expect"),
+    [
+        (("send", "--hex", "00" * 32, "zz"), "error: body: non-hexadecimal"),
+        (("send", "--ttl", "-5", "00" * 32, "hi"), "argument --ttl: expected 0 to 4294967295 seconds, got -5"),
+        (("send", "--ttl", "soon", "00" * 32, "hi"), "argument --ttl: expected whole seconds, got 'soon'"),
+        (("publish", "--group", "g", "--ttl", str(2**32), "hi"), "argument --ttl: expected 0 to 4294967295"),
+        (("pull", "00" * 32, "zz"), "argument id: expected 32 bytes (64 hex characters), got 'zz'"),
+        (("pull", "00" * 32, "00" * 31), "argument id: expected 32 bytes (64 hex characters)"),
+    ],
+    ids=["send-hex", "send-ttl-negative", "send-ttl-text", "publish-ttl-too-large", "pull-id-text", "pull-id-short"],
+)
+def test_a_bad_body_ttl_or_id_is_a_usage_error_before_any_connection(
+    tmp_path: Path, args: tuple[str, ...], expect: str
+) -> None:
+    """Exit 2 with the option named, before the router is asked (no router runs here): a bad --hex body was an
+    exit 1 with Python's own words, a negative --ttl went to the router, and an id of the wrong length was
+    sent and answered "not found"."""
+    r = run_expecting_exit(*args, "--socket", str(tmp_path / "none.sock"), timeout=15, environ=_environ(tmp_path))
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -128,9 +128,15 @@ def _report(mid: bytes, result: SyncResult) -> int:
 def cmd_send(args: argparse.Namespace) -> int:
     """Send one unicast message, sealed for its recipient unless ``--plain``; exit 1 when the router refused it."""
 
+    try:
+        body = read_body(args)
+    except ValueError as e:  # --hex and a body that is not hex
+        print(f"error: body: {e}", file=sys.stderr)
+        return 2
+
     async def go(c: Client) -> int:
         dst = parse_key(args.dst, "dst")
-        mid = await c.send(dst, read_body(args), args.ttl, seal=not args.plain, pad=not args.no_pad)
+        mid = await c.send(dst, body, args.ttl, seal=not args.plain, pad=not args.no_pad)
         return _report(mid, await c.sync())
 
     return run_app(args, go)
@@ -185,7 +191,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     """PULL a stored group message by id."""
 
     async def go(c: Client) -> int:
-        m = await c.pull(group_address(args.group), bytes.fromhex(args.id))
+        m = await c.pull(group_address(args.group), args.id)
         if m is None:
             print("not found", file=sys.stderr)
             return 1
@@ -255,6 +261,28 @@ def cmd_status(args: argparse.Namespace) -> int:
     return run_app(args, go, required=False)
 
 
+def ttl_arg(text: str) -> int:
+    """``--ttl``: whole seconds, 0 to 2**32 - 1 (what the header's ``ttl`` holds)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected whole seconds, got {text!r}") from None
+    if not 0 <= n <= 0xFFFFFFFF:
+        raise argparse.ArgumentTypeError(f"expected 0 to 4294967295 seconds, got {n}")
+    return n
+
+
+def message_id_arg(text: str) -> bytes:
+    """A message id: 32 bytes as 64 hex characters."""
+    try:
+        mid = bytes.fromhex(text)
+    except ValueError:
+        mid = b""
+    if len(mid) != 32:
+        raise argparse.ArgumentTypeError(f"expected 32 bytes (64 hex characters), got {text!r}")
+    return mid
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the client commands."""
     p = sub.add_parser("send", help="send a unicast message")
@@ -262,7 +290,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("dst", help="destination key (hex)")
     p.add_argument("body", nargs="?", default="-", help="message body, or - for stdin (default)")
     p.add_argument("--hex", action="store_true", help="the body is hex")
-    p.add_argument("--ttl", type=int, default=3600, help="seconds the router may queue it (default 3600)")
+    p.add_argument("--ttl", type=ttl_arg, default=3600, help="seconds the router may queue it (default 3600)")
     p.add_argument("--plain", action="store_true", help="send the body readable (default: sealed for dst)")
     p.add_argument("--no-pad", action="store_true", help="seal without padding (the exact size shows)")
     p.set_defaults(func=cmd_send)
@@ -285,13 +313,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    "message signed by --key (identical bodies within a minute are then one message)")  # fmt: skip
     p.add_argument("body", nargs="?", default="-", help="message body, or - for stdin (default)")
     p.add_argument("--hex", action="store_true", help="the body is hex")
-    p.add_argument("--ttl", type=int, default=3600, help="seconds routers may queue it (default 3600)")
+    p.add_argument("--ttl", type=ttl_arg, default=3600, help="seconds routers may queue it (default 3600)")
     p.set_defaults(func=cmd_publish)
 
     p = sub.add_parser("pull", help="fetch a stored group message by id")
     app_options(p)
     p.add_argument("group", help="group key (hex) or name (groups --add)")
-    p.add_argument("id", help="message id (hex)")
+    p.add_argument("id", type=message_id_arg, help="message id (64 hex characters)")
     p.set_defaults(func=cmd_pull)
 
     p = sub.add_parser("status", help="show the router's connections, queues, store and counters")
