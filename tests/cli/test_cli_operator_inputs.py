@@ -188,15 +188,23 @@ def test_a_tls_certificate_that_cannot_be_made_again_is_one_line_and_exit_2(tmp_
         (("publish", "--group", "g", "--ttl", str(2**32), "hi"), "argument --ttl: expected 0 to 4294967295"),
         (("pull", "00" * 32, "zz"), "argument id: expected 32 bytes (64 hex characters), got 'zz'"),
         (("pull", "00" * 32, "00" * 31), "argument id: expected 32 bytes (64 hex characters)"),
+        (("listen", "--timeout", "nan"), "argument --timeout: expected a finite number of seconds >= 0, got nan"),
+        (("listen", "--timeout", "-1"), "argument --timeout: expected a finite number of seconds >= 0, got -1"),
+        (("listen", "--count", "-1"), "argument --count: expected at least 1, got -1"),
+        (("group", "listen", "--count", "0"), "argument --count: expected at least 1, got 0"),
+        (("group", "listen", "--timeout", "inf"), "argument --timeout: expected a finite number of seconds"),
+        (("validator", "--count", "many"), "argument --count: expected a whole number, got 'many'"),
     ],
-    ids=["send-hex", "send-ttl-negative", "send-ttl-text", "publish-ttl-too-large", "pull-id-text", "pull-id-short"],
+    ids=["send-hex", "send-ttl-negative", "send-ttl-text", "publish-ttl-too-large", "pull-id-text", "pull-id-short",
+         "listen-timeout-nan", "listen-timeout-negative", "listen-count-negative", "group-listen-count-zero",
+         "group-listen-timeout-inf", "validator-count-text"],
 )
 def test_a_bad_body_ttl_or_id_is_a_usage_error_before_any_connection(
     tmp_path: Path, args: tuple[str, ...], expect: str
 ) -> None:
     """Exit 2 with the option named, before the router is asked (no router runs here): a bad --hex body was an
-    exit 1 with Python's own words, a negative --ttl went to the router, and an id of the wrong length was
-    sent and answered "not found"."""
+    exit 1 with Python's own words, a negative --ttl went to the router, an id of the wrong length was sent
+    and answered "not found", and ``listen --timeout nan`` / ``--count -1`` exited 0 at once."""
     r = run_expecting_exit(*args, "--socket", str(tmp_path / "none.sock"), timeout=15, environ=_environ(tmp_path))
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr

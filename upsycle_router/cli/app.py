@@ -34,7 +34,16 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from upsycle_router.cli.common import app_identity, app_options, group_address, group_signing_key, read_body, run_app
+from upsycle_router.cli.common import (
+    app_identity,
+    app_options,
+    count_arg,
+    group_address,
+    group_signing_key,
+    read_body,
+    run_app,
+    seconds_arg,
+)
 from upsycle_router.client import Client, Opened, SealedError, SyncResult
 from upsycle_router.config import load_config, parse_key
 from upsycle_router.crypto import Identity, app_message_valid, sign_app_message
@@ -334,6 +343,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--join", action="append", metavar="GROUP", help="join this group (key or name) first "
                    "(repeatable)")  # fmt: skip
     p.add_argument("--non-local", action="store_true", help="joins also ask the pub/sub service to SUB")
-    p.add_argument("--count", type=int, help="exit after this many messages")
-    p.add_argument("--timeout", type=float, help="exit after this many seconds")
+    p.add_argument("--count", type=count_arg, help="exit after this many messages")
+    p.add_argument("--timeout", type=seconds_arg, help="exit after this many seconds")
     p.set_defaults(func=cmd_listen)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
@@ -252,6 +253,28 @@ def group_signing_key(args: argparse.Namespace) -> Identity:
     if getattr(args, "group_key", None):
         return load_key_file(args.group_key)
     return lookup(args.group).signing_key()
+
+
+def seconds_arg(text: str) -> float:
+    """A ``--timeout``: a finite number of seconds >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(v) and v >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text}")
+    return v
+
+
+def count_arg(text: str) -> int:
+    """A ``--count``: a whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected at least 1, got {n}")
+    return n
 
 
 def read_body(args: argparse.Namespace) -> bytes:

@@ -24,7 +24,15 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from upsycle_router.cli.common import app_identity, app_options, read_body, run_async, socket_path
+from upsycle_router.cli.common import (
+    app_identity,
+    app_options,
+    count_arg,
+    read_body,
+    run_async,
+    seconds_arg,
+    socket_path,
+)
 from upsycle_router.client import ClientError
 from upsycle_router.client.groups.core import GroupError
 from upsycle_router.client.groups.session import GroupManager, GroupSession
@@ -337,6 +345,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--accept", action="append", metavar="ADMIN",
                    help="accept welcomes only from this admin (repeatable; default: from anyone)")  # fmt: skip
     p.add_argument("--from-start", action="store_true", help="print the whole log, not only what is new")
-    p.add_argument("--count", type=int, help="exit after this many entries")
-    p.add_argument("--timeout", type=float, help="exit after this many seconds")
+    p.add_argument("--count", type=count_arg, help="exit after this many entries")
+    p.add_argument("--timeout", type=seconds_arg, help="exit after this many seconds")
     p.set_defaults(func=cmd_listen)

@@ -28,7 +28,7 @@ import re
 import signal
 import sys
 
-from upsycle_router.cli.common import app_options, find_service, run_app
+from upsycle_router.cli.common import app_options, count_arg, find_service, run_app
 from upsycle_router.client import Client
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.runtime.validator import PUBSUB_KEY_FILE, Judged, serve_validator
@@ -123,7 +123,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--reject-larger-than", type=int, metavar="N", help="reject a body of more than N bytes")
     p.add_argument("--reject-matching", action="append", metavar="REGEX", help="reject a body the regex matches")
     p.add_argument("--ignore-matching", action="append", metavar="REGEX", help="ignore a body the regex matches")
-    p.add_argument("--count", type=int, help="exit after answering this many requests")
+    p.add_argument("--count", type=count_arg, help="exit after answering this many requests")
     p.add_argument("--data-dir", help="the router's data directory (to find the pub/sub service's key)")
     p.add_argument("--service", help="the pub/sub service's address (hex), instead of reading its key")
     p.set_defaults(func=cmd_validator)
