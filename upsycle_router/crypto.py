@@ -181,6 +181,8 @@ def load_key_file(path: str | os.PathLike[str]) -> Identity:
         raise KeyFileError(f"{p}: no such key file") from None
     except OSError as e:
         raise KeyFileError(f"{p}: cannot read key file: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise KeyFileError(f"{p}: not a key file (a {'directory' if stat.S_ISDIR(st.st_mode) else 'special file'})")
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise KeyFileError(
             f"{p}: key file is accessible by group or others (mode {stat.S_IMODE(st.st_mode):04o}); "

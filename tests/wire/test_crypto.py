@@ -250,6 +250,17 @@ def test_key_file_readable_by_others_refused(tmp_path: Path, mode: int) -> None:
     load_key_file(p)
 
 
+def test_a_directory_is_no_key_file_whatever_its_mode(tmp_path: Path) -> None:
+    """A directory named as the key file (mode 1777 like /tmp, or 0700) is "not a key file", not advice to chmod it."""
+    for mode in (0o1777, 0o700):
+        d = tmp_path / f"dir{mode:o}"
+        d.mkdir()
+        d.chmod(mode)
+        with pytest.raises(KeyFileError, match="not a key file \\(a directory\\)") as e:
+            load_key_file(d)
+        assert "chmod" not in str(e.value)
+
+
 def test_key_file_0400_accepted(tmp_path: Path) -> None:
     p = tmp_path / "k"
     key = write_key_file(p)
@@ -310,7 +321,7 @@ def test_key_file_unusable_paths(tmp_path: Path) -> None:
         load_key_file(blocker / "k")
     d = tmp_path / "dir"
     d.mkdir(mode=0o700)
-    with pytest.raises(KeyFileError, match="cannot read key file"):
+    with pytest.raises(KeyFileError, match="not a key file \\(a directory\\)"):
         load_key_file(d)
 
 
