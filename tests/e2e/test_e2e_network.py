@@ -14,7 +14,7 @@ from netutil import HOST, Network, collect, drain, wait_for
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity
-from upsycle_router.transport.session import Session
+from upsycle_router.transport.session import HandshakeComplete, Session
 from upsycle_router.transport.tls import client_context, server_context
 from upsycle_router.wire.framing import frame
 from upsycle_router.wire.session import Auth, Error, Hello, auth_payload, decode_session_frame
@@ -225,15 +225,21 @@ async def test_edge_offline_gets_backlog_after_edge_and_core_restart(tmp_path: P
 # ------------------------------------------------------------------------------------------ wrong keys
 
 
-async def fake_router(cert_key: Identity, hello_key: Identity, directory: Path) -> asyncio.Server:
-    """A TLS server whose certificate carries ``cert_key`` but whose session speaks as ``hello_key``."""
+async def fake_router(
+    cert_key: Identity, hello_key: Identity, directory: Path, authed: list[bytes] | None = None
+) -> asyncio.Server:
+    """A TLS server whose certificate carries ``cert_key`` but whose session speaks as ``hello_key``: what a relay
+    in the middle presents while it passes the real router's HELLO on. ``authed`` collects the keys that sent
+    it a valid AUTH (a relay would pass that AUTH on to the real router)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = Session(hello_key)
         writer.write(session.data_to_send())
         with contextlib.suppress(Exception):
             while data := await reader.read(65536):
-                session.receive_data(data)
+                for ev in session.receive_data(data):
+                    if isinstance(ev, HandshakeComplete) and authed is not None:
+                        authed.append(ev.peer)
                 writer.write(session.data_to_send())
         writer.close()
 
@@ -250,7 +256,8 @@ async def test_wrong_router_keys_are_refused(tmp_path: Path) -> None:
     async with Network(tmp_path) as net:
         real = net.add_node("real")
         cert, claimed = Identity.generate(), Identity.generate()
-        impostor = await fake_router(cert, claimed, tmp_path / "fake")
+        authed: list[bytes] = []
+        impostor = await fake_router(cert, claimed, tmp_path / "fake", authed)
         impostor_port = impostor.sockets[0].getsockname()[1]
         # A router configured with the wrong id for the real router's address; and with the id an impostor
         # claims in its HELLO, at the impostor's address (whose certificate carries another key).
@@ -286,6 +293,8 @@ async def test_wrong_router_keys_are_refused(tmp_path: Path) -> None:
             for rid in (None, claimed.public):
                 with pytest.raises(ClientError, match="certificate"):
                     await Client.connect_tls(HOST, impostor_port, ident, router_id=rid, timeout=10)
+            # ... before either signs an AUTH the impostor could pass on to the router it claims to be
+            assert authed == [], [k.hex() for k in authed]
         finally:
             impostor.close()
             await impostor.wait_closed()

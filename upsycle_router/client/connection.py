@@ -301,12 +301,9 @@ class Client:
 
         ctx: ssl.SSLContext = client_context()
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ctx, limit=2**22), timeout)
-        client = await cls._start(identity, reader, writer, timeout, expected=router_id)
-        cert_key = peer_cert_key(writer.get_extra_info("ssl_object"))
-        if cert_key != client.router_id:
-            await client.close()
-            raise ClientError("the router's certificate key does not match its HELLO id")
-        return client
+        # The router's HELLO must name its certificate's key before our AUTH goes out (Session.certified).
+        certified = peer_cert_key(writer.get_extra_info("ssl_object")) or b""
+        return await cls._start(identity, reader, writer, timeout, expected=router_id, certified=certified)
 
     @classmethod
     async def connect_websocket(
@@ -341,13 +338,12 @@ class Client:
         reader, writer = await asyncio.wait_for(
             asyncio.open_connection(u.hostname, port, ssl=ctx, limit=2**22), timeout
         )
-        session = Session(identity, expected_peer=router_id)
+        certified = None  # with ssl_context (a web PKI certificate) that context verified the certificate
+        if secure and ssl_context is None:  # the router's own certificate: as connect_tls
+            certified = peer_cert_key(writer.get_extra_info("ssl_object")) or b""
+        session = Session(identity, expected_peer=router_id, certified=certified)
         link = WebSocketLink(session, host_header, target, origin=origin)
-        client = await cls._start(identity, reader, writer, timeout, expected=router_id, link=link)
-        if secure and ssl_context is None and peer_cert_key(writer.get_extra_info("ssl_object")) != client.router_id:
-            await client.close()
-            raise ClientError("the router's certificate key does not match its HELLO id")
-        return client
+        return await cls._start(identity, reader, writer, timeout, expected=router_id, link=link)
 
     @classmethod
     async def _start(
@@ -358,8 +354,10 @@ class Client:
         timeout: float,
         expected: bytes | None = None,
         link: StreamLink | None = None,
+        certified: bytes | None = None,
     ) -> Client:
-        self = cls(identity, reader, writer, link or StreamLink(Session(identity, expected_peer=expected)))
+        session = Session(identity, expected_peer=expected, certified=certified)
+        self = cls(identity, reader, writer, link or StreamLink(session))
         writer.write(self._link.start())
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
         try:

@@ -181,6 +181,10 @@ class Connection(asyncio.Protocol):
             except OSError:  # pragma: no cover - platform dependent
                 pass
         self._timer = asyncio.get_running_loop().call_later(self._handshake_timeout, self._handshake_expired)
+        if self.kind == "tls" and self.dialled:  # the peer's HELLO must name its certificate's key (before AUTH)
+            from upsycle_router.transport.tls import peer_cert_key
+
+            self.session.certified = peer_cert_key(transport.get_extra_info("ssl_object")) or b""
         self._connected()
         if self._refusal is not None:  # e.g. over the connection limit: refused as soon as it exists
             code, reason = self._refusal
@@ -272,10 +276,6 @@ class Connection(asyncio.Protocol):
             elif isinstance(ev, HandshakeComplete):
                 if self._timer is not None:
                     self._timer.cancel()
-                if self.kind == "tls" and self.dialled and not self._certificate_matches(ev.peer):
-                    raise RemoteProtocolError(
-                        "the certificate key does not match the router id", field="id", code=ErrorCode.AUTH_FAILED
-                    )
                 self.peer = ev.peer
                 self._housekeeping = self._housekeeping | {ev.peer}
                 self.handler.on_open(self, ev.peer)
@@ -287,12 +287,6 @@ class Connection(asyncio.Protocol):
                 return
             if self.closed:
                 return
-
-    def _certificate_matches(self, peer: bytes) -> bool:
-        from upsycle_router.transport.tls import peer_cert_key
-
-        t = self.transport
-        return t is not None and peer_cert_key(t.get_extra_info("ssl_object")) == peer
 
     # ---------------------------------------------------------------- idle bookkeeping
 

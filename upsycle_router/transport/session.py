@@ -113,9 +113,14 @@ class Session:
         expected_peer: bytes | None = None,
         max_frame: int = DEFAULT_MAX_FRAME,
         nonce: bytes | None = None,
+        certified: bytes | None = None,
     ) -> None:
         self.identity = identity
         self.expected_peer = expected_peer
+        self.certified = certified
+        """The key of the peer's TLS certificate, where the transport has one to check (a dialled TLS or wss
+        connection): the peer's HELLO must name it, or no AUTH is sent - signing first would let a relay in the
+        middle, with a certificate of its own, pass our AUTH on to the real peer."""
         self.nonce = nonce if nonce is not None else os.urandom(NONCE_LEN)
         self.state = State.AWAIT_HELLO
         self.peer: bytes | None = None
@@ -220,6 +225,11 @@ class Session:
                         f"expected router {self.expected_peer.hex()}, got {f.id.hex()}",
                         field="id",
                         code=ErrorCode.AUTH_FAILED,
+                    )
+                if self.certified is not None and f.id != self.certified:
+                    self.state = State.CLOSED
+                    raise RemoteProtocolError(
+                        "the certificate key does not match the router id", field="id", code=ErrorCode.AUTH_FAILED
                     )
                 if f.id == self.identity.public:
                     self.state = State.CLOSED
