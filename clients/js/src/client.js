@@ -247,6 +247,10 @@ export class RouterClient {
         this._onRefused(new Refusal(refused.id, refused.reason, refused.count));
         return;
       }
+      if (c && c.type === Control.REFUSED) {  // a REFUSED of the wrong shape is the router's error, no message
+        this._protocolError('malformed REFUSED from the router');
+        return;
+      }
       if (fromRouter && c && c.type === Control.SYNC_ACK) {
         this._onSyncAck(c.fields);
         return;

@@ -198,7 +198,12 @@ const HEADER_KEYS = {
   [MULTICAST]: ['exp', 'grp', 'sn', 'ttl'],
 };
 
-/** Decode a routed message, checking its shape and field sizes (throws on anything else). */
+const isUint32 = (v) => Number.isInteger(v) && v >= 0 && v <= 0xffffffff;
+export const MAX_SN = 16;
+
+/** Decode a routed message, checking its shape, its field types and sizes, and that it is in deterministic
+ * form (the bytes are exactly what encoding the decoded message gives: sorted keys, shortest heads, no
+ * duplicate key, no tag); throws on anything else (docs/protocol.md: a message in any other form is refused). */
 export function decodeMessage(bytes) {
   const m = dec(bytes);
   if (!Array.isArray(m) || m.length < 4 || m.length > 5) throw new Error('not a routed message');
@@ -208,8 +213,16 @@ export function decodeMessage(bytes) {
   if (keys.join() !== HEADER_KEYS[type].join()) throw new Error(`bad header keys: ${keys}`);
   if (type === UNICAST && !(isBytes(header.src, 32) && isBytes(header.dst, 32))) throw new Error('bad src/dst');
   if (type === MULTICAST && !(isBytes(header.grp, 32) && Array.isArray(header.sn))) throw new Error('bad grp/sn');
+  if (type === MULTICAST && (header.sn.length > MAX_SN || !header.sn.every((i) => isBytes(i, 32)))) {
+    throw new Error(`bad sn: at most ${MAX_SN} ids of 32 bytes`);
+  }
+  if (!isUint32(header.ttl) || !isUint32(header.exp)) throw new Error('bad ttl/exp: unsigned 32-bit integers');
   if (!isBytes(body) || !isBytes(sig, 64) || (via !== null && !isBytes(via, 32))) throw new Error('bad body/sig/via');
-  return new Message(type, header, body, sig, via);
+  const msg = new Message(type, header, body, sig, via);
+  if (!equalBytes(msg.encode(), bytes instanceof Uint8Array ? bytes : new Uint8Array(bytes))) {
+    throw new Error('not in deterministic form');
+  }
+  return msg;
 }
 
 // ------------------------------------------------------------------------------------------ session items

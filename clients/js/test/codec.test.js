@@ -64,3 +64,44 @@ test('decoding rejects wrong shapes', () => {
   assert.throws(() => decodeMessage(enc([0, { src: new Uint8Array(32) }, new Uint8Array(0), new Uint8Array(64)])));
   assert.throws(() => decodeMessage(enc(['auth', new Uint8Array(64)])));
 });
+
+test('decoding refuses what the router would: field types and sizes, and any non-deterministic form', () => {
+  const a = Identity.fromHex('11'.repeat(32));
+  const g = Identity.fromHex('22'.repeat(32));
+  const good = unicast(a, g.publicKey, new Uint8Array([1, 2, 3]), { ttl: 3600 });
+  const bytes = good.encode();
+  assert.equal(toHex(decodeMessage(bytes).id), toHex(good.id)); // the good one still decodes
+  const h = { ...good.header };
+  const withHeader = (header) => enc([0, header, good.body, good.sig]);
+  for (const [what, header] of [
+    ['ttl as text', { ...h, ttl: '3600' }],
+    ['ttl as a float', { ...h, ttl: 1.5 }],
+    ['ttl of 2^32', { ...h, ttl: 2 ** 32 }],
+    ['a negative exp', { ...h, exp: -1 }],
+  ]) {
+    assert.throws(() => decodeMessage(withHeader(header)), /ttl\/exp/, what);
+  }
+  const m = multicast(g, new Uint8Array([9]), { sn: [] });
+  const mh = { ...m.header };
+  const withSn = (sn) => enc([1, { ...mh, sn }, m.body, m.sig]);
+  assert.throws(() => decodeMessage(withSn(Array.from({ length: 17 }, () => new Uint8Array(32)))), /sn/);
+  assert.throws(() => decodeMessage(withSn([new Uint8Array(31)])), /sn/);
+  assert.throws(() => decodeMessage(withSn(['text'])), /sn/);
+  decodeMessage(withSn(Array.from({ length: 16 }, () => new Uint8Array(32)))); // 16 ids are fine
+  // the same values in another byte form: keys out of order, a longer integer head, a duplicate key, a tag
+  const hex = toHex(bytes);
+  const ttlKey = toHex(enc('ttl'));
+  const forms = {
+    'keys out of order': hex.replace(toHex(enc('dst')), toHex(enc('dsu'))).replace(toHex(enc('src')), toHex(enc('dst')))
+      .replace(toHex(enc('dsu')), toHex(enc('src'))),
+    'a longer integer head': hex.replace(`${ttlKey}190e10`, `${ttlKey}1a00000e10`),
+    'a tagged signature': hex.replace(`5840${toHex(good.sig)}`, `d8405840${toHex(good.sig)}`),
+  };
+  for (const [what, form] of Object.entries(forms)) {
+    assert.notEqual(form, hex, `${what}: the test's edit did not apply`);
+    assert.throws(() => decodeMessage(fromHex(form)), /deterministic|src\/dst|header/, what);
+  }
+  // a duplicate key: the header map says 5 entries, the last repeating ttl
+  const dup = hex.replace(/a4/, 'a5').replace(`${ttlKey}190e10`, `${ttlKey}190e10${ttlKey}190e10`);
+  assert.throws(() => decodeMessage(fromHex(dup)), /deterministic|header/, 'a duplicate key');
+});

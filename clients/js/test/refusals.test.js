@@ -98,6 +98,7 @@ class FakeRouter {
     this._held = [];
     this._pending = 0;
     this._state = 'hello';
+    this.errors = [];
     this.ws = null;
     const router = this;
     this.WebSocket = class {
@@ -144,6 +145,11 @@ class FakeRouter {
     }
     if (this._state === 'auth') {
       this._state = 'open';
+      return;
+    }
+    const item = dec(bytes);
+    if (Array.isArray(item) && item[0] === 'error') { // the client's ERROR before it closes
+      this.errors.push(item);
       return;
     }
     this._handle(decodeMessage(bytes));
@@ -335,5 +341,18 @@ test('past trackLimit unknown ids are filed by the SYNC_ACK count', async () => 
   assert.deepEqual(res.refused.map((r) => r.idHex).sort(), [toHex(ids[3]), toHex(ids[5])].sort());
   await tick();
   assert.deepEqual(c.lateRefusals, []);
+  c.close();
+});
+
+test('a REFUSED of the wrong shape from the router is a protocol error, never a message for the app', async () => {
+  const router = new FakeRouter();
+  const c = await connect(router);
+  const seen = [];
+  c.onmessage = (m) => seen.push(m);
+  router.push(router.signed(controlBody(Control.REFUSED, { id: new Uint8Array(31), reason: 5, count: 0 })));
+  await tick(50);
+  assert.deepEqual(seen, []);
+  assert.equal(c.closedReason, 'protocol error: malformed REFUSED from the router');
+  assert.deepEqual(router.errors, [['error', 1, 'malformed REFUSED from the router']]);
   c.close();
 });
