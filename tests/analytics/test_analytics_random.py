@@ -3,8 +3,9 @@
 The generator is not a router simulation: it writes plausible records with many ties (timestamps in whole
 milliseconds over a few seconds), joins and leaves around publish times, repeated joins, leaves without
 joins, redeliveries, duplicates, queue entries that are delivered, expire, stay pending or follow an
-earlier delivery, messages from untraced routers, unicast noise, role ``service`` records, file rotation
-and assorted corrupt lines. Both implementations must agree on every figure (percentiles within 1 %).
+earlier delivery, queue entries for routers that are forwarded to them (or only to another router), messages
+from untraced routers, unicast noise, role ``service`` records, file rotation and assorted corrupt lines. Both
+implementations must agree on every figure (percentiles within 1 %).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 from analytics_fixtures import spark  # noqa: F401 - the shared session fixture
+from analytics_reference import queue_totals
 from analytics_reference import summary as reference_summary
 from pyspark.sql import SparkSession
 
@@ -148,6 +150,22 @@ def generate(seed: int, root: Path) -> None:
             f.add(node, t, "forwarded", id=mid, type="unicast", src=app, dst=ext, peer=rng.choice(f.nodes))
         else:
             f.add(node, t, "dropped", id=mid, type="unicast", src=app, dst=ext, peer=app, reason=rng.choice(REASONS))
+    # Queue entries for a router that is away: forwarded to it later (a multicast's dst is that router, a
+    # unicast's its own recipient), still waiting at the end, or forwarded to another router only (no end).
+    for _ in range(16):
+        node, away, other = rng.sample(f.nodes, 3)
+        mid = _key(rng)
+        t = rng.randint(0, 1500)
+        if rng.random() < 0.5:
+            fields: dict[str, Any] = {"type": "unicast", "src": rng.choice(f.apps[node]), "dst": ext}
+        else:
+            fields = {"group": rng.choice(f.groups), "dst": away}
+        f.add(node, t, "queued", id=mid, **{**fields, "dst": away}, role="router")
+        fate = rng.random()
+        if fate < 0.6:
+            f.add(node, t + rng.choice([0, 3, 50, 400]), "forwarded", id=mid, **fields, peer=away)
+        elif fate < 0.8:
+            f.add(node, t + rng.choice([0, 50]), "forwarded", id=mid, **fields, peer=other)
     for node in f.nodes:
         f.add(node, 1999, "dropped", type="unicast", peer=ext, size=12, reason="malformed")
     write(f, root, rng)
@@ -205,6 +223,8 @@ def test_spark_matches_the_reference(fleet: Path, analyzed: tuple[Analysis, int,
     assert got["expired"] == want["expired"] > 0
     for name in ("p50", "p99"):
         assert got["queue_residency_ms"][name] == pytest.approx(want["queue_residency_ms"][name], rel=0.01)
+    queues = queue_totals([fleet / "journals"])
+    assert {k: got["totals"][k] for k in queues} == queues and queues["pending"] > 0
     assert set(got["groups"]) == set(want["groups"])
     assert len(want["groups"]) >= 3
     for group, w in want["groups"].items():

@@ -162,13 +162,51 @@ def test_per_node_tables(spark: SparkSession, small: tuple[Analysis, Path]) -> N
     assert expired == {(A, "expired"): 1, (B, "expired"): 1}
     residency = {r.pop("node"): r for r in _table(spark, out, "queue_residency")}
     assert residency == {
-        A: {"queued": 2, "delivered": 0, "expired": 1, "pending": 1, "residency_p50_ms": 1000.0,
+        A: {"queued": 2, "delivered": 0, "forwarded": 0, "expired": 1, "pending": 1, "residency_p50_ms": 1000.0,
             "residency_p99_ms": 1000.0, "residency_max_ms": 1000.0},
-        B: {"queued": 2, "delivered": 1, "expired": 1, "pending": 0, "residency_p50_ms": 500.0,
+        B: {"queued": 2, "delivered": 1, "forwarded": 0, "expired": 1, "pending": 0, "residency_p50_ms": 500.0,
             "residency_p99_ms": 1000.0, "residency_max_ms": 1000.0},
-        C: {"queued": 1, "delivered": 1, "expired": 0, "pending": 0, "residency_p50_ms": 250.0,
+        C: {"queued": 1, "delivered": 1, "forwarded": 0, "expired": 0, "pending": 0, "residency_p50_ms": 250.0,
             "residency_p99_ms": 250.0, "residency_max_ms": 250.0},
     }  # fmt: skip
+
+
+def test_a_queue_entry_for_a_router_ends_when_forwarded(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
+    """docs/trace.md: a queue entry ends with ``delivered``, ``forwarded`` (to the router it waited for) or
+    ``expired``. Router A queues m21 (multicast) and m22 (unicast to the app X behind C) for routers that are
+    away and forwards them when they are back: 750 ms and 2,000 ms; m23 waits for B and is forwarded to C
+    only, so it is still queued (the forward names another router); m24 is forwarded with no queue entry."""
+    x = "dd" * 32
+
+    def record(ms: int, event: str, mid: int, **fields: Any) -> str:
+        rec = {"ts": 1795324800 + ms / 1000, "node": A, "event": event, "id": m(mid), "type": "multicast",
+               "group": G1, "src": None, "dst": None, "peer": None, "size": 100, "reason": None, "local": None,
+               "role": None}  # fmt: skip
+        rec.update(fields)
+        return json.dumps(rec)
+
+    unicast: dict[str, Any] = {"type": "unicast", "group": None, "src": x}
+    lines = [
+        record(1000, "queued", 21, dst=B, role="router"),
+        record(1750, "forwarded", 21, dst=B, peer=B),
+        record(2000, "queued", 22, dst=C, role="router", **unicast),
+        record(3000, "queued", 23, dst=B, role="router"),
+        record(3500, "forwarded", 23, dst=C, peer=C),
+        record(3600, "forwarded", 24, dst=C, peer=C),
+        record(4000, "forwarded", 22, **{**unicast, "dst": x, "peer": C}),  # a unicast's dst is its recipient
+    ]
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "trace-000000.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    summary = run_analyze(spark, [tmp_path / "j"], out).summary
+    assert summary["queue_residency_ms"] == {"p50": 750.0, "p99": 2000.0}
+    assert (summary["totals"]["queued"], summary["totals"]["pending"]) == (3, 1)
+    assert reference_summary([tmp_path / "j"])["queue_residency_ms"] == summary["queue_residency_ms"]
+    assert _table(spark, out, "queue_residency") == [
+        {"node": A, "queued": 3, "delivered": 0, "forwarded": 2, "expired": 0, "pending": 1,
+         "residency_p50_ms": 750.0, "residency_p99_ms": 2000.0, "residency_max_ms": 2000.0},
+    ]  # fmt: skip
+    assert "(3 queued, 1 still queued at the end)" in text_summary(summary)
 
 
 def test_group_stats_table(spark: SparkSession, small: tuple[Analysis, Path]) -> None:  # noqa: F811

@@ -129,6 +129,35 @@ def nearest_rank(values: list[float], pct: int) -> float | None:
     return s[rank - 1]
 
 
+def queue_entries(records: list[dict[str, Any]]) -> tuple[list[float], int]:
+    """The residency (ms) of each queue entry that ended, and the number still pending at the end."""
+    residency: list[float] = []
+    pending = 0
+    chains: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in records:  # a queue entry ends with delivered, forwarded (to the router it waited for) or expired
+        if r["event"] in ("queued", "delivered", "expired"):
+            chains[(r["node"], r["id"], r["dst"])].append(r)
+        elif r["event"] == "forwarded":
+            chains[(r["node"], r["id"], r["peer"])].append(r)
+    for chain in chains.values():
+        chain.sort(key=lambda r: r["_order"])
+        for i, r in enumerate(chain):
+            if r["event"] != "queued":
+                continue
+            later = next((x for x in chain[i + 1 :] if x["event"] != "queued"), None)
+            if later is not None:
+                residency.append(millis(later["ts"], r["ts"]))
+            else:
+                pending += 1
+    return residency, pending
+
+
+def queue_totals(paths: list[Path]) -> dict[str, int]:
+    """``queued`` and ``pending`` of ``summary.json``'s totals."""
+    residency, pending = queue_entries(load(paths)[0])
+    return {"queued": len(residency) + pending, "pending": pending}
+
+
 def summary(paths: list[Path]) -> dict[str, Any]:
     """The summary document, computed directly."""
     records, bad = load(paths)
@@ -200,19 +229,7 @@ def summary(paths: list[Path]) -> dict[str, Any]:
         if r["event"] == "dropped":
             drops[r["reason"]] += 1
 
-    residency: list[float] = []
-    chains: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
-    for r in records:
-        if r["event"] in ("queued", "delivered", "expired"):
-            chains[(r["node"], r["id"], r["dst"])].append(r)
-    for chain in chains.values():
-        chain.sort(key=lambda r: r["_order"])
-        for i, r in enumerate(chain):
-            if r["event"] != "queued":
-                continue
-            later = next((x for x in chain[i + 1 :] if x["event"] != "queued"), None)
-            if later is not None:
-                residency.append(millis(later["ts"], r["ts"]))
+    residency, _ = queue_entries(records)
 
     return {
         "groups": out_groups,

@@ -505,7 +505,7 @@ def html_report(summary: Mapping[str, Any], r: Results) -> str:
         _tr(
             [
                 _key(n["node"]),
-                *(_val(int(n[k])) for k in ("queued", "delivered", "expired", "pending")),
+                *(_val(int(n[k])) for k in ("queued", "delivered", "forwarded", "expired", "pending")),
                 *(_val(_num(n[k])) for k in ("residency_p50_ms", "residency_p99_ms", "residency_max_ms")),
             ]
         )
@@ -570,7 +570,7 @@ def html_report(summary: Mapping[str, Any], r: Results) -> str:
             left=2,
         ),
         _table(
-            ["node", "queued", "delivered", "expired", "still queued", "p50 ms", "p99 ms", "max ms"],
+            ["node", "queued", "delivered", "forwarded", "expired", "still queued", "p50 ms", "p99 ms", "max ms"],
             residency,
             "No message was queued.",
         ),

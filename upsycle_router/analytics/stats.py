@@ -61,9 +61,11 @@ the records of the fleet are shuffled once:
   or expiry of it for that subscriber (or for everyone) at that router, a refusal there, a queue entry still
   waiting, the subscriber leaving the group after the publish, a drop for lack of subscribers there, a drop
   on the way at another router; with none of these it is *lost without a record*.
-* :func:`queue_residency` pairs each ``queued`` record with the first ``delivered`` or ``expired`` record of
-  the same (node, id, dst) after it in journal order (a running ``last`` over the reversed order), over the
-  (node, id, dst) that have a ``queued`` record only.
+* :func:`queue_residency` pairs each ``queued`` record with the first record that ends the entry
+  (:data:`QUEUE_ENDS`: ``delivered``, ``forwarded`` or ``expired``) of the same (node, id, recipient) after it
+  in journal order (a running ``last`` over the reversed order), over the (node, id, recipient) that have a
+  ``queued`` record only. The recipient is ``dst``, but ``peer`` for ``forwarded``: a queue entry for a
+  router ends when the message is forwarded to that router.
 * Percentiles (:func:`percentiles`) are Spark's ``percentile_approx`` with accuracy
   :data:`PERCENTILE_ACCURACY`: an aggregate whose partial results (Greenwald-Khanna summaries) are merged,
   so a group's values never have to meet in one task. For a key with fewer than ``PERCENTILE_ACCURACY / 2``
@@ -431,9 +433,18 @@ def expired_by_node(ev: DataFrame) -> DataFrame:
     return ev.where(F.col("event") == "expired").groupBy("node", "reason").agg(F.count(F.lit(1)).alias("count"))
 
 
+QUEUE_ENDS = ("delivered", "forwarded", "expired")
+"""The events that end a queue entry (docs/trace.md): its recipient is the ``dst`` of a ``delivered`` or
+``expired`` record and the ``peer`` of a ``forwarded`` one (the router it waited for; a forwarded unicast's
+``dst`` is the message's own recipient)."""
+
+
 def queue_residency(msgs: DataFrame) -> DataFrame:
-    """One row per ``queued`` record: ``node``, ``id``, ``dst``, ``queued_ts``, ``resolution``, ``residency_ms``."""
-    q = msgs.where(F.col("event").isin("queued", "delivered", "expired")).select("node", "id", "dst", "event", *ORDER)
+    """One row per ``queued`` record: ``node``, ``id``, ``dst``, ``queued_ts``, ``resolution`` (the event that
+    ended the entry, null while pending), ``residency_ms``."""
+    event = F.col("event")
+    recipient = F.when(event == "forwarded", F.col("peer")).otherwise(F.col("dst")).alias("dst")
+    q = msgs.where(event.isin("queued", *QUEUE_ENDS)).select("node", "id", recipient, "event", *ORDER)
     queued = q.where(F.col("event") == "queued").select("id", "node", "dst").distinct()
     q = q.join(queued.hint("shuffle_hash"), ["id", "node", "dst"], "left_semi")
     after = (
@@ -458,13 +469,14 @@ def queue_residency(msgs: DataFrame) -> DataFrame:
 
 
 def residency_by_node(residency: DataFrame) -> DataFrame:
-    """Per node: queued, delivered, expired, pending counts and residency p50/p99/max (ms) of resolved ones (in no
-    order: the job orders it by the node's hex digits)."""
+    """Per node: queued, delivered, forwarded, expired, pending counts and residency p50/p99/max (ms) of resolved
+    ones (in no order: the job orders it by the node's hex digits)."""
     return (
         residency.groupBy("node")
         .agg(
             F.count(F.lit(1)).alias("queued"),
             F.sum(F.when(F.col("resolution") == "delivered", 1).otherwise(0)).cast("long").alias("delivered"),
+            F.sum(F.when(F.col("resolution") == "forwarded", 1).otherwise(0)).cast("long").alias("forwarded"),
             F.sum(F.when(F.col("resolution") == "expired", 1).otherwise(0)).cast("long").alias("expired"),
             F.sum(F.when(F.col("resolution").isNull(), 1).otherwise(0)).cast("long").alias("pending"),
             *percentiles(RESIDENCY_PERCENTILES, "residency_ms", "residency_p", "_ms"),
