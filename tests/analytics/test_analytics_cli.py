@@ -123,6 +123,29 @@ def test_compact_does_not_replace_other_files(tmp_path: Path) -> None:
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("target", ["notes.txt", "notes.txt/out"])
+def test_analyze_out_that_is_no_directory_is_refused_before_spark(tmp_path: Path, target: str) -> None:
+    """``--out`` naming an existing file (or a path below one): one line and exit 2 before Spark starts, as
+    ``compact`` does, not a traceback once Spark is up; the file is left alone."""
+    if find_java_or_none() is None:
+        pytest.skip("no Java here")
+    (tmp_path / "notes.txt").write_text("keep me")
+    r = subprocess.run(
+        cli("analyze", str(SMALL), "--out", str(tmp_path / target)),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [
+        f"error: {tmp_path / 'notes.txt'}: exists and is not a directory; not replacing it"
+        if target == "notes.txt"
+        else f"error: {tmp_path / target}: {tmp_path / 'notes.txt'} is not a directory"
+    ]
+    assert (tmp_path / "notes.txt").read_text() == "keep me"
+
+
 def find_java_or_none() -> Path | None:
     try:
         return find_java(check_version=False).java

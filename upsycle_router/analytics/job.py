@@ -31,8 +31,9 @@ executors' CPU time by it):
 
 ``OUT`` and the inputs may be local paths or Spark/Hadoop URIs (:mod:`~upsycle_router.analytics.location`);
 ``summary.json`` and ``report.html`` at a URI are written through Hadoop's file system, like the tables.
-Existing outputs of the same names in ``OUT`` are replaced; nothing else there is touched. The jobs take a
-running :class:`~pyspark.sql.SparkSession` (the CLI makes one with
+Existing outputs of the same names in ``OUT`` are replaced; nothing else there is touched, and an ``OUT``
+that exists and is not a directory is refused (:func:`check_analyze_target`, before Spark starts in the
+CLI). The jobs take a running :class:`~pyspark.sql.SparkSession` (the CLI makes one with
 :func:`~upsycle_router.analytics.session.spark_session`; tests share one).
 """
 
@@ -165,6 +166,30 @@ def check_compact_target(out: str | Path) -> None:
     check_target(None, out)
 
 
+def check_analyze_target(spark: SparkSession | None, out: str | Path) -> None:
+    """Refuse an ``out`` that cannot be the output directory: an existing file (or anything but a directory),
+    or a local path below one. A local ``out`` is checked without Spark (the CLI does so before Spark starts);
+    a URI once Spark runs (``spark`` given)."""
+    if is_uri(out):
+        if spark is not None:
+            files = HadoopFiles(spark)
+            if files.exists(str(out)) and not files.is_dir(str(out)):
+                raise AnalyticsError(f"{out}: exists and is not a directory; not replacing it")
+        return
+    path = Path(out)
+    if path.is_symlink() and not path.exists():
+        raise AnalyticsError(f"{out}: is a symbolic link to nothing")
+    if path.exists():
+        if not path.is_dir():
+            raise AnalyticsError(f"{out}: exists and is not a directory; not replacing it")
+        return
+    for parent in path.absolute().parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise AnalyticsError(f"{out}: {parent} is not a directory")
+            return
+
+
 def _write(df: DataFrame, out: str | Path, name: str, progress: Progress, *, small: bool = True) -> DataFrame:
     progress(f"writing {name}.parquet")
     path = join(out, f"{name}.parquet")
@@ -223,8 +248,12 @@ def run_analyze(
 
 def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, progress: Progress) -> Analysis:
     inputs = discover(paths)
+    check_analyze_target(spark, out)
     if not is_uri(out):
-        Path(out).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(out).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise AnalyticsError(f"{out}: cannot create the output directory: {exc.strerror or exc}") from exc
     parts: list[DataFrame] = []
     if inputs.has_journals:
         target = join(out, EVENTS_TABLE)

@@ -70,7 +70,13 @@ def _run(args: argparse.Namespace, app: str) -> int:
         from py4j.protocol import Py4JError  # type: ignore[import-untyped]
         from pyspark.errors import PySparkException
 
-        from upsycle_router.analytics.job import Progress, check_compact_target, run_analyze, run_compact
+        from upsycle_router.analytics.job import (
+            Progress,
+            check_analyze_target,
+            check_compact_target,
+            run_analyze,
+            run_compact,
+        )
         from upsycle_router.analytics.location import join
         from upsycle_router.analytics.report import text_summary
         from upsycle_router.analytics.sources import discover
@@ -78,6 +84,8 @@ def _run(args: argparse.Namespace, app: str) -> int:
         discover(args.paths)  # fail on a bad local path before Spark starts (URIs are Spark's to check)
         if app == "compact":
             check_compact_target(args.out)
+        else:
+            check_analyze_target(None, args.out)  # a URI is checked once Spark runs
         progress = Progress(app, enabled=not args.quiet)
         progress(f"starting Spark ({args.master})")
         out: str = args.out
