@@ -3,9 +3,11 @@
 The Spark tests compact the same files twice, once with Arrow offered every file and once with Spark
 parsing all of them (``spark.upsycle.analytics.arrowParse=false``), and require the two tables equal row for
 row: on every kind of bad line of test_analytics_parse.CASES, one line to a file, so that Arrow is offered
-each alone; and on about a hundred lines damaged at random. The other tests run Arrow's side alone: what the
-screen refuses, the value rules against the independent reference classifier, and real worker processes
-that die.
+each alone; on about a hundred lines damaged at random; and on 300 lines that are one record or not quite
+(test_analytics_parse.nasty_line: records run together, text after one, single quotes, NaN), whose problems
+must also be the reference's (json.loads). The other tests run Arrow's side alone: what the screen refuses
+or leaves to Spark (property tests against json.loads), the value rules against the independent reference
+classifier, and real worker processes that die.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from analytics_reference import classify
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pyspark.sql import SparkSession
-from test_analytics_parse import CASES, K, line, rec
+from test_analytics_parse import CASES, K, line, nasty_line, rec
 
 from upsycle_router.analytics import arrowparse
 from upsycle_router.analytics.arrowparse import MAX_LINE, MAX_ODD_BYTES, Worker, compact_files, parse, screen
@@ -63,6 +65,13 @@ def test_screen_finds_the_lines() -> None:
         b"{}\n[1]\n",
         b"{}\n}\n",
         b'{}\n{"a":"' + b"x" * MAX_LINE + b'"}\n',
+        b'{}\n{"a":1}{"b":2}\n{}\n',  # two objects: Arrow would read both (audit 4, #1)
+        b'{}\n{"a":1} x}\n{}\n',  # something after the object
+        b'{}\n{"a":1}, {"b":2}\n{}\n',
+        b'{}\n{"a":"}"}\n{}\n',  # a '}' in a string: one object, but the screen cannot tell
+        b'{}\n{"a":{"b":1}}\n{}\n',  # a nested object
+        b'{}\n{"a":NaN}\n{}\n',  # Arrow reads NaN and Infinity, also in a field it ignores
+        b'{}\n{"x":1,"b":-Infinity}\n{}\n',
     ],
 )
 def test_odd_lines_go_to_spark_with_their_numbers(data: bytes) -> None:
@@ -97,12 +106,10 @@ def test_a_byte_order_mark_makes_the_first_line_odd() -> None:
 @pytest.mark.parametrize(
     ("text", "why"),
     [
-        (line().replace("1795324800.5", "NaN"), "finite"),
-        (line().replace("1795324800.5", "Infinity"), "finite"),
         (line().replace("1795324800.5", "1.7976931348623159e308"), "finite"),  # rounds to infinity
         (line().replace("1795324800.5", "1e400"), "Arrow does not parse it"),
         (line()[:-1] + ',"ts":1}', "Arrow does not parse it"),  # a field twice
-        (line() + line(), "records in"),  # two objects on one line
+        (line(event="dropped", reason="r").replace('"r"', "'r'"), "Arrow does not parse it"),  # single quotes
         (line(size=1.5), "Arrow does not parse it"),
         (line(size=10).replace('"size":10', '"size":1e1'), "Arrow does not parse it"),
         (line(node=12345678), "Arrow does not parse it"),
@@ -122,11 +129,18 @@ def _arrow_takes(text: str, problem: str | None) -> bool:
     return all(record.get(n) is None or kind != "string" or isinstance(record[n], str) for n, kind in RECORD_KINDS)
 
 
+def _plain(text: str) -> bool:
+    """What the screen lets Arrow parse: a line that starts with '{' and whose only '}' is its last byte, with
+    no NaN or Infinity, of at most MAX_LINE bytes."""
+    plain = text.startswith("{") and text.find("}") == len(text) - 1 and len(text.encode()) <= MAX_LINE
+    return plain and "NaN" not in text and "Infinity" not in text
+
+
 def test_parse_takes_the_value_rules() -> None:
     taken = 0
     for text, problem in CASES:
         parsed = parse(text.encode() + b"\n", "/j/trace-000000.jsonl")
-        if not (text.startswith("{") and text.endswith("}")):
+        if not _plain(text):
             assert not isinstance(parsed, str) and parsed.odd == [(1, text)] and parsed.table.num_rows == 0
             continue
         assert isinstance(parsed, str) != _arrow_takes(text, problem), (text, parsed)
@@ -190,9 +204,48 @@ def test_taken_lines_match_the_reference(lines: list[str]) -> None:
     parsed = parse(("\n".join(lines) + "\n").encode(), "f")
     if isinstance(parsed, str):
         return
-    for row, text in zip(parsed.table.to_pylist(), lines, strict=True):
+    odd = {number for number, _ in parsed.odd}  # (a string holding NaN or Infinity: left to Spark)
+    taken = [text for number, text in enumerate(lines, 1) if number not in odd]
+    for row, text in zip(parsed.table.to_pylist(), taken, strict=True):
         assert row["problem"] == classify(text), text
         assert row["text"] == (text if row["problem"] else None)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.randoms(use_true_random=False), st.integers(1, 4))
+def test_arrow_takes_one_object_per_line_only(rnd: random.Random, n: int) -> None:
+    """What Arrow takes of lines that are one record or not quite (test_analytics_parse.nasty_line: records run
+    together, text after one, single quotes, NaN, braces in strings) is what json.loads makes of them: a line
+    Arrow gives a row is one JSON object, with the reference's problem; the rest is left to Spark (the line
+    as odd, or the whole file)."""
+    lines = [nasty_line(rnd) for _ in range(n)]
+    parsed = parse(("\n".join(lines) + "\n").encode(), "f")
+    if isinstance(parsed, str):
+        return
+    odd = {number for number, _ in parsed.odd}
+    assert parsed.odd == [(i, lines[i - 1]) for i in sorted(odd)]
+    rows = parsed.table.to_pylist()
+    assert [r["line"] for r in rows] == [i for i in range(1, n + 1) if i not in odd]
+    for row in rows:
+        text = lines[row["line"] - 1]
+        assert classify(text) != "not_json", text
+        assert row["problem"] == classify(text), text
+
+
+def test_arrow_leaves_what_is_not_one_object_to_spark() -> None:
+    """Of many such lines, one to a file: Arrow takes the single records (with a '}' only at the end) and
+    leaves every line that is not one JSON object to Spark, as an odd line."""
+    rng = random.Random(11)
+    taken = odd_bad = 0
+    for _ in range(2000):
+        text = nasty_line(rng)
+        parsed = parse(text.encode() + b"\n", "f")
+        if classify(text) == "not_json" and not isinstance(parsed, str):
+            assert parsed.odd == [(1, text)], text
+            odd_bad += 1
+        elif not isinstance(parsed, str) and not parsed.odd:
+            taken += 1
+    assert taken > 40 and odd_bad > 500, (taken, odd_bad)
 
 
 HEX_VALUES = st.one_of(
@@ -329,6 +382,9 @@ def journals(tmp_path_factory: pytest.TempPathFactory) -> Path:
     files["crlf/trace-000000.jsonl"] = (line() + "\r\n" + line(size=-1) + "\r\n").encode()
     for i in range(40):
         files[f"random/{i:03d}/trace-000000.jsonl"] = ("\n".join(_random_lines(rng)) + "\n").encode()
+    nasty = random.Random(4)
+    for i in range(60):
+        files[f"nasty/{i:03d}/trace-000000.jsonl"] = ("\n".join(nasty_line(nasty) for _ in range(5)) + "\n").encode()
     for name, data in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(data)
@@ -370,6 +426,25 @@ def test_arrow_and_spark_make_the_same_table(both: Any) -> None:
     assert fast.arrow_files >= 40 and fast.spark_files >= 30 and files == slow.spark_files
     assert fast.odd_lines >= 8  # the not_json lines of CASES and the cut-short random lines, parsed by Spark
     assert sum(1 for r in fast_rows if r[COMPACT_COLUMNS.index("problem")]) > 100
+
+
+@pytest.mark.spark
+def test_both_parsers_classify_lines_as_the_reference(both: Any) -> None:
+    """Each line of the CASES files and of the lines that are one record or not quite (nasty_line: two
+    records on a line, text after one, single quotes, NaN, braces in strings) has the problem that the
+    reference (json.loads) gives it, in the table of either parser; a line with two records is one bad line."""
+    _, _, fast_rows, slow_rows, _ = both
+    file, number, problem = (COMPACT_COLUMNS.index(c) for c in ("file", "line", "problem"))
+    texts: dict[str, list[str]] = {}
+    checked = 0
+    for rows in (fast_rows, slow_rows):
+        for row in rows:
+            if "/nasty/" not in row[file] and "/cases/" not in row[file]:
+                continue
+            lines = texts.setdefault(row[file], Path(row[file]).read_text().split("\n"))
+            assert row[problem] == classify(lines[row[number] - 1]), lines[row[number] - 1]
+            checked += 1
+    assert checked == 2 * (300 + len(CASES))
 
 
 @pytest.mark.spark

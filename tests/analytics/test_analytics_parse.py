@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,8 +11,12 @@ from typing import Any
 import pytest
 from analytics_fixtures import spark  # noqa: F401 - the shared session fixture
 from analytics_reference import classify
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 
+from upsycle_router.analytics import schema
 from upsycle_router.analytics.job import Progress, run_compact
 from upsycle_router.analytics.session import AnalyticsError
 from upsycle_router.analytics.sources import discover, is_table, no_glob
@@ -65,6 +70,20 @@ CASES: list[tuple[str, str | None]] = [
     ("[1, 2]", "not_json"),
     ("42", "not_json"),
     (line().replace("1795324800.5", "NaN"), "not_json"),
+    # Not exactly one JSON object: Jackson and Arrow read the first object of a line and stop (audit 4, #1).
+    (line() + line(size=11), "not_json"),  # the second record is not lost without a count: the line is bad
+    (line() + " garbage", "not_json"),
+    (line() + "]", "not_json"),
+    (line() + "]}", "not_json"),
+    (line() + ", " + line(), "not_json"),
+    ('{"ts": 1795324805.0}{"ts": 1795324806.0}', "not_json"),
+    (line(ts="yesterday") + " x", "not_json"),  # not wrong_type: json.loads refuses the line first
+    (line(event="dropped", reason="r").replace('"r"', "'r'"), "not_json"),  # a single-quoted string
+    (line()[:-1] + ',"x":NaN}', "not_json"),  # Arrow reads NaN in a field it ignores
+    (line()[:-1] + ',"x":-Infinity}', "not_json"),
+    (" " + line() + "\t", None),  # whitespace around the object is JSON
+    (line(event="dropped", reason="{}"), None),  # a '}' in a string: more than one '}', still one object
+    (json.dumps({**rec(), "extra": {"a": {"b": 1}}}), None),
     (line(ts="yesterday"), "wrong_type"),
     (line(ts=True), "wrong_type"),
     (line(size=1.5), "wrong_type"),
@@ -97,6 +116,97 @@ CASES: list[tuple[str, str | None]] = [
 @pytest.mark.parametrize(("text", "problem"), CASES)
 def test_reference_classifies_the_cases(text: str, problem: str | None) -> None:
     assert classify(text) == problem
+
+
+_JUNK = "{}[]\"',: \t0123456789.-+eEaflnrstuNIy\\/#*x\u00e9"
+
+
+def nasty_line(rng: random.Random) -> str:
+    """A line that is one record, or not quite: records run together, text after or before one, single
+    quotes, braces in strings and nested objects, NaN and Infinity, whitespace, cut-short records, junk."""
+    r = rec(event=rng.choice(["received", "dropped", "x"]), reason=rng.choice([None, "r", "{}", "}", "a}b{"]))
+    if rng.random() < 0.2:
+        r["extra"] = rng.choice([{"a": 1}, [1, {"b": "}"}], "}{", None])
+    text = json.dumps(r, separators=rng.choice([(",", ":"), (", ", ": ")]))
+    if rng.random() < 0.15:
+        text = text[: rng.randrange(len(text) + 1)]
+    for _ in range(rng.choice([0, 0, 1, 2])):
+        i = rng.randrange(len(text) + 1)
+        text = text[:i] + rng.choice(["'", "}", "{", "]", ",", "NaN", "Infinity", " ", "\\", '"']) + text[i:]
+
+    def junk() -> str:
+        return "".join(rng.choice(_JUNK) for _ in range(rng.randrange(4)))
+
+    def other() -> str:
+        return rng.choice([line(size=rng.randrange(99)), "{}", "[]", "1", '"s"', "null", "{", "}", "]", junk()])
+
+    before = rng.choice(["", "", "", " ", "\t", junk()])
+    after = rng.choice(["", "", "", " ", " \t", junk(), other(), " " + other(), "," + other()])
+    return before + text + after
+
+
+def _ws_after_first_value(text: str) -> bool | None:
+    """Whether only JSON whitespace follows the first value of ``text`` (None: it has no readable first value)."""
+    start = len(text) - len(text.lstrip(" \t\n\r"))
+    try:
+        _, end = json.JSONDecoder().raw_decode(text, start)
+    except ValueError:
+        return None
+    return text[end:].strip(" \t\n\r") == ""
+
+
+def closes_once(text: str) -> bool:
+    """:func:`upsycle_router.analytics.schema.closes_once` in Python: the line ends with its only '}'."""
+    return text.endswith("}") and text.count("}") == 1
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.randoms(use_true_random=False))
+def test_the_screen_lets_through_one_object_only(rnd: random.Random) -> None:
+    """Spark's cheap screen (schema.closes_once) is sound: when a line ends with its only '}' and starts with
+    an object, nothing but whitespace follows the object; so Jackson, which reads the
+    first value and ignores the rest, reads the whole line, and only the other lines need schema.one_value."""
+    text = nasty_line(rnd)
+    if closes_once(text) and text.lstrip(" \t").startswith("{"):
+        assert _ws_after_first_value(text) is not False, text
+
+
+def test_the_generator_makes_every_kind() -> None:
+    """The lines of :func:`nasty_line` cover what the screen must tell apart (else the tests using them would
+    prove little): one object that passes the screen, one object that does not (a '}' in a string, a nested
+    object, whitespace after it), an object followed by more, and lines that start with no object."""
+    rng = random.Random(7)
+    kinds: dict[object, int] = {}
+    for _ in range(2000):
+        text = nasty_line(rng)
+        kind = (closes_once(text), _ws_after_first_value(text)) if text.lstrip(" \t").startswith("{") else "other"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    assert kinds.get((True, True), 0) > 100 and kinds.get((False, True), 0) > 100, kinds  # one object
+    assert kinds.get((False, False), 0) > 200 and kinds.get("other", 0) > 50, kinds  # an object and more; none
+    assert (True, False) not in kinds, kinds
+
+
+@pytest.mark.spark
+def test_the_screen_and_the_check_in_spark(spark: SparkSession) -> None:  # noqa: F811
+    """schema.closes_once is the Python model above, byte for character (also with non-ASCII text and
+    invalid UTF-8 around a '}'); schema.one_value holds for a line json.loads reads and fails for an object
+    followed by more."""
+    rng = random.Random(3)
+    texts = [nasty_line(rng) for _ in range(1000)] + ["", "}", "{}", "é}", "}é", "{é}}", "{\u00e9\u4e2d}"]
+    raw = [t.encode() for t in texts] + [b"\xff}", b"}\xff", b"{\xc3}", b"{\xe2\x82}}"]
+    df = spark.createDataFrame([(bytearray(b),) for b in raw], "b binary").select(F.col("b").cast("string").alias("v"))
+    got = df.select("v", schema.closes_once(F.col("v")).alias("c"), schema.one_value(F.col("v")).alias("o")).collect()
+    assert len(got) == len(raw)
+    more = 0
+    for row, b in zip(got, raw, strict=True):
+        text = b.decode("utf-8", "replace")
+        assert row["c"] == closes_once(text), b
+        if classify(text) != "not_json":  # json.loads reads one object
+            assert row["o"] is True, text
+        elif text.lstrip(" \t").startswith("{") and _ws_after_first_value(text) is False:  # an object, and more
+            assert row["o"] is False, text
+            more += 1
+    assert more > 200
 
 
 @pytest.fixture(scope="module")
