@@ -98,9 +98,19 @@ def test_screen_refuses(data: bytes, why: str) -> None:
     assert isinstance(result, str) and why in result
 
 
-def test_a_byte_order_mark_makes_the_first_line_odd() -> None:
-    parsed = parse(b'\xef\xbb\xbf{"a":1}\n', "f")
+def test_a_byte_order_mark_is_skipped_at_the_start_of_a_file_only() -> None:
+    """As Hadoop's line reader (Spark's) does: the first line is read without it; a later line that starts
+    with one is odd (Spark makes it not_json), and so is the first line after a second one."""
+    bom = b"\xef\xbb\xbf"
+    parsed = parse(bom + line().encode() + b"\n" + bom + line().encode() + b"\n", "f")
+    assert not isinstance(parsed, str) and parsed.odd == [(2, "\ufeff" + line())]
+    assert parsed.table.to_pylist()[0]["line"] == 1 and parsed.table.to_pylist()[0]["problem"] is None
+    parsed = parse(bom + bom + b'{"a":1}\n', "f")
     assert not isinstance(parsed, str) and parsed.odd == [(1, '\ufeff{"a":1}')]
+    parsed = parse(bom + b"x\n", "f")  # a bad line's text is the line without it
+    assert not isinstance(parsed, str) and parsed.odd == [(1, "x")]
+    parsed = parse(bom, "f")
+    assert not isinstance(parsed, str) and parsed.odd == [] and parsed.table.num_rows == 0
 
 
 @pytest.mark.parametrize(
@@ -380,6 +390,13 @@ def journals(tmp_path_factory: pytest.TempPathFactory) -> Path:
     files["values/trace-000000.jsonl"] = "\n".join(values * 20).encode()  # no newline at the end
     files["empty/trace-000000.jsonl"] = b""
     files["crlf/trace-000000.jsonl"] = (line() + "\r\n" + line(size=-1) + "\r\n").encode()
+    bom = b"\xef\xbb\xbf"  # at the start of a file skipped, elsewhere not_json (audit 4, #2)
+    files["bom/first/trace-000000.jsonl"] = bom + (line() + "\n" + line(size=-1) + "\n").encode()
+    files["bom/bad-first/trace-000000.jsonl"] = bom + b"oops\n" + line().encode() + b"\n"
+    files["bom/later/trace-000000.jsonl"] = (line() + "\n").encode() + bom + (line() + "\n").encode()
+    files["bom/twice/trace-000000.jsonl"] = bom + bom + (line() + "\n").encode()
+    files["bom/only/trace-000000.jsonl"] = bom
+    files["bom/empty-first/trace-000000.jsonl"] = bom + b"\n" + line().encode()
     for i in range(40):
         files[f"random/{i:03d}/trace-000000.jsonl"] = ("\n".join(_random_lines(rng)) + "\n").encode()
     nasty = random.Random(4)
@@ -445,6 +462,29 @@ def test_both_parsers_classify_lines_as_the_reference(both: Any) -> None:
             assert row[problem] == classify(lines[row[number] - 1]), lines[row[number] - 1]
             checked += 1
     assert checked == 2 * (300 + len(CASES))
+
+
+@pytest.mark.spark
+def test_a_byte_order_mark_is_skipped_at_the_start_of_a_file(both: Any) -> None:
+    """Both parsers read the first line of a file after a byte-order mark (as Hadoop's line reader does),
+    and make a line that starts with one anywhere else not_json (the files are also in the row-for-row check)."""
+    _, _, fast_rows, slow_rows, _ = both
+    file, number, problem, text = (COMPACT_COLUMNS.index(c) for c in ("file", "line", "problem", "text"))
+    for rows in (fast_rows, slow_rows):
+        got = {
+            (Path(r[file]).parent.name, r[number]): (r[problem], r[text]) for r in rows if "/bom/" in r[file]
+        }
+        assert got == {
+            ("first", 1): (None, None),
+            ("first", 2): ("bad_value:size", line(size=-1)),
+            ("bad-first", 1): ("not_json", "oops"),
+            ("bad-first", 2): (None, None),
+            ("later", 1): (None, None),
+            ("later", 2): ("not_json", "\ufeff" + line()),
+            ("twice", 1): ("not_json", "\ufeff" + line()),
+            ("empty-first", 1): ("not_json", ""),
+            ("empty-first", 2): (None, None),
+        }
 
 
 @pytest.mark.spark

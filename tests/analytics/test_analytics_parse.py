@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from analytics_fixtures import spark  # noqa: F401 - the shared session fixture
-from analytics_reference import classify
+from analytics_reference import classify, load
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pyspark.sql import SparkSession
@@ -272,6 +272,13 @@ def test_paths_with_spaces_and_glob_characters(spark: SparkSession, tmp_path: Pa
         (str(d.resolve() / "trace-000000.jsonl"), 1, None),
         (str(d.resolve() / "trace-000000.jsonl"), 2, "not_json"),
     ]
+
+
+def test_reference_skips_a_byte_order_mark_at_the_start_of_a_file_only(tmp_path: Path) -> None:
+    bom = b"\xef\xbb\xbf"
+    (tmp_path / "trace-000000.jsonl").write_bytes(bom + line().encode() + b"\n" + bom + line().encode() + b"\n")
+    records, bad = load([tmp_path])
+    assert len(records) == 1 and bad == {"not_json": 1}
 
 
 def test_discover(tmp_path: Path) -> None:

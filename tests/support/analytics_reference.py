@@ -99,7 +99,7 @@ def load(paths: list[Path]) -> tuple[list[dict[str, Any]], dict[str, int]]:
     records: list[dict[str, Any]] = []
     bad: dict[str, int] = defaultdict(int)
     for f in files:
-        with open(f, encoding="utf-8", newline="") as fh:
+        with open(f, encoding="utf-8-sig", newline="") as fh:  # a byte-order mark at the start is skipped
             lines = fh.read().split("\n")
         if lines and lines[-1] == "":
             lines.pop()

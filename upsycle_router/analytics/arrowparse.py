@@ -13,17 +13,18 @@ into the same table. So the table is the same whichever parser made each part.
 
 A file is taken only when equality is certain. Spark's parser and Arrow's differ on inputs no router writes
 (Arrow reads ``NaN`` and ``Infinity``, skips empty lines, reads two objects on one line, takes a byte-order
-mark, does not check UTF-8; Jackson limits numbers to 1,000 digits and nesting to 1,000 levels; Hadoop's
-line reader also ends a line at a carriage return). So :func:`screen` first sorts the lines: a *plain* line
+mark at the start of any line, does not check UTF-8; Jackson limits numbers to 1,000 digits and nesting to
+1,000 levels; Hadoop's line reader also ends a line at a carriage return, and skips a byte-order mark at the
+start of a file, which :func:`parse` skips too). So :func:`screen` first sorts the lines: a *plain* line
 starts with ``{``, ends with ``}``, has no other ``}`` (so an object read from its start ends at its end:
 two objects, or anything after the object, make a line odd), holds neither ``NaN`` nor ``Infinity``
 (which Arrow reads even in a field it ignores) and is at most :data:`MAX_LINE` bytes long; any other line
 is *odd* (an empty line, a crash's cut-short last line, text that is no object at all, a record with a
-``}`` in a string). The screen costs a count of the file's ``}`` bytes and a search for ``N`` and ``I``
-(about 0.2 µs a record, against ~4 µs for the whole parse), plus a pass over the ``}`` positions when some
-line holds more than one. Arrow parses the plain lines,
-and the odd ones go back, with their line numbers, to Spark's parse (``schema.parse_lines`` over just those
-lines), so one cut-short line does not cost the whole file. The file is left to Spark whole unless:
+``}`` in a string, a line after the first that starts with a byte-order mark). The screen costs a count of
+the file's ``}`` bytes and a search for ``N`` and ``I`` (about 0.2 µs a record, against ~4 µs for the whole
+parse), plus a pass over the ``}`` positions when some line holds more than one. Arrow parses the plain
+lines, and the odd ones go back, with their line numbers, to Spark's parse (``schema.parse_lines`` over just
+those lines), so one cut-short line does not cost the whole file. The file is left to Spark whole unless:
 
 * it is valid UTF-8 and holds no carriage return;
 * it has at most :data:`MAX_ODD_LINES` odd lines (:data:`MAX_ODD_BYTES` in all);
@@ -107,6 +108,8 @@ _NOT_HEX[np.frombuffer(_HEX_DIGITS, dtype=np.uint8)] = False
 _PARSE = pj.ParseOptions(explicit_schema=RECORD_SCHEMA, unexpected_field_behavior="ignore", newlines_in_values=False)
 _READ = pj.ReadOptions(use_threads=False, block_size=1 << 24)
 _OPEN, _CLOSE, _LF = ord("{"), ord("}"), ord("\n")
+BOM = b"\xef\xbb\xbf"
+"""A UTF-8 byte-order mark: skipped at the start of a file, as Hadoop's line reader (Spark's) skips it."""
 _NOT_JSON = (b"NaN", b"Infinity")
 """Tokens Arrow's reader takes as numbers (anywhere, also in a field it ignores) that JSON does not have."""
 
@@ -263,6 +266,8 @@ class Parsed:
 def parse(data: bytes, file: str) -> Parsed | str:
     """The compacted rows of one journal's bytes (``file`` names it) but for its odd lines, which are returned
     as they are for Spark to parse; or why the fast path does not take the file."""
+    if data.startswith(BOM):  # Hadoop's line reader skips it too (only there: elsewhere it makes a line odd)
+        data = data[len(BOM) :]
     lines = screen(data)
     if isinstance(lines, str):
         return lines

@@ -21,7 +21,8 @@ order and ``monotonically_increasing_id`` numbers them from 0 within the task, s
 count plus one: no second pass over the files and no join. A task that reads anything but the start of a
 file fails the job (``raise_error``) rather than number lines wrongly. ``(ts, file, line)`` is the total
 order the analysis uses to break ties between records with the same ``ts`` of one node: the order the
-router wrote them. The number of tasks is the number of journal files.
+router wrote them. The number of tasks is the number of journal files. The text reader (Hadoop's line
+reader) skips a UTF-8 byte-order mark at the start of a file, and only there; Arrow's parse does the same.
 
 Compaction (:func:`compact`) writes that table to Parquet once; :func:`load_events` reads any mix of journals
 and compacted tables into one DataFrame of the same shape. With a local master and a local output, local
