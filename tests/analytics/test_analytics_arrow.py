@@ -378,6 +378,17 @@ def _random_lines(rng: random.Random) -> list[str]:
     return lines
 
 
+INVALID_UTF8 = [
+    b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03\xed\xbd",  # gzip bytes under a .jsonl name
+    b"x\xc3(\xed\xa0\x80y\xf4\x90\x80\x80\xe2\x82",
+    b"\xff" * 1500,  # text: 1,000 characters
+    b"\xc3\xa9" * 999 + b"\xff\xfe",
+    line(event="dropped", reason="r").replace('"r"', '"a\\u00e9"').encode().replace(b"\\u00e9", b"\xe9\xff"),
+    line(event="dropped", reason="r").encode().replace(b'"r"', b'"\xff"') + b" x",
+]
+"""Lines that are not UTF-8 (audit 4, #7): a bad line's text must still be valid UTF-8 in the table."""
+
+
 @pytest.fixture(scope="module")
 def journals(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("arrow") / "fleet [1] a+b%20 é"
@@ -390,6 +401,7 @@ def journals(tmp_path_factory: pytest.TempPathFactory) -> Path:
     files["values/trace-000000.jsonl"] = "\n".join(values * 20).encode()  # no newline at the end
     files["empty/trace-000000.jsonl"] = b""
     files["crlf/trace-000000.jsonl"] = (line() + "\r\n" + line(size=-1) + "\r\n").encode()
+    files["utf8/trace-000000.jsonl"] = b"\n".join(INVALID_UTF8) + b"\n"
     bom = b"\xef\xbb\xbf"  # at the start of a file skipped, elsewhere not_json (audit 4, #2)
     files["bom/first/trace-000000.jsonl"] = bom + (line() + "\n" + line(size=-1) + "\n").encode()
     files["bom/bad-first/trace-000000.jsonl"] = bom + b"oops\n" + line().encode() + b"\n"
@@ -462,6 +474,21 @@ def test_both_parsers_classify_lines_as_the_reference(both: Any) -> None:
             assert row[problem] == classify(lines[row[number] - 1]), lines[row[number] - 1]
             checked += 1
     assert checked == 2 * (300 + len(CASES))
+
+
+@pytest.mark.spark
+def test_text_that_is_not_utf8_is_written_as_valid_utf8(both: Any) -> None:
+    """A bad line's text that is not UTF-8 is written with U+FFFD for each invalid sequence (as Python's
+    errors="replace"), so a strict reader reads the table (pyarrow's to_pylist raised UnicodeDecodeError);
+    a record's own strings are read the same way by Spark's JSON parser."""
+    out = both[4]
+    for name in ("fast.parquet", "slow.parquet"):
+        rows = [r for r in pq.read_table(out / name).to_pylist() if r["file"].endswith("/utf8/trace-000000.jsonl")]
+        got = {r["line"]: (r["problem"], r["text"], r["reason"]) for r in rows}
+        want_text = [raw.decode("utf-8", "replace")[:1000] for raw in INVALID_UTF8]
+        assert {n: got[n][:2] for n in (1, 2, 3, 4, 6)} == {n: ("not_json", want_text[n - 1]) for n in (1, 2, 3, 4, 6)}
+        assert got[3][1] == "\ufffd" * 1000
+        assert got[5] == (None, None, "a\ufffd\ufffd")  # a good record, its reason read with U+FFFD
 
 
 @pytest.mark.spark

@@ -99,7 +99,8 @@ def load(paths: list[Path]) -> tuple[list[dict[str, Any]], dict[str, int]]:
     records: list[dict[str, Any]] = []
     bad: dict[str, int] = defaultdict(int)
     for f in files:
-        with open(f, encoding="utf-8-sig", newline="") as fh:  # a byte-order mark at the start is skipped
+        # A byte-order mark at the start is skipped; bytes that are not UTF-8 read as U+FFFD.
+        with open(f, encoding="utf-8-sig", errors="replace", newline="") as fh:
             lines = fh.read().split("\n")
         if lines and lines[-1] == "":
             lines.pop()

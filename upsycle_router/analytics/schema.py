@@ -36,7 +36,10 @@ when :func:`problem_column` gives it a problem, checked in this order (the first
 Unknown extra fields are ignored, ``reason`` may be any string (unknown reasons are counted under their
 own name), and a field that does not apply may hold anything of the right type: the analysis never reads
 it. A line is never fatal: bad lines are kept in the compacted table with their problem, file, line number
-and text (:data:`COMPACT_COLUMNS`) and every analysis skips them.
+and text (:data:`COMPACT_COLUMNS`) and every analysis skips them. Bytes that are not UTF-8 are read as
+U+FFFD, the replacement character: in a record's strings by Jackson's reader, and in a bad line's ``text``
+by ``make_valid_utf8`` (one U+FFFD per maximal invalid sequence, as Python's ``errors="replace"``), so that
+every string column of the table is valid UTF-8 for any Parquet reader.
 """
 
 from __future__ import annotations
@@ -179,7 +182,7 @@ def parse_lines(lines: DataFrame, keep: Sequence[str]) -> DataFrame:
         *fields,
         *keep,
         "problem",
-        F.when(F.col("problem").isNotNull(), F.substring(F.col("value"), 1, MAX_BAD_TEXT)).alias("text"),
+        F.when(F.col("problem").isNotNull(), F.substring(F.make_valid_utf8("value"), 1, MAX_BAD_TEXT)).alias("text"),
     )
 
 
