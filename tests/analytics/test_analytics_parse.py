@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from analytics_fixtures import spark  # noqa: F401 - the shared session fixture
-from analytics_reference import classify, load
+from analytics_reference import classify, journal_files, load
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pyspark.sql import SparkSession
@@ -279,6 +279,57 @@ def test_reference_skips_a_byte_order_mark_at_the_start_of_a_file_only(tmp_path:
     (tmp_path / "trace-000000.jsonl").write_bytes(bom + line().encode() + b"\n" + bom + line().encode() + b"\n")
     records, bad = load([tmp_path])
     assert len(records) == 1 and bad == {"not_json": 1}
+
+
+HIDDEN_TREE = {
+    "n1/trace-000000.jsonl": True,
+    "n1/deep/trace-000000.jsonl": True,
+    "_n2/trace-000000.jsonl": False,  # Hadoop's hidden files: '_' and '.' names, at any depth below the input
+    ".n3/trace-000000.jsonl": False,
+    "n1/_old/trace-000000.jsonl": False,
+    "n1/.cache/trace-000000.jsonl": False,
+    "w._COPYING_/trace-000000.jsonl": False,  # a directory being copied
+    "day=1/_n4=x/trace-000000.jsonl": True,  # '_' with '=': a partition directory, listed
+    "_metadata_n5/trace-000000.jsonl": True,  # Spark lists _metadata and _common_metadata (Parquet's)
+    "_common_metadata/trace-000000.jsonl": True,
+}
+"""Journals under names Spark's listing of a URI skips (True: read), audit 4 #4."""
+
+
+def _hidden_tree(root: Path) -> None:
+    for name in HIDDEN_TREE:
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(line() + "\n")
+
+
+def test_discover_skips_hidden_names_below_the_input(tmp_path: Path) -> None:
+    _hidden_tree(tmp_path / "fleet")
+    found = discover([tmp_path / "fleet"]).journals
+    want = sorted((tmp_path / "fleet" / n).resolve() for n, read in HIDDEN_TREE.items() if read)
+    assert list(found) == want
+    assert journal_files([tmp_path / "fleet"]) == want  # the reference's search too
+    # The input itself may have such a name (Spark reads a URI given so as well), and so may a file given.
+    hidden_input = tmp_path / "fleet" / "_n2"
+    journal = (hidden_input / "trace-000000.jsonl").resolve()
+    assert discover([hidden_input]).journals == discover([journal]).journals == (journal,)
+    (tmp_path / "only" / ".n").mkdir(parents=True)
+    (tmp_path / "only" / ".n" / "trace-000000.jsonl").write_text(line() + "\n")
+    with pytest.raises(AnalyticsError, match="names starting with _ or . are skipped"):
+        discover([tmp_path / "only"])
+
+
+@pytest.mark.spark
+def test_a_directory_as_a_path_and_as_a_uri_gives_the_same_files(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
+    """A fleet directory given as a local path (listed in Python) and as a file:// URI (listed by Spark)
+    compacts the same journals: the local search skips what Spark's listing skips."""
+    _hidden_tree(tmp_path / "fleet")
+    files = {}
+    for name, where in (("path", str(tmp_path / "fleet")), ("uri", "file://" + str(tmp_path / "fleet"))):
+        out = tmp_path / f"{name}.parquet"
+        run_compact(spark, [where], out, Progress("t", enabled=False))
+        files[name] = sorted(r["file"] for r in spark.read.parquet(no_glob(out)).select("file").collect())
+    want = sorted(str((tmp_path / "fleet" / n).resolve()) for n, read in HIDDEN_TREE.items() if read)
+    assert files["path"] == files["uri"] == want
 
 
 def test_discover(tmp_path: Path) -> None:

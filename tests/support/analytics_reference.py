@@ -93,9 +93,29 @@ def classify(text: str) -> str | None:
     return None
 
 
+def _skipped(name: str) -> bool:
+    """Names a directory search skips (docs/analytics.md: Hadoop's hidden files, as Spark lists them)."""
+    if name.startswith("_metadata") or name.startswith("_common_metadata"):
+        return False
+    return name[:1] == "." or (name[:1] == "_" and "=" not in name) or name.endswith("._COPYING_")
+
+
+def journal_files(paths: list[Path]) -> list[Path]:
+    """The journal files of the given files and directories (searched recursively, hidden names skipped)."""
+    found = set()
+    for p in paths:
+        if p.is_file():
+            found.add(p.resolve())
+            continue
+        for f in p.rglob("trace-*.jsonl"):
+            if not any(_skipped(part) for part in f.relative_to(p).parts):
+                found.add(f.resolve())
+    return sorted(found)
+
+
 def load(paths: list[Path]) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """Good records (with ``_order`` = (ts, file, line)) and bad-line counts by problem kind."""
-    files = sorted({f.resolve() for p in paths for f in ([p] if p.is_file() else p.rglob("trace-*.jsonl"))})
+    files = journal_files(paths)
     records: list[dict[str, Any]] = []
     bad: dict[str, int] = defaultdict(int)
     for f in files:

@@ -6,7 +6,9 @@ An input is either a compacted table (a Parquet file, or a directory whose name 
 holds ``*.parquet`` parts directly) or journals: a ``trace-*.jsonl`` file, or a directory searched
 recursively for them, so one can point the job at a directory holding the journal directories of a whole
 fleet. For local paths :func:`discover` sorts that out in Python before Spark starts, so an empty or mistyped
-path is a clear error and not an empty analysis. A URI (:mod:`~upsycle_router.analytics.location`) is passed
+path is a clear error and not an empty analysis; below the given directory it skips what Spark's listing of
+a URI skips (:func:`hidden`: names starting with ``_`` or ``.``, Hadoop's hidden files), so a directory gives
+the same journals as a path and as a ``file://`` URI. A URI (:mod:`~upsycle_router.analytics.location`) is passed
 to Spark as it is: a name ending in ``.parquet`` is a table, anything else is searched by Spark's reader
 for ``trace-*.jsonl`` files (``recursiveFileLookup`` with ``pathGlobFilter``).
 
@@ -58,6 +60,7 @@ __all__ = [
     "arrow_parse_allowed",
     "compact",
     "discover",
+    "hidden",
     "is_table",
     "load_events",
     "no_glob",
@@ -129,6 +132,15 @@ def is_table(path: str | Path) -> bool:
     return path.is_dir() and any(p.suffix == ".parquet" and p.is_file() for p in path.iterdir())
 
 
+def hidden(name: str) -> bool:
+    """Whether a directory listing by Spark skips the file or directory ``name`` (Spark's rule, after Hadoop's
+    hidden files): a name starting with ``.``, or with ``_`` unless it holds ``=`` (a partition) or starts with
+    ``_metadata`` or ``_common_metadata``, or ending in ``._COPYING_`` (a file being copied)."""
+    if name.startswith(("_metadata", "_common_metadata")):
+        return False
+    return name.startswith(".") or (name.startswith("_") and "=" not in name) or name.endswith("._COPYING_")
+
+
 def discover(paths: Iterable[str | Path]) -> Inputs:
     """Sort the given paths into journal files (found recursively) and compacted tables; URIs stay as given."""
     journals: list[Path] = []
@@ -147,9 +159,15 @@ def discover(paths: Iterable[str | Path]) -> Inputs:
         elif path.is_file():
             journals.append(path)
         else:
-            found = sorted(p for p in path.rglob(JOURNAL_GLOB) if p.is_file())
+            found = sorted(
+                p
+                for p in path.rglob(JOURNAL_GLOB)
+                if p.is_file() and not any(hidden(part) for part in p.relative_to(path).parts)
+            )
             if not found:
-                raise AnalyticsError(f"{path}: no {JOURNAL_GLOB} files in it or below it")
+                raise AnalyticsError(
+                    f"{path}: no {JOURNAL_GLOB} files in it or below it (names starting with _ or . are skipped)"
+                )
             journals.extend(found)
     unique = sorted({p.resolve() for p in journals})
     return Inputs(
