@@ -371,6 +371,16 @@ async def test_wss_with_the_router_certificate(daemon: DaemonFactory) -> None:
     with pytest.raises((asyncio.IncompleteReadError, ConnectionError)):  # plain HTTP to the TLS port
         await RawWebSocket.open(url.replace("wss:", "ws:"))
     await still_serving(d)
+    # ALPN http/1.1, as docs/websocket.md says (a client offering h2 as well gets http/1.1)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2", "http/1.1"])
+    host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    _, writer = await asyncio.open_connection(host, int(port), ssl=ctx)
+    try:
+        assert writer.get_extra_info("ssl_object").selected_alpn_protocol() == "http/1.1"
+    finally:
+        writer.close()
 
 
 def write_web_certificate(directory: Path) -> tuple[Path, Path]:

@@ -486,6 +486,7 @@ class Daemon:
                     ctx = wss_context(ws.cert_file, ws.key_file)
                 else:
                     ctx = server_context(ident, self.config.data_dir)
+                    ctx.set_alpn_protocols(["http/1.1"])  # (as wss_context: docs/websocket.md)
             except (OSError, ssl.SSLError) as e:
                 raise ConfigError(f"websocket.cert_file / key_file: {e}") from None
         local = ws.local if ws.local is not None else is_loopback(addr.host)

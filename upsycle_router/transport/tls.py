@@ -144,7 +144,8 @@ def server_context(identity: Identity, directory: Path) -> ssl.SSLContext:
 
 
 def client_context() -> ssl.SSLContext:
-    """A TLS 1.3-only client context; the certificate key is checked after the session handshake."""
+    """A TLS 1.3-only client context; the certificate key is checked against the peer's HELLO, before our AUTH
+    (:attr:`~upsycle_router.transport.session.Session.certified`)."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
     ctx.check_hostname = False
