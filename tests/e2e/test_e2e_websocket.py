@@ -11,6 +11,7 @@ certificate. The same client-library suite also runs over WebSocket in test_e2e_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import ipaddress
 import os
@@ -151,6 +152,13 @@ async def test_origin_allow_list_path_and_bad_requests(daemon: DaemonFactory) ->
     await ws.close()
     key = f"Sec-WebSocket-Key: {'A' * 22}==\r\nSec-WebSocket-Version: 13\r\n"
     upgrade = f"GET /upsycle HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n{key}"
+    # RFC 6455 4.2.1: HTTP/1.1 and a 16-byte nonce in base64 (wsproto took HTTP/1.0 and any key)
+    for bad, why in ((upgrade.replace("HTTP/1.1", "HTTP/1.0") + "\r\n", b"HTTP/1.0"),
+                     (upgrade.replace(f"{'A' * 22}==", "not-a-nonce") + "\r\n", b"16 bytes"),
+                     (upgrade.replace(f"{'A' * 22}==", "QUFBQQ==") + "\r\n", b"16 bytes")):  # fmt: skip
+        ws = await RawWebSocket.open(url, request=bad.encode())
+        assert ws.status == 400 and why in ws.body and await ws.eof(), (bad, ws.status, ws.body)
+        await ws.close()
     for pad in (15 * 1024, 17 * 1024, 96 * 1024):  # a head over 16 KiB is refused, in one write as in several
         ws = await RawWebSocket.open(url, request=(upgrade + f"X-Pad: {'p' * pad}\r\n\r\n").encode())
         assert ws.status == (101 if pad < 16 * 1024 else 400), (pad, ws.status, ws.body)
@@ -381,6 +389,8 @@ async def test_wss_with_the_router_certificate(daemon: DaemonFactory) -> None:
         assert writer.get_extra_info("ssl_object").selected_alpn_protocol() == "http/1.1"
     finally:
         writer.close()
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            await writer.wait_closed()
 
 
 def write_web_certificate(directory: Path) -> tuple[Path, Path]:

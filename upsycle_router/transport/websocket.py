@@ -26,6 +26,8 @@ A close that the peer does not let finish (it does not read what is left) is cut
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import logging
 import ssl
 from dataclasses import dataclass
@@ -102,6 +104,20 @@ def server_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
     ctx.set_alpn_protocols(["http/1.1"])
     ctx.verify_mode = ssl.CERT_NONE
     return ctx
+
+
+def _bad_upgrade(version: bytes | None, key: bytes | None) -> str | None:
+    """What RFC 6455 4.2.1 asks of an opening handshake that wsproto does not check: HTTP/1.1 or later, and a
+    ``Sec-WebSocket-Key`` that is 16 bytes in base64. None when both hold."""
+    if version is not None and version < b"1.1":
+        return f"HTTP/{version.decode('ascii', 'replace')}: the opening handshake needs HTTP/1.1"
+    try:
+        nonce = base64.b64decode(key or b"", validate=True)
+    except (binascii.Error, ValueError):
+        nonce = b""
+    if len(nonce) != 16:
+        return "Sec-WebSocket-Key is not 16 bytes in base64"
+    return None
 
 
 class WebSocketConnection(Connection):
@@ -238,6 +254,12 @@ class WebSocketConnection(Connection):
             self._reject(400, f"request head over {MAX_REQUEST_HEAD} bytes")
             return
         headers = {k.lower(): v for k, v in req.extra_headers}
+        version = h11c.their_http_version if isinstance(h11c, h11.Connection) else None
+        bad = _bad_upgrade(version, headers.get(b"sec-websocket-key"))
+        if bad is not None:  # (wsproto checks neither: RFC 6455 4.2.1 asks HTTP/1.1 and a 16-byte nonce)
+            log.warning("conn %d: bad WebSocket upgrade request: %s", self.id, bad)
+            self._reject(400, f"bad WebSocket upgrade request: {bad}")
+            return
         raw_origin = headers.get(b"origin")
         self.origin = raw_origin.decode("latin-1") if raw_origin is not None else None
         path = req.target.split("?", 1)[0]
