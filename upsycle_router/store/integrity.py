@@ -33,11 +33,11 @@ pages (pages allocated and freed again within one transaction), and the meta pag
 them: a sound file is sometimes shorter than that (seen within a few hundred random commits). What must hold
 is that every page *reachable* from the meta page is inside the file, and that is what the walk checks.
 
-At open the walk goes record by record, as ``store check`` does: it reads each page in use once, about 0.2 s
+The walk goes record by record, at open as in ``store check``: it reads each page in use once, about 0.2 s
 per 100 MB of store here (file in the page cache), against 0.06 s page by page (header and node offsets only).
-The page-by-page walk was the default until a black-box audit overwrote 512 bytes inside leaf pages: a record
-whose size runs past its page's end passed it, and LMDB then read past the map and the router died of SIGBUS
-at start or at the first delivery from that page.
+A page-by-page walk at open was the default until a black-box audit overwrote 512 bytes inside leaf pages: a
+record whose size runs past its page's end passed it, and LMDB then read past the map and the router died of
+SIGBUS at start or at the first delivery from that page; that walk is gone.
 
 *After a clean close the walk is left out.* The walk reads every page in use: a store of 10 M queued messages
 (15 GiB) not in the page cache took ~55 s to start, all of it the walk reading the file. So
@@ -259,9 +259,8 @@ def read_meta(f: int, size: int, txnid: int | None = None) -> MetaPage:
 class _Walker:
     """Walks every tree of one meta page over the mapped file; see the module's docstring (step 3)."""
 
-    def __init__(self, buf: mmap.mmap, report: FileReport, meta: MetaPage, keep: tuple[str, ...], deep: bool) -> None:
+    def __init__(self, buf: mmap.mmap, report: FileReport, meta: MetaPage, keep: tuple[str, ...]) -> None:
         self.buf = buf
-        self.deep = deep  # False: the nodes of leaf pages of the named tables are not looked at one by one
         self.report = report
         self.meta = meta
         self.psize = meta.psize
@@ -330,7 +329,6 @@ class _Walker:
         found_before = len(self.report.problems) + self.report.more_problems + len(self.beyond)
         keep = self.records.setdefault(table, {}) if table in self.keep else None
         dupsort = bool(rec.flags & MDB_DUPSORT)
-        nodes = self.deep or keep is not None or table in (FREE_TREE, MAIN_TREE)
         buf, psize = self.buf, self.psize
         stack = [(rec.root, 1)]
         while stack:
@@ -367,9 +365,6 @@ class _Walker:
             ptrs = struct.unpack_from(f"={n}H", buf, off + _HDR_SIZE)
             if min(ptrs) < upper or max(ptrs) > psize - _NODE_SIZE:
                 self.problem(f"table {table}: page {pgno} has a node outside its data area")
-                continue
-            if leaf and not nodes:
-                counts[3] += n
                 continue
             for ptr in ptrs:
                 at = off + ptr
@@ -409,7 +404,7 @@ class _Walker:
                     self.free_ids(pgno, value)
                 elif keep is not None:
                     keep[bytes(buf[key_at : key_at + ksize])] = value
-        want = [rec.branch_pages, rec.leaf_pages, rec.overflow_pages if nodes else 0, rec.entries]
+        want = [rec.branch_pages, rec.leaf_pages, rec.overflow_pages, rec.entries]
         if counts != want and len(self.report.problems) + self.report.more_problems + len(self.beyond) == found_before:
             # (after a problem in this tree its counts are off anyway)
             self.problem(f"table {table}: {counts[0]} branch, {counts[1]} leaf, {counts[2]} overflow pages and "
@@ -449,13 +444,10 @@ class _Walker:
 
 
 def inspect(
-    path: Path, *, txnid: int | None = None, keep: tuple[str, ...] = ("meta",), deep: bool = True
+    path: Path, *, txnid: int | None = None, keep: tuple[str, ...] = ("meta",)
 ) -> FileReport:
-    """Check the LMDB data file ``path`` (meta pages and every page in use, see the module's docstring).
-
-    ``deep=False`` looks at the leaf pages of the named tables page by page (header, node offsets) instead of
-    node by node (sizes, overflow pages): a few times faster. A file shorter than its meta page's last page
-    is always checked node by node, to find any page LMDB would read beyond its end.
+    """Check the LMDB data file ``path`` (meta pages and every page in use, node by node: see the module's
+    docstring).
 
     With ``txnid`` (the id of a read transaction the caller holds open on the file), walk that snapshot: the
     pages of a running store's snapshot stay as they are while the transaction is open. Raises
@@ -475,9 +467,8 @@ def inspect(
             report.problems.append(str(e))
             return report
         report.meta = meta
-        deep = deep or size < (meta.last_pg + 1) * meta.psize
         with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as buf:
-            _Walker(buf, report, meta, keep, deep).run()
+            _Walker(buf, report, meta, keep).run()
     return report
 
 
@@ -565,10 +556,10 @@ def initialised(store_dir: Path) -> str | None:
     return None
 
 
-def diagnose(store_dir: Path, *, walk: bool = True, deep: bool = True) -> FileReport | None:
+def diagnose(store_dir: Path, *, walk: bool = True) -> FileReport | None:
     """Check the store in ``store_dir`` before LMDB opens it: None if there is no store at all (a new one),
     else the report (its problems empty: sound). ``walk=False``: the meta pages only (cheap; safe while a
-    router writes the file); ``deep``: see :func:`inspect`."""
+    router writes the file)."""
     data = store_dir / DATA
     shown = initialised(store_dir)
     if not data.exists():
@@ -591,7 +582,7 @@ def diagnose(store_dir: Path, *, walk: bool = True, deep: bool = True) -> FileRe
             report.unreadable = True
     else:
         try:
-            report = inspect(data, deep=deep)
+            report = inspect(data)
         except OSError as e:
             return FileReport(data, problems=[f"cannot be read: {e.strerror or e}"], unreadable=True)
     if report.size == 0:
@@ -674,7 +665,7 @@ def check_before_open(store_dir: Path) -> None:
     clean close left it (:func:`mark_clean`; the meta pages are read either way)."""
     clean = _closed_cleanly(store_dir)
     t = time.monotonic()
-    report = diagnose(store_dir, deep=True, walk=not clean)
+    report = diagnose(store_dir, walk=not clean)
     if report is not None and report.ok:
         if clean:
             log.info("%s: as its last clean close left it: its pages are not walked", store_dir / DATA)
