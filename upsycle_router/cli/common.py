@@ -255,13 +255,18 @@ def group_signing_key(args: argparse.Namespace) -> Identity:
     return lookup(args.group).signing_key()
 
 
+def is_seconds(v: float) -> bool:
+    """A finite number of seconds >= 0 (a ``--timeout``)."""
+    return math.isfinite(v) and v >= 0
+
+
 def seconds_arg(text: str) -> float:
     """A ``--timeout``: a finite number of seconds >= 0."""
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not (math.isfinite(v) and v >= 0):
+    if not is_seconds(v):
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got {text}")
     return v
 

@@ -19,12 +19,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import sys
 import time
 from importlib import resources
 
-from upsycle_router.cli.common import add_daemon_options, config_error, config_from_args, run_async, socket_path
+from upsycle_router.cli.common import (
+    add_daemon_options,
+    config_error,
+    config_from_args,
+    is_seconds,
+    run_async,
+    socket_path,
+)
 from upsycle_router.client import Client
 from upsycle_router.config.dump import config_yaml
 from upsycle_router.config.sources import describe, find_config
@@ -69,7 +75,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_wait(args: argparse.Namespace) -> int:
     """Wait until a router answers on its socket; print its id."""
-    if not math.isfinite(args.timeout) or args.timeout < 0:
+    if not is_seconds(args.timeout):
         print(f"error: --timeout: expected a finite number of seconds >= 0, got {args.timeout:g}", file=sys.stderr)
         return 2
     try:

@@ -740,12 +740,13 @@ class GroupCore:
         keeps nothing of the group for it, while a unicast to it is queued. (Once it has joined, it ACKs at
         once; from then on what it missed is named by heads and fetched, as for any member.)"""
         members = self.members
+        data = msg.encode()
         for m, seq in sorted(self._welcomed.items()):
             if m not in members or self._acked.get(m, 0) >= seq:
                 del self._welcomed[m]
                 self.store.forget_welcomed(self.gid, m)
                 continue
-            self._unicast_to(m, msg.encode(), now, out, self.store.member_via(self.gid, m))
+            self._unicast_to(m, data, now, out, self.store.member_via(self.gid, m))
 
     def _unicast_to(self, member: bytes, body: bytes, now: float, out: list[Effect], via: bytes | None) -> None:
         header = UnicastHeader(self.me, member, self.config.ttl, exp_in(now, self.config.lifetime))

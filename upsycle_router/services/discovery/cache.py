@@ -20,6 +20,7 @@ import itertools
 from dataclasses import dataclass
 
 from upsycle_router.expiry import expires_at
+from upsycle_router.wire.cbor import enc
 from upsycle_router.wire.discovery import PeerAdvertisement
 
 
@@ -47,8 +48,8 @@ class CacheEntry:
 
 
 def advert_size(adv: PeerAdvertisement) -> int:
-    """The bytes ``adv`` takes encoded (its signed map and its signature)."""
-    return len(adv.signed_bytes()) + 2 + 4 + len(adv.sig)
+    """The bytes ``adv`` (signed) takes encoded."""
+    return len(enc(adv.to_cbor()))
 
 
 class AdvertCache:
@@ -86,11 +87,12 @@ class AdvertCache:
             return Offer.EXPIRED
         if old is None or adv.rev > old.advert.rev:
             size = advert_size(adv)
-            if not self._room(adv.id, size - (old.size if old is not None else 0), old is None, expires):
+            more = size - (old.size if old is not None else 0)
+            if not self._room(adv.id, more, old is None, expires):
                 return Offer.FULL
             published = old.published if old is not None else None
             entry = self.entries[adv.id] = CacheEntry(adv, arrival, expires, published, size)
-            self.bytes += entry.size - (old.size if old is not None else 0)
+            self.bytes += more
             self._expires(adv.id, entry)
             return Offer.NEW if old is None else Offer.NEWER
         if expires > old.expires:
