@@ -176,6 +176,22 @@ def test_a_tls_certificate_that_cannot_be_made_again_is_one_line_and_exit_2(tmp_
     assert "Traceback" not in r.stderr
 
 
+def test_a_file_where_the_store_directory_must_be_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    cleanup: list[Path] = []
+    base = daemon_dir(tmp_path / "r", cleanup)
+    d = base / "d"
+    d.mkdir()
+    (d / "store").write_text("not a store\n")
+    r = run_expecting_exit("run", "--data-dir", str(d), "--unix", str(base / "s.sock"), environ=_environ(tmp_path))
+    for p in cleanup:
+        shutil.rmtree(p, ignore_errors=True)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [f"error: {d / 'store'}: not a directory (the store is a directory of LMDB files); move the "
+                      "file away or set data_dir to another directory"], r.stderr  # fmt: skip
+    assert "Traceback" not in r.stderr
+
+
 # ------------------------------------------------------------------------------ send / publish / pull inputs
 
 

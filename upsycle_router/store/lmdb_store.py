@@ -76,7 +76,7 @@ from upsycle_router.durability import Durability
 from upsycle_router.store import accel, layout
 from upsycle_router.store.accel import IdIndexLike, msgs_records, sorted_items
 from upsycle_router.store.api import Expired, Owed, QueuedMessage, QueueEntry, RouteEntry, StoredMessage
-from upsycle_router.store.integrity import check_before_open, mark_clean, mark_initialised
+from upsycle_router.store.integrity import StoreUnusable, check_before_open, mark_clean, mark_initialised
 from upsycle_router.store.layout import (
     HEAD_GROUP,
     HEAD_NO_GROUP,
@@ -146,6 +146,9 @@ class LmdbStore(LmdbTables):
         release_above: int | None = -1,
     ) -> None:
         self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise StoreUnusable(self.path, "not a directory (the store is a directory of LMDB files)",
+                                "move the file away or set data_dir to another directory")  # fmt: skip
         self.path.mkdir(parents=True, exist_ok=True)
         check_before_open(self.path)  # a damaged data file raises StoreDamaged before LMDB maps it (integrity.py)
         self.durability = Durability(durability)
