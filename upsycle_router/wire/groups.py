@@ -404,19 +404,24 @@ class WelcomeMessage:
         return enc([WELCOME_TAG, WELCOME_VERSION, self.box])
 
 
+def _decode_boxed(data: bytes, tag: str, version: int, what: str, kind: str) -> bytes:
+    """The box of a ``[tag, version, box]`` body (``what`` names the body in errors, ``kind`` its version)."""
+    obj = decode_item(data, what)
+    if not isinstance(obj, list) or len(obj) != 3:
+        raise RemoteProtocolError(f"expected [tag, version, box], got {type_name(obj)}", field=what)
+    if check_text(obj[0], "tag") != tag:
+        raise RemoteProtocolError(f"expected tag {tag!r}", field="tag")
+    got = check_uint(obj[1], "version")
+    if got != version:
+        raise RemoteProtocolError(f"unsupported {kind} version {got}", field="version")
+    box = check_bytes(obj[2], "box")
+    check_deterministic(data, obj, ["tag", "version", "box"], what)
+    return box
+
+
 def decode_welcome_message(data: bytes) -> WelcomeMessage:
     """Decode a welcome body strictly."""
-    obj = decode_item(data, "group welcome")
-    if not isinstance(obj, list) or len(obj) != 3:
-        raise RemoteProtocolError(f"expected [tag, version, box], got {type_name(obj)}", field="group welcome")
-    if check_text(obj[0], "tag") != WELCOME_TAG:
-        raise RemoteProtocolError(f"expected tag {WELCOME_TAG!r}", field="tag")
-    version = check_uint(obj[1], "version")
-    if version != WELCOME_VERSION:
-        raise RemoteProtocolError(f"unsupported welcome version {version}", field="version")
-    out = WelcomeMessage(check_bytes(obj[2], "box"))
-    check_deterministic(data, obj, ["tag", "version", "box"], "group welcome")
-    return out
+    return WelcomeMessage(_decode_boxed(data, WELCOME_TAG, WELCOME_VERSION, "group welcome", "welcome"))
 
 
 # ---------------------------------------------------------------------------------------------- key shares
@@ -483,14 +488,4 @@ class KeyShareMessage:
 
 def decode_key_share_message(data: bytes) -> KeyShareMessage:
     """Decode a key share body strictly."""
-    obj = decode_item(data, "group keys")
-    if not isinstance(obj, list) or len(obj) != 3:
-        raise RemoteProtocolError(f"expected [tag, version, box], got {type_name(obj)}", field="group keys")
-    if check_text(obj[0], "tag") != KEYS_TAG:
-        raise RemoteProtocolError(f"expected tag {KEYS_TAG!r}", field="tag")
-    version = check_uint(obj[1], "version")
-    if version != KEYS_VERSION:
-        raise RemoteProtocolError(f"unsupported key share version {version}", field="version")
-    out = KeyShareMessage(check_bytes(obj[2], "box"))
-    check_deterministic(data, obj, ["tag", "version", "box"], "group keys")
-    return out
+    return KeyShareMessage(_decode_boxed(data, KEYS_TAG, KEYS_VERSION, "group keys", "key share"))
