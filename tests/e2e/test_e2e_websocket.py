@@ -44,7 +44,7 @@ from raw_app import (
     unicast,
     verify,
 )
-from wsutil import OP_BINARY, OP_CONT, OP_PING, OP_PONG, OP_TEXT, RawWebSocket, ws_config, ws_url
+from wsutil import OP_BINARY, OP_CONT, OP_PING, OP_PONG, OP_TEXT, RawWebSocket, host_port, ws_config, ws_url
 
 from upsycle_router.client import Client, ClientError, Reason, Refusal
 from upsycle_router.crypto import Identity
@@ -159,6 +159,18 @@ async def test_origin_allow_list_path_and_bad_requests(daemon: DaemonFactory) ->
         ws = await RawWebSocket.open(url, request=bad.encode())
         assert ws.status == 400 and why in ws.body and await ws.eof(), (bad, ws.status, ws.body)
         await ws.close()
+    # Another method: one answer each, and the answer to HEAD without a body (it had the headers, then a second
+    # whole response: h11 refused HEAD's body after the head had been written)
+    host, port, _ = host_port(url)
+    for method in ("HEAD", "POST"):
+        r, w = await asyncio.open_connection(host, port)
+        w.write(upgrade.replace("GET", method, 1).encode() + b"\r\n")
+        answer = await asyncio.wait_for(r.read(), 5)  # up to the router's close
+        w.close()
+        assert answer.startswith(b"HTTP/1.1 400 ") and answer.count(b"HTTP/1.1") == 1, (method, answer)
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert body == (b"" if method == "HEAD" else b"bad WebSocket upgrade request: Request method must be GET\n")
+        assert b"content-length: 58" in head, head
     for pad in (15 * 1024, 17 * 1024, 96 * 1024):  # a head over 16 KiB is refused, in one write as in several
         ws = await RawWebSocket.open(url, request=(upgrade + f"X-Pad: {'p' * pad}\r\n\r\n").encode())
         assert ws.status == (101 if pad < 16 * 1024 else 400), (pad, ws.status, ws.body)

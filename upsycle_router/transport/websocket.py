@@ -295,10 +295,15 @@ class WebSocketConnection(Connection):
         try:
             headers = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())]
             headers += extra or []
-            self._write(self.ws.send(RejectConnection(status_code=status, headers=headers, has_body=True)))
-            self._write(self.ws.send(RejectData(data=body, body_finished=True)))
+            head = self.ws.send(RejectConnection(status_code=status, headers=headers, has_body=True))
         except (WsLocalError, h11.LocalProtocolError):  # no (valid) request parsed yet: plain HTTP/1.1
             self._write(
                 f"HTTP/1.1 {status} Error\r\ncontent-type: text/plain; charset=utf-8\r\n"
                 f"content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body
             )
+            return
+        try:
+            head += self.ws.send(RejectData(data=body, body_finished=True))
+        except (WsLocalError, h11.LocalProtocolError):  # the answer to a HEAD request has no body (RFC 9110 9.3.2)
+            pass
+        self._write(head)  # one answer, in one write
