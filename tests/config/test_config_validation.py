@@ -263,6 +263,13 @@ def test_pubsub_params_are_checked_together_at_load() -> None:
     refused({"pubsub": {"params": {"mcache_gossip": 6}}}, "pubsub.params")
 
 
+def test_a_shuffle_longer_than_the_view_names_both_options() -> None:
+    msg = refused({"discovery": {"sampling": {"shuffle_length": 20}}}, "discovery.sampling.shuffle_length")
+    assert "20 exceeds discovery.sampling.view_size (16)" in msg, msg
+    msg = refused({"discovery": {"sampling": {"view_size": 2}}}, "discovery.sampling.shuffle_length")
+    assert "8 exceeds discovery.sampling.view_size (2)" in msg, msg
+
+
 @pytest.mark.parametrize(
     ("data", "expect"),
     [

@@ -158,6 +158,11 @@ def parse_discovery(v: Any) -> DiscoveryConfig:
     if smp.get("max_age") is not None:
         kw["max_age"] = parse_float(smp["max_age"], "discovery.sampling.max_age", 0.001, MAX_ADVERT_TTL, unit="seconds")
     cfg = DiscoveryConfig(**kw)
+    if cfg.shuffle_length > cfg.view_size:  # (the one rule between two options: both named, as written)
+        raise ConfigError(
+            f"discovery.sampling.shuffle_length: {cfg.shuffle_length} exceeds discovery.sampling.view_size "
+            f"({cfg.view_size}); a shuffle sends at most the view"
+        )
     try:
         cfg.params()
     except ValueError as e:
