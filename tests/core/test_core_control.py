@@ -394,6 +394,29 @@ def test_pull_of_an_unknown_id_is_nacked(h: CoreHarness) -> None:
     assert out.traces("pulled") == []
 
 
+def damage(h: CoreHarness, mid: bytes, at: int) -> bytes:
+    """Change one byte (at ``at`` from the end) of the stored message ``mid`` in place, as a disk might, keeping its
+    group and expiry; the damaged bytes."""
+    stored = h.store.get_message(mid)
+    assert stored is not None
+    data = bytearray(stored.data)
+    data[-at] ^= 0x20
+    with h.store.transaction():
+        h.store.delete_message(mid)
+        assert h.store.put_message(mid, bytes(data), stored.group, stored.expires)
+    return bytes(data)
+
+
+def test_pull_of_a_message_damaged_in_the_store_is_nacked_not_handed_out(h: CoreHarness) -> None:
+    m, a = published(h)
+    damage(h, m.id, 80)  # a byte of the signature
+    out = h.receive(a, control(ALICE, X, Pull(G.public, m.id)))
+    pull_nack_body(out, a, G, m.id)
+    assert out.traces("pulled") == []
+    [t] = out.traces("dropped")
+    assert (t.id, t.group, t.dst, t.reason) == (m.id, G.public, ALICE.public, "store_damaged")
+
+
 def test_pull_naming_another_group_is_nacked(h: CoreHarness) -> None:
     m, a = published(h)
     pull_nack_body(h.receive(a, control(ALICE, X, Pull(G2.public, m.id))), a, G2, m.id)

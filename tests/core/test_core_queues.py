@@ -468,3 +468,25 @@ def test_a_queue_entry_whose_message_the_store_lost_is_dropped_as_damage_not_as_
     assert out.traces("expired") == []
     [t] = out.traces("dropped")
     assert (t.id, t.dst, t.reason, t.role) == (ms[1].id, BOB.public, "store_damaged", "app")
+
+
+@pytest.mark.parametrize("at", [1, 40, 100, 140])  # bytes from the end: the signature's, the body's, the header's
+def test_a_queued_message_whose_stored_bytes_changed_is_dropped_as_damage_not_sent(h: CoreHarness, at: int) -> None:
+    """The store's bytes of a message are checked against its id before they go out: a message changed on the disk
+    is not delivered as if it were the one its sender signed (under its old id); its entry is dropped with
+    ``store_damaged``, and the others are delivered."""
+    _, ms = queue_for_bob(h, 3)
+    stored = h.store.get_message(ms[1].id)
+    assert stored is not None
+    data = bytearray(stored.data)
+    data[-at] ^= 0x01
+    with h.store.transaction():
+        h.store.delete_message(ms[1].id)
+        assert h.store.put_message(ms[1].id, bytes(data), None, stored.expires)
+    assert [e.id for e in h.store.queue(BOB.public)] == [m.id for m in ms]  # the entries, as they were
+    b = h.open(BOB)
+    out = h.last
+    assert [s.data for s in out.sends(b)] == [ms[0].encode(), ms[2].encode()]
+    [t] = out.traces("dropped")
+    assert (t.id, t.dst, t.reason, t.role, t.type) == (ms[1].id, BOB.public, "store_damaged", "app", "unicast")
+    assert ms[1].id not in [e.id for e in h.store.queue(BOB.public)]

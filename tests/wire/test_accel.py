@@ -159,6 +159,44 @@ def test_ids_of_many_inputs_at_once_are_blake3s(lengths: list[int], rnd: random.
     assert wire_accel._C.blake3_many(inputs) == [blake3.blake3(x).digest() for x in inputs]
 
 
+@SETTINGS
+@given(st.lists(st.tuples(messages(), st.booleans(), st.integers(0, 3), st.integers(0, 1 << 20), st.integers(1, 255)),
+                max_size=40))
+def test_damaged_stored_messages_are_found_alike_in_c_and_python(
+    cases: list[tuple[Message, bool, int, int, int]],
+) -> None:
+    """``damaged`` flags exactly the stored messages whose bytes do not hash to their id (VIA aside), in C and in
+    Python: intact ones (with and without VIA), one byte changed anywhere, cut short, or under another id."""
+    datas, ids, want = [], [], []
+    for i, (msg, via, how, where, xor) in enumerate(cases):
+        m = msg.with_via(bytes([i]) * 32) if via else msg.with_via(None)
+        data = m.encode()
+        mid = m.id
+        if how == 1:  # one byte changed (a byte of VIA's 32 is not covered by the id)
+            at = where % len(data)
+            data = data[:at] + bytes([data[at] ^ xor]) + data[at + 1 :]
+            if not (via and at >= len(data) - 32):
+                want.append(i)
+        elif how == 2:  # cut short
+            data = data[: where % len(data)]
+            want.append(i)
+        elif how == 3:  # another message's id
+            mid = blake3.blake3(mid).digest()
+            want.append(i)
+        datas.append(data)
+        ids.append(mid)
+    assert wire_accel._damaged_py(datas, ids) == want
+    if wire_accel._C is not None:
+        assert wire_accel._C.damaged(datas, ids) == want
+
+
+@needs_c
+@pytest.mark.parametrize("bad", [([b"x"], []), ([b"x"], [1]), ((b"x",), (b"y",)), ([bytearray(b"x")], [b"y"])])
+def test_damaged_takes_two_lists_of_bytes_of_one_length(bad: tuple[object, object]) -> None:
+    with pytest.raises(TypeError):
+        wire_accel._C.damaged(*bad)
+
+
 _GUARD_PAGE_CHECK = """
 import ctypes, mmap, sys, blake3
 from upsycle_router.wire import accel

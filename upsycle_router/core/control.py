@@ -41,6 +41,7 @@ from upsycle_router.crypto import advert_valid, message_signature_valid
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import exp_to_unix, expires_at
 from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_REGISTERED, ROUTE_SERVED
+from upsycle_router.wire.accel import damaged
 from upsycle_router.wire.control import (
     MAX_REGISTER_KEYS,
     Join,
@@ -285,6 +286,11 @@ class ControlPlane:
         stored = self.s.store.get_message(p.id)
         if stored is None or stored.group != p.addr or stored.expires <= now:
             self._reply(c, h.src, encode_router(PullNack(p.addr, p.id)), now, out)
+            return
+        if damaged([stored.data], [p.id]):  # damaged on the disk: not handed out as the message signed
+            self._reply(c, h.src, encode_router(PullNack(p.addr, p.id)), now, out)
+            out.append(Trace(DROPPED, p.id, MULTICAST, p.addr, None, h.src, c.peer, len(stored.data),
+                             Why.STORE_DAMAGED))
             return
         out.append(Send(c.id, stored.data))
         out.append(Trace(PULLED, p.id, MULTICAST, p.addr, None, h.src, c.peer, len(stored.data)))

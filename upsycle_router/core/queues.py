@@ -27,6 +27,7 @@ from upsycle_router.core.events import Effect, QueueRun, QueueSent, Trace
 from upsycle_router.core.state import Conn, RouterState
 from upsycle_router.core.trace import DELIVERED, DROPPED, EXPIRED, FORWARDED, MULTICAST, UNICAST, Why
 from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.wire.accel import damaged
 from upsycle_router.wire.messages import UnicastHeader, decode_message
 
 
@@ -53,6 +54,11 @@ class QueueDrain:
         c.backlog = len(entries) >= room or sum(len(e.data) for e in entries if e.data is not None) >= budget
         if not entries:
             return
+        # The store's bytes of each message against its id: a message damaged on the disk is not sent on as if
+        # it were the one its sender signed (its queue entry is dropped as store_damaged, logged at ERROR).
+        live = [e for e in entries if e.data is not None]
+        hits = damaged([e.data for e in live if e.data is not None], [e.id for e in live]) if live else ()
+        bad = {live[i].seq for i in hits} if hits else None
         subscribed: set[bytes] | None = None
         peer, inflight, tracing = c.peer, c.inflight, s.tracing
         seqs: list[int] = []
@@ -64,12 +70,13 @@ class QueueDrain:
                 break
             seq = c.sent = e.seq
             data = e.data
-            if data is None or e.message_expires <= now or e.expires <= now:
+            lost = bad is not None and seq in bad
+            if data is None or lost or e.message_expires <= now or e.expires <= now:
                 store.dequeue(peer, seq)
                 group = e.group if data is not None else None
-                if data is None and e.expires > now:  # a message outlives its entries: the store lost it
-                    traces.append(Trace(DROPPED, e.id, UNICAST, None, dst=peer, size=e.size,
-                                        reason=Why.STORE_DAMAGED, role=s.role(peer)))
+                if (data is None and e.expires > now) or lost:  # a message outlives its entries: the store lost it
+                    traces.append(Trace(DROPPED, e.id, MULTICAST if group else UNICAST, group, dst=peer,
+                                        size=e.size, reason=Why.STORE_DAMAGED, role=s.role(peer)))
                     continue
                 traces.append(Trace(EXPIRED, e.id, MULTICAST if group else UNICAST, group, dst=peer,
                                     size=e.size, reason=Why.EXPIRED, role=s.role(peer)))

@@ -189,8 +189,9 @@ class EffectRunner:
                         self._refusal_log.note(e.reason or "unknown", now)
                         self._arm_refusal_flush()
                     elif e.reason == Why.STORE_DAMAGED:
-                        log.error("queued message %s for %s is not in the store (damage?): dropped; run "
-                                  "`upsycle-router store check`", (e.id or b"").hex(), (e.dst or b"").hex())
+                        log.error("queued message %s for %s is lost or damaged in the store (missing, or its bytes "
+                                  "no longer match its id): dropped; run `upsycle-router store check`",
+                                  (e.id or b"").hex(), (e.dst or b"").hex())  # fmt: skip
                 elif event in _COUNTED:
                     stats[_COUNTED[event]] += 1
                 continue

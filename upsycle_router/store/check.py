@@ -15,8 +15,9 @@ Two layers, checked in this order:
    carries the stranger flag (the top bit; the real size is the other 31); no message is stored twice;
    every message below ``indexed`` has its ``msg_exp`` entry holding its id (schemas 2 and 3: an empty one, and an
    ``msg_ids`` entry) and none from ``indexed`` on (read back into memory when the store opens); every ``msg_exp``
-   entry points at a message; every ``owed`` entry decodes and names a stored group message (it goes with the
-   message); the next sequence number in ``meta`` is above every one in use. A disagreement is a
+   entry points at a message; every message's bytes hash to its id (the drain's check,
+   :func:`~upsycle_router.wire.accel.damaged`); every ``owed`` entry decodes and names a stored group message
+   (it goes with the message); the next sequence number in ``meta`` is above every one in use. A disagreement is a
    :attr:`CheckReport.problems` entry, exit 1: the router runs, but e.g. a quota is off or a message is never
    removed - unless the record is one the router reads whole when it opens the store (``meta`` ``seq``, a
    ``sqstats`` record): then it refuses to start, with one line naming the store (exit 2).
@@ -73,10 +74,13 @@ from upsycle_router.store.layout import (
     U64,
     owed_fields,
     record_decodes,
+    record_fields,
     record_id,
 )
+from upsycle_router.wire.accel import damaged
 
 MAX_PROBLEMS = 200  # listed; the rest are counted
+_ID_BATCH = 4096  # messages whose ids are checked in one call
 _NO_INDEX = b"\xff" * 8
 
 
@@ -172,6 +176,7 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
         msgs = {k: v for k, v in items("msgs")}
     else:
         by_seq = list(items("msgs"))
+        held: list[tuple[bytes, bytes]] = []  # (id, record) of each record that decodes
         ids = dict(items("msg_ids")) if schema in (b"2", b"3") and "msg_ids" in names else None
         if schema in (b"2", b"3") and ids is None:
             p("table 'msg_ids' is missing (schema 2 and 3 keep the id index in it)")
@@ -185,6 +190,7 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
             n_msgs += 1
             highest = max(highest, U64.unpack(seq)[0])
             mid = record_id(v)
+            held.append((mid, v))
             if mid in msgs:
                 p(f"message {_short(mid)} is stored twice")
             msgs[mid] = v
@@ -200,6 +206,12 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
                 p(f"message {_short(mid)} (seq {U64.unpack(seq)[0]}) has no msg_exp entry")
             elif entry != (b"" if ids is not None else mid):
                 p(f"the msg_exp entry of message {_short(mid)} does not hold its id")
+        for i in range(0, len(held), _ID_BATCH):  # each message's bytes against its id (what the drain checks)
+            batch = held[i : i + _ID_BATCH]
+            fields = [record_fields(v) for _, v in batch]
+            for j in damaged([f[3] for f in fields], [f[2] for f in fields]):
+                p(f"message {_short(batch[j][0])}: its bytes do not match its id (changed on the disk); the "
+                  "router drops its queue entries as store_damaged instead of delivering it")  # fmt: skip
         for k in list(msg_exp)[:MAX_PROBLEMS]:
             ok = len(k) == MSG_EXP_KEY_LEN
             what = f"seq {U64.unpack_from(k, MSG_EXP_SEQ_AT)[0]}" if ok else f"a {len(k)}-byte key"

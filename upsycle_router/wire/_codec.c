@@ -545,9 +545,88 @@ join_frames(PyObject *self, PyObject *arg)
 }
 
 
+/* ---------------------------------------------------------------- stored messages against their ids */
+
+/* The bytes a message id covers inside a message's deterministic encoding: after the array head (4 items, or
+ * 5 with VIA, a 32-byte string at the end: its 34 bytes are left out). 0 if `p` is no such encoding. */
+static int
+id_span(const unsigned char *p, Py_ssize_t n, const unsigned char **in, size_t *len)
+{
+    if (n >= 1 && p[0] == 0x84) {
+        *in = p + 1;
+        *len = (size_t)(n - 1);
+        return 1;
+    }
+    if (n >= 35 && p[0] == 0x85 && p[n - 34] == 0x58 && p[n - 33] == 0x20) {
+        *in = p + 1;
+        *len = (size_t)(n - 35);
+        return 1;
+    }
+    *in = p;
+    *len = 0;
+    return 0;
+}
+
+/* damaged(datas, ids) -> [i, ...]: the positions whose bytes are not a message with that id (see accel.py) */
+static PyObject *
+damaged(PyObject *self, PyObject *args)
+{
+    PyObject *datas, *ids;
+    if (!PyArg_ParseTuple(args, "OO:damaged", &datas, &ids))
+        return NULL;
+    if (!PyList_Check(datas) || !PyList_Check(ids) || PyList_GET_SIZE(datas) != PyList_GET_SIZE(ids)) {
+        PyErr_SetString(PyExc_TypeError, "damaged() takes two lists of bytes of the same length");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(datas);
+    size_t m = n ? (size_t)n : 1;
+    const unsigned char **ins = PyMem_Malloc(m * sizeof(*ins));
+    size_t *lens = PyMem_Malloc(m * sizeof(*lens));
+    unsigned char *out = PyMem_Malloc(m * ID_LEN);
+    char *framed = PyMem_Malloc(m);
+    PyObject *res = NULL;
+    if (ins == NULL || lens == NULL || out == NULL || framed == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *d = PyList_GET_ITEM(datas, i), *id = PyList_GET_ITEM(ids, i);
+        if (!PyBytes_Check(d) || !PyBytes_Check(id)) {
+            PyErr_SetString(PyExc_TypeError, "damaged() takes two lists of bytes of the same length");
+            goto done;
+        }
+        framed[i] = (char)id_span((const unsigned char *)PyBytes_AS_STRING(d), PyBytes_GET_SIZE(d), &ins[i],
+                                  &lens[i]);
+    }
+    blake3_many(ins, lens, (size_t)n, out);
+    res = PyList_New(0);
+    if (res == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *id = PyList_GET_ITEM(ids, i);
+        if (framed[i] && PyBytes_GET_SIZE(id) == ID_LEN && memcmp(out + i * ID_LEN, PyBytes_AS_STRING(id), ID_LEN) == 0)
+            continue;
+        PyObject *k = PyLong_FromSsize_t(i);
+        if (k == NULL || PyList_Append(res, k) < 0) {
+            Py_XDECREF(k);
+            Py_CLEAR(res);
+            goto done;
+        }
+        Py_DECREF(k);
+    }
+done:
+    PyMem_Free(ins);
+    PyMem_Free(lens);
+    PyMem_Free(out);
+    PyMem_Free(framed);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     BIND_METHOD,
     {"blake3_many", blake3_many_py, METH_O, "blake3_many(inputs) -> list of BLAKE3-256 digests (the batch path)"},
+    {"damaged", damaged, METH_VARARGS,
+     "damaged(datas, ids) -> [i, ...]: positions whose bytes are not a message with that id (VIA aside)"},
     {"decode", decode, METH_O, "decode(payload) -> Message | None (None: not in deterministic form)"},
     {"parse_frames", parse_frames, METH_VARARGS,
      "parse_frames(buf, max_frame) -> (items, consumed, bad_length): complete frames, decoded where possible"},
