@@ -191,6 +191,25 @@ async def test_bare_tcp_flood_is_capped_timed_out_and_local_apps_still_get_in(da
     assert 1 <= len(warnings_about(d, "TLS handshake timeout")) <= 2
 
 
+async def test_many_silent_peers_are_logged_once_per_10_s_not_once_each(daemon: DaemonFactory) -> None:
+    """Anyone may open connections and say nothing until the handshake times out (over TLS from anywhere): 12 of
+    them on the Unix socket are each timed out and counted, and the log says so in one line (two lines a
+    connection before: an INFO and a WARNING each)."""
+    d = start(daemon, config={"handshake_timeout": 0.5})
+    conns = [await asyncio.open_unix_connection(str(d.sock)) for _ in range(12)]
+    try:
+        for r, _ in conns:  # each: HELLO, then ERROR 5 and the close
+            with contextlib.suppress(ConnectionResetError):
+                await asyncio.wait_for(r.read(), 5.0)
+    finally:
+        for _, w in conns:
+            w.close()
+    st = await status(d)
+    assert st["handshake_timeouts_total"] >= 12, st
+    lines = warnings_about(d, "handshake timeout")
+    assert len(lines) == 1 and " WARNING " in lines[0] and "further ones are counted" in lines[0], lines
+
+
 async def test_a_silent_peer_is_closed_after_handshake_timeout_on_every_transport(daemon: DaemonFactory) -> None:
     """TLS without a ClientHello, TLS done but no HELLO/AUTH, a silent Unix socket connection, a WebSocket
     connection without an upgrade request: each is closed within handshake_timeout and a margin."""

@@ -44,6 +44,7 @@ from upsycle_router.runtime.pipeline import SEGMENT_SIZE, VerifyPipeline
 from upsycle_router.runtime.verify import Verifier
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
+from upsycle_router.transport.admission import RateLimitedLog
 from upsycle_router.transport.connection import Connection
 from upsycle_router.wire.messages import Message
 from upsycle_router.wire.session import Error, decode_frame
@@ -94,6 +95,7 @@ class Driver:
         self.loop = asyncio.get_running_loop()
         self.conns: dict[int, Connection] = {}
         self.stats = router.counters
+        self._violations = RateLimitedLog(log)  # protocol errors: one line per kind every 10 s
         self.stats.update({"received_total": 0, "malformed_total": 0, "bad_signature_total": 0, "batches_total": 0,
                            "overloaded_total": 0, "read_pauses_total": 0, "syncs_total": 0, "throttled_total": 0,
                            "duplicates_total": 0, "expired_total": 0, "undelivered_total": 0,
@@ -291,7 +293,10 @@ class Driver:
 
     def on_protocol_error(self, conn: Connection, error: RemoteProtocolError) -> None:
         """Log and trace a session-level violation (the connection closes itself)."""
-        log.warning("protocol error conn=%d peer=%s: %s", conn.id, (conn.peer or b"").hex(), error)
+        # One line per kind of violation every 10 s, with the count (anyone may open connections and stay silent
+        # until the handshake times out, or send a bad frame: one line each would flood the log)
+        peer = (conn.peer or b"").hex() or "-"
+        self._violations.event(error.code.name.lower(), f"protocol error conn={conn.id} peer={peer}: {error}")
         if error.code in (ErrorCode.PROTOCOL, ErrorCode.FRAME_TOO_LARGE):  # a bad frame (timeouts: admission's)
             self.stats["malformed_total"] += 1
         reason = Why.OVERLOADED if error.code == ErrorCode.OVERLOADED else Why.MALFORMED
@@ -407,6 +412,7 @@ class Driver:
 
     def close(self) -> None:
         """Process what is pending, cancel timers."""
+        self._violations.close()
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None

@@ -511,7 +511,7 @@ class Connection(asyncio.Protocol):
 
     def _handshake_expired(self) -> None:
         if not self.session.is_open and not self.closed:
-            log.info("conn %d: handshake timeout", self.id)
+            log.debug("conn %d: handshake timeout", self.id)  # (the driver logs it, at most once per 10 s)
             self.handshake_timed_out = True
             self.handler.on_protocol_error(
                 self, RemoteProtocolError("handshake timeout", field="frame", code=ErrorCode.HANDSHAKE_TIMEOUT)
