@@ -401,15 +401,56 @@ def test_drained_forward_is_traced_like_a_direct_forward(h: CoreHarness) -> None
 
 def test_a_connection_opened_in_a_lost_batch_gets_each_entry_once(tmp_path: Path) -> None:
     """One lost batch acknowledges an entry on Bob's connection and opens a second one for Bob; the replay
-    opens it again from scratch and sends each queued entry once."""
+    opens it again from scratch, and each queued entry goes out once: the acknowledgement (replayed before the
+    open) lets the first connection read the last entry, and the second waits while the first has entries in
+    flight."""
     h = make(tmp_path, flush_batch=2)
     _, ms = queue_for_bob(h, 3)
-    h.open(BOB)
+    b1 = h.open(BOB)
     refs = h.last.queue_refs()
     b2 = 99
     out = h.lost([QueueSent(tuple(refs[:1])), ConnectionOpened(b2, BOB.public, True)])
-    data = [s.data for s in out.sends(b2)]
-    assert len(data) == len(set(data)) and data == [m.encode() for m in ms[1:]]
+    assert out.sends(b2) == [] and [s.data for s in out.sends(b1)] == [ms[2].encode()]
+    out = h.queue_sent((*refs[1:], *out.queue_refs()))
+    assert out.sends() == [] and h.store.queue(BOB.public) == []
+
+
+def test_two_connections_of_one_key_drain_its_queue_one_at_a_time_each_entry_once(tmp_path: Path) -> None:
+    """A second connection of Bob's does not read the queue while the first has entries in flight (it read
+    them from the start, and both got them: duplicates with neither connection closed); each entry goes out
+    once, on one connection or the other, in order, and the queue ends empty."""
+    h = make(tmp_path, flush_batch=2)
+    _, ms = queue_for_bob(h, 7)
+    b1 = h.open(BOB)
+    first = h.last
+    assert [s.data for s in first.sends(b1)] == [m.encode() for m in ms[:2]]
+    b2 = h.open(BOB)
+    assert h.last.sends() == []  # b1 has two in flight
+    got = [s.data for s in first.sends(b1)]
+    pending = list(first.queue_refs())
+    for _ in range(20):  # each acknowledgement lets the key's newest connection read on
+        if not pending:
+            break
+        out = h.queue_sent(pending[:1])
+        pending = pending[1:] + list(out.queue_refs())
+        assert out.sends(b1) == []  # (the older connection reads no more: the newest drains)
+        got += [s.data for s in out.sends(b2)]
+    assert got == [m.encode() for m in ms]
+    assert h.store.queue(BOB.public) == []
+
+
+def test_entries_in_flight_on_a_closed_connection_go_to_the_keys_other_connection(tmp_path: Path) -> None:
+    """The connection with entries in flight closes before they were written: the key's other connection,
+    which waited, gets them (nothing is left behind until a reconnect)."""
+    h = make(tmp_path, flush_batch=2)
+    _, ms = queue_for_bob(h, 3)
+    b1 = h.open(BOB)
+    b2 = h.open(BOB)
+    assert h.last.sends() == []
+    out = h.close(b1)  # its two entries never written (no QueueSent)
+    assert [s.data for s in out.sends(b2)] == [m.encode() for m in ms[:2]]
+    out = h.queue_sent(out)
+    assert [s.data for s in out.sends(b2)] == [ms[2].encode()]
 
 
 def test_a_lost_batch_puts_every_window_back_exactly(tmp_path: Path) -> None:

@@ -11,6 +11,11 @@ records of the step after it); the driver reports each entry's bytes written
 (:meth:`QueueDrain.queue_sent`). A crash in between redelivers rather than loses (at least once; one
 connection never gets the same entry twice: ``Conn.sent`` is the highest sequence written on it).
 
+A key with several connections at once drains on one of them at a time: a connection does not read the queue
+while another connection of its key has entries in flight (they would be read twice, and delivered twice
+with neither connection closed); the acknowledgements of those entries, or that connection's close, resume
+the drain on the key's newest connection.
+
 The drain is a sliding window: entries written and not yet acknowledged count against ``flush_batch``
 entries and ``flush_bytes`` bytes, and each acknowledgement makes room for the next. (Stop-and-wait - the next
 batch only once the whole previous one was acknowledged - left a recipient that fell behind under a steady
@@ -44,6 +49,12 @@ class QueueDrain:
             return
         s = self.s
         undo = s.keep(c)
+        keys = s.by_key.get(c.peer)
+        if keys is not None and len(keys) > 1 and any(k != c.id and s.conns[k].inflight for k in keys):
+            # Another connection of the same key has entries in flight: one at a time, or both would read them.
+            # Its acknowledgements (or its close) flush the newest connection of the key again.
+            c.backlog = True
+            return
         room = self.s.config.flush_batch - len(c.inflight)
         budget = self.s.config.flush_bytes - c.inflight_bytes
         if room <= 0 or budget <= 0:

@@ -170,7 +170,7 @@ class Router:
         elif isinstance(event, ConnectionOpened):
             self._on_open(event, now, out)
         elif isinstance(event, ConnectionClosed):
-            self._on_close(event)
+            self._on_close(event, now, out)
         elif isinstance(event, QueueSent):
             self.queues.queue_sent(event, now, out)
         elif isinstance(event, DialFailed):
@@ -443,7 +443,7 @@ class Router:
                     self.control.send_register(c, served, now, out)
         self._flush(c, now, out)
 
-    def _on_close(self, ev: ConnectionClosed) -> None:
+    def _on_close(self, ev: ConnectionClosed, now: float = 0.0, out: list[Effect] | None = None) -> None:
         c = self._conns.pop(ev.conn, None)
         if c is None:
             return
@@ -453,6 +453,8 @@ class Router:
                 lst.remove(ev.conn)
             if not lst:
                 del self._by_key[c.peer]
+            elif c.inflight and out is not None:  # what it had in flight and did not write: the key's other
+                self._flush(self._conns[lst[-1]], now, out)  # connection drains it (it waited: queues.py)
 
     # ------------------------------------------------------------------ messages
 
