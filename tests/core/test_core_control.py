@@ -24,7 +24,7 @@ from core_harness import (
 )
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import ConnectionOpened
+from upsycle_router.core.events import Confirmed, ConnectionOpened, Custody
 from upsycle_router.crypto import Identity, message_signature_valid, sign_advert
 from upsycle_router.expiry import exp_in, unix_to_exp
 from upsycle_router.store.api import ROUTE_ADVERT, RouteEntry
@@ -41,6 +41,7 @@ from upsycle_router.wire.control import (
     Register,
     Sync,
     SyncAck,
+    decode_control,
     encode_router,
 )
 from upsycle_router.wire.discovery import (
@@ -52,7 +53,7 @@ from upsycle_router.wire.discovery import (
     decode_discovery,
     encode_discovery,
 )
-from upsycle_router.wire.messages import Message
+from upsycle_router.wire.messages import Message, UnicastHeader, decode_message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub, Unsub
 
 X = ident("X")
@@ -753,3 +754,35 @@ def test_core_nodes_acks_are_absorbed(edge: CoreHarness) -> None:
     k = edge.open(CORE, local=False)
     out = edge.receive(k, unicast(CORE, X, encode_router(JoinAck(G.public, 0))))
     assert out.traces("dropped") == [] and out.sends() == []
+
+
+# ---------------------------------------------------------------- custody (hop by hop)
+
+
+def test_a_routers_connection_is_under_custody_and_its_sync_acks_confirm(h: CoreHarness) -> None:
+    """A configured router's connection (a static peer, an edge node) is put under custody when it opens; a
+    router met otherwise, once its own advert arrives on its connection; an app's never (remote or local). The
+    SYNC_ACK of a router under custody confirms (Confirmed); the same from anyone else is dropped."""
+    r = h.open(R, local=False)
+    assert [e for e in h.last if isinstance(e, Custody)] == [Custody(r)]
+    e = h.open(EDGE, local=False)
+    assert [x for x in h.last if isinstance(x, Custody)] == [Custody(e)]
+    other = ident("other router")
+    o = h.open(other, local=False)
+    assert not [x for x in h.last if isinstance(x, Custody)]
+    out = h.receive(o, advert_message(other, X, advert(other, host="198.51.100.9", port=4433)))
+    assert [x for x in out if isinstance(x, Custody)] == [Custody(o)]
+    out = h.receive(o, advert_message(other, X, advert(other, host="198.51.100.9", port=4433, rev=2)))
+    assert not [x for x in out if isinstance(x, Custody)]  # (once)
+    a = h.open(ALICE)
+    s = h.open(STRANGER, local=False)
+    assert not [x for x in h.last if isinstance(x, Custody)]
+    out = h.receive(r, control(R, X, SyncAck(41, 0, 0)))
+    assert [x for x in out if isinstance(x, Confirmed)] == [Confirmed(r, 41)]
+    assert out.traces("dropped") == []
+    for conn, who in ((a, ALICE), (s, STRANGER), (r, R_PS)):  # an app's, a stranger's, or not the router's own
+        out = h.receive(conn, control(who, X, SyncAck(42, 0, 0)))
+        assert not [x for x in out if isinstance(x, Confirmed)], who
+    msg = decode_message(h.router.sync_message(R.public, 43, h.now))
+    assert isinstance(msg.header, UnicastHeader) and (msg.header.src, msg.header.dst) == (X.public, R.public)
+    assert message_signature_valid(msg) and decode_control(msg.body) == Sync(43)

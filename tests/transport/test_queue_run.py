@@ -63,6 +63,7 @@ async def _both_ways(seed: int) -> None:
         assert Connection.send_queued(slow, PEER, seqs, payloads)
         assert fast.written == slow.written == base + sum(4 + len(p) for p in payloads)
         assert list(fast._unflushed) == list(slow._unflushed)  # the same place noted for each entry
+        assert fast._routed_end == slow._routed_end == fast.written  # (custody: a SYNC must follow them)
         assert [ref for _, ref in fast._unflushed] == [(PEER, s) for s in seqs]
         fast.write_out()
         slow.write_out()
@@ -200,3 +201,52 @@ async def _abort_with_gathered() -> None:
 
 def test_deliveries_gathered_when_the_connection_is_aborted_are_given_back() -> None:
     uvloop.run(_abort_with_gathered())
+
+
+async def _custody() -> None:
+    """Under custody (a router's connection) what was written stays unconfirmed until the peer answers the SYNC
+    after it: queue entries are not named by take_flushed, deliveries not forgotten, though every byte left;
+    a confirmation releases what came before its SYNC only; at a close, what is unconfirmed is given back."""
+    conn, end = await _pair(Identity.generate())
+    try:
+        conn.write_out()
+        await _read(end, conn.written)
+        start = conn.written
+        conn.custody = True
+        assert not conn.needs_sync()
+        own = b"own answer"
+        assert conn.send(own)
+        conn.note_direct((own,), routed=False)
+        assert not conn.needs_sync()  # the router's own messages ask for no SYNC (no SYNC/SYNC_ACK ping-pong)
+        first = [bytes([i]) * 100 for i in range(3)]
+        for p in first:
+            assert conn.send(p)
+            conn.note_direct((p,))
+        assert conn.send_queued(PEER, (1, 2), (b"q1" * 50, b"q2" * 50))
+        assert conn.needs_sync()
+        conn.sync_sent(7, conn.written)
+        assert not conn.needs_sync()
+        second = b"later" * 20
+        assert conn.send(second)
+        conn.note_direct((second,))
+        assert conn.send_queued(PEER, (3,), (b"q3" * 50,))
+        conn.sync_sent(8, conn.written)
+        conn.write_out()
+        await _read(end, conn.written - start)  # all of it
+        await asyncio.sleep(0.05)
+        assert conn.buffered() == 0
+        assert conn.take_flushed() == [] and conn.direct_pending(0)  # every byte left; nothing is confirmed
+        assert not conn.confirm(99)  # an answer to no SYNC of ours
+        assert conn.confirm(7)
+        assert conn.take_flushed() == [(PEER, 1), (PEER, 2)]
+        assert conn.direct_pending(0)  # the delivery after SYNC 7 is still ours
+        assert not conn.confirm(7)  # answered already
+        assert conn.take_direct() == [second]  # the connection closes now: given back
+        assert conn.take_flushed() == []  # entry 3 stays queued
+    finally:
+        conn.abort()
+        end.close()
+
+
+def test_custody_holds_what_a_router_was_sent_until_it_confirms_it() -> None:
+    uvloop.run(_custody())

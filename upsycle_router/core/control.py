@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from upsycle_router.core.delivery import Delivery
-from upsycle_router.core.events import Effect, PeerLearned, Send, Trace
+from upsycle_router.core.events import Confirmed, Custody, Effect, PeerLearned, Send, Trace
 from upsycle_router.core.state import Conn, RouterState
 from upsycle_router.core.trace import (
     CONTROL,
@@ -163,12 +163,20 @@ class ControlPlane:
             if not c.local and h.src == c.peer:  # the next router refused what we forwarded
                 self.delivery.late_refusal(c.peer, body, now, out)
             # (a REFUSED is never answered, whoever sent it: no refusal loops between routers)
+        elif isinstance(body, SyncAck) and c.custody and h.src == c.peer:
+            out.append(Confirmed(c.id, body.n))  # the router took what we sent it before our SYNC n
         elif isinstance(body, JoinAck | LeaveAck) and (
             h.src == self.s.config.pubsub_service or h.src in self.s.config.upstream
         ):
             pass  # SUB_ACK / UNSUB_ACK from our pub/sub service, or a core node's answer to our JOIN / LEAVE
         else:
             drop(Why.UNKNOWN_CONTROL)
+
+    def custody(self, c: Conn, out: list[Effect]) -> None:
+        """``c`` is another router's connection: what is routed to it is ours until it confirms it (Custody)."""
+        if not c.local and not c.custody:
+            c.custody = True
+            out.append(Custody(c.id))
 
     def _may_join(self, c: Conn, requester: bytes, group: bytes) -> bool:
         if group == self.s.config.discovery_group and not c.local:
@@ -308,6 +316,7 @@ class ControlPlane:
             return
         if not c.local and c.peer == adv.id:
             self.s.peer_routers.add(adv.id)
+            self.custody(c, out)
         self._learn_advert(adv, c.peer if not c.local else adv.id, h.src, now, out, drop)
 
     def discovered(self, c: Conn, msg: Message, h: MulticastHeader, size: int, now: float, out: list[Effect]) -> None:

@@ -108,7 +108,7 @@ class Delivery:
             if fanout is not None:
                 fanout.append(conn)
             else:
-                out.append(Send(conn, data))
+                out.append(Send(conn, data, True))
             if self.s.tracing:
                 event = DELIVERED if c.local or group is not None else FORWARDED
                 src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
@@ -263,7 +263,7 @@ class Delivery:
         if origin is not None and origin.local:
             self.remember(origin, router, msg.id, kind, group, size, src, dst)
         if conn is not None:
-            out.append(Send(conn, msg.encode()))
+            out.append(Send(conn, msg.encode(), True))
             if s.tracing:
                 out.append(Trace(FORWARDED, msg.id, kind, group, src, dst, router, size))
             return None

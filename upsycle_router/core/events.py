@@ -107,10 +107,12 @@ Event = (
 
 
 class Send(NamedTuple):
-    """Write one routed message to ``conn``."""
+    """Write one message to ``conn``: ``routed``, a message of someone else's this router delivers or forwards
+    (not one of its own answers, adverts or requests)."""
 
     conn: ConnId
     data: bytes
+    routed: bool = False
 
 
 class Fanout(NamedTuple):
@@ -214,4 +216,23 @@ class PeerLearned:
     transport: int = 1
 
 
-Effect = Send | Fanout | QueueRun | Dial | CloseConnection | Trace | PeerLearned | Throttle
+@dataclass(frozen=True, slots=True)
+class Custody:
+    """``conn`` is another router's: what is routed to it stays this router's to deliver until that router has
+    confirmed it - the driver follows what it writes there with a SYNC, and the router's SYNC_ACK
+    (:class:`Confirmed`) says it took everything before it -, not once it is written. What is unconfirmed
+    when the connection closes is routed again (:class:`Undelivered`; queue entries stay queued), so a
+    router that crashes before committing what it was sent loses nothing its sender acknowledged."""
+
+    conn: ConnId
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmed:
+    """The router on ``conn`` answered SYNC ``n`` (see :class:`Custody`)."""
+
+    conn: ConnId
+    n: int
+
+
+Effect = Send | Fanout | QueueRun | Dial | CloseConnection | Trace | PeerLearned | Throttle | Custody | Confirmed

@@ -95,6 +95,7 @@ from upsycle_router.wire.control import (
     Refused,
     RouterMessage,
     StatusReply,
+    Sync,
     SyncAck,
     decode_control,
     encode_router,
@@ -427,10 +428,13 @@ class Router:
             s.dialing.discard(ev.peer)
             s.redial.pop(ev.peer, None)
             s.backoff.pop(ev.peer, None)
+            cfg = self.state.config
+            p = ev.peer
+            if p in cfg.upstream or p in cfg.edge_nodes or p in cfg.peers or p in s.peer_routers:
+                self.control.custody(c, out)  # (another router met later shows itself by its advert)
             advert = self._own_advert_message(ev.peer, now)
             if advert is not None:
                 out.append(Send(ev.conn, advert.encode()))
-            cfg = self.state.config
             if ev.peer in cfg.upstream:  # re-assert our subscriptions and our local services at a core node
                 for g in sorted(s.upstream_groups):
                     m = s.signed_to(ev.peer, encode_router(Join(g, False)), now)
@@ -720,6 +724,11 @@ class Router:
                 if m is not None:
                     out.append(Send(c.id, m.encode()))
         return out
+
+    def sync_message(self, to: bytes, n: int, now: float) -> bytes:
+        """SYNC ``n`` to router ``to``, signed by this router: the driver follows what it wrote to a router's
+        connection (Custody) with it, and the router's SYNC_ACK confirms all before it (Confirmed)."""
+        return self.state.signed_to(to, encode_router(Sync(n)), now).encode()
 
     def _own_advert_message(self, to: bytes, now: float) -> Message | None:
         if self.advert is None:

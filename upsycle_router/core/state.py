@@ -58,7 +58,7 @@ class Conn:
     """One open connection, as the core sees it."""
 
     __slots__ = ("id", "peer", "local", "inflight", "inflight_bytes", "sent", "blocked", "backlog", "refused",
-                 "syncs")
+                 "syncs", "custody")
 
     def __init__(self, conn: ConnId, peer: bytes, local: bool) -> None:
         self.id = conn
@@ -75,6 +75,7 @@ class Conn:
         self.backlog = True
         self.refused = 0  # REFUSED answers sent on this connection since its last SYNC (for the SYNC_ACK)
         self.syncs = 0  # SYNC_ACKs sent on it: which of its spans between SYNCs a message was sent in
+        self.custody = False  # another router's connection: routed messages stay ours until it confirms (Custody)
 
 
 class WindowUndo:

@@ -105,6 +105,7 @@ class Driver:
         self.effects = EffectRunner(
             self.conns, self.stats, journal=journal, clock=clock, outbound_buffer_max=outbound_buffer_max,
             push=self._push, acknowledged=self._schedule, held=self._held_back,
+            sync_message=lambda peer, n: router.sync_message(peer, n, time.time()),
         )
         self.batches = Batches(router, store, self.stats, done=self._done, resume=self._resume,
                                early=self.effects.apply_early, sync_interval=sync_interval, retry=self._push)

@@ -32,13 +32,17 @@ only then) and carries them out in order:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from upsycle_router import accel
 from upsycle_router.core.events import (
     CloseConnection,
+    Confirmed,
+    Custody,
     Dial,
     DialFailed,
     Effect,
@@ -93,6 +97,7 @@ class EffectRunner:
         push: Callable[[Event], None],
         acknowledged: Callable[[], None],
         held: Callable[[Connection], bool],
+        sync_message: Callable[[bytes, int], bytes] | None = None,
     ) -> None:
         self.conns = conns
         self.stats = stats
@@ -102,6 +107,11 @@ class EffectRunner:
         self.push = push  # an event for the next batch (DialFailed)
         self.acknowledged = acknowledged  # queue entries were written out (queue_sent has them)
         self.held = held  # whether the driver keeps a connection paused (its pipeline is full; resumed with it)
+        # Custody (core/events.py): the SYNC that follows what a batch routed to a router's connection, made and
+        # signed by the core; SYNC numbers from the clock up, so that no two SYNCs are one message.
+        self.sync_message = sync_message
+        self._sync_numbers = itertools.count(time.time_ns())
+        self._custody: set[int] = set()  # connections under custody
         self.dialer: Dialer | None = None
         self.loop = asyncio.get_running_loop()
         # Queue entries whose bytes left their transport buffer, for the core's next batch (QueueSent).
@@ -157,6 +167,8 @@ class EffectRunner:
         try:
             self._apply(effects, now, sent_to)
         finally:
+            if self._custody:
+                self._syncs(sent_to)
             limit = self.outbound_buffer_max
             for conn in sent_to:  # one write per connection and batch
                 left = conn.write_out()
@@ -229,7 +241,7 @@ class EffectRunner:
                 conn = conns.get(e.conn)
                 if conn is not None and conn.send(e.data):
                     sent_to.add(conn)
-                    conn.note_direct((e.data,))
+                    conn.note_direct((e.data,), e.routed)
                 else:
                     self._not_written(e.conn, (e.data,))
             elif isinstance(e, Dial):
@@ -242,6 +254,18 @@ class EffectRunner:
             elif isinstance(e, PeerLearned):
                 if self.dialer is not None:
                     self.dialer.learn(e.router, e.host, e.port, e.transport)
+            elif isinstance(e, Custody):
+                conn = conns.get(e.conn)
+                if conn is not None and self.sync_message is not None:
+                    conn.custody = True
+                    self._custody.add(e.conn)
+            elif isinstance(e, Confirmed):
+                conn = conns.get(e.conn)
+                if conn is not None and conn.confirm(e.n):
+                    self.queue_sent.extend(conn.take_flushed())
+                    conn.direct_pending(conn.buffered())
+                    if self.queue_sent and not self._closed:
+                        self.loop.call_soon(self.acknowledged)
             elif isinstance(e, Throttle):
                 conn = conns.get(e.conn)
                 if conn is not None and e.conn not in self.throttled:
@@ -314,7 +338,8 @@ class EffectRunner:
                 self._unflushed.discard(cid)
                 continue
             self.queue_sent.extend(conn.take_flushed())
-            if not conn.has_unflushed and not conn.direct_pending(conn.buffered()):
+            # (under custody the peer's confirmation releases the rest: no polling meanwhile)
+            if conn.custody or (not conn.has_unflushed and not conn.direct_pending(conn.buffered())):
                 self._unflushed.discard(cid)
         if self._closed:
             return
@@ -327,6 +352,29 @@ class EffectRunner:
         """The queue entries written out since the last call (for the core's next batch)."""
         refs, self.queue_sent = self.queue_sent, []
         return refs
+
+    def _syncs(self, sent_to: set[Connection]) -> None:
+        """Follow what this batch routed to each router's connection under custody with a SYNC (gathered into
+        the batch's write to it). A router that reads but does not confirm is a reader that does not read: past
+        ``outbound_buffer_max`` unconfirmed bytes its connection is closed, and what it held is routed again."""
+        assert self.sync_message is not None
+        for cid in list(self._custody):
+            conn = self.conns.get(cid)
+            if conn is None or conn.closed:
+                self._custody.discard(cid)
+                continue
+            if not conn.needs_sync():
+                continue
+            if conn.unconfirmed() > self.outbound_buffer_max:
+                log.warning("conn=%d: router %s confirmed none of its last %d bytes: connection closed", cid,
+                            (conn.peer or b"").hex(), conn.unconfirmed())  # fmt: skip
+                conn.close_with_error(ErrorCode.OVERLOADED, "nothing confirmed (no SYNC_ACK)")
+                continue
+            end = conn.written
+            n = next(self._sync_numbers)
+            if conn.send(self.sync_message(conn.peer or b"", n)):
+                conn.sync_sent(n, end)
+                sent_to.add(conn)
 
     # ------------------------------------------------------------ backpressure
 

@@ -143,6 +143,14 @@ class Connection(asyncio.Protocol):
         # transport's buffer: given back to the router (take_direct) if the connection closes before they left
         self._direct: collections.deque[tuple[int, Sequence[bytes]]] = collections.deque()
         self._flushed = 0  # flushed(), as last known while the transport could tell
+        # Custody (core/events.py: Custody): the peer is another router, and what is routed to it stays ours until
+        # it confirms it. Offsets in ``written``: the end of the last routed message written, the end covered by
+        # the last SYNC sent, and the end the peer confirmed; (n, end) of each SYNC not yet answered.
+        self.custody = False
+        self._routed_end = 0
+        self._synced = 0
+        self._confirmed = 0
+        self._syncs: collections.deque[tuple[int, int]] = collections.deque()
         # admission accounting (transport/admission.py): called once when the transport is gone
         self.on_lost: Callable[[Connection], None] | None = None
         self.handshake_timed_out = False
@@ -372,35 +380,71 @@ class Connection(asyncio.Protocol):
         """The payload just sent drains the queue entry ``ref``: :meth:`take_flushed` names it once its last
         byte left the transport's buffer."""
         self._unflushed.append((self.written, ref))
+        self._routed_end = self.written
 
     def take_flushed(self) -> list[tuple[bytes, int]]:
         """The queue entries (marked by :meth:`mark_queued`) whose bytes left the transport's buffer since the
-        last call, in order."""
+        last call, in order (under custody: that the peer confirmed)."""
         done = self.flushed()
+        if self.custody:
+            done = min(done, self._confirmed)
         pending = self._unflushed
         out: list[tuple[bytes, int]] = []
         while pending and pending[0][0] <= done:
             out.append(pending.popleft()[1])
         return out
 
-    def note_direct(self, payloads: Sequence[bytes]) -> None:
-        """The routed messages ``payloads`` were just written (or gathered) as deliveries: remember them until
-        their bytes have left the transport's buffer (:meth:`direct_pending`)."""
+    def note_direct(self, payloads: Sequence[bytes], routed: bool = True) -> None:
+        """The messages ``payloads`` were just written (or gathered) as deliveries (``routed``: someone else's;
+        else this router's own): remember them until their bytes have left the transport's buffer
+        (:meth:`direct_pending`) - under custody, until the peer confirmed them."""
         self._direct.append((self.written, payloads))
+        if routed:
+            self._routed_end = self.written
 
     def direct_pending(self, buffered: int) -> bool:
         """Forget the deliveries whose bytes left the transport's buffer, which still holds ``buffered`` bytes
-        (:meth:`buffered`); whether some have not."""
+        (:meth:`buffered`) - under custody, those the peer confirmed; whether some are left."""
         direct = self._direct
         t = self.transport
         if direct and t is not None and not t.is_closing():  # (see flushed: a closing transport cannot tell)
-            if not buffered:
+            if not buffered and not self.custody:
                 direct.clear()
                 return False
             done = self.written - buffered
+            if self.custody:
+                done = min(done, self._confirmed)
             while direct and direct[0][0] <= done:
                 direct.popleft()
         return bool(direct)
+
+    # ---------------------------------------------------------------- custody (a router's connection)
+
+    def needs_sync(self) -> bool:
+        """Under custody: routed messages were written since the last SYNC."""
+        return self.custody and self._routed_end > self._synced and not self.closed
+
+    def sync_sent(self, n: int, end: int) -> None:
+        """SYNC ``n`` was written after the first ``end`` bytes of :attr:`written`."""
+        self._syncs.append((n, end))
+        self._synced = end
+
+    def confirm(self, n: int) -> bool:
+        """The peer answered SYNC ``n``: what was written before it is confirmed. False if no SYNC ``n`` is
+        waiting (an answer to nothing, or one answered already)."""
+        syncs = self._syncs
+        if not any(k == n for k, _ in syncs):
+            return False
+        while syncs:
+            k, end = syncs.popleft()
+            self._confirmed = max(self._confirmed, end)
+            if k == n:
+                break
+        return True
+
+    def unconfirmed(self) -> int:
+        """Bytes written since the last confirmed end (custody's memory: the deliveries it keeps)."""
+        return self.written - self._confirmed if self.custody else 0
 
     def take_direct(self) -> list[bytes]:
         """The connection closes: the deliveries whose bytes are not known to have left the transport's buffer,

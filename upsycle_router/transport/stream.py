@@ -124,6 +124,7 @@ class StreamConnection(Connection):
         for seq, payload in zip(seqs, payloads, strict=True):  # where each entry's frame ends in the stream
             at += framed_size(len(payload))
             pending.append((at, (peer, seq)))
+        self._routed_end = self.written  # (what mark_queued notes for custody)
         return True
 
     def send_run(self, payloads: list[bytes], framed: list[bytes], nbytes: int, sent: int = 0) -> int:

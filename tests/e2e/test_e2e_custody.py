@@ -1,0 +1,112 @@
+"""End to end: a router that crashes loses nothing its neighbour acknowledged (custody, hop by hop).
+
+Core C and edge E (real daemons, TLS on loopback, ``durability: fsync``). What one router routes to the other
+stays its own until the other confirms it - the SYNC it sends after its writes, the other's SYNC_ACK once it has
+committed them -; what is unconfirmed when the connection drops is routed again. Before, a message C had written
+to E's connection counted as delivered: E killed before its commit lost it, though C's SYNC_ACK had told the
+sender it was safe (PROTOCOL §8: it must reach its recipient when it comes back).
+
+- C's app Z sends unicasts and group messages for app Y of E (Y away, E up); Z's SYNC_ACK comes back; E is
+  SIGKILLed at once and started again: Y gets every message.
+- The other way: E's app sends unicasts and publishes for apps of C that are away; its SYNC_ACK comes back; C is
+  SIGKILLed at once and started again: the apps of C get every message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+from netutil import Network, Node, collect
+
+from upsycle_router.client import Client
+from upsycle_router.crypto import Identity
+
+pytestmark = pytest.mark.slow
+
+ROUNDS = 3
+UNICASTS = 60
+GROUP_MESSAGES = 20
+
+
+def core_and_edge(net: Network) -> tuple[Node, Node]:
+    c, e = net.add_node("c"), net.add_node("e")
+    c.config["edge_nodes"] = [e.id.hex()]
+    e.config["core_nodes"] = [c.peer_entry()]
+    for n in (c, e):
+        n.config["pubsub"] = {"enabled": False}
+    return c, e
+
+
+async def send_burst(z: Client, to: bytes, group: Identity, tag: bytes) -> tuple[set[bytes], set[bytes]]:
+    """Unicasts to ``to`` and messages to ``group``, all taken in full (SYNC_ACK, no REFUSED): their ids."""
+    uni = {await z.send(to, tag + b" unicast %d " % k + b"x" * 300) for k in range(UNICASTS)}
+    grp = {await z.publish(group, tag + b" group %d " % k + b"x" * 300) for k in range(GROUP_MESSAGES)}
+    res = await z.sync(timeout=60)
+    assert res.ok, res.refused
+    return uni, grp
+
+
+async def test_an_edge_killed_after_its_core_acknowledged_gets_every_message_after_restart(tmp_path: Path) -> None:
+    async with Network(tmp_path) as net:
+        c, e = core_and_edge(net)
+        await net.start_all()
+        await net.wait_dialled(e, c)
+        g, y_key = Identity.generate(), Identity.generate()
+        y = await net.client(e, y_key)
+        assert await y.join(g.public, local=False)
+        await c.wait_trace(event="joined", group=g.public, src=e.id, timeout=10)
+        z = await net.client(c, Identity.generate())
+        await net.close_client(y)
+        for rnd in range(ROUNDS):
+            uni, grp = await send_burst(z, y_key.public, g, b"r%d" % rnd)
+            sent = uni | grp
+            e.kill()  # SIGKILL, right after the SYNC_ACK
+            await e.start_async()
+            await net.wait_dialled(e, c, since=0)
+            y = await net.client(e, y_key)
+            got = await collect(y, sent, timeout=30)
+            assert {m.id for m in got} == sent, f"round {rnd}: {len(sent - {m.id for m in got})} lost"
+            await net.close_client(y)
+
+
+async def test_a_core_killed_after_its_edge_acknowledged_delivers_every_message_after_restart(
+    tmp_path: Path,
+) -> None:
+    async with Network(tmp_path) as net:
+        c, e = core_and_edge(net)
+        await net.start_all()
+        await net.wait_dialled(e, c)
+        g, w_key, z_key = Identity.generate(), Identity.generate(), Identity.generate()
+        w = await net.client(c, w_key)  # a subscriber of g on C, away while the bursts are sent
+        assert await w.join(g.public)
+        await net.close_client(w)
+        z = await net.client(c, z_key)  # an app of C, away too (C knows it: it connected once)
+        await net.close_client(z)
+        v = await net.client(e, Identity.generate())  # an app of E in g beyond E: E's publishes to g go to C too
+        assert await v.join(g.public, local=False)
+        await c.wait_trace(event="joined", group=g.public, src=e.id, timeout=10)
+        await net.close_client(v)
+        x = await net.client(e, Identity.generate())
+        for attempt in range(100):  # (E's route to Z: the default route to its core; C must know Z as local)
+            await x.send(z_key.public, b"probe %d" % attempt)
+            if (await x.sync()).ok:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the edge never got a unicast for the core's app taken")
+        for rnd in range(ROUNDS):
+            uni, grp = await send_burst(x, z_key.public, g, b"r%d" % rnd)
+            since = e.log_size()
+            c.kill()  # SIGKILL, right after the edge's SYNC_ACK
+            await c.start_async()
+            await net.wait_dialled(e, c, since=since)
+            z = await net.client(c, z_key)
+            w = await net.client(c, w_key)
+            got_uni = {m.id for m in await collect(z, uni, timeout=30, settle=0.2)}
+            got_grp = {m.id for m in await collect(w, grp, timeout=30, settle=0.2)}
+            assert uni <= got_uni, f"round {rnd}: {len(uni - got_uni)} of {len(uni)} unicasts lost"
+            assert grp <= got_grp, f"round {rnd}: {len(grp - got_grp)} of {len(grp)} group messages lost"
+            await net.close_client(z)
+            await net.close_client(w)
