@@ -538,7 +538,7 @@ GROUP BY p.id;
 CREATE TEMP TABLE deliv AS
 SELECT d.id, p.grp, count(*) AS times, round((min(d.ts) - p.t0) * 1000, 3) AS latency_ms
 FROM ev d JOIN pub p ON d.id = p.id
-WHERE d.event = 'delivered' AND d.role = 'app'
+WHERE d.event IN ('delivered', 'pulled') AND d.role = 'app'
 GROUP BY d.id, d.node, d.dst, p.grp, p.t0;
 
 SELECT p.grp AS "group", count(*) AS published, sum(e.expected) AS expected,

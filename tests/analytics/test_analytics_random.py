@@ -139,6 +139,9 @@ def generate(seed: int, root: Path) -> None:
                         f.add(node, later, "expired", id=mid, type="unicast", dst=app, reason="expired", role="app")
                 elif r < 0.75:
                     f.add(node, at, "dropped", id=mid, group=group, dst=app, reason="quota", role="app")
+                elif r < 0.82:  # the app asked for it (PULL): a delivery; without a role (older journals) none
+                    f.add(node, at + 40, "pulled", id=mid, group=group, dst=app, peer=app,
+                          role="app" if rng.random() < 0.8 else None)  # fmt: skip
     # Unicast noise and drops.
     for _ in range(40):
         node = rng.choice(f.nodes)

@@ -349,7 +349,8 @@ def direct_lost(paths: list[Path]) -> tuple[set[tuple[str, str, str]], int]:
             before = sorted((e for e in events if e["ts"] < t0), key=lambda e: e["_order"])
             if g == first["group"] and before and before[-1]["event"] == "joined":
                 expected.add((node, src))
-        delivered = {(r["node"], r["dst"]) for r in recs if r["event"] == "delivered" and r["role"] == "app"}
+        delivered = {(r["node"], r["dst"]) for r in recs
+                     if r["event"] in ("delivered", "pulled") and r["role"] == "app"}  # fmt: skip
         lost |= {(i, node, dst) for node, dst in expected - delivered}
         unexpected += len(delivered - expected)
     return lost, unexpected

@@ -216,7 +216,7 @@ def summary(paths: list[Path]) -> dict[str, Any]:
                 g["expected"] += 1
         deliveries: dict[tuple[str, str], list[float]] = defaultdict(list)
         for r in by_id[mid]:
-            if r["event"] == "delivered" and r["role"] == "app":
+            if r["event"] in ("delivered", "pulled") and r["role"] == "app":
                 deliveries[(r["node"], r["dst"])].append(r["ts"])
             elif r["event"] == "duplicate":
                 g["dups"] += 1

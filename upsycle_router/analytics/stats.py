@@ -329,9 +329,10 @@ def expected_per_message(changes: DataFrame, published: DataFrame) -> DataFrame:
 
 
 def app_deliveries(msgs: DataFrame, published: DataFrame) -> DataFrame:
-    """One row per (id, node, dst) app delivery of a published id: ``group``, ``times``, ``latency_ms``."""
+    """One row per (id, node, dst) app delivery of a published id - a ``delivered`` record, or a ``pulled`` one
+    (the stored message sent to an app that asked for it) -: ``group``, ``times``, ``latency_ms``."""
     per_dst = (
-        msgs.where((F.col("event") == "delivered") & (F.col("role") == "app"))
+        msgs.where(F.col("event").isin("delivered", "pulled") & (F.col("role") == "app"))
         .groupBy("id", "node", "dst")
         .agg(F.count(F.lit(1)).alias("times"), F.min("ts").alias("first_ts"))
     )

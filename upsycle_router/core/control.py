@@ -301,7 +301,8 @@ class ControlPlane:
                              Why.STORE_DAMAGED))
             return
         out.append(Send(c.id, stored.data))
-        out.append(Trace(PULLED, p.id, MULTICAST, p.addr, None, h.src, c.peer, len(stored.data)))
+        out.append(Trace(PULLED, p.id, MULTICAST, p.addr, None, h.src, c.peer, len(stored.data),
+                         role=self.s.role(h.src)))
 
     def _advert(
         self, c: Conn, msg: Message, adv: PeerAdvertisement, h: UnicastHeader, size: int, now: float, out: list[Effect]
