@@ -294,10 +294,15 @@ class Driver:
 
     def on_protocol_error(self, conn: Connection, error: RemoteProtocolError) -> None:
         """Log and trace a session-level violation (the connection closes itself)."""
-        # One line per kind of violation every 10 s, with the count (anyone may open connections and stay silent
-        # until the handshake times out, or send a bad frame: one line each would flood the log)
+        # On connections others opened: one line per kind of violation every 10 s, with the count (anyone may
+        # open connections and stay silent until the handshake times out, or send a bad frame: one line each
+        # would flood the log). Connections this router dialled (its configured routers) are logged each time.
         peer = (conn.peer or b"").hex() or "-"
-        self._violations.event(error.code.name.lower(), f"protocol error conn={conn.id} peer={peer}: {error}")
+        text = f"protocol error conn={conn.id} peer={peer}: {error}"
+        if conn.dialled:
+            log.warning("%s", text)
+        else:
+            self._violations.event(error.code.name.lower(), text)
         if error.code in (ErrorCode.PROTOCOL, ErrorCode.FRAME_TOO_LARGE):  # a bad frame (timeouts: admission's)
             self.stats["malformed_total"] += 1
         reason = Why.OVERLOADED if error.code == ErrorCode.OVERLOADED else Why.MALFORMED
