@@ -750,6 +750,23 @@ def test_edge_router_reasserts_its_upstream_groups_on_reconnect_and_restart(edge
     assert upstream_bodies(edge.last, k) == [Join(G.public, False), Register((ALICE.public,))]
 
 
+def test_an_edge_app_is_registered_at_the_core_at_every_connection_each_time_a_new_message(
+    edge: CoreHarness,
+) -> None:
+    """An app that went to another edge router and came back takes its route back: each of its connections
+    REGISTERs it at the core again (not only its first), and each REGISTER is a new message (the same bytes
+    within a minute would be dropped by the core as a replay)."""
+    k = edge.open(CORE, local=False)
+    ids = []
+    for _ in range(3):
+        a = edge.open(ALICE)
+        [(msg, body)] = [(m, b) for m, b in edge.last.replies(k) if isinstance(b, Register)]
+        assert body == Register((ALICE.public,))
+        ids.append(msg.id)
+        edge.close(a)
+    assert len(set(ids)) == 3
+
+
 def test_core_nodes_acks_are_absorbed(edge: CoreHarness) -> None:
     k = edge.open(CORE, local=False)
     out = edge.receive(k, unicast(CORE, X, encode_router(JoinAck(G.public, 0))))

@@ -273,7 +273,8 @@ class ControlPlane:
         """REGISTER ``keys`` at the router on ``c`` (in as many messages as it takes)."""
         for i in range(0, len(keys), MAX_REGISTER_KEYS):
             body = encode_router(Register(tuple(keys[i : i + MAX_REGISTER_KEYS])))
-            out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
+            # (a rotating ttl: the same REGISTER again within a minute would be the same message, a replay)
+            out.append(Send(c.id, self.s.signed_to(c.peer, body, now, self._reply_ttl(True)).encode()))
 
     def _may_pull(self, c: Conn, requester: bytes) -> bool:
         if c.local:

@@ -410,10 +410,12 @@ class Router:
             if ev.peer not in s.locals:
                 s.locals.add(ev.peer)
                 s.router_members.clear()
-                for core in sorted(self.state.config.upstream):  # a new local service: our core nodes learn it
-                    cid = s.connected(core)
-                    if cid is not None:
-                        self.control.send_register(self._conns[cid], [ev.peer], now, out)
+            # Our core nodes learn that the key is here - at each of its connections, not only its first: an app
+            # that moved to another edge router and back takes its route back (the last REGISTER wins).
+            for core in sorted(self.state.config.upstream):
+                cid = s.connected(core)
+                if cid is not None:
+                    self.control.send_register(self._conns[cid], [ev.peer], now, out)
             self.store.add_local(ev.peer)
             if ev.peer == self.state.config.discovery_service:  # it announces our advert (LAN, peer sampling, links)
                 advert = self._own_advert_message(ev.peer, now)
