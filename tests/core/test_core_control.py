@@ -767,6 +767,22 @@ def test_an_edge_app_is_registered_at_the_core_at_every_connection_each_time_a_n
     assert len(set(ids)) == 3
 
 
+def test_a_core_refusing_the_edges_own_join_is_traced_not_silent(edge: CoreHarness) -> None:
+    """A core node that does not serve this edge (not in its edge_nodes) refuses the edge's own JOIN and
+    REGISTER: the edge traces it (``refused_by_core``, which the driver logs as a warning naming the core);
+    a REFUSED naming nothing of ours from any other router still means nothing."""
+    k = edge.open(CORE, local=False)
+    a = edge.open(ALICE)
+    out = edge.receive(a, control(ALICE, X, Join(G.public, False)))
+    [(join, _)] = [(m, b) for m, b in out.replies(k) if isinstance(b, Join)]
+    out = edge.receive(k, unicast(CORE, X, encode_router(Refused(join.id, Reason.NOT_AUTHORIZED, 0))))
+    [t] = out.traces("dropped")
+    assert (t.id, t.reason, t.peer, t.dst, t.type) == (join.id, "refused_by_core", CORE.public, CORE.public, "control")
+    r = edge.open(R, local=False)
+    out = edge.receive(r, unicast(R, X, encode_router(Refused(join.id, Reason.NOT_AUTHORIZED, 0))))
+    assert out.traces("dropped") == [] and out.sends() == []
+
+
 def test_core_nodes_acks_are_absorbed(edge: CoreHarness) -> None:
     k = edge.open(CORE, local=False)
     out = edge.receive(k, unicast(CORE, X, encode_router(JoinAck(G.public, 0))))

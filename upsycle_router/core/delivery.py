@@ -32,7 +32,18 @@ from __future__ import annotations
 from upsycle_router.core.events import ConnId, Dial, Effect, Fanout, Send, Throttle, Trace
 from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.state import Conn, Forwarded, RouterState
-from upsycle_router.core.trace import DELIVERED, DROPPED, FORWARDED, MULTICAST, QUEUED, REFUSAL, REFUSED, Kind, Why
+from upsycle_router.core.trace import (
+    CONTROL,
+    DELIVERED,
+    DROPPED,
+    FORWARDED,
+    MULTICAST,
+    QUEUED,
+    REFUSAL,
+    REFUSED,
+    Kind,
+    Why,
+)
 from upsycle_router.expiry import expires_at
 from upsycle_router.wire.control import Reason, Refused, encode_router, reason_label
 from upsycle_router.wire.messages import Message, UnicastHeader
@@ -353,6 +364,8 @@ class Delivery:
         s = self.s
         fwd = s.forwarded.get(r.id)
         if fwd is None:
+            if router in s.config.upstream:  # our own JOIN or REGISTER: not in silence (is this router an edge_node?)
+                out.append(Trace(DROPPED, r.id, CONTROL, None, s.id, router, router, 0, Why.REFUSED_BY_CORE))
             return
         if fwd.router == ANY_MEMBER:  # a multicast: from any member router of its group or core node (each may refuse)
             member = router not in s.locals and router in s.subs.get(fwd.group or b"", ())

@@ -200,6 +200,10 @@ class EffectRunner:
                     if event is Ev.REFUSED:
                         self._refusal_log.note(e.reason or "unknown", now)
                         self._arm_refusal_flush()
+                    elif e.reason == Why.REFUSED_BY_CORE:
+                        log.warning("core node %s refused this router's own message %s (a JOIN or REGISTER): "
+                                    "its apps' groups and unicast do not reach them through it; is this router "
+                                    "in its edge_nodes?", (e.peer or b"").hex(), (e.id or b"").hex())  # fmt: skip
                     elif e.reason == Why.STORE_DAMAGED:
                         log.error("queued message %s for %s is lost or damaged in the store (missing, or its bytes "
                                   "no longer match its id): dropped; run `upsycle-router store check`",
