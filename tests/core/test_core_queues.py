@@ -12,7 +12,8 @@ import pytest
 from core_harness import T0, CoreHarness, Effects, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import ConnectionOpened, QueueSent
+from upsycle_router.core.events import ConnectionClosed, ConnectionOpened, QueueSent
+from upsycle_router.core.queues import DRAIN_HANDOVER
 from upsycle_router.expiry import exp_in
 from upsycle_router.wire.control import Join
 from upsycle_router.wire.messages import Message
@@ -531,3 +532,37 @@ def test_a_queued_message_whose_stored_bytes_changed_is_dropped_as_damage_not_se
     [t] = out.traces("dropped")
     assert (t.id, t.dst, t.reason, t.role, t.type) == (ms[1].id, BOB.public, "store_damaged", "app", "unicast")
     assert ms[1].id not in [e.id for e in h.store.queue(BOB.public)]
+
+
+def test_a_connection_waiting_for_a_stuck_one_of_its_key_drains_after_the_handover_time(tmp_path: Path) -> None:
+    """The older connection of Bob's has entries in flight and makes no progress (half-open, a frozen process,
+    a router whose SYNC_ACK never comes): the newer one waits DRAIN_HANDOVER seconds, then drains the queue
+    itself at the timer (at least once: what the old one had in flight comes again), and new messages follow."""
+    h = make(tmp_path, flush_batch=2)
+    a, ms = queue_for_bob(h, 3)
+    b1 = h.open(BOB)
+    assert len(h.last.sends(b1)) == 2
+    b2 = h.open(BOB)
+    assert h.last.sends() == []
+    deadline = h.router.next_deadline()
+    assert deadline is not None and deadline <= h.now + DRAIN_HANDOVER
+    assert h.timer(h.now + DRAIN_HANDOVER / 2).sends() == []  # (not yet)
+    out = h.timer(h.now + DRAIN_HANDOVER)
+    assert [s.data for s in out.sends(b2)] == [m.encode() for m in ms[:2]]
+    later = unicast(ALICE, BOB, b"later", ttl=600, now=h.now)
+    h.receive(a, later)
+    out = h.queue_sent(out)
+    assert [s.data for s in out.sends(b2)] == [ms[2].encode(), later.encode()]
+
+
+def test_a_lost_batch_that_closed_the_draining_connection_flushes_the_other_at_the_next_timer(tmp_path: Path) -> None:
+    """The close of the connection that had entries in flight was in a batch that did not commit: its replay
+    finds the connection gone, but the key's other connection is flushed at the next timer, not left idle."""
+    h = make(tmp_path, flush_batch=2)
+    _, ms = queue_for_bob(h, 3)
+    b1 = h.open(BOB)
+    b2 = h.open(BOB)
+    assert h.last.sends() == []
+    h.lost([ConnectionClosed(b1)])
+    out = h.timer()
+    assert [s.data for s in out.sends(b2)] == [m.encode() for m in ms[:2]]

@@ -176,6 +176,7 @@ class ControlPlane:
         """``c`` is another router's connection: what is routed to it is ours until it confirms it (Custody)."""
         if not c.local and not c.custody:
             c.custody = True
+            self.s.batch_custody.add(c.id)  # (undone if the batch does not commit: the driver never saw Custody)
             out.append(Custody(c.id))
 
     def _may_join(self, c: Conn, requester: bytes, group: bytes) -> bool:

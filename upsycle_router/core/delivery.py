@@ -364,7 +364,7 @@ class Delivery:
         s = self.s
         fwd = s.forwarded.get(r.id)
         if fwd is None:
-            if router in s.config.upstream:  # our own JOIN or REGISTER: not in silence (is this router an edge_node?)
+            if router in s.config.upstream and r.reason == Reason.NOT_AUTHORIZED:  # our own JOIN or REGISTER
                 out.append(Trace(DROPPED, r.id, CONTROL, None, s.id, router, router, 0, Why.REFUSED_BY_CORE))
             return
         if fwd.router == ANY_MEMBER:  # a multicast: from any member router of its group or core node (each may refuse)

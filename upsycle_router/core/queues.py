@@ -35,6 +35,10 @@ from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.wire.accel import damaged
 from upsycle_router.wire.messages import UnicastHeader, decode_message
 
+DRAIN_HANDOVER = 5.0
+"""Seconds a connection waits for another connection of its key that has queue entries in flight and makes no
+progress, before it drains the queue itself."""
+
 
 class QueueDrain:
     """Writes queued messages to their recipients' connections (see the module docstring)."""
@@ -50,11 +54,16 @@ class QueueDrain:
         s = self.s
         undo = s.keep(c)
         keys = s.by_key.get(c.peer)
-        if keys is not None and len(keys) > 1 and any(k != c.id and s.conns[k].inflight for k in keys):
-            # Another connection of the same key has entries in flight: one at a time, or both would read them.
-            # Its acknowledgements (or its close) flush the newest connection of the key again.
-            c.backlog = True
-            return
+        if keys is not None and len(keys) > 1:
+            busy = [s.conns[k].progress for k in keys if k != c.id and s.conns[k].inflight]
+            if busy and now - max(busy) < DRAIN_HANDOVER:
+                # Another connection of the same key has entries in flight: one at a time, or both would read
+                # them. Its acknowledgements (or its close) flush the newest connection of the key again; if it
+                # makes no progress for DRAIN_HANDOVER (a half-open connection, a frozen process), this one
+                # drains on regardless (at least once: what the other had in flight may come twice).
+                c.backlog = True
+                s.waiting[c.id] = max(busy) + DRAIN_HANDOVER
+                return
         room = self.s.config.flush_batch - len(c.inflight)
         budget = self.s.config.flush_bytes - c.inflight_bytes
         if room <= 0 or budget <= 0:
@@ -116,6 +125,7 @@ class QueueDrain:
                                 role=s.role(peer) if event == DELIVERED else None))
         if seqs:
             undo.added.extend(seqs)
+            c.progress = now
             out.append(QueueRun(c.id, peer, tuple(seqs), tuple(datas)))
         out.extend(traces)
 
@@ -145,6 +155,8 @@ class QueueDrain:
                         removed[seq] = size
                         freed += size
                 c.inflight_bytes -= freed
+                if freed:
+                    c.progress = now
         for recipient in drained:  # the window has room again
             conn = s.connected(recipient)
             if conn is not None:

@@ -248,6 +248,8 @@ class Router:
             s.batch_conns = {}
         if s.batch_opened:
             s.batch_opened = set()
+        if s.batch_custody:
+            s.batch_custody = set()
         if s.batch_refused:
             s.batch_refused = {}
         if s.throttled:
@@ -289,6 +291,11 @@ class Router:
         for live_d, kept_d in ((s.redial, self._batch_redial), (s.backoff, self._batch_backoff)):
             live_d.clear()
             live_d.update(kept_d)
+        for conn in s.batch_custody:  # its Custody effect never reached the driver: put it under custody again
+            c = self._conns.get(conn)
+            if c is not None:
+                c.custody = False
+        s.batch_custody = set()
         for conn in s.batch_opened:  # not open as far as the core knows: replaying the batch opens them
             self._on_close(ConnectionClosed(conn))
         s.batch_opened = set()
@@ -338,6 +345,7 @@ class Router:
         t = self.store.next_expiry()
         route_exp = [r.expires for r in self.routes.values() if r.expires is not None]
         route_exp.extend(self.state.redial.values())
+        route_exp.extend(self.state.waiting.values())
         if route_exp:
             r = min(route_exp)
             t = r if t is None else min(t, r)
@@ -348,6 +356,11 @@ class Router:
         s = self.state
         out: list[Effect] = []
         self.queues.expire(now, out)
+        for cid in sorted(c for c, t in s.waiting.items() if t <= now):  # (each flush puts it back if need be)
+            del s.waiting[cid]
+            c = self._conns.get(cid)
+            if c is not None:
+                self._flush(c, now, out)
         for router in sorted(r for r, t in s.redial.items() if t <= now):
             del s.redial[router]
             if self.connected(router) is None and router not in s.dialing and self.store.queue_usage(router)[0]:
@@ -460,7 +473,8 @@ class Router:
             if not lst:
                 del self._by_key[c.peer]
             elif c.inflight and out is not None:  # what it had in flight and did not write: the key's other
-                self._flush(self._conns[lst[-1]], now, out)  # connection drains it (it waited: queues.py)
+                self.state.waiting[lst[-1]] = now  # connection drains it (it waited: queues.py) - now, and at the
+                self._flush(self._conns[lst[-1]], now, out)  # next timer should this batch not commit
 
     # ------------------------------------------------------------------ messages
 

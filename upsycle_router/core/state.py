@@ -58,7 +58,7 @@ class Conn:
     """One open connection, as the core sees it."""
 
     __slots__ = ("id", "peer", "local", "inflight", "inflight_bytes", "sent", "blocked", "backlog", "refused",
-                 "syncs", "custody")
+                 "syncs", "custody", "progress")
 
     def __init__(self, conn: ConnId, peer: bytes, local: bool) -> None:
         self.id = conn
@@ -76,6 +76,7 @@ class Conn:
         self.refused = 0  # REFUSED answers sent on this connection since its last SYNC (for the SYNC_ACK)
         self.syncs = 0  # SYNC_ACKs sent on it: which of its spans between SYNCs a message was sent in
         self.custody = False  # another router's connection: routed messages stay ours until it confirms (Custody)
+        self.progress = 0.0  # when its queue drain last wrote or had entries acknowledged
 
 
 class WindowUndo:
@@ -142,6 +143,10 @@ class RouterState:
         self.batch_conns: dict[ConnId, tuple[int, WindowUndo, int, bool]] = {}
         self.batch_opened: set[ConnId] = set()
         self.batch_refused: dict[ConnId, tuple[int, int]] = {}
+        self.batch_custody: set[ConnId] = set()  # connections the batch put under custody (Custody)
+        # Connections that did not drain their key's queue because another connection of the key had entries
+        # in flight (core/queues.py), and when to look again (the handle_timer after it flushes them).
+        self.waiting: dict[ConnId, float] = {}
 
     def configure(self, config: CoreConfig) -> None:
         """Replace the policy knobs (what is derived from them follows; the recently-seen list keeps its size)."""

@@ -60,6 +60,7 @@ from upsycle_router.errors import ErrorCode
 from upsycle_router.runtime.logs import RateLimitedLog
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.accel import fanout
+from upsycle_router.transport.admission import RateLimitedLog as EventLog
 from upsycle_router.transport.connection import Connection
 from upsycle_router.wire.framing import length_prefix
 
@@ -69,6 +70,8 @@ log = logging.getLogger("upsycle_router.driver")
 # and the name of the counter of the others.
 _BY_REASON = frozenset({Ev.REFUSED, Ev.DROPPED})
 _COUNTED = {Ev.DUPLICATE: "duplicates_total", Ev.EXPIRED: "expired_total"}
+SYNC_RETRY = 1.0  # seconds a SYNC to a router under custody may go unanswered before it is asked again
+UNCONFIRMED_MAX = 4  # outbound_buffer_max's worth of bytes a router may leave unconfirmed before it is closed
 RELEASE_POLL = 0.002  # seconds between looks at transport buffers still holding queued messages
 GONE_KEEP = 60.0  # seconds a closed connection's peer is remembered, for writes to it routed before its close
 
@@ -112,6 +115,7 @@ class EffectRunner:
         self.sync_message = sync_message
         self._sync_numbers = itertools.count(time.time_ns())
         self._custody: set[int] = set()  # connections under custody
+        self._resync_handle: asyncio.TimerHandle | None = None  # asks again for SYNCs left unanswered
         self.dialer: Dialer | None = None
         self.loop = asyncio.get_running_loop()
         # Queue entries whose bytes left their transport buffer, for the core's next batch (QueueSent).
@@ -125,6 +129,7 @@ class EffectRunner:
         # Connections the core slowed down (backpressure): conn -> the timer that resumes reading it.
         self.throttled: dict[int, asyncio.TimerHandle] = {}
         self._refusal_log = RateLimitedLog(log, "refused")
+        self._core_refusals = EventLog(log)  # refused_by_core: one line per core node every 10 s
         self._refusal_flush: asyncio.TimerHandle | None = None
         self._closed = False
 
@@ -148,8 +153,8 @@ class EffectRunner:
             elif kind is Send or kind is QueueRun:
                 assert isinstance(e, (Send, QueueRun))
                 held.add(e.conn)
-            elif kind is CloseConnection:
-                assert isinstance(e, CloseConnection)
+            elif kind is CloseConnection or kind is Custody:  # (a router's connection: no write before its noting)
+                assert isinstance(e, (CloseConnection, Custody))
                 held.add(e.conn)
             rest.append(e)
         if early:
@@ -201,9 +206,11 @@ class EffectRunner:
                         self._refusal_log.note(e.reason or "unknown", now)
                         self._arm_refusal_flush()
                     elif e.reason == Why.REFUSED_BY_CORE:
-                        log.warning("core node %s refused this router's own message %s (a JOIN or REGISTER): "
-                                    "its apps' groups and unicast do not reach them through it; is this router "
-                                    "in its edge_nodes?", (e.peer or b"").hex(), (e.id or b"").hex())  # fmt: skip
+                        core = (e.peer or b"").hex()
+                        text = (f"core node {core} refused this router's own JOIN or REGISTER (not_authorized): its "
+                                "apps' groups and unicast do not reach them through it; is this router in its "
+                                "edge_nodes?")
+                        self._core_refusals.event(core, text)
                     elif e.reason == Why.STORE_DAMAGED:
                         log.error("queued message %s for %s is lost or damaged in the store (missing, or its bytes "
                                   "no longer match its id): dropped; run `upsycle-router store check`",
@@ -262,6 +269,7 @@ class EffectRunner:
                 conn = conns.get(e.conn)
                 if conn is not None and self.sync_message is not None:
                     conn.custody = True
+                    conn.fd = -1  # (no fan-out past its noting: see StreamConnection._settle)
                     self._custody.add(e.conn)
             elif isinstance(e, Confirmed):
                 conn = conns.get(e.conn)
@@ -359,17 +367,21 @@ class EffectRunner:
 
     def _syncs(self, sent_to: set[Connection]) -> None:
         """Follow what this batch routed to each router's connection under custody with a SYNC (gathered into
-        the batch's write to it). A router that reads but does not confirm is a reader that does not read: past
-        ``outbound_buffer_max`` unconfirmed bytes its connection is closed, and what it held is routed again."""
+        the batch's write to it); ask again where the last SYNC went unanswered for ``SYNC_RETRY`` seconds. A
+        router that reads but does not confirm is a reader that does not read: past ``UNCONFIRMED_MAX``
+        outbound buffers' worth of unconfirmed bytes its connection is closed, and what it held is routed
+        again."""
         assert self.sync_message is not None
+        now = self.loop.time()
+        limit = UNCONFIRMED_MAX * self.outbound_buffer_max
         for cid in list(self._custody):
             conn = self.conns.get(cid)
             if conn is None or conn.closed:
                 self._custody.discard(cid)
                 continue
-            if not conn.needs_sync():
+            if not conn.needs_sync(now, SYNC_RETRY):
                 continue
-            if conn.unconfirmed() > self.outbound_buffer_max:
+            if conn.unconfirmed() > limit:
                 log.warning("conn=%d: router %s confirmed none of its last %d bytes: connection closed", cid,
                             (conn.peer or b"").hex(), conn.unconfirmed())  # fmt: skip
                 conn.close_with_error(ErrorCode.OVERLOADED, "nothing confirmed (no SYNC_ACK)")
@@ -377,8 +389,26 @@ class EffectRunner:
             end = conn.written
             n = next(self._sync_numbers)
             if conn.send(self.sync_message(conn.peer or b"", n)):
-                conn.sync_sent(n, end)
+                conn.sync_sent(n, end, now)
                 sent_to.add(conn)
+        if self._resync_handle is None and not self._closed:
+            self._resync_handle = self.loop.call_later(SYNC_RETRY, self.resync)
+
+    def resync(self) -> None:
+        """Every ``SYNC_RETRY`` while a router under custody has a SYNC unanswered: ask again (see
+        :meth:`_syncs`)."""
+        self._resync_handle = None
+        if self._closed:
+            return
+        sent_to: set[Connection] = set()
+        self._syncs(sent_to)
+        for conn in sent_to:
+            conn.write_out()
+        if self._resync_handle is not None and not any(
+            (c := self.conns.get(cid)) is not None and c.awaiting() for cid in self._custody
+        ):
+            self._resync_handle.cancel()  # nothing unanswered: no more looks until the next SYNC
+            self._resync_handle = None
 
     # ------------------------------------------------------------ backpressure
 
@@ -450,6 +480,10 @@ class EffectRunner:
 
     def close(self) -> None:
         """Cancel the timers; log the refusals not yet logged."""
+        self._core_refusals.close()
+        if self._resync_handle is not None:
+            self._resync_handle.cancel()
+            self._resync_handle = None
         for h in (self._release_handle, self._refusal_flush, *self.throttled.values()):
             if h is not None:
                 h.cancel()

@@ -150,7 +150,7 @@ class Connection(asyncio.Protocol):
         self._routed_end = 0
         self._synced = 0
         self._confirmed = 0
-        self._syncs: collections.deque[tuple[int, int]] = collections.deque()
+        self._syncs: collections.deque[tuple[int, int, float]] = collections.deque()  # (n, end, sent at)
         # admission accounting (transport/admission.py): called once when the transport is gone
         self.on_lost: Callable[[Connection], None] | None = None
         self.handshake_timed_out = False
@@ -398,9 +398,11 @@ class Connection(asyncio.Protocol):
         """The messages ``payloads`` were just written (or gathered) as deliveries (``routed``: someone else's;
         else this router's own): remember them until their bytes have left the transport's buffer
         (:meth:`direct_pending`) - under custody, until the peer confirmed them."""
-        self._direct.append((self.written, payloads))
         if routed:
             self._routed_end = self.written
+        elif self.custody:
+            return  # the router's own answers are for this session only: nothing to give back, nothing to confirm
+        self._direct.append((self.written, payloads))
 
     def direct_pending(self, buffered: int) -> bool:
         """Forget the deliveries whose bytes left the transport's buffer, which still holds ``buffered`` bytes
@@ -420,27 +422,38 @@ class Connection(asyncio.Protocol):
 
     # ---------------------------------------------------------------- custody (a router's connection)
 
-    def needs_sync(self) -> bool:
-        """Under custody: routed messages were written since the last SYNC."""
-        return self.custody and self._routed_end > self._synced and not self.closed
+    def needs_sync(self, now: float, retry: float) -> bool:
+        """Under custody: routed messages were written since the last SYNC, or what was written before it has
+        waited ``retry`` seconds for an answer (a SYNC the peer refused - over its rate - or that was lost with
+        a batch that did not commit at either end: asked again, never waited for forever)."""
+        if not self.custody or self.closed:
+            return False
+        if self._routed_end > self._synced:
+            return True
+        syncs = self._syncs
+        return bool(syncs) and self._confirmed < self._synced and now - syncs[-1][2] >= retry
 
-    def sync_sent(self, n: int, end: int) -> None:
-        """SYNC ``n`` was written after the first ``end`` bytes of :attr:`written`."""
-        self._syncs.append((n, end))
-        self._synced = end
+    def sync_sent(self, n: int, end: int, now: float = 0.0) -> None:
+        """SYNC ``n`` was written after the first ``end`` bytes of :attr:`written` (at loop time ``now``)."""
+        self._syncs.append((n, end, now))
+        self._synced = max(self._synced, end)
 
     def confirm(self, n: int) -> bool:
         """The peer answered SYNC ``n``: what was written before it is confirmed. False if no SYNC ``n`` is
         waiting (an answer to nothing, or one answered already)."""
         syncs = self._syncs
-        if not any(k == n for k, _ in syncs):
+        if not any(k == n for k, _, _ in syncs):
             return False
         while syncs:
-            k, end = syncs.popleft()
+            k, end, _ = syncs.popleft()
             self._confirmed = max(self._confirmed, end)
             if k == n:
                 break
         return True
+
+    def awaiting(self) -> bool:
+        """Under custody: a SYNC is unanswered."""
+        return bool(self._syncs)
 
     def unconfirmed(self) -> int:
         """Bytes written since the last confirmed end (custody's memory: the deliveries it keeps)."""

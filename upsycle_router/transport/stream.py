@@ -60,7 +60,8 @@ class StreamConnection(Connection):
             self.fd = -1
             return self._out_bytes
         n = t.get_write_buffer_size()
-        self.fd = self._sock_fd if n == 0 and not self._out and not self.closed and not t.is_closing() else -1
+        direct = n == 0 and not self._out and not self.closed and not t.is_closing() and not self.custody
+        self.fd = self._sock_fd if direct else -1  # (a router's connection under custody: every write noted)
         return n + self._out_bytes
 
     def _write(self, data: bytes) -> None:
