@@ -525,7 +525,7 @@ while time.monotonic() < end:
     with s.transaction():
         for _ in range(20):
             m = os.urandom(32)
-            s.put_message(m, os.urandom(300), None, 1.9e9)
+            s.put_message(m, b"r" + os.urandom(299), None, 1.9e9)  # (not a message encoding: no id to match)
             s.enqueue(A, m, 1.9e9, 300)
         for e in s.queue(A, limit=15):
             s.dequeue(A, e.seq)
