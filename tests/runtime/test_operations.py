@@ -17,7 +17,9 @@ import pytest
 from upsycle_router.config import DaemonConfig, PeerConfig, parse_config
 from upsycle_router.config.reload import LIVE, Applies, Change, plan_reload
 from upsycle_router.errors import ConfigError
+from upsycle_router.logtext import untrusted
 from upsycle_router.runtime.logs import JsonFormatter, TextFormatter, stderr_is_journal
+from upsycle_router.runtime.logs import RateLimitedLog as RefusalLog
 from upsycle_router.runtime.metrics import MetricsServer, render, status_lines
 
 A, B, C = bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32
@@ -109,6 +111,41 @@ def test_json_lines_carry_the_fields() -> None:
         r.exc_info = sys.exc_info()
     obj = json.loads(JsonFormatter().format(r))
     assert obj["level"] == "error" and "ValueError: boom" in obj["exc"]
+
+
+def test_a_peers_text_can_neither_start_a_line_nor_pass_for_a_field() -> None:
+    """An ERROR's reason is whatever the peer sent: line breaks, escapes, key=value words (a black-box audit
+    forged a CRITICAL line in the text log and set peer= in the JSON log). Both formats keep a message on one line
+    (control characters escaped); untrusted() quotes and cuts the text and escapes its '='."""
+    forged = "bye\n2026-01-01T00:00:00.000Z CRITICAL upsycle_router.daemon pwned peer=" + "ab" * 32 + "\x1b[2J"
+    for text in (TextFormatter().format(_record("conn 3: peer sent ERROR 1: %s", forged)),
+                 JsonFormatter().format(_record("conn 3: peer sent ERROR 1: %s", forged))):  # fmt: skip
+        assert "\n" not in text and "\x1b" not in text and "\\n2026" in text, text
+    reason = untrusted(forged + "x" * 500)
+    obj = json.loads(JsonFormatter().format(_record("conn %d: peer sent ERROR 1: %s", 3, reason)))
+    assert "peer" not in obj and "\\x3d" in obj["msg"], obj  # no field forged from the peer's text
+    assert len(reason) < 260 and reason.endswith("...'") and "=" not in reason and "\\x3d" in reason
+
+
+def test_a_rate_limited_line_flushed_at_the_stop_says_so() -> None:
+    """The refusal log's last line at the stop (flush at infinity) gave 'in the last inf s'."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("upsycle_router.test.stop")
+    logger.addHandler(Keep())
+    logger.propagate = False
+    rl = RefusalLog(logger, "refused")
+    rl.note("no_route", 100.0)
+    rl.note("no_route", 101.0)
+    rl.flush(float("inf"))
+    assert [r.getMessage() for r in records] == [
+        "refused 1 message (no_route) (first of its kind)",
+        "refused 1 message (no_route) since the last line, at the stop",
+    ]
 
 
 def test_the_journal_prefix_is_the_syslog_priority() -> None:

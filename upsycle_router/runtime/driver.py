@@ -38,13 +38,13 @@ from upsycle_router.core.events import (
 from upsycle_router.core.router import Router
 from upsycle_router.core.trace import Ev, Kind, Why
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.logtext import RateLimitedLog
 from upsycle_router.runtime.commit import Batches
 from upsycle_router.runtime.effects import Dialer, EffectRunner
 from upsycle_router.runtime.pipeline import SEGMENT_SIZE, VerifyPipeline
 from upsycle_router.runtime.verify import Verifier
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
-from upsycle_router.transport.admission import RateLimitedLog
 from upsycle_router.transport.connection import Connection
 from upsycle_router.wire.messages import Message
 from upsycle_router.wire.session import Error, decode_frame

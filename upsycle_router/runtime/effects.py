@@ -57,10 +57,10 @@ from upsycle_router.core.events import (
 )
 from upsycle_router.core.trace import Ev, Why
 from upsycle_router.errors import ErrorCode
+from upsycle_router.logtext import RateLimitedLog as EventLog
 from upsycle_router.runtime.logs import RateLimitedLog
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.accel import fanout
-from upsycle_router.transport.admission import RateLimitedLog as EventLog
 from upsycle_router.transport.connection import Connection
 from upsycle_router.wire.framing import length_prefix
 

@@ -32,6 +32,8 @@ import sys
 import time
 from typing import Any
 
+from upsycle_router.logtext import one_line
+
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
 PACKAGE_LOGGER = "upsycle_router"
@@ -76,7 +78,7 @@ class TextFormatter(logging.Formatter):
         self.journal = journal
 
     def format(self, record: logging.LogRecord) -> str:
-        line = f"{_timestamp(record)} {record.levelname} {record.name} {record.getMessage()}"
+        line = f"{_timestamp(record)} {record.levelname} {record.name} {one_line(record.getMessage())}"
         if record.exc_info:
             line += " exc=" + repr(self.formatException(record.exc_info))
         return _priority(record) + line if self.journal else line
@@ -90,7 +92,7 @@ class JsonFormatter(logging.Formatter):
         self.journal = journal
 
     def format(self, record: logging.LogRecord) -> str:
-        msg = record.getMessage()
+        msg = one_line(record.getMessage())
         obj: dict[str, Any] = {"ts": _timestamp(record), "level": record.levelname.lower(), "logger": record.name,
                                "msg": msg}  # fmt: skip
         for k, v in _fields(record).items():
@@ -174,6 +176,11 @@ class RateLimitedLog:
         n = self._pending.pop(key)
         since = now - self._last[key] if key in self._last else None
         self._last[key] = now
-        window = f"in the last {since:.1f} s" if since is not None else "(first of its kind)"
+        if since is None:
+            window = "(first of its kind)"
+        elif since == float("inf"):  # (the stop: flush(inf) logs what was still counted)
+            window = "since the last line, at the stop"
+        else:
+            window = f"in the last {since:.1f} s"
         self.logger.warning("%s %d message%s (%s) %s", self.what, n, "" if n == 1 else "s", key, window,
                             extra={"fields": {"reason": key, "count": n}})  # fmt: skip

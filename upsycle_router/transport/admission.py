@@ -67,6 +67,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from upsycle_router.errors import ErrorCode
+from upsycle_router.logtext import RateLimitedLog
 from upsycle_router.transport.connection import Connection
 
 log = logging.getLogger("upsycle_router.admission")
@@ -196,61 +197,6 @@ def source_of(family: int, addr: object) -> str | None:
             return str(ip.ipv4_mapped)
         return str(ipaddress.IPv6Network((int(ip) >> 64 << 64, 64)))
     return None
-
-
-# ------------------------------------------------------------------------------------------ logging
-
-
-class RateLimitedLog:
-    """At most one line per key per ``interval``: the first event is logged at once, later ones are counted
-    and reported (with their number) on the first event after the interval, or by a timer at its end."""
-
-    def __init__(self, logger: logging.Logger, interval: float = LOG_INTERVAL,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
-        self.logger = logger
-        self.interval = interval
-        self.clock = clock
-        self._last: dict[str, float] = {}
-        self._pending: dict[str, tuple[int, str, int]] = {}  # key -> (events not logged yet, last text, level)
-        self._flush: dict[str, asyncio.TimerHandle] = {}
-        self.lines = 0  # lines written
-
-    def event(self, key: str, text: str, level: int = logging.WARNING) -> None:
-        """One occurrence of ``key``, described by ``text``."""
-        now = self.clock()
-        last = self._last.get(key)
-        if last is None or now - last >= self.interval:
-            n = self._pending.pop(key, (0, text, level))[0] + 1
-            self._emit(text, n, now, last, level, key)
-            return
-        n = self._pending.get(key, (0, text, level))[0] + 1
-        self._pending[key] = (n, text, level)
-        if key not in self._flush:
-            with contextlib.suppress(RuntimeError):  # no running loop: reported with the next event
-                loop = asyncio.get_running_loop()
-                self._flush[key] = loop.call_later(last + self.interval - now, self._flush_key, key)
-
-    def _flush_key(self, key: str) -> None:
-        self._flush.pop(key, None)
-        pending = self._pending.pop(key, None)
-        if pending is not None:
-            n, text, level = pending
-            self._emit(text, n, self.clock(), self._last.get(key), level, key)
-
-    def _emit(self, text: str, n: int, now: float, last: float | None, level: int, key: str) -> None:
-        self._last[key] = now
-        self.lines += 1
-        if last is None:
-            self.logger.log(level, "%s (further ones are counted and logged at most every %.0f s)", text,
-                            self.interval)  # fmt: skip
-        else:
-            self.logger.log(level, "%s: %d time(s) in the last %.0f s", text, n, now - last)
-
-    def close(self) -> None:
-        """Cancel the pending reports."""
-        for h in self._flush.values():
-            h.cancel()
-        self._flush.clear()
 
 
 # ------------------------------------------------------------------------------------------ accounting

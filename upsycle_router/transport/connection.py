@@ -32,6 +32,7 @@ from typing import Protocol, cast
 
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.logtext import RateLimitedLog, untrusted
 from upsycle_router.transport.session import (
     FrameReceived,
     HandshakeComplete,
@@ -45,6 +46,7 @@ from upsycle_router.wire.framing import DEFAULT_MAX_FRAME
 from upsycle_router.wire.messages import Message, MulticastHeader, decode_message
 
 log = logging.getLogger("upsycle_router.transport")
+_PEER_ERRORS = RateLimitedLog(log)  # ERRORs peers sent: one line per 10 s (anyone may send one, with any text)
 _ids = itertools.count(1)
 CLOSE_LINGER = 0.5  # seconds input is drained after an ERROR, before the close
 # Outbound bytes buffered before the peer counts as not reading (blocked: its traffic goes to the store), and
@@ -290,7 +292,9 @@ class Connection(asyncio.Protocol):
                 if not self.opened.done():
                     self.opened.set_result(ev.peer)
             elif isinstance(ev, PeerError):
-                log.info("conn %d: peer sent ERROR %d: %s", self.id, ev.code, ev.reason)
+                # (anyone may send ERROR at once, with any text: quoted and cut, one line per 10 s)
+                _PEER_ERRORS.event("peer_error", f"conn {self.id}: peer sent ERROR {ev.code}: {untrusted(ev.reason)}",
+                                   logging.INFO)  # fmt: skip
                 self.abort()
                 return
             if self.closed:
