@@ -52,6 +52,7 @@ from wsproto.utilities import RemoteProtocolError as WsRemoteError
 
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
+from upsycle_router.logtext import untrusted
 from upsycle_router.transport.connection import WRITE_HIGH_WATER, Connection, ConnectionHandler
 from upsycle_router.transport.session import Session
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME, check_length
@@ -264,11 +265,13 @@ class WebSocketConnection(Connection):
         self.origin = raw_origin.decode("latin-1") if raw_origin is not None else None
         path = req.target.split("?", 1)[0]
         if path != self.policy.path:
-            log.warning("conn %d: WebSocket request for %r refused (path is %r)", self.id, path, self.policy.path)
+            log.warning("conn %d: WebSocket request for %s refused (path is %r)", self.id, untrusted(path),
+                        self.policy.path)  # fmt: skip
             self._reject(404, f"no WebSocket endpoint at {path}")
             return
         if not self.policy.origin_allowed(self.origin):
-            log.warning("conn %d: WebSocket origin %r not in the allow-list: refused", self.id, self.origin)
+            log.warning("conn %d: WebSocket origin %s not in the allow-list: refused", self.id,
+                        untrusted(self.origin or ""))  # fmt: skip
             self._reject(403, f"origin {self.origin} not allowed")
             return
         self._write(self.ws.send(AcceptConnection()))
