@@ -209,3 +209,36 @@ async def test_metrics_healthz_and_status_over_http(daemon: DaemonFactory) -> No
     r = cli("status", "--socket", str(d.sock), "--key", str(key))  # no metrics listener named: counters only
     assert r.returncode == 0, r.stderr
     assert ", up " in r.stdout and "received_total" in r.stdout and "version" not in r.stdout
+
+
+def test_status_refuses_to_mix_a_router_with_another_ones_metrics_listener(daemon: DaemonFactory) -> None:
+    """``status --socket A --metrics B``: B's /status names another router; the command says so and exits 2
+    rather than print A's counters beside B's connections (it did, exit 0, nothing on stderr)."""
+    import http.server
+    import threading
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server name
+            body = json.dumps({"router": "ab" * 32, "counters": {}, "connections": []}).encode()
+            self.send_response(200)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    d = daemon()
+    server = http.server.HTTPServer(("127.0.0.1", 0), Other)
+    t = threading.Thread(target=server.serve_forever, daemon=True)
+    t.start()
+    try:
+        port = server.server_address[1]
+        r = cli("status", "--socket", str(d.sock), "--key", str(d.dir / "cli.key"), "--metrics", f"127.0.0.1:{port}")
+    finally:
+        server.shutdown()
+        server.server_close()
+        t.join(5)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "is router abababababababab..., not " in r.stderr and r.stdout == "", r.stderr

@@ -260,6 +260,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                 detail = json.loads(body)
             except (OSError, ValueError) as e:
                 print(f"warning: no /status from the metrics listener {listen}: {e}", file=sys.stderr)
+            if detail is not None and detail.get("router") != c.router_id.hex():
+                print(f"error: the metrics listener {listen} is router {str(detail.get('router'))[:16]}..., not "
+                      f"{c.router_id.hex()[:16]}... (the router of the socket): not mixing the two",
+                      file=sys.stderr)  # fmt: skip
+                return 2
         if args.json:
             print(json.dumps({"router": c.router_id.hex(), **st, **({"detail": detail} if detail else {})},
                              sort_keys=True))  # fmt: skip
