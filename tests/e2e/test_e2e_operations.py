@@ -194,6 +194,10 @@ async def test_metrics_healthz_and_status_over_http(daemon: DaemonFactory) -> No
         assert {"rate_in", "rate_out", "buffered"} <= set(sender)
         assert _get(base + "/nope")[0] == 404
         assert _get(base + "/metrics", "POST")[0] == 405
+        req = urllib.request.Request(base + "/metrics", method="DELETE")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=5)
+        assert err.value.code == 405 and err.value.headers["Allow"] == "GET, HEAD"
 
         key = d.dir / "cli.key"
         r = cli("status", "--socket", str(d.sock), "--key", str(key), "--metrics", f"127.0.0.1:{port}")

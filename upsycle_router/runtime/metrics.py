@@ -178,10 +178,10 @@ class MetricsServer:
                 code, ctype, body = self.respond(method, parts[1].split("?")[0], headers)
             reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
                       503: "Service Unavailable"}[code]  # fmt: skip
-            writer.write(
-                f"HTTP/1.0 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
-                "Connection: close\r\n\r\n".encode() + (b"" if method == "HEAD" else body)
-            )
+            allow = "Allow: GET, HEAD\r\n" if code == 405 else ""  # (RFC 9110 15.5.6: a 405 says what is)
+            head_out = (f"HTTP/1.0 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                        f"{allow}Connection: close\r\n\r\n")  # fmt: skip
+            writer.write(head_out.encode() + (b"" if method == "HEAD" else body))
             await writer.drain()
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
