@@ -246,3 +246,17 @@ def test_status_refuses_to_mix_a_router_with_another_ones_metrics_listener(daemo
         t.join(5)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert "is router abababababababab..., not " in r.stderr and r.stdout == "", r.stderr
+
+
+def test_status_finds_the_metrics_listener_in_the_config_it_found_the_socket_in(
+    daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    """With the daemon's config named by $UPSYCLE_CONFIG (as a system's environment would), ``status`` reads both
+    the socket and the metrics listener from it (it took the socket only, and showed counters only)."""
+    port = free_port()
+    d = daemon(config={"metrics": {"listen": f"127.0.0.1:{port}"}})
+    conf = tmp_path / "router.yaml"
+    conf.write_text(yaml.safe_dump({"listen": {"unix": str(d.sock)}, "metrics": {"listen": f"127.0.0.1:{port}"}}))
+    r = cli("status", "--key", str(d.dir / "cli.key"), "--create-key", env={"UPSYCLE_CONFIG": str(conf)})
+    assert r.returncode == 0, r.stderr
+    assert f"version {__version__}" in r.stdout and ", up " in r.stdout, r.stdout

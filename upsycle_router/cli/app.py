@@ -46,6 +46,7 @@ from upsycle_router.cli.common import (
 )
 from upsycle_router.client import Client, Opened, SealedError, SyncResult
 from upsycle_router.config import load_config, parse_key
+from upsycle_router.config.sources import find_config
 from upsycle_router.crypto import Identity, app_message_valid, sign_app_message
 from upsycle_router.errors import ConfigError, KeyFileError, UpsycleError
 from upsycle_router.wire.app import AppHeader, AppMessage, AppMulticast, decode_app_message
@@ -250,7 +251,16 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     async def go(c: Client) -> int:
         st = await c.status()
-        listen = args.metrics or (load_config(args.config).metrics_listen if args.config else None)
+        listen = args.metrics
+        if listen is None and (args.config or not args.socket):  # the daemon's config, found as the socket was
+            path, _ = find_config(args.config, app=True)
+            if path is not None:
+                try:
+                    listen = load_config(path).metrics_listen
+                except ConfigError as e:
+                    if args.config:
+                        raise
+                    print(f"warning: {e}: counters only", file=sys.stderr)
         detail = None
         if listen:
             try:
