@@ -197,6 +197,7 @@ async def test_metrics_healthz_and_status_over_http(daemon: DaemonFactory) -> No
         req = urllib.request.Request(base + "/metrics", method="DELETE")
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=5)
+        err.value.close()  # (its response holds the socket)
         assert err.value.code == 405 and err.value.headers["Allow"] == "GET, HEAD"
 
         key = d.dir / "cli.key"
