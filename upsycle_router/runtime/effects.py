@@ -26,7 +26,12 @@ only then) and carries them out in order:
   flight (:meth:`EffectRunner.apply_early`, see :mod:`upsycle_router.runtime.commit`); the rest as above;
 * dials go to the connection pool (a failed one comes back as ``DialFailed``), learned addresses to its
   address book, ``Throttle`` stops reading a connection for a moment (backpressure), ``CloseConnection``
-  sends ERROR and closes.
+  sends ERROR and closes;
+* custody (``Custody``, docs/protocol.md): on another router's connection, what was routed there is that
+  router's only once it confirmed it. After each batch (and every ``SYNC_RETRY`` while one is unanswered)
+  the runner writes a SYNC signed by the core behind what the batch routed there; ``Confirmed`` (the router's
+  SYNC_ACK) releases the queue entries and deliveries written before it - until then the connection keeps
+  them (:class:`~upsycle_router.transport.connection.Connection`'s offsets) and gives them back if it closes.
 """
 
 from __future__ import annotations

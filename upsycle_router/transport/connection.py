@@ -17,6 +17,11 @@ dialled connection notes the first routed message in either direction after each
 services (:func:`is_application`), so adverts, control messages and replies, and the gossip of the pub/sub
 and discovery services do not keep it open. One flag check per frame; a message is decoded for this only
 while nothing has been noted since the last look.
+
+Under custody (another router's connection, :attr:`Connection.custody`) "left the process" is not enough:
+queue entries and routed deliveries are released only up to the offset in :attr:`Connection.written` that
+the peer confirmed (:meth:`Connection.confirm`, its SYNC_ACK to the SYNC written after them); the router's
+own answers are not kept at all.
 """
 
 from __future__ import annotations
