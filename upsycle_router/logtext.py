@@ -29,6 +29,13 @@ def one_line(text: str) -> str:
     return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
 
 
+def value(v: object) -> str:
+    """A ``key=value`` word's value: as it is, or quoted (Python's ``repr``) when it holds a space, a quote or an
+    ``=`` - a path with a space in it stays one value for whoever splits the line into words (the JSON log)."""
+    text = str(v)
+    return repr(text) if not text or any(c.isspace() or c in "'\"=" for c in text) else text
+
+
 def untrusted(text: str, limit: int = 200) -> str:
     """A peer's text for a log message: at most ``limit`` characters, quoted, its control characters escaped and
     its ``=`` written ``\\x3d``, so that it can neither start a line nor pass for a ``key=value`` field."""

@@ -17,7 +17,7 @@ import pytest
 from upsycle_router.config import DaemonConfig, PeerConfig, parse_config
 from upsycle_router.config.reload import LIVE, Applies, Change, plan_reload
 from upsycle_router.errors import ConfigError
-from upsycle_router.logtext import untrusted
+from upsycle_router.logtext import untrusted, value
 from upsycle_router.runtime.logs import JsonFormatter, TextFormatter, stderr_is_journal
 from upsycle_router.runtime.logs import RateLimitedLog as RefusalLog
 from upsycle_router.runtime.metrics import MetricsServer, render, status_lines
@@ -125,6 +125,15 @@ def test_a_peers_text_can_neither_start_a_line_nor_pass_for_a_field() -> None:
     obj = json.loads(JsonFormatter().format(_record("conn %d: peer sent ERROR 1: %s", 3, reason)))
     assert "peer" not in obj and "\\x3d" in obj["msg"], obj  # no field forged from the peer's text
     assert len(reason) < 260 and reason.endswith("...'") and "=" not in reason and "\\x3d" in reason
+
+
+def test_a_value_with_a_space_stays_one_field() -> None:
+    """A data directory with a space in its name was cut at the space in the JSON log's fields."""
+    msg = "started id=%s data_dir=%s unix=%s durability=fsync"
+    obj = json.loads(JsonFormatter().format(_record(msg, "ab", value("/srv/my data"), value("/run/r.sock"))))
+    assert (obj["id"], obj["data_dir"], obj["unix"], obj["durability"]) == ("ab", "/srv/my data", "/run/r.sock",
+                                                                            "fsync")  # fmt: skip
+    assert value("plain") == "plain" and value("a=b") == "'a=b'" and value("") == "''"
 
 
 def test_a_rate_limited_line_flushed_at_the_stop_says_so() -> None:

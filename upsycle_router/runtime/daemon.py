@@ -59,6 +59,7 @@ from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, load_or_create_key_file, sign_advert
 from upsycle_router.errors import ConfigError, ErrorCode
 from upsycle_router.expiry import exp_in
+from upsycle_router.logtext import value
 from upsycle_router.runtime.discovery_service import DiscoveryService, LanSocketConfig
 from upsycle_router.runtime.driver import Driver
 from upsycle_router.runtime.logs import set_format, set_level
@@ -328,7 +329,8 @@ class Daemon:
             self._trim_handle = loop.call_later(TRIM_INTERVAL, self._trim)
         self._rate_handle = loop.call_later(RATE_INTERVAL, self._rate_tick)
         log.info(
-            "started id=%s data_dir=%s unix=%s durability=%s hot_path=%s%s", ident.hex, cfg.data_dir, cfg.unix,
+            "started id=%s data_dir=%s unix=%s durability=%s hot_path=%s%s", ident.hex, value(cfg.data_dir),
+            value(cfg.unix),
             cfg.durability.value, accel.IMPLEMENTATION,
             "".join(f" {name}={key}" for name, key in self.service_keys().items()),
         )

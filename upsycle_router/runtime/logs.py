@@ -24,6 +24,7 @@ so ``journalctl -p warning`` works. The prefix is never written anywhere else (a
 
 from __future__ import annotations
 
+import ast
 import json
 import logging
 import os
@@ -41,7 +42,19 @@ PACKAGE_LOGGER = "upsycle_router"
 _PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
 
 
-_WORD = re.compile(r"(?:^|(?<= ))([a-z][a-z0-9_]*)=([^\s=]+)(?=$| )")  # a key=value word of a message
+# a key=value word of a message: the value up to the next space, or quoted as logtext.value quotes it
+_WORD = re.compile(r"""(?:^|(?<= ))([a-z][a-z0-9_]*)=('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"|[^\s='"]+)(?=$| )""")
+
+
+def _word_value(v: str) -> str:
+    """A ``key=value`` word's value for the JSON log: a quoted one unquoted, trailing punctuation left out."""
+    if v[:1] in ("'", '"'):
+        try:
+            out = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            return v
+        return out if isinstance(out, str) else v
+    return v.rstrip(",;:")
 
 
 def _timestamp(record: logging.LogRecord) -> str:
@@ -98,7 +111,7 @@ class JsonFormatter(logging.Formatter):
         for k, v in _fields(record).items():
             obj.setdefault(str(k), _plain(v))
         for m in _WORD.finditer(msg):
-            obj.setdefault(m.group(1), m.group(2).rstrip(",;:"))
+            obj.setdefault(m.group(1), _word_value(m.group(2)))
         if record.exc_info:
             obj["exc"] = self.formatException(record.exc_info)
         line = json.dumps(obj, ensure_ascii=False, separators=(",", ":"))

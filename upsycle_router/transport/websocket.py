@@ -52,7 +52,7 @@ from wsproto.utilities import RemoteProtocolError as WsRemoteError
 
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
-from upsycle_router.logtext import untrusted
+from upsycle_router.logtext import untrusted, value
 from upsycle_router.transport.connection import WRITE_HIGH_WATER, Connection, ConnectionHandler
 from upsycle_router.transport.session import Session
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME, check_length
@@ -276,7 +276,8 @@ class WebSocketConnection(Connection):
             return
         self._write(self.ws.send(AcceptConnection()))
         self.upgraded = True
-        log.info("conn %d: WebSocket upgraded path=%s origin=%s", self.id, path, self.origin)
+        log.info("conn %d: WebSocket upgraded path=%s origin=%s", self.id, value(path),
+                 untrusted(self.origin) if self.origin is not None else "-")  # fmt: skip
         self._send_session_output()  # HELLO
         if trailing:  # read after HELLO went out, by the loop over events that is running now (data_received)
             self.ws.receive_data(trailing)
