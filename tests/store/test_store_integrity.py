@@ -681,3 +681,19 @@ def test_cli_backup_and_restore(store: Path, tmp_path: Path, capsys: pytest.Capt
     assert "damaged-" in capsys.readouterr().out
     assert main(["store", "check", "--data-dir", data_dir]) == 0
     assert main(["store"]) == 2
+
+
+def test_backup_and_restore_name_what_is_wrong_with_the_path_given(store: Path, tmp_path: Path) -> None:
+    """A backup into a directory that does not exist named an internal temporary file; onto a directory it
+    suggested --force, which then refused it; a restore from a directory said 'no such file'."""
+    with pytest.raises(BackupError) as e:
+        backup(store, tmp_path / "missing" / "x.mdb")
+    assert str(e.value) == f"{tmp_path / 'missing'}: no such directory (for the backup file x.mdb)"
+    assert not (tmp_path / "missing").exists()
+    for force in (False, True):
+        with pytest.raises(BackupError) as e:
+            backup(store, tmp_path, force=force)
+        assert str(e.value) == f"{tmp_path}: is a directory; name the backup file"
+    with pytest.raises(BackupError) as e:
+        restore(tmp_path / "d", tmp_path / "d" / "store", tmp_path)
+    assert str(e.value) == f"{tmp_path}: is a directory, not a backup file"

@@ -85,10 +85,12 @@ def _copy_snapshot(env: Any, txn: Any, fd: int) -> None:
 def backup(store_dir: Path, out: Path, *, force: bool = False) -> BackupResult:
     """Copy the store in ``store_dir`` to the single file ``out`` (see the module's docstring)."""
     store_dir, out = Path(store_dir), Path(out)
-    if out.exists() and not force:
-        raise BackupError(f"{out}: exists already (--force replaces it)")
     if out.is_dir():
         raise BackupError(f"{out}: is a directory; name the backup file")
+    if out.exists() and not force:
+        raise BackupError(f"{out}: exists already (--force replaces it)")
+    if not out.absolute().parent.is_dir():
+        raise BackupError(f"{out.absolute().parent}: no such directory (for the backup file {out.name})")
     if store_dir.resolve() in (out.absolute().parent.resolve(), out.resolve().parent):
         # data.mdb or lock.mdb replaced under a running router: it goes on writing to the old file, lost
         raise BackupError(f"{out}: is in the store's own directory {store_dir}; write the backup elsewhere")
@@ -177,7 +179,8 @@ def restore(data_dir: Path, store_dir: Path, backup_file: Path, *, force: bool =
     inconsistent tables, or a sound store to replace, needs ``force``; a damaged backup is never restored."""
     data_dir, store_dir, backup_file = Path(data_dir), Path(store_dir), Path(backup_file)
     if not backup_file.is_file():
-        raise BackupError(f"{backup_file}: no such file")
+        what = "is a directory, not a backup file" if backup_file.is_dir() else "no such file"
+        raise BackupError(f"{backup_file}: {what}")
     report = check_file(backup_file)
     if report.damage:
         raise BackupError(f"{backup_file}: the backup is damaged: {report.damage[0]}; not restored", report=report)
