@@ -388,7 +388,7 @@ async def test_a_closed_connection_whose_app_does_not_read_is_reset_and_its_slot
             await async_wait_until(lambda: warnings_about(d, "disconnecting slow reader"), 10, "ERROR 6")
             st = await poll(observer.status, lambda st: st["connections_accepted"] == base, timeout + 5.0,
                             "the closed connection's slot back")  # fmt: skip
-            assert st["close_timeouts_total"] == 1, st
+            assert st["close_timeouts_total"] == 1 and st["slow_reader_closes_total"] == 1, st
         finally:
             w.transport.abort()
     assert warnings_about(d, "took nothing within handshake_timeout (1 s): connection reset")

@@ -135,6 +135,7 @@ class EffectRunner:
         self.throttled: dict[int, asyncio.TimerHandle] = {}
         self._refusal_log = RateLimitedLog(log, "refused")
         self._core_refusals = EventLog(log)  # refused_by_core: one line per core node every 10 s
+        self._slow_readers = EventLog(log)  # readers that do not read, closed: one line every 10 s
         self._refusal_flush: asyncio.TimerHandle | None = None
         self._closed = False
 
@@ -340,8 +341,9 @@ class EffectRunner:
         """A connection's outbound buffer passed ``outbound_buffer_max``: a reader that does not read."""
         if conn.closed:
             return
-        log.warning("conn=%d outbound buffer over %d bytes: disconnecting slow reader", conn.id,
-                    self.outbound_buffer_max)
+        self.stats["slow_reader_closes_total"] = self.stats.get("slow_reader_closes_total", 0) + 1
+        self._slow_readers.event("slow_reader", f"conn={conn.id} outbound buffer over {self.outbound_buffer_max} "
+                                 "bytes: disconnecting slow reader")  # fmt: skip
         conn.close_with_error(ErrorCode.OVERLOADED, "outbound buffer full (not reading)")
 
     def release_flushed(self) -> None:
@@ -486,6 +488,7 @@ class EffectRunner:
     def close(self) -> None:
         """Cancel the timers; log the refusals not yet logged."""
         self._core_refusals.close()
+        self._slow_readers.close()
         if self._resync_handle is not None:
             self._resync_handle.cancel()
             self._resync_handle = None
