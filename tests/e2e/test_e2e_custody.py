@@ -10,11 +10,17 @@ sender it was safe (PROTOCOL §8: it must reach its recipient when it comes back
   SIGKILLed at once and started again: Y gets every message.
 - The other way: E's app sends unicasts and publishes for apps of C that are away; its SYNC_ACK comes back; C is
   SIGKILLed at once and started again: the apps of C get every message.
+- The sender's own router: C's SYNC_ACK to its app waits until E confirmed what C forwarded for it (until then
+  the unicasts were only in C's memory and E's socket; C killed right after its SYNC_ACK lost the end of a
+  burst in one round of 5-8). E is stopped (SIGSTOP) meanwhile, so the wait shows; once E runs again the
+  SYNC_ACK comes and E's app has every message.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -110,3 +116,33 @@ async def test_a_core_killed_after_its_edge_acknowledged_delivers_every_message_
             assert grp <= got_grp, f"round {rnd}: {len(grp - got_grp)} of {len(grp)} group messages lost"
             await net.close_client(z)
             await net.close_client(w)
+
+
+async def test_an_apps_sync_ack_waits_for_the_next_router_to_confirm_what_was_forwarded(tmp_path: Path) -> None:
+    async with Network(tmp_path) as net:
+        c, e = core_and_edge(net)
+        await net.start_all()
+        await net.wait_dialled(e, c)
+        y_key = Identity.generate()
+        y = await net.client(e, y_key)  # online on E: C forwards to E at once (no queue)
+        z = await net.client(c, Identity.generate())
+        for attempt in range(100):  # (C must have E's route to Y: Y's REGISTER)
+            await z.send(y_key.public, b"probe %d" % attempt)
+            if (await z.sync()).ok:
+                break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("the core never took a unicast for the edge's app")
+        assert e.proc is not None
+        pid = e.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            sent = {await z.send(y_key.public, b"burst %d " % k + b"x" * 300) for k in range(40)}
+            acked = asyncio.ensure_future(z.sync(timeout=60))
+            await asyncio.sleep(1.5)
+            assert not acked.done(), "C acknowledged what only its memory held (E had confirmed nothing)"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert (await acked).ok
+        got = {m.id for m in await collect(y, sent, timeout=30, settle=0.2)}
+        assert sent <= got, f"{len(sent - got)} of {len(sent)} lost"

@@ -87,11 +87,12 @@ class ControlPlane:
         self._remote_replies += 1
         return self.s.config.reply_ttl + self._remote_replies % 64
 
-    def _reply(self, c: Conn, to: bytes, body: bytes, now: float, out: list[Effect]) -> None:
-        """Send a router-signed unicast ``body`` to ``to`` (over ``c``, or via the normal delivery path)."""
+    def _reply(self, c: Conn, to: bytes, body: bytes, now: float, out: list[Effect], barrier: bool = False) -> None:
+        """Send a router-signed unicast ``body`` to ``to`` (over ``c``, or via the normal delivery path);
+        ``barrier``: see :class:`~upsycle_router.core.events.Send`."""
         reply = self.s.signed_to(to, body, now, self._reply_ttl(not c.local))
         if c.id in self.s.conns and (c.peer == to or not c.local):
-            out.append(Send(c.id, reply.encode()))
+            out.append(Send(c.id, reply.encode(), False, barrier))
             return
         if to in self.s.locals:
             self.delivery.deliver(to, reply, None, len(reply.encode()), now, out, kind=CONTROL)
@@ -158,7 +159,8 @@ class ControlPlane:
         elif isinstance(body, Sync):
             k = self.delivery.sync_acknowledged(c)
             result = Result.FAILURE if k else Result.SUCCESS
-            self._reply(c, h.src, encode_router(SyncAck(body.n, result, k)), now, out)
+            # (written once what went elsewhere before it is safe: runtime/effects.py)
+            self._reply(c, h.src, encode_router(SyncAck(body.n, result, k)), now, out, barrier=True)
         elif isinstance(body, Refused):
             if not c.local and h.src == c.peer:  # the next router refused what we forwarded
                 self.delivery.late_refusal(c.peer, body, now, out)

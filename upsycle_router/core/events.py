@@ -108,11 +108,14 @@ Event = (
 
 class Send(NamedTuple):
     """Write one message to ``conn``: ``routed``, a message of someone else's this router delivers or forwards
-    (not one of its own answers, adverts or requests)."""
+    (not one of its own answers, adverts or requests). ``barrier``: a SYNC_ACK - the driver writes it (and what
+    follows it to ``conn``) only once what the router wrote before it elsewhere is safe (left the router, or,
+    to a router under custody, was confirmed; see runtime/effects.py)."""
 
     conn: ConnId
     data: bytes
     routed: bool = False
+    barrier: bool = False
 
 
 class Fanout(NamedTuple):

@@ -128,6 +128,9 @@ class Batches:
         self._syncing: concurrent.futures.Future[None] | None = None  # durability batch: a sync in flight
         self._sync_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
+        # Undelivered events (deliveries given back, routed again) in batches that committed so far: whoever
+        # waits for given-back deliveries to be safe again (the driver's held SYNC_ACKs) compares with it.
+        self.returns_committed = 0
 
     @property
     def busy(self) -> bool:
@@ -143,6 +146,7 @@ class Batches:
             try:
                 with self._transaction():
                     effects = self._route(events, timer, now)
+                self._count_returns(events)
             except lmdb.Error as e:
                 effects = self._not_committed(events, e, now)
             self._finish(effects, now)
@@ -162,6 +166,7 @@ class Batches:
             # Nothing to commit (direct deliveries): carried out at once, and the transaction serves the next
             # batch - no hand-over, no wait.
             self._idle_txn = txn
+            self._count_returns(events)
             self._finish(effects, now)
             return
         future = committer.commit(txn)
@@ -229,8 +234,15 @@ class Batches:
             raise
         else:
             store.committed()
+            self._count_returns(rec.events)
             effects = rec.effects
         self._finish(effects, rec.now)
+
+    def _count_returns(self, events: list[Event]) -> None:
+        """``events`` committed: count their Undelivered (see :attr:`returns_committed`)."""
+        for ev in events:
+            if type(ev) is Undelivered:
+                self.returns_committed += 1
 
     # ------------------------------------------------------------ a batch that did not commit
 
@@ -252,6 +264,7 @@ class Batches:
                 for ev in events:  # after the connections' events: one the batch opened can be answered
                     if isinstance(ev, MessagesReceived):
                         effects.extend(router.not_taken(ev.conn, ev.messages, Why.STORE_FULL, now))
+            self._count_returns(events)
         except lmdb.Error:
             # That transaction failed too: none of it is carried out, and the core no longer knows where the
             # connections of these events stand (opened, queue windows), nor what it answered the senders. Close

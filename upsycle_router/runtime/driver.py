@@ -99,7 +99,7 @@ class Driver:
         self.stats.update({"received_total": 0, "malformed_total": 0, "bad_signature_total": 0, "batches_total": 0,
                            "overloaded_total": 0, "read_pauses_total": 0, "syncs_total": 0, "throttled_total": 0,
                            "duplicates_total": 0, "expired_total": 0, "undelivered_total": 0,
-                           "slow_reader_closes_total": 0,
+                           "slow_reader_closes_total": 0, "ack_holders_closed_total": 0,
                            "hot_path_c": int(accel.IMPLEMENTATION == "c")})
         self.verifier = Verifier(verify_threads, nice=verify_nice)
         self.pipeline = VerifyPipeline(self.verifier, self.stats)
@@ -110,6 +110,7 @@ class Driver:
         )
         self.batches = Batches(router, store, self.stats, done=self._done, resume=self._resume,
                                early=self.effects.apply_early, sync_interval=sync_interval, retry=self._push)
+        self.effects.returns_committed = lambda: self.batches.returns_committed
         self._flush_handle: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last_timer = -TIMER_INTERVAL  # loop time of the last timer run

@@ -27,6 +27,17 @@ only then) and carries them out in order:
 * dials go to the connection pool (a failed one comes back as ``DialFailed``), learned addresses to its
   address book, ``Throttle`` stops reading a connection for a moment (backpressure), ``CloseConnection``
   sends ERROR and closes;
+* a SYNC_ACK (a ``Send`` with ``barrier``) promises that what the router took before it is safe. A message
+  forwarded at once to a router under custody is in this process's memory only until that router confirms
+  it: so an app's SYNC_ACK is written only once every router's connection confirmed what was written to it
+  before (and deliveries given back meanwhile - a connection closed - were routed again and committed:
+  ``Batches.returns_committed``). Until then the SYNC_ACK and everything after it to the same connection wait
+  in order (:class:`_Hold`); whatever the router wrote to that connection before it needs no wait (a stream
+  delivers in order). Every SYNC_ACK is written after the rest of its batch's writes. A router that holds a
+  SYNC_ACK up for ``HOLD_MAX`` seconds (it confirms nothing) is closed: what it held is routed again (queued),
+  and the SYNC_ACK follows once that committed. Not waited for (docs/protocol.md): a delivery still in a
+  local reader's buffer (one app that does not read would hold up every sender), and the confirmations of
+  further routers for a SYNC_ACK to a router (routers waiting on each other could wait in a circle);
 * custody (``Custody``, docs/protocol.md): on another router's connection, what was routed there is that
   router's only once it confirmed it. After each batch (and every ``SYNC_RETRY`` while one is unanswered)
   the runner writes a SYNC signed by the core behind what the batch routed there; ``Confirmed`` (the router's
@@ -79,6 +90,21 @@ SYNC_RETRY = 1.0  # seconds a SYNC to a router under custody may go unanswered b
 UNCONFIRMED_MAX = 4  # outbound_buffer_max's worth of bytes a router may leave unconfirmed before it is closed
 RELEASE_POLL = 0.002  # seconds between looks at transport buffers still holding queued messages
 GONE_KEEP = 60.0  # seconds a closed connection's peer is remembered, for writes to it routed before its close
+HOLD_MAX = 10.0  # seconds a connection may hold up an app's SYNC_ACK before it is closed (see the docstring)
+
+
+class _Hold:
+    """An app's connection whose SYNC_ACK waits: the effects for it from the SYNC_ACK on, in order, and what
+    they wait for - ``waits``, (connection, end offset) pairs, None until the batch that made it is written out;
+    ``returns``, the deliveries given back that must have committed (``Batches.returns_committed``)."""
+
+    __slots__ = ("effects", "returns", "since", "waits")
+
+    def __init__(self, since: float) -> None:
+        self.effects: list[Effect] = []
+        self.waits: list[tuple[int, int]] | None = None
+        self.returns = 0
+        self.since = since
 
 
 class Dialer(Protocol):
@@ -137,6 +163,12 @@ class EffectRunner:
         self._core_refusals = EventLog(log)  # refused_by_core: one line per core node every 10 s
         self._slow_readers = EventLog(log)  # readers that do not read, closed: one line every 10 s
         self._refusal_flush: asyncio.TimerHandle | None = None
+        # Apps' SYNC_ACKs that wait (see the module docstring): conn -> its hold; deliveries given back so far,
+        # and those of them committed (the driver points this at Batches.returns_committed).
+        self._holds: dict[int, _Hold] = {}
+        self._returns_pushed = 0
+        self.returns_committed: Callable[[], int] = lambda: self._returns_pushed
+        self._hold_handle: asyncio.TimerHandle | None = None
         self._closed = False
 
     def apply_early(self, effects: list[Effect], now: float) -> list[Effect]:
@@ -191,6 +223,8 @@ class EffectRunner:
                 self._give_back()
         if self._unflushed:
             self.release_flushed()
+        elif self._holds:
+            self._release_holds()
 
     def _apply(self, effects: list[Effect], now: float, sent_to: set[Connection]) -> None:
         conns = self.conns
@@ -200,8 +234,14 @@ class EffectRunner:
         framed: list[bytes] = []
         nbytes = 0
         stats = self.stats
+        holds = self._holds
         for e in effects:
             kind = type(e)
+            if holds and kind is not Trace:
+                now_e = self._held_back(e, kind, holds)  # (the part for connections not waiting)
+                if now_e is None:
+                    continue
+                e = now_e
             if kind is Trace:
                 assert isinstance(e, Trace)
                 event = e.event
@@ -255,6 +295,10 @@ class EffectRunner:
                     self._unflushed.add(conn.id)
             elif kind is Send:
                 assert isinstance(e, Send)
+                if e.barrier:  # a SYNC_ACK: it waits (with no hold yet: _held_back starts the others)
+                    hold = holds[e.conn] = _Hold(self.loop.time())
+                    hold.effects.append(e)
+                    continue
                 conn = conns.get(e.conn)
                 if conn is not None and conn.send(e.data):
                     sent_to.add(conn)
@@ -337,6 +381,113 @@ class EffectRunner:
         elif conn.direct_pending(left):
             self._unflushed.add(conn.id)
 
+    # ------------------------------------------------------------ apps' SYNC_ACKs that wait
+
+    def _held_back(self, e: Effect, kind: type, holds: dict[int, _Hold]) -> Effect | None:
+        """While some connections' SYNC_ACKs wait: keep ``e``'s writes to them for later, in order, and return
+        what is left of it to carry out now (None if nothing). A new app SYNC_ACK starts a hold."""
+        if kind is Fanout:
+            assert isinstance(e, Fanout)
+            if holds.keys().isdisjoint(e.conns):
+                return e
+            for cid in e.conns:
+                if cid in holds:
+                    holds[cid].effects.append(Fanout((cid,), e.datas))
+            rest = tuple(cid for cid in e.conns if cid not in holds)
+            return Fanout(rest, e.datas) if rest else None
+        if kind is Send or kind is QueueRun or kind is CloseConnection:
+            assert isinstance(e, (Send, QueueRun, CloseConnection))
+            hold = holds.get(e.conn)
+            if hold is None and kind is Send and e.barrier:  # type: ignore[union-attr]
+                holds[e.conn] = hold = _Hold(self.loop.time())
+            if hold is not None:
+                hold.effects.append(e)
+                return None
+        return e
+
+    def _release_holds(self) -> None:
+        """Write each waiting SYNC_ACK (and what follows it) whose connection no longer waits: give the holds
+        of this batch what they wait for, then release those with nothing left to wait for."""
+        holds = self._holds
+        conns = self.conns
+        now = self.loop.time()
+        ready: list[_Hold] = []
+        late = False
+        for cid, hold in list(holds.items()):
+            if hold.waits is None:
+                hold.waits = self._waits_for(cid)
+                hold.returns = self._returns_pushed
+            if not (conns.get(cid) is None or self._hold_over(hold)):
+                late = late or now - hold.since >= HOLD_MAX
+                if now - hold.since < 3 * HOLD_MAX:
+                    continue
+                log.error("conn=%d: a SYNC_ACK waited %.0f s for deliveries given back to be routed again: written "
+                          "anyway", cid, now - hold.since)  # fmt: skip
+            del holds[cid]
+            ready.append(hold)
+        for hold in ready:
+            first = hold.effects[0]
+            assert isinstance(first, Send)
+            hold.effects[0] = first._replace(barrier=False)  # (a later SYNC_ACK among them waits anew)
+            self.apply(hold.effects, self.clock())  # (written out in full, or given back if the app is gone)
+        if late:
+            self._close_holders(now)
+        if holds and self._hold_handle is None and not self._closed:
+            self._hold_handle = self.loop.call_later(HOLD_MAX / 4, self._hold_timer)
+
+    def _waits_for(self, cid: int) -> list[tuple[int, int]]:
+        """What a SYNC_ACK to ``cid`` must wait for now: each router's connection under custody with deliveries
+        it has not confirmed, with the end of what was written to it. (None for a SYNC_ACK to a router: see the
+        module docstring.)"""
+        waits: list[tuple[int, int]] = []
+        conns = self.conns
+        to = conns.get(cid)
+        if to is None or to.custody:
+            return waits
+        for other in self._custody:
+            conn = conns.get(other)
+            if other != cid and conn is not None:
+                end = conn.direct_end()
+                if end:
+                    waits.append((other, end))
+        return waits
+
+    def _hold_over(self, hold: _Hold) -> bool:
+        """Whether what ``hold`` waits for is safe: written out (or confirmed), and what was given back committed.
+        A connection that closed meanwhile gave its deliveries back (the driver's on_close): they count once it
+        is gone."""
+        waits = hold.waits
+        assert waits is not None
+        conns = self.conns
+        while waits:
+            cid, end = waits[-1]
+            conn = conns.get(cid)
+            if conn is None:  # gone: what it held was given back (counted in returns, below)
+                hold.returns = max(hold.returns, self._returns_pushed)
+            elif not conn.direct_safe(end):
+                return False
+            waits.pop()
+        return self.returns_committed() >= hold.returns
+
+    def _hold_timer(self) -> None:
+        self._hold_handle = None
+        if not self._closed and self._holds:
+            self._release_holds()
+
+    def _close_holders(self, now: float) -> None:
+        """Close the routers that held a SYNC_ACK up for ``HOLD_MAX`` seconds (they confirm nothing): what they
+        held is routed again, and the SYNC_ACK follows once that committed."""
+        for hold in self._holds.values():
+            if now - hold.since < HOLD_MAX or not hold.waits:
+                continue
+            for cid, _end in hold.waits:
+                conn = self.conns.get(cid)
+                if conn is not None and not conn.closed:
+                    self.stats["ack_holders_closed_total"] += 1
+                    log.warning("conn=%d: router %s confirmed nothing for %.0f s, holding up an app's "
+                                "acknowledgement: connection closed", cid, (conn.peer or b"").hex(), HOLD_MAX)
+                    conn.close_with_error(ErrorCode.OVERLOADED, "nothing confirmed (no SYNC_ACK)")
+
     def _overflowed(self, conn: Connection) -> None:
         """A connection's outbound buffer passed ``outbound_buffer_max``: a reader that does not read."""
         if conn.closed:
@@ -364,7 +515,9 @@ class EffectRunner:
             return
         if self.queue_sent:
             self.acknowledged()
-        if self._unflushed:
+        if self._holds:
+            self._release_holds()
+        if self._unflushed and self._release_handle is None:
             self._release_handle = self.loop.call_later(RELEASE_POLL, self.release_flushed)
 
     def take_queue_sent(self) -> list[tuple[bytes, int]]:
@@ -464,6 +617,7 @@ class EffectRunner:
     def give_back(self, peer: bytes, datas: Sequence[bytes]) -> None:
         """Deliveries for ``peer`` that did not leave the router back to the core, counted (``Undelivered``)."""
         self.stats["undelivered_total"] += len(datas)
+        self._returns_pushed += 1
         self.push(Undelivered(peer, tuple(datas)))
 
     # ------------------------------------------------------------ the refusal log
@@ -492,7 +646,7 @@ class EffectRunner:
         if self._resync_handle is not None:
             self._resync_handle.cancel()
             self._resync_handle = None
-        for h in (self._release_handle, self._refusal_flush, *self.throttled.values()):
+        for h in (self._release_handle, self._refusal_flush, self._hold_handle, *self.throttled.values()):
             if h is not None:
                 h.cancel()
         self.throttled.clear()
