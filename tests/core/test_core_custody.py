@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core_harness import CoreHarness, advert, advert_message, ident, unicast
+from core_harness import CoreHarness, advert, advert_message, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import Custody, MessagesReceived
+from upsycle_router.core.events import Custody, Fanout, MessagesReceived, Send
 from upsycle_router.crypto import message_signature_valid
-from upsycle_router.wire.control import Reason, Refused, encode_router
+from upsycle_router.wire.control import Join, Reason, Refused, Sync, encode_router
 from upsycle_router.wire.messages import decode_message
 
 X = ident("X")
@@ -38,3 +38,29 @@ def test_custody_lost_with_a_batch_that_did_not_commit_comes_with_the_next_adver
     h.lost([MessagesReceived.one(o, msg, message_signature_valid(msg))])
     out = h.receive(o, advert_message(other, X, advert(other, host="198.51.100.9", port=4433, rev=2)))
     assert [x for x in out if isinstance(x, Custody)] == [Custody(o)], "custody never reaches the driver"
+
+
+def test_what_goes_on_to_a_router_under_custody_names_the_connection_it_came_on(tmp_path: Path) -> None:
+    """Whose SYNC_ACK waits for a router's confirmation (runtime/effects.py): a unicast forwarded, and a group
+    message to a member router - by the per-message path and by a run - go to a router under custody as a
+    Send naming the connection the message came on (never inside a Fanout), and every SYNC_ACK is a
+    barrier."""
+    other, app, g = ident("other router"), ident("app"), ident("group")
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(accept_join_from_any=True))
+    o = h.open(other, local=False)
+    out = h.receive(o, advert_message(other, X, advert(other, host="198.51.100.9", port=4433)))
+    assert Custody(o) in out
+    h.receive(o, control(other, X, Join(g.public, False)))
+    a = h.open(app)
+    sub = h.open(ident("subscriber"))
+    h.receive(sub, control(ident("subscriber"), X, Join(g.public, True)))
+    out = h.receive(a, unicast(app, other, b"to the router"))
+    assert [(e.conn, e.origin) for e in out if isinstance(e, Send)] == [(o, a)]
+    for msgs in ([multicast(g, b"one")], [multicast(g, b"run %d" % k) for k in range(4)]):
+        out = h.handle(MessagesReceived(a, msgs, bytes([1] * len(msgs))))
+        sends = [(e.conn, e.origin) for e in out if isinstance(e, Send)]
+        assert sends == [(o, a)] * len(msgs), out
+        assert all(o not in e.conns for e in out if isinstance(e, Fanout))
+        assert sum(len(e.datas) for e in out if isinstance(e, Fanout) and sub in e.conns) == len(msgs)
+    out = h.receive(a, control(app, X, Sync(7)))
+    assert [e.barrier for e in out if isinstance(e, Send)] == [True]

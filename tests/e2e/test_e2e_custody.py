@@ -14,11 +14,15 @@ sender it was safe (PROTOCOL §8: it must reach its recipient when it comes back
   the unicasts were only in C's memory and E's socket; C killed right after its SYNC_ACK lost the end of a
   burst in one round of 5-8). E is stopped (SIGSTOP) meanwhile, so the wait shows; once E runs again the
   SYNC_ACK comes and E's app has every message.
+- A router in the middle: edge E1's app sends to an app of edge E2 through their core C. C's confirmation to
+  E1 (its SYNC_ACK to E1's SYNC) waits for E2's confirmation of what C sent on (at most ROUTER_HOLD_MAX), so
+  the app's SYNC_ACK cannot come while E2 is stopped (before, C confirmed at once: its crash then lost them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
@@ -141,6 +145,45 @@ async def test_an_apps_sync_ack_waits_for_the_next_router_to_confirm_what_was_fo
             acked = asyncio.ensure_future(z.sync(timeout=60))
             await asyncio.sleep(1.5)
             assert not acked.done(), "C acknowledged what only its memory held (E had confirmed nothing)"
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert (await acked).ok
+        got = {m.id for m in await collect(y, sent, timeout=30, settle=0.2)}
+        assert sent <= got, f"{len(sent - got)} of {len(sent)} lost"
+
+
+async def test_the_router_in_the_middle_confirms_only_once_the_next_router_did(tmp_path: Path) -> None:
+    async with Network(tmp_path) as net:
+        c, e1 = core_and_edge(net)
+        e2 = net.add_node("e2")
+        c.config["edge_nodes"] = [e1.id.hex(), e2.id.hex()]
+        e2.config["core_nodes"] = [c.peer_entry()]
+        e2.config["pubsub"] = {"enabled": False}
+        await net.start_all()
+        await net.wait_dialled(e1, c)
+        await net.wait_dialled(e2, c)
+        y_key = Identity.generate()
+        y = await net.client(e2, y_key)
+        x = await net.client(e1, Identity.generate())
+        got: set[bytes] = set()
+        for attempt in range(100):  # (C must have E2's route to Y: Y's REGISTER)
+            await x.send(y_key.public, b"probe %d" % attempt)
+            if (await x.sync()).ok:
+                with contextlib.suppress(TimeoutError):
+                    got.add((await y.recv(timeout=0.5)).id)
+                if got:
+                    break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("an app of E1 never reached an app of E2 through C")
+        assert e2.proc is not None
+        pid = e2.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            sent = {await x.send(y_key.public, b"burst %d " % k + b"x" * 300) for k in range(40)}
+            acked = asyncio.ensure_future(x.sync(timeout=60))
+            await asyncio.sleep(0.6)  # (C writes its confirmation anyway after ROUTER_HOLD_MAX, 1 s)
+            assert not acked.done(), "the core confirmed what only its memory held (E2 had confirmed nothing)"
         finally:
             os.kill(pid, signal.SIGCONT)
         assert (await acked).ok

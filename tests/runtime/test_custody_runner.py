@@ -8,10 +8,9 @@ import asyncio
 import socket
 
 import uvloop
-from conn_handler import NullHandler
+from conn_handler import read_ready, stream_pair
 
 from upsycle_router.core.events import Custody, QueueRun, Send
-from upsycle_router.crypto import Identity
 from upsycle_router.runtime.effects import SYNC_RETRY, EffectRunner
 from upsycle_router.transport.stream import StreamConnection
 
@@ -20,26 +19,13 @@ SYNC = b"SYNC-FRAME"
 
 
 async def _pair() -> tuple[StreamConnection, socket.socket]:
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    theirs.setblocking(False)
-    loop = asyncio.get_running_loop()
-    _t, conn = await loop.connect_accepted_socket(
-        lambda: StreamConnection(NullHandler(), Identity.generate(), kind="unix", handshake_timeout=30.0), sock=ours
-    )
+    conn, theirs = await stream_pair()
     conn.peer = PEER
     return conn, theirs
 
 
 async def _drain(sock: socket.socket) -> bytes:
-    out = bytearray()
-    while True:
-        try:
-            chunk = sock.recv(1 << 20)
-        except BlockingIOError:
-            return bytes(out)
-        if not chunk:
-            return bytes(out)
-        out += chunk
+    return read_ready(sock)
 
 
 def _runner(conn: StreamConnection) -> EffectRunner:

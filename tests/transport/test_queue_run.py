@@ -14,7 +14,7 @@ import random
 import socket
 
 import uvloop
-from conn_handler import NullHandler
+from conn_handler import NullHandler, stream_pair
 
 from upsycle_router.crypto import Identity
 from upsycle_router.transport.connection import Connection
@@ -24,13 +24,7 @@ PEER = bytes(range(32))
 
 
 async def _pair(ident: Identity) -> tuple[StreamConnection, socket.socket]:
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    theirs.setblocking(False)
-    loop = asyncio.get_running_loop()
-    _t, conn = await loop.connect_accepted_socket(
-        lambda: StreamConnection(NullHandler(), ident, kind="unix", handshake_timeout=30.0), sock=ours
-    )
-    return conn, theirs
+    return await stream_pair(ident)
 
 
 async def _read(sock: socket.socket, n: int) -> bytes:

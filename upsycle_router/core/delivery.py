@@ -116,7 +116,9 @@ class Delivery:
                 out.append(Trace(DROPPED, msg.id, kind, group, None, key, key, size, Why.OVERLOADED,
                                  role=self.s.role(key)))
                 return Reason.OVERLOADED
-            if fanout is not None:
+            if c.custody:  # another router's: the origin's SYNC_ACK waits for its confirmation
+                out.append(Send(conn, data, True, False, origin.id if origin is not None else -1))
+            elif fanout is not None:
                 fanout.append(conn)
             else:
                 out.append(Send(conn, data, True))
@@ -157,7 +159,7 @@ class Delivery:
             ids = by_key.get(m)
             if ids:
                 rc = conns[ids[-1]]
-                if not (rc.backlog or rc.blocked):
+                if not (rc.backlog or rc.blocked or rc.custody):
                     direct.append(ids[-1])
                     if tracing:
                         out.append(Trace(DELIVERED, msg.id, MULTICAST, group, None, m, m, size, role=s.role(m)))
@@ -274,7 +276,7 @@ class Delivery:
         if origin is not None and origin.local:
             self.remember(origin, router, msg.id, kind, group, size, src, dst)
         if conn is not None:
-            out.append(Send(conn, msg.encode(), True))
+            out.append(Send(conn, msg.encode(), True, False, origin.id if origin is not None else -1))
             if s.tracing:
                 out.append(Trace(FORWARDED, msg.id, kind, group, src, dst, router, size))
             return None

@@ -109,13 +109,16 @@ Event = (
 class Send(NamedTuple):
     """Write one message to ``conn``: ``routed``, a message of someone else's this router delivers or forwards
     (not one of its own answers, adverts or requests). ``barrier``: a SYNC_ACK - the driver writes it (and what
-    follows it to ``conn``) only once what the router wrote before it elsewhere is safe (left the router, or,
-    to a router under custody, was confirmed; see runtime/effects.py)."""
+    follows it to ``conn``) only once what the router sent on for ``conn``'s peer is safe (see
+    runtime/effects.py). ``origin``: for a message sent on to a router under custody, the connection it came
+    on (whose SYNC_ACK waits for that router's confirmation), else -1. (A :class:`Fanout` never goes to a
+    router under custody: such a member gets a Send each.)"""
 
     conn: ConnId
     data: bytes
     routed: bool = False
     barrier: bool = False
+    origin: ConnId = -1
 
 
 class Fanout(NamedTuple):

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from upsycle_router.core.delivery import ANY_MEMBER, Delivery
-from upsycle_router.core.events import ConnId, Effect, Fanout, Trace
+from upsycle_router.core.events import ConnId, Effect, Fanout, Send, Trace
 from upsycle_router.core.state import Conn, RouterState
 from upsycle_router.core.trace import DELIVERED, DUPLICATE, MULTICAST, RECEIVED, Why
 from upsycle_router.expiry import EPOCH_2020
@@ -60,6 +60,7 @@ def multicast_run(
     if not recipients:
         return False
     direct: list[ConnId] = []
+    routers: list[ConnId] = []  # members' routers under custody: a Send each (Delivery.deliver)
     conns, by_key = s.conns, s.by_key
     for key in recipients:
         ids = by_key.get(key)
@@ -68,7 +69,7 @@ def multicast_run(
         rc = conns[ids[-1]]
         if rc.backlog or rc.blocked:
             return False  # behind or not reading: queued or dropped (the per-message path)
-        direct.append(rc.id)
+        (routers if rc.custody else direct).append(rc.id)
     fanout = tuple(direct)
     # First what the store decides, in message order (the recently-seen list, room, the stored ids), with
     # the seen list's changes; the messages stored in one call afterwards (``new``) count as stored.
@@ -133,7 +134,10 @@ def multicast_run(
         elif type(result) is Why:
             delivery.dropped(c, msg.id, result, 0, now, out, MULTICAST, grp, None, None, size)
     if delivered:
-        out.append(Fanout(fanout, tuple(delivered)))
+        if fanout:
+            out.append(Fanout(fanout, tuple(delivered)))
+        for r in routers:
+            out.extend(Send(r, data, True, False, c.id) for data in delivered)
         if member_routers:  # a member router's REFUSED for one reaches the app (as Router._multicast)
             for k, result in zip(range(lo, hi), outcome, strict=True):
                 if type(result) is bytes:

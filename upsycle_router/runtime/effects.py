@@ -28,16 +28,20 @@ only then) and carries them out in order:
   address book, ``Throttle`` stops reading a connection for a moment (backpressure), ``CloseConnection``
   sends ERROR and closes;
 * a SYNC_ACK (a ``Send`` with ``barrier``) promises that what the router took before it is safe. A message
-  forwarded at once to a router under custody is in this process's memory only until that router confirms
-  it: so an app's SYNC_ACK is written only once every router's connection confirmed what was written to it
-  before (and deliveries given back meanwhile - a connection closed - were routed again and committed:
-  ``Batches.returns_committed``). Until then the SYNC_ACK and everything after it to the same connection wait
-  in order (:class:`_Hold`); whatever the router wrote to that connection before it needs no wait (a stream
-  delivers in order). Every SYNC_ACK is written after the rest of its batch's writes. A router that holds a
-  SYNC_ACK up for ``HOLD_MAX`` seconds (it confirms nothing) is closed: what it held is routed again (queued),
-  and the SYNC_ACK follows once that committed. Not waited for (docs/protocol.md): a delivery still in a
-  local reader's buffer (one app that does not read would hold up every sender), and the confirmations of
-  further routers for a SYNC_ACK to a router (routers waiting on each other could wait in a circle);
+  sent on at once to a router under custody is in this process's memory only until that router confirms it:
+  so the SYNC_ACK to a connection is written only once every router's connection confirmed what was sent on
+  to it for messages that came on that connection (``Send.origin``; ``_caused`` keeps, per origin, how far
+  each router's connection was written for it), and once deliveries given back meanwhile (a connection
+  closed) were routed again and committed (``Batches.returns_committed``). Until then the SYNC_ACK, and the
+  router's own answers after it to the same connection (a REFUSED, a later SYNC_ACK, a PULL's answer), wait
+  in order (:class:`_Hold`); deliveries to it do not (a SYNC_ACK is about what the connection sent), nor does
+  what was written to it before (a stream delivers in order). Every SYNC_ACK is written after the rest of its
+  batch's writes. A router that holds an app's SYNC_ACK up for ``HOLD_MAX`` seconds (it confirms nothing) is
+  closed: what it held is routed again (queued), and the SYNC_ACK follows once that committed. A SYNC_ACK to
+  a router (custody's confirmation, which that router's own SYNC_ACKs may wait for) waits at most
+  ``ROUTER_HOLD_MAX``: routers that send each other's messages on around a circle could otherwise wait on
+  each other for ever (counted, ``router_acks_unconfirmed_total``). Not waited for (docs/protocol.md): a
+  delivery still in a local reader's buffer - one app that does not read would hold up every sender;
 * custody (``Custody``, docs/protocol.md): on another router's connection, what was routed there is that
   router's only once it confirmed it. After each batch (and every ``SYNC_RETRY`` while one is unanswered)
   the runner writes a SYNC signed by the core behind what the batch routed there; ``Confirmed`` (the router's
@@ -90,7 +94,8 @@ SYNC_RETRY = 1.0  # seconds a SYNC to a router under custody may go unanswered b
 UNCONFIRMED_MAX = 4  # outbound_buffer_max's worth of bytes a router may leave unconfirmed before it is closed
 RELEASE_POLL = 0.002  # seconds between looks at transport buffers still holding queued messages
 GONE_KEEP = 60.0  # seconds a closed connection's peer is remembered, for writes to it routed before its close
-HOLD_MAX = 10.0  # seconds a connection may hold up an app's SYNC_ACK before it is closed (see the docstring)
+HOLD_MAX = 10.0  # seconds a router may hold up an app's SYNC_ACK before it is closed (see the docstring)
+ROUTER_HOLD_MAX = 1.0  # seconds a SYNC_ACK to another router waits at most for the routers it sent on to
 
 
 class _Hold:
@@ -166,9 +171,12 @@ class EffectRunner:
         # Apps' SYNC_ACKs that wait (see the module docstring): conn -> its hold; deliveries given back so far,
         # and those of them committed (the driver points this at Batches.returns_committed).
         self._holds: dict[int, _Hold] = {}
+        # origin conn -> {router's conn under custody: end of what was written there for the origin's messages}
+        self._caused: dict[int, dict[int, int]] = {}
         self._returns_pushed = 0
         self.returns_committed: Callable[[], int] = lambda: self._returns_pushed
         self._hold_handle: asyncio.TimerHandle | None = None
+        self._releasing = False  # _release_holds is writing what holds kept
         self._closed = False
 
     def apply_early(self, effects: list[Effect], now: float) -> list[Effect]:
@@ -237,11 +245,6 @@ class EffectRunner:
         holds = self._holds
         for e in effects:
             kind = type(e)
-            if holds and kind is not Trace:
-                now_e = self._held_back(e, kind, holds)  # (the part for connections not waiting)
-                if now_e is None:
-                    continue
-                e = now_e
             if kind is Trace:
                 assert isinstance(e, Trace)
                 event = e.event
@@ -295,14 +298,17 @@ class EffectRunner:
                     self._unflushed.add(conn.id)
             elif kind is Send:
                 assert isinstance(e, Send)
-                if e.barrier:  # a SYNC_ACK: it waits (with no hold yet: _held_back starts the others)
-                    hold = holds[e.conn] = _Hold(self.loop.time())
-                    hold.effects.append(e)
-                    continue
+                if (e.barrier or (holds and not e.routed)) and self._held_back(e, holds):
+                    continue  # a SYNC_ACK, or an answer behind one: it waits
                 conn = conns.get(e.conn)
                 if conn is not None and conn.send(e.data):
                     sent_to.add(conn)
                     conn.note_direct((e.data,), e.routed)
+                    if e.origin >= 0 and conn.custody:  # sent on to a router: the origin's SYNC_ACK waits
+                        caused = self._caused.get(e.origin)
+                        if caused is None:
+                            caused = self._caused[e.origin] = {}
+                        caused[e.conn] = conn.written
                 else:
                     self._not_written(e.conn, (e.data,))
             elif isinstance(e, Dial):
@@ -383,31 +389,47 @@ class EffectRunner:
 
     # ------------------------------------------------------------ apps' SYNC_ACKs that wait
 
-    def _held_back(self, e: Effect, kind: type, holds: dict[int, _Hold]) -> Effect | None:
-        """While some connections' SYNC_ACKs wait: keep ``e``'s writes to them for later, in order, and return
-        what is left of it to carry out now (None if nothing). A new app SYNC_ACK starts a hold."""
-        if kind is Fanout:
-            assert isinstance(e, Fanout)
-            if holds.keys().isdisjoint(e.conns):
-                return e
-            for cid in e.conns:
-                if cid in holds:
-                    holds[cid].effects.append(Fanout((cid,), e.datas))
-            rest = tuple(cid for cid in e.conns if cid not in holds)
-            return Fanout(rest, e.datas) if rest else None
-        if kind is Send or kind is QueueRun or kind is CloseConnection:
-            assert isinstance(e, (Send, QueueRun, CloseConnection))
-            hold = holds.get(e.conn)
-            if hold is None and kind is Send and e.barrier:  # type: ignore[union-attr]
-                holds[e.conn] = hold = _Hold(self.loop.time())
-            if hold is not None:
-                hold.effects.append(e)
-                return None
-        return e
+    def _held_back(self, e: Send, holds: dict[int, _Hold]) -> bool:
+        """While some connections' SYNC_ACKs wait: keep the router's own answer ``e`` to one of them for later, in
+        order (True); a new SYNC_ACK starts a hold. (Deliveries are not held: a SYNC_ACK is about what its
+        connection sent, not what it receives, and a REFUSED, the next SYNC_ACK or a PULL's answer must not
+        overtake it. A close is not held either: the peer then knows nothing since its last SYNC_ACK is safe.)"""
+        hold = holds.get(e.conn)
+        if hold is None:
+            if not e.barrier:
+                return False
+            holds[e.conn] = hold = _Hold(self.loop.time())
+        hold.effects.append(e)
+        return True
 
     def _release_holds(self) -> None:
         """Write each waiting SYNC_ACK (and what follows it) whose connection no longer waits: give the holds
-        of this batch what they wait for, then release those with nothing left to wait for."""
+        made since the last look what they wait for, then release those with nothing left to wait for - again
+        while releasing made new ones (a later SYNC_ACK among what a hold kept waits anew: one loop, no
+        recursion)."""
+        if self._releasing:
+            return  # (the loop below looks again)
+        self._releasing = True
+        try:
+            late = False
+            while True:
+                ready, late = self._ready_holds()
+                if not ready:
+                    break
+                for hold in ready:
+                    first = hold.effects[0]
+                    assert isinstance(first, Send)
+                    hold.effects[0] = first._replace(barrier=False)  # (a later SYNC_ACK among them waits anew)
+                    self.apply(hold.effects, self.clock())  # (written in full, or given back if the peer is gone)
+        finally:
+            self._releasing = False
+        if late:
+            self._close_holders(self.loop.time())
+        if self._holds and self._hold_handle is None and not self._closed:
+            self._hold_handle = self.loop.call_later(min(HOLD_MAX / 4, ROUTER_HOLD_MAX / 2), self._hold_timer)
+
+    def _ready_holds(self) -> tuple[list[_Hold], bool]:
+        """The holds that wait for nothing any more (removed), and whether one has waited ``HOLD_MAX``."""
         holds = self._holds
         conns = self.conns
         now = self.loop.time()
@@ -417,57 +439,46 @@ class EffectRunner:
             if hold.waits is None:
                 hold.waits = self._waits_for(cid)
                 hold.returns = self._returns_pushed
-            if not (conns.get(cid) is None or self._hold_over(hold)):
-                late = late or now - hold.since >= HOLD_MAX
-                if now - hold.since < 3 * HOLD_MAX:
+            if not ((to := conns.get(cid)) is None or self._hold_over(hold)):
+                waited = now - hold.since
+                if to.custody and waited >= ROUTER_HOLD_MAX:  # (see the module docstring: no circle of waits)
+                    self.stats["router_acks_unconfirmed_total"] += 1
+                elif waited < 3 * HOLD_MAX:
+                    late = late or waited >= HOLD_MAX
                     continue
-                log.error("conn=%d: a SYNC_ACK waited %.0f s for deliveries given back to be routed again: written "
-                          "anyway", cid, now - hold.since)  # fmt: skip
+                else:
+                    log.error("conn=%d: a SYNC_ACK waited %.0f s for deliveries given back to be routed again: "
+                              "written anyway", cid, waited)  # fmt: skip
             del holds[cid]
             ready.append(hold)
-        for hold in ready:
-            first = hold.effects[0]
-            assert isinstance(first, Send)
-            hold.effects[0] = first._replace(barrier=False)  # (a later SYNC_ACK among them waits anew)
-            self.apply(hold.effects, self.clock())  # (written out in full, or given back if the app is gone)
-        if late:
-            self._close_holders(now)
-        if holds and self._hold_handle is None and not self._closed:
-            self._hold_handle = self.loop.call_later(HOLD_MAX / 4, self._hold_timer)
+        return ready, late
 
     def _waits_for(self, cid: int) -> list[tuple[int, int]]:
-        """What a SYNC_ACK to ``cid`` must wait for now: each router's connection under custody with deliveries
-        it has not confirmed, with the end of what was written to it. (None for a SYNC_ACK to a router: see the
-        module docstring.)"""
-        waits: list[tuple[int, int]] = []
+        """What a SYNC_ACK to ``cid`` must wait for now: each router's connection under custody that was written
+        messages that came on ``cid`` and has not confirmed them all, with the end of what was written to it for
+        them."""
+        caused = self._caused.pop(cid, None)
+        if not caused:
+            return []
         conns = self.conns
-        to = conns.get(cid)
-        if to is None or to.custody:
-            return waits
-        for other in self._custody:
-            conn = conns.get(other)
-            if other != cid and conn is not None:
-                end = conn.direct_end()
-                if end:
-                    waits.append((other, end))
-        return waits
+        return [(other, end) for other, end in caused.items()
+                if (conn := conns.get(other)) is None or not conn.direct_safe(end)]  # fmt: skip
 
     def _hold_over(self, hold: _Hold) -> bool:
         """Whether what ``hold`` waits for is safe: written out (or confirmed), and what was given back committed.
         A connection that closed meanwhile gave its deliveries back (the driver's on_close): they count once it
         is gone."""
-        waits = hold.waits
-        assert waits is not None
+        assert hold.waits is not None
         conns = self.conns
-        while waits:
-            cid, end = waits[-1]
+        left: list[tuple[int, int]] = []
+        for cid, end in hold.waits:
             conn = conns.get(cid)
             if conn is None:  # gone: what it held was given back (counted in returns, below)
                 hold.returns = max(hold.returns, self._returns_pushed)
             elif not conn.direct_safe(end):
-                return False
-            waits.pop()
-        return self.returns_committed() >= hold.returns
+                left.append((cid, end))
+        hold.waits = left
+        return not left and self.returns_committed() >= hold.returns
 
     def _hold_timer(self) -> None:
         self._hold_handle = None
@@ -475,17 +486,18 @@ class EffectRunner:
             self._release_holds()
 
     def _close_holders(self, now: float) -> None:
-        """Close the routers that held a SYNC_ACK up for ``HOLD_MAX`` seconds (they confirm nothing): what they
-        held is routed again, and the SYNC_ACK follows once that committed."""
-        for hold in self._holds.values():
-            if now - hold.since < HOLD_MAX or not hold.waits:
+        """Close the routers that held a SYNC_ACK up for ``HOLD_MAX`` seconds (they confirm nothing; ``waits`` keeps
+        only those, :meth:`_hold_over`): what they held is routed again, and the SYNC_ACK follows once that
+        committed."""
+        for cid, hold in self._holds.items():
+            if now - hold.since < HOLD_MAX or not hold.waits or (to := self.conns.get(cid)) is None or to.custody:
                 continue
-            for cid, _end in hold.waits:
-                conn = self.conns.get(cid)
+            for other, _end in hold.waits:
+                conn = self.conns.get(other)
                 if conn is not None and not conn.closed:
                     self.stats["ack_holders_closed_total"] += 1
                     log.warning("conn=%d: router %s confirmed nothing for %.0f s, holding up an app's "
-                                "acknowledgement: connection closed", cid, (conn.peer or b"").hex(), HOLD_MAX)
+                                "acknowledgement: connection closed", other, (conn.peer or b"").hex(), HOLD_MAX)
                     conn.close_with_error(ErrorCode.OVERLOADED, "nothing confirmed (no SYNC_ACK)")
 
     def _overflowed(self, conn: Connection) -> None:
@@ -584,6 +596,7 @@ class EffectRunner:
         handle = self.throttled.pop(cid, None)
         if handle is not None:
             handle.cancel()
+        self._caused.pop(cid, None)
         now = self.loop.time()
         gone = self._gone
         while gone:  # (oldest first)
