@@ -49,6 +49,24 @@ def core_and_edge(net: Network) -> tuple[Node, Node]:
     return c, e
 
 
+async def burst_while_stopped(stopped: Node, sender: Client, y: Client, y_key: Identity, wait: float, why: str) -> None:
+    """With ``stopped`` (the router of ``y``) stopped by SIGSTOP: ``sender``'s burst to ``y`` gets no SYNC_ACK
+    for ``wait`` seconds; once it runs again the SYNC_ACK comes and ``y`` gets every message."""
+    assert stopped.proc is not None
+    pid = stopped.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        sent = {await sender.send(y_key.public, b"burst %d " % k + b"x" * 300) for k in range(40)}
+        acked = asyncio.ensure_future(sender.sync(timeout=60))
+        await asyncio.sleep(wait)
+        assert not acked.done(), why
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert (await acked).ok
+    got = {m.id for m in await collect(y, sent, timeout=30, settle=0.2)}
+    assert sent <= got, f"{len(sent - got)} of {len(sent)} lost"
+
+
 async def send_burst(z: Client, to: bytes, group: Identity, tag: bytes) -> tuple[set[bytes], set[bytes]]:
     """Unicasts to ``to`` and messages to ``group``, all taken in full (SYNC_ACK, no REFUSED): their ids."""
     uni = {await z.send(to, tag + b" unicast %d " % k + b"x" * 300) for k in range(UNICASTS)}
@@ -137,19 +155,7 @@ async def test_an_apps_sync_ack_waits_for_the_next_router_to_confirm_what_was_fo
             await asyncio.sleep(0.1)
         else:
             pytest.fail("the core never took a unicast for the edge's app")
-        assert e.proc is not None
-        pid = e.proc.pid
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            sent = {await z.send(y_key.public, b"burst %d " % k + b"x" * 300) for k in range(40)}
-            acked = asyncio.ensure_future(z.sync(timeout=60))
-            await asyncio.sleep(1.5)
-            assert not acked.done(), "C acknowledged what only its memory held (E had confirmed nothing)"
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        assert (await acked).ok
-        got = {m.id for m in await collect(y, sent, timeout=30, settle=0.2)}
-        assert sent <= got, f"{len(sent - got)} of {len(sent)} lost"
+        await burst_while_stopped(e, z, y, y_key, 1.5, "C acknowledged what only its memory held (E confirmed nothing)")
 
 
 async def test_the_router_in_the_middle_confirms_only_once_the_next_router_did(tmp_path: Path) -> None:
@@ -176,16 +182,6 @@ async def test_the_router_in_the_middle_confirms_only_once_the_next_router_did(t
             await asyncio.sleep(0.1)
         else:
             pytest.fail("an app of E1 never reached an app of E2 through C")
-        assert e2.proc is not None
-        pid = e2.proc.pid
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            sent = {await x.send(y_key.public, b"burst %d " % k + b"x" * 300) for k in range(40)}
-            acked = asyncio.ensure_future(x.sync(timeout=60))
-            await asyncio.sleep(0.6)  # (C writes its confirmation anyway after ROUTER_HOLD_MAX, 1 s)
-            assert not acked.done(), "the core confirmed what only its memory held (E2 had confirmed nothing)"
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        assert (await acked).ok
-        got = {m.id for m in await collect(y, sent, timeout=30, settle=0.2)}
-        assert sent <= got, f"{len(sent - got)} of {len(sent)} lost"
+        # (C writes its confirmation anyway after ROUTER_HOLD_MAX, 1 s)
+        await burst_while_stopped(e2, x, y, y_key, 0.6, "the core confirmed what only its memory held (E2 confirmed "
+                                  "nothing)")  # fmt: skip

@@ -27,18 +27,26 @@ ACK = b"SYNC-ACK-FRAME"
 SYNC = b"SYNC-FRAME"
 
 
-async def _pair(peer: bytes, sndbuf: int = 0) -> tuple[StreamConnection, socket.socket]:
-    return await stream_pair(peer=peer, sndbuf=sndbuf)
+class _Links:
+    """An effect runner over real Unix socket pairs, one per peer key given (``async with``: closed after): its
+    connections and their other ends in ``pairs``, the SYNC numbers it wrote, the batches of given-back
+    deliveries committed (as the driver's ``Batches.returns_committed``)."""
 
-
-class _Setup:
-    def __init__(self, conns: list[StreamConnection]) -> None:
+    def __init__(self, *peers: bytes, sndbuf: int = 0) -> None:
+        self.peers = peers
+        self.sndbuf = sndbuf
+        self.pairs: list[tuple[StreamConnection, socket.socket]] = []
         self.numbers: list[int] = []
         self.pushed: list[Event] = []
         self.committed = 0
         self.stats = {"undelivered_total": 0, "throttled_total": 0, "ack_holders_closed_total": 0,
                       "router_acks_unconfirmed_total": 0}
-        self.conns = {c.id: c for c in conns}
+        self.conns: dict[int, StreamConnection] = {}
+
+    async def __aenter__(self) -> _Links:
+        for i, peer in enumerate(self.peers):  # (the last one's socket buffers are ``sndbuf``)
+            self.pairs.append(await stream_pair(peer=peer, sndbuf=self.sndbuf if i == len(self.peers) - 1 else 0))
+        self.conns.update((c.id, c) for c, _ in self.pairs)
 
         def sync_message(peer: bytes, n: int) -> bytes:
             self.numbers.append(n)
@@ -49,6 +57,12 @@ class _Setup:
             push=self.pushed.append, acknowledged=lambda: None, held=lambda c: False, sync_message=sync_message,
         )
         self.fx.returns_committed = lambda: self.committed
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for conn, end in self.pairs:
+            conn.abort()
+            end.close()
 
 
 async def _until(cond: Callable[[], bool], seconds: float = 5.0) -> bool:
@@ -60,10 +74,8 @@ async def _until(cond: Callable[[], bool], seconds: float = 5.0) -> bool:
 
 
 async def _waits_for_the_next_router() -> None:
-    app, app_end = await _pair(b"A" * 32)
-    router, router_end = await _pair(b"R" * 32)
-    try:
-        s = _Setup([app, router])
+    async with _Links(b"A" * 32, b"R" * 32) as s:
+        (app, app_end), (router, router_end) = s.pairs
         fx = s.fx
         fx.apply([Custody(router.id)], 0.0)
         # One batch: a unicast of the app's forwarded to the router, the app's SYNC_ACK, then a REFUSED to it (of
@@ -84,11 +96,6 @@ async def _waits_for_the_next_router() -> None:
         got = _read(app_end)
         assert ACK in got and b"REFUSED later" in got
         assert got.index(ACK) < got.index(b"REFUSED later"), "what followed the SYNC_ACK overtook it"
-    finally:
-        for c in (app, router):
-            c.abort()
-        app_end.close()
-        router_end.close()
 
 
 def test_an_apps_sync_ack_waits_for_the_next_router_to_confirm() -> None:
@@ -99,19 +106,12 @@ async def _a_slow_reader_holds_up_nothing() -> None:
     """A delivery still in a local reader's buffer is not waited for (documented): one app that does not read
     would hold up every sender's SYNC_ACK (tests/e2e/test_e2e_limits.py's never-reading subscriber caught the
     first version, which waited for it)."""
-    app, app_end = await _pair(b"A" * 32)
-    sub, sub_end = await _pair(b"S" * 32, sndbuf=16384)
-    try:
-        s = _Setup([app, sub])
+    async with _Links(b"A" * 32, b"S" * 32, sndbuf=16384) as s:
+        (app, app_end), (sub, sub_end) = s.pairs
         big = b"m" * 400_000  # more than the socket takes: the rest stays in the transport's buffer
         s.fx.apply([Fanout((sub.id,), (big,)), Send(app.id, ACK, False, True)], 0.0)
         assert sub.buffered() > 0
         assert ACK in _read(app_end)
-    finally:
-        for c in (app, sub):
-            c.abort()
-        app_end.close()
-        sub_end.close()
 
 
 def test_a_reader_that_does_not_read_holds_up_no_sync_ack() -> None:
@@ -119,18 +119,11 @@ def test_a_reader_that_does_not_read_holds_up_no_sync_ack() -> None:
 
 
 async def _nothing_to_wait_for() -> None:
-    app, app_end = await _pair(b"A" * 32)
-    other, other_end = await _pair(b"O" * 32)
-    try:
-        s = _Setup([app, other])
+    async with _Links(b"A" * 32, b"O" * 32) as s:
+        (app, app_end), (other, other_end) = s.pairs
         s.fx.apply([Send(other.id, b"delivered", True), Send(app.id, ACK, False, True)], 0.0)
         assert ACK in _read(app_end)  # at once, in the same batch
         assert b"delivered" in _read(other_end)
-    finally:
-        for c in (app, other):
-            c.abort()
-        app_end.close()
-        other_end.close()
 
 
 def test_an_apps_sync_ack_with_nothing_pending_goes_out_with_its_batch() -> None:
@@ -139,10 +132,8 @@ def test_an_apps_sync_ack_with_nothing_pending_goes_out_with_its_batch() -> None
 
 async def _closed_holder(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(effects_module, "HOLD_MAX", 0.2)
-    app, app_end = await _pair(b"A" * 32)
-    router, router_end = await _pair(b"R" * 32)
-    try:
-        s = _Setup([app, router])
+    async with _Links(b"A" * 32, b"R" * 32) as s:
+        (app, app_end), (router, router_end) = s.pairs
         fx = s.fx
         fx.apply([Custody(router.id)], 0.0)
         fx.apply([Send(router.id, b"forwarded" * 20, True, False, app.id), Send(app.id, ACK, False, True)], 0.0)
@@ -158,11 +149,6 @@ async def _closed_holder(monkeypatch: pytest.MonkeyPatch) -> None:
         s.committed += 1  # the batch routing them again committed
         fx.apply([], 0.0)
         assert await _until(lambda: ACK in _read(app_end), 2.0)
-    finally:
-        for c in (app, router):
-            c.abort()
-        app_end.close()
-        router_end.close()
 
 
 def test_a_router_that_never_confirms_is_closed_and_the_ack_follows_its_give_back(
@@ -174,21 +160,12 @@ def test_a_router_that_never_confirms_is_closed_and_the_ack_follows_its_give_bac
 async def _only_its_own_messages() -> None:
     """A SYNC_ACK waits for what was sent on for the messages of its own connection, not for other senders'
     (another app's unicasts to a router that is slow to confirm hold up nobody else)."""
-    app, app_end = await _pair(b"A" * 32)
-    other, _other_end = await _pair(b"O" * 32)
-    router, router_end = await _pair(b"R" * 32)
-    try:
-        s = _Setup([app, other, router])
+    async with _Links(b"A" * 32, b"O" * 32, b"R" * 32) as s:
+        (app, app_end), (other, _other_end), (router, router_end) = s.pairs
         s.fx.apply([Custody(router.id)], 0.0)
         s.fx.apply([Send(router.id, b"the other app's" * 20, True, False, other.id), Send(app.id, ACK, False, True)],
                    0.0)  # fmt: skip
         assert ACK in _read(app_end)
-    finally:
-        for c in (app, other, router):
-            c.abort()
-        app_end.close()
-        _other_end.close()
-        router_end.close()
 
 
 def test_a_sync_ack_waits_only_for_its_own_connections_messages() -> None:
@@ -200,10 +177,8 @@ async def _router_ack_waits_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     sent on for it - the router in the middle of a path no longer confirms what only its memory holds -, but at
     most ROUTER_HOLD_MAX: routers sending each other's messages on around a circle could wait for ever."""
     monkeypatch.setattr(effects_module, "ROUTER_HOLD_MAX", 0.3)
-    up, up_end = await _pair(b"U" * 32)
-    down, down_end = await _pair(b"D" * 32)
-    try:
-        s = _Setup([up, down])
+    async with _Links(b"U" * 32, b"D" * 32) as s:
+        (up, up_end), (down, down_end) = s.pairs
         fx = s.fx
         fx.apply([Custody(up.id), Custody(down.id)], 0.0)
         fx.apply([Send(down.id, b"sent on" * 20, True, False, up.id), Send(up.id, ACK, False, True)], 0.0)
@@ -218,11 +193,6 @@ async def _router_ack_waits_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         assert await _until(lambda: ACK in _read(up_end), 3.0)
         assert s.stats["router_acks_unconfirmed_total"] == 1
         assert not down.closed  # (no close for it: only an app's SYNC_ACK closes a router that holds it up)
-    finally:
-        for c in (up, down):
-            c.abort()
-        up_end.close()
-        down_end.close()
 
 
 def test_a_routers_sync_ack_waits_for_the_next_router_at_most_router_hold_max(
@@ -238,21 +208,14 @@ async def _router_ack_first_in_the_batch() -> None:
     """The router's own SYNC is answered in the same batch before the app's unicast is forwarded to it: the
     forward must not wait behind the router's SYNC_ACK where the app's SYNC_ACK cannot see it (the first
     version held every write to a held connection, and wrote the app's SYNC_ACK with the forward unconfirmed)."""
-    app, app_end = await _pair(b"A" * 32)
-    router, router_end = await _pair(b"R" * 32)
-    try:
-        s = _Setup([app, router])
+    async with _Links(b"A" * 32, b"R" * 32) as s:
+        (app, app_end), (router, router_end) = s.pairs
         s.fx.apply([Custody(router.id)], 0.0)
         s.fx.apply([Send(router.id, b"ROUTER-SYNC-ACK", False, True), Send(router.id, b"forwarded" * 20, True, False,
                     app.id), Send(app.id, ACK, False, True)], 0.0)  # fmt: skip
         await asyncio.sleep(0.05)
         assert b"forwarded" in _read(router_end)
         assert ACK not in _read(app_end), "the app's SYNC_ACK left before the router confirmed the forward"
-    finally:
-        for c in (app, router):
-            c.abort()
-        app_end.close()
-        router_end.close()
 
 
 def test_an_apps_sync_ack_waits_for_a_forward_behind_the_routers_own_sync_ack() -> None:
@@ -261,11 +224,8 @@ def test_an_apps_sync_ack_waits_for_a_forward_behind_the_routers_own_sync_ack() 
 
 async def _only_the_silent_router_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(effects_module, "HOLD_MAX", 0.2)
-    app, app_end = await _pair(b"A" * 32)
-    r1, r1_end = await _pair(b"1" * 32)
-    r2, r2_end = await _pair(b"2" * 32)
-    try:
-        s = _Setup([app, r1, r2])
+    async with _Links(b"A" * 32, b"1" * 32, b"2" * 32) as s:
+        (app, app_end), (r1, r1_end), (r2, r2_end) = s.pairs
         fx = s.fx
         fx.apply([Custody(r1.id), Custody(r2.id)], 0.0)
         fx.apply([Send(r1.id, b"fwd1" * 20, True, False, app.id)], 0.0)
@@ -275,11 +235,6 @@ async def _only_the_silent_router_is_closed(monkeypatch: pytest.MonkeyPatch) -> 
         assert await _until(lambda: r2.closed, 3.0)
         assert not r1.closed, "a router that confirmed everything was closed as holding up an acknowledgement"
         assert s.stats["ack_holders_closed_total"] == 1
-    finally:
-        for c in (app, r1, r2):
-            c.abort()
-        for end in (app_end, r1_end, r2_end):
-            end.close()
 
 
 def test_only_the_router_that_confirms_nothing_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -289,11 +244,9 @@ def test_only_the_router_that_confirms_nothing_is_closed(monkeypatch: pytest.Mon
 async def _many_held_acks() -> None:
     """An app pipelines hundreds of SYNCs while a router has not confirmed: releasing them must not recurse
     once per SYNC_ACK (the first version raised RecursionError at ~500 and lost what the holds kept)."""
-    app, app_end = await _pair(b"A" * 32)
-    router, router_end = await _pair(b"R" * 32)
     n = 1500
-    try:
-        s = _Setup([app, router])
+    async with _Links(b"A" * 32, b"R" * 32) as s:
+        (app, app_end), (router, router_end) = s.pairs
         fx = s.fx
         fx.apply([Custody(router.id)], 0.0)
         fx.apply([Send(router.id, b"forwarded" * 20, True, False, app.id), Send(app.id, ACK, False, True)], 0.0)
@@ -304,11 +257,6 @@ async def _many_held_acks() -> None:
         got = bytearray()
         assert await _until(lambda: (got.extend(_read(app_end)), got.count(ACK) == n + 1)[1], 3.0)
         assert got.index(b"answer %d" % (n - 1)) < got.rindex(ACK)
-    finally:
-        for c in (app, router):
-            c.abort()
-        app_end.close()
-        router_end.close()
 
 
 def test_many_held_sync_acks_are_released_in_a_loop_not_a_recursion() -> None:
