@@ -8,7 +8,7 @@ from pathlib import Path
 from core_harness import CoreHarness, advert, advert_message, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import Custody, Fanout, MessagesReceived, Send
+from upsycle_router.core.events import Custody, Fanout, MessagesReceived, QueueRun, Send, Undelivered
 from upsycle_router.crypto import message_signature_valid
 from upsycle_router.wire.control import Join, Reason, Refused, Sync, encode_router
 from upsycle_router.wire.messages import decode_message
@@ -64,3 +64,25 @@ def test_what_goes_on_to_a_router_under_custody_names_the_connection_it_came_on(
         assert sum(len(e.datas) for e in out if isinstance(e, Fanout) and sub in e.conns) == len(msgs)
     out = h.receive(a, control(app, X, Sync(7)))
     assert [e.barrier for e in out if isinstance(e, Send)] == [True]
+
+
+def test_what_a_routers_connection_gave_back_goes_through_the_store_to_its_other_connection(tmp_path: Path) -> None:
+    """A router's connection closed with a forward unconfirmed; the router has another connection under custody:
+    the forward goes to it as a queued entry (released only on that router's confirmation), not straight to it
+    (only in memory again, though its sender's SYNC_ACK, which waited for the given-back deliveries to be routed
+    again, may already have gone out). Found by a review."""
+    other, app = ident("other router"), ident("app")
+    h = CoreHarness(tmp_path / "x", X, CoreConfig())
+    o1 = h.open(other, local=False)
+    assert Custody(o1) in h.receive(o1, advert_message(other, X, advert(other, host="198.51.100.9", port=4433)))
+    a = h.open(app)
+    out = h.receive(a, unicast(app, other, b"to the router"))
+    [fwd] = [e for e in out if isinstance(e, Send)]
+    assert (fwd.conn, fwd.origin) == (o1, a)
+    o2 = h.open(other, local=False)
+    h.receive(o2, advert_message(other, X, advert(other, host="198.51.100.9", port=4433, rev=2)))
+    h.close(o1)
+    out = h.handle(Undelivered(other.public, (fwd.data,)))
+    assert [e for e in out if isinstance(e, Send)] == [], "given back, then sent straight on (memory only)"
+    [run] = [e for e in out if isinstance(e, QueueRun)]
+    assert (run.conn, run.datas) == (o2, (fwd.data,))

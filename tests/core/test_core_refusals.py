@@ -34,7 +34,7 @@ from core_harness import (
 
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.delivery import THROTTLE_SECONDS
-from upsycle_router.core.events import Fanout, MessagesReceived, Throttle, Trace, WriteBlocked
+from upsycle_router.core.events import Fanout, MessagesReceived, Send, Throttle, Trace, WriteBlocked
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.expiry import exp_to_unix, unix_to_exp
 from upsycle_router.services.discovery import DISCOVERY_GROUP
@@ -593,6 +593,9 @@ def test_a_late_refusal_reaches_the_app_and_is_not_counted(tmp_path: Path) -> No
     out = h.receive(r, late)
     h.expect_refused(out, a, m.id, Reason.NO_ROUTE)  # signed by X, to alice, on her connection
     assert [s.conn for s in out.sends()] == [a]  # nothing back to R
+    # Passed on as a routed write: never held behind a SYNC_ACK of the app's that waits for R's confirmation
+    # (runtime/effects.py) - R wrote it before that confirmation, and the app must read it before that SYNC_ACK.
+    assert [e.routed for e in out if isinstance(e, Send)] == [True]
     assert out.events() == ["received", "refused"]
     assert out.traces("refused")[0].peer == ALICE.public
     assert sync(h, a, ALICE, 2) == SyncAck(2, 0, 0)  # a late refusal is not counted

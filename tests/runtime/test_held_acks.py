@@ -261,3 +261,60 @@ async def _many_held_acks() -> None:
 
 def test_many_held_sync_acks_are_released_in_a_loop_not_a_recursion() -> None:
     uvloop.run(_many_held_acks())
+
+
+async def _caused_is_bounded() -> None:
+    """What was sent on for a connection is kept only while both ends live: an origin that closed before its
+    batch was carried out gets no entry, and a router's connection that closed leaves every origin's entries
+    (the pub/sub service never SYNCs: its entries would pile up for the life of the daemon)."""
+    async with _Links(b"P" * 32, b"A" * 32, b"R" * 32, *[bytes([66 + i]) * 32 for i in range(5)]) as s:
+        (svc, _), (app, _), (router, _), *routers = s.pairs
+        fx = s.fx
+        fx.apply([Custody(router.id)], 0.0)
+        for r, _end in routers:
+            fx.apply([Custody(r.id)], 0.0)
+            fx.apply([Send(r.id, b"relayed" * 20, True, False, svc.id)], 0.0)
+            r.abort()
+            s.conns.pop(r.id)
+            fx.forget(r.id, r.peer)
+        assert fx._caused.get(svc.id, {}) == {}, f"entries for closed routers kept: {fx._caused}"
+        app.abort()
+        s.conns.pop(app.id)
+        fx.forget(app.id, app.peer)  # the driver's on_close, before the batch with its messages was carried out
+        fx.apply([Send(router.id, b"forwarded" * 20, True, False, app.id)], 0.0)
+        assert app.id not in fx._caused, f"a closed origin's entry: {fx._caused}"
+
+
+def test_what_was_sent_on_is_kept_only_for_live_connections() -> None:
+    uvloop.run(_caused_is_bounded())
+
+
+async def _each_router_ack_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each SYNC_ACK to a router waits at most ROUTER_HOLD_MAX from its own arrival, also when the next router
+    never confirms and the upstream router keeps sending on (the first version timed a SYNC_ACK queued behind a
+    held one from the earlier one's release: the k-th waited k times as long, found by a review)."""
+    monkeypatch.setattr(effects_module, "ROUTER_HOLD_MAX", 0.3)
+    async with _Links(b"U" * 32, b"D" * 32) as s:
+        (up, up_end), (down, _down_end) = s.pairs
+        fx = s.fx
+        fx.apply([Custody(up.id), Custody(down.id)], 0.0)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        made: list[float] = []
+        got = b""
+        for i in range(48):  # a SYNC (and a message sent on) every 50 ms from U; D never confirms
+            fx.apply([Send(down.id, b"sent on %d " % i * 10, True, False, up.id),
+                      Send(up.id, b"ACK<%02d>" % i, False, True)], 0.0)  # fmt: skip
+            made.append(loop.time() - t0)
+            await asyncio.sleep(0.05)
+            got += _read(up_end)
+        now = loop.time() - t0
+        overdue = [i for i, t in enumerate(made) if now - t > 0.3 + 1.0]  # (1 s for a busy machine's timers)
+        missing = [i for i in overdue if b"ACK<%02d>" % i not in got]
+        assert overdue and not missing, f"SYNC_ACKs to a router still held past ROUTER_HOLD_MAX: {missing}"
+
+
+def test_each_sync_ack_to_a_router_waits_at_most_router_hold_max_from_its_own_arrival(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    uvloop.run(_each_router_ack_bounded(monkeypatch))

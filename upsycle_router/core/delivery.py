@@ -102,9 +102,11 @@ class Delivery:
         if conns:
             conn = conns[-1]
             c = self.conns[conn]
-            if (c.backlog or c.blocked) and msg.header.ttl > 0:
+            if (c.backlog or c.blocked or (taken and c.custody)) and msg.header.ttl > 0:
                 # The recipient's queue still holds unsent entries (append, so nothing overtakes what was queued
-                # first), or it does not read: keep the message in the store rather than in memory.
+                # first), or it does not read: keep the message in the store rather than in memory. So too what
+                # another router's connection gave back (its sender's SYNC_ACK may wait for it: the store's
+                # queue entry is released only once that router confirmed it).
                 why = self.enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger,
                                    remote=remote, origin=origin, taken=taken)
                 if why is None:
@@ -275,6 +277,16 @@ class Delivery:
         dst = msg.header.dst if isinstance(msg.header, UnicastHeader) else None
         if origin is not None and origin.local:
             self.remember(origin, router, msg.id, kind, group, size, src, dst)
+        if conn is not None and taken and msg.header.ttl > 0:  # given back: through the store (as deliver)
+            c = self.conns[conn]
+            if c.custody:
+                why = self.enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, taken=True,
+                                   remote=False)  # fmt: skip
+                if why is None:
+                    s.keep(c)
+                    c.backlog = True
+                    self.flush(c, now, out)
+                return why
         if conn is not None:
             out.append(Send(conn, msg.encode(), True, False, origin.id if origin is not None else -1))
             if s.tracing:
@@ -384,7 +396,9 @@ class Delivery:
             self._counting(c)
             c.refused += 1
         body = encode_router(Refused(r.id, r.reason, r.count))
-        out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
+        # Routed (as the next router's answer passed on): not held behind a SYNC_ACK that waits for that router
+        # (runtime/effects.py), so a REFUSED for a message before it arrives before it.
+        out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode(), True))
         out.append(Trace(REFUSED, r.id, fwd.kind, fwd.group, fwd.src, fwd.dst, c.peer, fwd.size,
                          reason_label(r.reason)))
 

@@ -52,6 +52,7 @@ only then) and carries them out in order:
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import time
@@ -99,9 +100,10 @@ ROUTER_HOLD_MAX = 1.0  # seconds a SYNC_ACK to another router waits at most for 
 
 
 class _Hold:
-    """An app's connection whose SYNC_ACK waits: the effects for it from the SYNC_ACK on, in order, and what
-    they wait for - ``waits``, (connection, end offset) pairs, None until the batch that made it is written out;
-    ``returns``, the deliveries given back that must have committed (``Batches.returns_committed``)."""
+    """A SYNC_ACK that waits: it and the router's own answers after it to the same connection (up to the next
+    SYNC_ACK, which has a hold of its own behind this one), in order, and what it waits for - ``waits``,
+    (connection, end offset) pairs, None until the batch that made it is written out; ``returns``, the
+    deliveries given back that must have committed (``Batches.returns_committed``); ``since``, when it came."""
 
     __slots__ = ("effects", "returns", "since", "waits")
 
@@ -151,6 +153,7 @@ class EffectRunner:
         self.sync_message = sync_message
         self._sync_numbers = itertools.count(time.time_ns())
         self._custody: set[int] = set()  # connections under custody
+        self._routers: set[int] = set()  # the same, until the driver forgets them (closed)
         self._resync_handle: asyncio.TimerHandle | None = None  # asks again for SYNCs left unanswered
         self.dialer: Dialer | None = None
         self.loop = asyncio.get_running_loop()
@@ -170,13 +173,14 @@ class EffectRunner:
         self._refusal_flush: asyncio.TimerHandle | None = None
         # Apps' SYNC_ACKs that wait (see the module docstring): conn -> its hold; deliveries given back so far,
         # and those of them committed (the driver points this at Batches.returns_committed).
-        self._holds: dict[int, _Hold] = {}
+        self._holds: dict[int, collections.deque[_Hold]] = {}  # conn -> its waiting SYNC_ACKs, oldest first
         # origin conn -> {router's conn under custody: end of what was written there for the origin's messages}
         self._caused: dict[int, dict[int, int]] = {}
         self._returns_pushed = 0
         self.returns_committed: Callable[[], int] = lambda: self._returns_pushed
         self._hold_handle: asyncio.TimerHandle | None = None
         self._releasing = False  # _release_holds is writing what holds kept
+        self._unheld = -1  # the connection whose released hold is being written
         self._closed = False
 
     def apply_early(self, effects: list[Effect], now: float) -> list[Effect]:
@@ -298,13 +302,13 @@ class EffectRunner:
                     self._unflushed.add(conn.id)
             elif kind is Send:
                 assert isinstance(e, Send)
-                if (e.barrier or (holds and not e.routed)) and self._held_back(e, holds):
+                if (e.barrier or (holds and not e.routed)) and e.conn != self._unheld and self._held_back(e, holds):
                     continue  # a SYNC_ACK, or an answer behind one: it waits
                 conn = conns.get(e.conn)
                 if conn is not None and conn.send(e.data):
                     sent_to.add(conn)
                     conn.note_direct((e.data,), e.routed)
-                    if e.origin >= 0 and conn.custody:  # sent on to a router: the origin's SYNC_ACK waits
+                    if e.origin >= 0 and conn.custody and e.origin in conns:  # the origin's SYNC_ACK waits
                         caused = self._caused.get(e.origin)
                         if caused is None:
                             caused = self._caused[e.origin] = {}
@@ -327,6 +331,7 @@ class EffectRunner:
                     conn.custody = True
                     conn.fd = -1  # (no fan-out past its noting: see StreamConnection._settle)
                     self._custody.add(e.conn)
+                    self._routers.add(e.conn)
             elif isinstance(e, Confirmed):
                 conn = conns.get(e.conn)
                 if conn is not None and conn.confirm(e.n):
@@ -389,24 +394,25 @@ class EffectRunner:
 
     # ------------------------------------------------------------ apps' SYNC_ACKs that wait
 
-    def _held_back(self, e: Send, holds: dict[int, _Hold]) -> bool:
+    def _held_back(self, e: Send, holds: dict[int, collections.deque[_Hold]]) -> bool:
         """While some connections' SYNC_ACKs wait: keep the router's own answer ``e`` to one of them for later, in
-        order (True); a new SYNC_ACK starts a hold. (Deliveries are not held: a SYNC_ACK is about what its
-        connection sent, not what it receives, and a REFUSED, the next SYNC_ACK or a PULL's answer must not
+        order (True); a SYNC_ACK gets a hold of its own. (Deliveries are not held: a SYNC_ACK is about what its
+        connection sent, not what it receives; a REFUSED, the next SYNC_ACK or a PULL's answer must not
         overtake it. A close is not held either: the peer then knows nothing since its last SYNC_ACK is safe.)"""
-        hold = holds.get(e.conn)
-        if hold is None:
-            if not e.barrier:
-                return False
-            holds[e.conn] = hold = _Hold(self.loop.time())
-        hold.effects.append(e)
+        queue = holds.get(e.conn)
+        if e.barrier:
+            if queue is None:
+                queue = holds[e.conn] = collections.deque()
+            queue.append(_Hold(self.loop.time()))
+        elif queue is None:
+            return False
+        queue[-1].effects.append(e)
         return True
 
     def _release_holds(self) -> None:
-        """Write each waiting SYNC_ACK (and what follows it) whose connection no longer waits: give the holds
-        made since the last look what they wait for, then release those with nothing left to wait for - again
-        while releasing made new ones (a later SYNC_ACK among what a hold kept waits anew: one loop, no
-        recursion)."""
+        """Write each waiting SYNC_ACK (and the answers after it) that no longer waits, oldest first per
+        connection: give the holds made since the last look what they wait for, then release those with nothing
+        left to wait for."""
         if self._releasing:
             return  # (the loop below looks again)
         self._releasing = True
@@ -416,41 +422,49 @@ class EffectRunner:
                 ready, late = self._ready_holds()
                 if not ready:
                     break
-                for hold in ready:
+                for cid, hold in ready:
                     first = hold.effects[0]
                     assert isinstance(first, Send)
-                    hold.effects[0] = first._replace(barrier=False)  # (a later SYNC_ACK among them waits anew)
+                    hold.effects[0] = first._replace(barrier=False)
+                    self._unheld = cid  # (not held again behind the holds still waiting after it)
                     self.apply(hold.effects, self.clock())  # (written in full, or given back if the peer is gone)
+                    self._unheld = -1
         finally:
             self._releasing = False
+            self._unheld = -1
         if late:
             self._close_holders(self.loop.time())
         if self._holds and self._hold_handle is None and not self._closed:
             self._hold_handle = self.loop.call_later(min(HOLD_MAX / 4, ROUTER_HOLD_MAX / 2), self._hold_timer)
 
-    def _ready_holds(self) -> tuple[list[_Hold], bool]:
-        """The holds that wait for nothing any more (removed), and whether one has waited ``HOLD_MAX``."""
-        holds = self._holds
+    def _ready_holds(self) -> tuple[list[tuple[int, _Hold]], bool]:
+        """The holds that wait for nothing any more (removed; each connection's in order), and whether one has
+        waited ``HOLD_MAX``."""
         conns = self.conns
         now = self.loop.time()
-        ready: list[_Hold] = []
+        ready: list[tuple[int, _Hold]] = []
         late = False
-        for cid, hold in list(holds.items()):
-            if hold.waits is None:
-                hold.waits = self._waits_for(cid)
-                hold.returns = self._returns_pushed
-            if not ((to := conns.get(cid)) is None or self._hold_over(hold)):
-                waited = now - hold.since
-                if to.custody and waited >= ROUTER_HOLD_MAX:  # (see the module docstring: no circle of waits)
-                    self.stats["router_acks_unconfirmed_total"] += 1
-                elif waited < 3 * HOLD_MAX:
-                    late = late or waited >= HOLD_MAX
-                    continue
-                else:
-                    log.error("conn=%d: a SYNC_ACK waited %.0f s for deliveries given back to be routed again: "
-                              "written anyway", cid, waited)  # fmt: skip
-            del holds[cid]
-            ready.append(hold)
+        for cid, queue in list(self._holds.items()):
+            for hold in queue:  # (each SYNC_ACK's waits are what its connection's messages caused until then)
+                if hold.waits is None:
+                    hold.waits = self._waits_for(cid)
+                    hold.returns = self._returns_pushed
+            to = conns.get(cid)
+            while queue:
+                hold = queue[0]
+                if not (to is None or self._hold_over(hold)):
+                    waited = now - hold.since
+                    if to.custody and waited >= ROUTER_HOLD_MAX:  # (the module docstring: no circle of waits)
+                        self.stats["router_acks_unconfirmed_total"] += 1
+                    elif waited < 3 * HOLD_MAX:
+                        late = late or waited >= HOLD_MAX
+                        break
+                    else:
+                        log.error("conn=%d: a SYNC_ACK waited %.0f s for deliveries given back to be routed again: "
+                                  "written anyway", cid, waited)  # fmt: skip
+                ready.append((cid, queue.popleft()))
+            if not queue:
+                del self._holds[cid]
         return ready, late
 
     def _waits_for(self, cid: int) -> list[tuple[int, int]]:
@@ -461,8 +475,8 @@ class EffectRunner:
         if not caused:
             return []
         conns = self.conns
-        return [(other, end) for other, end in caused.items()
-                if (conn := conns.get(other)) is None or not conn.direct_safe(end)]  # fmt: skip
+        return [(other, end) for other, end in caused.items()  # (to ``cid`` itself: before it in the stream)
+                if other != cid and ((conn := conns.get(other)) is None or not conn.direct_safe(end))]  # fmt: skip
 
     def _hold_over(self, hold: _Hold) -> bool:
         """Whether what ``hold`` waits for is safe: written out (or confirmed), and what was given back committed.
@@ -489,7 +503,8 @@ class EffectRunner:
         """Close the routers that held a SYNC_ACK up for ``HOLD_MAX`` seconds (they confirm nothing; ``waits`` keeps
         only those, :meth:`_hold_over`): what they held is routed again, and the SYNC_ACK follows once that
         committed."""
-        for cid, hold in self._holds.items():
+        for cid, queue in self._holds.items():
+            hold = queue[0]
             if now - hold.since < HOLD_MAX or not hold.waits or (to := self.conns.get(cid)) is None or to.custody:
                 continue
             for other, _end in hold.waits:
@@ -597,6 +612,10 @@ class EffectRunner:
         if handle is not None:
             handle.cancel()
         self._caused.pop(cid, None)
+        if cid in self._routers:  # (a hold already waits for what it gave back: Batches.returns_committed)
+            self._routers.discard(cid)
+            for caused in self._caused.values():
+                caused.pop(cid, None)
         now = self.loop.time()
         gone = self._gone
         while gone:  # (oldest first)
