@@ -58,6 +58,10 @@ class ConnectionPool:
         self._dialing: dict[bytes, asyncio.Task[None]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._closing = False
+        # Seconds between the maintenance passes that re-dial static peers while some are missing: doubled by
+        # each pass that finds one missing (up to 30 s), back to 1 s by a pass that finds none or a dial that
+        # succeeds (a peer that crashes again soon after each reconnect is not left for 30 s).
+        self._backoff = 1.0
         driver.stats.setdefault("adverts_transport_skipped_total", 0)
 
     def add_static(self, router: bytes, host: str, port: int) -> None:
@@ -128,6 +132,8 @@ class ConnectionPool:
             )
             await asyncio.wait_for(asyncio.shield(conn.opened), self.handshake_timeout)
             log.info("dialled router=%s addr=%s:%d", router.hex(), host, port)
+            if router in self.static or router in self.bootstrap:
+                self._backoff = 1.0
         except (OSError, TimeoutError, ConnectionError, ssl.SSLError) as e:
             log.info("dial failed router=%s addr=%s:%d: %s", router.hex(), host, port, e or type(e).__name__)
             self.driver.push(DialFailed(router))
@@ -140,9 +146,8 @@ class ConnectionPool:
         return frozenset(k for k in (cfg.pubsub_service, cfg.discovery_service) if k is not None)
 
     async def _maintain(self) -> None:
-        backoff = 1.0
         while not self._closing:
-            await asyncio.sleep(min(backoff, max(1.0, self.idle_timeout / 4)))
+            await asyncio.sleep(min(self._backoff, max(1.0, self.idle_timeout / 4)))
             now = asyncio.get_running_loop().time()
             routers = [c for c in self.driver.conns.values() if c.kind == "tls" and not c.local and not c.closed]
             for c in routers:
@@ -162,7 +167,7 @@ class ConnectionPool:
                 missing += [r for r in self.bootstrap if r not in self._dialing and r not in missing]
             for r in missing:
                 self.dial(r)
-            backoff = min(backoff * 2, 30.0) if missing else 1.0
+            self._backoff = min(self._backoff * 2, 30.0) if missing else 1.0
 
     async def close(self) -> None:
         """Stop dialling."""
