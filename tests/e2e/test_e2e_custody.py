@@ -49,6 +49,16 @@ def core_and_edge(net: Network) -> tuple[Node, Node]:
     return c, e
 
 
+async def until_taken(sender: Client, to: bytes, why: str) -> None:
+    """Probe unicasts from ``sender`` to ``to`` until one is taken (SYNC_ACK, no REFUSED): its route is known."""
+    for attempt in range(100):
+        await sender.send(to, b"probe %d" % attempt)
+        if (await sender.sync()).ok:
+            return
+        await asyncio.sleep(0.1)
+    pytest.fail(why)
+
+
 async def burst_while_stopped(stopped: Node, sender: Client, y: Client, y_key: Identity, wait: float, why: str) -> None:
     """With ``stopped`` (the router of ``y``) stopped by SIGSTOP: ``sender``'s burst to ``y`` gets no SYNC_ACK
     for ``wait`` seconds; once it runs again the SYNC_ACK comes and ``y`` gets every message."""
@@ -117,13 +127,8 @@ async def test_a_core_killed_after_its_edge_acknowledged_delivers_every_message_
         await c.wait_trace(event="joined", group=g.public, src=e.id, timeout=10)
         await net.close_client(v)
         x = await net.client(e, Identity.generate())
-        for attempt in range(100):  # (E's route to Z: the default route to its core; C must know Z as local)
-            await x.send(z_key.public, b"probe %d" % attempt)
-            if (await x.sync()).ok:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("the edge never got a unicast for the core's app taken")
+        # (E's route to Z: the default route to its core; C must know Z as local)
+        await until_taken(x, z_key.public, "the edge never got a unicast for the core's app taken")
         for rnd in range(ROUNDS):
             uni, grp = await send_burst(x, z_key.public, g, b"r%d" % rnd)
             since = e.log_size()
@@ -148,13 +153,8 @@ async def test_an_apps_sync_ack_waits_for_the_next_router_to_confirm_what_was_fo
         y_key = Identity.generate()
         y = await net.client(e, y_key)  # online on E: C forwards to E at once (no queue)
         z = await net.client(c, Identity.generate())
-        for attempt in range(100):  # (C must have E's route to Y: Y's REGISTER)
-            await z.send(y_key.public, b"probe %d" % attempt)
-            if (await z.sync()).ok:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("the core never took a unicast for the edge's app")
+        # (C must have E's route to Y: Y's REGISTER)
+        await until_taken(z, y_key.public, "the core never took a unicast for the edge's app")
         await burst_while_stopped(e, z, y, y_key, 1.5, "C acknowledged what only its memory held (E confirmed nothing)")
 
 

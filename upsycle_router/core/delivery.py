@@ -109,10 +109,7 @@ class Delivery:
                 # queue entry is released only once that router confirmed it).
                 why = self.enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger,
                                    remote=remote, origin=origin, taken=taken)
-                if why is None:
-                    self.s.keep(c)
-                    c.backlog = True
-                    self.flush(c, now, out)  # sends it at once unless entries are in flight or c is blocked
+                self._behind(c, why, now, out)
                 return why
             if c.blocked:
                 out.append(Trace(DROPPED, msg.id, kind, group, None, key, key, size, Why.OVERLOADED,
@@ -174,6 +171,14 @@ class Delivery:
         if direct:
             out.append(Fanout(tuple(direct), (data,)))
         return failed, why
+
+    def _behind(self, c: Conn, why: Reason | None, now: float, out: list[Effect]) -> None:
+        """A message for the connected ``c`` was queued (``why`` None) rather than written: ``c`` drains its queue
+        from now on (sent at once unless entries are in flight or ``c`` is blocked)."""
+        if why is None:
+            self.s.keep(c)
+            c.backlog = True
+            self.flush(c, now, out)
 
     def enqueue(
         self,
@@ -282,10 +287,7 @@ class Delivery:
             if c.custody:
                 why = self.enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, taken=True,
                                    remote=False)  # fmt: skip
-                if why is None:
-                    s.keep(c)
-                    c.backlog = True
-                    self.flush(c, now, out)
+                self._behind(c, why, now, out)
                 return why
         if conn is not None:
             out.append(Send(conn, msg.encode(), True, False, origin.id if origin is not None else -1))

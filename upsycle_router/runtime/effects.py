@@ -152,8 +152,7 @@ class EffectRunner:
         # signed by the core; SYNC numbers from the clock up, so that no two SYNCs are one message.
         self.sync_message = sync_message
         self._sync_numbers = itertools.count(time.time_ns())
-        self._custody: set[int] = set()  # connections under custody
-        self._routers: set[int] = set()  # the same, until the driver forgets them (closed)
+        self._custody: set[int] = set()  # connections under custody, until the driver forgets them (closed)
         self._resync_handle: asyncio.TimerHandle | None = None  # asks again for SYNCs left unanswered
         self.dialer: Dialer | None = None
         self.loop = asyncio.get_running_loop()
@@ -171,8 +170,8 @@ class EffectRunner:
         self._core_refusals = EventLog(log)  # refused_by_core: one line per core node every 10 s
         self._slow_readers = EventLog(log)  # readers that do not read, closed: one line every 10 s
         self._refusal_flush: asyncio.TimerHandle | None = None
-        # Apps' SYNC_ACKs that wait (see the module docstring): conn -> its hold; deliveries given back so far,
-        # and those of them committed (the driver points this at Batches.returns_committed).
+        # SYNC_ACKs that wait (see the module docstring); deliveries given back so far, and those of them
+        # committed (the driver points this at Batches.returns_committed).
         self._holds: dict[int, collections.deque[_Hold]] = {}  # conn -> its waiting SYNC_ACKs, oldest first
         # origin conn -> {router's conn under custody: end of what was written there for the origin's messages}
         self._caused: dict[int, dict[int, int]] = {}
@@ -331,7 +330,6 @@ class EffectRunner:
                     conn.custody = True
                     conn.fd = -1  # (no fan-out past its noting: see StreamConnection._settle)
                     self._custody.add(e.conn)
-                    self._routers.add(e.conn)
             elif isinstance(e, Confirmed):
                 conn = conns.get(e.conn)
                 if conn is not None and conn.confirm(e.n):
@@ -392,7 +390,7 @@ class EffectRunner:
         elif conn.direct_pending(left):
             self._unflushed.add(conn.id)
 
-    # ------------------------------------------------------------ apps' SYNC_ACKs that wait
+    # ------------------------------------------------------------ SYNC_ACKs that wait
 
     def _held_back(self, e: Send, holds: dict[int, collections.deque[_Hold]]) -> bool:
         """While some connections' SYNC_ACKs wait: keep the router's own answer ``e`` to one of them for later, in
@@ -563,8 +561,10 @@ class EffectRunner:
         limit = UNCONFIRMED_MAX * self.outbound_buffer_max
         for cid in list(self._custody):
             conn = self.conns.get(cid)
-            if conn is None or conn.closed:
+            if conn is None:
                 self._custody.discard(cid)
+                continue
+            if conn.closed:  # (kept until forget(): what was sent on for origins is dropped with it)
                 continue
             if not conn.needs_sync(now, SYNC_RETRY):
                 continue
@@ -612,8 +612,8 @@ class EffectRunner:
         if handle is not None:
             handle.cancel()
         self._caused.pop(cid, None)
-        if cid in self._routers:  # (a hold already waits for what it gave back: Batches.returns_committed)
-            self._routers.discard(cid)
+        if cid in self._custody:  # (a hold already waits for what it gave back: Batches.returns_committed)
+            self._custody.discard(cid)
             for caused in self._caused.values():
                 caused.pop(cid, None)
         now = self.loop.time()

@@ -429,13 +429,6 @@ class Connection(asyncio.Protocol):
                 direct.popleft()
         return bool(direct)
 
-    def direct_end(self) -> int:
-        """The end (in :attr:`written`) of the last delivery still remembered (:meth:`note_direct`), or 0."""
-        direct = self._direct
-        if direct:
-            self.direct_pending(self.buffered())
-        return direct[-1][0] if direct else 0
-
     def direct_safe(self, end: int) -> bool:
         """Whether the deliveries written up to ``end`` left the transport's buffer (under custody: the peer
         confirmed them). While the transport closes this cannot be told: False until :meth:`take_direct`."""
