@@ -373,12 +373,13 @@ async def test_messages_in_the_routers_buffer_for_a_subscriber_that_stops_readin
     daemon: DaemonFactory,
 ) -> None:
     """A subscriber stops reading. The group's messages go into its socket, then into the router's buffer for
-    the connection (taken: delivered, as far as the publisher can tell), then - once that buffer is past its
-    high-water mark - into the subscriber's queue. The subscriber goes away: what was still in the router's
-    buffer is given back and queued, and it gets all of that when it is back. (What its own socket held when it
-    went away - the first messages, at most a socket buffer's worth - was handed to the kernel for it: the
-    router cannot know whether it read them, as no broker without delivery acknowledgements can. Before,
-    everything in the router's buffer was lost too: 45 of these 120.)"""
+    the connection (taken: delivered, as far as the publisher can tell; backed by queue entries once the
+    publisher's SYNC_ACK is due), then - once that buffer is past its high-water mark - into the subscriber's
+    queue. The subscriber goes away: what was still in the router's buffer is queued (backed, or given back),
+    and it gets all of that when it is back. (What its own socket held when it went away - the first messages,
+    at most a socket buffer's worth - was handed to the kernel for it: the router cannot know whether it read
+    them, as no broker without delivery acknowledgements can. Before, everything in the router's buffer was
+    lost too: 45 of these 120.)"""
     d = daemon(config={"limits": {"outbound_buffer_max": 16 * 1024 * 1024}})
     size = 100_000
     group, sub_key, pub_key = Identity.generate(), Identity.generate(), Identity.generate()
@@ -391,15 +392,17 @@ async def test_messages_in_the_routers_buffer_for_a_subscriber_that_stops_readin
             ids.append(await pub.publish(group, i.to_bytes(4, "big") + os.urandom(size), ttl=GROUP_TTL))
         res = await pub.sync(timeout=60)
         assert res.ok and not res.refused
-        queued = (await pub.status())["queued_messages"]
-    assert 0 < queued < len(ids) - 10  # some went to the queue, many more into the buffers
+        backed = (await pub.status())["deliveries_backed_total"]
+    queued = len(d.trace(event="queued", dst=sub_key.public))
+    assert 0 < queued < len(ids) - 10 and backed > 10  # some went to the queue, many more into the buffers
     sub._writer.transport.abort()  # type: ignore[attr-defined]  # gone
     read = []  # what it did read before it stopped (its stream reader reads ahead of a paused transport)
     with contextlib.suppress(ClientError):
         while True:
             read.append((await sub.recv(timeout=1.0)).id)
-    await async_wait_until(lambda: len(d.trace(event="queued", dst=sub_key.public)) > queued, 10.0,
-                           "the router's buffer given back")  # fmt: skip
+    gone = f"peer={sub_key.public.hex()}"
+    await async_wait_until(lambda: any("connection closed" in ln and gone in ln for ln in d.log_text().splitlines()),
+                           10.0, "the router to see the close")  # fmt: skip
     got = {m.id for m in await _drain(d, sub_key, len(ids), timeout=30.0)}
     assert read == ids[: len(read)]
     in_socket = int(Path("/proc/sys/net/core/wmem_default").read_text()) // size + 1  # (the router's send buffer)

@@ -18,7 +18,7 @@ import uvloop
 from conn_handler import read_ready as _read
 from conn_handler import stream_pair
 
-from upsycle_router.core.events import Confirmed, Custody, Event, Fanout, Send
+from upsycle_router.core.events import Backed, Buffered, Confirmed, Custody, Event, Fanout, Send, Undelivered
 from upsycle_router.runtime import effects as effects_module
 from upsycle_router.runtime.effects import EffectRunner
 from upsycle_router.transport.stream import StreamConnection
@@ -40,7 +40,8 @@ class _Links:
         self.pushed: list[Event] = []
         self.committed = 0
         self.stats = {"undelivered_total": 0, "throttled_total": 0, "ack_holders_closed_total": 0,
-                      "router_acks_unconfirmed_total": 0}
+                      "router_acks_unconfirmed_total": 0, "deliveries_buffered_total": 0,
+                      "deliveries_backed_total": 0}
         self.conns: dict[int, StreamConnection] = {}
 
     async def __aenter__(self) -> _Links:
@@ -103,15 +104,77 @@ def test_an_apps_sync_ack_waits_for_the_next_router_to_confirm() -> None:
 
 
 async def _a_slow_reader_holds_up_nothing() -> None:
-    """A delivery still in a local reader's buffer is not waited for (documented): one app that does not read
-    would hold up every sender's SYNC_ACK (tests/e2e/test_e2e_limits.py's never-reading subscriber caught the
-    first version, which waited for it)."""
+    """A delivery still in an app's buffer is waited for only briefly (``BACK_AFTER``): one app that does not read
+    would hold up every sender's SYNC_ACK (tests/e2e/test_e2e_limits.py's never-reading subscriber caught a
+    version that waited for it). Then it is handed to the core to be backed by a queue entry (``Buffered``),
+    and the SYNC_ACK waits for that to commit: then a crash cannot lose it."""
     async with _Links(b"A" * 32, b"S" * 32, sndbuf=16384) as s:
         (app, app_end), (sub, sub_end) = s.pairs
         big = b"m" * 400_000  # more than the socket takes: the rest stays in the transport's buffer
         s.fx.apply([Fanout((sub.id,), (big,)), Send(app.id, ACK, False, True)], 0.0)
         assert sub.buffered() > 0
+        assert s.pushed == [], "backed before the reader had a moment to take it"
+        assert await _until(lambda: s.pushed == [Buffered(sub.id, b"S" * 32, (big,))], 2.0)
+        assert s.stats["deliveries_buffered_total"] == 1
+        await asyncio.sleep(0.02)
+        assert ACK not in _read(app_end), "the SYNC_ACK left before the delivery in the buffer was backed"
+        s.committed += 1  # the batch that backed it committed
+        s.fx.apply([Backed(sub.id, b"S" * 32, (7,), (big,))], 0.0)
+        assert sub.buffered() > 0  # the reader still has not read: not waited for
         assert ACK in _read(app_end)
+        assert s.stats["deliveries_backed_total"] == 1
+        # Backed: released like a drained queue entry once its bytes left (QueueSent), not given back at a close
+        assert sub.take_direct() == []
+        while _read(sub_end):
+            await asyncio.sleep(0.005)
+        assert await _until(lambda: (b"S" * 32, 7) in s.fx.queue_sent, 2.0)
+
+
+async def _a_reader_that_reads_costs_nothing() -> None:
+    """A delivery that leaves the buffer within ``BACK_AFTER`` is not backed: the SYNC_ACK goes once its bytes left."""
+    async with _Links(b"A" * 32, b"S" * 32, sndbuf=16384) as s:
+        (app, app_end), (sub, sub_end) = s.pairs
+        big = b"r" * 100_000
+        s.fx.apply([Fanout((sub.id,), (big,)), Send(app.id, ACK, False, True)], 0.0)
+        assert sub.buffered() > 0
+        assert ACK not in _read(app_end)
+        got = 0
+        for _ in range(200):
+            got += len(_read(sub_end))
+            if got >= len(big):
+                break
+            await asyncio.sleep(0.001)
+        assert await _until(lambda: ACK in _read(app_end), 2.0)
+        assert s.pushed == [] and s.stats["deliveries_buffered_total"] == 0
+
+
+def test_a_sync_ack_waits_briefly_for_a_reader_that_reads() -> None:
+    uvloop.run(_a_reader_that_reads_costs_nothing())
+
+
+async def _unbacked_given_back() -> None:
+    """A delivery the core did not back (``seq`` 0: ttl 0, no room) stays in memory, given back at a close; so is
+    one whose connection closed before the core's answer came (its close could not give it back: it was with
+    the core). Without a SYNC_ACK nothing is backed."""
+    async with _Links(b"S" * 32, b"T" * 32, b"A" * 32, sndbuf=16384) as s:
+        (sub, _), (other, _), (app, _) = s.pairs
+        big, small = b"b" * 400_000, b"s" * 100
+        s.fx.apply([Fanout((sub.id, other.id), (big,)), Fanout((sub.id, other.id), (small,))], 0.0)
+        await asyncio.sleep(0.03)
+        assert s.pushed == [], "backed with no SYNC_ACK to promise anything"
+        s.fx.apply([Send(app.id, ACK, False, True)], 0.0)
+        assert await _until(lambda: len(s.pushed) == 2, 2.0)
+        assert {type(e) for e in s.pushed} == {Buffered}
+        s.pushed.clear()
+        s.fx.apply([Backed(sub.id, b"S" * 32, (3, 0), (big, small))], 0.0)
+        assert sub.take_direct() == [small]
+        s.conns.pop(other.id)  # closed (the driver forgot it) before the core's answer came
+        s.fx.apply([Backed(other.id, b"T" * 32, (0, 4), (big, small))], 0.0)
+        assert s.pushed == [Undelivered(b"T" * 32, (big,))]
+
+
+def test_a_delivery_not_backed_is_given_back_at_a_close() -> None:
+    uvloop.run(_unbacked_given_back())
 
 
 def test_a_reader_that_does_not_read_holds_up_no_sync_ack() -> None:

@@ -13,7 +13,10 @@ Reason` it was not taken:
   remote sender the router was never told to trust, to whom the recipient never wrote) within its share of
   the queue and of the store, which the quota of everyone else does not count; a remote sender's entry lives
   ``remote_ttl_max`` at most; the store keeps room for expiry and deliveries;
-* :meth:`Delivery.to_router` - to a remote router over its connection, or queued while the pool dials it.
+* :meth:`Delivery.to_router` - to a remote router over its connection, or queued while the pool dials it;
+* :meth:`Delivery.back` - a delivery already written to an app's connection whose bytes are still in the
+  router's outbound buffer (``Buffered``, from the driver): a queue entry for the app, in flight on that
+  connection already, so that a crash before the bytes left finds it queued.
 
 Nothing is lost in silence (wire v1.1): whatever is not taken is answered by :meth:`Delivery.refuse` -
 REFUSED with the message's id, the reason and the number of recipients it was not taken for, signed by the
@@ -179,6 +182,43 @@ class Delivery:
             self.s.keep(c)
             c.backlog = True
             self.flush(c, now, out)
+
+    def back(self, c: Conn, msg: Message, data: bytes, now: float) -> int:
+        """Back the delivery ``msg`` (``data``), written to ``c`` and still in its outbound buffer, with a queue
+        entry for ``c.peer`` that is in flight on ``c`` already (the drain does not write it again; its
+        ``QueueSent`` removes it): its seq, or 0 if it is not backed - not a message for ``c.peer`` (the
+        router's own answers), ttl 0 (it never waits in a queue) or expired, or no room in the store even in
+        its margin. It was taken already, so no quota applies (as for ``taken`` in :meth:`enqueue`), and it is
+        not traced: its DELIVERED record was written; a redelivery after a crash is traced when it happens."""
+        h = msg.header
+        s = self.s
+        if isinstance(h, UnicastHeader):
+            if h.dst != c.peer or h.src == s.id:
+                return 0
+            group = None
+        else:
+            group = h.grp
+        if h.ttl == 0:
+            return 0
+        expiry = expires_at(now, h.ttl, h.exp)
+        if msg.via is not None:
+            expiry = min(expiry, now + s.config.remote_ttl_max)
+        if expiry <= now:
+            return 0
+        store = self.store
+        n = len(data)
+        stored = store.has_message(msg.id)
+        if not store.has_room(QUEUE_ENTRY_BYTES if stored else QUEUE_ENTRY_BYTES + n, reserve=True):
+            return 0
+        if stored:
+            store.extend_message(msg.id, expiry)
+        else:
+            store.put_message(msg.id, data, group, expiry)
+        seq = store.enqueue(c.peer, msg.id, expiry, n).seq
+        s.keep(c).added.append(seq)
+        c.inflight[seq] = n
+        c.inflight_bytes += n
+        return seq
 
     def enqueue(
         self,

@@ -90,6 +90,20 @@ class Undelivered:
 
 
 @dataclass(frozen=True, slots=True)
+class Buffered:
+    """Deliveries written to the connection ``conn`` of ``peer`` (an app's, not under custody) whose bytes are
+    still in its outbound buffer, in this process's memory only, in the order they were written: a crash now
+    would lose them, though their senders may have been told they are safe. Back each with a queue entry for
+    ``peer`` in flight on ``conn`` (:class:`Backed`): the driver reports it (``QueueSent``) once its bytes left,
+    and a crash before then redelivers it from the queue. If ``conn`` is closed, route them again
+    (:class:`Undelivered`)."""
+
+    conn: ConnId
+    peer: bytes
+    datas: tuple[bytes, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class NotAdmitted:
     """Messages that arrived on ``conn`` over its rate limit, in order: not routed, each refused (overloaded)."""
 
@@ -99,7 +113,7 @@ class NotAdmitted:
 
 Event = (
     ConnectionOpened | ConnectionClosed | MessagesReceived | QueueSent | DialFailed | WriteBlocked | Undelivered
-    | NotAdmitted
+    | Buffered | NotAdmitted
 )
 
 
@@ -241,4 +255,19 @@ class Confirmed:
     n: int
 
 
-Effect = Send | Fanout | QueueRun | Dial | CloseConnection | Trace | PeerLearned | Throttle | Custody | Confirmed
+@dataclass(frozen=True, slots=True)
+class Backed:
+    """The core's answer to :class:`Buffered` (for a connection open when it came): the queue entry of ``peer``
+    that now backs each of ``datas`` (the event's), in the same order (``seqs``; 0: not backed - not a delivery
+    for the peer, ttl 0, expired, or no room in the store: it stays in memory, given back if the connection
+    closes, or now if it closed meanwhile)."""
+
+    conn: ConnId
+    peer: bytes
+    seqs: tuple[int, ...]
+    datas: tuple[bytes, ...]
+
+
+Effect = (
+    Send | Fanout | QueueRun | Dial | CloseConnection | Trace | PeerLearned | Throttle | Custody | Confirmed | Backed
+)

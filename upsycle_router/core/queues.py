@@ -9,7 +9,9 @@ Messages for a recipient that is away, behind or not reading wait in its queue i
 records of the step after it); the driver reports each entry's bytes written
 (:class:`~upsycle_router.core.events.QueueSent`), and only then is the entry removed from the store
 (:meth:`QueueDrain.queue_sent`). A crash in between redelivers rather than loses (at least once; one
-connection never gets the same entry twice: ``Conn.sent`` is the highest sequence written on it).
+connection never gets the same entry twice: ``Conn.sent`` is the highest sequence written on it, and an entry
+in flight above it - one that backs a delivery still in the connection's buffer, :meth:`~upsycle_router.core.
+delivery.Delivery.back` - is passed over).
 
 A key with several connections at once drains on one of them at a time: a connection does not read the queue
 while another connection of its key has entries in flight (they would be read twice, and delivered twice
@@ -89,6 +91,8 @@ class QueueDrain:
                 c.backlog = True
                 break
             seq = c.sent = e.seq
+            if seq in inflight:  # a delivery's backing entry (Delivery.back): on this connection already
+                continue
             data = e.data
             lost = bad is not None and seq in bad
             if data is None or lost or e.message_expires <= now or e.expires <= now:

@@ -62,6 +62,8 @@ from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.control import ControlPlane
 from upsycle_router.core.delivery import ANY_MEMBER, Delivery
 from upsycle_router.core.events import (
+    Backed,
+    Buffered,
     CloseConnection,
     ConnectionClosed,
     ConnectionOpened,
@@ -184,6 +186,8 @@ class Router:
                     self._flush(c, now, out)
         elif isinstance(event, Undelivered):
             self._undelivered(event, now, out)
+        elif isinstance(event, Buffered):
+            self._buffered(event, now, out)
         elif isinstance(event, NotAdmitted):
             out.extend(self.not_taken(event.conn, event.messages, Why.OVERLOADED, now))
         return out
@@ -231,6 +235,26 @@ class Router:
                               stranger=remote and s.stranger(h.src, h.dst), remote=remote, taken=True)
             else:
                 self._to_router(peer, msg, None, size, now, out, kind=UNICAST, taken=True)
+
+    def _buffered(self, ev: Buffered, now: float, out: list[Effect]) -> None:
+        """Deliveries still in the outbound buffer of an app's connection: each backed by a queue entry in flight
+        on it (:meth:`~upsycle_router.core.delivery.Delivery.back`), so that a crash before they leave the
+        router redelivers them; the driver hears which entry backs which (``Backed``). If the connection is
+        closed already, they are routed again, as its close gave back the rest."""
+        c = self._conns.get(ev.conn)
+        if c is None or c.custody or c.peer != ev.peer:
+            self._undelivered(Undelivered(ev.peer, ev.datas), now, out)
+            return
+        back = self.delivery.back
+        seqs: list[int] = []
+        for data in ev.datas:
+            try:
+                msg = decode_message(data)
+            except RemoteProtocolError:  # (only the router's own writes come here)
+                seqs.append(0)
+                continue
+            seqs.append(back(c, msg, data, now))
+        out.append(Backed(ev.conn, ev.peer, tuple(seqs), ev.datas))
 
     def batch_begun(self) -> None:
         """The driver begins routing a batch of events in one store transaction."""

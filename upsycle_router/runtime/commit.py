@@ -51,6 +51,7 @@ from typing import Any, NamedTuple
 import lmdb
 
 from upsycle_router.core.events import (
+    Buffered,
     CloseConnection,
     ConnectionOpened,
     Effect,
@@ -128,8 +129,9 @@ class Batches:
         self._syncing: concurrent.futures.Future[None] | None = None  # durability batch: a sync in flight
         self._sync_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._closed = False
-        # Undelivered events (deliveries given back, routed again) in batches that committed so far: whoever
-        # waits for given-back deliveries to be safe again (the driver's held SYNC_ACKs) compares with it.
+        # Undelivered and Buffered events (deliveries given back and routed again, or backed by queue entries) in
+        # batches that committed so far: whoever waits for those deliveries to be safe again (the driver's held
+        # SYNC_ACKs) compares with it.
         self.returns_committed = 0
 
     @property
@@ -241,7 +243,7 @@ class Batches:
     def _count_returns(self, events: list[Event]) -> None:
         """``events`` committed: count their Undelivered (see :attr:`returns_committed`)."""
         for ev in events:
-            if type(ev) is Undelivered:
+            if type(ev) is Undelivered or type(ev) is Buffered:
                 self.returns_committed += 1
 
     # ------------------------------------------------------------ a batch that did not commit
@@ -274,7 +276,7 @@ class Batches:
             conns = {ev.conn for ev in events
                      if isinstance(ev, (ConnectionOpened, WriteBlocked, MessagesReceived, NotAdmitted))}  # fmt: skip
             for ev in events:  # deliveries given back are routed again with the next batch, not lost here
-                if isinstance(ev, Undelivered) and self.retry is not None:
+                if isinstance(ev, (Undelivered, Buffered)) and self.retry is not None:
                     self.retry(ev)
             for ev in events:
                 if isinstance(ev, QueueSent):

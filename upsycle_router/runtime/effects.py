@@ -41,7 +41,12 @@ only then) and carries them out in order:
   a router (custody's confirmation, which that router's own SYNC_ACKs may wait for) waits at most
   ``ROUTER_HOLD_MAX``: routers that send each other's messages on around a circle could otherwise wait on
   each other for ever (counted, ``router_acks_unconfirmed_total``). Not waited for (docs/protocol.md): a
-  delivery still in a local reader's buffer - one app that does not read would hold up every sender;
+  delivery still in an app's outbound buffer for long - one app that does not read would hold up every
+  sender. A SYNC_ACK waits for deliveries in apps' buffers to leave them for ``BACK_AFTER`` (a healthy reader
+  takes them in a millisecond or two); then they are handed to the core (``Buffered``), which backs each with
+  a queue entry already in flight on that connection (``Backed``: released like a drained entry once its
+  bytes left), and the SYNC_ACK waits until that committed (counted with the deliveries given back): a crash
+  then finds them queued for the app. Deliveries that leave the buffer in time cost nothing;
 * custody (``Custody``, docs/protocol.md): on another router's connection, what was routed there is that
   router's only once it confirmed it. After each batch (and every ``SYNC_RETRY`` while one is unanswered)
   the runner writes a SYNC signed by the core behind what the batch routed there; ``Confirmed`` (the router's
@@ -61,6 +66,8 @@ from typing import Protocol
 
 from upsycle_router import accel
 from upsycle_router.core.events import (
+    Backed,
+    Buffered,
     CloseConnection,
     Confirmed,
     Custody,
@@ -97,6 +104,7 @@ RELEASE_POLL = 0.002  # seconds between looks at transport buffers still holding
 GONE_KEEP = 60.0  # seconds a closed connection's peer is remembered, for writes to it routed before its close
 HOLD_MAX = 10.0  # seconds a router may hold up an app's SYNC_ACK before it is closed (see the docstring)
 ROUTER_HOLD_MAX = 1.0  # seconds a SYNC_ACK to another router waits at most for the routers it sent on to
+BACK_AFTER = 0.01  # seconds a SYNC_ACK waits for deliveries to leave apps' buffers before they are backed instead
 
 
 class _Hold:
@@ -159,6 +167,9 @@ class EffectRunner:
         # Queue entries whose bytes left their transport buffer, for the core's next batch (QueueSent).
         self.queue_sent: list[tuple[bytes, int]] = []
         self._unflushed: set[int] = set()  # connections with queue refs or deliveries still in their buffer
+        # Apps' connections whose deliveries stayed in their buffer after a write (what a SYNC_ACK waits for, or
+        # has backed by queue entries: _buffered_waits, _back)
+        self._buffering: set[int] = set()
         # Closed connections: conn -> (peer, when), for writes the core routed to them before it heard of the
         # close; what such a write carried goes back to the core for the peer (Undelivered).
         self._gone: dict[int, tuple[bytes, float]] = {}
@@ -223,13 +234,8 @@ class EffectRunner:
         finally:
             if self._custody:
                 self._syncs(sent_to)
-            limit = self.outbound_buffer_max
             for conn in sent_to:  # one write per connection and batch
-                left = conn.write_out()
-                if left > limit:
-                    self._overflowed(conn)
-                elif conn.direct_pending(left):
-                    self._unflushed.add(conn.id)
+                self._written(conn, conn.write_out())
             if self._returned:
                 self._give_back()
         if self._unflushed:
@@ -337,6 +343,16 @@ class EffectRunner:
                     conn.direct_pending(conn.buffered())
                     if self.queue_sent and not self._closed:
                         self.loop.call_soon(self.acknowledged)
+            elif isinstance(e, Backed):
+                self.stats["deliveries_backed_total"] += sum(1 for seq in e.seqs if seq)
+                conn = conns.get(e.conn)
+                if conn is not None and not conn.closed:
+                    conn.backed(e.peer, e.seqs)
+                    self._unflushed.add(e.conn)
+                else:  # it closed meanwhile: its close gave back what it held but these; the unbacked go back now
+                    left = [data for data, seq in zip(e.datas, e.seqs, strict=True) if not seq]
+                    if left:
+                        self.give_back(e.peer, left)
             elif isinstance(e, Throttle):
                 conn = conns.get(e.conn)
                 if conn is not None and e.conn not in self.throttled:
@@ -385,10 +401,48 @@ class EffectRunner:
             self._not_written(cid, payloads)
             return
         conn.note_direct(payloads)
+        self._written(conn, left)
+
+    def _written(self, conn: Connection, left: int) -> None:
+        """``conn`` was written to, and its transport still buffers ``left`` bytes: a reader that does not read
+        (past ``outbound_buffer_max``) is closed; deliveries still in the buffer are watched until they left it
+        (:meth:`release_flushed`), and an app's connection is noted for the SYNC_ACKs (:meth:`_buffered_waits`)."""
         if left > self.outbound_buffer_max:
             self._overflowed(conn)
         elif conn.direct_pending(left):
             self._unflushed.add(conn.id)
+            if not conn.custody:
+                self._buffering.add(conn.id)
+
+    def _buffered_waits(self) -> list[tuple[int, int]]:
+        """What a SYNC_ACK made now waits for besides what was sent on: each app's connection with deliveries still
+        in its outbound buffer, and how far it was written. A crash would lose those (they are in this process's
+        memory only), so the SYNC_ACK waits until their bytes left - a healthy reader takes them within a
+        millisecond or two, and that costs nothing more - or, after ``BACK_AFTER``, until the core backed them by
+        queue entries and that committed (:meth:`_back`): a reader that does not read holds up no SYNC_ACK."""
+        out: list[tuple[int, int]] = []
+        conns = self.conns
+        for cid in list(self._buffering):
+            conn = conns.get(cid)
+            if conn is None or conn.closed or not conn.direct_pending(conn.buffered()):
+                self._buffering.discard(cid)
+            else:
+                out.append((cid, conn.written))
+        return out
+
+    def _back(self, conn: Connection) -> bool:
+        """Hand the deliveries still in the app's connection ``conn``'s buffer to the core, to be backed by queue
+        entries in flight on it (``Buffered``; its ``Backed`` comes back to :meth:`_apply`); whether there were
+        any. Whoever waits for them then waits for that to commit (counted with the deliveries given back:
+        ``Batches.returns_committed``)."""
+        datas = conn.take_buffered() if conn.peer is not None and not conn.closed else []
+        self._buffering.discard(conn.id)
+        if not datas or conn.peer is None:
+            return False
+        self.stats["deliveries_buffered_total"] += len(datas)
+        self._returns_pushed += 1
+        self.push(Buffered(conn.id, conn.peer, tuple(datas)))
+        return True
 
     # ------------------------------------------------------------ SYNC_ACKs that wait
 
@@ -442,11 +496,17 @@ class EffectRunner:
         now = self.loop.time()
         ready: list[tuple[int, _Hold]] = []
         late = False
-        for cid, queue in list(self._holds.items()):
+        buffered: list[tuple[int, int]] | None = None
+        for cid, queue in self._holds.items():
             for hold in queue:  # (each SYNC_ACK's waits are what its connection's messages caused until then)
                 if hold.waits is None:
-                    hold.waits = self._waits_for(cid)
+                    if buffered is None:
+                        buffered = self._buffered_waits()
+                    # (an app's own buffer is before its SYNC_ACK in the stream: not waited for)
+                    hold.waits = self._waits_for(cid) + [w for w in buffered if w[0] != cid]
                     hold.returns = self._returns_pushed
+        self._back_late(now)
+        for cid, queue in list(self._holds.items()):
             to = conns.get(cid)
             while queue:
                 hold = queue[0]
@@ -464,6 +524,25 @@ class EffectRunner:
             if not queue:
                 del self._holds[cid]
         return ready, late
+
+    def _back_late(self, now: float) -> None:
+        """Apps' connections a SYNC_ACK has waited ``BACK_AFTER`` for: their buffered deliveries are backed by queue
+        entries (:meth:`_back`), and every SYNC_ACK waiting for them waits for that to commit instead."""
+        conns = self.conns
+        backed: set[int] = set()
+        for queue in self._holds.values():
+            for hold in queue:
+                if not hold.waits or now - hold.since < BACK_AFTER:
+                    continue
+                for other, _end in hold.waits:
+                    conn = conns.get(other)
+                    if conn is not None and not conn.custody and other not in backed and self._back(conn):
+                        backed.add(other)
+        if backed:
+            for queue in self._holds.values():
+                for hold in queue:
+                    if hold.waits and any(other in backed for other, _ in hold.waits):
+                        hold.returns = max(hold.returns, self._returns_pushed)
 
     def _waits_for(self, cid: int) -> list[tuple[int, int]]:
         """What a SYNC_ACK to ``cid`` must wait for now: each router's connection under custody that was written
@@ -507,7 +586,7 @@ class EffectRunner:
                 continue
             for other, _end in hold.waits:
                 conn = self.conns.get(other)
-                if conn is not None and not conn.closed:
+                if conn is not None and not conn.closed and conn.custody:  # (an app's buffer is backed: _back_late)
                     self.stats["ack_holders_closed_total"] += 1
                     log.warning("conn=%d: router %s confirmed nothing for %.0f s, holding up an app's "
                                 "acknowledgement: connection closed", other, (conn.peer or b"").hex(), HOLD_MAX)
@@ -611,6 +690,7 @@ class EffectRunner:
         handle = self.throttled.pop(cid, None)
         if handle is not None:
             handle.cancel()
+        self._buffering.discard(cid)
         self._caused.pop(cid, None)
         if cid in self._custody:  # (a hold already waits for what it gave back: Batches.returns_committed)
             self._custody.discard(cid)

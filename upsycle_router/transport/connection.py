@@ -22,6 +22,11 @@ Under custody (another router's connection, :attr:`Connection.custody`) "left th
 queue entries and routed deliveries are released only up to the offset in :attr:`Connection.written` that
 the peer confirmed (:meth:`Connection.confirm`, its SYNC_ACK to the SYNC written after them); the router's
 own answers are not kept at all.
+
+Deliveries to an app that are still in the transport's buffer after a write are handed to the routing core
+(:meth:`Connection.take_buffered`), which backs them with queue entries in flight on this connection; its answer
+(:meth:`Connection.backed`) turns each backed one into a marked queue entry, released like any other once its
+bytes left (a crash before then finds it queued).
 """
 
 from __future__ import annotations
@@ -149,6 +154,9 @@ class Connection(asyncio.Protocol):
         # (end offset in ``written``, payloads) of deliveries (not from a queue) whose bytes may still be in the
         # transport's buffer: given back to the router (take_direct) if the connection closes before they left
         self._direct: collections.deque[tuple[int, Sequence[bytes]]] = collections.deque()
+        # Deliveries of ``_direct`` handed to the core to be backed by queue entries (take_buffered), one list per
+        # hand-over, until the core says which entries back them (backed)
+        self._backing: collections.deque[list[tuple[int, Sequence[bytes]]]] = collections.deque()
         self._flushed = 0  # flushed(), as last known while the transport could tell
         # Custody (core/events.py: Custody): the peer is another router, and what is routed to it stays ours until
         # it confirms it. Offsets in ``written``: the end of the last routed message written, the end covered by
@@ -428,6 +436,46 @@ class Connection(asyncio.Protocol):
             while direct and direct[0][0] <= done:
                 direct.popleft()
         return bool(direct)
+
+    def take_buffered(self) -> list[bytes]:
+        """The deliveries (not under custody) still in the transport's buffer that were not handed over before,
+        in the order they were written, for the core to back with queue entries (:meth:`backed` takes its
+        answer). Until then they are neither given back at a close (the core routes them again itself if the
+        connection is closed when it hears of them) nor released."""
+        direct = self._direct
+        if self.custody or not direct:
+            return []
+        taken = list(direct)
+        direct.clear()
+        self._backing.append(taken)
+        return [p for _, payloads in taken for p in payloads]
+
+    def backed(self, peer: bytes, seqs: Sequence[int]) -> int:
+        """The core's answer to the oldest :meth:`take_buffered`: the queue entry of ``peer`` backing each of its
+        deliveries (0: none). A backed one is released like a drained queue entry (:meth:`take_flushed` names
+        it once its bytes left the buffer); the others are kept as deliveries again (given back at a close).
+        Returns how many were backed."""
+        if not self._backing:
+            return 0
+        taken = self._backing.popleft()
+        n = 0
+        refs: list[tuple[int, tuple[bytes, int]]] = []
+        kept: list[tuple[int, Sequence[bytes]]] = []
+        i = 0
+        for end, payloads in taken:
+            left = [p for k, p in enumerate(payloads) if i + k >= len(seqs) or not seqs[i + k]]
+            for k in range(len(payloads)):
+                if i + k < len(seqs) and seqs[i + k]:
+                    refs.append((end, (peer, seqs[i + k])))
+                    n += 1
+            if left:
+                kept.append((end, left))
+            i += len(payloads)
+        if refs:  # (by end offset: their bytes are older than what was marked since)
+            self._unflushed = collections.deque(sorted([*self._unflushed, *refs], key=lambda r: r[0]))
+        if kept:
+            self._direct = collections.deque(sorted([*self._direct, *kept], key=lambda r: r[0]))
+        return n
 
     def direct_safe(self, end: int) -> bool:
         """Whether the deliveries written up to ``end`` left the transport's buffer (under custody: the peer

@@ -1,0 +1,113 @@
+"""Deliveries still in an app's outbound buffer, backed by queue entries (``Buffered`` / ``Backed``) at the core.
+
+A delivery written to an app's connection is in the router's memory until its bytes leave the outbound buffer;
+the driver hands those still there to the core, which backs each with a queue entry for the app that is in
+flight on that connection already: the drain never writes it there again, ``QueueSent`` removes it, and a crash
+(or a close) before then leaves it queued, so the app gets it when it comes back. These tests drive the real
+core over a real LMDB store.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from core_harness import CoreHarness, control, ident, multicast, unicast
+
+from upsycle_router.core.config import CoreConfig
+from upsycle_router.core.events import Backed, Buffered, ConnectionClosed, Fanout, QueueRun, WriteBlocked
+from upsycle_router.wire.control import Join
+
+X = ident("X")
+G = ident("group")
+SUB = ident("subscriber")
+PUB = ident("publisher")
+
+
+def _subscribed(tmp_path: Path) -> tuple[CoreHarness, int, int]:
+    h = CoreHarness(tmp_path / "x", X, CoreConfig())
+    s = h.open(SUB)
+    h.receive(s, control(SUB, X, Join(G.public, True)))
+    p = h.open(PUB)
+    return h, s, p
+
+
+def _fanned(h: CoreHarness, p: int, s: int, body: bytes) -> bytes:
+    out = h.receive(p, multicast(G, body))
+    datas = [e.datas for e in out if isinstance(e, Fanout) and s in e.conns]
+    assert len(datas) == 1, "not delivered at once"
+    return datas[0][0]
+
+
+def test_buffered_deliveries_are_backed_in_flight_and_never_written_again(tmp_path: Path) -> None:
+    h, s, p = _subscribed(tmp_path)
+    datas = tuple(_fanned(h, p, s, b"m%d" % k) for k in range(3))
+    out = h.handle(Buffered(s, SUB.public, datas))
+    backed = [e for e in out if isinstance(e, Backed)]
+    assert len(backed) == 1 and backed[0].conn == s and backed[0].datas == datas
+    seqs = backed[0].seqs
+    assert all(seqs) and len(set(seqs)) == 3
+    assert [e.seq for e in h.store.queue(SUB.public)] == list(seqs)
+    assert out.traces("queued") == [], "a backing entry is no new delivery: not traced"
+    # The subscriber falls behind: new messages are queued; the drain writes those, never the backing entries.
+    h.handle(WriteBlocked(s, True))
+    h.receive(p, multicast(G, b"later"))
+    out = h.handle(WriteBlocked(s, False))
+    runs = [e for e in out if isinstance(e, QueueRun)]
+    assert len(runs) == 1 and not set(runs[0].seqs) & set(seqs), "a backed delivery was written again"
+    # Once its bytes left the buffer (QueueSent) the backing entry goes; the queue holds nothing else for them.
+    h.queue_sent([(SUB.public, q) for q in seqs])
+    h.queue_sent([(SUB.public, q) for q in runs[0].seqs])
+    assert h.store.queue(SUB.public) == []
+
+
+def test_a_backed_delivery_is_redelivered_on_the_next_connection_after_a_close(tmp_path: Path) -> None:
+    """The connection (or the router) went away before the bytes left: the entry stays queued and the next
+    connection of the app gets the message."""
+    h, s, p = _subscribed(tmp_path)
+    data = _fanned(h, p, s, b"in the buffer")
+    h.handle(Buffered(s, SUB.public, (data,)))
+    h.close(s)
+    h.restart()  # (a crash: what the core kept in memory is gone, the store stays)
+    s2 = h.open(SUB)
+    assert [w.data for w in h.last.sends(s2)] == [data], "the backed delivery was not sent to the app's next connection"
+
+
+def test_what_cannot_be_backed_is_answered_with_seq_zero(tmp_path: Path) -> None:
+    """Not a delivery for the connection's peer (the router's own answer, a unicast for someone else) and ttl 0
+    get no entry."""
+    h, s, p = _subscribed(tmp_path)
+    own = h.router.sync_message(SUB.public, 1, h.now)
+    zero = unicast(PUB, SUB, b"now or never", ttl=0).encode()
+    other = unicast(PUB, ident("someone else"), b"not for the subscriber").encode()
+    mine = unicast(PUB, SUB, b"for the subscriber").encode()
+    out = h.handle(Buffered(s, SUB.public, (own, zero, other, mine)))
+    (backed,) = [e for e in out if isinstance(e, Backed)]
+    assert [bool(q) for q in backed.seqs] == [False, False, False, True]
+    assert [e.seq for e in h.store.queue(SUB.public)] == [backed.seqs[3]]
+    assert h.store.has_message(unicast(PUB, SUB, b"for the subscriber").id), "a unicast backed without its bytes"
+
+
+def test_a_connection_closed_before_the_core_heard_routes_them_again(tmp_path: Path) -> None:
+    """The close came first: no Backed (the driver gave back the rest at the close); these are routed again, so
+    queued for the app that is away."""
+    h, s, p = _subscribed(tmp_path)
+    data = _fanned(h, p, s, b"late")
+    h.handle(ConnectionClosed(s))
+    out = h.handle(Buffered(s, SUB.public, (data,)))
+    assert not [e for e in out if isinstance(e, Backed)]
+    assert len(h.store.queue(SUB.public)) == 1
+    assert out.traces("queued"), "routed again as a delivery given back (Undelivered): queued and traced"
+
+
+def test_backing_undone_with_a_batch_that_did_not_commit(tmp_path: Path) -> None:
+    """A batch that backed deliveries and did not commit leaves the connection's window as it was (the entry it
+    added in flight is gone with its transaction); the driver routes the Buffered event again with the batch's
+    other non-message events, and that backs it once."""
+    h, s, p = _subscribed(tmp_path)
+    data = _fanned(h, p, s, b"lost batch")
+    c = h.router.state.conns[s]
+    assert c.inflight == {}
+    out = h.lost([Buffered(s, SUB.public, (data,))])
+    (backed,) = [e for e in out if isinstance(e, Backed)]
+    assert [e.seq for e in h.store.queue(SUB.public)] == list(backed.seqs)
+    assert list(c.inflight) == list(backed.seqs), "the lost batch's entry is still in flight"
