@@ -71,14 +71,20 @@ async def status(net: Network, node: Node) -> dict[str, int]:
         await net.close_client(c)
 
 
+async def router_and_subscriber(net: Network) -> tuple[Node, Identity, Identity, Client]:
+    """One router; a group G and its subscriber Y, connected: (router, G, Y's key, Y's client)."""
+    r = net.add_node("r")
+    r.config["pubsub"] = {"enabled": False}
+    await net.start_all()
+    g, y_key = Identity.generate(), Identity.generate()
+    y = await net.client(r, y_key)
+    assert await y.join(g.public)
+    return r, g, y_key, y
+
+
 async def test_a_router_killed_with_deliveries_in_its_buffer_sends_them_after_restart(tmp_path: Path) -> None:
     async with Network(tmp_path) as net:
-        r = net.add_node("r")
-        r.config["pubsub"] = {"enabled": False}
-        await net.start_all()
-        g, y_key = Identity.generate(), Identity.generate()
-        y = await net.client(r, y_key)
-        assert await y.join(g.public)
+        r, g, y_key, y = await router_and_subscriber(net)
         for rnd in range(ROUNDS):
             p = await net.client(r)
             stop_reading(y)
@@ -97,12 +103,7 @@ async def test_a_router_killed_with_deliveries_in_its_buffer_sends_them_after_re
 
 async def test_backed_deliveries_arrive_once_and_leave_the_queue_empty(tmp_path: Path) -> None:
     async with Network(tmp_path) as net:
-        r = net.add_node("r")
-        r.config["pubsub"] = {"enabled": False}
-        await net.start_all()
-        g, y_key = Identity.generate(), Identity.generate()
-        y = await net.client(r, y_key)
-        assert await y.join(g.public)
+        r, g, _, y = await router_and_subscriber(net)
         p = await net.client(r)
         stop_reading(y)
         sent = await burst(p, g, b"live")
