@@ -11,10 +11,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core_harness import CoreHarness, control, ident, multicast, unicast
+from core_harness import CoreHarness, advert, advert_message, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import Backed, Buffered, ConnectionClosed, Fanout, QueueRun, WriteBlocked
+from upsycle_router.core.events import (
+    Backed,
+    Buffered,
+    ConnectionClosed,
+    Fanout,
+    MessagesReceived,
+    QueueRun,
+    Undelivered,
+    WriteBlocked,
+)
 from upsycle_router.wire.control import Join
 
 X = ident("X")
@@ -111,3 +120,62 @@ def test_backing_undone_with_a_batch_that_did_not_commit(tmp_path: Path) -> None
     (backed,) = [e for e in out if isinstance(e, Backed)]
     assert [e.seq for e in h.store.queue(SUB.public)] == list(backed.seqs)
     assert list(c.inflight) == list(backed.seqs), "the lost batch's entry is still in flight"
+
+
+def test_backing_entries_in_flight_on_one_connection_are_not_read_by_the_keys_other_connection(tmp_path: Path) -> None:
+    """(From a review.) Drain hand-over: while one connection of a key has entries in flight, another one of the
+    key does not read the queue for DRAIN_HANDOVER seconds. Backing entries are in flight on s1 (their bytes are
+    still in s1's buffer and go out there), so s2 must not write them too (before, ``back`` left the
+    connection's progress at 0: no hand-over at all)."""
+    h, s1, p = _subscribed(tmp_path)
+    datas = tuple(_fanned(h, p, s1, b"m%d" % k) for k in range(3))
+    (backed,) = [e for e in h.handle(Buffered(s1, SUB.public, datas)) if isinstance(e, Backed)]
+    assert all(backed.seqs)
+    h.now += 1
+    s2 = h.open(SUB)  # the app opens a second connection; s1 is still open, its buffer still holds the three
+    opened = h.last
+    h.now += 1
+    again = h.handle(WriteBlocked(s2, False))
+    dup = [w.data for w in (*opened.sends(s2), *again.sends(s2)) if w.data in datas]
+    assert dup == [], f"{len(dup)} deliveries still in s1's buffer were written on s2 too (no drain hand-over)"
+
+
+def test_a_connection_that_came_under_custody_gets_nothing_backed_nor_written_again(tmp_path: Path) -> None:
+    """(From a review.) A router's connection is backed like an app's until its advert puts it under custody. If
+    that comes first, the deliveries are declined (custody keeps them until the router confirms) - not routed
+    again to the same connection, whose buffer still holds them."""
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(accept_join_from_any=True))
+    other = ident("other router")
+    o = h.open(other, local=False)
+    h.receive(o, control(other, X, Join(G.public, False)))  # (a member: a delivery to it could be backed)
+    assert other.public in h.router.state.subs[G.public]
+    data = multicast(G, b"on its way to the router").encode()
+    adv = advert_message(other, X, advert(other, host="198.51.100.9", port=4433))
+    out = h.handle_all([MessagesReceived.one(o, adv, True), Buffered(o, other.public, (data,))])
+    assert [e for e in out if isinstance(e, Backed)] == [Backed(o, other.public, (0,), (data,))]
+    assert [w for w in out.sends(o) if w.data == data] == [], "written to the same connection again"
+
+
+def test_what_a_connection_gave_back_reaches_the_apps_other_connection_through_the_queue(tmp_path: Path) -> None:
+    """(From a review.) Deliveries given back by a connection that closed are routed again to the app's other
+    open connection through its queue, not written straight into that connection's buffer, where a SYNC_ACK
+    waiting for them (it waits for their commit) could not see them."""
+    h, s1, p = _subscribed(tmp_path)
+    s2 = h.open(SUB)
+    data = _fanned(h, p, s2, b"given back")
+    h.close(s1)
+    out = h.handle(Undelivered(SUB.public, (data,)))
+    writes = [w for w in out.sends(s2) if w.data == data]
+    assert writes and all(w.queue_ref is not None for w in writes), "written past the store"
+
+
+def test_a_pulled_message_for_an_app_not_in_the_group_is_not_backed(tmp_path: Path) -> None:
+    """A PULL's answer to a remote app that is not a member is the router's own answer, not a delivery: not backed
+    (the same rule as for what a closing connection gives back: a group message is routed again to a member or
+    a local service only)."""
+    h, _, _ = _subscribed(tmp_path)
+    remote = ident("remote app")
+    r = h.open(remote, local=False)
+    data = multicast(G, b"pulled").encode()
+    (backed,) = [e for e in h.handle(Buffered(r, remote.public, (data,))) if isinstance(e, Backed)]
+    assert backed.seqs == (0,)

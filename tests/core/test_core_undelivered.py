@@ -72,7 +72,11 @@ def test_back_before_it_was_given_back_the_recipient_gets_it_at_once(h: CoreHarn
     h.close(b)
     b2 = h.open(BOB)  # (reconnected before the driver's event was routed)
     out = h.handle(Undelivered(BOB.public, (written.data,)))
-    assert [x.id for x in out.messages(b2)] == [m.id] and h.store.queue(BOB.public) == []
+    assert [x.id for x in out.messages(b2)] == [m.id]
+    # ... through its queue (in the store before a SYNC_ACK waiting for it goes), the entry gone once written
+    assert out.queue_refs() and [e.id for e in h.store.queue(BOB.public)] == [m.id]
+    h.queue_sent(out)
+    assert h.store.queue(BOB.public) == []
 
 
 def test_the_routers_own_answers_are_not_given_again(h: CoreHarness) -> None:

@@ -18,7 +18,7 @@ import uvloop
 from conn_handler import read_ready as _read
 from conn_handler import stream_pair
 
-from upsycle_router.core.events import Backed, Buffered, Confirmed, Custody, Event, Fanout, Send, Undelivered
+from upsycle_router.core.events import Backed, Buffered, Confirmed, Custody, Effect, Event, Fanout, Send, Undelivered
 from upsycle_router.runtime import effects as effects_module
 from upsycle_router.runtime.effects import EffectRunner
 from upsycle_router.transport.stream import StreamConnection
@@ -381,3 +381,103 @@ def test_each_sync_ack_to_a_router_waits_at_most_router_hold_max_from_its_own_ar
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     uvloop.run(_each_router_ack_bounded(monkeypatch))
+
+
+PIPELINED = 5
+
+
+async def _pipelined_sync_acks_behind_a_slow_reader(ttl0: bool = False) -> dict[int, int]:
+    """(From a review.) A publisher has several SYNCs unanswered, each covering a delivery to a subscriber that
+    reads slowly (its buffer never empties while other traffic keeps coming). After ``BACK_AFTER`` all the
+    deliveries are handed over in one ``Buffered``; once that committed, every SYNC_ACK covers only safe
+    deliveries and goes. Before, each later SYNC_ACK kept waiting for the subscriber's connection, which was
+    handed over again (new traffic, or a delivery the core declined to back) - one SYNC_ACK per commit.
+    Returns: SYNC_ACK k -> the commit cycle after which it was written."""
+    async with _Links(b"A" * 32, b"S" * 32, sndbuf=16384) as s:
+        (app, app_end), (sub, _sub_end) = s.pairs
+        effects: list[Effect] = []
+        for k in range(PIPELINED):
+            effects += [Fanout((sub.id,), (b"m%d" % k + b"x" * 200_000,)), Send(app.id, b"ACK-%d;" % k, False, True)]
+        if ttl0:  # one delivery the core cannot back (ttl 0): declined, kept in memory
+            effects.insert(0, Fanout((sub.id,), (b"ttl0" * 100,)))
+        s.fx.apply(effects, 0.0)
+        assert sub.buffered() > 0
+        out: dict[int, int] = {}
+        got = b""
+        seq = 1
+        for cycle in range(1, 3 * PIPELINED):
+            assert await _until(lambda: any(isinstance(e, Buffered) for e in s.pushed), 2.0)
+            await asyncio.sleep(0.003)
+            pushed = [e for e in s.pushed if isinstance(e, Buffered)]
+            s.pushed.clear()
+            s.committed += len(pushed)  # the batch routing them committed, and backed every one
+            backed: list[Effect] = []
+            for b in pushed:
+                seqs = tuple(0 if d.startswith(b"ttl0") else seq + i for i, d in enumerate(b.datas))
+                backed.append(Backed(b.conn, b.peer, seqs, b.datas))
+                seq += len(b.datas)
+            # (the same batch carries other traffic for the slow reader: it reads slower than it is written to)
+            s.fx.apply(backed if ttl0 else [*backed, Fanout((sub.id,), (b"other" * 200,))], 0.0)
+            got += _read(app_end)
+            for k in range(PIPELINED):
+                if b"ACK-%d;" % k in got and k not in out:
+                    out[k] = cycle
+            if len(out) == PIPELINED:
+                break
+        return out
+
+
+def test_pipelined_sync_acks_all_go_after_the_commit_that_backed_their_deliveries() -> None:
+    out = uvloop.run(_pipelined_sync_acks_behind_a_slow_reader())
+    assert out == {k: 1 for k in range(PIPELINED)}, f"SYNC_ACK -> commit cycle it waited for: {out}"
+
+
+def test_pipelined_sync_acks_with_a_delivery_that_cannot_be_backed() -> None:
+    out = uvloop.run(_pipelined_sync_acks_behind_a_slow_reader(ttl0=True))
+    assert out == {k: 1 for k in range(PIPELINED)}, f"SYNC_ACK -> commit cycle it waited for: {out}"
+
+
+async def _declined_not_waited_for() -> None:
+    """A delivery the core declined to back (ttl 0: it never waits in a queue) is not waited for by later
+    SYNC_ACKs, nor handed over again: before, each SYNC_ACK waited ``BACK_AFTER`` and a batch for it."""
+    async with _Links(b"A" * 32, b"S" * 32, sndbuf=16384) as s:
+        (app, app_end), (sub, _) = s.pairs
+        big, ttl0 = b"m" * 300_000, b"t" * 100
+        s.fx.apply([Fanout((sub.id,), (big,)), Fanout((sub.id,), (ttl0,)), Send(app.id, ACK, False, True)], 0.0)
+        assert await _until(lambda: bool(s.pushed), 2.0)
+        (b,) = s.pushed
+        assert isinstance(b, Buffered) and b.datas == (big, ttl0)
+        s.pushed.clear()
+        s.committed += 1
+        s.fx.apply([Backed(sub.id, b"S" * 32, (5, 0), b.datas)], 0.0)
+        assert ACK in _read(app_end)
+        s.fx.apply([Send(app.id, b"SECOND-ACK", False, True)], 0.0)  # the next SYNC_ACK: nothing to wait for
+        assert b"SECOND-ACK" in _read(app_end), "a SYNC_ACK waited for a delivery that cannot be backed"
+        later = b"l" * 1000
+        s.fx.apply([Fanout((sub.id,), (later,)), Send(app.id, b"THIRD-ACK", False, True)], 0.0)
+        assert await _until(lambda: bool(s.pushed), 2.0)
+        assert s.pushed == [Buffered(sub.id, b"S" * 32, (later,))], "a delivery the core declined was handed over again"
+        assert sub.take_direct() == [ttl0]  # (still given back at a close)
+
+
+def test_a_delivery_the_core_declined_to_back_is_not_waited_for() -> None:
+    uvloop.run(_declined_not_waited_for())
+
+
+async def _answers_matched_by_payloads() -> None:
+    """(From a review.) The core's answers are matched to their hand-overs by the payloads they carry, not by
+    order: after a batch that did not commit twice, a hand-over is routed again behind a later one."""
+    async with _Links(b"S" * 32, sndbuf=16384) as s:
+        ((sub, _),) = s.pairs
+        one, two = b"1" * 300_000, b"2" * 300_000
+        s.fx.apply([Fanout((sub.id,), (one,))], 0.0)
+        first = sub.take_buffered()
+        s.fx.apply([Fanout((sub.id,), (two,))], 0.0)
+        second = sub.take_buffered()
+        assert first == [one] and second == [two]
+        s.fx.apply([Backed(sub.id, b"S" * 32, (0,), tuple(second))], 0.0)  # the later answer first
+        assert sub.take_direct() == [two], "the answer for the second hand-over was applied to the first"
+
+
+def test_answers_to_hand_overs_are_matched_by_their_payloads() -> None:
+    uvloop.run(_answers_matched_by_payloads())

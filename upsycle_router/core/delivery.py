@@ -105,11 +105,12 @@ class Delivery:
         if conns:
             conn = conns[-1]
             c = self.conns[conn]
-            if (c.backlog or c.blocked or (taken and c.custody)) and msg.header.ttl > 0:
+            if (c.backlog or c.blocked or taken) and msg.header.ttl > 0:
                 # The recipient's queue still holds unsent entries (append, so nothing overtakes what was queued
                 # first), or it does not read: keep the message in the store rather than in memory. So too what
-                # another router's connection gave back (its sender's SYNC_ACK may wait for it: the store's
-                # queue entry is released only once that router confirmed it).
+                # a connection gave back (a SYNC_ACK may wait for it: written now, it would be in memory only,
+                # in this connection's buffer; the store's queue entry goes once its bytes left, or, for a
+                # router's connection, once that router confirmed it).
                 why = self.enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger,
                                    remote=remote, origin=origin, taken=taken)
                 self._behind(c, why, now, out)
@@ -192,12 +193,17 @@ class Delivery:
         not traced: its DELIVERED record was written; a redelivery after a crash is traced when it happens."""
         h = msg.header
         s = self.s
+        stranger = False
         if isinstance(h, UnicastHeader):
             if h.dst != c.peer or h.src == s.id:
                 return 0
             group = None
+            stranger = msg.via is not None and s.stranger(h.src, h.dst)  # (its share, as when it was routed)
         else:
             group = h.grp
+            members = s.subs.get(group)
+            if c.peer not in s.locals and (members is None or c.peer not in members):
+                return 0  # a PULL's answer to an app not in the group: the router's own answer
         if h.ttl == 0:
             return 0
         expiry = expires_at(now, h.ttl, h.exp)
@@ -214,10 +220,11 @@ class Delivery:
             store.extend_message(msg.id, expiry)
         else:
             store.put_message(msg.id, data, group, expiry)
-        seq = store.enqueue(c.peer, msg.id, expiry, n).seq
+        seq = store.enqueue(c.peer, msg.id, expiry, n, stranger=stranger).seq
         s.keep(c).added.append(seq)
         c.inflight[seq] = n
         c.inflight_bytes += n
+        c.progress = now  # (another connection of the key waits for these: QueueDrain.flush's hand-over)
         return seq
 
     def enqueue(

@@ -240,10 +240,14 @@ class Router:
         """Deliveries still in the outbound buffer of an app's connection: each backed by a queue entry in flight
         on it (:meth:`~upsycle_router.core.delivery.Delivery.back`), so that a crash before they leave the
         router redelivers them; the driver hears which entry backs which (``Backed``). If the connection is
-        closed already, they are routed again, as its close gave back the rest."""
+        closed already, they are routed again, as its close gave back the rest; if it came under custody
+        meanwhile (a router's), none is backed: custody keeps them."""
         c = self._conns.get(ev.conn)
-        if c is None or c.custody or c.peer != ev.peer:
+        if c is None or c.peer != ev.peer:
             self._undelivered(Undelivered(ev.peer, ev.datas), now, out)
+            return
+        if c.custody:  # (it came under custody since: custody keeps them until that router confirms them)
+            out.append(Backed(ev.conn, ev.peer, (0,) * len(ev.datas), ev.datas))
             return
         back = self.delivery.back
         seqs: list[int] = []

@@ -347,7 +347,7 @@ class EffectRunner:
                 self.stats["deliveries_backed_total"] += sum(1 for seq in e.seqs if seq)
                 conn = conns.get(e.conn)
                 if conn is not None and not conn.closed:
-                    conn.backed(e.peer, e.seqs)
+                    conn.backed(e.peer, e.seqs, e.datas)
                     self._unflushed.add(e.conn)
                 else:  # it closed meanwhile: its close gave back what it held but these; the unbacked go back now
                     left = [data for data, seq in zip(e.datas, e.seqs, strict=True) if not seq]
@@ -424,8 +424,8 @@ class EffectRunner:
         conns = self.conns
         for cid in list(self._buffering):
             conn = conns.get(cid)
-            if conn is None or conn.closed or not conn.direct_pending(conn.buffered()):
-                self._buffering.discard(cid)
+            if conn is None or conn.closed or not (conn.direct_pending(conn.buffered()) and conn.has_direct):
+                self._buffering.discard(cid)  # (what the core declined to back is not waited for: backed())
             else:
                 out.append((cid, conn.written))
         return out
@@ -534,6 +534,7 @@ class EffectRunner:
             for hold in queue:
                 if not hold.waits or now - hold.since < BACK_AFTER:
                     continue
+                self._hold_over(hold)  # (what left, or was handed over since, is no longer waited for)
                 for other, _end in hold.waits:
                     conn = conns.get(other)
                     if conn is not None and not conn.custody and other not in backed and self._back(conn):

@@ -66,6 +66,11 @@ CLOSE_LINGER = 0.5  # seconds input is drained after an ERROR, before the close
 WRITE_HIGH_WATER = 4 * 1024 * 1024
 
 
+def _same(a: Sequence[bytes], b: Sequence[bytes]) -> bool:
+    """The same objects in the same order (a hand-over and its answer carry the very same payloads)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
 def is_application(msg: Message, housekeeping: frozenset[bytes]) -> bool:
     """Whether ``msg`` is application traffic: a group message, or a unicast message neither from nor to one
     of the ``housekeeping`` keys (the routers of the link and this node's own services)."""
@@ -157,6 +162,9 @@ class Connection(asyncio.Protocol):
         # Deliveries of ``_direct`` handed to the core to be backed by queue entries (take_buffered), one list per
         # hand-over, until the core says which entries back them (backed)
         self._backing: collections.deque[list[tuple[int, Sequence[bytes]]]] = collections.deque()
+        # Deliveries the core declined to back (ttl 0, the router's own answers, no room): not waited for, not
+        # handed over again; given back at a close like the others while their bytes are still here
+        self._declined: collections.deque[tuple[int, Sequence[bytes]]] = collections.deque()
         self._flushed = 0  # flushed(), as last known while the transport could tell
         # Custody (core/events.py: Custody): the peer is another router, and what is routed to it stays ours until
         # it confirms it. Offsets in ``written``: the end of the last routed message written, the end covered by
@@ -424,18 +432,21 @@ class Connection(asyncio.Protocol):
     def direct_pending(self, buffered: int) -> bool:
         """Forget the deliveries whose bytes left the transport's buffer, which still holds ``buffered`` bytes
         (:meth:`buffered`) - under custody, those the peer confirmed; whether some are left."""
-        direct = self._direct
+        direct, declined = self._direct, self._declined
         t = self.transport
-        if direct and t is not None and not t.is_closing():  # (see flushed: a closing transport cannot tell)
-            if not buffered and not self.custody:
+        if (direct or declined) and t is not None and not t.is_closing():  # (see flushed: a closing transport
+            if not buffered and not self.custody:                            # cannot tell)
                 direct.clear()
+                declined.clear()
                 return False
             done = self.written - buffered
             if self.custody:
                 done = min(done, self._confirmed)
             while direct and direct[0][0] <= done:
                 direct.popleft()
-        return bool(direct)
+            while declined and declined[0][0] <= done:
+                declined.popleft()
+        return bool(direct) or bool(declined)
 
     def take_buffered(self) -> list[bytes]:
         """The deliveries (not under custody) still in the transport's buffer that were not handed over before,
@@ -450,14 +461,18 @@ class Connection(asyncio.Protocol):
         self._backing.append(taken)
         return [p for _, payloads in taken for p in payloads]
 
-    def backed(self, peer: bytes, seqs: Sequence[int]) -> int:
-        """The core's answer to the oldest :meth:`take_buffered`: the queue entry of ``peer`` backing each of its
-        deliveries (0: none). A backed one is released like a drained queue entry (:meth:`take_flushed` names
-        it once its bytes left the buffer); the others are kept as deliveries again (given back at a close).
-        Returns how many were backed."""
-        if not self._backing:
+    def backed(self, peer: bytes, seqs: Sequence[int], datas: Sequence[bytes]) -> int:
+        """The core's answer to the :meth:`take_buffered` that handed over ``datas``: the queue entry of ``peer``
+        backing each of them (0: none). A backed one is released like a drained queue entry (:meth:`take_flushed`
+        names it once its bytes left the buffer); the others are declined: kept until their bytes left, given
+        back at a close, neither waited for nor handed over again (under custody - the connection came under it
+        meanwhile - deliveries again, as custody keeps them). Returns how many were backed."""
+        backing = self._backing
+        if not backing:
             return 0
-        taken = self._backing.popleft()
+        i = next((k for k, t in enumerate(backing) if _same([p for _, ps in t for p in ps], datas)), 0)
+        taken = backing[i]
+        del backing[i]
         n = 0
         refs: list[tuple[int, tuple[bytes, int]]] = []
         kept: list[tuple[int, Sequence[bytes]]] = []
@@ -473,9 +488,16 @@ class Connection(asyncio.Protocol):
             i += len(payloads)
         if refs:  # (by end offset: their bytes are older than what was marked since)
             self._unflushed = collections.deque(sorted([*self._unflushed, *refs], key=lambda r: r[0]))
-        if kept:
+        if kept and self.custody:
             self._direct = collections.deque(sorted([*self._direct, *kept], key=lambda r: r[0]))
+        elif kept:
+            self._declined = collections.deque(sorted([*self._declined, *kept], key=lambda r: r[0]))
         return n
+
+    @property
+    def has_direct(self) -> bool:
+        """Deliveries that may still be in the transport's buffer and were neither handed over nor declined."""
+        return bool(self._direct)
 
     def direct_safe(self, end: int) -> bool:
         """Whether the deliveries written up to ``end`` left the transport's buffer (under custody: the peer
@@ -529,8 +551,10 @@ class Connection(asyncio.Protocol):
         in the order they were written - all that are left when the transport is gone, only those it still holds
         while it can tell. Each is given once."""
         self.direct_pending(self.buffered())  # (trims only while the transport can tell)
-        out = [p for _, payloads in self._direct for p in payloads]
+        held = sorted([*self._direct, *self._declined], key=lambda r: r[0]) if self._declined else self._direct
+        out = [p for _, payloads in held for p in payloads]
         self._direct.clear()
+        self._declined.clear()
         return out
 
     @property
