@@ -179,3 +179,19 @@ def test_a_pulled_message_for_an_app_not_in_the_group_is_not_backed(tmp_path: Pa
     data = multicast(G, b"pulled").encode()
     (backed,) = [e for e in h.handle(Buffered(r, remote.public, (data,))) if isinstance(e, Backed)]
     assert backed.seqs == (0,)
+
+
+def test_a_given_back_delivery_too_large_for_any_queue_reaches_the_apps_other_connection(tmp_path: Path) -> None:
+    """(From a second review.) Given back while the app has another connection open, a delivery its queue cannot
+    take (larger than ``queue.max_bytes``; or no room in the store) is written to that connection as before,
+    not dropped: a direct delivery needs no queue."""
+    h = CoreHarness(tmp_path / "s", X, CoreConfig(queue_max_bytes=2048))
+    a = h.open(PUB)
+    b1 = h.open(SUB)
+    b2 = h.open(SUB)
+    m = unicast(PUB, SUB, bytes(4096), now=h.now)
+    [w] = h.receive(a, m).sends(b2)  # written at once to the newer connection: taken
+    h.close(b2)
+    out = h.handle(Undelivered(SUB.public, (w.data,)))
+    dropped = [(t.id == m.id, t.reason) for t in out.traces("dropped")]
+    assert dropped == [] and [x.id for x in out.messages(b1)] == [m.id], f"dropped: {dropped}"

@@ -481,3 +481,45 @@ async def _answers_matched_by_payloads() -> None:
 
 def test_answers_to_hand_overs_are_matched_by_their_payloads() -> None:
     uvloop.run(_answers_matched_by_payloads())
+
+
+async def _two_publishers_one_slow_subscriber() -> tuple[bytes, bytes, int]:
+    """(From a second review.) Two publishers' SYNC_ACKs both wait for one subscriber's buffer. After
+    ``BACK_AFTER`` the first hold looked at hands the subscriber's deliveries over (``Buffered``); neither
+    SYNC_ACK may go before that batch committed (before, the second hold saw the hand-over's empty list as
+    safe and went)."""
+    async with _Links(b"A" * 32, b"B" * 32, b"S" * 32, sndbuf=16384) as s:
+        (a, a_end), (b, b_end), (sub, _sub_end) = s.pairs
+        s.fx.apply([Fanout((sub.id,), (b"m" * 300_000,)),
+                    Send(a.id, b"ACK-A;", False, True), Send(b.id, b"ACK-B;", False, True)], 0.0)  # fmt: skip
+        assert sub.buffered() > 0
+        assert await _until(lambda: any(isinstance(e, Buffered) for e in s.pushed), 2.0)
+        await asyncio.sleep(0.02)  # (polls every 2 ms meanwhile)
+        n = sum(isinstance(e, Buffered) for e in s.pushed)
+        return _read(a_end), _read(b_end), n  # s.committed is still 0: nothing of the Buffered batch committed
+
+
+def test_no_sync_ack_goes_before_the_batch_that_backed_its_deliveries_committed() -> None:
+    got_a, got_b, n = uvloop.run(_two_publishers_one_slow_subscriber())
+    assert n == 1
+    assert got_a == b"" and got_b == b"", f"written before the Buffered batch committed: A={got_a!r} B={got_b!r}"
+
+
+async def _own_answers_waited_for() -> tuple[bytes, list[Event]]:
+    """(From a second review.) The router's own answers to an app (not routed: a PULL's answer, REFUSED, its
+    SYNC_ACKs) still in that app's buffer are not waited for by another app's SYNC_ACK, nor handed to the core
+    to be declined."""
+    async with _Links(b"B" * 32, b"P" * 32, sndbuf=16384) as s:
+        (b, b_end), (p, _p_end) = s.pairs
+        s.fx.apply([Send(p.id, b"own-answer" * 30_000, False, False)], 0.0)  # (to P, not routed: the router's own)
+        assert p.buffered() > 0
+        s.fx.apply([Send(b.id, b"ACK-B;", False, True)], 0.0)
+        await asyncio.sleep(0.03)
+        assert p.take_direct() == [b"own-answer" * 30_000]  # (still given back at a close)
+        return _read(b_end), list(s.pushed)
+
+
+def test_own_answers_in_an_apps_buffer_are_not_waited_for() -> None:
+    got, pushed = uvloop.run(_own_answers_waited_for())
+    assert not pushed, f"own answers handed to the core: {[type(e).__name__ for e in pushed]}"
+    assert got.endswith(b"ACK-B;"), "a SYNC_ACK waited for (and a commit of) the router's own answers"

@@ -105,12 +105,13 @@ class Delivery:
         if conns:
             conn = conns[-1]
             c = self.conns[conn]
-            if (c.backlog or c.blocked or taken) and msg.header.ttl > 0:
+            if (c.backlog or c.blocked or (taken and (c.custody or self._queues(data, msg)))) and msg.header.ttl > 0:
                 # The recipient's queue still holds unsent entries (append, so nothing overtakes what was queued
                 # first), or it does not read: keep the message in the store rather than in memory. So too what
                 # a connection gave back (a SYNC_ACK may wait for it: written now, it would be in memory only,
                 # in this connection's buffer; the store's queue entry goes once its bytes left, or, for a
-                # router's connection, once that router confirmed it).
+                # router's connection, once that router confirmed it) - to an app connected now only if its
+                # queue can take it, else it is written as before rather than dropped.
                 why = self.enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger,
                                    remote=remote, origin=origin, taken=taken)
                 self._behind(c, why, now, out)
@@ -133,6 +134,15 @@ class Delivery:
             return None
         return self.enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger, remote=remote,
                             origin=origin, taken=taken)
+
+    def _queues(self, data: bytes, msg: Message) -> bool:
+        """Whether a delivery given back (``taken``) fits a queue: not larger than any queue may hold, and room in
+        the store's margin (what :meth:`enqueue` checks for a taken message besides its expiry)."""
+        n = len(data)
+        if n > self.s.config.queue_max_bytes:
+            return False
+        store = self.store
+        return store.has_room(QUEUE_ENTRY_BYTES if store.has_message(msg.id) else QUEUE_ENTRY_BYTES + n, reserve=True)
 
     def to_members(
         self,

@@ -529,17 +529,17 @@ class EffectRunner:
         """Apps' connections a SYNC_ACK has waited ``BACK_AFTER`` for: their buffered deliveries are backed by queue
         entries (:meth:`_back`), and every SYNC_ACK waiting for them waits for that to commit instead."""
         conns = self.conns
+        late = [hold for queue in self._holds.values() for hold in queue
+                if hold.waits and now - hold.since >= BACK_AFTER]  # fmt: skip
+        for hold in late:  # (what left, or was handed over before, is no longer waited for) - all of them first:
+            self._hold_over(hold)  # a hand-over below empties a connection's deliveries for every hold at once
         backed: set[int] = set()
-        for queue in self._holds.values():
-            for hold in queue:
-                if not hold.waits or now - hold.since < BACK_AFTER:
-                    continue
-                self._hold_over(hold)  # (what left, or was handed over since, is no longer waited for)
-                for other, _end in hold.waits:
-                    conn = conns.get(other)
-                    if conn is not None and not conn.custody and other not in backed and self._back(conn):
-                        backed.add(other)
-        if backed:
+        for hold in late:
+            for other, _end in hold.waits or ():
+                conn = conns.get(other)
+                if conn is not None and not conn.custody and other not in backed and self._back(conn):
+                    backed.add(other)
+        if backed:  # every SYNC_ACK that waited for them (late or not) now waits for the hand-over's commit
             for queue in self._holds.values():
                 for hold in queue:
                     if hold.waits and any(other in backed for other, _ in hold.waits):

@@ -427,6 +427,9 @@ class Connection(asyncio.Protocol):
             self._routed_end = self.written
         elif self.custody:
             return  # the router's own answers are for this session only: nothing to give back, nothing to confirm
+        else:  # (an app's: not waited for, never backed - declined from the start -, given back at a close)
+            self._declined.append((self.written, payloads))
+            return
         self._direct.append((self.written, payloads))
 
     def direct_pending(self, buffered: int) -> bool:
