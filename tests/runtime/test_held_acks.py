@@ -523,3 +523,21 @@ def test_own_answers_in_an_apps_buffer_are_not_waited_for() -> None:
     got, pushed = uvloop.run(_own_answers_waited_for())
     assert not pushed, f"own answers handed to the core: {[type(e).__name__ for e in pushed]}"
     assert got.endswith(b"ACK-B;"), "a SYNC_ACK waited for (and a commit of) the router's own answers"
+
+
+async def _came_under_custody() -> None:
+    """(From a third review.) A connection written deliveries that stayed in its buffer and then came under
+    custody (a router whose advert came later) is no app's buffer any more: custody's confirmations cover what
+    was sent there, and an app's SYNC_ACK does not wait for that router."""
+    async with _Links(b"A" * 32, b"R" * 32, sndbuf=16384) as s:
+        (app, app_end), (router, _) = s.pairs
+        s.fx.apply([Fanout((router.id,), (b"r" * 300_000,))], 0.0)
+        assert router.buffered() > 0
+        s.fx.apply([Custody(router.id)], 0.0)
+        s.fx.apply([Send(app.id, ACK, False, True)], 0.0)
+        assert ACK in _read(app_end), "an app's SYNC_ACK waited for a router it did not send to"
+        assert s.pushed == []
+
+
+def test_a_connection_that_came_under_custody_is_not_waited_for_as_an_app() -> None:
+    uvloop.run(_came_under_custody())

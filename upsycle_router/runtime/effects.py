@@ -424,7 +424,8 @@ class EffectRunner:
         conns = self.conns
         for cid in list(self._buffering):
             conn = conns.get(cid)
-            if conn is None or conn.closed or not (conn.direct_pending(conn.buffered()) and conn.has_direct):
+            if (conn is None or conn.closed or conn.custody  # (a router's since: custody's confirmations cover it)
+                    or not (conn.direct_pending(conn.buffered()) and conn.has_direct)):
                 self._buffering.discard(cid)  # (what the core declined to back is not waited for: backed())
             else:
                 out.append((cid, conn.written))
