@@ -139,10 +139,29 @@ class Delivery:
         """Whether a delivery given back (``taken``) fits a queue: not larger than any queue may hold, and room in
         the store's margin (what :meth:`enqueue` checks for a taken message besides its expiry)."""
         n = len(data)
-        if n > self.s.config.queue_max_bytes:
-            return False
+        return n <= self.s.config.queue_max_bytes and self._room(self.store.has_message(msg.id), n, reserve=True)
+
+    def _room(self, stored: bool, n: int, *, reserve: bool) -> bool:
+        """Whether the store has room for a queue entry of a message of ``n`` bytes (counted unless it is
+        ``stored`` already), in its margin too with ``reserve``."""
+        return self.store.has_room(QUEUE_ENTRY_BYTES if stored else QUEUE_ENTRY_BYTES + n, reserve=reserve)
+
+    def _expiry(self, msg: Message, now: float, remote: bool) -> float:
+        """When a queue entry of ``msg`` expires: its ttl/exp, and ``remote_ttl_max`` at most for a remote sender's."""
+        h = msg.header
+        expiry = expires_at(now, h.ttl, h.exp)
+        return min(expiry, now + self.s.config.remote_ttl_max) if remote else expiry
+
+    def _entry(self, key: bytes, msg: Message, group: bytes | None, data: bytes, expiry: float, *, stored: bool,
+               stranger: bool) -> int:  # fmt: skip
+        """Store ``msg`` (or, ``stored`` already, keep that copy at least until ``expiry``) and append it to ``key``'s
+        queue: the entry's seq. (The caller checked the room: :meth:`_room`.)"""
         store = self.store
-        return store.has_room(QUEUE_ENTRY_BYTES if store.has_message(msg.id) else QUEUE_ENTRY_BYTES + n, reserve=True)
+        if stored:  # an earlier copy: kept at least as long as this entry, which refers to it
+            store.extend_message(msg.id, expiry)
+        else:
+            store.put_message(msg.id, data, group, expiry)
+        return store.enqueue(key, msg.id, expiry, len(data), stranger=stranger).seq
 
     def to_members(
         self,
@@ -216,21 +235,12 @@ class Delivery:
                 return 0  # a PULL's answer to an app not in the group: the router's own answer
         if h.ttl == 0:
             return 0
-        expiry = expires_at(now, h.ttl, h.exp)
-        if msg.via is not None:
-            expiry = min(expiry, now + s.config.remote_ttl_max)
-        if expiry <= now:
-            return 0
-        store = self.store
+        expiry = self._expiry(msg, now, msg.via is not None)
         n = len(data)
-        stored = store.has_message(msg.id)
-        if not store.has_room(QUEUE_ENTRY_BYTES if stored else QUEUE_ENTRY_BYTES + n, reserve=True):
+        stored = self.store.has_message(msg.id)
+        if expiry <= now or not self._room(stored, n, reserve=True):
             return 0
-        if stored:
-            store.extend_message(msg.id, expiry)
-        else:
-            store.put_message(msg.id, data, group, expiry)
-        seq = store.enqueue(c.peer, msg.id, expiry, n, stranger=stranger).seq
+        seq = self._entry(c.peer, msg, group, data, expiry, stored=stored, stranger=stranger)
         s.keep(c).added.append(seq)
         c.inflight[seq] = n
         c.inflight_bytes += n
@@ -274,10 +284,8 @@ class Delivery:
 
         if h.ttl == 0:
             return drop(Why.TTL_ZERO_OFFLINE)
-        expiry = expires_at(now, h.ttl, h.exp)
+        expiry = self._expiry(msg, now, remote)
         cfg = self.s.config
-        if remote:
-            expiry = min(expiry, now + cfg.remote_ttl_max)
         if expiry <= now:
             return drop(Why.EXPIRED)
         n = len(data)
@@ -300,13 +308,9 @@ class Delivery:
                         or store.stranger_bytes() + n > share * self.s.map_size):
                     return drop(Why.STRANGER_QUOTA)
         stored = store.has_message(msg.id)
-        if not store.has_room(QUEUE_ENTRY_BYTES if stored else QUEUE_ENTRY_BYTES + n, reserve=taken):
+        if not self._room(stored, n, reserve=taken):
             return drop(Why.STORE_FULL)  # the store (disk quota) is full: refuse new messages, keep the stored ones
-        if stored:  # an earlier copy: kept at least as long as this entry, which refers to it
-            store.extend_message(msg.id, expiry)
-        else:
-            store.put_message(msg.id, data, group, expiry)
-        store.enqueue(key, msg.id, expiry, n, stranger=stranger)
+        self._entry(key, msg, group, data, expiry, stored=stored, stranger=stranger)
         if origin is not None and origin.id not in self.s.throttled:
             bp = cfg.backpressure_at
             if count + 1 >= bp * cfg.queue_max_count or nbytes + n >= bp * cfg.queue_max_bytes or store.pressure >= bp:

@@ -241,7 +241,7 @@ class Batches:
         self._finish(effects, rec.now)
 
     def _count_returns(self, events: list[Event]) -> None:
-        """``events`` committed: count their Undelivered (see :attr:`returns_committed`)."""
+        """``events`` committed: count their Undelivered and Buffered (see :attr:`returns_committed`)."""
         for ev in events:
             if type(ev) is Undelivered or type(ev) is Buffered:
                 self.returns_committed += 1

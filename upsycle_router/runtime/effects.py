@@ -436,13 +436,14 @@ class EffectRunner:
         entries in flight on it (``Buffered``; its ``Backed`` comes back to :meth:`_apply`); whether there were
         any. Whoever waits for them then waits for that to commit (counted with the deliveries given back:
         ``Batches.returns_committed``)."""
-        datas = conn.take_buffered() if conn.peer is not None and not conn.closed else []
         self._buffering.discard(conn.id)
-        if not datas or conn.peer is None:
+        peer = conn.peer
+        datas = conn.take_buffered() if peer is not None and not conn.closed else []
+        if not datas or peer is None:
             return False
         self.stats["deliveries_buffered_total"] += len(datas)
         self._returns_pushed += 1
-        self.push(Buffered(conn.id, conn.peer, tuple(datas)))
+        self.push(Buffered(conn.id, peer, tuple(datas)))
         return True
 
     # ------------------------------------------------------------ SYNC_ACKs that wait
