@@ -111,6 +111,7 @@ INT_BOUNDS = [
     Bound("limits.rate_burst", 10_000_000, {}),
     Bound("limits.write_high_water", 1 << 30, {}),
     Bound("limits.outbound_buffer_max", 1 << 30, {}),
+    Bound("limits.max_partial_bytes", 64 << 30, {}),
     Bound("trace.max_bytes", 1 << 40, {}),
     Bound("pubsub.params.D_high", 1000, {}),
     Bound("pubsub.params.D_lazy", 1000, {}),
@@ -218,6 +219,15 @@ def test_yaml_values_name_the_option(tmp_path: Path, text: str, option: str) -> 
         load_config(p)
     msg = str(exc.value)
     assert msg.startswith(f"{p}: ") and option in msg and "\n" not in msg, msg
+
+
+def test_the_budget_of_unfinished_frames_holds_at_least_one_frame() -> None:
+    """limits.max_partial_bytes below max_frame would shed a connection sending one frame of max_frame."""
+    msg = refused({"max_frame": 200_000, "limits": {"max_partial_bytes": 199_999}}, "limits.max_partial_bytes")
+    assert "at least max_frame (200000 bytes)" in msg, msg
+    cfg = parse_config({"max_frame": 200_000, "limits": {"max_partial_bytes": 200_000}})
+    assert cfg.max_partial_bytes == 200_000
+    assert parse_config({}).max_partial_bytes == 256 * 1024 * 1024
 
 
 def test_in_range_values_still_parse() -> None:

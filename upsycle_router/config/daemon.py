@@ -68,6 +68,7 @@ MAX_CONNECTIONS = 1_000_000
 MAX_HANDSHAKES = 65536
 MAX_LOCAL_RESERVE = 4096
 MAX_CONNECTION_BUFFER = GiB
+MAX_PARTIAL_BYTES = 64 * GiB  # limits.max_partial_bytes
 MAX_RATE = 10_000_000
 MAX_TRACE_BYTES = TiB
 MAX_GOSSIP_DEGREE = 1000  # D, D_low, D_high, D_lazy, mcache_len, mcache_gossip
@@ -190,6 +191,9 @@ class DaemonConfig:
     local_reserve: int = 64
     outbound_buffer_max: int = 8 * 1024 * 1024
     write_high_water: int = 4 * 1024 * 1024
+    # The bytes of frames begun and not finished, summed over every connection (transport/partial.py): over it,
+    # the connections with the oldest unfinished frames are closed with ERROR 6. At least ``max_frame``.
+    max_partial_bytes: int = 256 * 1024 * 1024
     verify_threads: int | None = None
     verify_nice: int = 10
     rate_per_connection: float = 0.0
@@ -324,7 +328,7 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
         top.get("limits"),
         "limits",
         {"max_connections", "outbound_buffer_max", "write_high_water", "rate_per_connection", "rate_burst",
-         "max_handshakes", "max_handshakes_per_source", "local_reserve"},
+         "max_handshakes", "max_handshakes_per_source", "local_reserve", "max_partial_bytes"},
     )
     if "max_connections" in limits:
         mc = limits["max_connections"]
@@ -347,6 +351,10 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     if "outbound_buffer_max" in limits:
         kw["outbound_buffer_max"] = parse_int(
             limits["outbound_buffer_max"], "limits.outbound_buffer_max", 4096, MAX_CONNECTION_BUFFER, unit="bytes"
+        )
+    if "max_partial_bytes" in limits:
+        kw["max_partial_bytes"] = parse_int(
+            limits["max_partial_bytes"], "limits.max_partial_bytes", MIN_FRAME, MAX_PARTIAL_BYTES, unit="bytes"
         )
     metrics = parse_map(top.get("metrics"), "metrics", {"listen"})
     if metrics.get("listen") is not None:
@@ -376,7 +384,11 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
         kw["discovery"] = parse_discovery(top["discovery"])
     if "websocket" in listen or "path" in listen or "websocket" in top:
         kw["websocket"] = _parse_websocket(listen, top.get("websocket"), cfg.websocket)
-    return DaemonConfig(**{**_as_dict(cfg), **kw})
+    out = DaemonConfig(**{**_as_dict(cfg), **kw})
+    if out.max_partial_bytes < out.max_frame:  # (one frame of max_frame would be shed at once)
+        raise fail("limits.max_partial_bytes",
+                   f"must be at least max_frame ({out.max_frame} bytes), got {out.max_partial_bytes}")  # fmt: skip
+    return out
 
 
 def _unix_group(v: Any) -> str | None:

@@ -57,6 +57,7 @@ TOP: dict[str, str] = {
     "local_reserve": "limits.local_reserve",
     "outbound_buffer_max": "limits.outbound_buffer_max",
     "write_high_water": "limits.write_high_water",
+    "max_partial_bytes": "limits.max_partial_bytes",
     "verify_threads": "verify_threads",
     "verify_nice": "verify_nice",
     "rate_per_connection": "limits.rate_per_connection",

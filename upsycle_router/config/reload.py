@@ -11,8 +11,8 @@ reload compares against what really runs and names the same options again until 
 Live options (:data:`LIVE`): the log level and format; the static ``peers`` (added ones are dialled, removed
 ones hung up); the limits the daemon reads as it goes (``limits.rate_per_connection``, ``rate_burst``,
 ``max_connections``, ``max_handshakes``, ``max_handshakes_per_source``, ``local_reserve``,
-``outbound_buffer_max``; ``write_high_water``, ``max_frame`` and ``handshake_timeout`` for connections made
-from then on; ``idle_timeout``); the routing core's policy (``queue.*`` quotas, ``edge_nodes``,
+``outbound_buffer_max``, ``max_partial_bytes``; ``write_high_water``, ``max_frame`` and ``handshake_timeout``
+for connections made from then on; ``idle_timeout``); the routing core's policy (``queue.*`` quotas, ``edge_nodes``,
 ``accept_join_from_any``, ``accept_pull_from_any``). Everything else - the data directory, key, store,
 durability, listen addresses, the metrics listener, the trace journal, ``core_nodes``, ``local_services``,
 ``seen_max``, the verifier threads, the pub/sub, discovery and WebSocket sections - is read once at start.
@@ -44,6 +44,7 @@ PEERS = frozenset({"peers"})
 LIMITS = frozenset({
     "rate_per_connection", "rate_burst", "max_connections", "max_handshakes", "max_handshakes_per_source",
     "local_reserve", "outbound_buffer_max", "write_high_water", "max_frame", "handshake_timeout", "idle_timeout",
+    "max_partial_bytes",
 })  # fmt: skip
 CORE = frozenset({
     "queue_max_count", "queue_max_bytes", "queue_stranger_share", "queue_remote_ttl_max", "queue_backpressure_at",

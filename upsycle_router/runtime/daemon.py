@@ -75,6 +75,7 @@ from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.admission import Admission, Listener, listen_tcp, listen_unix, raise_fd_limit
 from upsycle_router.transport.connection import Connection
+from upsycle_router.transport.partial import PartialFrames
 from upsycle_router.transport.stream import StreamConnection
 from upsycle_router.transport.tls import client_context, server_context
 from upsycle_router.transport.websocket import WebSocketConnection, WebSocketPolicy
@@ -202,6 +203,7 @@ class Daemon:
         self._storm_watch = PeakWatch()
         self._storm_trim_handle: asyncio.TimerHandle | None = None
         self.admission: Admission | None = None
+        self.partials = PartialFrames[Connection]()  # the budget of unfinished frames (its limit set at start)
         self._listeners: list[Listener] = []
         self.pubsub_identity: Identity | None = None
         self.pubsub: PubsubService | None = None
@@ -285,6 +287,7 @@ class Daemon:
             handshake_timeout=cfg.handshake_timeout,
         )
         self.admission.on_close = self._connections_fell
+        self.partials = PartialFrames[Connection](cfg.max_partial_bytes, self.driver.stats)
         self.driver.stats.update(memory_trims_total=0, memory_storm_trims_total=0, started_at=int(self.started_at))
         router.advert = self._own_advert(ident)
         if cfg.tls is not None or cfg.peers or cfg.core_nodes or cfg.discovery.enabled:
@@ -351,6 +354,7 @@ class Daemon:
             handshake_timeout=cfg.handshake_timeout,
             max_frame=cfg.max_frame,
             write_high_water=cfg.effective_write_high_water,
+            partials=self.partials,
         )
         self.driver.dialer = self.pool
         return self.pool
@@ -462,6 +466,7 @@ class Daemon:
                 handshake_timeout=self.config.handshake_timeout,
                 max_frame=self.config.max_frame,
                 write_high_water=self.config.effective_write_high_water,
+                partials=self.partials,
             )
         else:
             c = StreamConnection(
@@ -471,6 +476,7 @@ class Daemon:
                 handshake_timeout=self.config.handshake_timeout,
                 max_frame=self.config.max_frame,
                 write_high_water=self.config.effective_write_high_water,
+                partials=self.partials,
             )
         return c
 
@@ -601,6 +607,7 @@ class Daemon:
         adm.max_handshakes_per_source = cfg.max_handshakes_per_source
         adm.local_reserve = cfg.local_reserve
         adm.handshake_timeout = cfg.handshake_timeout
+        self.partials.limit = cfg.max_partial_bytes  # (over it: shed at the next read that holds a frame)
         if self.pool is not None:
             self.pool.idle_timeout = cfg.idle_timeout
             self.pool.handshake_timeout = cfg.handshake_timeout

@@ -24,7 +24,8 @@ import ssl
 from upsycle_router.core.events import DialFailed
 from upsycle_router.crypto import Identity
 from upsycle_router.runtime.driver import Driver
-from upsycle_router.transport.connection import WRITE_HIGH_WATER
+from upsycle_router.transport.connection import WRITE_HIGH_WATER, Connection
+from upsycle_router.transport.partial import PartialFrames
 from upsycle_router.transport.stream import StreamConnection
 from upsycle_router.wire.discovery import TCP
 
@@ -44,8 +45,10 @@ class ConnectionPool:
         handshake_timeout: float = 10.0,
         max_frame: int = 1024 * 1024 + 4096,
         write_high_water: int = WRITE_HIGH_WATER,
+        partials: PartialFrames[Connection] | None = None,
     ) -> None:
         self.write_high_water = write_high_water
+        self.partials = partials  # the daemon's budget of unfinished frames (transport/partial.py)
         self.driver = driver
         self.identity = identity
         self.ssl_context = ssl_context
@@ -120,6 +123,7 @@ class ConnectionPool:
                         expected_peer=router,
                         handshake_timeout=self.handshake_timeout,
                         max_frame=self.max_frame,
+                        partials=self.partials,
                         dialled=True,
                         write_high_water=self.write_high_water,
                         node_services=self._node_services(),

@@ -43,6 +43,7 @@ from typing import Protocol, TypeVar, cast
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.logtext import RateLimitedLog, untrusted
+from upsycle_router.transport.partial import PartialFrames
 from upsycle_router.transport.session import (
     FrameReceived,
     HandshakeComplete,
@@ -57,6 +58,7 @@ from upsycle_router.wire.messages import Message, MulticastHeader, decode_messag
 
 log = logging.getLogger("upsycle_router.transport")
 _PEER_ERRORS = RateLimitedLog(log)  # ERRORs peers sent: one line per 10 s (anyone may send one, with any text)
+_SHED = RateLimitedLog(log)  # connections shed for the budget of unfinished frames: one line per 10 s
 _ids = itertools.count(1)
 CLOSE_LINGER = 0.5  # seconds input is drained after an ERROR, before the close
 # Outbound bytes buffered before the peer counts as not reading (blocked: its traffic goes to the store), and
@@ -122,8 +124,12 @@ class Connection(asyncio.Protocol):
         local_capable: bool | None = None,
         write_high_water: int = WRITE_HIGH_WATER,
         node_services: frozenset[bytes] = frozenset(),
+        partials: PartialFrames[Connection] | None = None,
     ) -> None:
         self.id = next(_ids)
+        # the budget of unfinished frames of every connection (transport/partial.py), None: unbounded but for
+        # max_frame (connections made outside the daemon, in tests)
+        self.partials = partials
         self.handler = handler
         self.kind = kind  # "unix", "tls" or "websocket"
         self.dialled = dialled
@@ -202,6 +208,33 @@ class Connection(asyncio.Protocol):
     def _write_close(self, t: asyncio.Transport) -> None:
         """Write the transport's closing handshake, if it has one (before a close without ERROR)."""
 
+    def _drop_partial(self) -> None:
+        """Forget the bytes of the unfinished frame (the connection is being shed)."""
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- unfinished frames (transport/partial.py)
+
+    def _hold_partial(self, n: int, done: bool) -> None:
+        """After a read: ``n`` bytes of an unfinished frame are held now, ``done`` if a frame completed in the
+        read; shed the connections (this one too, if its frame is among the oldest) the budget cannot keep."""
+        assert self.partials is not None
+        for c in self.partials.hold(self, n, done):
+            c.shed()
+
+    def shed(self) -> None:
+        """Shed for the budget of unfinished frames: its bytes dropped, ERROR 6 (overloaded), closed."""
+        if self.closed:
+            return
+        _SHED.event("partial_shed", f"conn {self.id} (peer {self.peer.hex() if self.peer else None}): shed, its "
+                    "unfinished frame the oldest over the budget of unfinished frames (limits.max_partial_bytes)",
+                    logging.WARNING)  # fmt: skip
+        self._drop_partial()
+        self.close_with_error(ErrorCode.OVERLOADED, "the router holds too many unfinished frames: send again later")
+
+    def _release_partial(self) -> None:
+        if self.partials is not None:
+            self.partials.release(self)
+
     # ---------------------------------------------------------------- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -236,6 +269,7 @@ class Connection(asyncio.Protocol):
             self._close_timer.cancel()
         self.closed = True
         self.lost = True
+        self._release_partial()
         if not self.opened.done():
             self.opened.set_exception(ConnectionError("connection closed before the handshake completed"))
             self.opened.exception()  # mark retrieved
@@ -604,6 +638,7 @@ class Connection(asyncio.Protocol):
             self._refusal = (code, reason)
             return
         self.closed = True
+        self._release_partial()
         if not t.is_closing():
             self._write_error(t, code, reason)
             self._linger_close(t)
@@ -626,6 +661,7 @@ class Connection(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
+        self._release_partial()
         t = self.transport
         if t is not None:
             if not t.is_closing():
@@ -637,6 +673,7 @@ class Connection(asyncio.Protocol):
     def abort(self) -> None:
         """Drop the connection at once."""
         self.closed = True
+        self._release_partial()
         if self.transport is not None:
             self._closing()
             self.transport.abort()

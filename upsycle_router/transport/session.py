@@ -145,6 +145,15 @@ class Session:
             raise RemoteProtocolError(f"unexpected {inp.value} in state {state.value}", field="frame")
         self.state = nxt
 
+    @property
+    def pending(self) -> int:
+        """Bytes received and not yet part of a complete frame."""
+        return self._frames.pending
+
+    def drop_pending(self) -> None:
+        """Forget the bytes of the unfinished frame (the connection is being closed)."""
+        self._frames.drop()
+
     def receive_data(self, data: bytes) -> list[SessionEvent]:
         """Feed received stream bytes; raise RemoteProtocolError on any violation (send :meth:`error_frame`).
 

@@ -77,7 +77,16 @@ class StreamConnection(Connection):
         if self.closed:
             return
         self.bytes_in += len(data)
-        self._run_session(lambda: self.session.receive_data(data))
+        session = self.session
+        before = session.pending
+        self._run_session(lambda: session.receive_data(data))
+        if self.partials is not None and not self.closed:
+            after = session.pending
+            if before or after:  # (a read that ends on a frame boundary, after one that did: nothing to do)
+                self._hold_partial(after, before + len(data) > after)  # (bytes leave only as frames)
+
+    def _drop_partial(self) -> None:
+        self.session.drop_pending()
 
     def _write_payload(self, t: asyncio.Transport, payload: bytes) -> None:
         t.writelines((_LEN.pack(len(payload)), payload))

@@ -54,6 +54,7 @@ from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.logtext import untrusted, value
 from upsycle_router.transport.connection import WRITE_HIGH_WATER, Connection, ConnectionHandler
+from upsycle_router.transport.partial import PartialFrames
 from upsycle_router.transport.session import Session
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME, check_length
 
@@ -133,6 +134,7 @@ class WebSocketConnection(Connection):
         handshake_timeout: float = 10.0,
         max_frame: int = DEFAULT_MAX_FRAME,
         write_high_water: int = WRITE_HIGH_WATER,
+        partials: PartialFrames[Connection] | None = None,
     ) -> None:
         super().__init__(
             handler,
@@ -142,12 +144,14 @@ class WebSocketConnection(Connection):
             max_frame=max_frame,
             local_capable=policy.local,
             write_high_water=write_high_water,
+            partials=partials,
         )
         self.policy = policy
         self.ws = WSConnection(ConnectionType.SERVER)
         self.upgraded = False
         self.origin: str | None = None
         self._message = bytearray()  # the binary message being reassembled
+        self._finished = 0  # binary messages completed so far (for the budget of unfinished frames)
         self._http_refusal: tuple[int, str] | None = None  # answer the upgrade request with this status
         self._pong: Ping | None = None  # the latest ping not answered yet: the peer was not reading
 
@@ -200,6 +204,7 @@ class WebSocketConnection(Connection):
         if self.closed:
             return
         self.bytes_in += len(data)
+        before, finished = len(self._message), self._finished
         try:
             self.ws.receive_data(data)
             for ev in self.ws.events():
@@ -212,6 +217,13 @@ class WebSocketConnection(Connection):
             self._reject(hint.status_code, f"bad WebSocket upgrade request: {e}", list(hint.headers))
         except RemoteProtocolError as e:
             self.protocol_error(e)
+        if self.partials is not None and not self.closed:
+            after = len(self._message)  # (wsproto hands a frame's payload over as it arrives)
+            if before or after:
+                self._hold_partial(after, self._finished != finished)
+
+    def _drop_partial(self) -> None:
+        self._message = bytearray()
 
     def _event(self, ev: Event) -> None:
         if isinstance(ev, Request):
@@ -223,6 +235,7 @@ class WebSocketConnection(Connection):
             if ev.message_finished:
                 payload = bytes(self._message)
                 self._message.clear()
+                self._finished += 1
                 check_length(len(payload), self.max_frame)  # an empty message is a protocol error
                 self._run_session(lambda: self.session.receive_payloads((payload,)))
         elif isinstance(ev, TextMessage):

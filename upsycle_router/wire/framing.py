@@ -124,6 +124,10 @@ class FrameBuffer:
         """Bytes received but not yet returned as a frame."""
         return len(self._buf)
 
+    def drop(self) -> None:
+        """Forget the bytes received and not yet returned as a frame (the stream is being closed)."""
+        self._buf = bytearray()
+
 
 def unframe_one(data: bytes, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
     """Exactly one frame: its payload; anything short, long or trailing raises."""
