@@ -24,6 +24,7 @@ from upsycle_router.core.events import (
     Undelivered,
     WriteBlocked,
 )
+from upsycle_router.crypto import Identity
 from upsycle_router.wire.control import Join
 
 X = ident("X")
@@ -140,10 +141,22 @@ def test_backing_entries_in_flight_on_one_connection_are_not_read_by_the_keys_ot
     assert dup == [], f"{len(dup)} deliveries still in s1's buffer were written on s2 too (no drain hand-over)"
 
 
-def test_a_connection_that_came_under_custody_gets_nothing_backed_nor_written_again(tmp_path: Path) -> None:
-    """(From a review.) A router's connection is backed like an app's until its advert puts it under custody. If
-    that comes first, the deliveries are declined (custody keeps them until the router confirms) - not routed
-    again to the same connection, whose buffer still holds them."""
+def _custody(h: CoreHarness, other_router: Identity, written: list[bytes]) -> int:
+    """A router's connection put under custody by its advert; what was written to it meanwhile in ``written``."""
+    o = h.open(other_router, local=False)
+    opened = h.last
+    adv = advert_message(other_router, X, advert(other_router, host="198.51.100.9", port=4433))
+    h.handle_all([MessagesReceived.one(o, adv, True)])
+    assert h.router.state.conns[o].custody
+    written.extend(w.data for w in (*opened.sends(o), *h.last.sends(o)))
+    return o
+
+
+def test_a_connection_that_came_under_custody_backs_them_in_the_routers_queue(tmp_path: Path) -> None:
+    """(From a review.) A router's connection is backed like an app's until its advert puts it under custody; if
+    that comes first, the deliveries are backed as custody backs what its router has not confirmed - entries of
+    the router's queue, in flight on the connection - and not routed again to the same connection, whose buffer
+    still holds them."""
     h = CoreHarness(tmp_path / "x", X, CoreConfig(accept_join_from_any=True))
     other = ident("other router")
     o = h.open(other, local=False)
@@ -152,10 +165,39 @@ def test_a_connection_that_came_under_custody_gets_nothing_backed_nor_written_ag
     data = multicast(G, b"on its way to the router").encode()
     adv = advert_message(other, X, advert(other, host="198.51.100.9", port=4433))
     out = h.handle_all([MessagesReceived.one(o, adv, True), Buffered(o, other.public, (data,))])
-    assert [e for e in out if isinstance(e, Backed)] == [Backed(o, other.public, (0,), (data,))]
+    (backed,) = [e for e in out if isinstance(e, Backed)]
+    assert all(backed.seqs) and [e.seq for e in h.store.queue(other.public)] == list(backed.seqs)
     assert [w for w in out.sends(o) if w.data == data] == [], "written to the same connection again"
 
 
+def test_what_a_router_has_not_confirmed_is_backed_by_its_queue_and_survives_a_crash(tmp_path: Path) -> None:
+    """A SYNC_ACK to a router that waited ROUTER_HOLD_MAX for the next router's confirmation hands what that
+    router has not confirmed to the core (runtime/effects.py): each message - a unicast forwarded for someone
+    behind it, a group message for it - gets an entry of the router's own queue, in flight on its connection (not
+    written there again); its confirmation (QueueSent) removes it. A crash before that finds it queued, and the
+    router's next connection gets it. This router's own messages are not backed (they were for that session)."""
+    h = CoreHarness(tmp_path / "x", X, CoreConfig())
+    r = ident("next router")
+    o = _custody(h, r, [])
+    behind = unicast(PUB, ident("an app behind the router"), b"forwarded", via=X.public).encode()
+    group = multicast(G, b"for its members", via=X.public).encode()
+    own = h.router.sync_message(r.public, 1, h.now)
+    out = h.handle(Buffered(o, r.public, (behind, group, own)))
+    (backed,) = [e for e in out if isinstance(e, Backed)]
+    assert [bool(q) for q in backed.seqs] == [True, True, False]
+    assert [e.seq for e in h.store.queue(r.public)] == list(backed.seqs[:2])
+    assert not [w for w in out.sends(o) if w.data in (behind, group)], "written to the same connection again"
+    # confirmed: the entries go
+    h.queue_sent([(r.public, q) for q in backed.seqs[:2]])
+    assert h.store.queue(r.public) == []
+    # Again, and this time the router in the middle crashes before the next one confirmed: queued after the restart.
+    later = unicast(PUB, ident("another app behind it"), b"not confirmed", via=X.public).encode()
+    (backed,) = [e for e in h.handle(Buffered(o, r.public, (later,))) if isinstance(e, Backed)]
+    assert all(backed.seqs)
+    h.restart()
+    written: list[bytes] = []
+    _custody(h, r, written)
+    assert later in written, "not sent to the router's next connection"
 def test_what_a_connection_gave_back_reaches_the_apps_other_connection_through_the_queue(tmp_path: Path) -> None:
     """(From a review.) Deliveries given back by a connection that closed are routed again to the app's other
     open connection through its queue, not written straight into that connection's buffer, where a SYNC_ACK

@@ -185,3 +185,51 @@ async def test_the_router_in_the_middle_confirms_only_once_the_next_router_did(t
         # (C writes its confirmation anyway after ROUTER_HOLD_MAX, 1 s)
         await burst_while_stopped(e2, x, y, y_key, 0.6, "the core confirmed what only its memory held (E2 confirmed "
                                   "nothing)")  # fmt: skip
+
+
+async def test_a_router_in_the_middle_killed_after_confirming_without_the_next_one_loses_nothing(
+    tmp_path: Path,
+) -> None:
+    """Edge E1's app X sends to app Y of edge E2 through core C, with E2 stopped (SIGSTOP): C's confirmation to E1
+    waits ROUTER_HOLD_MAX for E2's, then C backs what E2 has not confirmed with entries of E2's queue and confirms
+    once that committed, so X's SYNC_ACK comes. C is SIGKILLed at once, and E2 too (still stopped: what C wrote
+    into its socket dies with it); both start again, and Y gets every message. Before, C confirmed with them in
+    its memory only (counted in router_acks_unconfirmed_total) and its crash lost them."""
+    async with Network(tmp_path) as net:
+        c, e1 = core_and_edge(net)
+        e2 = net.add_node("e2")
+        c.config["edge_nodes"] = [e1.id.hex(), e2.id.hex()]
+        e2.config["core_nodes"] = [c.peer_entry()]
+        e2.config["pubsub"] = {"enabled": False}
+        await net.start_all()
+        await net.wait_dialled(e1, c)
+        await net.wait_dialled(e2, c)
+        y_key = Identity.generate()
+        y = await net.client(e2, y_key)
+        x = await net.client(e1, Identity.generate())
+        for attempt in range(100):  # (C must have E2's route to Y: Y's REGISTER)
+            await x.send(y_key.public, b"probe %d" % attempt)
+            if (await x.sync()).ok:
+                with contextlib.suppress(TimeoutError):
+                    if await y.recv(timeout=0.5):
+                        break
+            await asyncio.sleep(0.1)
+        else:
+            pytest.fail("an app of E1 never reached an app of E2 through C")
+        await net.close_client(y)
+        assert e2.proc is not None
+        os.kill(e2.proc.pid, signal.SIGSTOP)
+        sent = {await x.send(y_key.public, b"burst %d " % k + b"x" * 300) for k in range(40)}
+        res = await x.sync(timeout=30)
+        assert res.ok, res.refused
+        async with await Client.connect(c.sock, Identity.generate(), timeout=10) as probe:
+            st = await probe.status()
+        assert st["router_hand_overs_total"] >= 1 and st["router_acks_unconfirmed_total"] == 0, st
+        c.kill()
+        e2.kill()  # (SIGKILL ends a stopped process too)
+        await c.start_async()
+        await e2.start_async()
+        await net.wait_dialled(e2, c, since=0)
+        y = await net.client(e2, y_key)
+        got = {m.id for m in await collect(y, sent, timeout=30, settle=0.2)}
+        assert sent <= got, f"{len(sent - got)} of {len(sent)} lost with the router in the middle"

@@ -238,7 +238,9 @@ def test_a_sync_ack_waits_only_for_its_own_connections_messages() -> None:
 async def _router_ack_waits_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     """A SYNC_ACK to a router (custody's confirmation) waits for the next router's confirmation of what was
     sent on for it - the router in the middle of a path no longer confirms what only its memory holds -, but at
-    most ROUTER_HOLD_MAX: routers sending each other's messages on around a circle could wait for ever."""
+    most ROUTER_HOLD_MAX: routers sending each other's messages on around a circle could wait for ever. Then
+    what is still unconfirmed is backed by entries of the next router's queue (before, the SYNC_ACK was written
+    with it in this process's memory only: the middle router's crash lost it)."""
     monkeypatch.setattr(effects_module, "ROUTER_HOLD_MAX", 0.3)
     async with _Links(b"U" * 32, b"D" * 32) as s:
         (up, up_end), (down, down_end) = s.pairs
@@ -250,12 +252,32 @@ async def _router_ack_waits_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         fx.apply([Confirmed(down.id, s.numbers[-1])], 0.0)
         assert ACK in _read(up_end)
         assert s.stats["router_acks_unconfirmed_total"] == 0
-        # Again, and this time the next router never confirms: written anyway after ROUTER_HOLD_MAX, counted.
-        fx.apply([Send(down.id, b"sent on again" * 20, True, False, up.id), Send(up.id, ACK, False, True)], 0.0)
+        # Again, and this time the next router does not confirm: after ROUTER_HOLD_MAX what it has not confirmed
+        # is handed to the core to be backed by entries of its queue, and the SYNC_ACK follows that commit.
+        again = b"sent on again" * 20
+        fx.apply([Send(down.id, again, True, False, up.id), Send(up.id, ACK, False, True)], 0.0)
+        assert ACK not in _read(up_end)
+        assert await _until(lambda: any(isinstance(e, Buffered) for e in s.pushed), 3.0)
+        (handed,) = [e for e in s.pushed if isinstance(e, Buffered)]
+        assert (handed.conn, handed.peer, handed.datas) == (down.id, b"D" * 32, (again,))
+        await asyncio.sleep(0.1)
+        assert ACK not in _read(up_end), "the SYNC_ACK went before the hand-over committed"
+        s.committed += 1
+        fx.apply([Backed(down.id, handed.peer, (7,), handed.datas)], 0.0)
+        assert await _until(lambda: ACK in _read(up_end), 3.0)
+        assert s.stats["router_acks_unconfirmed_total"] == 0 and s.stats["router_hand_overs_total"] == 1
+        assert not down.closed  # (no close for it: only an app's SYNC_ACK closes a router that holds it up)
+        # The entry backing it is released once the router confirms it (a crash before finds it queued for it).
+        assert fx.take_queue_sent() == []
+        fx.apply([Confirmed(down.id, s.numbers[-1])], 0.0)
+        assert fx.take_queue_sent() == [(b"D" * 32, 7)]
+        # A hand-over that does not commit within another ROUTER_HOLD_MAX: written anyway, counted.
+        s.pushed.clear()
+        fx.apply([Send(down.id, b"and again" * 20, True, False, up.id), Send(up.id, ACK, False, True)], 0.0)
+        assert await _until(lambda: any(isinstance(e, Buffered) for e in s.pushed), 3.0)
         assert ACK not in _read(up_end)
         assert await _until(lambda: ACK in _read(up_end), 3.0)
         assert s.stats["router_acks_unconfirmed_total"] == 1
-        assert not down.closed  # (no close for it: only an app's SYNC_ACK closes a router that holds it up)
 
 
 def test_a_routers_sync_ack_waits_for_the_next_router_at_most_router_hold_max(

@@ -219,11 +219,21 @@ class Delivery:
         ``QueueSent`` removes it): its seq, or 0 if it is not backed - not a message for ``c.peer`` (the
         router's own answers), ttl 0 (it never waits in a queue) or expired, or no room in the store even in
         its margin. It was taken already, so no quota applies (as for ``taken`` in :meth:`enqueue`), and it is
-        not traced: its DELIVERED record was written; a redelivery after a crash is traced when it happens."""
+        not traced: its DELIVERED record was written; a redelivery after a crash is traced when it happens.
+
+        On a router's connection under custody (``c.custody``) the deliveries are the messages routed to that
+        router and not confirmed by it yet (in this process's memory only): each is backed by an entry of the
+        router's own queue, as :meth:`to_router` queues what is given back for it (``taken``), whatever the
+        message is for; its ``QueueSent`` comes once the router confirmed it. Not backed: this router's own
+        messages (for that session only), ttl 0, expired, no room."""
         h = msg.header
         s = self.s
         stranger = False
-        if isinstance(h, UnicastHeader):
+        if c.custody:
+            if isinstance(h, UnicastHeader) and h.src == s.id:
+                return 0
+            group = None if isinstance(h, UnicastHeader) else h.grp
+        elif isinstance(h, UnicastHeader):
             if h.dst != c.peer or h.src == s.id:
                 return 0
             group = None

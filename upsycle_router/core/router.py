@@ -237,17 +237,15 @@ class Router:
                 self._to_router(peer, msg, None, size, now, out, kind=UNICAST, taken=True)
 
     def _buffered(self, ev: Buffered, now: float, out: list[Effect]) -> None:
-        """Deliveries still in the outbound buffer of an app's connection: each backed by a queue entry in flight
-        on it (:meth:`~upsycle_router.core.delivery.Delivery.back`), so that a crash before they leave the
-        router redelivers them; the driver hears which entry backs which (``Backed``). If the connection is
-        closed already, they are routed again, as its close gave back the rest; if it came under custody
-        meanwhile (a router's), none is backed: custody keeps them."""
+        """Deliveries still in the outbound buffer of an app's connection, or not yet confirmed by the router of a
+        connection under custody: each backed by a queue entry in flight on it
+        (:meth:`~upsycle_router.core.delivery.Delivery.back`), so that a crash before they leave the router (or
+        before that router confirmed them) redelivers them; the driver hears which entry backs which
+        (``Backed``). If the connection is closed already, they are routed again, as its close gave back the
+        rest."""
         c = self._conns.get(ev.conn)
         if c is None or c.peer != ev.peer:
             self._undelivered(Undelivered(ev.peer, ev.datas), now, out)
-            return
-        if c.custody:  # (it came under custody since: custody keeps them until that router confirms them)
-            out.append(Backed(ev.conn, ev.peer, (0,) * len(ev.datas), ev.datas))
             return
         back = self.delivery.back
         seqs: list[int] = []

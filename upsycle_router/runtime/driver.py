@@ -100,7 +100,8 @@ class Driver:
                            "overloaded_total": 0, "read_pauses_total": 0, "syncs_total": 0, "throttled_total": 0,
                            "duplicates_total": 0, "expired_total": 0, "undelivered_total": 0,
                            "slow_reader_closes_total": 0, "ack_holders_closed_total": 0,
-                           "router_acks_unconfirmed_total": 0, "deliveries_buffered_total": 0,
+                           "router_acks_unconfirmed_total": 0, "router_hand_overs_total": 0,
+                           "deliveries_buffered_total": 0,
                            "deliveries_backed_total": 0,
                            "hot_path_c": int(accel.IMPLEMENTATION == "c")})
         self.verifier = Verifier(verify_threads, nice=verify_nice)

@@ -111,15 +111,18 @@ class _Hold:
     """A SYNC_ACK that waits: it and the router's own answers after it to the same connection (up to the next
     SYNC_ACK, which has a hold of its own behind this one), in order, and what it waits for - ``waits``,
     (connection, end offset) pairs, None until the batch that made it is written out; ``returns``, the
-    deliveries given back that must have committed (``Batches.returns_committed``); ``since``, when it came."""
+    deliveries given back that must have committed (``Batches.returns_committed``); ``since``, when it came;
+    ``backed_at``, when a SYNC_ACK to a router that waited ``ROUTER_HOLD_MAX`` handed the unconfirmed deliveries
+    over to be backed instead (None before)."""
 
-    __slots__ = ("effects", "returns", "since", "waits")
+    __slots__ = ("backed_at", "effects", "returns", "since", "waits")
 
     def __init__(self, since: float) -> None:
         self.effects: list[Effect] = []
         self.waits: list[tuple[int, int]] | None = None
         self.returns = 0
         self.since = since
+        self.backed_at: float | None = None
 
 
 class Dialer(Protocol):
@@ -432,13 +435,13 @@ class EffectRunner:
         return out
 
     def _back(self, conn: Connection) -> bool:
-        """Hand the deliveries still in the app's connection ``conn``'s buffer to the core, to be backed by queue
-        entries in flight on it (``Buffered``; its ``Backed`` comes back to :meth:`_apply`); whether there were
-        any. Whoever waits for them then waits for that to commit (counted with the deliveries given back:
-        ``Batches.returns_committed``)."""
+        """Hand the deliveries still in the app's connection ``conn``'s buffer (a router's under custody: those it
+        has not confirmed) to the core, to be backed by queue entries in flight on it (``Buffered``; its
+        ``Backed`` comes back to :meth:`_apply`); whether there were any. Whoever waits for them then waits for
+        that to commit (counted with the deliveries given back: ``Batches.returns_committed``)."""
         self._buffering.discard(conn.id)
         peer = conn.peer
-        datas = conn.take_buffered() if peer is not None and not conn.closed else []
+        datas = conn.take_buffered(conn.custody) if peer is not None and not conn.closed else []
         if not datas or peer is None:
             return False
         self.stats["deliveries_buffered_total"] += len(datas)
@@ -515,7 +518,14 @@ class EffectRunner:
                 if not (to is None or self._hold_over(hold)):
                     waited = now - hold.since
                     if to.custody and waited >= ROUTER_HOLD_MAX:  # (the module docstring: no circle of waits)
-                        self.stats["router_acks_unconfirmed_total"] += 1
+                        if hold.backed_at is None:  # back what the routers it waits for did not confirm
+                            hold.backed_at = now
+                            if self._back_routers(hold) and not self._hold_over(hold):
+                                break  # (it follows the hand-over's commit)
+                        elif now - hold.backed_at < ROUTER_HOLD_MAX and not self._hold_over(hold):
+                            break
+                        if not self._hold_over(hold):  # (nothing to hand over, or its commit took too long)
+                            self.stats["router_acks_unconfirmed_total"] += 1
                     elif waited < 3 * HOLD_MAX:
                         late = late or waited >= HOLD_MAX
                         break
@@ -541,7 +551,26 @@ class EffectRunner:
                 conn = conns.get(other)
                 if conn is not None and not conn.custody and other not in backed and self._back(conn):
                     backed.add(other)
-        if backed:  # every SYNC_ACK that waited for them (late or not) now waits for the hand-over's commit
+        self._handed_over(backed)
+
+    def _back_routers(self, hold: _Hold) -> bool:
+        """A SYNC_ACK to a router waited ``ROUTER_HOLD_MAX`` for the routers it waits for to confirm: what they
+        have not confirmed is handed to the core to be backed by entries of their queues (:meth:`_back`), and
+        every SYNC_ACK waiting for them waits for that to commit instead; whether any was handed over."""
+        backed: set[int] = set()
+        for other, _end in hold.waits or ():
+            conn = self.conns.get(other)
+            if conn is not None and conn.custody and other not in backed and self._back(conn):
+                backed.add(other)
+        if backed:
+            self.stats["router_hand_overs_total"] = self.stats.get("router_hand_overs_total", 0) + 1
+        self._handed_over(backed)
+        return bool(backed)
+
+    def _handed_over(self, backed: set[int]) -> None:
+        """Every SYNC_ACK that waited for the connections ``backed`` (late or not) now waits for the hand-over's
+        commit."""
+        if backed:
             for queue in self._holds.values():
                 for hold in queue:
                     if hold.waits and any(other in backed for other, _ in hold.waits):

@@ -491,13 +491,18 @@ class Connection(asyncio.Protocol):
                 declined.popleft()
         return bool(direct) or bool(declined)
 
-    def take_buffered(self) -> list[bytes]:
+    def take_buffered(self, custody: bool = False) -> list[bytes]:
         """The deliveries (not under custody) still in the transport's buffer that were not handed over before,
         in the order they were written, for the core to back with queue entries (:meth:`backed` takes its
         answer). Until then they are neither given back at a close (the core routes them again itself if the
-        connection is closed when it hears of them) nor released."""
+        connection is closed when it hears of them) nor released. With ``custody``, on a router's connection
+        under custody: the deliveries that router has not confirmed, the same way."""
+        if self.custody is not custody:
+            return []
+        if custody:
+            self.direct_pending(self.buffered())  # (what it confirmed meanwhile is no longer kept)
         direct = self._direct
-        if self.custody or not direct:
+        if not direct:
             return []
         taken = list(direct)
         direct.clear()
