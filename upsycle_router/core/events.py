@@ -91,10 +91,11 @@ class Undelivered:
 
 @dataclass(frozen=True, slots=True)
 class Buffered:
-    """Deliveries written to the connection ``conn`` of ``peer`` (an app's, not under custody) whose bytes are
-    still in its outbound buffer, in this process's memory only, in the order they were written: a crash now
-    would lose them, though their senders may have been told they are safe. Back each with a queue entry for
-    ``peer`` in flight on ``conn`` (:class:`Backed`): the driver reports it (``QueueSent``) once its bytes left,
+    """Deliveries written to the connection ``conn`` of ``peer`` (an app's) whose bytes are still in its outbound
+    buffer - or, on a router's connection under custody, that router has not confirmed yet -, in this process's
+    memory only, in the order they were written: a crash now would lose them, though their senders may have
+    been told they are safe. Back each with a queue entry for ``peer`` in flight on ``conn`` (:class:`Backed`):
+    the driver reports it (``QueueSent``) once its bytes left (under custody: once the router confirmed them),
     and a crash before then redelivers it from the queue. If ``conn`` is closed, route them again
     (:class:`Undelivered`)."""
 

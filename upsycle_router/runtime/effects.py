@@ -40,7 +40,11 @@ only then) and carries them out in order:
   closed: what it held is routed again (queued), and the SYNC_ACK follows once that committed. A SYNC_ACK to
   a router (custody's confirmation, which that router's own SYNC_ACKs may wait for) waits at most
   ``ROUTER_HOLD_MAX``: routers that send each other's messages on around a circle could otherwise wait on
-  each other for ever (counted, ``router_acks_unconfirmed_total``). Not waited for (docs/protocol.md): a
+  each other for ever. Then what those routers have not confirmed is handed to the core as an app's buffered
+  deliveries are (below: ``Buffered`` on the custody connection), backed by entries of their own queues in
+  flight on their connections (released by their confirmation), and the SYNC_ACK follows that commit
+  (``router_hand_overs_total``); written without it only if nothing could be handed over or the commit took
+  another ``ROUTER_HOLD_MAX`` (``router_acks_unconfirmed_total``). Not waited for (docs/protocol.md): a
   delivery still in an app's outbound buffer for long - one app that does not read would hold up every
   sender. A SYNC_ACK waits for deliveries in apps' buffers to leave them for ``BACK_AFTER`` (a healthy reader
   takes them in a millisecond or two); then they are handed to the core (``Buffered``), which backs each with
