@@ -222,11 +222,12 @@ def test_yaml_values_name_the_option(tmp_path: Path, text: str, option: str) -> 
 
 
 def test_the_budget_of_unfinished_frames_holds_at_least_one_frame() -> None:
-    """limits.max_partial_bytes below max_frame would shed a connection sending one frame of max_frame."""
-    msg = refused({"max_frame": 200_000, "limits": {"max_partial_bytes": 199_999}}, "limits.max_partial_bytes")
-    assert "at least max_frame (200000 bytes)" in msg, msg
-    cfg = parse_config({"max_frame": 200_000, "limits": {"max_partial_bytes": 200_000}})
-    assert cfg.max_partial_bytes == 200_000
+    """limits.max_partial_bytes below max_frame + 4 would shed a connection sending one frame of max_frame (a
+    stream connection holds its 4-byte length too)."""
+    msg = refused({"max_frame": 200_000, "limits": {"max_partial_bytes": 200_003}}, "limits.max_partial_bytes")
+    assert "at least max_frame + 4 (200004 bytes" in msg, msg
+    cfg = parse_config({"max_frame": 200_000, "limits": {"max_partial_bytes": 200_004}})
+    assert cfg.max_partial_bytes == 200_004
     assert parse_config({}).max_partial_bytes == 256 * 1024 * 1024
 
 

@@ -1,6 +1,6 @@
 """The budget of unfinished frames against a real daemon (transport/partial.py): peers on TLS, WebSocket and the
 Unix socket each begin a large frame and stall; once their bytes sum over ``limits.max_partial_bytes`` the
-connection with the oldest unfinished frame is answered ERROR 6 (a WebSocket Close 1013) and closed, counted
+connection read longest ago is answered ERROR 6 (a WebSocket Close 1013) and closed, counted
 and logged, the gauge follows, and local apps are still served.
 
 Every connection a test opens is closed by the test; the daemon is stopped by the ``daemon`` fixture.

@@ -192,7 +192,7 @@ class DaemonConfig:
     outbound_buffer_max: int = 8 * 1024 * 1024
     write_high_water: int = 4 * 1024 * 1024
     # The bytes of frames begun and not finished, summed over every connection (transport/partial.py): over it,
-    # the connections with the oldest unfinished frames are closed with ERROR 6. At least ``max_frame``.
+    # the connections read longest ago are closed with ERROR 6. At least ``max_frame`` + 4.
     max_partial_bytes: int = 256 * 1024 * 1024
     verify_threads: int | None = None
     verify_nice: int = 10
@@ -385,9 +385,9 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
     if "websocket" in listen or "path" in listen or "websocket" in top:
         kw["websocket"] = _parse_websocket(listen, top.get("websocket"), cfg.websocket)
     out = DaemonConfig(**{**_as_dict(cfg), **kw})
-    if out.max_partial_bytes < out.max_frame:  # (one frame of max_frame would be shed at once)
-        raise fail("limits.max_partial_bytes",
-                   f"must be at least max_frame ({out.max_frame} bytes), got {out.max_partial_bytes}")  # fmt: skip
+    if out.max_partial_bytes < out.max_frame + 4:  # (one frame of max_frame, with its length, could be shed)
+        raise fail("limits.max_partial_bytes", f"must be at least max_frame + 4 ({out.max_frame + 4} bytes: one "
+                   f"frame with its length), got {out.max_partial_bytes}")  # fmt: skip
     return out
 
 

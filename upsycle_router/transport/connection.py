@@ -209,16 +209,15 @@ class Connection(asyncio.Protocol):
         """Write the transport's closing handshake, if it has one (before a close without ERROR)."""
 
     def _drop_partial(self) -> None:
-        """Forget the bytes of the unfinished frame (the connection is being shed)."""
-        raise NotImplementedError
+        """Forget the bytes of the unfinished frame (the connection is closed: nothing reads them any more)."""
 
     # ---------------------------------------------------------------- unfinished frames (transport/partial.py)
 
-    def _hold_partial(self, n: int, done: bool) -> None:
-        """After a read: ``n`` bytes of an unfinished frame are held now, ``done`` if a frame completed in the
-        read; shed the connections (this one too, if its frame is among the oldest) the budget cannot keep."""
+    def _hold_partial(self, n: int) -> None:
+        """After a read: ``n`` bytes of an unfinished frame are held now; shed the connections read longest ago
+        that the budget cannot keep."""
         assert self.partials is not None
-        for c in self.partials.hold(self, n, done):
+        for c in self.partials.hold(self, n):
             c.shed()
 
     def shed(self) -> None:
@@ -226,12 +225,13 @@ class Connection(asyncio.Protocol):
         if self.closed:
             return
         _SHED.event("partial_shed", f"conn {self.id} (peer {self.peer.hex() if self.peer else None}): shed, its "
-                    "unfinished frame the oldest over the budget of unfinished frames (limits.max_partial_bytes)",
-                    logging.WARNING)  # fmt: skip
-        self._drop_partial()
+                    "unfinished frame read longest ago over the budget of unfinished frames "
+                    "(limits.max_partial_bytes)", logging.WARNING)  # fmt: skip
         self.close_with_error(ErrorCode.OVERLOADED, "the router holds too many unfinished frames: send again later")
 
     def _release_partial(self) -> None:
+        """Closed: the unfinished frame's bytes are dropped (nothing reads them any more) and no longer counted."""
+        self._drop_partial()
         if self.partials is not None:
             self.partials.release(self)
 
@@ -616,9 +616,12 @@ class Connection(asyncio.Protocol):
         return t.get_write_buffer_size() if t is not None else 0
 
     def pause_reading(self) -> None:
-        """Stop reading from the peer for now (the router is behind): it waits in its socket."""
+        """Stop reading from the peer for now (the router is behind): it waits in its socket. (Its unfinished frame,
+        if any, is shed after those of connections the router reads: :meth:`PartialFrames.pause`.)"""
         t = self.transport
         if t is not None and not self.closed and not t.is_closing():
+            if self.partials is not None:
+                self.partials.pause(self)
             with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
                 t.pause_reading()
 
@@ -626,6 +629,8 @@ class Connection(asyncio.Protocol):
         """Read from the peer again."""
         t = self.transport
         if t is not None and not self.closed and not t.is_closing():
+            if self.partials is not None:
+                self.partials.resume(self)
             with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
                 t.resume_reading()
 

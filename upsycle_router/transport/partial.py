@@ -9,16 +9,23 @@ them) would hold ``max_connections x max_frame`` - tens of gigabytes with the de
 bounds the sum (``limits.max_partial_bytes``).
 
 Each connection reports after every read how many bytes of an unfinished frame it now holds (``n``, 0 when
-the read ended on a frame boundary) and whether a frame of it completed in that read (``done``).
-:meth:`PartialFrames.hold` keeps the connections that hold some in the order their current unfinished frame
-began: a completed frame moves the connection to the young end, so a connection that streams frames and often
-ends a read mid-frame stays young, and a stalled one grows old. When the sum goes over the limit, the
-connections with the oldest unfinished frames are shed (returned to the caller, which answers each with ERROR
-6 "overloaded" and closes it) until the rest fit; the reporting connection is shed only if its own frame is
-among the oldest. A connection shed or closed is released (``n`` 0) and no longer counted.
+the read ended on a frame boundary). :meth:`PartialFrames.hold` keeps the connections that hold some in the
+order they were last read: every report moves the connection to the young end, so a connection whose bytes
+keep coming - a frame that streams in, however large, or one frame after another - stays young, and one that
+stalls grows old. When the sum goes over the limit, the connections read longest ago are shed (returned to the
+caller, which answers each with ERROR 6 "overloaded" and closes it) until the rest fit; the reporting
+connection, just read, is the youngest and goes last. A connection the router itself stopped reading (a rate
+limit, a full verification pipeline, backpressure: :meth:`PartialFrames.pause`) cannot make progress, so it is
+shed only after every connection that could (a second pass, oldest first; the limit holds all the same), and it
+counts as just read when the router reads it again (:meth:`PartialFrames.resume`). A connection shed or closed
+is released (``n`` 0): no longer counted, and its bytes dropped.
+
+What is counted is the length of each connection's buffer of received bytes; the buffers' own slack (a
+bytearray keeps room for more than it holds) adds at most a quarter and a page to it
+(:class:`~upsycle_router.wire.framing.FrameBuffer` compacts a buffer that keeps more).
 
 Pure bookkeeping, no I/O and no clock: a read costs one comparison when nothing is unfinished before or after
-it (the common case: a read that ends on a frame boundary), and a dict operation otherwise.
+it (the common case: a read that ends on a frame boundary), and two dict operations otherwise.
 """
 
 from __future__ import annotations
@@ -37,49 +44,64 @@ class PartialFrames(Generic[_C]):
     """The bytes of unfinished frames held for all connections, bounded by :attr:`limit` (see the module
     docstring). ``stats``, if given, gets the shed counter and the gauge of bytes held."""
 
-    __slots__ = ("limit", "total", "_held", "_stats")
+    __slots__ = ("limit", "total", "_held", "_paused", "_stats")
 
     def __init__(self, limit: int = DEFAULT_MAX_PARTIAL_BYTES, stats: MutableMapping[str, int] | None = None) -> None:
         self.limit = limit
         self.total = 0
-        self._held: dict[_C, int] = {}  # connection -> bytes of its unfinished frame, oldest frame first
+        self._held: dict[_C, int] = {}  # connection -> bytes of its unfinished frame, read longest ago first
+        self._paused: set[_C] = set()  # connections the router does not read for now
         self._stats = stats
         if stats is not None:
             stats.setdefault(SHED_COUNTER, 0)
             stats[BYTES_GAUGE] = 0
 
-    def hold(self, conn: _C, n: int, done: bool) -> list[_C]:
-        """``conn`` now holds ``n`` bytes of an unfinished frame (0: none); ``done``: a frame of it completed
-        since its last report (so its unfinished frame, if any, began now). The connections to shed, oldest
-        unfinished frame first, so that the rest fit the limit; each is no longer counted."""
+    def hold(self, conn: _C, n: int) -> list[_C]:
+        """``conn`` was just read and now holds ``n`` bytes of an unfinished frame (0: none). The connections to
+        shed, read longest ago first, so that the rest fit the limit; each is no longer counted."""
         held = self._held
-        prev = held.get(conn, 0)
+        prev = held.pop(conn, 0)  # (to the young end: it was just read)
         if n <= 0:
             if prev:
-                del held[conn]
                 self._set(self.total - prev)
             return []
-        if done and prev:
-            del held[conn]  # its frame began now: to the young end
         held[conn] = n
         total = self.total + n - prev
         shed: list[_C] = []
         if total > self.limit:
-            for c, m in held.items():  # oldest first
-                shed.append(c)
-                total -= m
+            paused = self._paused
+            for second in (False, True):  # read longest ago first; those the router paused after all the others
+                for c, m in held.items():
+                    if (c in paused) is second:
+                        shed.append(c)
+                        total -= m
+                        if total <= self.limit:
+                            break
                 if total <= self.limit:
                     break
             for c in shed:
                 del held[c]
+                paused.discard(c)
             if self._stats is not None:
                 self._stats[SHED_COUNTER] += len(shed)
         self._set(total)
         return shed
 
+    def pause(self, conn: _C) -> None:
+        """The router stops reading ``conn`` for now (its own pause, not the peer's stall)."""
+        self._paused.add(conn)
+
+    def resume(self, conn: _C) -> None:
+        """The router reads ``conn`` again: as if just read."""
+        self._paused.discard(conn)
+        n = self._held.pop(conn, 0)
+        if n:
+            self._held[conn] = n
+
     def release(self, conn: _C) -> None:
         """``conn`` holds nothing any more (closed, shed)."""
-        self.hold(conn, 0, True)
+        self._paused.discard(conn)
+        self.hold(conn, 0)
 
     def held(self, conn: _C) -> int:
         """The bytes counted for ``conn``."""

@@ -83,7 +83,7 @@ class StreamConnection(Connection):
         if self.partials is not None and not self.closed:
             after = session.pending
             if before or after:  # (a read that ends on a frame boundary, after one that did: nothing to do)
-                self._hold_partial(after, before + len(data) > after)  # (bytes leave only as frames)
+                self._hold_partial(after)
 
     def _drop_partial(self) -> None:
         self.session.drop_pending()

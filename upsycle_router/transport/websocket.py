@@ -151,7 +151,6 @@ class WebSocketConnection(Connection):
         self.upgraded = False
         self.origin: str | None = None
         self._message = bytearray()  # the binary message being reassembled
-        self._finished = 0  # binary messages completed so far (for the budget of unfinished frames)
         self._http_refusal: tuple[int, str] | None = None  # answer the upgrade request with this status
         self._pong: Ping | None = None  # the latest ping not answered yet: the peer was not reading
 
@@ -204,7 +203,7 @@ class WebSocketConnection(Connection):
         if self.closed:
             return
         self.bytes_in += len(data)
-        before, finished = len(self._message), self._finished
+        before = len(self._message)
         try:
             self.ws.receive_data(data)
             for ev in self.ws.events():
@@ -220,7 +219,7 @@ class WebSocketConnection(Connection):
         if self.partials is not None and not self.closed:
             after = len(self._message)  # (wsproto hands a frame's payload over as it arrives)
             if before or after:
-                self._hold_partial(after, self._finished != finished)
+                self._hold_partial(after)
 
     def _drop_partial(self) -> None:
         self._message = bytearray()
@@ -235,7 +234,6 @@ class WebSocketConnection(Connection):
             if ev.message_finished:
                 payload = bytes(self._message)
                 self._message.clear()
-                self._finished += 1
                 check_length(len(payload), self.max_frame)  # an empty message is a protocol error
                 self._run_session(lambda: self.session.receive_payloads((payload,)))
         elif isinstance(ev, TextMessage):

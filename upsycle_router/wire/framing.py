@@ -54,6 +54,9 @@ def check_length(n: int, max_frame: int) -> None:
         raise e
 
 
+_EMPTY = bytearray().__sizeof__()
+
+
 class FrameBuffer:
     """Reassembles frames from stream chunks."""
 
@@ -95,6 +98,7 @@ class FrameBuffer:
             self._check_if(not out)
         elif pos:
             del buf[:pos]
+            self._compact()
         return out
 
     def feed_decoded(self, data: bytes) -> list[Message | bytes]:
@@ -115,9 +119,20 @@ class FrameBuffer:
             self._check_if(not items)
         elif src is buf:
             del buf[:pos]
+            self._compact()
         elif pos < len(data):
             buf += memoryview(data)[pos:]
         return items
+
+    def _compact(self) -> None:
+        """After frames left the front of the buffer: a bytearray keeps their room while what is left is more than
+        half of it (up to twice the bytes held); copy what is left into a buffer of its size when the room kept
+        is more than a quarter of it and a page (what the budget of unfinished frames counts is the bytes held:
+        transport/partial.py)."""
+        buf = self._buf
+        n = len(buf)
+        if n and buf.__sizeof__() - _EMPTY > n + (n >> 2) + 4096:
+            self._buf = bytearray(buf)
 
     @property
     def pending(self) -> int:
