@@ -237,3 +237,32 @@ def test_a_given_back_delivery_too_large_for_any_queue_reaches_the_apps_other_co
     out = h.handle(Undelivered(SUB.public, (w.data,)))
     dropped = [(t.id == m.id, t.reason) for t in out.traces("dropped")]
     assert dropped == [] and [x.id for x in out.messages(b1)] == [m.id], f"dropped: {dropped}"
+
+
+def test_a_routers_queue_filled_by_a_hand_over_is_dialled_after_its_connection_closes(tmp_path: Path) -> None:
+    """(From a review: failed before.) Messages handed over on a (learned) peer router's connection are backed by
+    its queue; the connection then closes (the router restarts, a network blip) with nothing else for it. A
+    close used to give them back (Undelivered), and routing them again queued them and dialled the router: the
+    router is dialled now too, rather than waiting for some other message for it or for this router's
+    restart."""
+    h = CoreHarness(tmp_path / "x", X, CoreConfig())
+    r = ident("next router")
+    o = _custody(h, r, [])
+    behind = unicast(PUB, ident("an app behind the router"), b"forwarded", via=X.public).encode()
+    (backed,) = [e for e in h.handle(Buffered(o, r.public, (behind,))) if isinstance(e, Backed)]
+    assert all(backed.seqs)
+    out = h.handle(ConnectionClosed(o))
+    assert [e.seq for e in h.store.queue(r.public)] == list(backed.seqs)  # queued for it ...
+    dials = out.dials() + h.timer(h.now + 60).dials()
+    assert r.public in dials, "... but nothing dials the router it waits for"
+
+
+def test_control_the_give_back_path_dials(tmp_path: Path) -> None:
+    """The same message given back at a close (not handed over before) is queued and the router dialled."""
+    h = CoreHarness(tmp_path / "x", X, CoreConfig())
+    r = ident("next router")
+    o = _custody(h, r, [])
+    behind = unicast(PUB, ident("an app behind the router"), b"forwarded", via=X.public).encode()
+    h.handle(ConnectionClosed(o))
+    out = h.handle(Undelivered(r.public, (behind,)))
+    assert r.public in out.dials()

@@ -498,6 +498,12 @@ class Router:
                 lst.remove(ev.conn)
             if not lst:
                 del self._by_key[c.peer]
+                s = self.state
+                if c.custody and c.inflight and out is not None and c.peer not in s.dialing:
+                    # entries of the router's own queue were in flight on it (what it had not confirmed, backed by
+                    # a hand-over): they wait for it queued, and it is dialled, as for what a close gives back
+                    s.dialing.add(c.peer)
+                    out.append(Dial(c.peer))
             elif c.inflight and out is not None:  # what it had in flight and did not write: the key's other
                 self.state.waiting[lst[-1]] = now  # connection drains it (it waited: queues.py) - now, and at the
                 self._flush(self._conns[lst[-1]], now, out)  # next timer should this batch not commit

@@ -43,8 +43,9 @@ only then) and carries them out in order:
   each other for ever. Then what those routers have not confirmed is handed to the core as an app's buffered
   deliveries are (below: ``Buffered`` on the custody connection), backed by entries of their own queues in
   flight on their connections (released by their confirmation), and the SYNC_ACK follows that commit
-  (``router_hand_overs_total``); written without it only if nothing could be handed over or the commit took
-  another ``ROUTER_HOLD_MAX`` (``router_acks_unconfirmed_total``). Not waited for (docs/protocol.md): a
+  (``router_hand_overs_total``); written without it when what it waits for is still neither confirmed nor
+  backed at twice ``ROUTER_HOLD_MAX`` from its arrival (``router_acks_unconfirmed_total``: the core declined
+  some - ttl 0, no room -, or the commit was that slow). Not waited for (docs/protocol.md): a
   delivery still in an app's outbound buffer for long - one app that does not read would hold up every
   sender. A SYNC_ACK waits for deliveries in apps' buffers to leave them for ``BACK_AFTER`` (a healthy reader
   takes them in a millisecond or two); then they are handed to the core (``Buffered``), which backs each with
@@ -351,8 +352,11 @@ class EffectRunner:
                     if self.queue_sent and not self._closed:
                         self.loop.call_soon(self.acknowledged)
             elif isinstance(e, Backed):
-                self.stats["deliveries_backed_total"] += sum(1 for seq in e.seqs if seq)
+                n = sum(1 for seq in e.seqs if seq)
+                self.stats["deliveries_backed_total"] += n
                 conn = conns.get(e.conn)
+                if n and conn is not None and conn.custody:  # (a router's unconfirmed deliveries, some backed)
+                    self.stats["router_hand_overs_total"] = self.stats.get("router_hand_overs_total", 0) + 1
                 if conn is not None and not conn.closed:
                     conn.backed(e.peer, e.seqs, e.datas)
                     self._unflushed.add(e.conn)
@@ -522,14 +526,13 @@ class EffectRunner:
                 if not (to is None or self._hold_over(hold)):
                     waited = now - hold.since
                     if to.custody and waited >= ROUTER_HOLD_MAX:  # (the module docstring: no circle of waits)
-                        if hold.backed_at is None:  # back what the routers it waits for did not confirm
-                            hold.backed_at = now
-                            if self._back_routers(hold) and not self._hold_over(hold):
-                                break  # (it follows the hand-over's commit)
-                        elif now - hold.backed_at < ROUTER_HOLD_MAX and not self._hold_over(hold):
-                            break
-                        if not self._hold_over(hold):  # (nothing to hand over, or its commit took too long)
-                            self.stats["router_acks_unconfirmed_total"] += 1
+                        if hold.backed_at is None:  # back what the routers it waits for did not confirm (or wait
+                            hold.backed_at = now  # for a hand-over another hold began: its returns were raised)
+                            self._back_routers(hold)
+                        if not self._hold_over(hold):  # (it follows the hand-over's commit, if any)
+                            if waited < 2 * ROUTER_HOLD_MAX:
+                                break
+                            self.stats["router_acks_unconfirmed_total"] += 1  # (nothing backed, or not in time)
                     elif waited < 3 * HOLD_MAX:
                         late = late or waited >= HOLD_MAX
                         break
@@ -566,8 +569,6 @@ class EffectRunner:
             conn = self.conns.get(other)
             if conn is not None and conn.custody and other not in backed and self._back(conn):
                 backed.add(other)
-        if backed:
-            self.stats["router_hand_overs_total"] = self.stats.get("router_hand_overs_total", 0) + 1
         self._handed_over(backed)
         return bool(backed)
 

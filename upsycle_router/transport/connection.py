@@ -174,6 +174,7 @@ class Connection(asyncio.Protocol):
         # Deliveries of ``_direct`` handed to the core to be backed by queue entries (take_buffered), one list per
         # hand-over, until the core says which entries back them (backed)
         self._backing: collections.deque[list[tuple[int, Sequence[bytes]]]] = collections.deque()
+        self._handed_end = 0  # under custody: the end of the last delivery handed over (those declined stay here)
         # Deliveries the core declined to back (ttl 0, the router's own answers, no room): not waited for, not
         # handed over again; given back at a close like the others while their bytes are still here
         self._declined: collections.deque[tuple[int, Sequence[bytes]]] = collections.deque()
@@ -499,13 +500,22 @@ class Connection(asyncio.Protocol):
         under custody: the deliveries that router has not confirmed, the same way."""
         if self.custody is not custody:
             return []
+        direct = self._direct
         if custody:
             self.direct_pending(self.buffered())  # (what it confirmed meanwhile is no longer kept)
-        direct = self._direct
-        if not direct:
-            return []
-        taken = list(direct)
-        direct.clear()
+            # what the core declined before (back in ``_direct``, up to ``_handed_end``) is not handed over again
+            kept = [d for d in direct if d[0] <= self._handed_end]
+            taken = [d for d in direct if d[0] > self._handed_end]
+            if not taken:
+                return []
+            self._handed_end = taken[-1][0]
+            direct.clear()
+            direct.extend(kept)
+        else:
+            if not direct:
+                return []
+            taken = list(direct)
+            direct.clear()
         self._backing.append(taken)
         return [p for _, payloads in taken for p in payloads]
 
@@ -553,6 +563,8 @@ class Connection(asyncio.Protocol):
         direct = self._direct
         if direct and direct[0][0] <= end:
             self.direct_pending(self.buffered())
+        if self.custody and any(taken[0][0] <= end for taken in self._backing):
+            return False  # (handed over, not answered yet: what the core declines stays custody's to wait for)
         return not direct or direct[0][0] > end
 
     # ---------------------------------------------------------------- custody (a router's connection)
