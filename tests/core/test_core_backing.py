@@ -18,6 +18,7 @@ from upsycle_router.core.events import (
     Backed,
     Buffered,
     ConnectionClosed,
+    DialFailed,
     Fanout,
     MessagesReceived,
     QueueRun,
@@ -25,7 +26,7 @@ from upsycle_router.core.events import (
     WriteBlocked,
 )
 from upsycle_router.crypto import Identity
-from upsycle_router.wire.control import Join
+from upsycle_router.wire.control import Join, Register
 
 X = ident("X")
 G = ident("group")
@@ -266,3 +267,61 @@ def test_control_the_give_back_path_dials(tmp_path: Path) -> None:
     h.handle(ConnectionClosed(o))
     out = h.handle(Undelivered(r.public, (behind,)))
     assert r.public in out.dials()
+
+
+# Edge nodes dial their core: never dialled, also after a hand-over (from a second review).
+
+EDGE = ident("edge")
+Y = ident("edge-app")
+ALICE = ident("alice")
+
+
+def _edge(tmp_path: Path) -> tuple[CoreHarness, int, bytes]:
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(edge_nodes=frozenset({EDGE.public})))
+    e = h.open(EDGE, local=False)
+    h.receive(e, control(EDGE, X, Register((Y.public,)), now=h.now))
+    assert h.router.state.conns[e].custody
+    a = h.open(ALICE)
+    m = unicast(ALICE, Y, b"to Y", now=h.now)
+    out = h.receive(a, m)
+    (w,) = [s for s in out.sends(e) if s.data == m.encode()]
+    return h, e, w.data
+
+
+def test_an_edge_nodes_given_back_delivery_does_not_dial_it(tmp_path: Path) -> None:
+    """A close gives back what the edge node had not confirmed; it is queued for it, and the edge node is not
+    dialled (it dials its core: Router.start excludes edge nodes too)."""
+    h, e, data = _edge(tmp_path)
+    out = h.handle(ConnectionClosed(e))
+    out2 = h.handle(Undelivered(EDGE.public, (data,)))
+    assert EDGE.public not in out.dials() + out2.dials()
+    assert len(h.store.queue(EDGE.public)) == 1
+
+
+def test_an_edge_node_whose_connection_closed_with_backed_entries_is_not_dialled(tmp_path: Path) -> None:
+    """(From a second review: failed on 4ee7bcb.) The same message handed over (backed by the edge node's queue)
+    and then the close: the edge node is not dialled either (the pool has no address for it: DialFailed, then a
+    redial with backoff for as long as its queue held anything)."""
+    h, e, data = _edge(tmp_path)
+    (b,) = [x for x in h.handle(Buffered(e, EDGE.public, (data,))) if isinstance(x, Backed)]
+    assert all(b.seqs)
+    out = h.handle(ConnectionClosed(e))
+    dials = list(out.dials())
+    if dials:  # the pool knows no address for an edge node: DialFailed, then a redial with backoff
+        h.handle(DialFailed(EDGE.public))
+        dials += h.timer(h.now + 5).dials()
+    assert EDGE.public not in dials, f"edge node dialled: {dials}"
+
+
+def test_an_edge_node_that_closes_while_its_queue_drains_is_not_dialled(tmp_path: Path) -> None:
+    """(From a second review: failed on 4ee7bcb.) No hand-over at all: the edge node was away, a message for its
+    app was queued; it connects, the queue drains to it (entries in flight under custody), and it goes away
+    again before confirming: no dial (only entries a hand-over backed make a close dial a router)."""
+    h, e, _data = _edge(tmp_path)
+    h.handle(ConnectionClosed(e))
+    h.receive(h.open(ALICE), unicast(ALICE, Y, b"while away", now=h.now))
+    assert len(h.store.queue(EDGE.public)) >= 1
+    e2 = h.open(EDGE, local=False)
+    assert h.router.state.conns[e2].inflight, "not drained to the edge node"
+    out = h.handle(ConnectionClosed(e2))
+    assert EDGE.public not in out.dials(), "edge node dialled after a plain drain"

@@ -251,6 +251,7 @@ class Delivery:
         if expiry <= now or not self._room(stored, n, reserve=True):
             return 0
         seq = self._entry(c.peer, msg, group, data, expiry, stored=stored, stranger=stranger)
+        c.handed = c.handed or c.custody
         s.keep(c).added.append(seq)
         c.inflight[seq] = n
         c.inflight_bytes += n

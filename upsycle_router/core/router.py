@@ -499,7 +499,8 @@ class Router:
             if not lst:
                 del self._by_key[c.peer]
                 s = self.state
-                if c.custody and c.inflight and out is not None and c.peer not in s.dialing:
+                if (c.handed and c.inflight and out is not None and c.peer not in s.dialing
+                        and c.peer not in s.config.edge_nodes):  # (an edge node dials us)
                     # entries of the router's own queue were in flight on it (what it had not confirmed, backed by
                     # a hand-over): they wait for it queued, and it is dialled, as for what a close gives back
                     s.dialing.add(c.peer)

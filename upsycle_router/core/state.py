@@ -58,7 +58,7 @@ class Conn:
     """One open connection, as the core sees it."""
 
     __slots__ = ("id", "peer", "local", "inflight", "inflight_bytes", "sent", "blocked", "backlog", "refused",
-                 "syncs", "custody", "progress")
+                 "syncs", "custody", "progress", "handed")
 
     def __init__(self, conn: ConnId, peer: bytes, local: bool) -> None:
         self.id = conn
@@ -77,6 +77,7 @@ class Conn:
         self.syncs = 0  # SYNC_ACKs sent on it: which of its spans between SYNCs a message was sent in
         self.custody = False  # another router's connection: routed messages stay ours until it confirms (Custody)
         self.progress = 0.0  # when its queue drain last wrote or had entries acknowledged
+        self.handed = False  # (under custody) a hand-over backed some of what its router had not confirmed
 
 
 class WindowUndo:

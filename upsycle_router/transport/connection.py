@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import heapq
 import itertools
 import logging
 import socket
@@ -72,6 +73,20 @@ _T = TypeVar("_T")
 def _same(a: Sequence[bytes], b: Sequence[bytes]) -> bool:
     """The same objects in the same order (a hand-over and its answer carry the very same payloads)."""
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _merge_in(dq: collections.deque[tuple[int, _T]], items: list[tuple[int, _T]]) -> None:
+    """Merge ``items`` (sorted by end offset) into ``dq`` (sorted too) in place, those of ``dq`` first at equal
+    ends: only the tail of ``dq`` after the first item is taken out (a hand-over's answer is about bytes written
+    shortly before: under custody ``dq`` may hold a hundred thousand entries the peer has not confirmed)."""
+    if not items:
+        return
+    first = items[0][0]
+    tail: list[tuple[int, _T]] = []
+    while dq and dq[-1][0] > first:
+        tail.append(dq.pop())
+    tail.reverse()
+    dq.extend(heapq.merge(tail, items, key=lambda r: r[0]))
 
 
 def _by_end(*parts: Iterable[tuple[int, _T]]) -> collections.deque[tuple[int, _T]]:
@@ -545,11 +560,11 @@ class Connection(asyncio.Protocol):
             if left:
                 kept.append((end, left))
         if refs:  # (by end offset: their bytes are older than what was marked since)
-            self._unflushed = _by_end(self._unflushed, refs)
+            _merge_in(self._unflushed, refs)
         if kept and self.custody:
-            self._direct = _by_end(self._direct, kept)
+            _merge_in(self._direct, kept)
         elif kept:
-            self._declined = _by_end(self._declined, kept)
+            _merge_in(self._declined, kept)
         return len(refs)
 
     @property
