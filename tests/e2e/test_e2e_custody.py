@@ -158,30 +158,33 @@ async def test_an_apps_sync_ack_waits_for_the_next_router_to_confirm_what_was_fo
         await burst_while_stopped(e, z, y, y_key, 1.5, "C acknowledged what only its memory held (E confirmed nothing)")
 
 
+async def two_edges_through_a_core(net: Network) -> tuple[Node, Node, Identity, Client, Client]:
+    """Core C with edges E1 and E2 (started, both dialled); app X on E1 and app Y on E2, and an X's message that
+    reached Y through C (so C knows E2's route to Y: Y's REGISTER). Returns (C, E2, Y's key, X, Y)."""
+    c, e1 = core_and_edge(net)
+    e2 = net.add_node("e2")
+    c.config["edge_nodes"] = [e1.id.hex(), e2.id.hex()]
+    e2.config["core_nodes"] = [c.peer_entry()]
+    e2.config["pubsub"] = {"enabled": False}
+    await net.start_all()
+    await net.wait_dialled(e1, c)
+    await net.wait_dialled(e2, c)
+    y_key = Identity.generate()
+    y = await net.client(e2, y_key)
+    x = await net.client(e1, Identity.generate())
+    for attempt in range(100):
+        await x.send(y_key.public, b"probe %d" % attempt)
+        if (await x.sync()).ok:
+            with contextlib.suppress(TimeoutError):
+                if await y.recv(timeout=0.5):
+                    return c, e2, y_key, x, y
+        await asyncio.sleep(0.1)
+    pytest.fail("an app of E1 never reached an app of E2 through C")
+
+
 async def test_the_router_in_the_middle_confirms_only_once_the_next_router_did(tmp_path: Path) -> None:
     async with Network(tmp_path) as net:
-        c, e1 = core_and_edge(net)
-        e2 = net.add_node("e2")
-        c.config["edge_nodes"] = [e1.id.hex(), e2.id.hex()]
-        e2.config["core_nodes"] = [c.peer_entry()]
-        e2.config["pubsub"] = {"enabled": False}
-        await net.start_all()
-        await net.wait_dialled(e1, c)
-        await net.wait_dialled(e2, c)
-        y_key = Identity.generate()
-        y = await net.client(e2, y_key)
-        x = await net.client(e1, Identity.generate())
-        got: set[bytes] = set()
-        for attempt in range(100):  # (C must have E2's route to Y: Y's REGISTER)
-            await x.send(y_key.public, b"probe %d" % attempt)
-            if (await x.sync()).ok:
-                with contextlib.suppress(TimeoutError):
-                    got.add((await y.recv(timeout=0.5)).id)
-                if got:
-                    break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("an app of E1 never reached an app of E2 through C")
+        _c, e2, y_key, x, y = await two_edges_through_a_core(net)
         # (C writes its confirmation anyway after ROUTER_HOLD_MAX, 1 s)
         await burst_while_stopped(e2, x, y, y_key, 0.6, "the core confirmed what only its memory held (E2 confirmed "
                                   "nothing)")  # fmt: skip
@@ -196,26 +199,7 @@ async def test_a_router_in_the_middle_killed_after_confirming_without_the_next_o
     into its socket dies with it); both start again, and Y gets every message. Before, C confirmed with them in
     its memory only (counted in router_acks_unconfirmed_total) and its crash lost them."""
     async with Network(tmp_path) as net:
-        c, e1 = core_and_edge(net)
-        e2 = net.add_node("e2")
-        c.config["edge_nodes"] = [e1.id.hex(), e2.id.hex()]
-        e2.config["core_nodes"] = [c.peer_entry()]
-        e2.config["pubsub"] = {"enabled": False}
-        await net.start_all()
-        await net.wait_dialled(e1, c)
-        await net.wait_dialled(e2, c)
-        y_key = Identity.generate()
-        y = await net.client(e2, y_key)
-        x = await net.client(e1, Identity.generate())
-        for attempt in range(100):  # (C must have E2's route to Y: Y's REGISTER)
-            await x.send(y_key.public, b"probe %d" % attempt)
-            if (await x.sync()).ok:
-                with contextlib.suppress(TimeoutError):
-                    if await y.recv(timeout=0.5):
-                        break
-            await asyncio.sleep(0.1)
-        else:
-            pytest.fail("an app of E1 never reached an app of E2 through C")
+        c, e2, y_key, x, y = await two_edges_through_a_core(net)
         await net.close_client(y)
         assert e2.proc is not None
         os.kill(e2.proc.pid, signal.SIGSTOP)

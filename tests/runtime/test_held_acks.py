@@ -634,19 +634,27 @@ def test_an_apps_sync_ack_still_waits_for_a_delivery_the_core_declined_to_back(
     uvloop.run(_app_hold_and_declined(monkeypatch))
 
 
+async def _handed_over(s: _Links, payload: bytes) -> Buffered:
+    """U's message ``payload`` sent on to D (both under custody), U's SYNC_ACK, D never confirms: the hand-over
+    of what D has not confirmed, after ROUTER_HOLD_MAX."""
+    (up, _), (down, _) = s.pairs
+    s.stats["router_hand_overs_total"] = 0
+    s.fx.apply([Custody(up.id), Custody(down.id)], 0.0)
+    s.fx.apply([Send(down.id, payload, True, False, up.id), Send(up.id, ACK, False, True)], 0.0)
+    assert await _until(lambda: any(isinstance(e, Buffered) for e in s.pushed), 3.0)
+    (handed,) = [e for e in s.pushed if isinstance(e, Buffered)]
+    return handed
+
+
 async def _all_declined_counted(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Nothing of the hand-over was backed (all declined): the SYNC_ACK to the router went with it in memory only,
-    which is what router_acks_unconfirmed_total is documented to count (docs/cli.md: 'with nothing of it
-    backed'); router_hand_overs_total ('had what those routers had not confirmed backed') should not count it."""
+    """Nothing of the hand-over was backed (all declined): the SYNC_ACK to the router goes with it in memory only,
+    at twice ROUTER_HOLD_MAX, counted in router_acks_unconfirmed_total; router_hand_overs_total counts only
+    hand-overs that backed something."""
     monkeypatch.setattr(effects_module, "ROUTER_HOLD_MAX", 0.3)
     async with _Links(b"U" * 32, b"D" * 32) as s:
         (up, up_end), (down, _down_end) = s.pairs
         fx = s.fx
-        s.stats["router_hand_overs_total"] = 0
-        fx.apply([Custody(up.id), Custody(down.id)], 0.0)
-        fx.apply([Send(down.id, b"ttl 0" * 20, True, False, up.id), Send(up.id, ACK, False, True)], 0.0)
-        assert await _until(lambda: any(isinstance(e, Buffered) for e in s.pushed), 3.0)
-        (handed,) = [e for e in s.pushed if isinstance(e, Buffered)]
+        handed = await _handed_over(s, b"ttl 0" * 20)
         s.committed += 1
         fx.apply([Backed(down.id, handed.peer, (0,), handed.datas)], 0.0)
         assert await _until(lambda: ACK in _read(up_end), 3.0)
@@ -667,13 +675,9 @@ async def _confirm_between(monkeypatch: pytest.MonkeyPatch) -> None:
     """D confirms between the hand-over and the core's Backed: the entry is released at once."""
     monkeypatch.setattr(effects_module, "ROUTER_HOLD_MAX", 0.3)
     async with _Links(b"U" * 32, b"D" * 32) as s:
-        (up, up_end), (down, _down_end) = s.pairs
+        (_up, _up_end), (down, _down_end) = s.pairs
         fx = s.fx
-        s.stats["router_hand_overs_total"] = 0
-        fx.apply([Custody(up.id), Custody(down.id)], 0.0)
-        fx.apply([Send(down.id, b"m" * 200, True, False, up.id), Send(up.id, ACK, False, True)], 0.0)
-        assert await _until(lambda: any(isinstance(e, Buffered) for e in s.pushed), 3.0)
-        (handed,) = [e for e in s.pushed if isinstance(e, Buffered)]
+        handed = await _handed_over(s, b"m" * 200)
         fx.apply([Confirmed(down.id, s.numbers[-1])], 0.0)
         s.committed += 1
         fx.apply([Backed(down.id, handed.peer, (7,), handed.datas)], 0.0)
