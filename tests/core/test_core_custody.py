@@ -86,3 +86,34 @@ def test_what_a_routers_connection_gave_back_goes_through_the_store_to_its_other
     assert [e for e in out if isinstance(e, Send)] == [], "given back, then sent straight on (memory only)"
     [run] = [e for e in out if isinstance(e, QueueRun)]
     assert (run.conn, run.datas) == (o2, (fwd.data,))
+
+
+def test_a_group_message_sent_again_after_a_restart_goes_on_to_the_member_routers_again(tmp_path: Path) -> None:
+    """(From a black-box audit: 20 of 20 group messages lost in every round.) A core stores a group message (for
+    PULL) in the commit that sends it on to a member edge; until that edge confirms (or the SYNC_ACK's hand-over
+    backs it, a second later) that send is in the core's memory only. The core crashes, the edge too; the
+    upstream edge's custody sends the message again. The restarted core held it, so it dropped the copy as a
+    duplicate for everyone - the member edge never got it. Now a copy held but not taken since the start goes on
+    to the member routers again (each drops what it holds); local subscribers, whose delivery was durable
+    (queued, or out of the process), get no second copy."""
+    e1, e2, sub, g = ident("edge 1"), ident("edge 2"), ident("subscriber"), ident("group")
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(edge_nodes=frozenset({e1.public, e2.public})))
+
+    def connect() -> tuple[int, int, int]:
+        k2, ks, k1 = h.open(e2, local=False), h.open(sub), h.open(e1, local=False)
+        return k2, ks, k1
+
+    k2, ks, k1 = connect()
+    h.receive(k2, control(e2, X, Join(g.public, False)))
+    h.receive(ks, control(sub, X, Join(g.public, True)))
+    msg = multicast(g, b"from an app of edge 1")
+    data = msg.with_via(e1.public).encode()
+    out = h.receive(k1, msg)
+    assert sorted(w.conn for w in out.sends() if w.data == data) == sorted([k2, ks])
+    h.restart()  # the core crashed (and edge 2 with what the core had written into its socket)
+    k2, ks, k1 = connect()
+    out = h.receive(k1, msg)  # edge 1's custody: the core never confirmed it
+    assert [w.conn for w in out.sends() if w.data == data] == [k2], "not to the member edge again, or locally too"
+    assert out.traces("duplicate") == []
+    out = h.receive(k1, msg)  # a third copy: taken since the start, a duplicate for everyone
+    assert out.traces("duplicate") and [w for w in out.sends() if w.data == data] == []

@@ -217,3 +217,36 @@ async def test_a_router_in_the_middle_killed_after_confirming_without_the_next_o
         y = await net.client(e2, y_key)
         got = {m.id for m in await collect(y, sent, timeout=30, settle=0.2)}
         assert sent <= got, f"{len(sent - got)} of {len(sent)} lost with the router in the middle"
+
+
+async def test_group_messages_sent_on_by_a_core_that_crashed_before_the_edge_confirmed_them_arrive(
+    tmp_path: Path,
+) -> None:
+    """(From a black-box audit: 20 of 20 lost in every round.) X on E1 publishes to a group Y joined on E2 (Y
+    away), through core C, with E2 stopped. C stores each message (for PULL) and writes it to E2's connection;
+    C is SIGKILLed within its second of waiting for E2's confirmation, so X's SYNC_ACK comes from E1 (which
+    keeps what C never confirmed, and queues it for C); E2 is SIGKILLed too (what C wrote into its socket dies
+    with it). Both start again: E1 sends the messages to C again, and C - which held them - used to drop them as
+    duplicates for everyone. Y gets every one now."""
+    async with Network(tmp_path) as net:
+        c, e2, y_key, x, y = await two_edges_through_a_core(net)
+        g = Identity.generate()
+        assert await y.join(g.public, local=False)
+        await c.wait_trace(event="joined", group=g.public, src=e2.id, timeout=10)
+        assert await x.join(g.public, local=False)  # (so E1 publishes X's messages of g to its core)
+        await net.close_client(y)
+        assert e2.proc is not None and c.proc is not None
+        os.kill(e2.proc.pid, signal.SIGSTOP)
+        sent = {await x.publish(g, b"group %d " % k + b"x" * 300) for k in range(20)}
+        syncing = asyncio.ensure_future(x.sync(timeout=30))
+        await asyncio.sleep(0.3)  # (C has written them to E2's socket and waits for its confirmation)
+        c.kill()
+        res = await syncing
+        assert res.ok, res.refused
+        e2.kill()
+        await c.start_async()
+        await e2.start_async()
+        await net.wait_dialled(e2, c, since=0)
+        y = await net.client(e2, y_key)
+        got = {m.id for m in await collect(y, sent, timeout=30, settle=0.2)}
+        assert sent <= got, f"{len(sent - got)} of {len(sent)} group messages lost"

@@ -721,9 +721,16 @@ class Router:
                 self.delivery.throttle(c, out)
                 return
             if not store.put_message(msg.id, data, h.grp, expiry):
-                out.append(Trace(DUPLICATE, msg.id, MULTICAST, h.grp, None, None, c.peer, size,
-                                 Why.DUPLICATE))
-                return
+                # Held, but not taken since this router started (the recently-seen list does not know it): a
+                # copy sent again after a restart - a router's custody, or an app whose SYNC_ACK never came.
+                # What it was routed to here before is durable (queued, or out of this process) but for what
+                # went on to other routers, in memory until they confirmed it: sent on to those again (each
+                # drops what it holds already); a duplicate for everyone else.
+                recipients = [m for m in recipients if m not in s.locals]
+                if not recipients and not (c.local and h.grp in s.upstream_groups):
+                    out.append(Trace(DUPLICATE, msg.id, MULTICAST, h.grp, None, None, c.peer, size,
+                                     Why.DUPLICATE))
+                    return
             if store.pressure >= self.state.config.backpressure_at:
                 self.delivery.throttle(c, out)
         cores: Iterable[bytes] = ()
