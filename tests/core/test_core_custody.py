@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from core_harness import CoreHarness, advert, advert_message, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
@@ -117,3 +118,32 @@ def test_a_group_message_sent_again_after_a_restart_goes_on_to_the_member_router
     assert out.traces("duplicate") == []
     out = h.receive(k1, msg)  # a third copy: taken since the start, a duplicate for everyone
     assert out.traces("duplicate") and [w for w in out.sends() if w.data == data] == []
+
+
+@pytest.mark.parametrize("runs", [True, False], ids=["run path", "per-message path"])
+def test_a_local_apps_messages_sent_again_after_a_restart_go_on_to_the_member_routers_on_both_paths(
+    tmp_path: Path, runs: bool
+) -> None:
+    """An app whose SYNC_ACK never came sends its burst again after the router restarted: the messages the router
+    held go on to the member router again (its earlier sends were in memory only), by the run path (a burst of
+    one group's messages) as by the per-message path - and no second copy to the local subscriber."""
+    r, app, sub, g = ident("member router"), ident("app"), ident("subscriber"), ident("group")
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(accept_join_from_any=True))
+
+    def connect() -> tuple[int, int, int]:
+        kr = h.open(r, local=False)
+        h.receive(kr, advert_message(r, X, advert(r, host="198.51.100.9", port=4433)))
+        return kr, h.open(sub), h.open(app)
+
+    kr, ks, ka = connect()
+    h.receive(kr, control(r, X, Join(g.public, False)))
+    h.receive(ks, control(sub, X, Join(g.public, True)))
+    burst = [multicast(g, b"burst %d" % k) for k in range(3)]
+    h.handle(MessagesReceived(ka, burst, bytes([1] * len(burst))))
+    h.restart()
+    h.router.runs = runs
+    kr, ks, ka = connect()
+    out = h.handle(MessagesReceived(ka, burst, bytes([1] * len(burst))))
+    datas = {m.encode() for m in burst}
+    assert sorted(w.data for w in out.sends(kr) if w.data in datas) == sorted(datas), "not to the member router"
+    assert [w for w in out.sends(ks) if w.data in datas] == [], "a second copy to the local subscriber"
