@@ -109,6 +109,10 @@ from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
 REDIAL_MIN = 2.0
 REDIAL_MAX = 60.0
 CONTACTS_MAX = 1_000_000  # (local service, key it wrote to) pairs remembered at most
+# A group message held and sent again after a restart goes on to its member routers again (Router._again) for
+# this long after the start, and for this many messages at most (each once).
+AGAIN_WINDOW = 3600.0
+AGAIN_MAX = 100_000
 
 
 def _is_answer(msg: Message) -> bool:
@@ -147,6 +151,11 @@ class Router:
         self.delivery = Delivery(s, self.queues)
         self.control = ControlPlane(s, self.delivery, self._multicast)
         self.runs = True  # route runs of one group's messages together (core/runs.py); tests compare both ways
+        # Group messages held and routed again to their member routers since the start (_again), the start (the
+        # first connection's), and those of the current batch (for batch_lost)
+        self._sent_again: set[bytes] = set()
+        self._born: float | None = None
+        self._again_batch: list[bytes] = []
         # Bound once: these run for every message.
         d = self.delivery
         self._deliver = d.deliver
@@ -262,6 +271,8 @@ class Router:
         """The driver begins routing a batch of events in one store transaction."""
         s = self.state
         self._batch_mark = s.seen.added
+        if self._again_batch:
+            self._again_batch = []
         if s.resub or self._batch_resub:
             self._batch_resub = set(s.resub)
         if s.dialing or self._batch_dialing:
@@ -311,6 +322,8 @@ class Router:
         is as it was. (The driver then replays the batch's connection events.)"""
         s = self.state
         s.seen.forget_since(self._batch_mark)
+        self._sent_again.difference_update(self._again_batch)
+        self._again_batch = []
         for live, kept in ((s.resub, self._batch_resub), (s.dialing, self._batch_dialing)):
             live.clear()
             live.update(kept)
@@ -441,6 +454,8 @@ class Router:
 
     def _on_open(self, ev: ConnectionOpened, now: float, out: list[Effect]) -> None:
         s = self.state
+        if self._born is None:
+            self._born = now
         c = Conn(ev.conn, ev.peer, ev.local)
         self._conns[ev.conn] = c
         s.batch_opened.add(ev.conn)
@@ -649,6 +664,31 @@ class Router:
         else:
             s.seen.add(msg.id)
 
+    def _again(self, c: Conn, mid: bytes, grp: bytes, recipients: list[bytes], now: float) -> list[bytes] | None:
+        """A group message held but not taken since this router started (the recently-seen list does not know it):
+        a copy sent again after a restart - by the custody of the router it came from, or by an app whose SYNC_ACK
+        never came. What it was routed to here before is durable (queued, or out of this process) but for what
+        went on to other routers: in memory until they confirmed it. So its member routers (and, for a local
+        app's message of an upstream group, the core nodes) get it again - they drop what they hold: the
+        recipients to route it to again, or None (a duplicate for everyone). Once per message, within
+        :data:`AGAIN_WINDOW` of the start and for :data:`AGAIN_MAX` messages at most: the list forgets, and
+        routers that are members of each other's groups would otherwise send a message round for ever."""
+        s = self.state
+        routers = [m for m in recipients if m not in s.locals]
+        if not routers and not (c.local and grp in s.upstream_groups):
+            return None
+        sent = self._sent_again
+        born = self._born
+        if born is None or now - born > AGAIN_WINDOW:
+            if sent:
+                sent.clear()  # (the window is over: its memory too)
+            return None
+        if mid in sent or len(sent) >= AGAIN_MAX:
+            return None
+        sent.add(mid)
+        self._again_batch.append(mid)
+        return routers
+
     def _contact(self, src: bytes, dst: bytes) -> None:
         """The local app ``src`` wrote to ``dst`` (not local): ``dst``'s messages to ``src`` are no stranger's."""
         s = self.state
@@ -713,24 +753,20 @@ class Router:
             msg = msg.with_via(None)
         data = msg.encode()
         if expiry > now and owed is None:  # step 6
+            held = False
             if not store.has_room(len(data)):
-                if store.has_message(msg.id):  # held already: a duplicate (taken), even when the store is full
-                    out.append(Trace(DUPLICATE, msg.id, MULTICAST, h.grp, None, None, c.peer, size, Why.DUPLICATE))
+                held = store.has_message(msg.id)  # held already: a duplicate (taken), even when the store is full
+                if not held:
+                    self._dropped(c, ref, Why.STORE_FULL, 0, now, out, MULTICAST, h.grp, None, None, size, msg.id)
+                    self.delivery.throttle(c, out)
                     return
-                self._dropped(c, ref, Why.STORE_FULL, 0, now, out, MULTICAST, h.grp, None, None, size, msg.id)
-                self.delivery.throttle(c, out)
-                return
-            if not store.put_message(msg.id, data, h.grp, expiry):
-                # Held, but not taken since this router started (the recently-seen list does not know it): a
-                # copy sent again after a restart - a router's custody, or an app whose SYNC_ACK never came.
-                # What it was routed to here before is durable (queued, or out of this process) but for what
-                # went on to other routers, in memory until they confirmed it: sent on to those again (each
-                # drops what it holds already); a duplicate for everyone else.
-                recipients = [m for m in recipients if m not in s.locals]
-                if not recipients and not (c.local and h.grp in s.upstream_groups):
+            if held or not store.put_message(msg.id, data, h.grp, expiry):
+                again = self._again(c, mid, grp, recipients, now)
+                if again is None:
                     out.append(Trace(DUPLICATE, msg.id, MULTICAST, h.grp, None, None, c.peer, size,
                                      Why.DUPLICATE))
                     return
+                recipients = again
             if store.pressure >= self.state.config.backpressure_at:
                 self.delivery.throttle(c, out)
         cores: Iterable[bytes] = ()
