@@ -6,13 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from core_harness import CoreHarness, advert, advert_message, control, ident, multicast, unicast
+from core_harness import T0, CoreHarness, advert, advert_message, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import Custody, Fanout, MessagesReceived, QueueRun, Send, Undelivered
-from upsycle_router.crypto import message_signature_valid
+from upsycle_router.core.events import ConnectionOpened, Custody, Fanout, MessagesReceived, QueueRun, Send, Undelivered
+from upsycle_router.core.router import AGAIN_WINDOW
+from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.wire.control import Join, Reason, Refused, Sync, encode_router
-from upsycle_router.wire.messages import decode_message
+from upsycle_router.wire.messages import Message, decode_message
 
 X = ident("X")
 CORE = ident("core")
@@ -287,3 +288,41 @@ def test_a_held_message_goes_on_to_the_member_routers_again_with_the_store_nearl
         pytest.fail("the store never filled")
     out = h.receive(k1, m)
     assert [w for w in out.sends() if w.conn == k2], "dropped as a duplicate for the member edge too"
+
+
+def _restarted_after_a_forward(tmp_path: Path) -> tuple[CoreHarness, Message, Identity, Identity]:
+    """A core that forwarded a group message to its member edge, then crashed."""
+    e1, e2, g = ident("edge 1"), ident("edge 2"), ident("group")
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(edge_nodes=frozenset({e1.public, e2.public})))
+    k2, k1 = h.open(e2, local=False), h.open(e1, local=False)
+    h.receive(k2, control(e2, X, Join(g.public, False)))
+    m = multicast(g, b"m", ttl=7200)
+    h.receive(k1, m)
+    h.restart()
+    return h, m, e1, e2
+
+
+def test_a_copy_sent_again_in_a_batch_that_did_not_commit_goes_on_again_with_its_replay(tmp_path: Path) -> None:
+    """(From a review.) The first connections and the copy in a batch that does not commit: its id is forgotten
+    with the batch, so the copy sent again goes on to the member router again."""
+    h, m, e1, e2 = _restarted_after_a_forward(tmp_path)
+    # the first connections open in a batch that does not commit, with the copy
+    h.lost([ConnectionOpened(1001, e2.public, False), ConnectionOpened(1002, e1.public, False),
+            MessagesReceived(1002, [m], bytes([1]))])
+    h.peers.update({1001: e2.public, 1002: e1.public})
+    out = h.receive(1002, m)
+    assert [w for w in out.sends() if w.conn == 1001], "not sent again after the lost batch"
+
+
+def test_the_ids_sent_again_are_forgotten_after_the_window(tmp_path: Path) -> None:
+    """(From a review: failed on bd90f68.) The window's memory (up to 100,000 ids) is freed by the timer once it is
+    over, also when no such copy comes again."""
+    h, m, e1, e2 = _restarted_after_a_forward(tmp_path)
+    _k2, k1 = h.open(e2, local=False), h.open(e1, local=False)
+    h.receive(k1, m)
+    assert m.id in h.router._sent_again
+    # the window is over: other traffic, and the timer
+    a = h.open(ident("app"), now=T0 + AGAIN_WINDOW + 60)
+    h.receive(a, multicast(ident("other"), b"x", now=T0 + AGAIN_WINDOW + 60))
+    h.timer(now=T0 + AGAIN_WINDOW + 60)
+    assert not h.router._sent_again, "the window's memory is still held after it"

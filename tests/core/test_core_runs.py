@@ -345,3 +345,22 @@ def test_a_message_twice_in_a_run_beyond_the_seen_list_is_a_duplicate_by_the_sto
         ("delivered", msgs[6].id), ("duplicate", msgs[0].id), ("duplicate", msgs[6].id)]
     t.check_state()
     t.close()
+
+
+def test_twice_in_a_run_beyond_the_seen_list_with_a_member_router(tmp_path: Path) -> None:
+    """(From a review: failed on bd90f68.) As above, with a member router: the per-message path sends the second
+    copy on to the member router again (held, the list forgot it: core/router.py ``_again``); so the run falls
+    back to the per-message path when an id comes twice in it, and both paths do the same."""
+    member = ident("member router")
+    t = Twin(tmp_path, CoreConfig(trace=True, seen_max=4, accept_join_from_any=True), 1 << 24, 4096)
+    t.batch([ConnectionOpened(1, APPS[0].public, True), ConnectionOpened(2, APPS[1].public, True),
+             ConnectionOpened(3, member.public, False)])
+    m = control(APPS[1], t.routers[0].id, Join(GROUPS[0].public, True), now=t.now)
+    t.batch([MessagesReceived(2, [m], _verified([m]))])
+    j = control(member, t.routers[0].id, Join(GROUPS[0].public, False), now=t.now)
+    t.batch([MessagesReceived(3, [j], _verified([j]))])
+    msgs = [multicast(GROUPS[0], bytes([i]), now=t.now) for i in range(7)]
+    run = [*msgs, msgs[0]]
+    t.batch([MessagesReceived(1, run, _verified(run))])  # asserts both routers' effects are the same
+    t.check_state()
+    t.close()

@@ -394,6 +394,8 @@ class Router:
         """Expire queued and stored messages and routes whose time has come."""
         s = self.state
         out: list[Effect] = []
+        if self._sent_again and self._born is not None and now - self._born > AGAIN_WINDOW:
+            self._sent_again = set()  # (the window for held messages sent again is over: its memory too)
         self.queues.expire(now, out)
         for cid in sorted(c for c, t in s.waiting.items() if t <= now):  # (each flush puts it back if need be)
             del s.waiting[cid]
