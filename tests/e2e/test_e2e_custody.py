@@ -182,6 +182,17 @@ async def two_edges_through_a_core(net: Network) -> tuple[Node, Node, Identity, 
     pytest.fail("an app of E1 never reached an app of E2 through C")
 
 
+async def restarted_and_collected(net: Network, c: Node, e2: Node, y_key: Identity, sent: set[bytes]) -> set[bytes]:
+    """E2 SIGKILLed (a stopped process too; C was killed before), both started again, E2 dialled C again: the ids
+    of ``sent`` that Y then gets on E2."""
+    e2.kill()
+    await c.start_async()
+    await e2.start_async()
+    await net.wait_dialled(e2, c, since=0)
+    y = await net.client(e2, y_key)
+    return {m.id for m in await collect(y, sent, timeout=30, settle=0.2)}
+
+
 async def test_the_router_in_the_middle_confirms_only_once_the_next_router_did(tmp_path: Path) -> None:
     async with Network(tmp_path) as net:
         _c, e2, y_key, x, y = await two_edges_through_a_core(net)
@@ -210,12 +221,7 @@ async def test_a_router_in_the_middle_killed_after_confirming_without_the_next_o
             st = await probe.status()
         assert st["router_hand_overs_total"] >= 1 and st["router_acks_unconfirmed_total"] == 0, st
         c.kill()
-        e2.kill()  # (SIGKILL ends a stopped process too)
-        await c.start_async()
-        await e2.start_async()
-        await net.wait_dialled(e2, c, since=0)
-        y = await net.client(e2, y_key)
-        got = {m.id for m in await collect(y, sent, timeout=30, settle=0.2)}
+        got = await restarted_and_collected(net, c, e2, y_key, sent)
         assert sent <= got, f"{len(sent - got)} of {len(sent)} lost with the router in the middle"
 
 
@@ -243,10 +249,5 @@ async def test_group_messages_sent_on_by_a_core_that_crashed_before_the_edge_con
         c.kill()
         res = await syncing
         assert res.ok, res.refused
-        e2.kill()
-        await c.start_async()
-        await e2.start_async()
-        await net.wait_dialled(e2, c, since=0)
-        y = await net.client(e2, y_key)
-        got = {m.id for m in await collect(y, sent, timeout=30, settle=0.2)}
+        got = await restarted_and_collected(net, c, e2, y_key, sent)
         assert sent <= got, f"{len(sent - got)} of {len(sent)} group messages lost"
