@@ -6,11 +6,12 @@ slack and the smallest budget allowed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import socket
 import struct
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import uvloop
@@ -171,15 +172,29 @@ def test_equal_to_the_model_over_random_reports(seed: int) -> None:
 # ---------------------------------------------------------------------------------------- over real connections
 
 
-async def _conn(partials: PartialFrames[Connection], max_frame: int) -> tuple[StreamConnection, socket.socket]:
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    theirs.setblocking(False)
-    _t, conn = await asyncio.get_running_loop().connect_accepted_socket(
-        lambda: StreamConnection(NullHandler(), Identity.generate(), kind="unix", handshake_timeout=30.0,
-                                 max_frame=max_frame, partials=partials),
-        sock=ours,
-    )  # fmt: skip
-    return conn, theirs
+@contextlib.asynccontextmanager
+async def _conns(partials: PartialFrames[Connection], max_frame: int, n: int) -> AsyncIterator[list[StreamConnection]]:
+    """``n`` stream connections over Unix socket pairs counted by ``partials`` (aborted, their other ends closed,
+    on exit)."""
+    conns: list[StreamConnection] = []
+    ends: list[socket.socket] = []
+    try:
+        for _ in range(n):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            ends.append(theirs)
+            theirs.setblocking(False)
+            _t, conn = await asyncio.get_running_loop().connect_accepted_socket(
+                lambda: StreamConnection(NullHandler(), Identity.generate(), kind="unix", handshake_timeout=30.0,
+                                         max_frame=max_frame, partials=partials),
+                sock=ours,
+            )  # fmt: skip
+            conns.append(conn)
+        yield conns
+    finally:
+        for c in conns:
+            c.abort()
+        for e in ends:
+            e.close()
 
 
 def _run(coro: Callable[[], Awaitable[None]]) -> None:
@@ -191,19 +206,13 @@ def test_a_frame_streaming_in_is_not_shed_before_stalled_ones() -> None:
 
     async def go() -> None:
         p = PartialFrames[Connection](1_000_000)
-        upload, e0 = await _conn(p, 600_000)
-        stalled = [await _conn(p, 600_000) for _ in range(3)]
-        try:
+        async with _conns(p, 600_000, 4) as (upload, *stalled):
             upload.data_received(struct.pack(">I", 500_000) + bytes(100_000))  # a slow upload begins
-            for c, _ in stalled:  # three peers begin frames afterwards and send nothing more
+            for c in stalled:  # three peers begin frames afterwards and send nothing more
                 c.data_received(struct.pack(">I", 500_000) + bytes(250_000))
             upload.data_received(bytes(200_000))  # the upload goes on (1,050,016 > 1,000,000)
             assert not upload.closed, "the connection making progress was shed"
-            assert [c.closed for c, _ in stalled] == [True, False, False]
-        finally:
-            for c, e in [(upload, e0), *stalled]:
-                c.abort()
-                e.close()
+            assert [c.closed for c in stalled] == [True, False, False]
 
     _run(go)
 
@@ -214,20 +223,14 @@ def test_a_connection_the_router_paused_is_not_shed_first() -> None:
 
     async def go() -> None:
         p = PartialFrames[Connection](1_000_000)
-        paused, e0 = await _conn(p, 600_000)
-        others = [await _conn(p, 600_000) for _ in range(4)]
-        try:
+        async with _conns(p, 600_000, 5) as (paused, *others):
             paused.data_received(struct.pack(">I", 300_000) + bytes(200_000))  # its read ended mid-frame...
             paused.pause_reading()  # ...and the router stops reading it
-            for c, _ in others:  # strangers begin frames and stall while it is paused (1,080,016 in all)
+            for c in others:  # strangers begin frames and stall while it is paused (1,080,016 in all)
                 c.data_received(struct.pack(">I", 500_000) + bytes(220_000))
             assert not paused.closed, "the connection the router itself paused was shed"
-            assert [c.closed for c, _ in others] == [True, False, False, False]
+            assert [c.closed for c in others] == [True, False, False, False]
             paused.resume_reading()
-        finally:
-            for c, e in [(paused, e0), *others]:
-                c.abort()
-                e.close()
 
     _run(go)
 
@@ -238,15 +241,11 @@ def test_a_close_drops_the_bytes_it_stops_counting() -> None:
 
     async def go() -> None:
         p = PartialFrames[Connection](1_000_000)
-        conn, end = await _conn(p, 600_000)
-        try:
+        async with _conns(p, 600_000, 1) as (conn,):
             conn.data_received(struct.pack(">I", 500_000) + bytes(400_000))
             assert p.total == 400_004 and conn.session.pending == 400_004
             conn.close_with_error(ErrorCode.HANDSHAKE_TIMEOUT, "handshake timeout")
             assert p.total == 0 and conn.session.pending == 0
-        finally:
-            conn.abort()
-            end.close()
 
     _run(go)
 
@@ -273,13 +272,9 @@ def test_the_smallest_budget_holds_one_frame_of_max_frame() -> None:
     async def go() -> None:
         cfg = parse_config({"max_frame": 4096, "limits": {"max_partial_bytes": 4096 + 4}})
         p = PartialFrames[Connection](cfg.max_partial_bytes)
-        conn, end = await _conn(p, cfg.max_frame)
-        try:
+        async with _conns(p, cfg.max_frame, 1) as (conn,):
             frame = struct.pack(">I", 4096) + bytes(4096)
             conn.data_received(frame[:-1])
             assert not conn.closed and p.total == 4099
-        finally:
-            conn.abort()
-            end.close()
 
     _run(go)

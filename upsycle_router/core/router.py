@@ -681,12 +681,8 @@ class Router:
             return None
         sent = self._sent_again
         born = self._born
-        if born is None or now - born > AGAIN_WINDOW:
-            if sent:
-                sent.clear()  # (the window is over: its memory too)
-            return None
-        if mid in sent or len(sent) >= AGAIN_MAX:
-            return None
+        if born is None or now - born > AGAIN_WINDOW or mid in sent or len(sent) >= AGAIN_MAX:
+            return None  # (the timer frees the window's memory once it is over: handle_timer)
         sent.add(mid)
         self._again_batch.append(mid)
         return routers

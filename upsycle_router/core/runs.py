@@ -81,7 +81,6 @@ def multicast_run(
         or len({msgs[k].id for k in range(lo, hi)}) < hi - lo
     ):  # held, not taken since the start (or the run's own copy, the list forgetting it before the second):
         return False  # sent on to the member routers again - the per-message path
-
     new: list[tuple[bytes, bytes, float]] = []
     pending: set[bytes] = set()
     outcome: list[bytes | Why] = []  # per message: the bytes to deliver, or why it is not delivered

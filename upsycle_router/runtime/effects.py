@@ -117,17 +117,17 @@ class _Hold:
     SYNC_ACK, which has a hold of its own behind this one), in order, and what it waits for - ``waits``,
     (connection, end offset) pairs, None until the batch that made it is written out; ``returns``, the
     deliveries given back that must have committed (``Batches.returns_committed``); ``since``, when it came;
-    ``backed_at``, when a SYNC_ACK to a router that waited ``ROUTER_HOLD_MAX`` handed the unconfirmed deliveries
-    over to be backed instead (None before)."""
+    ``handed``, whether a SYNC_ACK to a router that waited ``ROUTER_HOLD_MAX`` had the unconfirmed deliveries
+    handed over to be backed."""
 
-    __slots__ = ("backed_at", "effects", "returns", "since", "waits")
+    __slots__ = ("effects", "handed", "returns", "since", "waits")
 
     def __init__(self, since: float) -> None:
         self.effects: list[Effect] = []
         self.waits: list[tuple[int, int]] | None = None
         self.returns = 0
         self.since = since
-        self.backed_at: float | None = None
+        self.handed = False
 
 
 class Dialer(Protocol):
@@ -526,9 +526,9 @@ class EffectRunner:
                 if not (to is None or self._hold_over(hold)):
                     waited = now - hold.since
                     if to.custody and waited >= ROUTER_HOLD_MAX:  # (the module docstring: no circle of waits)
-                        if hold.backed_at is None:  # back what the routers it waits for did not confirm (or wait
-                            hold.backed_at = now  # for a hand-over another hold began: its returns were raised)
-                            self._back_routers(hold)
+                        if not hold.handed:  # back what the routers it waits for did not confirm (or wait for
+                            hold.handed = True  # a hand-over another hold began: its returns were raised)
+                            self._back_waited([hold], custody=True)
                         if not self._hold_over(hold):  # (it follows the hand-over's commit, if any)
                             if waited < 2 * ROUTER_HOLD_MAX:
                                 break
@@ -547,34 +547,24 @@ class EffectRunner:
     def _back_late(self, now: float) -> None:
         """Apps' connections a SYNC_ACK has waited ``BACK_AFTER`` for: their buffered deliveries are backed by queue
         entries (:meth:`_back`), and every SYNC_ACK waiting for them waits for that to commit instead."""
-        conns = self.conns
         late = [hold for queue in self._holds.values() for hold in queue
                 if hold.waits and now - hold.since >= BACK_AFTER]  # fmt: skip
         for hold in late:  # (what left, or was handed over before, is no longer waited for) - all of them first:
             self._hold_over(hold)  # a hand-over below empties a connection's deliveries for every hold at once
+        self._back_waited(late, custody=False)
+
+    def _back_waited(self, holds: list[_Hold], *, custody: bool) -> None:
+        """Hand what the connections ``holds`` wait for still hold to the core to be backed (:meth:`_back`):
+        apps' buffered deliveries, or (``custody``) what routers have not confirmed, a SYNC_ACK to a router
+        having waited ``ROUTER_HOLD_MAX`` for them; every SYNC_ACK waiting for those connections (late or not)
+        then waits for the hand-over's commit."""
+        conns = self.conns
         backed: set[int] = set()
-        for hold in late:
+        for hold in holds:
             for other, _end in hold.waits or ():
                 conn = conns.get(other)
-                if conn is not None and not conn.custody and other not in backed and self._back(conn):
+                if conn is not None and conn.custody is custody and other not in backed and self._back(conn):
                     backed.add(other)
-        self._handed_over(backed)
-
-    def _back_routers(self, hold: _Hold) -> bool:
-        """A SYNC_ACK to a router waited ``ROUTER_HOLD_MAX`` for the routers it waits for to confirm: what they
-        have not confirmed is handed to the core to be backed by entries of their queues (:meth:`_back`), and
-        every SYNC_ACK waiting for them waits for that to commit instead; whether any was handed over."""
-        backed: set[int] = set()
-        for other, _end in hold.waits or ():
-            conn = self.conns.get(other)
-            if conn is not None and conn.custody and other not in backed and self._back(conn):
-                backed.add(other)
-        self._handed_over(backed)
-        return bool(backed)
-
-    def _handed_over(self, backed: set[int]) -> None:
-        """Every SYNC_ACK that waited for the connections ``backed`` (late or not) now waits for the hand-over's
-        commit."""
         if backed:
             for queue in self._holds.values():
                 for hold in queue:

@@ -75,18 +75,21 @@ def _same(a: Sequence[bytes], b: Sequence[bytes]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
+def _pop_after(dq: collections.deque[tuple[int, _T]], end: int) -> list[tuple[int, _T]]:
+    """Take the entries of ``dq`` (sorted by end offset) that end after ``end`` off its tail, in order."""
+    tail: list[tuple[int, _T]] = []
+    while dq and dq[-1][0] > end:
+        tail.append(dq.pop())
+    tail.reverse()
+    return tail
+
+
 def _merge_in(dq: collections.deque[tuple[int, _T]], items: list[tuple[int, _T]]) -> None:
     """Merge ``items`` (sorted by end offset) into ``dq`` (sorted too) in place, those of ``dq`` first at equal
     ends: only the tail of ``dq`` after the first item is taken out (a hand-over's answer is about bytes written
     shortly before: under custody ``dq`` may hold a hundred thousand entries the peer has not confirmed)."""
-    if not items:
-        return
-    first = items[0][0]
-    tail: list[tuple[int, _T]] = []
-    while dq and dq[-1][0] > first:
-        tail.append(dq.pop())
-    tail.reverse()
-    dq.extend(heapq.merge(tail, items, key=lambda r: r[0]))
+    if items:
+        dq.extend(heapq.merge(_pop_after(dq, items[0][0]), items, key=lambda r: r[0]))
 
 
 def _by_end(*parts: Iterable[tuple[int, _T]]) -> collections.deque[tuple[int, _T]]:
@@ -515,22 +518,15 @@ class Connection(asyncio.Protocol):
         under custody: the deliveries that router has not confirmed, the same way."""
         if self.custody is not custody:
             return []
-        direct = self._direct
         if custody:
             self.direct_pending(self.buffered())  # (what it confirmed meanwhile is no longer kept)
-            # what the core declined before (back in ``_direct``, up to ``_handed_end``) is not handed over again
-            kept = [d for d in direct if d[0] <= self._handed_end]
-            taken = [d for d in direct if d[0] > self._handed_end]
-            if not taken:
-                return []
+        # Under custody what the core declined before (back in ``_direct``, up to ``_handed_end``: every delivery
+        # written since ends after it) is not handed over again; an app's declined ones are in ``_declined``.
+        taken = _pop_after(self._direct, self._handed_end if custody else -1)
+        if not taken:
+            return []
+        if custody:
             self._handed_end = taken[-1][0]
-            direct.clear()
-            direct.extend(kept)
-        else:
-            if not direct:
-                return []
-            taken = list(direct)
-            direct.clear()
         self._backing.append(taken)
         return [p for _, payloads in taken for p in payloads]
 
