@@ -9,7 +9,9 @@
    Usage: fastrecv upsycle|mqtt FD...   (the FDs are inherited, already connected and subscribed)
    Commands on stdin, one per line:  "phase EXPECTED LATENCY T0_NS IDLE_NS MAX_NS PHASE" | "stop".
    For each phase it writes one JSON line to stdout, then NLAT little-endian int64 latencies (ns) if the JSON
-   says "nlat": NLAT. Buffers (partial frames) carry over from one phase to the next, as in Python. */
+   says "nlat": NLAT, then 2 x NMSG int64 if it says "nmsg": NMSG - each message's first and then each one's
+   last delivery's latency over this process's sockets (0 for a message none of them received): how late a
+   message began to arrive and how long its fan-out took, apart. Buffers (partial frames) carry over from one phase to the next, as in Python. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdint.h>
@@ -41,6 +43,7 @@ static int latency;
 static int64_t t0;
 static int64_t *lat;
 static size_t nlat, caplat;
+static int64_t *mfirst, *mlast; /* per message (seq): first and last delivery's latency, 0 if none */
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -80,7 +83,10 @@ static void hit(Conn *c, const unsigned char *p, size_t n, int64_t now) {
             lat = realloc(lat, caplat * sizeof *lat);
             if (lat == NULL) { perror("realloc"); exit(2); }
         }
-        lat[nlat++] = now - t0 - (int64_t)off;
+        int64_t l = now - t0 - (int64_t)off;
+        lat[nlat++] = l;
+        if (!mfirst[seq] || l < mfirst[seq]) mfirst[seq] = l ? l : 1;
+        if (!mlast[seq] || l > mlast[seq]) mlast[seq] = l ? l : 1;
     }
 }
 
@@ -165,6 +171,11 @@ int main(int argc, char **argv) {
             return 2;
         }
         expected = (long)a_exp; latency = a_lat; t0 = a_t0; cur_phase = a_phase; nlat = 0;
+        free(mfirst);
+        free(mlast);
+        mfirst = calloc((size_t)expected + 1, sizeof *mfirst);
+        mlast = calloc((size_t)expected + 1, sizeof *mlast);
+        if (mfirst == NULL || mlast == NULL) { perror("calloc"); return 2; }
         for (int k = 0; k < nc; k++) {
             Conn *c = &cs[k];
             free(c->seen);
@@ -223,11 +234,16 @@ int main(int argc, char **argv) {
             if (c->last > last) last = c->last;
         }
         printf("{\"conns\": %d, \"received\": %ld, \"dups\": %ld, \"other\": %ld, \"closed\": %d, "
-               "\"first_ns\": %lld, \"last_ns\": %lld, \"nlat\": %zu, \"per_conn\": [",
-               nc, received, dups, other, nclosed, (long long)first, (long long)last, latency ? nlat : (size_t)0);
+               "\"first_ns\": %lld, \"last_ns\": %lld, \"nlat\": %zu, \"nmsg\": %ld, \"per_conn\": [",
+               nc, received, dups, other, nclosed, (long long)first, (long long)last, latency ? nlat : (size_t)0,
+               latency ? expected : 0L);
         for (int k = 0; k < nc; k++) printf(k ? ", %ld" : "%ld", cs[k].count);
         printf("]}\n");
         if (latency && nlat) fwrite(lat, sizeof *lat, nlat, stdout);
+        if (latency && expected > 0) {
+            fwrite(mfirst, sizeof *mfirst, (size_t)expected, stdout);
+            fwrite(mlast, sizeof *mlast, (size_t)expected, stdout);
+        }
         fflush(stdout);
     }
     return 0;

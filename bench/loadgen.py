@@ -165,13 +165,22 @@ class FastReceiver:
             raise RuntimeError(f"fastrecv exited with {self.proc.wait(5)}")
         rec: dict[str, Any] = json.loads(line)
         nlat = rec.pop("nlat")
+        nmsg = rec.pop("nmsg", 0)
         lat = array.array("q")
         if nlat:
             lat.frombytes(self.proc.stdout.read(8 * nlat))
+        per_msg = array.array("q")
+        if nmsg:
+            per_msg.frombytes(self.proc.stdout.read(16 * nmsg))
         values = lat.tolist()
         rec["expected_per_conn"] = expected
         rec["latency"] = percentiles(values) if latency else None
         rec["reader"] = "c"
+        if nmsg:
+            firsts, lasts = per_msg[:nmsg].tolist(), per_msg[nmsg:].tolist()
+            rec.update(per_message(firsts, lasts))
+            if raw:
+                rec["raw_msg_first_ns"], rec["raw_msg_last_ns"] = firsts, lasts
         if raw and latency:
             rec["raw_latency_ns"] = values
         return rec
@@ -188,6 +197,15 @@ class FastReceiver:
             self.proc.wait(10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+
+
+def per_message(firsts: list[int], lasts: list[int]) -> dict[str, Any]:
+    """Percentiles over the messages (not the deliveries) of each one's first and last delivery's latency (ns, 0
+    for a message not received) and of the time between them: how late a message began to arrive, and how long
+    its fan-out took."""
+    pairs = [(f, la) for f, la in zip(firsts, lasts, strict=True) if f and la]
+    return {"msg_first": percentiles([f for f, _ in pairs]), "msg_last": percentiles([la for _, la in pairs]),
+            "msg_spread": percentiles([la - f for f, la in pairs])}
 
 
 def fast_receiver(proto: str, socks: list[socket.socket]) -> FastReceiver | None:

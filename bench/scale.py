@@ -73,7 +73,7 @@ from bench.common import (
     rss_kib,
     server_cpu,
 )
-from bench.loadgen import Workload, WorkloadError, wait_quiet
+from bench.loadgen import Workload, WorkloadError, per_message, wait_quiet
 from bench.ours import discard_data, start_daemon
 from bench.workloads import _sign_range
 from upsycle_router.crypto import Identity, sign_message
@@ -392,14 +392,23 @@ class MultiWorkload(Workload):
             res["receiver"] = bad[0] if bad else recs[0]
             return res
         raw: list[int] = []
+        firsts: list[int] = [0] * expected
+        lasts: list[int] = [0] * expected
         for r in recs:
             raw.extend(r.pop("raw_latency_ns", []))
+            for i, (f, la) in enumerate(zip(r.pop("raw_msg_first_ns", []), r.pop("raw_msg_last_ns", []),
+                                            strict=True)):
+                if f and (not firsts[i] or f < firsts[i]):
+                    firsts[i] = f
+                lasts[i] = max(lasts[i], la)
         rec = {"conns": sum(r["conns"] for r in recs), "received": sum(r["received"] for r in recs),
                "dups": sum(r["dups"] for r in recs), "other": sum(r["other"] for r in recs),
                "closed": sum(r["closed"] for r in recs), "last_ns": max(r["last_ns"] for r in recs),
                "first_ns": min((r["first_ns"] for r in recs if r["first_ns"]), default=0),
                "latency": percentiles(raw) if latency else None, "receivers": self.k,
                "reader": recs[0].get("reader", "python")}
+        if latency and any(firsts):
+            rec.update(per_message(firsts, lasts))
         res["receiver"] = rec
         begin = max(t0, int(pub.get("start_ns", t0)))
         span = (rec["last_ns"] - begin) / 1e9 if rec["last_ns"] else 0.0
@@ -459,6 +468,9 @@ def measured(wl: Workload, pids: list[int], phase: int, n: int, mode: str, *, la
     rec = res.get("receiver") or {}
     if latency:
         out["latency"] = rec.get("latency")
+        for k in ("msg_first", "msg_last", "msg_spread"):
+            if k in rec:
+                out[k] = rec[k]
     out["send_lag"] = (res.get("publisher") or {}).get("send_lag")
     for who in ("publisher", "receiver"):
         if "error" in (res.get(who) or {}):
@@ -630,8 +642,12 @@ def _fanout_line(system: str, label: str, subs: int, rec: dict[str, Any]) -> str
     def lat(k: str) -> str:
         m = rec.get(k) or {}
         la = m.get("latency") or {}
+        per_msg = ""
+        if m.get("msg_first"):
+            per_msg = (f", per message: first p50 {m['msg_first'].get('p50_ms')} p99 {m['msg_first'].get('p99_ms')}"
+                       f", last p50 {m['msg_last'].get('p50_ms')} p99 {m['msg_last'].get('p99_ms')}")
         return (f"{k} p50 {la.get('p50_ms')} p99 {la.get('p99_ms')} ms "
-                f"({m.get('deliveries_per_s')} deliveries/s, loss {m.get('loss')})")
+                f"({m.get('deliveries_per_s')} deliveries/s, loss {m.get('loss')}{per_msg})")
 
     mx = rec.get("max") or {}
     return (f"fanout [{label}] {system} 1->{subs}: {lat('paced20')}; {lat('paced200')}; max "
