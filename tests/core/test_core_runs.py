@@ -1,6 +1,7 @@
-"""Runs of one group's messages (``Router._multicast_run``) against the per-message path they stand in for; and
-the per-message path's inline direct deliveries (``Delivery.to_members``; ``Delivery.inline``) against a call
-of ``Delivery.deliver`` each.
+"""Runs of one group's messages (``Router._multicast_run``) against the per-message path they stand in for; the
+per-message path's inline direct deliveries (``Delivery.to_members``; ``Delivery.inline``) against a call of
+``Delivery.deliver`` each; and a group's plan (``RouterState.plan``: its direct deliveries kept from one message
+to the next while nothing changed) against the loop that finds them each time (``Delivery.plans``).
 
 The core routes a run of multicast messages a local service published to one group together when every
 recipient is connected and reading. That must not change anything: two routers over two real stores get
@@ -153,6 +154,7 @@ def run_scenario(
     # The per-message path's direct deliveries inline (Delivery.to_members) or through Delivery.deliver each: the
     # second router does the latter in half of the scenarios, so its effects are those of deliver.
     t.routers[1].delivery.inline = rng.random() < 0.5
+    t.routers[1].delivery.plans = random.Random(seed + 1).random() < 0.5  # (a stream of its own: the same scenarios)
     conns: dict[int, bytes] = {}  # open connection -> app
     next_conn = 1
     sent: list[Message] = []
@@ -362,5 +364,154 @@ def test_twice_in_a_run_beyond_the_seen_list_with_a_member_router(tmp_path: Path
     msgs = [multicast(GROUPS[0], bytes([i]), now=t.now) for i in range(7)]
     run = [*msgs, msgs[0]]
     t.batch([MessagesReceived(1, run, _verified(run))])  # asserts both routers' effects are the same
+    t.check_state()
+    t.close()
+
+
+def test_plans_route_as_the_loop_does(tmp_path: Path) -> None:
+    """A group of 30 subscribers, messages one per read (the per-message path, where plans are used), and between
+    them every change a plan must notice: subscribers that stop reading and read again, close and come back (on
+    a second connection too), leave and join, fall behind (a short queue window, acknowledgements that come
+    late), a pub/sub service that comes and goes, a batch that does not commit. One router keeps plans, the
+    other finds the direct deliveries each time: the same effects, store and recently-seen list after every
+    batch; and the plans were used."""
+    assert sum(_plan_scenario(tmp_path / str(seed), seed) for seed in range(6)) > 300
+
+
+SUBS = [ident(f"sub{i}") for i in range(30)]
+
+
+def _plan_scenario(path: Path, seed: int) -> int:
+    """test_plans_route_as_the_loop_does's scenario ``seed``: how many messages went by a plan."""
+    subs, names, used = SUBS, {a.public: a for a in SUBS}, 0
+    rng = random.Random(seed)
+    config = CoreConfig(trace=False, pubsub_service=PUBSUB.public if seed % 2 else None,
+                        flush_batch=rng.choice([1, 4]), queue_max_count=100_000)
+    t = Twin(path, config, 1 << 24, 4096)
+    for r in t.routers:
+        r.runs = False
+    t.routers[1].delivery.plans = False
+    planned = t.routers[0]._to_members
+
+    def counting(*args, **kw):  # type: ignore[no-untyped-def]
+        nonlocal used
+        plan = kw.get("plan")
+        used += plan is not None and plan.direct is not None and plan.epoch == t.routers[0].state.epoch
+        return planned(*args, **kw)
+
+    t.routers[0]._to_members = counting  # type: ignore[method-assign]
+    conns: dict[int, bytes] = {}
+    next_conn = 1
+    queue_refs: list[tuple[bytes, int]] = []
+
+    def batch(events: list[Event]) -> list[Effect]:
+        out = t.batch(events)  # (the queue entries it wrote are acknowledged later)
+        queue_refs.extend(e.queue_ref for e in writes(out) if e.queue_ref is not None)
+        return out
+
+    def open_conn(who: bytes) -> int:
+        nonlocal next_conn
+        cid, next_conn = next_conn, next_conn + 1
+        conns[cid] = who
+        batch([ConnectionOpened(cid, who, True)])
+        return cid
+
+    pub = open_conn(APPS[0].public)
+    for sub in subs:
+        cid = open_conn(sub.public)
+        m = control(sub, X, Join(GROUPS[0].public, rng.random() < 0.5), now=t.now)
+        batch([MessagesReceived(cid, [m], _verified([m]))])
+    sn = 0
+    blocked: set[int] = set()
+    away: set[bytes] = set()
+    left: set[bytes] = set()
+    for _ in range(400):
+        roll = rng.random()
+        sub = rng.choice(subs)
+        mine = [cid for cid, w in conns.items() if w == sub.public]
+        if roll < 0.03 and mine:
+            blocked.add(mine[-1])
+            batch([WriteBlocked(mine[-1], True)])
+        elif roll < 0.05 and mine:
+            cid = rng.choice(mine)
+            del conns[cid]
+            blocked.discard(cid)
+            away.add(sub.public)
+            batch([ConnectionClosed(cid)])
+        elif roll < 0.07:
+            open_conn(sub.public)  # a second connection of the key (the newest gets deliveries)
+        elif roll < 0.09 and mine:
+            left.add(sub.public)
+            m = control(names[sub.public], X, Leave(GROUPS[0].public), now=t.now)
+            batch([MessagesReceived(mine[-1], [m], _verified([m]))])
+        elif roll < 0.17:  # things back as they were: reading again, back, a member again, acknowledged
+            if blocked:
+                cid = blocked.pop()
+                batch([WriteBlocked(cid, False)] if cid in conns else [])
+            if away:
+                open_conn(away.pop())
+            if left:
+                who = left.pop()
+                cids = [cid for cid, w in conns.items() if w == who]
+                if cids:
+                    m = control(names[who], X, Join(GROUPS[0].public, rng.random() < 0.5), now=t.now)
+                    batch([MessagesReceived(cids[-1], [m], _verified([m]))])
+            for _ in range(64):  # acknowledged, and what that drained too: the queues catch up
+                if not queue_refs:
+                    break
+                refs = tuple(queue_refs)
+                queue_refs.clear()
+                batch([QueueSent(refs)])
+        elif roll < 0.19 and seed % 2:
+            ps = [cid for cid, w in conns.items() if w == PUBSUB.public]
+            if ps:
+                del conns[ps[0]]
+                batch([ConnectionClosed(ps[0])])
+            else:
+                open_conn(PUBSUB.public)
+        elif roll < 0.20:
+            for r in t.routers:  # a batch that did not commit: its state put back (and the plans' epoch moved)
+                r.batch_begun()
+                r.batch_lost()
+        else:
+            sn += 1
+            ttl = 0 if rng.random() < 0.1 else 600
+            m = multicast(GROUPS[0], sn.to_bytes(4, "big"), ttl=ttl, now=t.now)
+            batch([MessagesReceived(pub, [m], _verified([m]))])
+        t.check_state()
+    t.close()
+    return used
+
+
+def test_a_plan_follows_a_members_second_connection(tmp_path: Path) -> None:
+    """A subscriber whose queue drain has an entry in flight opens a second connection: the newest connection
+    gets its deliveries, and waits (queued) until the first one's entries are acknowledged - the plan made before
+    must not send to the first one."""
+    t = Twin(tmp_path, CoreConfig(trace=False), 1 << 24, 4096)
+    for r in t.routers:
+        r.runs = False
+    t.routers[1].delivery.plans = False
+    sub, other = ident("sub0"), ident("sub1")
+    t.batch([ConnectionOpened(1, APPS[0].public, True), ConnectionOpened(2, sub.public, True),
+              ConnectionOpened(3, other.public, True)])
+    for cid, who in ((2, sub), (3, other)):
+        m = control(who, X, Join(GROUPS[0].public, True), now=t.now)
+        t.batch([MessagesReceived(cid, [m], _verified([m]))])
+
+    def publish(n: int) -> list[Effect]:
+        m = multicast(GROUPS[0], n.to_bytes(4, "big"), ttl=600, now=t.now)
+        return t.batch([MessagesReceived(1, [m], _verified([m]))])
+
+    t.batch([WriteBlocked(2, True)])
+    publish(1)  # queued for sub
+    drained = t.batch([WriteBlocked(2, False)])  # written from the queue: in flight on connection 2
+    assert [e.queue_ref for e in writes(drained)] and all(e.conn == 2 for e in writes(drained))
+    out = publish(2)  # every member direct again: the plan keeps their connections
+    assert len(out) == 1 and isinstance(out[0], Fanout) and out[0].conns == (2, 3)
+    assert t.routers[0].state.plans[(GROUPS[0].public, APPS[0].public, True)].direct == (2, 3)
+    publish(3)  # (by the plan)
+    t.batch([ConnectionOpened(4, sub.public, True)])  # connection 2's entry is still in flight
+    out = publish(4)
+    assert [e.conn for e in writes(out)] == [3]  # sub's newest connection waits for the first one's acknowledgement
     t.check_state()
     t.close()

@@ -102,6 +102,13 @@ def test_the_c_reader_counts_what_the_python_reader_counts(proto: str) -> None:
     # Each latency is now - t0 - offset: the C reader's are within its own run's window.
     assert all(c_before - t0 - 1000 * EXPECTED <= v <= c_after - t0 for v in c_lat)
     assert all(v <= py_after - t0 for v in py_lat)
+    # Each message's first and last delivery (over the three connections): every seq was received, its first no
+    # later than its last, the earliest and latest of them those of all deliveries.
+    firsts, lasts = c["raw_msg_first_ns"], c["raw_msg_last_ns"]
+    assert isinstance(firsts, list) and isinstance(lasts, list) and len(firsts) == len(lasts) == EXPECTED
+    assert all(0 < f <= la for f, la in zip(firsts, lasts, strict=True))
+    assert min(firsts) == c_lat[0] and max(lasts) == c_lat[-1]
+    assert c["msg_first"]["n"] == c["msg_last"]["n"] == c["msg_spread"]["n"] == EXPECTED  # type: ignore[index]
     if proto == "mqtt":
         assert c_answers == py_answers  # the PUBACKs of the QoS 1 PUBLISHes, in order
         assert all(len(a) == 4 * sum(1 for i in range(n) if i % 2) for a, n in

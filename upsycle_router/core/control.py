@@ -178,6 +178,7 @@ class ControlPlane:
         """``c`` is another router's connection: what is routed to it is ours until it confirms it (Custody)."""
         if not c.local and not c.custody:
             c.custody = True
+            self.s.epoch += 1  # (plans)
             self.s.batch_custody.add(c.id)  # (undone if the batch does not commit: the driver never saw Custody)
             out.append(Custody(c.id))
 
@@ -204,6 +205,7 @@ class ControlPlane:
         self.s.router_members.pop(j.addr, None)
         if members.get(requester) != j.local:
             members[requester] = j.local
+            self.s.epoch += 1  # (plans)
             self.s.store.add_subscriber(j.addr, requester, j.local)
         out.append(Trace(JOINED, None, CONTROL, j.addr, requester, peer=c.peer, role=self.s.role(requester)))
         self._reply(c, requester, encode_router(JoinAck(j.addr, Result.SUCCESS)), now, out)
@@ -214,6 +216,7 @@ class ControlPlane:
         ps = self.s.config.pubsub_service
         if not j.local and ps is not None and requester != ps and j.addr not in self.s.pubsub_groups:
             self.s.pubsub_groups.add(j.addr)
+            self.s.epoch += 1  # (plans)
             self.s.store.set_pubsub_subscribed(j.addr, True)
             self._send_to_service(ps, PUBSUB_CODEC.encode(Sub(j.addr)), now, out)
 
@@ -224,6 +227,7 @@ class ControlPlane:
             self._reply(c, requester, encode_router(LeaveAck(lv.addr, Result.FAILURE)), now, out)
             return
         del members[requester]
+        self.s.epoch += 1  # (plans)
         self.s.router_members.pop(lv.addr, None)
         self.s.store.remove_subscriber(lv.addr, requester)
         out.append(Trace(LEFT, None, CONTROL, lv.addr, requester, peer=c.peer, role=self.s.role(requester)))
@@ -238,6 +242,7 @@ class ControlPlane:
             self._to_cores(encode_router(Leave(lv.addr)), now, out)
         if not remaining and lv.addr in self.s.pubsub_groups and ps is not None:
             self.s.pubsub_groups.discard(lv.addr)
+            self.s.epoch += 1  # (plans)
             self.s.store.set_pubsub_subscribed(lv.addr, False)
             self._send_to_service(ps, PUBSUB_CODEC.encode(Unsub(lv.addr)), now, out)
 

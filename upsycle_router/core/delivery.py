@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from upsycle_router.core.events import ConnId, Dial, Effect, Fanout, Send, Throttle, Trace
 from upsycle_router.core.queues import QueueDrain
-from upsycle_router.core.state import Conn, Forwarded, RouterState
+from upsycle_router.core.state import Conn, Forwarded, MemberPlan, RouterState
 from upsycle_router.core.trace import (
     CONTROL,
     DELIVERED,
@@ -75,6 +75,7 @@ class Delivery:
         self.by_key = state.by_key
         self.flush = queues.flush
         self.inline = True  # to_members' direct deliveries without a deliver call each; tests compare both ways
+        self.plans = True  # (with inline) a group's direct deliveries kept from one message to the next (state.plan)
 
     def deliver(
         self,
@@ -175,24 +176,35 @@ class Delivery:
         *,
         remote: bool,
         origin: Conn,
+        plan: MemberPlan | None = None,
     ) -> tuple[list[bytes], Reason | None]:
         """:meth:`deliver` the multicast ``msg`` of ``group`` to each of ``recipients``, those that get it now in
         one ``Fanout``; the recipients it was not taken for, and the first reason. A recipient that is connected,
         reads and has nothing queued is deliver's first case, done here inline (a call with keyword arguments
         per recipient is the better part of routing a message to 1,000 subscribers); with :attr:`inline` off,
-        deliver does every recipient (tests compare the two)."""
+        deliver does every recipient (tests compare the two).
+
+        ``plan``: the group's plan whose ``recipients`` these are (:meth:`RouterState.plan`). When every recipient
+        was such a direct one, the plan keeps their connections, and while nothing changed (its epoch), the next
+        message goes to them without a look at each - what this loop would find; not while tracing (each
+        delivery has its record)."""
+        s = self.s
+        tracing = s.tracing
+        if plan is not None and plan.direct is not None and plan.epoch == s.epoch and not tracing:
+            out.append(Fanout(plan.direct, (data,)))
+            return [], None
         direct: list[ConnId] = []
         failed: list[bytes] = []
         why = None
         by_key, conns = (self.by_key, self.conns) if self.inline else ({}, {})
-        s = self.s
-        tracing = s.tracing
+        inline = 0
         for m in recipients:
             ids = by_key.get(m)
             if ids:
                 rc = conns[ids[-1]]
                 if not (rc.backlog or rc.blocked or rc.custody):
                     direct.append(ids[-1])
+                    inline += 1
                     if tracing:
                         out.append(Trace(DELIVERED, msg.id, MULTICAST, group, None, m, m, size, role=s.role(m)))
                     continue
@@ -202,7 +214,10 @@ class Delivery:
                 failed.append(m)
                 why = why or r
         if direct:
-            out.append(Fanout(tuple(direct), (data,)))
+            run = tuple(direct)
+            out.append(Fanout(run, (data,)))
+            if plan is not None and inline == len(recipients) and plan.epoch == s.epoch:
+                plan.direct = run  # (every recipient was this loop's first case, and nothing changed meanwhile)
         return failed, why
 
     def _behind(self, c: Conn, why: Reason | None, now: float, out: list[Effect]) -> None:
@@ -210,7 +225,9 @@ class Delivery:
         from now on (sent at once unless entries are in flight or ``c`` is blocked)."""
         if why is None:
             self.s.keep(c)
-            c.backlog = True
+            if not c.backlog:
+                c.backlog = True
+                self.s.epoch += 1  # (plans)
             self.flush(c, now, out)
 
     def back(self, c: Conn, msg: Message, data: bytes, now: float) -> int:

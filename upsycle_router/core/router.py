@@ -190,7 +190,9 @@ class Router:
         elif isinstance(event, WriteBlocked):
             c = self._conns.get(event.conn)
             if c is not None:
-                c.blocked = event.blocked
+                if c.blocked != event.blocked:
+                    c.blocked = event.blocked
+                    self.state.epoch += 1  # (plans)
                 if not event.blocked:
                     self._flush(c, now, out)
         elif isinstance(event, Undelivered):
@@ -321,6 +323,7 @@ class Router:
         services) back from it; connections the batch opened are closed here and each connection's queue window
         is as it was. (The driver then replays the batch's connection events.)"""
         s = self.state
+        s.epoch += 1  # (plans: connections' state and the mirrored state are put back below)
         s.seen.forget_since(self._batch_mark)
         self._sent_again.difference_update(self._again_batch)
         self._again_batch = []
@@ -462,6 +465,7 @@ class Router:
         self._conns[ev.conn] = c
         s.batch_opened.add(ev.conn)
         self._by_key.setdefault(ev.peer, []).append(ev.conn)
+        s.epoch += 1  # (plans)
         if ev.local:
             if ev.peer not in s.locals:
                 s.locals.add(ev.peer)
@@ -509,6 +513,7 @@ class Router:
         c = self._conns.pop(ev.conn, None)
         if c is None:
             return
+        self.state.epoch += 1  # (plans)
         lst = self._by_key.get(c.peer)
         if lst is not None:
             if ev.conn in lst:
@@ -725,7 +730,12 @@ class Router:
                 self._refuse(c, ref, why, 0, now, out, MULTICAST, h.grp, size)
             return
         grp = h.grp
-        members, recipients = s.recipients(c, grp, discovery)
+        if discovery or not (self.delivery.inline and self.delivery.plans):
+            plan = None
+            members, recipients = s.recipients(c, grp, discovery)
+        else:
+            plan = s.plan(c, grp)
+            members, recipients = plan.members, plan.recipients
         if not recipients and discovery:
             return  # the router itself was the only member (its 'delivered' record is written by discovered())
         # Step 3: no local subscriber at all. The sender may be the only one: then it is stored (for PULL and
@@ -781,7 +791,8 @@ class Router:
             # A member router would refuse it (with VIA it is a frame over max_frame): refused for them here.
             too_far = [m for m in recipients if m not in s.locals]
             recipients = [m for m in recipients if m in s.locals]
-        failed, why = self._to_members(recipients, msg, grp, data, size, now, out, remote=not c.local, origin=c)
+        failed, why = self._to_members(recipients, msg, grp, data, size, now, out, remote=not c.local, origin=c,
+                                       plan=plan if plan is not None and recipients is plan.recipients else None)
         if too_far:
             failed += too_far
             why = why or Reason.TOO_LARGE
