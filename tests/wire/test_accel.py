@@ -699,6 +699,114 @@ def test_c_and_python_fan_out_alike(size: int) -> None:
         assert positions == [1] and counters[0] == (0, 3)
 
 
+class _Env:
+    """Twenty connections over real socket pairs (small send buffers), the table fanout() reads, and a run of all
+    their ids: the same random steps applied to two of them compare the C fan-out, keeping the run's
+    connections between calls, with its Python twin, which looks them up each time."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.pairs = [socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(20)]
+        for a, b in self.pairs:
+            a.setblocking(False)
+            b.setblocking(False)
+            a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+        self.targets = [_Target(a.fileno()) for a, _ in self.pairs]
+        self.conns: dict[int, _Target] = dict(enumerate(self.targets))
+        self.run = tuple(range(20))
+        self.epoch = 0
+
+    def step(self, rng: random.Random) -> None:
+        """One change between calls: an fd taken away or given back, a connection gone from the table, a reader
+        that reads what waits - the first two move the epoch, as the transports and the driver do."""
+        roll, i = rng.random(), rng.randrange(20)
+        if roll < 0.25:
+            self.targets[i].fd = -1 if self.targets[i].fd >= 0 else self.pairs[i][0].fileno()
+            self.epoch += 1
+        elif roll < 0.3 and i in self.conns:
+            del self.conns[i]
+            self.epoch += 1
+        elif roll < 0.6:
+            with contextlib.suppress(BlockingIOError):
+                while self.pairs[i][1].recv(1 << 16):
+                    pass
+
+    def close(self) -> None:
+        for a, b in self.pairs:
+            a.close()
+            b.close()
+
+
+@needs_c
+def test_the_c_fan_out_keeps_a_runs_connections_and_sends_as_its_twin_does() -> None:
+    """The same run object over and over, with changes between the calls (each moving the epoch where the daemon
+    does): what each call returns, the counters and the bytes each reader gets are the same for the C fan-out,
+    which keeps the run's connections and sockets while the epoch stands still, and for the Python twin."""
+    c_fanout = transport_accel._C.fanout  # type: ignore[union-attr]
+    for seed in range(4):
+        envs = [_Env(), _Env()]
+        rng = random.Random(seed)
+        try:
+            for n in range(150):
+                data = bytes([n % 256]) * rng.choice([1, 700, 5000])
+                outs = []
+                for env, impl in zip(envs, (c_fanout, transport_accel.fanout_py), strict=True):
+                    rest, gone = impl(env.conns, env.run, data, 2, env.epoch)
+                    outs.append(([(env.targets.index(c), sent) for c, sent in rest], gone,  # type: ignore[arg-type]
+                                 [(t.written, t.messages_out) for t in env.targets]))
+                assert outs[0] == outs[1], (seed, n)
+                state = rng.getstate()
+                for env in envs:  # the same change on both
+                    rng.setstate(state)
+                    env.step(rng)
+            for a, b in zip(envs[0].pairs, envs[1].pairs, strict=True):  # every reader got the same bytes
+                got = []
+                for _, r in (a, b):
+                    buf = b""
+                    with contextlib.suppress(BlockingIOError):
+                        while chunk := r.recv(1 << 20):
+                            buf += chunk
+                    got.append(buf)
+                assert got[0] == got[1]
+        finally:
+            for env in envs:
+                env.close()
+
+
+@needs_c
+def test_the_c_fan_out_looks_again_when_the_epoch_moves() -> None:
+    """What keeping means: with the same run and epoch, the C fan-out sends to the sockets it looked up before,
+    even if a connection's ``fd`` changed (which is why every change moves the epoch); with the epoch moved, it
+    looks again - and without an epoch it never keeps anything."""
+    c_fanout = transport_accel._C.fanout  # type: ignore[union-attr]
+    env = _Env()
+    try:
+        reader = env.pairs[3][1]
+
+        def got() -> int:
+            n = 0
+            with contextlib.suppress(BlockingIOError):
+                while chunk := reader.recv(1 << 16):
+                    n += len(chunk)
+            return n
+
+        c_fanout(env.conns, env.run, b"x" * 10, 1, 7)
+        assert got() == 10
+        env.targets[3].fd = -1  # (without moving the epoch: the daemon never does this)
+        rest, _ = c_fanout(env.conns, env.run, b"y" * 10, 1, 7)
+        assert got() == 10 and not rest  # kept: sent to connection 3's socket all the same
+        rest, _ = c_fanout(env.conns, env.run, b"z" * 10, 1, 8)
+        assert got() == 0 and [(env.targets.index(c), sent) for c, sent in rest] == [(3, 0)]  # type: ignore[arg-type]
+        env.targets[3].fd = env.pairs[3][0].fileno()
+        c_fanout(env.conns, env.run, b"w" * 10, 1)  # no epoch: looked up
+        env.targets[3].fd = -1
+        rest, _ = c_fanout(env.conns, env.run, b"v" * 10, 1)
+        assert got() == 10 and [(env.targets.index(c), sent) for c, sent in rest] == [(3, 0)]  # type: ignore[arg-type]
+    finally:
+        env.close()
+
+
 def test_fanout_refuses_what_it_cannot_use() -> None:
     for impl in filter(None, (transport_accel._C and transport_accel._C.fanout, transport_accel.fanout_py)):
         with pytest.raises((TypeError, AttributeError)):

@@ -94,7 +94,7 @@ from upsycle_router.logtext import RateLimitedLog as EventLog
 from upsycle_router.runtime.logs import RateLimitedLog
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.accel import fanout
-from upsycle_router.transport.connection import Connection
+from upsycle_router.transport.connection import FD_EPOCH, Connection
 from upsycle_router.wire.framing import length_prefix
 
 log = logging.getLogger("upsycle_router.driver")
@@ -397,7 +397,7 @@ class EffectRunner:
             return
         # Straight to the sockets that take it (transport/accel.py: one call for the run); the rest of what a
         # socket did not take, and the connections without a socket to write to, through their transports.
-        rest, gone = fanout(conns, run, framed[0], len(payloads))
+        rest, gone = fanout(conns, run, framed[0], len(payloads), FD_EPOCH.n)
         for conn, sent in rest:
             self._run_to(conn, conn.id, payloads, framed, nbytes, sent)
         for cid in gone:

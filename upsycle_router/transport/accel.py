@@ -10,7 +10,11 @@ socket it may write to directly (a Unix-socket connection whose transport buffer
 the rest through their transports, and the ids of the run that name no connection (closed since the run was
 routed: the caller gives their messages back to the router). The C version makes every send with the GIL
 released, in one call; through the transports each subscriber cost as many Python calls as its system call
-cost CPU.
+cost CPU. Given the ``epoch`` (:data:`~upsycle_router.transport.connection.FD_EPOCH`), it also keeps the last
+run's connections and sockets for a next call with the same run object while the epoch stands still (a
+group's plan hands the same run for each message: core/state.py); the twin looks them up each time, which
+gives the same results as long as every change of a connection's ``fd`` and every connection leaving the
+table moves the epoch.
 
 The name is bound once, at import (:mod:`upsycle_router.cext`); ``_C`` is the extension module in use, or None.
 """
@@ -26,11 +30,11 @@ from upsycle_router.transport.connection import Connection
 
 
 def fanout_py(
-    conns: Mapping[int, Connection], run: tuple[int, ...], data: bytes, nmsgs: int, /
+    conns: Mapping[int, Connection], run: tuple[int, ...], data: bytes, nmsgs: int, epoch: int = -1, /
 ) -> tuple[list[tuple[Connection, int]], list[int]]:
     """``data`` to the socket of each connection of ``run`` that has one (``fd`` >= 0); the connections that did
     not take it whole, with the bytes their socket took, and the ids of ``run`` that name no connection (the
-    Python twin of ``_fanout.fanout``)."""
+    Python twin of ``_fanout.fanout``; it looks every connection up each time, whatever the ``epoch``)."""
     rest: list[tuple[Connection, int]] = []
     gone: list[int] = []
     n = len(data)
