@@ -204,8 +204,12 @@ def per_message(firsts: list[int], lasts: list[int]) -> dict[str, Any]:
     for a message not received) and of the time between them: how late a message began to arrive, and how long
     its fan-out took."""
     pairs = [(f, la) for f, la in zip(firsts, lasts, strict=True) if f and la]
+    slowest = sorted(range(len(lasts)), key=lambda i: -lasts[i])[:5]
     return {"msg_first": percentiles([f for f, _ in pairs]), "msg_last": percentiles([la for _, la in pairs]),
-            "msg_spread": percentiles([la - f for f, la in pairs])}
+            "msg_spread": percentiles([la - f for f, la in pairs]),
+            # the slowest messages (by their last delivery): seq, first and last delivery (ms) - when a phase's
+            # p99 is a few slow messages, their seqs (the offset in the phase) tell what they met
+            "msg_slowest": [(i, round(firsts[i] / 1e6, 3), round(lasts[i] / 1e6, 3)) for i in slowest if lasts[i]]}
 
 
 def fast_receiver(proto: str, socks: list[socket.socket]) -> FastReceiver | None:

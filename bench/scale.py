@@ -468,7 +468,7 @@ def measured(wl: Workload, pids: list[int], phase: int, n: int, mode: str, *, la
     rec = res.get("receiver") or {}
     if latency:
         out["latency"] = rec.get("latency")
-        for k in ("msg_first", "msg_last", "msg_spread"):
+        for k in ("msg_first", "msg_last", "msg_spread", "msg_slowest"):
             if k in rec:
                 out[k] = rec[k]
     out["send_lag"] = (res.get("publisher") or {}).get("send_lag")
@@ -645,7 +645,8 @@ def _fanout_line(system: str, label: str, subs: int, rec: dict[str, Any]) -> str
         per_msg = ""
         if m.get("msg_first"):
             per_msg = (f", per message: first p50 {m['msg_first'].get('p50_ms')} p99 {m['msg_first'].get('p99_ms')}"
-                       f", last p50 {m['msg_last'].get('p50_ms')} p99 {m['msg_last'].get('p99_ms')}")
+                       f", last p50 {m['msg_last'].get('p50_ms')} p99 {m['msg_last'].get('p99_ms')}"
+                       f", slowest (seq, first, last ms) {m.get('msg_slowest')}")
         return (f"{k} p50 {la.get('p50_ms')} p99 {la.get('p99_ms')} ms "
                 f"({m.get('deliveries_per_s')} deliveries/s, loss {m.get('loss')}{per_msg})")
 
