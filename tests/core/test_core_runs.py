@@ -22,6 +22,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
 from core_harness import T0, control, forged, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
@@ -514,4 +515,21 @@ def test_a_plan_follows_a_members_second_connection(tmp_path: Path) -> None:
     out = publish(4)
     assert [e.conn for e in writes(out)] == [3]  # sub's newest connection waits for the first one's acknowledgement
     t.check_state()
+    t.close()
+
+
+def test_plans_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sender publishing to ever new groups (nobody here joined them) leaves a plan for each: the table is
+    dropped whole when it reaches PLANS_MAX, and the messages are routed (dropped: no subscribers) all the same."""
+    from upsycle_router.core import state as state_module
+
+    monkeypatch.setattr(state_module, "PLANS_MAX", 16)
+    t = Twin(tmp_path, CoreConfig(trace=True), 1 << 24, 4096)
+    t.routers[1].delivery.plans = False
+    t.batch([ConnectionOpened(1, APPS[0].public, True)])
+    for i in range(100):
+        m = multicast(ident(f"nobody{i}"), b"x", now=t.now)
+        out = t.batch([MessagesReceived(1, [m], _verified([m]))])
+        assert [e.reason for e in out if isinstance(e, Trace) and e.reason] == ["no_subscribers"]
+        assert len(t.routers[0].state.plans) <= 16
     t.close()

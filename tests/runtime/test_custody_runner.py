@@ -86,3 +86,26 @@ async def _lost_sync_is_never_repeated() -> None:
 
 def test_an_unanswered_sync_is_asked_again() -> None:
     uvloop.run(_lost_sync_is_never_repeated())
+
+
+async def _custody_moves_the_fd_epoch() -> None:
+    """Custody takes the connection's socket away from direct fan-out writes (each routed write is noted), and
+    like every change of ``fd`` it moves FD_EPOCH, so the C fan-out's kept run is looked up again (found by a
+    review: the effect set ``fd`` itself, the epoch stood still, and a kept run kept writing to the socket)."""
+    from upsycle_router.transport.connection import FD_EPOCH
+
+    conn, end = await _pair()
+    try:
+        fx = _runner(conn)
+        fx.apply([Send(conn.id, b"before")], 0.0)  # (a write settles the connection: its socket offered)
+        assert conn.fd >= 0
+        epoch = FD_EPOCH.n
+        fx.apply([Custody(conn.id)], 0.0)
+        assert conn.fd == -1 and FD_EPOCH.n > epoch
+    finally:
+        conn.abort()
+        end.close()
+
+
+def test_custody_moves_the_fd_epoch() -> None:
+    uvloop.run(_custody_moves_the_fd_epoch())

@@ -807,6 +807,32 @@ def test_the_c_fan_out_looks_again_when_the_epoch_moves() -> None:
         env.close()
 
 
+@needs_c
+def test_forget_lets_the_kept_run_and_its_connections_go() -> None:
+    """The kept run holds its connections; forget() (called by the driver whenever a connection leaves its table)
+    lets them go, so a closed connection is not kept alive - and the next call looks them up again."""
+    import gc
+    import weakref
+
+    c_fanout = transport_accel._C.fanout  # type: ignore[union-attr]
+    env = _Env()
+    try:
+        c_fanout(env.conns, env.run, b"a", 1, 10**9)
+        ref = weakref.ref(env.targets[0])
+        del env.conns[0]
+        env.targets[0] = None  # type: ignore[call-overload]
+        gc.collect()
+        assert ref() is not None  # held by the kept run
+        transport_accel.forget()
+        gc.collect()
+        assert ref() is None
+        rest, gone = c_fanout(env.conns, env.run, b"b", 1, 10**9)
+        assert gone == [0] and not rest
+    finally:
+        env.close()
+    transport_accel.forget_py()  # (the twin's: nothing kept, nothing to do)
+
+
 def test_fanout_refuses_what_it_cannot_use() -> None:
     for impl in filter(None, (transport_accel._C and transport_accel._C.fanout, transport_accel.fanout_py)):
         with pytest.raises((TypeError, AttributeError)):

@@ -89,8 +89,10 @@ class Conn:
         self.handed = False  # (under custody) a hand-over backed some of what its router had not confirmed
 
 
-# A plan's recipients held in all plans at most (then all are dropped and made again as messages come).
+# Recipients held in all plans, and plans, at most (then all are dropped and made again as messages come): a
+# sender publishing to ever new groups (or to groups nobody here joined) must not grow the table for good.
 PLAN_REFS_MAX = 1 << 20
+PLANS_MAX = 4096
 
 
 class MemberPlan:
@@ -269,7 +271,7 @@ class RouterState:
         if p is None or p.epoch != self.epoch:
             members, recipients = self.recipients(c, grp, False)
             self._plan_refs += len(recipients)
-            if self._plan_refs > PLAN_REFS_MAX:
+            if self._plan_refs > PLAN_REFS_MAX or len(self.plans) >= PLANS_MAX:
                 self.plans.clear()
                 self._plan_refs = len(recipients)
             p = self.plans[key] = MemberPlan(self.epoch, members, recipients)

@@ -342,7 +342,7 @@ class EffectRunner:
                 conn = conns.get(e.conn)
                 if conn is not None and self.sync_message is not None:
                     conn.custody = True
-                    conn.fd = -1  # (no fan-out past its noting: see StreamConnection._settle)
+                    conn.set_fd(-1)  # (no fan-out past its noting: see StreamConnection._settle)
                     self._custody.add(e.conn)
             elif isinstance(e, Confirmed):
                 conn = conns.get(e.conn)

@@ -21,7 +21,9 @@
  * bumped whenever a connection's `fd` changes or one leaves the table), the call keeps what it looked up - the
  * connections and their sockets - for the next call with the same run object, the same table and the same
  * epoch, and sends straight away then. It keeps one run (the last one whose every id named a connection), with
- * a reference to each of its connections until another run replaces it.
+ * a reference to each of its connections until another run replaces it or forget() lets it go (the driver calls
+ * it whenever a connection leaves its table, so a closed connection is not kept alive). One thread only: the
+ * kept run is shared by every call and read while the GIL is released (the daemon calls it from its event loop).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -201,7 +203,16 @@ done:
     return result;
 }
 
+/* forget() -> None: let the kept run go (see the module comment). */
+static PyObject *
+forget(PyObject *self, PyObject *unused)
+{
+    keep_drop();
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"forget", forget, METH_NOARGS, "forget() -> None: let the run kept by fanout() go, and its connections"},
     {"fanout", (PyCFunction)(void (*)(void))fanout, METH_FASTCALL,
      "fanout(conns, run, data, nmsgs[, epoch]) -> ([(conn, sent)], [id]): data sent to each direct socket of the run "
      "(GIL released); the others, and the ids that name no connection. With epoch, the run's connections and sockets "

@@ -11,3 +11,6 @@ def fanout(
     """data to each connection of run whose fd is a socket; the others, with the bytes their socket took; the
     ids of run that name no connection. With epoch (>= 0), the run's connections and sockets are kept for the
     next call with the same run object, table and epoch."""
+
+def forget() -> None:
+    """Let the run kept by fanout() go, and its connections."""

@@ -14,7 +14,8 @@ cost CPU. Given the ``epoch`` (:data:`~upsycle_router.transport.connection.FD_EP
 run's connections and sockets for a next call with the same run object while the epoch stands still (a
 group's plan hands the same run for each message: core/state.py); the twin looks them up each time, which
 gives the same results as long as every change of a connection's ``fd`` and every connection leaving the
-table moves the epoch.
+table moves the epoch. :func:`forget` lets the kept run go (and the connections it holds): the driver calls it
+whenever a connection leaves its table.
 
 The name is bound once, at import (:mod:`upsycle_router.cext`); ``_C`` is the extension module in use, or None.
 """
@@ -58,8 +59,13 @@ def fanout_py(
     return rest, gone
 
 
+def forget_py() -> None:
+    """Let the kept run go (the twin keeps none)."""
+
+
 _C: ModuleType | None = None
 fanout = fanout_py
+forget = forget_py
 if not pure_python():
     try:
         from upsycle_router.transport import _fanout
@@ -68,3 +74,4 @@ if not pure_python():
     else:
         _C = _fanout
         fanout = _fanout.fanout
+        forget = _fanout.forget

@@ -71,7 +71,7 @@ _T = TypeVar("_T")
 
 
 class Epoch:
-    """A count that moves whenever a connection's ``fd`` changes (:meth:`Connection._set_fd`) or a connection
+    """A count that moves whenever a connection's ``fd`` changes (:meth:`Connection.set_fd`) or a connection
     leaves the driver's table: the C fan-out keeps a run's connections and sockets while it stands still
     (transport/_fanout.c)."""
 
@@ -191,7 +191,7 @@ class Connection(asyncio.Protocol):
         self.written = 0  # bytes handed to the transport so far (or, for a fan-out, written to its socket: fd)
         # The socket a fan-out may write to directly, bypassing the transport, or -1: only a Unix-socket connection
         # whose transport buffers nothing has one (transport/stream.py keeps it; transport/accel.py writes to it).
-        # Changed only by _set_fd.
+        # Changed only by set_fd.
         self.fd = -1
         # Traffic, for the status view (``upsycle-router status``): bytes read, routed messages and frames
         # taken in and sent after the handshake.
@@ -225,7 +225,7 @@ class Connection(asyncio.Protocol):
         self.handshake_timed_out = False
         self.close_timed_out = False  # the close did not finish in time and the transport was aborted
 
-    def _set_fd(self, fd: int) -> None:
+    def set_fd(self, fd: int) -> None:
         """Offer the socket ``fd`` for direct writes, or none (-1): every change moves :data:`FD_EPOCH`."""
         if fd != self.fd:
             self.fd = fd

@@ -57,13 +57,13 @@ class StreamConnection(Connection):
         transport buffers nothing and nothing is gathered; return the bytes buffered (gathered ones included)."""
         t = self.transport
         if t is None:
-            self._set_fd(-1)
+            self.set_fd(-1)
             return self._out_bytes
         n = t.get_write_buffer_size()
         direct = n == 0 and not self._out and not self.closed and not t.is_closing() and not self.custody
         fd = self._sock_fd if direct else -1  # (a router's connection under custody: every write noted)
         if fd != self.fd:  # (on every write: the call only for a change)
-            self._set_fd(fd)
+            self.set_fd(fd)
         return n + self._out_bytes
 
     def _write(self, data: bytes) -> None:
@@ -167,7 +167,7 @@ class StreamConnection(Connection):
         t = self.transport
         if self.closed or t is None or t.is_closing():
             return False
-        self._set_fd(-1)  # (gathered bytes must go first)
+        self.set_fd(-1)  # (gathered bytes must go first)
         self._out.extend(parts)
         self._out_bytes += nbytes
         self.written += nbytes
@@ -198,7 +198,7 @@ class StreamConnection(Connection):
         if not self.closed:
             self.write_out()
         self._sock_fd = -1
-        self._set_fd(-1)
+        self.set_fd(-1)
         super().close_with_error(code, reason)
 
     def close(self) -> None:
@@ -206,7 +206,7 @@ class StreamConnection(Connection):
         if not self.closed:
             self.write_out()
         self._sock_fd = -1
-        self._set_fd(-1)
+        self.set_fd(-1)
         super().close()
 
     def abort(self) -> None:
@@ -215,17 +215,17 @@ class StreamConnection(Connection):
             self._closing()  # (first: what was gathered is given back with what the transport holds)
         self._out, self._out_bytes = [], 0
         self._sock_fd = -1
-        self._set_fd(-1)
+        self.set_fd(-1)
         super().abort()
 
     def pause_writing(self) -> None:
         """The transport's buffer passed its high-water mark (it buffers: no direct writes)."""
-        self._set_fd(-1)
+        self.set_fd(-1)
         super().pause_writing()
 
     def connection_lost(self, exc: Exception | None) -> None:
         """The transport is gone: nothing gathered can be sent any more."""
         self._out, self._out_bytes = [], 0
         self._sock_fd = -1
-        self._set_fd(-1)
+        self.set_fd(-1)
         super().connection_lost(exc)
