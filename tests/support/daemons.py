@@ -198,6 +198,7 @@ class Daemon:
         self.listen = listen
         self.wrapper = list(wrapper)
         self.ready_log = ready_log
+        self.with_trace = True  # --trace (off: the routing core's per-message trace records are not built)
         self.config_path: Path | None = None
         if config is not None:
             self.config_path = base / "router.yaml"
@@ -224,8 +225,9 @@ class Daemon:
 
     @property
     def command(self) -> list[str]:
-        cmd = [*self.wrapper, *PYTHON_M, "run", "--data-dir", str(self.dir), "--unix", str(self.sock),
-               "--trace", str(self.trace_dir)]  # fmt: skip
+        cmd = [*self.wrapper, *PYTHON_M, "run", "--data-dir", str(self.dir), "--unix", str(self.sock)]
+        if self.with_trace:
+            cmd += ["--trace", str(self.trace_dir)]
         if self.config_path is not None:
             cmd += ["--config", str(self.config_path)]
         if self.listen is not None:
