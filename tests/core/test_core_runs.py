@@ -37,6 +37,7 @@ from upsycle_router.core.events import (
     QueueSent,
     Send,
     Trace,
+    Undelivered,
     Write,
     WriteBlocked,
     writes,
@@ -532,4 +533,30 @@ def test_plans_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         out = t.batch([MessagesReceived(1, [m], _verified([m]))])
         assert [e.reason for e in out if isinstance(e, Trace) and e.reason] == ["no_subscribers"]
         assert len(t.routers[0].state.plans) <= 16
+    t.close()
+
+
+def test_a_plan_follows_a_member_put_behind_a_delivery_given_back(tmp_path: Path) -> None:
+    """A delivery given back for a member (its earlier connection closed with it still in the router's buffer)
+    is queued, and the member's open connection drains it first: the next message must queue behind it, not go
+    by the plan made before (the member's backlog turned - the only change there is)."""
+    t = Twin(tmp_path, CoreConfig(trace=False, flush_batch=1), 1 << 24, 4096)  # (one queue entry in flight)
+    for r in t.routers:
+        r.runs = False
+    t.routers[1].delivery.plans = False
+    sub, other = ident("sub0"), ident("sub1")
+    t.batch([ConnectionOpened(1, APPS[0].public, True), ConnectionOpened(2, sub.public, True),
+             ConnectionOpened(3, other.public, True)])
+    for cid, who in ((2, sub), (3, other)):
+        m = control(who, X, Join(GROUPS[0].public, True), now=t.now)
+        t.batch([MessagesReceived(cid, [m], _verified([m]))])
+    msgs = [multicast(GROUPS[0], n.to_bytes(4, "big"), ttl=600, now=t.now) for n in range(4)]
+    for m in msgs[:2]:  # the second by the plan
+        assert t.batch([MessagesReceived(1, [m], _verified([m]))]) == [Fanout((2, 3), (m.encode(),))]
+    # (from a connection of sub's that closed with them in the router's buffer)
+    given_back = t.batch([Undelivered(sub.public, (msgs[0].encode(), msgs[1].encode()))])
+    assert [e.conn for e in writes(given_back)] == [2]  # the first drained on sub's connection; the second waits
+    out = t.batch([MessagesReceived(1, [msgs[2]], _verified([msgs[2]]))])
+    assert [e.conn for e in writes(out)] == [3]  # for sub: queued behind the second
+    t.check_state()
     t.close()

@@ -225,9 +225,7 @@ class Delivery:
         from now on (sent at once unless entries are in flight or ``c`` is blocked)."""
         if why is None:
             self.s.keep(c)
-            if not c.backlog:
-                c.backlog = True
-                self.s.epoch += 1  # (plans)
+            self.s.set_backlog(c, True)
             self.flush(c, now, out)
 
     def back(self, c: Conn, msg: Message, data: bytes, now: float) -> int:

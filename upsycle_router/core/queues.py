@@ -63,9 +63,7 @@ class QueueDrain:
                 # them. Its acknowledgements (or its close) flush the newest connection of the key again; if it
                 # makes no progress for DRAIN_HANDOVER (a half-open connection, a frozen process), this one
                 # drains on regardless (at least once: what the other had in flight may come twice).
-                if not c.backlog:
-                    c.backlog = True
-                    s.epoch += 1  # (plans)
+                s.set_backlog(c, True)
                 s.waiting[c.id] = max(busy) + DRAIN_HANDOVER
                 return
         room = self.s.config.flush_batch - len(c.inflight)
@@ -75,10 +73,7 @@ class QueueDrain:
         store = self.store
         entries = store.queue_messages(c.peer, room, c.sent, budget)
         # as many as fit (entries or bytes): more may be waiting
-        backlog = len(entries) >= room or sum(len(e.data) for e in entries if e.data is not None) >= budget
-        if c.backlog != backlog:
-            c.backlog = backlog
-            s.epoch += 1  # (plans)
+        s.set_backlog(c, len(entries) >= room or sum(len(e.data) for e in entries if e.data is not None) >= budget)
         if not entries:
             return
         # The store's bytes of each message against its id: a message damaged on the disk is not sent on as if
@@ -93,9 +88,7 @@ class QueueDrain:
         traces: list[Effect] = []  # after the writes (the driver journals a batch's records before any write)
         for e in entries:
             if budget <= 0:  # enough bytes in flight: the rest waits for acknowledgements
-                if not c.backlog:
-                    c.backlog = True
-                    s.epoch += 1  # (plans)
+                s.set_backlog(c, True)
                 break
             seq = c.sent = e.seq
             if seq in inflight:  # a delivery's backing entry (Delivery.back): on this connection already

@@ -81,7 +81,7 @@ class Conn:
         self.blocked = False  # the peer is not reading: queue instead of writing
         # The peer's queue may hold entries not yet sent on this connection: new messages queue behind them.
         # Entries already sent (in flight) do not count: a message written now goes out after them anyway.
-        self.backlog = True
+        self.backlog = True  # (changed through RouterState.set_backlog: plans follow it)
         self.refused = 0  # REFUSED answers sent on this connection since its last SYNC (for the SYNC_ACK)
         self.syncs = 0  # SYNC_ACKs sent on it: which of its spans between SYNCs a message was sent in
         self.custody = False  # another router's connection: routed messages stay ours until it confirms (Custody)
@@ -262,6 +262,13 @@ class RouterState:
             # local = true stays on this node (seed 003 §JOIN).
             recipients.append(ps)
         return members, recipients
+
+    def set_backlog(self, c: Conn, backlog: bool) -> None:
+        """Turn ``c.backlog`` (whether its key's queue may hold entries not yet sent on it): a change moves the
+        epoch, as a connection's backlog decides whether a plan may send to it."""
+        if c.backlog is not backlog:
+            c.backlog = backlog
+            self.epoch += 1
 
     def plan(self, c: Conn, grp: bytes) -> MemberPlan:
         """The plan of a message of ``grp`` that arrived on ``c`` (not the discovery group's): the one kept, or a
