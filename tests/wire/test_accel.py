@@ -718,15 +718,16 @@ class _Env:
         self.epoch = 0
 
     def step(self, rng: random.Random) -> None:
-        """One change between calls: an fd taken away or given back, a connection gone from the table, a reader
-        that reads what waits - the first two move the epoch, as the transports and the driver do."""
+        """One change between calls: an fd taken away or given back (the epoch moves, as the transports move it),
+        a connection gone from the table (the kept run let go, as the driver does), a reader that reads what
+        waits."""
         roll, i = rng.random(), rng.randrange(20)
         if roll < 0.25:
             self.targets[i].fd = -1 if self.targets[i].fd >= 0 else self.pairs[i][0].fileno()
             self.epoch += 1
         elif roll < 0.3 and i in self.conns:
             del self.conns[i]
-            self.epoch += 1
+            transport_accel.forget()
         elif roll < 0.6:
             with contextlib.suppress(BlockingIOError):
                 while self.pairs[i][1].recv(1 << 16):
@@ -740,9 +741,10 @@ class _Env:
 
 @needs_c
 def test_the_c_fan_out_keeps_a_runs_connections_and_sends_as_its_twin_does() -> None:
-    """The same run object over and over, with changes between the calls (each moving the epoch where the daemon
-    does): what each call returns, the counters and the bytes each reader gets are the same for the C fan-out,
-    which keeps the run's connections and sockets while the epoch stands still, and for the Python twin."""
+    """The same run object over and over, with changes between the calls (each signalled where the daemon signals
+    it: the epoch moved, or the kept run let go): what each call returns, the counters and the bytes each reader
+    gets are the same for the C fan-out, which keeps the run's connections and sockets while the epoch stands
+    still, and for the Python twin."""
     c_fanout = transport_accel._C.fanout  # type: ignore[union-attr]
     for seed in range(4):
         envs = [_Env(), _Env()]

@@ -46,7 +46,7 @@ from upsycle_router.runtime.verify import Verifier
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.accel import forget as forget_kept_run
-from upsycle_router.transport.connection import FD_EPOCH, Connection
+from upsycle_router.transport.connection import Connection
 from upsycle_router.wire.messages import Message
 from upsycle_router.wire.session import Error, decode_frame
 
@@ -286,8 +286,7 @@ class Driver:
         self._rate_refused.pop(conn.id, None)
         self.effects.forget(conn.id, conn.peer)
         if self.conns.pop(conn.id, None) is not None:
-            FD_EPOCH.n += 1  # (the C fan-out keeps a run's connections while the epoch stands still)
-            forget_kept_run()  # (and holds them: a closed one is let go)
+            forget_kept_run()  # (the C fan-out keeps the last run's connections: not a closed one)
             log.info("connection closed conn=%d peer=%s", conn.id, (conn.peer or b"").hex())
             self._push(ConnectionClosed(conn.id))
         if conn.peer is not None:

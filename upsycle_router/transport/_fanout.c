@@ -18,12 +18,12 @@
  * A group's next message usually goes to the same connections (the core hands the same `run` tuple while its
  * plan holds: core/state.py), and with 1,000 of them, looking each up and reading its `fd` is ~0.4 ms with the
  * caches cold - before the first send. So with a fifth argument, `epoch` (transport/connection.py: FD_EPOCH,
- * bumped whenever a connection's `fd` changes or one leaves the table), the call keeps what it looked up - the
- * connections and their sockets - for the next call with the same run object, the same table and the same
- * epoch, and sends straight away then. It keeps one run (the last one whose every id named a connection), with
- * a reference to each of its connections until another run replaces it or forget() lets it go (the driver calls
- * it whenever a connection leaves its table, so a closed connection is not kept alive). One thread only: the
- * kept run is shared by every call and read while the GIL is released (the daemon calls it from its event loop).
+ * bumped whenever a connection's `fd` changes), the call keeps what it looked up - the connections and their
+ * sockets - for the next call with the same run object, the same table and the same epoch, and sends straight
+ * away then. It keeps one run (the last one whose every id named a connection), with a reference to each of its
+ * connections until another run replaces it or forget() lets it go (the driver calls it whenever a connection
+ * leaves its table: a closed connection is neither written to nor kept alive). One thread only: the kept run is
+ * shared by every call and read while the GIL is released (the daemon calls it from its event loop).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -13,9 +13,8 @@ released, in one call; through the transports each subscriber cost as many Pytho
 cost CPU. Given the ``epoch`` (:data:`~upsycle_router.transport.connection.FD_EPOCH`), it also keeps the last
 run's connections and sockets for a next call with the same run object while the epoch stands still (a
 group's plan hands the same run for each message: core/state.py); the twin looks them up each time, which
-gives the same results as long as every change of a connection's ``fd`` and every connection leaving the
-table moves the epoch. :func:`forget` lets the kept run go (and the connections it holds): the driver calls it
-whenever a connection leaves its table.
+gives the same results as long as every change of a connection's ``fd`` moves the epoch and every connection
+leaving the table lets the kept run go (:func:`forget`, with the connections it holds: the driver calls it).
 
 The name is bound once, at import (:mod:`upsycle_router.cext`); ``_C`` is the extension module in use, or None.
 """

@@ -71,8 +71,8 @@ _T = TypeVar("_T")
 
 
 class Epoch:
-    """A count that moves whenever a connection's ``fd`` changes (:meth:`Connection.set_fd`) or a connection
-    leaves the driver's table: the C fan-out keeps a run's connections and sockets while it stands still
+    """A count that moves whenever a connection's ``fd`` changes (:meth:`Connection.set_fd`): the C fan-out keeps
+    a run's connections and sockets while it stands still, until a connection leaves the driver's table
     (transport/_fanout.c)."""
 
     __slots__ = ("n",)
