@@ -43,7 +43,7 @@ from upsycle_router.core.events import (
     writes,
 )
 from upsycle_router.core.router import Router
-from upsycle_router.crypto import message_signature_valid
+from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.durability import Durability
 from upsycle_router.expiry import exp_in
 from upsycle_router.store.lmdb_store import LmdbStore
@@ -485,20 +485,27 @@ def _plan_scenario(path: Path, seed: int) -> int:
     return used
 
 
-def test_a_plan_follows_a_members_second_connection(tmp_path: Path) -> None:
-    """A subscriber whose queue drain has an entry in flight opens a second connection: the newest connection
-    gets its deliveries, and waits (queued) until the first one's entries are acknowledged - the plan made before
-    must not send to the first one."""
-    t = Twin(tmp_path, CoreConfig(trace=False), 1 << 24, 4096)
+def _plan_twin(path: Path, config: CoreConfig) -> tuple[Twin, Identity]:
+    """Two routers, one with plans, routing message by message: a publisher (connection 1), and two members of
+    the group, ``sub`` (connection 2, returned) and another (connection 3)."""
+    t = Twin(path, config, 1 << 24, 4096)
     for r in t.routers:
         r.runs = False
     t.routers[1].delivery.plans = False
     sub, other = ident("sub0"), ident("sub1")
     t.batch([ConnectionOpened(1, APPS[0].public, True), ConnectionOpened(2, sub.public, True),
-              ConnectionOpened(3, other.public, True)])
+             ConnectionOpened(3, other.public, True)])
     for cid, who in ((2, sub), (3, other)):
         m = control(who, X, Join(GROUPS[0].public, True), now=t.now)
         t.batch([MessagesReceived(cid, [m], _verified([m]))])
+    return t, sub
+
+
+def test_a_plan_follows_a_members_second_connection(tmp_path: Path) -> None:
+    """A subscriber whose queue drain has an entry in flight opens a second connection: the newest connection
+    gets its deliveries, and waits (queued) until the first one's entries are acknowledged - the plan made before
+    must not send to the first one."""
+    t, sub = _plan_twin(tmp_path, CoreConfig(trace=False))
 
     def publish(n: int) -> list[Effect]:
         m = multicast(GROUPS[0], n.to_bytes(4, "big"), ttl=600, now=t.now)
@@ -540,16 +547,7 @@ def test_a_plan_follows_a_member_put_behind_a_delivery_given_back(tmp_path: Path
     """A delivery given back for a member (its earlier connection closed with it still in the router's buffer)
     is queued, and the member's open connection drains it first: the next message must queue behind it, not go
     by the plan made before (the member's backlog turned - the only change there is)."""
-    t = Twin(tmp_path, CoreConfig(trace=False, flush_batch=1), 1 << 24, 4096)  # (one queue entry in flight)
-    for r in t.routers:
-        r.runs = False
-    t.routers[1].delivery.plans = False
-    sub, other = ident("sub0"), ident("sub1")
-    t.batch([ConnectionOpened(1, APPS[0].public, True), ConnectionOpened(2, sub.public, True),
-             ConnectionOpened(3, other.public, True)])
-    for cid, who in ((2, sub), (3, other)):
-        m = control(who, X, Join(GROUPS[0].public, True), now=t.now)
-        t.batch([MessagesReceived(cid, [m], _verified([m]))])
+    t, sub = _plan_twin(tmp_path, CoreConfig(trace=False, flush_batch=1))  # (one queue entry in flight)
     msgs = [multicast(GROUPS[0], n.to_bytes(4, "big"), ttl=600, now=t.now) for n in range(4)]
     for m in msgs[:2]:  # the second by the plan
         assert t.batch([MessagesReceived(1, [m], _verified([m]))]) == [Fanout((2, 3), (m.encode(),))]
