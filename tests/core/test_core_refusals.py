@@ -882,3 +882,28 @@ def test_one_refused_per_message_on_the_discovery_group(tmp_path: Path) -> None:
     refusals = out.refusals(d)
     assert len(refusals) == 1  # one answer per message
     assert refusals[0].count > 0 or (out.sends(al) == [] and not h.store.has_message(m.id))
+
+
+def test_a_member_routers_late_refusal_of_a_group_message_counts_that_router_alone(tmp_path: Path) -> None:
+    """A group message taken here for local subscribers and member routers: a member router's REFUSED, whatever
+    count of its own recipients it names (0, "as a whole", among them), reaches the app with count 1 - the one
+    recipient here it was not taken for; the subscriber here got it. Each member router's refusal is its own."""
+    r2 = ident("R2")
+    h = harness(tmp_path, edge_nodes=frozenset({R.public, r2.public}))
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    h.receive(b, control(BOB, X, Join(G.public, True)))
+    routers = {}
+    for who in (R, r2):
+        routers[who.public] = h.open(who, local=False)
+        out = h.receive(routers[who.public], control(who, X, Join(G.public, True), now=h.now))
+        assert out.refusals() == []
+    m = multicast(G)
+    out = h.receive(a, m)
+    assert out.refusals() == []
+    assert [x.id for x in out.messages(b)] == [m.id]
+    for who in (R, r2):
+        assert [x.id for x in out.messages(routers[who.public])] == [m.id]
+    for who, theirs in ((R, 0), (r2, 3)):
+        out = h.receive(routers[who.public], control(who, X, Refused(m.id, Reason.QUOTA, theirs), now=h.now))
+        h.expect_refused(out, a, m.id, Reason.QUOTA, 1)

@@ -484,7 +484,12 @@ class Delivery:
         if c.syncs == fwd.span:  # no SYNC_ACK since the message: this REFUSED is counted by the next one
             self._counting(c)
             c.refused += 1
-        body = encode_router(Refused(r.id, r.reason, r.count))
+        # A group message went to local subscribers and member routers here: of this router's recipients, it was
+        # not taken for one - that router - whatever the count of its own recipients it reports (0 there, "as a
+        # whole", would tell the app nothing went anywhere). A message sent on to one router (a unicast, or a
+        # multicast source-routed by VIA) had that router alone: its count is the message's.
+        count = 1 if fwd.router == ANY_MEMBER else r.count
+        body = encode_router(Refused(r.id, r.reason, count))
         # Routed (as the next router's answer passed on): not held behind a SYNC_ACK that waits for that router
         # (runtime/effects.py), so a REFUSED for a message before it arrives before it.
         out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode(), True))
