@@ -907,3 +907,41 @@ def test_a_member_routers_late_refusal_of_a_group_message_counts_that_router_alo
     for who, theirs in ((R, 0), (r2, 3)):
         out = h.receive(routers[who.public], control(who, X, Refused(m.id, Reason.QUOTA, theirs), now=h.now))
         h.expect_refused(out, a, m.id, Reason.QUOTA, 1)
+
+
+def test_a_strangers_group_messages_fill_only_its_share_of_a_members_queue(tmp_path: Path) -> None:
+    """Fair queues hold for group messages too: a remote node the router was never told to trust (any fresh key
+    can connect) that holds a group's key queues for an away member only the stranger's share, so a friend's
+    message still finds room; a configured peer forwarding the group's messages is no stranger (it fills the
+    queue), and neither is a node the member wrote to."""
+    h = harness(tmp_path, queue_max_count=10, stranger_share=0.2, peers=frozenset({R.public}))
+    b = h.open(BOB)
+    h.receive(b, control(BOB, X, Join(G.public, True)))
+    h.close(b)
+    s = h.open(STRANGER, local=False)
+    for i in range(2):
+        assert h.receive(s, multicast(G, b"s" + bytes([i]), ttl=600)).refusals() == []
+    m = multicast(G, b"s3", ttl=600)
+    out = h.receive(s, m)
+    assert [t.reason for t in out.traces("dropped")] == ["stranger_quota"]
+    h.expect_refused(out, s, m.id, Reason.QUOTA, 1)
+    assert h.store.queue_usage(BOB.public)[0] == 2 and h.store.stranger_usage(BOB.public)[0] == 2
+    a = h.open(ALICE)
+    assert h.receive(a, unicast(ALICE, BOB, b"from a friend")).refusals() == []
+    r = h.open(R, local=False)
+    for i in range(7):
+        assert h.receive(r, multicast(G, b"r" + bytes([i]), ttl=600)).refusals() == []
+    assert h.store.queue_usage(BOB.public)[0] == 10 and h.store.stranger_usage(BOB.public)[0] == 2
+
+
+def test_a_node_a_member_wrote_to_is_no_stranger_for_its_group_messages(tmp_path: Path) -> None:
+    h = harness(tmp_path, queue_max_count=10, stranger_share=0.2)
+    s = h.open(STRANGER, local=False)
+    b = h.open(BOB)
+    h.receive(b, control(BOB, X, Join(G.public, True)))
+    out = h.receive(b, unicast(BOB, STRANGER, b"hello"))
+    assert [x.header.dst for x in out.messages(s)] == [STRANGER.public]
+    h.close(b)
+    for i in range(5):
+        assert h.receive(s, multicast(G, bytes([i]), ttl=600)).refusals() == []
+    assert h.store.queue_usage(BOB.public)[0] == 5 and h.store.stranger_usage(BOB.public)[0] == 0

@@ -196,6 +196,12 @@ class Delivery:
         direct: list[ConnId] = []
         failed: list[bytes] = []
         why = None
+        # A group message has no sender's key but the group's: one from a remote node is a stranger's for a
+        # member (fair queues) when the node that sent it here is no key the router was told to trust and the
+        # member never wrote to it - as a unicast's sender is judged (a trusted router forwarding it vouches).
+        peer = origin.peer
+        untrusted = remote and peer not in s.locals and peer not in s.trusted
+        contacts = s.contacts
         by_key, conns = (self.by_key, self.conns) if self.inline else ({}, {})
         inline = 0
         for m in recipients:
@@ -208,8 +214,9 @@ class Delivery:
                     if tracing:
                         out.append(Trace(DELIVERED, msg.id, MULTICAST, group, None, m, m, size, role=s.role(m)))
                     continue
+            stranger = untrusted and (m, peer) not in contacts
             r = self.deliver(m, msg, group, size, now, out, kind=MULTICAST, data=data, fanout=direct,
-                             remote=remote, origin=origin)  # fmt: skip
+                             stranger=stranger, remote=remote, origin=origin)  # fmt: skip
             if r is not None:
                 failed.append(m)
                 why = why or r
