@@ -945,3 +945,45 @@ def test_a_node_a_member_wrote_to_is_no_stranger_for_its_group_messages(tmp_path
     for i in range(5):
         assert h.receive(s, multicast(G, bytes([i]), ttl=600)).refusals() == []
     assert h.store.queue_usage(BOB.public)[0] == 5 and h.store.stranger_usage(BOB.public)[0] == 0
+
+
+def test_sync_acks_and_late_refusals_name_their_span(tmp_path: Path) -> None:
+    """A SYNC_ACK names the span of the connection's messages it closes, and a next router's REFUSED passed on
+    after that span's SYNC_ACK was made names the span too: while that SYNC_ACK waits in the driver (for the
+    router's confirmation) the driver counts the REFUSED in it (tests/runtime/test_held_acks.py). One for a
+    message of the span still open names none: the core counts it in the next SYNC_ACK itself."""
+    h = harness(tmp_path, peers=frozenset({R.public}))
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    spans = []
+    for n in (1, 2, 3):
+        m = unicast(ALICE, REMOTE_SVC, bytes([n]), via=R.public)
+        h.receive(a, m)
+        if n == 3:  # refused before its SYNC: counted by the core, no span
+            out = h.receive(r, control(R, X, Refused(m.id, Reason.NO_ROUTE, 0), now=h.now))
+            assert [e.span for e in out if isinstance(e, Send)] == [-1]
+        out = h.receive(a, control(ALICE, X, Sync(n), now=h.now))
+        [ack] = [e for e in out if isinstance(e, Send)]
+        [(_, body)] = out.replies(a)
+        assert ack.barrier and body == SyncAck(n, int(n == 3), int(n == 3))
+        spans.append(ack.span)
+        if n == 1:  # refused after its SYNC: the span its SYNC_ACK closed
+            out = h.receive(r, control(R, X, Refused(m.id, Reason.NO_ROUTE, 0), now=h.now))
+            assert [(e.span, e.routed) for e in out if isinstance(e, Send)] == [(0, True)]
+    assert spans == [0, 1, 2]
+    assert sync(h, a, ALICE, 4) == SyncAck(4, 0, 0)
+
+
+def test_a_forged_message_that_is_also_expired_is_refused_as_forged(h: CoreHarness) -> None:
+    """The signature is checked first (the seed's step 1): an expired message with a bad signature is refused
+    bad_signature, by itself (unicast, multicast) and within a burst of one group's messages (the run path)."""
+    c = subscribe(h, ALICE, BOB)
+    old = unix_to_exp(T0) - 1
+    for m in (forged(unicast(ALICE, BOB, exp=old)), forged(multicast(G, b"1", exp=old))):
+        h.expect_refused(h.receive(c[ALICE], m), c[ALICE], m.id, Reason.BAD_SIGNATURE)
+    burst = [multicast(G, b"2"), forged(multicast(G, b"3", exp=old)), multicast(G, b"4", exp=old)]
+    out = h.handle(MessagesReceived(c[ALICE], burst, bytes(message_signature_valid(m) for m in burst)))
+    assert [b for _, b in out.replies(c[ALICE])] == [
+        Refused(burst[1].id, Reason.BAD_SIGNATURE, 0),
+        Refused(burst[2].id, Reason.EXPIRED, 0),
+    ]

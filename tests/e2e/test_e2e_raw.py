@@ -685,3 +685,43 @@ async def test_raw_large_queue_drains_before_newer_messages(daemon: DaemonFactor
     finally:
         await a.close()
         await b.close()
+
+
+async def test_raw_a_member_routers_refusal_before_the_sync_ack_is_counted_by_it(daemon: DaemonFactory) -> None:
+    """PROTOCOL §8, on a real daemon: app A publishes to a group with a local subscriber and an edge node R (a
+    member router under custody), then SYNCs. A's SYNC_ACK waits for R's confirmation; R refuses the message
+    (quota, "as a whole" for its own recipients) and then confirms. The REFUSED reaches A before the SYNC_ACK,
+    with count 1 (R, of this router's recipients: the subscriber got it), and the SYNC_ACK counts it."""
+    a_key, b_key, r_key, group = Key.generate(), Key.generate(), Key.generate(), Key.generate()
+    d = daemon(config={"local_services": [a_key.public.hex(), b_key.public.hex()], "edge_nodes": [r_key.public.hex()]})
+    a = await RawApp.connect(d.sock, a_key)
+    b = await RawApp.connect(d.sock, b_key)
+    r = await RawApp.connect(d.sock, r_key)  # remote: not among the local services
+    try:
+        assert await b.join(group.public) == SUCCESS
+        assert await r.join(group.public) == SUCCESS
+        m = multicast(group, b"to b and r")
+        await a.send_message(m)
+        acked = asyncio.create_task(a.sync())
+        got_m, sync_n = False, None
+        for _ in range(20):  # R gets the message, then the router's SYNC (custody)
+            msg = await r.recv(5.0)
+            if msg.id == m.id:
+                got_m = True
+            ctl = decode_control(msg.body) if msg.type == UNICAST and msg.header["src"] == r.router_id else None
+            if ctl is not None and ctl[0] == 7:
+                sync_n = ctl[1]["n"]
+                break
+        assert got_m and sync_n is not None
+        await asyncio.sleep(0.2)
+        assert not acked.done(), "the SYNC_ACK did not wait for the member router's confirmation"
+        await r.send(r.router_id, enc([REFUSED, {"id": m.id, "reason": 5, "count": 0}]), ttl=60)
+        await r.send(r.router_id, enc([SYNC_ACK, {"n": sync_n, "result": 1, "refused": 1}]), ttl=60)
+        ack = await asyncio.wait_for(acked, 10)
+        assert ack == {"n": 1, "result": FAILURE, "refused": 1}, ack
+        assert a.refused_before(ack) == [(m.id, 5, 1)]
+        assert (await b.recv(5.0)).id == m.id
+        expect_clean_sync(a, await a.sync())
+    finally:
+        for app in (a, b, r):
+            await app.close()

@@ -19,9 +19,12 @@ from conn_handler import read_ready as _read
 from conn_handler import stream_pair
 
 from upsycle_router.core.events import Backed, Buffered, Confirmed, Custody, Effect, Event, Fanout, Send, Undelivered
+from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.runtime import effects as effects_module
 from upsycle_router.runtime.effects import EffectRunner
 from upsycle_router.transport.stream import StreamConnection
+from upsycle_router.wire.control import SyncAck, encode_router
+from upsycle_router.wire.messages import UnicastHeader
 
 ACK = b"SYNC-ACK-FRAME"
 SYNC = b"SYNC-FRAME"
@@ -41,7 +44,7 @@ class _Links:
         self.committed = 0
         self.stats = {"undelivered_total": 0, "throttled_total": 0, "ack_holders_closed_total": 0,
                       "router_acks_unconfirmed_total": 0, "deliveries_buffered_total": 0,
-                      "deliveries_backed_total": 0}
+                      "deliveries_backed_total": 0, "sync_acks_recounted_total": 0}
         self.conns: dict[int, StreamConnection] = {}
 
     async def __aenter__(self) -> _Links:
@@ -101,6 +104,52 @@ async def _waits_for_the_next_router() -> None:
 
 def test_an_apps_sync_ack_waits_for_the_next_router_to_confirm() -> None:
     uvloop.run(_waits_for_the_next_router())
+
+
+async def _counts_late_refusals() -> None:
+    """The next router's REFUSED for a message of the span a waiting SYNC_ACK closes is written at once (routed),
+    before that SYNC_ACK: so the SYNC_ACK counts it - written as the core makes it again (``sync_ack_message``)
+    with ``refused`` raised by the late ones of its span (a REFUSED of a later span is the next one's)."""
+    router_key = Identity.from_seed(b"x" * 32)
+    app_key = b"A" * 32
+    async with _Links(app_key, b"R" * 32) as s:
+        (app, app_end), (router, router_end) = s.pairs
+        made: list[tuple[bytes, int, int]] = []
+
+        def sync_ack_message(peer: bytes, n: int, refused: int) -> bytes:
+            made.append((peer, n, refused))
+            return b"SYNC-ACK-%d-REFUSED-%d" % (n, refused)
+
+        s.fx.sync_ack_message = sync_ack_message
+        ack = sign_message(UnicastHeader(router_key.public, app_key, 16, 0xFFFFFFFF), encode_router(SyncAck(4, 0, 0)),
+                           router_key).encode()  # fmt: skip
+        s.fx.apply([Custody(router.id)], 0.0)
+        s.fx.apply([Send(router.id, b"forwarded" * 20, True, False, app.id), Send(app.id, ack, False, True, span=3)],
+                   0.0)  # fmt: skip
+        await asyncio.sleep(0.05)
+        assert SYNC in _read(router_end)
+        assert _read(app_end) == b""
+        # The router refuses the forwarded message (span 3), and one of a later span; then it confirms.
+        s.fx.apply([Send(app.id, b"REFUSED-span-3", True, span=3), Send(app.id, b"REFUSED-span-4", True, span=4)],
+                   0.0)  # fmt: skip
+        await asyncio.sleep(0.05)
+        got = _read(app_end)
+        assert b"REFUSED-span-3" in got and b"REFUSED-span-4" in got  # (routed: not held)
+        s.fx.apply([Confirmed(router.id, s.numbers[-1])], 0.0)
+        await asyncio.sleep(0.05)
+        got = _read(app_end)
+        assert b"SYNC-ACK-4-REFUSED-1" in got and ack not in got, got
+        assert made == [(app_key, 4, 1)] and s.stats["sync_acks_recounted_total"] == 1
+        # A SYNC_ACK that waited for nothing late is written as the core made it.
+        s.fx.apply([Send(router.id, b"again" * 20, True, False, app.id), Send(app.id, ack, False, True, span=4)], 0.0)
+        await asyncio.sleep(0.05)
+        s.fx.apply([Confirmed(router.id, s.numbers[-1])], 0.0)
+        await asyncio.sleep(0.05)
+        assert ack in _read(app_end) and len(made) == 1
+
+
+def test_a_waiting_sync_ack_counts_the_next_routers_refusals_written_before_it() -> None:
+    uvloop.run(_counts_late_refusals())
 
 
 async def _a_slow_reader_holds_up_nothing() -> None:

@@ -87,12 +87,14 @@ class ControlPlane:
         self._remote_replies += 1
         return self.s.config.reply_ttl + self._remote_replies % 64
 
-    def _reply(self, c: Conn, to: bytes, body: bytes, now: float, out: list[Effect], barrier: bool = False) -> None:
+    def _reply(
+        self, c: Conn, to: bytes, body: bytes, now: float, out: list[Effect], barrier: bool = False, span: int = -1
+    ) -> None:
         """Send a router-signed unicast ``body`` to ``to`` (over ``c``, or via the normal delivery path);
-        ``barrier``: see :class:`~upsycle_router.core.events.Send`."""
+        ``barrier``, ``span``: see :class:`~upsycle_router.core.events.Send`."""
         reply = self.s.signed_to(to, body, now, self._reply_ttl(not c.local))
         if c.id in self.s.conns and (c.peer == to or not c.local):
-            out.append(Send(c.id, reply.encode(), False, barrier))
+            out.append(Send(c.id, reply.encode(), False, barrier, span=span))
             return
         if to in self.s.locals:
             self.delivery.deliver(to, reply, None, len(reply.encode()), now, out, kind=CONTROL)
@@ -157,10 +159,11 @@ class ControlPlane:
                 return
             self._reply(c, h.src, encode_router(StatusReply(self.s.status())), now, out)
         elif isinstance(body, Sync):
+            span = c.syncs
             k = self.delivery.sync_acknowledged(c)
-            result = Result.FAILURE if k else Result.SUCCESS
-            # (written once what went elsewhere before it is safe: runtime/effects.py)
-            self._reply(c, h.src, encode_router(SyncAck(body.n, result, k)), now, out, barrier=True)
+            # (written once what went elsewhere before it is safe, counting the next routers' REFUSED written
+            # before it meanwhile: runtime/effects.py)
+            self._reply(c, h.src, encode_router(SyncAck.counting(body.n, k)), now, out, barrier=True, span=span)
         elif isinstance(body, Refused):
             if not c.local and h.src == c.peer:  # the next router refused what we forwarded
                 self.delivery.late_refusal(c.peer, body, now, out)

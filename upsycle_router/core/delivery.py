@@ -470,7 +470,9 @@ class Delivery:
         """Router ``router`` refused ``r.id``: if that is a message forwarded to it for a local app, tell the app,
         if it is still connected (a late refusal: its SYNC_ACK may have come back already; if it has not - no
         SYNC_ACK on that connection since the message - the app's next SYNC_ACK counts it, as any REFUSED sent
-        for a message since the previous SYNC). A REFUSED from any other router means nothing here."""
+        for a message since the previous SYNC; if the SYNC_ACK was made and still waits in the driver, as it does
+        for a router under custody until that router confirms, that one counts it: ``Send.span``). A REFUSED from
+        any other router means nothing here."""
         s = self.s
         fwd = s.forwarded.get(r.id)
         if fwd is None:
@@ -488,9 +490,12 @@ class Delivery:
         c = self.conns.get(fwd.conn)
         if c is None:
             return
+        span = -1
         if c.syncs == fwd.span:  # no SYNC_ACK since the message: this REFUSED is counted by the next one
             self._counting(c)
             c.refused += 1
+        else:  # that span's SYNC_ACK was made: if it still waits (for this router's confirmation), it counts it
+            span = fwd.span
         # A group message went to local subscribers and member routers here: of this router's recipients, it was
         # not taken for one - that router - whatever the count of its own recipients it reports (0 there, "as a
         # whole", would tell the app nothing went anywhere). A message sent on to one router (a unicast, or a
@@ -499,7 +504,7 @@ class Delivery:
         body = encode_router(Refused(r.id, r.reason, count))
         # Routed (as the next router's answer passed on): not held behind a SYNC_ACK that waits for that router
         # (runtime/effects.py), so a REFUSED for a message before it arrives before it.
-        out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode(), True))
+        out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode(), True, span=span))
         out.append(Trace(REFUSED, r.id, fwd.kind, fwd.group, fwd.src, fwd.dst, c.peer, fwd.size,
                          reason_label(r.reason)))
 

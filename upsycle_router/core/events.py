@@ -127,13 +127,17 @@ class Send(NamedTuple):
     follows it to ``conn``) only once what the router sent on for ``conn``'s peer is safe (see
     runtime/effects.py). ``origin``: for a message sent on to a router under custody, the connection it came
     on (whose SYNC_ACK waits for that router's confirmation), else -1. (A :class:`Fanout` never goes to a
-    router under custody: such a member gets a Send each.)"""
+    router under custody: such a member gets a Send each.) ``span``: for a SYNC_ACK, the span of the
+    connection's messages it closes (how many SYNCs came on the connection before); for a next router's REFUSED
+    passed on (routed) whose message's span was closed already, that span - while that span's SYNC_ACK still
+    waits, it counts the REFUSED too, written before it (runtime/effects.py); else -1."""
 
     conn: ConnId
     data: bytes
     routed: bool = False
     barrier: bool = False
     origin: ConnId = -1
+    span: int = -1
 
 
 class Fanout(NamedTuple):

@@ -573,10 +573,11 @@ class Router:
         if type(h) is MulticastHeader:
             if self.state.tracing:
                 out.append(Trace(RECEIVED, msg.id, MULTICAST, h.grp, None, None, c.peer, size, local=c.local))
-            if EPOCH_2020 + h.exp * 60 <= now:  # exp_to_unix(h.exp), inline: this runs for every message
-                self._dropped(c, msg.id, Why.EXPIRED, 0, now, out, MULTICAST, h.grp, None, None, size)
-            elif not verified:
+            # The signature first, as the seed's step 1 (a forged message is refused as forged, expired or not).
+            if not verified:
                 self._dropped(c, msg.id, Why.BAD_SIGNATURE, 0, now, out, MULTICAST, h.grp, None, None, size)
+            elif EPOCH_2020 + h.exp * 60 <= now:  # exp_to_unix(h.exp), inline: this runs for every message
+                self._dropped(c, msg.id, Why.EXPIRED, 0, now, out, MULTICAST, h.grp, None, None, size)
             elif not c.local and self.delivery.too_large_with_via(msg, size):  # with VIA nobody could read it
                 self._dropped(c, msg.id, Why.TOO_LARGE, 0, now, out, MULTICAST, h.grp, None, None, size)
             else:
@@ -586,10 +587,10 @@ class Router:
         kind = CONTROL if h.dst == self.id else UNICAST
         if self.state.tracing:
             out.append(Trace(RECEIVED, msg.id, kind, None, h.src, h.dst, c.peer, size, local=c.local))
-        if EPOCH_2020 + h.exp * 60 <= now:
-            self._dropped(c, msg.id, Why.EXPIRED, 0, now, out, kind, None, h.src, h.dst, size)
-        elif not verified:
+        if not verified:
             self._dropped(c, msg.id, Why.BAD_SIGNATURE, 0, now, out, kind, None, h.src, h.dst, size)
+        elif EPOCH_2020 + h.exp * 60 <= now:
+            self._dropped(c, msg.id, Why.EXPIRED, 0, now, out, kind, None, h.src, h.dst, size)
         elif not c.local and kind is UNICAST and self.delivery.too_large_with_via(msg, size):
             self._dropped(c, msg.id, Why.TOO_LARGE, 0, now, out, kind, None, h.src, h.dst, size)
         else:
@@ -830,6 +831,12 @@ class Router:
         """SYNC ``n`` to router ``to``, signed by this router: the driver follows what it wrote to a router's
         connection (Custody) with it, and the router's SYNC_ACK confirms all before it (Confirmed)."""
         return self.state.signed_to(to, encode_router(Sync(n)), now).encode()
+
+    def sync_ack_message(self, to: bytes, n: int, refused: int, now: float) -> bytes:
+        """SYNC_ACK ``n`` to the app ``to`` counting ``refused`` REFUSED answers, signed by this router: the driver
+        writes it in place of the one the core made when the SYNC came, when next routers' REFUSED answers for
+        messages of that span were written before it while it waited (Send.span)."""
+        return self.state.signed_to(to, encode_router(SyncAck.counting(n, refused)), now).encode()
 
     def _own_advert_message(self, to: bytes, now: float) -> Message | None:
         if self.advert is None:

@@ -88,11 +88,11 @@ def multicast_run(
         msg = msgs[k]
         h = msg.header
         hexp = EPOCH_2020 + h.exp * 60  # exp_to_unix(h.exp), inline
+        if not verified[k]:  # (the signature first, as the seed's step 1: a forged message is refused as forged)
+            outcome.append(Why.BAD_SIGNATURE)
+            continue
         if hexp <= now:
             outcome.append(Why.EXPIRED)
-            continue
-        if not verified[k]:
-            outcome.append(Why.BAD_SIGNATURE)
             continue
         expiry = min(now + h.ttl, hexp)
         mid = msg.id

@@ -102,6 +102,7 @@ class Driver:
                            "duplicates_total": 0, "expired_total": 0, "undelivered_total": 0,
                            "slow_reader_closes_total": 0, "ack_holders_closed_total": 0,
                            "router_acks_unconfirmed_total": 0, "router_hand_overs_total": 0,
+                           "sync_acks_recounted_total": 0,
                            "deliveries_buffered_total": 0,
                            "deliveries_backed_total": 0,
                            "hot_path_c": int(accel.IMPLEMENTATION == "c")})
@@ -111,6 +112,7 @@ class Driver:
             self.conns, self.stats, journal=journal, clock=clock, outbound_buffer_max=outbound_buffer_max,
             push=self._push, acknowledged=self._schedule, held=self._held_back,
             sync_message=lambda peer, n: router.sync_message(peer, n, time.time()),
+            sync_ack_message=lambda peer, n, refused: router.sync_ack_message(peer, n, refused, time.time()),
         )
         self.batches = Batches(router, store, self.stats, done=self._done, resume=self._resume,
                                early=self.effects.apply_early, sync_interval=sync_interval, retry=self._push)

@@ -95,7 +95,9 @@ from upsycle_router.runtime.logs import RateLimitedLog
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.accel import fanout
 from upsycle_router.transport.connection import FD_EPOCH, Connection
+from upsycle_router.wire.control import SyncAck, decode_control
 from upsycle_router.wire.framing import length_prefix
+from upsycle_router.wire.messages import UnicastHeader, decode_message
 
 log = logging.getLogger("upsycle_router.driver")
 
@@ -118,16 +120,20 @@ class _Hold:
     (connection, end offset) pairs, None until the batch that made it is written out; ``returns``, the
     deliveries given back that must have committed (``Batches.returns_committed``); ``since``, when it came;
     ``handed``, whether a SYNC_ACK to a router that waited ``ROUTER_HOLD_MAX`` had the unconfirmed deliveries
-    handed over to be backed."""
+    handed over to be backed; ``span``, the span of the connection's messages the SYNC_ACK closes
+    (``Send.span``), and ``late``, the next routers' REFUSED answers for messages of that span written to the
+    connection while it waited (its ``refused`` must count them: it is written with them added)."""
 
-    __slots__ = ("effects", "handed", "returns", "since", "waits")
+    __slots__ = ("effects", "handed", "late", "returns", "since", "span", "waits")
 
-    def __init__(self, since: float) -> None:
+    def __init__(self, since: float, span: int = -1) -> None:
         self.effects: list[Effect] = []
         self.waits: list[tuple[int, int]] | None = None
         self.returns = 0
         self.since = since
         self.handed = False
+        self.span = span
+        self.late = 0
 
 
 class Dialer(Protocol):
@@ -155,6 +161,7 @@ class EffectRunner:
         acknowledged: Callable[[], None],
         held: Callable[[Connection], bool],
         sync_message: Callable[[bytes, int], bytes] | None = None,
+        sync_ack_message: Callable[[bytes, int, int], bytes] | None = None,
     ) -> None:
         self.conns = conns
         self.stats = stats
@@ -167,6 +174,9 @@ class EffectRunner:
         # Custody (core/events.py): the SYNC that follows what a batch routed to a router's connection, made and
         # signed by the core; SYNC numbers from the clock up, so that no two SYNCs are one message.
         self.sync_message = sync_message
+        # A SYNC_ACK to an app (its key, n, refused), made and signed by the core: in place of a waiting one that
+        # next routers' REFUSED answers were written before (``_Hold.late``).
+        self.sync_ack_message = sync_ack_message
         self._sync_numbers = itertools.count(time.time_ns())
         self._custody: set[int] = set()  # connections under custody, until the driver forgets them (closed)
         self._resync_handle: asyncio.TimerHandle | None = None  # asks again for SYNCs left unanswered
@@ -321,6 +331,8 @@ class EffectRunner:
                 if conn is not None and conn.send(e.data):
                     sent_to.add(conn)
                     conn.note_direct((e.data,), e.routed)
+                    if e.span >= 0 and not e.barrier and holds:  # a late REFUSED: before its span's SYNC_ACK?
+                        self._count_late(e.conn, e.span, holds)
                     if e.origin >= 0 and conn.custody and e.origin in conns:  # the origin's SYNC_ACK waits
                         caused = self._caused.get(e.origin)
                         if caused is None:
@@ -468,11 +480,32 @@ class EffectRunner:
         if e.barrier:
             if queue is None:
                 queue = holds[e.conn] = collections.deque()
-            queue.append(_Hold(self.loop.time()))
+            queue.append(_Hold(self.loop.time(), e.span))
         elif queue is None:
             return False
         queue[-1].effects.append(e)
         return True
+
+    @staticmethod
+    def _count_late(cid: int, span: int, holds: dict[int, collections.deque[_Hold]]) -> None:
+        """A next router's REFUSED for a message of ``span`` was written to ``cid``: if that span's SYNC_ACK waits
+        still, it counts it (PROTOCOL: ``refused`` counts the REFUSED answers sent for the messages of its span,
+        every one of them written before it)."""
+        for hold in holds.get(cid, ()):
+            if hold.span == span:
+                hold.late += 1
+                return
+
+    def _sync_ack(self, e: Send, late: int) -> Send:
+        """The waiting SYNC_ACK ``e``, written now: as made, or counting ``late`` REFUSED answers more."""
+        if not late or self.sync_ack_message is None:
+            return e._replace(barrier=False)
+        msg = decode_message(e.data)
+        ack = decode_control(msg.body)
+        assert isinstance(ack, SyncAck) and isinstance(msg.header, UnicastHeader)
+        data = self.sync_ack_message(msg.header.dst, ack.n, ack.refusals + late)
+        self.stats["sync_acks_recounted_total"] += 1
+        return e._replace(barrier=False, data=data)
 
     def _release_holds(self) -> None:
         """Write each waiting SYNC_ACK (and the answers after it) that no longer waits, oldest first per
@@ -490,7 +523,7 @@ class EffectRunner:
                 for cid, hold in ready:
                     first = hold.effects[0]
                     assert isinstance(first, Send)
-                    hold.effects[0] = first._replace(barrier=False)
+                    hold.effects[0] = self._sync_ack(first, hold.late)
                     self._unheld = cid  # (not held again behind the holds still waiting after it)
                     self.apply(hold.effects, self.clock())  # (written in full, or given back if the peer is gone)
                     self._unheld = -1

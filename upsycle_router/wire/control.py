@@ -118,6 +118,11 @@ class SyncAck:
         """The number of refusals reported (0 from a v1.0 router)."""
         return self.refused or 0
 
+    @classmethod
+    def counting(cls, n: int, refused: int) -> SyncAck:
+        """A wire v1.1 router's answer to SYNC ``n`` after ``refused`` REFUSED answers (``result`` follows)."""
+        return cls(n, Result.FAILURE if refused else Result.SUCCESS, refused)
+
 
 class Reason(enum.IntEnum):
     """Why a router did not take a message in full (REFUSED ``reason``, wire v1.1)."""
