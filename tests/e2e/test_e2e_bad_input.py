@@ -144,3 +144,38 @@ async def test_bad_frame_lengths_are_counted_as_malformed(daemon: DaemonFactory)
                 w.close()
         st = await c.status()
     assert st["malformed_total"] == before + 3, st
+
+
+async def test_failed_authentications_are_counted_and_bad_frames_logged_once_per_kind(daemon: DaemonFactory) -> None:
+    """A handshake whose AUTH proves no key (ERROR 2) counts in ``auth_failures_total`` and is traced
+    not_authorized; authenticated peers that each send a frame that does not decode, and reconnect, count in
+    ``malformed_total`` and make one log line per 10 s, not one each (one line each would let a peer flood the
+    log by reconnecting)."""
+    from raw_app import ERR_AUTH, HandshakeError, RawApp
+
+    d = daemon()
+    async with await Client.connect(d.sock, Identity.generate(), timeout=10) as c:
+        before = await c.status()
+        for _ in range(3):
+            try:  # AUTH signed for another router: ERROR 2 (the router's own AUTH may come first)
+                bad = await RawApp.connect(d.sock, sign_for=b"\x07" * 32)
+            except HandshakeError as e:
+                assert str(e).startswith(f"ERROR {ERR_AUTH}"), e
+            else:
+                try:
+                    assert (await bad.conn.expect_error_and_close())[0] == ERR_AUTH
+                finally:
+                    await bad.close()
+        for _ in range(5):
+            app = await RawApp.connect(d.sock)
+            try:
+                app.conn.send_frame(b"\xff\xfe")
+                await app.conn.drain()
+                await app.conn.expect_error_and_close()
+            finally:
+                await app.close()
+        after = await c.status()
+    assert after["auth_failures_total"] == before["auth_failures_total"] + 3, after
+    assert after["malformed_total"] == before["malformed_total"] + 5, after
+    assert len([r for r in d.trace(event="dropped") if r.get("reason") == "not_authorized"]) == 3
+    assert d.log_text().count("malformed frame conn=") == 1, d.log_text()

@@ -102,7 +102,7 @@ class Driver:
                            "duplicates_total": 0, "expired_total": 0, "undelivered_total": 0,
                            "slow_reader_closes_total": 0, "ack_holders_closed_total": 0,
                            "router_acks_unconfirmed_total": 0, "router_hand_overs_total": 0,
-                           "sync_acks_recounted_total": 0,
+                           "sync_acks_recounted_total": 0, "auth_failures_total": 0,
                            "deliveries_buffered_total": 0,
                            "deliveries_backed_total": 0,
                            "hot_path_c": int(accel.IMPLEMENTATION == "c")})
@@ -224,7 +224,8 @@ class Driver:
             self.stats["malformed_total"] += 1
             self.effects.trace_now(Trace(Ev.DROPPED, None, Kind.UNICAST, peer=conn.peer, size=len(payload),
                                          reason=Why.MALFORMED))
-            log.warning("malformed frame conn=%d peer=%s: %s", conn.id, (conn.peer or b"").hex(), e)
+            peer = (conn.peer or b"").hex()
+            self._violation(conn, "malformed_frame", f"malformed frame conn={conn.id} peer={peer}: {e}")
             conn.close_with_error(e.code, str(e))
             return
         if isinstance(item, Error):
@@ -302,20 +303,29 @@ class Driver:
             self._push(WriteBlocked(conn.id, blocked))
 
     def on_protocol_error(self, conn: Connection, error: RemoteProtocolError) -> None:
-        """Log and trace a session-level violation (the connection closes itself)."""
-        # On connections others opened: one line per kind of violation every 10 s, with the count (anyone may
-        # open connections and stay silent until the handshake times out, or send a bad frame: one line each
-        # would flood the log). Connections this router dialled (its configured routers) are logged each time.
+        """Log, count and trace a session-level violation (the connection closes itself)."""
         peer = (conn.peer or b"").hex() or "-"
-        text = f"protocol error conn={conn.id} peer={peer}: {error}"
+        self._violation(conn, error.code.name.lower(), f"protocol error conn={conn.id} peer={peer}: {error}")
+        code = error.code
+        if code in (ErrorCode.PROTOCOL, ErrorCode.FRAME_TOO_LARGE):  # a bad frame (timeouts: admission's)
+            self.stats["malformed_total"] += 1
+            reason = Why.MALFORMED
+        elif code == ErrorCode.AUTH_FAILED:  # a handshake whose AUTH proved no key (or one for another router)
+            self.stats["auth_failures_total"] += 1
+            reason = Why.NOT_AUTHORIZED
+        else:
+            reason = Why.OVERLOADED if code == ErrorCode.OVERLOADED else Why.MALFORMED
+        self.effects.trace_now(Trace(Ev.DROPPED, None, Kind.UNICAST, peer=conn.peer, reason=reason))
+
+    def _violation(self, conn: Connection, kind: str, text: str) -> None:
+        """Log a peer's violation: on connections others opened, one line per ``kind`` every 10 s with the count
+        (anyone may open connections and stay silent until the handshake times out, or send a bad frame, and
+        reconnect: one line each would flood the log); on connections this router dialled (its configured
+        routers), each time."""
         if conn.dialled:
             log.warning("%s", text)
         else:
-            self._violations.event(error.code.name.lower(), text)
-        if error.code in (ErrorCode.PROTOCOL, ErrorCode.FRAME_TOO_LARGE):  # a bad frame (timeouts: admission's)
-            self.stats["malformed_total"] += 1
-        reason = Why.OVERLOADED if error.code == ErrorCode.OVERLOADED else Why.MALFORMED
-        self.effects.trace_now(Trace(Ev.DROPPED, None, Kind.UNICAST, peer=conn.peer, reason=reason))
+            self._violations.event(kind, text)
 
     # ------------------------------------------------------------ batching
 
