@@ -178,3 +178,43 @@ async def test_many_stalled_frames_never_hold_more_than_the_budget(daemon: Daemo
         for _, w in conns:
             w.close()
     await until(d, "the bytes released", lambda s: s["partial_frame_bytes"] == 0)
+
+
+async def test_a_local_apps_unfinished_frame_outlives_strangers_unfinished_frames(daemon: DaemonFactory) -> None:
+    """A local app's large message, half sent and stalled before any stranger began one, is not what goes when
+    strangers' unfinished frames (connections that never finished a handshake) push the sum over the budget:
+    they are shed first, oldest first, and the app's message is delivered once its last bytes come."""
+    from raw_app import Key, RawApp, unicast
+
+    d = daemon(config={"max_frame": 300_000, "handshake_timeout": 30, "limits": {"max_partial_bytes": LIMIT}})
+    app_key, sub_key = Key.generate(), Key.generate()
+    app = await RawApp.connect(d.sock, app_key)
+    sub = await RawApp.connect(d.sock, sub_key)
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        msg = unicast(app_key, sub_key.public, bytes(240_000))
+        data = struct.pack(">I", len(msg.encode())) + msg.encode()
+        app.conn.write(data[:SENT])  # begun first, so read longest ago of all
+        await app.conn.drain()
+        await until(d, "the app's bytes", lambda s: s["partial_frame_bytes"] == SENT)
+        strangers = []
+        for _ in range(3):  # 200 KB + 3 x 200 KB > 700 KB at the third
+            r, w = await asyncio.open_unix_connection(str(d.sock))
+            writers.append(w)
+            strangers.append(r)
+            w.write(stalled_stream_frame())
+            await asyncio.sleep(0.05)
+        items = frames(await read_to_eof(strangers[0]))
+        assert items and is_error(items[-1]) and items[-1][1] == 6, items  # the oldest stranger: ERROR 6
+        st = await until(d, "a stranger shed", lambda s: s["partial_frames_shed_total"] == 1)
+        assert st["partial_frame_bytes"] == SENT + 2 * HELD, st
+        app.conn.write(data[SENT:])  # the app's frame completes: delivered whole
+        await app.conn.drain()
+        got = await sub.recv(timeout=10)
+        assert got.id == msg.id and len(got.body) == 240_000
+    finally:
+        for w in writers:
+            w.close()
+        await app.close()
+        await sub.close()
+    assert d.running

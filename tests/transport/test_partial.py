@@ -108,10 +108,30 @@ def test_a_connection_the_router_paused_is_shed_after_all_the_others() -> None:
     assert p.hold("g", 500) == ["h"] and p.held("f") == 300 and p.held("nobody") == 0
 
 
-def _model(limit: int, ops: list[tuple[int, int, str]]) -> tuple[list[list[int]], int]:
+def test_friends_are_shed_after_every_stranger() -> None:
+    """Local apps and services and the routers this one dialled (``protected``) lose an unfinished frame only when
+    the strangers' are not enough: a crowd of strangers' half-sent frames cannot push a friend's out."""
+    friends = {"app", "router"}
+    p = PartialFrames[str](1000, protected=friends.__contains__)
+    p.hold("app", 400)  # read longest ago of all
+    p.hold("router", 300)
+    p.hold("s1", 200)
+    p.pause("s2")
+    p.hold("s2", 100)
+    # 1,300: strangers, oldest first - s3 too, just read, before the paused s2 - while friends keep theirs
+    assert p.hold("s3", 300) == ["s1", "s3"]
+    # The router's frame grows to 1,400 together: the last stranger first, then the friend read longest ago.
+    assert p.hold("router", 900) == ["s2", "app"]
+    assert p.total == 900 and p.held("router") == 900
+
+
+def _model(
+    limit: int, ops: list[tuple[int, int, str]], friends: frozenset[int] = frozenset()
+) -> tuple[list[list[int]], int]:
     """The rule spelled out: every connection holding bytes has the time it was last read (or resumed); over the
-    limit, shed by that time, oldest first, those the router paused after all the others, until the rest fit.
-    ``(c, n, what)``: a read of ``c`` leaving ``n`` bytes unfinished, or the router pausing or resuming ``c``."""
+    limit, shed by that time, oldest first, those the router paused after the others, ``friends`` after all the
+    others, until the rest fit. ``(c, n, what)``: a read of ``c`` leaving ``n`` bytes unfinished, or the router
+    pausing or resuming ``c``."""
     last: dict[int, int] = {}
     size: dict[int, int] = {}
     paused: set[int] = set()
@@ -135,7 +155,7 @@ def _model(limit: int, ops: list[tuple[int, int, str]]) -> tuple[list[list[int]]
         last[c] = t
         size[c] = n
         shed: list[int] = []
-        for d in sorted(last, key=lambda k: (k in paused, last[k])):
+        for d in sorted(last, key=lambda k: (k in friends, k in paused, last[k])):
             if sum(size.values()) <= limit:
                 break
             shed.append(d)
@@ -151,9 +171,10 @@ def test_equal_to_the_model_over_random_reports(seed: int) -> None:
     limit = rng.choice([500, 1000, 5000])
     ops = [(rng.randrange(8), rng.choice([0, rng.randrange(1, 900)]),
             rng.choice(["read"] * 8 + ["pause", "resume"])) for _ in range(300)]  # fmt: skip
-    want, total = _model(limit, ops)
+    friends = frozenset(rng.sample(range(8), rng.choice([0, 0, 1, 3])))
+    want, total = _model(limit, ops, friends)
     stats: dict[str, int] = {}
-    p = PartialFrames[int](limit, stats)
+    p = PartialFrames[int](limit, stats, protected=friends.__contains__ if friends or seed % 2 else None)
     got: list[list[int]] = []
     for c, n, what in ops:
         if what == "pause":

@@ -287,7 +287,10 @@ class Daemon:
             handshake_timeout=cfg.handshake_timeout,
         )
         self.admission.on_close = self._connections_fell
-        self.partials = PartialFrames[Connection](cfg.max_partial_bytes, self.driver.stats)
+        # Friends' unfinished frames are shed after every stranger's: local apps and services (the driver marks
+        # them local once their handshake is done) and the routers this one dialled.
+        self.partials = PartialFrames[Connection](cfg.max_partial_bytes, self.driver.stats,
+                                                  protected=lambda c: c.local or c.dialled)  # fmt: skip
         self.driver.stats.update(memory_trims_total=0, memory_storm_trims_total=0, started_at=int(self.started_at))
         router.advert = self._own_advert(ident)
         if cfg.tls is not None or cfg.peers or cfg.core_nodes or cfg.discovery.enabled:

@@ -17,8 +17,11 @@ caller, which answers each with ERROR 6 "overloaded" and closes it) until the re
 connection, just read, is the youngest and goes last. A connection the router itself stopped reading (a rate
 limit, a full verification pipeline, backpressure: :meth:`PartialFrames.pause`) cannot make progress, so it is
 shed only after every connection that could (a second pass, oldest first; the limit holds all the same), and it
-counts as just read when the router reads it again (:meth:`PartialFrames.resume`). A connection shed or closed
-is released (``n`` 0): no longer counted, and its bytes dropped.
+counts as just read when the router reads it again (:meth:`PartialFrames.resume`). Connections ``protected``
+says are friends (the daemon's: local apps and services, and the routers it dialled) are shed only after every
+other one - strangers on the TLS or WebSocket listener, and connections still in their handshake, cannot make a
+friend's frame be dropped while one of theirs is held (in the same two passes among friends then). A
+connection shed or closed is released (``n`` 0): no longer counted, and its bytes dropped.
 
 What is counted is the length of each connection's buffer of received bytes; the buffers' own slack (a
 bytearray keeps room for more than it holds) adds at most a quarter and a page to it
@@ -30,7 +33,7 @@ it (the common case: a read that ends on a frame boundary), and two dict operati
 
 from __future__ import annotations
 
-from collections.abc import Hashable, MutableMapping
+from collections.abc import Callable, Hashable, MutableMapping
 from typing import Generic, TypeVar
 
 _C = TypeVar("_C", bound=Hashable)
@@ -42,15 +45,23 @@ BYTES_GAUGE = "partial_frame_bytes"
 
 class PartialFrames(Generic[_C]):
     """The bytes of unfinished frames held for all connections, bounded by :attr:`limit` (see the module
-    docstring). ``stats``, if given, gets the shed counter and the gauge of bytes held."""
+    docstring). ``stats``, if given, gets the shed counter and the gauge of bytes held; ``protected``, if given,
+    tells the friends, shed after everyone else (asked when a shed is due, so it may change as a connection's
+    handshake completes)."""
 
-    __slots__ = ("limit", "total", "_held", "_paused", "_stats")
+    __slots__ = ("limit", "total", "_held", "_paused", "_protected", "_stats")
 
-    def __init__(self, limit: int = DEFAULT_MAX_PARTIAL_BYTES, stats: MutableMapping[str, int] | None = None) -> None:
+    def __init__(
+        self,
+        limit: int = DEFAULT_MAX_PARTIAL_BYTES,
+        stats: MutableMapping[str, int] | None = None,
+        protected: Callable[[_C], bool] | None = None,
+    ) -> None:
         self.limit = limit
         self.total = 0
         self._held: dict[_C, int] = {}  # connection -> bytes of its unfinished frame, read longest ago first
         self._paused: set[_C] = set()  # connections the router does not read for now
+        self._protected = protected
         self._stats = stats
         if stats is not None:
             stats.setdefault(SHED_COUNTER, 0)
@@ -70,9 +81,14 @@ class PartialFrames(Generic[_C]):
         shed: list[_C] = []
         if total > self.limit:
             paused = self._paused
-            for second in (False, True):  # read longest ago first; those the router paused after all the others
+            protected = self._protected
+            friends = {c for c in held if protected(c)} if protected is not None else set()
+            # Read longest ago first; those the router paused after the others; friends after all strangers.
+            for friend, second in ((False, False), (False, True), (True, False), (True, True)):
+                if friend and not friends:
+                    break
                 for c, m in held.items():
-                    if (c in paused) is second:
+                    if (c in paused) is second and (c in friends) is friend:
                         shed.append(c)
                         total -= m
                         if total <= self.limit:
