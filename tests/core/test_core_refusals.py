@@ -34,7 +34,17 @@ from core_harness import (
 
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.delivery import THROTTLE_SECONDS
-from upsycle_router.core.events import Fanout, MessagesReceived, Send, Throttle, Trace, WriteBlocked
+from upsycle_router.core.events import (
+    Buffered,
+    Fanout,
+    MessagesReceived,
+    Send,
+    Throttle,
+    Trace,
+    Undelivered,
+    WriteBlocked,
+)
+from upsycle_router.core.trace import Why
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.expiry import exp_to_unix, unix_to_exp
 from upsycle_router.services.discovery import DISCOVERY_GROUP
@@ -987,3 +997,71 @@ def test_a_forged_message_that_is_also_expired_is_refused_as_forged(h: CoreHarne
         Refused(burst[1].id, Reason.BAD_SIGNATURE, 0),
         Refused(burst[2].id, Reason.EXPIRED, 0),
     ]
+    # Encapsulated in a unicast to the router (refused under the carrying unicast's id).
+    carrier = unicast(ALICE, X, forged(multicast(G, b"5", exp=old)).encode())
+    h.expect_refused(h.receive(c[ALICE], carrier), c[ALICE], carrier.id, Reason.BAD_SIGNATURE)
+
+
+def test_a_strangers_group_messages_given_back_or_backed_stay_within_its_share(tmp_path: Path) -> None:
+    """(From a review.) A stranger's group messages that went straight to a member's connection and then came
+    back - given back when the connection closed (Undelivered), or backed while they sat in its buffer
+    (Buffered) - are queued as the stranger's, as if queued when they came: a friend's message still finds
+    room."""
+    for how in ("given back", "backed"):
+        h = harness(tmp_path / how.replace(" ", "_"), queue_max_count=10, stranger_share=0.2)
+        b = h.open(BOB)
+        h.receive(b, control(BOB, X, Join(G.public, True)))
+        s = h.open(STRANGER, local=False)
+        datas = []
+        for i in range(9):
+            out = h.receive(s, multicast(G, bytes([i]), ttl=600, now=h.now), now=h.now)
+            [fan] = [e for e in out if isinstance(e, Fanout)]
+            assert fan.conns == (b,)
+            datas.append(fan.datas[0])
+        if how == "given back":
+            h.close(b)
+            h.handle(Undelivered(BOB.public, tuple(datas)))
+        else:
+            h.handle(Buffered(b, BOB.public, tuple(datas)))
+        queued, strangers = h.store.queue_usage(BOB.public)[0], h.store.stranger_usage(BOB.public)[0]
+        assert queued == 9 and strangers == 9, (how, queued, strangers)  # (taken: past the share, but its)
+        if how == "backed":
+            h.close(b)
+        a = h.open(ALICE)
+        assert h.receive(a, unicast(ALICE, BOB, b"from a friend")).refusals() == [], how
+
+
+def _not_taken(h: CoreHarness, conn: int, msgs: list[Message]) -> Effects:
+    """``msgs`` in a batch that did not commit, then answered as the driver does (runtime/commit.py)."""
+    h.lost([MessagesReceived(conn, msgs, bytes(message_signature_valid(m) for m in msgs))])
+    out = Effects(router=h.id)
+    h.router.batch_begun()
+    with h.store.transaction():
+        out.extend(h.router.not_taken(conn, msgs, Why.STORE_FULL, h.now))
+    return out
+
+
+def test_a_late_refusal_in_a_batch_that_did_not_commit_still_reaches_the_app(tmp_path: Path) -> None:
+    """(From a review.) A next router's REFUSED that came in a batch whose commit failed is not sent again by that
+    router: it is passed on all the same (it writes nothing to the store) - once, the forwarded entry the lost
+    batch used being put back - and counted by the app's next SYNC_ACK. A member router's REFUSED of a group
+    message is passed on once, however often it comes."""
+    h = harness(tmp_path, peers=frozenset({R.public}), edge_nodes=frozenset({EDGE.public}))
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    m = unicast(ALICE, REMOTE_SVC, via=R.public)
+    h.receive(a, m)
+    refused = control(R, X, Refused(m.id, Reason.NO_ROUTE, 0), now=h.now)
+    out = _not_taken(h, r, [refused])
+    h.expect_refused(out, a, m.id, Reason.NO_ROUTE)
+    assert sync(h, a, ALICE, 1) == SyncAck(1, 1, 1)
+    # A group message: each member router's REFUSED passed on once.
+    e = h.open(EDGE, local=False)
+    h.receive(e, control(EDGE, X, Join(G.public, True), now=h.now))
+    g = multicast(G, b"to the edge")
+    assert h.receive(a, g).refusals() == []
+    again = control(EDGE, X, Refused(g.id, Reason.QUOTA, 0), now=h.now)
+    h.expect_refused(_not_taken(h, e, [again]), a, g.id, Reason.QUOTA, 1)
+    out = h.receive(e, control(EDGE, X, Refused(g.id, Reason.QUOTA, 0), now=h.now + 1), now=h.now + 1)
+    assert out.refusals() == [], "passed on twice"
+    assert sync(h, a, ALICE, 2) == SyncAck(2, 1, 1)

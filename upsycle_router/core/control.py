@@ -129,10 +129,12 @@ class ControlPlane:
             out.append(Trace(RECEIVED, inner.id, MULTICAST, inner.header.grp, None, None, c.peer,
                              len(msg.body), local=c.local))
             # Refused under the id of the unicast that carried it (the one its sender knows), traced under its own.
+            # (The signature first, as for any message: core/router.py.)
             reason = (
-                Why.EXPIRED if exp_to_unix(inner.header.exp) <= now
-                else None if message_signature_valid(inner) else Why.BAD_SIGNATURE
-            )
+                Why.BAD_SIGNATURE if not message_signature_valid(inner)
+                else Why.EXPIRED if exp_to_unix(inner.header.exp) <= now
+                else None
+            )  # fmt: skip
             if reason is not None:
                 self.delivery.dropped(c, msg.id, reason, 0, now, out, MULTICAST, inner.header.grp, None,
                                       None, len(msg.body), inner.id)

@@ -197,11 +197,10 @@ class Delivery:
         failed: list[bytes] = []
         why = None
         # A group message has no sender's key but the group's: one from a remote node is a stranger's for a
-        # member (fair queues) when the node that sent it here is no key the router was told to trust and the
-        # member never wrote to it - as a unicast's sender is judged (a trusted router forwarding it vouches).
+        # member (fair queues) when the node that sent it here (its VIA now) is no key the router was told to
+        # trust and the member never wrote to it - as a unicast's sender is judged (a trusted router forwarding
+        # it vouches).
         peer = origin.peer
-        untrusted = remote and peer not in s.locals and peer not in s.trusted
-        contacts = s.contacts
         by_key, conns = (self.by_key, self.conns) if self.inline else ({}, {})
         inline = 0
         for m in recipients:
@@ -214,7 +213,7 @@ class Delivery:
                     if tracing:
                         out.append(Trace(DELIVERED, msg.id, MULTICAST, group, None, m, m, size, role=s.role(m)))
                     continue
-            stranger = untrusted and (m, peer) not in contacts
+            stranger = remote and s.stranger(peer, m)
             r = self.deliver(m, msg, group, size, now, out, kind=MULTICAST, data=data, fanout=direct,
                              stranger=stranger, remote=remote, origin=origin)  # fmt: skip
             if r is not None:
@@ -265,6 +264,7 @@ class Delivery:
             members = s.subs.get(group)
             if c.peer not in s.locals and (members is None or c.peer not in members):
                 return 0  # a PULL's answer to an app not in the group: the router's own answer
+            stranger = msg.via is not None and s.stranger(msg.via, c.peer)  # (the node it came from: to_members)
         if h.ttl == 0:
             return 0
         expiry = self._expiry(msg, now, msg.via is not None)
@@ -481,11 +481,14 @@ class Delivery:
             return
         if fwd.router == ANY_MEMBER:  # a multicast: from any member router of its group or core node (each may refuse)
             member = router not in s.locals and router in s.subs.get(fwd.group or b"", ())
-            if not member and router not in s.config.upstream:
-                return
+            if (not member and router not in s.config.upstream) or router in fwd.refusers:
+                return  # (each router's refusal is passed on once)
+            s.batch_forwarded.setdefault(r.id, fwd)  # (put back if the batch does not commit)
+            s.forwarded[r.id] = fwd._replace(refusers=fwd.refusers | {router})
         elif fwd.router != router:
             return
         else:
+            s.batch_forwarded.setdefault(r.id, fwd)
             del s.forwarded[r.id]
         c = self.conns.get(fwd.conn)
         if c is None:

@@ -84,7 +84,7 @@ from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.runs import multicast_run
 from upsycle_router.core.state import Conn, RouterState
 from upsycle_router.core.trace import CONTROL, DROPPED, DUPLICATE, JOINED, MULTICAST, RECEIVED, UNICAST, Why
-from upsycle_router.crypto import Identity
+from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.expiry import EPOCH_2020
 from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_MESSAGE, Owed, RouterStore
@@ -235,8 +235,10 @@ class Router:
             if type(h) is MulticastHeader:
                 members = s.subs.get(h.grp)
                 if peer in s.locals or (members is not None and peer in members):
-                    self._deliver(peer, msg, h.grp, size, now, out, kind=MULTICAST, data=data, remote=remote,
-                                  taken=True)  # fmt: skip
+                    # (a group message's sender here is the node it came from: its VIA)
+                    stranger = msg.via is not None and s.stranger(msg.via, peer)
+                    self._deliver(peer, msg, h.grp, size, now, out, kind=MULTICAST, data=data, stranger=stranger,
+                                  remote=remote, taken=True)  # fmt: skip
                 else:  # a router it was forwarded to (VIA): forwarded again, dialled while it is away
                     self._to_router(peer, msg, h.grp, size, now, out, kind=MULTICAST, taken=True)
             elif not isinstance(h, UnicastHeader) or h.src == self.id:
@@ -291,6 +293,8 @@ class Router:
             s.batch_custody = set()
         if s.batch_refused:
             s.batch_refused = {}
+        if s.batch_forwarded:
+            s.batch_forwarded = {}
         if s.throttled:
             s.throttled = set()
 
@@ -310,6 +314,11 @@ class Router:
                 self._dropped(c, msg.id, why, 0, now, out, MULTICAST, h.grp, None, None, size)
             elif h.dst == self.id and _is_answer(msg):  # an answer is never answered (no loops between routers)
                 out.append(Trace(DROPPED, msg.id, CONTROL, None, h.src, h.dst, c.peer, size, why))
+                body = decode_control(msg.body)
+                if isinstance(body, Refused) and not c.local and h.src == c.peer and message_signature_valid(msg):
+                    # A next router's REFUSED is passed on all the same (it writes nothing to the store, and
+                    # that router does not send it again): the app must not take that message for a safe one.
+                    self.delivery.late_refusal(c.peer, body, now, out)
             else:
                 kind = CONTROL if h.dst == self.id else UNICAST
                 self._dropped(c, msg.id, why, 0, now, out, kind, None, h.src, h.dst, size)
@@ -352,6 +361,8 @@ class Router:
             if c is not None:
                 c.refused, c.syncs = refused, syncs
         s.batch_refused = {}
+        s.forwarded.update(s.batch_forwarded)  # (a late REFUSED the batch passed on was never written)
+        s.batch_forwarded = {}
         s.load_mirrored()
 
     def start(self, now: float) -> list[Effect]:

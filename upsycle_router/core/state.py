@@ -61,6 +61,7 @@ class Forwarded(NamedTuple):
     span: int  # the app connection's ``syncs`` when it was sent: its REFUSED counts for the next SYNC_ACK if equal
     src: bytes | None = None  # a unicast's keys (for the trace of a REFUSED passed on)
     dst: bytes | None = None
+    refusers: frozenset[bytes] = frozenset()  # a group message's: the routers whose REFUSED was passed on already
 
 
 class Conn:
@@ -178,6 +179,7 @@ class RouterState:
         self.batch_conns: dict[ConnId, tuple[int, WindowUndo, int, bool]] = {}
         self.batch_opened: set[ConnId] = set()
         self.batch_refused: dict[ConnId, tuple[int, int]] = {}
+        self.batch_forwarded: dict[bytes, Forwarded] = {}  # forwarded entries a late REFUSED changed: as before
         self.batch_custody: set[ConnId] = set()  # connections the batch put under custody (Custody)
         # Connections that did not drain their key's queue because another connection of the key had entries
         # in flight (core/queues.py), and when to look again (the handle_timer after it flushes them).

@@ -499,13 +499,13 @@ class EffectRunner:
     def _sync_ack(self, e: Send, late: int) -> Send:
         """The waiting SYNC_ACK ``e``, written now: as made, or counting ``late`` REFUSED answers more."""
         if not late or self.sync_ack_message is None:
-            return e._replace(barrier=False)
+            return e._replace(barrier=False, span=-1)  # (a barrier no more, and no late REFUSED to count)
         msg = decode_message(e.data)
         ack = decode_control(msg.body)
         assert isinstance(ack, SyncAck) and isinstance(msg.header, UnicastHeader)
         data = self.sync_ack_message(msg.header.dst, ack.n, ack.refusals + late)
         self.stats["sync_acks_recounted_total"] += 1
-        return e._replace(barrier=False, data=data)
+        return e._replace(barrier=False, span=-1, data=data)
 
     def _release_holds(self) -> None:
         """Write each waiting SYNC_ACK (and the answers after it) that no longer waits, oldest first per
