@@ -24,10 +24,10 @@ from core_harness import (
 )
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import Confirmed, ConnectionOpened, Custody
+from upsycle_router.core.events import Confirmed, ConnectionOpened, Custody, Dial, PeerLearned
 from upsycle_router.crypto import Identity, message_signature_valid, sign_advert
 from upsycle_router.expiry import exp_in, unix_to_exp
-from upsycle_router.store.api import ROUTE_ADVERT, RouteEntry
+from upsycle_router.store.api import ROUTE_ADVERT, PeerAddress, RouteEntry
 from upsycle_router.wire.cbor import decode_item, enc
 from upsycle_router.wire.control import (
     Join,
@@ -588,6 +588,39 @@ def test_advert_from_a_remote_router_adds_routes_and_emits_peer_learned(h: CoreH
     a = h.open(ALICE)
     m = unicast(ALICE, R_PS)
     assert [s.data for s in h.receive(a, m).sends(r)] == [m.encode()]
+
+
+def test_an_advertised_address_is_kept_so_that_a_restart_dials_the_router_messages_wait_for(h: CoreHarness) -> None:
+    """(From a black-box audit: messages acknowledged for a router known only by its advert waited for ever after a
+    restart - the address book was in memory only.) The advert's address is stored; at start the core hands it to
+    the driver before the dial to a router that messages wait for; it is written again only when it moved or its
+    advert's lifetime grew by a minute; once its advert lapsed it is forgotten - but not while messages wait."""
+    r = h.open(R, local=False)
+    h.receive(r, advert_message(R, X, advert(R, host="198.51.100.7", port=4433, ttl=900)))
+    ip = bytes([198, 51, 100, 7])
+    assert h.store.addresses() == {R.public: PeerAddress(TCP, ip, 4433, T0 + 900)}
+    later = T0 + 30
+    h.receive(r, advert_message(R, X, advert(R, host="198.51.100.7", port=4433, ttl=900, rev=2, now=later),
+                                now=later), now=later)  # fmt: skip
+    assert h.store.addresses()[R.public].expires == T0 + 900, "written again for 30 s more"
+    moved = advert(R, host="198.51.100.8", port=4434, ttl=900, rev=3, now=later)
+    h.receive(r, advert_message(R, X, moved, now=later), now=later)
+    assert h.store.addresses() == {R.public: PeerAddress(TCP, bytes([198, 51, 100, 8]), 4434, later + 900)}
+    h.close(r)
+    a = h.open(ALICE)
+    h.receive(a, unicast(ALICE, R, b"waits for R", ttl=3600, now=later), now=later)  # queued for R (its route)
+    assert h.store.queue_usage(R.public)[0] == 1
+    h.restart()
+    out = h.router.start(later + 1)
+    learned = [(e.router, e.host, e.port) for e in out if isinstance(e, PeerLearned)]
+    assert learned == [(R.public, "198.51.100.8", 4434)]
+    kinds = [type(e) for e in out if isinstance(e, PeerLearned | Dial)]
+    assert kinds == [PeerLearned, Dial], "the dial before the address it needs"
+    h.timer(later + 901)  # the advert lapsed, a message still waits: kept
+    assert R.public in h.store.addresses()
+    h.timer(later + 3601)  # the message expired too: forgotten
+    assert h.store.queue_usage(R.public)[0] == 0
+    assert h.store.addresses() == {} and h.router.state.addresses == {}
 
 
 def test_advert_route_expires_at_min_of_ttl_and_exp(h: CoreHarness) -> None:

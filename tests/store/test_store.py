@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from upsycle_router.store import accel
+from upsycle_router.store.api import PeerAddress
 from upsycle_router.store.check import check_store
 from upsycle_router.store.lmdb_store import (
     SCHEMA_VERSION,
@@ -284,6 +285,7 @@ WRITES = {
     "set_upstream_subscribed": lambda s: s.set_upstream_subscribed(G1, True),
     "put_route": lambda s: s.put_route(A, RouteEntry(B, None, 1)),
     "delete_route": lambda s: s.delete_route(A),
+    "put_address": lambda s: s.put_address(A, PeerAddress(1, bytes([127, 0, 0, 1]), 7000, T)),
     "put_message": lambda s: s.put_message(mid(1), b"x", None, T),
     "delete_message": lambda s: s.delete_message(mid(1)),
     "enqueue": lambda s: s.enqueue(A, mid(1), T, 1),
@@ -421,6 +423,28 @@ def test_upstream_subscribed(store: LmdbStore) -> None:
 
 
 # ---------------------------------------------------------------- routes
+
+
+def test_addresses_of_advertised_routers_survive_a_reopen_and_the_check(store: LmdbStore) -> None:
+    v4 = PeerAddress(1, bytes([10, 0, 0, 7]), 7000, T + 3600.25)
+    v6 = PeerAddress(1, bytes(15) + b"\x01", 65535, T)
+    with store.transaction():
+        store.put_address(A, v4)
+        store.put_address(B, v6)
+        store.put_address(C, v4)
+        assert store.delete_address(C) is True and store.delete_address(C) is False
+    assert store.addresses() == {A: v4, B: v6}
+    with store.transaction():
+        store.put_address(B, v4)  # moved
+    s = reopen(store)
+    assert s.addresses() == {A: v4, B: v4}
+    path = s.path
+    s.close()
+    assert check_store(path) == []
+    with lmdb.open(str(path), max_dbs=64, subdir=True) as env:  # a record that does not decode: found
+        with env.begin(write=True) as txn:
+            txn.put(C, b"\x00" * 5, db=env.open_db(b"addrs", txn=txn))
+    assert any("address of" in p for p in check_store(path))
 
 
 def test_routes_with_and_without_expiry(store: LmdbStore) -> None:

@@ -16,7 +16,14 @@ import pytest
 from test_core_runs import _reasons, run_scenario
 
 from upsycle_router.durability import Durability
-from upsycle_router.store.api import ROUTE_ADVERT, QueuedMessage, RouteEntry, RouterStore, StoredMessage
+from upsycle_router.store.api import (
+    ROUTE_ADVERT,
+    PeerAddress,
+    QueuedMessage,
+    RouteEntry,
+    RouterStore,
+    StoredMessage,
+)
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.store.memory import MemoryStore
 
@@ -267,3 +274,25 @@ def test_a_limited_sweep_takes_the_earliest_due_messages_on_both(tmp_path: Path)
             assert s.message_ids() == left, name
         assert s.next_expiry() == 200.0, name
         s.close()
+
+
+def test_both_stores_keep_advertised_addresses_alike(tmp_path: Path) -> None:
+    """Where advertised routers listen: put, replace, delete, the expiry in whole milliseconds, and what a
+    transaction rolled back leaves, the same on both stores."""
+    got = []
+    for name, s in _extend_stores(tmp_path):
+        with s.transaction():
+            s.put_address(A, PeerAddress(1, bytes([10, 0, 0, 1]), 7000, 100.0006))
+            s.put_address(B, PeerAddress(1, bytes(16), 1, 50.0))
+            s.put_address(G, PeerAddress(1, bytes(4), 9, 1.0))
+            assert s.delete_address(G) and not s.delete_address(G), name
+        with pytest.raises(RuntimeError, match="roll back"), s.transaction():
+            s.put_address(A, PeerAddress(1, bytes([10, 0, 0, 2]), 7001, 200.0))
+            raise RuntimeError("roll back")
+        with s.transaction():
+            s.put_address(B, PeerAddress(1, bytes([10, 0, 0, 3]), 7002, 60.0))
+        got.append(s.addresses())
+    assert got[0] == got[1] == got[2] == {
+        A: PeerAddress(1, bytes([10, 0, 0, 1]), 7000, 100.0),
+        B: PeerAddress(1, bytes([10, 0, 0, 3]), 7002, 60.0),
+    }

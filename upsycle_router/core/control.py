@@ -40,7 +40,7 @@ from upsycle_router.core.trace import (
 from upsycle_router.crypto import advert_valid, message_signature_valid
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import exp_to_unix, expires_at
-from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_REGISTERED, ROUTE_SERVED
+from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_REGISTERED, ROUTE_SERVED, PeerAddress
 from upsycle_router.wire.accel import damaged
 from upsycle_router.wire.control import (
     MAX_REGISTER_KEYS,
@@ -378,6 +378,8 @@ class ControlPlane:
         for _, svc in adv.svcs:
             self.s.learn_route(svc, adv.id, ROUTE_ADVERT, expiry)
         out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port, adv.addr.proto))
+        if adv.addr.port:  # (port 0: it cannot be dialled) kept, so that a restart can dial it (Router.start)
+            self.s.remember_address(adv.id, PeerAddress(adv.addr.proto, adv.addr.ip, adv.addr.port, expiry))
         for service in (self.s.config.pubsub_service, self.s.config.discovery_service):
             if service is not None and service != sender:
                 self._send_to_service(service, encode_discovery(adv), now, out)

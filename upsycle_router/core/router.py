@@ -74,6 +74,7 @@ from upsycle_router.core.events import (
     Event,
     MessagesReceived,
     NotAdmitted,
+    PeerLearned,
     QueueSent,
     Send,
     Trace,
@@ -102,7 +103,7 @@ from upsycle_router.wire.control import (
     decode_control,
     encode_router,
 )
-from upsycle_router.wire.discovery import PeerAdvertisement, encode_discovery
+from upsycle_router.wire.discovery import PeerAdvertisement, TransportAddr, encode_discovery
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
 
@@ -367,13 +368,15 @@ class Router:
 
     def start(self, now: float) -> list[Effect]:
         """Effects to run once at start: a ``joined`` record for every subscription restored from the store
-        (so a journal that starts here knows who is subscribed), and dials to the remote routers that have
-        messages waiting for them."""
+        (so a journal that starts here knows who is subscribed), the addresses advertised routers listen at, and
+        dials to the remote routers that have messages waiting for them."""
         s = self.state
         out: list[Effect] = []
         for group in sorted(s.subs):
             for member in sorted(s.subs[group]):
                 out.append(Trace(JOINED, None, CONTROL, group, member, role=s.role(member)))
+        for key, a in sorted(s.addresses.items()):  # where advertised routers listen, for the dials below
+            out.append(PeerLearned(key, TransportAddr(a.proto, a.ip, a.port).host, a.port, a.proto))
         for key in sorted(self.store.queue_recipients()):
             # (an edge node's queue waits for it to connect: it dials us)
             if key not in s.locals and key not in s.dialing and key not in s.config.edge_nodes:
@@ -434,6 +437,11 @@ class Router:
             self.store.delete_route(dst)
         for rid in [r for r, (_, t) in s.advert_revs.items() if t <= now]:
             del s.advert_revs[rid]
+        # An address whose advert lapsed is forgotten once no message waits for that router (while some do, it is
+        # still the best one known to dial).
+        for rid in [r for r, a in s.addresses.items() if a.expires <= now and not self.store.queue_usage(r)[0]]:
+            del s.addresses[rid]
+            self.store.delete_address(rid)
         return out
 
     def status(self) -> dict[str, int]:

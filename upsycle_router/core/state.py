@@ -46,7 +46,7 @@ from upsycle_router.core.seen import SeenIds
 from upsycle_router.core.trace import APP, ROUTER, SERVICE, Kind, Role
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in
-from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_SERVED, RouteEntry, RouterStore
+from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_SERVED, PeerAddress, RouteEntry, RouterStore
 from upsycle_router.wire.messages import Message, UnicastHeader
 
 
@@ -94,6 +94,7 @@ class Conn:
 # sender publishing to ever new groups (or to groups nobody here joined) must not grow the table for good.
 PLAN_REFS_MAX = 1 << 20
 PLANS_MAX = 4096
+ADDRESS_REFRESH = 60.0  # seconds an advert's lifetime must grow by before its stored address is written again
 
 
 class MemberPlan:
@@ -149,6 +150,9 @@ class RouterState:
         self.pubsub_groups: set[bytes] = set()
         self.upstream_groups: set[bytes] = set()
         self.contacts: set[tuple[bytes, bytes]] = set()  # (local service, key it wrote to): not strangers to it
+        # Where advertised routers listen (their adverts' addresses): after a restart the router dials those that
+        # messages wait for, whoever dialled whom before.
+        self.addresses: dict[bytes, PeerAddress] = {}
         # group -> whether a router (a key not local) is among its members: cached, dropped on any change
         self.router_members: dict[bytes, bool] = {}
         # (group, sender, local) -> its plan (see the module docstring), valid while epoch is the plan's
@@ -206,8 +210,22 @@ class RouterState:
         self.upstream_groups.update(store.upstream_subscribed())
         self.contacts.clear()
         self.contacts.update(store.contacts())
+        self.addresses.clear()
+        self.addresses.update(store.addresses())
         self.router_members.clear()
         self.epoch += 1
+
+    def remember_address(self, router: bytes, addr: PeerAddress) -> None:
+        """``router`` listens at ``addr`` (its advert, valid until ``addr.expires``): kept in the store when it is
+        new or moved, or its advert's lifetime grew by a minute or more (an advert refreshed every few minutes
+        costs no write each time)."""
+        old = self.addresses.get(router)
+        if old is not None and (old.proto, old.ip, old.port) == (addr.proto, addr.ip, addr.port) and (
+            addr.expires < old.expires + ADDRESS_REFRESH
+        ):
+            return
+        self.addresses[router] = addr
+        self.store.put_address(router, addr)
 
     def has_router_member(self, grp: bytes) -> bool:
         """Whether a remote router (an edge node, say) is a member of ``grp``: a local app's message of ``grp``

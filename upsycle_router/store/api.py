@@ -51,6 +51,17 @@ class RouteEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerAddress:
+    """Where an advertised router listens (its advert's ``addr``: ``proto``, 4- or 16-byte ``ip``, ``port``),
+    as of an advert valid until ``expires``."""
+
+    proto: int
+    ip: bytes
+    port: int
+    expires: float
+
+
+@dataclass(frozen=True, slots=True)
 class StoredMessage:
     """A message in the message store."""
 
@@ -126,6 +137,9 @@ class RouterStore(Protocol):
     def put_route(self, dst: bytes, entry: RouteEntry) -> None: ...
     def delete_route(self, dst: bytes) -> bool: ...
     def routes(self) -> dict[bytes, RouteEntry]: ...
+    def put_address(self, router: bytes, addr: PeerAddress) -> None: ...
+    def delete_address(self, router: bytes) -> bool: ...
+    def addresses(self) -> dict[bytes, PeerAddress]: ...
 
     # messages
     def put_message(self, mid: bytes, data: bytes, group: bytes | None, expires: float) -> bool: ...
@@ -176,6 +190,7 @@ __all__ = [
     "ROUTE_SERVED",
     "Expired",
     "Owed",
+    "PeerAddress",
     "QueueEntry",
     "RouteEntry",
     "RouterStore",

@@ -46,6 +46,8 @@ import lmdb
 from upsycle_router.store import integrity
 from upsycle_router.store.integrity import DATA, MARKER, FileReport
 from upsycle_router.store.layout import (
+    ADDR,
+    ADDR_IP_LENS,
     CONTACT_KEY_LEN,
     COUNTS,
     KEY_LEN,
@@ -327,6 +329,9 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
         if len(k) != KEY_LEN or len(v) != ROUTE.size or v[ROUTE.size - 1] not in ROUTE_SOURCES:
             p(f"route to {_short(k)} does not decode")
     report.counts["routes"] = routes
+    for k, v in items("addrs"):
+        if len(k) != KEY_LEN or len(v) - ADDR.size not in ADDR_IP_LENS:
+            p(f"address of {_short(k)} does not decode")
     for table, klen in (("locals", KEY_LEN), ("psubs", KEY_LEN), ("usubs", KEY_LEN), ("contacts", CONTACT_KEY_LEN)):
         count = 0
         for k, _ in items(table):

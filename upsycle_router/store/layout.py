@@ -36,6 +36,9 @@ in number order; times are whole milliseconds since the Unix epoch (``expires_ms
 ``owed``       message id -> :data:`OWED_HEAD` (the number of recipients) ``|| recipients || cores``, 32 bytes
                each: a stored group message and whom it is still owed to (:func:`owed_record`); it goes with
                its ``msgs`` record
+``addrs``      router -> :data:`ADDR` ``|| ip``: where an advertised router listens (its advert's ``addr``:
+               ``expires_ms || proto || port``, then the 4- or 16-byte IP address), so that after a restart the
+               router can dial those that messages wait for
 
 The C accelerators need some of these numbers at compile time: ``store/_layout.h`` repeats them, and each of
 the two extension modules exports its copy as the dict ``LAYOUT`` (name -> value, under the names used here).
@@ -57,7 +60,7 @@ SCHEMAS = (b"1", b"2", b"3", b"4", SCHEMA_VERSION)  # every schema a store may h
 
 # The tables, in the order the store opens them.
 TABLES = ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "refs", "qstats",
-          "queue_exp", "sqstats", "contacts", "owed")
+          "queue_exp", "sqstats", "contacts", "owed", "addrs")
 # Those every store has (one written by an older version may lack the others: they are created when it opens).
 REQUIRED = ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "queue_exp", "refs",
             "qstats")
@@ -103,6 +106,10 @@ COUNTS = struct.Struct(">QQ")
 # routes: dst -> router || expires_ms || source (where the route came from: store.api's ROUTE_* numbers)
 ROUTE = struct.Struct(">32sQB")
 ROUTE_SOURCES = (ROUTE_CONNECTION, ROUTE_MESSAGE, ROUTE_ADVERT, ROUTE_SERVED, ROUTE_REGISTERED)
+
+# addrs: router -> expires_ms || proto || port || ip (4 or 16 bytes)
+ADDR = struct.Struct(">QBH")
+ADDR_IP_LENS = (4, 16)
 
 # subs: group || member -> whether the member is a local service
 SUB_LOCAL = b"\x01"

@@ -75,7 +75,15 @@ import lmdb
 from upsycle_router.durability import Durability
 from upsycle_router.store import accel, layout
 from upsycle_router.store.accel import IdIndexLike, msgs_records, sorted_items
-from upsycle_router.store.api import Expired, Owed, QueuedMessage, QueueEntry, RouteEntry, StoredMessage
+from upsycle_router.store.api import (
+    Expired,
+    Owed,
+    PeerAddress,
+    QueuedMessage,
+    QueueEntry,
+    RouteEntry,
+    StoredMessage,
+)
 from upsycle_router.store.integrity import StoreUnusable, check_before_open, mark_clean, mark_initialised
 from upsycle_router.store.layout import (
     HEAD_GROUP,
@@ -118,7 +126,7 @@ GROUP_HINTS = 1 << 17
 # The records' structs, assigned here rather than imported: CPython 3.11 compiles a method call on an imported
 # name (``U64.pack(seq)``) as an attribute load and a call of the bound method it builds, ~50 ns a call more than
 # on a module variable, and the store makes several such calls per message.
-U64, QUEUE, COUNTS, ROUTE = layout.U64, layout.QUEUE, layout.COUNTS, layout.ROUTE
+U64, QUEUE, COUNTS, ROUTE, ADDR = layout.U64, layout.QUEUE, layout.COUNTS, layout.ROUTE, layout.ADDR
 
 INDEX_BATCH = 4096  # index entries held in memory before they are written in bulk (fewer in a small map)
 
@@ -498,6 +506,22 @@ class LmdbStore(LmdbTables):
         for k, v in self._prefix("routes", b""):
             router, ms, source = ROUTE.unpack_from(v)
             out[k] = RouteEntry(router, _sec(ms), source)
+        return out
+
+    def put_address(self, router: bytes, addr: PeerAddress) -> None:
+        """Add or replace where ``router`` listens."""
+        self._put("addrs", router, ADDR.pack(_ms(addr.expires), addr.proto, addr.port) + addr.ip)
+
+    def delete_address(self, router: bytes) -> bool:
+        """Forget where ``router`` listens."""
+        return self._delete("addrs", router)
+
+    def addresses(self) -> dict[bytes, PeerAddress]:
+        """Where the advertised routers listen, as last advertised."""
+        out = {}
+        for k, v in self._prefix("addrs", b""):
+            ms, proto, port = ADDR.unpack_from(v)
+            out[k] = PeerAddress(proto, bytes(v[ADDR.size:]), port, ms / 1000.0)
         return out
 
     # ------------------------------------------------------------ message store

@@ -31,7 +31,15 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from upsycle_router.store.api import Expired, Owed, QueuedMessage, QueueEntry, RouteEntry, StoredMessage
+from upsycle_router.store.api import (
+    Expired,
+    Owed,
+    PeerAddress,
+    QueuedMessage,
+    QueueEntry,
+    RouteEntry,
+    StoredMessage,
+)
 
 ENTRY_BYTES = 128  # what a queue entry is charged against the room, beside its message
 _MISSING = object()
@@ -45,7 +53,7 @@ class MemoryStore:
         self.pressure = 0.0
         self._t: dict[str, dict[Any, Any]] = {
             name: {} for name in ("locals", "contacts", "subs", "psubs", "usubs", "routes", "msgs", "ids", "queues",
-                                  "qstats", "sqstats", "refs", "owed")
+                                  "qstats", "sqstats", "refs", "owed", "addrs")
         }
         self._next_seq = 1
         self._stranger_bytes = 0
@@ -165,6 +173,15 @@ class MemoryStore:
 
     def routes(self) -> dict[bytes, RouteEntry]:
         return dict(sorted(self._t["routes"].items()))
+
+    def put_address(self, router: bytes, addr: PeerAddress) -> None:
+        self._set("addrs", router, PeerAddress(addr.proto, addr.ip, addr.port, self._ms(addr.expires)))
+
+    def delete_address(self, router: bytes) -> bool:
+        return self._del("addrs", router)
+
+    def addresses(self) -> dict[bytes, PeerAddress]:
+        return dict(sorted(self._t["addrs"].items()))
 
     # ------------------------------------------------------------ messages
 
