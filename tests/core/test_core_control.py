@@ -852,3 +852,51 @@ def test_a_routers_connection_is_under_custody_and_its_sync_acks_confirm(h: Core
     msg = decode_message(h.router.sync_message(R.public, 43, h.now))
     assert isinstance(msg.header, UnicastHeader) and (msg.header.src, msg.header.dst) == (X.public, R.public)
     assert message_signature_valid(msg) and decode_control(msg.body) == Sync(43)
+
+
+def test_a_pull_sent_on_to_another_router_is_answered_to_the_app_that_asked(tmp_path: Path) -> None:
+    """(From a black-box audit: PROTOCOL §7 sends a PULL's answer to the requester.) A local app's PULL sent to
+    another router: the group message that router sends back reaches the app - also when this router has seen it
+    already or the app is not a member here (routed as a group message, it went nowhere or not to the app) -
+    once, and not when the app is a member that routing reached anyway."""
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(peers=frozenset({R.public})))
+    r = h.open(R, local=False)
+    carol = ident("carol")
+    c = h.open(carol)
+    b = h.open(BOB)
+
+    def pull(m: Message) -> None:
+        out = h.receive(c, unicast(carol, R, encode_router(Pull(G.public, m.id)), now=h.now))
+        assert [x.header.dst for x in out.messages(r)] == [R.public]  # sent on to R
+
+    # No member here: routing drops it (no_subscribers); the app gets it all the same, with VIA = R.
+    m1 = multicast(G, b"one")
+    pull(m1)
+    out = h.receive(r, m1)
+    assert [(x.id, x.via) for x in out.messages(c)] == [(m1.id, R.public)]
+    assert out.traces("dropped", reason="no_subscribers")
+    assert h.receive(r, m1).messages(c) == [], "answered twice"
+    # Seen here already (bob is a member and got it): a duplicate, the app gets it.
+    h.receive(b, control(BOB, X, Join(G.public, True), now=h.now))
+    m2 = multicast(G, b"two")
+    assert [x.id for x in h.receive(r, m2).messages(b)] == [m2.id]
+    pull(m2)
+    out = h.receive(r, m2)
+    assert [x.id for x in out.messages(c)] == [m2.id] and out.messages(b) == []
+    # Not a member, the group has one here: bob gets it by routing, carol as the answer.
+    m3 = multicast(G, b"three")
+    pull(m3)
+    out = h.receive(r, m3)
+    assert [x.id for x in out.messages(b)] == [m3.id] and [x.id for x in out.messages(c)] == [m3.id]
+    # A member: routing reaches it, one copy.
+    h.receive(c, control(carol, X, Join(G.public, True), now=h.now))
+    m4 = multicast(G, b"four")
+    pull(m4)
+    assert [x.id for x in h.receive(r, m4).messages(c)] == [m4.id]
+    # Nobody waits: a duplicate goes nowhere; a PULL waits PULL_WAIT at most.
+    assert h.receive(r, m2).messages(c) == []
+    m5 = multicast(G, b"five")
+    pull(m5)
+    h.timer(h.now + 61)
+    h.receive(c, control(carol, X, Leave(G.public), now=h.now))
+    assert h.receive(r, m5, now=h.now).messages(c) == []

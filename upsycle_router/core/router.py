@@ -83,7 +83,7 @@ from upsycle_router.core.events import (
 )
 from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.runs import multicast_run
-from upsycle_router.core.state import Conn, RouterState
+from upsycle_router.core.state import Conn, PendingPull, RouterState
 from upsycle_router.core.trace import CONTROL, DROPPED, DUPLICATE, JOINED, MULTICAST, RECEIVED, UNICAST, Why
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
@@ -93,6 +93,7 @@ from upsycle_router.wire.control import (
     Join,
     JoinAck,
     LeaveAck,
+    Pull,
     PullNack,
     Reason,
     Refused,
@@ -112,6 +113,8 @@ REDIAL_MAX = 60.0
 CONTACTS_MAX = 1_000_000  # (local service, key it wrote to) pairs remembered at most
 # A group message held and sent again after a restart goes on to its member routers again (Router._again) for
 # this long after the start, and for this many messages at most (each once).
+PULL_WAIT = 60.0  # seconds a PULL sent on to another router waits for its answer (the group message)
+PULLS_MAX = 10_000  # such PULLs waiting at most (the oldest is forgotten)
 AGAIN_WINDOW = 3600.0
 AGAIN_MAX = 100_000
 
@@ -437,6 +440,8 @@ class Router:
             self.store.delete_route(dst)
         for rid in [r for r, (_, t) in s.advert_revs.items() if t <= now]:
             del s.advert_revs[rid]
+        for mid in [m for m, p in s.pulls.items() if p.expires <= now]:
+            del s.pulls[mid]
         # An address whose advert lapsed is forgotten once no message waits for that router (while some do, it is
         # still the best one known to dial).
         for rid in [r for r, a in s.addresses.items() if a.expires <= now and not self.store.queue_usage(r)[0]]:
@@ -690,6 +695,32 @@ class Router:
             self._refuse(c, msg.id, why, 0, now, out, kind, None, size, h.src, h.dst)
         else:
             s.seen.add(msg.id)
+            if c.local and h.dst == router and msg.body[:2] == b"\x82\x05":  # (a PULL's head: [5, {...}])
+                self._pull_sent(c, h.src, msg.body, now)
+
+    def _pull_sent(self, c: Conn, requester: bytes, body: bytes, now: float) -> None:
+        """The local app ``requester`` sent a PULL to the next router itself: its answer, the group message, is
+        the app's when it comes back on a router's connection - even if this router has seen it already or the
+        app is not a member here (PROTOCOL §7: sent to the requester), once, within :data:`PULL_WAIT`."""
+        try:
+            pull = decode_control(body)
+        except RemoteProtocolError:
+            return
+        if not isinstance(pull, Pull):
+            return
+        pulls = self.state.pulls
+        if len(pulls) >= PULLS_MAX:
+            del pulls[next(iter(pulls))]
+        pulls.pop(pull.id, None)
+        pulls[pull.id] = PendingPull(c.id, requester, now + PULL_WAIT)
+
+    def _answer_pull(self, pull: PendingPull, c: Conn, msg: Message, out: list[Effect]) -> None:
+        """The group message ``msg`` came on the router connection ``c`` while the app of ``pull`` waited for it
+        and routing it did not reach that app (seen here already, no member here, the app not a member): to the
+        app's connection, as delivered from ``c`` (VIA = ``c.peer``), if it is still open."""
+        if pull.conn in self._conns and self._conns[pull.conn].peer == pull.requester:
+            answer = msg if msg.via == c.peer else msg.with_via(c.peer)
+            out.append(Send(pull.conn, answer.encode(), True))
 
     def _again(self, c: Conn, mid: bytes, grp: bytes, recipients: list[bytes], now: float) -> list[bytes] | None:
         """A group message held but not taken since this router started (the recently-seen list does not know it):
@@ -734,6 +765,8 @@ class Router:
         unicast that carried it)."""
         s = self.state
         ref = answer or msg.id
+        # A PULL's answer a local app waits for (_pull_sent): it gets it, whatever happens to it below.
+        pull = s.pulls.pop(msg.id, None) if s.pulls and not c.local else None
         discovery = h.grp == self.state.config.discovery_group
         if discovery:
             # The local discovery group (seed §Peer Discovery Service): the router is a member; only the
@@ -763,6 +796,8 @@ class Router:
         if not members and not recipients and not (c.local and h.grp in s.upstream_groups):
             out.append(Trace(DROPPED, msg.id, MULTICAST, h.grp, None, None, c.peer, size,
                              Why.NO_SUBSCRIBERS))
+            if pull is not None:
+                self._answer_pull(pull, c, msg, out)
             return
         expiry = min(now + h.ttl, EPOCH_2020 + h.exp * 60)  # expires_at(now, h.ttl, h.exp)
         mid = msg.id
@@ -774,6 +809,8 @@ class Router:
         owed = store.get_owed(mid)
         if owed is None and (mid in s.seen.ids or (expiry <= now and store.has_message(mid))):
             out.append(Trace(DUPLICATE, mid, MULTICAST, grp, None, None, c.peer, size, Why.DUPLICATE))
+            if pull is not None:
+                self._answer_pull(pull, c, msg, out)
             return
         if not c.local:  # step 7 (before storing, so stored copies carry VIA = R)
             msg = msg.with_via(c.peer)
@@ -793,6 +830,8 @@ class Router:
                 if again is None:
                     out.append(Trace(DUPLICATE, msg.id, MULTICAST, h.grp, None, None, c.peer, size,
                                      Why.DUPLICATE))
+                    if pull is not None:
+                        self._answer_pull(pull, c, msg, out)
                     return
                 recipients = again
             if store.pressure >= self.state.config.backpressure_at:
@@ -813,6 +852,8 @@ class Router:
             recipients = [m for m in recipients if m in s.locals]
         failed, why = self._to_members(recipients, msg, grp, data, size, now, out, remote=not c.local, origin=c,
                                        plan=plan if plan is not None and recipients is plan.recipients else None)
+        if pull is not None and pull.requester not in recipients:
+            self._answer_pull(pull, c, msg, out)
         if too_far:
             failed += too_far
             why = why or Reason.TOO_LARGE

@@ -64,6 +64,15 @@ class Forwarded(NamedTuple):
     refusers: frozenset[bytes] = frozenset()  # a group message's: the routers whose REFUSED was passed on already
 
 
+class PendingPull(NamedTuple):
+    """A local app's PULL sent on to another router: the answer (the group message) goes to ``conn`` of
+    ``requester`` when it comes, whatever this router would do with the message else, until ``expires``."""
+
+    conn: ConnId
+    requester: bytes
+    expires: float
+
+
 class Conn:
     """One open connection, as the core sees it."""
 
@@ -175,6 +184,7 @@ class RouterState:
         self.peer_routers: set[bytes] = set()
         # Newest advert revision accepted per router, and when that advert lapses (older revisions are refused).
         self.advert_revs: dict[bytes, tuple[int, float]] = {}
+        self.pulls: dict[bytes, PendingPull] = {}  # message id -> the local app whose PULL went on to a router
         self.tracing = config.trace  # build the routine per-message Trace records
         self.counters: dict[str, int] = {}  # driver-side counters, reported by status()
         # What the current batch changed, as it was before (for Router.batch_lost): each connection's queue-drain
