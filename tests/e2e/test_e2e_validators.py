@@ -238,3 +238,27 @@ def test_the_validator_needs_the_pub_sub_service_key(tmp_path: Path) -> None:
         capture_output=True, text=True, env=subprocess_env(), cwd=str(REPO), timeout=60,
     )  # fmt: skip
     assert r.returncode == 2 and "--service" in r.stderr, r.stderr
+
+
+async def test_a_message_published_here_that_the_service_rejects_is_logged_once_per_reason(
+    daemon: DaemonFactory,
+) -> None:
+    """(From a black-box audit of the pub/sub service.) A message an app publishes that the service's rules
+    reject (here over the group's ``max_size``) reaches the local subscribers and no other node; the log says so,
+    a line per reason every 10 s (not one per message), and the service serves on."""
+    group = Identity.generate()
+    d = daemon(config={"pubsub": {"enabled": True, "groups": {group.public.hex(): {"max_size": 200}}}})
+    async with await Client.connect(d.sock, Identity.generate()) as sub, \
+            await Client.connect(d.sock, Identity.generate()) as pub:  # fmt: skip
+        assert await sub.join(group.public, local=False)  # (the pub/sub service is a member too now)
+        for k in range(3):
+            await pub.publish(group, b"x" * (300 + k))
+        assert not (await pub.sync()).refused
+        got = [await sub.recv(timeout=10) for _ in range(3)]
+        assert sorted(len(m.body) for m in got) == [300, 301, 302]
+    deadline = time.monotonic() + 10
+    while "goes to no other node: rejected (too_large)" not in d.log_text() and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    lines = [ln for ln in d.log_text().splitlines() if "goes to no other node" in ln]
+    assert len(lines) == 1 and "rejected (too_large)" in lines[0], lines
+    assert d.running

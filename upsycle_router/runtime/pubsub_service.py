@@ -42,6 +42,7 @@ from upsycle_router.config import GroupPolicyConfig, PubsubConfig
 from upsycle_router.crypto import Identity, advert_valid, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import exp_in, exp_to_unix
+from upsycle_router.logtext import RateLimitedLog
 from upsycle_router.runtime.service import RouterService
 from upsycle_router.services.pubsub.core import GossipCore
 from upsycle_router.services.pubsub.effects import (
@@ -97,6 +98,10 @@ class PubsubService(RouterService):
         self._peer_expiry: dict[bytes, float] = {}  # router -> monotonic time its advertisement lapses
         self._peer_rev: dict[bytes, int] = {}  # router -> revision of its last advertisement
         self._ttl_offsets = itertools.count()
+        # A message published on this node that the service's rules reject (too large for gossip, a signature
+        # policy) leaves the node no further - local subscribers had it from the router: say so, a line per
+        # reason every 10 s with the count (one each would let an app flood the log).
+        self._rejected_here = RateLimitedLog(log)
 
     async def _serve(self, client: Client) -> None:
         core = self.core
@@ -243,6 +248,9 @@ class PubsubService(RouterService):
                 self._unicast(client, e.service, body, ttl, None)
             elif isinstance(e, Trace) and e.event == "deprecated_policy":
                 log.warning("pubsub: group %s: %s", e.group.hex() if e.group else "-", e.reason)
+            elif isinstance(e, Trace) and e.event == "rejected" and e.peer is None:
+                self._rejected_here.event(e.reason or "-", f"pubsub: a message published on this node, {_short(e.id)} "
+                                          f"of group {_short(e.group)}, goes to no other node: rejected ({e.reason})")
             elif isinstance(e, Trace) and e.reason is not None and e.reason.startswith("validator"):
                 log.info("pubsub: %s %s of group %s%s (%s)", e.event, _short(e.id), _short(e.group),
                          "" if e.peer is None else f" from router {_short(e.peer)}", e.reason)  # fmt: skip
