@@ -20,12 +20,7 @@ pytestmark = pytest.mark.slow
 
 async def test_a_restarted_router_dials_the_router_its_acknowledged_messages_wait_for(tmp_path: Path) -> None:
     async with Network(tmp_path) as net:
-        r1, r2 = net.add_nodes(2, heartbeat=None)
-        for n in (r1, r2):
-            n.config["pubsub"] = {"enabled": False}
-        r2.config["peers"] = [r1.peer_entry()]  # r2 dials r1; r1 learns r2's address from its advert only
-        await net.start_all()
-        await net.wait_dialled(r2, r1)
+        r1, r2 = await net.dialling_pair()  # r1 learns r2's address from its advert only
         k1, k2 = Identity.generate(), Identity.generate()
         app1, app2 = await net.client(r1, k1), await net.client(r2, k2)
         await app2.send(k1.public, b"learn my route", ttl=60, via=r1.id)

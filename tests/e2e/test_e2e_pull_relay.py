@@ -20,12 +20,7 @@ pytestmark = pytest.mark.slow
 
 async def test_a_pull_through_another_router_reaches_the_app_that_asked(tmp_path: Path) -> None:
     async with Network(tmp_path) as net:
-        r1, r2 = net.add_nodes(2, heartbeat=None)
-        for n in (r1, r2):
-            n.config["pubsub"] = {"enabled": False}
-        r2.config["peers"] = [r1.peer_entry()]
-        await net.start_all()
-        await net.wait_dialled(r2, r1)
+        r1, r2 = await net.dialling_pair()
         g = Identity.generate()
         member1, stranger1 = await net.client(r1), await net.client(r1)
         member2, pub2 = await net.client(r2), await net.client(r2)

@@ -175,6 +175,17 @@ class Network:
                 node.config["pubsub"] = {"params": {"heartbeat_interval": heartbeat}}
         return nodes
 
+    async def dialling_pair(self) -> tuple[Node, Node]:
+        """Two nodes without pub/sub, started, the second dialling the first (a configured peer of it): the first
+        knows the second only from that connection and its advert."""
+        r1, r2 = self.add_nodes(2, heartbeat=None)
+        for n in (r1, r2):
+            n.config["pubsub"] = {"enabled": False}
+        r2.config["peers"] = [r1.peer_entry()]
+        await self.start_all()
+        await self.wait_dialled(r2, r1)
+        return r1, r2
+
     def line(self, nodes: list[Node]) -> None:
         """Each node peers with the previous one (it dials it)."""
         for prev, node in zip(nodes, nodes[1:], strict=False):
