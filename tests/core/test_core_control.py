@@ -165,6 +165,20 @@ def test_join_from_a_remote_node_that_is_not_an_edge_node_is_refused(h: CoreHarn
     assert G.public not in h.router.subs and h.store.subscriptions() == {}
 
 
+def test_leave_from_a_node_that_may_not_join_is_refused_as_its_join_is(h: CoreHarness) -> None:
+    """(From a black-box audit.) A remote node that may not JOIN gets, for a LEAVE too, the negative answer and then
+    REFUSED not_authorized (its SYNC_ACK counts it); a local app's LEAVE of a group it is not in gets the negative
+    answer alone (it may join: nothing was refused)."""
+    s = h.open(STRANGER, local=False)
+    m = control(STRANGER, X, Leave(G.public))
+    out = h.receive(s, m)
+    assert bodies(out, s) == [LeaveAck(G.public, 1), Refused(m.id, Reason.NOT_AUTHORIZED, 0)]
+    h.expect_refused(out, s, m.id, Reason.NOT_AUTHORIZED)
+    a = h.open(ALICE)
+    out = h.receive(a, control(ALICE, X, Leave(G.public)))
+    assert bodies(out, a) == [LeaveAck(G.public, 1)]
+
+
 def test_a_static_peer_is_not_an_edge_node(h: CoreHarness) -> None:
     r = h.open(R, local=False)
     m = control(R, X, Join(G.public, True))

@@ -150,7 +150,7 @@ class ControlPlane:
         elif isinstance(body, Join):
             self._join(c, msg, body, h, size, now, out)
         elif isinstance(body, Leave):
-            self._leave(c, msg, body, h, now, out)
+            self._leave(c, msg, body, h, size, now, out)
         elif isinstance(body, Pull):
             self._pull(c, msg, body, h, size, now, out)
         elif isinstance(body, Register):
@@ -225,11 +225,16 @@ class ControlPlane:
             self.s.store.set_pubsub_subscribed(j.addr, True)
             self._send_to_service(ps, PUBSUB_CODEC.encode(Sub(j.addr)), now, out)
 
-    def _leave(self, c: Conn, msg: Message, lv: Leave, h: UnicastHeader, now: float, out: list[Effect]) -> None:
+    def _leave(
+        self, c: Conn, msg: Message, lv: Leave, h: UnicastHeader, size: int, now: float, out: list[Effect]
+    ) -> None:
         requester = h.src
         members = self.s.subs.get(lv.addr, {})
         if requester not in members:
             self._reply(c, requester, encode_router(LeaveAck(lv.addr, Result.FAILURE)), now, out)
+            if not self._may_join(c, requester, lv.addr):  # as a JOIN from it: refused (counted by its SYNC_ACK)
+                self.delivery.dropped(c, msg.id, Why.NOT_AUTHORIZED, 0, now, out, CONTROL, lv.addr, h.src, h.dst,
+                                      size)
             return
         del members[requester]
         self.s.epoch += 1  # (plans)
