@@ -637,6 +637,18 @@ def test_an_advertised_address_is_kept_so_that_a_restart_dials_the_router_messag
     assert h.store.addresses() == {} and h.router.state.addresses == {}
 
 
+def test_an_address_with_a_short_lived_advert_is_kept_while_its_adverts_keep_coming(h: CoreHarness) -> None:
+    """(From a review.) Adverts that live 30 s, sent every 10 s: the stored address never lapses while they
+    come (it lapsed every 30 s, and a crash then stranded what was queued for that router)."""
+    r = h.open(R, local=False)
+    for k in range(12):
+        t = T0 + 10 * k
+        h.receive(r, advert_message(R, X, advert(R, port=4433, ttl=30, rev=k + 1, now=t), now=t), now=t)
+        h.timer(t + 5)
+        assert R.public in h.store.addresses(), k
+        assert h.store.addresses()[R.public].expires == t + 30
+
+
 def test_advert_route_expires_at_min_of_ttl_and_exp(h: CoreHarness) -> None:
     r = h.open(R, local=False)
     h.receive(r, advert_message(R, X, advert(R, ttl=7200, exp=exp_in(T0, 600), svcs=((2, R_PS.public),))))
@@ -883,11 +895,16 @@ def test_a_pull_sent_on_to_another_router_is_answered_to_the_app_that_asked(tmp_
         out = h.receive(c, unicast(carol, R, encode_router(Pull(G.public, m.id)), now=h.now))
         assert [x.header.dst for x in out.messages(r)] == [R.public]  # sent on to R
 
-    # No member here: routing drops it (no_subscribers); the app gets it all the same, with VIA = R.
+    # No member here: routing drops it (no_subscribers); the app gets it all the same, with VIA = R - and so does
+    # a second app that PULLed the same id (from a review: the second PULL took the first one's place).
+    dave = ident("dave")
+    d = h.open(dave)
     m1 = multicast(G, b"one")
     pull(m1)
+    h.receive(d, unicast(dave, R, encode_router(Pull(G.public, m1.id)), now=h.now))
     out = h.receive(r, m1)
     assert [(x.id, x.via) for x in out.messages(c)] == [(m1.id, R.public)]
+    assert [x.id for x in out.messages(d)] == [m1.id]
     assert out.traces("dropped", reason="no_subscribers")
     assert h.receive(r, m1).messages(c) == [], "answered twice"
     # Seen here already (bob is a member and got it): a duplicate, the app gets it.

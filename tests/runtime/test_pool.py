@@ -85,3 +85,14 @@ def test_only_messages_between_apps_and_group_messages_are_application_traffic()
     assert not is_application(unicast(PEER, app.public), keys)  # their router's reply to one of our apps
     assert not is_application(unicast(service, far_app.public), keys)  # our pub/sub or discovery service's gossip
     assert not is_application(unicast(far_app, service.public), keys)  # and what it gets back
+
+
+async def test_a_configured_address_wins_over_an_advertised_one(pool: ConnectionPool) -> None:
+    """(From a review.) A static peer's or a bootstrap node's configured address is the one dialled, whatever an
+    advert (live, or kept in the store and handed over at start) says: it may name a host the advert cannot
+    (a node listening on 0.0.0.0, or behind a NAT)."""
+    pool.add_static(PEER.public, "192.0.2.1", 4433)
+    pool.add_bootstrap(OTHER.public, "192.0.2.2", 4433)
+    for router in (PEER, OTHER):
+        pool.learn(router.public, "10.9.9.9", 7000)
+    assert pool.addrs[PEER.public] == ("192.0.2.1", 4433) and pool.addrs[OTHER.public] == ("192.0.2.2", 4433)

@@ -384,7 +384,7 @@ class ControlPlane:
             self.s.learn_route(svc, adv.id, ROUTE_ADVERT, expiry)
         out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port, adv.addr.proto))
         if adv.addr.port:  # (port 0: it cannot be dialled) kept, so that a restart can dial it (Router.start)
-            self.s.remember_address(adv.id, PeerAddress(adv.addr.proto, adv.addr.ip, adv.addr.port, expiry))
+            self.s.remember_address(adv.id, PeerAddress(adv.addr.proto, adv.addr.ip, adv.addr.port, expiry), now)
         for service in (self.s.config.pubsub_service, self.s.config.discovery_service):
             if service is not None and service != sender:
                 self._send_to_service(service, encode_discovery(adv), now, out)

@@ -201,6 +201,8 @@ class Delivery:
         # trust and the member never wrote to it - as a unicast's sender is judged (a trusted router forwarding
         # it vouches).
         peer = origin.peer
+        untrusted = remote and peer not in s.locals and peer not in s.trusted  # (s.stranger, once per message)
+        contacts = s.contacts
         by_key, conns = (self.by_key, self.conns) if self.inline else ({}, {})
         inline = 0
         for m in recipients:
@@ -213,7 +215,7 @@ class Delivery:
                     if tracing:
                         out.append(Trace(DELIVERED, msg.id, MULTICAST, group, None, m, m, size, role=s.role(m)))
                     continue
-            stranger = remote and s.stranger(peer, m)
+            stranger = untrusted and (m, peer) not in contacts
             r = self.deliver(m, msg, group, size, now, out, kind=MULTICAST, data=data, fanout=direct,
                              stranger=stranger, remote=remote, origin=origin)  # fmt: skip
             if r is not None:

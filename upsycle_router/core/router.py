@@ -114,7 +114,8 @@ CONTACTS_MAX = 1_000_000  # (local service, key it wrote to) pairs remembered at
 # A group message held and sent again after a restart goes on to its member routers again (Router._again) for
 # this long after the start, and for this many messages at most (each once).
 PULL_WAIT = 60.0  # seconds a PULL sent on to another router waits for its answer (the group message)
-PULLS_MAX = 10_000  # such PULLs waiting at most (the oldest is forgotten)
+PULLS_MAX = 10_000  # message ids such PULLs wait for, at most (the oldest is forgotten)
+PULL_REQUESTERS_MAX = 16  # apps waiting for one id at most (the oldest is forgotten)
 AGAIN_WINDOW = 3600.0
 AGAIN_MAX = 100_000
 
@@ -440,7 +441,7 @@ class Router:
             self.store.delete_route(dst)
         for rid in [r for r, (_, t) in s.advert_revs.items() if t <= now]:
             del s.advert_revs[rid]
-        for mid in [m for m, p in s.pulls.items() if p.expires <= now]:
+        for mid in [m for m, ps in s.pulls.items() if ps[-1].expires <= now]:  # (the newest of each id last)
             del s.pulls[mid]
         # An address whose advert lapsed is forgotten once no message waits for that router (while some do, it is
         # still the best one known to dial).
@@ -709,18 +710,25 @@ class Router:
         if not isinstance(pull, Pull):
             return
         pulls = self.state.pulls
-        if len(pulls) >= PULLS_MAX:
+        waiting = pulls.pop(pull.id, ())
+        if not waiting and len(pulls) >= PULLS_MAX:
             del pulls[next(iter(pulls))]
-        pulls.pop(pull.id, None)
-        pulls[pull.id] = PendingPull(c.id, requester, now + PULL_WAIT)
+        mine = PendingPull(c.id, requester, now + PULL_WAIT)
+        pulls[pull.id] = (*[p for p in waiting if p.conn != c.id][-PULL_REQUESTERS_MAX + 1 :], mine)
 
-    def _answer_pull(self, pull: PendingPull, c: Conn, msg: Message, out: list[Effect]) -> None:
-        """The group message ``msg`` came on the router connection ``c`` while the app of ``pull`` waited for it
-        and routing it did not reach that app (seen here already, no member here, the app not a member): to the
-        app's connection, as delivered from ``c`` (VIA = ``c.peer``), if it is still open."""
-        if pull.conn in self._conns and self._conns[pull.conn].peer == pull.requester:
-            answer = msg if msg.via == c.peer else msg.with_via(c.peer)
-            out.append(Send(pull.conn, answer.encode(), True))
+    def _answer_pull(
+        self, pulls: tuple[PendingPull, ...], c: Conn, msg: Message, out: list[Effect], reached: Sequence[bytes] = ()
+    ) -> None:
+        """The group message ``msg`` came on the router connection ``c`` while the apps of ``pulls`` waited for it:
+        to each one's connection, if still open, that routing did not reach (``reached``: the recipients it was
+        routed to; none when it was seen here already, has no member here or was not taken), as delivered from
+        ``c`` (VIA = ``c.peer``)."""
+        data = b""
+        for p in pulls:
+            conn = self._conns.get(p.conn)
+            if conn is not None and conn.peer == p.requester and p.requester not in reached:
+                data = data or (msg if msg.via == c.peer else msg.with_via(c.peer)).encode()
+                out.append(Send(p.conn, data, True))
 
     def _again(self, c: Conn, mid: bytes, grp: bytes, recipients: list[bytes], now: float) -> list[bytes] | None:
         """A group message held but not taken since this router started (the recently-seen list does not know it):
@@ -824,6 +832,8 @@ class Router:
                 if not held:
                     self._dropped(c, ref, Why.STORE_FULL, 0, now, out, MULTICAST, h.grp, None, None, size, msg.id)
                     self.delivery.throttle(c, out)
+                    if pull is not None:  # (refused to the router; the app that asked still gets what it asked)
+                        self._answer_pull(pull, c, msg, out)
                     return
             if held or not store.put_message(msg.id, data, h.grp, expiry):
                 again = self._again(c, mid, grp, recipients, now)
@@ -852,8 +862,8 @@ class Router:
             recipients = [m for m in recipients if m in s.locals]
         failed, why = self._to_members(recipients, msg, grp, data, size, now, out, remote=not c.local, origin=c,
                                        plan=plan if plan is not None and recipients is plan.recipients else None)
-        if pull is not None and pull.requester not in recipients:
-            self._answer_pull(pull, c, msg, out)
+        if pull is not None:
+            self._answer_pull(pull, c, msg, out, recipients)
         if too_far:
             failed += too_far
             why = why or Reason.TOO_LARGE

@@ -184,7 +184,7 @@ class RouterState:
         self.peer_routers: set[bytes] = set()
         # Newest advert revision accepted per router, and when that advert lapses (older revisions are refused).
         self.advert_revs: dict[bytes, tuple[int, float]] = {}
-        self.pulls: dict[bytes, PendingPull] = {}  # message id -> the local app whose PULL went on to a router
+        self.pulls: dict[bytes, tuple[PendingPull, ...]] = {}  # message id -> the local apps whose PULL went on
         self.tracing = config.trace  # build the routine per-message Trace records
         self.counters: dict[str, int] = {}  # driver-side counters, reported by status()
         # What the current batch changed, as it was before (for Router.batch_lost): each connection's queue-drain
@@ -225,13 +225,14 @@ class RouterState:
         self.router_members.clear()
         self.epoch += 1
 
-    def remember_address(self, router: bytes, addr: PeerAddress) -> None:
+    def remember_address(self, router: bytes, addr: PeerAddress, now: float) -> None:
         """``router`` listens at ``addr`` (its advert, valid until ``addr.expires``): kept in the store when it is
-        new or moved, or its advert's lifetime grew by a minute or more (an advert refreshed every few minutes
-        costs no write each time)."""
+        new or moved, its advert's lifetime grew by a minute or more, or the one kept lapses within a minute (an
+        advert refreshed every few minutes costs no write each time; one with a short lifetime, each time - the
+        kept one must not lapse while the router is there)."""
         old = self.addresses.get(router)
         if old is not None and (old.proto, old.ip, old.port) == (addr.proto, addr.ip, addr.port) and (
-            addr.expires < old.expires + ADDRESS_REFRESH
+            addr.expires < old.expires + ADDRESS_REFRESH and old.expires - now > ADDRESS_REFRESH
         ):
             return
         self.addresses[router] = addr

@@ -87,8 +87,8 @@ class ConnectionPool:
     def learn(self, router: bytes, host: str, port: int, transport: int = TCP) -> None:
         """Record an advertised address (port 0: not dialable). Only TLS over TCP is implemented: an address
         on another ``transport`` (the advert's ``proto``, e.g. UDP) is skipped and counted."""
-        if not port or router == self.identity.public or router in self.static:
-            return
+        if not port or router == self.identity.public or router in self.static or router in self.bootstrap:
+            return  # (a configured address wins over an advertised one: it may name a host the advert cannot)
         if transport != TCP:
             self.driver.stats["adverts_transport_skipped_total"] += 1
             log.debug("not dialling router=%s at %s:%d: transport %d is not implemented (TLS over TCP only)",

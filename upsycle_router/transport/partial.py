@@ -82,13 +82,20 @@ class PartialFrames(Generic[_C]):
         if total > self.limit:
             paused = self._paused
             protected = self._protected
-            friends = {c for c in held if protected(c)} if protected is not None else set()
+            friends: dict[_C, bool] = {}  # (asked only of the connections a pass reaches, once each)
+
+            def friend_of(c: _C) -> bool:
+                f = friends.get(c)
+                if f is None:
+                    f = friends[c] = protected is not None and protected(c)
+                return f
+
             # Read longest ago first; those the router paused after the others; friends after all strangers.
             for friend, second in ((False, False), (False, True), (True, False), (True, True)):
-                if friend and not friends:
+                if friend and protected is None:
                     break
                 for c, m in held.items():
-                    if (c in paused) is second and (c in friends) is friend:
+                    if (c in paused) is second and friend_of(c) is friend:
                         shed.append(c)
                         total -= m
                         if total <= self.limit:
