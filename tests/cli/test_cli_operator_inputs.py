@@ -201,6 +201,8 @@ def test_a_file_where_the_store_directory_must_be_is_one_line_and_exit_2(tmp_pat
         (("send", "--hex", "00" * 32, "zz"), "error: body: non-hexadecimal"),
         (("send", "--ttl", "-5", "00" * 32, "hi"), "argument --ttl: expected 0 to 4294967295 seconds, got -5"),
         (("send", "--ttl", "soon", "00" * 32, "hi"), "argument --ttl: expected whole seconds, got 'soon'"),
+        (("send", "00", "hi"), "error: dst: expected 32 bytes (64 hex characters), got 1"),
+        (("send", "a" * 64, "hi"), f"error: dst: {'a' * 64} is not a usable Ed25519 public key"),
         (("publish", "--group", "g", "--ttl", str(2**32), "hi"), "argument --ttl: expected 0 to 4294967295"),
         (("pull", "00" * 32, "zz"), "argument id: expected 32 bytes (64 hex characters), got 'zz'"),
         (("pull", "00" * 32, "00" * 31), "argument id: expected 32 bytes (64 hex characters)"),
@@ -211,7 +213,8 @@ def test_a_file_where_the_store_directory_must_be_is_one_line_and_exit_2(tmp_pat
         (("group", "listen", "--timeout", "inf"), "argument --timeout: expected a finite number of seconds"),
         (("validator", "--count", "many"), "argument --count: expected a whole number, got 'many'"),
     ],
-    ids=["send-hex", "send-ttl-negative", "send-ttl-text", "publish-ttl-too-large", "pull-id-text", "pull-id-short",
+    ids=["send-hex", "send-ttl-negative", "send-ttl-text", "send-dst-short", "send-dst-not-a-point",
+         "publish-ttl-too-large", "pull-id-text", "pull-id-short",
          "listen-timeout-nan", "listen-timeout-negative", "listen-count-negative", "group-listen-count-zero",
          "group-listen-timeout-inf", "validator-count-text"],
 )

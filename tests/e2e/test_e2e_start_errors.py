@@ -36,6 +36,13 @@ def test_a_listener_that_cannot_be_opened_is_one_line_and_leaves_nothing_behind(
         rc, err = _run(tmp_path, "--listen", f"127.0.0.1:{port}")
         assert rc == 1 and f"listen.tls: 127.0.0.1:{port}: Address already in use" in _one_line(err)
         assert not (tmp_path / "s.sock").exists()  # a failed start removes the socket it bound
+        # The WebSocket listener under the option's own name (it said websocket.listen), and the metrics
+        # listener in the same words (it said asyncio's "error while attempting to bind on address ...").
+        rc, err = _run(tmp_path, "--websocket", f"127.0.0.1:{port}")
+        assert rc == 1 and _one_line(err) == f"error: listen.websocket: 127.0.0.1:{port}: Address already in use"
+        (tmp_path / "m.yaml").write_text(f'metrics:\n  listen: "127.0.0.1:{port}"\n')
+        rc, err = _run(tmp_path, "--config", str(tmp_path / "m.yaml"))
+        assert rc == 1 and _one_line(err) == f"error: metrics.listen: 127.0.0.1:{port}: Address already in use"
     finally:
         busy.close()
     rc, err = _run(tmp_path, "--listen", "192.0.2.77:7733")  # TEST-NET-1: on no host of ours

@@ -26,7 +26,8 @@ import argparse
 from upsycle_router import __version__
 from upsycle_router.cli import analyze, app, config_cmd, daemon, decode, discovery, group, simulate, store, validator
 
-DESCRIPTION = "The ``upsycle-router`` command line: one subcommand per task, each module registering its own."
+DESCRIPTION = ("A message router for peer-to-peer publish/subscribe: run the daemon, talk to it as an app, "
+               "and the tools around it. 'upsycle-router COMMAND --help' shows a command's options.")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -45,6 +45,7 @@ from upsycle_router.cli.common import (
     seconds_arg,
 )
 from upsycle_router.client import Client, Opened, SealedError, SyncResult
+from upsycle_router.client.sealed import sealable
 from upsycle_router.config import load_config, parse_key
 from upsycle_router.config.sources import find_config
 from upsycle_router.crypto import Identity, app_message_valid, sign_app_message
@@ -143,9 +144,19 @@ def cmd_send(args: argparse.Namespace) -> int:
     except ValueError as e:  # --hex and a body that is not hex
         print(f"error: body: {e}", file=sys.stderr)
         return 2
+    # The recipient before connecting: a malformed one, or one no body can be sealed for, is bad input (exit 2),
+    # whether the router runs or not.
+    try:
+        dst = parse_key(args.dst, "dst")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not args.plain and not sealable(dst):
+        print(f"error: dst: {args.dst} is not a usable Ed25519 public key: nothing can be sealed for it "
+              "(--plain sends the body readable)", file=sys.stderr)  # fmt: skip
+        return 2
 
     async def go(c: Client) -> int:
-        dst = parse_key(args.dst, "dst")
         mid = await c.send(dst, body, args.ttl, seal=not args.plain, pad=not args.no_pad)
         return _report(mid, await c.sync())
 

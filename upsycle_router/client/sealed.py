@@ -86,6 +86,15 @@ def padded_length(n: int) -> int:
     return (n + mask) & ~mask
 
 
+def sealable(key: bytes) -> bool:
+    """Whether a body can be sealed for the Ed25519 public key ``key`` (it is a point with an X25519 twin)."""
+    try:
+        _x25519_of(key, "recipient")
+    except ValueError:
+        return False
+    return True
+
+
 def _x25519_of(key: bytes, role: str) -> bytes:
     try:
         return x25519_public(key)

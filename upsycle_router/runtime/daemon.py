@@ -247,6 +247,8 @@ class Daemon:
             log.warning("created a new router key %s at %s, beside an existing store: this router now has a new id "
                         "(its queued messages are kept; peers, edge and core nodes that know the old id will refuse "
                         "it); to keep the old id, stop it and put the old key back", ident.hex, cfg.key_path)
+        elif not had_key:  # (a first start; or a key_file path mistyped: the line names where the key went)
+            log.info("created a new router key %s at %s", ident.hex, cfg.key_path)
         if cfg.pubsub.enabled:
             self.pubsub_identity = load_or_create_key_file(cfg.data_dir / "pubsub.key")
         ps_key = self.pubsub_identity.public if self.pubsub_identity is not None else None
@@ -502,7 +504,7 @@ class Daemon:
                 raise ConfigError(f"websocket.cert_file / key_file: {e}") from None
         local = ws.local if ws.local is not None else is_loopback(addr.host)
         self._ws_policy = WebSocketPolicy(ws.path, ws.origins, local)
-        with _opening("websocket.listen", ws.listen):
+        with _opening("listen.websocket", ws.listen):
             sock = listen_tcp(addr.host, addr.port)
         listener = self._listen(sock, "websocket", ssl_context=ctx)
         port = listener.sock.getsockname()[1]
@@ -858,7 +860,9 @@ class ListenError(RuntimeError):
     """A listener the config asks for could not be opened: the option, its value, the system's reason."""
 
     def __init__(self, option: str, value: object, err: OSError) -> None:
-        super().__init__(f"{option}: {value}: {err.strerror or err}")
+        # (the system's words for its errno: asyncio's own bind error wraps them in a sentence of its own)
+        reason = os.strerror(err.errno) if err.errno else (err.strerror or str(err))
+        super().__init__(f"{option}: {value}: {reason}")
         self.errno = err.errno
 
 

@@ -264,6 +264,6 @@ def main_testnet(a: argparse.Namespace) -> int:
         run_testnet(out, a.nodes, a.topology, a.groups, a.rate, a.duration, a.churn, seed=a.seed)
     )
     print(json.dumps(res, indent=2))
-    print(f"analyse with: upsycle-router analyze {res['journals']} --out {out / 'report'}")
+    print(f"analyze with: upsycle-router analyze {res['journals']} --out {out / 'report'}")
     codes = res["exit_codes"]
     return 0 if isinstance(codes, list) and all(c == 0 for c in codes) else 1
