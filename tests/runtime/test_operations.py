@@ -20,7 +20,7 @@ from upsycle_router.errors import ConfigError
 from upsycle_router.logtext import untrusted, value
 from upsycle_router.runtime.logs import JsonFormatter, TextFormatter, stderr_is_journal
 from upsycle_router.runtime.logs import RateLimitedLog as RefusalLog
-from upsycle_router.runtime.metrics import MetricsServer, render, status_lines
+from upsycle_router.runtime.metrics import MetricsServer, counters_lines, render, status_lines
 
 A, B, C = bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32
 REPO = Path(__file__).resolve().parents[2]
@@ -241,3 +241,12 @@ def test_the_status_view_reads_a_detail_object() -> None:
     assert "version 1.2.3" in text and "up 1h 2m" in text and "not connected" in text
     assert "efefefefefefefef tls" in text and "4.9 KiB" in text and "quota" in text
     assert "per_source" not in text  # no refusals of that kind
+
+
+def test_the_counters_view_keeps_one_column_for_the_values() -> None:
+    """(From a first-contact audit.) A counter's name longer than the others no longer pushes its value out of
+    the column the others are in."""
+    lines = counters_lines("ab" * 32, {"received_total": 5, "conn_refused_max_connections_total": 0, "groups": 12})
+    values = [ln.rindex(" ") for ln in lines[1:]]
+    assert len(set(values)) == 1, lines
+    assert lines[1].split() == ["conn_refused_max_connections_total", "0"]

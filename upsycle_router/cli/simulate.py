@@ -82,8 +82,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         _line("delivery ratio", "-" if fig.delivery_ratio is None else f"{fig.delivery_ratio:.4f}"),
         _line("latency p50 / p99 / max (ms)",
               " / ".join("-" if v is None else f"{v:.1f}" for v in fig.latency_ms.values())),
-        _line("latency histogram (100 ms)",
-              ", ".join(f"{k}: {v:,}" for k, v in fig.latency_histogram.items()) or "-"),
+        _line("latency histogram (100 ms)",  # (the buckets with deliveries: --json has every one)
+              ", ".join(f"{k}: {v:,}" for k, v in fig.latency_histogram.items() if v) or "-"),
         _line("data transmissions", fig.data_transmissions),
         _line("transmissions per delivery", fig.transmissions_per_delivery),
         _line("data bytes per delivered byte", fig.data_bytes_per_delivered_byte),

@@ -275,5 +275,6 @@ def counters_lines(router: str, counters: dict[str, int], now: float | None = No
     if started:
         up = duration_text((time.time() if now is None else now) - started)
         out.append(f"  started {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(started))}, up {up}")
-    out += [f"  {k:24} {counters[k]}" for k in sorted(counters)]
+    width = max((len(k) for k in counters), default=0)  # (one column for the values, however long a name)
+    out += [f"  {k:{width}} {counters[k]}" for k in sorted(counters)]
     return out
