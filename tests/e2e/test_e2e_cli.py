@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, DaemonFactory, cli, run_expecting_exit, subprocess_env
 
+from upsycle_router.crypto import Identity
+
 pytestmark = pytest.mark.slow
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -151,7 +153,8 @@ def test_app_commands_exit_2_for_an_unusable_key_or_config_and_1_for_an_unreacha
     bad_key.write_bytes(b"\x00not a key")
     bad_key.chmod(0o600)
     sock = str(tmp_path / "nobody.sock")
-    r = cli("send", "--socket", sock, "--key", str(bad_key), "00" * 32, "hi")
+    dst = Identity.generate().public.hex()  # (a key a body can be sealed for: "00" * 32 is refused before the key)
+    r = cli("send", "--socket", sock, "--key", str(bad_key), dst, "hi")
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.startswith("error:") and "bad.key" in r.stderr, r.stderr
     bad_cfg = tmp_path / "bad.yaml"
@@ -161,6 +164,6 @@ def test_app_commands_exit_2_for_an_unusable_key_or_config_and_1_for_an_unreacha
     assert "max_frame" in r.stderr, r.stderr
     good_key = tmp_path / "good.key"
     keygen(str(good_key))
-    r = cli("send", "--socket", sock, "--key", str(good_key), "00" * 32, "hi")
+    r = cli("send", "--socket", sock, "--key", str(good_key), dst, "hi")
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert r.stderr.startswith("error:"), r.stderr
