@@ -111,22 +111,22 @@ from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
 REDIAL_MIN = 2.0
 REDIAL_MAX = 60.0
 CONTACTS_MAX = 1_000_000  # (local service, key it wrote to) pairs remembered at most
-# A group message held and sent again after a restart goes on to its member routers again (Router._again) for
-# this long after the start, and for this many messages at most (each once).
 PULL_WAIT = 60.0  # seconds a PULL sent on to another router waits for its answer (the group message)
 PULLS_MAX = 10_000  # message ids such PULLs wait for, at most (the oldest is forgotten)
 PULL_REQUESTERS_MAX = 16  # apps waiting for one id at most (the oldest is forgotten)
+# A group message held and sent again after a restart goes on to its member routers again (Router._again) for
+# this long after the start, and for this many messages at most (each once).
 AGAIN_WINDOW = 3600.0
 AGAIN_MAX = 100_000
 
 
-def _is_answer(msg: Message) -> bool:
-    """Whether a message to the router carries an answer (REFUSED, an acknowledgement, a status reply)."""
+def _answer_in(msg: Message) -> RouterMessage | None:
+    """The answer a message to the router carries (REFUSED, an acknowledgement, a status reply), if it is one."""
     try:
         body = decode_control(msg.body)
     except RemoteProtocolError:
-        return False
-    return isinstance(body, Refused | JoinAck | LeaveAck | SyncAck | PullNack | StatusReply)
+        return None
+    return body if isinstance(body, Refused | JoinAck | LeaveAck | SyncAck | PullNack | StatusReply) else None
 
 
 class Router:
@@ -317,13 +317,12 @@ class Router:
             size = msg.size
             if isinstance(h, MulticastHeader):
                 self._dropped(c, msg.id, why, 0, now, out, MULTICAST, h.grp, None, None, size)
-            elif h.dst == self.id and _is_answer(msg):  # an answer is never answered (no loops between routers)
+            elif h.dst == self.id and (answer := _answer_in(msg)) is not None:  # never answered (no loops)
                 out.append(Trace(DROPPED, msg.id, CONTROL, None, h.src, h.dst, c.peer, size, why))
-                body = decode_control(msg.body)
-                if isinstance(body, Refused) and not c.local and h.src == c.peer and message_signature_valid(msg):
+                if isinstance(answer, Refused) and not c.local and h.src == c.peer and message_signature_valid(msg):
                     # A next router's REFUSED is passed on all the same (it writes nothing to the store, and
                     # that router does not send it again): the app must not take that message for a safe one.
-                    self.delivery.late_refusal(c.peer, body, now, out)
+                    self.delivery.late_refusal(c.peer, answer, now, out)
             else:
                 kind = CONTROL if h.dst == self.id else UNICAST
                 self._dropped(c, msg.id, why, 0, now, out, kind, None, h.src, h.dst, size)
