@@ -725,3 +725,18 @@ async def test_raw_a_member_routers_refusal_before_the_sync_ack_is_counted_by_it
     finally:
         for app in (a, b, r):
             await app.close()
+
+
+async def test_raw_a_connection_still_in_its_handshake_gets_error_7_at_the_stop(daemon: DaemonFactory) -> None:
+    """(From a black-box audit.) At SIGTERM a peer that has the router's HELLO and has not answered yet gets ERROR 7
+    (shutting down) too, as an authenticated one does - not a bare close."""
+    d = daemon()
+    silent = await RawConn.open(d.sock)
+    try:
+        hello_frame = await silent.read_frame(5)
+        assert hello_frame is not None and dec(hello_frame)[0] == "upsycle"
+        d.stop()
+        code, reason = await silent.expect_error_and_close(timeout=5)
+        assert code == ERR_SHUTTING_DOWN, reason
+    finally:
+        await silent.close()

@@ -45,6 +45,7 @@ import stat
 import struct
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -205,6 +206,9 @@ class Daemon:
         self.admission: Admission | None = None
         self.partials = PartialFrames[Connection]()  # the budget of unfinished frames (its limit set at start)
         self._listeners: list[Listener] = []
+        # Every connection accepted and not yet collected: at the stop, those still in their handshake (not in the
+        # driver's table) get ERROR 7 too.
+        self._accepted: weakref.WeakSet[Connection] = weakref.WeakSet()
         self.pubsub_identity: Identity | None = None
         self.pubsub: PubsubService | None = None
         self._pubsub_task: asyncio.Task[None] | None = None
@@ -483,6 +487,7 @@ class Daemon:
                 write_high_water=self.config.effective_write_high_water,
                 partials=self.partials,
             )
+        self._accepted.add(c)
         return c
 
     async def _listen_websocket(self, ident: Identity) -> None:
@@ -769,7 +774,8 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await fn()
         if self.driver is not None:
-            for conn in list(self.driver.conns.values()):
+            established = self.driver.conns
+            for conn in [*established.values(), *(c for c in self._accepted if c.id not in established)]:
                 conn.close_with_error(ErrorCode.SHUTTING_DOWN, "shutting down")
             await asyncio.sleep(0)
             await self.driver.aclose()
