@@ -735,6 +735,11 @@ async def test_raw_a_connection_still_in_its_handshake_gets_error_7_at_the_stop(
     try:
         hello_frame = await silent.read_frame(5)
         assert hello_frame is not None and dec(hello_frame)[0] == "upsycle"
+        for _ in range(3):  # and peers that left in their handshake: nothing to write to (the stop exits 0)
+            quitter = await RawConn.open(d.sock)
+            assert await quitter.read_frame(5) is not None
+            await quitter.close()
+        await asyncio.sleep(0.2)
         d.stop()
         code, reason = await silent.expect_error_and_close(timeout=5)
         assert code == ERR_SHUTTING_DOWN, reason

@@ -774,9 +774,19 @@ class Daemon:
             with contextlib.suppress(Exception):
                 await fn()
         if self.driver is not None:
-            established = self.driver.conns
-            for conn in [*established.values(), *(c for c in self._accepted if c.id not in established)]:
+            for conn in list(self.driver.conns.values()):
                 conn.close_with_error(ErrorCode.SHUTTING_DOWN, "shutting down")
+            # Those still in their handshake too - the ones whose transport is still there: one the peer closed
+            # may live on in a timer, its transport gone (writing to it would raise); a stop never fails on it.
+            established = self.driver.conns
+            for conn in list(self._accepted):
+                t = conn.transport
+                if conn.id in established or conn.closed or conn.lost or t is None or t.is_closing():
+                    continue
+                try:
+                    conn.close_with_error(ErrorCode.SHUTTING_DOWN, "shutting down")
+                except (OSError, RuntimeError) as e:  # (uvloop: "the handler is closed")
+                    log.debug("conn=%d: no ERROR 7 at the stop: %s", conn.id, e)
             await asyncio.sleep(0)
             await self.driver.aclose()
         if self.journal is not None:
