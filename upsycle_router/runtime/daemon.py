@@ -776,12 +776,13 @@ class Daemon:
         if self.driver is not None:
             for conn in list(self.driver.conns.values()):
                 conn.close_with_error(ErrorCode.SHUTTING_DOWN, "shutting down")
-            # Those still in their handshake too - the ones whose transport is still there: one the peer closed
-            # may live on in a timer, its transport gone (writing to it would raise); a stop never fails on it.
+            # Those still in their handshake too - the ones whose transport is still there (close_with_error
+            # passes over those closed already): one the peer closed may live on in a timer, its transport gone
+            # (writing to it would raise); a stop never fails on it.
             established = self.driver.conns
             for conn in list(self._accepted):
                 t = conn.transport
-                if conn.id in established or conn.closed or conn.lost or t is None or t.is_closing():
+                if conn.id in established or t is None or t.is_closing():
                     continue
                 try:
                     conn.close_with_error(ErrorCode.SHUTTING_DOWN, "shutting down")

@@ -307,14 +307,14 @@ class Driver:
         peer = (conn.peer or b"").hex() or "-"
         self._violation(conn, error.code.name.lower(), f"protocol error conn={conn.id} peer={peer}: {error}")
         code = error.code
+        reason = Why.MALFORMED
         if code in (ErrorCode.PROTOCOL, ErrorCode.FRAME_TOO_LARGE):  # a bad frame (timeouts: admission's)
             self.stats["malformed_total"] += 1
-            reason = Why.MALFORMED
         elif code == ErrorCode.AUTH_FAILED:  # a handshake whose AUTH proved no key (or one for another router)
             self.stats["auth_failures_total"] += 1
             reason = Why.NOT_AUTHORIZED
-        else:
-            reason = Why.OVERLOADED if code == ErrorCode.OVERLOADED else Why.MALFORMED
+        elif code == ErrorCode.OVERLOADED:
+            reason = Why.OVERLOADED
         self.effects.trace_now(Trace(Ev.DROPPED, None, Kind.UNICAST, peer=conn.peer, reason=reason))
 
     def _violation(self, conn: Connection, kind: str, text: str) -> None:
