@@ -67,7 +67,7 @@ from upsycle_router.client.sealed import seal as seal_body
 from upsycle_router.client.websocket import StreamLink, UpgradeRefused
 from upsycle_router.crypto import Identity, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError, UpsycleError
-from upsycle_router.expiry import UINT32_MAX, exp_in
+from upsycle_router.expiry import UINT32_MAX, DistinctTtls, exp_in
 from upsycle_router.transport.session import FrameReceived, HandshakeComplete, MessagesDecoded, PeerError, Session
 from upsycle_router.wire.control import (
     Join,
@@ -267,7 +267,7 @@ class Client:
         self._incoming: asyncio.Queue[Message | None] = asyncio.Queue()
         self._waiters: dict[tuple[str, bytes | int], _Waiter] = {}
         self._sync_n = itertools.count(int.from_bytes(os.urandom(6), "big"))
-        self._remote_pulls = itertools.count()
+        self._remote_ttls = DistinctTtls()  # requests to other routers: a repetition is a message of its own
         self._pull_routers: set[bytes] = set()  # remote routers a PULL still waits for (its PULL_NACK answers it)
         self._request_ids: dict[bytes, tuple[str, bytes | int]] = {}  # id of a pending request -> its waiter
         self._epoch = _Epoch()  # ids sent since the last sync()
@@ -636,9 +636,12 @@ class Client:
             msg = self._unicast(self.router_id, encode_router(body), 60, None, None)
         else:
             # Through our router (VIA) to another one. Our router's replay protection drops a unicast whose id it
-            # has seen, and an identical request within the same minute has the same id: vary the ttl.
+            # has seen, and an identical request within the same minute would have the same id: a repetition
+            # gets the next ttl up.
             self._pull_routers.add(w.router)
-            msg = self._unicast(w.router, encode_router(body), 60 + next(self._remote_pulls) % 3600, None, w.router)
+            request = encode_router(body)
+            exp = exp_in(time.time(), DEFAULT_LIFETIME)
+            msg = self._unicast(w.router, request, self._remote_ttls.ttl(w.router, request, 60, exp), exp, w.router)
         self._request_ids[msg.id] = key  # a REFUSED for it fails the request (possibly while we drain)
         try:
             self.send_message(msg)

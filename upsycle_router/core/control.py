@@ -76,23 +76,13 @@ class ControlPlane:
         self.s = state
         self.delivery = delivery
         self.route_multicast = route_multicast
-        self._remote_replies = 0
-
-    def _reply_ttl(self, remote: bool) -> int:
-        """The ttl of a reply. A remote requester's router drops a unicast whose id it has seen (replay
-        protection), and the same answer to the same request within one minute (exp) has the same id: replies
-        to remote requesters vary their ttl so that a repeated answer (a second PULL_NACK) gets through."""
-        if not remote:
-            return self.s.config.reply_ttl
-        self._remote_replies += 1
-        return self.s.config.reply_ttl + self._remote_replies % 64
 
     def _reply(
         self, c: Conn, to: bytes, body: bytes, now: float, out: list[Effect], barrier: bool = False, span: int = -1
     ) -> None:
         """Send a router-signed unicast ``body`` to ``to`` (over ``c``, or via the normal delivery path);
         ``barrier``, ``span``: see :class:`~upsycle_router.core.events.Send`."""
-        reply = self.s.signed_to(to, body, now, self._reply_ttl(not c.local))
+        reply = self.s.signed_to(to, body, now)
         if c.id in self.s.conns and (c.peer == to or not c.local):
             out.append(Send(c.id, reply.encode(), False, barrier, span=span))
             return
@@ -291,8 +281,7 @@ class ControlPlane:
         """REGISTER ``keys`` at the router on ``c`` (in as many messages as it takes)."""
         for i in range(0, len(keys), MAX_REGISTER_KEYS):
             body = encode_router(Register(tuple(keys[i : i + MAX_REGISTER_KEYS])))
-            # (a rotating ttl: the same REGISTER again within a minute would be the same message, a replay)
-            out.append(Send(c.id, self.s.signed_to(c.peer, body, now, self._reply_ttl(True)).encode()))
+            out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
 
     def _may_pull(self, c: Conn, requester: bytes) -> bool:
         if c.local:

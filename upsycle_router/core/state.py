@@ -45,7 +45,7 @@ from upsycle_router.core.events import ConnId
 from upsycle_router.core.seen import SeenIds
 from upsycle_router.core.trace import APP, ROUTER, SERVICE, Kind, Role
 from upsycle_router.crypto import Identity, sign_message
-from upsycle_router.expiry import exp_in
+from upsycle_router.expiry import DistinctTtls, exp_in
 from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_SERVED, PeerAddress, RouteEntry, RouterStore
 from upsycle_router.wire.messages import Message, UnicastHeader
 
@@ -150,6 +150,7 @@ class RouterState:
         self.store = store
         self.config = config
         self.seen = SeenIds(config.seen_max)
+        self.reply_ttls = DistinctTtls()  # the router's own unicasts: a repetition is a message of its own
         self.conns: dict[ConnId, Conn] = {}
         self.by_key: dict[bytes, list[ConnId]] = {}  # peer key -> its open connections, oldest first
         # Mirrored from the store (load_mirrored).
@@ -362,10 +363,13 @@ class RouterState:
         self.routes[dst] = entry
         self.store.put_route(dst, entry)
 
-    def signed_to(self, dst: bytes, body: bytes, now: float, ttl: int | None = None) -> Message:
-        """A unicast from this router to ``dst`` (the router's own replies, REFUSED, SUBs, adverts)."""
+    def signed_to(self, dst: bytes, body: bytes, now: float) -> Message:
+        """A unicast from this router to ``dst`` (the router's own replies, REFUSED, SUBs, adverts). The same
+        body to the same ``dst`` again within a minute gets the next ttl up (:class:`DistinctTtls`): otherwise it
+        would be the same message, which a router on the way (a remote requester's) drops as a replay."""
         cfg = self.config
-        header = UnicastHeader(self.id, dst, cfg.reply_ttl if ttl is None else ttl, exp_in(now, cfg.reply_lifetime))
+        exp = exp_in(now, cfg.reply_lifetime)
+        header = UnicastHeader(self.id, dst, self.reply_ttls.ttl(dst, body, cfg.reply_ttl, exp), exp)
         return sign_message(header, body, self.identity)
 
     def status(self) -> dict[str, int]:

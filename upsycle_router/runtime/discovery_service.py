@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.errors import RemoteProtocolError
-from upsycle_router.expiry import exp_in
+from upsycle_router.expiry import DistinctTtls, exp_in
 from upsycle_router.runtime.service import RouterService
 from upsycle_router.services.discovery import DISCOVERY_GROUP
 from upsycle_router.services.discovery.core import (
@@ -124,6 +124,7 @@ class DiscoveryService(RouterService):
         self.rng = rng or random.Random()
         self.core: DiscoveryCore | None = None
         self._transport: asyncio.DatagramTransport | None = None
+        self._ttls = DistinctTtls()  # a repeated reply or RPC is a message of its own (not a replay)
 
     async def run(self) -> None:
         """Open the LAN socket, connect (retrying while the router starts) and serve until :meth:`stop`."""
@@ -216,7 +217,8 @@ class DiscoveryService(RouterService):
         self._unicast(client, to, encode_discovery_message(body), 60, None)
 
     def _unicast(self, client: Client, dst: bytes, body: bytes, ttl: int, via: bytes | None) -> None:
-        header = UnicastHeader(self.identity.public, dst, ttl, exp_in(time.time(), 60 + ttl))
+        exp = exp_in(time.time(), 60 + ttl)
+        header = UnicastHeader(self.identity.public, dst, self._ttls.ttl(dst, body, ttl, exp), exp)
         client.send_message(sign_message(header, body, self.identity, via))
 
     def _publish(self, client: Client, adv: PeerAdvertisement) -> None:

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import math
 import os
@@ -41,7 +40,7 @@ from upsycle_router.client import Client, ClientError
 from upsycle_router.config import GroupPolicyConfig, PubsubConfig
 from upsycle_router.crypto import Identity, advert_valid, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError
-from upsycle_router.expiry import exp_in, exp_to_unix
+from upsycle_router.expiry import DistinctTtls, exp_in, exp_to_unix
 from upsycle_router.logtext import RateLimitedLog
 from upsycle_router.runtime.service import RouterService
 from upsycle_router.services.pubsub.core import GossipCore
@@ -97,7 +96,7 @@ class PubsubService(RouterService):
         self.core: GossipCore | None = None
         self._peer_expiry: dict[bytes, float] = {}  # router -> monotonic time its advertisement lapses
         self._peer_rev: dict[bytes, int] = {}  # router -> revision of its last advertisement
-        self._ttl_offsets = itertools.count()
+        self._ttls = DistinctTtls()  # a repeated RPC, PULL or VALIDATE is a message of its own (not a replay)
         # A message published on this node that the service's rules reject (too large for gossip, a signature
         # policy) leaves the node no further - local subscribers had it from the router: say so, a line per
         # reason every 10 s with the count (one each would let an app flood the log).
@@ -218,11 +217,10 @@ class PubsubService(RouterService):
     # ------------------------------------------------------------ outbound
 
     def _unicast(self, client: Client, dst: bytes, body: bytes, ttl: int, via: bytes | None) -> None:
-        if via is not None:
-            # Routers drop a unicast whose id they have seen (replay protection), and the same RPC or PULL sent
-            # again within the same minute (exp) has the same id: vary the ttl so a repetition gets through.
-            ttl += next(self._ttl_offsets) % 64
-        header = UnicastHeader(self.identity.public, dst, ttl, exp_in(time.time(), 3600))  # wall clock: on the wire
+        # Routers drop a unicast whose id they have seen (replay protection), and the same RPC, PULL or VALIDATE
+        # sent again within the same minute (exp) would have the same id: a repetition gets the next ttl up.
+        exp = exp_in(time.time(), 3600)  # wall clock: on the wire
+        header = UnicastHeader(self.identity.public, dst, self._ttls.ttl(dst, body, ttl, exp), exp)
         client.send_message(sign_message(header, body, self.identity, via))
 
     def _send_router(self, client: Client, body: bytes) -> None:
@@ -241,11 +239,9 @@ class PubsubService(RouterService):
             elif isinstance(e, Pull):
                 self._unicast(client, e.router, encode_router(PullMsg(e.group, e.id)), RPC_TTL, e.router)
             elif isinstance(e, Validate):
-                # A repeated request (the message came again after the queue was full) must not have the id of
-                # the first, or the router would drop it as a replay: vary the ttl.
-                ttl = math.ceil(e.timeout) + next(self._ttl_offsets) % 64
+                # (a repeated request - the message came again after the queue was full - gets a ttl of its own)
                 body = VALIDATION_CODEC.encode(ValidateRequest.of(e.message, e.peer))
-                self._unicast(client, e.service, body, ttl, None)
+                self._unicast(client, e.service, body, math.ceil(e.timeout), None)
             elif isinstance(e, Trace) and e.event == "deprecated_policy":
                 log.warning("pubsub: group %s: %s", e.group.hex() if e.group else "-", e.reason)
             elif isinstance(e, Trace) and e.event == "rejected" and e.peer is None:

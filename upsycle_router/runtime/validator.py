@@ -27,8 +27,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
-import itertools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +36,14 @@ from pathlib import Path
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import load_key_file
 from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.expiry import DistinctTtls, exp_in
 from upsycle_router.services.pubsub.validation import Verdict
 from upsycle_router.wire.messages import Message, UnicastHeader
 from upsycle_router.wire.validation import VALIDATION_CODEC, ValidateRequest, VerdictReply
 
 log = logging.getLogger("upsycle_router.validator")
 VERDICT_TTL = 60  # seconds: the pub/sub service waits less than that (validator_timeout) anyway
+VERDICT_LIFETIME = 3600.0  # seconds: the answers' exp (their ttl ends them long before)
 
 Judge = Callable[[Message, bytes | None], Verdict | Awaitable[Verdict]]
 PUBSUB_KEY_FILE = "pubsub.key"  # in the router's data directory; the daemon creates it
@@ -94,7 +96,7 @@ async def serve_validator(
     strangers: set[bytes] = set()
     stop = stop or asyncio.Event()
     stopped = asyncio.ensure_future(stop.wait())
-    ttl_offsets = itertools.count()
+    ttls = DistinctTtls()
     answered = 0
     try:
         while count is None or answered < count:
@@ -129,8 +131,9 @@ async def serve_validator(
             verdict = await _judge(judge, target, req.peer)
             body = VALIDATION_CODEC.encode(VerdictReply(req.id, verdict.value))
             # Two answers with the same body would be one message id within a minute (the router drops the second
-            # as a replay): vary the ttl.
-            await client.send(h.src, body, VERDICT_TTL + next(ttl_offsets) % 64)
+            # as a replay): a repetition gets the next ttl up.
+            exp = exp_in(time.time(), VERDICT_LIFETIME)
+            await client.send(h.src, body, ttls.ttl(h.src, body, VERDICT_TTL, exp), exp=exp)
             answered += 1
             if on_verdict is not None:
                 on_verdict(Judged(target, req.peer, verdict, h.src))

@@ -110,7 +110,7 @@ from upsycle_router.core.events import (
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, message_signature_valid, sign_advert, sign_message
 from upsycle_router.errors import RemoteProtocolError
-from upsycle_router.expiry import exp_in, exp_to_unix
+from upsycle_router.expiry import DistinctTtls, exp_in, exp_to_unix
 from upsycle_router.services.discovery import DISCOVERY_GROUP
 from upsycle_router.services.discovery import core as dcore
 from upsycle_router.services.discovery.params import DiscoveryParams
@@ -830,7 +830,7 @@ class PubsubEndpoint:
     """A node's pub/sub service: a :class:`GossipCore` behind the translation of ``runtime/pubsub_service.py``
     (no validator services: the simulated groups have the default policy)."""
 
-    __slots__ = ("net", "node", "conn", "key", "router", "core", "peer_expiry", "peer_rev", "ttl_offsets")
+    __slots__ = ("net", "node", "conn", "key", "router", "core", "peer_expiry", "peer_rev", "ttls")
 
     def __init__(self, net: Network, node: Node, conn: int, now: float, rng: random.Random) -> None:
         self.net = net
@@ -841,7 +841,7 @@ class PubsubEndpoint:
         self.core = GossipCore(self.router, now=now, rng=rng, params=net.config.gossip)
         self.peer_expiry: dict[bytes, float] = {}
         self.peer_rev: dict[bytes, int] = {}
-        self.ttl_offsets = itertools.count()
+        self.ttls = DistinctTtls()
 
     def receive(self, data: bytes) -> None:
         """Bytes from the router on the service's connection."""
@@ -918,9 +918,8 @@ class PubsubEndpoint:
 
     def unicast(self, dst: bytes, body: bytes, ttl: int, via: bytes | None) -> Message:
         """``PubsubService._unicast``: the message it would send (the virtual clock for ``exp``)."""
-        if via is not None:
-            ttl += next(self.ttl_offsets) % 64
-        header = UnicastHeader(self.key.public, dst, ttl, exp_in(self.net.now, 3600))
+        exp = exp_in(self.net.now, 3600)
+        header = UnicastHeader(self.key.public, dst, self.ttls.ttl(dst, body, ttl, exp), exp)
         sign = sign_message if self.net.config.real_signatures else stand_in_signed
         return sign(header, body, self.key, via)
 
