@@ -240,42 +240,94 @@ async def test_fragmented_message_and_ping(daemon: DaemonFactory) -> None:
         await ws.close()
 
 
-async def test_a_peer_that_pings_and_never_reads_gets_only_the_latest_pong_once_it_reads(
+async def test_a_peer_that_pings_while_it_does_not_read_gets_only_the_latest_pong_once_it_reads(
     daemon: DaemonFactory,
 ) -> None:
     """Pings from a peer that reads nothing: answered one by one, every pong would wait in the router's buffer.
     Above the write high-water mark only the latest ping is kept, and answered when the peer reads again
-    (RFC 6455 5.5.3). The pings sent are twice what the kernels' buffers on both sides can hold, so what
-    reaches the peer, at most those buffers and the high-water mark, is fewer pongs than pings by a margin,
-    and ends with the last pong. (The client keeps its default receive buffer: a tiny one makes the pongs
-    crawl out later at one window per delayed ACK. Its stream reader takes up to its limit before it pauses,
-    and those reads let the kernel grow the receive buffer up to tcp_rmem's maximum: on a CI run 9.2 MB of
-    pongs fitted where tcp_wmem's maximum and 4 x tcp_rmem's default made 4.7 MB.)"""
+    (RFC 6455 5.5.3). A Unix app's messages to the peer fill the buffers towards it until the router queues
+    them instead (its buffer is above the mark), then the peer pings 40 times, each in a write of its own
+    10 ms apart (a turn of its own, under the pings-per-second limit); once it reads, it gets every message
+    and one pong: the last."""
     d = ws_daemon(daemon, limits={"write_high_water": 64 * 1024})
     ws, key, router_id = await raw_session(ws_url(d))
     try:
-        # the router's send buffer grows to tcp_wmem's maximum, ours to tcp_rmem's (the stream reader reads a little)
-        wmem, rmem = (Path(f"/proc/sys/net/ipv4/tcp_{k}mem").read_text().split() for k in "wr")
-        kernel = int(wmem[2]) + int(rmem[2]) + 4 * int(rmem[1])
-        ping = bytes([0x80 | OP_PING, 0x80 | 125]) + bytes(4) + b"p" * 125  # masked with a zero key
-        pings = 0
-        while pings * len(ping) < 2 * kernel:
-            ws.writer.write(ping * 1024)
-            pings += 1024
-            await asyncio.wait_for(ws.writer.drain(), 10)
-        ws.send_frame(OP_PING, b"the last one")
-        await asyncio.wait_for(ws.writer.drain(), 10)
-        pongs = 0
-        while True:
-            op, data = await ws.read_frame(timeout=10)
-            assert op == OP_PONG, (op, data[:20])
-            pongs += 1
-            if data == b"the last one":
-                break
-        assert pongs * (2 + 125) < kernel + 1024 * 1024, (pongs, pings, kernel)
+        bodies: list[bytes] = []
+        async with await Client.connect(d.sock, Identity.generate(), timeout=5) as app:
+            while not d.trace(event="queued", dst=key.public.hex()):
+                assert len(bodies) < 400, "the router never queued for the peer that does not read"
+                for _ in range(5):
+                    bodies.append(os.urandom(200_000))
+                    await app.send(key.public, bodies[-1])
+                await app.sync()
+            for i in range(40):
+                ws.send_frame(OP_PING, f"ping {i}".encode())
+                await asyncio.wait_for(ws.writer.drain(), 10)
+                await asyncio.sleep(0.01)
+            pongs: list[bytes] = []
+            got: list[bytes] = []
+            while len(pongs) == 0 or len(got) < len(bodies):
+                op, data = await ws.read_frame(timeout=10)
+                if op == OP_PONG:
+                    pongs.append(data)
+                else:
+                    assert op == OP_BINARY, (op, data[:20])
+                    got.append(decode_message(data).body)
+            assert pongs == [b"ping 39"] and got == bodies
         await sync(ws, key, router_id)  # the session still works
     finally:
         await ws.close()
+
+
+@pytest.mark.parametrize("frames", ["pings", "pongs", "empty_fragments", "one_byte_fragments"])
+@pytest.mark.parametrize("when", ["before_hello", "in_session"])
+async def test_a_flood_of_cheap_frames_ends_that_connection(daemon: DaemonFactory, frames: str, when: str) -> None:
+    """Frames of a few bytes, tens of thousands in one read, cost the router a few microseconds each: a peer
+    (before its HELLO, or with any fresh key after it) that floods them - pings, unasked pongs, or fragments
+    of one message that add nothing or one byte - is closed once it passes the limits: more than 200 pings and
+    pongs a second is ERROR 6 (overloaded) and Close 1013, a message in more than 1024 fragments ERROR 1 and
+    Close 1002. It is answered nothing else meanwhile (pings of one turn get one pong), counted, and the daemon
+    goes on serving others."""
+    d = ws_daemon(daemon)
+    url = ws_url(d)
+    if when == "before_hello":
+        ws = await RawWebSocket.open(url)
+        assert ws.status == 101
+        dec(await ws.read_message())  # the router's HELLO; ours never comes
+    else:
+        ws, _, _ = await raw_session(url)
+    try:
+        zero_mask = bytes(4)
+        if frames in ("pings", "pongs"):
+            op = OP_PING if frames == "pings" else OP_PONG
+            flood = (bytes([0x80 | op, 0x80]) + zero_mask) * 100_000
+            code, close = 6, 1013
+        else:
+            payload = b"" if frames == "empty_fragments" else b"\x00"
+            first = bytes([OP_BINARY, 0x80 | len(payload)]) + zero_mask + payload  # FIN clear: more follow
+            cont = bytes([OP_CONT, 0x80 | len(payload)]) + zero_mask + payload
+            flood = first + cont * 100_000
+            code, close = 1, 1002
+        with contextlib.suppress(ConnectionError):
+            ws.writer.write(flood)
+            await asyncio.wait_for(ws.writer.drain(), 30)
+        got = []
+        while True:
+            op_in, data = await ws.read_frame(timeout=10)
+            if op_in != OP_PONG:
+                break
+            got.append(data)
+        assert op_in == OP_BINARY, (op_in, data[:40])
+        item = dec(data)
+        assert is_error(item) and item[1] == code, item
+        assert await ws.expect_close() == close
+        assert len(got) <= 200 // 64 + 2  # pings: the latest of each turn (64 events), until the limit
+        async with await Client.connect(d.sock, Identity.generate(), timeout=5) as c:
+            status = await c.status()
+        assert status["overloaded_total" if code == 6 else "malformed_total"] == 1, status
+    finally:
+        await ws.close()
+    await still_serving(d)
 
 
 @pytest.mark.parametrize(

@@ -313,7 +313,8 @@ class Driver:
         elif code == ErrorCode.AUTH_FAILED:  # a handshake whose AUTH proved no key (or one for another router)
             self.stats["auth_failures_total"] += 1
             reason = Why.NOT_AUTHORIZED
-        elif code == ErrorCode.OVERLOADED:
+        elif code == ErrorCode.OVERLOADED:  # a rate of frames (a WebSocket peer's pings and pongs)
+            self.stats["overloaded_total"] += 1
             reason = Why.OVERLOADED
         self.effects.trace_now(Trace(Ev.DROPPED, None, Kind.UNICAST, peer=conn.peer, reason=reason))
 

@@ -19,6 +19,15 @@ or 4 for a message over ``max_frame``), then a WebSocket Close frame, then the c
 while it is reassembled, so the adapter never buffers more than one maximum message. Pings are answered;
 while the peer is not reading (the transport's buffer above ``write_high_water``) only the latest is, once
 it reads again (RFC 6455 §5.5.3), so a peer that pings and never reads cannot grow the router's buffers.
+
+Cheap frames must not buy a connection the event loop. wsproto parses a frame in a few microseconds, and one
+read can hold tens of thousands of six-byte frames (pings, or fragments of a message that add nothing): handled
+all at once, they would hold every other connection - and the handshake timers - for most of a second per
+read. So a read's events are handled :data:`EVENTS_PER_TURN` at a time: when more wait, the connection stops
+reading and the rest is handled on the loop's next turns, between everyone else's work; of the pings handled in
+one turn only the latest is answered (§5.5.3 again). And the frames themselves are bounded: more than
+:data:`CONTROL_FRAMES_PER_SECOND` pings and pongs in a second is ``overloaded`` (ERROR 6, Close 1013), and a
+message in more than :data:`MAX_FRAGMENTS` fragments is a protocol error - each ends that connection.
 A close that the peer does not let finish (it does not read what is left) is cut off after
 ``handshake_timeout``, as on every transport.
 """
@@ -28,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import logging
 import ssl
 from dataclasses import dataclass
@@ -42,6 +52,7 @@ from wsproto.events import (
     CloseConnection,
     Event,
     Ping,
+    Pong,
     RejectConnection,
     RejectData,
     Request,
@@ -61,6 +72,9 @@ from upsycle_router.wire.framing import DEFAULT_MAX_FRAME, check_length
 log = logging.getLogger("upsycle_router.transport")
 DEFAULT_PATH = "/upsycle"
 MAX_REQUEST_HEAD = 16 * 1024  # bytes of the upgrade request's head (request line and headers): more is a 400
+EVENTS_PER_TURN = 64  # WebSocket events handled per turn of the event loop (more wait for the next turn)
+CONTROL_FRAMES_PER_SECOND = 200  # pings and pongs a peer may send in one second (browsers send none)
+MAX_FRAGMENTS = 1024  # frames one message may come in (a browser sends a message as one)
 
 # WebSocket close codes (RFC 6455 §7.4) sent after an ERROR with the given wire code
 CLOSE_CODES = {
@@ -153,6 +167,12 @@ class WebSocketConnection(Connection):
         self._message = bytearray()  # the binary message being reassembled
         self._http_refusal: tuple[int, str] | None = None  # answer the upgrade request with this status
         self._pong: Ping | None = None  # the latest ping not answered yet: the peer was not reading
+        self._ping: Ping | None = None  # the latest ping of this turn: answered at its end
+        self._fragments = 0  # frames of the message being reassembled
+        self._control = 0  # pings and pongs in the current second
+        self._control_since = 0.0  # when that second began (the loop's clock)
+        self._turn: asyncio.Handle | None = None  # the next turn's handling of events that wait in wsproto
+        self._held = False  # the driver paused reading (pause_reading): a turn must not resume it
 
     # ---------------------------------------------------------------- transport hooks
 
@@ -198,22 +218,66 @@ class WebSocketConnection(Connection):
 
     # ---------------------------------------------------------------- receiving
 
+    def pause_reading(self) -> None:
+        """Stop reading from the peer for now (the router is behind)."""
+        self._held = True
+        super().pause_reading()
+
+    def resume_reading(self) -> None:
+        """Read from the peer again - once the events left from the last read are handled."""
+        self._held = False
+        if self._turn is None:
+            super().resume_reading()
+
     def data_received(self, data: bytes) -> None:
         """Feed wsproto; handle the upgrade, binary messages, pings and the close."""
         if self.closed:
             return
         self.bytes_in += len(data)
-        before = len(self._message)
         try:
             self.ws.receive_data(data)
+        except WsRemoteError as e:  # (wsproto parses the upgrade request's head as it comes)
+            self._bad_request(e)
+            return
+        if self._turn is None:  # (else a turn is due already: it handles these too)
+            self._handle_events()
+
+    def _bad_request(self, e: WsRemoteError) -> None:
+        log.warning("conn %d: bad WebSocket upgrade request: %s", self.id, e)
+        hint = e.event_hint if isinstance(e.event_hint, RejectConnection) else RejectConnection()
+        self._reject(hint.status_code, f"bad WebSocket upgrade request: {e}", list(hint.headers))
+
+    def _handle_events(self) -> None:
+        """Handle at most :data:`EVENTS_PER_TURN` of the events wsproto has; the rest on the loop's next turn,
+        reading nothing more meanwhile."""
+        continued, self._turn = self._turn is not None, None
+        if self.closed:
+            return
+        before = len(self._message)
+        try:
+            handled = 0
             for ev in self.ws.events():
                 self._event(ev)
                 if self.closed:
                     return
+                handled += 1
+                if handled == EVENTS_PER_TURN:
+                    self._turn = asyncio.get_running_loop().call_soon(self._handle_events)
+                    t = self.transport
+                    if t is not None and not t.is_closing():
+                        with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
+                            t.pause_reading()
+                    break
+            else:
+                t = self.transport
+                if continued and not self._held and t is not None and not t.is_closing():
+                    with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
+                        t.resume_reading()  # (the turn before paused it)
+            ping, self._ping = self._ping, None
+            if ping is not None and not self.closed:
+                self._answer(ping)
         except WsRemoteError as e:  # a malformed HTTP request
-            log.warning("conn %d: bad WebSocket upgrade request: %s", self.id, e)
-            hint = e.event_hint if isinstance(e.event_hint, RejectConnection) else RejectConnection()
-            self._reject(hint.status_code, f"bad WebSocket upgrade request: {e}", list(hint.headers))
+            self._bad_request(e)
         except RemoteProtocolError as e:
             self.protocol_error(e)
         if self.partials is not None and not self.closed:
@@ -231,7 +295,13 @@ class WebSocketConnection(Connection):
             self._message += ev.data
             if len(self._message) > self.max_frame:
                 check_length(len(self._message), self.max_frame)  # raises FRAME_TOO_LARGE
+            if ev.frame_finished:
+                self._fragments += 1
+                if self._fragments > MAX_FRAGMENTS and not ev.message_finished:
+                    raise RemoteProtocolError(f"a WebSocket message in more than {MAX_FRAGMENTS} fragments",
+                                              field="frame")  # fmt: skip
             if ev.message_finished:
+                self._fragments = 0
                 payload = bytes(self._message)
                 self._message.clear()
                 check_length(len(payload), self.max_frame)  # an empty message is a protocol error
@@ -239,11 +309,10 @@ class WebSocketConnection(Connection):
         elif isinstance(ev, TextMessage):
             raise RemoteProtocolError("text WebSocket message: send each CBOR item as a binary message",
                                       field="frame")  # fmt: skip
-        elif isinstance(ev, Ping):
-            if self.write_paused:  # a peer that pings but does not read gets no more than the buffer holds
-                self._pong = ev  # RFC 6455 5.5.3: answering only the latest ping is allowed
-            else:
-                self._write(self.ws.send(ev.response()))
+        elif isinstance(ev, Ping | Pong):
+            self._control_frame()
+            if isinstance(ev, Ping):
+                self._ping = ev  # answered at the end of the turn: the latest only (RFC 6455 5.5.3)
         elif isinstance(ev, CloseConnection):
             if self.ws.state is ConnectionState.OPEN:  # wsproto's framing parser failed: our side's verdict
                 raise RemoteProtocolError(f"WebSocket framing: {ev.reason}", field="frame")
@@ -251,6 +320,22 @@ class WebSocketConnection(Connection):
             if self.ws.state is ConnectionState.REMOTE_CLOSING:
                 self._write(self.ws.send(ev.response()))
             self.close()
+
+    def _control_frame(self) -> None:
+        """Count a ping or pong; over :data:`CONTROL_FRAMES_PER_SECOND` in a second ends the connection."""
+        now = asyncio.get_running_loop().time()
+        if now - self._control_since >= 1.0:
+            self._control_since, self._control = now, 0
+        self._control += 1
+        if self._control > CONTROL_FRAMES_PER_SECOND:
+            raise RemoteProtocolError(f"more than {CONTROL_FRAMES_PER_SECOND} WebSocket pings and pongs in a second",
+                                      code=ErrorCode.OVERLOADED, field="frame")  # fmt: skip
+
+    def _answer(self, ping: Ping) -> None:
+        if self.write_paused:  # a peer that pings but does not read gets no more than the buffer holds
+            self._pong = ping  # RFC 6455 5.5.3: answering only the latest ping is allowed
+        elif self.ws.state is ConnectionState.OPEN:
+            self._write(self.ws.send(ping.response()))
 
     def _upgrade(self, req: Request) -> None:
         if self._http_refusal is not None:
