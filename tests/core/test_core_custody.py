@@ -326,3 +326,24 @@ def test_the_ids_sent_again_are_forgotten_after_the_window(tmp_path: Path) -> No
     h.receive(a, multicast(ident("other"), b"x", now=T0 + AGAIN_WINDOW + 60))
     h.timer(now=T0 + AGAIN_WINDOW + 60)
     assert not h.router._sent_again, "the window's memory is still held after it"
+
+
+def test_an_edge_hands_its_cores_every_local_publish_that_leaves_the_node(tmp_path: Path) -> None:
+    """On an edge node with a pub/sub service: a local app's publish to a group nobody here subscribes to (the
+    service takes it out by fanout) is queued for the core too while the core is away, as one of a group an app
+    here JOINed with ``local = false``; one of a group joined here only with ``local = true`` stays here. (An
+    audit lost the first kind when the edge died after the app's SYNC_ACK: it had gone to the service only.)"""
+    ps, app, member = ident("pubsub"), ident("app"), ident("member")
+    g_none, g_local, g_net = ident("nobody here"), ident("local only"), ident("joined for the network")
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(upstream=frozenset({CORE.public}), pubsub_service=ps.public))
+    h.open(ps)
+    m = h.open(member)
+    h.receive(m, control(member, X, Join(g_local.public, True)))
+    h.receive(m, control(member, X, Join(g_net.public, False)))
+    a = h.open(app)
+    for g in (g_none, g_local, g_net):
+        h.receive(a, multicast(g, b"one"))
+        h.handle(MessagesReceived(a, [multicast(g, b"run %d" % k) for k in range(3)], bytes([1] * 3)))
+    stored = [h.store.get_message(e.id) for e in h.store.queue(CORE.public)]
+    groups = [m.group for m in stored if m is not None and m.group is not None]  # (not the JOIN of g_net)
+    assert groups == [g_none.public] * 4 + [g_net.public] * 4

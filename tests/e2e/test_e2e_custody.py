@@ -251,3 +251,41 @@ async def test_group_messages_sent_on_by_a_core_that_crashed_before_the_edge_con
         assert res.ok, res.refused
         got = await restarted_and_collected(net, c, e2, y_key, sent)
         assert sent <= got, f"{len(sent - got)} of {len(sent)} group messages lost"
+
+
+async def test_an_edge_apps_publish_that_leaves_by_fanout_survives_the_edge_killed_after_its_sync_ack(
+    tmp_path: Path,
+) -> None:
+    """(From a black-box audit: 25-81 of 100 lost.) App X on edge E1 publishes to group g, which nobody on E1
+    subscribes to (E1's pub/sub service takes such a publish out by fanout), while core C is down; Y on edge E2
+    JOINed g with ``local = false`` and is away. X's SYNC_ACK comes, and E1 is SIGKILLed at once. Before, the
+    SYNC_ACK covered the hand-over to E1's pub/sub service only, which died with it. Now E1 hands such a publish
+    to its core too, under custody (queued for C while C is away): E1 and C start again, and Y gets every one."""
+    async with Network(tmp_path) as net:
+        c, e1 = core_and_edge(net)
+        del e1.config["pubsub"]  # E1 runs its pub/sub service (the fanout path)
+        e2 = net.add_node("e2")
+        c.config["edge_nodes"] = [e1.id.hex(), e2.id.hex()]
+        e2.config["core_nodes"] = [c.peer_entry()]
+        e2.config["pubsub"] = {"enabled": False}
+        await net.start_all()
+        await net.wait_dialled(e1, c)
+        await net.wait_dialled(e2, c)
+        g, y_key = Identity.generate(), Identity.generate()
+        y = await net.client(e2, y_key)
+        assert await y.join(g.public, local=False)
+        await c.wait_trace(event="joined", group=g.public, src=e2.id, timeout=10)
+        await net.close_client(y)
+        await c.stop()
+        x = await net.client(e1, Identity.generate())
+        sent = {await x.publish(g, b"fanout %d " % k + b"x" * 300) for k in range(50)}
+        res = await x.sync(timeout=30)
+        assert res.ok, res.refused
+        e1.kill()  # SIGKILL, right after the SYNC_ACK
+        await c.start()
+        await e1.start()
+        await net.wait_dialled(e1, c, since=0)
+        y = await net.client(e2, y_key)
+        got = {m.id for m in await collect(y, sent, timeout=30, settle=0.2)}
+        assert sent <= got, f"{len(sent - got)} of {len(sent)} group messages lost"
+

@@ -733,14 +733,14 @@ class Router:
         """A group message held but not taken since this router started (the recently-seen list does not know it):
         a copy sent again after a restart - by the custody of the router it came from, or by an app whose SYNC_ACK
         never came. What it was routed to here before is durable (queued, or out of this process) but for what
-        went on to other routers: in memory until they confirmed it. So its member routers (and, for a local
-        app's message of an upstream group, the core nodes) get it again - they drop what they hold: the
-        recipients to route it to again, or None (a duplicate for everyone). Once per message, within
+        went on to other routers: in memory until they confirmed it. So its member routers (and the core nodes,
+        for a local app's message that goes to them: :meth:`RouterState.to_cores`) get it again - they drop what
+        they hold: the recipients to route it to again, or None (a duplicate for everyone). Once per message, within
         :data:`AGAIN_WINDOW` of the start and for :data:`AGAIN_MAX` messages at most: the list forgets, and
         routers that are members of each other's groups would otherwise send a message round for ever."""
         s = self.state
         routers = [m for m in recipients if m not in s.locals]
-        if not routers and not (c.local and grp in s.upstream_groups):
+        if not routers and not s.to_cores(c, grp):
             return None
         sent = self._sent_again
         born = self._born
@@ -800,7 +800,8 @@ class Router:
             return  # the router itself was the only member (its 'delivered' record is written by discovered())
         # Step 3: no local subscriber at all. The sender may be the only one: then it is stored (for PULL and
         # later members) and delivered to nobody.
-        if not members and not recipients and not (c.local and h.grp in s.upstream_groups):
+        to_cores = s.to_cores(c, grp)
+        if not members and not recipients and not to_cores:
             out.append(Trace(DROPPED, msg.id, MULTICAST, h.grp, None, None, c.peer, size,
                              Why.NO_SUBSCRIBERS))
             if pull is not None:
@@ -849,8 +850,8 @@ class Router:
         if owed is not None:  # those still among its recipients (one that LEFT the group meanwhile is not)
             now_recipients = set(recipients)
             recipients = [m for m in owed.recipients if m in now_recipients]
-            cores = owed.cores if c.local and h.grp in s.upstream_groups else ()
-        elif c.local and h.grp in s.upstream_groups:  # an edge app published: hand it to our core nodes too
+            cores = owed.cores if to_cores else ()
+        elif to_cores:  # an edge app published: hand it to our core nodes too
             cores = sorted(self.state.config.upstream)
         # Step 8. Subscribers that get it now get it in one Fanout; the others are queued while away or behind.
         member_routers = c.local and s.has_router_member(grp)  # a local app's message goes to member routers too

@@ -45,7 +45,7 @@ def multicast_run(
 ) -> bool:
     """Route ``msgs[lo:hi]`` of group ``grp`` that arrived on the local connection ``c`` as a run, or answer False
     with nothing done (see the module docstring)."""
-    if grp == s.config.discovery_group or grp in s.upstream_groups:
+    if grp == s.config.discovery_group or s.to_cores(c, grp):
         return False
     member_routers = s.has_router_member(grp)
     if member_routers:

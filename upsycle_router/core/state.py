@@ -295,6 +295,20 @@ class RouterState:
             recipients.append(ps)
         return members, recipients
 
+    def to_cores(self, c: Conn, grp: bytes) -> bool:
+        """On an edge node: a message of ``grp`` from ``c`` goes to the core nodes too, under their custody - a
+        local app's message that leaves this node: of a group an app here JOINed with ``local = false``, or of
+        one nobody here subscribes to, which the pub/sub service takes out by fanout (:meth:`recipients`). Then
+        what the app's SYNC_ACK covers is kept until a core confirmed it, also if this node dies before its
+        pub/sub service passed it on. (Not the discovery group's: nothing on it leaves this node.)"""
+        cfg = self.config
+        if not (cfg.upstream and c.local) or grp == cfg.discovery_group:
+            return False
+        if grp in self.upstream_groups:
+            return True
+        ps = cfg.pubsub_service
+        return ps is not None and ps != c.peer and not self.subs.get(grp)
+
     def set_backlog(self, c: Conn, backlog: bool) -> None:
         """Turn ``c.backlog`` (whether its key's queue may hold entries not yet sent on it): a change moves the
         epoch, as a connection's backlog decides whether a plan may send to it."""
