@@ -78,6 +78,27 @@ def test_the_reply_of_an_edge_app_the_app_wrote_to_is_no_strangers(tmp_path: Pat
     assert h.receive(h.open(EDGE, local=False), unicast(Y, ALICE, b"again", now=h.now)).refusals() == []
 
 
+def test_the_reply_to_an_app_of_another_edge_node_that_wrote_to_it_is_no_strangers(tmp_path: Path) -> None:
+    """Y (an app of EDGE) writes to P (an app of EDGE2) through this router; EDGE goes away, and P's replies to Y
+    are queued for EDGE - as a friend's (Y wrote to P), not in the strangers' share (here none). An audit had
+    them refused ``quota``: the contact was kept only for this router's own apps' writes."""
+    edge2, p = ident("edge-2"), ident("edge-2-app")
+    cfg = CoreConfig(queue_max_count=5, stranger_share=0.1, edge_nodes=frozenset({EDGE.public, edge2.public}))
+    h = CoreHarness(tmp_path / "x", X, cfg)
+    e, e2 = h.open(EDGE, local=False), h.open(edge2, local=False)
+    h.receive(e, control(EDGE, X, Register((Y.public,)), now=h.now))
+    h.receive(e2, control(edge2, X, Register((p.public,)), now=h.now))
+    assert h.receive(e, unicast(Y, p, b"hi P", now=h.now)).sends(e2)
+    h.close(e)  # away: P's replies are queued for EDGE
+    replies = [unicast(p, Y, b"reply %d" % k, now=h.now) for k in range(3)]
+    for m in replies:
+        out = h.receive(e2, m)
+        assert out.refusals() == [] and [t.id for t in out.traces("queued")] == [m.id]
+    cold = unicast(ident("edge-2-other"), Y, b"hello?", now=h.now)  # one Y never wrote to: a stranger
+    h.receive(e2, control(edge2, X, Register((p.public, cold.header.src)), now=h.now))
+    assert [(x.id, x.reason) for x in h.receive(e2, cold).refusals()] == [(cold.id, Reason.QUOTA)]
+
+
 @pytest.mark.parametrize("together", [False, True], ids=["one by one", "as a run"])
 def test_a_member_routers_refusal_of_an_apps_group_message_reaches_the_app(tmp_path: Path, together: bool) -> None:
     """The edge node EDGE is a member of group G here (it JOINed for its apps): a group message ALICE publishes

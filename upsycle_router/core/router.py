@@ -677,6 +677,8 @@ class Router:
                 if c.local:  # sent on to the edge node: its REFUSED reaches the app; the reply is no stranger's
                     self.delivery.remember(c, edge, msg.id, UNICAST, None, size, h.src, h.dst)
                     self._contact(h.src, h.dst)
+                elif s.served_by(h.src) == c.peer:  # an app of the edge it came from (as in 3.3): the same
+                    self._contact(h.src, h.dst)
             return
         # 3.3 relays only for local services (and the services of an edge node, from that edge node)
         src_local = h.src in s.locals if c.local else s.served_by(h.src) == c.peer
