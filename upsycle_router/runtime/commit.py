@@ -254,6 +254,7 @@ class Batches:
         lost with the messages: it is replayed on its own."""
         log.error("store error, batch of %d events not committed: %s", len(events), e)
         self.stats["store_errors_total"] = self.stats.get("store_errors_total", 0) + 1
+        self.store.note_error(e)  # (damage: the daemon stops, and the next start walks the store)
         router = self.router
         router.batch_lost()
         effects: list[Effect] = []

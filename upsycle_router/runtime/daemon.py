@@ -198,6 +198,7 @@ class Daemon:
         self.metrics: MetricsServer | None = None
         self._lock_fd: int | None = None
         self._unix_bound = False  # this process bound listen.unix (only then does stop() remove it)
+        self.store_damage: str | None = None  # LMDB reported damage while running: the daemon stops, exit 2
         self._readvertise_handle: asyncio.TimerHandle | None = None
         self.trimmer = Trimmer()
         self._trim_handle: asyncio.TimerHandle | None = None
@@ -268,6 +269,7 @@ class Daemon:
             self.store = LmdbStore(cfg.data_dir / "store", cfg.durability, cfg.map_size)
         except (struct.error, ValueError, IndexError) as e:  # a record read at start that does not decode
             raise damaged(cfg.data_dir / "store", f"a record does not decode ({e})") from None
+        self.store.on_damage = self._store_damaged
         if cfg.trace_dir is not None:
             self.journal = TraceJournal(cfg.trace_dir, ident.public, cfg.trace_max_bytes)
         router = Router(ident, self.store, core_config(cfg, ps_key, local_services, disc_key))
@@ -670,6 +672,8 @@ class Daemon:
             return "stopping"
         if self.store is None:
             return "store closed"
+        if self.store_damage is not None:
+            return "store damaged"
         for listener in self._listeners:
             if listener.sock.fileno() == -1:
                 return f"listener {listener.kind} closed"
@@ -740,6 +744,15 @@ class Daemon:
     def request_stop(self) -> None:
         """Ask the daemon to stop (signal handlers call this)."""
         self._stopped.set()
+
+    def _store_damaged(self, what: str) -> None:
+        """LMDB found a damaged page while the store was in use: acknowledging more would promise what the store
+        may not keep, and what it holds may not be readable. Stop (the store is not marked clean, so the next
+        start walks it and refuses it, naming what to do), and exit 2."""
+        self.store_damage = what
+        log.critical("store damaged: LMDB reports %s; stopping (run `upsycle-router store check`, then "
+                     "`store restore BACKUP` or move the store away)", what)  # fmt: skip
+        self.request_stop()
 
     async def serve(self) -> None:
         """Run until asked to stop, then stop."""
@@ -922,6 +935,8 @@ async def run_daemon(
             await asyncio.wait_for(d.stop(), STOP_TIMEOUT)
         if ready_file is not None:
             ready_file.unlink(missing_ok=True)
+    if d.store_damage is not None:  # (one line, exit 2, as at a start that finds the damage)
+        raise damaged(config.data_dir / "store", f"LMDB reported damage while running: {d.store_damage}")
 
 
 def write_ready_file(path: Path, router_id: str) -> None:

@@ -736,6 +736,11 @@ DAMAGE_ERRORS: tuple[type[lmdb.Error], ...] = (
 )
 
 
+RUNTIME_DAMAGE_ERRORS: tuple[type[lmdb.Error], ...] = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.PanicError)
+"""LMDB's errors that say the file is damaged when they come from a running store's transaction (the others of
+:data:`DAMAGE_ERRORS` can also follow another error in the same transaction, or a misuse)."""
+
+
 @contextlib.contextmanager
 def store_errors(store_dir: Path) -> Iterator[None]:
     """Turn an ``lmdb.Error`` inside (opening the store, reading it at start) into :class:`StoreDamaged` or

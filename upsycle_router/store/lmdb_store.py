@@ -66,7 +66,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,13 @@ from upsycle_router.store.api import (
     RouteEntry,
     StoredMessage,
 )
-from upsycle_router.store.integrity import StoreUnusable, check_before_open, mark_clean, mark_initialised
+from upsycle_router.store.integrity import (
+    RUNTIME_DAMAGE_ERRORS,
+    StoreUnusable,
+    check_before_open,
+    mark_clean,
+    mark_initialised,
+)
 from upsycle_router.store.layout import (
     HEAD_GROUP,
     HEAD_NO_GROUP,
@@ -184,6 +190,10 @@ class LmdbStore(LmdbTables):
         self._last_charge = 0  # what has_room admitted in the last committed transaction
         self._next_seq = 0
         self._opened = False
+        # LMDB reported damage while the store was in use (the first such error's text): the store is not marked
+        # clean at close, so the next open walks it; ``on_damage`` is told once (the daemon stops).
+        self.damaged: str | None = None
+        self.on_damage: Callable[[str], None] | None = None
         # The msg_exp entries of messages stored from ``indexed`` on, not yet written: ``expires_ms || seq`` -> id;
         # ``_exp_min`` is the earliest of those expiries (ms) unless ``_exp_stale``.
         self._exps: dict[bytes, bytes] = {}
@@ -331,8 +341,20 @@ class LmdbStore(LmdbTables):
         self.env.close()
         if self._ahead is not None:
             self._ahead.close()
-        if self._opened:
+        if self._opened and self.damaged is None:
             mark_clean(self.path)  # the next open need not walk the file (integrity.py)
+
+    def note_error(self, e: lmdb.Error) -> bool:
+        """A transaction failed with ``e``: True when LMDB says the file is damaged (a page that is not what it
+        should be - what a disk's silent corruption after a clean close, which the open does not walk for, gives
+        when the page is read). The store is then :attr:`damaged`, and ``on_damage`` is told the first time."""
+        if isinstance(e, RUNTIME_DAMAGE_ERRORS):
+            if self.damaged is None:
+                self.damaged = " ".join(str(e).split())
+                if self.on_damage is not None:
+                    self.on_damage(self.damaged)
+            return True
+        return False
 
     def _prefix(self, db: str, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
         """The records whose key starts with ``prefix`` (from key ``start`` on, if given), in key order."""
