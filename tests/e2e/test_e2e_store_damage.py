@@ -269,3 +269,25 @@ async def test_damage_found_while_running_stops_the_daemon_and_the_next_start_re
     assert_refused(start_expecting_refusal(d), "")  # not marked clean: the next start walks and refuses
     check = cli("store", "check", "--data-dir", str(d.dir))
     assert check.returncode == 2 and "DAMAGED" in check.stdout, check.stdout + check.stderr
+
+
+async def test_a_store_of_a_newer_schema_is_refused_with_one_line_and_exit_2(daemon: DaemonFactory) -> None:
+    """A store a newer version wrote (its schema record says 6): `run` exits 2 with one line saying so (exit 1
+    would have systemd retry it for ever; before, a RuntimeError with Python's bytes repr), and `store check`
+    exits 2 saying it is not supported, not that the tables disagree."""
+    d = daemon()
+    d.stop()
+    env = lmdb.open(str(d.dir / "store"), max_dbs=32)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(b"schema", b"6", db=env.open_db(b"meta", txn=txn, create=False))
+    finally:
+        env.close()
+    r = start_expecting_refusal(d)
+    assert r.returncode == 2 and "Traceback" not in r.stderr + r.stdout, f"exit {r.returncode}\n{r.stderr}"
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "data.mdb: the store's schema is '6'" in errors[0] and "b'" not in errors[0], errors
+    assert "a newer version wrote it" in errors[0] and "move the store away" in errors[0], errors
+    check = cli("store", "check", "--data-dir", str(d.dir))
+    assert check.returncode == 2, check.stdout + check.stderr
+    assert "NOT SUPPORTED: the store's schema is '6'" in check.stdout and "INCONSISTENT" not in check.stdout

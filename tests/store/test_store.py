@@ -18,6 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from upsycle_router.store import accel
 from upsycle_router.store.api import PeerAddress
 from upsycle_router.store.check import check_store
+from upsycle_router.store.integrity import StoreUnusable
 from upsycle_router.store.lmdb_store import (
     SCHEMA_VERSION,
     Durability,
@@ -273,7 +274,7 @@ def test_unsupported_schema_version_is_refused(path: Path) -> None:
     with env.begin(write=True) as txn:
         txn.put(b"schema", b"999", db=meta)
     env.close()
-    with pytest.raises(RuntimeError, match="schema"):
+    with pytest.raises(StoreUnusable, match="the store's schema is '999', which this version of upsycle-router"):
         open_store(path)
 
 

@@ -78,6 +78,7 @@ from upsycle_router.store.layout import (
     record_decodes,
     record_fields,
     record_id,
+    unsupported_schema,
 )
 from upsycle_router.wire.accel import damaged
 
@@ -102,10 +103,11 @@ class CheckReport:
     schema: str | None = None
     file: FileReport | None = None
     more_problems: int = 0
+    unsupported: str | None = None  # a store this version cannot read (a newer schema): why
 
     @property
     def exit_code(self) -> int:
-        return 2 if self.damage else 1 if self.problems else 0
+        return 2 if self.damage or self.unsupported else 1 if self.problems else 0
 
     def all_problems(self) -> list[str]:
         return self.damage + self.problems
@@ -137,6 +139,8 @@ class CheckReport:
         if self.damage:
             n = len(self.damage)
             return f"DAMAGED: {n} problem{'s' if n > 1 else ''} in the file; LMDB cannot read it safely"
+        if self.unsupported:
+            return f"NOT SUPPORTED: {self.unsupported}"
         if self.problems:
             n = len(self.problems) + self.more_problems
             return f"INCONSISTENT: {n} problem{'s' if n > 1 else ''} between the tables"
@@ -161,7 +165,7 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
         p("the table 'meta' has no schema record")
         return
     if schema not in SCHEMAS:
-        p(f"unknown store schema {report.schema!r}: not checked further")
+        report.unsupported = unsupported_schema(schema)
         return
     missing = [n for n in REQUIRED if n not in names]
     if missing:  # (an older store: the router creates them, empty, when it opens the store)

@@ -58,6 +58,13 @@ from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_CONNECTION, ROUTE_MESSA
 SCHEMA_VERSION = b"5"
 SCHEMAS = (b"1", b"2", b"3", b"4", SCHEMA_VERSION)  # every schema a store may have been written in (older: converted)
 
+
+def unsupported_schema(schema: bytes) -> str:
+    """Why a store whose ``meta`` schema record is ``schema`` (not one of :data:`SCHEMAS`) is not opened."""
+    shown = schema.decode("ascii", "replace")
+    return (f"the store's schema is {shown!r}, which this version of upsycle-router does not read (it reads schemas "
+            f"1 to {SCHEMA_VERSION.decode()}; a newer version wrote it)")
+
 # The tables, in the order the store opens them.
 TABLES = ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "refs", "qstats",
           "queue_exp", "sqstats", "contacts", "owed", "addrs")

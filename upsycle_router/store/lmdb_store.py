@@ -121,6 +121,7 @@ from upsycle_router.store.layout import (
     owed_record,
     record_head,
     record_id,
+    unsupported_schema,
 )
 from upsycle_router.store.readahead import WINDOW, Readahead, ask_for_table
 from upsycle_router.store.tables import LmdbTables
@@ -216,7 +217,9 @@ class LmdbStore(LmdbTables):
         with self.transaction():
             v = self._get("meta", b"schema")
             if v is not None and v not in SCHEMAS:
-                raise RuntimeError(f"{self.path}: store schema {v!r} is not supported (expected {SCHEMA_VERSION!r})")
+                raise StoreUnusable(self.path / "data.mdb", unsupported_schema(v),
+                                    "run the version of upsycle-router that wrote it, or move the store away "
+                                    "to start with an empty one")  # fmt: skip
             for name in TABLES:
                 if name not in ("meta", "msgs"):
                     self._db[name] = self.env.open_db(name.encode(), txn=self._txn)
