@@ -93,6 +93,21 @@ def test_remote_via_is_overwritten_with_the_last_hop(h: CoreHarness) -> None:
     assert out.messages(b)[0].via == R.public
 
 
+def test_a_local_senders_via_is_not_passed_on_to_a_local_recipient(h: CoreHarness) -> None:
+    """(From a black-box audit.) An app's unicast to another app here with a VIA naming some router: delivered
+    without it - as sent here, not as if it had come through that router - queued or not."""
+    a, b = h.open(ALICE), h.open(BOB)
+    m = unicast(ALICE, BOB, b"hi bob", via=R.public)
+    [got] = h.receive(a, m).messages(b)
+    assert got.via is None and got.id == m.id
+    h.close(b)
+    m2 = unicast(ALICE, BOB, b"later", via=R.public)
+    assert h.receive(a, m2).traces("queued")
+    b = h.open(BOB)
+    [later] = h.last.messages(b)  # (the queue drained at the connect)
+    assert later.via is None and later.id == m2.id
+
+
 def test_message_from_a_remote_router_learns_a_route_to_its_source(h: CoreHarness) -> None:
     r = h.open(R, local=False)
     h.open(BOB)

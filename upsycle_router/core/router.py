@@ -652,6 +652,8 @@ class Router:
             return
         if h.dst in s.locals:  # 3.2
             remote = not c.local
+            if not remote and msg.via is not None:  # (a local sender's VIA routes nothing here: not passed on as
+                msg = msg.with_via(None)  # if the message had come through that router)
             # A stranger: a remote sender the router was never told to trust, to whom the recipient never wrote.
             stranger = remote and s.stranger(h.src, h.dst)
             why = self._deliver(h.dst, msg, None, size, now, out, kind=UNICAST, stranger=stranger,
