@@ -325,6 +325,7 @@ async def test_a_flood_of_cheap_frames_ends_that_connection(daemon: DaemonFactor
         async with await Client.connect(d.sock, Identity.generate(), timeout=5) as c:
             status = await c.status()
         assert status["overloaded_total" if code == 6 else "malformed_total"] == 1, status
+        assert status["dropped_overloaded_total" if code == 6 else "dropped_malformed_total"] == 1, status
     finally:
         await ws.close()
     await still_serving(d)

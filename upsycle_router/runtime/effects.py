@@ -806,7 +806,11 @@ class EffectRunner:
             self._arm_refusal_flush()
 
     def trace_now(self, t: Trace) -> None:
-        """A trace record of something the driver itself refused (not of a batch)."""
+        """A trace record of something the driver itself refused (not of a batch), counted by reason as a batch's
+        are (``dropped_malformed_total``...)."""
+        if t.event in _BY_REASON:
+            key = f"{t.event}_{t.reason}_total"
+            self.stats[key] = self.stats.get(key, 0) + 1
         if self.journal is not None:
             self.journal.record(t, self.clock())
             self.journal.flush()
