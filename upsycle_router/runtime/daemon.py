@@ -334,6 +334,7 @@ class Daemon:
             log.info("metrics on http://%s/metrics (and /healthz, /status)", cfg.metrics_listen)
         if self.pubsub_identity is not None and cfg.unix is not None and cfg.pubsub.in_process:
             self.pubsub = pubsub_service(cfg.pubsub, self.pubsub_identity, cfg.unix, params)
+            self.pubsub.counters = self.driver.stats  # (its counters in STATUS: pubsub_malformed_total)
             self._pubsub_task = loop.create_task(self.pubsub.run())
         if self.discovery_identity is not None and cfg.unix is not None and cfg.discovery.in_process:
             self.discovery = discovery_service(cfg, self.discovery_identity, cfg.unix)

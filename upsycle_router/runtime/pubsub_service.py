@@ -97,6 +97,11 @@ class PubsubService(RouterService):
         self._peer_expiry: dict[bytes, float] = {}  # router -> monotonic time its advertisement lapses
         self._peer_rev: dict[bytes, int] = {}  # router -> revision of its last advertisement
         self._ttls = DistinctTtls()  # a repeated RPC, PULL or VALIDATE is a message of its own (not a replay)
+        # Unicasts that are no gossip RPC (nor anything else the service takes): counted here (the daemon shares
+        # its counters, so STATUS shows ``pubsub_malformed_total``) and logged, a line per 10 s with the count.
+        self.counters: dict[str, int] = {}
+        self._malformed = RateLimitedLog(log)
+        self._not_taken = RateLimitedLog(log)  # other nodes' messages rejected or ignored, unknown peers' RPCs
         # A message published on this node that the service's rules reject (too large for gossip, a signature
         # policy) leaves the node no further - local subscribers had it from the router: say so, a line per
         # reason every 10 s with the count (one each would let an app flood the log).
@@ -161,10 +166,11 @@ class PubsubService(RouterService):
                 answer = VALIDATION_CODEC.decode(msg.body)
                 if isinstance(answer, VerdictReply):
                     return core.verdict_received(answer.id, Verdict(answer.verdict), now, service=h.src)
+        error: RemoteProtocolError | None = None
         try:
             body = decode_service_body(msg.body)
-        except RemoteProtocolError:
-            body = None
+        except RemoteProtocolError as e:
+            body, error = None, e
         if isinstance(body, GossipRpc):
             if msg.via is None:
                 return []  # gossip comes from other nodes' services, through their routers
@@ -178,6 +184,10 @@ class PubsubService(RouterService):
                 ctl = decode_control(msg.body)
                 if isinstance(ctl, PullNack):
                     return core.pull_failed(ctl.id, now)
+        self.counters["pubsub_malformed_total"] = self.counters.get("pubsub_malformed_total", 0) + 1
+        why = f"not a gossip RPC: {error}" if error is not None else f"a {type(body).__name__} from no router"
+        self._malformed.event("malformed", f"pubsub: ignored a unicast from {_short(h.src)}"
+                              f"{'' if msg.via is None else f' via router {_short(msg.via)}'} ({why})")  # fmt: skip
         return []
 
     def _from_router(self, client: Client, core: GossipCore, body: bytes, now: float) -> list[Effect]:
@@ -247,6 +257,13 @@ class PubsubService(RouterService):
             elif isinstance(e, Trace) and e.event == "rejected" and e.peer is None:
                 self._rejected_here.event(e.reason or "-", f"pubsub: a message published on this node, {_short(e.id)} "
                                           f"of group {_short(e.group)}, goes to no other node: rejected ({e.reason})")
+            elif (isinstance(e, Trace) and e.event in _COUNTED and e.peer is not None
+                  and not (e.reason or "").startswith("validator")):  # (a validator's verdicts: below)
+                # what came from another node and was not taken: counted (STATUS), a line per kind every 10 s
+                key = f"pubsub_{e.event}_total"
+                self.counters[key] = self.counters.get(key, 0) + 1
+                self._not_taken.event(f"{e.event}:{e.reason}", f"pubsub: {e.event}{_of(e)} from router "
+                                      f"{_short(e.peer)} ({e.reason})", logging.INFO)  # fmt: skip
             elif isinstance(e, Trace) and e.reason is not None and e.reason.startswith("validator"):
                 log.info("pubsub: %s %s of group %s%s (%s)", e.event, _short(e.id), _short(e.group),
                          "" if e.peer is None else f" from router {_short(e.peer)}", e.reason)  # fmt: skip
@@ -254,8 +271,15 @@ class PubsubService(RouterService):
                 log.debug("pubsub: %s", e)
 
 
+_COUNTED = frozenset({"rejected", "ignored", "unknown_peer"})  # the core's traces of what others sent, counted
+
+
 def _short(b: bytes | None) -> str:
     return "-" if b is None else b.hex()[:16]
+
+
+def _of(e: Trace) -> str:
+    return (f" {_short(e.id)}" if e.id is not None else "") + (f" of group {_short(e.group)}" if e.group else "")
 
 
 def pubsub_service(
