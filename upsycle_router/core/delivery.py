@@ -392,7 +392,7 @@ class Delivery:
             return None
         why = self.enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, origin=origin, taken=taken,
                            remote=origin is not None and not origin.local)  # (a remote sender's: capped)
-        if why is None and router not in s.dialing:
+        if why is None and router not in s.dialing and router not in s.config.edge_nodes:  # (an edge dials us)
             s.dialing.add(router)
             out.append(Dial(router))
         return why
