@@ -146,6 +146,11 @@ async def test_origin_allow_list_path_and_bad_requests(daemon: DaemonFactory) ->
     v8 += f"Sec-WebSocket-Key: {'A' * 22}==\r\n"
     ws = await RawWebSocket.open(url, request=v8.encode() + b"Sec-WebSocket-Version: 8\r\n\r\n")
     assert ws.status == 426 and ws.headers.get("sec-websocket-version") == "13" and await ws.eof()
+    assert b"Sec-WebSocket-Version is not 13" in ws.body, ws.body
+    await ws.close()
+    two = v8 + f"Sec-WebSocket-Version: 13\r\nOrigin: http://evil.example\r\nOrigin: {ORIGIN}\r\n\r\n"
+    ws = await RawWebSocket.open(url, request=two.encode())  # (only the last one was checked: 101)
+    assert ws.status == 400 and b"more than one Origin header" in ws.body and await ws.eof(), (ws.status, ws.body)
     await ws.close()
     ws = await RawWebSocket.open(url, request=b"\x16\x03\x01 not http at all\r\n\r\n")
     assert ws.status == 400 and await ws.eof()

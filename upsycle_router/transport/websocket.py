@@ -243,9 +243,11 @@ class WebSocketConnection(Connection):
             self._handle_events()
 
     def _bad_request(self, e: WsRemoteError) -> None:
-        log.warning("conn %d: bad WebSocket upgrade request: %s", self.id, e)
         hint = e.event_hint if isinstance(e.event_hint, RejectConnection) else RejectConnection()
-        self._reject(hint.status_code, f"bad WebSocket upgrade request: {e}", list(hint.headers))
+        # (wsproto says "Missing header" for a version it does not speak, too)
+        why = "Sec-WebSocket-Version is not 13" if hint.status_code == 426 else str(e)
+        log.warning("conn %d: bad WebSocket upgrade request: %s", self.id, why)
+        self._reject(hint.status_code, f"bad WebSocket upgrade request: {why}", list(hint.headers))
 
     def _handle_events(self) -> None:
         """Handle at most :data:`EVENTS_PER_TURN` of the events wsproto has; the rest on the loop's next turn,
@@ -356,6 +358,10 @@ class WebSocketConnection(Connection):
         if bad is not None:  # (wsproto checks neither: RFC 6455 4.2.1 asks HTTP/1.1 and a 16-byte nonce)
             log.warning("conn %d: bad WebSocket upgrade request: %s", self.id, bad)
             self._reject(400, f"bad WebSocket upgrade request: {bad}")
+            return
+        if sum(1 for k, _ in req.extra_headers if k.lower() == b"origin") > 1:  # (which one would a browser mean?)
+            log.warning("conn %d: WebSocket upgrade request with more than one Origin header refused", self.id)
+            self._reject(400, "more than one Origin header")
             return
         raw_origin = headers.get(b"origin")
         self.origin = raw_origin.decode("latin-1") if raw_origin is not None else None
