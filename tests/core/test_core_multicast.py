@@ -30,7 +30,8 @@ CAROL = ident("carol")
 
 @pytest.fixture
 def h(tmp_path: Path) -> CoreHarness:
-    return CoreHarness(tmp_path / "x", X, CoreConfig(edge_nodes=frozenset({R.public})))
+    cfg = CoreConfig(edge_nodes=frozenset({R.public}), bootstrap=frozenset({R2.public}))  # (R2: a router it can dial)
+    return CoreHarness(tmp_path / "x", X, cfg)
 
 
 def join(h: CoreHarness, conn: int, who: Identity, group: Identity = G, local: bool = True) -> None:

@@ -215,10 +215,11 @@ def _refusal(m: Message, router: bytes) -> Refused | None:
 
 def line(tmp_path: Path, seed: int = 0) -> Net:
     net = Net(tmp_path, seed)
-    net.router(R1)
-    net.router(R2, CoreConfig(edge_nodes=frozenset({R3.public})))
-    net.router(R3, CoreConfig(edge_nodes=frozenset({R4.public})))
-    net.router(R4)
+    known = frozenset({R1.public, R2.public, R3.public, R4.public})  # (each can dial the others: bootstrap nodes)
+    net.router(R1, CoreConfig(bootstrap=known))
+    net.router(R2, CoreConfig(edge_nodes=frozenset({R3.public}), bootstrap=known))
+    net.router(R3, CoreConfig(edge_nodes=frozenset({R4.public}), bootstrap=known))
+    net.router(R4, CoreConfig(bootstrap=known))
     net.link(R1, R2)
     net.link(R2, R3)
     net.link(R3, R4)

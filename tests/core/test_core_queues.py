@@ -26,6 +26,7 @@ G = ident("group")
 
 
 def make(tmp_path: Path, **kw: object) -> CoreHarness:
+    kw.setdefault("bootstrap", frozenset({R.public}))  # (a router it can dial: a VIA naming it is queued for it)
     cfg = CoreConfig(local_services=frozenset({ALICE.public, BOB.public}), **kw)  # type: ignore[arg-type]
     return CoreHarness(tmp_path / "x", X, cfg)
 

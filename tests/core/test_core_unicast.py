@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from core_harness import T0, CoreHarness, control, forged, ident, unicast
+from core_harness import T0, CoreHarness, Effects, advert, advert_message, control, forged, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.events import MessagesReceived
@@ -27,7 +27,8 @@ STRANGER = ident("stranger")
 
 @pytest.fixture
 def h(tmp_path: Path) -> CoreHarness:
-    return CoreHarness(tmp_path / "x", X)
+    # (R and R2 are routers it can dial - bootstrap nodes: a VIA naming one is queued for it while away)
+    return CoreHarness(tmp_path / "x", X, CoreConfig(bootstrap=frozenset({R.public, R2.public})))
 
 
 # ---------------------------------------------------------------- step 1: signature
@@ -262,6 +263,35 @@ def test_local_source_with_via_to_an_unconnected_router_is_queued_and_dialled(h:
     [t] = out.traces("queued")
     assert t.dst == R.public
     assert [e.id for e in h.store.queue(R.public)] == [m.id]
+
+
+@pytest.mark.parametrize("kind", ["unicast", "multicast"])
+def test_a_via_naming_a_router_there_is_no_way_to_is_refused_no_route(tmp_path: Path, kind: str) -> None:
+    """(From an audit: such a message was taken, queued, dialled in vain, and never delivered - a member's welcome
+    sent with --via its edge router from another edge.) A local service's VIA naming a router this one is not
+    connected to and cannot dial (no configured peer, core or bootstrap node, no advertised address kept) nor
+    expects (no edge node, nothing queued for it) is refused no_route, as a unicast with no route is: nothing
+    queued, no dial. Once the router is known - an advert with its address came - the same is queued and
+    dialled."""
+    unknown = ident("unknown router")
+    h = CoreHarness(tmp_path / "x", X)
+    a = h.open(ALICE)
+
+    def send(body: bytes) -> tuple[Effects, bytes]:
+        g = ident("group")
+        m = (unicast(ALICE, REMOTE_SVC, body, via=unknown.public) if kind == "unicast"
+             else multicast(g, body, via=unknown.public))  # fmt: skip
+        return h.receive(a, m), m.id
+
+    out, mid = send(b"to nowhere")
+    h.expect_refused(out, a, mid, Reason.NO_ROUTE)
+    assert out.dials() == [] and h.store.queue(unknown.public) == []
+    r = h.open(R, local=False)  # a peer relays the unknown router's advert (with an address): now it can dial it
+    h.receive(r, advert_message(unknown, X, advert(unknown, host="198.51.100.7", port=4433)))
+    h.close(r)
+    out, mid = send(b"now it knows where")
+    assert out.refusals() == [] and out.dials() == [unknown.public]
+    assert [e.id for e in h.store.queue(unknown.public)] == [mid]
 
 
 def test_a_dial_of_a_lost_batch_is_made_by_the_next_message(h: CoreHarness) -> None:

@@ -19,6 +19,8 @@ class CoreConfig:
     accept_join_from_any: bool = False
     # Routers we peer with (static peers); their services may PULL from us.
     peers: frozenset[bytes] = frozenset()
+    # Bootstrap nodes (discovery.bootstrap): routers this one dials too.
+    bootstrap: frozenset[bytes] = frozenset()
     # Accept PULL from any authenticated router.
     accept_pull_from_any: bool = False
     # Core nodes this (edge) router uses: non-local JOINs of local apps are joined there too, and local

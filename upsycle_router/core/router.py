@@ -688,6 +688,9 @@ class Router:
             drop(Why.NOT_LOCAL if h.src in s.locals else Why.NO_ROUTE)
             return
         router = via if via is not None and via != self.id else None  # 3.3.1
+        if router is not None and not s.reachable(router):
+            drop(Why.NO_ROUTE)  # (no way to it: what was queued would wait for nobody)
+            return
         if router is None:  # 3.3.2
             router = s.route(h.dst, now)
         if router is None:
@@ -789,6 +792,9 @@ class Router:
             msg = msg.with_via(None)
             self.control.discovered(c, msg, h, size, now, out)
         if c.local and msg.via is not None and msg.via != self.id:  # step 2: source routing by a local service
+            if not s.reachable(msg.via):
+                self._dropped(c, ref, Why.NO_ROUTE, 0, now, out, MULTICAST, h.grp, None, None, size, msg.id)
+                return
             why = self._to_router(msg.via, msg, h.grp, size, now, out, kind=MULTICAST, origin=c)
             if why is not None:
                 self._refuse(c, ref, why, 0, now, out, MULTICAST, h.grp, size)

@@ -255,6 +255,15 @@ class RouterState:
         conns = self.by_key.get(key)
         return conns[-1] if conns else None
 
+    def reachable(self, router: bytes) -> bool:
+        """Whether a message for ``router`` (a local service's VIA) can get there: it is connected, or this router
+        can dial it (a configured peer, core node or bootstrap node, or one whose advertised address it keeps),
+        or it dials in (an edge node), or messages wait for it already. Otherwise nothing would ever take what
+        is queued for it: the message is refused ``no_route``, as one for a key with no route."""
+        cfg = self.config
+        return (router in self.by_key or router in cfg.peers or router in cfg.upstream or router in cfg.edge_nodes
+                or router in cfg.bootstrap or router in self.addresses or self.store.queue_usage(router)[0] > 0)
+
     def keep(self, c: Conn) -> WindowUndo:
         """Remember ``c``'s queue-drain state before the batch changes it (for batch_lost); the batch's undo log
         of ``c.inflight``, where whoever changes the window next records what it changed (see WindowUndo)."""

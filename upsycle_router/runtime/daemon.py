@@ -129,6 +129,7 @@ def core_config(
         edge_nodes=cfg.edge_nodes,
         accept_join_from_any=cfg.accept_join_from_any,
         peers=frozenset(p.id for p in cfg.peers + cfg.core_nodes),
+        bootstrap=frozenset(b.id for b in cfg.discovery.bootstrap),
         upstream=frozenset(p.id for p in cfg.core_nodes),
         accept_pull_from_any=cfg.accept_pull_from_any,
         pubsub_service=pubsub_service,
