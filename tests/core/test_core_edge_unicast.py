@@ -150,3 +150,39 @@ def test_an_edge_cannot_register_the_cores_own_services(tmp_path: Path) -> None:
     routes = net.nodes[C.public].router.routes
     assert Z.public not in routes and C.public not in routes
     assert routes[Y.public].source == ROUTE_SERVED
+
+
+def test_an_app_that_moved_to_another_edge_keeps_its_route_when_the_first_edge_comes_back(tmp_path: Path) -> None:
+    """(From an audit.) Y moves from edge E to edge E2 of the same core and stays there; E restarts and connects
+    to its core again. E registers at its core the apps connected to it now and those that connected while the
+    core was away - not every key it ever served, which took Y's route back to E: what Z sent Y then waited at E,
+    while Y was online at E2. Y gets Z's message at E2."""
+    e2 = ident("R4")  # (the simulation knows four routers: this one is a second edge of C here)
+    net = Net(tmp_path, 0)
+    net.router(R, CoreConfig(peers=frozenset({C.public})))
+    net.router(C, CoreConfig(edge_nodes=frozenset({E.public, e2.public}), peers=frozenset({R.public})))
+    net.router(E, CoreConfig(upstream=frozenset({C.public})))
+    net.router(e2, CoreConfig(upstream=frozenset({C.public})))
+    for a, b in ((R, C), (E, C), (e2, C)):
+        net.link(a, b)
+    net.run()
+    y = net.app(Y, E)
+    w = net.app(W, E)  # stays at E: still registered when E comes back
+    net.run()
+    net.disconnect(y)
+    y = net.app(Y, e2)  # Y moved
+    net.run()
+    assert net.nodes[C.public].router.routes[Y.public].router == e2.public
+    net.restart(E)
+    w = net.app(W, E)  # W connects again before E's core link is back: registered when it is
+    net.link(E, C)
+    net.run()
+    routes = net.nodes[C.public].router.routes
+    assert routes[Y.public].router == e2.public and routes[W.public].router == E.public
+    z = net.app(Z, R)
+    m = unicast(Z, Y, b"where are you?")
+    net.send(z, m)
+    assert [x.id for x in y.inbox] == [m.id]
+    m2 = unicast(Z, W, b"and you?")
+    net.send(z, m2)
+    assert [x.id for x in w.inbox] == [m2.id]

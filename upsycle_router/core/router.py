@@ -56,6 +56,7 @@ recipient, queueing, forwarding and refusing is :mod:`~upsycle_router.core.deliv
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 from upsycle_router.core.config import CoreConfig
@@ -495,7 +496,9 @@ class Router:
                 s.locals.add(ev.peer)
                 s.router_members.clear()
             # Our core nodes learn that the key is here - at each of its connections, not only its first: an app
-            # that moved to another edge router and back takes its route back (the last REGISTER wins).
+            # that moved to another edge router and back takes its route back (the last REGISTER wins). A core
+            # away now learns it when it connects again (local_since: _on_open, below).
+            s.local_since[ev.peer] = now
             for core in sorted(self.state.config.upstream):
                 cid = s.connected(core)
                 if cid is not None:
@@ -525,8 +528,15 @@ class Router:
                 for g in sorted(s.upstream_groups):
                     m = s.signed_to(ev.peer, encode_router(Join(g, False)), now)
                     out.append(Send(ev.conn, m.encode()))
-                if s.locals:
-                    self.control.send_register(c, sorted(s.locals), now, out)
+                # The local services here now, and those that connected while the core was away: not every key
+                # this router ever served - one that moved to another edge of the core (and registered there
+                # since) would have its route taken back here, and what is for it would wait here for nothing.
+                # (The core keeps the others' routes in its store.)
+                away = s.core_away_since.get(ev.peer, -math.inf)  # (not connected since the start: -inf)
+                since = s.local_since
+                keys = [k for k in sorted(s.locals) if k in s.by_key or (k in since and since[k] >= away)]
+                if keys:
+                    self.control.send_register(c, keys, now, out)
             elif ev.peer not in cfg.edge_nodes:  # a peer: the keys our edge nodes serve are reachable here
                 served = s.served()
                 if served:
@@ -545,6 +555,8 @@ class Router:
             if not lst:
                 del self._by_key[c.peer]
                 s = self.state
+                if c.peer in s.config.upstream:  # (our locals that connect from now on: registered when it is back)
+                    s.core_away_since[c.peer] = now
                 if (c.handed and c.inflight and out is not None and c.peer not in s.dialing
                         and c.peer not in s.config.edge_nodes):  # (an edge node dials us)
                     # entries of the router's own queue were in flight on it (what it had not confirmed, backed by

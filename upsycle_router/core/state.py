@@ -159,6 +159,10 @@ class RouterState:
         self.routes: dict[bytes, RouteEntry] = {}
         self.pubsub_groups: set[bytes] = set()
         self.upstream_groups: set[bytes] = set()
+        # Edge node: when each local service last connected, and since when each core node is not connected (its
+        # last connection closed; absent: since the start) - who is registered at a core that connects again.
+        self.local_since: dict[bytes, float] = {}
+        self.core_away_since: dict[bytes, float] = {}
         self.contacts: set[tuple[bytes, bytes]] = set()  # (local service, key it wrote to): not strangers to it
         # Where advertised routers listen (their adverts' addresses): after a restart the router dials those that
         # messages wait for, whoever dialled whom before.
