@@ -172,6 +172,7 @@ class WebSocketConnection(Connection):
         self._control = 0  # pings and pongs in the current second
         self._control_since = 0.0  # when that second began (the loop's clock)
         self._turn: asyncio.Handle | None = None  # the next turn's handling of events that wait in wsproto
+        self._turn_paused = False  # a turn paused reading (resumed once wsproto has no more events)
         self._held = False  # the driver paused reading (pause_reading): a turn must not resume it
 
     # ---------------------------------------------------------------- transport hooks
@@ -203,7 +204,24 @@ class WebSocketConnection(Connection):
         if not self.upgraded and overloaded and not self.closed and self.transport is not None:
             self._http_refusal = (503, reason)  # answered when the request arrives (bounded by the timer)
             return
+        self._end_turn()
         super().close_with_error(code, reason)
+
+    def _end_turn(self) -> None:
+        """No more turns: the transport reads again (a close's linger reads and discards what still comes - a
+        socket closed with unread input sends a reset, which can overtake the ERROR written last)."""
+        turn, self._turn = self._turn, None
+        if turn is not None:
+            turn.cancel()
+        self._resume_after_turns()
+
+    def _resume_after_turns(self) -> None:
+        if self._turn_paused:
+            self._turn_paused = False
+            t = self.transport
+            if t is not None and not t.is_closing():
+                with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
+                    t.resume_reading()
 
     def resume_writing(self) -> None:
         """The peer reads again: answer the ping held back meanwhile."""
@@ -226,8 +244,10 @@ class WebSocketConnection(Connection):
     def resume_reading(self) -> None:
         """Read from the peer again - once the events left from the last read are handled."""
         self._held = False
-        if self._turn is None:
+        if not self._turn_paused:
             super().resume_reading()
+        elif self.partials is not None:  # (the transport: once the turns are over; the frames budget: now)
+            self.partials.resume(self)
 
     def data_received(self, data: bytes) -> None:
         """Feed wsproto; handle the upgrade, binary messages, pings and the close."""
@@ -252,7 +272,7 @@ class WebSocketConnection(Connection):
     def _handle_events(self) -> None:
         """Handle at most :data:`EVENTS_PER_TURN` of the events wsproto has; the rest on the loop's next turn,
         reading nothing more meanwhile."""
-        continued, self._turn = self._turn is not None, None
+        self._turn = None
         if self.closed:
             return
         before = len(self._message)
@@ -266,15 +286,16 @@ class WebSocketConnection(Connection):
                 if handled == EVENTS_PER_TURN:
                     self._turn = asyncio.get_running_loop().call_soon(self._handle_events)
                     t = self.transport
-                    if t is not None and not t.is_closing():
+                    if not self._turn_paused and t is not None and not t.is_closing():
+                        self._turn_paused = True
                         with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
                             t.pause_reading()
                     break
             else:
-                t = self.transport
-                if continued and not self._held and t is not None and not t.is_closing():
-                    with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
-                        t.resume_reading()  # (the turn before paused it)
+                if self._held:  # (the driver paused reading meanwhile: it resumes it)
+                    self._turn_paused = False
+                else:
+                    self._resume_after_turns()
             ping, self._ping = self._ping, None
             if ping is not None and not self.closed:
                 self._answer(ping)
@@ -282,6 +303,10 @@ class WebSocketConnection(Connection):
             self._bad_request(e)
         except RemoteProtocolError as e:
             self.protocol_error(e)
+        except Exception:  # noqa: BLE001 - a turn runs from the loop, not from data_received: end the connection
+            log.exception("conn %d: internal error handling WebSocket events", self.id)
+            self._end_turn()
+            self.abort()
         if self.partials is not None and not self.closed:
             after = len(self._message)  # (wsproto hands a frame's payload over as it arrives)
             if before or after:
@@ -299,7 +324,7 @@ class WebSocketConnection(Connection):
                 check_length(len(self._message), self.max_frame)  # raises FRAME_TOO_LARGE
             if ev.frame_finished:
                 self._fragments += 1
-                if self._fragments > MAX_FRAGMENTS and not ev.message_finished:
+                if self._fragments > MAX_FRAGMENTS:
                     raise RemoteProtocolError(f"a WebSocket message in more than {MAX_FRAGMENTS} fragments",
                                               field="frame")  # fmt: skip
             if ev.message_finished:
