@@ -294,6 +294,23 @@ def test_a_via_naming_a_router_there_is_no_way_to_is_refused_no_route(tmp_path: 
     assert [e.id for e in h.store.queue(unknown.public)] == [mid]
 
 
+def test_a_via_naming_a_router_that_dials_in_is_queued_while_it_is_away(tmp_path: Path) -> None:
+    """Peering is symmetric (a router that lists this one dials it): a router that connected and advertised
+    itself - with no address this one could dial (port 0) - is away for a moment; a local service's VIA naming
+    it is queued for it (no dial: there is no address), not refused, and goes out when it connects again."""
+    b = ident("B lists X in its peers")
+    h = CoreHarness(tmp_path / "x", X)
+    k = h.open(b, local=False)
+    h.receive(k, advert_message(b, X, advert(b, host="0.0.0.0", port=0)))
+    a = h.open(ALICE)
+    h.close(k)
+    m = unicast(ALICE, REMOTE_SVC, b"while B reconnects", via=b.public)
+    out = h.receive(a, m)
+    assert out.refusals() == [] and [e.id for e in h.store.queue(b.public)] == [m.id]
+    k = h.open(b, local=False)
+    assert [x.id for x in h.last.messages(k)] == [m.id]
+
+
 def test_a_dial_of_a_lost_batch_is_made_by_the_next_message(h: CoreHarness) -> None:
     a = h.open(ALICE)
     m = unicast(ALICE, REMOTE_SVC, b"1", via=R.public)

@@ -47,6 +47,7 @@ from upsycle_router.core.trace import APP, ROUTER, SERVICE, Kind, Role
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import DistinctTtls, exp_in
 from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_SERVED, PeerAddress, RouteEntry, RouterStore
+from upsycle_router.wire.discovery import TCP
 from upsycle_router.wire.messages import Message, UnicastHeader
 
 
@@ -261,12 +262,16 @@ class RouterState:
 
     def reachable(self, router: bytes) -> bool:
         """Whether a message for ``router`` (a local service's VIA) can get there: it is connected, or this router
-        can dial it (a configured peer, core node or bootstrap node, or one whose advertised address it keeps),
-        or it dials in (an edge node), or messages wait for it already. Otherwise nothing would ever take what
-        is queued for it: the message is refused ``no_route``, as one for a key with no route."""
+        can dial it (a configured peer, core node or bootstrap node, or one whose advertised TCP address it
+        keeps), or it may dial in (an edge node; a router whose advert this router holds - peering is symmetric:
+        one that lists this router dials it again), or messages wait for it already. Otherwise nothing would
+        ever take what is queued for it: the message is refused ``no_route``, as one for a key with no route."""
         cfg = self.config
-        return (router in self.by_key or router in cfg.peers or router in cfg.upstream or router in cfg.edge_nodes
-                or router in cfg.bootstrap or router in self.addresses or self.store.queue_usage(router)[0] > 0)
+        if router in self.by_key or router in cfg.peers or router in cfg.upstream or router in cfg.edge_nodes:
+            return True
+        a = self.addresses.get(router)
+        return (router in cfg.bootstrap or (a is not None and a.proto == TCP) or router in self.advert_revs
+                or self.store.queue_usage(router)[0] > 0)
 
     def keep(self, c: Conn) -> WindowUndo:
         """Remember ``c``'s queue-drain state before the batch changes it (for batch_lost); the batch's undo log

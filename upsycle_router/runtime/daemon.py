@@ -53,6 +53,7 @@ from typing import Any
 from upsycle_router import __version__, accel
 from upsycle_router.config import DaemonConfig, PeerConfig
 from upsycle_router.config.daemon import socket_gid
+from upsycle_router.config.discovery import BootstrapNode
 from upsycle_router.config.reload import Applies, ReloadPlan, peer_changes, plan_reload
 from upsycle_router.config.values import is_loopback
 from upsycle_router.core.config import CoreConfig
@@ -116,6 +117,11 @@ def drain_window(outbound_buffer_max: int) -> tuple[int, int]:
     return max(16, DRAIN_ENTRIES_PER_MIB * nbytes // (1024 * 1024)), nbytes
 
 
+def bootstrap_nodes(cfg: DaemonConfig) -> tuple[BootstrapNode, ...]:
+    """The bootstrap nodes the router dials (peer sampling on): what its pool and its core know of them."""
+    return cfg.discovery.bootstrap if cfg.discovery.enabled and cfg.discovery.sampling else ()
+
+
 def core_config(
     cfg: DaemonConfig,
     pubsub_service: bytes | None = None,
@@ -129,7 +135,7 @@ def core_config(
         edge_nodes=cfg.edge_nodes,
         accept_join_from_any=cfg.accept_join_from_any,
         peers=frozenset(p.id for p in cfg.peers + cfg.core_nodes),
-        bootstrap=frozenset(b.id for b in cfg.discovery.bootstrap),
+        bootstrap=frozenset(b.id for b in bootstrap_nodes(cfg)),
         upstream=frozenset(p.id for p in cfg.core_nodes),
         accept_pull_from_any=cfg.accept_pull_from_any,
         pubsub_service=pubsub_service,
@@ -307,10 +313,9 @@ class Daemon:
             for p in cfg.peers + cfg.core_nodes:
                 addr = TransportAddr.parse(p.addr)
                 pool.add_static(p.id, addr.host, addr.port)
-            if cfg.discovery.enabled and cfg.discovery.sampling:
-                for b in cfg.discovery.bootstrap:
-                    addr = TransportAddr.parse(b.addr)
-                    pool.add_bootstrap(b.id, addr.host, addr.port)
+            for b in bootstrap_nodes(cfg):
+                addr = TransportAddr.parse(b.addr)
+                pool.add_bootstrap(b.id, addr.host, addr.port)
         if cfg.unix is not None:
             await self._listen_unix(cfg.unix)
         if cfg.tls is not None:
