@@ -142,6 +142,13 @@ class Batches:
     def run(self, events: list[Event], timer: bool, now: float) -> None:
         """Route one batch (and the core's timer, if ``timer``) in one write transaction; hand its effects to
         ``done`` once the transaction has committed - right away, or when the commit thread reports back."""
+        if self.store.damaged is not None:
+            # LMDB reported damage: the daemon is stopping, and takes nothing more - no batch is routed (its
+            # transaction could commit into a store the next start refuses), its connections are closed (their
+            # senders see no SYNC_ACK: what they sent since the last one is not safe, and they know it).
+            conns = sorted({c for ev in events if (c := getattr(ev, "conn", None)) is not None})
+            self.done([CloseConnection(c, ErrorCode.OVERLOADED, "the router's store is damaged") for c in conns], now)
+            return
         committer = self.committer
         self.router.batch_begun()
         if committer is None:

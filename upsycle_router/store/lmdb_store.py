@@ -340,6 +340,7 @@ class LmdbStore(LmdbTables):
                     self._flush_index()
             except lmdb.Error as e:  # they are indexed when the store is opened next
                 log.warning("%s: message index entries not written on close: %s", self.path, e)
+                self.note_error(e)  # (damage: not marked clean below)
         self.env.sync(True)
         self.env.close()
         if self._ahead is not None:
