@@ -37,9 +37,9 @@ async def test_a_unicast_that_is_no_gossip_rpc_is_counted_and_logged(caplog: pyt
     core = svc.core = GossipCore(router.public, now=0.0, rng=svc.rng, params=svc.params)
     peer_router, peer_ps = Identity.generate(), Identity.generate()
 
-    def feed(body: bytes) -> None:
+    def feed(body: bytes, via: bytes | None = peer_router.public) -> None:
         header = UnicastHeader(peer_ps.public, ps.public, 60, exp_in(time.time(), 3600))
-        msg = sign_message(header, body, peer_ps, peer_router.public)
+        msg = sign_message(header, body, peer_ps, via)
         svc._apply(client, svc._on_message(client, core, msg, 1.0))
 
     try:
@@ -49,7 +49,8 @@ async def test_a_unicast_that_is_no_gossip_rpc_is_counted_and_logged(caplog: pyt
             bad = [b"\xff not cbor", enc([16, {"graft": [bytes(32)], "extra": 1}]), PUBSUB_CODEC.encode(Sub(bytes(32)))]
             for body in bad:
                 feed(body)
-        assert svc.counters["pubsub_malformed_total"] == len(bad)
+            feed(GossipRpc(graft=(bytes(32),)).encode(), via=None)  # gossip from a local service: none of ours
+        assert svc.counters["pubsub_malformed_total"] == len(bad) + 1
         lines = [r.getMessage() for r in caplog.records if "pubsub: ignored a unicast" in r.getMessage()]
         assert len(lines) == 1, lines  # the first at once; the others counted for the next line (rate-limited)
         assert peer_ps.public.hex()[:16] in lines[0] and peer_router.public.hex()[:16] in lines[0]

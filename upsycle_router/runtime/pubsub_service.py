@@ -172,9 +172,9 @@ class PubsubService(RouterService):
         except RemoteProtocolError as e:
             body, error = None, e
         if isinstance(body, GossipRpc):
-            if msg.via is None:
-                return []  # gossip comes from other nodes' services, through their routers
-            return core.rpc_received(msg.via, body, now, service=h.src)
+            if msg.via is not None:
+                return core.rpc_received(msg.via, body, now, service=h.src)
+            error = RemoteProtocolError("a gossip RPC from a service of this node (gossip comes through routers)")
         if body is None and msg.via is None:
             inner = _multicast_in(msg.body)  # a local app asks us to publish (fanout)
             if inner is not None:
@@ -185,7 +185,8 @@ class PubsubService(RouterService):
                 if isinstance(ctl, PullNack):
                     return core.pull_failed(ctl.id, now)
         self.counters["pubsub_malformed_total"] = self.counters.get("pubsub_malformed_total", 0) + 1
-        why = f"not a gossip RPC: {error}" if error is not None else f"a {type(body).__name__} from no router"
+        why = (f"not a gossip RPC: {error}" if error is not None
+               else f"a {type(body).__name__}, which only the service's own router sends")  # fmt: skip
         self._malformed.event("malformed", f"pubsub: ignored a unicast from {_short(h.src)}"
                               f"{'' if msg.via is None else f' via router {_short(msg.via)}'} ({why})")  # fmt: skip
         return []
@@ -258,7 +259,7 @@ class PubsubService(RouterService):
                 self._rejected_here.event(e.reason or "-", f"pubsub: a message published on this node, {_short(e.id)} "
                                           f"of group {_short(e.group)}, goes to no other node: rejected ({e.reason})")
             elif (isinstance(e, Trace) and e.event in _COUNTED and e.peer is not None
-                  and not (e.reason or "").startswith("validator")):  # (a validator's verdicts: below)
+                  and not (e.reason or "").startswith(("validator", "verdict"))):  # (validators: below, or late)
                 # what came from another node and was not taken: counted (STATUS), a line per kind every 10 s
                 key = f"pubsub_{e.event}_total"
                 self.counters[key] = self.counters.get(key, 0) + 1
