@@ -158,10 +158,12 @@ async def test_an_apps_sync_ack_waits_for_the_next_router_to_confirm_what_was_fo
         await burst_while_stopped(e, z, y, y_key, 1.5, "C acknowledged what only its memory held (E confirmed nothing)")
 
 
-async def two_edges_through_a_core(net: Network) -> tuple[Node, Node, Identity, Client, Client]:
-    """Core C with edges E1 and E2 (started, both dialled); app X on E1 and app Y on E2, and an X's message that
-    reached Y through C (so C knows E2's route to Y: Y's REGISTER). Returns (C, E2, Y's key, X, Y)."""
+async def core_with_two_edges(net: Network, *, e1_pubsub: bool = False) -> tuple[Node, Node, Node]:
+    """Core C with edges E1 and E2, started, both dialled (``e1_pubsub``: E1 runs its pub/sub service).
+    Returns (C, E1, E2)."""
     c, e1 = core_and_edge(net)
+    if e1_pubsub:
+        del e1.config["pubsub"]
     e2 = net.add_node("e2")
     c.config["edge_nodes"] = [e1.id.hex(), e2.id.hex()]
     e2.config["core_nodes"] = [c.peer_entry()]
@@ -169,6 +171,13 @@ async def two_edges_through_a_core(net: Network) -> tuple[Node, Node, Identity, 
     await net.start_all()
     await net.wait_dialled(e1, c)
     await net.wait_dialled(e2, c)
+    return c, e1, e2
+
+
+async def two_edges_through_a_core(net: Network) -> tuple[Node, Node, Identity, Client, Client]:
+    """Core C with edges E1 and E2 (started, both dialled); app X on E1 and app Y on E2, and an X's message that
+    reached Y through C (so C knows E2's route to Y: Y's REGISTER). Returns (C, E2, Y's key, X, Y)."""
+    c, e1, e2 = await core_with_two_edges(net)
     y_key = Identity.generate()
     y = await net.client(e2, y_key)
     x = await net.client(e1, Identity.generate())
@@ -262,15 +271,7 @@ async def test_an_edge_apps_publish_that_leaves_by_fanout_survives_the_edge_kill
     SYNC_ACK covered the hand-over to E1's pub/sub service only, which died with it. Now E1 hands such a publish
     to its core too, under custody (queued for C while C is away): E1 and C start again, and Y gets every one."""
     async with Network(tmp_path) as net:
-        c, e1 = core_and_edge(net)
-        del e1.config["pubsub"]  # E1 runs its pub/sub service (the fanout path)
-        e2 = net.add_node("e2")
-        c.config["edge_nodes"] = [e1.id.hex(), e2.id.hex()]
-        e2.config["core_nodes"] = [c.peer_entry()]
-        e2.config["pubsub"] = {"enabled": False}
-        await net.start_all()
-        await net.wait_dialled(e1, c)
-        await net.wait_dialled(e2, c)
+        c, e1, e2 = await core_with_two_edges(net, e1_pubsub=True)  # (E1's pub/sub service: the fanout path)
         g, y_key = Identity.generate(), Identity.generate()
         y = await net.client(e2, y_key)
         assert await y.join(g.public, local=False)
