@@ -498,7 +498,8 @@ class Router:
             # Our core nodes learn that the key is here - at each of its connections, not only its first: an app
             # that moved to another edge router and back takes its route back (the last REGISTER wins). A core
             # away now learns it when it connects again (local_since: _on_open, below).
-            s.local_since[ev.peer] = now
+            if self.state.config.upstream:
+                s.local_since[ev.peer] = now
             for core in sorted(self.state.config.upstream):
                 cid = s.connected(core)
                 if cid is not None:
