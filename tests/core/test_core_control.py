@@ -607,6 +607,37 @@ def test_advert_from_a_remote_router_adds_routes_and_emits_peer_learned(h: CoreH
     assert [s.data for s in h.receive(a, m).sends(r)] == [m.encode()]
 
 
+def test_an_advert_cannot_route_another_routers_key_or_service_to_its_sender(h: CoreHarness) -> None:
+    """(From an audit: any node drew the traffic for another router and its services to itself by listing their
+    keys among its own advert's services.) R advertised itself and its pub/sub service; a stranger's router S,
+    with a validly signed advert of its own, lists R's key, R's pub/sub service, this router's own key and a
+    key nobody claimed: only the last is routed to S; the others keep their routes (counted as refused claims).
+    R advertising again keeps its service; once R's advert has lapsed, its service may be claimed anew."""
+    s_router, free = ident("S"), ident("a service nobody claimed")
+    r = h.open(R, local=False)
+    h.receive(r, advert_message(R, X, advert(R, svcs=((SERVICE_PUBSUB, R_PS.public),), ttl=900)))
+    s = h.open(s_router, local=False)
+    claims = ((SERVICE_PUBSUB, R_PS.public), (SERVICE_DISCOVERY, R.public))  # (one key per kind of service)
+    h.receive(s, advert_message(s_router, X, advert(s_router, svcs=claims, ttl=900)))
+    more = ((SERVICE_PUBSUB, X.public), (SERVICE_DISCOVERY, free.public))
+    h.receive(s, advert_message(s_router, X, advert(s_router, svcs=more, ttl=900, rev=2)))
+    routes = h.router.routes
+    assert routes[R.public].router == R.public and routes[R_PS.public].router == R.public
+    assert X.public not in routes and routes[free.public].router == s_router.public
+    assert h.router.status()["advert_claims_refused_total"] == 3
+    a = h.open(ALICE)
+    m = unicast(ALICE, R_PS)
+    assert [w.data for w in h.receive(a, m).sends(r)] == [m.encode()]  # still to R, not to S
+    h.receive(r, advert_message(R, X, advert(R, svcs=((SERVICE_PUBSUB, R_PS.public),), ttl=900, rev=2)))
+    assert routes[R_PS.public].router == R.public
+    later = T0 + 1000  # R's advert lapsed (its routes with it, at the timer)
+    h.timer(later)
+    h.receive(s, advert_message(s_router, X, advert(s_router, svcs=claims, ttl=900, now=later, rev=3), now=later),
+              now=later)  # fmt: skip
+    assert h.router.routes[R_PS.public].router == s_router.public
+    assert R.public not in h.router.routes or h.router.routes[R.public].router != s_router.public
+
+
 def test_an_advertised_address_is_kept_so_that_a_restart_dials_the_router_messages_wait_for(h: CoreHarness) -> None:
     """(From a black-box audit: messages acknowledged for a router known only by its advert waited for ever after a
     restart - the address book was in memory only.) The advert's address is stored; at start the core hands it to

@@ -369,8 +369,12 @@ class ControlPlane:
             return False
         self.s.advert_revs[adv.id] = (adv.rev, expiry)
         self.s.learn_route(adv.id, via, ROUTE_ADVERT, expiry)
+        counters = self.s.counters
         for _, svc in adv.svcs:
-            self.s.learn_route(svc, adv.id, ROUTE_ADVERT, expiry)
+            if self.s.may_claim(adv.id, svc, now):
+                self.s.learn_route(svc, adv.id, ROUTE_ADVERT, expiry)
+            else:  # (another router's key, or another router's service)
+                counters["advert_claims_refused_total"] = counters.get("advert_claims_refused_total", 0) + 1
         out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port, adv.addr.proto))
         if adv.addr.port:  # (port 0: it cannot be dialled) kept, so that a restart can dial it (Router.start)
             self.s.remember_address(adv.id, PeerAddress(adv.addr.proto, adv.addr.ip, adv.addr.port, expiry), now)

@@ -380,6 +380,22 @@ class RouterState:
         return sorted(k for k, r in self.routes.items()
                       if r.source == ROUTE_SERVED and (edge is None or r.router == edge))
 
+    def may_claim(self, router: bytes, svc: bytes, now: float) -> bool:
+        """Whether ``router``'s advert may route ``svc`` (a key it lists among its services) to it. An advert's
+        signature proves who sent it, not that the keys it lists are its own: a router's key is never a service
+        of another (a router that advertised itself, a configured or connected one, this one), and a service key
+        another router's advert routes (until that advert lapses) is not taken over - otherwise any node could
+        draw the traffic for other routers and their services to itself (found by an audit)."""
+        if svc == router or svc == self.id:
+            return False
+        cfg = self.config
+        if (svc in self.advert_revs or svc in cfg.peers or svc in cfg.upstream or svc in cfg.edge_nodes
+                or svc in cfg.bootstrap or any(not self.conns[c].local for c in self.by_key.get(svc, ()))):
+            return False  # a router's key
+        old = self.routes.get(svc)
+        return not (old is not None and old.source == ROUTE_ADVERT and old.router != router
+                    and (old.expires is None or old.expires > now))
+
     def learn_route(self, dst: bytes, router: bytes, source: int, expires: float | None) -> None:
         """``dst`` is reachable through ``router`` until ``expires`` (kept in memory and in the store)."""
         if dst == self.id or dst in self.locals:
