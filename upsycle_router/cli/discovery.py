@@ -151,6 +151,8 @@ def check_link(link: str, now: float) -> PeerAdvertisement:
     if not advert_valid(adv):
         raise ValueError(f"the advert's signature does not verify under its id {adv.id.hex()}")
     if expires_at(now, adv.ttl, adv.exp) <= now:
+        if adv.ttl <= 0:  # (min(arrival + ttl, exp): the ttl ends it, whatever its exp says)
+            raise ValueError("the advert's ttl is 0: it lapses as it arrives")
         raise ValueError(f"the advert expired at {exp_iso(adv.exp)}")
     return adv
 

@@ -32,6 +32,7 @@ from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import DistinctTtls, exp_in
+from upsycle_router.logtext import RateLimitedLog
 from upsycle_router.runtime.service import RouterService
 from upsycle_router.services.discovery import DISCOVERY_GROUP
 from upsycle_router.services.discovery.core import (
@@ -125,6 +126,7 @@ class DiscoveryService(RouterService):
         self.core: DiscoveryCore | None = None
         self._transport: asyncio.DatagramTransport | None = None
         self._ttls = DistinctTtls()  # a repeated reply or RPC is a message of its own (not a replay)
+        self._malformed = RateLimitedLog(log)  # (any remote router may send junk: a line per 10 s, with the count)
 
     async def run(self) -> None:
         """Open the LAN socket, connect (retrying while the router starts) and serve until :meth:`stop`."""
@@ -164,7 +166,10 @@ class DiscoveryService(RouterService):
                 try:
                     self._apply(self._on_message(client, core, msg, time.time()))
                 except RemoteProtocolError as e:
-                    log.info("discovery: ignoring malformed message %s: %s", msg.id.hex(), e)
+                    via = "" if msg.via is None else f" via router {msg.via.hex()[:16]}"
+                    src = msg.header.src.hex()[:16] if isinstance(msg.header, UnicastHeader) else "a group"
+                    self._malformed.event("malformed", f"discovery: ignored a malformed message from {src}{via}: {e}",
+                                          logging.INFO)  # fmt: skip
             now = time.time()
             d = core.next_deadline()
             if d is not None and d <= now:
