@@ -739,9 +739,10 @@ def test_advert_with_a_bad_signature_is_dropped(h: CoreHarness) -> None:
 
 
 def test_advert_of_another_router_relayed_by_r_is_dropped(h: CoreHarness) -> None:
+    # (Its signature verifies - under its own id, not R's: not_authorized, not bad_signature; from an audit.)
     r = h.open(R, local=False)
     out = h.receive(r, unicast(R, X, encode_discovery(advert(STRANGER))))
-    assert [t.reason for t in out.traces("dropped")] == ["bad_signature"]
+    assert [t.reason for t in out.traces("dropped")] == ["not_authorized"]
     assert out.learned() == []
 
 

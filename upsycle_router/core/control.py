@@ -320,8 +320,11 @@ class ControlPlane:
         def drop(reason: Why) -> None:
             self.delivery.dropped(c, msg.id, reason, 0, now, out, CONTROL, None, h.src, h.dst, size)
 
-        if not advert_valid(adv) or (adv.id != h.src and not from_discovery):
+        if not advert_valid(adv):
             drop(Why.BAD_SIGNATURE)
+            return
+        if adv.id != h.src and not from_discovery:  # (signed, but another node's: only its own node may send it)
+            drop(Why.NOT_AUTHORIZED)
             return
         if not c.local and c.peer == adv.id:
             self.s.peer_routers.add(adv.id)
