@@ -647,7 +647,10 @@ def test_a_late_refusal_of_a_forwarded_multicast_reaches_the_app(tmp_path: Path)
     assert [s.conn for s in out.sends()] == [a]
 
 
-def test_a_late_refusal_for_an_app_that_is_gone_is_dropped(tmp_path: Path) -> None:
+def test_a_late_refusal_for_an_app_that_is_gone_is_traced_as_a_drop(tmp_path: Path) -> None:
+    """The app that sent it is gone: the next router's refusal reaches nobody - so it is traced here as a drop of
+    the message with that reason (counted: dropped_no_route_total; the analytics see why it was lost), not lost
+    in silence as before (a crash audit found such a loss with nothing in the journal). Nothing is sent."""
     h = harness(tmp_path, peers=frozenset({R.public}))
     a = h.open(ALICE)
     r = h.open(R, local=False)
@@ -655,7 +658,9 @@ def test_a_late_refusal_for_an_app_that_is_gone_is_dropped(tmp_path: Path) -> No
     h.receive(a, m)
     h.close(a)
     out = h.receive(r, control(R, X, Refused(m.id, Reason.NO_ROUTE, 0)))
-    assert out.sends() == [] and out.events() == ["received"]
+    assert out.sends() == [] and out.events() == ["received", "dropped"]
+    [t] = out.traces("dropped")
+    assert (t.id, t.reason, t.peer, t.src, t.dst) == (m.id, "no_route", R.public, ALICE.public, REMOTE_SVC.public)
 
 
 def test_a_refused_from_anyone_is_never_answered(tmp_path: Path) -> None:

@@ -493,7 +493,9 @@ class Delivery:
             s.batch_forwarded.setdefault(r.id, fwd)
             del s.forwarded[r.id]
         c = self.conns.get(fwd.conn)
-        if c is None:
+        if c is None:  # the app is gone: the refusal reaches nobody - traced (and counted) here, not lost in silence
+            out.append(Trace(DROPPED, r.id, fwd.kind, fwd.group, fwd.src, fwd.dst, router, fwd.size,
+                             reason_label(r.reason)))
             return
         span = -1
         if c.syncs == fwd.span:  # no SYNC_ACK since the message: this REFUSED is counted by the next one
