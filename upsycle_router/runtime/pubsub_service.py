@@ -97,15 +97,13 @@ class PubsubService(RouterService):
         self._peer_expiry: dict[bytes, float] = {}  # router -> monotonic time its advertisement lapses
         self._peer_rev: dict[bytes, int] = {}  # router -> revision of its last advertisement
         self._ttls = DistinctTtls()  # a repeated RPC, PULL or VALIDATE is a message of its own (not a replay)
-        # Unicasts that are no gossip RPC (nor anything else the service takes): counted here (the daemon shares
-        # its counters, so STATUS shows ``pubsub_malformed_total``) and logged, a line per 10 s with the count.
+        # What the service does not take - unicasts that are no gossip RPC, other nodes' messages its rules reject
+        # or ignore, RPCs of unknown peers - is counted here (the daemon shares its counters: STATUS shows them)
+        # and logged; so is a message published on this node that its rules reject (too large for gossip, a
+        # signature policy), which leaves the node no further - local subscribers had it from the router. Each
+        # kind is a line per 10 s with the count (one each would let anyone flood the log).
         self.counters: dict[str, int] = {}
-        self._malformed = RateLimitedLog(log)
-        self._not_taken = RateLimitedLog(log)  # other nodes' messages rejected or ignored, unknown peers' RPCs
-        # A message published on this node that the service's rules reject (too large for gossip, a signature
-        # policy) leaves the node no further - local subscribers had it from the router: say so, a line per
-        # reason every 10 s with the count (one each would let an app flood the log).
-        self._rejected_here = RateLimitedLog(log)
+        self._lines = RateLimitedLog(log)
 
     async def _serve(self, client: Client) -> None:
         core = self.core
@@ -184,11 +182,11 @@ class PubsubService(RouterService):
                 ctl = decode_control(msg.body)
                 if isinstance(ctl, PullNack):
                     return core.pull_failed(ctl.id, now)
-        self.counters["pubsub_malformed_total"] = self.counters.get("pubsub_malformed_total", 0) + 1
+        self._count("pubsub_malformed_total")
         why = (f"not a gossip RPC: {error}" if error is not None
                else f"a {type(body).__name__}, which only the service's own router sends")  # fmt: skip
-        self._malformed.event("malformed", f"pubsub: ignored a unicast from {_short(h.src)}"
-                              f"{'' if msg.via is None else f' via router {_short(msg.via)}'} ({why})")  # fmt: skip
+        self._lines.event("malformed", f"pubsub: ignored a unicast from {_short(h.src)}"
+                          f"{'' if msg.via is None else f' via router {_short(msg.via)}'} ({why})")  # fmt: skip
         return []
 
     def _from_router(self, client: Client, core: GossipCore, body: bytes, now: float) -> list[Effect]:
@@ -227,6 +225,9 @@ class PubsubService(RouterService):
 
     # ------------------------------------------------------------ outbound
 
+    def _count(self, key: str) -> None:
+        self.counters[key] = self.counters.get(key, 0) + 1
+
     def _unicast(self, client: Client, dst: bytes, body: bytes, ttl: int, via: bytes | None) -> None:
         # Routers drop a unicast whose id they have seen (replay protection), and the same RPC, PULL or VALIDATE
         # sent again within the same minute (exp) would have the same id: a repetition gets the next ttl up.
@@ -256,15 +257,14 @@ class PubsubService(RouterService):
             elif isinstance(e, Trace) and e.event == "deprecated_policy":
                 log.warning("pubsub: group %s: %s", e.group.hex() if e.group else "-", e.reason)
             elif isinstance(e, Trace) and e.event == "rejected" and e.peer is None:
-                self._rejected_here.event(e.reason or "-", f"pubsub: a message published on this node, {_short(e.id)} "
-                                          f"of group {_short(e.group)}, goes to no other node: rejected ({e.reason})")
+                self._lines.event(f"here:{e.reason}", f"pubsub: a message published on this node, {_short(e.id)} "
+                                  f"of group {_short(e.group)}, goes to no other node: rejected ({e.reason})")
             elif (isinstance(e, Trace) and e.event in _COUNTED and e.peer is not None
                   and not (e.reason or "").startswith(("validator", "verdict"))):  # (validators: below, or late)
                 # what came from another node and was not taken: counted (STATUS), a line per kind every 10 s
-                key = f"pubsub_{e.event}_total"
-                self.counters[key] = self.counters.get(key, 0) + 1
-                self._not_taken.event(f"{e.event}:{e.reason}", f"pubsub: {e.event}{_of(e)} from router "
-                                      f"{_short(e.peer)} ({e.reason})", logging.INFO)  # fmt: skip
+                self._count(f"pubsub_{e.event}_total")
+                self._lines.event(f"{e.event}:{e.reason}", f"pubsub: {e.event}{_of(e)} from router "
+                                  f"{_short(e.peer)} ({e.reason})", logging.INFO)  # fmt: skip
             elif isinstance(e, Trace) and e.reason is not None and e.reason.startswith("validator"):
                 log.info("pubsub: %s %s of group %s%s (%s)", e.event, _short(e.id), _short(e.group),
                          "" if e.peer is None else f" from router {_short(e.peer)}", e.reason)  # fmt: skip

@@ -666,8 +666,7 @@ class Connection(asyncio.Protocol):
         if t is not None and not self.closed and not t.is_closing():
             if self.partials is not None:
                 self.partials.pause(self)
-            with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
-                t.pause_reading()
+            self._transport_reading(False)
 
     def resume_reading(self) -> None:
         """Read from the peer again."""
@@ -675,8 +674,18 @@ class Connection(asyncio.Protocol):
         if t is not None and not self.closed and not t.is_closing():
             if self.partials is not None:
                 self.partials.resume(self)
+            self._transport_reading(True)
+
+    def _transport_reading(self, reading: bool) -> None:
+        """Resume (``reading``) or pause the transport's reading - that alone, not the frames budget's view of it
+        (where the transport cannot, nothing happens)."""
+        t = self.transport
+        if t is not None and not t.is_closing():
             with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
-                t.resume_reading()
+                if reading:
+                    t.resume_reading()
+                else:
+                    t.pause_reading()
 
     def close_with_error(self, code: int, reason: str) -> None:
         """Send ERROR and close.

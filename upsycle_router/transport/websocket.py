@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import contextlib
 import logging
 import ssl
 from dataclasses import dataclass
@@ -218,10 +217,7 @@ class WebSocketConnection(Connection):
     def _resume_after_turns(self) -> None:
         if self._turn_paused:
             self._turn_paused = False
-            t = self.transport
-            if t is not None and not t.is_closing():
-                with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
-                    t.resume_reading()
+            self._transport_reading(True)
 
     def resume_writing(self) -> None:
         """The peer reads again: answer the ping held back meanwhile."""
@@ -285,11 +281,9 @@ class WebSocketConnection(Connection):
                 handled += 1
                 if handled == EVENTS_PER_TURN:
                     self._turn = asyncio.get_running_loop().call_soon(self._handle_events)
-                    t = self.transport
-                    if not self._turn_paused and t is not None and not t.is_closing():
+                    if not self._turn_paused:
                         self._turn_paused = True
-                        with contextlib.suppress(RuntimeError, AttributeError, NotImplementedError):
-                            t.pause_reading()
+                        self._transport_reading(False)
                     break
             else:
                 if self._held:  # (the driver paused reading meanwhile: it resumes it)
