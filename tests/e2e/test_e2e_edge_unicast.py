@@ -65,3 +65,41 @@ async def test_an_app_on_another_router_reaches_an_edge_app_online_and_after_the
         got = await collect(y, {m2}, timeout=15)
         assert [m.id for m in got] == [m2]
         assert [m for m in await collect(y, set(), timeout=1)] == []  # nothing more: exactly once
+
+
+async def test_an_edge_apps_messages_for_an_app_the_core_does_not_know_yet_wait_for_its_edge(tmp_path: Path) -> None:
+    """Core C with edges E1 and E2. C is stopped; app Y connects to E2 for the first time (C has never heard of
+    it) and leaves; app A on E1 sends Y messages, which E1 acknowledges and keeps for C, and leaves too. E2 is
+    stopped, C starts: E1 connects first and hands C what it kept, for a key C does not know. C holds them
+    (it used to refuse them ``no_route``, late: A was gone, they were lost - a crash audit's finding) until E2
+    connects and registers Y; Y gets each one."""
+    async with Network(tmp_path) as net:
+        c, e1, e2 = net.add_node("c"), net.add_node("e1"), net.add_node("e2")
+        c.config["edge_nodes"] = [e1.id.hex(), e2.id.hex()]
+        for e in (e1, e2):
+            e.config["core_nodes"] = [c.peer_entry()]
+        for node in (c, e1, e2):
+            node.config["pubsub"] = {"enabled": False}
+        await net.start_all()
+        await net.wait_dialled(e1, c)
+        await net.wait_dialled(e2, c)
+        await c.stop()
+        y_key = Identity.generate()
+        await net.close_client(await net.client(e2, y_key))  # Y's first connection: to E2, while C is away
+        a = await net.client(e1)
+        ids = [await a.send(y_key.public, b"to Y %d" % k) for k in range(20)]
+        res = await a.sync()
+        assert res.ok, res.refused  # E1 keeps them for C
+        await net.close_client(a)
+        await e2.stop()
+        mark = e1.log_size()
+        await c.start()
+        await net.wait_dialled(e1, c, since=mark)
+        for mid in ids:
+            await c.wait_trace(event="queued", id=mid, dst=y_key.public, timeout=15)  # held for Y
+        await e2.start()
+        await net.wait_dialled(e2, c, since=0)
+        y = await net.client(e2, y_key)
+        got = await collect(y, set(ids), timeout=15)
+        assert sorted(m.id for m in got) == sorted(ids)
+        assert [t for t in c.trace() if t["event"] == "refused"] == []

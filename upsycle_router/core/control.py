@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 from upsycle_router.core.delivery import Delivery
 from upsycle_router.core.events import Confirmed, Custody, Effect, PeerLearned, Send, Trace
+from upsycle_router.core.held import Held
 from upsycle_router.core.state import Conn, RouterState
 from upsycle_router.core.trace import (
     CONTROL,
@@ -72,10 +73,11 @@ RouteMulticast = Callable[[Conn, Message, MulticastHeader, int, float, list[Effe
 class ControlPlane:
     """Handles control bodies addressed to the router (see the module docstring)."""
 
-    def __init__(self, state: RouterState, delivery: Delivery, route_multicast: RouteMulticast) -> None:
+    def __init__(self, state: RouterState, delivery: Delivery, route_multicast: RouteMulticast, held: Held) -> None:
         self.s = state
         self.delivery = delivery
         self.route_multicast = route_multicast
+        self.held = held
 
     def _reply(
         self, c: Conn, to: bytes, body: bytes, now: float, out: list[Effect], barrier: bool = False, span: int = -1
@@ -262,6 +264,7 @@ class ControlPlane:
             for key in new:
                 s.routes.pop(key, None)  # whatever was known of it: its edge node says where it is
                 s.learn_route(key, c.peer, ROUTE_SERVED, None)
+                self.held.registered(key, c.peer, now, out)  # (what waited for it here goes on to it)
             if new:
                 for p in s.conns.values():  # our peers learn that these keys are reachable here
                     if not p.local and p.peer != c.peer and p.peer not in cfg.edge_nodes:
@@ -274,6 +277,8 @@ class ControlPlane:
             for key in reg.keys:
                 if key not in mine and s.served_by(key) is None:
                     s.learn_route(key, c.peer, ROUTE_REGISTERED, expires)
+                    if key in s.held:
+                        self.held.wake(now)  # (what waited for it here goes on to that router)
             return
         self.delivery.dropped(c, msg.id, Why.NOT_AUTHORIZED, 0, now, out, CONTROL, None, h.src, h.dst, size)
 

@@ -82,6 +82,7 @@ from upsycle_router.core.events import (
     Undelivered,
     WriteBlocked,
 )
+from upsycle_router.core.held import Held
 from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.runs import multicast_run
 from upsycle_router.core.state import Conn, PendingPull, RouterState
@@ -155,7 +156,8 @@ class Router:
         self._by_key = s.by_key
         self.queues = QueueDrain(s)
         self.delivery = Delivery(s, self.queues)
-        self.control = ControlPlane(s, self.delivery, self._multicast)
+        self.held = Held(s, self.delivery)
+        self.control = ControlPlane(s, self.delivery, self._multicast, self.held)
         self.runs = True  # route runs of one group's messages together (core/runs.py); tests compare both ways
         # Group messages held and routed again to their member routers since the start (_again), the start (the
         # first connection's), and those of the current batch (for batch_lost)
@@ -381,9 +383,10 @@ class Router:
                 out.append(Trace(JOINED, None, CONTROL, group, member, role=s.role(member)))
         for key, a in sorted(s.addresses.items()):  # where advertised routers listen, for the dials below
             out.append(PeerLearned(key, TransportAddr(a.proto, a.ip, a.port).host, a.port, a.proto))
+        self.held.start(now)
         for key in sorted(self.store.queue_recipients()):
-            # (an edge node's queue waits for it to connect: it dials us)
-            if key not in s.locals and key not in s.dialing and key not in s.config.edge_nodes:
+            # (an edge node's queue waits for it to connect: it dials us; so does a key held for (core/held.py))
+            if key not in s.locals and key not in s.dialing and key not in s.config.edge_nodes and key not in s.held:
                 s.dialing.add(key)
                 out.append(Dial(key))
         return out
@@ -406,6 +409,8 @@ class Router:
         route_exp = [r.expires for r in self.routes.values() if r.expires is not None]
         route_exp.extend(self.state.redial.values())
         route_exp.extend(self.state.waiting.values())
+        if self.held.check_at is not None:
+            route_exp.append(self.held.check_at)
         if route_exp:
             r = min(route_exp)
             t = r if t is None else min(t, r)
@@ -418,6 +423,7 @@ class Router:
         if self._sent_again and self._born is not None and now - self._born > AGAIN_WINDOW:
             self._sent_again = set()  # (the window for held messages sent again is over: its memory too)
         self.queues.expire(now, out)
+        self.held.check(now, out)
         for cid in sorted(c for c, t in s.waiting.items() if t <= now):  # (each flush puts it back if need be)
             del s.waiting[cid]
             c = self._conns.get(cid)
@@ -486,7 +492,7 @@ class Router:
         s = self.state
         if self._born is None:
             self._born = now
-        c = Conn(ev.conn, ev.peer, ev.local)
+        c = Conn(ev.conn, ev.peer, ev.local, now)
         self._conns[ev.conn] = c
         s.batch_opened.add(ev.conn)
         self._by_key.setdefault(ev.peer, []).append(ev.conn)
@@ -522,6 +528,8 @@ class Router:
             p = ev.peer
             if p in cfg.upstream or p in cfg.edge_nodes or p in cfg.peers or p in s.peer_routers:
                 self.control.custody(c, out)  # (another router met later shows itself by its advert)
+            if p in cfg.edge_nodes:
+                self.held.edge_connected(now)
             advert = self._own_advert_message(ev.peer, now)
             if advert is not None:
                 out.append(Send(ev.conn, advert.encode()))
@@ -707,6 +715,14 @@ class Router:
         if router is None:  # 3.3.2
             router = s.route(h.dst, now)
         if router is None:
+            if self.held.may_hold(c, now):  # an edge app's, for a key another edge may not have registered yet
+                why = self.held.hold(c, msg, h, size, now, out)
+                if why is not None:
+                    self._refuse(c, msg.id, why, 0, now, out, kind, None, size, h.src, h.dst)
+                else:
+                    s.seen.add(msg.id)
+                    self._contact(h.src, h.dst)
+                return
             drop(Why.NO_ROUTE)
             return
         self._contact(h.src, h.dst)

@@ -78,9 +78,9 @@ class Conn:
     """One open connection, as the core sees it."""
 
     __slots__ = ("id", "peer", "local", "inflight", "inflight_bytes", "sent", "blocked", "backlog", "refused",
-                 "syncs", "custody", "progress", "handed")
+                 "syncs", "custody", "progress", "handed", "opened")
 
-    def __init__(self, conn: ConnId, peer: bytes, local: bool) -> None:
+    def __init__(self, conn: ConnId, peer: bytes, local: bool, opened: float = 0.0) -> None:
         self.id = conn
         self.peer = peer
         self.local = local
@@ -98,6 +98,7 @@ class Conn:
         self.custody = False  # another router's connection: routed messages stay ours until it confirms (Custody)
         self.progress = 0.0  # when its queue drain last wrote or had entries acknowledged
         self.handed = False  # (under custody) a hand-over backed some of what its router had not confirmed
+        self.opened = opened  # when it opened
 
 
 # Recipients held in all plans, and plans, at most (then all are dropped and made again as messages come): a
@@ -165,6 +166,8 @@ class RouterState:
         self.local_since: dict[bytes, float] = {}
         self.core_away_since: dict[bytes, float] = {}
         self.contacts: set[tuple[bytes, bytes]] = set()  # (local service, key it wrote to): not strangers to it
+        # Core: keys not known yet that edge apps' messages are queued for (core/held.py).
+        self.held: set[bytes] = set()
         # Where advertised routers listen (their adverts' addresses): after a restart the router dials those that
         # messages wait for, whoever dialled whom before.
         self.addresses: dict[bytes, PeerAddress] = {}
@@ -434,6 +437,7 @@ class RouterState:
             "queue_recipients": len(queues),
             "queued_messages": sum(c for c, _ in queues.values()),
             "queued_bytes": sum(b for _, b in queues.values()),
+            "held_recipients": len(self.held),
         }
         st.update({f"store_{k}": v for k, v in self.store.stats().items()})
         st.update(self.counters)
