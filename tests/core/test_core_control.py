@@ -848,6 +848,26 @@ def test_edge_router_reasserts_its_upstream_groups_on_reconnect_and_restart(edge
     assert upstream_bodies(edge.last, k) == [Register((ALICE.public,))]
 
 
+def test_an_edge_registers_the_apps_that_connected_while_the_core_was_away_also_after_a_restart(
+    edge: CoreHarness,
+) -> None:
+    """BOB first connects while the core is away, and leaves; the edge restarts before the core comes back. The
+    core has never heard of BOB (what other edges hold for him waits for this REGISTER: core/held.py), so the
+    edge registers him - it stored when he connected and since when the core is away. ALICE, who connected
+    while the core was there (and may have moved to another edge since), is not registered again."""
+    k = edge.open(CORE, local=False)
+    edge.close(edge.open(ALICE))
+    edge.close(k, now=T0 + 10)
+    edge.close(edge.open(BOB, now=T0 + 20))
+    edge.restart()
+    k = edge.open(CORE, local=False, now=T0 + 30)
+    assert upstream_bodies(edge.last, k) == [Register((BOB.public,))]
+    edge.close(k, now=T0 + 40)
+    edge.restart()
+    k = edge.open(CORE, local=False, now=T0 + 50)  # (registered: the core knows him now)
+    assert upstream_bodies(edge.last, k) == []
+
+
 def test_an_edge_app_is_registered_at_the_core_at_every_connection_each_time_a_new_message(
     edge: CoreHarness,
 ) -> None:

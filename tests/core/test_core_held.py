@@ -14,7 +14,9 @@ from pathlib import Path
 from core_harness import T0, CoreHarness, Effects, control, ident, unicast
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.held import HOLD_SETTLE, HOLD_SWEEP
+from upsycle_router.core.events import MessagesReceived
+from upsycle_router.core.held import HOLD_MAX, HOLD_SETTLE, HOLD_SWEEP
+from upsycle_router.expiry import exp_in
 from upsycle_router.wire.control import Reason, Refused, Register
 from upsycle_router.wire.messages import Message
 
@@ -36,9 +38,10 @@ def edge1_with_a(h: CoreHarness) -> int:
     return e1
 
 
-def held(h: CoreHarness, e1: int, n: int = 3, to: bytes = Y.public) -> list[Message]:
+def held(h: CoreHarness, e1: int, n: int = 3, to: bytes = Y.public, hours: int = 1) -> list[Message]:
     """A sends ``n`` messages to ``to`` through EDGE1: each taken (no REFUSED), queued, nothing sent on."""
-    msgs = [unicast(A, to, b"to Y %d" % k, now=h.now) for k in range(n)]
+    msgs = [unicast(A, to, b"to Y %d" % k, now=h.now, ttl=hours * 3600, exp=exp_in(h.now, hours * 3600))
+            for k in range(n)]
     for m in msgs:
         out = h.receive(e1, m)
         assert out.refusals() == [] and [t.id for t in out.traces("queued")] == [m.id]
@@ -102,10 +105,10 @@ def test_an_edge_that_is_away_keeps_the_hold(tmp_path: Path) -> None:
     held(h, e1)
     e2 = h.open(EDGE2, local=False, now=T0 + 10)
     h.close(e2, now=T0 + 11)  # gone again before it settled (and registered nothing)
-    assert h.timer(T0 + 300).refusals() == []  # (ttl 600)
+    assert h.timer(T0 + 300).refusals() == []
     assert h.store.queue_usage(Y.public)[0] == 3
     # expired (ttl 600) while EDGE2 stays away: forgotten at the next look (HOLD_SWEEP), not kept for ever
-    h.timer(T0 + 300 + HOLD_SWEEP)
+    h.timer(T0 + 3600 + HOLD_SWEEP)
     assert h.store.queue_usage(Y.public) == (0, 0) and h.router.status()["held_recipients"] == 0
 
 
@@ -158,3 +161,78 @@ def test_a_local_apps_message_for_an_unknown_key_is_refused_at_once(tmp_path: Pa
     b = h.open(ident("local-app"))
     m = unicast(ident("local-app"), Y, b"to Y", now=h.now)
     h.expect_refused(h.receive(b, m), b, m.id, Reason.NO_ROUTE)
+
+
+def test_a_key_is_held_for_hold_max_at_most(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    e1 = edge1_with_a(h)
+    msgs = held(h, e1, 2, hours=3)  # EDGE2 never comes
+    assert h.timer(T0 + HOLD_MAX - 1).refusals() == []
+    out = h.timer(T0 + HOLD_MAX)
+    assert out.refusals(e1) == [Refused(m.id, Reason.NO_ROUTE, 0) for m in msgs]
+    assert h.store.queue_usage(Y.public) == (0, 0)
+
+
+def test_neither_ttl_0_nor_a_routers_key_is_held(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    e1 = edge1_with_a(h)
+    m = unicast(A, Y, b"now or never", ttl=0, now=h.now)
+    h.expect_refused(h.receive(e1, m), e1, m.id, Reason.NO_ROUTE)
+    m = unicast(A, R, b"to the peer router R, away", now=h.now)  # (its queue would be R's own)
+    h.expect_refused(h.receive(e1, m), e1, m.id, Reason.NO_ROUTE)
+    assert h.router.status()["held_recipients"] == 0
+
+
+def test_a_register_in_a_batch_that_did_not_commit_moves_what_is_held_when_it_comes_again(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    e1 = edge1_with_a(h)
+    msgs = held(h, e1)
+    e2 = h.open(EDGE2, local=False, now=T0 + 60)
+    reg = control(EDGE2, X, Register((Y.public,)), now=h.now)
+    h.lost([MessagesReceived.one(e2, reg, True)])
+    assert h.router.status()["held_recipients"] == 1 and h.store.queue_usage(Y.public)[0] == 3
+    out = h.receive(e2, control(EDGE2, X, Register((Y.public,)), now=h.now + 1))
+    assert sent(out, e2) == [m.id for m in msgs]
+
+
+def test_a_timer_batch_that_did_not_commit_refuses_at_the_next_one(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    e1 = edge1_with_a(h)
+    msgs = held(h, e1, 2, Z.public)
+    h.open(EDGE2, local=False, now=T0 + 30)
+    h.lost([], T0 + 30 + HOLD_SETTLE, timer=True)
+    assert h.store.queue_usage(Z.public)[0] == 2
+    out = h.timer(T0 + 31 + HOLD_SETTLE)
+    assert out.refusals(e1) == [Refused(m.id, Reason.NO_ROUTE, 0) for m in msgs]
+
+
+def test_a_route_learnt_from_a_message_takes_what_is_held_first(tmp_path: Path) -> None:
+    """R relays a message from Y: Y is reachable through R. The next message for Y goes there after what was held
+    for Y (not before it); what is left goes at the next timer."""
+    h = harness(tmp_path)
+    e1 = edge1_with_a(h)
+    msgs = held(h, e1)
+    r = h.open(R, local=False, now=T0 + 5)
+    h.receive(r, unicast(Y, A, b"hello A, from Y behind R", now=h.now))
+    m = unicast(A, Y, b"after the route", now=h.now)
+    out = h.receive(e1, m)
+    assert sent(out, r) == [x.id for x in msgs] + [m.id] and out.refusals() == []
+    assert h.router.status()["held_recipients"] == 0
+
+
+def test_a_route_learnt_while_held_takes_what_is_held_at_the_timer_and_after_a_restart(tmp_path: Path) -> None:
+    h = harness(tmp_path)
+    e1 = edge1_with_a(h)
+    msgs = held(h, e1)
+    r = h.open(R, local=False, now=T0 + 5)
+    h.receive(r, unicast(Y, A, b"hello A, from Y behind R", now=h.now))
+    h.close(r)
+    h.restart()  # before the timer: the route is stored, and so is what is held
+    h.router.batch_begun()
+    with h.store.transaction():
+        start = Effects(h.router.start(h.now))
+    assert Y.public not in start.dials()
+    out = h.timer()
+    assert out.dials() == [R.public] and h.store.queue_usage(R.public)[0] == 3
+    r = h.open(R, local=False)
+    assert [m.id for m in h.last.messages(r) if m.header.src != X.public] == [m.id for m in msgs]  # (not X's own)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from netutil import Network, collect
 
+from upsycle_router.core.held import HOLD_SETTLE
 from upsycle_router.crypto import Identity
 from upsycle_router.wire.control import Reason
 
@@ -72,7 +73,7 @@ async def test_an_edge_apps_messages_for_an_app_the_core_does_not_know_yet_wait_
     it) and leaves; app A on E1 sends Y messages, which E1 acknowledges and keeps for C, and leaves too. E2 is
     stopped, C starts: E1 connects first and hands C what it kept, for a key C does not know. C holds them
     (it used to refuse them ``no_route``, late: A was gone, they were lost - a crash audit's finding) until E2
-    connects and registers Y; Y gets each one."""
+    connects and registers Y (E2 restarted meanwhile: it remembers Y from its store); Y gets each one."""
     async with Network(tmp_path) as net:
         c, e1, e2 = net.add_node("c"), net.add_node("e1"), net.add_node("e2")
         c.config["edge_nodes"] = [e1.id.hex(), e2.id.hex()]
@@ -97,8 +98,9 @@ async def test_an_edge_apps_messages_for_an_app_the_core_does_not_know_yet_wait_
         await net.wait_dialled(e1, c, since=mark)
         for mid in ids:
             await c.wait_trace(event="queued", id=mid, dst=y_key.public, timeout=15)  # held for Y
-        await e2.start()
+        await e2.start()  # (E2 restarted: it stored that Y connected while C was away, and registers Y)
         await net.wait_dialled(e2, c, since=0)
+        await asyncio.sleep(HOLD_SETTLE + 1)  # E2 settled: had it not registered Y, C would refuse them now
         y = await net.client(e2, y_key)
         got = await collect(y, set(ids), timeout=15)
         assert sorted(m.id for m in got) == sorted(ids)

@@ -280,6 +280,8 @@ def test_unsupported_schema_version_is_refused(path: Path) -> None:
 
 WRITES = {
     "add_local": lambda s: s.add_local(A),
+    "set_local_since": lambda s: s.set_local_since(A, T),
+    "set_core_away": lambda s: s.set_core_away(A, T),
     "add_subscriber": lambda s: s.add_subscriber(G1, A, True),
     "remove_subscriber": lambda s: s.remove_subscriber(G1, A),
     "set_pubsub_subscribed": lambda s: s.set_pubsub_subscribed(G1, True),

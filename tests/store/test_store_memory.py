@@ -70,6 +70,36 @@ def _composed(
     return out
 
 
+def test_an_edge_remembers_when_its_apps_connected_and_since_when_its_cores_are_away(
+    store: LmdbStore | MemoryStore,
+) -> None:
+    """(An edge router's: whom to REGISTER at a core that connects again, core/router.py.) A local service told
+    of with ``set_local_since`` is a local service; one added with ``add_local`` only has no time."""
+    with store.transaction():
+        store.add_local(A)
+        store.set_local_since(B, 1_800_000_000.25)
+        store.set_core_away(G, 1_800_000_100.5)
+    assert store.locals() == {A, B}
+    assert store.locals_since() == {B: 1_800_000_000.25}
+    assert store.cores_away() == {G: 1_800_000_100.5}
+    with store.transaction():
+        store.set_local_since(A, 1_800_000_200.0)
+        store.set_core_away(G, 1_800_000_300.0)
+    assert store.locals_since() == {A: 1_800_000_200.0, B: 1_800_000_000.25}
+    assert store.cores_away() == {G: 1_800_000_300.0}
+
+
+def test_the_edges_times_survive_a_reopen(tmp_path: Path) -> None:
+    s = LmdbStore(tmp_path / "s", Durability.NONE, map_size=1 << 24)
+    with s.transaction():
+        s.set_local_since(A, 1_800_000_000.0)
+        s.set_core_away(G, 1_800_000_001.0)
+    s.close()
+    s = LmdbStore(tmp_path / "s", Durability.NONE, map_size=1 << 24)
+    assert (s.locals(), s.locals_since(), s.cores_away()) == ({A}, {A: 1_800_000_000.0}, {G: 1_800_000_001.0})
+    s.close()
+
+
 @pytest.mark.parametrize("in_txn", [False, True])
 def test_queue_messages_is_queue_with_get_message_of_each(store: LmdbStore | MemoryStore, in_txn: bool) -> None:
     """The drain's fused read gives what the entries and their messages give one by one: group and unicast

@@ -276,9 +276,7 @@ class ControlPlane:
             expires = now + cfg.learned_route_ttl
             for key in reg.keys:
                 if key not in mine and s.served_by(key) is None:
-                    s.learn_route(key, c.peer, ROUTE_REGISTERED, expires)
-                    if key in s.held:
-                        self.held.wake(now)  # (what waited for it here goes on to that router)
+                    s.learn_route(key, c.peer, ROUTE_REGISTERED, expires)  # (what is held for it follows: held.py)
             return
         self.delivery.dropped(c, msg.id, Why.NOT_AUTHORIZED, 0, now, out, CONTROL, None, h.src, h.dst, size)
 

@@ -8,29 +8,34 @@ edge connects again and REGISTERs it. Meanwhile another edge may hand the core w
 ``no_route`` - but late: the sender's edge acknowledged it already, so a sender gone by then hears nothing
 and the message is lost (found by a crash audit: 200 of 200 in one round).
 
-So a core *holds* such a message instead: a unicast that an edge node's app sends through that edge (on the
-edge's connection) to a key no route leads to, while a configured edge node other than the sender's is not
-connected, or connected for less than :data:`HOLD_SETTLE` (an edge REGISTERs its apps first thing on a new
-connection). It is queued under the recipient's key, as for a local service that is away: within that
-queue's quota (a stranger's within the strangers' share), for ``remote_ttl_max`` at most, traced ``queued``;
-the edge gets its confirmation as for any message taken. :attr:`RouterState.held` names the keys held for.
-Then, for each held key, the first of:
+So a core *holds* such a message instead: a unicast with ``ttl`` > 0 that an edge node's app sends through
+that edge (on the edge's connection) to a key no route leads to and that is no router this core knows of,
+while a configured edge node other than the sender's is not connected, or connected for less than
+:data:`HOLD_SETTLE` (an edge REGISTERs its apps first thing on a new connection). It is queued under the
+recipient's key, as for a local service that is away: within that queue's quota (a stranger's within the
+strangers' share), for ``remote_ttl_max`` at most, traced ``queued``; the edge gets its confirmation as for
+any message taken. :attr:`RouterState.held` names the keys held for, :data:`HELD_KEYS_MAX` at most (past
+that, an unknown key is refused at once, as before). Then, for each held key, the first of:
 
-- an edge node REGISTERs it: the entries move to that edge's queue, in order, and go on to it (:meth:`Held.
-  registered`, at once);
+- an edge node REGISTERs it: its entries move to that edge's queue, in order, and go on to it
+  (:meth:`Held.registered`, at once);
 - it connects here as a local service: its queue drains to it as any local's;
-- a route to it is learned (a peer's REGISTER, an advert): the entries move to that router's queue;
-- every configured edge node is connected and settled and the key is still unknown: each entry is refused
-  ``no_route`` to the edge it came from (the VIA the core set when it took it: a late refusal, which the edge
-  passes on to its app) and dropped, traced ``dropped`` and ``refused``;
+- a route to it is learned (a peer's REGISTER, an advert, a message): its entries move to that router's
+  queue (at once when a message for the key takes the route, :meth:`Held.release`; else at the next timer);
+- every configured edge node is connected and settled, or the key was held for :data:`HOLD_MAX`, and it is
+  still unknown: each entry is refused ``no_route`` to the edge it came from (the VIA the core set when it
+  took it: a late refusal, which the edge passes on to its app) and dropped, traced ``dropped`` and
+  ``refused``;
 - the entry expires (traced ``expired``, as any).
 
 Moving an entry is two store operations in the batch's transaction (the entry appended to the new queue,
-then removed from the old; the message stays stored), without quota (it was taken already). The held keys
-are found again at a start (:meth:`Held.start`: queues of keys that are no local service, no router this
-router knows and no route's key), so a restart changes nothing of the above. Only a core holds (an edge
-router's default route is its core: it always has a route); edge nodes that are not configured (admitted
-by ``accept_join_from_any``) are not waited for.
+then removed from the old; the message stays stored), without quota (it was taken already); the sender's
+contact (fair queues: the recipient's replies are no stranger's) is recorded then. The held keys are found
+again from the store - queues of keys that are no local service and no router this router knows -
+at a start (:meth:`Held.start`) and after a batch that did not commit (:meth:`Held.reload`), so neither
+changes anything of the above; a REGISTER moves whatever is queued under a key that is not local, held or not.
+Only a core holds (an edge router's default route is its core: it always has a route); edge nodes that are
+not configured (admitted by ``accept_join_from_any``) are not waited for, and their apps' messages are not held.
 """
 
 from __future__ import annotations
@@ -47,8 +52,14 @@ HOLD_SETTLE = 5.0
 """Seconds an edge node must have been connected before the core takes it that the edge registered its apps
 (its REGISTER is the first thing it sends on a new connection)."""
 
+HOLD_MAX = 3600.0
+"""Seconds a key is held for at most while some edge node stays away: then what waits for it is refused."""
+
 HOLD_SWEEP = 600.0
 """Seconds between looks at the held keys while an edge node is away (keys whose entries expired are forgotten)."""
+
+HELD_KEYS_MAX = 10_000
+"""Keys held for at most (a flood of messages for invented keys cannot grow the set without bound)."""
 
 
 class Held:
@@ -58,24 +69,56 @@ class Held:
         self.s = state
         self.store = state.store
         self.delivery = delivery
-        self.check_at: float | None = None  # when to look at the held keys again (handle_timer: check)
+        self.since: dict[bytes, float] = {}  # held key -> when it was first held (or found again at a start)
+        self._now = 0.0  # the latest time seen (for reload, which is told none)
 
-    def start(self, now: float) -> None:
-        """Find the held keys again after a start: queues of keys no local service, known router or route."""
+    # ------------------------------------------------------------------ which keys
+
+    def known_router(self, key: bytes) -> bool:
+        """Whether ``key`` is a router this router knows of (never held for: its queue is that router's)."""
         s = self.s
         cfg = s.config
-        known = cfg.peers | cfg.upstream | cfg.edge_nodes | cfg.bootstrap
-        s.held.clear()
-        s.held.update(k for k in self.store.queue_recipients()
-                      if k != s.id and k not in s.locals and k not in known and k not in s.addresses
-                      and k not in s.routes and not s.served(k))  # fmt: skip
-        if s.held:
-            self.check_at = now + HOLD_SETTLE
+        return (key == s.id or key in cfg.peers or key in cfg.upstream or key in cfg.edge_nodes
+                or key in cfg.bootstrap or key in s.addresses or key in s.advert_revs)  # fmt: skip
 
-    def may_hold(self, c: Conn, now: float) -> bool:
-        """Whether a unicast from an app of the edge node on ``c`` for a key with no route is held, not refused:
-        an edge node other than that one may not have registered its apps yet."""
-        return not c.local and c.peer in self.s.config.edge_nodes and not self.settled(now, c.peer)
+    def _found(self) -> set[bytes]:
+        """The held keys, from the store: queues of keys no local service, known router or route's router."""
+        s = self.s
+        if not s.config.edge_nodes:
+            return set()  # (only a core with edge nodes holds)
+        routers = {r.router for r in s.routes.values()}
+        return {k for k in self.store.queue_recipients()
+                if k not in s.locals and k not in routers and not self.known_router(k)}  # fmt: skip
+
+    def start(self, now: float) -> None:
+        """Find the held keys again at a start."""
+        self._now = now
+        self.since.clear()
+        self._reset(self._found(), now)
+
+    def reload(self) -> None:
+        """Find the held keys again after a batch that did not commit (what it moved or refused is back)."""
+        self._reset(self._found(), self._now)
+
+    def _reset(self, keys: set[bytes], now: float) -> None:
+        s = self.s
+        s.held.clear()
+        s.held.update(keys)
+        for k in [k for k in self.since if k not in keys]:
+            del self.since[k]
+        for k in keys:
+            self.since.setdefault(k, now)
+        s.held_check = now if keys else None
+
+    # ------------------------------------------------------------------ holding
+
+    def may_hold(self, c: Conn, h: UnicastHeader, now: float) -> bool:
+        """Whether the unicast ``h`` from an app of the edge node on ``c``, for a key with no route, is held rather
+        than refused: another edge node may not have registered its apps yet."""
+        s = self.s
+        return (not c.local and c.peer in s.config.edge_nodes and h.ttl > 0
+                and (h.dst in s.held or len(s.held) < HELD_KEYS_MAX) and not self.known_router(h.dst)
+                and not self.settled(now, c.peer))  # fmt: skip
 
     def settled(self, now: float, but: bytes | None = None) -> bool:
         """Whether every configured edge node (but ``but``) is connected, for :data:`HOLD_SETTLE` at least."""
@@ -91,53 +134,70 @@ class Held:
         """Queue ``msg`` (from the edge node on ``c``) under its recipient's key; the reason it was not taken, or
         None."""
         s = self.s
+        self._now = now
         why = self.delivery.enqueue(h.dst, msg, None, msg.encode(), size, now, out, kind=UNICAST,
                                     stranger=s.stranger(h.src, h.dst), remote=True, origin=c)  # fmt: skip
         if why is None:
             s.held.add(h.dst)
+            self.since.setdefault(h.dst, now)
             self.wake(now + HOLD_SETTLE)
         return why
 
     def wake(self, at: float) -> None:
         """Look at the held keys again at ``at`` at the latest."""
-        self.check_at = at if self.check_at is None else min(self.check_at, at)
+        s = self.s
+        s.held_check = at if s.held_check is None else min(s.held_check, at)
 
     def edge_connected(self, now: float) -> None:
         """An edge node connected: once it settled, the held keys may be decided."""
         if self.s.held:
             self.wake(now + HOLD_SETTLE)
 
+    # ------------------------------------------------------------------ letting go
+
     def registered(self, key: bytes, edge: bytes, now: float, out: list[Effect]) -> None:
-        """The edge node ``edge`` REGISTERed ``key``: what is held for it goes on to that edge."""
-        if key in self.s.held:
-            self.s.held.discard(key)
+        """The edge node ``edge`` REGISTERed ``key``: what is queued here for it (held; or queued under a key no
+        local service's, whatever this process remembers) goes on to that edge."""
+        s = self.s
+        if key in s.held or (key not in s.locals and self.store.queue_usage(key)[0]):
+            self._let_go(key)
             self._move(key, edge, now, out)
+
+    def release(self, key: bytes, router: bytes, now: float, out: list[Effect]) -> None:
+        """A message for the held ``key`` takes the route to ``router``: what waited goes first, to that router."""
+        self._let_go(key)
+        if router != key:
+            self._move(key, router, now, out)
 
     def check(self, now: float, out: list[Effect]) -> None:
         """Decide the held keys that can be decided now (see the module docstring)."""
-        if self.check_at is None or self.check_at > now:
-            return
-        self.check_at = None
         s = self.s
+        self._now = now
+        if s.held_check is None or s.held_check > now:
+            return
+        s.held_check = None
         settled = self.settled(now)
         for key in sorted(s.held):
             if key in s.locals or not self.store.queue_usage(key)[0]:
-                s.held.discard(key)  # (a local service drains its own queue when it connects)
+                self._let_go(key)  # (a local service drains its own queue when it connects)
                 continue
             router = s.served_by(key) or s.route(key, now)
-            if router is not None and router != key:
-                s.held.discard(key)
-                self._move(key, router, now, out)
-            elif router is not None or settled:
-                s.held.discard(key)  # (a router with that key: its own connection drains its queue)
-                if router is None:
-                    self._refuse(key, now, out)
-        if s.held and not settled:
+            if router is not None:
+                self.release(key, router, now, out)  # (a router with that key: its own connection drains it)
+            elif settled or now - self.since.get(key, now) >= HOLD_MAX:
+                self._let_go(key)
+                self._refuse(key, now, out)
+        if s.held:
+            # an edge node still young settles then, a key reaches HOLD_MAX then; otherwise the next edge node to
+            # connect wakes us, and HOLD_SWEEP forgets the keys whose entries expired meanwhile
             young = [s.conns[cid].opened + HOLD_SETTLE for e in s.config.edge_nodes
                      if (cid := s.connected(e)) is not None and now - s.conns[cid].opened < HOLD_SETTLE]
-            # (an edge node still young settles then; otherwise the next edge node to connect wakes us, and
-            # HOLD_SWEEP forgets the keys whose entries expired meanwhile)
-            self.wake(min(young) if young else now + HOLD_SWEEP)
+            oldest = min((self.since.get(k, now) for k in s.held), default=now)
+            self.wake(min([now + HOLD_SWEEP, oldest + HOLD_MAX, *young]))
+
+    def _let_go(self, key: bytes) -> None:
+        self.s.held.discard(key)
+        self.since.pop(key, None)
 
     def _move(self, key: bytes, router: bytes, now: float, out: list[Effect]) -> None:
         """Move ``key``'s queue entries, in order, to the end of ``router``'s queue, and send them on."""
@@ -145,11 +205,12 @@ class Held:
         entries = store.queue(key)
         for e in entries:
             stored = store.get_message(e.id)
-            stranger = False
             if stored is not None:
                 h = _unicast_header(stored.data)
                 stranger = h is not None and s.stranger(h.src, h.dst)
                 store.enqueue(router, e.id, e.expires, e.size, stranger=stranger)
+                if h is not None and h.dst == key:
+                    s.contact(h.src, h.dst)  # (as for a message routed on at once)
             store.dequeue(key, e.seq)
         if not entries:
             return
@@ -194,4 +255,4 @@ def _unicast_header(data: bytes) -> UnicastHeader | None:
     return msg.header if msg is not None and isinstance(msg.header, UnicastHeader) else None
 
 
-__all__ = ["HOLD_SETTLE", "Held"]
+__all__ = ["HELD_KEYS_MAX", "HOLD_MAX", "HOLD_SETTLE", "HOLD_SWEEP", "Held"]

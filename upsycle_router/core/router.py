@@ -85,7 +85,7 @@ from upsycle_router.core.events import (
 from upsycle_router.core.held import Held
 from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.runs import multicast_run
-from upsycle_router.core.state import Conn, PendingPull, RouterState
+from upsycle_router.core.state import CONTACTS_MAX, Conn, PendingPull, RouterState
 from upsycle_router.core.trace import CONTROL, DROPPED, DUPLICATE, JOINED, MULTICAST, RECEIVED, UNICAST, Why
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
@@ -112,7 +112,6 @@ from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
 
 REDIAL_MIN = 2.0
 REDIAL_MAX = 60.0
-CONTACTS_MAX = 1_000_000  # (local service, key it wrote to) pairs remembered at most
 PULL_WAIT = 60.0  # seconds a PULL sent on to another router waits for its answer (the group message)
 PULLS_MAX = 10_000  # message ids such PULLs wait for, at most (the oldest is forgotten)
 PULL_REQUESTERS_MAX = 16  # apps waiting for one id at most (the oldest is forgotten)
@@ -371,6 +370,7 @@ class Router:
         s.forwarded.update(s.batch_forwarded)  # (a late REFUSED the batch passed on was never written)
         s.batch_forwarded = {}
         s.load_mirrored()
+        self.held.reload()
 
     def start(self, now: float) -> list[Effect]:
         """Effects to run once at start: a ``joined`` record for every subscription restored from the store
@@ -409,8 +409,8 @@ class Router:
         route_exp = [r.expires for r in self.routes.values() if r.expires is not None]
         route_exp.extend(self.state.redial.values())
         route_exp.extend(self.state.waiting.values())
-        if self.held.check_at is not None:
-            route_exp.append(self.held.check_at)
+        if self.state.held_check is not None:
+            route_exp.append(self.state.held_check)
         if route_exp:
             r = min(route_exp)
             t = r if t is None else min(t, r)
@@ -504,8 +504,9 @@ class Router:
             # Our core nodes learn that the key is here - at each of its connections, not only its first: an app
             # that moved to another edge router and back takes its route back (the last REGISTER wins). A core
             # away now learns it when it connects again (local_since: _on_open, below).
-            if self.state.config.upstream:
+            if self.state.config.upstream:  # (stored: a restart in between must not forget it)
                 s.local_since[ev.peer] = now
+                self.store.set_local_since(ev.peer, now)
             for core in sorted(self.state.config.upstream):
                 cid = s.connected(core)
                 if cid is not None:
@@ -543,7 +544,7 @@ class Router:
                 # (The core keeps the others' routes in its store.)
                 away = s.core_away_since.get(ev.peer, -math.inf)  # (not connected since the start: -inf)
                 since = s.local_since
-                keys = [k for k in sorted(s.locals) if k in s.by_key or (k in since and since[k] >= away)]
+                keys = [k for k in sorted(s.locals) if k in s.by_key or (k in since and since[k] > away)]
                 if keys:
                     self.control.send_register(c, keys, now, out)
             elif ev.peer not in cfg.edge_nodes:  # a peer: the keys our edge nodes serve are reachable here
@@ -564,8 +565,9 @@ class Router:
             if not lst:
                 del self._by_key[c.peer]
                 s = self.state
-                if c.peer in s.config.upstream:  # (our locals that connect from now on: registered when it is back)
-                    s.core_away_since[c.peer] = now
+                if c.peer in s.config.upstream and out is not None:  # (our locals that connect from now on:
+                    s.core_away_since[c.peer] = now  # registered when it is back - also after a restart: stored)
+                    self.store.set_core_away(c.peer, now)
                 if (c.handed and c.inflight and out is not None and c.peer not in s.dialing
                         and c.peer not in s.config.edge_nodes):  # (an edge node dials us)
                     # entries of the router's own queue were in flight on it (what it had not confirmed, backed by
@@ -715,16 +717,17 @@ class Router:
         if router is None:  # 3.3.2
             router = s.route(h.dst, now)
         if router is None:
-            if self.held.may_hold(c, now):  # an edge app's, for a key another edge may not have registered yet
+            if self.held.may_hold(c, h, now):  # an edge app's, for a key another edge may not have registered yet
                 why = self.held.hold(c, msg, h, size, now, out)
                 if why is not None:
                     self._refuse(c, msg.id, why, 0, now, out, kind, None, size, h.src, h.dst)
                 else:
                     s.seen.add(msg.id)
-                    self._contact(h.src, h.dst)
                 return
             drop(Why.NO_ROUTE)
             return
+        if s.held and h.dst in s.held:  # what was held for it goes first (core/held.py)
+            self.held.release(h.dst, router, now, out)
         self._contact(h.src, h.dst)
         why = self._to_router(router, msg, None, size, now, out, kind=UNICAST, origin=c)
         if why is not None:
@@ -788,10 +791,7 @@ class Router:
 
     def _contact(self, src: bytes, dst: bytes) -> None:
         """The local app ``src`` wrote to ``dst`` (not local): ``dst``'s messages to ``src`` are no stranger's."""
-        s = self.state
-        if (src, dst) not in s.contacts and len(s.contacts) < CONTACTS_MAX:
-            s.contacts.add((src, dst))
-            self.store.add_contact(src, dst)
+        self.state.contact(src, dst)
 
     def _multicast(
         self,

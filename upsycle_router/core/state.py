@@ -74,6 +74,9 @@ class PendingPull(NamedTuple):
     expires: float
 
 
+CONTACTS_MAX = 1_000_000  # (local service, key it wrote to) pairs remembered at most
+
+
 class Conn:
     """One open connection, as the core sees it."""
 
@@ -162,12 +165,14 @@ class RouterState:
         self.pubsub_groups: set[bytes] = set()
         self.upstream_groups: set[bytes] = set()
         # Edge node: when each local service last connected, and since when each core node is not connected (its
-        # last connection closed; absent: since the start) - who is registered at a core that connects again.
+        # last connection closed; absent: never) - who is registered at a core that connects again (stored).
         self.local_since: dict[bytes, float] = {}
         self.core_away_since: dict[bytes, float] = {}
         self.contacts: set[tuple[bytes, bytes]] = set()  # (local service, key it wrote to): not strangers to it
-        # Core: keys not known yet that edge apps' messages are queued for (core/held.py).
+        # Core: keys not known yet that edge apps' messages are queued for, and when to look at them next (a
+        # route learnt to one makes that now) (core/held.py).
         self.held: set[bytes] = set()
+        self.held_check: float | None = None
         # Where advertised routers listen (their adverts' addresses): after a restart the router dials those that
         # messages wait for, whoever dialled whom before.
         self.addresses: dict[bytes, PeerAddress] = {}
@@ -231,6 +236,10 @@ class RouterState:
         self.contacts.update(store.contacts())
         self.addresses.clear()
         self.addresses.update(store.addresses())
+        self.local_since.clear()
+        self.local_since.update(store.locals_since())
+        self.core_away_since.clear()
+        self.core_away_since.update(store.cores_away())
         self.router_members.clear()
         self.epoch += 1
 
@@ -413,6 +422,14 @@ class RouterState:
         entry = RouteEntry(router, expires, source)
         self.routes[dst] = entry
         self.store.put_route(dst, entry)
+        if dst in self.held:
+            self.held_check = 0.0  # (what waits for it goes on: at the next timer, core/held.py)
+
+    def contact(self, src: bytes, dst: bytes) -> None:
+        """The local app ``src`` wrote to ``dst`` (not local): ``dst``'s messages to ``src`` are no stranger's."""
+        if (src, dst) not in self.contacts and len(self.contacts) < CONTACTS_MAX:
+            self.contacts.add((src, dst))
+            self.store.add_contact(src, dst)
 
     def signed_to(self, dst: bytes, body: bytes, now: float) -> Message:
         """A unicast from this router to ``dst`` (the router's own replies, REFUSED, SUBs, adverts). The same

@@ -14,8 +14,10 @@ in number order; times are whole milliseconds since the Unix epoch (``expires_ms
 "never". Ids, keys and groups are 32 bytes (:data:`ID_LEN`, :data:`KEY_LEN`). ``||`` is concatenation.
 
 ``meta``       ``schema`` -> :data:`SCHEMA_VERSION`; ``seq`` -> the next sequence number; ``indexed`` -> the
-               first sequence number ``msg_exp`` may lack
-``locals``     local service key -> ``b""``
+               first sequence number ``msg_exp`` may lack; on an edge router :data:`AWAY_PREFIX` ``|| core`` ->
+               U64 milliseconds since the Unix epoch: since when that core node is away (its last connection
+               closed)
+``locals``     local service key -> ``b""``, or on an edge router the U64 milliseconds of its last connection
 ``subs``       ``group || member`` -> :data:`SUB_LOCAL` or :data:`SUB_REMOTE`
 ``psubs``      group the pub/sub service was asked to SUB to -> ``b""``
 ``usubs``      group joined at the core nodes -> ``b""``
@@ -57,6 +59,8 @@ from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_CONNECTION, ROUTE_MESSA
 # memory since 4; 3: ``msg_ids``, lagging behind from ``indexed`` on; 2: never)
 SCHEMA_VERSION = b"5"
 SCHEMAS = (b"1", b"2", b"3", b"4", SCHEMA_VERSION)  # every schema a store may have been written in (older: converted)
+AWAY_PREFIX = b"away"  # meta: since when a core node is away (older versions ignore these records, and the values
+# of ``locals``: no new schema)
 
 
 def unsupported_schema(schema: bytes) -> str:

@@ -92,6 +92,7 @@ from upsycle_router.store.integrity import (
     mark_initialised,
 )
 from upsycle_router.store.layout import (
+    AWAY_PREFIX,
     HEAD_GROUP,
     HEAD_NO_GROUP,
     ID_LEN,
@@ -461,6 +462,23 @@ class LmdbStore(LmdbTables):
     def locals(self) -> set[bytes]:
         """Every key known as a local service."""
         return {k for k, _ in self._prefix("locals", b"")}
+
+    def set_local_since(self, key: bytes, when: float) -> None:
+        """Remember ``key`` as a local service that last connected at ``when``."""
+        self._put("locals", key, U64.pack(round(when * 1000)))
+
+    def locals_since(self) -> dict[bytes, float]:
+        """When each local service last connected, for those :meth:`set_local_since` was told."""
+        return {k: U64.unpack(v)[0] / 1000.0 for k, v in self._prefix("locals", b"") if len(v) == U64.size}
+
+    def set_core_away(self, core: bytes, when: float) -> None:
+        """Remember that the core node ``core`` is away since ``when`` (its last connection closed then)."""
+        self._put("meta", AWAY_PREFIX + core, U64.pack(round(when * 1000)))
+
+    def cores_away(self) -> dict[bytes, float]:
+        """Since when each core node :meth:`set_core_away` was told of is away."""
+        n = len(AWAY_PREFIX)
+        return {k[n:]: U64.unpack(v)[0] / 1000.0 for k, v in self._prefix("meta", AWAY_PREFIX) if len(v) == U64.size}
 
     def add_contact(self, local: bytes, key: bytes) -> bool:
         """Remember that local service ``local`` wrote to ``key`` (fair queues); True if new."""

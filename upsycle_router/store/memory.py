@@ -53,7 +53,7 @@ class MemoryStore:
         self.pressure = 0.0
         self._t: dict[str, dict[Any, Any]] = {
             name: {} for name in ("locals", "contacts", "subs", "psubs", "usubs", "routes", "msgs", "ids", "queues",
-                                  "qstats", "sqstats", "refs", "owed", "addrs")
+                                  "qstats", "sqstats", "refs", "owed", "addrs", "away")
         }
         self._next_seq = 1
         self._stranger_bytes = 0
@@ -121,6 +121,18 @@ class MemoryStore:
 
     def locals(self) -> set[bytes]:
         return set(self._t["locals"])
+
+    def set_local_since(self, key: bytes, when: float) -> None:
+        self._set("locals", key, when)
+
+    def locals_since(self) -> dict[bytes, float]:
+        return {k: v for k, v in self._t["locals"].items() if v is not None}
+
+    def set_core_away(self, core: bytes, when: float) -> None:
+        self._set("away", core, when)
+
+    def cores_away(self) -> dict[bytes, float]:
+        return dict(self._t["away"])
 
     def add_contact(self, local: bytes, key: bytes) -> bool:
         if (local, key) in self._t["contacts"]:
