@@ -46,12 +46,14 @@ from upsycle_router.expiry import exp_in, exp_iso, expires_at
 from upsycle_router.wire.discovery import (
     SERVICE_DISCOVERY,
     SERVICE_PUBSUB,
+    UDP,
     AddPeer,
     AdvertAck,
     DiscoveryMessage,
     PeerAdvertisement,
     PeersQuery,
     PeersReply,
+    TransportAddr,
     advert_link,
     decode_discovery_message,
     encode_discovery_message,
@@ -102,12 +104,19 @@ def _nonce() -> int:
     return int.from_bytes(os.urandom(8), "big")
 
 
+def address_text(addr: TransportAddr) -> str:
+    """An advert's address for people: ``host:port``, and ``/udp`` after a UDP one (which no router dials: routers
+    are dialled over TLS on TCP, docs/discovery.md)."""
+    return f"{addr}/udp" if addr.proto == UDP else str(addr)
+
+
 def advert_summary(adv: PeerAdvertisement, now: float | None = None) -> dict[str, Any]:
-    """One advert as JSON-friendly values."""
+    """One advert as JSON-friendly values (``addr``: host:port, and ``/udp`` after it for a UDP address)."""
     svcs = {"discovery": adv.service(SERVICE_DISCOVERY), "pubsub": adv.service(SERVICE_PUBSUB)}
     out: dict[str, Any] = {
         "id": adv.id.hex(),
-        "addr": str(adv.addr),
+        "addr": address_text(adv.addr),
+        "proto": "udp" if adv.addr.proto == UDP else "tcp",
         "services": {k: v.hex() for k, v in svcs.items() if v is not None},
         "groups": [g.hex() for g in adv.grps],
         "rev": adv.rev,
@@ -174,7 +183,7 @@ def cmd_add_peer(args: argparse.Namespace) -> int:
             print(f"error: the discovery service refused the advert of {adv.id.hex()} (an older revision than "
                   "one it knows, or its own node's; see the router's log)", file=sys.stderr)  # fmt: skip
             return 1
-        print(f"added {adv.id.hex()} {adv.addr}")
+        print(f"added {adv.id.hex()} {address_text(adv.addr)}")
         return 0
 
     return run_app(args, go, required=False)
