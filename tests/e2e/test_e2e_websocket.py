@@ -11,10 +11,12 @@ certificate. The same client-library suite also runs over WebSocket in test_e2e_
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime as dt
 import ipaddress
 import os
+import signal
 import ssl
 from pathlib import Path
 
@@ -552,3 +554,36 @@ async def test_over_the_connection_limit_gets_503_and_the_unix_socket_error_6(da
             assert (await first.sync()).ok  # the admitted connections are unaffected
         assert (await local.sync()).ok
     assert "too many connections" in d.log_text() or "connection limit" in d.log_text()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["ws", "wss"])
+async def test_an_upgrade_request_that_completes_after_sigterm_gets_503(daemon: DaemonFactory, tls: bool) -> None:
+    """The router stops: a request whose end comes after SIGTERM is answered 503 (docs/websocket.md), over TLS too
+    (an audit found ``wss://`` got only the end of the stream: the router was gone before the request ended)."""
+    d = ws_daemon(daemon, tls=tls)
+    host, port, path = host_port(ws_url(d))
+    ctx = None
+    if tls:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+    reader, writer = await asyncio.open_connection(host, port, ssl=ctx)
+    try:
+        request = (f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                   f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+                   f"Sec-WebSocket-Version: 13\r\nOrigin: {ORIGIN}\r\n")
+        writer.write(request.encode())
+        await writer.drain()
+        await asyncio.sleep(0.3)  # (accepted, its TLS handshake done)
+        d.signal(signal.SIGTERM)
+        await asyncio.sleep(0.1)
+        writer.write(b"\r\n")  # the request's end
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(4096), 10)
+        assert answer.startswith(b"HTTP/1.1 503 "), answer
+    finally:
+        writer.close()
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            await writer.wait_closed()
+    proc = d.proc
+    assert proc is not None
+    d.stopped(await asyncio.to_thread(proc.wait, 15), 15)  # (exit status 0)

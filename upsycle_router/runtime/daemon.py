@@ -88,6 +88,7 @@ STOP_TIMEOUT = 10.0
 ADVERT_TTL = 3600
 ADVERT_REFRESH = ADVERT_TTL / 3
 RATE_INTERVAL = 10.0  # seconds: the connections' message rates in the status view are over this interval
+STOP_ANSWER_WAIT = 1.0  # seconds a stop waits for WebSocket upgrade requests still coming in (answered 503)
 
 
 def sd_notify(state: str) -> None:
@@ -808,6 +809,10 @@ class Daemon:
                     conn.close_with_error(ErrorCode.SHUTTING_DOWN, "shutting down")
                 except (OSError, RuntimeError) as e:  # (uvloop: "the handler is closed")
                     log.debug("conn=%d: no ERROR 7 at the stop: %s", conn.id, e)
+            # A WebSocket upgrade request still coming in is answered 503 once it ends: a moment for it (bounded).
+            deadline = time.monotonic() + STOP_ANSWER_WAIT
+            while any(c.answer_pending for c in self._accepted) and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
             await asyncio.sleep(0)
             await self.driver.aclose()
         if self.journal is not None:

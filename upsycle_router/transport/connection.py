@@ -687,6 +687,12 @@ class Connection(asyncio.Protocol):
                 else:
                     t.pause_reading()
 
+    @property
+    def answer_pending(self) -> bool:
+        """Whether a refusal waits for the peer's request before it is written (a WebSocket's 503): a stop gives
+        it a moment."""
+        return False
+
     def close_with_error(self, code: int, reason: str) -> None:
         """Send ERROR and close.
 

@@ -197,6 +197,11 @@ class WebSocketConnection(Connection):
             self._write(self.ws.send(BytesMessage(data=Session.error_payload(code, reason))))
             self._write(self.ws.send(CloseConnection(code=close_code(code), reason=f"upsycle ERROR {code}")))
 
+    @property
+    def answer_pending(self) -> bool:
+        """Whether the upgrade request is to be refused (503) once it has come in full."""
+        return self._http_refusal is not None and not self.closed
+
     def close_with_error(self, code: int, reason: str) -> None:
         """Send ERROR and close; before the upgrade, refuse the request (503 waits for the request itself)."""
         overloaded = code in (ErrorCode.OVERLOADED, ErrorCode.SHUTTING_DOWN)
