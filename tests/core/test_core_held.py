@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from core_harness import T0, CoreHarness, Effects, control, ident, unicast
 
+from upsycle_router.core import held as held_module
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.events import MessagesReceived
 from upsycle_router.core.held import HOLD_MAX, HOLD_SETTLE, HOLD_SWEEP
@@ -46,7 +48,7 @@ def held(h: CoreHarness, e1: int, n: int = 3, to: bytes = Y.public, hours: int =
         out = h.receive(e1, m)
         assert out.refusals() == [] and [t.id for t in out.traces("queued")] == [m.id]
         assert out.sends() == []
-    assert h.router.status()["held_recipients"] == 1
+    assert to in h.router.state.held
     return msgs
 
 
@@ -236,3 +238,34 @@ def test_a_route_learnt_while_held_takes_what_is_held_at_the_timer_and_after_a_r
     assert out.dials() == [R.public] and h.store.queue_usage(R.public)[0] == 3
     r = h.open(R, local=False)
     assert [m.id for m in h.last.messages(r) if m.header.src != X.public] == [m.id for m in msgs]  # (not X's own)
+
+
+def test_one_sender_uses_up_its_own_share_of_the_held_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An app writing to invented keys makes at most HELD_PER_SENDER of them held (here 2); another app's
+    messages are held as before - also after a restart (the first sender of each key is read from the store).
+    (An audit filled the one pool of held keys from one app and got another app's messages refused, late.)"""
+    monkeypatch.setattr(held_module, "HELD_PER_SENDER", 2)
+    h = harness(tmp_path)
+    e1 = edge1_with_a(h)
+    b = ident("other-app-on-edge-1")
+    h.receive(e1, control(EDGE1, X, Register((A.public, b.public)), now=h.now))
+    keys = [ident(f"invented-{i}").public for i in range(3)]
+    held(h, e1, 1, keys[0])
+    held(h, e1, 1, keys[1])
+    m = unicast(A, keys[2], b"a third", now=h.now)
+    h.expect_refused(h.receive(e1, m), e1, m.id, Reason.NO_ROUTE)
+    more = unicast(A, keys[0], b"more for the first", now=h.now)  # (a key held already takes more)
+    assert [t.id for t in h.receive(e1, more).traces("queued")] == [more.id]
+    for restart in (False, True):
+        if restart:
+            h.restart()
+            h.router.batch_begun()
+            with h.store.transaction():
+                h.router.start(h.now)
+            e1 = h.open(EDGE1, local=False)
+            m = unicast(A, keys[2], b"a third, again", now=h.now)
+            h.expect_refused(h.receive(e1, m), e1, m.id, Reason.NO_ROUTE)
+        other = unicast(b, Y, b"from B %d" % restart, now=h.now)
+        out = h.receive(e1, other)
+        assert out.refusals() == [] and [t.id for t in out.traces("queued")] == [other.id]
+    assert h.router.status()["held_recipients"] == 3

@@ -14,8 +14,10 @@ while a configured edge node other than the sender's is not connected, or connec
 :data:`HOLD_SETTLE` (an edge REGISTERs its apps first thing on a new connection). It is queued under the
 recipient's key, as for a local service that is away: within that queue's quota (a stranger's within the
 strangers' share), for ``remote_ttl_max`` at most, traced ``queued``; the edge gets its confirmation as for
-any message taken. :attr:`RouterState.held` names the keys held for, :data:`HELD_KEYS_MAX` at most (past
-that, an unknown key is refused at once, as before). Then, for each held key, the first of:
+any message taken. :attr:`RouterState.held` names the keys held for: :data:`HELD_KEYS_MAX` at most, and
+:data:`HELD_PER_SENDER` at most that one sender's messages made held (past either, an unknown key is refused at
+once, as before - so an app that writes to invented keys uses up its own share, not the others'). Then, for
+each held key, the first of:
 
 - an edge node REGISTERs it: its entries move to that edge's queue, in order, and go on to it
   (:meth:`Held.registered`, at once);
@@ -58,8 +60,11 @@ HOLD_MAX = 3600.0
 HOLD_SWEEP = 600.0
 """Seconds between looks at the held keys while an edge node is away (keys whose entries expired are forgotten)."""
 
-HELD_KEYS_MAX = 10_000
+HELD_KEYS_MAX = 100_000
 """Keys held for at most (a flood of messages for invented keys cannot grow the set without bound)."""
+
+HELD_PER_SENDER = 1_000
+"""Keys held for at most because of one sender's messages (the sender of the first message held for each)."""
 
 
 class Held:
@@ -70,6 +75,8 @@ class Held:
         self.store = state.store
         self.delivery = delivery
         self.since: dict[bytes, float] = {}  # held key -> when it was first held (or found again at a start)
+        self.first: dict[bytes, bytes] = {}  # held key -> the sender of the first message held for it
+        self.per_sender: dict[bytes, int] = {}  # sender -> the held keys it is the first sender of
         self._now = 0.0  # the latest time seen (for reload, which is told none)
 
     # ------------------------------------------------------------------ which keys
@@ -94,6 +101,8 @@ class Held:
         """Find the held keys again at a start."""
         self._now = now
         self.since.clear()
+        self.first.clear()
+        self.per_sender.clear()
         self._reset(self._found(), now)
 
     def reload(self) -> None:
@@ -105,9 +114,15 @@ class Held:
         s.held.clear()
         s.held.update(keys)
         for k in [k for k in self.since if k not in keys]:
-            del self.since[k]
+            self._let_go(k)  # (no longer held: moved, refused or expired)
         for k in keys:
             self.since.setdefault(k, now)
+            if k not in self.first:  # (found in the store: its first entry names the sender)
+                e = self.store.queue(k, 1)
+                stored = self.store.get_message(e[0].id) if e else None
+                h = _unicast_header(stored.data) if stored is not None else None
+                if h is not None:
+                    self._count(k, h.src)
         s.held_check = now if keys else None
 
     # ------------------------------------------------------------------ holding
@@ -117,7 +132,9 @@ class Held:
         than refused: another edge node may not have registered its apps yet."""
         s = self.s
         return (not c.local and c.peer in s.config.edge_nodes and h.ttl > 0
-                and (h.dst in s.held or len(s.held) < HELD_KEYS_MAX) and not self.known_router(h.dst)
+                and (h.dst in s.held or (len(s.held) < HELD_KEYS_MAX
+                                         and self.per_sender.get(h.src, 0) < HELD_PER_SENDER))
+                and not self.known_router(h.dst)
                 and not self.settled(now, c.peer))  # fmt: skip
 
     def settled(self, now: float, but: bytes | None = None) -> bool:
@@ -138,8 +155,10 @@ class Held:
         why = self.delivery.enqueue(h.dst, msg, None, msg.encode(), size, now, out, kind=UNICAST,
                                     stranger=s.stranger(h.src, h.dst), remote=True, origin=c)  # fmt: skip
         if why is None:
-            s.held.add(h.dst)
-            self.since.setdefault(h.dst, now)
+            if h.dst not in s.held:
+                s.held.add(h.dst)
+                self.since[h.dst] = now
+                self._count(h.dst, h.src)
             self.wake(now + HOLD_SETTLE)
         return why
 
@@ -195,9 +214,20 @@ class Held:
             oldest = min((self.since.get(k, now) for k in s.held), default=now)
             self.wake(min([now + HOLD_SWEEP, oldest + HOLD_MAX, *young]))
 
+    def _count(self, key: bytes, src: bytes) -> None:
+        self.first[key] = src
+        self.per_sender[src] = self.per_sender.get(src, 0) + 1
+
     def _let_go(self, key: bytes) -> None:
         self.s.held.discard(key)
         self.since.pop(key, None)
+        src = self.first.pop(key, None)
+        if src is not None:
+            n = self.per_sender[src] - 1
+            if n:
+                self.per_sender[src] = n
+            else:
+                del self.per_sender[src]
 
     def _move(self, key: bytes, router: bytes, now: float, out: list[Effect]) -> None:
         """Move ``key``'s queue entries, in order, to the end of ``router``'s queue, and send them on."""
@@ -255,4 +285,4 @@ def _unicast_header(data: bytes) -> UnicastHeader | None:
     return msg.header if msg is not None and isinstance(msg.header, UnicastHeader) else None
 
 
-__all__ = ["HELD_KEYS_MAX", "HOLD_MAX", "HOLD_SETTLE", "HOLD_SWEEP", "Held"]
+__all__ = ["HELD_KEYS_MAX", "HELD_PER_SENDER", "HOLD_MAX", "HOLD_SETTLE", "HOLD_SWEEP", "Held"]
