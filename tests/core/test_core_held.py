@@ -52,6 +52,15 @@ def held(h: CoreHarness, e1: int, n: int = 3, to: bytes = Y.public, hours: int =
     return msgs
 
 
+def restarted(h: CoreHarness) -> Effects:
+    """Restart the router as the daemon does (a new router over the same store, then its start): its start's
+    effects."""
+    h.restart()
+    h.router.batch_begun()
+    with h.store.transaction():
+        return Effects(h.router.start(h.now))
+
+
 def sent(out: Effects, conn: int) -> list[bytes]:
     return [m.id for m in out.messages(conn)]
 
@@ -137,11 +146,7 @@ def test_the_hold_survives_a_restart(tmp_path: Path) -> None:
     h = harness(tmp_path)
     e1 = edge1_with_a(h)
     msgs = held(h, e1)
-    h.restart()
-    h.router.batch_begun()
-    with h.store.transaction():
-        start = h.router.start(h.now)
-    assert Y.public not in Effects(start).dials()  # (no router to dial: it waits for an edge)
+    assert Y.public not in restarted(h).dials()  # (no router to dial: it waits for an edge)
     assert h.router.status()["held_recipients"] == 1
     e2 = h.open(EDGE2, local=False, now=T0 + 60)
     out = h.receive(e2, control(EDGE2, X, Register((Y.public,)), now=h.now))
@@ -229,11 +234,7 @@ def test_a_route_learnt_while_held_takes_what_is_held_at_the_timer_and_after_a_r
     r = h.open(R, local=False, now=T0 + 5)
     h.receive(r, unicast(Y, A, b"hello A, from Y behind R", now=h.now))
     h.close(r)
-    h.restart()  # before the timer: the route is stored, and so is what is held
-    h.router.batch_begun()
-    with h.store.transaction():
-        start = Effects(h.router.start(h.now))
-    assert Y.public not in start.dials()
+    assert Y.public not in restarted(h).dials()  # (before the timer: the route is stored, and what is held)
     out = h.timer()
     assert out.dials() == [R.public] and h.store.queue_usage(R.public)[0] == 3
     r = h.open(R, local=False)
@@ -258,10 +259,7 @@ def test_one_sender_uses_up_its_own_share_of_the_held_keys(tmp_path: Path, monke
     assert [t.id for t in h.receive(e1, more).traces("queued")] == [more.id]
     for restart in (False, True):
         if restart:
-            h.restart()
-            h.router.batch_begun()
-            with h.store.transaction():
-                h.router.start(h.now)
+            restarted(h)
             e1 = h.open(EDGE1, local=False)
             m = unicast(A, keys[2], b"a third, again", now=h.now)
             h.expect_refused(h.receive(e1, m), e1, m.id, Reason.NO_ROUTE)
