@@ -4,10 +4,14 @@ certificate or key in the data directory (made again from the router key, or one
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
 import ssl
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -227,3 +231,62 @@ def test_a_bad_body_ttl_or_id_is_a_usage_error_before_any_connection(
     r = run_expecting_exit(*args, "--socket", str(tmp_path / "none.sock"), timeout=15, environ=_environ(tmp_path))
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------------------------------- a store this user may not read
+
+
+def _as_another_user(argv: list[str]) -> tuple[list[str], dict[str, str]] | None:
+    """``argv`` run as user ``nobody`` (root with ``setpriv``), or as this user when it is not root (the files are
+    then made unreadable to it); None when neither is possible."""
+    if os.geteuid() != 0:
+        return argv, dict(os.environ)
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        return None
+    src = Path(__file__).resolve().parents[2]
+    site = [p for p in map(Path, sys.path) if p.name == "site-packages" and p.is_dir()]
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "PYTHONDONTWRITEBYTECODE": "1",
+           "PYTHONPATH": os.pathsep.join([str(src), *map(str, site)])}  # fmt: skip
+    return [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", *argv], env
+
+
+@pytest.mark.parametrize("closed", ["data file", "store dir", "data dir"])
+def test_store_check_and_backup_of_a_store_this_user_may_not_read_say_so(closed: str) -> None:
+    """(An operations audit: a sound store whose data.mdb another user may not read was called empty and lost,
+    "DAMAGED", which sends an operator to the recovery steps that throw a sound store away; a data or store
+    directory it may not enter gave a Python traceback, exit 1.) Now: one verdict, UNREADABLE, exit 2."""
+    base = Path(tempfile.mkdtemp(prefix="upsycle-perm-", dir="/tmp"))  # (not under pytest's 0700 tmp dir)
+    try:
+        base.chmod(0o755)
+        data = base / "d"
+        data.mkdir()
+        d = Daemon(data)
+        d.prepare()
+        d.start()
+        d.stop()
+        for p in (data, data / "store"):
+            p.chmod(0o755)
+        for p in (data / "store").iterdir():
+            p.chmod(0o644)
+        target = {"data file": data / "store" / "data.mdb", "store dir": data / "store", "data dir": data}[closed]
+        target.chmod(0o700 if target.is_dir() else 0o600)
+        if os.geteuid() != 0:
+            target.chmod(0o000)
+        check = _as_another_user([sys.executable, "-m", "upsycle_router", "store", "check", "--data-dir", str(data)])
+        if check is None:
+            pytest.skip("running as root without setpriv: no other user to be")
+        argv, env = check
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2, (r.stdout, r.stderr)
+        assert "Traceback" not in r.stderr + r.stdout and "lost" not in r.stdout, r.stdout
+        assert r.stdout.strip().splitlines()[-1].startswith("UNREADABLE: "), r.stdout
+        argv = [*argv[:-4], "store", "backup", str(base / "copy.mdb"), "--data-dir", str(data)]
+        r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "cannot be read" in _one_error_line(r.stderr) and not (base / "copy.mdb").exists()
+    finally:
+        for p in (base, *base.rglob("*")):
+            with contextlib.suppress(OSError):
+                p.chmod(0o700 if p.is_dir() else 0o600)
+        shutil.rmtree(base, ignore_errors=True)

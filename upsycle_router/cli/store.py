@@ -38,7 +38,7 @@ def _print_report(report: CheckReport, stream: TextIO | None = None) -> None:
     out = stream if stream is not None else sys.stdout
     print(report.summary(), file=out)
     for line in report.damage:
-        print(f"damage: {line}", file=out)
+        print(f"{'error' if report.unreadable else 'damage'}: {line}", file=out)
     for line in report.problems:
         print(f"problem: {line}", file=out)
     if report.more_problems:

@@ -104,6 +104,7 @@ class CheckReport:
     file: FileReport | None = None
     more_problems: int = 0
     unsupported: str | None = None  # a store this version cannot read (a newer schema): why
+    unreadable: bool = False  # this process may not read it (permissions): ``damage`` says why, no damage found
 
     @property
     def exit_code(self) -> int:
@@ -136,6 +137,8 @@ class CheckReport:
         """One line: the outcome."""
         if self.damage and self.damage[0].startswith("there is no store"):
             return "NO STORE: nothing to check"
+        if self.unreadable:
+            return "UNREADABLE: this user cannot read the store (nothing checked: run it as the router's user)"
         if self.damage:
             n = len(self.damage)
             return f"DAMAGED: {n} problem{'s' if n > 1 else ''} in the file; LMDB cannot read it safely"
@@ -401,7 +404,13 @@ def check_dir(store_dir: Path) -> CheckReport:
     store_dir = Path(store_dir)
     data = store_dir / DATA
     report = CheckReport(data)
-    if not store_dir.is_dir():
+    try:
+        is_dir = store_dir.is_dir()
+    except OSError as e:  # (a data directory this user may not enter)
+        report.damage.append(f"{store_dir}: cannot be read: {e.strerror or e}")
+        report.unreadable = True
+        return report
+    if not is_dir:
         report.damage.append(f"there is no store: {store_dir} is not a directory")
         return report
     first = integrity.diagnose(store_dir, walk=False)
@@ -411,6 +420,7 @@ def check_dir(store_dir: Path) -> CheckReport:
     report.file = first
     if not first.ok:
         report.damage.extend(first.problems)
+        report.unreadable = first.unreadable
         return report
     if not (store_dir / MARKER).exists():
         report.notes.append(f"no {MARKER} marker beside {DATA} (the router writes it when it opens the store)")
@@ -438,6 +448,7 @@ def check_file(path: Path) -> CheckReport:
     report.file = first
     if not first.ok:
         report.damage.extend(first.problems)
+        report.unreadable = first.unreadable
         return report
     try:
         env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=64, subdir=False)

@@ -559,8 +559,16 @@ def initialised(store_dir: Path) -> str | None:
 def diagnose(store_dir: Path, *, walk: bool = True) -> FileReport | None:
     """Check the store in ``store_dir`` before LMDB opens it: None if there is no store at all (a new one),
     else the report (its problems empty: sound). ``walk=False``: the meta pages only (cheap; safe while a
-    router writes the file)."""
+    router writes the file). A directory or file this process may not read gives a report that says so
+    (``unreadable``), never one of damage."""
     data = store_dir / DATA
+    try:
+        return _diagnose(store_dir, data, walk)
+    except OSError as e:  # (the directory itself: not searchable by this user, say)
+        return FileReport(data, problems=[f"cannot be read: {e.strerror or e}"], unreadable=True)
+
+
+def _diagnose(store_dir: Path, data: Path, walk: bool) -> FileReport | None:
     shown = initialised(store_dir)
     if not data.exists():
         if shown is None:
@@ -585,6 +593,8 @@ def diagnose(store_dir: Path, *, walk: bool = True) -> FileReport | None:
             report = inspect(data)
         except OSError as e:
             return FileReport(data, problems=[f"cannot be read: {e.strerror or e}"], unreadable=True)
+    if report.unreadable:
+        return report  # (its size unknown: nothing to say of its contents)
     if report.size == 0:
         if shown is None:
             return None  # an empty file and nothing else: a store that never got its first page (LMDB starts it)
