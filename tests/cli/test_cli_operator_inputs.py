@@ -7,11 +7,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -290,3 +293,65 @@ def test_store_check_and_backup_of_a_store_this_user_may_not_read_say_so(closed:
             with contextlib.suppress(OSError):
                 p.chmod(0o700 if p.is_dir() else 0o600)
         shutil.rmtree(base, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------- a SIGHUP during the start
+
+
+def _catches_sighup(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for SIGHUP (its ``SigCgt`` mask, bit 0)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) & 1)
+    return False
+
+
+def test_a_sighup_while_the_router_starts_is_a_reload_not_its_end(tmp_path: Path) -> None:
+    """(An operations audit: ``kill -HUP`` in the first ~0.3 s ended the router, status 129.) The router is held
+    where it reads its config (a FIFO the test writes), after the command's modules loaded and before the daemon
+    installs its handler: a SIGHUP there is noted, and the router reloads once it has started."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("no /proc to read a process's signal handlers from")
+    cleanup: list[Path] = []
+    base = daemon_dir(tmp_path / "r", cleanup)
+    fifo = base / "router.yaml"
+    os.mkfifo(fifo)
+    d = Daemon(base, extra=["--config", str(fifo)])
+    done = threading.Event()
+
+    def write_config() -> None:
+        deadline = time.monotonic() + 60
+        while not done.is_set() and time.monotonic() < deadline:
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # (ENXIO while nobody reads it)
+            except OSError:
+                time.sleep(0.01)
+                continue
+            try:
+                os.set_blocking(fd, True)
+                os.write(fd, b"log: {level: info}\n")
+            finally:
+                os.close(fd)
+            time.sleep(0.05)  # (the reader sees the end of the file before the next one opens it)
+
+    writer = threading.Thread(target=write_config, daemon=True)
+    d.launch()
+    try:
+        assert d.proc is not None
+        wait_until(lambda: _catches_sighup(d.proc.pid) if d.proc is not None else False, 20, "a SIGHUP handler")
+        d.signal(signal.SIGHUP)
+        writer.start()  # the config, each time the router reads it (at the start, at the reload)
+        d.wait_ready_sync()
+        wait_until(lambda: "reload: reading the config" in d.log_text(), 10, "the reload")
+        wait_until(lambda: "reload: " in d.log_text().split("reload: reading the config", 1)[1], 10, "its outcome")
+        assert d.running
+        d.stop()
+    finally:
+        done.set()
+        if writer.is_alive():
+            writer.join(5)
+        if d.running:
+            d.kill()
+        for p in cleanup:
+            shutil.rmtree(p, ignore_errors=True)

@@ -22,9 +22,26 @@ What several of them share (the daemon's and the apps' options, connecting, exit
 from __future__ import annotations
 
 import argparse
+import sys
 
-from upsycle_router import __version__
-from upsycle_router.cli import analyze, app, config_cmd, daemon, decode, discovery, group, simulate, store, validator
+from upsycle_router.runtime.early import hold_hangups
+
+if sys.argv[1:2] == ["run"]:  # first thing: a SIGHUP while the rest loads is a reload, not the end (runtime/early.py)
+    hold_hangups()
+
+from upsycle_router import __version__  # noqa: E402
+from upsycle_router.cli import (  # noqa: E402
+    analyze,
+    app,
+    config_cmd,
+    daemon,
+    decode,
+    discovery,
+    group,
+    simulate,
+    store,
+    validator,
+)
 
 DESCRIPTION = ("A message router for peer-to-peer publish/subscribe: run the daemon, talk to it as an app, "
                "and the tools around it. 'upsycle-router COMMAND --help' shows a command's options.")

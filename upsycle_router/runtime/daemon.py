@@ -62,6 +62,7 @@ from upsycle_router.crypto import Identity, load_or_create_key_file, sign_advert
 from upsycle_router.errors import ConfigError, ErrorCode
 from upsycle_router.expiry import exp_in
 from upsycle_router.logtext import value
+from upsycle_router.runtime import early
 from upsycle_router.runtime.discovery_service import DiscoveryService, LanSocketConfig
 from upsycle_router.runtime.driver import Driver
 from upsycle_router.runtime.logs import set_format, set_level
@@ -236,6 +237,8 @@ class Daemon:
                 loop.add_signal_handler(sig, self.request_stop)
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGHUP, self.reload)
+        if early.take_hangup():  # one came before this handler: reload once started (runtime/early.py)
+            self._reload_pending = True
         params = gossip_params(cfg)
         group_policies(cfg)  # a policy the pub/sub core refuses stops the start before anything is opened
         cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
