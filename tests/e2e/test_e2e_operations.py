@@ -120,6 +120,12 @@ async def test_a_config_that_does_not_load_on_reload_keeps_the_daemon_serving(da
         st = await c.status()
         assert st["connections"] >= 1
         assert (await c.sync()).refused == ()
+    # an emptied file (a failed write, a full disk) is refused too, not taken as all the defaults - which would
+    # have dropped the quotas (an operations audit); '{}' says "the defaults" on purpose
+    _hup(d, "# nothing but a comment\n")
+    line = wait_until(lambda: [x for x in _lines(d, "reload:") if " ERROR " in x][2:], WAIT, "3rd ERROR")[0]
+    assert "holds no settings" in line and "running on with the config loaded before" in line
+    assert not _lines(d, "reload: queue.max_count")
     # a good one is applied again; what needs a restart is named (the command line's --data-dir still wins)
     _hup(d, {"queue": {"max_count": 500}, "data_dir": "/elsewhere", "durability": "none", "store": {"map_size": 2**24}})
     _wait_line(d, "reload: queue.max_count 1000 -> 500")
@@ -138,6 +144,9 @@ def test_the_reload_command(daemon: DaemonFactory, tmp_path: Path) -> None:
     d.config_path.write_text("log: {level: loud}\n", encoding="utf-8")
     r = cli("reload", "--config", str(d.config_path), "--data-dir", str(d.dir))
     assert r.returncode == 2 and "log.level" in r.stderr and "nothing sent" in r.stderr
+    d.config_path.write_text("", encoding="utf-8")
+    r = cli("reload", "--config", str(d.config_path), "--data-dir", str(d.dir))
+    assert r.returncode == 2 and "holds no settings" in r.stderr and "nothing sent" in r.stderr
     r = cli("reload", "--data-dir", str(tmp_path / "nobody"))
     assert r.returncode == 1 and "no router is running" in r.stderr
     assert len(_lines(d, "reload: reading the config")) == 1

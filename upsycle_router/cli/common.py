@@ -72,10 +72,10 @@ def add_daemon_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data-dir", help="data directory (overrides the config)")
 
 
-def config_from_args(args: argparse.Namespace) -> DaemonConfig:
+def config_from_args(args: argparse.Namespace, *, reload: bool = False) -> DaemonConfig:
     """The config file found on the search path (or the defaults) and the environment, with the command line
-    applied."""
-    cfg = effective_config(getattr(args, "config", None))
+    applied (``reload``: for a running daemon - a file with no settings at all is refused, not the defaults)."""
+    cfg = effective_config(getattr(args, "config", None), empty_ok=not reload)
     over: dict[str, Any] = {}
     data_dir = path_option(args, "data_dir", "--data-dir")
     if data_dir is not None:

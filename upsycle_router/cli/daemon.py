@@ -91,7 +91,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for w in warnings:
         logging.getLogger("upsycle_router.config").warning("%s", w)
     try:
-        run_async(run_daemon(cfg, lambda: config_from_args(args), ready_file=ready_file))
+        run_async(run_daemon(cfg, lambda: config_from_args(args, reload=True), ready_file=ready_file))
     except (KeyFileError, ConfigError, StoreUnusable) as e:  # (a damaged store too: one line, exit 2)
         return config_error(e)
     except ListenError as e:  # an address in use may free itself (1); one not on this host will not (2)
@@ -111,7 +111,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_reload(args: argparse.Namespace) -> int:
     """Make the running router read its config again (SIGHUP), if the config loads."""
     try:
-        cfg = config_from_args(args)
+        cfg = config_from_args(args, reload=True)
     except ConfigError as e:
         rc = config_error(e)
         print("nothing sent: the running router keeps its config", file=sys.stderr)

@@ -532,10 +532,12 @@ def _as_dict(cfg: DaemonConfig) -> dict[str, Any]:
     return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
 
 
-def load_config(path: str | os.PathLike[str] | None) -> DaemonConfig:
+def load_config(path: str | os.PathLike[str] | None, *, empty_ok: bool = True) -> DaemonConfig:
     """Read and validate a YAML config file (None: the embedded defaults). Whatever is wrong with the file -
     unreadable, not UTF-8 text, not YAML, not a mapping, an unknown option or a bad value - is a
-    :class:`ConfigError` whose message is one line naming the file and, where there is one, the option."""
+    :class:`ConfigError` whose message is one line naming the file and, where there is one, the option. A file
+    with no settings at all (empty, comments only) is the defaults - unless ``empty_ok`` is False (a reload:
+    there it is more likely a failed write, and the defaults would drop the peers, quotas and limits)."""
     if path is None:
         return DaemonConfig()
     p = Path(path)
@@ -559,6 +561,9 @@ def load_config(path: str | os.PathLike[str] | None) -> DaemonConfig:
         raise ConfigError(f"{p}: not valid YAML: {where}{' '.join(what.split())}") from None
     except (yaml.YAMLError, RecursionError, ValueError, OverflowError) as e:
         raise ConfigError(f"{p}: not valid YAML: {' '.join(str(e).split()) or type(e).__name__}") from None
+    if raw is None and not empty_ok:
+        raise ConfigError(f"{p}: holds no settings (empty, or comments only: a failed write?); write the options to "
+                          "use ('{}' for all the defaults)")
     try:
         return parse_config(raw)
     except ConfigError as e:

@@ -113,10 +113,12 @@ def effective_config(
     app: bool = False,
     environ: Mapping[str, str] | None = None,
     system: Path = SYSTEM_CONFIG,
+    empty_ok: bool = True,
 ) -> DaemonConfig:
-    """The defaults, the config file found by :func:`find_config` and the environment, in that order."""
+    """The defaults, the config file found by :func:`find_config` and the environment, in that order
+    (``empty_ok``: see :func:`~upsycle_router.config.daemon.load_config`)."""
     path, _ = find_config(explicit, app=app, environ=environ, system=system)
-    return environment_overrides(load_config(path), environ)
+    return environment_overrides(load_config(path, empty_ok=empty_ok), environ)
 
 
 def describe(
