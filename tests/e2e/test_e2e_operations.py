@@ -270,3 +270,14 @@ def test_status_finds_the_metrics_listener_in_the_config_it_found_the_socket_in(
     r = cli("status", "--key", str(d.dir / "cli.key"), "--create-key", env={"UPSYCLE_CONFIG": str(conf)})
     assert r.returncode == 0, r.stderr
     assert f"version {__version__}" in r.stdout and ", up " in r.stdout, r.stdout
+
+
+async def test_the_counters_a_rate_is_taken_of_are_there_from_the_start(daemon: DaemonFactory) -> None:
+    """(An operations audit: the pub/sub service's counters and advert_claims_refused_total appeared only at their
+    first event, so a Prometheus rate over them missed it.)"""
+    d = daemon()
+    async with await Client.connect(d.sock, Identity.generate()) as c:
+        st = await c.status()
+    names = ("pubsub_malformed_total", "pubsub_rejected_total", "pubsub_ignored_total", "pubsub_unknown_peer_total",
+             "advert_claims_refused_total", "received_total", "expired_total")
+    assert [n for n in names if n not in st] == [], sorted(st)

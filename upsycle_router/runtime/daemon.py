@@ -69,7 +69,7 @@ from upsycle_router.runtime.logs import set_format, set_level
 from upsycle_router.runtime.memory import STORM_TRIM_DELAY, TRIM_INTERVAL, PeakWatch, Trimmer
 from upsycle_router.runtime.metrics import MetricsServer
 from upsycle_router.runtime.pool import ConnectionPool
-from upsycle_router.runtime.pubsub_service import PubsubService, pubsub_policies, pubsub_service
+from upsycle_router.runtime.pubsub_service import PUBSUB_COUNTERS, PubsubService, pubsub_policies, pubsub_service
 from upsycle_router.services.discovery import DISCOVERY_GROUP
 from upsycle_router.services.pubsub.params import GossipParams
 from upsycle_router.services.pubsub.validation import GroupPolicy
@@ -345,6 +345,8 @@ class Daemon:
         if self.pubsub_identity is not None and cfg.unix is not None and cfg.pubsub.in_process:
             self.pubsub = pubsub_service(cfg.pubsub, self.pubsub_identity, cfg.unix, params)
             self.pubsub.counters = self.driver.stats  # (its counters in STATUS: pubsub_malformed_total)
+            for name in PUBSUB_COUNTERS:  # (there from the start, at 0: a rate over them misses no first one)
+                self.driver.stats.setdefault(name, 0)
             self._pubsub_task = loop.create_task(self.pubsub.run())
         if self.discovery_identity is not None and cfg.unix is not None and cfg.discovery.in_process:
             self.discovery = discovery_service(cfg, self.discovery_identity, cfg.unix)

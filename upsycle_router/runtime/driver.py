@@ -104,7 +104,7 @@ class Driver:
                            "router_acks_unconfirmed_total": 0, "router_hand_overs_total": 0,
                            "sync_acks_recounted_total": 0, "auth_failures_total": 0,
                            "deliveries_buffered_total": 0,
-                           "deliveries_backed_total": 0,
+                           "deliveries_backed_total": 0, "advert_claims_refused_total": 0,
                            "hot_path_c": int(accel.IMPLEMENTATION == "c")})
         self.verifier = Verifier(verify_threads, nice=verify_nice)
         self.pipeline = VerifyPipeline(self.verifier, self.stats)

@@ -273,6 +273,8 @@ class PubsubService(RouterService):
 
 
 _COUNTED = frozenset({"rejected", "ignored", "unknown_peer"})  # the core's traces of what others sent, counted
+PUBSUB_COUNTERS = ("pubsub_malformed_total", *sorted(f"pubsub_{e}_total" for e in _COUNTED))
+"""The service's counters (in the router's STATUS when it runs in the router's process)."""
 
 
 def _short(b: bytes | None) -> str:
