@@ -256,6 +256,12 @@ def test_status_refuses_to_mix_a_router_with_another_ones_metrics_listener(daemo
         t.join(5)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert "is router abababababababab..., not " in r.stderr and r.stdout == "", r.stderr
+    # (an operations audit: these were a warning and exit 0) one that is no address: 2, before anything; one that
+    # does not answer: the counters, a warning, and 1
+    r = cli("status", "--socket", str(d.sock), "--key", str(d.dir / "cli.key"), "--metrics", "nothostport")
+    assert r.returncode == 2 and "--metrics 'nothostport': expected HOST:PORT" in r.stderr and r.stdout == ""
+    r = cli("status", "--socket", str(d.sock), "--key", str(d.dir / "cli.key"), "--metrics", f"127.0.0.1:{port}")
+    assert r.returncode == 1 and "warning: no /status from the metrics listener" in r.stderr and r.stdout, r
 
 
 def test_status_finds_the_metrics_listener_in_the_config_it_found_the_socket_in(

@@ -260,6 +260,13 @@ def cmd_status(args: argparse.Namespace) -> int:
     """Print the router's sizes and counters (and, from its metrics listener, version, uptime, connections)."""
     from upsycle_router.runtime.metrics import counters_lines, fetch, status_lines
 
+    if args.metrics is not None:
+        host, _, port = args.metrics.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            print(f"error: --metrics {args.metrics!r}: expected HOST:PORT (the metrics listener's address)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+
     async def go(c: Client) -> int:
         st = await c.status()
         listen = args.metrics
@@ -291,7 +298,7 @@ def cmd_status(args: argparse.Namespace) -> int:
                              sort_keys=True))  # fmt: skip
         else:
             print("\n".join(status_lines(detail) if detail else counters_lines(c.router_id.hex(), st)))
-        return 0
+        return 1 if args.metrics is not None and detail is None else 0  # (a listener asked for that did not answer)
 
     return run_app(args, go, required=False)
 
