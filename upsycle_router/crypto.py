@@ -163,6 +163,8 @@ def write_key_file(path: str | os.PathLike[str], key: Identity | None = None, *,
     try:
         fd = os.open(p, flags, 0o600)
     except FileExistsError:
+        if p.is_dir():
+            raise KeyFileError(f"{p}: is a directory; name the key file to write") from None
         raise KeyFileError(f"{p}: key file exists; refusing to overwrite it") from None
     except OSError as e:
         raise KeyFileError(f"{p}: cannot create key file: {e.strerror}") from None

@@ -350,6 +350,9 @@ def test_cli_keygen(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # A path that cannot be created: one line, no traceback.
     rc, out4, err = _keygen(capsys, "--out", str(p / "x.key"))
     assert rc == 2 and out4 == "" and err.startswith("error: ") and err.count("\n") == 1
+    # A directory is named as one, not as a key file that exists (an operations audit).
+    rc, out5, err = _keygen(capsys, "--out", str(tmp_path))
+    assert rc == 2 and out5 == "" and "is a directory" in err and err.count("\n") == 1
 
 
 # ---------------------------------------------------------------- X25519 conversion
