@@ -179,6 +179,15 @@ class GroupManager:
         with self.store.transaction():
             for gid in self.store.group_ids():
                 self._add_core(GroupCore(self.identity, self.store, gid, self.config, self.rng, now))
+            self.store.seen()
+
+    def _reload_cores(self) -> None:
+        """Read every group's state again (inside a transaction): another process changed it."""
+        now = time.time()
+        for gid in self.store.group_ids():
+            self._add_core(GroupCore(self.identity, self.store, gid, self.config, self.rng, now))
+        self.store.seen()
+        log.debug("group state changed by another process: read again")
 
     def _add_core(self, core: GroupCore) -> GroupSession:
         self.cores[core.gid] = core
@@ -257,9 +266,15 @@ class GroupManager:
             return await self._welcomes.get()
 
     def _call(self, gid: bytes | None, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` (a call into a core) in one store transaction; rebuild that core if it fails."""
+        """Run ``fn`` (a call into a core) in one store transaction; rebuild that core if it fails. If another
+        process changed this member's state since (``group send`` while ``group listen`` runs), every core is read
+        again from the store first: a core's memory (the next seq of this member's messages, what was delivered)
+        must not be older than the store, or two processes would send two messages under one seq, and the
+        other members would drop one for good (found by an audit)."""
         try:
             with self.store.transaction():
+                if self.store.stale():
+                    self._reload_cores()
                 return fn()
         except BaseException:
             if gid is not None and gid in self.cores:

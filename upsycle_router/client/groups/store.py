@@ -153,6 +153,9 @@ class GroupStore(LmdbTables):
                              readahead=False, mode=0o600)  # fmt: skip
         self._db = {name: self.env.open_db(name.encode()) for name in _DBS}
         self._txn: Any = None
+        self._generation = 0  # the store's generation as this process last wrote or read it (stale())
+        self._began = 0  # the generation the current transaction began on
+        self._next_generation: int | None = None
         with self.transaction():
             schema = self._get("meta", b"schema")
             if schema is None:
@@ -166,6 +169,44 @@ class GroupStore(LmdbTables):
                 raise GroupStoreError(f"{self.path}: group state of member {have.hex()}, not {owner.hex()}")
 
     # ------------------------------------------------------------ transactions
+
+    # Several processes may use one member's state at once (``group listen`` in one terminal, ``group send`` in
+    # another): LMDB serialises their write transactions, and every one that writes adds 1 to the store's
+    # generation (``meta`` ``generation``). A process whose last transaction left another generation than the
+    # one it finds holds state in memory that another process changed since: it reads it again (stale()).
+
+    def generation(self) -> int:
+        """The store's generation (the number of write transactions that changed it)."""
+        v = self._get("meta", b"generation")
+        return _U64.unpack(v)[0] if v is not None else 0
+
+    def stale(self) -> bool:
+        """Inside a transaction: whether another process wrote since this one's last transaction (then what this
+        process keeps in memory must be read again; :meth:`seen` says it was)."""
+        return self.generation() != self._generation
+
+    def seen(self) -> None:
+        """This process holds the state of the current generation (read it again, or just opened it)."""
+        self._generation = self._began = self.generation()
+
+    def _begun(self) -> None:
+        self._began = self.generation()
+
+    def _before_commit(self) -> None:
+        if self.wrote:
+            self._next_generation = self.generation() + 1
+            self._put("meta", b"generation", _U64.pack(self._next_generation))
+
+    def _committed(self) -> None:
+        # This process is up to date after its own write only if it was before it: a transaction that began on
+        # another process's newer generation (one that wrote without reading the state again: the outbox, the
+        # cursor) leaves it stale, so that the next call into a core reads the state again.
+        if self._next_generation is not None and self._began == self._generation:
+            self._generation = self._next_generation
+        self._next_generation = None
+
+    def _aborted(self) -> None:
+        self._next_generation = None
 
     def close(self) -> None:
         """Close the environment."""
