@@ -262,3 +262,44 @@ async def test_a_message_published_here_that_the_service_rejects_is_logged_once_
     lines = [ln for ln in d.log_text().splitlines() if "goes to no other node" in ln]
     assert len(lines) == 1 and "rejected (too_large)" in lines[0], lines
     assert d.running
+
+
+async def _asked(d: Daemon, validator: subprocess.Popen[str], answers: int, out: list[str]) -> None:
+    """Publish on ``d`` until the validator printed ``answers`` verdicts in all (bounded)."""
+    assert validator.stdout is not None
+    group = Identity.generate()
+    deadline = time.monotonic() + 40
+    async with await Client.connect(d.sock, Identity.generate()) as app:
+        n = 0
+        while len(out) < answers:
+            await app.publish(group, b"y" * (LIMIT + 1 + n))
+            n += 1
+            try:
+                line = await asyncio.wait_for(asyncio.to_thread(validator.stdout.readline), 1.0)
+            except TimeoutError:
+                line = ""
+            if line:
+                out.append(line)
+            assert time.monotonic() < deadline, ("the validator was not asked", _stop(validator))
+
+
+async def test_the_validator_connects_again_when_its_router_restarts(daemon: DaemonFactory, tmp_path: Path) -> None:
+    """(An audit: the validator exited 0 without a word when its router stopped, and every message after the
+    router's restart fell to pubsub.validator_on_timeout.) It says so, connects again and goes on answering."""
+    vkey_path = tmp_path / "validator.key"
+    vkey = write_key_file(vkey_path)
+    d = daemon(config={"pubsub": {"validators": {"*": vkey.public.hex()}}})
+    validator = _validator(d, vkey_path, "--count", "2")
+    lines: list[str] = []
+    try:
+        assert validator.stderr is not None
+        first = await asyncio.wait_for(asyncio.to_thread(validator.stderr.readline), 60)
+        assert first.startswith(f"validator {vkey.public.hex()} answering"), first
+        await _asked(d, validator, 1, lines)
+        await d.restart_async()
+        await _asked(d, validator, 2, lines)
+        await asyncio.to_thread(validator.wait, 20)  # (--count 2: it exits by itself)
+    finally:
+        rc, rest, err = _stop(validator)  # (its exit status, if it exited by itself)
+    assert rc == 0 and len(lines) == 2 and rest == "", (rc, lines, err)
+    assert "the router closed the connection; connecting again" in err and "connected again to router" in err, err

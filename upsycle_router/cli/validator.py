@@ -23,22 +23,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import signal
 import sys
 
-from upsycle_router.cli.common import app_options, count_arg, find_service, run_app
-from upsycle_router.client import Client
+from upsycle_router.cli.common import app_identity, app_options, count_arg, find_service, run_app, socket_path
+from upsycle_router.client import Client, ClientError
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.runtime.validator import PUBSUB_KEY_FILE, Judged, serve_validator
 from upsycle_router.services.pubsub.validation import Verdict
 from upsycle_router.wire.app import AppMulticast, AppUnicast, decode_app_message
 from upsycle_router.wire.messages import Message, MulticastHeader
 
+RECONNECT_MIN, RECONNECT_MAX = 0.5, 10.0  # seconds between tries to connect again after the router went away
+
 
 class BodyRules:
-    """The command's rules: which BODY is rejected, which ignored; the reason of the last verdict."""
+    """The command's rules: which payload is rejected, which ignored; the reason of the last verdict."""
 
     def __init__(self, larger_than: int | None, reject: list[str], ignore: list[str]) -> None:
         self.larger_than = larger_than
@@ -49,7 +52,7 @@ class BodyRules:
         """The verdict about ``msg`` and why (None when accepted)."""
         body = payload(msg.body)
         if self.larger_than is not None and len(body) > self.larger_than:
-            return Verdict.REJECT, f"body larger than {self.larger_than} bytes"
+            return Verdict.REJECT, f"payload larger than {self.larger_than} bytes"
         for r in self.reject:
             if r.search(body):
                 return Verdict.REJECT, f"matches {r.pattern.decode()!r}"
@@ -97,7 +100,7 @@ def cmd_validator(args: argparse.Namespace) -> int:
             "id": j.message.id.hex(),
             "group": h.grp.hex() if isinstance(h, MulticastHeader) else None,
             "peer": None if j.peer is None else j.peer.hex(),
-            "size": len(j.message.body),
+            "size": len(payload(j.message.body)),  # (what the rules judged)
             "verdict": j.verdict.name.lower(),
             "reason": reasons.pop(j.message.id, None),
         }
@@ -110,10 +113,43 @@ def cmd_validator(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         print(f"validator {c.identity.hex} answering pub/sub service {service.hex()} on router {c.router_id.hex()}",
               file=sys.stderr, flush=True)  # fmt: skip
-        await serve_validator(c, judge, services={service}, stop=stop, count=args.count, on_verdict=report)
-        return 0
+        client, answered = c, 0
+        try:
+            while True:
+                left = None if args.count is None else args.count - answered
+                answered += await serve_validator(client, judge, services={service}, stop=stop, count=left,
+                                                  on_verdict=report)  # fmt: skip
+                if stop.is_set() or (args.count is not None and answered >= args.count):
+                    return 0
+                # The connection ended (the router stopped or restarted): a validator that went quiet would let
+                # every message time out to pubsub.validator_on_timeout - connect again until stopped.
+                print("validator: the router closed the connection; connecting again", file=sys.stderr, flush=True)
+                if client is not c:
+                    await client.close()
+                again = await _reconnect(args, stop)
+                if again is None:
+                    return 0
+                client = again
+                print(f"validator: connected again to router {client.router_id.hex()}", file=sys.stderr, flush=True)
+        finally:
+            if client is not c:
+                await client.close()
 
     return run_app(args, go)
+
+
+async def _reconnect(args: argparse.Namespace, stop: asyncio.Event) -> Client | None:
+    """A new connection to the router (tries with growing pauses); None once ``stop`` is set."""
+    ident, path = app_identity(args, required=True), socket_path(args)
+    delay = RECONNECT_MIN
+    while not stop.is_set():
+        try:
+            return await Client.connect(path, ident, timeout=args.timeout_connect)
+        except (OSError, TimeoutError, ClientError):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+            delay = min(RECONNECT_MAX, delay * 2)
+    return None
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
