@@ -19,10 +19,14 @@ import argparse
 import asyncio
 import json
 import os
+import struct
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+
+import cbor2
+import lmdb
 
 from upsycle_router.cli.common import (
     app_identity,
@@ -133,6 +137,10 @@ def _run(args: argparse.Namespace, fn: Callable[[GroupManager], Awaitable[int]])
         return 2
     except (ClientError, GroupError, GroupStoreError, ValueError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (lmdb.Error, cbor2.CBORError, struct.error) as e:  # a record read later that does not decode
+        print(f"error: the group state is damaged ({type(e).__name__}: {' '.join(str(e).split())}); restore it "
+              "from a backup, or move it away to start again", file=sys.stderr)  # fmt: skip
         return 1
 
 

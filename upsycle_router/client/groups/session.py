@@ -44,6 +44,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import struct
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -51,13 +52,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import cbor2
+import lmdb
+
 from upsycle_router.client.connection import Client, ClientError, Refusal
 from upsycle_router.client.groups import events as ev
 from upsycle_router.client.groups.binding import WelcomeRefused, check_welcome, open_welcome
 from upsycle_router.client.groups.core import GroupConfig, GroupCore, GroupError
 from upsycle_router.client.groups.events import Effect, LogEntry
 from upsycle_router.client.groups.keys import DecryptError, Rng, open_sealed
-from upsycle_router.client.groups.store import ACTIVE, GroupStore
+from upsycle_router.client.groups.store import ACTIVE, GroupStore, GroupStoreError
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.wire.control import Reason
@@ -166,7 +170,12 @@ class GroupManager:
         store = GroupStore(data_dir, identity.public)
         self = cls(identity, store, connect, config=config, accept=accept, on_refused=on_refused)
         try:
-            self._load()
+            try:
+                self._load()
+            except (lmdb.Error, cbor2.CBORError, struct.error, ValueError, KeyError, IndexError, TypeError) as e:
+                # records that do not decode: damage the file check could not see (it checks pages, not values)
+                raise GroupStoreError(f"{store.path}: the group state is damaged ({type(e).__name__}: {e}); restore "
+                                      "it from a backup, or move it away to start again") from None
             first = await connect()
         except BaseException:
             store.close()

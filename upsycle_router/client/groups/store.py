@@ -37,6 +37,7 @@ with 0600: the epoch keys in it are secrets.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from pathlib import Path
@@ -49,6 +50,8 @@ from upsycle_router.client.groups.events import Delivered, LogEntry
 from upsycle_router.client.groups.keys import Epoch
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import UpsycleError
+from upsycle_router.store.integrity import MARKER as STORE_MARKER
+from upsycle_router.store.integrity import diagnose
 from upsycle_router.store.tables import LmdbTables
 from upsycle_router.wire.cbor import enc
 from upsycle_router.wire.groups import OpRecord, op_record_from_cbor
@@ -147,8 +150,23 @@ class GroupStore(LmdbTables):
     def __init__(self, path: str | os.PathLike[str], owner: bytes, *, sync: bool = True,
                  map_size: int = 1 << 30) -> None:  # fmt: skip
         self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise GroupStoreError(f"{self.path}: not a directory (name the member's group state directory)")
+        if (self.path / STORE_MARKER).exists():
+            raise GroupStoreError(f"{self.path}: a router's store, not a group state directory")
         self.path.mkdir(parents=True, exist_ok=True, mode=0o700)
         os.chmod(self.path, 0o700)
+        # Damage is named before LMDB maps the file (a truncated file would end the process with SIGBUS; an
+        # emptied or missing one beside the lock file that shows it was used would start an empty state, the
+        # member's keys lost without a word): the router's store's check, on this directory.
+        found = diagnose(self.path)
+        if found is not None and not found.ok:
+            what = "cannot be read" if found.unreadable else "is damaged"
+            raise GroupStoreError(f"{self.path}: the group state {what} ({found.summary()}); restore it from a "
+                                  "backup, or move it away to start again (its keys and log are then lost)")
+        for name in ("data.mdb", "lock.mdb"):
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(self.path / name, 0o600)
         self.env = lmdb.open(str(self.path), map_size=map_size, max_dbs=len(_DBS) + 1, sync=sync, metasync=sync,
                              readahead=False, mode=0o600)  # fmt: skip
         self._db = {name: self.env.open_db(name.encode()) for name in _DBS}
