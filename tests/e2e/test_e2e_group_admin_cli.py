@@ -75,3 +75,19 @@ def test_group_admin_commands(daemon: DaemonFactory, tmp_path: Path) -> None:
     assert r.returncode == 1 and "not members" in r.stderr
     r = group("c", "admin", "add", "--wait", "0", gid, pub["c"])
     assert r.returncode == 1 and "removed" in r.stderr
+
+
+def test_listen_for_a_group_this_key_is_not_in_and_a_wait_that_is_no_time(
+    daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    """(An audit: the first exited 0 printing nothing, the second was taken.) Not a member: exit 1, said once the
+    listening is over (a welcome to it could still have come); ``--wait nan`` or ``-1``: a usage error, exit 2."""
+    d = daemon()
+    key = tmp_path / "a.key"
+    assert cli("keygen", "--out", str(key)).returncode == 0
+    base = ["--socket", str(d.sock), "--key", str(key), "--data", str(tmp_path / "a")]
+    r = cli("group", "listen", *base, "--timeout", "0.5", "ab" * 32, timeout=60)
+    assert r.returncode == 1 and "not a member of group " + "ab" * 32 in r.stderr and r.stdout == "", r
+    for bad in ("nan", "-1", "inf"):
+        r = cli("group", "send", *base, "--wait", bad, "ab" * 32, "hi", timeout=60)
+        assert r.returncode == 2 and "--wait" in r.stderr and "seconds" in r.stderr, (bad, r.stderr)

@@ -277,6 +277,8 @@ def cmd_listen(args: argparse.Namespace) -> int:
             if left is not None and left <= 0:
                 break
             await mgr.wait_changed(0.5 if left is None else min(left, 0.5))
+        if only is not None and only not in mgr.sessions:  # (waited for its welcome in vain, if it was coming)
+            raise GroupError(f"this key is not a member of group {only.hex()} (see 'group listen' for welcomes)")
         return 0
 
     return _run(args, go)
@@ -298,7 +300,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=cmd_create)
 
     def wait(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--wait", type=float, default=5.0, metavar="SECONDS",
+        p.add_argument("--wait", type=seconds_arg, default=5.0, metavar="SECONDS",
                        help="wait this long for every member's acknowledgement (default 5; 0: no wait)")  # fmt: skip
 
     p = gsub.add_parser("add", help="add members (admins only); they get a welcome")
