@@ -91,3 +91,22 @@ def test_listen_for_a_group_this_key_is_not_in_and_a_wait_that_is_no_time(
     for bad in ("nan", "-1", "inf"):
         r = cli("group", "send", *base, "--wait", bad, "ab" * 32, "hi", timeout=60)
         assert r.returncode == 2 and "--wait" in r.stderr and "seconds" in r.stderr, (bad, r.stderr)
+
+
+def test_a_welcome_kept_for_a_key_the_router_never_saw_holds_up_no_later_command(
+    daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    """(An audit: after such an add every later command of that admin waited 15 s for the kept welcome to be
+    committed, and exited 1 - a ``send`` that went out would look failed.) The add says what happened (exit 1);
+    the welcome stays kept to send again, and a later command is not held up by it."""
+    d = daemon()
+    keys = {n: tmp_path / f"{n}.key" for n in ("admin", "never")}
+    pub = {n: cli("keygen", "--out", str(k)).stdout.strip() for n, k in keys.items()}
+    base = ["--socket", str(d.sock), "--key", str(keys["admin"]), "--data", str(tmp_path / "admin")]
+    gid = cli("group", "create", *base, timeout=60).stdout.strip()
+    r = cli("group", "add", *base, "--wait", "2", gid, pub["never"], timeout=60)
+    assert r.returncode == 1 and "no_route" in r.stderr and "kept and sent again" in r.stderr, r.stderr
+    r = cli("group", "send", *base, "--wait", "0", gid, "still going", timeout=60)
+    assert r.returncode == 0 and "has not committed" not in r.stderr, r.stderr
+    r = cli("group", "listen", *base, "--from-start", "--timeout", "1", gid, timeout=60)
+    assert r.returncode == 0 and "still going" in r.stdout, r.stderr

@@ -139,6 +139,9 @@ class GroupManager:
         self.refused: deque[tuple[bytes, Refusal | None, bytes]] = deque(maxlen=MAX_REFUSED)
         self.on_refused = on_refused
         self.connects = 0
+        # Outbox entries (gid, n) the router refused for now on this connection (kept to send again when the
+        # session starts again): not waited for by flush() - they cannot leave before then.
+        self._kept: set[tuple[bytes, int]] = set()
 
     # ------------------------------------------------------------ opening and closing
 
@@ -346,6 +349,7 @@ class GroupManager:
     def _restart_effects(self) -> None:
         while not self._effects.empty():
             self._effects.get_nowait()
+        self._kept.clear()  # (startup sends the whole outbox again)
         now = time.time()
         for gid in list(self.cores):
             self.run(gid, lambda core: core.startup(now))
@@ -508,6 +512,7 @@ class GroupManager:
                         # Not taken for now (a full queue or store, a busy router): it stays in the outbox and
                         # is sent again when the session (or its connection) starts again.
                         log.warning("groups: the router refused a message for now, kept to send again: %s", r)
+                        self._kept.add((s.gid, s.n))
                         continue
                     if r is not None:
                         log.warning("groups: the router refused a message for good: %s", r)
@@ -613,8 +618,10 @@ class GroupManager:
                 await fut
 
     def outbox_empty(self) -> bool:
-        """Whether the router has committed everything sent."""
-        return all(not self.store.outbox(gid) for gid in self.cores)
+        """Whether the router has committed everything sent (but what it refused for now, which is kept to send
+        again when the session starts again: a welcome to a key its router has not seen yet, say)."""
+        kept = self._kept
+        return all((gid, n) in kept for gid in self.cores for n, _ in self.store.outbox(gid))
 
     async def flush(self, timeout: float = 10.0) -> None:
         """Wait until the router has committed everything sent so far (TimeoutError after ``timeout``)."""
