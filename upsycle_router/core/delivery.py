@@ -115,7 +115,7 @@ class Delivery:
                 # queue can take it, else it is written as before rather than dropped.
                 why = self.enqueue(key, msg, group, data, size, now, out, kind=kind, stranger=stranger,
                                    remote=remote, origin=origin, taken=taken)
-                self._behind(c, why, now, out)
+                self.behind(c, why, now, out)
                 return why
             if c.blocked:
                 out.append(Trace(DROPPED, msg.id, kind, group, None, key, key, size, Why.OVERLOADED,
@@ -228,7 +228,7 @@ class Delivery:
                 plan.direct = run  # (every recipient was this loop's first case, and nothing changed meanwhile)
         return failed, why
 
-    def _behind(self, c: Conn, why: Reason | None, now: float, out: list[Effect]) -> None:
+    def behind(self, c: Conn, why: Reason | None, now: float, out: list[Effect]) -> None:
         """A message for the connected ``c`` was queued (``why`` None) rather than written: ``c`` drains its queue
         from now on (sent at once unless entries are in flight or ``c`` is blocked)."""
         if why is None:
@@ -383,7 +383,7 @@ class Delivery:
             if c.custody:
                 why = self.enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, taken=True,
                                    remote=False)  # fmt: skip
-                self._behind(c, why, now, out)
+                self.behind(c, why, now, out)
                 return why
         if conn is not None:
             out.append(Send(conn, msg.encode(), True, False, origin.id if origin is not None else -1))
@@ -392,10 +392,17 @@ class Delivery:
             return None
         why = self.enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, origin=origin, taken=taken,
                            remote=origin is not None and not origin.local)  # (a remote sender's: capped)
-        if why is None and router not in s.dialing and router not in s.config.edge_nodes:  # (an edge dials us)
+        if why is None:
+            self.dial(router, out)
+        return why
+
+    def dial(self, router: bytes, out: list[Effect]) -> None:
+        """Dial ``router``, which messages now wait for in its queue, unless a dial is under way already or it is
+        an edge node (an edge node dials us)."""
+        s = self.s
+        if router not in s.dialing and router not in s.config.edge_nodes:
             s.dialing.add(router)
             out.append(Dial(router))
-        return why
 
     def too_large_with_via(self, msg: Message, size: int) -> bool:
         """Whether ``msg`` (``size`` bytes) would be a frame larger than ``max_frame`` once the next router adds

@@ -42,8 +42,10 @@ not configured (admitted by ``accept_join_from_any``) are not waited for, and th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from upsycle_router.core.delivery import Delivery
-from upsycle_router.core.events import Dial, Effect, Send, Trace
+from upsycle_router.core.events import Effect, Send, Trace
 from upsycle_router.core.state import Conn, RouterState
 from upsycle_router.core.trace import DROPPED, REFUSED, UNICAST, Why
 from upsycle_router.errors import RemoteProtocolError
@@ -88,22 +90,23 @@ class Held:
         return (key == s.id or key in cfg.peers or key in cfg.upstream or key in cfg.edge_nodes
                 or key in cfg.bootstrap or key in s.addresses or key in s.advert_revs)  # fmt: skip
 
-    def _found(self) -> set[bytes]:
-        """The held keys, from the store: queues of keys no local service, known router or route's router."""
+    def _found(self, queued: Iterable[bytes] | None = None) -> set[bytes]:
+        """The held keys, from the store (``queued``: its queues' keys, if read already): queues of keys no local
+        service, known router or route's router."""
         s = self.s
         if not s.config.edge_nodes:
             return set()  # (only a core with edge nodes holds)
         routers = {r.router for r in s.routes.values()}
-        return {k for k in self.store.queue_recipients()
+        return {k for k in (self.store.queue_recipients() if queued is None else queued)
                 if k not in s.locals and k not in routers and not self.known_router(k)}  # fmt: skip
 
-    def start(self, now: float) -> None:
-        """Find the held keys again at a start."""
+    def start(self, now: float, queued: Iterable[bytes]) -> None:
+        """Find the held keys again at a start (``queued``: the keys the store has queues for)."""
         self._now = now
         self.since.clear()
         self.first.clear()
         self.per_sender.clear()
-        self._reset(self._found(), now)
+        self._reset(self._found(queued), now)
 
     def reload(self) -> None:
         """Find the held keys again after a batch that did not commit (what it moved or refused is back)."""
@@ -246,13 +249,9 @@ class Held:
             return
         cid = s.connected(router)
         if cid is not None:
-            c = s.conns[cid]
-            s.keep(c)
-            s.set_backlog(c, True)
-            self.delivery.flush(c, now, out)
-        elif router not in s.dialing and router not in s.config.edge_nodes:  # (an edge node dials us)
-            s.dialing.add(router)
-            out.append(Dial(router))
+            self.delivery.behind(s.conns[cid], None, now, out)
+        else:
+            self.delivery.dial(router, out)
 
     def _refuse(self, key: bytes, now: float, out: list[Effect]) -> None:
         """No edge node registered ``key``: refuse what is held for it, late, to the edge node each came from."""

@@ -383,12 +383,11 @@ class Router:
                 out.append(Trace(JOINED, None, CONTROL, group, member, role=s.role(member)))
         for key, a in sorted(s.addresses.items()):  # where advertised routers listen, for the dials below
             out.append(PeerLearned(key, TransportAddr(a.proto, a.ip, a.port).host, a.port, a.proto))
-        self.held.start(now)
-        for key in sorted(self.store.queue_recipients()):
-            # (an edge node's queue waits for it to connect: it dials us; so does a key held for (core/held.py))
-            if key not in s.locals and key not in s.dialing and key not in s.config.edge_nodes and key not in s.held:
-                s.dialing.add(key)
-                out.append(Dial(key))
+        queued = self.store.queue_recipients()
+        self.held.start(now, queued)
+        for key in sorted(queued):
+            if key not in s.locals and key not in s.held:  # (a key held for waits for an edge: core/held.py)
+                self.delivery.dial(key, out)
         return out
 
     def _dial_failed(self, router: bytes, now: float) -> None:
@@ -568,12 +567,10 @@ class Router:
                 if c.peer in s.config.upstream and out is not None:  # (our locals that connect from now on:
                     s.core_away_since[c.peer] = now  # registered when it is back - also after a restart: stored)
                     self.store.set_core_away(c.peer, now)
-                if (c.handed and c.inflight and out is not None and c.peer not in s.dialing
-                        and c.peer not in s.config.edge_nodes):  # (an edge node dials us)
+                if c.handed and c.inflight and out is not None:
                     # entries of the router's own queue were in flight on it (what it had not confirmed, backed by
                     # a hand-over): they wait for it queued, and it is dialled, as for what a close gives back
-                    s.dialing.add(c.peer)
-                    out.append(Dial(c.peer))
+                    self.delivery.dial(c.peer, out)
             elif c.inflight and out is not None:  # what it had in flight and did not write: the key's other
                 self.state.waiting[lst[-1]] = now  # connection drains it (it waited: queues.py) - now, and at the
                 self._flush(self._conns[lst[-1]], now, out)  # next timer should this batch not commit
