@@ -40,7 +40,7 @@ from upsycle_router.cli.common import (
 from upsycle_router.client import ClientError
 from upsycle_router.client.groups.core import GroupError
 from upsycle_router.client.groups.session import GroupManager, GroupSession
-from upsycle_router.client.groups.store import GroupStoreError
+from upsycle_router.client.groups.store import GroupStoreError, damaged_state
 from upsycle_router.config import parse_key
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ConfigError, KeyFileError
@@ -139,8 +139,8 @@ def _run(args: argparse.Namespace, fn: Callable[[GroupManager], Awaitable[int]])
         print(f"error: {e}", file=sys.stderr)
         return 1
     except (lmdb.Error, cbor2.CBORError, struct.error) as e:  # a record read later that does not decode
-        print(f"error: the group state is damaged ({type(e).__name__}: {' '.join(str(e).split())}); restore it "
-              "from a backup, or move it away to start again", file=sys.stderr)  # fmt: skip
+        data = Path(args.data) if args.data else None
+        print(f"error: {damaged_state(data, f'{type(e).__name__}: ' + ' '.join(str(e).split()))}", file=sys.stderr)
         return 1
 
 

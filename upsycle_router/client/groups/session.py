@@ -61,7 +61,7 @@ from upsycle_router.client.groups.binding import WelcomeRefused, check_welcome, 
 from upsycle_router.client.groups.core import GroupConfig, GroupCore, GroupError
 from upsycle_router.client.groups.events import Effect, LogEntry
 from upsycle_router.client.groups.keys import DecryptError, Rng, open_sealed
-from upsycle_router.client.groups.store import ACTIVE, GroupStore, GroupStoreError
+from upsycle_router.client.groups.store import ACTIVE, GroupStore, damaged_state
 from upsycle_router.crypto import Identity, message_signature_valid
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.wire.control import Reason
@@ -177,8 +177,7 @@ class GroupManager:
                 self._load()
             except (lmdb.Error, cbor2.CBORError, struct.error, ValueError, KeyError, IndexError, TypeError) as e:
                 # records that do not decode: damage the file check could not see (it checks pages, not values)
-                raise GroupStoreError(f"{store.path}: the group state is damaged ({type(e).__name__}: {e}); restore "
-                                      "it from a backup, or move it away to start again") from None
+                raise damaged_state(store.path, f"{type(e).__name__}: {e}") from None
             first = await connect()
         except BaseException:
             store.close()
@@ -187,19 +186,16 @@ class GroupManager:
         return self
 
     def _load(self) -> None:
-        now = time.time()
         with self.store.transaction():
-            for gid in self.store.group_ids():
-                self._add_core(GroupCore(self.identity, self.store, gid, self.config, self.rng, now))
-            self.store.seen()
+            self._read_cores()
 
-    def _reload_cores(self) -> None:
-        """Read every group's state again (inside a transaction): another process changed it."""
+    def _read_cores(self) -> None:
+        """Read every group's state from the store (inside a transaction): at the start, and when another process
+        changed it."""
         now = time.time()
         for gid in self.store.group_ids():
             self._add_core(GroupCore(self.identity, self.store, gid, self.config, self.rng, now))
         self.store.seen()
-        log.debug("group state changed by another process: read again")
 
     def _add_core(self, core: GroupCore) -> GroupSession:
         self.cores[core.gid] = core
@@ -286,7 +282,8 @@ class GroupManager:
         try:
             with self.store.transaction():
                 if self.store.stale():
-                    self._reload_cores()
+                    log.debug("group state changed by another process: read again")
+                    self._read_cores()
                 return fn()
         except BaseException:
             if gid is not None and gid in self.cores:

@@ -73,6 +73,13 @@ class GroupStoreError(UpsycleError):
     """The group state directory cannot be used (another member's, or another schema)."""
 
 
+def damaged_state(path: Path | None, why: str, what: str = "is damaged") -> GroupStoreError:
+    """The error for a member's group state (in ``path``) that cannot be used: ``why``, and what to do."""
+    where = f"{path}: " if path is not None else ""
+    return GroupStoreError(f"{where}the group state {what} ({why}); restore it from a backup, or move it away to "
+                           "start again (its keys and log are then lost)")
+
+
 class GroupRecord:
     """The static part of a group's state: the creator (``admin``), whether this member is still in, the
     welcome's baseline (``base_adm``, ``vv0``, and ``wv``: the membership operations the add had seen), and the
@@ -161,9 +168,7 @@ class GroupStore(LmdbTables):
         # member's keys lost without a word): the router's store's check, on this directory.
         found = diagnose(self.path)
         if found is not None and not found.ok:
-            what = "cannot be read" if found.unreadable else "is damaged"
-            raise GroupStoreError(f"{self.path}: the group state {what} ({found.summary()}); restore it from a "
-                                  "backup, or move it away to start again (its keys and log are then lost)")
+            raise damaged_state(self.path, found.summary(), "cannot be read" if found.unreadable else "is damaged")
         for name in ("data.mdb", "lock.mdb"):
             with contextlib.suppress(FileNotFoundError):
                 os.chmod(self.path / name, 0o600)
