@@ -267,3 +267,17 @@ def test_one_sender_uses_up_its_own_share_of_the_held_keys(tmp_path: Path, monke
         out = h.receive(e1, other)
         assert out.refusals() == [] and [t.id for t in out.traces("queued")] == [other.id]
     assert h.router.status()["held_recipients"] == 3
+
+
+def test_a_held_entry_whose_message_the_store_lost_is_traced_when_it_moves(tmp_path: Path) -> None:
+    """Moved on, each entry either goes to its edge's queue or is accounted for: one whose message is no longer in
+    the store is traced ``dropped`` (store_damaged), as the queue drain traces it, never dropped in silence."""
+    h = harness(tmp_path)
+    e1 = edge1_with_a(h)
+    msgs = held(h, e1, 2)
+    with h.store.transaction():
+        h.store.delete_message(msgs[0].id)
+    e2 = h.open(EDGE2, local=False, now=T0 + 60)
+    out = h.receive(e2, control(EDGE2, X, Register((Y.public,)), now=h.now))
+    assert sent(out, e2) == [msgs[1].id]
+    assert [(t.id, t.reason) for t in out.traces("dropped")] == [(msgs[0].id, "store_damaged")]

@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from upsycle_router.core.delivery import Delivery
 from upsycle_router.core.events import Effect, Send, Trace
 from upsycle_router.core.state import Conn, RouterState
-from upsycle_router.core.trace import DROPPED, REFUSED, UNICAST, Why
+from upsycle_router.core.trace import DROPPED, EXPIRED, REFUSED, UNICAST, Why
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.wire.control import Reason, Refused, encode_router
 from upsycle_router.wire.messages import Message, UnicastHeader, decode_message
@@ -244,6 +244,10 @@ class Held:
                 store.enqueue(router, e.id, e.expires, e.size, stranger=stranger)
                 if h is not None and h.dst == key:
                     s.contact(h.src, h.dst)  # (as for a message routed on at once)
+            else:  # (as the queue drain says of an entry whose message is gone: expired, or lost by the store)
+                lost = e.expires > now
+                out.append(Trace(DROPPED if lost else EXPIRED, e.id, UNICAST, None, dst=key, size=e.size,
+                                 reason=Why.STORE_DAMAGED if lost else Why.EXPIRED, role=s.role(key)))
             store.dequeue(key, e.seq)
         if not entries:
             return
