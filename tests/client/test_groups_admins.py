@@ -16,10 +16,12 @@ from pathlib import Path
 import cbor2
 import pytest
 
+from upsycle_router.client import Client
 from upsycle_router.client.groups import events as ev
 from upsycle_router.client.groups.core import GroupConfig, GroupCore, GroupError
 from upsycle_router.client.groups.keys import DecryptError, Epoch, decrypt, encrypt, open_sealed
 from upsycle_router.client.groups.membership import Base, Resolution
+from upsycle_router.client.groups.session import GroupManager
 from upsycle_router.client.groups.store import GroupRecord, GroupStore
 from upsycle_router.crypto import sign_app_message, sign_message
 from upsycle_router.errors import RemoteProtocolError
@@ -41,7 +43,7 @@ from upsycle_router.wire.app import (
 )
 from upsycle_router.wire.cbor import enc
 from upsycle_router.wire.groups import OpRecord, decode_key_share, decode_key_share_message, decode_welcome_message
-from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 
 # ---------------------------------------------------------------------------------------------- the rules alone
 
@@ -432,6 +434,106 @@ def test_a_member_added_concurrently_with_a_rotation_gets_the_keys_from_an_admin
     assert n.key in core(a).members and x.key not in core(n).members and core(n).epoch.number == 1
     net.send(n, b"hello from n")
     assert all(b"hello from n" in w.texts() for w in (a, b, m))
+
+
+class JoiningNet(AdminNet):
+    """Also: a unicast to a member that is offline waits for it (its router's queue) and comes first when it is
+    back, and a unicast whose body is a group message (an admin's copy) is received as if it had come to the
+    group's address, as the asyncio adapter does."""
+
+    def __init__(self, tmp: Path, seed: int = 1, config: GroupConfig | None = None) -> None:
+        super().__init__(tmp, seed, config)
+        self.waiting: dict[bytes, list[tuple[Member, Message]]] = {}
+        self.copies: list[tuple[Member, Member, Message]] = []
+
+    def _unicast(self, sender: Member, msg: Message) -> None:
+        h = msg.header
+        assert isinstance(h, UnicastHeader)
+        m = self.members[h.dst]
+        if not m.online:
+            self.waiting.setdefault(m.key, []).append((sender, msg))
+            return
+        try:
+            decode_welcome_message(msg.body)
+        except RemoteProtocolError:
+            try:
+                decode_key_share_message(msg.body)
+            except RemoteProtocolError:
+                inner = decode_message(msg.body)
+                assert isinstance(inner.header, MulticastHeader)
+                self.copies.append((sender, m, inner))
+                if m.core is not None:
+                    self.deliver(m, inner)
+                return
+        super()._unicast(sender, msg)
+
+    def go_online(self, m: Member) -> None:
+        m.online = True
+        for sender, msg in self.waiting.pop(m.key, []):
+            self._unicast(sender, msg)
+        super().go_online(m)
+
+
+def test_a_member_added_just_before_a_rotation_it_could_not_hear_gets_it_from_the_rotating_admin(
+    tmp_path: Path,
+) -> None:
+    net = JoiningNet(tmp_path, seed=5)
+    try:
+        (a, b), (bob, m) = group_of_admins(net, 2, "bob", "m")
+        dave = net.member("dave")
+        dave.online = False  # he takes his welcome later: until then he has not joined the group's address
+        net.do(b, lambda c: c.add([dave.key], net.now))
+        assert dave.key in core(a).members  # a has seen the add ...
+        net.restart(a)  # (and still knows after a restart that dave has not shown it)
+        net.do(a, lambda c: c.remove([bob.key], net.now))  # ... so its rotation seals the new keys to dave too
+        net.run(5)
+        assert [s.name for s, _ in net.waiting[dave.key]] == ["b", "a"]  # b's welcome, a's copy of the rotation
+        net.go_online(dave)
+        net.run(10)
+        assert [(s.name, r.name) for s, r, _ in net.copies] == [("a", "dave")]
+        assert core(dave).active and not core(dave).waiting_for_keys
+        assert state_of(dave) == state_of(a) == state_of(b) == state_of(m)
+        assert core(dave).epoch.number == 1 and bob.key not in core(dave).members
+        net.send(a, b"after the rotation")
+        net.run(2)
+        assert b"after the rotation" in dave.texts()
+        # dave has shown the add: the next rotation reaches him on the group's address, without a copy
+        net.do(a, lambda c: c.rotate(net.now))
+        net.run(5)
+        assert len(net.copies) == 1 and core(dave).epoch.number == 2 and state_of(dave) == state_of(a)
+    finally:
+        net.close()
+
+
+async def test_a_rotation_copy_that_overtakes_the_welcome_is_kept_until_the_welcome_is_taken(tmp_path: Path) -> None:
+    """The asyncio adapter's reader (GroupManager._incoming, fed the routed unicasts in the other order): a's copy
+    of its rotation comes before b's welcome (two senders: nothing orders their unicasts); it waits for the
+    welcome instead of being dropped as a message of a group dave is not in."""
+    net = JoiningNet(tmp_path / "net", seed=5)
+    try:
+        (a, b), (bob, _) = group_of_admins(net, 2, "bob", "m")
+        dave = net.member("dave")
+        dave.online = False
+        net.do(b, lambda c: c.add([dave.key], net.now))
+        net.do(a, lambda c: c.remove([bob.key], net.now))
+        net.run(5)
+        (_, welcome), (_, copy) = net.waiting[dave.key]
+
+        async def never() -> Client:
+            raise AssertionError("not connected in this test")
+
+        manager = GroupManager(dave.identity, GroupStore(tmp_path / "dave", dave.key), never)
+        try:
+            manager._incoming(copy)
+            assert not manager.cores
+            manager._incoming(welcome)
+            (gid,) = manager.cores
+            assert gid == core(a).gid and manager.cores[gid].epoch.number == 1
+            assert manager.cores[gid].members == core(a).members and bob.key not in manager.cores[gid].members
+        finally:
+            manager.store.close()
+    finally:
+        net.close()
 
 
 def test_a_member_added_by_a_concurrently_removed_admin_leaves_and_gets_no_new_keys(net: AdminNet) -> None:

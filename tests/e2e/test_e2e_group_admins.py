@@ -132,3 +132,43 @@ async def test_a_second_admin_carries_on_after_the_creator_key_is_lost(tmp_path:
             for e in c_epochs:  # ... C, with every key it ever had, cannot
                 with pytest.raises(DecryptError):
                     decrypt(e, msg.body)
+
+
+async def test_a_member_added_just_before_another_admins_rotation_gets_into_the_new_epoch(tmp_path: Path) -> None:
+    """Carol (r2) adds dave (r1, offline: he connected once) while alice (r1), who has seen the add, removes bob:
+    the rotation's keys are sealed to dave too, but it went out on the old epoch's address before dave had
+    joined it, and nothing later names it there. Alice's copy of her rotation to dave brings him in."""
+    async with Network(tmp_path) as net:
+        r1, r2 = net.add_nodes(2)
+        r2.config["peers"] = [r1.peer_entry()]
+        await net.start_all()
+        await net.wait_dialled(r2, r1)
+        ka, kb, kc, kd = (Identity.generate() for _ in range(4))
+        apps = tmp_path / "apps"
+        await (await open_member(kd, r1, apps / "d")).close()  # dave's router knows his key
+        ma = await open_member(ka, r1, apps / "a")
+        mb = await open_member(kb, r2, apps / "b")
+        mc = await open_member(kc, r2, apps / "c")
+        managers = [ma, mb, mc]
+        try:
+            ga = await ma.create()
+            await ga.add(kb.public, kc.public, via=r2.id)
+            sb, sc = await mb.next_welcome(WAIT), await mc.next_welcome(WAIT)
+            await ga.add_admins(kc.public)
+            await until(lambda: all(s.admins == {ka.public, kc.public} for s in (ga, sb, sc)), "carol an admin")
+            await sc.add(kd.public, via=r1.id)
+            await until(lambda: kd.public in ga.members, "alice to see carol's add")
+            await ga.remove(kb.public)
+            await until(lambda: not sb.active and sc.epoch == ga.epoch == 1, "the rotation without bob")
+            for m in managers:
+                await m.finish()
+            md = await open_member(kd, r1, apps / "d")
+            managers.append(md)
+            sd = await md.next_welcome(WAIT)
+            await until(lambda: sd.epoch == 1, "dave in the new epoch")
+            assert sd.members == ga.members == sc.members and kb.public not in sd.members
+            await ga.send(b"after bob left")
+            await until(lambda: b"after bob left" in texts(sd), "dave to read alice in the new epoch")
+        finally:
+            for m in managers:
+                await m.close()

@@ -48,7 +48,10 @@ routers reaches everyone who is online, and those who are not get the ACK queued
 was welcomed ACKs at once, which is how it learns what it missed in the new epoch. Until a member it welcomed
 has shown the add, an admin also sends each message it publishes to that member in a unicast (the routed group
 message as the body): before the welcome is taken the new member has not joined the group's address, so its
-router keeps nothing of the group for it, while a unicast to it is queued for when it is back.
+router keeps nothing of the group for it, while a unicast to it is queued for when it is back. For the same
+reason an admin sends each of its rotations in a unicast to members another admin added that have not shown
+the add yet (``_joining``): the rotation's keys are sealed to them, but it went to an address they had not
+joined, and nothing in the old epoch names it afterwards.
 """
 
 from __future__ import annotations
@@ -180,6 +183,7 @@ class GroupCore:
         self._leave_at: dict[bytes, float] = {}  # old epochs' groups, left at these times
         self._acked: dict[bytes, int] = store.acked(gid)
         self._welcomed: dict[bytes, int] = store.welcomed(gid)
+        self._joining: dict[bytes, tuple[bytes, int]] = store.joining(gid)
         self._last_sent = store.last_sent(gid)
         self._retry_n = 0
         self._retry_at: float | None = now + self.config.ack_timeout if self._unacked() else None
@@ -513,6 +517,10 @@ class GroupCore:
         if p.sender != self.me and own_before > self._acked.get(p.sender, 0):
             self._acked[p.sender] = own_before  # it has (at least) our messages up to this seq
             self.store.set_acked(self.gid, p.sender, own_before)
+        add = self._joining.get(p.sender)
+        if add is not None and v.get(add[0], 0) >= add[1]:
+            del self._joining[p.sender]  # it has taken its welcome: it hears the group's address now
+            self.store.forget_joining(self.gid, p.sender)
         if reason is not None:
             out.append(ev.Note(self.gid, "rejected", p.id, reason))
             return
@@ -599,6 +607,11 @@ class GroupCore:
                out: list[Effect]) -> None:  # fmt: skip
         """Record an operation that counts, then act on the state it resolves to."""
         self.membership.add_op(op)
+        if op.kind == OP_ADD and op.author != self.me:
+            for m in op.mem:
+                if m != self.me:
+                    self._joining[m] = op.key
+                    self.store.set_joining(self.gid, m, op.key)
         if op.number:
             if isinstance(body, GroupOp):
                 keys = None
@@ -732,6 +745,8 @@ class GroupCore:
             self._retry_at = now + self.config.ack_timeout if self.config.ack_delay > 0 else None
         self._deliver(Pending(msg.id, self.me, seq, deps, epoch.number, msg.encode(), now, app, epoch.grp), now, out)
         self._drain(now, out)
+        if isinstance(body, GroupOp) and body.op in ROTATING_OPS and self._joining:
+            self._copy_rotation(msg, now, out)
         return msg.id
 
     def _copy_to_joining(self, msg: Message, now: float, out: list[Effect]) -> None:
@@ -747,6 +762,21 @@ class GroupCore:
                 self.store.forget_welcomed(self.gid, m)
                 continue
             self._unicast_to(m, data, now, out, self.store.member_via(self.gid, m))
+
+    def _copy_rotation(self, msg: Message, now: float, out: list[Effect]) -> None:
+        """Send this member's rotation ``msg`` also in a unicast to each member another admin added that has not
+        shown the add yet (the add was in this rotation's past, so its keys are sealed to them too): before it
+        takes its welcome the member has not joined the group's address, so its router kept nothing of the group
+        for it, and nothing later names the rotation in the old epoch, which it reads. Members this one welcomed
+        got it from :meth:`_copy_to_joining`."""
+        members = self.members
+        data = msg.encode()
+        for m in sorted(self._joining):
+            if m not in members:
+                del self._joining[m]
+                self.store.forget_joining(self.gid, m)
+            elif m not in self._welcomed:
+                self._unicast_to(m, data, now, out, self.store.member_via(self.gid, m))
 
     def _unicast_to(self, member: bytes, body: bytes, now: float, out: list[Effect], via: bytes | None) -> None:
         header = UnicastHeader(self.me, member, self.config.ttl, exp_in(now, self.config.lifetime))

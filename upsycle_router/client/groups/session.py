@@ -87,6 +87,7 @@ PULL_TIMEOUT = 5.0
 MAX_FETCHES = 8
 MAX_REMOTE_ROUTERS = 4
 MAX_REFUSED = 1_000  # newest refusals kept in GroupManager.refused
+MAX_EARLY_COPIES = 64  # group message copies kept until a welcome names their group (in memory)
 
 OnRefused = Callable[[bytes, Refusal | None, bytes], None]
 """``on_refused(gid, refusal, what)``: the router refused, for good, a message of group ``gid`` (``what``: the
@@ -138,6 +139,9 @@ class GroupManager:
         # (gid, None, the group address) for a JOIN; the newest MAX_REFUSED. ``on_refused`` hears of each.
         self.refused: deque[tuple[bytes, Refusal | None, bytes]] = deque(maxlen=MAX_REFUSED)
         self.on_refused = on_refused
+        # Group messages sent to us in a unicast (an admin's copy) before we took the welcome to their group
+        # (another admin's unicast can overtake it): offered to the group again once a welcome is taken.
+        self._early: deque[Message] = deque(maxlen=MAX_EARLY_COPIES)
         self.connects = 0
         # Outbox entries (gid, n) the router refused for now on this connection (kept to send again when the
         # session starts again): not waited for by flush() - they cannot leave before then.
@@ -210,6 +214,7 @@ class GroupManager:
             self._by_grp[grp] = core.gid
 
     def _start(self, client: Client) -> None:
+        self.client = client  # (a close() before the connection task first runs closes it too)
         loop = asyncio.get_running_loop()
         self._tasks = [
             loop.create_task(self._connection_loop(client), name="groups-connection"),
@@ -416,6 +421,11 @@ class GroupManager:
         self._dispatch(out)
         log.info("groups: joined group %s (admin %s)", welcome.gid.hex()[:16], welcome.admin.hex()[:16])
         self._welcomes.put_nowait(s)
+        early = [m for m in self._early if self._by_grp.get(getattr(m.header, "grp", b"")) == gid]
+        if early:
+            for inner in early:
+                self._early.remove(inner)
+            self.run(gid, lambda core: [e for inner in early for e in core.received(inner, now)])
 
     def _maybe_copy(self, msg: Message, h: UnicastHeader) -> None:
         """A group message an admin sent us in a unicast while we had not taken its welcome yet (GroupCore's
@@ -425,13 +435,18 @@ class GroupManager:
         except RemoteProtocolError:
             inner = None
         ih = inner.header if inner is not None else None
-        gid = self._by_grp.get(ih.grp) if isinstance(ih, MulticastHeader) else None
-        if inner is None or gid is None:
+        if inner is None or not isinstance(ih, MulticastHeader):
             log.debug("groups: ignoring a unicast from %s that is no welcome, keys or group message",
                       h.src.hex()[:16])  # fmt: skip
             return
         if h.dst != self.identity.public or not message_signature_valid(msg):
             log.info("groups: ignoring a group message copy not signed by its sender or not for us")
+            return
+        gid = self._by_grp.get(ih.grp)
+        if gid is None:
+            log.debug("groups: keeping a group message copy from %s until a welcome names its group",
+                      h.src.hex()[:16])  # fmt: skip
+            self._early.append(inner)
             return
         now = time.time()
         self.run(gid, lambda core: core.received(inner, now))

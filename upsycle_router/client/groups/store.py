@@ -20,6 +20,8 @@ Every record is keyed by the 32-byte group id first, so one environment holds al
 ``ackby``      gid || member -> seq (u64)                           highest own seq the member has acknowledged
 ``shared``     gid || member || eid -> ""                           epoch keys this admin sent a member
 ``mvia``       gid || member -> router                              the router a member's messages came through
+``welcomed``   gid || member -> seq (u64)                           members this admin added, not yet heard
+``joining``    gid || member -> author || seq (u64)                 members another admin added, not yet heard
 ``meta``       owner / gid || counter name -> u64 counters
 
 An epoch's ``eid`` is the ``(author, seq)`` of each rotation it was made of, as ``author || seq (u64)``, empty
@@ -60,7 +62,7 @@ _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 SCHEMA = b"groups-1"
 _DBS = ("meta", "groups", "epochs", "mhist", "delivered", "vv", "heads", "dorder", "buffer", "log", "outbox",
-        "routers", "acks", "ackby", "ops", "shared", "mvia", "welcomed")  # fmt: skip
+        "routers", "acks", "ackby", "ops", "shared", "mvia", "welcomed", "joining")  # fmt: skip
 _EPOCH = b"\x01"  # new-style epoch keys: gid || 0x01 || eid (version 1 keys are gid || u32)
 
 Vec = tuple[tuple[bytes, int], ...]
@@ -366,6 +368,18 @@ class GroupStore(LmdbTables):
 
     def forget_welcomed(self, gid: bytes, member: bytes) -> None:
         self._delete("welcomed", gid + member)
+
+    def set_joining(self, gid: bytes, member: bytes, add: tuple[bytes, int]) -> None:
+        """Another admin added ``member`` with the operation ``add`` (its author and seq), and ``member`` has not
+        shown it yet."""
+        self._put("joining", gid + member, add[0] + _U64.pack(add[1]))
+
+    def joining(self, gid: bytes) -> dict[bytes, tuple[bytes, int]]:
+        """The members other admins added that may not have joined the group's address yet, with their add."""
+        return {k[32:]: (v[:32], _U64.unpack(v[32:])[0]) for k, v in self._prefix("joining", gid)}
+
+    def forget_joining(self, gid: bytes, member: bytes) -> None:
+        self._delete("joining", gid + member)
 
     # ------------------------------------------------------------ causal state
 
