@@ -36,6 +36,11 @@ def value(v: object) -> str:
     return repr(text) if not text or any(c.isspace() or c in "'\"=" for c in text) else text
 
 
+def reason(e: BaseException) -> str:
+    """An exception's text for a message, or its type's name when the text is empty (``TimeoutError()``)."""
+    return str(e) or type(e).__name__
+
+
 def untrusted(text: str, limit: int = 200) -> str:
     """A peer's text for a log message: at most ``limit`` characters, quoted, its control characters escaped and
     its ``=`` written ``\\x3d``, so that it can neither start a line nor pass for a ``key=value`` field."""
@@ -45,7 +50,9 @@ def untrusted(text: str, limit: int = 200) -> str:
 
 class RateLimitedLog:
     """At most one line per key per ``interval``: the first event is logged at once, later ones are counted
-    and reported (with their number) on the first event after the interval, or by a timer at its end."""
+    and reported (with their number) on the first event after the interval, or by a timer at its end. When the
+    events counted in one line had different texts (other connections, other errors of the same kind), the line
+    says so and quotes the last one as an example, rather than putting the count on the last one's words."""
 
     def __init__(self, logger: logging.Logger, interval: float = INTERVAL,
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
@@ -54,6 +61,7 @@ class RateLimitedLog:
         self.clock = clock
         self._last: dict[str, float] = {}
         self._pending: dict[str, tuple[int, str, int]] = {}  # key -> (events not logged yet, last text, level)
+        self._mixed: set[str] = set()  # keys whose events waiting to be logged had more than one text
         self._flush: dict[str, asyncio.TimerHandle] = {}
         self.lines = 0  # lines written
 
@@ -61,11 +69,14 @@ class RateLimitedLog:
         """One occurrence of ``key``, described by ``text``."""
         now = self.clock()
         last = self._last.get(key)
+        waiting = self._pending.get(key)
+        if waiting is not None and waiting[1] != text:
+            self._mixed.add(key)
         if last is None or now - last >= self.interval:
             n = self._pending.pop(key, (0, text, level))[0] + 1
             self._emit(text, n, now, last, level, key)
             return
-        n = self._pending.get(key, (0, text, level))[0] + 1
+        n = (waiting[0] if waiting is not None else 0) + 1
         self._pending[key] = (n, text, level)
         if key not in self._flush:
             with contextlib.suppress(RuntimeError):  # no running loop: reported with the next event
@@ -82,9 +93,14 @@ class RateLimitedLog:
     def _emit(self, text: str, n: int, now: float, last: float | None, level: int, key: str) -> None:
         self._last[key] = now
         self.lines += 1
+        mixed = key in self._mixed
+        self._mixed.discard(key)
         if last is None:
             self.logger.log(level, "%s (further ones are counted and logged at most every %.0f s)", text,
                             self.interval)  # fmt: skip
+        elif mixed:
+            self.logger.log(level, "%d of kind %s in the last %.0f s, not all alike; the last: %s", n, key,
+                            now - last, text)  # fmt: skip
         else:
             self.logger.log(level, "%s: %d time(s) in the last %.0f s", text, n, now - last)
 

@@ -226,11 +226,13 @@ async def test_edge_offline_gets_backlog_after_edge_and_core_restart(tmp_path: P
 
 
 async def fake_router(
-    cert_key: Identity, hello_key: Identity, directory: Path, authed: list[bytes] | None = None
+    cert_key: Identity, hello_key: Identity, directory: Path, authed: list[bytes] | None = None, *,
+    silent: bool = False,
 ) -> asyncio.Server:
     """A TLS server whose certificate carries ``cert_key`` but whose session speaks as ``hello_key``: what a relay
     in the middle presents while it passes the real router's HELLO on. ``authed`` collects the keys that sent
-    it a valid AUTH (a relay would pass that AUTH on to the real router)."""
+    it a valid AUTH (a relay would pass that AUTH on to the real router). ``silent``: it sends its HELLO and
+    nothing more (no AUTH), reading what comes."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         session = Session(hello_key)
@@ -240,7 +242,8 @@ async def fake_router(
                 for ev in session.receive_data(data):
                     if isinstance(ev, HandshakeComplete) and authed is not None:
                         authed.append(ev.peer)
-                writer.write(session.data_to_send())
+                if not silent:
+                    writer.write(session.data_to_send())
         writer.close()
 
     return await asyncio.start_server(handle, HOST, 0, ssl=server_context(cert_key, directory))
@@ -249,6 +252,30 @@ async def fake_router(
 async def read_frame(reader: asyncio.StreamReader) -> bytes:
     n = int.from_bytes(await reader.readexactly(4), "big")
     return await reader.readexactly(n)
+
+
+async def test_a_dial_whose_session_handshake_times_out_says_so(tmp_path: Path) -> None:
+    """A peer that completes TLS and sends its HELLO but never its AUTH: the dial fails after handshake_timeout,
+    and the log line names the timeout (a TimeoutError's text is empty: it named nothing)."""
+    peer = Identity.generate()
+    server = await fake_router(peer, peer, tmp_path / "fake", silent=True)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with Network(tmp_path) as net:
+            dialler = net.add_node("dialler")
+            dialler.config["handshake_timeout"] = 1
+            dialler.config["peers"] = [{"id": peer.public.hex(), "addr": f"{HOST}:{port}"}]
+            await net.start_all()
+            line = f"dial failed router={peer.public.hex()} addr={HOST}:{port}: "
+
+            def failures() -> list[str]:
+                return [x for x in dialler.log_text().splitlines() if line in x]
+
+            await wait_for(failures, 20.0, "the dial to time out")
+            assert all(x.rstrip().endswith(": TimeoutError") for x in failures()), failures()
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 async def test_wrong_router_keys_are_refused(tmp_path: Path) -> None:

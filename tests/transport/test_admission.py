@@ -249,6 +249,27 @@ def test_rate_limited_log_one_line_per_reason_per_interval(caplog: pytest.LogCap
     assert rl.lines == 3
 
 
+def test_rate_limited_log_does_not_put_a_count_of_different_events_on_the_last_ones_words(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    clock = Clock()
+    rl = RateLimitedLog(logging.getLogger("test.admission"), 10.0, clock)
+    with caplog.at_level(logging.WARNING, "test.admission"):
+        rl.event("protocol_error", "protocol error conn=6: frame: empty frame")
+        clock.t += 1
+        rl.event("protocol_error", "protocol error conn=7: cbor: not CBOR")
+        clock.t += 1
+        rl.event("protocol_error", "protocol error conn=8: version 2")
+        clock.t += 9
+        rl.event("protocol_error", "protocol error conn=9: version 2")  # 11 s after the first line
+        clock.t += 11
+        rl.event("protocol_error", "protocol error conn=9: version 2")  # alike again: the short form
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs[1] == ("3 of kind protocol_error in the last 11 s, not all alike; the last: "
+                       "protocol error conn=9: version 2")
+    assert msgs[2] == "protocol error conn=9: version 2: 1 time(s) in the last 11 s"
+
+
 async def test_rate_limited_log_reports_the_held_back_count_at_the_end_of_the_interval(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -48,6 +48,7 @@ from upsycle_router.config.sources import effective_config, router_socket
 from upsycle_router.crypto import Identity, load_key_file, load_or_create_key_file
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
+from upsycle_router.logtext import reason
 from upsycle_router.runtime.logs import setup_logging
 from upsycle_router.runtime.service import RouterService
 from upsycle_router.wire.discovery import TransportAddr
@@ -314,7 +315,7 @@ def connect_error(e: BaseException) -> str:
         hint = " (nothing listens there: a router that was killed?)"
     elif isinstance(e, PermissionError):
         hint = " (listen.unix_mode and listen.unix_group decide who may connect)"
-    return f"{e or type(e).__name__}{hint}"
+    return f"{reason(e)}{hint}"
 
 
 def run_app(args: argparse.Namespace, fn: Callable[[Client], Awaitable[int]], *, required: bool = True) -> int:

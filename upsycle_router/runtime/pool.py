@@ -23,6 +23,7 @@ import ssl
 
 from upsycle_router.core.events import DialFailed
 from upsycle_router.crypto import Identity
+from upsycle_router.logtext import reason
 from upsycle_router.runtime.driver import Driver
 from upsycle_router.transport.connection import WRITE_HIGH_WATER, Connection
 from upsycle_router.transport.partial import PartialFrames
@@ -139,7 +140,7 @@ class ConnectionPool:
             if router in self.static or router in self.bootstrap:
                 self._backoff = 1.0
         except (OSError, TimeoutError, ConnectionError, ssl.SSLError) as e:
-            log.info("dial failed router=%s addr=%s:%d: %s", router.hex(), host, port, e or type(e).__name__)
+            log.info("dial failed router=%s addr=%s:%d: %s", router.hex(), host, port, reason(e))
             self.driver.push(DialFailed(router))
         finally:
             self._dialing.pop(router, None)
