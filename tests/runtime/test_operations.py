@@ -213,6 +213,8 @@ async def test_healthz_answers_503_with_the_reason() -> None:
         assert b"Content-Type: application/openmetrics-text" in om and om.rstrip().endswith(b"# EOF")
         assert (await _http(srv.port, b"GET /status HTTP/1.0\r\n\r\n")).startswith(b"HTTP/1.0 404")  # no detail
         assert (await _http(srv.port, b"garbage\r\n\r\n")).startswith(b"HTTP/1.0 400")
+        huge = b"GET /metrics HTTP/1.0\r\nX-Pad: " + b"a" * 200_000 + b"\r\n\r\n"
+        assert (await _http(srv.port, huge)).startswith(b"HTTP/1.0 431 Request Header Fields Too Large\r\n")
     finally:
         await srv.close()
 

@@ -52,6 +52,7 @@ log = logging.getLogger("upsycle_router.metrics")
 
 REQUEST_TIMEOUT = 5.0
 MAX_REQUEST_HEAD = 64 * 1024
+MAX_DISCARD = 4 * 1024 * 1024  # bytes of an over-long request read and dropped after its 431
 
 
 BY_REASON = re.compile(r"^(refused|dropped)_([a-z0-9_]+)_total$")
@@ -162,10 +163,16 @@ class MetricsServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
+            try:
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT)
+            except asyncio.LimitOverrunError:
+                head = b""  # a request head over MAX_REQUEST_HEAD: answered 431, not read on
             lines = head.decode("latin-1").split("\r\n")
             parts = lines[0].split()
-            if len(parts) < 2:
+            if not head:
+                code, ctype, body = 431, "text/plain; charset=utf-8", b"request head too large\n"
+                method = "GET"
+            elif len(parts) < 2:
                 code, ctype, body = 400, "text/plain; charset=utf-8", b"bad request\n"
                 method = "GET"
             else:
@@ -177,13 +184,17 @@ class MetricsServer:
                         headers[k.strip().lower()] = v.strip()
                 code, ctype, body = self.respond(method, parts[1].split("?")[0], headers)
             reason = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-                      503: "Service Unavailable"}[code]  # fmt: skip
+                      431: "Request Header Fields Too Large", 503: "Service Unavailable"}[code]  # fmt: skip
             allow = "Allow: GET, HEAD\r\n" if code == 405 else ""  # (RFC 9110 15.5.6: a 405 says what is)
             head_out = (f"HTTP/1.0 {code} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                         f"{allow}Connection: close\r\n\r\n")  # fmt: skip
             writer.write(head_out.encode() + (b"" if method == "HEAD" else body))
             await writer.drain()
-        except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            if code == 431:  # what it still sends is read and dropped for a moment, so that the close does not
+                with contextlib.suppress(Exception):  # reset the connection before it has read the answer
+                    writer.write_eof()
+                    await asyncio.wait_for(_discard(reader, MAX_DISCARD), 1.0)
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
             pass
         except Exception:  # a bug in a source: the daemon goes on; say what happened once per request
             log.exception("metrics request failed")
@@ -278,3 +289,9 @@ def counters_lines(router: str, counters: dict[str, int], now: float | None = No
     width = max((len(k) for k in counters), default=0)  # (one column for the values, however long a name)
     out += [f"  {k:{width}} {counters[k]}" for k in sorted(counters)]
     return out
+
+
+async def _discard(reader: asyncio.StreamReader, limit: int) -> None:
+    """Read and drop up to ``limit`` bytes, or until the end of the stream."""
+    while limit > 0 and (data := await reader.read(min(limit, 65536))):
+        limit -= len(data)
