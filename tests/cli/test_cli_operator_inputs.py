@@ -355,3 +355,23 @@ def test_a_sighup_while_the_router_starts_is_a_reload_not_its_end(tmp_path: Path
             d.kill()
         for p in cleanup:
             shutil.rmtree(p, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------- group names
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("join", "nosuchname"), ("leave", "nosuchname"), ("pull", "nosuchname", "00" * 32),
+     ("listen", "--join", "nosuchname", "--timeout", "0")],
+)  # fmt: skip
+def test_a_group_name_that_is_not_in_the_names_file_is_exit_2_with_or_without_a_router(
+    tmp_path: Path, args: tuple[str, ...]
+) -> None:
+    """The name is read before anything connects: no router running here, and the answer is about the name."""
+    env = _environ(tmp_path)
+    env["UPSYCLE_GROUPS"] = str(tmp_path / "groups.yaml")
+    (tmp_path / "groups.yaml").write_text(f"known: {'ab' * 32}\n")
+    r = run_expecting_exit(*args, "--socket", str(tmp_path / "no-router.sock"), environ=env)
+    line = _one_error_line(r.stderr)
+    assert r.returncode == 2 and "no group named 'nosuchname'" in line and "names: known" in line, r.stderr

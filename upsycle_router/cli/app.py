@@ -163,11 +163,24 @@ def cmd_send(args: argparse.Namespace) -> int:
     return run_app(args, go)
 
 
+def _groups(texts: list[str]) -> list[bytes] | None:
+    """The groups named on the command line (keys or names), read before anything connects (a name that is not
+    in the names file is exit 2 whether or not a router runs); None, said on stderr, if one is not usable."""
+    try:
+        return [group_address(t) for t in texts]
+    except (ConfigError, KeyFileError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     """JOIN a group with this key."""
+    groups = _groups([args.group])
+    if groups is None:
+        return 2
 
     async def go(c: Client) -> int:
-        ok = await c.join(group_address(args.group), local=not args.non_local)
+        ok = await c.join(groups[0], local=not args.non_local)
         print("joined" if ok else "refused")
         return 0 if ok else 1
 
@@ -176,9 +189,12 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 def cmd_leave(args: argparse.Namespace) -> int:
     """LEAVE a group."""
+    groups = _groups([args.group])
+    if groups is None:
+        return 2
 
     async def go(c: Client) -> int:
-        ok = await c.leave(group_address(args.group))
+        ok = await c.leave(groups[0])
         print("left" if ok else "refused")
         return 0 if ok else 1
 
@@ -210,9 +226,12 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
 def cmd_pull(args: argparse.Namespace) -> int:
     """PULL a stored group message by id."""
+    groups = _groups([args.group])
+    if groups is None:
+        return 2
 
     async def go(c: Client) -> int:
-        m = await c.pull(group_address(args.group), args.id)
+        m = await c.pull(groups[0], args.id)
         if m is None:
             print("not found", file=sys.stderr)
             return 1
@@ -225,9 +244,13 @@ def cmd_pull(args: argparse.Namespace) -> int:
 def cmd_listen(args: argparse.Namespace) -> int:
     """Print incoming messages as JSON lines, sealed ones opened; exit 1 if a sealed one did not open."""
 
+    joins = _groups(args.join or [])
+    if joins is None:
+        return 2
+
     async def go(c: Client) -> int:
-        for g in args.join or []:
-            if not await c.join(group_address(g), local=not args.non_local):
+        for g, addr in zip(args.join or [], joins, strict=True):
+            if not await c.join(addr, local=not args.non_local):
                 print(f"error: JOIN {g} refused", file=sys.stderr)
                 return 1
         n = failed = 0
