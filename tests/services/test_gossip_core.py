@@ -478,10 +478,14 @@ def test_a_message_published_into_an_empty_mesh_reaches_peers_grafted_later() ->
 def test_a_message_published_with_no_fanout_reaches_fanout_peers_added_later() -> None:
     core = make_core(n_peers=3)
     m1 = make_message(GK, b"first")
-    assert forwards(core.publish(m1, 0.1)) == [] and core.fanout_peers(G) == frozenset()
+    out = core.publish(m1, 0.1)
+    assert forwards(out) == [] and core.fanout_peers(G) == frozenset()
+    # said, not silent: the service logs it (a line per 10 s), the simulator counts it
+    assert [(e.id, e.reason) for e in traces(out, "unsent")] == [(m1.id, "no_subscribed_peer")]
     core.rpc_received(rid(1), GossipRpc(subs=(SubOpt(True, G),)), 0.2)
     m2 = make_message(GK, b"second")
     out = core.publish(m2, 0.3)  # the fanout is built now: m2 goes there, m1 is advertised
+    assert not traces(out, "unsent")
     assert forwards(out) == [(rid(1), m2.id)]
     assert rpcs(out) == {rid(1): GossipRpc(ihave=(IHave(G, (m1.id,)),))}
     core.rpc_received(rid(2), GossipRpc(subs=(SubOpt(True, G),)), 0.4)

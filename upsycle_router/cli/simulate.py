@@ -7,14 +7,19 @@ bandwidth; churn and a partition) or, with ``--stack pubsub``, a
 runs it on the virtual clock and prints what it measured: delivery ratio, latency percentiles, transmissions
 per delivery, mesh degree, and the wall time it took. With ``--journal DIR`` every router writes its trace
 journal under ``DIR`` (one directory per node), which ``upsycle-router analyze DIR --out OUT`` reads.
-Nothing here opens a socket or sleeps. Exit code 0, or 2 for options that do not go together.
+Nothing here opens a socket or sleeps. Exit code 0; 2 for options that are not usable or do not go together
+(numbers that are not finite, a ``--journal`` that is not a new or empty directory); 1 when the figures cannot
+be written.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -27,6 +32,26 @@ def _partition(text: str) -> tuple[float, float]:
     if not sep or not 0 <= start < end:
         raise argparse.ArgumentTypeError(f"expected FROM:TO with 0 <= FROM < TO, got {text!r}")
     return start, end
+
+
+def _journal_dir(text: str) -> Path:
+    """``--journal DIR``: a new or empty directory (created now), so that what ``analyze`` reads there is this
+    run's alone; ValueError, worded for the user, otherwise."""
+    if not text:
+        raise ValueError("--journal: an empty path (name a directory for the journals)")
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--journal {text}: exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if any(path.iterdir()):
+            raise ValueError(f"--journal {text}: not empty; a second run there would mix two runs' journals "
+                             "(give a new or empty directory)")  # fmt: skip
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"--journal {text}: not writable")
+    except OSError as e:
+        raise ValueError(f"--journal {text}: cannot be used: {e.strerror or e}") from None
+    return path
 
 
 def _line(name: str, value: Any) -> str:
@@ -58,19 +83,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
                             interval=args.interval, warmup=args.warmup, linger=args.linger,
                             message_size=args.message_size, sn=args.sn, churn=args.churn, downtime=args.downtime,
                             partition=args.partition)
+        if args.degree < 1 and args.nodes > 1:  # (the API takes 0: routers dialled by hand)
+            raise ValueError("--degree must be at least 1 (0 would leave the routers without links)")
+        if args.publishers > args.nodes:
+            raise ValueError(f"--publishers {args.publishers} is more than the {args.nodes} nodes")
         if args.stack == "pubsub":
-            if args.journal or args.discovery or args.bandwidth or args.partition:
-                raise ValueError("--stack pubsub has no journals, discovery, bandwidth or partitions")
+            if args.journal is not None or args.discovery or args.bandwidth or args.partition or args.real_signatures:
+                raise ValueError("--stack pubsub has no journals, discovery, bandwidth, partitions or signatures")
             sim: Scenario | PubsubScenario = PubsubScenario(config, workload)
         else:
-            sim = Scenario(config, workload, args.journal)
+            sim = Scenario(config, workload, None if args.journal is None else _journal_dir(args.journal))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     fig = sim.run()
     if args.json:
-        print(json.dumps({"stack": args.stack, **fig.as_dict()}, indent=2))
-        return 0
+        return _print(json.dumps({"stack": args.stack, **fig.as_dict()}, indent=2, allow_nan=False))
     lines = [
         _line("stack", "pub/sub cores alone" if args.stack == "pubsub" else
               "router + pub/sub" + (" + discovery" if args.discovery else "")),
@@ -94,9 +122,20 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         _line("wall seconds", fig.wall_seconds),
         _line("events / events per second", f"{fig.events:,} / {fig.events_per_second:,.0f}"),
     ]
-    if args.journal:
+    if args.journal is not None:
         lines.append(_line("journals", args.journal))
-    print("\n".join(lines))
+    return _print("\n".join(lines))
+
+
+def _print(text: str) -> int:
+    """Print the figures: 0, or 1 with one line on stderr when they cannot be written (a full disk, a closed
+    pipe)."""
+    try:
+        print(text, flush=True)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            print(f"error: cannot write the figures: {e.strerror or e}", file=sys.stderr)
+        return 1
     return 0
 
 

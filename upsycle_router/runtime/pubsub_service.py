@@ -256,6 +256,11 @@ class PubsubService(RouterService):
                 self._unicast(client, e.service, body, math.ceil(e.timeout), None)
             elif isinstance(e, Trace) and e.event == "deprecated_policy":
                 log.warning("pubsub: group %s: %s", e.group.hex() if e.group else "-", e.reason)
+            elif isinstance(e, Trace) and e.event == "unsent":
+                self._lines.event("unsent", f"pubsub: a message published on this node, {_short(e.id)} of group "
+                                  f"{_short(e.group)}, went to no other node: no peer is known to subscribe to the "
+                                  "group (a subscribed peer that appears while it is cached is offered it)",
+                                  logging.INFO)  # fmt: skip
             elif isinstance(e, Trace) and e.event == "rejected" and e.peer is None:
                 self._lines.event(f"here:{e.reason}", f"pubsub: a message published on this node, {_short(e.id)} "
                                   f"of group {_short(e.group)}, goes to no other node: rejected ({e.reason})")

@@ -94,7 +94,8 @@ Traces
     held message), ``unknown_peer`` (an RPC through a router whose peer is another service, or from an unknown
     service while ``max_learned_peers`` are learned already), ``deprecated_policy`` (joined a group with a Lax
     signature policy), ``pull_skipped`` (too many PULLs outstanding or ids missing), ``pull_failed``
-    (PULL_NACK).
+    (PULL_NACK), ``unsent`` (a message published here that went to no other router: no peer is known to
+    subscribe to its group; it stays in the message cache, offered by IHAVE to a subscribed peer that appears).
 """
 
 from __future__ import annotations
@@ -532,6 +533,8 @@ class GossipCore:
             targets = set(fanout)
         if p.flood_publish:
             targets |= subscribed
+        if not targets:
+            ob.trace("unsent", group=group, id=msg.id, reason="no_subscribed_peer")
         for router in sorted(targets):
             ob.forward(router, msg)
 

@@ -117,10 +117,12 @@ from upsycle_router.services.discovery.params import DiscoveryParams
 from upsycle_router.services.pubsub import effects as ps
 from upsycle_router.services.pubsub.core import GossipCore
 from upsycle_router.services.pubsub.params import GossipParams
+from upsycle_router.services.pubsub.validation import MAX_MESSAGE_SIZE, message_size
 from upsycle_router.store.api import ROUTE_SERVED, RouteEntry
 from upsycle_router.store.memory import MemoryStore
 from upsycle_router.tools.sim.memo import Memo, Memos, memos
 from upsycle_router.trace.journal import TraceJournal
+from upsycle_router.wire.cbor import MAX_SEEN
 from upsycle_router.wire.control import Join, Leave, PullNack, decode_control, encode_router
 from upsycle_router.wire.control import Pull as PullMsg
 from upsycle_router.wire.discovery import (
@@ -152,6 +154,10 @@ _ROUTER, _PUBSUB, _DISCOVERY, _READVERTISE = range(4)  # a node's timers
 # ---------------------------------------------------------------- configuration
 
 
+MAX_NODES = 1_000_000
+"""The most nodes (and groups) a simulation takes (a hundred thousand pub/sub cores alone take ~2 GB)."""
+
+
 @dataclass(frozen=True, slots=True)
 class LinkModel:
     """How links behave: seconds, bytes per second (0: unlimited), a probability."""
@@ -167,8 +173,8 @@ class LinkModel:
 
     def __post_init__(self) -> None:
         for name in ("latency", "jitter", "spread", "bandwidth", "local_delay", "handshake_rtts", "dial_timeout"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must not be negative")
+            if not math.isfinite(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be a finite number >= 0, got {getattr(self, name)}")
         if not 0 <= self.loss < 1:
             raise ValueError("loss must be in [0, 1)")
 
@@ -189,8 +195,8 @@ class NetConfig:
     memo: bool = True  # compute advert checks, decodes and encodes once per distinct advert (tools/sim/memo.py)
 
     def __post_init__(self) -> None:
-        if self.nodes < 1:
-            raise ValueError("nodes must be at least 1")
+        if not 1 <= self.nodes <= MAX_NODES:
+            raise ValueError(f"nodes must be from 1 to {MAX_NODES:,}")
         if self.degree < 0:
             raise ValueError("degree must not be negative")
 
@@ -1124,10 +1130,17 @@ class Workload:
     def __post_init__(self) -> None:
         if self.groups < 1 or self.publishers < 1 or self.messages < 0:
             raise ValueError("need groups >= 1, publishers >= 1, messages >= 0")
+        if self.groups > MAX_NODES:
+            raise ValueError(f"groups must be at most {MAX_NODES:,}")
         if not 0 <= self.churn <= 1:
             raise ValueError("churn must be in [0, 1]")
+        for name in ("interval", "warmup", "linger", "downtime"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number of seconds, got {getattr(self, name)}")
         if self.interval < 0 or self.warmup < 0 or self.linger < 0 or self.message_size < 0:
             raise ValueError("times and sizes must not be negative")
+        if not 0 <= self.sn <= MAX_SEEN:
+            raise ValueError(f"sn must be from 0 to {MAX_SEEN} (ids a message may name)")
 
 
 @dataclass
@@ -1176,10 +1189,20 @@ class Scenario:
     """A network and a workload: nodes start, apps join, publishers publish, churn and partitions happen."""
 
     def __init__(self, config: NetConfig, workload: Workload, journal_dir: str | Path | None = None) -> None:
+        w = workload
+        if w.messages and w.warmup < config.start_spread:
+            # (a publish before its node has started would go nowhere, and a run's publishes would not all count)
+            raise ValueError(f"warmup must be at least {config.start_spread:g} s: the nodes start within the "
+                             f"first {config.start_spread:g} s")  # fmt: skip
+        probe = sign_message(MulticastHeader(bytes(32), w.message_ttl, exp_in(0.0, 3600), (bytes(32),) * w.sn),
+                             bytes(w.message_size), Identity.from_seed(bytes(32)))  # fmt: skip
+        if message_size(probe) > MAX_MESSAGE_SIZE:
+            raise ValueError(f"message size {w.message_size:,} is too large: a published message (body, header and "
+                             f"signature) may be at most {MAX_MESSAGE_SIZE:,} bytes (the pub/sub service's "
+                             "max_size)")  # fmt: skip
         self.config = config
         self.workload = workload
         self.net = net = Network(config, journal_dir)
-        w = workload
         n = config.nodes
         rng = random.Random(derive(config.seed, "workload"))
         self.groups = [Identity.from_seed(derive(config.seed, "group", g)) for g in range(w.groups)]
@@ -1408,7 +1431,7 @@ def figures(sc: Scenario, wall: float) -> Figures:
         nodes=sc.config.nodes,
         groups=sc.workload.groups,
         publishers=len(sc.publishers),
-        messages=len(sc.published),
+        messages=sum(1 for p in sc.published if not math.isnan(p.at_router)),  # (taken by its router)
         expected=expected,
         delivered=delivered,
         delivery_ratio=delivered / expected if expected else None,
