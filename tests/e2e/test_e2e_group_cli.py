@@ -82,8 +82,10 @@ def test_group_commands_from_a_shell(daemon: DaemonFactory, tmp_path: Path) -> N
     assert "only b reads this" not in [e["data"] for e in got]
 
     # remove c: the keys rotate; c is out
-    r = group("a", "remove", "--wait", "0", gid, pub["c"])
+    r = group("a", "remove", "--wait", "1", gid, pub["c"])
     assert r.returncode == 0 and "epoch 1" in r.stdout, r.stderr
+    # b is offline: it has not heard the rotation yet, and the admin is told what one more would do
+    assert f"note: {pub['b'][:16]} not heard from since the last rotation" in r.stderr, r.stderr
     got = entries(group("b", "listen", "--count", "2", "--timeout", "20").stdout)
     assert [e["kind"] for e in got] == ["member_remove", "rotated"] and got[1]["epoch"] == 1
     # c's log goes on from where its last listen stopped: its own two messages, then its removal
@@ -103,6 +105,19 @@ def test_group_commands_from_a_shell(daemon: DaemonFactory, tmp_path: Path) -> N
     assert r.returncode == 1 and "not a member" in r.stderr
     r = group("a", "send", "--wait", "0", "zz", "x")
     assert r.returncode != 0 and "group" in r.stderr
+    r = group("a", "send", "--wait", "0", gid[:63], "x")
+    assert r.returncode == 2 and "expected 64 hex characters, got 63" in r.stderr, r.stderr
+    # a name in the group names file stands for the group, as in the other app commands
+    names = tmp_path / "groups.yaml"
+    names.write_text(f"team: {gid}\n")
+    r = cli("group", "send", "--socket", sock, "--key", str(keys["b"]), "--data", str(tmp_path / "b"), "--wait",
+            "0", "team", "by name", env={"UPSYCLE_GROUPS": str(names)})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = cli("group", "send", "--socket", sock, "--key", str(keys["b"]), "--data", str(tmp_path / "b"), "--wait",
+            "0", "nosuchname", "x", env={"UPSYCLE_GROUPS": str(names)})  # fmt: skip
+    assert r.returncode == 2 and "no group named 'nosuchname'" in r.stderr, r.stderr
+    got = entries(group("a", "listen", "--timeout", "3").stdout)
+    assert ("message", "by name") in [(e["kind"], e["data"]) for e in got]
 
 
 def test_an_invitation_the_router_refuses_is_reported_not_promised(daemon: DaemonFactory, tmp_path: Path) -> None:

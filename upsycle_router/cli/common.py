@@ -245,7 +245,13 @@ def app_identity(args: argparse.Namespace, *, required: bool = True) -> Identity
 def group_address(text: str) -> bytes:
     """A group on the command line: its public key (64 hex digits) or its name in the group names file."""
     if not HEX_KEY_RE.fullmatch(text) and NAME_RE.fullmatch(text):
-        return lookup(text).public_key()
+        try:
+            return lookup(text).public_key()
+        except ConfigError:
+            if all(c in "0123456789abcdefABCDEF" for c in text):  # a key with a digit too many or too few
+                raise ConfigError(f"group: expected 64 hex characters, got {len(text)} (and no group of that "
+                                  "name in the group names file)") from None  # fmt: skip
+            raise
     return parse_key(text, "group")
 
 

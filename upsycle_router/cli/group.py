@@ -32,6 +32,7 @@ from upsycle_router.cli.common import (
     app_identity,
     app_options,
     count_arg,
+    group_address,
     read_body,
     run_async,
     seconds_arg,
@@ -43,7 +44,8 @@ from upsycle_router.client.groups.session import GroupManager, GroupSession
 from upsycle_router.client.groups.store import GroupStoreError, damaged_state
 from upsycle_router.config import parse_key
 from upsycle_router.crypto import Identity
-from upsycle_router.errors import ConfigError, KeyFileError
+from upsycle_router.errors import ConfigError, KeyFileError, UpsycleError
+from upsycle_router.logtext import reason
 from upsycle_router.wire.control import Reason, reason_label
 
 SETTLE_QUIET = 0.3
@@ -101,6 +103,11 @@ async def _after_send(s: GroupSession, args: argparse.Namespace) -> int:
     if away:
         print(f"note: not acknowledged yet by {', '.join(away)} (offline? they get it when they are back)",
               file=sys.stderr)
+    behind = sorted(k.hex()[:16] for k in s.rotation_pending() if k in missing and k not in refused)
+    if behind:
+        print(f"note: {', '.join(behind)} not heard from since the last rotation: one more rotation before they "
+              "are back leaves them behind for good (docs/groups.md: 'A member that misses a rotation for good')",
+              file=sys.stderr)  # fmt: skip
     return 1 if refused else 0
 
 
@@ -138,6 +145,9 @@ def _run(args: argparse.Namespace, fn: Callable[[GroupManager], Awaitable[int]])
     except (ClientError, GroupError, GroupStoreError, ValueError, TimeoutError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except (UpsycleError, OSError) as e:  # (the connection reset as the router stopped, say): one line, not a trace
+        print(f"error: {reason(e)}", file=sys.stderr)
+        return 1
     except (lmdb.Error, cbor2.CBORError, struct.error) as e:  # a record read later that does not decode
         data = Path(args.data) if args.data else None
         print(f"error: {damaged_state(data, f'{type(e).__name__}: ' + ' '.join(str(e).split()))}", file=sys.stderr)
@@ -145,7 +155,7 @@ def _run(args: argparse.Namespace, fn: Callable[[GroupManager], Awaitable[int]])
 
 
 def _session(mgr: GroupManager, gid_hex: str) -> GroupSession:
-    gid = parse_key(gid_hex, "group")
+    gid = group_address(gid_hex)  # (64 hex digits, or a name in the group names file)
     try:
         return mgr.session(gid)
     except KeyError:
@@ -248,8 +258,8 @@ def cmd_send(args: argparse.Namespace) -> int:
 def cmd_listen(args: argparse.Namespace) -> int:
     """Print group log entries as JSON lines."""
     try:
-        only = parse_key(args.group, "group") if args.group else None
-    except ConfigError as e:
+        only = group_address(args.group) if args.group else None
+    except (ConfigError, KeyFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

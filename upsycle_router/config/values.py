@@ -142,6 +142,8 @@ def parse_key(v: Any, path: str) -> bytes:
     try:
         b = bytes.fromhex(v)
     except ValueError:
+        if len(v) % 2 and all(c in "0123456789abcdefABCDEF" for c in v):
+            raise fail(path, f"expected 64 hex characters, got {len(v)}") from None  # (an odd number of digits)
         raise fail(path, f"not hex: {v!r}") from None
     if len(b) != 32:
         raise fail(path, f"expected 32 bytes (64 hex characters), got {len(b)}")
