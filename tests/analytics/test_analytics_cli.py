@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from upsycle_router.analytics.session import (
     prepare_environment,
     session_conf,
 )
+from upsycle_router.cli.analyze import spark_failure
 
 TIMEOUT = 300
 
@@ -203,3 +206,139 @@ def test_java_on_this_machine_is_found() -> None:
         pytest.skip("no Java here")
     rt = find_java()
     assert rt.major is None or rt.major >= 17
+
+
+def _fake_table(path: Path) -> Path:
+    """A directory that looks like a compacted table to the checks before Spark (its content is never read)."""
+    path.mkdir(parents=True)
+    (path / "part-00000.parquet").write_bytes(b"PAR1")
+    (path / "_SUCCESS").write_bytes(b"")
+    return path
+
+
+@pytest.mark.parametrize(
+    ("command", "args", "said"),
+    [
+        # the input table, named once as a path and once as a file: URI, would be deleted before it is read
+        ("compact", ["{t}", "--out", "file://{t}"], "is one of the inputs"),
+        ("compact", ["file://{t}", "--out", "{t}"], "is one of the inputs"),
+        ("analyze", ["{o}/events.parquet", "{j}", "--out", "{o}"], "analyze writes the journals' compacted table"),
+        ("analyze", ["file://{o}/events.parquet", "{j}", "--out", "{o}"], "is one of the inputs"),
+        # a URI and a place inside it (or the same as a path): Spark would read both
+        ("analyze", ["file://{j}", "file://{j}/A", "--out", "{o2}"], "would be counted twice"),
+        ("analyze", ["{j}", "file://{j}", "--out", "{o2}"], "would be counted twice"),
+    ],
+)
+def test_inputs_an_output_would_delete_or_count_twice_are_refused_before_spark(
+    tmp_path: Path, command: str, args: list[str], said: str
+) -> None:
+    if find_java_or_none() is None:
+        pytest.skip("no Java here")
+    table = _fake_table(tmp_path / "t.parquet")
+    out = tmp_path / "out"
+    events = _fake_table(out / "events.parquet")
+    journals = tmp_path / "j"
+    (journals / "A").mkdir(parents=True)
+    (journals / "A" / "trace-000001.jsonl").write_text("{}\n")
+    names = {"t": str(table), "o": str(out), "j": str(journals), "o2": str(tmp_path / "out2")}
+    r = subprocess.run(cli(command, *[a.format(**names) for a in args]), env=subprocess_env(), capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "starting Spark" not in r.stderr
+    assert (table / "part-00000.parquet").exists() and (events / "part-00000.parquet").exists()
+
+
+def test_a_journal_directory_that_cannot_be_read_in_full_is_refused(tmp_path: Path) -> None:
+    if find_java_or_none() is None:
+        pytest.skip("no Java here")
+    journals = tmp_path / "j"
+    for node in ("A", "B"):
+        (journals / node).mkdir(parents=True)
+        (journals / node / "trace-000001.jsonl").write_text("{}\n")
+    (journals / "C").symlink_to(journals / "B")  # (fine: a link to a directory)
+    (journals / "A" / "trace-000002.jsonl").symlink_to(journals / "gone.jsonl")
+    r = subprocess.run(cli("analyze", str(journals), "--out", str(tmp_path / "out")), env=subprocess_env(),
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and "trace-000002.jsonl: a symbolic link to nothing" in r.stderr, r.stderr
+    (journals / "A" / "trace-000002.jsonl").unlink()
+    if os.geteuid() == 0 and os.access("/", os.W_OK):
+        # as root, a directory of mode 000 is still readable: lose the capability that allows it for this run
+        prefix = ["setpriv", "--inh-caps=-dac_override,-dac_read_search",
+                  "--bounding-set=-dac_override,-dac_read_search"]  # fmt: skip
+        if shutil.which("setpriv") is None:
+            pytest.skip("no setpriv to drop root's access to unreadable directories")
+    else:
+        prefix = []
+    (journals / "B").chmod(0)
+    try:
+        r = subprocess.run([*prefix, *cli("analyze", str(journals), "--out", str(tmp_path / "out"))],
+                           env=subprocess_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    finally:
+        (journals / "B").chmod(0o755)
+    assert r.returncode == 2 and "cannot be read (Permission denied)" in r.stderr, r.stderr
+    assert "starting Spark" not in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "said"),
+    [
+        ("--master", "bogus://x", "not a Spark master URL"),
+        ("--master", "local[x]", "not a Spark master URL"),
+        ("--driver-memory", "lots", "not a memory size"),
+        ("--shuffle-partitions", "0", "expected a whole number >= 1"),
+    ],
+)
+def test_spark_options_spark_would_refuse_with_a_java_trace_are_exit_2_at_once(
+    tmp_path: Path, option: str, value: str, said: str
+) -> None:
+    r = subprocess.run(cli("analyze", str(SMALL), "--out", str(tmp_path / "out"), option, value),
+                       env=subprocess_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2 and said in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "Exception" not in r.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_spark_master_that_does_not_answer_is_exit_1_at_once(tmp_path: Path) -> None:
+    if find_java_or_none() is None:
+        pytest.skip("no Java here")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    r = subprocess.run(cli("analyze", str(SMALL), "--out", str(tmp_path / "out"), "--master",
+                           f"spark://127.0.0.1:{port}"),
+                       env=subprocess_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 1 and f"cannot reach the Spark master (127.0.0.1:{port}: Connection refused)" in r.stderr
+    assert "starting Spark" not in r.stderr
+
+
+def test_a_failed_spark_job_is_said_in_one_line_naming_the_file_and_the_cause() -> None:
+    trace = """An error occurred while calling o715.parquet.
+: org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 0.0 failed 1 times
+\tat org.apache.spark.scheduler.DAGScheduler.failJobAndIndependentStages(DAGScheduler.scala:2935)
+Caused by: org.apache.spark.SparkException: [FAILED_READ_FILE.NO_HINT] Encountered error while reading file \
+file:///j/A/trace-000002.jsonl.gz.  SQLSTATE: KD001
+\tat org.apache.spark.sql.errors.QueryExecutionErrors$.cannotReadFilesError(QueryExecutionErrors.scala:856)
+Caused by: java.io.EOFException: Unexpected end of input stream
+\tat org.apache.hadoop.io.compress.DecompressorStream.decompress(DecompressorStream.java:165)
+"""
+    assert spark_failure(trace) == (
+        "reading file:///j/A/trace-000002.jsonl.gz: Unexpected end of input stream (EOFException)", 2)
+    missing = "[PATH_NOT_FOUND] Path does not exist: file:/nowhere. SQLSTATE: 42K03"
+    assert spark_failure(missing) == (missing, 2)
+    other = "An error occurred while calling o54.text.\n: java.lang.OutOfMemoryError: Java heap space\n"
+    assert spark_failure(other) == ("An error occurred while calling o54.text.", 1)
+    assert spark_failure("") == ("", 1)
+
+
+@pytest.mark.spark
+def test_a_truncated_compressed_journal_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    data = gzip.compress((SMALL / "node-a" / "trace-000000.jsonl").read_bytes() * 50)
+    journal = tmp_path / "trace-000001.jsonl.gz"
+    journal.write_bytes(data[: len(data) // 2])
+    r = subprocess.run(cli("analyze", str(journal), "--out", str(tmp_path / "out"), "--master", "local[1]", "-q"),
+                       env=subprocess_env(), capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the Spark job failed: reading ") and "trace-000001.jsonl.gz" in last, r.stderr
+    assert "Unexpected end of input stream" in last
+    assert "\tat " not in r.stderr and len(r.stderr.strip().splitlines()) <= 20, r.stderr

@@ -63,9 +63,18 @@ from upsycle_router.analytics.report import (
 )
 from upsycle_router.analytics.schema import PROBLEM_KINDS, problem_kind
 from upsycle_router.analytics.session import AUTO_PARTITIONS, KEY_CODES, AnalyticsError
-from upsycle_router.analytics.sources import Inputs, check_target, compact, discover, read_tables, union_all
+from upsycle_router.analytics.sources import (
+    Inputs,
+    check_target,
+    compact,
+    discover,
+    read_tables,
+    refuse_overwriting_inputs,
+    union_all,
+)
 
 EVENTS_TABLE = "events.parquet"
+OVERWRITE_HINT = ": analyze writes the journals' compacted table there (give another --out)"
 TABLES = (
     "messages",
     "group_stats",
@@ -166,6 +175,13 @@ def check_compact_target(out: str | Path) -> None:
     check_target(None, out)
 
 
+def check_analyze_inputs(inputs: Inputs, out: str | Path) -> None:
+    """Refuse an ``out`` whose ``events.parquet`` is one of the input tables while journals are given too (the
+    compaction would delete it before it is read); the CLI calls it before Spark starts, the job again."""
+    if inputs.has_journals:
+        refuse_overwriting_inputs(inputs, join(out, EVENTS_TABLE), OVERWRITE_HINT)
+
+
 def check_analyze_target(spark: SparkSession | None, out: str | Path) -> None:
     """Refuse an ``out`` that cannot be the output directory: an existing file (or anything but a directory),
     or a local path below one. A local ``out`` is checked without Spark (the CLI does so before Spark starts);
@@ -257,6 +273,7 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
     parts: list[DataFrame] = []
     if inputs.has_journals:
         target = join(out, EVENTS_TABLE)
+        check_analyze_inputs(inputs, out)
         progress(f"compacting {inputs.describe()} -> {target}")
         done = compact(spark, Inputs(journals=inputs.journals, tables=(), journal_uris=inputs.journal_uris), target)
         progress(done.describe())

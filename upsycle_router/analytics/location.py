@@ -18,6 +18,7 @@ as Hadoop defines them), and whatever this package writes itself next to the Par
 from __future__ import annotations
 
 import re
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,24 @@ _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://|^file:/")
 def is_uri(path: str | Path) -> bool:
     """Whether ``path`` is a URI for Spark (``s3a://b/x``, ``hdfs://nn/x``, ``file:///x``), not a local path."""
     return isinstance(path, str) and _URI.match(path) is not None
+
+
+def place(path: str | Path) -> str:
+    """Where ``path`` is, to tell whether two inputs, or an input and an output, are the same or one holds the
+    other: a local path or a ``file:`` URI as the absolute path it names (symbolic links resolved), any other
+    URI as its text without a trailing ``/``."""
+    if is_uri(path):
+        text = str(path)
+        if text[:5].lower() != "file:":
+            return text.rstrip("/")
+        rest = re.sub(r"^file:(//[^/]*)?", "", text, flags=re.IGNORECASE)  # file:///x, file://localhost/x, file:/x
+        return str(Path(urllib.parse.unquote(rest) or "/").resolve())
+    return str(Path(path).resolve())
+
+
+def overlap(a: str, b: str) -> bool:
+    """Whether the places ``a`` and ``b`` (:func:`place`) are the same, or one holds the other."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
 
 
 def join(base: str | Path, name: str) -> str:

@@ -37,8 +37,10 @@ take; journals at URIs; compacted tables) to the same table. :data:`ARROW_PARSE`
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import importlib.util
+import os
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -48,7 +50,7 @@ from pathlib import Path
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from upsycle_router.analytics.location import HadoopFiles, is_uri, name_of, no_glob
+from upsycle_router.analytics.location import HadoopFiles, is_uri, name_of, no_glob, overlap, place
 from upsycle_router.analytics.schema import COMPACT_COLUMNS, COMPACT_SCHEMA, parse_lines
 from upsycle_router.analytics.session import AnalyticsError, is_local_master
 
@@ -141,12 +143,44 @@ def hidden(name: str) -> bool:
     return name.startswith(".") or (name.startswith("_") and "=" not in name) or name.endswith("._COPYING_")
 
 
+def _check_readable(top: Path) -> None:
+    """Refuse a journal directory with a directory below it that cannot be listed, or a journal name that is a
+    link to nothing (both would be left out without a word); hidden names are skipped, as Spark skips them."""
+
+    def unreadable(e: OSError) -> None:
+        raise AnalyticsError(f"{e.filename}: cannot be read ({e.strerror}): its journals would be left out")
+
+    for root, dirs, files in os.walk(top, onerror=unreadable):
+        dirs[:] = [d for d in dirs if not hidden(d)]
+        for name in files:
+            full = Path(root) / name
+            if fnmatch.fnmatchcase(name, JOURNAL_GLOB) and not hidden(name) and full.is_symlink() and not full.exists():
+                raise AnalyticsError(f"{full}: a symbolic link to nothing")
+
+
+def refuse_overwriting_inputs(inputs: Inputs, target: str | Path, what: str = "") -> None:
+    """Refuse a ``target`` table that is one of the input tables, holds one or is inside one, by path or by
+    ``file:`` URI (writing it would delete what is still to be read)."""
+    here = place(target)
+    tables: list[str | Path] = [*inputs.tables, *inputs.table_uris]
+    for t in tables:
+        if overlap(here, place(t)):
+            raise AnalyticsError(f"{target}: is one of the inputs ({t}){what}")
+
+
 def discover(paths: Iterable[str | Path]) -> Inputs:
     """Sort the given paths into journal files (found recursively) and compacted tables; URIs stay as given."""
     journals: list[Path] = []
     tables: list[Path] = []
     journal_uris: list[str] = []
     table_uris: list[str] = []
+    given = [str(raw) for raw in paths]
+    for i, a in enumerate(given):
+        for b in given[i + 1 :]:
+            if (is_uri(a) or is_uri(b)) and overlap(place(a), place(b)):
+                # (local paths are read file by file, each once; a URI is Spark's to list: it would read both)
+                raise AnalyticsError(f"{b}: the same place as {a}, or inside it or holding it: what is in both "
+                                     "would be counted twice (give each input once)")  # fmt: skip
     for raw in paths:
         if is_uri(raw):
             (table_uris if is_table(raw) else journal_uris).append(str(raw))
@@ -159,6 +193,7 @@ def discover(paths: Iterable[str | Path]) -> Inputs:
         elif path.is_file():
             journals.append(path)
         else:
+            _check_readable(path)
             found = sorted(
                 p
                 for p in path.rglob(JOURNAL_GLOB)
@@ -317,12 +352,7 @@ def compact(spark: SparkSession, inputs: Inputs, out: str | Path) -> Compaction:
     local ``out``, unless the session sets :data:`ARROW_PARSE` to ``false``); whatever it does not take,
     journals at URIs and compacted tables are written by Spark into the same table.
     """
-    if not is_uri(out):
-        out_resolved = Path(out).resolve()
-        if any(out_resolved == t or out_resolved in t.parents for t in inputs.tables):
-            raise AnalyticsError(f"{out}: is one of the inputs")
-    elif str(out).rstrip("/") in (t.rstrip("/") for t in inputs.table_uris):
-        raise AnalyticsError(f"{out}: is one of the inputs")
+    refuse_overwriting_inputs(inputs, out)
     why_not = arrow_parse_allowed(spark, inputs, out)
     if why_not is not None:
         with whole_files(spark):

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import re
+import socket
 import sys
 from typing import Any
 
@@ -38,6 +40,32 @@ def missing_extra(app: str) -> str | None:
     if not missing:
         return None
     return f"error: {app} needs the analytics extra ({', '.join(missing)} not installed): {EXTRA_HINT}"
+
+
+_FILE = re.compile(r"(?:while reading file|Path does not exist:|FileNotFoundException:|File does not exist:)\s*"
+                   r"(\S+?)\.?(?:\s|$)")
+_CAUSE = re.compile(r"^Caused by: (?:[\w$]+\.)*([\w$]+(?:Exception|Error)): (.+)$")
+_INPUT_PROBLEMS = ("PATH_NOT_FOUND", "Permission denied", "Unexpected end of input stream", "Not in GZIP format",
+                   "FileNotFoundException", "File does not exist")
+
+
+def spark_failure(text: str) -> tuple[str, int]:
+    """One line for a failed Spark job, from its exception's text (the Java stack trace behind a Py4J error):
+    the file it was reading and the root cause when the trace names them, else the first line; and the exit
+    code: 2 when the cause is the input (a path that does not exist, a file that cannot be read or is
+    truncated), 1 otherwise."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return "", 1
+    found = next((m.group(1) for ln in lines if (m := _FILE.search(ln))), None)
+    causes = [m for ln in lines if (m := _CAUSE.match(ln))]
+    cause = f"{causes[-1].group(2)} ({causes[-1].group(1)})" if causes else None
+    rc = 2 if any(p in text for p in _INPUT_PROBLEMS) else 1
+    if found is not None and cause is not None:
+        return f"reading {found}: {cause}", rc
+    if found is not None:
+        return f"{lines[0]}", rc
+    return cause or lines[0], rc
 
 
 def _spark_options(args: argparse.Namespace, app: str) -> Any:
@@ -72,6 +100,7 @@ def _run(args: argparse.Namespace, app: str) -> int:
 
         from upsycle_router.analytics.job import (
             Progress,
+            check_analyze_inputs,
             check_analyze_target,
             check_compact_target,
             run_analyze,
@@ -79,13 +108,19 @@ def _run(args: argparse.Namespace, app: str) -> int:
         )
         from upsycle_router.analytics.location import join
         from upsycle_router.analytics.report import text_summary
-        from upsycle_router.analytics.sources import discover
+        from upsycle_router.analytics.sources import discover, refuse_overwriting_inputs
 
-        discover(args.paths)  # fail on a bad local path before Spark starts (URIs are Spark's to check)
+        inputs = discover(args.paths)  # fail on a bad local path before Spark starts (URIs are Spark's to check)
         if app == "compact":
             check_compact_target(args.out)
+            refuse_overwriting_inputs(inputs, args.out)
         else:
             check_analyze_target(None, args.out)  # a URI is checked once Spark runs
+            check_analyze_inputs(inputs, args.out)
+        unreachable = _unreachable(args.master)
+        if unreachable is not None:
+            print(f"error: {unreachable}", file=sys.stderr)
+            return 1
         progress = Progress(app, enabled=not args.quiet)
         progress(f"starting Spark ({args.master})")
         out: str = args.out
@@ -96,9 +131,9 @@ def _run(args: argparse.Namespace, app: str) -> int:
                     return 0
                 result = run_analyze(spark, args.paths, out, progress)
         except (PySparkException, Py4JError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            print(f"error: the Spark job failed: {first}", file=sys.stderr)
-            return 1
+            text, rc = spark_failure(str(e))
+            print(f"error: the Spark job failed: {text or type(e).__name__}", file=sys.stderr)
+            return rc
     except AnalyticsError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -116,16 +151,64 @@ def cmd_compact(args: argparse.Namespace) -> int:
     return _run(args, "compact")
 
 
+_MASTER = re.compile(r"local(\[(\*|[1-9]\d*)(,\s*[1-9]\d*)?\])?|local-cluster\[\d+,\s*\d+,\s*\d+\]"
+                     r"|spark://[^/\s]+(,[^/\s]+)*|yarn|k8s://\S+")
+_MEMORY = re.compile(r"[1-9]\d*([kmgt]b?)?", re.IGNORECASE)
+
+
+def master_arg(text: str) -> str:
+    """``--master``: a Spark master URL Spark knows, checked before Spark starts (a JVM's trace otherwise)."""
+    if not _MASTER.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"not a Spark master URL: {text!r} (local, local[N], local[*], "
+                                         "spark://HOST:PORT, yarn or k8s://URL)")  # fmt: skip
+    return text.strip()
+
+
+def memory_arg(text: str) -> str:
+    """``--driver-memory``: a JVM size (``4g``, ``512m``)."""
+    if not _MEMORY.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (a number with k, m, g or t: 4g, 512m)")
+    return text.strip()
+
+
+def partitions_arg(text: str) -> int:
+    """``--shuffle-partitions``: a whole number >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return n
+
+
+def _unreachable(master: str) -> str | None:
+    """For a ``spark://`` master: why none of its addresses answers (Spark would retry for about a minute)."""
+    if not master.startswith("spark://"):
+        return None
+    problems = []
+    for hostport in master[len("spark://") :].split(","):
+        host, _, port = hostport.rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=5):
+                return None
+        except (OSError, ValueError) as e:
+            problems.append(f"{hostport}: {e.strerror if isinstance(e, OSError) and e.strerror else e}")
+    return "cannot reach the Spark master (" + "; ".join(problems) + ")"
+
+
 def _spark_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--master", default="local[*]", help="Spark master URL (default: embedded local[*])")
+    p.add_argument("--master", type=master_arg, default="local[*]",
+                   help="Spark master URL (default: embedded local[*])")  # fmt: skip
     p.add_argument(
         "--shuffle-partitions",
-        type=int,
+        type=partitions_arg,
         metavar="N",
         help="spark.sql.shuffle.partitions (default: one per 1,000,000 events, at least two per core)",
     )
     p.add_argument(
         "--driver-memory",
+        type=memory_arg,
         metavar="SIZE",
         help="spark.driver.memory, e.g. 4g (default with a local master: a quarter of the machine's memory)",
     )
