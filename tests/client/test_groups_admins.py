@@ -162,7 +162,12 @@ class AdminNet(GroupNet):
             h = msg.header
             assert isinstance(h, UnicastHeader)
             m = self.members[h.dst]
-            share = decode_key_share(open_sealed(m.identity, decode_key_share_message(msg.body).box))
+            try:
+                km = decode_key_share_message(msg.body)
+            except RemoteProtocolError:
+                super()._unicast(sender, msg)  # an admin's copy of a group message
+                return
+            share = decode_key_share(open_sealed(m.identity, km.box))
             self.shares.append((sender, m, share))
             if m.core is None or not m.online:
                 return
@@ -437,19 +442,22 @@ def test_a_member_added_concurrently_with_a_rotation_gets_the_keys_from_an_admin
 
 
 class JoiningNet(AdminNet):
-    """Also: a unicast to a member that is offline waits for it (its router's queue) and comes first when it is
-    back, and a unicast whose body is a group message (an admin's copy) is received as if it had come to the
-    group's address, as the asyncio adapter does."""
+    """Also: a unicast to a member that is offline waits for it (its router's queue) and comes after the group
+    messages queued for it when it is back, and a unicast whose body is a group message (an admin's copy) is
+    received as if it had come to the group's address, as the asyncio adapter does."""
 
     def __init__(self, tmp: Path, seed: int = 1, config: GroupConfig | None = None) -> None:
         super().__init__(tmp, seed, config)
         self.waiting: dict[bytes, list[tuple[Member, Message]]] = {}
         self.copies: list[tuple[Member, Member, Message]] = []
+        self.lose_unicast: Callable[[Member, Member], bool] = lambda sender, to: False  # True: lost on the way
 
     def _unicast(self, sender: Member, msg: Message) -> None:
         h = msg.header
         assert isinstance(h, UnicastHeader)
         m = self.members[h.dst]
+        if self.lose_unicast(sender, m):
+            return
         if not m.online:
             self.waiting.setdefault(m.key, []).append((sender, msg))
             return
@@ -468,10 +476,9 @@ class JoiningNet(AdminNet):
         super()._unicast(sender, msg)
 
     def go_online(self, m: Member) -> None:
-        m.online = True
+        super().go_online(m)  # what its router queued on group addresses (sent before the copies of it)
         for sender, msg in self.waiting.pop(m.key, []):
             self._unicast(sender, msg)
-        super().go_online(m)
 
 
 def test_a_member_added_just_before_a_rotation_it_could_not_hear_gets_it_from_the_rotating_admin(
@@ -532,6 +539,62 @@ async def test_a_rotation_copy_that_overtakes_the_welcome_is_kept_until_the_welc
             assert manager.cores[gid].members == core(a).members and bob.key not in manager.cores[gid].members
         finally:
             manager.store.close()
+    finally:
+        net.close()
+
+
+def test_admins_that_rotated_while_cut_apart_converge_once_they_can_talk(tmp_path: Path) -> None:
+    """Two sides (routers that cannot reach each other), an admin on each rotating: each side goes on in its
+    own epoch, and the old epoch's address falls silent once its grace period has passed. Once the sides can
+    talk, each admin's ACK retries send its rotation to the members not heard since (a routed unicast), so
+    every member combines both rotations into one epoch, and everyone reads everyone again."""
+    net = JoiningNet(tmp_path, seed=7)
+    try:
+        (a, b), (x, y) = group_of_admins(net, 2, "x", "y")
+        side = {a.key: 0, x.key: 0, b.key: 1, y.key: 1}
+        cut = [True]
+        net.hold = lambda m, msg: cut[0] and side[net.app_of(msg).header.from_] != side[m.key]
+        net.lose_unicast = lambda sender, to: cut[0] and side[sender.key] != side[to.key]
+        net.pull_ok = lambda mid: not cut[0]
+        net.do(a, lambda c: c.rotate(net.now))
+        net.do(b, lambda c: c.rotate(net.now))
+        net.run(60)  # past leave_delay: nobody listens on epoch 0's address any more
+        assert core(a).epoch.eid != core(b).epoch.eid and core(a).epoch.number == core(b).epoch.number == 1
+        cut[0] = False
+        for m in (a, b, x, y):
+            net.restart(m)  # (each process start arms the retries of what is not acknowledged)
+        net.run(30)
+        assert {state_of(m) for m in (a, b, x, y)} == {state_of(a)}
+        assert core(a).epoch.number == 2 and len(core(a).epoch.eid) == 2  # the two rotations combined
+        net.send(a, b"from a after")
+        net.send(y, b"from y after")
+        net.run(5)
+        for m in (a, b, x, y):
+            assert {b"from a after", b"from y after"} <= set(m.texts()), m.name
+    finally:
+        net.close()
+
+
+@pytest.mark.parametrize("ack_timeout", [3.0, 10_000.0])  # with ACK retries, and without (a process that exits)
+def test_a_member_offline_through_two_rotations_catches_up(tmp_path: Path, ack_timeout: float) -> None:
+    """The second rotation goes to epoch 1's address, which the offline member never joined: the admin also
+    sends it in a unicast to members not heard in epoch 1 (queued by their router), at once and with its
+    ACK retries."""
+    net = JoiningNet(tmp_path, seed=9, config=GroupConfig(ack_timeout=ack_timeout))
+    try:
+        (a, b), (x, d) = group_of_admins(net, 2, "x", "d")
+        d.online = False  # its router queues what comes on the addresses it joined: epoch 0's
+        net.do(a, lambda c: c.rotate(net.now))  # to epoch 1, on epoch 0's address: queued for d
+        net.run(5)
+        net.do(b, lambda c: c.remove([x.key], net.now))  # to epoch 2, on epoch 1's address: d never joined it
+        net.run(60)
+        net.go_online(d)
+        net.run(30)
+        assert core(d).epoch.number == 2 and state_of(d) == state_of(a) == state_of(b)
+        assert x.key not in core(d).members
+        net.send(a, b"in epoch 2")
+        net.run(5)
+        assert b"in epoch 2" in d.texts()
     finally:
         net.close()
 

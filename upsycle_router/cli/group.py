@@ -103,11 +103,6 @@ async def _after_send(s: GroupSession, args: argparse.Namespace) -> int:
     if away:
         print(f"note: not acknowledged yet by {', '.join(away)} (offline? they get it when they are back)",
               file=sys.stderr)
-    behind = sorted(k.hex()[:16] for k in s.rotation_pending() if k in missing and k not in refused)
-    if behind:
-        print(f"note: {', '.join(behind)} not heard from since the last rotation: one more rotation before they "
-              "are back leaves them behind for good (docs/groups.md: 'A member that misses a rotation for good')",
-              file=sys.stderr)  # fmt: skip
     return 1 if refused else 0
 
 

@@ -51,7 +51,10 @@ message as the body): before the welcome is taken the new member has not joined 
 router keeps nothing of the group for it, while a unicast to it is queued for when it is back. For the same
 reason an admin sends each of its rotations in a unicast to members another admin added that have not shown
 the add yet (``_joining``): the rotation's keys are sealed to them, but it went to an address they had not
-joined, and nothing in the old epoch names it afterwards.
+joined, and nothing in the old epoch names it afterwards. Likewise to members not heard in the epoch a rotation
+leaves (offline since the rotation before), and, with its ACK retries, an admin sends its newest rotations (kept
+as sent) again to members not heard since an epoch before them (admins that rotated on either side of a
+partition: each side would go on in its own epoch and never hear the other's rotation again).
 """
 
 from __future__ import annotations
@@ -725,8 +728,10 @@ class GroupCore:
                     break
         return tuple(out)
 
-    def _publish(self, body: AppBody, now: float, out: list[Effect]) -> bytes:
-        """Sign, encrypt, store, deliver locally and publish one application message; return its routed id."""
+    def _publish(self, body: AppBody, now: float, out: list[Effect], *, rotation: bool = False) -> bytes:
+        """Sign, encrypt, store, deliver locally and publish one application message; return its routed id.
+        A rotation (a rotating GROUP_OP, or ``rotation``: a group of one admin's key announcement) is also kept,
+        as sent, for :meth:`_resend_rotations`."""
         epoch = self.epoch
         seq = self.causal.next_seq(self.me)
         deps = tuple(sorted(self.causal.heads))
@@ -734,6 +739,8 @@ class GroupCore:
         header = MulticastHeader(epoch.grp, self.config.ttl, exp_in(now, self.config.lifetime), self._sn())
         msg = sign_message(header, encrypt(epoch, app.encode(), self.rng), epoch.gkey)
         out.append(ev.Publish(self.gid, msg, self.store.outbox_add(self.gid, msg.encode())))
+        rotating = rotation or (isinstance(body, GroupOp) and body.op in ROTATING_OPS)
+        behind = self.rotation_pending() if rotating else frozenset()  # not heard in the epoch this one leaves
         if self._welcomed and not isinstance(body, AppAck):
             self._copy_to_joining(msg, now, out)
         self._ack_wanted = False
@@ -745,9 +752,20 @@ class GroupCore:
             self._retry_at = now + self.config.ack_timeout if self.config.ack_delay > 0 else None
         self._deliver(Pending(msg.id, self.me, seq, deps, epoch.number, msg.encode(), now, app, epoch.grp), now, out)
         self._drain(now, out)
-        if isinstance(body, GroupOp) and body.op in ROTATING_OPS and self._joining:
-            self._copy_rotation(msg, now, out)
+        if rotating:
+            self.store.add_rotation(self.gid, self.epoch.number, msg.id, msg.encode(), self.config.fetch_epochs)
+            if self._joining:
+                self._copy_rotation(msg, now, out)
+            # Members not heard in the epoch this rotation leaves may not have joined its address (offline since
+            # the rotation before): a copy to each, queued by its router (members being welcomed got one above).
+            for m in sorted(behind & self.members - self._welcomed.keys() - self._joining.keys()):
+                if self._heard_ever(m):
+                    self._unicast_to(m, msg.encode(), now, out, self.store.member_via(self.gid, m))
         return msg.id
+
+    def _heard_ever(self, member: bytes) -> bool:
+        """Whether ``member`` has been heard in any epoch this member knows."""
+        return any(member in self.store.acks(self.gid, n) for n in {e.number for e in self.membership.epochs()})
 
     def _copy_to_joining(self, msg: Message, now: float, out: list[Effect]) -> None:
         """Send the routed group message ``msg`` also in a unicast to each member this member welcomed that has
@@ -777,6 +795,25 @@ class GroupCore:
                 self.store.forget_joining(self.gid, m)
             elif m not in self._welcomed:
                 self._unicast_to(m, data, now, out, self.store.member_via(self.gid, m))
+
+    def _resend_rotations(self, now: float, out: list[Effect]) -> None:
+        """Send this member's kept rotations in a unicast to each current member last heard in an epoch before
+        them (with its ACK retries). A rotation goes to the old epoch's address, where nothing is said once its
+        grace period has passed: a member cut off from it (admins that rotated while their routers were apart)
+        or offline through two rotations would not hear of it again, while a unicast is queued for it."""
+        mine = self.store.rotations(self.gid)
+        pending = self.rotation_pending() if mine else frozenset()
+        if not pending:
+            return
+        numbers = sorted({e.number for e in self.membership.epochs()}, reverse=True)
+        heard = {n: self.store.acks(self.gid, n) for n in numbers}
+        for m in sorted(pending):
+            last = next((n for n in numbers if m in heard[n]), None)
+            if last is None:
+                continue  # never heard: a member being welcomed (the admin that added it copies to it)
+            for number, data in mine:
+                if number > last:
+                    self._unicast_to(m, data, now, out, self.store.member_via(self.gid, m))
 
     def _unicast_to(self, member: bytes, body: bytes, now: float, out: list[Effect], via: bytes | None) -> None:
         header = UnicastHeader(self.me, member, self.config.ttl, exp_in(now, self.config.lifetime))
@@ -888,7 +925,7 @@ class GroupCore:
         new = Epoch.generate(self.membership.current.number + 1, 0, self.rng)
         payload = encode_sealed_payload(new.keys())
         boxes = tuple((m, seal_to(m, payload)) for m in sorted(self.members))
-        self._publish(AppUnicast(SealedUnicast(boxes).encode()), now, out)
+        self._publish(AppUnicast(SealedUnicast(boxes).encode()), now, out, rotation=True)
 
     def add_admins(self, keys: list[bytes] | tuple[bytes, ...], now: float) -> list[Effect]:
         """Make members admins (ADMIN_ADD; the group uses GROUP_OP messages from then on)."""
@@ -991,6 +1028,7 @@ class GroupCore:
                 # fetches them). Its own ACK, or anything it sends, will show it.
                 self._retry_n += 1
                 self._publish(AppAck(), now, out)
+                self._resend_rotations(now, out)
                 self._retry_at = now + self.config.ack_timeout * 2**self._retry_n
         return out
 

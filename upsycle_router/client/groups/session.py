@@ -139,8 +139,9 @@ class GroupManager:
         # (gid, None, the group address) for a JOIN; the newest MAX_REFUSED. ``on_refused`` hears of each.
         self.refused: deque[tuple[bytes, Refusal | None, bytes]] = deque(maxlen=MAX_REFUSED)
         self.on_refused = on_refused
-        # Group messages sent to us in a unicast (an admin's copy) before we took the welcome to their group
-        # (another admin's unicast can overtake it): offered to the group again once a welcome is taken.
+        # Group messages sent to us in a unicast (an admin's copy) for an address we do not know yet: before we
+        # took the welcome to their group (another admin's unicast can overtake it), or of an epoch whose
+        # rotation has not reached us yet. Offered again once a welcome is taken or an epoch joined.
         self._early: deque[Message] = deque(maxlen=MAX_EARLY_COPIES)
         self.connects = 0
         # Outbox entries (gid, n) the router refused for now on this connection (kept to send again when the
@@ -318,7 +319,20 @@ class GroupManager:
         if rotated:
             for core in self.cores.values():
                 self._index(core)
+            self._offer_early()
         self._wake.set()
+
+    def _offer_early(self) -> None:
+        """Hand the kept group message copies whose group address is now known (a welcome taken, an epoch
+        joined) to their group's core."""
+        ready = [m for m in self._early if getattr(m.header, "grp", None) in self._by_grp]
+        for inner in ready:
+            self._early.remove(inner)
+        now = time.time()
+        for inner in ready:
+            gid = self._by_grp.get(getattr(inner.header, "grp", b""))
+            if gid is not None and gid in self.cores:
+                self.run(gid, lambda core, inner=inner: core.received(inner, now))  # type: ignore[misc]
 
     # ------------------------------------------------------------ connection and reader
 
@@ -421,11 +435,7 @@ class GroupManager:
         self._dispatch(out)
         log.info("groups: joined group %s (admin %s)", welcome.gid.hex()[:16], welcome.admin.hex()[:16])
         self._welcomes.put_nowait(s)
-        early = [m for m in self._early if self._by_grp.get(getattr(m.header, "grp", b"")) == gid]
-        if early:
-            for inner in early:
-                self._early.remove(inner)
-            self.run(gid, lambda core: [e for inner in early for e in core.received(inner, now)])
+        self._offer_early()
 
     def _maybe_copy(self, msg: Message, h: UnicastHeader) -> None:
         """A group message an admin sent us in a unicast while we had not taken its welcome yet (GroupCore's
@@ -444,7 +454,7 @@ class GroupManager:
             return
         gid = self._by_grp.get(ih.grp)
         if gid is None:
-            log.debug("groups: keeping a group message copy from %s until a welcome names its group",
+            log.debug("groups: keeping a group message copy from %s until its address is known",
                       h.src.hex()[:16])  # fmt: skip
             self._early.append(inner)
             return

@@ -22,6 +22,7 @@ Every record is keyed by the 32-byte group id first, so one environment holds al
 ``mvia``       gid || member -> router                              the router a member's messages came through
 ``welcomed``   gid || member -> seq (u64)                           members this admin added, not yet heard
 ``joining``    gid || member -> author || seq (u64)                 members another admin added, not yet heard
+``rotations``  gid || epoch (u32) || id -> routed message           this member's newest rotations, as sent
 ``meta``       owner / gid || counter name -> u64 counters
 
 An epoch's ``eid`` is the ``(author, seq)`` of each rotation it was made of, as ``author || seq (u64)``, empty
@@ -62,7 +63,7 @@ _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
 SCHEMA = b"groups-1"
 _DBS = ("meta", "groups", "epochs", "mhist", "delivered", "vv", "heads", "dorder", "buffer", "log", "outbox",
-        "routers", "acks", "ackby", "ops", "shared", "mvia", "welcomed", "joining")  # fmt: skip
+        "routers", "acks", "ackby", "ops", "shared", "mvia", "welcomed", "joining", "rotations")  # fmt: skip
 _EPOCH = b"\x01"  # new-style epoch keys: gid || 0x01 || eid (version 1 keys are gid || u32)
 
 Vec = tuple[tuple[bytes, int], ...]
@@ -380,6 +381,17 @@ class GroupStore(LmdbTables):
 
     def forget_joining(self, gid: bytes, member: bytes) -> None:
         self._delete("joining", gid + member)
+
+    def add_rotation(self, gid: bytes, epoch: int, mid: bytes, data: bytes, keep: int) -> None:
+        """Keep the routed message of a rotation this member sent (starting epoch number ``epoch``), and only the
+        newest ``keep`` of them."""
+        self._put("rotations", gid + _U32.pack(epoch) + mid, data)
+        for k, _ in self._prefix("rotations", gid)[:-keep]:
+            self._delete("rotations", k)
+
+    def rotations(self, gid: bytes) -> list[tuple[int, bytes]]:
+        """This member's kept rotations: (the epoch number each started, its routed message), oldest first."""
+        return [(_U32.unpack(k[32:36])[0], v) for k, v in self._prefix("rotations", gid)]
 
     # ------------------------------------------------------------ causal state
 

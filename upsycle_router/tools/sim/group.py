@@ -4,9 +4,10 @@
 ``Publish`` goes into the message store (``stored``, what a PULL can return) and to every member that has
 JOINed the multicast group, unless the caller holds it back (``hold``: a member that is offline or a message
 lost in transit) or shuffles it (``reorder``); a ``SendUnicast`` carrying a welcome is opened by its
-recipient the way the asyncio adapter does it; ``Fetch`` is answered from ``stored`` (only for groups the
-message was published to, as a router's PULL does). Time is virtual: :meth:`GroupNet.run` advances the
-clock to each core's next deadline. Randomness is a seeded ``random.Random``.
+recipient the way the asyncio adapter does it, one carrying a group message (an admin's copy) is received as
+if it had come to the group's address (queued while the recipient is offline); ``Fetch`` is answered from
+``stored`` (only for groups the message was published to, as a router's PULL does). Time is virtual:
+:meth:`GroupNet.run` advances the clock to each core's next deadline. Randomness is a seeded ``random.Random``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from upsycle_router.client.groups.core import GroupConfig, GroupCore
 from upsycle_router.client.groups.keys import DecryptError, decrypt
 from upsycle_router.client.groups.store import GroupStore
 from upsycle_router.crypto import Identity, message_signature_valid
+from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.wire.app import AppMessage, decode_app_message
 from upsycle_router.wire.groups import decode_welcome_message
-from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 
 
 @dataclass
@@ -153,7 +155,18 @@ class GroupNet:
         h = msg.header
         assert isinstance(h, UnicastHeader) and message_signature_valid(msg)
         m = self.members[h.dst]
-        wm = decode_welcome_message(msg.body)
+        try:
+            wm = decode_welcome_message(msg.body)
+        except RemoteProtocolError:
+            # a group message an admin sent in a unicast too (the asyncio adapter's _maybe_copy): queued while
+            # the member is offline, like what its router keeps of the group
+            inner = decode_message(msg.body)
+            assert isinstance(inner.header, MulticastHeader)
+            if not m.online:
+                m.inbox.append(inner)
+            elif m.core is not None:
+                self.deliver(m, inner)
+            return
         welcome, proof = open_welcome(m.identity, wm.box)
         assert welcome.admin == h.src
         with m.store.transaction():
