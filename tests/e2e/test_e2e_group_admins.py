@@ -55,12 +55,18 @@ def stored(node: Node) -> list[tuple[bytes | None, bytes]]:
         store.close()
 
 
+async def two_routers(net: Network) -> tuple[Node, Node]:
+    """Two routers, r2 peered with r1 over TLS, both running and connected."""
+    r1, r2 = net.add_nodes(2)
+    r2.config["peers"] = [r1.peer_entry()]
+    await net.start_all()
+    await net.wait_dialled(r2, r1)
+    return r1, r2
+
+
 async def test_a_second_admin_carries_on_after_the_creator_key_is_lost(tmp_path: Path) -> None:
     async with Network(tmp_path) as net:
-        r1, r2 = net.add_nodes(2)
-        r2.config["peers"] = [r1.peer_entry()]
-        await net.start_all()
-        await net.wait_dialled(r2, r1)
+        r1, r2 = await two_routers(net)
         ka, kb, kc, kd = (Identity.generate() for _ in range(4))
         apps = tmp_path / "apps"
         ma = await open_member(ka, r1, apps / "a")
@@ -139,10 +145,7 @@ async def test_a_member_added_just_before_another_admins_rotation_gets_into_the_
     the rotation's keys are sealed to dave too, but it went out on the old epoch's address before dave had
     joined it, and nothing later names it there. Alice's copy of her rotation to dave brings him in."""
     async with Network(tmp_path) as net:
-        r1, r2 = net.add_nodes(2)
-        r2.config["peers"] = [r1.peer_entry()]
-        await net.start_all()
-        await net.wait_dialled(r2, r1)
+        r1, r2 = await two_routers(net)
         ka, kb, kc, kd = (Identity.generate() for _ in range(4))
         apps = tmp_path / "apps"
         await (await open_member(kd, r1, apps / "d")).close()  # dave's router knows his key
