@@ -599,6 +599,30 @@ def test_a_member_offline_through_two_rotations_catches_up(tmp_path: Path, ack_t
         net.close()
 
 
+def test_rotation_copies_to_a_member_away_for_long_back_off(tmp_path: Path) -> None:
+    """Each ACK retry would copy the admin's kept rotations again to a member that stays away: a copy of one
+    rotation to one member goes again only after a minute, then twice as long each time (a review measured 116
+    queued copies of two rotations here before)."""
+    net = JoiningNet(tmp_path, seed=13)
+    try:
+        (a, b), (x, d) = group_of_admins(net, 2, "x", "d")
+        d.online = False
+        net.do(a, lambda c: c.rotate(net.now))
+        net.run(5)
+        net.do(a, lambda c: c.rotate(net.now))
+        for i in range(10):  # each message starts another round of ACK retries (d never acknowledges)
+            net.run(200)
+            net.send(a, b"m%d" % i)
+        net.run(200)
+        copies = [msg for s_, msg in net.waiting[d.key] if s_ is a]
+        assert 2 <= len(copies) <= 2 * 7, len(copies)  # per rotation: at once, +1, +3, +7, +15, +31 min
+        net.go_online(d)
+        net.run(10)
+        assert state_of(d) == state_of(a) and core(d).epoch.number == 2
+    finally:
+        net.close()
+
+
 def test_a_member_added_by_a_concurrently_removed_admin_leaves_and_gets_no_new_keys(net: AdminNet) -> None:
     (a, b), (m,) = group_of_admins(net, 2, "m")
     e = net.member("e")

@@ -118,6 +118,9 @@ from upsycle_router.wire.groups import (
 )
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 
+COPY_BACKOFF = 60.0  # seconds before a rotation is copied to the same member again; doubling each time
+COPY_BACKOFF_MAX = 86_400.0
+
 
 class GroupError(UpsycleError):
     """A group operation is not possible (not an admin, not a member any more, unknown member ...)."""
@@ -757,15 +760,30 @@ class GroupCore:
             if self._joining:
                 self._copy_rotation(msg, now, out)
             # Members not heard in the epoch this rotation leaves may not have joined its address (offline since
-            # the rotation before): a copy to each, queued by its router (members being welcomed got one above).
+            # the rotation before, or not yet moved by the rotation just before this one): a copy to each, queued
+            # by its router (members being welcomed got one above).
+            heard = self._heard()
             for m in sorted(behind & self.members - self._welcomed.keys() - self._joining.keys()):
-                if self._heard_ever(m):
-                    self._unicast_to(m, msg.encode(), now, out, self.store.member_via(self.gid, m))
+                if m in heard:
+                    self._copy_once(m, msg.id, msg.encode(), now, out)
         return msg.id
 
-    def _heard_ever(self, member: bytes) -> bool:
-        """Whether ``member`` has been heard in any epoch this member knows."""
-        return any(member in self.store.acks(self.gid, n) for n in {e.number for e in self.membership.epochs()})
+    def _heard(self) -> set[bytes]:
+        """The members heard in any epoch this member knows."""
+        out: set[bytes] = set()
+        for n in {e.number for e in self.membership.epochs()}:
+            out |= self.store.acks(self.gid, n)
+        return out
+
+    def _copy_once(self, member: bytes, mid: bytes, data: bytes, now: float, out: list[Effect]) -> None:
+        """Copy rotation ``mid`` to ``member`` unless a copy went there lately: again after a minute, then after
+        twice as long each time, at most once a day (a copy lost on the way - a router cut off - is sent again;
+        a member offline for a week gets a few dozen, not one per retry)."""
+        copies, next_at = self.store.copied(self.gid, member, mid)
+        if now < next_at:
+            return
+        self._unicast_to(member, data, now, out, self.store.member_via(self.gid, member))
+        self.store.set_copied(self.gid, member, mid, copies + 1, now + min(COPY_BACKOFF * 2**copies, COPY_BACKOFF_MAX))
 
     def _copy_to_joining(self, msg: Message, now: float, out: list[Effect]) -> None:
         """Send the routed group message ``msg`` also in a unicast to each member this member welcomed that has
@@ -802,7 +820,7 @@ class GroupCore:
         grace period has passed: a member cut off from it (admins that rotated while their routers were apart)
         or offline through two rotations would not hear of it again, while a unicast is queued for it."""
         mine = self.store.rotations(self.gid)
-        pending = self.rotation_pending() if mine else frozenset()
+        pending = self.rotation_pending() - self._welcomed.keys() - self._joining.keys() if mine else frozenset()
         if not pending:
             return
         numbers = sorted({e.number for e in self.membership.epochs()}, reverse=True)
@@ -813,7 +831,7 @@ class GroupCore:
                 continue  # never heard: a member being welcomed (the admin that added it copies to it)
             for number, data in mine:
                 if number > last:
-                    self._unicast_to(m, data, now, out, self.store.member_via(self.gid, m))
+                    self._copy_once(m, decode_message(data).id, data, now, out)
 
     def _unicast_to(self, member: bytes, body: bytes, now: float, out: list[Effect], via: bytes | None) -> None:
         header = UnicastHeader(self.me, member, self.config.ttl, exp_in(now, self.config.lifetime))

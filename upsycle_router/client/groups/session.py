@@ -438,8 +438,9 @@ class GroupManager:
         self._offer_early()
 
     def _maybe_copy(self, msg: Message, h: UnicastHeader) -> None:
-        """A group message an admin sent us in a unicast while we had not taken its welcome yet (GroupCore's
-        theory of operation): received as if it had come to the group's address (the core checks it as any)."""
+        """A group message an admin sent us in a unicast (GroupCore's theory of operation: before we took our
+        welcome, or a rotation we may not have heard): received as if it had come to the group's address (the core
+        checks it as any); kept for later while its address is unknown."""
         try:
             inner = decode_message(msg.body)
         except RemoteProtocolError:

@@ -23,6 +23,7 @@ Every record is keyed by the 32-byte group id first, so one environment holds al
 ``welcomed``   gid || member -> seq (u64)                           members this admin added, not yet heard
 ``joining``    gid || member -> author || seq (u64)                 members another admin added, not yet heard
 ``rotations``  gid || epoch (u32) || id -> routed message           this member's newest rotations, as sent
+``copied``     gid || member || id -> copies (u32) || next (f64)      rotation copies sent to a member, backoff
 ``meta``       owner / gid || counter name -> u64 counters
 
 An epoch's ``eid`` is the ``(author, seq)`` of each rotation it was made of, as ``author || seq (u64)``, empty
@@ -61,9 +62,10 @@ from upsycle_router.wire.groups import OpRecord, op_record_from_cbor
 
 _U64 = struct.Struct(">Q")
 _U32 = struct.Struct(">I")
+_COPIED = struct.Struct(">Id")
 SCHEMA = b"groups-1"
 _DBS = ("meta", "groups", "epochs", "mhist", "delivered", "vv", "heads", "dorder", "buffer", "log", "outbox",
-        "routers", "acks", "ackby", "ops", "shared", "mvia", "welcomed", "joining", "rotations")  # fmt: skip
+        "routers", "acks", "ackby", "ops", "shared", "mvia", "welcomed", "joining", "rotations", "copied")  # fmt: skip
 _EPOCH = b"\x01"  # new-style epoch keys: gid || 0x01 || eid (version 1 keys are gid || u32)
 
 Vec = tuple[tuple[bytes, int], ...]
@@ -384,10 +386,24 @@ class GroupStore(LmdbTables):
 
     def add_rotation(self, gid: bytes, epoch: int, mid: bytes, data: bytes, keep: int) -> None:
         """Keep the routed message of a rotation this member sent (starting epoch number ``epoch``), and only the
-        newest ``keep`` of them."""
+        newest ``keep`` (at least one) of them; what was copied of the others is forgotten."""
         self._put("rotations", gid + _U32.pack(epoch) + mid, data)
-        for k, _ in self._prefix("rotations", gid)[:-keep]:
-            self._delete("rotations", k)
+        gone = {k[36:] for k, _ in self._prefix("rotations", gid)[: -max(1, keep)]}
+        for k, _ in self._prefix("rotations", gid):
+            if k[36:] in gone:
+                self._delete("rotations", k)
+        if gone:
+            for k, _ in self._prefix("copied", gid):
+                if k[64:] in gone:
+                    self._delete("copied", k)
+
+    def copied(self, gid: bytes, member: bytes, mid: bytes) -> tuple[int, float]:
+        """How often rotation ``mid`` was copied to ``member``, and when it may be copied again."""
+        v = self._get("copied", gid + member + mid)
+        return (0, 0.0) if v is None else _COPIED.unpack(v)
+
+    def set_copied(self, gid: bytes, member: bytes, mid: bytes, copies: int, next_at: float) -> None:
+        self._put("copied", gid + member + mid, _COPIED.pack(copies, next_at))
 
     def rotations(self, gid: bytes) -> list[tuple[int, bytes]]:
         """This member's kept rotations: (the epoch number each started, its routed message), oldest first."""
