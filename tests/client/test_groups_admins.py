@@ -462,18 +462,12 @@ class JoiningNet(AdminNet):
             self.waiting.setdefault(m.key, []).append((sender, msg))
             return
         try:
-            decode_welcome_message(msg.body)
+            inner = decode_message(msg.body)  # an admin's copy of a group message (a welcome or key share is not)
         except RemoteProtocolError:
-            try:
-                decode_key_share_message(msg.body)
-            except RemoteProtocolError:
-                inner = decode_message(msg.body)
-                assert isinstance(inner.header, MulticastHeader)
-                self.copies.append((sender, m, inner))
-                if m.core is not None:
-                    self.deliver(m, inner)
-                return
-        super()._unicast(sender, msg)
+            pass
+        else:
+            self.copies.append((sender, m, inner))
+        super()._unicast(sender, msg)  # (GroupNet receives a copy as the asyncio adapter does)
 
     def go_online(self, m: Member) -> None:
         super().go_online(m)  # what its router queued on group addresses (sent before the copies of it)

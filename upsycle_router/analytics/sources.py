@@ -174,10 +174,10 @@ def discover(paths: Iterable[str | Path]) -> Inputs:
     tables: list[Path] = []
     journal_uris: list[str] = []
     table_uris: list[str] = []
-    given = [str(raw) for raw in paths]
-    for i, a in enumerate(given):
-        for b in given[i + 1 :]:
-            if (is_uri(a) or is_uri(b)) and overlap(place(a), place(b)):
+    given = [(str(raw), place(raw)) for raw in paths]
+    for i, (a, where_a) in enumerate(given):
+        for b, where_b in given[i + 1 :]:
+            if (is_uri(a) or is_uri(b)) and overlap(where_a, where_b):
                 # (local paths are read file by file, each once; a URI is Spark's to list: it would read both)
                 raise AnalyticsError(f"{b}: the same place as {a}, or inside it or holding it: what is in both "
                                      "would be counted twice (give each input once)")  # fmt: skip

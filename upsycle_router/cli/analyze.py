@@ -64,7 +64,7 @@ def spark_failure(text: str) -> tuple[str, int]:
     if found is not None and cause is not None:
         return f"reading {found}: {cause}", rc
     if found is not None:
-        return f"{lines[0]}", rc
+        return lines[0], rc
     return cause or lines[0], rc
 
 

@@ -45,6 +45,7 @@ from upsycle_router.client import Client, ClientError
 from upsycle_router.client.names import HEX_KEY_RE, NAME_RE, lookup
 from upsycle_router.config import DaemonConfig, check_websocket, parse_key
 from upsycle_router.config.sources import effective_config, router_socket
+from upsycle_router.config.values import all_hex
 from upsycle_router.crypto import Identity, load_key_file, load_or_create_key_file
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
@@ -248,7 +249,7 @@ def group_address(text: str) -> bytes:
         try:
             return lookup(text).public_key()
         except ConfigError:
-            if all(c in "0123456789abcdefABCDEF" for c in text):  # a key with a digit too many or too few
+            if all_hex(text):  # a key with a digit too many or too few
                 raise ConfigError(f"group: expected 64 hex characters, got {len(text)} (and no group of that "
                                   "name in the group names file)") from None  # fmt: skip
             raise

@@ -135,6 +135,11 @@ def parse_path(v: Any, path: str) -> Path:
     return Path(os.path.expanduser(s))
 
 
+def all_hex(text: str) -> bool:
+    """Whether ``text`` is hex digits only (a key with a digit too many or too few, say)."""
+    return all(c in "0123456789abcdefABCDEF" for c in text)
+
+
 def parse_key(v: Any, path: str) -> bytes:
     """A 64-character hex public key."""
     if not isinstance(v, str):
@@ -142,7 +147,7 @@ def parse_key(v: Any, path: str) -> bytes:
     try:
         b = bytes.fromhex(v)
     except ValueError:
-        if len(v) % 2 and all(c in "0123456789abcdefABCDEF" for c in v):
+        if len(v) % 2 and all_hex(v):
             raise fail(path, f"expected 64 hex characters, got {len(v)}") from None  # (an odd number of digits)
         raise fail(path, f"not hex: {v!r}") from None
     if len(b) != 32:

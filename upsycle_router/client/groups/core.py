@@ -762,17 +762,17 @@ class GroupCore:
             # Members not heard in the epoch this rotation leaves may not have joined its address (offline since
             # the rotation before, or not yet moved by the rotation just before this one): a copy to each, queued
             # by its router (members being welcomed got one above).
-            heard = self._heard()
+            heard = self._last_heard()
             for m in sorted(behind & self.members - self._welcomed.keys() - self._joining.keys()):
                 if m in heard:
                     self._copy_once(m, msg.id, msg.encode(), now, out)
         return msg.id
 
-    def _heard(self) -> set[bytes]:
-        """The members heard in any epoch this member knows."""
-        out: set[bytes] = set()
-        for n in {e.number for e in self.membership.epochs()}:
-            out |= self.store.acks(self.gid, n)
+    def _last_heard(self) -> dict[bytes, int]:
+        """Each member heard in an epoch this member knows, with the newest such epoch's number."""
+        out: dict[bytes, int] = {}
+        for n in sorted({e.number for e in self.membership.epochs()}):
+            out.update(dict.fromkeys(self.store.acks(self.gid, n), n))
         return out
 
     def _copy_once(self, member: bytes, mid: bytes, data: bytes, now: float, out: list[Effect]) -> None:
@@ -823,15 +823,14 @@ class GroupCore:
         pending = self.rotation_pending() - self._welcomed.keys() - self._joining.keys() if mine else frozenset()
         if not pending:
             return
-        numbers = sorted({e.number for e in self.membership.epochs()}, reverse=True)
-        heard = {n: self.store.acks(self.gid, n) for n in numbers}
+        heard = self._last_heard()
         for m in sorted(pending):
-            last = next((n for n in numbers if m in heard[n]), None)
+            last = heard.get(m)
             if last is None:
                 continue  # never heard: a member being welcomed (the admin that added it copies to it)
-            for number, data in mine:
+            for number, mid, data in mine:
                 if number > last:
-                    self._copy_once(m, decode_message(data).id, data, now, out)
+                    self._copy_once(m, mid, data, now, out)
 
     def _unicast_to(self, member: bytes, body: bytes, now: float, out: list[Effect], via: bytes | None) -> None:
         header = UnicastHeader(self.me, member, self.config.ttl, exp_in(now, self.config.lifetime))

@@ -325,14 +325,13 @@ class GroupManager:
     def _offer_early(self) -> None:
         """Hand the kept group message copies whose group address is now known (a welcome taken, an epoch
         joined) to their group's core."""
-        ready = [m for m in self._early if getattr(m.header, "grp", None) in self._by_grp]
-        for inner in ready:
+        ready = [(m, gid) for m in self._early
+                 if (gid := self._by_grp.get(getattr(m.header, "grp", b""))) in self.cores]  # fmt: skip
+        for inner, _ in ready:
             self._early.remove(inner)
         now = time.time()
-        for inner in ready:
-            gid = self._by_grp.get(getattr(inner.header, "grp", b""))
-            if gid is not None and gid in self.cores:
-                self.run(gid, lambda core, inner=inner: core.received(inner, now))  # type: ignore[misc]
+        for inner, gid in ready:
+            self.run(gid, lambda core, inner=inner: core.received(inner, now))  # type: ignore[misc]
 
     # ------------------------------------------------------------ connection and reader
 

@@ -405,9 +405,10 @@ class GroupStore(LmdbTables):
     def set_copied(self, gid: bytes, member: bytes, mid: bytes, copies: int, next_at: float) -> None:
         self._put("copied", gid + member + mid, _COPIED.pack(copies, next_at))
 
-    def rotations(self, gid: bytes) -> list[tuple[int, bytes]]:
-        """This member's kept rotations: (the epoch number each started, its routed message), oldest first."""
-        return [(_U32.unpack(k[32:36])[0], v) for k, v in self._prefix("rotations", gid)]
+    def rotations(self, gid: bytes) -> list[tuple[int, bytes, bytes]]:
+        """This member's kept rotations: (the epoch number each started, its id, its routed message), oldest
+        first."""
+        return [(_U32.unpack(k[32:36])[0], k[36:], v) for k, v in self._prefix("rotations", gid)]
 
     # ------------------------------------------------------------ causal state
 
