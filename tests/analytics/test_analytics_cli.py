@@ -342,3 +342,29 @@ def test_a_truncated_compressed_journal_is_one_line_and_exit_2(tmp_path: Path) -
     assert last.startswith("error: the Spark job failed: reading ") and "trace-000001.jsonl.gz" in last, r.stderr
     assert "Unexpected end of input stream" in last
     assert "\tat " not in r.stderr and len(r.stderr.strip().splitlines()) <= 20, r.stderr
+    assert not (tmp_path / "out").exists()  # the run created it: nothing of it is left
+
+
+@pytest.mark.spark
+def test_a_failed_run_takes_back_what_would_read_as_a_result(tmp_path: Path) -> None:
+    """An OUT that existed keeps what the failed run did not touch; the table being written and the earlier run's
+    summary are gone (they would not describe the same run); a failed compact removes its partial table."""
+    data = gzip.compress((SMALL / "node-a" / "trace-000000.jsonl").read_bytes() * 50)
+    cut = tmp_path / "trace-000009.jsonl.gz"
+    cut.write_bytes(data[: len(data) // 2])
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in ("summary.json", "report.html", "notes.txt"):
+        (out / name).write_text("an earlier run's\n")
+    (out / "messages.parquet").mkdir()
+    (out / "messages.parquet" / "part-0.parquet").write_bytes(b"an earlier table")
+    r = subprocess.run(cli("analyze", str(SMALL), str(cut), "--out", str(out), "--master", "local[1]", "-q"),
+                       env=subprocess_env(), capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["messages.parquet", "notes.txt"]
+    assert (out / "messages.parquet" / "part-0.parquet").read_bytes() == b"an earlier table"
+    table = tmp_path / "compacted.parquet"
+    r = subprocess.run(cli("compact", str(SMALL), str(cut), "--out", str(table), "--master", "local[1]", "-q"),
+                       env=subprocess_env(), capture_output=True, text=True, timeout=TIMEOUT)  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert not table.exists()

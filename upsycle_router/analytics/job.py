@@ -33,7 +33,9 @@ executors' CPU time by it):
 ``summary.json`` and ``report.html`` at a URI are written through Hadoop's file system, like the tables.
 Existing outputs of the same names in ``OUT`` are replaced; nothing else there is touched, and an ``OUT``
 that exists and is not a directory is refused (:func:`check_analyze_target`, before Spark starts in the
-CLI). The jobs take a running :class:`~pyspark.sql.SparkSession` (the CLI makes one with
+CLI). A run that fails takes back what would read as a result (:class:`Outputs`): ``OUT`` if it created it,
+else the table it was writing, ``summary.json`` and ``report.html``. The jobs take a running
+:class:`~pyspark.sql.SparkSession` (the CLI makes one with
 :func:`~upsycle_router.analytics.session.spark_session`; tests share one).
 """
 
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from collections.abc import Iterable
@@ -158,13 +161,20 @@ def run_compact(spark: SparkSession, paths: Iterable[str | Path], out: str | Pat
     """Compact journals (and/or tables) into the Parquet table ``out``; return its number of bad lines."""
     inputs = discover(paths)
     check_target(spark, out)
+    refuse_overwriting_inputs(inputs, out)
     progress = progress.on(spark)
+    outputs = Outputs(spark, out, directory=False)
     try:
         progress(f"compacting {inputs.describe() or 'tables'} -> {out}")
+        outputs.writing(str(out))
         progress(compact(spark, inputs, out).describe())
+        outputs.done()
         table = read_tables(spark, [out], trusted=True)
         row = table.agg(F.count(F.lit(1)).alias("rows"), F.count("problem").alias("bad")).collect()[0]
         progress(f"wrote {row['rows']:,} rows, {row['bad']:,} bad lines")
+    except BaseException:
+        outputs.failed()
+        raise
     finally:
         progress.finish()
     return int(row["bad"])
@@ -206,11 +216,67 @@ def check_analyze_target(spark: SparkSession | None, out: str | Path) -> None:
             return
 
 
-def _write(df: DataFrame, out: str | Path, name: str, progress: Progress, *, small: bool = True) -> DataFrame:
-    progress(f"writing {name}.parquet")
-    path = join(out, f"{name}.parquet")
-    (df.coalesce(1) if small else df).write.mode("overwrite").parquet(path)
-    return read_tables_like(df, path)
+class Outputs:
+    """What a run of :func:`run_analyze` or :func:`run_compact` writes, so that a failed run leaves nothing that
+    reads as a result: :meth:`failed` removes the output directory if this run created it, else the table it was
+    writing (a part of a table) and the ``summary.json`` and ``report.html`` there (an earlier run's, which would
+    describe tables this run has replaced, or this run's own). Complete tables of an ``OUT`` that existed are kept
+    (the compacted ``events.parquet`` of a run that failed later can be given to the next run)."""
+
+    def __init__(self, spark: SparkSession, out: str | Path, *, directory: bool = True) -> None:
+        self.spark = spark
+        self.out = out
+        self.directory = directory  # OUT is the output directory (analyze), else the table itself (compact)
+        self.created = not self._exists(out)
+        self.current: str | None = None
+
+    def _exists(self, path: str | Path) -> bool:
+        if is_uri(path):
+            return HadoopFiles(self.spark).exists(str(path))
+        return Path(path).exists() or Path(path).is_symlink()
+
+    def _remove(self, path: str | Path) -> None:
+        if is_uri(path):
+            HadoopFiles(self.spark).delete(str(path))
+            return
+        p = Path(path)
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        elif p.exists() or p.is_symlink():
+            p.unlink()
+
+    def writing(self, path: str) -> None:
+        """``path`` is being written from now until the next call (or :meth:`done`)."""
+        self.current = path
+
+    def done(self) -> None:
+        """Nothing is being written."""
+        self.current = None
+
+    def failed(self) -> None:
+        """Take back what would mislead (see the class doc); a removal that fails is left as it is."""
+        doomed: list[str | Path]
+        if self.created:
+            doomed = [self.out]
+        else:
+            doomed = [p for p in (self.current,) if p is not None]
+            if self.directory:
+                doomed += [join(self.out, "summary.json"), join(self.out, "report.html")]
+        for path in doomed:
+            try:
+                if self._exists(path):
+                    self._remove(path)
+            except Exception:  # noqa: BLE001 - the run's own error is what the caller reports
+                pass
+
+    def write(self, df: DataFrame, name: str, progress: Progress, *, small: bool = True) -> DataFrame:
+        """Write ``df`` as ``OUT/<name>.parquet`` (one file if ``small``) and return the table as written."""
+        progress(f"writing {name}.parquet")
+        path = join(self.out, f"{name}.parquet")
+        self.writing(path)
+        (df.coalesce(1) if small else df).write.mode("overwrite").parquet(path)
+        self.done()
+        return read_tables_like(df, path)
 
 
 def read_tables_like(df: DataFrame, path: str) -> DataFrame:
@@ -265,17 +331,29 @@ def run_analyze(
 def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, progress: Progress) -> Analysis:
     inputs = discover(paths)
     check_analyze_target(spark, out)
+    check_analyze_inputs(inputs, out)
+    outputs = Outputs(spark, out)
     if not is_uri(out):
         try:
             Path(out).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise AnalyticsError(f"{out}: cannot create the output directory: {exc.strerror or exc}") from exc
+    try:
+        return _analyze_into(spark, inputs, outputs, progress)
+    except BaseException:
+        outputs.failed()
+        raise
+
+
+def _analyze_into(spark: SparkSession, inputs: Inputs, outputs: Outputs, progress: Progress) -> Analysis:
+    out = outputs.out
     parts: list[DataFrame] = []
     if inputs.has_journals:
         target = join(out, EVENTS_TABLE)
-        check_analyze_inputs(inputs, out)
         progress(f"compacting {inputs.describe()} -> {target}")
+        outputs.writing(target)
         done = compact(spark, Inputs(journals=inputs.journals, tables=(), journal_uris=inputs.journal_uris), target)
+        outputs.done()
         progress(done.describe())
         parts.append(read_tables(spark, [target], trusted=True))
     if inputs.has_tables:
@@ -316,25 +394,25 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
         def hex_(df: DataFrame, *columns: str) -> DataFrame:
             return stats.as_hex(df, keys, *columns)
 
-        _write(hex_(messages, "id", "group", "origin"), out, "messages", progress, small=False)
-        groups = _write(
-            hex_(stats.group_stats(messages, deliveries), "group").orderBy("group"), out, "group_stats", progress
+        outputs.write(hex_(messages, "id", "group", "origin"), "messages", progress, small=False)
+        groups = outputs.write(
+            hex_(stats.group_stats(messages, deliveries), "group").orderBy("group"), "group_stats", progress
         )
-        drops = _write(stats.drops_by_node(good), out, "drops_by_node", progress)
-        expired = _write(stats.expired_by_node(good), out, "expired_by_node", progress)
-        per_node = _write(
-            hex_(stats.residency_by_node(residency), "node").orderBy("node"), out, "queue_residency", progress
+        drops = outputs.write(stats.drops_by_node(good), "drops_by_node", progress)
+        expired = outputs.write(stats.expired_by_node(good), "expired_by_node", progress)
+        per_node = outputs.write(
+            hex_(stats.residency_by_node(residency), "node").orderBy("node"), "queue_residency", progress
         )
         undelivered = stats.undelivered(msgs, receipts)
-        _write(
-            hex_(undelivered, "id", "node", "group", "last_dst", "last_peer"), out, "undelivered", progress, small=False
+        outputs.write(
+            hex_(undelivered, "id", "node", "group", "last_dst", "last_peer"), "undelivered", progress, small=False
         )
         missing = stats.missing_deliveries(messages, spans, deliveries, broadcast=broadcast).persist(KEEP)
         near = stats.lost_records(msgs, missing).persist(KEEP)
         kept += [missing, near]
         lost = hex_(stats.lost_deliveries(msgs, near, missing), *LOST_KEYS)
-        lost = _write(lost, out, "lost", progress, small=False)
-        _write(stats.bad_lines(events), out, "bad_lines", progress)
+        lost = outputs.write(lost, "lost", progress, small=False)
+        outputs.write(stats.bad_lines(events), "bad_lines", progress)
 
         progress("collecting the summary")
         group_rows = _rows(groups)
@@ -360,8 +438,8 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
         "pending": sum(int(n["pending"]) for n in node_rows),
     }
     bad_by_problem = {k: int(totals_row[k]) for k in PROBLEM_KINDS if totals_row[k]}
-    outputs = ([EVENTS_TABLE] if inputs.has_journals else []) + [f"{t}.parquet" for t in TABLES]
-    outputs += ["summary.json", "report.html"]
+    names = ([EVENTS_TABLE] if inputs.has_journals else []) + [f"{t}.parquet" for t in TABLES]
+    names += ["summary.json", "report.html"]
     results = Results(
         groups=group_rows,
         drops_by_node=_rows(drops),
@@ -372,7 +450,7 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
         bad_by_problem=bad_by_problem,
         totals=totals,
         cdf=cdf,
-        outputs=outputs,
+        outputs=names,
         lost=lost_rows,
         lost_by_cause=lost_by_cause,
     )
@@ -381,4 +459,4 @@ def _analyze(spark: SparkSession, paths: Iterable[str | Path], out: str | Path, 
     progress("drawing report.html")
     _write_text(spark, out, "report.html", html_report(summary, results))
     progress("done")
-    return Analysis(summary=summary, outputs=tuple(outputs))
+    return Analysis(summary=summary, outputs=tuple(names))

@@ -104,6 +104,11 @@ class HadoopFiles:
         fs, path = self._fs(uri)
         return int(fs.getContentSummary(path).getLength())
 
+    def delete(self, uri: str) -> None:
+        """Remove whatever is at ``uri`` (a directory with everything in it); nothing there is no error."""
+        fs, path = self._fs(uri)
+        fs.delete(path, True)
+
     def write_bytes(self, uri: str, data: bytes) -> None:
         """Create (or replace) the file ``uri`` with ``data``."""
         fs, path = self._fs(uri)
