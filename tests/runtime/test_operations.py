@@ -18,8 +18,7 @@ from upsycle_router.config import DaemonConfig, PeerConfig, parse_config
 from upsycle_router.config.reload import LIVE, Applies, Change, plan_reload
 from upsycle_router.errors import ConfigError
 from upsycle_router.logtext import untrusted, value
-from upsycle_router.runtime.logs import JsonFormatter, TextFormatter, stderr_is_journal
-from upsycle_router.runtime.logs import RateLimitedLog as RefusalLog
+from upsycle_router.runtime.logs import JsonFormatter, RefusalLog, TextFormatter, stderr_is_journal
 from upsycle_router.runtime.metrics import MetricsServer, counters_lines, render, status_lines
 
 A, B, C = bytes([1]) * 32, bytes([2]) * 32, bytes([3]) * 32

@@ -378,6 +378,20 @@ def test_pubsub_only_stack() -> None:
     assert f.expected == 6 * 299 and f.delivery_ratio == 1.0
     assert f.mesh_degree["min"] is not None and f.mesh_degree["min"] >= 4
     assert sc.sim.forwards == [] and f.data_transmissions > f.delivered  # counted, not logged
+    c = f.counters
+    assert c["link_data_messages"] == f.data_transmissions and c["link_control_messages"] == f.control_messages
+    assert c["link_control_bytes"] == f.control_bytes and c["rpc"] == f.control_messages
+    assert 0 < c["rpc_graft"] < c["rpc"] and c["rpc_subs"] > 0 and c["rpc_ihave"] > 0
+    assert "link_lost" not in c and "nodes_down" not in c  # no loss, no churn: zeros are left out
+
+
+def test_pubsub_only_stack_counts_losses_and_nodes_down() -> None:
+    sc = PubsubScenario(NetConfig(nodes=60, degree=6, seed=2, link=LinkModel(latency=0.02, loss=0.1)),
+                        Workload(groups=1, publishers=2, messages=4, interval=0.5, warmup=4.0, linger=5.0, churn=0.1))
+    f = sc.run()
+    assert f.counters["nodes_down"] == sum(1 for n in sc.sim.nodes if not n.alive) == round(0.1 * 58)
+    assert f.counters["link_lost"] == sum(sc.sim.lost.values()) > 0
+    assert sc.sim.lost["rpc"] > 0 and sc.sim.lost["data"] > 0
 
 
 # ---------------------------------------------------------------- determinism

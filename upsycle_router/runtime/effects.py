@@ -9,7 +9,7 @@ only then) and carries them out in order:
   can already read the lines that explain it; they are also counted by reason in the status counters
   (``refused_quota_total``, ``dropped_no_route_total``, ``duplicates_total``, ``expired_total``) and refusals
   are logged, one WARNING per reason per interval with the count (:class:`~upsycle_router.runtime.logs.
-  RateLimitedLog`);
+  RefusalLog`);
 * writes: a ``Send`` to its connection; consecutive ``Fanout``\\ s to the same connections (a burst of one
   group's messages) go to each connection as one run - one call per connection and run instead of one per
   message and subscriber - and each connection written to is flushed once per batch. The batch's last run is
@@ -90,8 +90,8 @@ from upsycle_router.core.events import (
 )
 from upsycle_router.core.trace import Ev, Why
 from upsycle_router.errors import ErrorCode
-from upsycle_router.logtext import RateLimitedLog as EventLog
-from upsycle_router.runtime.logs import RateLimitedLog
+from upsycle_router.logtext import RateLimitedLog
+from upsycle_router.runtime.logs import RefusalLog
 from upsycle_router.trace.journal import TraceJournal
 from upsycle_router.transport.accel import fanout
 from upsycle_router.transport.connection import FD_EPOCH, Connection
@@ -195,9 +195,9 @@ class EffectRunner:
         self._release_handle: asyncio.TimerHandle | None = None
         # Connections the core slowed down (backpressure): conn -> the timer that resumes reading it.
         self.throttled: dict[int, asyncio.TimerHandle] = {}
-        self._refusal_log = RateLimitedLog(log, "refused")
-        self._core_refusals = EventLog(log)  # refused_by_core: one line per core node every 10 s
-        self._slow_readers = EventLog(log)  # readers that do not read, closed: one line every 10 s
+        self._refusal_log = RefusalLog(log, "refused")
+        self._core_refusals = RateLimitedLog(log)  # refused_by_core: one line per core node every 10 s
+        self._slow_readers = RateLimitedLog(log)  # readers that do not read, closed: one line every 10 s
         self._refusal_flush: asyncio.TimerHandle | None = None
         # SYNC_ACKs that wait (see the module docstring); deliveries given back so far, and those of them
         # committed (the driver points this at Batches.returns_committed).

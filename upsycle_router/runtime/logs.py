@@ -19,7 +19,9 @@ DEBUG, ``<2>`` CRITICAL), the sd-daemon convention: journald strips it and files
 so ``journalctl -p warning`` works. The prefix is never written anywhere else (a terminal, a file, a pipe).
 
 :func:`set_level` and :func:`set_format` change them in place (the daemon's reload, on SIGHUP).
-:class:`RateLimitedLog` keeps a flood of one kind of event to a line per interval.
+:class:`RefusalLog` keeps a flood of refused messages to a line per reason per interval, with the count (the
+driver's own clock drives it; :class:`upsycle_router.logtext.RateLimitedLog` is the same for events that carry
+a text of their own, on the event loop's timers).
 """
 
 from __future__ import annotations
@@ -160,7 +162,7 @@ def set_format(fmt: str) -> None:
         h.setFormatter(formatter(fmt))
 
 
-class RateLimitedLog:
+class RefusalLog:
     """At most one WARNING line per key (a reason) every ``interval`` seconds, with the count since the last
     line: the first occurrence is logged at once, later ones are added up and logged when the interval has
     passed (by the next :meth:`note` or :meth:`flush` of that key). A flood of refusals costs a line per 10 s,

@@ -112,6 +112,8 @@ class Sim:
         self.record = record
         # Transmissions sent (drops included): counts and bytes of "data" (forwards, PULL answers) and "rpc".
         self.sent: Counter[str] = Counter()
+        self.lost: Counter[str] = Counter()  # transmissions the drop function took, by kind ("rpc", "data", ...)
+        self.rpc_parts: Counter[str] = Counter()  # RPCs sent carrying each part ("graft", "ihave", ...)
         self.events = 0  # arrivals and timer runs processed
         self._queue: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -212,7 +214,10 @@ class Sim:
                 node.traces.append(e)
 
     def _dropped(self, kind: str, src: SimNode, dst: SimNode, payload: object) -> bool:
-        return self.drop is not None and self.drop(kind, src, dst, payload)
+        if self.drop is not None and self.drop(kind, src, dst, payload):
+            self.lost[kind] += 1
+            return True
+        return False
 
     def _send_rpc(self, node: SimNode, e: SendRpc) -> None:
         dst = self.by_router[e.peer.router]
@@ -220,6 +225,11 @@ class Sim:
         data = e.rpc.encode()
         self.sent["rpc"] += 1
         self.sent["rpc_bytes"] += len(data)
+        rpc = e.rpc
+        for part, present in (("subs", rpc.subs), ("graft", rpc.graft), ("prune", rpc.prune), ("ihave", rpc.ihave),
+                              ("iwant", rpc.iwant)):
+            if present:
+                self.rpc_parts[part] += 1
         if self.record:
             self.rpcs.append((self.now, node.router, dst.router, e.rpc))
         if self._dropped("rpc", node, dst, e.rpc):

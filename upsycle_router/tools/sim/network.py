@@ -1364,7 +1364,7 @@ class PubsubScenario:
             delivered=delivered,
             delivery_ratio=delivered / expected if expected else None,
             latency_ms=_percentiles(latencies),
-        latency_histogram=_histogram(latencies),
+            latency_histogram=_histogram(latencies),
             data_transmissions=sent["data"],
             transmissions_per_delivery=sent["data"] / delivered if delivered else None,
             data_bytes_per_delivered_byte=sent["data_bytes"] / ideal if ideal else None,
@@ -1375,8 +1375,27 @@ class PubsubScenario:
             wall_seconds=wall,
             events=sim.events,
             events_per_second=sim.events / wall if wall > 0 else 0.0,
-            counters={},
+            counters=self._counters(),
         )
+
+    def _counters(self) -> dict[str, int]:
+        """The counters this stack has, named as the full stack's: what the links carried and lost, the RPCs by
+        what they carry, the pub/sub cores' traces, the nodes taken down."""
+        sim = self.sim
+        c: Counter[str] = Counter()
+        c["link_data_messages"] = sim.sent["data"]
+        c["link_data_bytes"] = sim.sent["data_bytes"]
+        c["link_control_messages"] = sim.sent["rpc"]
+        c["link_control_bytes"] = sim.sent["rpc_bytes"]
+        c["link_lost"] = sum(sim.lost.values())
+        c["rpc"] = sim.sent["rpc"]
+        for part, n in sim.rpc_parts.items():
+            c[f"rpc_{part}"] = n
+        for node in sim.nodes:
+            for t in node.traces:
+                c[f"pubsub_{t.event}"] += 1
+        c["nodes_down"] = sum(1 for node in sim.nodes if not node.alive)
+        return {k: v for k, v in sorted(c.items()) if v}
 
 
 def _histogram(latencies: list[float]) -> dict[str, int]:
