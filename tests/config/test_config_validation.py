@@ -339,6 +339,49 @@ def test_the_example_config_is_within_bounds() -> None:
     assert cfg.max_handshakes == 256 and cfg.local_reserve == 64 and cfg.queue_remote_ttl_max == 604800.0
 
 
+SECTIONS = ("", "listen", "websocket", "queue", "store", "limits", "trace", "log", "metrics", "pubsub",
+            "pubsub.params", "discovery", "discovery.lan", "discovery.sampling")  # fmt: skip
+
+
+def _known_options(path: str) -> list[str]:
+    """The options the parser takes at ``path``, as its error for an unknown one lists them."""
+    doc: dict[str, Any] = {"zz_unknown": 1}
+    for part in reversed([p for p in path.split(".") if p]):
+        doc = {part: doc}
+    with pytest.raises(ConfigError, match="unknown option") as e:
+        parse_config(doc)
+    m = re.search(r"\(known: ([^)]*)\)", str(e.value))
+    assert m is not None, str(e.value)
+    return m.group(1).split(", ")
+
+
+def _uncommented(line: str) -> str:
+    """A line of the example as it reads with its ``#`` (and one space after it) taken out, in place."""
+    i = line.find("#")
+    if i < 0 or line[:i].strip():
+        return line
+    rest = line[i + 1 :]
+    return " " * i + (rest[1:] if rest.startswith(" ") else rest)
+
+
+@pytest.mark.parametrize("path", SECTIONS)
+def test_the_example_config_shows_every_option(path: str) -> None:
+    """README and docs say the example lists every option: each one the parser takes is in it, set or commented
+    out, inside its section."""
+    lines = [_uncommented(line) for line in (REPO / "config" / "router.example.yaml").read_text().splitlines()]
+    key = re.compile(r"^( *)([A-Za-z_]+):")
+    lo, hi = 0, len(lines)  # the section's body: lines[lo:hi]
+    for level, part in enumerate(p for p in path.split(".") if p):
+        at = next(i for i in range(lo, hi) if (m := key.match(lines[i])) and m.groups() == (" " * 2 * level, part))
+        lo = at + 1
+        ends = (i for i in range(lo, hi) if lines[i].strip() and len(lines[i]) - len(lines[i].lstrip()) <= 2 * level)
+        hi = next(ends, hi)
+    depth = len([p for p in path.split(".") if p])
+    shown = {m.group(2) for line in lines[lo:hi] if (m := key.match(line)) and len(m.group(1)) == 2 * depth}
+    missing = sorted(set(_known_options(path)) - shown)
+    assert not missing, f"{path or 'top level'}: not in config/router.example.yaml: {missing}"
+
+
 # ---------------------------------------------------------------------------- checks against the machine
 
 DiskUsage = namedtuple("DiskUsage", "total used free")

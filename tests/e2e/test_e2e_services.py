@@ -4,12 +4,15 @@ against a real daemon configured not to run them in-process."""
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 from conftest import REPO, Daemon, DaemonFactory, cli, subprocess_env
-from netutil import Network, collect
+from netutil import Network, collect, free_port
 
 from upsycle_router.client import Client
 from upsycle_router.crypto import Identity, load_key_file
@@ -67,6 +70,33 @@ def test_a_service_without_a_socket_is_an_error(tmp_path: Path) -> None:
         r = cli(command, "--data-dir", str(tmp_path / command), "--config", str(cfg))
         assert r.returncode == 2
         assert "no Unix socket" in r.stderr, r.stderr
+
+
+def test_a_router_without_a_socket_runs_no_service_and_says_so(tmp_path: Path) -> None:
+    """``listen.unix: null``: the services (which reach their router by the socket only) are not run, have no key,
+    are not listed in /status (nor advertised), and a WARNING says why."""
+    port, metrics = free_port(), free_port()
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text(f"listen: {{unix: null, tls: '127.0.0.1:{port}'}}\nmetrics: {{listen: '127.0.0.1:{metrics}'}}\n"
+                   "discovery: {enabled: true}\n")  # fmt: skip
+    ready, data = tmp_path / "ready", tmp_path / "d"
+    p = subprocess.Popen([sys.executable, "-m", "upsycle_router", "run", "--config", str(cfg), "--data-dir", str(data),
+                          "--ready-file", str(ready)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                         env=subprocess_env(), cwd=str(REPO))  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists(), p.poll()
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/status", timeout=10) as r:
+            status = json.loads(r.read())
+        assert status["services"] == {}
+        assert not (data / "pubsub.key").exists() and not (data / "discovery.key").exists()
+    finally:
+        rc, err = _stop(p)
+    assert rc == 0, err[-2000:]
+    for name in ("pubsub", "discovery"):
+        assert f"listen.unix is null: the {name} service reaches its router by the Unix socket only" in err, err
 
 
 async def test_a_restarted_pubsub_service_is_greeted_again_by_the_other_nodes(tmp_path: Path) -> None:

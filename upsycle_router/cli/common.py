@@ -211,12 +211,13 @@ def app_options(p: argparse.ArgumentParser) -> None:
     it is."""
     p.add_argument("--socket", help="the router's Unix socket (default: $UPSYCLE_SOCKET, else the one in the "
                    "daemon's config, else the daemon's default path)")  # fmt: skip
-    p.add_argument("--config", help="read the socket path from this daemon config (default: the daemon's "
+    p.add_argument("-c", "--config", help="read the socket path from this daemon config (default: the daemon's "
                    "search path: $UPSYCLE_CONFIG, /etc/upsycle-router/router.yaml)")  # fmt: skip
     p.add_argument("--key", help="this app's key file, which must exist (default: "
-                   "~/.config/upsycle-router/client.key, created on first use)")  # fmt: skip
+                   "$XDG_CONFIG_HOME/upsycle-router/client.key, ~/.config/... when unset; created on first "
+                   "use)")  # fmt: skip
     p.add_argument("--create-key", action="store_true", help="create the --key file if it does not exist")
-    p.add_argument("--timeout-connect", type=float, default=10.0, help=argparse.SUPPRESS)
+    p.add_argument("--timeout-connect", type=seconds_arg, default=10.0, help=argparse.SUPPRESS)
 
 
 def socket_path(args: argparse.Namespace) -> Path:

@@ -119,6 +119,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("wait", help="wait until the router answers on its socket; print its id")
     p.add_argument("--socket", help="the router's Unix socket (default: as for the app commands)")
-    p.add_argument("--config", help="read the socket path from this daemon config")
+    p.add_argument("-c", "--config", help="read the socket path from this daemon config")
     p.add_argument("--timeout", type=float, default=30.0, help="give up after this many seconds (default 30)")
     p.set_defaults(func=cmd_wait)

@@ -192,13 +192,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p = sub.add_parser("testnet", help="run N routers on loopback TLS with a publishing workload")
     p.add_argument("--nodes", type=int, default=5, help="number of routers (default 5)")
-    p.add_argument("--topology", choices=["line", "ring", "random"], default="line")
+    p.add_argument("--topology", choices=["line", "ring", "random"], default="line", help="default line")
     p.add_argument("--groups", type=int, default=1, help="number of groups (default 1)")
     p.add_argument("--rate", type=float, default=20.0, help="messages per second, in total (default 20)")
     p.add_argument("--duration", type=float, default=10.0, help="seconds of publishing (default 10)")
     p.add_argument("--churn", action="store_true", help="stop and restart random routers while publishing")
-    p.add_argument("--seed", type=int, default=1, help="seed of the topology and workload")
-    p.add_argument("--out", default="testnet-out", help="directory for node state and journals")
+    p.add_argument("--seed", type=int, default=1, help="seed of the topology and workload (default 1)")
+    p.add_argument("--out", default="testnet-out", help="directory for node state and journals (default testnet-out)")
     p.set_defaults(func=cmd_testnet)
 
     p = sub.add_parser("id", help="print the router's public key")

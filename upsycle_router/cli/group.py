@@ -297,8 +297,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     def common(p: argparse.ArgumentParser) -> None:
         app_options(p)
-        p.add_argument("--data", help="this member's group state directory "
-                                      "(default: ~/.local/state/upsycle-router/groups/<key prefix>)")  # fmt: skip
+        p.add_argument("--data", help="this member's group state directory (default: "
+                                      "$XDG_STATE_HOME/upsycle-router/groups/<key prefix>, ~/.local/state/... "
+                                      "when unset)")  # fmt: skip
 
     p = gsub.add_parser("create", help="create a group (you are its first admin); print its id")
     common(p)

@@ -72,7 +72,8 @@ def payload(body: bytes) -> bytes:
 
 
 PUBSUB_OFF = ("no pub/sub service key at {path}: is that the router's data directory, and has the router run? "
-              "(pass --data-dir DIR or --service HEX; 'upsycle-router status' shows the key)")
+              "(pass --data-dir DIR or --service HEX; 'upsycle-router status --metrics HOST:PORT' shows the key, "
+              "and the router logs it at start: 'started ... pubsub=KEY')")
 
 
 def cmd_validator(args: argparse.Namespace) -> int:

@@ -634,8 +634,17 @@ def config_warnings(cfg: DaemonConfig) -> list[str]:
       sparse file that grows up to ``map_size``, so a size over the free space is a warning (the disk may fill
       before the store's quota does); one over the whole filesystem can never be used and is refused, unless
       it is the default, which is only warned about.
+    - ``listen.unix: null`` while ``pubsub.enabled`` or ``discovery.enabled``: a service reaches its router by
+      the Unix socket only, so it is not run (nor advertised).
     """
     out: list[str] = []
+    if cfg.unix is None:
+        for name, on in (("pubsub", cfg.pubsub.enabled), ("discovery", cfg.discovery.enabled)):
+            if on:
+                out.append(
+                    f"listen.unix is null: the {name} service reaches its router by the Unix socket only, so it is "
+                    f"not run and not advertised ({name}.enabled: false says so and silences this line)"
+                )
     if cfg.unix is not None and cfg.unix_group is not None:
         socket_gid(cfg.unix_group)
     if cfg.unix is not None and cfg.unix_mode & 0o077:

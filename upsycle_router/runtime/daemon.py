@@ -265,10 +265,12 @@ class Daemon:
                         "it); to keep the old id, stop it and put the old key back", ident.hex, cfg.key_path)
         elif not had_key:  # (a first start; or a key_file path mistyped: the line names where the key went)
             log.info("created a new router key %s at %s", ident.hex, cfg.key_path)
-        if cfg.pubsub.enabled:
+        # A service reaches its router by the Unix socket only (in the daemon or as its own process): without one
+        # it cannot run, so it gets no key and is not advertised (config_warnings says so at start).
+        if cfg.pubsub.enabled and cfg.unix is not None:
             self.pubsub_identity = load_or_create_key_file(cfg.data_dir / "pubsub.key")
         ps_key = self.pubsub_identity.public if self.pubsub_identity is not None else None
-        if cfg.discovery.enabled:
+        if cfg.discovery.enabled and cfg.unix is not None:
             self.discovery_identity = load_or_create_key_file(cfg.data_dir / "discovery.key")
         disc_key = self.discovery_identity.public if self.discovery_identity is not None else None
         local_services = cfg.local_services
