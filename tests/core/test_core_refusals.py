@@ -373,15 +373,15 @@ def test_malformed(h: CoreHarness) -> None:
     assert out.traces("refused")[0].type == "control"
 
 
-def test_overloaded(h: CoreHarness) -> None:
+def test_ttl0_to_a_recipient_that_does_not_read(h: CoreHarness) -> None:
     a = h.open(ALICE)
     b = h.open(BOB)
     h.handle(WriteBlocked(b, True))
-    m = unicast(ALICE, BOB, ttl=0)  # cannot wait in the queue, and bob does not read
+    m = unicast(ALICE, BOB, ttl=0)  # cannot wait in the queue, and bob does not read: as if he were away
     out = h.receive(a, m)
     [t] = out.traces("dropped")
-    assert (t.reason, t.dst) == ("overloaded", BOB.public)
-    h.expect_refused(out, a, m.id, Reason.OVERLOADED, 0)
+    assert (t.reason, t.dst) == ("ttl_zero_offline", BOB.public)
+    h.expect_refused(out, a, m.id, Reason.EXPIRED, 0)
     assert out.sends(b) == []
 
 
@@ -670,15 +670,16 @@ def test_a_refused_from_anyone_is_never_answered(tmp_path: Path) -> None:
     s = h.open(STRANGER, local=False)
     m = unicast(ALICE, REMOTE_SVC, via=R.public)
     h.receive(a, m)
-    for conn, msg in [
-        (r, control(R, X, Refused(b"\x01" * 32, Reason.NO_ROUTE, 0))),  # an id X never forwarded
-        (s, control(STRANGER, X, Refused(b"\x01" * 32, Reason.QUOTA, 1))),  # from a stranger
-        (r, control(STRANGER, X, Refused(m.id, Reason.QUOTA, 1))),  # relayed by R: not R's own
-        (a, control(ALICE, X, Refused(m.id, Reason.QUOTA, 1))),  # a local app
+    for conn, msg, events in [
+        # an id X never forwarded (R, a configured router, might refuse one X forgot: traced as reaching nobody)
+        (r, control(R, X, Refused(b"\x01" * 32, Reason.NO_ROUTE, 0)), ["received", "dropped"]),
+        (s, control(STRANGER, X, Refused(b"\x01" * 32, Reason.QUOTA, 1)), ["received"]),  # from a stranger
+        (r, control(STRANGER, X, Refused(m.id, Reason.QUOTA, 1)), ["received"]),  # relayed by R: not R's own
+        (a, control(ALICE, X, Refused(m.id, Reason.QUOTA, 1)), ["received"]),  # a local app
     ]:
         out = h.receive(conn, msg)
         assert out.sends() == [] and out.refusals() == [] and out.closes() == []
-        assert out.events() == ["received"]
+        assert out.events() == events
     # Still remembered for R's own REFUSED.
     h.expect_refused(h.receive(r, control(R, X, Refused(m.id, Reason.EXPIRED, 0))), a, m.id, Reason.EXPIRED)
     # Counted: R's own REFUSED of m, passed on to alice before her first SYNC; none of the others.

@@ -57,7 +57,8 @@ QUEUE_ENTRY_BYTES = 128
 # How long the driver stops reading a connection whose messages fill a queue or the store past
 # ``backpressure_at`` (once per batch at most).
 THROTTLE_SECONDS = 0.05
-# Messages forwarded for local apps whose next router may still refuse them, remembered at most.
+# Messages forwarded (for local apps, or relayed for other routers) whose next router may still refuse them,
+# remembered at most.
 FORWARDED_MAX = 65_536
 VIA_BYTES = 2 + 32  # what VIA adds to an encoded message: a byte string head and the key (the array head stays)
 ANY_MEMBER = b""
@@ -117,10 +118,10 @@ class Delivery:
                                    remote=remote, origin=origin, taken=taken)
                 self.behind(c, why, now, out)
                 return why
-            if c.blocked:
-                out.append(Trace(DROPPED, msg.id, kind, group, None, key, key, size, Why.OVERLOADED,
+            if c.blocked:  # (ttl 0: it cannot wait for a connection that does not read, as for one away)
+                out.append(Trace(DROPPED, msg.id, kind, group, None, key, key, size, Why.TTL_ZERO_OFFLINE,
                                  role=self.s.role(key)))
-                return Reason.OVERLOADED
+                return Reason.EXPIRED
             if c.custody:  # another router's: the origin's SYNC_ACK waits for its confirmation
                 out.append(Send(conn, data, True, False, origin.id if origin is not None else -1))
             elif fanout is not None:
@@ -324,8 +325,8 @@ class Delivery:
         if expiry <= now:
             return drop(Why.EXPIRED)
         n = len(data)
-        if n > cfg.queue_max_bytes:
-            return drop(Why.TOO_LARGE)  # no queue could ever hold it
+        if n > cfg.queue_max_bytes and not taken:
+            return drop(Why.TOO_LARGE)  # no queue could ever hold it (one taken already is queued past the quota)
         store = self.store
         count, nbytes = store.queue_usage(key)
         if not stranger and store.stranger_bytes():
@@ -376,7 +377,7 @@ class Delivery:
         conn = s.connected(router)
         src = msg.header.src if isinstance(msg.header, UnicastHeader) else None
         dst = msg.header.dst if isinstance(msg.header, UnicastHeader) else None
-        if origin is not None and origin.local:
+        if origin is not None:  # (an app's, here or behind the router it came from: see remember)
             self.remember(origin, router, msg.id, kind, group, size, src, dst)
         if conn is not None and taken and msg.header.ttl > 0:  # given back: through the store (as deliver)
             c = self.conns[conn]
@@ -414,9 +415,11 @@ class Delivery:
         self, origin: Conn, router: bytes, mid: bytes, kind: Kind, group: bytes | None, size: int,
         src: bytes | None = None, dst: bytes | None = None,
     ) -> None:
-        """The message ``mid`` the local app on ``origin`` sent went (or waits to go) to router ``router``:
-        remembered for a while (the latest :data:`FORWARDED_MAX`), so that a REFUSED from that router reaches
-        the app (:meth:`late_refusal`). ``src`` and ``dst``: a unicast's keys, for the trace."""
+        """The message ``mid`` that came in on ``origin`` went (or waits to go) to router ``router``: remembered for
+        a while (the latest :data:`FORWARDED_MAX`), so that a REFUSED from that router reaches ``origin``
+        (:meth:`late_refusal`) - the app that sent it, or the router it came from, which passes it on to its own
+        sender in turn (an edge app's message relayed by its core to another edge is refused there: the refusal
+        goes back the way the message came). ``src`` and ``dst``: a unicast's keys, for the trace."""
         fwd = self.s.forwarded
         if router != ANY_MEMBER and (seen := fwd.get(mid)) is not None and seen.router == ANY_MEMBER:
             return  # a group message: it also went to member routers or core nodes, each of which may refuse it
@@ -476,17 +479,21 @@ class Delivery:
         return k
 
     def late_refusal(self, router: bytes, r: Refused, now: float, out: list[Effect]) -> None:
-        """Router ``router`` refused ``r.id``: if that is a message forwarded to it for a local app, tell the app,
-        if it is still connected (a late refusal: its SYNC_ACK may have come back already; if it has not - no
-        SYNC_ACK on that connection since the message - the app's next SYNC_ACK counts it, as any REFUSED sent
-        for a message since the previous SYNC; if the SYNC_ACK was made and still waits in the driver, as it does
-        for a router under custody until that router confirms, that one counts it: ``Send.span``). A REFUSED from
-        any other router means nothing here."""
+        """Router ``router`` refused ``r.id``: if that is a message forwarded to it for a local app (or relayed for the
+        router it came from), tell that connection, if it is still open (a late refusal: its SYNC_ACK may have
+        come back already; if it has not - no SYNC_ACK on that connection since the message - the app's next
+        SYNC_ACK counts it, as any REFUSED sent for a message since the previous SYNC; if the SYNC_ACK was made
+        and still waits in the driver, as it does for a router under custody until that router confirms, that
+        one counts it: ``Send.span``). A configured router's REFUSED for a message not remembered (forgotten
+        among :data:`FORWARDED_MAX` more recent ones, or never ours) reaches nobody and is traced ``dropped`` with
+        its reason; anyone else's means nothing here (any remote key may send one)."""
         s = self.s
         fwd = s.forwarded.get(r.id)
         if fwd is None:
             if router in s.config.upstream and r.reason == Reason.NOT_AUTHORIZED:  # our own JOIN or REGISTER
                 out.append(Trace(DROPPED, r.id, CONTROL, None, s.id, router, router, 0, Why.REFUSED_BY_CORE))
+            elif router in s.trusted:  # forgotten (the oldest of FORWARDED_MAX in flight): traced, not lost in silence
+                out.append(Trace(DROPPED, r.id, CONTROL, None, None, None, router, 0, reason_label(r.reason)))
             return
         if fwd.router == ANY_MEMBER:  # a multicast: from any member router of its group or core node (each may refuse)
             member = router not in s.locals and router in s.subs.get(fwd.group or b"", ())
@@ -494,11 +501,11 @@ class Delivery:
                 return  # (each router's refusal is passed on once)
             s.batch_forwarded.setdefault(r.id, fwd)  # (put back if the batch does not commit)
             s.forwarded[r.id] = fwd._replace(refusers=fwd.refusers | {router})
-        elif fwd.router != router:
-            return
+        elif fwd.router != router or router in fwd.refusers:
+            return  # (passed on once; kept, so that a second one is not taken for a forgotten forward's)
         else:
             s.batch_forwarded.setdefault(r.id, fwd)
-            del s.forwarded[r.id]
+            s.forwarded[r.id] = fwd._replace(refusers=frozenset({router}))
         c = self.conns.get(fwd.conn)
         if c is None:  # the app is gone: the refusal reaches nobody - traced (and counted) here, not lost in silence
             out.append(Trace(DROPPED, r.id, fwd.kind, fwd.group, fwd.src, fwd.dst, router, fwd.size,

@@ -696,8 +696,9 @@ class Router:
                 self._refuse(c, msg.id, why, 0, now, out, kind, None, size, h.src, h.dst)
             else:
                 s.seen.add(msg.id)
-                if c.local:  # sent on to the edge node: its REFUSED reaches the app; the reply is no stranger's
-                    self.delivery.remember(c, edge, msg.id, UNICAST, None, size, h.src, h.dst)
+                # Sent on to the edge node: its REFUSED reaches the sender (an app here, or the router it came from).
+                self.delivery.remember(c, edge, msg.id, UNICAST, None, size, h.src, h.dst)
+                if c.local:  # the reply is no stranger's
                     self._contact(h.src, h.dst)
                 elif s.served_by(h.src) == c.peer:  # an app of the edge it came from (as in 3.3): the same
                     self._contact(h.src, h.dst)
@@ -903,7 +904,9 @@ class Router:
         if too_far:
             failed += too_far
             why = why or Reason.TOO_LARGE
-        if member_routers or (c.local and cores):  # a member router's or core's REFUSED reaches the app
+        if member_routers or (c.local and cores) or (not c.local and s.has_router_member(grp)):
+            # A member router's or core's REFUSED reaches the app; one that another router's message was relayed
+            # to (a core relaying an edge's message to its other edges) goes back to that router, and so on.
             self.delivery.remember(c, ANY_MEMBER, mid, MULTICAST, grp, size)
         failed_cores: list[bytes] = []
         for core in cores:

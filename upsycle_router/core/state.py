@@ -62,7 +62,7 @@ class Forwarded(NamedTuple):
     span: int  # the app connection's ``syncs`` when it was sent: its REFUSED counts for the next SYNC_ACK if equal
     src: bytes | None = None  # a unicast's keys (for the trace of a REFUSED passed on)
     dst: bytes | None = None
-    refusers: frozenset[bytes] = frozenset()  # a group message's: the routers whose REFUSED was passed on already
+    refusers: frozenset[bytes] = frozenset()  # the routers whose REFUSED was passed on already (once each)
 
 
 class PendingPull(NamedTuple):
@@ -262,6 +262,8 @@ class RouterState:
         known = self.router_members.get(grp)
         if known is None:
             locals_ = self.locals
+            if len(self.router_members) >= PLANS_MAX:  # (as the plans: ever new groups must not grow it for good)
+                self.router_members.clear()
             known = self.router_members[grp] = any(m not in locals_ for m in self.subs.get(grp, ()))
         return known
 

@@ -63,6 +63,7 @@ class MemoryStore:
         self._undo: list[tuple[str, Any, Any]] | None = None  # inside a transaction: (table, key, old value)
         self._undo_scalars: tuple[int, int, int, list[tuple[float, bytes, int]], list[tuple[float, int]]] | None = None
         self.wrote = False
+        self._room: list[int] | None = None  # inside a transaction: [used when it first asked, bytes admitted since]
 
     # ------------------------------------------------------------ transactions
 
@@ -75,6 +76,7 @@ class MemoryStore:
         self._undo = []
         self._undo_scalars = (self._next_seq, self._stranger_bytes, self._used, list(self._qexp), list(self._mexp))
         self.wrote = False
+        self._room = None
         try:
             yield
         except BaseException:
@@ -88,6 +90,7 @@ class MemoryStore:
         finally:
             self._undo = None
             self._undo_scalars = None
+            self._room = None
 
     def _set(self, table: str, key: Any, value: Any) -> None:
         t = self._t[table]
@@ -287,11 +290,20 @@ class MemoryStore:
     def has_room(self, nbytes: int, *, reserve: bool = False) -> bool:
         margin = max(self.map_size // 16, 1)
         limit = self.map_size - (margin - margin // 2 if reserve else margin)
-        queued = sum(c for c, _ in self._t["qstats"].values()) * ENTRY_BYTES
-        used = self._used + queued
+        if self._room is None:  # as the LMDB store: read once per transaction, what it admits is added up
+            queued = sum(c for c, _ in self._t["qstats"].values()) * ENTRY_BYTES
+            room = [self._used + queued, 0]
+            if self._undo is None:  # (outside a transaction: each question on its own)
+                return self._admit(room, nbytes, limit)
+            self._room = room
+        return self._admit(self._room, nbytes, limit)
+
+    def _admit(self, room: list[int], nbytes: int, limit: int) -> bool:
+        used = room[0] + room[1]
         if used + nbytes > limit:
             self.pressure = 1.0
             return False
+        room[1] += nbytes
         self.pressure = (used + nbytes) / limit
         return True
 
