@@ -287,3 +287,21 @@ async def test_the_counters_a_rate_is_taken_of_are_there_from_the_start(daemon: 
     names = ("pubsub_malformed_total", "pubsub_rejected_total", "pubsub_ignored_total", "pubsub_unknown_peer_total",
              "advert_claims_refused_total", "received_total", "expired_total")
     assert [n for n in names if n not in st] == [], sorted(st)
+
+
+def test_status_without_a_key_file_connects_as_one_key_per_user(daemon: DaemonFactory, tmp_path: Path) -> None:
+    """The router keeps every key that connects on its socket: ``status`` without a key file uses the user's
+    probe key, the same on every run (a fresh one per run grew the router's tables by one key per run)."""
+    from upsycle_router.cli.common import probe_identity
+
+    d = daemon()
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "no-config"), "HOME": str(tmp_path / "home")}
+    for _ in range(3):
+        r = cli("status", "--socket", str(d.sock), env=env)
+        assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "no-config").exists()  # nothing written
+    d.wait_trace_sync(event="received", type="control")
+    senders = {rec["src"] for rec in d.trace(event="received", type="control")}
+    assert senders == {probe_identity().public.hex()}
+    r = cli("wait", "--socket", str(d.sock), env=env)
+    assert r.returncode == 0, r.stderr

@@ -40,6 +40,7 @@ from upsycle_router.cli.common import (
     count_arg,
     group_address,
     group_signing_key,
+    probe_identity,
     read_body,
     run_app,
     seconds_arg,
@@ -323,7 +324,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             print("\n".join(status_lines(detail) if detail else counters_lines(c.router_id.hex(), st)))
         return 1 if args.metrics is not None and detail is None else 0  # (a listener asked for that did not answer)
 
-    return run_app(args, go, required=False)
+    return run_app(args, go, required=False, throwaway=probe_identity)
 
 
 def ttl_arg(text: str) -> int:

@@ -12,28 +12,27 @@ one line ``error: config: ...`` on stderr (:func:`config_error`). A router servi
 (``pubsub``, ``discovery``) also takes ``--unix`` and ``--log-level`` (:func:`add_service_options`) and is
 started by :func:`serve_from_args`.
 
-App commands (``send``, ``listen``, ``group ...``, ``advert``, ...) connect to the router's Unix socket with
-an app key: :func:`app_options` adds ``--socket``, ``--config``, ``--key``, ``--create-key``;
-:func:`socket_path` and :func:`app_identity` resolve them. The socket is the daemon's, found the way the daemon
-finds it (the same file and environment). The default key (``~/.config/upsycle-router/client.key``) is
-created on first use; a key named with ``--key`` must exist (a mistyped path would otherwise be a new
-identity), unless ``--create-key`` asks for it. Commands that act as nobody in particular (``status``,
-``advert``, ``peers`` ...) pass ``required=False``: without a key file they connect with a throwaway key and
-write nothing. A group on the command line is 64 hex digits or a name from the user's group names file
-(:mod:`upsycle_router.client.names`): :func:`group_address` for its address, :func:`group_signing_key` for
-``publish``'s ``--group-key FILE`` / ``--group NAME``. :func:`read_body` reads a message body from the argument
-or stdin. Commands that talk to a service of the router (the discovery commands, ``validator``) find its
-address with :func:`service_address`: ``--service HEX``, else the service's key file in the data directory.
-:func:`run_app` connects,
-runs one coroutine with the client and turns errors into exit codes: 2 for a bad config or key file, 1 when
-the router cannot be reached or the request fails.
-"""
+App commands (``send``, ``listen``, ``group ...``, ``advert``, ...) connect to the router's Unix socket with an app
+key: :func:`app_options` adds ``--socket``, ``--config``, ``--key``, ``--create-key``; :func:`socket_path` and
+:func:`app_identity` resolve them. The socket is the daemon's, found the way the daemon finds it (the same file and
+environment). The default key (``~/.config/upsycle-router/client.key``) is created on first use; a key named with
+``--key`` must exist (a mistyped path would otherwise be a new identity), unless ``--create-key`` asks for it.
+Commands that act as nobody in particular (``status``, ``advert``, ``peers`` ...) pass ``required=False``: without
+a key file they connect with a throwaway key and write nothing (``status`` and ``wait`` with the user's
+:func:`probe_identity`, which the router keeps once). A group on the command line is 64 hex digits or a name from
+the user's group names file (:mod:`upsycle_router.client.names`): :func:`group_address` for its address,
+:func:`group_signing_key` for ``publish``'s ``--group-key FILE`` / ``--group NAME``. :func:`read_body` reads a
+message body from the argument or stdin. Commands that talk to a service of the router (the discovery commands,
+``validator``) find its address with :func:`service_address`: ``--service HEX``, else the service's key file in the
+data directory. :func:`run_app` connects, runs one coroutine with the client and turns errors into exit codes: 2
+for a bad config or key file, 1 when the router cannot be reached or the request fails."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import hashlib
 import math
 import os
 import sys
@@ -229,13 +228,25 @@ def socket_path(args: argparse.Namespace) -> Path:
     return router_socket(args.config)
 
 
-def app_identity(args: argparse.Namespace, *, required: bool = True) -> Identity:
+def probe_identity() -> Identity:
+    """The key ``status`` and ``wait`` use without a key file: derived from the user id, so the same on every
+    run. The router keeps every key that connects on its socket for good (messages to it are queued while it is
+    away), so a fresh key per run would add one for every ``status`` a monitoring loop runs; this adds one per
+    user. Their answers come back on their own connection, so runs at the same time do not mix. It can be
+    derived by anyone: nothing is ever sent to it, and it has no rights a fresh key would not have."""
+    return Identity.from_seed(hashlib.sha256(b"upsycle-router probe key, uid %d" % os.getuid()).digest())
+
+
+def app_identity(
+    args: argparse.Namespace, *, required: bool = True, throwaway: Callable[[], Identity] = Identity.generate
+) -> Identity:
     """The app's key: ``--key FILE`` (it must exist, unless ``--create-key``), or :func:`default_client_key`
     (created on first use). ``required=False``: a command that acts as nobody in particular uses the key file
-    when there is one and a throwaway key otherwise, and never writes one."""
+    when there is one and ``throwaway()`` otherwise (a fresh key, or :func:`probe_identity`), and never writes
+    one."""
     path = Path(args.key) if args.key else default_client_key()
     if not required and not getattr(args, "create_key", False) and not path.exists():
-        return Identity.generate()
+        return throwaway()
     if args.key is None or getattr(args, "create_key", False):
         return load_or_create_key_file(path)
     if not path.exists() and not path.is_symlink():
@@ -299,8 +310,10 @@ def read_body(args: argparse.Namespace) -> bytes:
     return raw
 
 
-async def _with_client(args: argparse.Namespace, fn: Callable[[Client], Awaitable[int]], required: bool) -> int:
-    ident = app_identity(args, required=required)
+async def _with_client(
+    args: argparse.Namespace, fn: Callable[[Client], Awaitable[int]], required: bool, throwaway: Callable[[], Identity]
+) -> int:
+    ident = app_identity(args, required=required, throwaway=throwaway)
     path = socket_path(args)
     try:
         client = await Client.connect(path, ident, timeout=args.timeout_connect)
@@ -326,12 +339,15 @@ def connect_error(e: BaseException) -> str:
     return f"{reason(e)}{hint}"
 
 
-def run_app(args: argparse.Namespace, fn: Callable[[Client], Awaitable[int]], *, required: bool = True) -> int:
+def run_app(
+    args: argparse.Namespace, fn: Callable[[Client], Awaitable[int]], *, required: bool = True,
+    throwaway: Callable[[], Identity] = Identity.generate,
+) -> int:
     """Connect to the router, run ``fn`` with the client and return its exit code; 2 for a bad config or key
-    file (like the daemon), 1 when the router cannot be reached or answers with an error. ``required``: see
-    :func:`app_identity`."""
+    file (like the daemon), 1 when the router cannot be reached or answers with an error. ``required`` and
+    ``throwaway``: see :func:`app_identity`."""
     try:
-        rc: int = run_async(_with_client(args, fn, required))
+        rc: int = run_async(_with_client(args, fn, required, throwaway))
         return rc
     except (ConfigError, KeyFileError) as e:  # a bad config or key file: like the daemon, exit 2
         print(f"error: {e}", file=sys.stderr)

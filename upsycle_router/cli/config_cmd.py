@@ -28,13 +28,13 @@ from upsycle_router.cli.common import (
     config_error,
     config_from_args,
     is_seconds,
+    probe_identity,
     run_async,
     socket_path,
 )
 from upsycle_router.client import Client
 from upsycle_router.config.dump import config_yaml
 from upsycle_router.config.sources import describe, find_config
-from upsycle_router.crypto import Identity
 from upsycle_router.errors import ConfigError, KeyFileError, UpsycleError
 
 WAIT_POLL = 0.1  # seconds between attempts
@@ -82,7 +82,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
         path = socket_path(args)
     except ConfigError as e:
         return config_error(e)
-    ident = Identity.generate()
+    ident = probe_identity()  # (the same key every run: the router keeps each key it sees)
 
     async def go() -> int:
         deadline = time.monotonic() + args.timeout
