@@ -26,12 +26,14 @@ import contextlib
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import pytest
 from netutil import Network, Node, collect
 
 from upsycle_router.client import Client
 from upsycle_router.crypto import Identity
+from upsycle_router.wire.control import Reason
 
 pytestmark = pytest.mark.slow
 
@@ -158,13 +160,16 @@ async def test_an_apps_sync_ack_waits_for_the_next_router_to_confirm_what_was_fo
         await burst_while_stopped(e, z, y, y_key, 1.5, "C acknowledged what only its memory held (E confirmed nothing)")
 
 
-async def core_with_two_edges(net: Network, *, e1_pubsub: bool = False) -> tuple[Node, Node, Node]:
-    """Core C with edges E1 and E2, started, both dialled (``e1_pubsub``: E1 runs its pub/sub service).
-    Returns (C, E1, E2)."""
+async def core_with_two_edges(
+    net: Network, *, e1_pubsub: bool = False, **e2_settings: Any
+) -> tuple[Node, Node, Node]:
+    """Core C with edges E1 and E2, started, both dialled (``e1_pubsub``: E1 runs its pub/sub service;
+    ``e2_settings``: more of E2's config). Returns (C, E1, E2)."""
     c, e1 = core_and_edge(net)
     if e1_pubsub:
         del e1.config["pubsub"]
     e2 = net.add_node("e2")
+    e2.config.update(e2_settings)
     c.config["edge_nodes"] = [e1.id.hex(), e2.id.hex()]
     e2.config["core_nodes"] = [c.peer_entry()]
     e2.config["pubsub"] = {"enabled": False}
@@ -174,10 +179,10 @@ async def core_with_two_edges(net: Network, *, e1_pubsub: bool = False) -> tuple
     return c, e1, e2
 
 
-async def two_edges_through_a_core(net: Network) -> tuple[Node, Node, Identity, Client, Client]:
+async def two_edges_through_a_core(net: Network, **e2_settings: Any) -> tuple[Node, Node, Identity, Client, Client]:
     """Core C with edges E1 and E2 (started, both dialled); app X on E1 and app Y on E2, and an X's message that
     reached Y through C (so C knows E2's route to Y: Y's REGISTER). Returns (C, E2, Y's key, X, Y)."""
-    c, e1, e2 = await core_with_two_edges(net)
+    c, e1, e2 = await core_with_two_edges(net, **e2_settings)
     y_key = Identity.generate()
     y = await net.client(e2, y_key)
     x = await net.client(e1, Identity.generate())
@@ -232,6 +237,23 @@ async def test_a_router_in_the_middle_killed_after_confirming_without_the_next_o
         c.kill()
         got = await restarted_and_collected(net, c, e2, y_key, sent)
         assert sent <= got, f"{len(sent - got)} of {len(sent)} lost with the router in the middle"
+
+
+async def test_a_refusal_two_hops_away_reaches_the_sender_before_its_sync_ack(tmp_path: Path) -> None:
+    """(A code review: C dropped it, X's SYNC_ACK said safe and the message was lost.) X on E1 sends to Y on E2
+    through core C; Y is away and its queue at E2 is full: E2 refuses the message to C, C passes the refusal back
+    to E1, E1 to X - before X's SYNC_ACK, which reports it."""
+    async with Network(tmp_path) as net:
+        _c, e2, y_key, x, y = await two_edges_through_a_core(net, queue={"max_count": 3})
+        await net.close_client(y)
+        async with await Client.connect(e2.sock, Identity.generate(), timeout=10) as z:
+            for k in range(3):
+                await z.send(y_key.public, b"filler %d" % k)
+            assert (await z.sync()).ok  # Y's queue at E2 is full now
+        mid = await x.send(y_key.public, b"one too many")
+        res = await x.sync(timeout=30)
+        refusal = res.refusal(mid)
+        assert refusal is not None and refusal.reason == Reason.QUOTA, res
 
 
 async def test_group_messages_sent_on_by_a_core_that_crashed_before_the_edge_confirmed_them_arrive(
