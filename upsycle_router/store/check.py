@@ -179,6 +179,9 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
             return
     next_seq = U64.unpack(meta[b"seq"])[0] if b"seq" in meta else 1
     highest = 0
+    if b"indexed" in meta and U64.unpack(meta[b"indexed"])[0] > next_seq:
+        p(f"meta 'indexed' is {U64.unpack(meta[b'indexed'])[0]}, past 'seq' {next_seq}: messages stored after it "
+          "would be missing from the index after a crash (the router reads every message again at its next start)")
 
     # ---- messages and their index
     msgs: dict[bytes, bytes] = {}  # id -> the record

@@ -296,6 +296,12 @@ class LmdbStore(LmdbTables):
         self._exps.clear()
         self._exp_min, self._exp_stale = NEVER_MS, False
         v = txn.get(b"indexed", db=self._db["meta"])
+        if v is not None and (len(v) != U64.size or U64.unpack(v)[0] > self._next_seq):
+            # A mark past every number given out is damage: the records after the true mark would be left out of
+            # the index (found by nobody, kept for ever). Read them all instead, as for a store without a mark.
+            log.warning("%s: meta 'indexed' is past the sequence numbers in use: every message is read again",
+                        self.path / "data.mdb")  # fmt: skip
+            v = None
         if v is not None:
             self._index.add_pairs(txn.cursor(db=self._db["msg_exp"]).iternext(), MSG_EXP_SEQ_AT, 0)
         cur = txn.cursor(db=self._db["msgs"])
@@ -447,8 +453,32 @@ class LmdbStore(LmdbTables):
         return U64.pack(seq)
 
     def _load_seq(self) -> int:
+        """The next sequence number: ``meta seq``, but never one a stored message has (the last key of ``msgs``,
+        read at once): a ``seq`` record set back or lost would make new records reuse numbers. Such a store is
+        mended, not refused - the number is a counter the records themselves show - and the WARNING says so. (A
+        queue entry's number is seen only when one collides: :meth:`_taken_seq`.)"""
         v = self._get("meta", b"seq")
-        return U64.unpack(v)[0] if v else 1
+        seq = U64.unpack(v)[0] if v else 1  # (a record that does not decode is refused, as any other)
+        with self.env.begin() as txn:
+            db = self.env.open_db(b"msgs", txn=txn, create=False) if txn.get(b"msgs") is not None else None
+            cur = txn.cursor(db=db) if db is not None else None
+            last = U64.unpack(cur.key())[0] if cur is not None and cur.last() and len(cur.key()) == U64.size else 0
+        if last >= seq:
+            log.warning("%s: meta 'seq' is %d, but message %d is stored: going on from %d (the record was set "
+                        "back or lost)", self.path / "data.mdb", seq, last, last + 1)  # fmt: skip
+            return last + 1
+        return seq
+
+    def _taken_seq(self) -> None:
+        """A new queue entry's number is in use already (``meta seq`` was behind, see :meth:`_load_seq`): go on
+        after every number in use, found by one walk of the queues."""
+        highest = 0
+        cur = self._w().cursor(db=self._db["queues"])
+        for k in cur.iternext(keys=True, values=False):
+            highest = max(highest, U64.unpack_from(k, len(k) - U64.size)[0])
+        log.warning("%s: a queue entry has sequence number %d already: going on from %d (meta 'seq' was behind)",
+                    self.path / "data.mdb", self._next_seq - 1, highest + 1)  # fmt: skip
+        self._next_seq = max(self._next_seq, highest + 1)
 
     # ------------------------------------------------------------ local services
 
@@ -770,7 +800,13 @@ class LmdbStore(LmdbTables):
         flagged = size | STRANGER_FLAG if stranger else size
         txn, db = self._w(), self._db
         seq_b = U64.pack(seq)
-        txn.put(recipient + seq_b, QUEUE.pack(mid, exp, flagged), db=db["queues"])
+        value = QUEUE.pack(mid, exp, flagged)
+        if not txn.put(recipient + seq_b, value, db=db["queues"], overwrite=False):  # (never replace an entry)
+            self._taken_seq()
+            seq = self._next_seq
+            self._next_seq += 1
+            seq_b = U64.pack(seq)
+            txn.put(recipient + seq_b, value, db=db["queues"], overwrite=False)
         if stranger:
             c, b = self.stranger_usage(recipient)
             self._put("sqstats", recipient, COUNTS.pack(c + 1, b + size))
