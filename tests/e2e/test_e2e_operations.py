@@ -4,6 +4,7 @@ listener's ``/metrics``, ``/healthz`` and ``/status`` over HTTP on loopback; ``u
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import urllib.error
@@ -14,7 +15,8 @@ from typing import Any
 import pytest
 import yaml
 from conftest import Daemon, DaemonFactory, async_wait_until, cli, wait_until
-from netutil import free_port
+from netutil import Network, free_port
+from raw_app import RawApp, sync_body, unicast
 
 from upsycle_router import __version__
 from upsycle_router.client import Client
@@ -305,3 +307,21 @@ def test_status_without_a_key_file_connects_as_one_key_per_user(daemon: DaemonFa
     assert senders == {probe_identity().public.hex()}
     r = cli("wait", "--socket", str(d.sock), env=env)
     assert r.returncode == 0, r.stderr
+
+
+async def test_the_routers_own_answers_to_a_closed_connection_are_not_counted_undelivered(tmp_path: Path) -> None:
+    """(A runtime review.) ``undelivered_total`` counts messages routed again because their connection closed first;
+    the router's own SYNC_ACK for an app that went away at once is no such message (the core drops it)."""
+    async with Network(tmp_path) as net:
+        r = net.add_node("r")
+        r.config["pubsub"] = {"enabled": False}
+        await net.start_all()
+        watcher = await net.client(r)
+        before = (await watcher.status())["undelivered_total"]
+        for k in range(5):
+            app = await RawApp.connect(r.sock)
+            app.conn.send_frame(unicast(app.key, app.router_id, sync_body(k + 1), ttl=60).encode())
+            app.conn.writer.transport.abort()  # gone before the SYNC_ACK can be written
+            await app.close()
+        await asyncio.sleep(1.0)
+        assert (await watcher.status())["undelivered_total"] == before

@@ -113,6 +113,7 @@ class Driver:
             push=self._push, acknowledged=self._schedule, held=self._held_back,
             sync_message=lambda peer, n: router.sync_message(peer, n, time.time()),
             sync_ack_message=lambda peer, n, refused: router.sync_ack_message(peer, n, refused, time.time()),
+            own=router.id,
         )
         self.batches = Batches(router, store, self.stats, done=self._done, resume=self._resume,
                                early=self.effects.apply_early, sync_interval=sync_interval, retry=self._push)

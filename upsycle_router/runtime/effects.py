@@ -162,8 +162,10 @@ class EffectRunner:
         held: Callable[[Connection], bool],
         sync_message: Callable[[bytes, int], bytes] | None = None,
         sync_ack_message: Callable[[bytes, int, int], bytes] | None = None,
+        own: bytes | None = None,
     ) -> None:
         self.conns = conns
+        self.own = own  # the router's key: its own answers are not deliveries to give back (give_back)
         self.stats = stats
         self.journal = journal
         self.clock = clock
@@ -787,10 +789,23 @@ class EffectRunner:
             self.give_back(peer, datas)
 
     def give_back(self, peer: bytes, datas: Sequence[bytes]) -> None:
-        """Deliveries for ``peer`` that did not leave the router back to the core, counted (``Undelivered``)."""
+        """Deliveries for ``peer`` that did not leave the router back to the core, counted (``Undelivered``). The
+        router's own answers among them (a SYNC_ACK, a REFUSED for a connection that closed) are no deliveries:
+        the core would drop them, and counting them would say messages went back that did not."""
+        if self.own is not None:
+            datas = [d for d in datas if not self._own_answer(d)]
+            if not datas:
+                return
         self.stats["undelivered_total"] += len(datas)
         self._returns_pushed += 1
         self.push(Undelivered(peer, tuple(datas)))
+
+    def _own_answer(self, data: bytes) -> bool:
+        try:
+            header = decode_message(data).header
+        except Exception:  # noqa: BLE001 - not one of the router's own: given back as it is
+            return False
+        return isinstance(header, UnicastHeader) and header.src == self.own
 
     # ------------------------------------------------------------ the refusal log
 
