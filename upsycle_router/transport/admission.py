@@ -53,7 +53,6 @@ default of 1024 is a relic of ``select()``, which nothing here uses.
 from __future__ import annotations
 
 import asyncio
-import asyncio.sslproto
 import contextlib
 import errno
 import ipaddress
@@ -564,22 +563,11 @@ class Listener:
             if self.ssl_context is None:
                 await self.loop.connect_accepted_socket(lambda: conn, sock)
             else:
-                # TLS by asyncio's own SSLProtocol over a plain transport, as connect_accepted_socket(ssl=...) does,
-                # but one whose transport below TLS the connection can ask for its unsent bytes (uvloop's keeps
-                # them from it: encrypted bytes it handed that transport counted as sent - Connection.buffered).
                 timeout = self.admission.handshake_timeout  # the TLS close too (asyncio's default: 30 s)
-                waiter = self.loop.create_future()
-                tls = asyncio.sslproto.SSLProtocol(
-                    self.loop, conn, self.ssl_context, waiter, server_side=True,
-                    ssl_handshake_timeout=timeout,  # type: ignore[arg-type]  # (typeshed: int; seconds, any number)
+                await self.loop.connect_accepted_socket(
+                    lambda: conn, sock, ssl=self.ssl_context, ssl_handshake_timeout=timeout,
                     ssl_shutdown_timeout=timeout,
                 )  # fmt: skip
-                raw, _ = await self.loop.connect_accepted_socket(lambda: tls, sock)
-                try:
-                    await waiter
-                except BaseException:
-                    raw.close()
-                    raise
         except asyncio.CancelledError:  # the listener closed (the socket is closed with its transport)
             if conn.transport is None:
                 self.admission.closed(ticket)

@@ -655,15 +655,9 @@ class Connection(asyncio.Protocol):
         return bool(self._unflushed)
 
     def buffered(self) -> int:
-        """Bytes written but not yet sent by the transport - over TLS, those of the TLS layer (plaintext not yet
-        encrypted, records not yet passed down) and those of the transport below it (encrypted, not yet handed
-        to the kernel): a delivery has left the router only once neither holds any of it."""
+        """Bytes written but not yet sent by the transport."""
         t = self.transport
-        if t is None:
-            return 0
-        n: int = t.get_write_buffer_size()
-        below = getattr(getattr(t, "_ssl_protocol", None), "_transport", None)  # (asyncio's TLS: Listener._attach)
-        return n + below.get_write_buffer_size() if below is not None else n
+        return t.get_write_buffer_size() if t is not None else 0
 
     def pause_reading(self) -> None:
         """Stop reading from the peer for now (the router is behind): it waits in its socket. (Its unfinished frame,
