@@ -28,6 +28,7 @@ from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.store.memory import MemoryStore
 
 A, B, G = b"\x0a" * 32, b"\x0b" * 32, b"\x0c" * 32
+T = 1_800_000_000.0
 
 
 def mid(n: int) -> bytes:
@@ -326,3 +327,38 @@ def test_both_stores_keep_advertised_addresses_alike(tmp_path: Path) -> None:
         A: PeerAddress(1, bytes([10, 0, 0, 1]), 7000, 100.0),
         B: PeerAddress(1, bytes([10, 0, 0, 3]), 7002, 60.0),
     }
+
+
+def _twins(tmp_path: Path) -> tuple[LmdbStore, MemoryStore]:
+    return LmdbStore(tmp_path / "s", Durability.NONE, map_size=1 << 24), MemoryStore(1 << 24)
+
+
+def test_sequence_numbers_stay_taken_after_an_aborted_transaction_in_both(tmp_path: Path) -> None:
+    """(A store review.) The core keeps queue seqs in its in-flight windows: the twins give the same numbers for
+    the same calls, also after a transaction that did not commit (LMDB's numbers stay taken: a gap)."""
+    seqs = []
+    for s in _twins(tmp_path):
+        with s.transaction():
+            s.put_message(mid(1), b"x", None, T + 10)
+            s.enqueue(A, mid(1), T + 10, 1)
+        with pytest.raises(RuntimeError), s.transaction():
+            s.put_message(mid(2), b"y", None, T + 10)
+            s.enqueue(A, mid(2), T + 10, 1)
+            raise RuntimeError("the batch is lost")
+        with s.transaction():
+            s.put_message(mid(3), b"z", None, T + 10)
+            s.enqueue(A, mid(3), T + 10, 1)
+        seqs.append([e.seq for e in s.queue(A)])
+        s.close()
+    assert seqs[0] == seqs[1] and seqs[0][1] > seqs[0][0] + 2  # (the lost batch's numbers left out)
+
+
+def test_last_connection_times_in_whole_milliseconds_in_both(tmp_path: Path) -> None:
+    got = []
+    for s in _twins(tmp_path):
+        with s.transaction():
+            s.set_local_since(A, T + 0.0004)
+            s.set_core_away(B, T + 0.0006)
+        got.append((s.locals_since(), s.cores_away()))
+        s.close()
+    assert got[0] == got[1] == ({A: T}, {B: T + 0.001})

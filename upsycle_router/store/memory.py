@@ -85,7 +85,8 @@ class MemoryStore:
                     self._t[table].pop(key, None)
                 else:
                     self._t[table][key] = old
-            self._next_seq, self._stranger_bytes, self._used, self._qexp, self._mexp = self._undo_scalars
+            # (Sequence numbers stay taken, as in the LMDB store: the same calls give the same numbers in both.)
+            _, self._stranger_bytes, self._used, self._qexp, self._mexp = self._undo_scalars
             raise
         finally:
             self._undo = None
@@ -126,13 +127,13 @@ class MemoryStore:
         return set(self._t["locals"])
 
     def set_local_since(self, key: bytes, when: float) -> None:
-        self._set("locals", key, when)
+        self._set("locals", key, round(when * 1000) / 1000.0)  # (whole milliseconds, as the LMDB store keeps it)
 
     def locals_since(self) -> dict[bytes, float]:
         return {k: v for k, v in self._t["locals"].items() if v is not None}
 
     def set_core_away(self, core: bytes, when: float) -> None:
-        self._set("away", core, when)
+        self._set("away", core, round(when * 1000) / 1000.0)
 
     def cores_away(self) -> dict[bytes, float]:
         return dict(self._t["away"])
