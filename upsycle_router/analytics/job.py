@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 import sys
 import time
 from collections.abc import Iterable
@@ -56,7 +55,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from upsycle_router.analytics import stats
-from upsycle_router.analytics.location import HadoopFiles, is_uri, join, no_glob
+from upsycle_router.analytics.location import HadoopFiles, is_uri, join, no_glob, remove_local
 from upsycle_router.analytics.report import (
     MAX_LOST_ROWS,
     MAX_PLOTTED_GROUPS,
@@ -239,11 +238,7 @@ class Outputs:
         if is_uri(path):
             HadoopFiles(self.spark).delete(str(path))
             return
-        p = Path(path)
-        if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
-        elif p.exists() or p.is_symlink():
-            p.unlink()
+        remove_local(Path(path))
 
     def writing(self, path: str) -> None:
         """``path`` is being written from now until the next call (or :meth:`done`)."""

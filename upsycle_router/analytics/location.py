@@ -18,6 +18,7 @@ as Hadoop defines them), and whatever this package writes itself next to the Par
 from __future__ import annotations
 
 import re
+import shutil
 import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +50,15 @@ def place(path: str | Path) -> str:
 def overlap(a: str, b: str) -> bool:
     """Whether the places ``a`` and ``b`` (:func:`place`) are the same, or one holds the other."""
     return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def remove_local(path: Path) -> None:
+    """Remove a local file, link or directory tree at ``path`` (a link itself, never what it points to); nothing
+    there is no error."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def join(base: str | Path, name: str) -> str:

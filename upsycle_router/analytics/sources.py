@@ -41,7 +41,6 @@ import fnmatch
 import functools
 import importlib.util
 import os
-import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -50,7 +49,7 @@ from pathlib import Path
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from upsycle_router.analytics.location import HadoopFiles, is_uri, name_of, no_glob, overlap, place
+from upsycle_router.analytics.location import HadoopFiles, is_uri, name_of, no_glob, overlap, place, remove_local
 from upsycle_router.analytics.schema import COMPACT_COLUMNS, COMPACT_SCHEMA, parse_lines
 from upsycle_router.analytics.session import AnalyticsError, is_local_master
 
@@ -361,10 +360,7 @@ def compact(spark: SparkSession, inputs: Inputs, out: str | Path) -> Compaction:
     from upsycle_router.analytics import arrowparse  # imports pyarrow: only when it is used
 
     target = Path(out)
-    if target.is_dir() and not target.is_symlink():
-        shutil.rmtree(target)  # what Spark's overwrite does (check_target made sure it is a table)
-    elif target.exists() or target.is_symlink():
-        target.unlink()
+    remove_local(target)  # what Spark's overwrite does (check_target made sure it is a table)
     target.mkdir(parents=True)
     results = arrowparse.compact_files(inputs.journals, target, spark.sparkContext.defaultParallelism)
     left = tuple(Path(r.path) for r in results if r.fallback)

@@ -61,7 +61,7 @@ class MemoryStore:
         self._qexp: list[tuple[float, bytes, int]] = []  # (expires, recipient, seq), lazily deleted
         self._mexp: list[tuple[float, int]] = []  # (expires, seq of the message)
         self._undo: list[tuple[str, Any, Any]] | None = None  # inside a transaction: (table, key, old value)
-        self._undo_scalars: tuple[int, int, int, list[tuple[float, bytes, int]], list[tuple[float, int]]] | None = None
+        self._undo_scalars: tuple[int, int, list[tuple[float, bytes, int]], list[tuple[float, int]]] | None = None
         self.wrote = False
         self._room: list[int] | None = None  # inside a transaction: [used when it first asked, bytes admitted since]
 
@@ -74,7 +74,7 @@ class MemoryStore:
             yield
             return
         self._undo = []
-        self._undo_scalars = (self._next_seq, self._stranger_bytes, self._used, list(self._qexp), list(self._mexp))
+        self._undo_scalars = (self._stranger_bytes, self._used, list(self._qexp), list(self._mexp))
         self.wrote = False
         self._room = None
         try:
@@ -86,7 +86,7 @@ class MemoryStore:
                 else:
                     self._t[table][key] = old
             # (Sequence numbers stay taken, as in the LMDB store: the same calls give the same numbers in both.)
-            _, self._stranger_bytes, self._used, self._qexp, self._mexp = self._undo_scalars
+            self._stranger_bytes, self._used, self._qexp, self._mexp = self._undo_scalars
             raise
         finally:
             self._undo = None
