@@ -13,11 +13,14 @@ Peers (docs/gossip.md "Peers")
     router we know no peer for makes that sender the router's peer for now - *learned*: its hello must not be
     lost when it overtakes the advert that names it. A learned peer is kept ``learned_peer_ttl`` seconds after
     its last RPC, at most ``max_learned_peers`` of them at once (an RPC from one more unknown service is
-    ignored), and an advert naming the router's service replaces it at once: whatever the learned one
-    announced (subscriptions, mesh and fanout places) is forgotten first, unless it was the advertised service
-    itself. An RPC whose sender is the service of a known peer (at exactly one router) is that peer's, whatever
-    router it came through (relayed, its VIA names the last router on the way, not the sender's). Any other
-    RPC through a router whose peer is another key, advertised or learned, is ignored.
+    ignored). An advert naming the router's service replaces the router's peer, learned or advertised, at
+    once: whatever the old peer announced (subscriptions, mesh and fanout places) is forgotten first, unless
+    it was the advertised service itself. An RPC whose sender is the service of a known peer (at exactly one
+    router) is that peer's, whatever router it came through (relayed, its VIA names the last router on the
+    way, not the sender's). Any other RPC through a router whose peer is another key, advertised or learned,
+    is ignored. A service learned at a relay (its RPC came relayed before its advert) moves to the router its
+    advert names, with what it announced: the advert wins. A peer forgotten because it is gone (its advert
+    lapsed, a learned one expired) takes with it the missing ids waiting for a PULL to its router.
 
 Inputs and effects
     Every input takes ``now`` (seconds, never decreasing) and returns a list of effects
@@ -58,7 +61,9 @@ Validator services (seed 000 §Topic Validation: accept, reject, ignore)
     another key than the one asked, or for an id not held, changes nothing. A message still held
     ``timeout`` seconds later gets the service's ``on_timeout`` verdict (``handle_timer``; the deadline is
     part of ``next_deadline``). At most ``max_pending_validations`` messages are held: one more is ignored
-    without entering the seen cache, so a later copy (gossip, PULL) may be validated when there is room.
+    without entering the seen cache, so a later copy (gossip, PULL) may be validated when there is room. Their
+    deadlines are a heap whose entries of released messages are compacted away at twice that limit, so one
+    message held long does not keep those of every message released after it.
     Rejected and ignored messages stay in the seen cache: an id names exact bytes, the answer would not
     change.
 
@@ -75,7 +80,8 @@ Membership and the mesh (seed 004 §Topic Membership, §Heartbeat)
 
 Gossip and recovery
     An IHAVE for a joined group is answered with IWANT for the ids not seen; an id asked for is not asked of
-    another peer for ``iwant_timeout`` seconds. An IWANT is answered with a Forward of every requested message
+    another peer for ``iwant_timeout`` seconds; at most ``seen_max`` such ids are remembered (the oldest are
+    forgotten first, traced ``iwant_forgotten``). An IWANT is answered with a Forward of every requested message
     still in the mcache, at most ``gossip_retransmission`` times per peer and message (gossipsub v1.1's
     limit: further requests are ignored and traced). Independently, the ``sn`` header of an accepted message
     lists ids its publisher had seen; ids we have not seen ``pull_delay`` seconds later become :class:`Pull`
@@ -94,8 +100,9 @@ Traces
     held message), ``unknown_peer`` (an RPC through a router whose peer is another service, or from an unknown
     service while ``max_learned_peers`` are learned already), ``deprecated_policy`` (joined a group with a Lax
     signature policy), ``pull_skipped`` (too many PULLs outstanding or ids missing), ``pull_failed``
-    (PULL_NACK), ``unsent`` (a message published here that went to no other router: no peer is known to
-    subscribe to its group; it stays in the message cache, offered by IHAVE to a subscribed peer that appears).
+    (PULL_NACK), ``iwant_forgotten`` (ids asked for with IWANT forgotten early: more than ``seen_max`` of
+    them), ``unsent`` (a message published here that went to no other router: no peer is known to subscribe to
+    its group; it stays in the message cache, offered by IHAVE to a subscribed peer that appears).
 """
 
 from __future__ import annotations
@@ -290,7 +297,7 @@ class GossipCore:
             router, expiry = next(iter(learned.items()))
             if expiry > now:
                 break
-            self._forget_peer(router)
+            self._forget_peer(router, gone=True)
 
     def _trace_deprecated(self, group: bytes, ob: Outbox) -> None:
         warning = self.policy(group).deprecation()
@@ -365,21 +372,47 @@ class GossipCore:
         replaces a peer learned from RPCs at that router; another service's announcements are forgotten."""
         ob = Outbox()
         self._expire(now)
-        if peer.router != self._router and self._learned.pop(peer.router, None) is not None:
+        if peer.router != self._router:
             old = self._peers.get(peer.router)
             if old is not None and old.service != peer.service:
-                self._forget_peer(peer.router)
+                self._forget_peer(peer.router)  # another service: nothing it announced is the new one's
+            self._learned.pop(peer.router, None)
+            self._move_learned(peer, ob)
         self._add_peer(peer, ob, greet)
         return ob.effects()
 
+    def _move_learned(self, peer: Peer, ob: Outbox) -> None:
+        """The advert wins: ``peer.service`` learned at another router (a relay its RPCs came through before its
+        advert) is no longer a peer there; what it announced (subscriptions, mesh and fanout places) moves to
+        ``peer.router``, where its later RPCs, relayed or not, count."""
+        for relay in sorted(self._service_routers.get(peer.service, ())):
+            if relay == peer.router or relay not in self._learned:
+                continue
+            groups = sorted(self._peer_groups.get(relay, ()))
+            places = [members for table in (self._mesh, self._fanout) for members in table.values()
+                      if relay in members]  # fmt: skip
+            self._forget_peer(relay)
+            self._peer_groups.setdefault(peer.router, set())
+            for group in groups:
+                self._note_subscription(peer.router, group, True, ob)
+            for members in places:
+                members.add(peer.router)
+
     def peer_removed(self, router: bytes, now: float) -> list[Effect]:
-        """The peer at ``router`` is gone: forget it everywhere."""
+        """The peer at ``router`` is gone: forget it everywhere, and the PULLs still to be sent to that router
+        (``sn`` ids of the messages it relayed): they would go to a router that is gone."""
         self._expire(now)
-        self._forget_peer(router)
+        self._forget_peer(router, gone=True)
         return []
 
-    def _forget_peer(self, router: bytes) -> None:
+    def _forget_peer(self, router: bytes, *, gone: bool = False) -> None:
+        """Forget the peer at ``router``; ``gone`` (its advert lapsed, or a learned one expired): also the
+        missing ids waiting for a PULL to that router (another service at the router keeps them: the PULL
+        goes to the router, which stored the messages it forwarded)."""
         self._learned.pop(router, None)
+        if gone:
+            for msg_id in [i for i, (_, _, r) in self._missing.items() if r == router]:
+                del self._missing[msg_id]
         peer = self._peers.pop(router, None)
         if peer is None:
             return
@@ -559,7 +592,13 @@ class GossipCore:
             table.pop(msg.id, None)
         held = _Held(msg, group, via, validator, now + validator.timeout, next(self._held_seq))
         self._held[msg.id] = held
-        heapq.heappush(self._held_deadlines, (held.deadline, held.seq, msg.id))
+        heap = self._held_deadlines
+        heapq.heappush(heap, (held.deadline, held.seq, msg.id))
+        if len(heap) > 2 * self._params.max_pending_validations:
+            # Entries of released messages leave the heap only from its top; one message held long keeps the
+            # rest. Dropping them all at 2x the limit keeps the heap within it, at O(1) amortized per message.
+            heap[:] = [e for e in heap if not self._stale(e)]
+            heapq.heapify(heap)
         ob.add(Validate(validator.key, msg, via, validator.timeout))
 
     def _conclude(self, held: _Held, verdict: Verdict, reason: str, now: float, ob: Outbox) -> None:
@@ -657,8 +696,14 @@ class GossipCore:
                     want[msg_id] = None
         if want:
             expiry = now + self._params.iwant_timeout
+            asked = self._iwant_sent
             for msg_id in want:
-                self._iwant_sent[msg_id] = expiry
+                asked[msg_id] = expiry
+            over = len(asked) - self._params.seen_max
+            if over > 0:  # the oldest first, as the seen cache: they may be asked of another peer again
+                for _ in range(over):
+                    asked.popitem(last=False)
+                ob.trace("iwant_forgotten", peer=router, reason=f"{over} ids asked for forgotten early (over seen_max)")
             ob.iwant(peer, list(want))
         limit = self._params.gossip_retransmission
         for msg_id in rpc.iwant:

@@ -11,7 +11,8 @@ detected as missing from the ``sn`` header (seed 003 §Seen), which gossipsub do
 - ``gossip_retransmission``: how many times one peer is sent the same message in answer to its IWANTs
   (gossipsub v1.1's ``GossipRetransmission``, default 3 as there); later IWANTs of that peer for that id
   are ignored, so a peer cannot make this node send a cached message again and again;
-- ``seen_max``: most ids the seen cache holds (the oldest are forgotten first beyond it);
+- ``seen_max``: most ids the seen cache holds (the oldest are forgotten first beyond it), and most ids asked
+  for with IWANT remembered at once (likewise: a forgotten one may be asked of another peer again);
 - ``iwant_timeout``: an id asked for with IWANT is not asked of another peer again before this many seconds;
 - ``pull_delay``: how long an id named in ``sn`` may stay unseen (it may still be on its way) before a PULL;
 - ``pull_timeout``: how long an unanswered PULL counts against ``max_pending_pulls``;
