@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from analytics_fixtures import spark  # noqa: F401 - the shared session fixture
+from analytics_fixtures import analyze_both, spark, table_rows  # noqa: F401 - the shared session fixture
 from analytics_reference import queue_totals
 from analytics_reference import summary as reference_summary
 from pyspark.sql import SparkSession
 
 from upsycle_router.analytics.job import TABLES, Analysis, Progress, run_analyze, run_compact
-from upsycle_router.analytics.session import KEY_CODES
+from upsycle_router.analytics.session import KEY_CODES, VECTOR
 
 pytestmark = pytest.mark.spark
 
@@ -243,40 +243,50 @@ def test_spark_matches_the_reference(fleet: Path, analyzed: tuple[Analysis, int,
     assert sum(g["duplicates"] for g in want["groups"].values()) > 0
 
 
-def _rows(spark: SparkSession, path: Path) -> list[str]:  # noqa: F811
-    return sorted(json.dumps(r.asDict(recursive=True), sort_keys=True, default=str)
-                  for r in spark.read.parquet(str(path)).collect())  # fmt: skip
-
-
-def test_keys_as_codes_or_bytes_give_the_same_tables(
+def test_spark_with_keys_as_codes_or_bytes_gives_the_arrow_twins_tables(
     spark: SparkSession,  # noqa: F811
     fleet: Path,
     analyzed: tuple[Analysis, int, str],
 ) -> None:
-    """The job carries the keys as 64-bit codes (the run above) or, when told to or when two keys share a code,
-    as their 32 bytes (stats.key_form): every table row for row, and summary.json in full, are the same (its
-    groups are small enough for exact percentiles). A code never leaks into a table: the keys are hex again."""
+    """The run above computed the per-message tables with the Arrow twin (vector.py, the default with a local
+    session). Spark's own computation (stats.py) carries the keys as 64-bit codes or, when told to or when two
+    keys share a code (stats.key_form), as their 32 bytes: in both forms every table row for row, and
+    summary.json in full, are the twin's (its groups are small enough for exact percentiles). A code never leaks
+    into a table: the keys are hex again."""
     _, _, said = analyzed
-    stream = io.StringIO()
-    spark.conf.set(KEY_CODES, "false")
-    try:
-        run_analyze(spark, [fleet / "events.parquet"], fleet / "out-bytes", Progress("t", stream=stream))
-    finally:
-        spark.conf.unset(KEY_CODES)
-    assert "their keys as 64-bit codes" in said and "their keys as bytes" in stream.getvalue()
-    codes, raw = fleet / "out", fleet / "out-bytes"
-    sizes = {}
-    for table in TABLES:
-        a = _rows(spark, codes / f"{table}.parquet")
-        assert a == _rows(spark, raw / f"{table}.parquet"), table
-        sizes[table] = len(a)
-    assert sizes["lost"] > 0 and sizes["undelivered"] > 0 and sizes["queue_residency"] >= 3, sizes
+    assert "with Arrow" in said
+    twin = fleet / "out"
+    for name, codes in (("codes", "true"), ("bytes", "false")):
+        stream = io.StringIO()
+        spark.conf.set(KEY_CODES, codes)
+        spark.conf.set(VECTOR, "false")
+        try:
+            run_analyze(spark, [fleet / "events.parquet"], fleet / f"out-{name}", Progress("t", stream=stream))
+        finally:
+            spark.conf.unset(KEY_CODES)
+            spark.conf.unset(VECTOR)
+        assert f"their keys as {'64-bit codes' if name == 'codes' else 'bytes'}" in stream.getvalue()
+        sizes = {}
+        for table in TABLES:
+            a = table_rows(spark, twin / f"{table}.parquet")
+            assert a == table_rows(spark, fleet / f"out-{name}" / f"{table}.parquet"), (name, table)
+            sizes[table] = len(a)
+        assert sizes["lost"] > 0 and sizes["undelivered"] > 0 and sizes["queue_residency"] >= 3, sizes
+        got = json.loads((fleet / f"out-{name}" / "summary.json").read_text())
+        assert got == json.loads((twin / "summary.json").read_text()), name
     for table, key in (("group_stats", "group"), ("queue_residency", "node")):  # ordered by the key's hex digits
-        got = [r[key] for r in spark.read.parquet(str(codes / f"{table}.parquet")).collect()]
+        got = [r[key] for r in spark.read.parquet(str(twin / f"{table}.parquet")).collect()]
         assert got == sorted(got) and len(got) >= 3
-    assert json.loads((codes / "summary.json").read_text()) == json.loads((raw / "summary.json").read_text())
-    lost = spark.read.parquet(str(codes / "lost.parquet")).collect()
+    lost = spark.read.parquet(str(fleet / "out-codes" / "lost.parquet")).collect()
     assert all(len(r["id"]) == 64 and len(r["node"]) == 64 and len(r["dst"]) == 64 for r in lost)
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_arrow_twin_and_spark_agree_on_more_fleets(spark: SparkSession, tmp_path: Path, seed: int) -> None:  # noqa: F811
+    """Other seeds of the generator (other ties, losses, rotations and corrupt lines), from the journals."""
+    generate(seed, tmp_path / "journals")
+    analysis = analyze_both(spark, [tmp_path / "journals"], tmp_path / "out")
+    assert analysis.summary["totals"]["published"] > 0
 
 
 def _close(got: float | None, want: float | None, rel: float) -> bool:

@@ -38,12 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from analytics_fixtures import REPO, spark  # noqa: F401 - the shared session fixture
+from analytics_fixtures import REPO, analyze_both, spark  # noqa: F401 - the shared session fixture
 from analytics_reference import load
 from pyspark.sql import SparkSession
 from test_analytics_random import generate
 
-from upsycle_router.analytics.job import Analysis, run_analyze
+from upsycle_router.analytics.job import Analysis
 from upsycle_router.analytics.report import Results, build_summary, html_report, text_summary
 
 pytestmark = pytest.mark.spark
@@ -194,13 +194,13 @@ def restart_fleet(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def losses(spark: SparkSession, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Analysis, Path]]:  # noqa: F811
     root = tmp_path_factory.mktemp("losses")
-    yield run_analyze(spark, [losses_fleet(root / "journals")], root / "out"), root / "out"
+    yield analyze_both(spark, [losses_fleet(root / "journals")], root / "out"), root / "out"
 
 
 @pytest.fixture(scope="module")
 def restarts(spark: SparkSession, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Analysis, Path]]:  # noqa: F811
     root = tmp_path_factory.mktemp("restarts")
-    yield run_analyze(spark, [restart_fleet(root / "journals")], root / "out"), root / "out"
+    yield analyze_both(spark, [restart_fleet(root / "journals")], root / "out"), root / "out"
 
 
 # ------------------------------------------------------------------------------------------ the browser
@@ -422,7 +422,7 @@ def direct_causes(paths: list[Path], lost: set[tuple[str, str, str]]) -> dict[tu
 
 def test_lost_matches_a_direct_computation(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
     generate(20261122, tmp_path / "journals")
-    analysis = run_analyze(spark, [tmp_path / "journals"], tmp_path / "out")
+    analysis = analyze_both(spark, [tmp_path / "journals"], tmp_path / "out")
     rows = spark.read.parquet(str(tmp_path / "out" / "lost.parquet")).collect()
     got = {(r["id"], r["node"], r["dst"]) for r in rows}
     want, unexpected = direct_lost([tmp_path / "journals"])

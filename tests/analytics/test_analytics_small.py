@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from analytics_fixtures import SMALL, small_analysis, spark  # noqa: F401 - the shared session fixtures
+from analytics_fixtures import SMALL, analyze_both, small_analysis, spark  # noqa: F401 - the shared session fixtures
 from analytics_reference import summary as reference_summary
 from pyspark.sql import SparkSession
 
@@ -198,7 +198,7 @@ def test_a_queue_entry_for_a_router_ends_when_forwarded(spark: SparkSession, tmp
     (tmp_path / "j").mkdir()
     (tmp_path / "j" / "trace-000000.jsonl").write_text("\n".join(lines) + "\n")
     out = tmp_path / "out"
-    summary = run_analyze(spark, [tmp_path / "j"], out).summary
+    summary = analyze_both(spark, [tmp_path / "j"], out).summary
     assert summary["queue_residency_ms"] == {"p50": 750.0, "p99": 2000.0}
     assert (summary["totals"]["queued"], summary["totals"]["pending"]) == (3, 1)
     assert reference_summary([tmp_path / "j"])["queue_residency_ms"] == summary["queue_residency_ms"]

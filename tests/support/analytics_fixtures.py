@@ -10,16 +10,18 @@ return the same session, which is stopped once, at the end of the run.
 from __future__ import annotations
 
 import contextlib
+import io
+import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 from pyspark.sql import SparkSession
 
-from upsycle_router.analytics.job import Analysis, run_analyze
-from upsycle_router.analytics.session import SparkOptions, spark_session
+from upsycle_router.analytics.job import TABLES, Analysis, Progress, run_analyze
+from upsycle_router.analytics.session import VECTOR, SparkOptions, spark_session
 
 REPO = Path(__file__).resolve().parents[2]
 JOURNALS = Path(__file__).resolve().parents[1] / "journals"
@@ -65,5 +67,31 @@ def small_analysis(spark: SparkSession, tmp_path_factory: pytest.TempPathFactory
     (the hand-computed figures, the URI variant and the cluster test all compare against it)."""
     if not _small:
         out = tmp_path_factory.mktemp("small-out")
-        _small.append((run_analyze(spark, [SMALL], out), out))
+        _small.append((analyze_both(spark, [SMALL], out), out))
     return _small[0]
+
+
+def table_rows(spark: SparkSession, path: Path) -> list[str]:
+    """The rows of the Parquet table at ``path``, each as sorted JSON, in sorted order."""
+    return sorted(json.dumps(r.asDict(recursive=True), sort_keys=True, default=str)
+                  for r in spark.read.parquet(str(path)).collect())  # fmt: skip
+
+
+def analyze_both(spark: SparkSession, inputs: Sequence[str | Path], out: Path) -> Analysis:
+    """``run_analyze`` into ``out`` (the per-message tables by the Arrow twin, the default with this local
+    session), then again with Spark computing them (``spark.upsycle.analytics.vector=false``) into
+    ``<out>-spark``: every table row for row and ``summary.json`` must be the same. The first run's analysis."""
+    stream = io.StringIO()
+    analysis = run_analyze(spark, inputs, out, Progress("t", stream=stream))
+    assert "with Arrow" in stream.getvalue(), stream.getvalue()
+    spark.conf.set(VECTOR, "false")
+    try:
+        reference = run_analyze(spark, inputs, Path(f"{out}-spark"))
+    finally:
+        spark.conf.unset(VECTOR)
+    assert analysis.outputs == reference.outputs
+    for table in TABLES:
+        path = out / f"{table}.parquet"
+        assert table_rows(spark, path) == table_rows(spark, Path(f"{out}-spark") / f"{table}.parquet"), table
+    assert analysis.summary == reference.summary
+    return analysis

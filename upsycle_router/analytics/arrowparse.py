@@ -389,6 +389,15 @@ def finish_table(out_dir: str | Path) -> None:
     (out / "_SUCCESS").touch()
 
 
+def package_env() -> dict[str, str]:
+    """The environment of a worker process: this one's, with the directory holding the package first on
+    ``PYTHONPATH``, so nothing depends on how the calling program was started."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
 class Worker:
     """One worker process (:func:`main`), asked one file at a time."""
 
@@ -396,14 +405,11 @@ class Worker:
     """The worker's command line (None: ``python -m upsycle_router.analytics.arrowparse``)."""
 
     def __init__(self) -> None:
-        env = dict(os.environ)
-        root = str(Path(__file__).resolve().parents[2])  # the directory holding the package
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(
             self.command or [sys.executable, "-m", "upsycle_router.analytics.arrowparse"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env=env,
+            env=package_env(),
         )
 
     def ask(self, path: str, out: str) -> FileResult | None:

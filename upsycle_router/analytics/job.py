@@ -10,7 +10,12 @@ executors' CPU time by it):
 1. Journals given as text are compacted once into ``OUT/events.parquet`` (one read of each file, one parse
    of each line, bad lines included, see :mod:`~upsycle_router.analytics.sources`); compacted tables given
    as input are read as they are. Everything after reads Parquet, never the JSON again.
-2. One aggregation counts the events, nodes and bad lines; another collects the distinct keys, which the job
+2. With a local master and local tables, the Arrow twin (:mod:`~upsycle_router.analytics.vector`, in worker
+   processes) counts the events, nodes and bad lines and computes the per-message tables (``messages``,
+   ``undelivered``, ``lost``; the app deliveries and queue entries Spark then summarises per group and node)
+   in buckets of messages (:func:`vector_parts`, :func:`_vector_tables`); steps 3 and 4 do not run. If it
+   fails, Spark computes everything. Otherwise (and then), one aggregation counts the events, nodes and bad
+   lines; another collects the distinct keys, which the job
    then carries as 64-bit codes when no two of them share one (:func:`~upsycle_router.analytics.stats.key_form`).
    Unless the session fixed it, the number of shuffle partitions is chosen from the number of events
    (:func:`partitions_for`: about :data:`ROWS_PER_PARTITION` records each, so that no task's share grows with
@@ -41,6 +46,7 @@ else the table it was writing, ``summary.json`` and ``report.html``. The jobs ta
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import sys
@@ -53,6 +59,7 @@ from typing import Any, TextIO
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql import types as T
 
 from upsycle_router.analytics import stats
 from upsycle_router.analytics.location import HadoopFiles, is_uri, join, no_glob, remove_local
@@ -64,12 +71,13 @@ from upsycle_router.analytics.report import (
     html_report,
 )
 from upsycle_router.analytics.schema import PROBLEM_KINDS, problem_kind
-from upsycle_router.analytics.session import AUTO_PARTITIONS, KEY_CODES, AnalyticsError
+from upsycle_router.analytics.session import AUTO_PARTITIONS, KEY_CODES, VECTOR, AnalyticsError, is_local_master
 from upsycle_router.analytics.sources import (
     Inputs,
     check_target,
     compact,
     discover,
+    hidden,
     read_tables,
     refuse_overwriting_inputs,
     union_all,
@@ -227,7 +235,7 @@ class Outputs:
         self.out = out
         self.directory = directory  # OUT is the output directory (analyze), else the table itself (compact)
         self.created = not self._exists(out)
-        self.current: str | None = None
+        self.current: tuple[str, ...] = ()
 
     def _exists(self, path: str | Path) -> bool:
         if is_uri(path):
@@ -240,13 +248,13 @@ class Outputs:
             return
         remove_local(Path(path))
 
-    def writing(self, path: str) -> None:
-        """``path`` is being written from now until the next call (or :meth:`done`)."""
-        self.current = path
+    def writing(self, *paths: str) -> None:
+        """``paths`` are being written from now until the next call (or :meth:`done`)."""
+        self.current = paths
 
     def done(self) -> None:
         """Nothing is being written."""
-        self.current = None
+        self.current = ()
 
     def failed(self) -> None:
         """Take back what would mislead (see the class doc); a removal that fails is left as it is."""
@@ -254,7 +262,7 @@ class Outputs:
         if self.created:
             doomed = [self.out]
         else:
-            doomed = [p for p in (self.current,) if p is not None]
+            doomed = list(self.current)
             if self.directory:
                 doomed += [join(self.out, "summary.json"), join(self.out, "report.html")]
         for path in doomed:
@@ -295,12 +303,13 @@ def _totals(events: DataFrame) -> dict[str, Any]:
     return {**row.asDict(), "nodes": nodes}
 
 
-def _cdf(deliveries: DataFrame, keys: stats.KeyForm, groups: list[str]) -> dict[str, list[tuple[float, float]]]:
+def _cdf(deliveries: DataFrame, per_message: PerMessage, groups: list[str]) -> dict[str, list[tuple[float, float]]]:
     """Step points (latency, fraction reached) of each group's latency CDF."""
     cdf: dict[str, list[tuple[float, float]]] = {g: [] for g in groups}
     if not groups:
         return cdf
-    for row in stats.as_hex(stats.cdf_quantiles(deliveries, keys.literal_values(groups)), keys, "group").collect():
+    quantiles_of = stats.cdf_quantiles(deliveries, per_message.group_values(groups))
+    for row in per_message.hex(quantiles_of, "group").collect():
         points = cdf[row["group"]]
         quantiles = row["q"] or []
         for i, value in enumerate(quantiles):
@@ -310,6 +319,150 @@ def _cdf(deliveries: DataFrame, keys: stats.KeyForm, groups: list[str]) -> dict[
             else:
                 points.append((float(value), fraction))
     return cdf
+
+
+class PerMessage:
+    """The per-message tables the summary reads - ``messages``, the app ``deliveries``, the queue ``residency``
+    entries and ``lost`` (``messages`` and ``lost`` as written) -, the keys' form in them, and what to let go
+    at the end."""
+
+    def __init__(
+        self, tables: tuple[DataFrame, DataFrame, DataFrame, DataFrame], keys: stats.KeyForm | None,
+        kept: list[DataFrame], scratch: Path | None = None, counts: Any = None,
+    ) -> None:  # fmt: skip
+        self.tables = tables
+        self.counts = counts  # the Arrow twin's vector.Counts
+        self.keys = keys  # None: the keys are hex already
+        self.kept = kept
+        self.scratch = scratch
+
+    def hex(self, df: DataFrame, *columns: str) -> DataFrame:
+        """``df`` with its key ``columns`` in hex."""
+        return df if self.keys is None else stats.as_hex(df, self.keys, *columns)
+
+    def group_values(self, groups: list[str]) -> list[object]:
+        """The values the hex group keys ``groups`` take in the tables."""
+        return list(groups) if self.keys is None else self.keys.literal_values(groups)
+
+    def close(self) -> None:
+        for df in self.kept:
+            df.unpersist()
+        if self.scratch is not None:
+            remove_local(self.scratch)
+
+
+COUNTS_SCHEMA = "node string, reason string, count long"
+"""``drops_by_node`` and ``expired_by_node``."""
+
+
+def _partitions(spark: SparkSession, events: int) -> int:
+    """The shuffle partitions (and the Arrow twin's buckets) for ``events`` records: chosen from their number
+    (:func:`partitions_for`) unless the session fixed them."""
+    if spark.conf.get(AUTO_PARTITIONS, "false") == "true":
+        chosen = partitions_for(events, spark.sparkContext.defaultParallelism)
+        spark.conf.set("spark.sql.shuffle.partitions", str(chosen))
+    return int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
+
+
+def _spark_tables(
+    spark: SparkSession, events: DataFrame, good: DataFrame, partitions: int, outputs: Outputs, progress: Progress,
+    count: int,
+) -> PerMessage:  # fmt: skip
+    """The per-message tables by Spark (:mod:`~upsycle_router.analytics.stats`); ``messages``, ``undelivered``
+    and ``lost`` written."""
+    keys = stats.key_form(good, codes=spark.conf.get(KEY_CODES, "true") == "true")
+    form = "their keys as 64-bit codes" if keys.codes is not None else "their keys as bytes"
+    progress(f"{count:,} events, {form}; partitioning them by message into {partitions}")
+    ranks = stats.file_ranks(events).persist(KEEP)
+    ev = stats.prepared(good, ranks, keys)
+    msgs = stats.by_message(ev, partitions).persist(KEEP)
+    receipts = stats.first_receipts(msgs).persist(KEEP)
+    published = stats.published_messages(receipts)
+    changes = stats.pair_changes(ev).persist(KEEP)
+    spans = stats.subscription_spans(changes).persist(KEEP)
+    kept = [ranks, msgs, receipts, changes, spans, *([keys.codes] if keys.codes is not None else [])]
+    result = PerMessage((events, events, events, events), keys, kept)
+    try:
+        broadcast = spans.count() <= MAX_BROADCAST_SPANS
+        deliveries = stats.mark_expected(stats.app_deliveries(msgs, published), spans, broadcast=broadcast)
+        deliveries = deliveries.persist(KEEP)
+        expected = stats.expected_per_message(stats.subscription_changes(changes), published)
+        messages = stats.message_stats(published, expected, deliveries).persist(KEEP)
+        residency = stats.queue_residency(msgs).persist(KEEP)
+        kept += [deliveries, messages, residency]
+        outputs.write(result.hex(messages, "id", "group", "origin"), "messages", progress, small=False)
+        undelivered = stats.undelivered(msgs, receipts)
+        outputs.write(
+            result.hex(undelivered, "id", "node", "group", "last_dst", "last_peer"), "undelivered", progress,
+            small=False,
+        )  # fmt: skip
+        missing = stats.missing_deliveries(messages, spans, deliveries, broadcast=broadcast).persist(KEEP)
+        near = stats.lost_records(msgs, missing).persist(KEEP)
+        kept += [missing, near]
+        lost = result.hex(stats.lost_deliveries(msgs, near, missing), *LOST_KEYS)
+        lost = outputs.write(lost, "lost", progress, small=False)
+    except BaseException:
+        result.close()
+        raise
+    result.tables = (messages, deliveries, residency, lost)
+    return result
+
+
+def vector_parts(spark: SparkSession, inputs: Inputs, out: str | Path) -> list[str] | None:
+    """The Parquet files of the compacted table(s) the Arrow twin reads (:mod:`~upsycle_router.analytics.vector`),
+    or None when Spark computes the per-message tables: a master that is not local, an input or output at a URI,
+    the session's :data:`~upsycle_router.analytics.session.VECTOR` set to ``false``, no pyarrow."""
+    if str(spark.conf.get(VECTOR, "true")).strip().lower() == "false":
+        return None
+    if is_uri(out) or inputs.journal_uris or inputs.table_uris or not is_local_master(spark.sparkContext.master or ""):
+        return None
+    if importlib.util.find_spec("pyarrow") is None or importlib.util.find_spec("numpy") is None:
+        return None
+    tables = ([Path(join(out, EVENTS_TABLE))] if inputs.has_journals else []) + [Path(t) for t in inputs.tables]
+    parts: list[str] = []
+    for table in tables:
+        found = [p for p in table.rglob("*") if p.is_file() and not any(hidden(n) for n in p.relative_to(table).parts)]
+        parts += sorted(str(p) for p in found)
+    return parts
+
+
+def _spark_schema(schema: Any) -> T.StructType:
+    """The Spark schema of an Arrow schema of :data:`~upsycle_router.analytics.vector.OUT_SCHEMAS`."""
+    kinds = {"string": T.StringType(), "double": T.DoubleType(), "int64": T.LongType(), "bool": T.BooleanType()}
+    return T.StructType([T.StructField(f.name, kinds[str(f.type)]) for f in schema])
+
+
+def _vector_tables(spark: SparkSession, outputs: Outputs, parts: list[str], progress: Progress) -> PerMessage | None:
+    """The per-message tables by the Arrow twin (:mod:`~upsycle_router.analytics.vector`), ``messages``,
+    ``undelivered`` and ``lost`` written, with what it counted; None (and nothing of it left) if a task of it
+    failed. Its buckets are the shuffle partitions Spark would use, chosen from the tables' row counts."""
+    from upsycle_router.analytics import vector  # imports pyarrow: only when it is used
+
+    out = str(outputs.out)
+    scratch = Path(out) / "_vector"
+    written = [join(out, f"{t}.parquet") for t in vector.VECTOR_TABLES]
+    buckets = _partitions(spark, vector.row_count(parts))
+    progress(f"counting the events and their per-message tables with Arrow, in {buckets} buckets")
+    outputs.writing(*written, str(scratch))
+    for path in written:
+        remove_local(Path(path))
+    try:
+        counts = vector.run(parts, out, str(scratch), buckets, spark.sparkContext.defaultParallelism, PROBLEM_KINDS)
+    except vector.VectorError as exc:
+        for path in [*written, str(scratch)]:
+            remove_local(Path(path))
+        outputs.done()
+        progress(f"the Arrow twin failed ({exc}): Spark computes the per-message tables")
+        return None
+    outputs.done()
+    tables = tuple(
+        spark.read.schema(_spark_schema(vector.OUT_SCHEMAS[name])).parquet(no_glob(path))
+        for name, path in (
+            ("messages", written[0]), ("deliveries", str(scratch / "deliveries")),
+            ("residency", str(scratch / "residency")), ("lost", written[2]),
+        )
+    )  # fmt: skip
+    return PerMessage(tables, None, [], scratch, counts)  # type: ignore[arg-type]
 
 
 def run_analyze(
@@ -355,59 +508,32 @@ def _analyze_into(spark: SparkSession, inputs: Inputs, outputs: Outputs, progres
         parts.append(read_tables(spark, [*inputs.tables, *inputs.table_uris]))
     events = union_all(parts)
 
-    progress("counting events")
-    totals_row = _totals(events)
-    if totals_row["rows"] == 0 and inputs.journal_uris:
-        raise AnalyticsError(f"no trace records under {', '.join(inputs.journal_uris)}")
-    if spark.conf.get(AUTO_PARTITIONS, "false") == "true":
-        spark.conf.set(
-            "spark.sql.shuffle.partitions",
-            str(partitions_for(int(totals_row["events"]), spark.sparkContext.defaultParallelism)),
-        )
-    partitions = int(spark.conf.get("spark.sql.shuffle.partitions") or 200)
-    good = stats.good_events(events)
-    keys = stats.key_form(good, codes=spark.conf.get(KEY_CODES, "true") == "true")
-    form = "their keys as 64-bit codes" if keys.codes is not None else "their keys as bytes"
-    progress(f"{int(totals_row['events']):,} events, {form}; partitioning them by message into {partitions}")
-    ranks = stats.file_ranks(events).persist(KEEP)
-    ev = stats.prepared(good, ranks, keys)
-    msgs = stats.by_message(ev, partitions).persist(KEEP)
-    receipts = stats.first_receipts(msgs).persist(KEEP)
-    published = stats.published_messages(receipts)
-    changes = stats.pair_changes(ev).persist(KEEP)
-    spans = stats.subscription_spans(changes).persist(KEEP)
-    kept = [ranks, msgs, receipts, changes, spans, *([keys.codes] if keys.codes is not None else [])]
-    try:
-        broadcast = spans.count() <= MAX_BROADCAST_SPANS
-        deliveries = stats.mark_expected(stats.app_deliveries(msgs, published), spans, broadcast=broadcast)
-        deliveries = deliveries.persist(KEEP)
-        expected = stats.expected_per_message(stats.subscription_changes(changes), published)
-        messages = stats.message_stats(published, expected, deliveries).persist(KEEP)
-        residency = stats.queue_residency(msgs).persist(KEEP)
-        kept += [deliveries, messages, residency]
-
-        def hex_(df: DataFrame, *columns: str) -> DataFrame:
-            return stats.as_hex(df, keys, *columns)
-
-        outputs.write(hex_(messages, "id", "group", "origin"), "messages", progress, small=False)
-        groups = outputs.write(
-            hex_(stats.group_stats(messages, deliveries), "group").orderBy("group"), "group_stats", progress
-        )
+    local_parts = vector_parts(spark, inputs, out)
+    per_message = _vector_tables(spark, outputs, local_parts, progress) if local_parts is not None else None
+    if per_message is not None and per_message.counts is not None:
+        counts = per_message.counts
+        totals_row = counts.totals
+        drops = outputs.write(spark.createDataFrame(counts.drops, COUNTS_SCHEMA), "drops_by_node", progress)
+        expired = outputs.write(spark.createDataFrame(counts.expired, COUNTS_SCHEMA), "expired_by_node", progress)
+    else:
+        progress("counting events")
+        totals_row = _totals(events)
+        if totals_row["rows"] == 0 and inputs.journal_uris:
+            raise AnalyticsError(f"no trace records under {', '.join(inputs.journal_uris)}")
+        partitions = _partitions(spark, int(totals_row["events"]))
+        good = stats.good_events(events)
         drops = outputs.write(stats.drops_by_node(good), "drops_by_node", progress)
         expired = outputs.write(stats.expired_by_node(good), "expired_by_node", progress)
+        per_message = _spark_tables(spark, events, good, partitions, outputs, progress, int(totals_row["events"]))
+    outputs.write(stats.bad_lines(events), "bad_lines", progress)
+    try:
+        messages, deliveries, residency, lost = per_message.tables
+        groups = outputs.write(
+            per_message.hex(stats.group_stats(messages, deliveries), "group").orderBy("group"), "group_stats", progress
+        )
         per_node = outputs.write(
-            hex_(stats.residency_by_node(residency), "node").orderBy("node"), "queue_residency", progress
+            per_message.hex(stats.residency_by_node(residency), "node").orderBy("node"), "queue_residency", progress
         )
-        undelivered = stats.undelivered(msgs, receipts)
-        outputs.write(
-            hex_(undelivered, "id", "node", "group", "last_dst", "last_peer"), "undelivered", progress, small=False
-        )
-        missing = stats.missing_deliveries(messages, spans, deliveries, broadcast=broadcast).persist(KEEP)
-        near = stats.lost_records(msgs, missing).persist(KEEP)
-        kept += [missing, near]
-        lost = hex_(stats.lost_deliveries(msgs, near, missing), *LOST_KEYS)
-        lost = outputs.write(lost, "lost", progress, small=False)
-        outputs.write(stats.bad_lines(events), "bad_lines", progress)
 
         progress("collecting the summary")
         group_rows = _rows(groups)
@@ -418,10 +544,9 @@ def _analyze_into(spark: SparkSession, inputs: Inputs, outputs: Outputs, progres
         }
         lost_rows = _rows(lost.orderBy("published_ts", "id", "node", "dst").limit(MAX_LOST_ROWS))
         top = sorted(group_rows, key=lambda g: (-int(g["delivered"]), g["group"]))[:MAX_PLOTTED_GROUPS]
-        cdf = _cdf(deliveries, keys, [g["group"] for g in top if int(g["delivered"]) > 0])
+        cdf = _cdf(deliveries, per_message, [g["group"] for g in top if int(g["delivered"]) > 0])
     finally:
-        for df in kept:
-            df.unpersist()
+        per_message.close()
 
     totals = {
         "events": int(totals_row["events"]),

@@ -75,3 +75,9 @@ SOURCE_KINDS: tuple[tuple[str, str], ...] = (
 
 COMPACT_COLUMNS = tuple(name for name, _ in RECORD_KINDS + SOURCE_KINDS)
 """The columns of the compacted event table, in order."""
+
+LINE_BITS = 33
+"""Inside the job a record's place is ``pos`` = file rank << 33 | line: lines per file stay below 2**33."""
+
+NOT_A_LOSS = ("duplicate", "no_subscribers")
+"""Drop reasons that do not lose a message for anyone else: a second copy, nobody here to take it."""

@@ -121,6 +121,11 @@ KEY_CODES = "spark.upsycle.analytics.keyCodes"
 :func:`~upsycle_router.analytics.stats.key_form`); both give the same tables."""
 
 
+VECTOR = "spark.upsycle.analytics.vector"
+"""``false``: the per-message tables are computed by Spark even where the Arrow twin could compute them (see
+:mod:`~upsycle_router.analytics.vector`); both give the same tables."""
+
+
 def machine_memory() -> int | None:
     """Bytes of memory this process may use: the physical memory, or a smaller cgroup limit."""
     try:

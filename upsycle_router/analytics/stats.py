@@ -86,11 +86,11 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
+from upsycle_router.analytics.rules import LINE_BITS, NOT_A_LOSS
+
 ORDER = ("ts", "pos")
 """Journal order: time, then the order the router wrote the records (file name, line; see :func:`prepared`)."""
 
-LINE_BITS = 33
-"""``pos`` = file rank << 33 | line: lines per file stay below 2**33."""
 
 PERCENTILES = (50, 90, 99, 100)
 """Latency percentiles reported per group (100 is the maximum)."""
@@ -536,8 +536,6 @@ def cdf_quantiles(deliveries: DataFrame, groups: Sequence[object], steps: int = 
     )
 
 
-NOT_A_LOSS = ("duplicate", "no_subscribers")
-"""Drop reasons that do not lose a message for anyone else: a second copy, nobody here to take it."""
 
 
 def _cause(rank: int, cause: Column, reason: Column, node: Column, ts: Column, pos: Column) -> Column:

@@ -1,0 +1,92 @@
+"""The Arrow twin of the per-message tables (upsycle_router/analytics/vector.py) in its parts.
+
+Its tables are compared with Spark's, row for row, wherever an analysis runs in the tests (``analyze_both`` in
+the shared fixtures: the committed small journal, the loss and restart fleets, four seeds of the random fleet).
+Here: the rounding against Spark's ``round``, the buckets against their definition, the choice of the twin, and
+what happens when a task of it fails (Spark computes the tables; nothing of the twin is left).
+"""
+
+from __future__ import annotations
+
+import io
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from analytics_fixtures import SMALL, spark, table_rows  # noqa: F401 - the shared session fixture
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from upsycle_router.analytics import stats, vector
+from upsycle_router.analytics.job import TABLES, Progress, run_analyze, vector_parts
+from upsycle_router.analytics.session import VECTOR
+from upsycle_router.analytics.sources import discover
+
+pytestmark = pytest.mark.spark
+
+
+def test_millis_rounds_as_spark_rounds(spark: SparkSession) -> None:  # noqa: F811
+    """``vector.millis`` against Spark's ``round(x * 1000.0, 3)`` (``stats.millis``) on differences of Unix
+    times in whole milliseconds and microseconds (ties everywhere), random ones, and negative ones."""
+    rng = random.Random(5)
+    base = 1795324800.0
+    pairs: list[tuple[float, float]] = []
+    for _ in range(3000):
+        t0 = round(base + rng.uniform(0, 86400), rng.choice([3, 4, 6]))
+        d = rng.choice([rng.randrange(0, 100000) / 1e6, rng.randrange(0, 100000) / 2e6 + 5e-7, rng.uniform(0, 30),
+                        -rng.uniform(0, 1), rng.randrange(1, 9) * 0.0005])  # fmt: skip
+        pairs.append((round(t0 + d, rng.choice([3, 6, 7])), t0))
+    pairs += [(1.0015, 1.0), (0.0000005, 0.0), (2.0000025, 2.0), (base + 0.0105, base), (1e-7, 0.0), (0.0, 1e-7),
+              (0.0000025, 0.0), (0.0000035, 0.0), (0.0010005, 0.0), (-0.0000025, 0.0)]
+    pairs += [(k + j * 5e-7, float(k)) for j in range(1, 2000) for k in (0, 7)]  # half-microsecond steps: ties
+    df = spark.createDataFrame(pairs, "later double, earlier double")
+    want = [r["m"] for r in df.select(stats.millis(F.col("later"), F.col("earlier")).alias("m")).collect()]
+    got = vector.millis(np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]))
+    assert [float(x) for x in got] == want
+    # The sample holds the cases a binary rounding gets wrong (ties of the decimal form, half-even, negatives).
+    x = (np.array([p[0] for p in pairs]) - np.array([p[1] for p in pairs])) * 1000.0
+    assert sum(float(a) != b for a, b in zip(np.round(x, 3), want, strict=True)) > 10
+
+
+def test_buckets_are_the_ids_first_digits_modulo_their_number() -> None:
+    rng = random.Random(9)
+    ids = [None if rng.random() < 0.2 else f"{rng.getrandbits(256):064x}" for _ in range(500)]
+    array = pa.array(["x" * 64] * 7 + ids, pa.string()).slice(7)  # a slice: offsets that do not start at 0
+    for buckets in (1, 2, 7, 20, 1000):
+        got = vector.bucket_of(array, buckets)
+        want = [-1 if i is None else int(i[: vector.BUCKET_DIGITS], 16) % buckets for i in ids]
+        assert list(got) == want
+
+
+def test_the_twin_reads_local_tables_with_a_local_master(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
+    inputs = discover([SMALL])
+    parts = vector_parts(spark, inputs, tmp_path / "out")
+    assert parts == []  # journals only: the compacted table is still to be written
+    spark.conf.set(VECTOR, "false")
+    try:
+        assert vector_parts(spark, inputs, tmp_path / "out") is None
+    finally:
+        spark.conf.unset(VECTOR)
+    assert vector_parts(spark, inputs, "file:///tmp/out") is None
+
+
+def test_a_failed_task_leaves_the_tables_to_spark(
+    spark: SparkSession,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker that dies (here: one that exits at once) fails the twin's pass: the job says so, removes what the
+    twin wrote, and Spark computes the same tables."""
+    monkeypatch.setattr(vector, "WORKER_COMMAND", ["python3", "-c", "import sys; sys.exit(3)"])
+    stream = io.StringIO()
+    run_analyze(spark, [SMALL], tmp_path / "out", Progress("t", stream=stream))
+    said = stream.getvalue()
+    assert "the Arrow twin failed (the worker died)" in said and "partitioning them by message" in said, said
+    assert not (tmp_path / "out" / "_vector").exists()
+    monkeypatch.setattr(vector, "WORKER_COMMAND", None)
+    run_analyze(spark, [SMALL], tmp_path / "twin", Progress("t", stream=io.StringIO()))
+    for table in TABLES:
+        got = table_rows(spark, tmp_path / "out" / f"{table}.parquet")
+        assert got == table_rows(spark, tmp_path / "twin" / f"{table}.parquet"), table
