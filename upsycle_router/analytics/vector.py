@@ -150,6 +150,23 @@ def _group_starts(*keys: np.ndarray) -> np.ndarray:
     return start
 
 
+def _packed(keys: Sequence[tuple[np.ndarray, int]]) -> np.ndarray:
+    """The order that sorts rows by ``keys`` (first most significant), each ``(values, bound)`` with values in
+    ``-1 .. bound - 1``: one sort of the keys packed into one 64-bit number when their bounds allow, else a
+    sort by each in turn. Rows with equal keys stay together (in no particular order among themselves)."""
+    total = 1
+    for _, bound in keys:
+        total *= bound + 1
+    if total >= 1 << 62:
+        return np.lexsort(tuple(v for v, _ in reversed(keys)))
+    packed = np.zeros(len(keys[0][0]), dtype=np.int64)
+    for values, bound in keys:
+        packed *= bound + 1
+        packed += values + 1
+    order: np.ndarray = np.argsort(packed)
+    return order
+
+
 def _by_group(keys: Sequence[np.ndarray], order_keys: Sequence[np.ndarray] = ()) -> np.ndarray:
     """The order that sorts rows by ``keys`` (first most significant), then by ``order_keys``."""
     return np.lexsort(tuple(reversed([*keys, *order_keys])))
@@ -190,9 +207,26 @@ class _Bucket:
     reason: np.ndarray
     reasons: list[Any]
     local: np.ndarray
+    rank: np.ndarray
+    """Each record's place in journal order ``(ts, pos)`` among the bucket's records (unique)."""
     role: np.ndarray
     roles: list[Any]
     app: np.ndarray
+
+    def by(self, rows: np.ndarray, *keys: np.ndarray, journal: bool = True) -> np.ndarray:
+        """``rows`` sorted by the key arrays ``keys`` (ids first if ``keys[0]`` is ``self.id``, other keys, small
+        codes), then in journal order if ``journal``."""
+        bounds = [(k[rows], self.bound(k)) for k in keys]
+        if journal:
+            bounds.append((self.rank[rows], self.n))
+        ordered: np.ndarray = rows[_packed(bounds)]
+        return ordered
+
+    def bound(self, k: np.ndarray) -> int:
+        """The bound of the codes in ``k``: ids, keys, or any other small code (events, ranks)."""
+        if k is self.id:
+            return max(1, len(self.ids))
+        return max(1, len(self.keys), len(self.events), len(self.reasons), len(self.types), 8)
 
     def is_event(self, *names: str) -> np.ndarray:
         wanted = [i for i, e in enumerate(self.events) if e in names]
@@ -201,6 +235,12 @@ class _Bucket:
     def reason_in(self, names: Sequence[str]) -> np.ndarray:
         wanted = [i for i, r in enumerate(self.reasons) if r in names]
         return np.isin(self.reason, wanted)
+
+
+def _journal_rank(ts: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    rank = np.empty(len(ts), dtype=np.int64)
+    rank[np.lexsort((pos, ts))] = np.arange(len(ts))
+    return rank
 
 
 def _key_index(*columns: pa.ChunkedArray) -> tuple[dict[Any, int], list[Any]]:
@@ -242,6 +282,7 @@ def _bucket(records: pa.Table, changes: pa.Table) -> tuple[_Bucket, dict[str, np
         reason=reason,
         reasons=reasons,
         local=records["local"].fill_null(False).to_numpy(zero_copy_only=False),
+        rank=_journal_rank(records["ts"].to_numpy(), records["pos"].to_numpy()),
         role=role,
         roles=roles,
         app=app,
@@ -389,7 +430,7 @@ def analyze_bucket(records: pa.Table, changes: pa.Table) -> dict[str, pa.Table]:
 
     # app deliveries per (id, node, dst) of a published id
     rows = np.nonzero(b.is_event("delivered", "pulled") & b.app)[0]
-    order = rows[_by_group((b.id[rows], b.node[rows], b.dst[rows]), (b.ts[rows],))]
+    order = b.by(rows, b.id, b.node, b.dst)
     start = _group_starts(b.id[order], b.node[order], b.dst[order])
     firsts = order[start]
     times = np.diff(np.append(np.nonzero(start)[0], len(order)))
@@ -422,10 +463,9 @@ def analyze_bucket(records: pa.Table, changes: pa.Table) -> dict[str, pa.Table]:
         [_strings(b.keys, d_group), _doubles(d_latency)], schema=OUT_SCHEMAS["deliveries"]
     )
     out["residency"] = _residency(b)
-    out["undelivered"] = _undelivered(b, receipts)
-    out["lost"] = _lost(
-        b, sp, p_id, p_group, p_origin, p_ts, missing, (d_id, d_node, d_dst)
-    )
+    pairs = _last_rows(b, np.arange(b.n), b.id, b.node)
+    out["undelivered"] = _undelivered(b, receipts, pairs)
+    out["lost"] = _lost(b, sp, p_id, p_group, p_origin, p_ts, missing, (d_id, d_node, d_dst), pairs[2])
     return out
 
 
@@ -435,7 +475,7 @@ def _residency(b: _Bucket) -> pa.Table:
     recipient = np.where(forwarded, b.peer, b.dst)
     rows = np.nonzero(b.is_event("queued", "delivered", "forwarded", "expired") & (recipient >= 0))[0]
     queued_event = [i for i, e in enumerate(b.events) if e == "queued"]
-    order = rows[_by_group((b.node[rows], b.id[rows], recipient[rows]), (b.ts[rows], b.pos[rows]))]
+    order = b.by(rows, b.node, b.id, recipient)
     node, rid, rec = b.node[order], b.id[order], recipient[order]
     start = _group_starts(node, rid, rec)
     run = np.cumsum(start) - 1
@@ -461,18 +501,21 @@ def _residency(b: _Bucket) -> pa.Table:
 
 def _last_rows(b: _Bucket, rows: np.ndarray, *keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per run of ``keys`` among ``rows``: its rows sorted by (keys, ts, pos), the run starts, the last row."""
-    order = rows[_by_group([k[rows] for k in keys], (b.ts[rows], b.pos[rows]))]
+    order = b.by(rows, *keys)
     start = _group_starts(*[k[order] for k in keys])
     last = order[np.append(np.nonzero(start)[0][1:] - 1, len(order) - 1)] if len(order) else order
     return order, start, last
 
 
-def _undelivered(b: _Bucket, receipts: dict[str, np.ndarray]) -> pa.Table:
-    """:func:`stats.undelivered`: the (id, node) pairs with a received (not control) and no delivered record."""
+def _undelivered(
+    b: _Bucket, receipts: dict[str, np.ndarray], pairs: tuple[np.ndarray, np.ndarray, np.ndarray]
+) -> pa.Table:
+    """:func:`stats.undelivered`: the (id, node) pairs with a received (not control) and no delivered record
+    (``pairs``: :func:`_last_rows` of every record by id and node)."""
     control = [i for i, t in enumerate(b.types) if t == "control"]
     received = b.is_event("received") & (b.type >= 0) & ~np.isin(b.type, control)
     delivered = b.is_event("delivered")
-    order, start, last = _last_rows(b, np.arange(b.n), b.id, b.node)
+    order, start, last = pairs
     run = np.cumsum(start) - 1
     runs = int(run[-1]) + 1 if len(run) else 0
     has_r = np.bincount(run[received[order]], minlength=runs) > 0
@@ -499,13 +542,14 @@ def _undelivered(b: _Bucket, receipts: dict[str, np.ndarray]) -> pa.Table:
     )  # fmt: skip
 
 
-def _lookup(table: Sequence[np.ndarray], query: Sequence[np.ndarray]) -> np.ndarray:
-    """For each query row, the row of ``table`` (unique keys) with the same keys, or -1."""
+def _lookup(table: Sequence[np.ndarray], query: Sequence[np.ndarray], bounds: Sequence[int]) -> np.ndarray:
+    """For each query row, the row of ``table`` (unique keys, each below its bound in ``bounds``) with the same
+    keys, or -1."""
     n, m = len(table[0]), len(query[0])
     if not n or not m:
         return np.full(m, -1, dtype=np.int64)
     both = [np.concatenate((t, q)) for t, q in zip(table, query, strict=True)]
-    order = _by_group(both)
+    order = _packed(list(zip(both, bounds, strict=True)))
     code = np.empty(n + m, dtype=np.int64)
     code[order] = np.cumsum(_group_starts(*[k[order] for k in both])) - 1
     row_of = np.full(int(code.max()) + 1, -1, dtype=np.int64)
@@ -516,7 +560,7 @@ def _lookup(table: Sequence[np.ndarray], query: Sequence[np.ndarray]) -> np.ndar
 def _best(b: _Bucket, rank: np.ndarray, *keys: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     """Per run of ``keys`` among the rows with a ``rank`` (> 0): the keys and the greatest (rank, ts, pos) row."""
     rows = np.nonzero(rank > 0)[0]
-    order = rows[_by_group([k[rows] for k in keys], (rank[rows], b.ts[rows], b.pos[rows]))]
+    order = b.by(rows, *keys, rank)
     start = _group_starts(*[k[order] for k in keys])
     last = order[np.append(np.nonzero(start)[0][1:] - 1, len(order) - 1)] if len(order) else order
     return [k[last] for k in keys], last
@@ -531,6 +575,7 @@ def _lost(
     p_ts: np.ndarray,
     missing: np.ndarray,
     delivered: tuple[np.ndarray, np.ndarray, np.ndarray],
+    pairs: np.ndarray,
 ) -> pa.Table:
     """:func:`stats.missing_deliveries` and :func:`stats.lost_deliveries`."""
     # the subscribed spans of the short messages' groups at their publish times, less their deliveries
@@ -551,7 +596,8 @@ def _lost(
     msg = np.concatenate([p[0] for p in parts]) if parts else np.zeros(0, np.int64)
     span = np.concatenate([p[1] for p in parts]) if parts else np.zeros(0, np.int64)
     m_id, m_node, m_dst = p_id[msg], sp.node[span], sp.dst[span]
-    made = _lookup(delivered, (m_id, m_node, m_dst)) >= 0
+    idk, keyk = b.bound(b.id), b.bound(b.node)
+    made = _lookup(delivered, (m_id, m_node, m_dst), (idk, keyk, keyk)) >= 0
     msg, span, m_id, m_node, m_dst = msg[~made], span[~made], m_id[~made], m_node[~made], m_dst[~made]
     m_until = sp.until[span]
 
@@ -573,23 +619,23 @@ def _lost(
         ),
     )
     # per (id, node): the last record and the best candidate for everyone there
-    _, _, here_last = _last_rows(b, np.arange(b.n), b.id, b.node)
-    here = _lookup((b.id[here_last], b.node[here_last]), (m_id, m_node))
+    here_last = pairs
+    here = _lookup((b.id[here_last], b.node[here_last]), (m_id, m_node), (idk, keyk))
     here_row = here_last[np.where(here >= 0, here, 0)]
     (a_id, a_node), a_row = _best(b, rank_all, b.id, b.node)
-    c_all = _lookup((a_id, a_node), (m_id, m_node))
+    c_all = _lookup((a_id, a_node), (m_id, m_node), (idk, keyk))
     (s_id, s_node, s_dst), s_row = _best(b, rank_dst, b.id, b.node, b.dst)
-    c_dst = _lookup((s_id, s_node, s_dst), (m_id, m_node, m_dst))
+    c_dst = _lookup((s_id, s_node, s_dst), (m_id, m_node, m_dst), (idk, keyk, keyk))
     fw = np.nonzero(b.is_event("forwarded") & (b.peer >= 0))[0]
     _, f_start, f_last = _last_rows(b, fw, b.id, b.peer)
     f_counts = np.diff(np.append(np.nonzero(f_start)[0], len(f_start)))
-    f_at = _lookup((b.id[f_last], b.peer[f_last]), (m_id, m_node))
+    f_at = _lookup((b.id[f_last], b.peer[f_last]), (m_id, m_node), (idk, keyk))
     forwarded_to = np.where(f_at >= 0, f_counts[np.where(f_at >= 0, f_at, 0)], 0)
-    _, _, any_last = _last_rows(b, np.arange(b.n), b.id)
-    anywhere = any_last[_lookup((b.id[any_last],), (m_id,))]
+    _, _, any_last = _last_rows(b, pairs, b.id)  # the last of the last records at each router
+    anywhere = any_last[_lookup((b.id[any_last],), (m_id,), (idk,))]
     way = (dropped | refused) & no_dst & lossy
     (u_id,), u_row = _best(b, np.where(way, np.where(dropped, 2, 1), 0), b.id)
-    u = _lookup((u_id,), (m_id,))
+    u = _lookup((u_id,), (m_id,), (idk,))
     u_row = u_row[np.where(u >= 0, u, 0)]
 
     # the cause: the greatest of the candidates by (rank, ts, pos)
