@@ -68,11 +68,17 @@ def test_the_reply_of_an_edge_app_the_app_wrote_to_is_no_strangers(tmp_path: Pat
     reply = unicast(Y, ALICE, b"hi alice", now=h.now)
     out = h.receive(e, reply)
     assert out.refusals() == [] and [t.id for t in out.traces("queued")] == [reply.id]
-    # A key ALICE never wrote to, through the same edge node, is a stranger: nothing in a share of 0.
+    # A key ALICE never wrote to, from a node nobody configured, is a stranger: nothing in a share of 0.
+    stranger = ident("stranger")
+    cold = unicast(stranger, ALICE, b"hello?", now=h.now)
+    assert [(x.id, x.reason) for x in h.receive(h.open(stranger, local=False), cold).refusals()] == [
+        (cold.id, Reason.QUOTA)
+    ]
+    # Another app of the edge node, through it, is vouched for by it (as this router's own apps are by it).
     other = ident("other-edge-app")
     h.receive(e, control(EDGE, X, Register((Y.public, other.public)), now=h.now))
-    cold = unicast(other, ALICE, b"hello?", now=h.now)
-    assert [(x.id, x.reason) for x in h.receive(e, cold).refusals()] == [(cold.id, Reason.QUOTA)]
+    warm = unicast(other, ALICE, b"hello", now=h.now)
+    assert h.receive(e, warm).refusals() == []
     # The contact survives a restart (it is stored).
     h.restart()
     assert h.receive(h.open(EDGE, local=False), unicast(Y, ALICE, b"again", now=h.now)).refusals() == []
@@ -94,9 +100,38 @@ def test_the_reply_to_an_app_of_another_edge_node_that_wrote_to_it_is_no_strange
     for m in replies:
         out = h.receive(e2, m)
         assert out.refusals() == [] and [t.id for t in out.traces("queued")] == [m.id]
-    cold = unicast(ident("edge-2-other"), Y, b"hello?", now=h.now)  # one Y never wrote to: a stranger
-    h.receive(e2, control(edge2, X, Register((p.public, cold.header.src)), now=h.now))
-    assert [(x.id, x.reason) for x in h.receive(e2, cold).refusals()] == [(cold.id, Reason.QUOTA)]
+    stranger = ident("stranger")  # a key Y never wrote to, from a node nobody configured: a stranger
+    cold = unicast(stranger, Y, b"hello?", now=h.now)
+    assert [(x.id, x.reason) for x in h.receive(h.open(stranger, local=False), cold).refusals()] == [
+        (cold.id, Reason.QUOTA)
+    ]
+
+
+def test_a_stranger_cannot_crowd_an_edge_apps_unicast_out_of_another_edges_queue(tmp_path: Path) -> None:
+    """(From a two-tier black-box review.) At a core, X (an app of the edge node EDGE) writes to P (an app of
+    EDGE2, which is away). A key nobody configured first fills the strangers' share of EDGE2's queue; X's
+    messages, which come through the edge node that registered X, are still taken - they were refused ``quota``
+    when the core judged X by its key alone (an edge's apps were strangers at their core)."""
+    edge2, p = ident("edge-2"), ident("edge-2-app")
+    cfg = CoreConfig(queue_max_count=10, stranger_share=0.2, edge_nodes=frozenset({EDGE.public, edge2.public}))
+    h = CoreHarness(tmp_path / "x", X, cfg)
+    e, e2 = h.open(EDGE, local=False), h.open(edge2, local=False)
+    h.receive(e, control(EDGE, X, Register((Y.public,)), now=h.now))
+    h.receive(e2, control(edge2, X, Register((p.public,)), now=h.now))
+    h.close(e2)  # away: what is sent to P is queued for EDGE2
+    stranger = ident("stranger")
+    sc = h.open(stranger, local=False)
+    flood = [unicast(stranger, p, b"spam %d" % k, now=h.now) for k in range(3)]
+    refused = [x.id for m in flood for x in h.receive(sc, m).refusals()]
+    assert refused == [flood[2].id]  # its share of 10 entries is 2
+    mine = [unicast(Y, p, b"from Y %d" % k, now=h.now) for k in range(3)]
+    for m in mine:
+        out = h.receive(e, m)
+        assert out.refusals() == [] and [t.id for t in out.traces("queued")] == [m.id]
+    # ... and a key EDGE never registered, through EDGE, is still a stranger (the edge vouches for its apps only)
+    unknown = ident("not-registered")
+    late = unicast(unknown, p, b"?", now=h.now)
+    assert [(x.id, x.reason) for x in h.receive(e, late).refusals()] == [(late.id, Reason.QUOTA)]
 
 
 @pytest.mark.parametrize("together", [False, True], ids=["one by one", "as a run"])

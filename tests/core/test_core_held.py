@@ -157,7 +157,9 @@ def test_the_hold_is_a_queue_within_its_quota(tmp_path: Path) -> None:
     cfg = CoreConfig(edge_nodes=frozenset({EDGE1.public, EDGE2.public}), queue_max_count=4, stranger_share=0.5)
     h = CoreHarness(tmp_path / "x", X, cfg)
     e1 = edge1_with_a(h)
-    held(h, e1, 2)  # a stranger's (Y never wrote to A): 2 of 4 * 0.5
+    # A is an app of EDGE1, which registered it and hands its messages over: no stranger's (the edge node
+    # vouches for it), so the whole queue of 4, not the strangers' share of it
+    held(h, e1, 4)
     m = unicast(A, Y, b"one too many", now=h.now)
     h.expect_refused(h.receive(e1, m), e1, m.id, Reason.QUOTA)
 

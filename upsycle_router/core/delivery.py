@@ -261,7 +261,7 @@ class Delivery:
             if h.dst != c.peer or h.src == s.id:
                 return 0
             group = None
-            stranger = msg.via is not None and s.stranger(h.src, h.dst)  # (its share, as when it was routed)
+            stranger = msg.via is not None and s.stranger(h.src, h.dst, msg.via)  # (its share, as when routed)
         else:
             group = h.grp
             members = s.subs.get(group)

@@ -156,7 +156,7 @@ class Held:
         s = self.s
         self._now = now
         why = self.delivery.enqueue(h.dst, msg, None, msg.encode(), size, now, out, kind=UNICAST,
-                                    stranger=s.stranger(h.src, h.dst), remote=True, origin=c)  # fmt: skip
+                                    stranger=s.stranger(h.src, h.dst, msg.via), remote=True, origin=c)  # fmt: skip
         if why is None:
             if h.dst not in s.held:
                 s.held.add(h.dst)
@@ -239,8 +239,9 @@ class Held:
         for e in entries:
             stored = store.get_message(e.id)
             if stored is not None:
-                h = _unicast_header(stored.data)
-                stranger = h is not None and s.stranger(h.src, h.dst)
+                m = _decode(stored.data)
+                h = m.header if m is not None and isinstance(m.header, UnicastHeader) else None
+                stranger = h is not None and m is not None and s.stranger(h.src, h.dst, m.via)
                 store.enqueue(router, e.id, e.expires, e.size, stranger=stranger)
                 if h is not None and h.dst == key:
                     s.contact(h.src, h.dst)  # (as for a message routed on at once)

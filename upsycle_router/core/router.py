@@ -252,7 +252,7 @@ class Router:
                 continue
             elif h.dst == peer or peer == s.served_by(h.dst):
                 self._deliver(peer, msg, None, size, now, out, kind=UNICAST, data=data,
-                              stranger=remote and s.stranger(h.src, h.dst), remote=remote, taken=True)
+                              stranger=remote and s.stranger(h.src, h.dst, msg.via), remote=remote, taken=True)
             else:
                 self._to_router(peer, msg, None, size, now, out, kind=UNICAST, taken=True)
 
@@ -675,7 +675,7 @@ class Router:
             if not remote and msg.via is not None:  # (a local sender's VIA routes nothing here: not passed on as
                 msg = msg.with_via(None)  # if the message had come through that router)
             # A stranger: a remote sender the router was never told to trust, to whom the recipient never wrote.
-            stranger = remote and s.stranger(h.src, h.dst)
+            stranger = remote and s.stranger(h.src, h.dst, msg.via)
             why = self._deliver(h.dst, msg, None, size, now, out, kind=UNICAST, stranger=stranger,
                                 remote=remote, origin=c)
             if why is not None:
@@ -689,7 +689,7 @@ class Router:
                 self._refuse(c, msg.id, Reason.TOO_LARGE, 0, now, out, kind, None, size, h.src, h.dst)
                 return
             remote = not c.local
-            stranger = remote and s.stranger(h.src, h.dst)
+            stranger = remote and s.stranger(h.src, h.dst, msg.via)
             why = self._deliver(edge, msg, None, size, now, out, kind=UNICAST, stranger=stranger,
                                 remote=remote, origin=c)
             if why is not None:

@@ -378,11 +378,15 @@ class RouterState:
             return min(upstream)
         return None
 
-    def stranger(self, src: bytes, dst: bytes) -> bool:
-        """Whether a message ``src`` sent from a remote node to ``dst`` is a stranger's: ``src`` is no key the
-        router was told to trust (local service, configured peer, edge or core node) and ``dst`` never wrote to
-        it (fair queues: strangers fill only their share)."""
-        return src not in self.locals and src not in self.trusted and (dst, src) not in self.contacts
+    def stranger(self, src: bytes, dst: bytes, via: bytes | None = None) -> bool:
+        """Whether a message ``src`` sent from a remote node to ``dst`` (arriving from the router ``via``) is a
+        stranger's: ``src`` is no key the router was told to trust (local service, configured peer, edge or core
+        node), ``dst`` never wrote to it, and it is no app of the edge node it came through (a key that edge node
+        registered here, which vouches for it as this router does for its own local apps) - fair queues:
+        strangers fill only their share."""
+        if src in self.locals or src in self.trusted or (dst, src) in self.contacts:
+            return False
+        return via is None or self.served_by(src) != via
 
     def served_by(self, key: bytes) -> bytes | None:
         """The edge router serving ``key`` (it REGISTERed it here), if any."""
