@@ -90,3 +90,16 @@ def test_a_failed_task_leaves_the_tables_to_spark(
     for table in TABLES:
         got = table_rows(spark, tmp_path / "out" / f"{table}.parquet")
         assert got == table_rows(spark, tmp_path / "twin" / f"{table}.parquet"), table
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 100, 4999])
+def test_nearest_rank_is_sparks_percentile_below_its_exact_limit(spark: SparkSession, n: int) -> None:  # noqa: F811
+    """Below ``ACCURACY / 2`` values Spark's ``percentile_approx`` is exact: the twin's exact percentiles are the
+    same values there (ties and repeated values included), at the report's fractions and the CDF's."""
+    rng = random.Random(n)
+    values = [round(rng.choice([rng.uniform(0, 50), float(rng.randrange(5))]), 3) for _ in range(n)]
+    fractions = [0.5, 0.9, 0.99] + [i / stats.CDF_STEPS for i in range(1, stats.CDF_STEPS + 1)]
+    df = spark.createDataFrame([(v,) for v in values], "v double")
+    want = df.agg(F.percentile_approx("v", fractions, stats.PERCENTILE_ACCURACY).alias("q")).collect()[0]["q"]
+    assert vector.nearest_rank(np.sort(np.array(values)), fractions) == want
+    assert vector.ACCURACY == stats.PERCENTILE_ACCURACY

@@ -310,15 +310,20 @@ def _cdf(deliveries: DataFrame, per_message: PerMessage, groups: list[str]) -> d
         return cdf
     quantiles_of = stats.cdf_quantiles(deliveries, per_message.group_values(groups))
     for row in per_message.hex(quantiles_of, "group").collect():
-        points = cdf[row["group"]]
-        quantiles = row["q"] or []
-        for i, value in enumerate(quantiles):
-            fraction = (i + 1) / len(quantiles)
-            if points and points[-1][0] == value:
-                points[-1] = (float(value), fraction)
-            else:
-                points.append((float(value), fraction))
+        cdf[row["group"]] = _cdf_points(row["q"] or [])
     return cdf
+
+
+def _cdf_points(quantiles: list[Any]) -> list[tuple[float, float]]:
+    """Step points (latency, fraction reached) of the quantiles at 1/n, 2/n, ... 1."""
+    points: list[tuple[float, float]] = []
+    for i, value in enumerate(quantiles):
+        fraction = (i + 1) / len(quantiles)
+        if points and points[-1][0] == value:
+            points[-1] = (float(value), fraction)
+        else:
+            points.append((float(value), fraction))
+    return points
 
 
 class PerMessage:
@@ -328,10 +333,11 @@ class PerMessage:
 
     def __init__(
         self, tables: tuple[DataFrame, DataFrame, DataFrame, DataFrame], keys: stats.KeyForm | None,
-        kept: list[DataFrame], scratch: Path | None = None, counts: Any = None,
+        kept: list[DataFrame], scratch: Path | None = None, counts: Any = None, summary: Any = None,
     ) -> None:  # fmt: skip
         self.tables = tables
         self.counts = counts  # the Arrow twin's vector.Counts
+        self.summary: dict[str, Any] | None = summary  # and its summaries (vector.summarize)
         self.keys = keys  # None: the keys are hex already
         self.kept = kept
         self.scratch = scratch
@@ -448,6 +454,10 @@ def _vector_tables(spark: SparkSession, outputs: Outputs, parts: list[str], prog
         remove_local(Path(path))
     try:
         counts = vector.run(parts, out, str(scratch), buckets, spark.sparkContext.defaultParallelism, PROBLEM_KINDS)
+        summary = vector.run_tasks(
+            [{"task": "summary", "out": out, "scratch": str(scratch), "plotted": MAX_PLOTTED_GROUPS,
+              "lost_rows": MAX_LOST_ROWS, "cdf_steps": stats.CDF_STEPS}], 1,
+        )[0]  # fmt: skip
     except vector.VectorError as exc:
         for path in [*written, str(scratch)]:
             remove_local(Path(path))
@@ -462,7 +472,64 @@ def _vector_tables(spark: SparkSession, outputs: Outputs, parts: list[str], prog
             ("residency", str(scratch / "residency")), ("lost", written[2]),
         )
     )  # fmt: skip
-    return PerMessage(tables, None, [], scratch, counts)  # type: ignore[arg-type]
+    return PerMessage(tables, None, [], scratch, counts, summary)  # type: ignore[arg-type]
+
+
+Summary = tuple[
+    list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], dict[str, int], list[dict[str, Any]],
+    dict[str, list[tuple[float, float]]],
+]
+"""The group rows, node rows, overall residency percentiles, lost deliveries by cause, the first lost ones and
+the plotted CDFs: what ``summary.json`` and the report are made of besides the counts."""
+
+
+def _spark_summary(per_message: PerMessage, outputs: Outputs, progress: Progress) -> Summary:
+    """The group and node tables written, and the summary's parts, by Spark (:mod:`stats`)."""
+    messages, deliveries, residency, lost = per_message.tables
+    groups = outputs.write(
+        per_message.hex(stats.group_stats(messages, deliveries), "group").orderBy("group"), "group_stats", progress
+    )
+    per_node = outputs.write(
+        per_message.hex(stats.residency_by_node(residency), "node").orderBy("node"), "queue_residency", progress
+    )
+    progress("collecting the summary")
+    group_rows = _rows(groups)
+    node_rows = _rows(per_node)
+    overall = residency.agg(*stats.percentiles(stats.RESIDENCY_PERCENTILES, "residency_ms")).collect()
+    lost_by_cause = {
+        r["cause"]: int(r["n"]) for r in lost.groupBy("cause").agg(F.count(F.lit(1)).alias("n")).collect()
+    }
+    lost_rows = _rows(lost.orderBy("published_ts", "id", "node", "dst").limit(MAX_LOST_ROWS))
+    top = sorted(group_rows, key=lambda g: (-int(g["delivered"]), g["group"]))[:MAX_PLOTTED_GROUPS]
+    cdf = _cdf(deliveries, per_message, [g["group"] for g in top if int(g["delivered"]) > 0])
+    return group_rows, node_rows, overall[0].asDict() if overall else {}, lost_by_cause, lost_rows, cdf
+
+
+GROUP_STATS_SCHEMA = (
+    "group string, published long, expected long, delivered long, redeliveries long, duplicate_events long, "
+    "forwards long, expected_delivered long, missing long, lost_messages long, latency_p50_ms double, "
+    "latency_p90_ms double, latency_p99_ms double, latency_max_ms double, delivery_ratio double, duplicates long, "
+    "forwards_per_delivery double"
+)
+RESIDENCY_SCHEMA = (
+    "node string, queued long, delivered long, forwarded long, expired long, pending long, residency_p50_ms double, "
+    "residency_p99_ms double, residency_max_ms double"
+)
+
+
+def _twin_summary(spark: SparkSession, summary: dict[str, Any], outputs: Outputs, progress: Progress) -> Summary:
+    """The group and node tables written, and the summary's parts, from the Arrow twin's summaries
+    (:func:`~upsycle_router.analytics.vector.summarize`)."""
+
+    def table(rows: list[dict[str, Any]], schema: str, name: str) -> None:
+        columns = [c.split()[0] for c in schema.split(", ")]
+        outputs.write(spark.createDataFrame([tuple(r[c] for c in columns) for r in rows], schema), name, progress)
+
+    table(summary["groups"], GROUP_STATS_SCHEMA, "group_stats")
+    table(summary["nodes"], RESIDENCY_SCHEMA, "queue_residency")
+    cdf = {g: _cdf_points(q) for g, q in summary["cdf"].items()}
+    return (summary["groups"], summary["nodes"], summary["residency"], summary["lost_by_cause"], summary["lost"],
+            cdf)  # fmt: skip
 
 
 def run_analyze(
@@ -527,24 +594,14 @@ def _analyze_into(spark: SparkSession, inputs: Inputs, outputs: Outputs, progres
         per_message = _spark_tables(spark, events, good, partitions, outputs, progress, int(totals_row["events"]))
     outputs.write(stats.bad_lines(events), "bad_lines", progress)
     try:
-        messages, deliveries, residency, lost = per_message.tables
-        groups = outputs.write(
-            per_message.hex(stats.group_stats(messages, deliveries), "group").orderBy("group"), "group_stats", progress
-        )
-        per_node = outputs.write(
-            per_message.hex(stats.residency_by_node(residency), "node").orderBy("node"), "queue_residency", progress
-        )
-
-        progress("collecting the summary")
-        group_rows = _rows(groups)
-        node_rows = _rows(per_node)
-        overall = residency.agg(*stats.percentiles(stats.RESIDENCY_PERCENTILES, "residency_ms")).collect()
-        lost_by_cause = {
-            r["cause"]: int(r["n"]) for r in lost.groupBy("cause").agg(F.count(F.lit(1)).alias("n")).collect()
-        }
-        lost_rows = _rows(lost.orderBy("published_ts", "id", "node", "dst").limit(MAX_LOST_ROWS))
-        top = sorted(group_rows, key=lambda g: (-int(g["delivered"]), g["group"]))[:MAX_PLOTTED_GROUPS]
-        cdf = _cdf(deliveries, per_message, [g["group"] for g in top if int(g["delivered"]) > 0])
+        if per_message.summary is not None:
+            group_rows, node_rows, overall, lost_by_cause, lost_rows, cdf = _twin_summary(
+                spark, per_message.summary, outputs, progress
+            )
+        else:
+            group_rows, node_rows, overall, lost_by_cause, lost_rows, cdf = _spark_summary(
+                per_message, outputs, progress
+            )
     finally:
         per_message.close()
 
@@ -565,7 +622,7 @@ def _analyze_into(spark: SparkSession, inputs: Inputs, outputs: Outputs, progres
         drops_by_node=_rows(drops),
         expired_by_node=_rows(expired),
         residency_by_node=node_rows,
-        residency=overall[0].asDict() if overall else {},
+        residency=overall,
         bad_lines=sum(bad_by_problem.values()),
         bad_by_problem=bad_by_problem,
         totals=totals,

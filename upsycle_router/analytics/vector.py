@@ -31,15 +31,21 @@ module computes the same tables, column at a time, for local inputs with a local
    tests run both on the same inputs and compare every table row for row.
 
 The per-bucket tables are written as Parquet parts of ``messages``, ``undelivered`` and ``lost`` (keys in hex,
-the reference's columns and types), and of two inner tables Spark reads for what needs a whole group or node:
-the app deliveries (group and latency, for the percentiles) and the queue entries (node, resolution,
-residency). Durations are rounded as Spark's ``round`` rounds a double: half up, on the shortest decimal form
-of the value (:func:`millis`).
+the reference's columns and types), and of two inner tables for what needs a whole group or node: the app
+deliveries (group and latency) and the queue entries (node, resolution, residency). Durations are rounded as
+Spark's ``round`` rounds a double: half up, on the shortest decimal form of the value (:func:`millis`).
+
+3. **Summaries** (:func:`summarize`, one task): ``group_stats`` and ``queue_residency`` rows, the overall
+   residency percentiles, the lost deliveries by cause and the first of them, and the CDF quantiles of the
+   busiest groups, from those tables (a row per message, app delivery and queue entry). Percentiles are exact
+   (:func:`nearest_rank`): Spark's ``percentile_approx`` gives the same below ``ACCURACY / 2`` values per key
+   and is within its rank error of them above.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -686,6 +692,110 @@ def _lost(
     )  # fmt: skip
 
 
+# --- the summaries, from the per-bucket tables ----------------------------------------------------------
+
+ACCURACY = 10_000
+"""Spark's ``percentile_approx`` accuracy in the reference (:data:`stats.PERCENTILE_ACCURACY`)."""
+
+
+def nearest_rank(values: np.ndarray, fractions: Sequence[float]) -> list[float | None]:
+    """The nearest-rank percentiles of the sorted ``values`` at ``fractions``: the value of rank ``ceil(q * n)``
+    (at least 1) - what Spark's ``percentile_approx`` returns while its summary is exact (below
+    ``ACCURACY / 2`` values), and a rank error of none above that (its bound is about ``n / ACCURACY``). A
+    fraction within ``1 / ACCURACY`` of 1 is the maximum, as there."""
+    n = len(values)
+    if not n:
+        return [None for _ in fractions]
+    out: list[float | None] = []
+    for q in fractions:
+        if q >= 1.0 - 1.0 / ACCURACY:
+            out.append(float(values[-1]))
+        elif q <= 1.0 / ACCURACY:
+            out.append(float(values[0]))
+        else:
+            out.append(float(values[min(n, max(1, math.ceil(q * n))) - 1]))
+    return out
+
+
+def _per_key_sorted(table: pa.Table, key: str, value: str) -> dict[Any, np.ndarray]:
+    """Each ``key``'s non-null ``value``s, sorted (one sort of all of them by key code and value)."""
+    t = table.filter(pc.is_valid(table[value])).unify_dictionaries()
+    if not t.num_rows:
+        return {}
+    codes, names = _codes(t[key])
+    values = t[value].to_numpy()
+    order = np.lexsort((values, codes))
+    codes, values = codes[order], values[order]
+    starts = np.flatnonzero(_group_starts(codes))
+    ends = np.append(starts[1:], len(codes))
+    return {names[codes[a]] if codes[a] >= 0 else None: values[a:z] for a, z in zip(starts, ends, strict=True)}
+
+
+MESSAGE_SUMS = ("expected", "delivered", "redeliveries", "duplicate_events", "forwards", "expected_delivered",
+                "missing")  # fmt: skip
+
+
+def summarize(out: str, scratch: str, plotted: int, lost_rows: int, cdf_steps: int) -> dict[str, Any]:
+    """:func:`stats.group_stats`, :func:`stats.residency_by_node`, the overall residency percentiles, the lost
+    deliveries by cause and the first ``lost_rows`` of them, and the CDF quantiles of the ``plotted`` groups
+    with the most deliveries, from the twin's tables (small: a row per message, app delivery, queue entry)."""
+    messages = pq.read_table(f"{out}/messages.parquet", columns=["group", *MESSAGE_SUMS])
+    deliveries = pq.read_table(f"{scratch}/deliveries", read_dictionary=["group"]).unify_dictionaries()
+    residency = pq.read_table(f"{scratch}/residency", read_dictionary=["node", "resolution"]).unify_dictionaries()
+    lost = pq.read_table(f"{out}/lost.parquet")
+
+    latencies = _per_key_sorted(deliveries, "group", "latency_ms")
+    lost_flag = pc.cast(pc.greater(messages["missing"], 0), pa.int64())
+    sums = messages.append_column("_lost", lost_flag).group_by("group").aggregate(
+        [("group", "count"), *[(c, "sum") for c in MESSAGE_SUMS], ("_lost", "sum")]
+    )
+    groups: list[dict[str, Any]] = []
+    for row in sorted(sums.to_pylist(), key=lambda r: r["group"]):
+        lat = latencies.get(row["group"], np.zeros(0))
+        p50, p90, p99 = nearest_rank(lat, (0.5, 0.9, 0.99))
+        delivered, expected = int(row["delivered_sum"]), int(row["expected_sum"])
+        groups.append({
+            "group": row["group"], "published": int(row["group_count"]),
+            **{c: int(row[f"{c}_sum"]) for c in MESSAGE_SUMS}, "lost_messages": int(row["_lost_sum"]),
+            "latency_p50_ms": p50, "latency_p90_ms": p90, "latency_p99_ms": p99,
+            "latency_max_ms": float(lat[-1]) if len(lat) else None,
+            "delivery_ratio": delivered / expected if expected > 0 else None,
+            "duplicates": int(row["duplicate_events_sum"]) + int(row["redeliveries_sum"]),
+            "forwards_per_delivery": int(row["forwards_sum"]) / delivered if delivered > 0 else None,
+        })  # fmt: skip
+
+    resolved = _per_key_sorted(residency, "node", "residency_ms")
+    counts = residency.group_by(["node", "resolution"], use_threads=False).aggregate([([], "count_all")])
+    per: dict[Any, dict[str | None, int]] = {}
+    for r in counts.to_pylist():
+        per.setdefault(r["node"], {})[r["resolution"]] = int(r["count_all"])
+    nodes: list[dict[str, Any]] = []
+    for node in sorted(per):
+        c, values = per[node], resolved.get(node, np.zeros(0))
+        p50, p99 = nearest_rank(values, (0.5, 0.99))
+        nodes.append({
+            "node": node, "queued": sum(c.values()), "delivered": c.get("delivered", 0),
+            "forwarded": c.get("forwarded", 0), "expired": c.get("expired", 0), "pending": c.get(None, 0),
+            "residency_p50_ms": p50, "residency_p99_ms": p99,
+            "residency_max_ms": float(values[-1]) if len(values) else None,
+        })  # fmt: skip
+    everything = np.sort(residency["residency_ms"].drop_null().to_numpy())
+    p50, p99 = nearest_rank(everything, (0.5, 0.99))
+    overall = {"p50": p50, "p99": p99, "p100": float(everything[-1]) if len(everything) else None}
+
+    by_cause = {str(r["cause"]): int(r["count_all"]) for r in
+                lost.group_by("cause").aggregate([([], "count_all")]).to_pylist()}  # fmt: skip
+    order = pc.sort_indices(lost, sort_keys=[(c, "ascending") for c in ("published_ts", "id", "node", "dst")])
+    first_lost = lost.take(order.slice(0, lost_rows)).to_pylist()
+
+    top = sorted(groups, key=lambda g: (-int(g["delivered"]), g["group"]))[:plotted]
+    fractions = [i / cdf_steps for i in range(1, cdf_steps + 1)]
+    cdf = {g["group"]: nearest_rank(latencies[g["group"]], fractions) for g in top
+           if int(g["delivered"]) > 0 and g["group"] in latencies}  # fmt: skip
+    return {"groups": groups, "nodes": nodes, "residency": overall, "lost_by_cause": by_cause,
+            "lost": first_lost, "cdf": cdf}  # fmt: skip
+
+
 # --- the two passes, in worker processes ------------------------------------------------------------------
 
 BUCKET_DIGITS = 15
@@ -821,7 +931,8 @@ def main() -> None:
         task = json.loads(line)
         kind = task.pop("task")
         try:
-            result = bucket_part(**task) if kind == "bucket" else analyze_part(**task)
+            runners: dict[str, Any] = {"bucket": bucket_part, "analyze": analyze_part, "summary": summarize}
+            result = runners[kind](**task)
             answer: dict[str, Any] = {"ok": result}
         except Exception as exc:  # noqa: BLE001 - reported to the job, which falls back to Spark
             answer = {"error": f"{type(exc).__name__}: {exc}"}
