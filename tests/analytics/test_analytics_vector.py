@@ -9,11 +9,13 @@ what happens when a task of it fails (Spark computes the tables; nothing of the 
 from __future__ import annotations
 
 import io
+import json
 import random
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from analytics_fixtures import SMALL, spark, table_rows  # noqa: F401 - the shared session fixture
 from pyspark.sql import SparkSession
@@ -103,3 +105,20 @@ def test_nearest_rank_is_sparks_percentile_below_its_exact_limit(spark: SparkSes
     want = df.agg(F.percentile_approx("v", fractions, stats.PERCENTILE_ACCURACY).alias("q")).collect()[0]["q"]
     assert vector.nearest_rank(np.sort(np.array(values)), fractions) == want
     assert vector.ACCURACY == stats.PERCENTILE_ACCURACY
+
+
+def test_what_a_killed_run_left_in_the_scratch_directory_is_not_read(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
+    """A run killed during the twin leaves ``OUT/_vector`` behind (more buckets than the next run makes, say):
+    the next run starts it afresh, and its tables are those of a clean run."""
+    clean = tmp_path / "clean"
+    run_analyze(spark, [SMALL], clean, Progress("t", enabled=False))
+    out = tmp_path / "out"
+    stale = out / "_vector" / "deliveries"
+    stale.mkdir(parents=True)
+    group = pq.read_table(clean / "group_stats.parquet")["group"][0].as_py()  # a real group, a latency it never had
+    pq.write_table(pa.table({"group": [group], "latency_ms": [1e9]}), stale / "part-vector-00099.parquet")
+    analysis = run_analyze(spark, [SMALL], out, Progress("t", enabled=False))
+    assert not (out / "_vector").exists()
+    for table in TABLES:
+        assert table_rows(spark, out / f"{table}.parquet") == table_rows(spark, clean / f"{table}.parquet"), table
+    assert "1000000000.0" not in json.dumps(analysis.summary)

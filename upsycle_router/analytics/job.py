@@ -450,7 +450,7 @@ def _vector_tables(spark: SparkSession, outputs: Outputs, parts: list[str], prog
     buckets = _partitions(spark, vector.row_count(parts))
     progress(f"counting the events and their per-message tables with Arrow, in {buckets} buckets")
     outputs.writing(*written, str(scratch))
-    for path in written:
+    for path in [*written, str(scratch)]:  # (a scratch directory left by a run that was killed: not read)
         remove_local(Path(path))
     try:
         counts = vector.run(parts, out, str(scratch), buckets, spark.sparkContext.defaultParallelism, PROBLEM_KINDS)
