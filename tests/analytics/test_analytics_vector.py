@@ -21,7 +21,7 @@ from analytics_fixtures import SMALL, spark, table_rows  # noqa: F401 - the shar
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from upsycle_router.analytics import stats, vector
+from upsycle_router.analytics import bucket, stats, vector
 from upsycle_router.analytics.job import TABLES, Progress, run_analyze, vector_parts
 from upsycle_router.analytics.session import VECTOR
 from upsycle_router.analytics.sources import discover
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.spark
 
 
 def test_millis_rounds_as_spark_rounds(spark: SparkSession) -> None:  # noqa: F811
-    """``vector.millis`` against Spark's ``round(x * 1000.0, 3)`` (``stats.millis``) on differences of Unix
+    """``bucket.millis`` against Spark's ``round(x * 1000.0, 3)`` (``stats.millis``) on differences of Unix
     times in whole milliseconds and microseconds (ties everywhere), random ones, and negative ones."""
     rng = random.Random(5)
     base = 1795324800.0
@@ -45,7 +45,7 @@ def test_millis_rounds_as_spark_rounds(spark: SparkSession) -> None:  # noqa: F8
     pairs += [(k + j * 5e-7, float(k)) for j in range(1, 2000) for k in (0, 7)]  # half-microsecond steps: ties
     df = spark.createDataFrame(pairs, "later double, earlier double")
     want = [r["m"] for r in df.select(stats.millis(F.col("later"), F.col("earlier")).alias("m")).collect()]
-    got = vector.millis(np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]))
+    got = bucket.millis(np.array([p[0] for p in pairs]), np.array([p[1] for p in pairs]))
     assert [float(x) for x in got] == want
     # The sample holds the cases a binary rounding gets wrong (ties of the decimal form, half-even, negatives).
     x = (np.array([p[0] for p in pairs]) - np.array([p[1] for p in pairs])) * 1000.0

@@ -433,7 +433,7 @@ def vector_parts(spark: SparkSession, inputs: Inputs, out: str | Path) -> list[s
 
 
 def _spark_schema(schema: Any) -> T.StructType:
-    """The Spark schema of an Arrow schema of :data:`~upsycle_router.analytics.vector.OUT_SCHEMAS`."""
+    """The Spark schema of an Arrow schema of :data:`~upsycle_router.analytics.bucket.OUT_SCHEMAS`."""
     kinds = {"string": T.StringType(), "double": T.DoubleType(), "int64": T.LongType(), "bool": T.BooleanType()}
     return T.StructType([T.StructField(f.name, kinds[str(f.type)]) for f in schema])
 
