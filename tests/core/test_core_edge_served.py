@@ -252,3 +252,24 @@ def test_a_group_message_too_large_for_the_core_with_via_is_refused_for_it(tmp_p
     fits = multicast(G, BODY[:-40], now=h.now)
     out = h.receive(a, fits)
     assert out.refusals(a) == [] and out.sends(k)
+
+
+def test_a_group_message_is_queued_once_for_an_away_member_router(tmp_path: Path) -> None:
+    """(From a two-tier black-box review.) EDGE is a member of G here (it JOINed for its apps) and away. A group
+    message ALICE publishes is queued for it; the local pub/sub service, a mesh peer of EDGE's, passes the same
+    message on with VIA = EDGE - a duplicate of what is queued, taken as such (traced ``duplicate``), not a
+    second queue entry (each message was queued twice, so the edge's queue held half its ``max_count``)."""
+    h = harness(tmp_path)
+    e = h.open(EDGE, local=False)
+    assert h.receive(e, control(EDGE, X, Join(G.public, False), now=h.now)).replies(e)
+    h.close(e)
+    a, svc = h.open(ALICE), h.open(ident("pubsub-service"))
+    m = multicast(G, b"news", now=h.now)
+    assert h.receive(a, m).refusals() == [] and h.store.queue_usage(EDGE.public)[0] == 1
+    out = h.receive(svc, m.with_via(EDGE.public))
+    assert out.refusals() == [] and [t.id for t in out.traces("duplicate")] == [m.id]
+    assert h.store.queue_usage(EDGE.public)[0] == 1
+    # A message this router never took, passed on with VIA = EDGE, is queued for it as before.
+    other = multicast(G, b"gossip from elsewhere", now=h.now)
+    assert h.receive(svc, other.with_via(EDGE.public)).refusals() == []
+    assert h.store.queue_usage(EDGE.public)[0] == 2

@@ -822,6 +822,13 @@ class Router:
             if not s.reachable(msg.via):
                 self._dropped(c, ref, Why.NO_ROUTE, 0, now, out, MULTICAST, h.grp, None, None, size, msg.id)
                 return
+            members = s.subs.get(h.grp)
+            if (members is not None and members.get(msg.via) is False and msg.via not in s.by_key
+                    and self.store.has_message(msg.id)):
+                # The router is a member of the group here and away: this message, taken here before, was queued
+                # for it then (the pub/sub service passing it on as a mesh peer would queue it twice).
+                out.append(Trace(DUPLICATE, msg.id, MULTICAST, h.grp, None, None, c.peer, size, Why.DUPLICATE))
+                return
             why = self._to_router(msg.via, msg, h.grp, size, now, out, kind=MULTICAST, origin=c)
             if why is not None:
                 self._refuse(c, ref, why, 0, now, out, MULTICAST, h.grp, size)
