@@ -59,7 +59,6 @@ from typing import Any, TextIO
 from pyspark import StorageLevel
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql import types as T
 
 from upsycle_router.analytics import stats
 from upsycle_router.analytics.location import HadoopFiles, is_uri, join, no_glob, remove_local
@@ -327,19 +326,21 @@ def _cdf_points(quantiles: list[Any]) -> list[tuple[float, float]]:
 
 
 class PerMessage:
-    """The per-message tables the summary reads - ``messages``, the app ``deliveries``, the queue ``residency``
-    entries and ``lost`` (``messages`` and ``lost`` as written) -, the keys' form in them, and what to let go
-    at the end."""
+    """What the per-message computation leaves for the summary. By Spark: the tables the summary reads -
+    ``messages``, the app ``deliveries``, the queue ``residency`` entries and ``lost`` (``messages`` and ``lost``
+    as written) -, the keys' form in them, and the kept tables to let go at the end. By the Arrow twin: what it
+    counted, its summaries, and its scratch directory to remove at the end."""
 
     def __init__(
-        self, tables: tuple[DataFrame, DataFrame, DataFrame, DataFrame], keys: stats.KeyForm | None,
-        kept: list[DataFrame], scratch: Path | None = None, counts: Any = None, summary: Any = None,
+        self, *, tables: tuple[DataFrame, DataFrame, DataFrame, DataFrame] | None = None,
+        keys: stats.KeyForm | None = None, kept: list[DataFrame] | None = None, scratch: Path | None = None,
+        counts: Any = None, summary: dict[str, Any] | None = None,
     ) -> None:  # fmt: skip
         self.tables = tables
         self.counts = counts  # the Arrow twin's vector.Counts
-        self.summary: dict[str, Any] | None = summary  # and its summaries (vector.summarize)
+        self.summary = summary  # and its summaries (vector.summarize)
         self.keys = keys  # None: the keys are hex already
-        self.kept = kept
+        self.kept = kept if kept is not None else []
         self.scratch = scratch
 
     def hex(self, df: DataFrame, *columns: str) -> DataFrame:
@@ -387,7 +388,7 @@ def _spark_tables(
     changes = stats.pair_changes(ev).persist(KEEP)
     spans = stats.subscription_spans(changes).persist(KEEP)
     kept = [ranks, msgs, receipts, changes, spans, *([keys.codes] if keys.codes is not None else [])]
-    result = PerMessage((events, events, events, events), keys, kept)
+    result = PerMessage(keys=keys, kept=kept)
     try:
         broadcast = spans.count() <= MAX_BROADCAST_SPANS
         deliveries = stats.mark_expected(stats.app_deliveries(msgs, published), spans, broadcast=broadcast)
@@ -432,12 +433,6 @@ def vector_parts(spark: SparkSession, inputs: Inputs, out: str | Path) -> list[s
     return parts
 
 
-def _spark_schema(schema: Any) -> T.StructType:
-    """The Spark schema of an Arrow schema of :data:`~upsycle_router.analytics.bucket.OUT_SCHEMAS`."""
-    kinds = {"string": T.StringType(), "double": T.DoubleType(), "int64": T.LongType(), "bool": T.BooleanType()}
-    return T.StructType([T.StructField(f.name, kinds[str(f.type)]) for f in schema])
-
-
 def _vector_tables(spark: SparkSession, outputs: Outputs, parts: list[str], progress: Progress) -> PerMessage | None:
     """The per-message tables by the Arrow twin (:mod:`~upsycle_router.analytics.vector`), ``messages``,
     ``undelivered`` and ``lost`` written, with what it counted; None (and nothing of it left) if a task of it
@@ -465,14 +460,7 @@ def _vector_tables(spark: SparkSession, outputs: Outputs, parts: list[str], prog
         progress(f"the Arrow twin failed ({exc}): Spark computes the per-message tables")
         return None
     outputs.done()
-    tables = tuple(
-        spark.read.schema(_spark_schema(vector.OUT_SCHEMAS[name])).parquet(no_glob(path))
-        for name, path in (
-            ("messages", written[0]), ("deliveries", str(scratch / "deliveries")),
-            ("residency", str(scratch / "residency")), ("lost", written[2]),
-        )
-    )  # fmt: skip
-    return PerMessage(tables, None, [], scratch, counts, summary)  # type: ignore[arg-type]
+    return PerMessage(scratch=scratch, counts=counts, summary=summary)
 
 
 Summary = tuple[
@@ -485,6 +473,7 @@ the plotted CDFs: what ``summary.json`` and the report are made of besides the c
 
 def _spark_summary(per_message: PerMessage, outputs: Outputs, progress: Progress) -> Summary:
     """The group and node tables written, and the summary's parts, by Spark (:mod:`stats`)."""
+    assert per_message.tables is not None
     messages, deliveries, residency, lost = per_message.tables
     groups = outputs.write(
         per_message.hex(stats.group_stats(messages, deliveries), "group").orderBy("group"), "group_stats", progress

@@ -55,16 +55,10 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from upsycle_router.analytics.arrowparse import package_env
-from upsycle_router.analytics.bucket import (
-    OUT_SCHEMAS,
-    analyze_bucket,
-    codes_of,
-    group_starts,
-)
+from upsycle_router.analytics.bucket import analyze_bucket, codes_of, group_starts
 from upsycle_router.analytics.rules import LINE_BITS
 
 __all__ = [
-    "OUT_SCHEMAS",
     "Counts",
     "VectorError",
     "bucket_of",
