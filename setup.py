@@ -8,6 +8,7 @@ stub, its Python twin in that layer's ``accel.py``; ``upsycle_router/cext.py`` l
 ``upsycle_router.store._records``   the store's records of new messages; bulk index writes sorted
 ``upsycle_router.store._idindex``   the store's id index in memory
 ``upsycle_router.transport._fanout`` one fan-out's bytes sent to many sockets in one call
+``upsycle_router.analytics._canonical`` trace lines in the routers' own form cut into columns (analyze)
 
 They are built where a C compiler and the Python headers exist; ``optional=True`` lets the install go on
 without one elsewhere, and the package then runs the Python twin of what is missing (``upsycle_router.accel``
@@ -41,6 +42,7 @@ else:
 
 WIRE, RUNTIME, STORE = "upsycle_router/wire/", "upsycle_router/runtime/", "upsycle_router/store/"
 TRANSPORT = "upsycle_router/transport/"
+ANALYTICS = "upsycle_router/analytics/"
 
 
 def accelerator(name: str, sources: list[str], include_dirs: list[str], depends: list[str],
@@ -75,5 +77,6 @@ setup(
         accelerator("upsycle_router.store._records", [STORE + "_records.c"], [STORE], [STORE + "_layout.h"]),
         accelerator("upsycle_router.store._idindex", [STORE + "_idindex.c"], [STORE], [STORE + "_layout.h"]),
         accelerator("upsycle_router.transport._fanout", [TRANSPORT + "_fanout.c"], [], []),
+        accelerator("upsycle_router.analytics._canonical", [ANALYTICS + "_canonical.c"], [], []),
     ],
 )

@@ -15,6 +15,9 @@ by a ``.pyi`` stub beside its ``.c`` file:
 ``upsycle_router.store._idindex``  the store's id index in memory: :mod:`upsycle_router.store.accel`
 ``upsycle_router.transport._fanout`` a fan-out's bytes sent to many sockets in one call, the GIL released:
                                    :mod:`upsycle_router.transport.accel`
+``upsycle_router.analytics._canonical`` trace lines in the routers' own form cut into columns (``analyze``,
+                                   not the daemon): :mod:`upsycle_router.analytics.canonical`, where the
+                                   twin is the proof and Arrow's JSON reader runs in its place
 =================================  =====================================================================
 
 Each ``accel.py`` imports its extension at import time and binds the module-level names the rest of the

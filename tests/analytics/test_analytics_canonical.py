@@ -1,0 +1,250 @@
+"""The canonical-line scanner (upsycle_router/analytics/canonical.py) against Arrow's JSON reader, its slow twin.
+
+Whenever the C scanner (or its NumPy twin) takes a file, the table must be Arrow's reader's, row for row, on the
+same lines; Arrow's reader is proven equal to Spark's parse in test_analytics_arrow.py. Lines written by a real
+TraceJournal must be taken; random values of every field (numbers near the grammar's edges, strings of any
+printable ASCII, nulls) and lines damaged at random must give equal tables whenever taken, and both scanners must
+take exactly the same lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.json as pj
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from upsycle_router.analytics import arrowparse, canonical
+from upsycle_router.analytics.arrowparse import parse, screen
+from upsycle_router.analytics.canonical import read_canonical, read_canonical_py
+from upsycle_router.analytics.rules import RECORD_KINDS
+from upsycle_router.core.events import Ev, Kind, Role, Trace
+from upsycle_router.trace.journal import TraceJournal
+
+pytestmark = pytest.mark.skipif(canonical._C is None, reason="the C scanner is not built")
+
+K = "ab" * 32
+
+
+def arrow_reads(data: bytes) -> pa.Table:
+    lines = screen(data)
+    assert not isinstance(lines, str)
+    if not lines.plain.any():
+        return arrowparse.RECORD_SCHEMA.empty_table()
+    return pj.read_json(pa.BufferReader(lines.plain_bytes(data)), read_options=arrowparse._READ,
+                        parse_options=arrowparse._PARSE)  # fmt: skip
+
+
+def both(data: bytes) -> tuple[pa.Table | None, pa.Table | None]:
+    """What the C scanner and its twin make of the plain lines of ``data``."""
+    lines = screen(data)
+    assert not isinstance(lines, str)
+    plain = np.flatnonzero(lines.plain)
+    return (read_canonical(data, lines.starts[plain], lines.ends[plain]),
+            read_canonical_py(data, lines.starts[plain], lines.ends[plain]))  # fmt: skip
+
+
+def check(data: bytes) -> bool:
+    """The scanners agree, and whatever they take is Arrow's table; whether they took it."""
+    c, py = both(data)
+    assert (c is None) == (py is None), data[:300]
+    try:
+        expected = arrow_reads(data)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        assert c is None, data[:300]  # Arrow's reader refuses it: so must the scanners
+        return False
+    if c is None:
+        return False
+    assert py is not None
+    assert c.schema == expected.schema
+    assert c.equals(expected), data[:300]
+    assert py.equals(expected), data[:300]
+    return True
+
+
+def journal_lines(tmp_path: Path, rng: random.Random, n: int) -> bytes:
+    journal = TraceJournal(tmp_path, bytes(range(32)), max_bytes=1 << 30)
+
+    def key() -> bytes | None:
+        return None if rng.random() < 0.3 else rng.randbytes(32)
+
+    for i in range(n):
+        journal.record(
+            Trace(rng.choice(list(Ev)), key(), rng.choice(list(Kind)), key(), key(), key(), key(),
+                  rng.randrange(0, 1 << 20), rng.choice([None, "quota", "no_route", "malformed", "duplicate"]),
+                  rng.choice([None, True, False]), rng.choice([None, *Role])),
+            1795324800 + i * 0.001234 + rng.random(),
+        )  # fmt: skip
+    journal.flush()
+    journal.close()
+    (path,) = tmp_path.glob("*.jsonl")
+    return path.read_bytes()
+
+
+def test_what_a_router_writes_is_taken_and_read_as_arrow_reads_it(tmp_path: Path) -> None:
+    data = journal_lines(tmp_path, random.Random(7), 2000)
+    assert check(data)
+
+
+def test_parse_gives_the_same_table_with_or_without_the_scanner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = journal_lines(tmp_path, random.Random(8), 500) + b'{"ts":1,"node":"' + K.encode() + b'","ev\n'
+    fast = parse(data, "f")
+    monkeypatch.setattr(canonical, "_C", None)
+    slow = parse(data, "f")
+    assert not isinstance(fast, str) and not isinstance(slow, str)
+    assert fast.table.equals(slow.table)
+    assert fast.odd == slow.odd and len(fast.odd) == 1
+
+
+def value_text(kind: str) -> st.SearchStrategy[str]:
+    printable = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E, exclude_characters='"\\'), max_size=70)
+    if kind == "string":
+        return st.one_of(st.just("null"), st.just('"' + K + '"'), printable.map(lambda s: f'"{s}"'))
+    if kind == "double":
+        return st.one_of(
+            st.just("null"),
+            st.floats(allow_nan=False, allow_infinity=False).map(repr),
+            st.integers(-(10**20), 10**20).map(str),
+            st.from_regex(r"-?(0|[1-9][0-9]{0,22})(\.[0-9]{1,22})?", fullmatch=True),
+        )
+    if kind == "long":
+        return st.one_of(st.just("null"), st.integers(-(10**19), 10**19).map(str),
+                         st.from_regex(r"-?(0|[1-9][0-9]{0,19})", fullmatch=True))  # fmt: skip
+    return st.sampled_from(["null", "true", "false"])
+
+
+def template(values: list[str]) -> str:
+    return "{" + ",".join(f'"{name}":{v}' for (name, _), v in zip(RECORD_KINDS, values, strict=True)) + "}"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(*[value_text(kind) for _, kind in RECORD_KINDS]), min_size=1, max_size=6))
+def test_random_values_are_read_as_arrow_reads_them(rows: list[tuple[str, ...]]) -> None:
+    data = "\n".join(template(list(r)) for r in rows).encode() + b"\n"
+    try:
+        json_ok = all(json.loads(line) is not None for line in data.decode().splitlines())
+    except ValueError:
+        json_ok = False
+    taken = check(data)
+    if taken:
+        assert json_ok
+
+
+def good_line(rng: random.Random) -> str:
+    values = []
+    for _, kind in RECORD_KINDS:
+        if rng.random() < 0.2:
+            values.append("null")
+        elif kind == "string":
+            values.append(json.dumps(rng.choice([K, "received", "a}b{", "", "x" * 13, "twelve bytes"])))
+        elif kind == "double":
+            values.append(rng.choice([repr(1795324800 + rng.random()), "0", "-0", "-0.5", "12", "0.000001"]))
+        elif kind == "long":
+            values.append(str(rng.choice([0, 1, -3, 10**17, 999999999999999999])))
+        else:
+            values.append(rng.choice(["true", "false"]))
+    return template(values)
+
+
+DAMAGE = ["'", "}", "{", ",", ":", '"', " ", "\\", "\t", "\x00", "e", "E", "+", "-", ".", "0", "9", "n", "null",
+          "true", "é", "\x7f", "NaN", "1e5"]  # fmt: skip
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_damaged_lines_are_taken_only_when_read_as_arrow_reads_them(seed: int) -> None:
+    rng = random.Random(seed)
+    taken = refused = 0
+    for _ in range(1000):
+        text = good_line(rng)
+        for _ in range(rng.choice([1, 1, 2])):
+            i = rng.randrange(len(text) + 1)
+            if rng.random() < 0.3:
+                text = text[:i] + text[i + 1 :]
+            else:
+                text = text[:i] + rng.choice(DAMAGE) + text[i:]
+        data = (good_line(rng) + "\n" + text + "\n").encode()
+        lines = screen(data)
+        if isinstance(lines, str) or not lines.plain[1]:
+            continue  # the damaged line is Spark's to parse (test_analytics_arrow.py)
+        if check(data):
+            taken += 1
+        else:
+            refused += 1
+    assert taken > 40 and refused > 80  # both sides of the grammar were reached
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        template(["1e5", *['"x"'] * 12]),  # an exponent
+        template(["01.5", *['"x"'] * 12]),  # a leading zero (not JSON)
+        template(["1.", *['"x"'] * 12]),
+        template([".5", *['"x"'] * 12]),
+        template(["1" * 25, *['"x"'] * 12]),  # longer than MAX_NUMBER
+        template(["1", *['"x"'] * 8, "1" * 19, '"x"', "true", '"x"']),  # a size that may not fit in 64 bits
+        template(["1", *['"x"'] * 8, "1.0", '"x"', "true", '"x"']),  # a size written as a double
+        template(["1", *['"x"'] * 8, "1", '"x"', "True", '"x"']),
+        template(["1", '"a\\"b"', *['"x"'] * 7, "1", '"x"', "true", '"x"']),  # an escape
+        template(["1", '"a\tb"', *['"x"'] * 7, "1", '"x"', "true", '"x"']),  # a raw control byte
+        template(["1", '"é"', *['"x"'] * 7, "1", '"x"', "true", '"x"']),  # not ASCII
+        template(["1", *['"x"'] * 8, "1", '"x"', "true", '"x"']).replace(",", ", ", 1),  # whitespace
+        template(["1", *['"x"'] * 8, "1", '"x"', "true", '"x"']).replace('"node"', '"nodes"'),
+        template(["1", *['"x"'] * 8, "1", '"x"', "true", '"x"']).replace('"role":"x"}', '"role":"x","e":1}'),
+        template(["1", *['"x"'] * 8, "1", '"x"', "true", '"x"']).replace('"role":"x"', '"x"'),
+        '{"node":"x","ts":1' + template(["1", *['"x"'] * 8, "1", '"x"', "true", '"x"'])[16:],  # another order
+    ],
+)
+def test_what_is_not_canonical_goes_to_arrow(line: str) -> None:
+    good = template(["1", *['"x"'] * 8, "1", '"x"', "true", '"x"'])
+    assert both((good + "\n" + line + "\n").encode()) == (None, None)
+
+
+def test_a_canonical_line_of_every_edge_is_taken() -> None:
+    rows = [
+        ["0", *['""'] * 8, "0", '""', "false", '""'],
+        ["-0", *["null"] * 8, "-0", "null", "null", "null"],
+        ["-123456789012345678901.5", *['"' + "}" * 13 + '"'] * 8, "-999999999999999999", '"{"', "true", '" "'],
+        ["null", *['"' + "x" * 12 + '"'] * 8, "null", '"~"', "true", '"' + "y" * 1000 + '"'],
+    ]
+    data = "\n".join(template(r) for r in rows).encode()  # no newline after the last line
+    assert check(data)
+
+
+def test_the_pure_setting_turns_the_scanner_off() -> None:
+    code = "from upsycle_router.analytics import canonical; print(canonical._C is None)"
+    env = {**os.environ, "UPSYCLE_ROUTER_PURE": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+
+
+def test_bad_arguments_are_errors_not_crashes() -> None:
+    assert canonical._C is not None
+    with pytest.raises(ValueError):
+        canonical._C.scan(b"{}", np.zeros(2, np.int64).tobytes(), np.zeros(1, np.int64).tobytes())
+    # offsets outside the data are a refusal, never a read past its end
+    starts, ends = np.array([0], np.int64), np.array([1 << 20], np.int64)
+    assert canonical._C.scan(b"{}", starts.tobytes(), ends.tobytes()) is None
+    assert canonical._C.scan(b"{}", np.array([-5], np.int64).tobytes(), np.array([2], np.int64).tobytes()) is None
+
+
+def test_rows_hold_their_values(tmp_path: Path) -> None:
+    line = template(['1795324800.123456', f'"{K}"', '"received"', "null", '"multicast"', f'"{K}"', "null", "null",
+                     f'"{K}"', "77", '"r"', "false", '"app"'])  # fmt: skip
+    table = read_canonical(line.encode(), np.array([0]), np.array([len(line)]))
+    assert table is not None
+    row: dict[str, Any] = table.to_pylist()[0]
+    assert row == {"ts": 1795324800.123456, "node": K, "event": "received", "id": None, "type": "multicast",
+                   "group": K, "src": None, "dst": None, "peer": K, "size": 77, "reason": "r", "local": False,
+                   "role": "app"}  # fmt: skip
