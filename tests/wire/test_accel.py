@@ -31,6 +31,7 @@ from hypothesis import strategies as st
 from test_fast_decode import messages, mutated
 
 from upsycle_router import accel
+from upsycle_router.analytics import canonical
 from upsycle_router.client import Client
 from upsycle_router.crypto import Identity, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError
@@ -61,6 +62,7 @@ def test_the_extensions_are_built_where_a_compiler_exists() -> None:
     assert store_accel._RECORDS is not None, f"upsycle_router.store._records {built}, or its LAYOUT is not layout.py's"
     assert store_accel._INDEX is not None, f"upsycle_router.store._idindex {built}, or its LAYOUT is not layout.py's"
     assert transport_accel._C is not None, f"upsycle_router.transport._fanout {built}"
+    assert canonical._C is not None, f"upsycle_router.analytics._canonical {built}"
     assert runtime_accel._VERIFY != 0, "crypto_sign_verify_detached was not found in PyNaCl's libsodium"
     assert accel.IMPLEMENTATION == "c"
     # the names the package calls are the C functions themselves (bound once, no wrapper per call)
@@ -101,18 +103,21 @@ elif short == "_fanout":
         fd, written, messages_out = -1, 0, 0
     c = C()
     assert m.fanout({1: c}, (1, 2), b"x", 1) == ([(c, 0)], [2])
+elif short == "_canonical":
+    assert m.scan(b"{}", (0).to_bytes(8, "little"), (2).to_bytes(8, "little")) is None and len(m.fields()) == 13
 print("ok")
 """
 
 
 @needs_c
 @pytest.mark.parametrize("mod", ["wire._codec", "runtime._verify", "store._records", "store._idindex",
-                                 "transport._fanout"])
+                                 "transport._fanout", "analytics._canonical"])
 def test_each_extension_loads_on_its_own(mod: str) -> None:
     """Each layer's extension is a module of its own: it loads and works without the package or the others
     (a fresh interpreter loads just its shared object)."""
     loaded = {"wire._codec": wire_accel._C, "runtime._verify": runtime_accel._C, "store._records": store_accel._RECORDS,
-              "store._idindex": store_accel._INDEX, "transport._fanout": transport_accel._C}[mod]
+              "store._idindex": store_accel._INDEX, "transport._fanout": transport_accel._C,
+              "analytics._canonical": canonical._C}[mod]
     assert loaded is not None and loaded.__file__ is not None
     r = subprocess.run([sys.executable, "-c", _ALONE, f"upsycle_router.{mod}", loaded.__file__], capture_output=True,
                        text=True, timeout=60, check=False)
