@@ -9,7 +9,7 @@ module computes the same tables, column at a time, for local inputs with a local
 (:func:`~upsycle_router.analytics.job` decides), in worker processes of its own, as the Arrow compaction does:
 
 1. **Bucketing** (:func:`bucket_part`, one task per Parquet part of the compacted table): the good records that
-   carry an id are cut into ``buckets`` by the id's first :data:`BUCKET_DIGITS` hex digits, and written as one
+   carry an id are cut into ``buckets`` by the id's first bytes (:func:`bucket_of`), and written as one
    Arrow IPC file per part holding one record batch per bucket, in bucket order (:data:`BUCKET_SCHEMA`: the
    small-vocabulary and key columns dictionary encoded). The app subscription records (``joined``/``left``,
    role ``app``) go to a second, small file per part. A message's records are then all in one bucket, in as
@@ -180,29 +180,22 @@ def summarize(out: str, scratch: str, plotted: int, lost_rows: int, cdf_steps: i
 
 # --- the two passes, in worker processes ------------------------------------------------------------------
 
-BUCKET_DIGITS = 15
-"""Hex digits of an id that choose its bucket (60 bits: any bucket count up to far beyond the job's)."""
-
-_HEX = np.full(256, 0, dtype=np.int64)
-for _i, _c in enumerate(b"0123456789abcdef"):
-    _HEX[_c] = _i
+BUCKET_BYTES = 8
+"""Bytes of an id (its first hex digits, as text) that choose its bucket."""
 
 
 def bucket_of(ids: pa.Array, buckets: int) -> np.ndarray:
-    """The bucket of each id (64 lowercase hex digits; -1 for null): its first hex digits modulo ``buckets``."""
+    """The bucket of each id (64 lowercase hex digits; -1 for null): its first :data:`BUCKET_BYTES` bytes read as
+    a little-endian 64-bit integer, modulo ``buckets``."""
     n = len(ids)
     out = np.full(n, -1, dtype=np.int64)
-    if not n:
+    valid = ids.is_valid().to_numpy(zero_copy_only=False) if n else np.zeros(0, dtype=bool)
+    if not valid.any():
         return out
-    valid = ids.is_valid().to_numpy(zero_copy_only=False)
     offsets = np.frombuffer(ids.buffers()[1], dtype=np.int32)[ids.offset : ids.offset + n]
-    data = np.frombuffer(ids.buffers()[2], dtype=np.uint8)
-    at = offsets[valid][:, None] + np.arange(BUCKET_DIGITS)
-    digits = _HEX[data[at]]
-    value = np.zeros(len(at), dtype=np.int64)
-    for j in range(BUCKET_DIGITS):
-        value = (value << 4) | digits[:, j]
-    out[valid] = value % buckets
+    data = ids.buffers()[2]
+    words = np.ndarray((data.size - BUCKET_BYTES + 1,), dtype="<u8", buffer=data, strides=(1,))
+    out[valid] = (words[offsets[valid]] % np.uint64(buckets)).astype(np.int64)
     return out
 
 
