@@ -33,10 +33,11 @@ from pyspark.sql import SparkSession
 from test_analytics_parse import CASES, K, line, nasty_line, rec
 
 from upsycle_router.analytics import arrowparse
-from upsycle_router.analytics.arrowparse import MAX_LINE, MAX_ODD_BYTES, Worker, compact_files, parse, screen
+from upsycle_router.analytics.arrowparse import MAX_LINE, MAX_ODD_BYTES, compact_files, parse, screen
 from upsycle_router.analytics.rules import RECORD_KINDS
 from upsycle_router.analytics.schema import COMPACT_COLUMNS
 from upsycle_router.analytics.sources import ARROW_PARSE, Compaction, compact, discover, no_glob
+from upsycle_router.analytics.workers import Worker, command_of
 
 # --- the screen and the parse, without Spark ---------------------------------------------------------------
 
@@ -310,11 +311,11 @@ def test_workers_write_parts_and_leave_the_rest(tmp_path: Path) -> None:
 
 
 def test_a_worker_killed_on_a_file_answers_nothing(tmp_path: Path) -> None:
-    worker = Worker()
+    worker = Worker(command_of("upsycle_router.analytics.arrowparse"))
     try:
         worker.proc.send_signal(signal.SIGKILL)
         worker.proc.wait(timeout=30)
-        assert worker.ask(str(tmp_path / "trace-000000.jsonl"), str(tmp_path / "p.parquet")) is None
+        assert worker.ask({"path": str(tmp_path / "trace-000000.jsonl"), "out": str(tmp_path / "p.parquet")}) is None
     finally:
         worker.close()
 
@@ -329,7 +330,7 @@ def test_files_of_dying_workers_are_left_to_spark(tmp_path: Path, monkeypatch: p
         "out.with_name('.' + out.name + '.tmp').write_bytes(b'half')\n"
         "sys.exit(3)\n"
     )
-    monkeypatch.setattr(Worker, "command", [sys.executable, "-c", dies])
+    monkeypatch.setattr(arrowparse, "WORKER_COMMAND", [sys.executable, "-c", dies])
     paths = []
     for i in range(3):
         p = tmp_path / f"trace-00000{i}.jsonl"

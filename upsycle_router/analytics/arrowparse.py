@@ -43,11 +43,7 @@ equal, row for row, on every kind of bad line and on random damage.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,12 +67,13 @@ from upsycle_router.analytics.rules import (
     SOURCE_KINDS,
     TYPES,
 )
+from upsycle_router.analytics.workers import command_of, serve
+from upsycle_router.analytics.workers import run as workers_run
 
 __all__ = [
     "COMPACT_SCHEMA",
     "RECORD_SCHEMA",
     "FileResult",
-    "Worker",
     "compact_file",
     "compact_files",
     "finish_table",
@@ -337,50 +334,36 @@ def compact_file(path: str, out: str) -> FileResult:
     return FileResult(path, rows=table.num_rows, bad=bad, odd=tuple(parsed.odd))
 
 
-def compact_files(paths: Iterable[str | Path], out_dir: str | Path, workers: int) -> list[FileResult]:
-    """Offer each journal to :func:`compact_file` in ``workers`` worker processes, writing
-    ``part-arrow-N.parquet`` parts into the existing directory ``out_dir``; one result per path, in order.
+WORKER_COMMAND: list[str] | None = None
+"""The workers' command line (None: ``python -m upsycle_router.analytics.arrowparse``); tests give one that dies."""
 
-    The workers are ``python -m upsycle_router.analytics.arrowparse`` (:func:`main`): one JSON line in per
-    file, one JSON line out, so nothing depends on how the calling program was started. A worker that dies
-    (a crash inside the reader) loses nothing: the file it was on is left to Spark, and the next file gets
-    a new worker.
-    """
+
+def compact_files(paths: Iterable[str | Path], out_dir: str | Path, workers: int) -> list[FileResult]:
+    """Offer each journal to :func:`compact_file` in ``workers`` worker processes (:mod:`~upsycle_router.analytics.
+    workers`; :func:`main`), the largest first, writing ``part-arrow-N.parquet`` parts into the existing directory
+    ``out_dir``; one result per path, in order. A worker that dies (a crash inside the reader) loses nothing: the
+    file it was on is left to Spark (its part, perhaps half written, is removed), and the next file gets a new
+    worker."""
     todo = [str(p) for p in paths]
-    results: list[FileResult | None] = [None] * len(todo)
-    queue = sorted(range(len(todo)), key=lambda i: os.path.getsize(todo[i]))  # pop() takes the largest first
-    lock = threading.Lock()
+    order = sorted(range(len(todo)), key=lambda i: -os.path.getsize(todo[i]))
 
     def part(i: int) -> Path:
         return Path(out_dir) / f"part-arrow-{i:05d}.parquet"
 
-    def serve() -> None:
-        worker: Worker | None = None
-        try:
-            while True:
-                with lock:
-                    if not queue:
-                        return
-                    i = queue.pop()
-                worker = worker or Worker()
-                result = worker.ask(todo[i], str(part(i)))
-                if result is None:  # the worker died on this file: its part may be half there
-                    part(i).unlink(missing_ok=True)
-                    temporary_of(part(i)).unlink(missing_ok=True)
-                    worker.close()
-                    worker = None
-                    result = FileResult(todo[i], fallback="the Arrow worker died")
-                results[i] = result
-        finally:
-            if worker is not None:
-                worker.close()
+    def died(k: int) -> None:
+        part(order[k]).unlink(missing_ok=True)
+        temporary_of(part(order[k])).unlink(missing_ok=True)
 
-    threads = [threading.Thread(target=serve, daemon=True) for _ in range(max(1, min(workers, len(todo))))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return [r if r is not None else FileResult(p, fallback="not parsed") for r, p in zip(results, todo, strict=True)]
+    tasks = [{"path": todo[i], "out": str(part(i))} for i in order]
+    command = WORKER_COMMAND or command_of("upsycle_router.analytics.arrowparse")
+    answers = workers_run(tasks, workers, command, on_death=died)
+    results = [FileResult(p, fallback="the Arrow worker died") for p in todo]
+    for i, answer in zip(order, answers, strict=True):
+        if answer is not None:
+            odd = tuple((int(n), str(t)) for n, t in answer["odd"])
+            results[i] = FileResult(todo[i], rows=answer["rows"], bad=answer["bad"], fallback=answer["fallback"],
+                                    odd=odd)  # fmt: skip
+    return results
 
 
 def finish_table(out_dir: str | Path) -> None:
@@ -392,71 +375,17 @@ def finish_table(out_dir: str | Path) -> None:
     (out / "_SUCCESS").touch()
 
 
-def package_env() -> dict[str, str]:
-    """The environment of a worker process: this one's, with the directory holding the package first on
-    ``PYTHONPATH``, so nothing depends on how the calling program was started."""
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
-class Worker:
-    """One worker process (:func:`main`), asked one file at a time."""
-
-    command: list[str] | None = None
-    """The worker's command line (None: ``python -m upsycle_router.analytics.arrowparse``)."""
-
-    def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            self.command or [sys.executable, "-m", "upsycle_router.analytics.arrowparse"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=package_env(),
-        )
-
-    def ask(self, path: str, out: str) -> FileResult | None:
-        """Compact one file; None if the worker died on it."""
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        try:
-            self.proc.stdin.write(json.dumps({"path": path, "out": out}).encode() + b"\n")
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            return None
-        line = self.proc.stdout.readline()
-        if not line:
-            return None
-        answer = json.loads(line)
-        odd = tuple((int(n), str(t)) for n, t in answer["odd"])
-        return FileResult(path, rows=answer["rows"], bad=answer["bad"], fallback=answer["fallback"], odd=odd)
-
-    def close(self) -> None:
-        """End the worker (it exits at the end of its input) and reap it."""
-        if self.proc.stdin is not None:
-            try:
-                self.proc.stdin.close()
-            except BrokenPipeError:
-                pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+def _handle(task: dict[str, Any]) -> dict[str, Any]:
+    try:
+        result = compact_file(task["path"], task["out"])
+    except OSError as exc:
+        result = FileResult(task["path"], fallback=f"Arrow could not read or write it: {exc}")
+    return {"rows": result.rows, "bad": result.bad, "fallback": result.fallback, "odd": result.odd}
 
 
 def main() -> None:
-    """A worker: for each ``{"path": ..., "out": ...}`` line on stdin, compact that file; answer a line."""
-    for line in sys.stdin.buffer:
-        task = json.loads(line)
-        try:
-            result = compact_file(task["path"], task["out"])
-        except OSError as exc:
-            result = FileResult(task["path"], fallback=f"Arrow could not read or write it: {exc}")
-        answer = {"rows": result.rows, "bad": result.bad, "fallback": result.fallback, "odd": result.odd}
-        sys.stdout.write(json.dumps(answer) + "\n")
-        sys.stdout.flush()
+    """A worker: for each ``{"path": ..., "out": ...}`` task, compact that file (:func:`compact_file`)."""
+    serve(_handle)
 
 
 if __name__ == "__main__":

@@ -39,13 +39,7 @@ import pyarrow.compute as pc
 
 from upsycle_router.analytics.rules import NOT_A_LOSS
 
-__all__ = ["BUCKET_COLUMNS", "CHANGE_COLUMNS", "OUT_SCHEMAS", "analyze_bucket", "codes_of", "group_starts", "millis"]
-
-BUCKET_COLUMNS = ("id", "node", "event", "ts", "pos", "type", "group", "dst", "peer", "reason", "local", "role")
-"""The columns of a bucket's records (:data:`~upsycle_router.analytics.stats.MESSAGE_COLUMNS`)."""
-
-CHANGE_COLUMNS = ("node", "group", "src", "event", "ts", "pos")
-"""The columns of the app subscription records."""
+__all__ = ["OUT_SCHEMAS", "analyze_bucket", "codes_of", "group_starts", "millis"]
 
 
 OUT_SCHEMAS = {
@@ -385,8 +379,9 @@ def _first_receipts(b: _Bucket) -> dict[str, np.ndarray]:
 
 
 def analyze_bucket(records: pa.Table, changes: pa.Table) -> dict[str, pa.Table]:
-    """The per-message tables of one bucket's records (all the records of their ids) and the input's app
-    subscription records (:data:`OUT_SCHEMAS`)."""
+    """The per-message tables of one bucket's records (all the records of their ids: ``id``, ``node``, ``event``,
+    ``ts``, ``pos``, ``type``, ``group``, ``dst``, ``peer``, ``reason``, ``local``, ``role``) and the input's app
+    subscription records (``node``, ``group``, ``src``, ``event``, ``ts``, ``pos``): :data:`OUT_SCHEMAS`."""
     b, ch = _bucket(records, changes)
     sp = _spans(ch)
     nid = len(b.ids)
@@ -615,7 +610,7 @@ def _lost(
     rank = np.zeros(k, dtype=np.int64)
     c_ts = np.full(k, -np.inf)
     c_pos = np.full(k, np.iinfo(np.int64).min)
-    c_cause = np.full(k, -1)  # an event code, or -2 for "queued", -3 for "left"
+    c_cause = np.full(k, -1)  # an event code, or -2 for "left"
     c_reason = np.full(k, -1)
     c_node = np.full(k, -1)
 
@@ -630,10 +625,9 @@ def _lost(
     ra = a_row[np.where(c_all >= 0, c_all, 0)]
     offer(c_all >= 0, rank_all[ra], b.ts[ra], b.pos[ra], b.event[ra], b.reason[ra], b.node[ra])
     rd = s_row[np.where(c_dst >= 0, c_dst, 0)]
-    dst_cause = np.where(rank_dst[rd] == 4, -2, b.event[rd])
-    offer(c_dst >= 0, rank_dst[rd], b.ts[rd], b.pos[rd], dst_cause, b.reason[rd], b.node[rd])
+    offer(c_dst >= 0, rank_dst[rd], b.ts[rd], b.pos[rd], b.event[rd], b.reason[rd], b.node[rd])
     minus = np.full(k, -1)
-    offer(~np.isnan(m_until), np.full(k, 3), m_until, np.full(k, np.iinfo(np.int64).min), np.full(k, -3), minus,
+    offer(~np.isnan(m_until), np.full(k, 3), m_until, np.full(k, np.iinfo(np.int64).min), np.full(k, -2), minus,
           m_node)  # fmt: skip
     away = (u >= 0) & (b.node[u_row] != m_node)
     offer(away, np.ones(k, dtype=np.int64), b.ts[u_row], b.pos[u_row], b.event[u_row], b.reason[u_row],
@@ -641,8 +635,8 @@ def _lost(
 
     reached = here >= 0
     last = np.where(reached, here_row, anywhere)
-    causes = [*b.events, "queued", "left", "no_record"]
-    cause_code = np.where(rank > 0, np.where(c_cause >= 0, c_cause, len(b.events) + (-2 - c_cause)), len(causes) - 1)
+    causes = [*b.events, "left", "no_record"]
+    cause_code = np.where(rank > 0, np.where(c_cause >= 0, c_cause, len(b.events)), len(causes) - 1)
     found = rank > 0
     return pa.Table.from_arrays(
         [

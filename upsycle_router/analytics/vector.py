@@ -37,12 +37,8 @@ Spark's ``round`` rounds a double (:func:`~upsycle_router.analytics.bucket.milli
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import subprocess
-import sys
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,9 +50,10 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from upsycle_router.analytics.arrowparse import package_env
 from upsycle_router.analytics.bucket import analyze_bucket, codes_of, group_starts
 from upsycle_router.analytics.rules import LINE_BITS
+from upsycle_router.analytics.workers import command_of, serve
+from upsycle_router.analytics.workers import run as workers_run
 
 __all__ = [
     "Counts",
@@ -299,20 +296,19 @@ def analyze_part(
     return {name: tables[name].num_rows for name in out}
 
 
+def _handle(task: dict[str, Any]) -> dict[str, Any]:
+    kind = task.pop("task")
+    try:
+        runners: dict[str, Any] = {"bucket": bucket_part, "analyze": analyze_part, "summary": summarize}
+        return {"ok": runners[kind](**task)}
+    except Exception as exc:  # noqa: BLE001 - reported to the job, which falls back to Spark
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def main() -> None:
-    """A worker: one JSON task per line on stdin (``bucket_part`` or ``analyze_part`` arguments), one JSON answer
-    per line (``{"ok": ...}`` or ``{"error": ...}``)."""
-    for line in sys.stdin.buffer:
-        task = json.loads(line)
-        kind = task.pop("task")
-        try:
-            runners: dict[str, Any] = {"bucket": bucket_part, "analyze": analyze_part, "summary": summarize}
-            result = runners[kind](**task)
-            answer: dict[str, Any] = {"ok": result}
-        except Exception as exc:  # noqa: BLE001 - reported to the job, which falls back to Spark
-            answer = {"error": f"{type(exc).__name__}: {exc}"}
-        sys.stdout.write(json.dumps(answer) + "\n")
-        sys.stdout.flush()
+    """A worker: for each JSON task (``bucket_part``, ``analyze_part`` or ``summarize`` arguments), one answer
+    (``{"ok": ...}`` or ``{"error": ...}``)."""
+    serve(_handle)
 
 
 class VectorError(Exception):
@@ -324,59 +320,16 @@ WORKER_COMMAND: list[str] | None = None
 
 
 def run_tasks(tasks: Sequence[dict[str, Any]], workers: int) -> list[Any]:
-    """Run ``tasks`` in ``workers`` worker processes (:func:`main`); their results in order."""
-    results: list[Any] = [None] * len(tasks)
-    todo = list(range(len(tasks)))[::-1]
-    command = WORKER_COMMAND or [sys.executable, "-m", "upsycle_router.analytics.vector"]
-    errors: list[str] = []
-    lock = threading.Lock()
-
-    def serve() -> None:
-        proc = subprocess.Popen(
-            command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=package_env(),
-        )
-        assert proc.stdin is not None and proc.stdout is not None
-        try:
-            while True:
-                with lock:
-                    if not todo or errors:
-                        return
-                    i = todo.pop()
-                proc.stdin.write(json.dumps(tasks[i]).encode() + b"\n")
-                proc.stdin.flush()
-                line = proc.stdout.readline()
-                answer = json.loads(line) if line else {"error": "the worker died"}
-                with lock:
-                    if "error" in answer:
-                        errors.append(str(answer["error"]))
-                    else:
-                        results[i] = answer["ok"]
-        except (BrokenPipeError, ValueError) as exc:
-            with lock:
-                errors.append(f"the worker failed: {exc}")
-        finally:
-            try:
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            proc.stdout.close()
-
-    threads = [threading.Thread(target=serve, daemon=True) for _ in range(max(1, min(workers, len(tasks))))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    """Run ``tasks`` in ``workers`` worker processes (:mod:`~upsycle_router.analytics.workers`); their results in
+    order, or :class:`VectorError` with the first failure (no further task is started after one)."""
+    command = WORKER_COMMAND or command_of("upsycle_router.analytics.vector")
+    answers = workers_run(tasks, workers, command, stop=lambda answer: answer is None or "error" in answer)
+    errors = [str(a["error"]) for a in answers if a is not None and "error" in a]
     if errors:
         raise VectorError(errors[0])
-    return results
+    if any(a is None for a in answers):
+        raise VectorError("the worker died")
+    return [a["ok"] for a in answers if a is not None]
 
 
 VECTOR_TABLES = ("messages", "undelivered", "lost")
