@@ -207,3 +207,21 @@ def test_an_advert_for_a_service_learned_at_a_relay_moves_it_to_its_own_router()
     m = msg(GK, b"data")
     assert [e.router for e in core.message_received(m.with_via(rid(9)), rid(9), 3.0) if isinstance(e, Forward)] \
         == [RE]  # fmt: skip
+
+
+# ---------------------------------------------------------------- a service two adverts name (docs/gossip.md)
+
+
+def test_a_relayed_rpc_from_a_service_two_adverts_name_is_taken_for_neither_nor_learned() -> None:
+    """Adverts of routers 1 and 2 both name one service (one of them lies). Its RPC relayed through router 9,
+    which has no peer, subscribes nobody, and router 9 does not learn that key as its peer; the same RPC from a
+    service no advert names is learned at router 9 as before."""
+    core = make_core(0)
+    core.peer_added(Peer(rid(1), svc(1)), 0.0)
+    core.peer_added(Peer(rid(2), svc(1)), 0.0)
+    effects = core.rpc_received(rid(9), GossipRpc(subs=(SubOpt(True, G),)), 1.0, service=svc(1))
+    assert rid(9) not in core.learned_peers
+    assert traces(effects, "unknown_peer")
+    assert all(G not in core.peer_groups(r) for r in (rid(1), rid(2), rid(9)))
+    core.rpc_received(rid(9), GossipRpc(subs=(SubOpt(True, G),)), 1.0, service=svc(5))
+    assert rid(9) in core.learned_peers

@@ -17,9 +17,10 @@ Peers (docs/gossip.md "Peers")
     once: whatever the old peer announced (subscriptions, mesh and fanout places) is forgotten first, unless
     it was the advertised service itself. An RPC whose sender is the service of a known peer (at exactly one
     router) is that peer's, whatever router it came through (relayed, its VIA names the last router on the
-    way, not the sender's). Any other RPC through a router whose peer is another key, advertised or learned,
-    is ignored. A service learned at a relay (its RPC came relayed before its advert) moves to the router its
-    advert names, with what it announced: the advert wins. A peer forgotten because it is gone (its advert
+    way, not the sender's); one that adverts of several routers name is taken for none of them and learned at
+    none. Any other RPC through a router whose peer is another key, advertised or learned, is ignored. A
+    service learned at a relay (its RPC came relayed before its advert) moves to the router its advert names,
+    with what it announced: the advert wins. A peer forgotten because it is gone (its advert
     lapsed, a learned one expired) takes with it the missing ids waiting for a PULL to its router.
 
 Inputs and effects
@@ -659,6 +660,12 @@ class GossipCore:
             known = self._peer_of(service)
             if known is not None:
                 peer, from_router = known, known.router
+        if peer is None and service is not None and service in self._service_routers:
+            # Adverts of several routers name this service: one of them lies, and its relayed RPC is taken for
+            # neither - nor does it make the relay's router a peer of that key.
+            ob.trace("unknown_peer", peer=from_router, reason="gossip RPC from a service that adverts of "
+                     "several routers name")  # fmt: skip
+            return ob.effects()
         if peer is None and service is not None and from_router != self._router:
             peer = self._learn_peer(from_router, service, now, ob)
             if peer is None:
