@@ -14,6 +14,7 @@ from core_harness import T0, CoreHarness, control, ident, multicast, unicast
 
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.events import MessagesReceived
+from upsycle_router.crypto import Identity
 from upsycle_router.wire.control import Join, Reason, Refused, Register
 
 X = ident("X")
@@ -58,6 +59,16 @@ def test_a_routed_forwards_refusal_reaches_the_app_too(tmp_path: Path) -> None:
     ]
 
 
+def assert_a_stranger_is_refused(h: CoreHarness, to: Identity) -> None:
+    """A unicast to ``to`` from a key it never wrote to, from a node nobody configured, is refused ``quota``
+    (a strangers' share of less than one entry)."""
+    stranger = ident("stranger")
+    cold = unicast(stranger, to, b"hello?", now=h.now)
+    assert [(x.id, x.reason) for x in h.receive(h.open(stranger, local=False), cold).refusals()] == [
+        (cold.id, Reason.QUOTA)
+    ]
+
+
 def test_the_reply_of_an_edge_app_the_app_wrote_to_is_no_strangers(tmp_path: Path) -> None:
     h = harness(tmp_path)
     e = h.open(EDGE, local=False)
@@ -69,11 +80,7 @@ def test_the_reply_of_an_edge_app_the_app_wrote_to_is_no_strangers(tmp_path: Pat
     out = h.receive(e, reply)
     assert out.refusals() == [] and [t.id for t in out.traces("queued")] == [reply.id]
     # A key ALICE never wrote to, from a node nobody configured, is a stranger: nothing in a share of 0.
-    stranger = ident("stranger")
-    cold = unicast(stranger, ALICE, b"hello?", now=h.now)
-    assert [(x.id, x.reason) for x in h.receive(h.open(stranger, local=False), cold).refusals()] == [
-        (cold.id, Reason.QUOTA)
-    ]
+    assert_a_stranger_is_refused(h, ALICE)
     # Another app of the edge node, through it, is vouched for by it (as this router's own apps are by it).
     other = ident("other-edge-app")
     h.receive(e, control(EDGE, X, Register((Y.public, other.public)), now=h.now))
@@ -100,11 +107,7 @@ def test_the_reply_to_an_app_of_another_edge_node_that_wrote_to_it_is_no_strange
     for m in replies:
         out = h.receive(e2, m)
         assert out.refusals() == [] and [t.id for t in out.traces("queued")] == [m.id]
-    stranger = ident("stranger")  # a key Y never wrote to, from a node nobody configured: a stranger
-    cold = unicast(stranger, Y, b"hello?", now=h.now)
-    assert [(x.id, x.reason) for x in h.receive(h.open(stranger, local=False), cold).refusals()] == [
-        (cold.id, Reason.QUOTA)
-    ]
+    assert_a_stranger_is_refused(h, Y)  # a key Y never wrote to
 
 
 def test_a_stranger_cannot_crowd_an_edge_apps_unicast_out_of_another_edges_queue(tmp_path: Path) -> None:
