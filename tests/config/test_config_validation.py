@@ -113,6 +113,7 @@ INT_BOUNDS = [
     Bound("limits.outbound_buffer_max", 1 << 30, {}),
     Bound("limits.max_partial_bytes", 64 << 30, {}),
     Bound("trace.max_bytes", 1 << 40, {}),
+    Bound("trace.keep_bytes", 1 << 44, {}),
     Bound("pubsub.params.D_high", 1000, {}),
     Bound("pubsub.params.D_lazy", 1000, {}),
     Bound("pubsub.params.mcache_len", 1000, {}),
@@ -197,6 +198,8 @@ def test_floats_are_refused_where_integers_belong(bound: Bound) -> None:
         ("max_frame: 100000000000\n", "max_frame"),
         ("max_frame: 1048576.0\n", "max_frame"),
         ("queue:\n  max_bytes: 2.5e+9\n", "queue.max_bytes"),
+        ("trace:\n  keep_bytes: 100\n", "trace.keep_bytes"),  # 0 or at least 4 KiB
+        ("trace:\n  keep_bytes: -1\n", "trace.keep_bytes"),
         ("store:\n  map_size: 1 PB\n", "store.map_size"),
         (f"store:\n  map_size: {2**50}\n", "store.map_size"),
         ("limits:\n  max_handshakes: 1e3\n", "limits.max_handshakes"),

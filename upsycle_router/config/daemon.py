@@ -201,6 +201,7 @@ class DaemonConfig:
     metrics_listen: str | None = None
     trace_dir: Path | None = None
     trace_max_bytes: int = 64 * 1024 * 1024
+    trace_keep_bytes: int = 0  # closed journal files kept, the oldest deleted beyond it; 0: every one kept
     log_level: str = "info"
     log_format: str = "text"  # or "json": one JSON object per line (runtime/logs.py)
     pubsub: PubsubConfig = field(default_factory=PubsubConfig)
@@ -362,11 +363,16 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
         if not is_loopback(TransportAddr.parse(mlisten).host):
             raise fail("metrics.listen", f"must be a loopback address (127.0.0.1:PORT or [::1]:PORT), got {mlisten!r}")
         kw["metrics_listen"] = mlisten
-    trace = parse_map(top.get("trace"), "trace", {"path", "max_bytes"})
+    trace = parse_map(top.get("trace"), "trace", {"path", "max_bytes", "keep_bytes"})
     if "path" in trace:
         kw["trace_dir"] = None if trace["path"] is None else parse_path(trace["path"], "trace.path")
     if "max_bytes" in trace:
         kw["trace_max_bytes"] = parse_int(trace["max_bytes"], "trace.max_bytes", 4096, MAX_TRACE_BYTES, unit="bytes")
+    if "keep_bytes" in trace:
+        keep = parse_int(trace["keep_bytes"], "trace.keep_bytes", 0, MAX_MAP_SIZE, unit="bytes")
+        if 0 < keep < 4096:
+            raise fail("trace.keep_bytes", f"must be 0 (keep every file) or at least 4096 bytes, got {keep}")
+        kw["trace_keep_bytes"] = keep
     log = parse_map(top.get("log"), "log", {"level", "format"})
     if "level" in log:
         level = parse_str(log["level"], "log.level").lower()

@@ -65,6 +65,7 @@ TOP: dict[str, str] = {
     "metrics_listen": "metrics.listen",
     "trace_dir": "trace.path",
     "trace_max_bytes": "trace.max_bytes",
+    "trace_keep_bytes": "trace.keep_bytes",
     "log_level": "log.level",
     "log_format": "log.format",
 }

@@ -284,7 +284,7 @@ class Daemon:
             raise damaged(cfg.data_dir / "store", f"a record does not decode ({e})") from None
         self.store.on_damage = self._store_damaged
         if cfg.trace_dir is not None:
-            self.journal = TraceJournal(cfg.trace_dir, ident.public, cfg.trace_max_bytes)
+            self.journal = TraceJournal(cfg.trace_dir, ident.public, cfg.trace_max_bytes, cfg.trace_keep_bytes)
         router = Router(ident, self.store, core_config(cfg, ps_key, local_services, disc_key))
         self.driver = Driver(
             router,

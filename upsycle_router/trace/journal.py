@@ -2,12 +2,15 @@
 
 Records are buffered in memory and written by :meth:`TraceJournal.flush`, which the driver calls once per
 batch, so tracing costs one ``write`` per batch rather than per record. Files continue after the highest
-existing sequence number on restart.
+existing sequence number on restart. With ``keep_bytes`` (``trace.keep_bytes``), each rotation deletes the
+oldest closed files until the closed ones hold at most that many bytes (files of earlier runs included), so
+the journal takes at most ``keep_bytes`` plus the file being written; each deletion is logged.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
@@ -16,6 +19,7 @@ from typing import IO
 from upsycle_router.core.events import Trace
 
 _NAME = re.compile(r"^trace-(\d{6})\.jsonl$")
+log = logging.getLogger(__name__)
 
 
 def _hex(b: bytes | None) -> str | None:
@@ -25,11 +29,15 @@ def _hex(b: bytes | None) -> str | None:
 class TraceJournal:
     """An append-only, size-rotated JSON-lines journal."""
 
-    def __init__(self, directory: str | os.PathLike[str], node: bytes, max_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str], node: bytes, max_bytes: int = 64 * 1024 * 1024, keep_bytes: int = 0
+    ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.node = node.hex()
         self.max_bytes = max_bytes
+        self.keep_bytes = keep_bytes
+        self.deleted = 0  # closed files deleted to stay within keep_bytes
         seqs = [int(m.group(1)) for p in self.dir.iterdir() if (m := _NAME.match(p.name))]
         self._seq = max(seqs) + 1 if seqs else 0
         self._file: IO[str] | None = None
@@ -75,10 +83,37 @@ class TraceJournal:
     def _rotate(self) -> None:
         if self._file is not None:
             self._file.close()
+        if self.keep_bytes:
+            self._prune()
         path = self.dir / f"trace-{self._seq:06d}.jsonl"
         self._seq += 1
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across flushes
         self._size = path.stat().st_size
+
+    def _prune(self) -> None:
+        """Delete the oldest closed files until the closed files hold at most ``keep_bytes``."""
+        files: list[tuple[int, Path, int]] = []
+        for p in self.dir.iterdir():
+            if (m := _NAME.match(p.name)) is not None and int(m.group(1)) < self._seq:
+                try:
+                    files.append((int(m.group(1)), p, p.stat().st_size))
+                except FileNotFoundError:
+                    continue
+        files.sort()
+        total = sum(size for _, _, size in files)
+        for _, p, size in files:
+            if total <= self.keep_bytes:
+                break
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                log.warning("trace journal: could not delete %s to stay within trace.keep_bytes: %s", p, e)
+                break
+            total -= size
+            self.deleted += 1
+            log.info("trace journal: deleted %s (%d bytes) to stay within trace.keep_bytes", p.name, size)
 
     def close(self) -> None:
         """Flush and close."""
