@@ -248,3 +248,47 @@ def test_rows_hold_their_values(tmp_path: Path) -> None:
     assert row == {"ts": 1795324800.123456, "node": K, "event": "received", "id": None, "type": "multicast",
                    "group": K, "src": None, "dst": None, "peer": K, "size": 77, "reason": "r", "local": False,
                    "role": "app"}  # fmt: skip
+
+
+def test_a_line_must_open_with_a_brace() -> None:
+    line = template(["1", *['"x"'] * 8, "1", '"x"', "true", '"x"']).encode()
+    for first in (b"[", b" ", b"x"):
+        text = first + line[1:]
+        starts, ends = np.array([0]), np.array([len(text)])
+        assert read_canonical(text, starts, ends) is None and read_canonical_py(text, starts, ends) is None
+    assert read_canonical(line, np.array([0]), np.array([len(line)])) is not None
+
+
+def lines_of(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """Every line's start and end, whatever it holds (no screen)."""
+    ends = np.array([i for i, b in enumerate(data) if b == 0x0A] + ([len(data)] if not data.endswith(b"\n") else []),
+                    dtype=np.int64)  # fmt: skip
+    starts = np.concatenate(([0], ends[:-1] + 1)).astype(np.int64) if len(ends) else np.zeros(0, np.int64)
+    return starts, ends
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.data())
+def test_any_bytes_leave_both_scanners_agreeing(data: st.DataObject) -> None:
+    """Arbitrary bytes, or a canonical line with arbitrary bytes put in or taken out (not only ASCII, not only
+    lines that start with a brace), given to the scanners unscreened: neither fails, both take the same files,
+    and what they take holds the same rows."""
+    base = good_line(random.Random(data.draw(st.integers(0, 1000)))).encode()
+    if data.draw(st.booleans()):
+        raw = data.draw(st.binary(max_size=600))
+    else:
+        raw = base
+        for _ in range(data.draw(st.integers(1, 3))):
+            i = data.draw(st.integers(0, len(raw)))
+            if data.draw(st.booleans()):
+                raw = raw[:i] + raw[i + 1 :]
+            else:
+                raw = raw[:i] + data.draw(st.binary(min_size=1, max_size=3)) + raw[i:]
+    text = base + b"\n" + raw
+    starts, ends = lines_of(text)
+    keep = ends > starts
+    c = read_canonical(text, starts[keep], ends[keep])
+    py = read_canonical_py(text, starts[keep], ends[keep])
+    assert (c is None) == (py is None), text
+    if c is not None:
+        assert py is not None and c.equals(py), text

@@ -29,6 +29,20 @@ typedef struct {
     int32_t len;
 } span;
 
+/* Nonzero when some byte of w is c / is below 0x20 (bytes of w under 0x80: the caller checks that too). */
+static inline uint64_t
+has_byte(uint64_t w, unsigned char c)
+{
+    uint64_t x = w ^ (0x0101010101010101ULL * c);
+    return (x - 0x0101010101010101ULL) & ~x & 0x8080808080808080ULL;
+}
+
+static inline uint64_t
+has_less_than_space(uint64_t w)
+{
+    return (w - 0x2020202020202020ULL) & ~w & 0x8080808080808080ULL;
+}
+
 static int
 is_digit(unsigned char c)
 {
@@ -50,6 +64,14 @@ value(const unsigned char *d, Py_ssize_t *p, Py_ssize_t end, enum kind k, span *
         if (q >= end || d[q] != '"')
             return 0;
         Py_ssize_t r = q + 1;
+        /* eight bytes at a time while none of them is a quote, a backslash, a control byte or not ASCII */
+        while (r + 8 <= end) {
+            uint64_t w;
+            memcpy(&w, d + r, 8);
+            if (has_byte(w, '"') | has_byte(w, '\\') | has_less_than_space(w) | (w & 0x8080808080808080ULL))
+                break;
+            r += 8;
+        }
         while (r < end) {
             unsigned char c = d[r];
             if (c == '"')

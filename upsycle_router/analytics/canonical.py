@@ -177,7 +177,7 @@ def read_canonical_py(data: bytes, starts: np.ndarray, ends: np.ndarray) -> pa.T
     quotes = np.append(quotes, f.size)  # a sentinel: "no further quote"
     k = np.searchsorted(quotes, starts)  # each line's next quote
     cur = starts + 1
-    ok = np.ones(n, dtype=bool)
+    ok = f.byte(starts) == ord("{")
     columns: dict[str, Any] = {}
     last = len(quotes) - 1
     for i, (name, kind, words, key_length) in enumerate(_FIELDS):
