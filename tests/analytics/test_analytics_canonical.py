@@ -36,40 +36,39 @@ pytestmark = pytest.mark.skipif(canonical._C is None, reason="the C scanner is n
 K = "ab" * 32
 
 
-def arrow_reads(data: bytes) -> pa.Table:
-    lines = screen(data)
-    assert not isinstance(lines, str)
-    if not lines.plain.any():
+def arrow_reads(data: bytes, starts: np.ndarray, ends: np.ndarray) -> pa.Table:
+    """Arrow's reader on the lines ``data[starts[i]:ends[i]]``."""
+    if not len(starts):
         return arrowparse.RECORD_SCHEMA.empty_table()
-    return pj.read_json(pa.BufferReader(lines.plain_bytes(data)), read_options=arrowparse._READ,
-                        parse_options=arrowparse._PARSE)  # fmt: skip
+    body = b"\n".join(data[s:e] for s, e in zip(starts.tolist(), ends.tolist(), strict=True))
+    return pj.read_json(pa.BufferReader(body), read_options=arrowparse._READ, parse_options=arrowparse._PARSE)
 
 
-def both(data: bytes) -> tuple[pa.Table | None, pa.Table | None]:
-    """What the C scanner and its twin make of the plain lines of ``data``."""
+Read = tuple[np.ndarray, pa.Table]
+
+
+def both(data: bytes) -> tuple[Read, Read]:
+    """What the C scanner and its twin make of the plain lines of ``data``: which they take, and the rows."""
     lines = screen(data)
     assert not isinstance(lines, str)
     plain = np.flatnonzero(lines.plain)
-    return (read_canonical(data, lines.starts[plain], lines.ends[plain]),
-            read_canonical_py(data, lines.starts[plain], lines.ends[plain]))  # fmt: skip
+    c = read_canonical(data, lines.starts[plain], lines.ends[plain])
+    assert c is not None
+    return c, read_canonical_py(data, lines.starts[plain], lines.ends[plain])
 
 
-def check(data: bytes) -> bool:
-    """The scanners agree, and whatever they take is Arrow's table; whether they took it."""
-    c, py = both(data)
-    assert (c is None) == (py is None), data[:300]
-    try:
-        expected = arrow_reads(data)
-    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
-        assert c is None, data[:300]  # Arrow's reader refuses it: so must the scanners
-        return False
-    if c is None:
-        return False
-    assert py is not None
-    assert c.schema == expected.schema
-    assert c.equals(expected), data[:300]
-    assert py.equals(expected), data[:300]
-    return True
+def check(data: bytes) -> np.ndarray:
+    """The scanners take the same plain lines of ``data``, and make of them Arrow's rows; which they took."""
+    (c_taken, c_rows), (py_taken, py_rows) = both(data)
+    assert c_taken.tolist() == py_taken.tolist(), data[:300]
+    assert c_rows.equals(py_rows), data[:300]
+    lines = screen(data)
+    assert not isinstance(lines, str)
+    plain = np.flatnonzero(lines.plain)[c_taken]
+    expected = arrow_reads(data, lines.starts[plain], lines.ends[plain])  # (Arrow refusing them is a failure)
+    assert c_rows.schema == expected.schema
+    assert c_rows.equals(expected), data[:300]
+    return c_taken
 
 
 def journal_lines(tmp_path: Path, rng: random.Random, n: int) -> bytes:
@@ -93,18 +92,27 @@ def journal_lines(tmp_path: Path, rng: random.Random, n: int) -> bytes:
 
 def test_what_a_router_writes_is_taken_and_read_as_arrow_reads_it(tmp_path: Path) -> None:
     data = journal_lines(tmp_path, random.Random(7), 2000)
-    assert check(data)
+    taken = check(data)
+    assert len(taken) == 2000 and taken.all()
 
 
 def test_parse_gives_the_same_table_with_or_without_the_scanner(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = journal_lines(tmp_path, random.Random(8), 500) + b'{"ts":1,"node":"' + K.encode() + b'","ev\n'
+    """Canonical lines, plain lines of another form among them (Arrow's reader reads those, and the rows are put
+    back in line order), a bad record, and a cut-short line (Spark's): one table either way."""
+    lines = journal_lines(tmp_path, random.Random(8), 500).splitlines()
+    lines[100] = lines[100].replace(b",", b", ")  # whitespace: plain, not canonical
+    lines[300] = lines[300].replace(b'"node":', b'"node" :')
+    lines[200] = lines[200].replace(b'"event":"', b'"event":"not-an-')  # a bad record (unknown_event)
+    data = b"\n".join(lines) + b'\n{"ts":1,"node":"' + K.encode() + b'","ev\n'
     fast = parse(data, "f")
     monkeypatch.setattr(canonical, "_C", None)
     slow = parse(data, "f")
     assert not isinstance(fast, str) and not isinstance(slow, str)
-    assert fast.table.equals(slow.table)
+    assert fast.table.equals(slow.table) and fast.table.num_rows == 500
+    assert fast.table.column("line").to_pylist() == list(range(1, 501))
+    assert fast.table.column("problem").to_pylist()[199] is not None
     assert fast.odd == slow.odd and len(fast.odd) == 1
 
 
@@ -132,14 +140,14 @@ def template(values: list[str]) -> str:
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(*[value_text(kind) for _, kind in RECORD_KINDS]), min_size=1, max_size=6))
 def test_random_values_are_read_as_arrow_reads_them(rows: list[tuple[str, ...]]) -> None:
-    data = "\n".join(template(list(r)) for r in rows).encode() + b"\n"
-    try:
-        json_ok = all(json.loads(line) is not None for line in data.decode().splitlines())
-    except ValueError:
-        json_ok = False
+    texts = [template(list(r)) for r in rows]
+    data = "\n".join(texts).encode() + b"\n"
+    lines = screen(data)
+    assert not isinstance(lines, str)
     taken = check(data)
-    if taken:
-        assert json_ok
+    for i, took in zip(np.flatnonzero(lines.plain).tolist(), taken.tolist(), strict=True):
+        if took:
+            json.loads(texts[i])  # a line taken is JSON
 
 
 def good_line(rng: random.Random) -> str:
@@ -178,7 +186,7 @@ def test_damaged_lines_are_taken_only_when_read_as_arrow_reads_them(seed: int) -
         lines = screen(data)
         if isinstance(lines, str) or not lines.plain[1]:
             continue  # the damaged line is Spark's to parse (test_analytics_arrow.py)
-        if check(data):
+        if check(data).tolist()[-1]:  # the damaged line (plain: the last plain one)
             taken += 1
         else:
             refused += 1
@@ -208,7 +216,9 @@ def test_damaged_lines_are_taken_only_when_read_as_arrow_reads_them(seed: int) -
 )
 def test_what_is_not_canonical_goes_to_arrow(line: str) -> None:
     good = template(["1", *['"x"'] * 8, "1", '"x"', "true", '"x"'])
-    assert both((good + "\n" + line + "\n").encode()) == (None, None)
+    (c_taken, _), (py_taken, _) = both((good + "\n" + line + "\n").encode())
+    assert c_taken.tolist()[-1] is False and py_taken.tolist()[-1] is False
+    assert c_taken.tolist()[0] is True
 
 
 def test_a_canonical_line_of_every_edge_is_taken() -> None:
@@ -219,7 +229,10 @@ def test_a_canonical_line_of_every_edge_is_taken() -> None:
         ["null", *['"' + "x" * 12 + '"'] * 8, "null", '"~"', "true", '"' + "y" * 1000 + '"'],
     ]
     data = "\n".join(template(r) for r in rows).encode()  # no newline after the last line
-    assert check(data)
+    starts, ends = lines_of(data)  # every line, plain or not (a '}' in a string makes a line odd to the screen)
+    c = read_canonical(data, starts, ends)
+    assert c is not None and c[0].tolist() == [True] * 4
+    assert c[1].equals(arrow_reads(data, starts, ends)) and c[1].equals(read_canonical_py(data, starts, ends)[1])
 
 
 def test_the_pure_setting_turns_the_scanner_off() -> None:
@@ -233,18 +246,18 @@ def test_bad_arguments_are_errors_not_crashes() -> None:
     assert canonical._C is not None
     with pytest.raises(ValueError):
         canonical._C.scan(b"{}", np.zeros(2, np.int64).tobytes(), np.zeros(1, np.int64).tobytes())
-    # offsets outside the data are a refusal, never a read past its end
+    # offsets outside the data are a line not taken, never a read past its end
     starts, ends = np.array([0], np.int64), np.array([1 << 20], np.int64)
-    assert canonical._C.scan(b"{}", starts.tobytes(), ends.tobytes()) is None
-    assert canonical._C.scan(b"{}", np.array([-5], np.int64).tobytes(), np.array([2], np.int64).tobytes()) is None
+    assert canonical._C.scan(b"{}", starts.tobytes(), ends.tobytes())[0] == b"\x00"
+    assert canonical._C.scan(b"{}", np.array([-5], np.int64).tobytes(), np.array([2], np.int64).tobytes())[0] == b"\x00"
 
 
 def test_rows_hold_their_values(tmp_path: Path) -> None:
     line = template(['1795324800.123456', f'"{K}"', '"received"', "null", '"multicast"', f'"{K}"', "null", "null",
                      f'"{K}"', "77", '"r"', "false", '"app"'])  # fmt: skip
-    table = read_canonical(line.encode(), np.array([0]), np.array([len(line)]))
-    assert table is not None
-    row: dict[str, Any] = table.to_pylist()[0]
+    got = read_canonical(line.encode(), np.array([0]), np.array([len(line)]))
+    assert got is not None and got[0].tolist() == [True]
+    row: dict[str, Any] = got[1].to_pylist()[0]
     assert row == {"ts": 1795324800.123456, "node": K, "event": "received", "id": None, "type": "multicast",
                    "group": K, "src": None, "dst": None, "peer": K, "size": 77, "reason": "r", "local": False,
                    "role": "app"}  # fmt: skip
@@ -255,8 +268,10 @@ def test_a_line_must_open_with_a_brace() -> None:
     for first in (b"[", b" ", b"x"):
         text = first + line[1:]
         starts, ends = np.array([0]), np.array([len(text)])
-        assert read_canonical(text, starts, ends) is None and read_canonical_py(text, starts, ends) is None
-    assert read_canonical(line, np.array([0]), np.array([len(line)])) is not None
+        c = read_canonical(text, starts, ends)
+        assert c is not None and not c[0][0] and not read_canonical_py(text, starts, ends)[0][0]
+    c = read_canonical(line, np.array([0]), np.array([len(line)]))
+    assert c is not None and c[0][0]
 
 
 def lines_of(data: bytes) -> tuple[np.ndarray, np.ndarray]:
@@ -289,6 +304,6 @@ def test_any_bytes_leave_both_scanners_agreeing(data: st.DataObject) -> None:
     keep = ends > starts
     c = read_canonical(text, starts[keep], ends[keep])
     py = read_canonical_py(text, starts[keep], ends[keep])
-    assert (c is None) == (py is None), text
-    if c is not None:
-        assert py is not None and c.equals(py), text
+    assert c is not None
+    assert c[0].tolist() == py[0].tolist(), text
+    assert c[1].equals(py[1]), text

@@ -1,10 +1,11 @@
 /* Trace lines in the routers' canonical form cut into columns (see upsycle_router/analytics/canonical.py).
  *
  * scan(data, starts, ends) reads the lines data[starts[i]:ends[i]] (int64 offsets) against the one template
- * {"ts":V,"node":V,...,"role":V} (the fields of rules.RECORD_KINDS, in order) and returns, per field, the
- * values as Arrow buffers: (offsets int32 n+1, bytes, valid 0/1 per row) for a string or number field (a
- * number's text: the caller casts it), (values 0/1, valid 0/1) for a boolean; or None as soon as one line is
- * not canonical. The GIL is released while scanning. */
+ * {"ts":V,"node":V,...,"role":V} (the fields of rules.RECORD_KINDS, in order) and returns (taken, fields):
+ * taken holds 1 for each canonical line, 0 for the others; fields holds, per field, the values of the taken
+ * lines as Arrow buffers: (offsets int32 n+1, bytes, valid 0/1 per row) for a string or number field (a
+ * number's text: the caller casts it), (values 0/1, valid 0/1) for a boolean. None if the data is too large
+ * for int32 offsets. The GIL is released while scanning. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -196,55 +197,61 @@ scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_NoMemory();
         goto done;
     }
-    int canonical = 1;
+    PyObject *taken_obj = PyBytes_FromStringAndSize(NULL, n);
+    if (taken_obj == NULL)
+        goto done;
+    char *taken = PyBytes_AS_STRING(taken_obj);
+    Py_ssize_t m = 0; /* lines taken */
     int64_t total[NFIELDS] = {0};
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t i = 0; i < n; i++) {
         int64_t s = st[i], e = en[i];
-        if (s < 0 || e > data.len || s >= e || !line(d, (Py_ssize_t)s, (Py_ssize_t)e, spans + i * NFIELDS)) {
-            canonical = 0;
-            break;
-        }
+        span *row = spans + m * NFIELDS;
+        taken[i] = s >= 0 && e <= data.len && s < e && line(d, (Py_ssize_t)s, (Py_ssize_t)e, row);
+        if (!taken[i])
+            continue;
         for (int f = 0; f < NFIELDS; f++)
-            if (spans[i * NFIELDS + f].len > 0)
-                total[f] += spans[i * NFIELDS + f].len;
+            if (row[f].len > 0)
+                total[f] += row[f].len;
+        m++;
     }
     Py_END_ALLOW_THREADS
-    if (!canonical) {
-        Py_INCREF(Py_None);
-        result = Py_None;
-        goto done;
-    }
     for (int f = 0; f < NFIELDS; f++)
         if (total[f] > INT32_MAX) {
+            Py_DECREF(taken_obj);
             Py_INCREF(Py_None);
             result = Py_None;
             goto done;
         }
-    result = PyList_New(NFIELDS);
+    PyObject *fields = PyList_New(NFIELDS);
+    if (fields == NULL) {
+        Py_DECREF(taken_obj);
+        goto done;
+    }
+    result = Py_BuildValue("(NN)", taken_obj, fields);
     if (result == NULL)
         goto done;
     for (int f = 0; f < NFIELDS; f++) {
-        PyObject *valid = PyBytes_FromStringAndSize(NULL, n);
+        PyObject *valid = PyBytes_FromStringAndSize(NULL, m);
         if (valid == NULL)
             goto fail;
         char *v = PyBytes_AS_STRING(valid);
         PyObject *item;
         if (kinds[f] == BOOLEAN) {
-            PyObject *values = PyBytes_FromStringAndSize(NULL, n);
+            PyObject *values = PyBytes_FromStringAndSize(NULL, m);
             if (values == NULL) {
                 Py_DECREF(valid);
                 goto fail;
             }
             char *b = PyBytes_AS_STRING(values);
-            for (Py_ssize_t i = 0; i < n; i++) {
+            for (Py_ssize_t i = 0; i < m; i++) {
                 const span *sp = &spans[i * NFIELDS + f];
                 v[i] = sp->len >= 0;
                 b[i] = sp->len >= 0 && sp->start;
             }
             item = Py_BuildValue("(NN)", values, valid);
         } else {
-            PyObject *offsets = PyBytes_FromStringAndSize(NULL, (n + 1) * 4);
+            PyObject *offsets = PyBytes_FromStringAndSize(NULL, (m + 1) * 4);
             PyObject *bytes = offsets ? PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total[f]) : NULL;
             if (bytes == NULL) {
                 Py_XDECREF(offsets);
@@ -254,7 +261,7 @@ scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             int32_t *o = (int32_t *)PyBytes_AS_STRING(offsets);
             char *out = PyBytes_AS_STRING(bytes);
             int32_t at = 0;
-            for (Py_ssize_t i = 0; i < n; i++) {
+            for (Py_ssize_t i = 0; i < m; i++) {
                 const span *sp = &spans[i * NFIELDS + f];
                 o[i] = at;
                 v[i] = sp->len >= 0;
@@ -263,12 +270,12 @@ scan(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                     at += sp->len;
                 }
             }
-            o[n] = at;
+            o[m] = at;
             item = Py_BuildValue("(NNN)", offsets, bytes, valid);
         }
         if (item == NULL)
             goto fail;
-        PyList_SET_ITEM(result, f, item);
+        PyList_SET_ITEM(fields, f, item);
     }
     goto done;
 fail:
@@ -303,8 +310,8 @@ field_names(PyObject *self, PyObject *unused)
 
 static PyMethodDef methods[] = {
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
-     "scan(data, starts, ends) -> [per field: (offsets, bytes, valid) or (values, valid)] or None: the lines "
-     "data[starts[i]:ends[i]] cut into columns, or None if one is not in the canonical form (GIL released)"},
+     "scan(data, starts, ends) -> (taken, [per field: (offsets, bytes, valid) or (values, valid)]) or None: the "
+     "lines data[starts[i]:ends[i]] in the canonical form (taken: 1 each), cut into columns (GIL released)"},
     {"fields", field_names, METH_NOARGS, "fields() -> ((name, kind), ...): the template's fields, in order"},
     {NULL, NULL, 0, NULL},
 };

@@ -9,7 +9,9 @@ each file to Arrow's JSON reader, in worker processes of its own (Arrow's reader
 nothing to Spark; a process per CPU parses one whole file at a time, and a reader that crashes on some input
 takes only its process down). A file Arrow takes is written as one Parquet part of the compacted table, with
 exactly the rows Spark would have made of it; a file it does not take is left to Spark, which compacts it
-into the same table. So the table is the same whichever parser made each part.
+into the same table. So the table is the same whichever parser made each part. Before the screen below, the
+lines in the one form routers write are read by a C scanner (:mod:`~upsycle_router.analytics.canonical`,
+:func:`parse`); only the other lines are screened, and the rows of both are put back in line order.
 
 A file is taken only when equality is certain. Spark's parser and Arrow's differ on inputs no router writes
 (Arrow reads ``NaN`` and ``Infinity``, skips empty lines, reads two objects on one line, takes a byte-order
@@ -150,11 +152,8 @@ class Lines:
         return b"".join(pieces)
 
 
-def screen(data: bytes) -> Lines | str:
-    """The lines of ``data``, or why the fast path must not take the file at all."""
-    if not data:
-        empty = np.zeros(0, dtype=np.int64)
-        return Lines(empty, empty, np.zeros(0, dtype=bool))
+def refusal(data: bytes) -> str | None:
+    """Why the fast path must not take the file at all (invalid UTF-8, a carriage return), or None."""
     if not data.isascii():
         try:
             data.decode("utf-8")
@@ -162,28 +161,59 @@ def screen(data: bytes) -> Lines | str:
             return "not valid UTF-8"
     if b"\r" in data:
         return "holds a carriage return"  # Hadoop's line reader ends a line there too
-    buf = np.frombuffer(data, dtype=np.uint8)
-    newlines = np.flatnonzero(buf == _LF)
+    return None
+
+
+def line_bounds(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """The start and end (exclusive, before its newline) of each line of ``data``."""
+    if not data:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    newlines = np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == _LF)
     ends = newlines if data.endswith(b"\n") else np.append(newlines, len(data))
     starts = np.concatenate(([0], newlines[: len(ends) - 1] + 1))
+    return starts, ends
+
+
+FEW_LINES = 256
+"""Up to this many lines, :func:`plain_of` counts each one's ``}`` with ``bytes.count``; beyond, in one pass."""
+
+
+def plain_of(data: bytes, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Which of the lines ``data[starts[i]:ends[i]]`` (in file order) are plain (module doc)."""
+    buf = np.frombuffer(data, dtype=np.uint8)
     lengths = ends - starts
     plain = (lengths >= 2) & (lengths <= MAX_LINE)
     sized = np.flatnonzero(plain)
     plain[sized] = (buf[starts[sized]] == _OPEN) & (buf[ends[sized] - 1] == _CLOSE)
-    # One object and nothing after it: its only '}' is its last byte. Counted first: when the file has no
-    # '}' but the last byte of each plain line, no line needs looking at.
-    if data.count(b"}") != int(plain.sum()):
-        closes = np.flatnonzero(buf == _CLOSE)
-        sized = np.flatnonzero(plain)
-        first = closes[np.searchsorted(closes, starts[sized])]  # every plain line has one: its last byte
+    # One object and nothing after it: its only '}' is its last byte.
+    sized = np.flatnonzero(plain)
+    if len(sized) <= FEW_LINES:
+        closes = np.array([data.count(b"}", int(starts[i]), int(ends[i])) for i in sized], dtype=np.int64)
+        plain[sized] = closes == 1
+    elif data.count(b"}") != len(sized):  # else no line holds a '}' but its last byte
+        at = np.flatnonzero(buf == _CLOSE)
+        first = at[np.searchsorted(at, starts[sized])]  # every plain line has one: its last byte
         plain[sized] = first == ends[sized] - 1
     for token in _NOT_JSON:  # Arrow reads these; JSON has no such values (a string holding one is odd too)
-        at = data.find(token) if token[:1] in data else -1  # (one byte: memchr, ten times a substring search)
-        while at >= 0:
-            line = int(np.searchsorted(starts, at, side="right")) - 1
-            plain[line] = False
-            at = data.find(token, int(ends[line]))
-    return Lines(starts, ends, plain)
+        found = data.find(token) if token[:1] in data else -1  # (one byte: memchr, ten times a substring search)
+        while found >= 0:
+            line = int(np.searchsorted(starts, found, side="right")) - 1
+            if line >= 0 and found < ends[line]:
+                plain[line] = False
+                found = data.find(token, int(ends[line]))
+            else:
+                found = data.find(token, found + 1)
+    return np.asarray(plain, dtype=bool)
+
+
+def screen(data: bytes) -> Lines | str:
+    """The lines of ``data``, or why the fast path must not take the file at all."""
+    why = refusal(data)
+    if why is not None:
+        return why
+    starts, ends = line_bounds(data)
+    return Lines(starts, ends, plain_of(data, starts, ends))
 
 
 def problems(table: pa.Table) -> pa.ChunkedArray | pa.Array:
@@ -263,30 +293,46 @@ class Parsed:
 
 def parse(data: bytes, file: str) -> Parsed | str:
     """The compacted rows of one journal's bytes (``file`` names it) but for its odd lines, which are returned
-    as they are for Spark to parse; or why the fast path does not take the file."""
+    as they are for Spark to parse; or why the fast path does not take the file.
+
+    The canonical lines (:mod:`~upsycle_router.analytics.canonical`) are read by the C scanner; the others are
+    screened, and the plain ones among them read by Arrow's reader; the rows are put back in line order."""
     if data.startswith(BOM):  # Hadoop's line reader skips it too (only there: elsewhere it makes a line odd)
         data = data[len(BOM) :]
-    lines = screen(data)
-    if isinstance(lines, str):
-        return lines
-    odd_index = np.flatnonzero(~lines.plain)
-    odd_bytes = int((lines.ends[odd_index] - lines.starts[odd_index]).sum())
+    why = refusal(data)
+    if why is not None:
+        return why
+    starts, ends = line_bounds(data)
+    got = read_canonical(data, starts, ends)
+    taken, canon = got if got is not None else (np.zeros(len(starts), dtype=bool), None)
+    rest = np.flatnonzero(~taken)
+    plain = plain_of(data, starts[rest], ends[rest])
+    odd_index, arrow_index = rest[~plain], rest[plain]
+    odd_bytes = int((ends[odd_index] - starts[odd_index]).sum())
     if len(odd_index) > MAX_ODD_LINES or odd_bytes > MAX_ODD_BYTES:  # before decoding any of them
         return f"{len(odd_index)} lines are not single objects of at most {MAX_LINE} bytes"
-    odd = lines.odd(data)
-    numbers = np.flatnonzero(lines.plain)
-    n = len(numbers)
-    if n == 0:
-        return Parsed(COMPACT_SCHEMA.empty_table(), odd)
-    records = read_canonical(data, lines.starts[numbers], lines.ends[numbers])
-    if records is None:  # some line is not as a router writes it: Arrow's reader reads them all
+    odd = [(int(i) + 1, data[starts[i] : ends[i]].decode("utf-8")) for i in odd_index]
+    parts: list[tuple[np.ndarray, pa.Table]] = [] if canon is None else [(np.flatnonzero(taken), canon)]
+    if len(arrow_index):
+        body = b"\n".join(data[starts[i] : ends[i]] for i in arrow_index)
         try:
-            body = pa.BufferReader(lines.plain_bytes(data))
-            records = pj.read_json(body, read_options=_READ, parse_options=_PARSE)
+            read = pj.read_json(pa.BufferReader(body), read_options=_READ, parse_options=_PARSE)
         except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
             return f"Arrow does not parse it: {str(exc).splitlines()[0][:200]}"
-    if records.num_rows != n:
-        return f"{records.num_rows} records in {n} lines"
+        if read.num_rows != len(arrow_index):
+            return f"{read.num_rows} records in {len(arrow_index)} lines"
+        parts.append((arrow_index, read.select([name for name, _ in RECORD_KINDS])))
+    parts = [(numbers, table) for numbers, table in parts if len(numbers)]
+    if not parts:
+        return Parsed(COMPACT_SCHEMA.empty_table(), odd)
+    if len(parts) == 1:
+        numbers, records = parts[0]
+    else:  # both readers: back in line order
+        numbers = np.concatenate([p[0] for p in parts])
+        order = np.argsort(numbers, kind="stable")
+        numbers = numbers[order]
+        records = pa.concat_tables([p[1] for p in parts]).take(pa.array(order))
+    n = len(numbers)
     if pc.any(pc.invert(pc.is_finite(records["ts"]))).as_py():
         return "a ts is not a finite number"
     problem = problems(records)
@@ -295,7 +341,7 @@ def parse(data: bytes, file: str) -> Parsed | str:
         texts: list[str | None] = [None] * n
         for i in bad.tolist():
             k = numbers[i]
-            texts[i] = data[lines.starts[k] : lines.ends[k]].decode("utf-8")[:MAX_BAD_TEXT]
+            texts[i] = data[starts[k] : ends[k]].decode("utf-8")[:MAX_BAD_TEXT]
         text: Any = pa.array(texts, pa.string())
     else:
         text = pa.nulls(n, pa.string())

@@ -21,8 +21,9 @@ A line is canonical when, byte for byte, it is ``{"ts":V,"node":V,...,"role":V}`
 The line must be ASCII and hold no backslash (so no string has an escape) and no control byte (JSON forbids
 them raw in strings). Such a line is valid JSON with one meaning, which is what any
 parser makes of it; the numbers are converted by Arrow's own string casts (correctly rounded, as its reader's
-and Java's ``Double.parseDouble`` are). A file of which some plain line is not canonical is read by Arrow's
-reader instead, whole: journals are written by routers, so that is the rare case. ``tests/analytics/
+and Java's ``Double.parseDouble`` are). A line that is not canonical is left to the
+screen, and then to Arrow's reader or to Spark (:func:`~upsycle_router.analytics.arrowparse.parse`): journals
+are written by routers, so that is the rare case (a crash's cut-short last line). ``tests/analytics/
 test_analytics_canonical.py`` proves the two readers make the same table, row for row, on router-written lines,
 on random values and on damaged lines.
 
@@ -155,29 +156,26 @@ def _number(f: _File, start: np.ndarray, end: np.ndarray, integer: bool) -> np.n
     return np.asarray(ok, dtype=bool)
 
 
-def read_canonical_py(data: bytes, starts: np.ndarray, ends: np.ndarray) -> pa.Table | None:
-    """The records of the lines ``data[starts[i]:ends[i]]`` (each one object, ``{`` to ``}``), with the fields of
-    :data:`~upsycle_router.analytics.rules.RECORD_KINDS`, or None unless the file and every one of them are
-    canonical (module doc)."""
+def read_canonical_py(data: bytes, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, pa.Table]:
+    """Which of the lines ``data[starts[i]:ends[i]]`` are canonical (module doc), and their records, with the
+    fields of :data:`~upsycle_router.analytics.rules.RECORD_KINDS`: the Python twin of :func:`read_canonical`."""
     n = len(starts)
     if n == 0:
         kinds = {**_ARROW_OF, "boolean": pa.bool_()}
         empty = [pa.array([], kinds[k]) for _, k in RECORD_KINDS]
-        return pa.Table.from_arrays(empty, names=[name for name, _ in RECORD_KINDS])
+        return np.zeros(0, dtype=bool), pa.Table.from_arrays(empty, names=[name for name, _ in RECORD_KINDS])
     f = _File(data)
     u8 = f.u8
     unfit = np.flatnonzero(((u8 < 0x20) & (u8 != ord("\n"))) | (u8 >= 0x80) | (u8 == ord("\\")))
     line = np.searchsorted(starts, unfit, side="right") - 1
-    if ((line >= 0) & (unfit < ends[np.maximum(line, 0)])).any():  # a control byte, non-ASCII or an escape
-        return None
+    inside = (line >= 0) & (unfit < ends[np.maximum(line, 0)])  # a control byte, non-ASCII or an escape
+    spoilt = np.zeros(n, dtype=bool)
+    spoilt[line[inside]] = True
     buffer = pa.py_buffer(data)
-    quotes = np.flatnonzero(f.u8 == _QUOTE)
-    if not len(quotes):
-        return None
-    quotes = np.append(quotes, f.size)  # a sentinel: "no further quote"
+    quotes = np.append(np.flatnonzero(f.u8 == _QUOTE), f.size)  # and a sentinel: "no further quote"
     k = np.searchsorted(quotes, starts)  # each line's next quote
     cur = starts + 1
-    ok = f.byte(starts) == ord("{")
+    ok = (f.byte(starts) == ord("{")) & ~spoilt
     columns: dict[str, Any] = {}
     last = len(quotes) - 1
     for i, (name, kind, words, key_length) in enumerate(_FIELDS):
@@ -208,18 +206,17 @@ def read_canonical_py(data: bytes, starts: np.ndarray, ends: np.ndarray) -> pa.T
             columns[name] = (true, ~null & ok)
             cur = np.where(false, cur + 5, cur + 4)
     ok &= (cur == ends - 1) & (f.byte(cur) == _CLOSE)
-    if not ok.all():
-        return None
+    rows = np.flatnonzero(ok)
     arrays = []
     for name, kind in RECORD_KINDS:
         if kind == "boolean":
             values, valid = columns[name]
-            arrays.append(pa.array(values, pa.bool_(), mask=~valid))
+            arrays.append(pa.array(values[rows], pa.bool_(), mask=~valid[rows]))
             continue
         start, length, valid = columns[name]
-        strings = _views(f, buffer, start, length, valid)
+        strings = _views(f, buffer, start[rows], length[rows], valid[rows])
         arrays.append(strings if kind == "string" else pc.cast(strings, _ARROW_OF[kind]))
-    return pa.Table.from_arrays(arrays, names=[name for name, _ in RECORD_KINDS])
+    return ok, pa.Table.from_arrays(arrays, names=[name for name, _ in RECORD_KINDS])
 
 
 def _load() -> ModuleType | None:
@@ -243,16 +240,18 @@ def _validity(valid: bytes) -> pa.Buffer | None:
     return None if flags.all() else pa.py_buffer(np.packbits(flags, bitorder="little"))
 
 
-def read_canonical(data: bytes, starts: np.ndarray, ends: np.ndarray) -> pa.Table | None:
-    """The records of the lines ``data[starts[i]:ends[i]]`` with the fields of
-    :data:`~upsycle_router.analytics.rules.RECORD_KINDS`, read by the C scanner; None unless it is there and
-    every line is canonical (module doc)."""
+def read_canonical(data: bytes, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, pa.Table] | None:
+    """Which of the lines ``data[starts[i]:ends[i]]`` are canonical (module doc), and their records, with the
+    fields of :data:`~upsycle_router.analytics.rules.RECORD_KINDS`, read by the C scanner; None when it is not
+    there (or the file is too large for it)."""
     if _C is None:
         return None
-    n = len(starts)
-    fields = _C.scan(data, np.ascontiguousarray(starts, dtype=np.int64), np.ascontiguousarray(ends, dtype=np.int64))
-    if fields is None:
+    got = _C.scan(data, np.ascontiguousarray(starts, dtype=np.int64), np.ascontiguousarray(ends, dtype=np.int64))
+    if got is None:
         return None
+    taken_bytes, fields = got
+    taken = np.frombuffer(taken_bytes, dtype=bool)
+    n = int(taken.sum())
     arrays: list[pa.Array] = []
     for (_name, kind), buffers in zip(RECORD_KINDS, fields, strict=True):
         if kind == "boolean":
@@ -263,4 +262,4 @@ def read_canonical(data: bytes, starts: np.ndarray, ends: np.ndarray) -> pa.Tabl
         offsets, text, valid = buffers
         strings = pa.Array.from_buffers(pa.string(), n, [_validity(valid), pa.py_buffer(offsets), pa.py_buffer(text)])
         arrays.append(strings if kind == "string" else pc.cast(strings, _ARROW_OF[kind]))
-    return pa.Table.from_arrays(arrays, names=[name for name, _ in RECORD_KINDS])
+    return taken, pa.Table.from_arrays(arrays, names=[name for name, _ in RECORD_KINDS])
