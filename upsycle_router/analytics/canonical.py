@@ -4,11 +4,12 @@ Theory of operation
 -------------------
 A router writes each trace record as one JSON object with the fields of docs/trace.md in one order, no
 whitespace, strings without escapes (keys in hex, event and reason names) and ``ts`` as a plain decimal
-(:class:`~upsycle_router.trace.journal.Journal`). Arrow's JSON reader (:mod:`~upsycle_router.analytics.arrowparse`)
-tokenizes every byte of such a line into a generic value tree, and is most of the compaction's cost. Lines in
-that one *canonical* form need no tokenizer: where each value starts and ends follows from the positions of
-the file's ``"`` bytes, so the file needs one pass of a small C scanner (``_canonical.c``: :func:`read_canonical`, which
-copies each column's values out in one go) and Arrow's string casts for the numbers.
+(:class:`~upsycle_router.trace.journal.TraceJournal`). Arrow's JSON reader
+(:mod:`~upsycle_router.analytics.arrowparse`) tokenizes every byte of such a line into a generic value tree, and
+was most of the compaction's cost. Lines in that one *canonical* form need no tokenizer: each value starts where
+the template says and ends at the next ``"`` (or ``,``), so a small C scanner (``_canonical.c``) reads a file's
+lines in one pass, copies each column's values out in one go (:func:`read_canonical`), and Arrow's string casts
+convert the numbers.
 
 A line is canonical when, byte for byte, it is ``{"ts":V,"node":V,...,"role":V}`` with the keys of
 :data:`~upsycle_router.analytics.rules.RECORD_KINDS` in their order, and each ``V`` is ``null`` or:
@@ -19,20 +20,20 @@ A line is canonical when, byte for byte, it is ``{"ts":V,"node":V,...,"role":V}`
 * for ``local`` (a boolean): ``true`` or ``false``.
 
 The line must be ASCII and hold no backslash (so no string has an escape) and no control byte (JSON forbids
-them raw in strings). Such a line is valid JSON with one meaning, which is what any
-parser makes of it; the numbers are converted by Arrow's own string casts (correctly rounded, as its reader's
-and Java's ``Double.parseDouble`` are). A line that is not canonical is left to the
-screen, and then to Arrow's reader or to Spark (:func:`~upsycle_router.analytics.arrowparse.parse`): journals
-are written by routers, so that is the rare case (a crash's cut-short last line). ``tests/analytics/
-test_analytics_canonical.py`` proves the two readers make the same table, row for row, on router-written lines,
-on random values and on damaged lines.
+them raw in strings). Such a line is valid JSON with one meaning, which is what any parser makes of it; the
+numbers are converted by Arrow's own string casts (correctly rounded, as its reader's and Java's
+``Double.parseDouble`` are). A line that is not canonical is left to the screen, and then to Arrow's reader or
+to Spark (:func:`~upsycle_router.analytics.arrowparse.parse`): journals are written by routers, so that is the
+rare case (a crash's cut-short last line). ``tests/analytics/test_analytics_canonical.py`` proves the scanner's
+rows equal to Arrow's reader's, row for row, on router-written lines, on random values and on damaged lines.
 
 The C scanner is an accelerator as the daemon's are (:mod:`upsycle_router.cext`): built where a C compiler
 exists, off with ``UPSYCLE_ROUTER_PURE=1``. Its Python twin, :func:`read_canonical_py`, does the same with NumPy
-passes over arrays of one entry per line or per field (a string column is an Arrow ``string_view`` array whose
-views point into the file's bytes, cast to ``string``); it is slower than Arrow's reader, so it serves as the
-proof only: where the scanner is not there (``_C`` is None), :func:`read_canonical` answers None and Arrow's
-reader reads every file, as before the scanner existed. The tests compare all three.
+passes over arrays of one entry per line or per field (the positions of the file's ``"`` bytes give each
+string's end; a string column is an Arrow ``string_view`` array whose views point into the file's bytes, cast to
+``string``); it is slower than Arrow's reader, so it serves as the proof only: where the scanner is not there
+(``_C`` is None), :func:`read_canonical` answers None and every line goes to the screen, as before the scanner
+existed. The tests compare all three.
 """
 
 from __future__ import annotations
