@@ -307,3 +307,14 @@ def test_any_bytes_leave_both_scanners_agreeing(data: st.DataObject) -> None:
     assert c is not None
     assert c[0].tolist() == py[0].tolist(), text
     assert c[1].equals(py[1]), text
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([b"\n", b"\n\n", b"{}", b"x", b"\r", b"ab\ncd", b""]), max_size=30))
+def test_the_scanners_line_bounds_are_numpys(pieces: list[bytes]) -> None:
+    data = b"".join(pieces)
+    c = canonical.line_bounds(data)
+    assert c is not None
+    py = arrowparse.line_bounds_py(data)
+    assert c[0].tolist() == py[0].tolist() and c[1].tolist() == py[1].tolist(), data
+    assert c[1].tolist() == (lines_of(data)[1].tolist() if data else [])

@@ -57,6 +57,7 @@ import pyarrow.compute as pc
 import pyarrow.json as pj
 import pyarrow.parquet as pq
 
+from upsycle_router.analytics.canonical import line_bounds as c_line_bounds
 from upsycle_router.analytics.canonical import read_canonical
 from upsycle_router.analytics.rules import (
     EVENTS,
@@ -165,7 +166,16 @@ def refusal(data: bytes) -> str | None:
 
 
 def line_bounds(data: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """The start and end (exclusive, before its newline) of each line of ``data``."""
+    """The start and end (exclusive, before its newline) of each line of ``data`` (the C scanner's
+    :func:`~upsycle_router.analytics.canonical.line_bounds` where it is there; this is its twin)."""
+    found = c_line_bounds(data)
+    if found is not None:
+        return found
+    return line_bounds_py(data)
+
+
+def line_bounds_py(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`line_bounds` with NumPy."""
     if not data:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty

@@ -48,7 +48,7 @@ import pyarrow.compute as pc
 from upsycle_router.analytics.rules import RECORD_KINDS
 from upsycle_router.cext import pure_python
 
-__all__ = ["MAX_NUMBER", "read_canonical", "read_canonical_py"]
+__all__ = ["MAX_NUMBER", "line_bounds", "read_canonical", "read_canonical_py"]
 
 MAX_NUMBER = 24
 """Longest number (bytes) a canonical line holds; a longer one (or one with an exponent) is Arrow's to read."""
@@ -239,6 +239,15 @@ _ARROW_OF = {"string": pa.string(), "double": pa.float64(), "long": pa.int64()}
 def _validity(valid: bytes) -> pa.Buffer | None:
     flags = np.frombuffer(valid, dtype=bool)
     return None if flags.all() else pa.py_buffer(np.packbits(flags, bitorder="little"))
+
+
+def line_bounds(data: bytes) -> tuple[np.ndarray, np.ndarray] | None:
+    """The start and end (before its newline) of each line of ``data``, found by the C scanner (``memchr``);
+    None when it is not there (:func:`~upsycle_router.analytics.arrowparse.line_bounds` is the twin)."""
+    if _C is None:
+        return None
+    starts, ends = _C.lines(data)
+    return np.frombuffer(starts, dtype=np.int64), np.frombuffer(ends, dtype=np.int64)
 
 
 def read_canonical(data: bytes, starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, pa.Table] | None:
