@@ -32,12 +32,12 @@ async def rotate_many_times(d: Daemon, rounds: int = 40) -> None:
         await cb.recv(timeout=10)
 
 
-def journal_files(d: Daemon) -> list[tuple[int, int]]:
-    """(sequence number, size) of each journal file, in order."""
+def journal_files(d: Daemon, *, regular: bool = False) -> list[tuple[int, int]]:
+    """(sequence number, size) of each journal file, in order (``regular``: regular files only)."""
     files = []
     for p in d.trace_dir.iterdir():
         m = re.fullmatch(r"trace-(\d{6})\.jsonl", p.name)
-        if m:
+        if m and (not regular or p.is_file()):
             files.append((int(m.group(1)), p.stat().st_size))
     return sorted(files)
 
@@ -72,3 +72,17 @@ async def test_without_keep_bytes_every_file_stays(daemon: DaemonFactory) -> Non
     after = journal_files(d)
     assert sum(size for _, size in after[:-1]) <= KEEP and after[0][0] > 0, after
     assert after[-1][0] > files[-1][0]  # the numbering went on
+
+
+async def test_a_journal_name_the_router_cannot_read_never_stops_the_router(daemon: DaemonFactory) -> None:
+    """Under a journal name, an entry whose stat fails (here a symbolic link that loops; a disk error does the
+    same): pruning passes over it. Before, the error escaped the batch's journal write and the router stopped
+    answering (its event loop logged the traceback, the process stayed up, every client timed out)."""
+    d = daemon(config={"trace": {"max_bytes": FILE, "keep_bytes": KEEP}})
+    await rotate_many_times(d, 10)
+    (d.trace_dir / "trace-000000.jsonl").symlink_to("trace-000000.jsonl")
+    await rotate_many_times(d, 20)  # every SYNC answered
+    files = journal_files(d, regular=True)
+    assert sum(size for _, size in files[:-1]) <= KEEP, files
+    d.stop()
+    assert "Traceback" not in d.log_path.read_text()

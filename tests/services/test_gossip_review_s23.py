@@ -225,3 +225,20 @@ def test_a_relayed_rpc_from_a_service_two_adverts_name_is_taken_for_neither_nor_
     assert all(G not in core.peer_groups(r) for r in (rid(1), rid(2), rid(9)))
     core.rpc_received(rid(9), GossipRpc(subs=(SubOpt(True, G),)), 1.0, service=svc(5))
     assert rid(9) in core.learned_peers
+
+
+def test_a_service_two_adverts_named_counts_again_relayed_once_one_advert_is_gone() -> None:
+    """The refusal lasts only while two adverts name the key: once one lapses (or names another service), the
+    relayed RPC counts for the remaining advert's router again, and router 9 is never learned."""
+    for drop_second in ("lapses", "changes service"):
+        core = make_core(0)
+        core.peer_added(Peer(rid(1), svc(1)), 0.0)
+        core.peer_added(Peer(rid(2), svc(1)), 0.0)
+        core.rpc_received(rid(9), GossipRpc(subs=(SubOpt(True, G2),)), 1.0, service=svc(1))
+        if drop_second == "lapses":
+            core.peer_removed(rid(2), 2.0)
+        else:
+            core.peer_added(Peer(rid(2), svc(2)), 2.0)
+        core.rpc_received(rid(9), GossipRpc(subs=(SubOpt(True, G),)), 3.0, service=svc(1))
+        assert G in core.peer_groups(rid(1)) and G2 not in core.peer_groups(rid(1)), drop_second
+        assert rid(9) not in core.learned_peers

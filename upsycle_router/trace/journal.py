@@ -13,12 +13,14 @@ import json
 import logging
 import os
 import re
+import stat
 from pathlib import Path
 from typing import IO
 
 from upsycle_router.core.events import Trace
 
-_NAME = re.compile(r"^trace-(\d{6})\.jsonl$")
+# Matched whole (``fullmatch``): ``$`` would take a name ending in a newline, ``\d`` the digits of any script.
+_NAME = re.compile(r"trace-([0-9]{6})\.jsonl")
 log = logging.getLogger(__name__)
 
 
@@ -38,7 +40,7 @@ class TraceJournal:
         self.max_bytes = max_bytes
         self.keep_bytes = keep_bytes
         self.deleted = 0  # closed files deleted to stay within keep_bytes
-        seqs = [int(m.group(1)) for p in self.dir.iterdir() if (m := _NAME.match(p.name))]
+        seqs = [int(m.group(1)) for p in self.dir.iterdir() if (m := _NAME.fullmatch(p.name))]
         self._seq = max(seqs) + 1 if seqs else 0
         self._file: IO[str] | None = None
         self._size = 0
@@ -91,14 +93,28 @@ class TraceJournal:
         self._size = path.stat().st_size
 
     def _prune(self) -> None:
-        """Delete the oldest closed files until the closed files hold at most ``keep_bytes``."""
+        """Delete the oldest closed files until the closed files hold at most ``keep_bytes``. Only regular files
+        named as the journal names them count; one that cannot be read or deleted is logged and passed over (it
+        stays, counted), and the next oldest go instead: no error here stops the journal or the router."""
         files: list[tuple[int, Path, int]] = []
-        for p in self.dir.iterdir():
-            if (m := _NAME.match(p.name)) is not None and int(m.group(1)) < self._seq:
-                try:
-                    files.append((int(m.group(1)), p, p.stat().st_size))
-                except FileNotFoundError:
-                    continue
+        try:
+            entries = list(self.dir.iterdir())
+        except OSError as e:
+            log.warning("trace journal: could not list %s to stay within trace.keep_bytes: %s", self.dir, e)
+            return
+        for p in entries:
+            m = _NAME.fullmatch(p.name)
+            if m is None or int(m.group(1)) >= self._seq:
+                continue
+            try:
+                st = p.lstat()
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                log.warning("trace journal: could not read %s to stay within trace.keep_bytes: %s", p, e)
+                continue
+            if stat.S_ISREG(st.st_mode):
+                files.append((int(m.group(1)), p, st.st_size))
         files.sort()
         total = sum(size for _, _, size in files)
         for _, p, size in files:
@@ -110,7 +126,7 @@ class TraceJournal:
                 pass
             except OSError as e:
                 log.warning("trace journal: could not delete %s to stay within trace.keep_bytes: %s", p, e)
-                break
+                continue
             total -= size
             self.deleted += 1
             log.info("trace journal: deleted %s (%d bytes) to stay within trace.keep_bytes", p.name, size)
