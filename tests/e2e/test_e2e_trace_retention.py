@@ -9,6 +9,7 @@ journal records. Without the setting every file stays (the router deletes nothin
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 from conftest import Daemon, DaemonFactory, async_wait_until, read_trace
@@ -86,3 +87,25 @@ async def test_a_journal_name_the_router_cannot_read_never_stops_the_router(daem
     assert sum(size for _, size in files[:-1]) <= KEEP, files
     d.stop()
     assert "Traceback" not in d.log_path.read_text()
+
+
+async def test_a_journal_that_cannot_be_written_never_stops_the_router(daemon: DaemonFactory) -> None:
+    """The next journal file is a link to /dev/full (every write fails with ENOSPC, as on a full disk): the
+    router goes on answering, counts the records it could not write (``trace_records_lost_total``), warns, and
+    after its pause writes again, to the file after. Before, the error escaped the batch's journal write and
+    the router stopped answering."""
+    d = daemon(config={"trace": {"max_bytes": FILE}})
+    await rotate_many_times(d, 3)
+    last = journal_files(d)[-1][0]
+    (d.trace_dir / f"trace-{last + 1:06d}.jsonl").symlink_to("/dev/full")
+    await rotate_many_times(d, 10)  # every SYNC answered, though the journal fails
+    a = Identity.generate()
+    async with await Client.connect(d.sock, a) as c:
+        lost = (await c.status())["trace_records_lost_total"]
+    assert lost > 0
+    await asyncio.sleep(1.2)  # the first pause (1 s) is over
+    await rotate_many_times(d, 3)
+    assert (d.trace_dir / f"trace-{last + 2:06d}.jsonl").stat().st_size > 0, "written again, in the next file"
+    d.stop()
+    log = d.log_path.read_text()
+    assert "trace journal: could not write" in log and "Traceback" not in log

@@ -168,6 +168,8 @@ class EffectRunner:
         self.own = own  # the router's key: its own answers are not deliveries to give back (give_back)
         self.stats = stats
         self.journal = journal
+        self.stats.setdefault("trace_records_lost_total", 0)  # (a journal that cannot be written: TraceJournal)
+        self.stats.setdefault("trace_files_deleted_total", 0)  # (trace.keep_bytes)
         self.clock = clock
         self.outbound_buffer_max = outbound_buffer_max
         self.push = push  # an event for the next batch (DialFailed)
@@ -247,7 +249,7 @@ class EffectRunner:
             for e in effects:
                 if isinstance(e, Trace):
                     self.journal.record(e, now)
-            self.journal.flush()
+            self._flush_journal(self.journal)
         sent_to: set[Connection] = set()
         try:
             self._apply(effects, now, sent_to)
@@ -820,6 +822,12 @@ class EffectRunner:
         if self._refusal_log.flush(self.clock()):
             self._arm_refusal_flush()
 
+    def _flush_journal(self, journal: TraceJournal) -> None:
+        """Write the journal's records; its losses (it never raises for a failed write) and deletions counted."""
+        journal.flush()
+        self.stats["trace_records_lost_total"] = journal.lost
+        self.stats["trace_files_deleted_total"] = journal.deleted
+
     def trace_now(self, t: Trace) -> None:
         """A trace record of something the driver itself refused (not of a batch), counted by reason as a batch's
         are (``dropped_malformed_total``...)."""
@@ -828,7 +836,7 @@ class EffectRunner:
             self.stats[key] = self.stats.get(key, 0) + 1
         if self.journal is not None:
             self.journal.record(t, self.clock())
-            self.journal.flush()
+            self._flush_journal(self.journal)
 
     def close(self) -> None:
         """Cancel the timers; log the refusals not yet logged."""

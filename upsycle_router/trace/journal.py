@@ -4,7 +4,9 @@ Records are buffered in memory and written by :meth:`TraceJournal.flush`, which 
 batch, so tracing costs one ``write`` per batch rather than per record. Files continue after the highest
 existing sequence number on restart. With ``keep_bytes`` (``trace.keep_bytes``), each rotation deletes the
 oldest closed files until the closed ones hold at most that many bytes (files of earlier runs included), so
-the journal takes at most ``keep_bytes`` plus the file being written; each deletion is logged.
+the journal takes at most ``keep_bytes`` plus the file being written; each deletion is logged. A journal that
+cannot be written (a full disk, its directory removed) loses records, counted, and never stops the router
+(:meth:`TraceJournal.flush`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import logging
 import os
 import re
 import stat
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -22,6 +26,12 @@ from upsycle_router.core.events import Trace
 # Matched whole (``fullmatch``): ``$`` would take a name ending in a newline, ``\d`` the digits of any script.
 _NAME = re.compile(r"trace-([0-9]{6})\.jsonl")
 log = logging.getLogger(__name__)
+
+RETRY_FIRST = 1.0
+RETRY_MAX = 60.0
+"""After a failed write, the journal tries again after RETRY_FIRST seconds, doubling up to RETRY_MAX."""
+WARN_EVERY = 10.0
+"""At most one warning about failed writes per this many seconds."""
 
 
 def _hex(b: bytes | None) -> str | None:
@@ -32,7 +42,12 @@ class TraceJournal:
     """An append-only, size-rotated JSON-lines journal."""
 
     def __init__(
-        self, directory: str | os.PathLike[str], node: bytes, max_bytes: int = 64 * 1024 * 1024, keep_bytes: int = 0
+        self,
+        directory: str | os.PathLike[str],
+        node: bytes,
+        max_bytes: int = 64 * 1024 * 1024,
+        keep_bytes: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -40,6 +55,11 @@ class TraceJournal:
         self.max_bytes = max_bytes
         self.keep_bytes = keep_bytes
         self.deleted = 0  # closed files deleted to stay within keep_bytes
+        self.lost = 0  # records that could not be written
+        self._clock = clock
+        self._retry_at: float | None = None  # after a failed write: no new try before then
+        self._retry_after = 0.0
+        self._warned_at = -WARN_EVERY
         seqs = [int(m.group(1)) for p in self.dir.iterdir() if (m := _NAME.fullmatch(p.name))]
         self._seq = max(seqs) + 1 if seqs else 0
         self._file: IO[str] | None = None
@@ -70,23 +90,55 @@ class TraceJournal:
         )
 
     def flush(self) -> None:
-        """Write buffered records."""
+        """Write buffered records. A journal that cannot be written (a full disk, its directory removed) never
+        stops the router: the records are counted in :attr:`lost`, a warning is logged (at most every
+        :data:`WARN_EVERY` seconds), and writing is tried again - in a new file, the directory made again if
+        it went - after a pause that doubles up to :data:`RETRY_MAX` seconds."""
         if not self._pending:
             return
+        n = len(self._pending)
         data = "\n".join(self._pending) + "\n"
         self._pending.clear()
-        if self._file is None or self._size >= self.max_bytes:
-            self._rotate()
-        assert self._file is not None
-        self._file.write(data)
-        self._file.flush()
+        now = self._clock()
+        if self._retry_at is not None and now < self._retry_at:
+            self.lost += n
+            return
+        try:
+            if self._file is None or self._size >= self.max_bytes:
+                self._rotate()
+            assert self._file is not None
+            self._file.write(data)
+            self._file.flush()
+        except OSError as e:
+            self.lost += n
+            self._failed(e, now)
+            return
         self._size += len(data)
+        self._retry_after = 0.0
+        self._retry_at = None
+
+    def _failed(self, e: OSError, now: float) -> None:
+        """A write or a rotation failed: drop the file (the next try opens a new one) and pause."""
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+        self._retry_after = min(RETRY_MAX, max(RETRY_FIRST, 2 * self._retry_after))
+        self._retry_at = now + self._retry_after
+        if now - self._warned_at >= WARN_EVERY:
+            self._warned_at = now
+            log.warning("trace journal: could not write to %s (%s): %d records lost so far; trying again in %.0f s",
+                        self.dir, e, self.lost, self._retry_after)  # fmt: skip
 
     def _rotate(self) -> None:
         if self._file is not None:
-            self._file.close()
+            file, self._file = self._file, None
+            file.close()
         if self.keep_bytes:
             self._prune()
+        self.dir.mkdir(parents=True, exist_ok=True)  # (removed while the router ran: made again)
         path = self.dir / f"trace-{self._seq:06d}.jsonl"
         self._seq += 1
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open across flushes
