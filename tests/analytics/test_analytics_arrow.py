@@ -40,6 +40,7 @@ from upsycle_router.analytics.rules import RECORD_KINDS
 from upsycle_router.analytics.schema import COMPACT_COLUMNS
 from upsycle_router.analytics.sources import ARROW_PARSE, Compaction, compact, discover, no_glob
 from upsycle_router.analytics.workers import Worker, command_of
+from upsycle_router.analytics.workers import run as workers_run
 
 # --- the screen and the parse, without Spark ---------------------------------------------------------------
 
@@ -351,6 +352,33 @@ def test_files_of_dying_workers_are_left_to_spark(tmp_path: Path, monkeypatch: p
     assert list((tmp_path / "out").iterdir()) == []
 
 
+def test_a_worker_cut_short_in_its_answer_died(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker killed while writing its answer (half a JSON line, then its end) died on that file: the file is
+    left to Spark, its part removed, and the next file gets a new worker (no thread of the pool fails)."""
+    dies = (
+        "import json, pathlib, sys\n"
+        "out = pathlib.Path(json.loads(sys.stdin.readline())['out'])\n"
+        "out.write_bytes(b'whole')\n"
+        "sys.stdout.write('{\"rows\": 1, \"od')\n"
+        "sys.exit(9)\n"
+    )
+    monkeypatch.setattr(arrowparse, "WORKER_COMMAND", [sys.executable, "-c", dies])
+    deaths: list[int] = []
+    tasks = [{"path": str(tmp_path / f"trace-00000{i}.jsonl"), "out": str(tmp_path / f"p{i}")} for i in range(3)]
+    assert workers_run(tasks, 1, [sys.executable, "-c", dies], on_death=deaths.append) == [None] * 3
+    assert deaths == [0, 1, 2]
+    paths = []
+    for i in range(3):
+        p = tmp_path / "in" / f"trace-00000{i}.jsonl"
+        p.parent.mkdir(exist_ok=True)
+        p.write_text(line() + "\n")
+        paths.append(p)
+    (tmp_path / "out").mkdir()
+    results = compact_files(paths, tmp_path / "out", workers=2)
+    assert [r.fallback for r in results] == ["the Arrow worker died"] * 3
+    assert list((tmp_path / "out").iterdir()) == []
+
+
 # --- against Spark ----------------------------------------------------------------------------------------------
 
 
@@ -545,3 +573,35 @@ def test_compacting_again_replaces_the_table(spark: SparkSession, tmp_path: Path
         done = compact(spark, discover([j]), out)
         assert (done.arrow_files, done.spark_files) == (1, 0)
         assert sorted(r["size"] for r in spark.read.parquet(no_glob(out)).collect()) == sizes
+
+
+@pytest.mark.spark
+def test_lines_jackson_reads_otherwise_make_the_same_table(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
+    """Lines of the canonical template that Spark's parse reads otherwise than Arrow's cast would: a string
+    longer than Jackson's longest (20,000,000 characters: not_json to Spark) and a ts of ``-0`` (an integer to
+    Jackson: 0.0, not -0.0); beside them ``-0.0``, a ts of 20 digits and one over 1,000 bytes. The table is
+    Spark's, to the sign of a zero."""
+    ts = '"ts":1795324800.5'
+    lines = [
+        line(event="dropped", reason="x" * 20_000_001),
+        line().replace(ts, '"ts":-0'),
+        line().replace(ts, '"ts":-0.0'),
+        line().replace(ts, '"ts":12345678901234567890'),
+        line(event="dropped", reason="y" * 1500),
+        line().replace(ts, '"ts": -0'),  # not canonical: Arrow's reader's, were it plain
+    ]
+    (tmp_path / "j").mkdir()
+    (tmp_path / "j" / "trace-000000.jsonl").write_text(lines[0] + "\n")  # too many odd bytes: Spark's whole
+    (tmp_path / "j" / "trace-000001.jsonl").write_text("\n".join(lines[1:]) + "\n")
+    inputs = discover([tmp_path / "j"])
+    fast = compact(spark, inputs, tmp_path / "fast.parquet")
+    spark.conf.set(ARROW_PARSE, "false")
+    try:
+        compact(spark, inputs, tmp_path / "slow.parquet")
+    finally:
+        spark.conf.unset(ARROW_PARSE)
+    fast_rows, slow_rows = _rows(spark, tmp_path / "fast.parquet"), _rows(spark, tmp_path / "slow.parquet")
+    assert fast_rows == slow_rows and slow_rows[0][COMPACT_COLUMNS.index("problem")] == "not_json"
+    ts = [[r[COMPACT_COLUMNS.index("ts")] for r in rows] for rows in (fast_rows, slow_rows)]
+    assert [[math.copysign(1.0, t) for t in column] for column in ts] == [[1.0, 1.0, -1.0, 1.0, 1.0, 1.0]] * 2
+    assert (fast.arrow_files, fast.spark_files, fast.odd_lines) == (1, 1, 2)

@@ -224,7 +224,7 @@ def test_what_is_not_canonical_goes_to_arrow(line: str) -> None:
 def test_a_canonical_line_of_every_edge_is_taken() -> None:
     rows = [
         ["0", *['""'] * 8, "0", '""', "false", '""'],
-        ["-0", *["null"] * 8, "-0", "null", "null", "null"],
+        ["-0.0", *["null"] * 8, "-0", "null", "null", "null"],
         ["-123456789012345678901.5", *['"' + "}" * 13 + '"'] * 8, "-999999999999999999", '"{"', "true", '" "'],
         ["null", *['"' + "x" * 12 + '"'] * 8, "null", '"~"', "true", '"' + "y" * 1000 + '"'],
     ]
@@ -233,6 +233,38 @@ def test_a_canonical_line_of_every_edge_is_taken() -> None:
     c = read_canonical(data, starts, ends)
     assert c is not None and c[0].tolist() == [True] * 4
     assert c[1].equals(arrow_reads(data, starts, ends)) and c[1].equals(read_canonical_py(data, starts, ends)[1])
+
+
+def test_what_spark_reads_otherwise_is_not_canonical() -> None:
+    """Two lines of the template that Spark's parse (Jackson) reads otherwise than Arrow's cast and the scanner
+    would (proven against Spark in test_analytics_arrow.py): a string longer than Jackson's longest (20,000,000
+    characters: not_json there), and a ts of ``-0`` (an integer to Jackson, so 0.0, not -0.0). Neither is taken
+    by either scanner, and :func:`parse` leaves both to Spark; ``-0.0`` is taken, with its sign."""
+    long = template(["1", *['"x"'] * 8, "1", '"' + "y" * 20_000_001 + '"', "true", '"x"'])
+    zero = template(["-0", *['"x"'] * 8, "1", '"x"', "true", '"x"'])
+    signed = template(["-0.0", *['"x"'] * 8, "-0", '"x"', "true", '"x"'])
+    data = "\n".join([long, zero, signed]).encode()
+    starts, ends = lines_of(data)
+    c = read_canonical(data, starts, ends)
+    py = read_canonical_py(data, starts, ends)
+    assert c is not None and c[0].tolist() == py[0].tolist() == [False, False, True]
+    assert c[1].equals(py[1]) and str(c[1].column("ts")[0].as_py()) == "-0.0"
+    assert isinstance(parse(data, "f"), str)  # the long line is more odd bytes than the fast path takes
+    parsed = parse("\n".join([zero, signed]).encode(), "f")
+    assert not isinstance(parsed, str)
+    assert [n for n, _ in parsed.odd] == [1]
+    assert parsed.table.column("line").to_pylist() == [2] and str(parsed.table.column("ts")[0].as_py()) == "-0.0"
+
+
+def test_the_twin_reads_a_short_value_at_the_end_of_the_data() -> None:
+    """A string of 1 to 3 bytes within the last 4 bytes of the data (the last line, no newline after it): the
+    twin reads its bytes, as the C scanner does (it read zeros for the bytes of a word that ran past the end)."""
+    for role in ('"x"', '"xy"', '"xyz"', '""'):
+        data = template(["1", *['"x"'] * 8, "1", '"x"', "true", role]).encode()
+        c = read_canonical(data, np.array([0]), np.array([len(data)]))
+        py = read_canonical_py(data, np.array([0]), np.array([len(data)]))
+        assert c is not None and c[0].tolist() == py[0].tolist() == [True]
+        assert c[1].equals(py[1]) and py[1].column("role").to_pylist() == [role.strip('"')]
 
 
 def test_the_pure_setting_turns_the_scanner_off() -> None:

@@ -52,15 +52,26 @@ def test_millis_rounds_as_spark_rounds(spark: SparkSession) -> None:  # noqa: F8
     assert sum(float(a) != b for a, b in zip(np.round(x, 3), want, strict=True)) > 10
 
 
-def test_buckets_are_the_ids_first_bytes_modulo_their_number() -> None:
+def test_buckets_are_the_ids_first_hex_digits_modulo_their_number() -> None:
     rng = random.Random(9)
     ids = [None if rng.random() < 0.2 else f"{rng.getrandbits(256):064x}" for _ in range(500)]
     array = pa.array(["x" * 64] * 7 + ids, pa.string()).slice(7)  # a slice: offsets that do not start at 0
     assert list(vector.bucket_of(pa.array([None, None], pa.string()), 3)) == [-1, -1]
     for buckets in (1, 2, 7, 20, 1000):
         got = vector.bucket_of(array, buckets)
-        want = [-1 if i is None else int.from_bytes(i[: vector.BUCKET_BYTES].encode(), "little") % buckets for i in ids]
+        want = [-1 if i is None else int(i[: vector.BUCKET_BYTES][::-1], 16) % buckets for i in ids]
         assert list(got) == want
+
+
+def test_random_ids_fill_every_bucket_evenly() -> None:
+    """Ids are random hex digits: every bucket gets its share, whatever their number (a power of two too: the
+    ASCII bytes of hex digits have 16 values in their low bits, so read as bytes, 16 buckets of 256 got all)."""
+    rng = random.Random(10)
+    ids = pa.array([f"{rng.getrandbits(256):064x}" for _ in range(40_000)], pa.string())
+    for buckets in (4, 16, 200, 256):
+        sizes = np.bincount(vector.bucket_of(ids, buckets), minlength=buckets)
+        mean = len(ids) / buckets
+        assert sizes.min() > 0.7 * mean and sizes.max() < 1.3 * mean, (buckets, sizes.min(), sizes.max())
 
 
 def test_the_twin_reads_local_tables_with_a_local_master(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811

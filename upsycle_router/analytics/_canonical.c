@@ -15,6 +15,9 @@
 #define NFIELDS 13
 #define MAX_NUMBER 24
 #define MAX_DIGITS_LONG 18
+/* Longest canonical line: far below Jackson's longest string (20,000,000 characters, StreamReadConstraints,
+ * which Spark's parse keeps: a longer one makes the line not_json there). A longer line is the screen's. */
+#define MAX_CANONICAL_LINE (1 << 20)
 
 enum kind { STRING, DOUBLE, LONG, BOOLEAN };
 
@@ -124,6 +127,8 @@ value(const unsigned char *d, Py_ssize_t *p, Py_ssize_t end, enum kind k, span *
             return 0;
         while (r < end && is_digit(d[r]))
             r++;
+    } else if (r - q == 2 && d[q] == '-' && d[digits] == '0') {
+        return 0; /* -0 as a double: Jackson reads an integer, and makes it 0.0, not -0.0 (the screen's) */
     }
     if (r - q > MAX_NUMBER)
         return 0;
@@ -138,6 +143,8 @@ static int
 line(const unsigned char *d, Py_ssize_t s, Py_ssize_t e, span *fields)
 {
     Py_ssize_t p = s;
+    if (e - s > MAX_CANONICAL_LINE)
+        return 0;
     if (p >= e || d[p] != '{')
         return 0;
     p++;
@@ -314,7 +321,8 @@ line_bounds(PyObject *self, PyObject *arg)
     Py_BEGIN_ALLOW_THREADS
     Py_ssize_t k = 0;
     int64_t start = 0;
-    for (p = d; p < end && (p = memchr(p, '\n', (size_t)(end - p))) != NULL; p++) {
+    /* (k < n: a buffer changed by another thread between the two passes cannot make this write past them) */
+    for (p = d; p < end && k < n && (p = memchr(p, '\n', (size_t)(end - p))) != NULL; p++) {
         st[k] = start;
         en[k++] = p - d;
         start = p - d + 1;

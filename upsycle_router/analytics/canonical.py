@@ -15,13 +15,15 @@ A line is canonical when, byte for byte, it is ``{"ts":V,"node":V,...,"role":V}`
 :data:`~upsycle_router.analytics.rules.RECORD_KINDS` in their order, and each ``V`` is ``null`` or:
 
 * for a string field: ``"`` text ``"``, the text holding no ``"`` (the next ``"`` ends it);
-* for ``ts`` (a double): ``-?(0|[1-9][0-9]*)(\\.[0-9]+)?``, at most :data:`MAX_NUMBER` bytes;
+* for ``ts`` (a double): ``-?(0|[1-9][0-9]*)(\\.[0-9]+)?``, at most :data:`MAX_NUMBER` bytes, but not ``-0``
+  (Jackson reads an integer there, and Spark's double is then ``0.0``, where Arrow's cast makes ``-0.0``);
 * for ``size`` (a long): ``-?(0|[1-9][0-9]*)``, at most 18 digits (so it fits);
 * for ``local`` (a boolean): ``true`` or ``false``.
 
-The line must be ASCII and hold no backslash (so no string has an escape) and no control byte (JSON forbids
-them raw in strings). Such a line is valid JSON with one meaning, which is what any parser makes of it; the
-numbers are converted by Arrow's own string casts (correctly rounded, as its reader's and Java's
+The line must be at most :data:`MAX_CANONICAL_LINE` bytes long, ASCII, and hold no backslash (so no string
+has an escape) and no control byte (JSON forbids them raw in strings). Such a line is valid JSON with one
+meaning, which is what any parser makes of it (within Jackson's limits, which the length keeps it far below);
+the numbers are converted by Arrow's own string casts (correctly rounded, as its reader's and Java's
 ``Double.parseDouble`` are). A line that is not canonical is left to the screen, and then to Arrow's reader or
 to Spark (:func:`~upsycle_router.analytics.arrowparse.parse`): journals are written by routers, so that is the
 rare case (a crash's cut-short last line). ``tests/analytics/test_analytics_canonical.py`` proves the scanner's
@@ -48,11 +50,14 @@ import pyarrow.compute as pc
 from upsycle_router.analytics.rules import RECORD_KINDS
 from upsycle_router.cext import pure_python
 
-__all__ = ["MAX_NUMBER", "line_bounds", "read_canonical", "read_canonical_py"]
+__all__ = ["MAX_CANONICAL_LINE", "MAX_NUMBER", "line_bounds", "read_canonical", "read_canonical_py"]
 
 MAX_NUMBER = 24
 """Longest number (bytes) a canonical line holds; a longer one (or one with an exponent) is Arrow's to read."""
 MAX_DIGITS_LONG = 18
+MAX_CANONICAL_LINE = 1 << 20
+"""Longest canonical line (bytes): far below Jackson's longest string (20,000,000 characters), beyond which
+Spark's parse makes a line ``not_json``; a longer line is the screen's (and so Spark's)."""
 _QUOTE, _COMMA, _MINUS, _DOT, _ZERO, _NINE, _CLOSE = (ord(c) for c in '",-.09}')
 _NULL = int.from_bytes(b"null", "little")
 _TRUE = int.from_bytes(b"true", "little")
@@ -82,24 +87,18 @@ class _File:
     def __init__(self, data: bytes) -> None:
         self.size = len(data)
         self.u8 = np.frombuffer(data, dtype=np.uint8)
-        padded = self.size >= 8
-        self.u64 = (
-            np.ndarray((self.size - 7,), dtype="<u8", buffer=data, strides=(1,)) if padded else np.zeros(1, "<u8")
-        )
-        self.u32 = (
-            np.ndarray((self.size - 3,), dtype="<u4", buffer=data, strides=(1,))
-            if self.size >= 4
-            else np.zeros(1, "<u4")
-        )
+        padded = data + bytes(8)  # words that run past the end read zeros there (a copy: the twin is the proof)
+        self.u64 = np.ndarray((self.size + 1,), dtype="<u8", buffer=padded, strides=(1,))
+        self.u32 = np.ndarray((self.size + 1,), dtype="<u4", buffer=padded, strides=(1,))
 
     def word64(self, at: np.ndarray) -> np.ndarray:
-        """The 8 bytes at each offset (0 where fewer than 8 are left)."""
-        inside = at <= self.size - 8
+        """The 8 bytes at each offset (zeros for those past the end; 0 at an offset past it)."""
+        inside = at <= self.size
         return np.where(inside, self.u64[np.where(inside, at, 0)], 0)
 
     def word32(self, at: np.ndarray) -> np.ndarray:
-        """The 4 bytes at each offset (0 where fewer than 4 are left)."""
-        inside = at <= self.size - 4
+        """The 4 bytes at each offset (zeros for those past the end; 0 at an offset past it)."""
+        inside = at <= self.size
         return np.where(inside, self.u32[np.where(inside, at, 0)], 0)
 
     def byte(self, at: np.ndarray) -> np.ndarray:
@@ -151,6 +150,7 @@ def _number(f: _File, start: np.ndarray, end: np.ndarray, integer: bool) -> np.n
         ok &= dots <= 1
         where = np.argmax(dot, axis=1)
         ok &= (dots == 0) | ((where > body) & (where < length - 1))  # digits on both sides of the dot
+        ok &= ~(negative & (length == 2) & (first == _ZERO))  # -0: Jackson's integer 0 makes 0.0, not -0.0
     # no leading zero: a first digit 0 is the whole integer part
     after_first = m[np.arange(len(m)), np.minimum(body + 1, width - 1)]
     ok &= (first != _ZERO) | (length == body + 1) | (after_first == _DOT)
@@ -176,7 +176,7 @@ def read_canonical_py(data: bytes, starts: np.ndarray, ends: np.ndarray) -> tupl
     quotes = np.append(np.flatnonzero(f.u8 == _QUOTE), f.size)  # and a sentinel: "no further quote"
     k = np.searchsorted(quotes, starts)  # each line's next quote
     cur = starts + 1
-    ok = (f.byte(starts) == ord("{")) & ~spoilt
+    ok = (f.byte(starts) == ord("{")) & ~spoilt & (ends - starts <= MAX_CANONICAL_LINE)
     columns: dict[str, Any] = {}
     last = len(quotes) - 1
     for i, (name, kind, words, key_length) in enumerate(_FIELDS):

@@ -179,11 +179,23 @@ def summarize(out: str, scratch: str, plotted: int, lost_rows: int, cdf_steps: i
 
 BUCKET_BYTES = 8
 """Bytes of an id (its first hex digits, as text) that choose its bucket."""
+_LOW_NIBBLES, _BIT6 = np.uint64(0x0F0F0F0F0F0F0F0F), np.uint64(0x0101010101010101)
+_PACK = [(np.uint64(4), np.uint64(0x00FF00FF00FF00FF)), (np.uint64(8), np.uint64(0x0000FFFF0000FFFF)),
+         (np.uint64(16), np.uint64(0xFFFFFFFF))]  # fmt: skip
+
+
+def hex_word(words: np.ndarray) -> np.ndarray:
+    """The 32-bit value of the 8 hex digits in each little-endian word (digit i of the text in bits 4i..4i+3):
+    the digits themselves, not their ASCII bytes, whose low bits take 16 values only."""
+    x = (words & _LOW_NIBBLES) + np.uint64(9) * ((words >> np.uint64(6)) & _BIT6)  # '0'-'9': 0-9, 'a'-'f': 10-15
+    for shift, mask in _PACK:
+        x = (x | (x >> shift)) & mask
+    return x
 
 
 def bucket_of(ids: pa.Array, buckets: int) -> np.ndarray:
-    """The bucket of each id (64 lowercase hex digits; -1 for null): its first :data:`BUCKET_BYTES` bytes read as
-    a little-endian 64-bit integer, modulo ``buckets``."""
+    """The bucket of each id (64 lowercase hex digits; -1 for null): its first :data:`BUCKET_BYTES` bytes (hex
+    digits) read as a 32-bit integer (:func:`hex_word`, one gather), modulo ``buckets``."""
     n = len(ids)
     out = np.full(n, -1, dtype=np.int64)
     valid = ids.is_valid().to_numpy(zero_copy_only=False) if n else np.zeros(0, dtype=bool)
@@ -192,7 +204,7 @@ def bucket_of(ids: pa.Array, buckets: int) -> np.ndarray:
     offsets = np.frombuffer(ids.buffers()[1], dtype=np.int32)[ids.offset : ids.offset + n]
     data = ids.buffers()[2]
     words = np.ndarray((data.size - BUCKET_BYTES + 1,), dtype="<u8", buffer=data, strides=(1,))
-    out[valid] = (words[offsets[valid]] % np.uint64(buckets)).astype(np.int64)
+    out[valid] = (hex_word(words[offsets[valid]]) % np.uint64(buckets)).astype(np.int64)
     return out
 
 

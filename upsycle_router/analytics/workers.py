@@ -62,10 +62,14 @@ class Worker:
         except (BrokenPipeError, ValueError):
             return None
         line = self.proc.stdout.readline()
-        if not line:
+        try:  # nothing, or half a line (a worker killed while writing its answer), or not an answer: it died
+            answer = json.loads(line) if line.endswith(b"\n") else None
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            self.proc.kill()
             return None
-        answer = json.loads(line)
-        return answer if isinstance(answer, dict) else None
+        return answer
 
     def close(self) -> None:
         """End the worker (it exits at the end of its input) and reap it."""
