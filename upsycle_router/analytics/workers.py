@@ -110,7 +110,11 @@ def run(
                     if not todo or stopped:
                         return
                     i = todo.pop()
-                worker = worker or Worker(command)
+                try:
+                    worker = worker or Worker(command)
+                except OSError:  # no worker can start (the command is missing, no process to be had): like died
+                    on_death(i)
+                    return
                 answer = worker.ask(tasks[i])
                 if answer is None:
                     worker.close()
