@@ -84,3 +84,15 @@ def test_a_removed_directory_is_made_again_at_the_next_file(tmp_path: Path) -> N
     batch(j, 1)  # the next file: its directory is made again
     assert j.lost == 0 and sorted(p.name for p in d.iterdir()) == ["trace-000001.jsonl"]
     j.close()
+
+
+def test_a_directory_removed_under_an_open_file_is_made_again_at_once(tmp_path: Path) -> None:
+    """The file being written is removed with its directory: the next batch goes to a new file in the directory
+    made again, not to the removed file (where nobody would ever read it)."""
+    d = tmp_path / "trace"
+    j = TraceJournal(d, b"\x02" * 32, max_bytes=1 << 20)
+    batch(j, 2)
+    shutil.rmtree(d)
+    batch(j, 3)
+    assert j.lost == 0 and (d / "trace-000001.jsonl").read_text().count("\n") == 3
+    j.close()

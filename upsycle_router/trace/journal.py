@@ -104,8 +104,8 @@ class TraceJournal:
             self.lost += n
             return
         try:
-            if self._file is None or self._size >= self.max_bytes:
-                self._rotate()
+            if self._file is None or self._size >= self.max_bytes or os.fstat(self._file.fileno()).st_nlink == 0:
+                self._rotate()  # (no link left: the file or its directory was removed - a new one, made again)
             assert self._file is not None
             self._file.write(data)
             self._file.flush()
