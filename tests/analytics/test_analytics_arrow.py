@@ -330,6 +330,20 @@ def test_a_worker_killed_on_a_file_answers_nothing(tmp_path: Path) -> None:
         worker.close()
 
 
+def assert_every_file_falls_back(where: Path) -> None:
+    """Three one-line journals under ``where``, compacted: each is left to Spark, and no part stays."""
+    paths = []
+    for i in range(3):
+        p = where / "in" / f"trace-00000{i}.jsonl"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(line() + "\n")
+        paths.append(p)
+    (where / "out").mkdir()
+    results = compact_files(paths, where / "out", workers=2)
+    assert [r.fallback for r in results] == ["the Arrow worker died"] * 3
+    assert list((where / "out").iterdir()) == []
+
+
 def test_files_of_dying_workers_are_left_to_spark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each worker dies on its first file (a real process that exits) after writing the part it was asked
     for and that part's temporary file: every file falls back, and neither file stays."""
@@ -341,15 +355,7 @@ def test_files_of_dying_workers_are_left_to_spark(tmp_path: Path, monkeypatch: p
         "sys.exit(3)\n"
     )
     monkeypatch.setattr(arrowparse, "WORKER_COMMAND", [sys.executable, "-c", dies])
-    paths = []
-    for i in range(3):
-        p = tmp_path / f"trace-00000{i}.jsonl"
-        p.write_text(line() + "\n")
-        paths.append(p)
-    (tmp_path / "out").mkdir()
-    results = compact_files(paths, tmp_path / "out", workers=2)
-    assert [r.fallback for r in results] == ["the Arrow worker died"] * 3
-    assert list((tmp_path / "out").iterdir()) == []
+    assert_every_file_falls_back(tmp_path)
 
 
 def test_a_worker_cut_short_in_its_answer_died(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -367,16 +373,7 @@ def test_a_worker_cut_short_in_its_answer_died(tmp_path: Path, monkeypatch: pyte
     tasks = [{"path": str(tmp_path / f"trace-00000{i}.jsonl"), "out": str(tmp_path / f"p{i}")} for i in range(3)]
     assert workers_run(tasks, 1, [sys.executable, "-c", dies], on_death=deaths.append) == [None] * 3
     assert deaths == [0, 1, 2]
-    paths = []
-    for i in range(3):
-        p = tmp_path / "in" / f"trace-00000{i}.jsonl"
-        p.parent.mkdir(exist_ok=True)
-        p.write_text(line() + "\n")
-        paths.append(p)
-    (tmp_path / "out").mkdir()
-    results = compact_files(paths, tmp_path / "out", workers=2)
-    assert [r.fallback for r in results] == ["the Arrow worker died"] * 3
-    assert list((tmp_path / "out").iterdir()) == []
+    assert_every_file_falls_back(tmp_path / "files")
 
 
 # --- against Spark ----------------------------------------------------------------------------------------------
