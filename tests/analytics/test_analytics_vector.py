@@ -116,7 +116,7 @@ def test_nearest_rank_is_sparks_percentile_below_its_exact_limit(spark: SparkSes
     df = spark.createDataFrame([(v,) for v in values], "v double")
     want = df.agg(F.percentile_approx("v", fractions, stats.PERCENTILE_ACCURACY).alias("q")).collect()[0]["q"]
     assert vector.nearest_rank(np.sort(np.array(values)), fractions) == want
-    assert vector.ACCURACY == stats.PERCENTILE_ACCURACY
+    assert vector.PERCENTILE_ACCURACY == stats.PERCENTILE_ACCURACY
 
 
 def test_what_a_killed_run_left_in_the_scratch_directory_is_not_read(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811

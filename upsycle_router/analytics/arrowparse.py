@@ -138,22 +138,6 @@ class Lines:
     ends: np.ndarray[Any, Any]
     plain: np.ndarray[Any, Any]
 
-    def odd(self, data: bytes) -> list[tuple[int, str]]:
-        """(line number, text) of each line that is not plain."""
-        return [(int(i) + 1, data[self.starts[i] : self.ends[i]].decode("utf-8")) for i in np.flatnonzero(~self.plain)]
-
-    def plain_bytes(self, data: bytes) -> bytes:
-        """``data`` without its odd lines (each removed with its newline)."""
-        odd = np.flatnonzero(~self.plain)
-        if not len(odd):
-            return data
-        pieces, pos = [], 0
-        for i in odd.tolist():
-            pieces.append(data[pos : self.starts[i]])
-            pos = int(self.ends[i]) + 1
-        pieces.append(data[pos:])
-        return b"".join(pieces)
-
 
 def refusal(data: bytes) -> str | None:
     """Why the fast path must not take the file at all (invalid UTF-8, a carriage return), or None."""
@@ -208,24 +192,28 @@ def plain_of(data: bytes, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
         first = at[np.searchsorted(at, starts[sized])]  # every plain line has one: its last byte
         plain[sized] = first == ends[sized] - 1
     for token in _NOT_JSON:  # Arrow reads these; JSON has no such values (a string holding one is odd too)
-        found = data.find(token) if token[:1] in data else -1  # (one byte: memchr, ten times a substring search)
-        while found >= 0:
-            line = int(np.searchsorted(starts, found, side="right")) - 1
-            if line >= 0 and found < ends[line]:
-                plain[line] = False
-                found = data.find(token, int(ends[line]))
-            else:
-                found = data.find(token, found + 1)
-    # an integer -0: Spark's double is 0.0 (Jackson's integer), Arrow's -0.0 (a '-' is rare: memchr first)
-    found = data.find(b"-0") if len(starts) and b"-" in data else -1
+        _not_plain_holding(data, starts, ends, plain, token)
+    # an integer -0: Spark's double is 0.0 (Jackson's integer), Arrow's -0.0
+    _not_plain_holding(data, starts, ends, plain, b"-0", unless_followed_by=b".")
+    return np.asarray(plain, dtype=bool)
+
+
+def _not_plain_holding(
+    data: bytes, starts: np.ndarray, ends: np.ndarray, plain: np.ndarray, token: bytes, unless_followed_by: bytes = b""
+) -> None:
+    """Mark not plain each of the lines ``data[starts[i]:ends[i]]`` (in file order) that holds ``token`` (not
+    followed by ``unless_followed_by``, if given). The token's first byte is looked for first: ``memchr``, ten
+    times a substring search, and these tokens are rare in a journal."""
+    found = data.find(token) if token[:1] in data else -1
+    after = len(token)
     while found >= 0:
         line = int(np.searchsorted(starts, found, side="right")) - 1
-        if line >= 0 and found < ends[line] and data[found + 2 : found + 3] != b".":
+        inside = line >= 0 and found < ends[line]
+        if inside and not (unless_followed_by and data[found + after : found + after + 1] == unless_followed_by):
             plain[line] = False
-            found = data.find(b"-0", int(ends[line]))
+            found = data.find(token, int(ends[line]))
         else:
-            found = data.find(b"-0", found + 1)
-    return np.asarray(plain, dtype=bool)
+            found = data.find(token, found + 1)
 
 
 def screen(data: bytes) -> Lines | str:

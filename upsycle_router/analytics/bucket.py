@@ -230,6 +230,7 @@ def _bucket(records: pa.Table, changes: pa.Table) -> tuple[_Bucket, dict[str, np
     reason, reasons = codes_of(records["reason"])
     role, roles = codes_of(records["role"])
     app = np.isin(role, [i for i, r in enumerate(roles) if r == "app"])
+    ts, pos = records["ts"].to_numpy(), records["pos"].to_numpy()
     b = _Bucket(
         n=records.num_rows,
         id=idc,
@@ -239,8 +240,8 @@ def _bucket(records: pa.Table, changes: pa.Table) -> tuple[_Bucket, dict[str, np
         dst=_mapped(records["dst"], index),
         peer=_mapped(records["peer"], index),
         keys=keys,
-        ts=records["ts"].to_numpy(),
-        pos=records["pos"].to_numpy(),
+        ts=ts,
+        pos=pos,
         event=event,
         events=events,
         type=typ,
@@ -248,7 +249,7 @@ def _bucket(records: pa.Table, changes: pa.Table) -> tuple[_Bucket, dict[str, np
         reason=reason,
         reasons=reasons,
         local=records["local"].fill_null(False).to_numpy(zero_copy_only=False),
-        rank=_journal_rank(records["ts"].to_numpy(), records["pos"].to_numpy()),
+        rank=_journal_rank(ts, pos),
         role=role,
         roles=roles,
         app=app,

@@ -58,7 +58,7 @@ MAX_DIGITS_LONG = 18
 MAX_CANONICAL_LINE = 1 << 20
 """Longest canonical line (bytes): far below Jackson's longest string (20,000,000 characters), beyond which
 Spark's parse makes a line ``not_json``; a longer line is the screen's (and so Spark's)."""
-_QUOTE, _COMMA, _MINUS, _DOT, _ZERO, _NINE, _CLOSE = (ord(c) for c in '",-.09}')
+_QUOTE, _MINUS, _DOT, _ZERO, _NINE, _CLOSE = (ord(c) for c in '"-.09}')
 _NULL = int.from_bytes(b"null", "little")
 _TRUE = int.from_bytes(b"true", "little")
 _FALS = int.from_bytes(b"fals", "little")

@@ -86,7 +86,7 @@ from pyspark import StorageLevel
 from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
-from upsycle_router.analytics.rules import LINE_BITS, NOT_A_LOSS
+from upsycle_router.analytics.rules import LINE_BITS, NOT_A_LOSS, PERCENTILE_ACCURACY
 
 ORDER = ("ts", "pos")
 """Journal order: time, then the order the router wrote the records (file name, line; see :func:`prepared`)."""
@@ -97,9 +97,6 @@ PERCENTILES = (50, 90, 99, 100)
 
 RESIDENCY_PERCENTILES = (50, 99, 100)
 
-PERCENTILE_ACCURACY = 10_000
-"""``percentile_approx``'s accuracy: exact below 5,000 values per key, else a rank error of about n / 10,000
-(documented: at most 2 n / 10,000)."""
 
 CDF_STEPS = 400
 """Points of a plotted latency CDF per group (the quantiles at 1/400, 2/400, ... 1)."""

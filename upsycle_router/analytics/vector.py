@@ -31,8 +31,8 @@ Spark's ``round`` rounds a double (:func:`~upsycle_router.analytics.bucket.milli
 3. **Summaries** (:func:`summarize`, one task): ``group_stats`` and ``queue_residency`` rows, the overall
    residency percentiles, the lost deliveries by cause and the first of them, and the CDF quantiles of the
    busiest groups, from those tables (a row per message, app delivery and queue entry). Percentiles are exact
-   (:func:`nearest_rank`): Spark's ``percentile_approx`` gives the same below ``ACCURACY / 2`` values per key
-   and is within its rank error of them above.
+   (:func:`nearest_rank`): Spark's ``percentile_approx`` gives the same below ``PERCENTILE_ACCURACY / 2``
+   values per key and is within its rank error of them above.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from upsycle_router.analytics.bucket import analyze_bucket, codes_of, group_starts
-from upsycle_router.analytics.rules import LINE_BITS
+from upsycle_router.analytics.rules import LINE_BITS, PERCENTILE_ACCURACY
 from upsycle_router.analytics.workers import command_of, serve
 from upsycle_router.analytics.workers import run as workers_run
 
@@ -73,23 +73,21 @@ DICTIONARY = ("node", "event", "type", "group", "src", "dst", "peer", "reason", 
 
 # --- the summaries, from the per-bucket tables ----------------------------------------------------------
 
-ACCURACY = 10_000
-"""Spark's ``percentile_approx`` accuracy in the reference (:data:`stats.PERCENTILE_ACCURACY`)."""
 
 
 def nearest_rank(values: np.ndarray, fractions: Sequence[float]) -> list[float | None]:
     """The nearest-rank percentiles of the sorted ``values`` at ``fractions``: the value of rank ``ceil(q * n)``
     (at least 1) - what Spark's ``percentile_approx`` returns while its summary is exact (below
-    ``ACCURACY / 2`` values), and a rank error of none above that (its bound is about ``n / ACCURACY``). A
-    fraction within ``1 / ACCURACY`` of 1 is the maximum, as there."""
+    ``PERCENTILE_ACCURACY / 2`` values), and a rank error of none above that (its bound is about
+    ``n / PERCENTILE_ACCURACY``). A fraction within ``1 / PERCENTILE_ACCURACY`` of 1 is the maximum, as there."""
     n = len(values)
     if not n:
         return [None for _ in fractions]
     out: list[float | None] = []
     for q in fractions:
-        if q >= 1.0 - 1.0 / ACCURACY:
+        if q >= 1.0 - 1.0 / PERCENTILE_ACCURACY:
             out.append(float(values[-1]))
-        elif q <= 1.0 / ACCURACY:
+        elif q <= 1.0 / PERCENTILE_ACCURACY:
             out.append(float(values[0]))
         else:
             out.append(float(values[min(n, max(1, math.ceil(q * n))) - 1]))
