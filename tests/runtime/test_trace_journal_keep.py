@@ -78,3 +78,35 @@ def test_entries_that_are_not_regular_files_are_not_counted_nor_deleted(tmp_path
     j.close()
     assert (tmp_path / "trace-000000.jsonl").is_dir() and (tmp_path / "trace-000001.jsonl").is_symlink()
     assert j.deleted > 0 and closed_bytes(tmp_path, j) <= FILE
+
+
+def test_a_file_someone_else_removed_meanwhile_is_neither_counted_as_deleted_nor_replaced_by_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Between the listing and the unlink another process (an operator's cleanup) removed the oldest file: its
+    bytes no longer count, so no newer file goes in its place, and ``trace_files_deleted_total`` does not count
+    it (nor does the log say the journal deleted it)."""
+    j = TraceJournal(tmp_path, b"\x00" * 32, FILE, 100 * FILE)  # a budget nothing reaches: no pruning yet
+    fill(j, 12)
+    j.flush()
+    closed = sorted(tmp_path.glob("trace-*.jsonl"))  # (called outside a rotation, _prune counts the open file too)
+    assert len(closed) >= 3
+    oldest = closed[0]
+    over = sum(p.lstat().st_size for p in closed[1:])  # a budget the others fit once the oldest is gone
+    real_unlink = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if self.name == oldest.name:
+            real_unlink(self, missing_ok)  # the other process was first
+            raise FileNotFoundError(2, "No such file or directory", str(self))
+        real_unlink(self, missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    j.keep_bytes = over
+    with caplog.at_level(logging.INFO, logger="upsycle_router.trace.journal"):
+        j._prune()
+    assert not oldest.exists()
+    assert all(p.exists() for p in closed[1:]), "a newer file went in place of the one already gone"
+    assert j.deleted == 0
+    assert "deleted" not in caplog.text
+    j.close()

@@ -175,7 +175,8 @@ class TraceJournal:
             try:
                 p.unlink()
             except FileNotFoundError:
-                pass
+                total -= size  # someone else removed it meanwhile: gone, but not deleted here (not counted)
+                continue
             except OSError as e:
                 log.warning("trace journal: could not delete %s to stay within trace.keep_bytes: %s", p, e)
                 continue
