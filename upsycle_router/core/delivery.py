@@ -32,6 +32,8 @@ connection for a moment), and so is one whose messages are refused for want of r
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from upsycle_router.core.events import ConnId, Dial, Effect, Fanout, Send, Throttle, Trace
 from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.state import Conn, Forwarded, MemberPlan, RouterState
@@ -413,19 +415,21 @@ class Delivery:
 
     def remember(
         self, origin: Conn, router: bytes, mid: bytes, kind: Kind, group: bytes | None, size: int,
-        src: bytes | None = None, dst: bytes | None = None,
+        src: bytes | None = None, dst: bytes | None = None, routers: Iterable[bytes] = (),
     ) -> None:
         """The message ``mid`` that came in on ``origin`` went (or waits to go) to router ``router``: remembered for
         a while (the latest :data:`FORWARDED_MAX`), so that a REFUSED from that router reaches ``origin``
         (:meth:`late_refusal`) - the app that sent it, or the router it came from, which passes it on to its own
         sender in turn (an edge app's message relayed by its core to another edge is refused there: the refusal
-        goes back the way the message came). ``src`` and ``dst``: a unicast's keys, for the trace."""
+        goes back the way the message came). ``src`` and ``dst``: a unicast's keys, for the trace. ``routers``: for a
+        group message (``router`` = ANY_MEMBER), the routers it went to - the only ones whose REFUSED is passed on."""
         fwd = self.s.forwarded
         if router != ANY_MEMBER and (seen := fwd.get(mid)) is not None and seen.router == ANY_MEMBER:
             return  # a group message: it also went to member routers or core nodes, each of which may refuse it
         if len(fwd) >= FORWARDED_MAX:
             del fwd[next(iter(fwd))]
-        fwd[mid] = Forwarded(origin.id, router, kind, group, size, origin.syncs, src, dst)
+        went = routers if type(routers) is frozenset else frozenset(routers)  # (a run's messages share one)
+        fwd[mid] = Forwarded(origin.id, router, kind, group, size, origin.syncs, src, dst, routers=went)
 
     # ------------------------------------------------------------------ refusals (wire v1.1)
 
@@ -495,10 +499,9 @@ class Delivery:
             elif router in s.trusted:  # forgotten (the oldest of FORWARDED_MAX in flight): traced, not lost in silence
                 out.append(Trace(DROPPED, r.id, CONTROL, None, None, None, router, 0, reason_label(r.reason)))
             return
-        if fwd.router == ANY_MEMBER:  # a multicast: from any member router of its group or core node (each may refuse)
-            member = router not in s.locals and router in s.subs.get(fwd.group or b"", ())
-            if (not member and router not in s.config.upstream) or router in fwd.refusers:
-                return  # (each router's refusal is passed on once)
+        if fwd.router == ANY_MEMBER:  # a multicast: from any member router or core node it went to (each may refuse)
+            if router not in fwd.routers or router in fwd.refusers:
+                return  # (each router's refusal is passed on once; one it never went to refused nothing of ours)
             s.batch_forwarded.setdefault(r.id, fwd)  # (put back if the batch does not commit)
             s.forwarded[r.id] = fwd._replace(refusers=fwd.refusers | {router})
         elif fwd.router != router or router in fwd.refusers:

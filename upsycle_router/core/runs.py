@@ -144,8 +144,9 @@ def multicast_run(
         for r in routers:
             out.extend(Send(r, data, True, False, c.id) for data in delivered)
         if member_routers:  # a member router's REFUSED for one reaches the app (as Router._multicast)
+            went = frozenset(key for key in recipients if key not in s.locals)  # (each connected: Sends above)
             for k, result in zip(range(lo, hi), outcome, strict=True):
                 if type(result) is bytes:
                     msg = msgs[k]
-                    delivery.remember(c, ANY_MEMBER, msg.id, MULTICAST, grp, msg.size)
+                    delivery.remember(c, ANY_MEMBER, msg.id, MULTICAST, grp, msg.size, routers=went)
     return True

@@ -63,6 +63,9 @@ class Forwarded(NamedTuple):
     src: bytes | None = None  # a unicast's keys (for the trace of a REFUSED passed on)
     dst: bytes | None = None
     refusers: frozenset[bytes] = frozenset()  # the routers whose REFUSED was passed on already (once each)
+    # A group message (``router`` = ANY_MEMBER): the routers it was sent or queued to - member routers, core
+    # nodes. Only theirs is a next router's REFUSED; a router that became a member afterwards never had it.
+    routers: frozenset[bytes] = frozenset()
 
 
 class PendingPull(NamedTuple):
