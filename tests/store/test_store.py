@@ -401,6 +401,23 @@ def test_subscriptions(store: LmdbStore) -> None:
     s.close()
 
 
+def test_the_strangers_entries_and_bytes_are_counted_again_at_reopen(store: LmdbStore) -> None:
+    """What strangers queued, for every recipient together (the strangers' share of the store is a share of
+    entries and bytes), is the same after a reopen: read again from ``sqstats``."""
+    with store.transaction():
+        store.put_message(mid(1), b"x" * 10, None, 1000.0)
+        store.enqueue(A, mid(1), 1000.0, 10, stranger=True)
+        store.enqueue(B, mid(1), 1000.0, 10, stranger=True)
+        store.enqueue(B, mid(1), 1000.0, 10)
+    assert (store.stranger_entries(), store.stranger_bytes()) == (2, 20)
+    s = reopen(store)
+    assert (s.stranger_entries(), s.stranger_bytes()) == (2, 20)
+    with s.transaction():
+        s.dequeue(A, s.queue(A)[0].seq)
+    assert (s.stranger_entries(), s.stranger_bytes()) == (1, 10)
+    s.close()
+
+
 def test_pubsub_subscribed(store: LmdbStore) -> None:
     with store.transaction():
         store.set_pubsub_subscribed(G1, True)
@@ -570,13 +587,13 @@ def test_dequeue_many_is_dequeue_of_each(tmp_path: Path, pick: str, read_first: 
               "none": []}[pick]
     with one.transaction():
         n = sum(one.dequeue(A, seq) is not None for seq in chosen)
-        usage = one.queue_usage(A), one.stranger_usage(A), one.stranger_bytes()
+        usage = one.queue_usage(A), one.stranger_usage(A), (one.stranger_bytes(), one.stranger_entries())
     with many.transaction():
         assert many.dequeue_many(A, chosen) == n
-        assert (many.queue_usage(A), many.stranger_usage(A), many.stranger_bytes()) == usage
+        assert (many.queue_usage(A), many.stranger_usage(A), (many.stranger_bytes(), many.stranger_entries())) == usage
     assert _tables(many) == _tables(one)
     for s in (one, many):
-        assert (s.queue_usage(A), s.stranger_usage(A), s.stranger_bytes()) == usage
+        assert (s.queue_usage(A), s.stranger_usage(A), (s.stranger_bytes(), s.stranger_entries())) == usage
     assert [one.has_message(mid(i)) for i in range(11)] == [many.has_message(mid(i)) for i in range(11)]
     assert many.queue(A) == one.queue(A) and many.queue(B) == one.queue(B)
     one.close()

@@ -179,6 +179,7 @@ def test_messages_once_per_id_and_unicast_goes_with_its_last_queue_entry(store: 
     assert [(e.seq, e.id) for e in store.queue(A)] == [(e1.seq, mid(2)), (e1.seq + 2, mid(1))]
     assert [e.id for e in store.queue(A, after=e1.seq)] == [mid(1)]
     assert store.queue_usage(A) == (2, 12) and store.stranger_usage(B) == (1, 7) and store.stranger_bytes() == 7
+    assert store.stranger_entries() == 1
     assert store.queue_recipients() == {A: (2, 12), B: (1, 7)}
     with store.transaction():
         store.dequeue(A, e1.seq)
@@ -187,7 +188,7 @@ def test_messages_once_per_id_and_unicast_goes_with_its_last_queue_entry(store: 
         assert not store.has_message(mid(2))  # its last entry: gone
         store.dequeue(A, e1.seq + 2)
     assert store.has_message(mid(1))  # a group message stays until it expires
-    assert store.queue_recipients() == {} and store.stranger_bytes() == 0
+    assert store.queue_recipients() == {} and store.stranger_bytes() == 0 and store.stranger_entries() == 0
 
 
 def test_a_transaction_that_raises_leaves_nothing(store: LmdbStore | MemoryStore) -> None:
@@ -204,7 +205,8 @@ def test_a_transaction_that_raises_leaves_nothing(store: LmdbStore | MemoryStore
         raise RuntimeError("the batch fails")
     assert not store.has_message(mid(2)) and store.has_message(mid(1))
     assert [e.id for e in store.queue(A)] == [mid(1)] and store.queue(B) == []
-    assert store.stranger_bytes() == 0 and store.routes() == {B: RouteEntry(A, None, ROUTE_ADVERT)}
+    assert store.stranger_bytes() == store.stranger_entries() == 0
+    assert store.routes() == {B: RouteEntry(A, None, ROUTE_ADVERT)}
     assert store.subscriptions() == {}
 
 

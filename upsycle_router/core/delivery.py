@@ -56,6 +56,13 @@ from upsycle_router.wire.messages import Message, UnicastHeader
 # What one queue entry writes across the queue tables (entry, expiry index, reference count, usage), as
 # charged against the store's room: a stored message queued for many recipients costs more than its bytes.
 QUEUE_ENTRY_BYTES = 128
+# What a stranger's queue entry is charged against the strangers' share of the store besides its bytes: a
+# store page (LMDB's, 4 KiB) and the entry's own writes. A message takes whole pages once it is larger than
+# about half a page (one of 4,000 bytes takes two: 8 KiB), and a small one its part of the B-tree pages of
+# every table it is in: counted by their bytes alone, strangers sending 4 KB messages filled the whole store
+# of an 8 MiB map with ``stranger_share: 0.3``, and a friend's first message after them was refused
+# (store_full; tests/e2e/test_e2e_fair_queues.py).
+STRANGER_ENTRY_BYTES = 4096 + QUEUE_ENTRY_BYTES
 # How long the driver stops reading a connection whose messages fill a queue or the store past
 # ``backpressure_at`` (once per batch at most).
 THROTTLE_SECONDS = 0.05
@@ -342,8 +349,9 @@ class Delivery:
             if stranger:
                 share = cfg.stranger_share
                 scount, sbytes = store.stranger_usage(key)
+                in_store = store.stranger_bytes() + (store.stranger_entries() + 1) * STRANGER_ENTRY_BYTES
                 if (scount + 1 > share * cfg.queue_max_count or sbytes + n > share * cfg.queue_max_bytes
-                        or store.stranger_bytes() + n > share * self.s.map_size):
+                        or in_store + n > share * self.s.map_size):
                     return drop(Why.STRANGER_QUOTA)
         stored = store.has_message(msg.id)
         if not self._room(stored, n, reserve=taken):

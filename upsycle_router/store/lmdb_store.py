@@ -12,8 +12,8 @@ recipients they were refused for (``owed``). What their keys and values hold, by
 
 Fair queues: a queue entry that a sender the router was never told to trust queued (a *stranger*) carries
 ``STRANGER_FLAG`` in the top bit of its ``size``; ``sqstats`` adds those entries up per recipient, and the
-store keeps their total bytes in memory (:meth:`LmdbStore.stranger_bytes`), so the core can hold strangers to
-a share of each queue and of the store.
+store keeps their total bytes and entries in memory (:meth:`LmdbStore.stranger_bytes`,
+:meth:`LmdbStore.stranger_entries`), so the core can hold strangers to a share of each queue and of the store.
 
 An ``owed`` entry names a stored group message (:meth:`LmdbStore.put_owed`) and is removed with it
 (:meth:`LmdbStore._drop`, whichever way the message goes), so the table holds no more entries than ``msgs``
@@ -238,7 +238,7 @@ class LmdbStore(LmdbTables):
                 self._flush_index()
             if v is not None and v != SCHEMA_VERSION:
                 self._migrate_refs()
-            self._stranger_bytes = self._load_stranger_bytes(self._txn)
+            self._stranger_entries, self._stranger_bytes = self._load_stranger_usage(self._txn)
             self._load_owed(self._txn)
         self._opened = True
         # Queue drains ask the kernel for the pages they read next (0: never); None where that cannot work. Long
@@ -276,11 +276,16 @@ class LmdbStore(LmdbTables):
             return  # the opening transaction failed: its error is the one to see, and the store is not used
         with self.env.begin() as txn:
             self._load_index(txn)
-            self._stranger_bytes = self._load_stranger_bytes(txn)
+            self._stranger_entries, self._stranger_bytes = self._load_stranger_usage(txn)
             self._load_owed(txn)
 
-    def _load_stranger_bytes(self, txn: Any) -> int:
-        return sum(COUNTS.unpack(v)[1] for v in txn.cursor(db=self._db["sqstats"]).iternext(keys=False))
+    def _load_stranger_usage(self, txn: Any) -> tuple[int, int]:
+        """The queue entries strangers queued and their bytes, for every recipient together (from ``sqstats``)."""
+        entries = nbytes = 0
+        for v in txn.cursor(db=self._db["sqstats"]).iternext(keys=False):
+            c, b = COUNTS.unpack(v)
+            entries, nbytes = entries + int(c), nbytes + int(b)
+        return entries, nbytes
 
     def _load_owed(self, txn: Any) -> None:
         self._owed.clear()
@@ -811,6 +816,7 @@ class LmdbStore(LmdbTables):
             c, b = self.stranger_usage(recipient)
             self._put("sqstats", recipient, COUNTS.pack(c + 1, b + size))
             self._stranger_bytes += size
+            self._stranger_entries += 1
         txn.put(U64.pack(exp) + recipient + seq_b, b"", db=db["queue_exp"])
         self._count_entry(mid)
         count, nbytes = self.queue_usage(recipient)
@@ -972,6 +978,7 @@ class LmdbStore(LmdbTables):
         else:
             self._put("sqstats", recipient, COUNTS.pack(c - 1, max(0, b - size)))
         self._stranger_bytes = max(0, self._stranger_bytes - size)
+        self._stranger_entries = max(0, self._stranger_entries - 1)
 
     def dequeue_many(self, recipient: bytes, seqs: Iterable[int]) -> int:
         """:meth:`dequeue` of each of ``seqs`` in turn (a queue drain's acknowledged entries), without building
@@ -1050,6 +1057,10 @@ class LmdbStore(LmdbTables):
     def stranger_bytes(self) -> int:
         """The bytes strangers queued, for every recipient together."""
         return self._stranger_bytes
+
+    def stranger_entries(self) -> int:
+        """The queue entries strangers queued, for every recipient together."""
+        return self._stranger_entries
 
     def queue_recipients(self) -> dict[bytes, tuple[int, int]]:
         """Every recipient with a non-empty queue and its usage."""

@@ -57,11 +57,12 @@ class MemoryStore:
         }
         self._next_seq = 1
         self._stranger_bytes = 0
+        self._stranger_entries = 0
         self._used = 0
         self._qexp: list[tuple[float, bytes, int]] = []  # (expires, recipient, seq), lazily deleted
         self._mexp: list[tuple[float, int]] = []  # (expires, seq of the message)
         self._undo: list[tuple[str, Any, Any]] | None = None  # inside a transaction: (table, key, old value)
-        self._undo_scalars: tuple[int, int, list[tuple[float, bytes, int]], list[tuple[float, int]]] | None = None
+        self._undo_scalars: tuple[int, int, int, list[tuple[float, bytes, int]], list[tuple[float, int]]] | None = None
         self.wrote = False
         self._room: list[int] | None = None  # inside a transaction: [used when it first asked, bytes admitted since]
 
@@ -74,7 +75,8 @@ class MemoryStore:
             yield
             return
         self._undo = []
-        self._undo_scalars = (self._stranger_bytes, self._used, list(self._qexp), list(self._mexp))
+        self._undo_scalars = (self._stranger_bytes, self._stranger_entries, self._used, list(self._qexp),
+                              list(self._mexp))
         self.wrote = False
         self._room = None
         try:
@@ -86,7 +88,7 @@ class MemoryStore:
                 else:
                     self._t[table][key] = old
             # (Sequence numbers stay taken, as in the LMDB store: the same calls give the same numbers in both.)
-            self._stranger_bytes, self._used, self._qexp, self._mexp = self._undo_scalars
+            self._stranger_bytes, self._stranger_entries, self._used, self._qexp, self._mexp = self._undo_scalars
             raise
         finally:
             self._undo = None
@@ -321,6 +323,7 @@ class MemoryStore:
             c, b = self.stranger_usage(recipient)
             self._set("sqstats", recipient, (c + 1, b + size))
             self._stranger_bytes += size
+            self._stranger_entries += 1
         stored = self.get_message(mid)
         if stored is None or stored.group is None:  # (as the LMDB store: a group message has no refs record)
             self._set("refs", mid, self._t["refs"].get(mid, 0) + 1)
@@ -352,6 +355,7 @@ class MemoryStore:
             else:
                 self._set("sqstats", recipient, (c - 1, max(0, b - size)))
             self._stranger_bytes = max(0, self._stranger_bytes - size)
+            self._stranger_entries = max(0, self._stranger_entries - 1)
         self._del("queues", (recipient, seq))
         refs = self._t["refs"].get(mid, 1) - 1
         if refs > 0:
@@ -400,6 +404,9 @@ class MemoryStore:
 
     def stranger_bytes(self) -> int:
         return self._stranger_bytes
+
+    def stranger_entries(self) -> int:
+        return self._stranger_entries
 
     def queue_recipients(self) -> dict[bytes, tuple[int, int]]:
         return dict(sorted(self._t["qstats"].items()))
