@@ -57,7 +57,7 @@ TTLS = (1, 2, 120, 3600)  # seconds: a message's ttl, chosen at random
 SHORT_TTL = 2  # at most this may run out while its recipient is away: exempt (noted when it arrives anyway);
 # the others outlast a scenario (sending and the final read take well under 120 s) and must arrive
 QUEUE_MAX = 30  # a recipient's queue quota: small, so that bursts to away subscribers are refused (quota)
-SEND_SECONDS = 12.0  # the sending part of a scenario is bounded by this ...
+SEND_SECONDS = 8.0  # the sending part of a scenario is bounded by this ...
 STEPS = 150  # ... and by this many steps
 FINAL_READ = 25.0  # bound on reading everything at the end
 
