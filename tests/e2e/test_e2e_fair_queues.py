@@ -12,40 +12,20 @@ import asyncio
 import time
 
 import pytest
-from conftest import Daemon, DaemonFactory
+from apps import drain as _drain
+from apps import register as _register
+from conftest import DaemonFactory
 from netutil import free_port
 
 from upsycle_router.client import Client
 from upsycle_router.crypto import Identity
 from upsycle_router.wire.control import Reason
-from upsycle_router.wire.messages import Message
 
 pytestmark = pytest.mark.slow
 
 QUEUE = {"max_count": 100, "stranger_share": 0.1}
 
 
-async def _register(d: Daemon, who: Identity, group: bytes | None = None) -> None:
-    async with await Client.connect(d.sock, who) as c:
-        if group is not None:
-            assert await c.join(group, local=True)
-
-
-async def _drain(d: Daemon, who: Identity, expect: int, timeout: float = 15.0) -> list[Message]:
-    got: list[Message] = []
-    async with await Client.connect(d.sock, who) as c:
-        deadline = time.monotonic() + timeout
-        while len(got) < expect and time.monotonic() < deadline:
-            try:
-                got.append(await c.recv(timeout=max(0.05, deadline - time.monotonic())))
-            except TimeoutError:
-                break
-        while True:
-            try:
-                got.append(await c.recv(timeout=0.3))
-            except TimeoutError:
-                break
-    return got
 
 
 async def _tls(port: int, who: Identity, timeout: float = 10.0) -> Client:

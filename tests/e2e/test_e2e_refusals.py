@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Daemon, DaemonFactory, async_wait_until
+from apps import drain as _drain
+from apps import register as _register
+from conftest import DaemonFactory, async_wait_until
 from netutil import free_port
 
 from upsycle_router.client import Client, ClientError
@@ -33,29 +35,6 @@ pytestmark = pytest.mark.slow
 GROUP_TTL = 3600
 
 
-async def _register(d: Daemon, who: Identity, group: bytes | None = None) -> None:
-    """Connect ``who`` once (a local service the router now keeps a queue for), JOIN ``group``, go away."""
-    async with await Client.connect(d.sock, who) as c:
-        if group is not None:
-            assert await c.join(group, local=True)
-
-
-async def _drain(d: Daemon, who: Identity, expect: int, timeout: float = 20.0) -> list[Message]:
-    """Connect ``who`` and read until ``expect`` messages came (then a little longer, for any extra)."""
-    got: list[Message] = []
-    async with await Client.connect(d.sock, who) as c:
-        deadline = time.monotonic() + timeout
-        while len(got) < expect and time.monotonic() < deadline:
-            try:
-                got.append(await c.recv(timeout=max(0.05, deadline - time.monotonic())))
-            except TimeoutError:
-                break
-        while True:  # nothing more than what was taken may arrive
-            try:
-                got.append(await c.recv(timeout=0.3))
-            except TimeoutError:
-                break
-    return got
 
 
 def _status_counter(st: dict[str, int], prefix: str) -> int:
