@@ -120,8 +120,10 @@ async def test_a_flood_of_more_than_a_seconds_worth_over_the_limit_is_closed_ove
         assert bad.error is not None and bad.error.code == 6, bad.closed_reason  # ERROR 6 overloaded
         await good.send(victim.public, b"still here")  # the other client is still served
         await good.sync()
-    # the first ones over the limit were refused (the journal is written in batches: polled, at most 5 s)
-    await d.wait_trace(event="refused", reason="overloaded")
+    # the close is traced (the journal is written in batches: polled, at most 5 s). The ones over the limit
+    # before it were refused only when they came in reads of at most a second's worth: a first read of more
+    # (the router busy while the flood arrived, as in a loaded CI run) closes at once, with no REFUSED first.
+    await d.wait_trace(event="dropped", reason="overloaded")
 
 
 async def test_disk_quota_refuses_new_messages_and_keeps_stored_ones(daemon: DaemonFactory) -> None:
