@@ -32,8 +32,6 @@ connection for a moment), and so is one whose messages are refused for want of r
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from upsycle_router.core.events import ConnId, Dial, Effect, Fanout, Send, Throttle, Trace
 from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.state import Conn, Forwarded, MemberPlan, RouterState
@@ -63,6 +61,7 @@ QUEUE_ENTRY_BYTES = 128
 # of an 8 MiB map with ``stranger_share: 0.3``, and a friend's first message after them was refused
 # (store_full; tests/e2e/test_e2e_fair_queues.py).
 STRANGER_ENTRY_BYTES = 4096 + QUEUE_ENTRY_BYTES
+NO_ROUTERS: frozenset[bytes] = frozenset()  # (what a unicast's remember() keeps: one shared empty set)
 # How long the driver stops reading a connection whose messages fill a queue or the store past
 # ``backpressure_at`` (once per batch at most).
 THROTTLE_SECONDS = 0.05
@@ -423,7 +422,7 @@ class Delivery:
 
     def remember(
         self, origin: Conn, router: bytes, mid: bytes, kind: Kind, group: bytes | None, size: int,
-        src: bytes | None = None, dst: bytes | None = None, routers: Iterable[bytes] = (),
+        src: bytes | None = None, dst: bytes | None = None, routers: frozenset[bytes] = NO_ROUTERS,
     ) -> None:
         """The message ``mid`` that came in on ``origin`` went (or waits to go) to router ``router``: remembered for
         a while (the latest :data:`FORWARDED_MAX`), so that a REFUSED from that router reaches ``origin``
@@ -436,8 +435,7 @@ class Delivery:
             return  # a group message: it also went to member routers or core nodes, each of which may refuse it
         if len(fwd) >= FORWARDED_MAX:
             del fwd[next(iter(fwd))]
-        went = routers if type(routers) is frozenset else frozenset(routers)  # (a run's messages share one)
-        fwd[mid] = Forwarded(origin.id, router, kind, group, size, origin.syncs, src, dst, routers=went)
+        fwd[mid] = Forwarded(origin.id, router, kind, group, size, origin.syncs, src, dst, routers=routers)
 
     # ------------------------------------------------------------------ refusals (wire v1.1)
 

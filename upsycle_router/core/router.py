@@ -914,8 +914,8 @@ class Router:
         if member_routers or (c.local and cores) or (not c.local and s.has_router_member(grp)):
             # A member router's or core's REFUSED reaches the app; one that another router's message was relayed
             # to (a core relaying an edge's message to its other edges) goes back to that router, and so on.
-            went = [m for m in recipients if m not in s.locals and m not in failed]
-            self.delivery.remember(c, ANY_MEMBER, mid, MULTICAST, grp, size, routers=[*went, *cores])
+            went = frozenset([*(m for m in recipients if m not in s.locals and m not in failed), *cores])
+            self.delivery.remember(c, ANY_MEMBER, mid, MULTICAST, grp, size, routers=went)
         failed_cores: list[bytes] = []
         for core in cores:
             r = self._to_router(core, msg, h.grp, size, now, out, kind=MULTICAST, origin=c)
