@@ -14,7 +14,7 @@ import time
 import pytest
 from apps import drain as _drain
 from apps import register as _register
-from conftest import DaemonFactory
+from conftest import Daemon, DaemonFactory
 from netutil import free_port
 
 from upsycle_router.client import Client
@@ -26,6 +26,17 @@ pytestmark = pytest.mark.slow
 QUEUE = {"max_count": 100, "stranger_share": 0.1}
 
 
+
+
+async def _friend_still_queues(d: Daemon, friend: Identity, rcpt: Identity, taken: list[bytes]) -> None:
+    """With the strangers' ``taken`` messages queued for the offline ``rcpt``, ``friend`` still queues 100 more
+    with none refused, and ``rcpt`` then receives exactly both."""
+    async with await Client.connect(d.sock, friend) as f:
+        mine = [await f.send(rcpt.public, f"f{i}".encode()) for i in range(100)]
+        fres = await f.sync()
+    assert fres.ok, [str(r) for r in fres.refused]
+    got = [m.id for m in await _drain(d, rcpt, len(taken) + 100)]
+    assert sorted(got) == sorted(taken + mine)
 
 
 async def _tls(port: int, who: Identity, timeout: float = 10.0) -> Client:
@@ -58,12 +69,7 @@ async def test_many_fresh_stranger_keys_together_fill_only_the_strangers_share(d
         assert {r.reason for r in res.refused} <= {Reason.QUOTA}
         taken += [m for m in ids if m not in res.refused_ids]
     assert len(taken) == 10
-    async with await Client.connect(d.sock, friend) as f:
-        mine = [await f.send(rcpt.public, f"f{i}".encode()) for i in range(100)]
-        fres = await f.sync()
-    assert fres.ok, [str(r) for r in fres.refused]
-    got = [m.id for m in await _drain(d, rcpt, 110)]
-    assert sorted(got) == sorted(taken + mine)
+    await _friend_still_queues(d, friend, rcpt, taken)
 
 
 async def test_a_key_the_recipient_wrote_to_is_a_friend_also_after_a_restart(daemon: DaemonFactory) -> None:
@@ -179,12 +185,7 @@ async def test_unlisted_keys_on_the_unix_socket_are_strangers_when_local_service
         assert {r.reason for r in res.refused} <= {Reason.QUOTA}
         taken += [m for m in ids if m not in res.refused_ids]
     assert len(taken) == 10
-    async with await Client.connect(d.sock, friend) as f:
-        mine = [await f.send(rcpt.public, f"f{i}".encode()) for i in range(100)]
-        fres = await f.sync()
-    assert fres.ok, [str(r) for r in fres.refused]
-    got = [m.id for m in await _drain(d, rcpt, 110)]
-    assert sorted(got) == sorted(taken + mine)
+    await _friend_still_queues(d, friend, rcpt, taken)
 
 
 async def test_strangers_to_many_recipients_cannot_fill_the_store_past_their_share(daemon: DaemonFactory) -> None:
