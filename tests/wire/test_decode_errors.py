@@ -556,6 +556,20 @@ def test_session_frame_names_field(data: bytes, field: str) -> None:
     assert e.value.field == field
 
 
+@pytest.mark.parametrize(
+    ("sig", "code"),
+    [(b"", ErrorCode.AUTH_FAILED), (SIG[:63], ErrorCode.AUTH_FAILED), (SIG + b"\x00", ErrorCode.AUTH_FAILED),
+     ("x" * 64, ErrorCode.PROTOCOL), (64, ErrorCode.PROTOCOL), (None, ErrorCode.PROTOCOL)],
+    ids=["empty", "63", "65", "text", "int", "null"],
+)
+def test_auth_sig_of_the_wrong_length_fails_authentication(sig: object, code: ErrorCode) -> None:
+    """A byte string of the wrong length signs nothing: ERROR 2, as a 64-byte one that does not verify; a sig
+    that is not a byte string at all is a decoding error (1)."""
+    with pytest.raises(RemoteProtocolError) as e:
+        session.decode_session_frame(E(["auth", sig]))
+    assert (e.value.field, e.value.code) == ("sig", code)
+
+
 POST_HANDSHAKE_CASES: list[tuple[str, bytes, str]] = [
     ("hello-after-handshake", E(HELLO), "frame"),
     ("auth-after-handshake", E(["auth", SIG]), "frame"),

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from upsycle_router.errors import RemoteProtocolError
+from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.wire.cbor import (
+    SIG_LEN,
     check_bytes,
     check_deterministic,
     check_pubkey,
@@ -90,6 +91,12 @@ def _session_from_cbor(obj: Any) -> SessionFrame:
     if tag == "auth":
         if len(obj) != 2:
             raise RemoteProtocolError("AUTH must have 2 elements", field="auth")
+        if isinstance(obj[1], bytes) and len(obj[1]) != SIG_LEN:
+            # A signature of the wrong length is well-formed CBOR that signs nothing: authentication failed
+            # (2), as for 64 bytes that do not verify; a sig that is not a byte string stays a decoding error.
+            raise RemoteProtocolError(
+                f"AUTH signature must be {SIG_LEN} bytes, got {len(obj[1])}", field="sig", code=ErrorCode.AUTH_FAILED
+            )
         return Auth(check_sig(obj[1], "sig"))
     if tag == "error":
         if len(obj) != 3:
