@@ -266,7 +266,8 @@ def test_sub_to_an_absent_pubsub_service_is_queued(hps: CoreHarness) -> None:
     [t] = out.traces("queued")
     assert (t.dst, t.role) == (PS.public, "service")
     p = hps.open(PS)
-    assert pubsub_requests(hps.last, p) == [Sub(G.public)]
+    # the SUB sent again at every connection of the service, then the queued one (joining twice is harmless)
+    assert pubsub_requests(hps.last, p) == [Sub(G.public), Sub(G.public)]
 
 
 def test_edge_node_join_asks_the_pubsub_service_to_sub(hps: CoreHarness) -> None:
@@ -319,8 +320,10 @@ def test_a_restarted_router_subs_its_groups_again_when_the_pubsub_service_connec
         [Sub(G.public), Sub(G2.public)], key=lambda s: s.addr
     )
     hps.close(p)
-    p = hps.open(PS)  # a reconnect without a restart: the service kept its state
-    assert pubsub_requests(hps.last, p) == []
+    p = hps.open(PS)  # a reconnect without a restart: the service may have restarted alone, knowing no group
+    assert sorted(pubsub_requests(hps.last, p), key=lambda s: s.addr) == sorted(
+        [Sub(G.public), Sub(G2.public)], key=lambda s: s.addr
+    )
 
 
 def test_the_pubsub_service_connecting_in_a_lost_batch_gets_its_subs_from_the_replay(hps: CoreHarness) -> None:

@@ -171,10 +171,8 @@ class Router:
         self._dropped = d.dropped
         self._refuse = d.refuse
         self._flush = self.queues.flush
-        # When the driver began the current batch: seen.added, and the pending SUBs and dials (usually none),
-        # for batch_lost.
+        # When the driver began the current batch: seen.added, and the pending dials (usually none), for batch_lost.
         self._batch_mark = 0
-        self._batch_resub: set[bytes] = set()
         self._batch_dialing: set[bytes] = set()
         self._batch_redial: dict[bytes, float] = {}
         self._batch_backoff: dict[bytes, float] = {}
@@ -284,8 +282,6 @@ class Router:
         self._batch_mark = s.seen.added
         if self._again_batch:
             self._again_batch = []
-        if s.resub or self._batch_resub:
-            self._batch_resub = set(s.resub)
         if s.dialing or self._batch_dialing:
             self._batch_dialing = set(s.dialing)
         if s.redial or self._batch_redial:
@@ -342,9 +338,8 @@ class Router:
         s.seen.forget_since(self._batch_mark)
         self._sent_again.difference_update(self._again_batch)
         self._again_batch = []
-        for live, kept in ((s.resub, self._batch_resub), (s.dialing, self._batch_dialing)):
-            live.clear()
-            live.update(kept)
+        s.dialing.clear()
+        s.dialing.update(self._batch_dialing)
         for live_d, kept_d in ((s.redial, self._batch_redial), (s.backoff, self._batch_backoff)):
             live_d.clear()
             live_d.update(kept_d)
@@ -516,10 +511,12 @@ class Router:
                 if advert is not None:
                     out.append(Send(ev.conn, advert.encode()))
             ps = self.state.config.pubsub_service
-            if ev.peer == ps and s.resub:
-                for g in sorted(s.resub & s.pubsub_groups):
+            if ev.peer == ps:
+                # Whenever the service connects - the first time after our start, or having restarted alone while
+                # we ran on - it may know none of the groups we SUBbed it to: SUB it again (joining twice is
+                # harmless; a SUB queued for it while it was away may come as well).
+                for g in sorted(s.pubsub_groups):
                     out.append(Send(ev.conn, s.signed_to(ps, PUBSUB_CODEC.encode(Sub(g)), now).encode()))
-                s.resub.clear()
         else:
             s.dialing.discard(ev.peer)
             s.redial.pop(ev.peer, None)

@@ -192,8 +192,6 @@ class RouterState:
         # Messages forwarded for local apps (their next router may refuse them late): id -> where from.
         self.forwarded: dict[bytes, Forwarded] = {}
         self.throttled: set[ConnId] = set()  # connections slowed in this batch
-        # A pub/sub service starting with this router knows none of them: SUB again when it first connects.
-        self.resub: set[bytes] = set(self.pubsub_groups)
         self.dialing: set[bytes] = set()
         self.redial: dict[bytes, float] = {}  # router -> when to dial again (messages are waiting)
         self.backoff: dict[bytes, float] = {}
