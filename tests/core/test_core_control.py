@@ -270,6 +270,23 @@ def test_sub_to_an_absent_pubsub_service_is_queued(hps: CoreHarness) -> None:
     assert pubsub_requests(hps.last, p) == [Sub(G.public), Sub(G.public)]
 
 
+@pytest.mark.parametrize("service", ["pubsub", "discovery"])
+def test_a_unicast_to_a_service_that_never_connected_yet_is_queued_for_it(tmp_path: Path, service: str) -> None:
+    """The router's own services are its local keys from the start (they need not be in ``local_services``): a
+    unicast to one before it first connected (a fresh router whose service is still starting, or runs as its
+    own process) waits in its queue instead of being refused ``no_route`` (audit finding)."""
+    svc = PS if service == "pubsub" else DISC
+    h = CoreHarness(tmp_path / "x", X, config(pubsub_service=PS.public, discovery_service=DISC.public))
+    a = h.open(ALICE)
+    msg = unicast(ALICE, svc, b"for the service")
+    out = h.receive(a, msg)
+    assert out.refusals(a) == []
+    [t] = out.traces("queued")
+    assert (t.dst, t.role) == (svc.public, "service")
+    p = h.open(svc)
+    assert msg.id in {m.id for m in h.last.messages(p)}
+
+
 def test_edge_node_join_asks_the_pubsub_service_to_sub(hps: CoreHarness) -> None:
     p = hps.open(PS)
     e = hps.open(EDGE, local=False)

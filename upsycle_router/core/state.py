@@ -224,7 +224,11 @@ class RouterState:
         """Read the state mirrored from the store into its containers (in place: whoever holds one sees it)."""
         store = self.store
         self.locals.clear()
-        self.locals.update(set(self.config.local_services or ()) | store.locals())
+        cfg = self.config
+        # The router's own services are local keys from the start, also before they first connect: what is sent
+        # to one meanwhile is queued for it, not refused no_route.
+        services = {k for k in (cfg.pubsub_service, cfg.discovery_service) if k is not None}
+        self.locals.update(set(cfg.local_services or ()) | services | store.locals())
         self.subs.clear()
         self.subs.update(store.subscriptions())
         self.routes.clear()
