@@ -27,21 +27,9 @@ from pathlib import Path
 import pytest
 from conftest import DaemonFactory
 from netutil import Network
-from raw_app import R_EXPIRED, SUCCESS, Key, RawApp, RawMessage, multicast, unicast
+from raw_app import R_EXPIRED, SUCCESS, Key, RawApp, multicast, unicast
 
 pytestmark = pytest.mark.slow
-
-
-async def _silent(app: RawApp, seconds: float) -> list[RawMessage]:
-    """Whatever ``app`` receives within ``seconds`` (bounded)."""
-    got: list[RawMessage] = []
-    deadline = time.monotonic() + seconds
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            got.append(await app.recv(timeout=left))
-        except TimeoutError:
-            break
-    return got
 
 
 async def _clean_sync(app: RawApp) -> None:
@@ -112,7 +100,7 @@ async def test_multicast_source_routing_via_steps_dedup_and_no_echo_to_a_member_
             assert (await esub.recv(timeout=10)).id == marker.id, "the edge's own message came back to it"
             back = [r for r in r1.trace(id=up.id) if e.id.hex() in (r["dst"], r["peer"]) and r["event"] != "received"]
             assert back == [], back
-            assert [x.id for x in await _silent(sub1, 0.3)] == [marker.id]
+            assert [x.id for x in await sub1.received_within(0.3)] == [marker.id]
         finally:
             for a in apps:
                 await a.close()
@@ -148,7 +136,7 @@ async def test_a_message_queued_for_an_away_router_is_not_forwarded_after_its_tt
             app2 = await RawApp.connect(r2.sock, app2_key)
             got = await app2.recv(timeout=10)
             assert (got.id, got.via) == (long.id, r1.id)
-            assert await _silent(app2, 0.3) == []
+            assert await app2.received_within(0.3) == []
             for x in (short, zero):
                 assert not r1.trace(event="forwarded", id=x.id) and not r2.trace(id=x.id)
         finally:
@@ -193,7 +181,7 @@ async def test_a_group_message_queued_for_an_away_member_router_expires_there(tm
             esub = await RawApp.connect(e.sock, esub_key)
             got = await esub.recv(timeout=10)
             assert (got.id, got.via) == (long.id, core.id)
-            assert await _silent(esub, 0.3) == []
+            assert await esub.received_within(0.3) == []
             assert not e.trace(id=short.id) and not e.trace(id=zero.id)
         finally:
             await pub.close()
@@ -235,7 +223,7 @@ async def test_ttl_counts_from_arrival_not_from_a_restart(daemon: DaemonFactory)
     await asyncio.sleep(max(0.0, t0 + 2.3 - time.monotonic()))
     b = await RawApp.connect(d.sock, b_key)
     try:
-        got = [x.id for x in await _silent(b, 0.7)]
+        got = [x.id for x in await b.received_within(0.7)]
         assert got == [long.id], (
             f"expected only the long-lived message, got {len(got)}: short delivered after "
             f"its ttl: {short_u.id in got} (unicast), {short_m.id in got} (group)"

@@ -23,7 +23,6 @@ replaced by the peer; test_e2e_local_tls: TLS peers remote, listed keys local ov
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import ssl
 import time
@@ -276,15 +275,6 @@ async def test_a_network_peer_gets_the_routers_advertisement_and_a_forged_one_is
 # ----------------------------------------------------------------------------------------- points 4 and 5
 
 
-async def _drain_for(app: RawApp, seconds: float) -> list[RawMessage]:
-    got: list[RawMessage] = []
-    deadline = time.monotonic() + seconds
-    with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-        while (left := deadline - time.monotonic()) > 0:
-            got.append(await app.recv(timeout=left))
-    return got
-
-
 async def test_via_on_multicast_over_a_peering_configured_on_one_side(tmp_path: Path) -> None:
     """Two daemons; only r2 lists r1 in ``peers`` (r2 dials). §7 VIA on multicast: a local service on r1
     publishing with ``VIA = r2`` has r1 forward the message unchanged to r2 and stop - r1's own member does not
@@ -318,9 +308,9 @@ async def test_via_on_multicast_over_a_peering_configured_on_one_side(tmp_path: 
                 marker = multicast(g, b"marker")
                 await pub.send_message(marker)
                 expect_clean_sync(pub, await pub.sync())
-                seen = [x.id for x in await _drain_for(here, 1.0)]
+                seen = [x.id for x in await here.received_within(1.0)]
                 assert seen == [marker.id], (r_here.name, [x.hex()[:8] for x in seen], m.id.hex()[:8])
-                assert [x.id for x in await _drain_for(there, 0.3)] == [], "delivered twice"
+                assert [x.id for x in await there.received_within(0.3)] == [], "delivered twice"
                 # the journals agree: r_here received and forwarded it, delivered nothing; r_there sent nothing on
                 assert [r["event"] for r in r_here.trace(id=m.id)] == ["received", "forwarded"], r_here.trace(id=m.id)
                 assert "forwarded" not in [r["event"] for r in r_there.trace(id=m.id)], r_there.trace(id=m.id)
@@ -334,7 +324,7 @@ async def test_via_on_multicast_over_a_peering_configured_on_one_side(tmp_path: 
                 assert ack["result"] == SUCCESS, (ack, x.refused)
                 got = await s1.recv(timeout=5)
                 assert (got.id, got.via) == (m.id, x.key.public), (got.body, got.via)
-                assert [y.id for y in await _drain_for(s2, 0.5)] == []
+                assert [y.id for y in await s2.received_within(0.5)] == []
                 assert not r2.trace(id=m.id), r2.trace(id=m.id)
             finally:
                 await x.close()

@@ -531,6 +531,16 @@ class RawApp:
                 continue
             return msg
 
+    async def received_within(self, seconds: float) -> list[RawMessage]:
+        """Every message (not a control reply) that arrives within ``seconds``: bounded in time, for checking
+        what did *not* arrive as well as what did."""
+        got: list[RawMessage] = []
+        deadline = time.monotonic() + seconds
+        with contextlib.suppress(TimeoutError):
+            while (left := deadline - time.monotonic()) > 0:
+                got.append(await self.recv(timeout=left))
+        return got
+
     async def _await_reply(self, match: Any, timeout: float) -> tuple[int, dict[str, Any]] | RawMessage:
         for i, pending in enumerate(self._controls):
             if match(pending):
