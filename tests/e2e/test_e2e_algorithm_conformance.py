@@ -26,8 +26,8 @@ from pathlib import Path
 
 import pytest
 from conftest import DaemonFactory
-from netutil import Network
-from raw_app import R_EXPIRED, SUCCESS, Key, RawApp, multicast, unicast
+from netutil import Network, Node
+from raw_app import R_EXPIRED, SUCCESS, Key, RawApp, RawMessage, multicast, unicast
 
 pytestmark = pytest.mark.slow
 
@@ -106,6 +106,24 @@ async def test_multicast_source_routing_via_steps_dedup_and_no_echo_to_a_member_
                 await a.close()
 
 
+async def _short_expires_while_away(
+    sender: RawApp, node: Node, away: bytes, short: RawMessage, long: RawMessage, zero: RawMessage, *, count: int
+) -> None:
+    """``sender`` sends ``short`` (ttl 1), ``long`` and ``zero`` (ttl 0) to recipients behind the router ``away``,
+    which is stopped: ``zero`` is refused ``expired`` for ``count`` recipients and never queued (deliver now or
+    drop), the other two are queued at ``node`` for ``away``, and ``short`` expires there after its second."""
+    t0 = time.monotonic()
+    for x in (short, long, zero):
+        await sender.send_message(x)
+    ack = await sender.sync()
+    assert sender.refused_before(ack) == [(zero.id, R_EXPIRED, count)], "ttl 0: deliver now or drop, never queue"
+    assert not node.trace(event="queued", id=zero.id)
+    for x in (short, long):
+        assert (await node.wait_trace(event="queued", id=x.id))["dst"] == away.hex()
+    await node.wait_trace(timeout=5, event="expired", id=short.id)
+    assert time.monotonic() - t0 >= 1.0
+
+
 async def test_a_message_queued_for_an_away_router_is_not_forwarded_after_its_ttl(tmp_path: Path) -> None:
     """Seed (unicast routing): a message for a remote router is queued "for a maximum duration specified in the ttl
     and expiry fields". r2 (dialling r1) is stopped; app1 on r1 source-routes two unicasts to app2 on r2: ttl 1
@@ -121,16 +139,7 @@ async def test_a_message_queued_for_an_away_router_is_not_forwarded_after_its_tt
             short = unicast(app1.key, app2_key.public, b"ttl 1", ttl=1, via=r2.id)
             long = unicast(app1.key, app2_key.public, b"ttl 3600", ttl=3600, via=r2.id)
             zero = unicast(app1.key, app2_key.public, b"ttl 0", ttl=0, via=r2.id)
-            t0 = time.monotonic()
-            for x in (short, long, zero):
-                await app1.send_message(x)
-            ack = await app1.sync()
-            assert app1.refused_before(ack) == [(zero.id, R_EXPIRED, 0)], "ttl 0: deliver now or drop, never queue"
-            assert not r1.trace(event="queued", id=zero.id)
-            for x in (short, long):
-                assert (await r1.wait_trace(event="queued", id=x.id))["dst"] == r2.id.hex()
-            await r1.wait_trace(timeout=5, event="expired", id=short.id)
-            assert time.monotonic() - t0 >= 1.0
+            await _short_expires_while_away(app1, r1, r2.id, short, long, zero, count=0)
             await r2.start()
             await net.wait_dialled(r2, r1)  # (in the new start's log)
             app2 = await RawApp.connect(r2.sock, app2_key)
@@ -164,18 +173,9 @@ async def test_a_group_message_queued_for_an_away_member_router_expires_there(tm
             await core.wait_trace(event="joined", group=g.public, src=e.id)
             await esub.close()
             await e.stop()
-            t0 = time.monotonic()
             short, long = multicast(g, b"ttl 1", ttl=1), multicast(g, b"ttl 3600", ttl=3600)
             zero = multicast(g, b"ttl 0", ttl=0)
-            for x in (short, long, zero):
-                await pub.send_message(x)
-            ack = await pub.sync()
-            assert pub.refused_before(ack) == [(zero.id, R_EXPIRED, 1)], "ttl 0 for an away member router"
-            assert not core.trace(event="queued", id=zero.id)
-            for x in (short, long):
-                assert (await core.wait_trace(event="queued", id=x.id))["dst"] == e.id.hex()
-            await core.wait_trace(timeout=5, event="expired", id=short.id)
-            assert time.monotonic() - t0 >= 1.0
+            await _short_expires_while_away(pub, core, e.id, short, long, zero, count=1)
             await e.start()
             await net.wait_dialled(e, core)
             esub = await RawApp.connect(e.sock, esub_key)

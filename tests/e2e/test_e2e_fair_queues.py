@@ -26,8 +26,6 @@ pytestmark = pytest.mark.slow
 QUEUE = {"max_count": 100, "stranger_share": 0.1}
 
 
-
-
 async def _friend_still_queues(d: Daemon, friend: Identity, rcpt: Identity, taken: list[bytes]) -> None:
     """With the strangers' ``taken`` messages queued for the offline ``rcpt``, ``friend`` still queues 100 more
     with none refused, and ``rcpt`` then receives exactly both."""

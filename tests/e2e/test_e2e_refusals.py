@@ -35,8 +35,6 @@ pytestmark = pytest.mark.slow
 GROUP_TTL = 3600
 
 
-
-
 def _status_counter(st: dict[str, int], prefix: str) -> int:
     return sum(v for k, v in st.items() if k.startswith(prefix))
 
