@@ -43,8 +43,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
+from daemons import match_records
 from netutil import Network, Node
 
 from upsycle_router.client import Client, ClientError
@@ -318,26 +320,45 @@ class Scenario:
         return want
 
     async def final_read(self) -> None:
+        """Until every wanted message came, but those a router dropped for their recipient with a late REFUSED
+        (:meth:`refused_downstream`: they cannot come; :meth:`tally` counts them apart, and checks them, whether
+        the wait ends here or at its bound), looked for once what is missing stayed the same for half a second."""
         want = self.want()
         deadline = time.monotonic() + FINAL_READ
+        never: set[tuple[bytes, bytes]] = set()
+        last: set[tuple[bytes, bytes]] = set()
+        since = time.monotonic()
         while time.monotonic() < deadline:
-            if all(want[s.key.public] <= set(s.got) for s in self.subs):
+            missing = {(m, s.key.public) for s in self.subs for m in want[s.key.public] - set(s.got)} - never
+            if not missing:
                 break
+            if missing != last:
+                last, since = missing, time.monotonic()
+            elif time.monotonic() - since > 0.5:
+                traces = {n.name: n.trace() for n in self.routers}
+                never |= {(m, k) for m, k in missing if self.refused_downstream(m, k, traces) is not None}
+                since = time.monotonic()
             await asyncio.sleep(0.1)
         await asyncio.sleep(0.5)  # stragglers, duplicates
 
-    def refused_downstream(self, mid: bytes, key: bytes) -> str | None:
+    def refused_downstream(
+        self, mid: bytes, key: bytes, traces: dict[str, list[dict[str, Any]]] | None = None
+    ) -> str | None:
         """A router the message was handed over to dropped it for ``key`` and answered REFUSED late (after the
         sender's SYNC_ACK): docs/protocol.md's known limit of custody between routers (the router that kept it
-        acknowledged it; a full queue at the next one is refused late). The router and the reason, else None."""
+        acknowledged it; a full queue at the next one is refused late). The router and the reason, else None.
+        (``traces``: each router's journal, read once for many calls.)"""
+
+        def of(n: Node) -> list[dict[str, Any]]:
+            return n.trace(id=mid) if traces is None else match_records(traces[n.name], id=mid)
+
         for n in self.routers:
-            for r in n.trace(id=mid):
+            for r in of(n):
                 if r["event"] == "dropped" and r.get("dst") == key.hex() and r.get("peer") not in (None, r.get("src")):
                     kept = [
                         o.name
                         for o in self.routers
-                        if o is not n
-                        and any(x["event"] == "queued" and x.get("role") == "router" for x in o.trace(id=mid))
+                        if o is not n and any(x["event"] == "queued" and x.get("role") == "router" for x in of(o))
                     ]
                     told = mid in self.late
                     return (

@@ -34,11 +34,15 @@ async def warm_up(pubs: list[Client], group: Identity, subs: list[Client], timeo
         for k, p in enumerate(pubs):
             # unique bodies: an identical body within the same minute is the same message (same id: a duplicate)
             await p.publish(group, b"probe %d %d" % (k, attempt))
-        await asyncio.sleep(0.5)
-        for i, s in enumerate(subs):
-            for m in await drain(s):
-                if m.body.startswith(b"probe "):
-                    seen[i].add(int(m.body.split()[1]))
+        until = time.monotonic() + 0.5  # (probes again every half second, until then read what came)
+        while True:
+            await asyncio.sleep(0.05)
+            for i, s in enumerate(subs):
+                for m in await drain(s):
+                    if m.body.startswith(b"probe "):
+                        seen[i].add(int(m.body.split()[1]))
+            if all(len(x) == len(pubs) for x in seen) or time.monotonic() >= until:
+                break
         if all(len(x) == len(pubs) for x in seen):
             break
         assert time.monotonic() < deadline, f"gossip mesh not formed after {timeout} s: probes seen {seen}"

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import struct
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import blake3
@@ -24,6 +27,7 @@ import nacl.exceptions
 import nacl.signing
 import pytest
 from conftest import DaemonFactory
+from daemons import Daemon, daemon_dir
 
 pytestmark = pytest.mark.slow
 
@@ -187,6 +191,24 @@ async def _known_then_away(path: Any, key: Key, group: bytes | None = None) -> N
     await a.close()
 
 
+@pytest.fixture(scope="module")
+def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """One daemon for the tests that each need only a router and a connection of a key of their own (each starts
+    on a router another test's connection has left: what they check is the answer to their own message)."""
+    cleanup: list[Path] = []
+    d = Daemon(daemon_dir(tmp_path_factory.mktemp("shared") / "r", cleanup))
+    d.start()
+    try:
+        yield d
+    finally:
+        try:
+            if d.proc is not None:
+                d.stop()
+        finally:
+            for p in cleanup:
+                shutil.rmtree(p, ignore_errors=True)
+
+
 def _refusals(refused: list[dict[str, Any]]) -> list[tuple[bytes, int, int]]:
     return [(r["id"], r["reason"], r["count"]) for r in refused]
 
@@ -194,10 +216,10 @@ def _refusals(refused: list[dict[str, Any]]) -> list[tuple[bytes, int, int]]:
 # --------------------------------------------------------------------------------------------------- tests
 
 
-async def test_refused_wire_shape_order_and_count(daemon: DaemonFactory) -> None:
+async def test_refused_wire_shape_order_and_count(shared_daemon: Daemon) -> None:
     """no_route: REFUSED names the message id, as a whole (count 0), is a router-signed unicast to this key,
     comes before the SYNC_ACK that counts it; a refusal after the SYNC belongs to the next SYNC_ACK."""
-    d = daemon()
+    d = shared_daemon
     app = await App.connect(d.sock)
     m1, m2 = unicast(app.key, Key().pk, b"one"), unicast(app.key, Key().pk, b"two")
     app.send(m1)
@@ -213,8 +235,8 @@ async def test_refused_wire_shape_order_and_count(daemon: DaemonFactory) -> None
     await app.close()
 
 
-async def test_ttl_zero_to_an_absent_recipient_is_refused_expired_and_never_delivered(daemon: DaemonFactory) -> None:
-    d = daemon()
+async def test_ttl_zero_to_an_absent_recipient_is_refused_expired_and_never_delivered(shared_daemon: Daemon) -> None:
+    d = shared_daemon
     rcpt, group, away = Key(), Key(), Key()
     await _known_then_away(d.sock, rcpt)
     await _known_then_away(d.sock, away, group.pk)
@@ -229,10 +251,11 @@ async def test_ttl_zero_to_an_absent_recipient_is_refused_expired_and_never_deli
     refused, ack = await app.sync(1)
     assert sorted(_refusals(refused)) == sorted([(u.id, R_EXPIRED, 0), (g.id, R_EXPIRED, 1)])
     assert ack["refused"] == 2
-    assert [m.id for m in await online.silent(1.0)] == [g.id]  # the online subscriber got it
-    for k in (rcpt, away):
-        back = await App.connect(d.sock, k)
-        assert [m.id for m in await back.silent(1.0)] == [], "a refused message is never delivered"
+    backs = [await App.connect(d.sock, k) for k in (rcpt, away)]  # (each app's second, read side by side)
+    seen = await asyncio.gather(online.silent(1.0), *(b.silent(1.0) for b in backs))
+    assert [m.id for m in seen[0]] == [g.id]  # the online subscriber got it
+    for back, got in zip(backs, seen[1:], strict=True):
+        assert [m.id for m in got] == [], "a refused message is never delivered"
         await back.close()
     await app.close()
     await online.close()
@@ -263,8 +286,8 @@ async def test_quota_too_large_and_duplicates(daemon: DaemonFactory) -> None:
     await back.close()
 
 
-async def test_a_multicast_nobody_subscribes_to_is_taken(daemon: DaemonFactory) -> None:
-    d = daemon()
+async def test_a_multicast_nobody_subscribes_to_is_taken(shared_daemon: Daemon) -> None:
+    d = shared_daemon
     app = await App.connect(d.sock)
     app.send(multicast(Key(), b"to nobody"))
     refused, ack = await app.sync(1)
@@ -286,9 +309,8 @@ async def test_a_multicast_nobody_subscribes_to_is_taken(daemon: DaemonFactory) 
         pytest.param([PULL_NACK, {"addr": b"\x01" * 32, "id": b"\x02" * 32, "result": 1}], id="pull-nack-from-an-app"),
     ],
 )
-async def test_a_bad_control_body_is_refused_malformed_and_counted(daemon: DaemonFactory, body: list[Any]) -> None:
-    d = daemon()
-    app = await App.connect(d.sock)
+async def test_a_bad_control_body_is_refused_malformed_and_counted(shared_daemon: Daemon, body: list[Any]) -> None:
+    app = await App.connect(shared_daemon.sock)
     mid = app.control(body)
     refused, ack = await app.sync(1)
     assert _refusals(refused) == [(mid, R_MALFORMED, 0)]
@@ -296,10 +318,10 @@ async def test_a_bad_control_body_is_refused_malformed_and_counted(daemon: Daemo
     await app.close()
 
 
-async def test_control_signed_by_another_key_is_refused_not_authorized(daemon: DaemonFactory) -> None:
+async def test_control_signed_by_another_key_is_refused_not_authorized(shared_daemon: Daemon) -> None:
     """JOIN and SYNC only for the connection's own key: one signed by another key is refused not_authorized,
     and the REFUSED still goes to this connection's key, on this connection."""
-    d = daemon()
+    d = shared_daemon
     app, other = await App.connect(d.sock), Key()
     j = app.control([JOIN, {"addr": Key().pk, "local": True}], key=other)
     s = app.control([SYNC, {"n": 99}], key=other)
@@ -309,8 +331,8 @@ async def test_control_signed_by_another_key_is_refused_not_authorized(daemon: D
     await app.close()
 
 
-async def test_bad_signature_and_expired_are_never_delivered(daemon: DaemonFactory) -> None:
-    d = daemon()
+async def test_bad_signature_and_expired_are_never_delivered(shared_daemon: Daemon) -> None:
+    d = shared_daemon
     rcpt = await App.connect(d.sock)
     app = await App.connect(d.sock)
     good = unicast(app.key, rcpt.key.pk, b"ok")
@@ -327,9 +349,9 @@ async def test_bad_signature_and_expired_are_never_delivered(daemon: DaemonFacto
     await rcpt.close()
 
 
-async def test_refusals_go_to_the_connection_the_message_came_on(daemon: DaemonFactory) -> None:
+async def test_refusals_go_to_the_connection_the_message_came_on(shared_daemon: Daemon) -> None:
     """Two connections with one key: the REFUSED and its count belong to the connection that sent the message."""
-    d = daemon()
+    d = shared_daemon
     key = Key()
     one, two = await App.connect(d.sock, key), await App.connect(d.sock, key)
     m = unicast(key, Key().pk, b"lost?")
@@ -342,8 +364,8 @@ async def test_refusals_go_to_the_connection_the_message_came_on(daemon: DaemonF
     await two.close()
 
 
-async def test_an_encapsulated_multicast_is_refused_under_the_carrying_unicasts_id(daemon: DaemonFactory) -> None:
-    d = daemon()
+async def test_an_encapsulated_multicast_is_refused_under_the_carrying_unicasts_id(shared_daemon: Daemon) -> None:
+    d = shared_daemon
     group, away = Key(), Key()
     await _known_then_away(d.sock, away, group.pk)
     app = await App.connect(d.sock)
@@ -370,9 +392,9 @@ async def test_a_multicast_refused_for_every_subscriber(daemon: DaemonFactory) -
     # §8 also calls "refused as a whole" (count 0): an open question of the spec, not asserted here)
     assert [(r[0], r[1]) for r in _refusals(refused)] == [(second.id, R_QUOTA)] and ack["refused"] == 1
     await app.close()
-    for k in (s1, s2):
-        back = await App.connect(d.sock, k)
-        assert [m.id for m in await back.silent(1.0)] == [first.id]
+    backs = [await App.connect(d.sock, k) for k in (s1, s2)]
+    for back, got in zip(backs, await asyncio.gather(*(b.silent(1.0) for b in backs)), strict=True):
+        assert [m.id for m in got] == [first.id]
         await back.close()
 
 
@@ -419,9 +441,10 @@ async def test_a_burst_of_one_groups_messages_is_answered_as_each_would_be_alone
         (zero.id, R_EXPIRED, 1), (forged.id, R_BAD_SIGNATURE, 0), (old.id, R_EXPIRED, 0), (big.id, R_TOO_LARGE, 1),
     ]), _refusals(refused)
     assert ack["refused"] == 4
-    assert [m.id for m in await online.silent(1.0)] == [ok.id, zero.id, big.id, last.id]
     back = await App.connect(d.sock, away)
-    assert [m.id for m in await back.silent(1.5)] == [ok.id, last.id]
+    on, off = await asyncio.gather(online.silent(1.0), back.silent(1.5))
+    assert [m.id for m in on] == [ok.id, zero.id, big.id, last.id]
+    assert [m.id for m in off] == [ok.id, last.id]
     await back.close()
     await app.close()
     await online.close()
@@ -443,20 +466,20 @@ async def test_a_refused_multicast_sent_again_reaches_those_it_was_refused_for(d
     refused, ack = await app.sync(1)
     assert sorted(_refusals(refused)) == sorted([(second.id, R_QUOTA, 2), (zero.id, R_EXPIRED, 2)])
     subs = [await App.connect(d.sock, k) for k in (s1, s2)]
-    for s in subs:
-        assert [m.id for m in await s.silent(1.0)] == [first.id]
+    for got in await asyncio.gather(*(s.silent(1.0) for s in subs)):
+        assert [m.id for m in got] == [first.id]
     app.send(second)
     app.send(zero)
     refused, ack = await app.sync(2)
     assert refused == [] and ack["refused"] == 0
-    for s in subs:
-        assert sorted(m.id for m in await s.silent(1.0)) == sorted([second.id, zero.id])
+    for s, got in zip(subs, await asyncio.gather(*(s.silent(1.0) for s in subs)), strict=True):
+        assert sorted(m.id for m in got) == sorted([second.id, zero.id])
         await s.close()
     await app.close()
 
 
-async def test_a_ttl_zero_multicast_refused_for_one_subscriber_sent_again_reaches_it(daemon: DaemonFactory) -> None:
-    d = daemon()
+async def test_a_ttl_zero_multicast_refused_for_one_subscriber_sent_again_reaches_it(shared_daemon: Daemon) -> None:
+    d = shared_daemon
     group, away = Key(), Key()
     await _known_then_away(d.sock, away, group.pk)
     online = await App.connect(d.sock)
@@ -477,10 +500,10 @@ async def test_a_ttl_zero_multicast_refused_for_one_subscriber_sent_again_reache
         await a.close()
 
 
-async def test_control_answers_have_the_shapes_of_section_7_and_are_no_refusals(daemon: DaemonFactory) -> None:
+async def test_control_answers_have_the_shapes_of_section_7_and_are_no_refusals(shared_daemon: Daemon) -> None:
     """JOIN_ACK / LEAVE_ACK / PULL_NACK: exact maps; a negative answer (LEAVE of a non-member, PULL of an unknown
     id) is an answer, not a refusal; a PULL of a stored message is answered with the message itself."""
-    d = daemon()
+    d = shared_daemon
     app = await App.connect(d.sock)
     grp, other = Key(), Key()
 

@@ -27,8 +27,9 @@ async def register(d: HasSock, who: Identity, group: bytes | None = None) -> Non
             assert await c.join(group, local=True)
 
 
-async def drain(d: HasSock, who: Identity, expect: int, timeout: float = 20.0) -> list[Message]:
-    """Connect ``who`` and read until ``expect`` messages came (then a little longer, for any extra)."""
+async def drain(d: HasSock, who: Identity, expect: int, timeout: float = 20.0, quiet: float = 0.3) -> list[Message]:
+    """Connect ``who`` and read until ``expect`` messages came, then until none came for ``quiet`` seconds (any
+    extra; or, where ``expect`` is only the number that must come, the rest of what may)."""
     got: list[Message] = []
     async with await Client.connect(d.sock, who) as c:
         deadline = time.monotonic() + timeout
@@ -39,7 +40,7 @@ async def drain(d: HasSock, who: Identity, expect: int, timeout: float = 20.0) -
                 break
         while True:  # nothing more than what was taken may arrive
             try:
-                got.append(await c.recv(timeout=0.3))
+                got.append(await c.recv(timeout=quiet))
             except TimeoutError:
                 break
     return got
