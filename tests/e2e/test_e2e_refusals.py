@@ -365,10 +365,14 @@ async def test_messages_in_the_routers_buffer_for_a_subscriber_that_stops_readin
     sub._writer.transport.pause_reading()  # type: ignore[attr-defined]
     ids = []
     async with await Client.connect(d.sock, pub_key) as pub:
-        for i in range(120):
-            ids.append(await pub.publish(group, i.to_bytes(4, "big") + os.urandom(size), ttl=GROUP_TTL))
-        res = await pub.sync(timeout=60)
-        assert res.ok and not res.refused
+        # two halves, each 6 MB: the first fills the router's buffer past its high-water mark (4 MiB), and the
+        # router learns that (WriteBlocked) before the second comes, which it queues. (In one go, under load,
+        # the core could route all 120 in the batches before the first write told it: none queued.)
+        for half in (range(60), range(60, 120)):
+            for i in half:
+                ids.append(await pub.publish(group, i.to_bytes(4, "big") + os.urandom(size), ttl=GROUP_TTL))
+            res = await pub.sync(timeout=60)
+            assert res.ok and not res.refused
         backed = (await pub.status())["deliveries_backed_total"]
     queued = len(d.trace(event="queued", dst=sub_key.public))
     assert 0 < queued < len(ids) - 10 and backed > 10  # some went to the queue, many more into the buffers
