@@ -15,6 +15,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -255,8 +256,24 @@ def _as_another_user(argv: list[str]) -> tuple[list[str], dict[str, str]] | None
     return [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", *argv], env
 
 
+@pytest.fixture(scope="module")
+def sound_data_dir() -> Iterator[Path]:
+    """The data directory of a router that ran once and stopped: a sound store (made once; each case below
+    works on a copy of its own)."""
+    base = Path(tempfile.mkdtemp(prefix="upsycle-sound-", dir="/tmp"))
+    try:
+        data = base / "d"
+        data.mkdir()
+        d = Daemon(data)
+        d.start()
+        d.stop()
+        yield data
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.mark.parametrize("closed", ["data file", "store dir", "data dir"])
-def test_store_check_and_backup_of_a_store_this_user_may_not_read_say_so(closed: str) -> None:
+def test_store_check_and_backup_of_a_store_this_user_may_not_read_say_so(closed: str, sound_data_dir: Path) -> None:
     """(An operations audit: a sound store whose data.mdb another user may not read was called empty and lost,
     "DAMAGED", which sends an operator to the recovery steps that throw a sound store away; a data or store
     directory it may not enter gave a Python traceback, exit 1.) Now: one verdict, UNREADABLE, exit 2."""
@@ -264,11 +281,7 @@ def test_store_check_and_backup_of_a_store_this_user_may_not_read_say_so(closed:
     try:
         base.chmod(0o755)
         data = base / "d"
-        data.mkdir()
-        d = Daemon(data)
-        d.prepare()
-        d.start()
-        d.stop()
+        shutil.copytree(sound_data_dir, data, symlinks=True)
         for p in (data, data / "store"):
             p.chmod(0o755)
         for p in (data / "store").iterdir():

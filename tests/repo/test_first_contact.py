@@ -9,16 +9,17 @@ and an environment without any ``UPSYCLE_*`` or ``XDG_*`` variable of the machin
 
 from __future__ import annotations
 
-import contextlib
 import grp
 import io
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -473,9 +474,15 @@ def test_no_command_prints_a_traceback(
         capsys.readouterr()
     # the services last (a router started by `run` would change what the commands above met)
     services = {name: home.start(*name.split(), *COMMANDS[name]) for name in sorted(LONG_RUNNING)}
-    for name, proc in services.items():  # a few seconds each, at the same time; one still up is stopped
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=3)
+    # all at the same time, for a few seconds and until each has said something (a log line, an error) or
+    # exited - a slow machine's service is not stopped before it got going; one still up then is stopped
+    start = time.monotonic()
+    for name, proc in services.items():
+        assert proc.stderr is not None
+        while proc.poll() is None and (left := start + START_TIMEOUT - time.monotonic()) > 0:
+            if select.select([proc.stderr], [], [], min(left, 0.1))[0]:  # it said something (or closed stderr)
+                time.sleep(max(0.0, start + 3 - time.monotonic()))
+                break
         _, _, err = home.stop(proc)
         if "Traceback" in err:
             raised[name] = err
