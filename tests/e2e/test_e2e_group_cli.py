@@ -120,6 +120,29 @@ def test_group_commands_from_a_shell(daemon: DaemonFactory, tmp_path: Path) -> N
     assert ("message", "by name") in [(e["kind"], e["data"]) for e in got]
 
 
+@pytest.mark.parametrize(
+    ("command", "args", "says"),
+    [
+        ("send", ["zz", "x"], "group"),
+        ("send", ["ab" * 31 + "a", "x"], "group: expected 64 hex characters, got 63"),
+        ("add", ["ab" * 32, "cd" * 31], "member: expected 32 bytes (64 hex characters), got 31"),
+        ("add", ["--via", "xyz", "ab" * 32, "cd" * 32], "via:"),
+        ("send", ["--to", "not-a-key", "ab" * 32, "x"], "to:"),
+        ("admin add", ["ab" * 32, "00"], "member:"),
+        ("listen", ["--accept", "00", "--timeout", "1"], "accept:"),
+    ],
+)
+def test_a_bad_group_id_or_key_is_exit_2_before_connecting(
+    tmp_path: Path, command: str, args: list[str], says: str
+) -> None:
+    """Nothing listens at the socket: an argument that is no good is named (exit 2), not the connection."""
+    key = tmp_path / "a.key"
+    keygen(key)
+    r = cli("group", *command.split(), "--socket", str(tmp_path / "none.sock"), "--key", str(key), "--data",
+            str(tmp_path / "a"), *args)  # fmt: skip
+    assert r.returncode == 2 and says in r.stderr and "connect" not in r.stderr, r.stderr
+
+
 def test_an_invitation_the_router_refuses_is_reported_not_promised(daemon: DaemonFactory, tmp_path: Path) -> None:
     """A welcome to a key the router never saw is refused (no_route): ``group add`` says so and exits 1,
     instead of promising that the member gets it when back."""

@@ -106,7 +106,25 @@ async def _after_send(s: GroupSession, args: argparse.Namespace) -> int:
     return 1 if refused else 0
 
 
+def _check_arguments(args: argparse.Namespace) -> None:
+    """Every group id (or name) and key on the command line, read before the command connects: one that is no
+    good is exit 2 at once, not after the connection and the settling (ConfigError)."""
+    if getattr(args, "group", None):
+        group_address(args.group)
+    for attr, what in (("members", "member"), ("to", "to"), ("accept", "accept")):
+        for k in getattr(args, attr, None) or ():
+            parse_key(k, what)
+    if getattr(args, "via", None):
+        parse_key(args.via, "via")
+
+
 def _run(args: argparse.Namespace, fn: Callable[[GroupManager], Awaitable[int]]) -> int:
+    try:
+        _check_arguments(args)
+    except (ConfigError, KeyFileError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
     async def go() -> int:
         ident = app_identity(args)
         data = Path(args.data) if args.data else default_group_dir(ident)
