@@ -17,12 +17,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from analytics_fixtures import SMALL, spark, table_rows  # noqa: F401 - the shared session fixture
+from analytics_fixtures import SMALL, small_analysis, spark, table_rows  # noqa: F401 - the shared session fixtures
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from upsycle_router.analytics import bucket, stats, vector
-from upsycle_router.analytics.job import TABLES, Progress, run_analyze, vector_parts
+from upsycle_router.analytics.job import TABLES, Analysis, Progress, run_analyze, vector_parts
 from upsycle_router.analytics.session import VECTOR
 from upsycle_router.analytics.sources import discover
 
@@ -88,22 +88,23 @@ def test_the_twin_reads_local_tables_with_a_local_master(spark: SparkSession, tm
 
 def test_a_failed_task_leaves_the_tables_to_spark(
     spark: SparkSession,  # noqa: F811
+    small_analysis: tuple[Analysis, Path],  # noqa: F811
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A worker that dies (here: one that exits at once) fails the twin's pass: the job says so, removes what the
-    twin wrote, and Spark computes the same tables."""
+    twin wrote, and Spark computes the same tables: those of the twin's clean run of the same journal
+    (``small_analysis``, the shared run with this session's defaults, whose twin ran)."""
     monkeypatch.setattr(vector, "WORKER_COMMAND", ["python3", "-c", "import sys; sys.exit(3)"])
     stream = io.StringIO()
     run_analyze(spark, [SMALL], tmp_path / "out", Progress("t", stream=stream))
     said = stream.getvalue()
     assert "the Arrow twin failed (the worker died)" in said and "partitioning them by message" in said, said
     assert not (tmp_path / "out" / "_vector").exists()
-    monkeypatch.setattr(vector, "WORKER_COMMAND", None)
-    run_analyze(spark, [SMALL], tmp_path / "twin", Progress("t", stream=io.StringIO()))
+    twin = small_analysis[1]
     for table in TABLES:
         got = table_rows(spark, tmp_path / "out" / f"{table}.parquet")
-        assert got == table_rows(spark, tmp_path / "twin" / f"{table}.parquet"), table
+        assert got == table_rows(spark, twin / f"{table}.parquet"), table
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 100, 4999])
@@ -119,11 +120,15 @@ def test_nearest_rank_is_sparks_percentile_below_its_exact_limit(spark: SparkSes
     assert vector.PERCENTILE_ACCURACY == stats.PERCENTILE_ACCURACY
 
 
-def test_what_a_killed_run_left_in_the_scratch_directory_is_not_read(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
+def test_what_a_killed_run_left_in_the_scratch_directory_is_not_read(
+    spark: SparkSession,  # noqa: F811
+    small_analysis: tuple[Analysis, Path],  # noqa: F811
+    tmp_path: Path,
+) -> None:
     """A run killed during the twin leaves ``OUT/_vector`` behind (more buckets than the next run makes, say):
-    the next run starts it afresh, and its tables are those of a clean run."""
-    clean = tmp_path / "clean"
-    run_analyze(spark, [SMALL], clean, Progress("t", enabled=False))
+    the next run starts it afresh, and its tables are those of a clean run (``small_analysis``: the shared run of
+    the same journal with this session's defaults)."""
+    clean = small_analysis[1]
     out = tmp_path / "out"
     stale = out / "_vector" / "deliveries"
     stale.mkdir(parents=True)
