@@ -139,3 +139,30 @@ def test_what_a_killed_run_left_in_the_scratch_directory_is_not_read(
     for table in TABLES:
         assert table_rows(spark, out / f"{table}.parquet") == table_rows(spark, clean / f"{table}.parquet"), table
     assert "1000000000.0" not in json.dumps(analysis.summary)
+
+
+@pytest.mark.parametrize("buckets", [2, 4, 7])
+def test_the_twin_in_several_buckets_makes_sparks_tables(
+    spark: SparkSession,  # noqa: F811
+    small_analysis: tuple[Analysis, Path],  # noqa: F811
+    tmp_path: Path,
+    buckets: int,
+) -> None:
+    """The shared session has one shuffle partition, so the twin runs the small journal in one bucket there; a
+    machine with more cores runs it in several (``analyze`` with ``local[*]`` on two cores: four), and then most
+    buckets hold no candidate of some kind (no forwarding, no loss on the way) for a message that was short of
+    deliveries. The twin must not fail there (before: IndexError, and Spark made the tables instead) and must
+    make Spark's tables (``small_analysis``'s ``-spark`` run) and summary."""
+    reference = Path(f"{small_analysis[1]}-spark")
+    spark.conf.set("spark.sql.shuffle.partitions", str(buckets))
+    stream = io.StringIO()
+    try:
+        analysis = run_analyze(spark, [SMALL], tmp_path / "out", Progress("t", stream=stream))
+    finally:
+        spark.conf.set("spark.sql.shuffle.partitions", "1")
+    said = stream.getvalue()
+    assert f"with Arrow, in {buckets} buckets" in said and "failed" not in said, said
+    for table in TABLES:
+        got = table_rows(spark, tmp_path / "out" / f"{table}.parquet")
+        assert got == table_rows(spark, reference / f"{table}.parquet"), table
+    assert analysis.summary == small_analysis[0].summary

@@ -525,6 +525,16 @@ def _lookup(table: Sequence[np.ndarray], query: Sequence[np.ndarray], bounds: Se
     return row_of[code[n:]]
 
 
+def _at(values: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """``values[at]`` where ``at >= 0`` (a hit of :func:`_lookup`), 0 elsewhere: a row 0 that the caller masks
+    with ``at >= 0``, or no count. Also when ``values`` is empty - a bucket in which no row is a candidate (no
+    forwarding, no loss on the way, ...) has no hit - which indexing with a placeholder would not survive."""
+    hit = at >= 0
+    if not len(values):
+        return np.zeros(len(at), dtype=values.dtype)
+    return np.where(hit, values[np.where(hit, at, 0)], 0)
+
+
 def _best(b: _Bucket, rank: np.ndarray, *keys: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     """Per run of ``keys`` among the rows with a ``rank`` (> 0): the keys and the greatest (rank, ts, pos) row."""
     rows = np.nonzero(rank > 0)[0]
@@ -589,7 +599,7 @@ def _lost(
     # per (id, node): the last record and the best candidate for everyone there
     here_last = pairs
     here = _lookup((b.id[here_last], b.node[here_last]), (m_id, m_node), (idk, keyk))
-    here_row = here_last[np.where(here >= 0, here, 0)]
+    here_row = _at(here_last, here)
     (a_id, a_node), a_row = _best(b, rank_all, b.id, b.node)
     c_all = _lookup((a_id, a_node), (m_id, m_node), (idk, keyk))
     (s_id, s_node, s_dst), s_row = _best(b, rank_dst, b.id, b.node, b.dst)
@@ -598,13 +608,13 @@ def _lost(
     _, f_start, f_last = _last_rows(b, fw, b.id, b.peer)
     f_counts = np.diff(np.append(np.nonzero(f_start)[0], len(f_start)))
     f_at = _lookup((b.id[f_last], b.peer[f_last]), (m_id, m_node), (idk, keyk))
-    forwarded_to = np.where(f_at >= 0, f_counts[np.where(f_at >= 0, f_at, 0)], 0)
+    forwarded_to = _at(f_counts, f_at)
     _, _, any_last = _last_rows(b, pairs, b.id)  # the last of the last records at each router
     anywhere = any_last[_lookup((b.id[any_last],), (m_id,), (idk,))]
     way = (dropped | refused) & no_dst & lossy
     (u_id,), u_row = _best(b, np.where(way, np.where(dropped, 2, 1), 0), b.id)
     u = _lookup((u_id,), (m_id,), (idk,))
-    u_row = u_row[np.where(u >= 0, u, 0)]
+    u_row = _at(u_row, u)
 
     # the cause: the greatest of the candidates by (rank, ts, pos)
     k = len(m_id)
@@ -623,9 +633,9 @@ def _lost(
         rank[better], c_ts[better], c_pos[better] = r[better], ts[better], pos[better]
         c_cause[better], c_reason[better], c_node[better] = cause[better], reason[better], node[better]
 
-    ra = a_row[np.where(c_all >= 0, c_all, 0)]
+    ra = _at(a_row, c_all)
     offer(c_all >= 0, rank_all[ra], b.ts[ra], b.pos[ra], b.event[ra], b.reason[ra], b.node[ra])
-    rd = s_row[np.where(c_dst >= 0, c_dst, 0)]
+    rd = _at(s_row, c_dst)
     offer(c_dst >= 0, rank_dst[rd], b.ts[rd], b.pos[rd], b.event[rd], b.reason[rd], b.node[rd])
     minus = np.full(k, -1)
     offer(~np.isnan(m_until), np.full(k, 3), m_until, np.full(k, np.iinfo(np.int64).min), np.full(k, -2), minus,
