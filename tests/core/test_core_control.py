@@ -287,6 +287,25 @@ def test_a_unicast_to_a_service_that_never_connected_yet_is_queued_for_it(tmp_pa
     assert msg.id in {m.id for m in h.last.messages(p)}
 
 
+def test_a_validate_for_a_validator_that_never_connected_yet_is_queued_for_it(tmp_path: Path) -> None:
+    """The pub/sub service's validators (``pubsub.validators``) are local keys from the start too: a VALIDATE the
+    service sends to one that is still starting waits in its queue (the unicast lives ``validator_timeout``)
+    instead of being refused ``no_route`` - the validator then answers it once it connected. A key that is no
+    validator still gets ``no_route``."""
+    validator, stranger = Identity.generate(), Identity.generate()
+    h = CoreHarness(tmp_path / "x", X, config(pubsub_service=PS.public, validators=frozenset({validator.public})))
+    p = h.open(PS)
+    validate = unicast(PS, validator, b"VALIDATE")
+    out = h.receive(p, validate)
+    assert out.refusals(p) == []
+    [t] = out.traces("queued")
+    assert t.dst == validator.public
+    v = h.open(validator)
+    assert validate.id in {m.id for m in h.last.messages(v)}
+    out = h.receive(p, unicast(PS, stranger, b"VALIDATE"))
+    assert [r.reason for r in out.refusals(p)] == [Reason.NO_ROUTE]
+
+
 def test_edge_node_join_asks_the_pubsub_service_to_sub(hps: CoreHarness) -> None:
     p = hps.open(PS)
     e = hps.open(EDGE, local=False)

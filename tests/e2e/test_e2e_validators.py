@@ -218,6 +218,31 @@ async def test_the_validator_answers_only_the_pub_sub_service(daemon: DaemonFact
     assert line["verdict"] == "reject" and line["size"] > LIMIT
 
 
+async def test_a_message_published_before_the_validator_connected_is_judged_once_it_does(
+    daemon: DaemonFactory, tmp_path: Path
+) -> None:
+    """The validator has never connected when a message is published (it starts a moment after the router, as
+    in docs/gossip.md's shell recipe): the pub/sub service's VALIDATE waits in the validator's queue instead of
+    being refused ``no_route``, and the validator, started then, answers it (``--count 1``: exits)."""
+    vkey_path = tmp_path / "validator.key"
+    vkey = write_key_file(vkey_path)
+    # (a slow machine: the verdict is what decides, not the clock)
+    d = daemon(config={"pubsub": {"validators": {"*": vkey.public.hex()}, "validator_timeout": 30}})
+    group = Identity.generate()
+    async with await Client.connect(d.sock, Identity.generate()) as app:
+        mid = await app.publish(group, b"x" * (LIMIT + 1))
+        assert (await app.sync()).ok
+    validator = _validator(d, vkey_path, "--count", "1")
+    try:
+        await asyncio.wait_for(asyncio.to_thread(validator.wait), 60)
+    finally:
+        rc, out, err = _stop(validator)
+    assert rc == 0, err[-2000:]
+    (line,) = [json.loads(x) for x in out.splitlines()]
+    assert (line["id"], line["verdict"]) == (mid.hex(), "reject"), line
+    assert not d.trace(event="dropped", reason="no_route"), d.trace(event="dropped")
+
+
 def test_the_validator_needs_the_pub_sub_service_key(tmp_path: Path) -> None:
     """No pubsub.key where the data directory is: exit 1 and one line that says what to pass."""
     vkey_path = tmp_path / "validator.key"

@@ -29,6 +29,9 @@ class CoreConfig:
     # The local pub/sub service and peer discovery service, if any.
     pubsub_service: bytes | None = None
     discovery_service: bytes | None = None
+    # The pub/sub service's validator services (pubsub.validators): local keys from the start, as the services
+    # are, so that a VALIDATE to one that has not connected yet waits in its queue (it lives validator_timeout).
+    validators: frozenset[bytes] = frozenset()
     # The well-known local discovery group: only the discovery service may publish to it; the router is a
     # member and learns routes from the adverts on it; it never leaves this node.
     discovery_group: bytes | None = None

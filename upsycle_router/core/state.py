@@ -225,9 +225,9 @@ class RouterState:
         store = self.store
         self.locals.clear()
         cfg = self.config
-        # The router's own services are local keys from the start, also before they first connect: what is sent
-        # to one meanwhile is queued for it, not refused no_route.
-        services = {k for k in (cfg.pubsub_service, cfg.discovery_service) if k is not None}
+        # The router's own services (and the pub/sub service's validators) are local keys from the start, also
+        # before they first connect: what is sent to one meanwhile is queued for it, not refused no_route.
+        services = {k for k in (cfg.pubsub_service, cfg.discovery_service) if k is not None} | cfg.validators
         self.locals.update(set(cfg.local_services or ()) | services | store.locals())
         self.subs.clear()
         self.subs.update(store.subscriptions())

@@ -124,6 +124,14 @@ def bootstrap_nodes(cfg: DaemonConfig) -> tuple[BootstrapNode, ...]:
     return cfg.discovery.bootstrap if cfg.discovery.enabled and cfg.discovery.sampling else ()
 
 
+def pubsub_validators(cfg: DaemonConfig) -> frozenset[bytes]:
+    """The keys of the pub/sub service's validator services (``pubsub.validators``, ``"*"`` included)."""
+    keys = set(cfg.pubsub.validators.values())
+    if cfg.pubsub.default_validator is not None:
+        keys.add(cfg.pubsub.default_validator)
+    return frozenset(keys)
+
+
 def core_config(
     cfg: DaemonConfig,
     pubsub_service: bytes | None = None,
@@ -142,6 +150,7 @@ def core_config(
         accept_pull_from_any=cfg.accept_pull_from_any,
         pubsub_service=pubsub_service,
         discovery_service=discovery_service,
+        validators=pubsub_validators(cfg) if pubsub_service is not None else frozenset(),
         discovery_group=DISCOVERY_GROUP.public if discovery_service is not None else None,
         seen_max=cfg.seen_max,
         queue_max_count=cfg.queue_max_count,
