@@ -74,7 +74,7 @@ FILE_GROUPS = {
         )
     },
 }
-"""Under pytest-xdist (``-n 2 --dist loadgroup``, the default in pyproject.toml) the tests of each group run in
+"""Under pytest-xdist (``-n 3 --dist loadgroup``, the default in pyproject.toml) the tests of each group run in
 one worker, one after the other; the other tests are spread over the workers one by one."""
 
 
