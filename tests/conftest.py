@@ -17,6 +17,7 @@ and the test fails. The names below are re-exported for the tests that import th
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 from collections.abc import Iterator
@@ -122,14 +123,15 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_FileGroupPlugin(), "upsycle-file-groups")
 
 
-@pytest.fixture
-def daemon(tmp_path: Path) -> Iterator[DaemonFactory]:
-    """Factory: ``daemon(*extra_args, config=None, **options) -> Daemon`` (started, socket accepting)."""
+@contextlib.contextmanager
+def daemons_under(root: Path) -> Iterator[DaemonFactory]:
+    """A factory of daemons in directories under ``root``; on exit every daemon it started is stopped (SIGTERM to
+    its PID, exit 0 within :data:`~daemons.STOP_TIMEOUT` s) and its directories removed."""
     started: list[Daemon] = []
     cleanup: list[Path] = []
 
     def factory(*extra: str, config: dict[str, Any] | str | None = None, **options: Any) -> Daemon:
-        d = Daemon(daemon_dir(tmp_path / f"r{len(started)}", cleanup), extra, config, **options)
+        d = Daemon(daemon_dir(root / f"r{len(started)}", cleanup), extra, config, **options)
         started.append(d)
         d.start()
         return d
@@ -147,3 +149,18 @@ def daemon(tmp_path: Path) -> Iterator[DaemonFactory]:
         shutil.rmtree(p, ignore_errors=True)
     if failures:
         pytest.fail("daemon teardown failed:\n" + "\n\n".join(failures))
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[DaemonFactory]:
+    """Factory: ``daemon(*extra_args, config=None, **options) -> Daemon`` (started, socket accepting)."""
+    with daemons_under(tmp_path) as factory:
+        yield factory
+
+
+@pytest.fixture(scope="module")
+def module_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonFactory]:
+    """As :func:`daemon`, for daemons that the tests of one module share (each test must not depend on what the
+    others left in them: its own keys and groups, counters compared with their value before it)."""
+    with daemons_under(tmp_path_factory.mktemp("module")) as factory:
+        yield factory

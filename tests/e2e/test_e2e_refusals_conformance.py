@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import struct
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import blake3
@@ -27,7 +24,7 @@ import nacl.exceptions
 import nacl.signing
 import pytest
 from conftest import DaemonFactory
-from daemons import Daemon, daemon_dir
+from daemons import Daemon
 
 pytestmark = pytest.mark.slow
 
@@ -192,21 +189,10 @@ async def _known_then_away(path: Any, key: Key, group: bytes | None = None) -> N
 
 
 @pytest.fixture(scope="module")
-def shared_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def shared_daemon(module_daemon: DaemonFactory) -> Daemon:
     """One daemon for the tests that each need only a router and a connection of a key of their own (each starts
     on a router another test's connection has left: what they check is the answer to their own message)."""
-    cleanup: list[Path] = []
-    d = Daemon(daemon_dir(tmp_path_factory.mktemp("shared") / "r", cleanup))
-    d.start()
-    try:
-        yield d
-    finally:
-        try:
-            if d.proc is not None:
-                d.stop()
-        finally:
-            for p in cleanup:
-                shutil.rmtree(p, ignore_errors=True)
+    return module_daemon()
 
 
 def _refusals(refused: list[dict[str, Any]]) -> list[tuple[bytes, int, int]]:

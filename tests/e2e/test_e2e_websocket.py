@@ -16,15 +16,13 @@ import contextlib
 import datetime as dt
 import ipaddress
 import os
-import shutil
 import signal
 import ssl
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
 
 import pytest
-from conftest import Daemon, DaemonFactory, async_wait_until, cli, daemon_dir, run_expecting_exit
+from conftest import Daemon, DaemonFactory, async_wait_until, cli, run_expecting_exit
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -290,32 +288,19 @@ async def test_a_peer_that_pings_while_it_does_not_read_gets_only_the_latest_pon
 
 
 @pytest.fixture(scope="module")
-def shared_ws_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Daemon]]:
+def shared_ws_daemon(module_daemon: DaemonFactory) -> Callable[..., Daemon]:
     """``get(**config)``: the router with these settings (as :func:`ws_daemon`) that all cases of one
     parametrized test below share - started at the first case. Each case ends only its own connections,
     counts from the counters and trace records before it, and checks that the daemon serves on."""
-    cleanup: list[Path] = []
     made: dict[str, Daemon] = {}
-
-    def factory(*extra: str, config: dict[str, Any] | str | None = None) -> Daemon:
-        d = Daemon(daemon_dir(tmp_path_factory.mktemp("ws"), cleanup), extra, config)
-        d.start()
-        return d
 
     def get(**config: object) -> Daemon:
         key = repr(sorted(config.items()))
         if key not in made:
-            made[key] = ws_daemon(cast(DaemonFactory, factory), **config)
+            made[key] = ws_daemon(module_daemon, **config)
         return made[key]
 
-    try:
-        yield get
-    finally:
-        for d in made.values():
-            if d.proc is not None:
-                d.stop()
-        for p in cleanup:
-            shutil.rmtree(p, ignore_errors=True)
+    return get
 
 
 async def _counters(d: Daemon) -> dict[str, int]:
