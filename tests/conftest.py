@@ -12,7 +12,8 @@ test_core_runs import run_scenario`` work from any folder and whichever subset o
 run --data-dir D --unix D/s.sock --trace D/trace [--config D/router.yaml] *extra_args``) and returns it once
 its socket accepts connections. At teardown every daemon the test started gets SIGTERM (to exactly the PID it
 started) and must exit 0 within :data:`~daemons.STOP_TIMEOUT` seconds; one that hangs is killed with SIGKILL
-and the test fails. The names below are re-exported for the tests that import them from here.
+and the test fails. ``module_daemon`` is the same factory for daemons the tests of one module share. The names
+below are re-exported for the tests that import them from here.
 """
 
 from __future__ import annotations
