@@ -1,5 +1,6 @@
-"""The test suite's one conftest: the import path of the helpers and test modules, the ``daemon`` fixture, and
-which tests share one pytest-xdist worker (:data:`FILE_GROUPS`).
+"""The test suite's one conftest: the import path of the helpers and test modules, the ``daemon`` fixture,
+which tests share one pytest-xdist worker (:data:`FILE_GROUPS`), and the run's last report section, "failures in
+brief" (what each failed test raised, where only a log's end is kept).
 
 The tests live in one folder per layer of the package (``wire/``, ``store/``, ``core/``, ...), plus ``e2e/``
 (real daemons) and ``repo/`` (the checkout as a whole); shared helpers live in ``support/``, data in
@@ -19,6 +20,7 @@ below are re-exported for the tests that import them from here.
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import sys
 from collections.abc import Iterator
@@ -122,6 +124,37 @@ class _FileGroupPlugin:
 def pytest_configure(config: pytest.Config) -> None:
     if config.pluginmanager.hasplugin("xdist"):  # its hooks exist only with it (not with -p no:xdist)
         config.pluginmanager.register(_FileGroupPlugin(), "upsycle-file-groups")
+
+
+_BRIEF_LINE = re.compile(r"^[\s|>E]*((?:Exception ignored in|\w*(?:Error|Warning|Exception)\b:).*)$")
+_BRIEF_MAX = 8  # lines per failure
+
+
+def brief(longrepr: str) -> list[str]:
+    """The lines of a failure's report that say what was raised or ignored, each once, in order, at most
+    :data:`_BRIEF_MAX` (an unraisable exception's ``ResourceWarning: unclosed ...`` among them)."""
+    out: list[str] = []
+    for line in longrepr.splitlines():
+        m = _BRIEF_LINE.match(line)
+        if m is not None and (what := m.group(1)[:240]) not in out:
+            out.append(what)
+            if len(out) == _BRIEF_MAX:
+                break
+    return out
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    """A last section, "failures in brief": per failed test, what was raised. A run's log may be kept only in
+    part (its beginning and end, as CI does), which can leave a failure's report out - but never this."""
+    failed = terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", [])
+    if not failed:
+        return
+    terminalreporter.section("failures in brief")
+    for rep in failed:
+        terminalreporter.write_line(f"{rep.nodeid} ({rep.when})")
+        for line in brief(rep.longreprtext):
+            terminalreporter.write_line(f"    {line}")
 
 
 @contextlib.contextmanager
