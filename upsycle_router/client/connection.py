@@ -39,6 +39,13 @@ id it does not know is held for the first unanswered epoch that overflowed and f
 order, up to its SYNC_ACK's count. At most ``track_limit`` such REFUSED are held; older ones become late
 refusals (and that SYNC_ACK's count is then not checked).
 
+Closing (docs/protocol.md, "An orderly close")
+----------------------------------------------
+Apps send no receipts, so a delivery whose bytes left the router counts as delivered. :meth:`Client.close`
+therefore ends this side first (a half-close; a WebSocket's close frame) and lets the reader read on until the
+router, which routes nothing more to the connection once it sees the end, has written what it holds and
+closed; what arrives meanwhile stays for ``recv()``. Over TLS (no half-close in asyncio) it closes at once.
+
 Sealed unicast (docs/protocol.md "Sealed unicast")
 -------------------------------------------------
 ``send(..., seal=True)`` encrypts the body for its recipient (:mod:`upsycle_router.client.sealed`) before
@@ -98,6 +105,7 @@ DEFAULT_LIFETIME = 7 * 24 * 3600.0
 
 
 READ_CHUNK = 1 << 20  # bytes taken from the socket's reader at once
+CLOSE_TIMEOUT = 2.0  # seconds close() reads on after ending this side, until the router has closed its own
 
 
 log = logging.getLogger(__name__)
@@ -281,6 +289,7 @@ class Client:
         self._opened: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.closed_reason: str | None = None
         self.error: Error | None = None
+        self._ended = False  # close() ended this side
 
     # ------------------------------------------------------------ connecting
 
@@ -377,7 +386,7 @@ class Client:
                 if not data:
                     break
                 events, out = self._link.receive(data)
-                if out:
+                if out and not self._ended:  # (after close() ended this side, nothing more can be written)
                     self._writer.write(out)
                 for ev in events:
                     if isinstance(ev, HandshakeComplete):
@@ -757,16 +766,36 @@ class Client:
 
     # ------------------------------------------------------------ closing
 
-    async def close(self) -> None:
-        """Close the connection."""
+    async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+        """Close the connection without losing what the router has already sent.
+
+        This side ends first (a byte stream's write side is shut, a WebSocket sends its close frame); the router
+        then routes nothing more here - what comes for this key from now on is queued for its next connection
+        - and closes its side once it has written what it holds. Until then (at most ``timeout`` seconds) the
+        reader goes on reading: what it reads stays for :meth:`recv`, which then reports the close. A message
+        the router was still writing when the end came may also be queued, so it can come twice (at least
+        once). Over TLS asyncio cannot shut the write side alone, and the connection closes at once.
+        """
+        task = self._task
+        ended = False
         with contextlib.suppress(Exception):
-            self._writer.write(self._link.closing())
+            if closing := self._link.closing():
+                self._writer.write(closing)
+                ended = True
+            elif self._writer.can_write_eof():
+                self._writer.write_eof()
+                ended = True
+        self._ended = True
+        if ended and task is not None and not task.done():
+            with contextlib.suppress(Exception):  # TimeoutError among them: the router did not close in time
+                await asyncio.wait_for(asyncio.shield(task), timeout)
+        with contextlib.suppress(Exception):
             self._writer.close()
             await self._writer.wait_closed()
-        if self._task is not None:
-            self._task.cancel()
+        if task is not None:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+                await task
 
     async def __aenter__(self) -> Client:
         return self

@@ -1,0 +1,77 @@
+"""End to end: an app's close loses nothing the router sent (Client.close; docs/protocol.md, "An orderly close").
+
+The router does not hear from an app which deliveries it read: a message whose bytes left the router counts as
+delivered. So a client that closed its socket with bytes still unread (in its socket's receive buffer, or on
+their way) lost them for good. ``Client.close()`` now ends its own side first and reads on until the router has
+closed its side: the router routes nothing more to the connection from the moment it sees the end (what comes
+for the key is queued) and writes what it holds, which the client keeps for ``recv()``.
+
+A real daemon on a real Unix socket: a subscriber stops reading while a publisher sends it a few hundred
+kilobytes, so that its socket's buffers are full and the rest waits in the router's queue; it reads on and
+closes at once. What it had received before and after the close, and what its next connection gets, must be
+every message, in order within each part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from conftest import DaemonFactory
+from netutil import collect
+from wsutil import ws_config, ws_url
+
+from upsycle_router.client import Client, ClientError
+from upsycle_router.crypto import Identity
+
+pytestmark = pytest.mark.slow
+
+N = 400
+BODY = 1000  # bytes: N of them are more than the socket buffers hold
+
+
+async def _rest(c: Client) -> list[bytes]:
+    """What a closed client still holds for recv(), until it reports the close."""
+    out: list[bytes] = []
+    for _ in range(N + 1):
+        try:
+            out.append((await c.recv(timeout=1.0)).id)
+        except ClientError:
+            return out
+    raise AssertionError("recv() did not report the close")
+
+
+@pytest.mark.parametrize(("via", "transport"), [("group", "unix"), ("unicast", "unix"), ("group", "websocket")])
+async def test_a_close_with_unread_deliveries_loses_none_of_them(
+    daemon: DaemonFactory, via: str, transport: str
+) -> None:
+    d = daemon(config=ws_config(origins=["*"]) if transport == "websocket" else None)
+    sub, group = Identity.generate(), Identity.generate()
+    if transport == "websocket":
+        s = await Client.connect_websocket(ws_url(d), sub, router_id=d.id)
+    else:
+        s = await Client.connect(d.sock, sub)
+    if via == "group":
+        assert await s.join(group.public)
+    s._writer.transport.pause_reading()  # type: ignore[attr-defined]  # an app that does not read for a while
+    ids: list[bytes] = []
+    async with await Client.connect(d.sock, Identity.generate()) as p:
+        for i in range(N):
+            body = b"%04d" % i + b"x" * (BODY - 4)
+            ids.append(await (p.publish(group, body) if via == "group" else p.send(sub.public, body)))
+            if i % 50 == 49:
+                assert (await p.sync()).ok
+        assert (await p.sync()).ok
+    await asyncio.sleep(0.2)  # (the router has written what the socket takes)
+    s._writer.transport.resume_reading()  # type: ignore[attr-defined]
+    await s.close()  # at once: the socket holds unread deliveries
+    before = await _rest(s)
+    assert before, "the subscriber's socket held nothing when it closed: the test proves nothing"
+    async with await Client.connect(d.sock, sub) as again:
+        after = [m.id for m in await collect(again, set(ids) - set(before), timeout=20, settle=0.3)]
+    assert set(before) | set(after) == set(ids), (
+        f"{len(set(ids) - set(before) - set(after))} of {N} lost ({len(before)} read at the close, {len(after)} after)"
+    )
+    read = set(before)
+    assert before == [i for i in ids if i in read], "what the close read is out of order"
+    assert [i for i in after if i not in read] == [i for i in ids if i not in read], "the rest is out of order"
