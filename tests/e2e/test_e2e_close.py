@@ -75,3 +75,29 @@ async def test_a_close_with_unread_deliveries_loses_none_of_them(
     read = set(before)
     assert before == [i for i in ids if i in read], "what the close read is out of order"
     assert [i for i in after if i not in read] == [i for i in ids if i not in read], "the rest is out of order"
+
+
+async def test_a_close_the_router_is_not_seen_to_answer_ends_at_its_timeout_or_when_cancelled(
+    daemon: DaemonFactory,
+) -> None:
+    """The client reads nothing (its socket paused), so it never sees the router close: ``close(timeout)`` gives
+    up after ``timeout`` with the connection closed; a ``close()`` cancelled while it waits closes it too."""
+    d = daemon()
+    loop = asyncio.get_running_loop()
+    s = await Client.connect(d.sock, Identity.generate())
+    s._writer.transport.pause_reading()  # type: ignore[attr-defined]
+    t0 = loop.time()
+    await s.close(timeout=0.3)
+    assert loop.time() - t0 >= 0.3
+    assert s._writer.transport.is_closing()
+    with pytest.raises(ClientError):
+        await s.recv(timeout=5)
+    c = await Client.connect(d.sock, Identity.generate())
+    c._writer.transport.pause_reading()  # type: ignore[attr-defined]
+    closing = asyncio.ensure_future(c.close(timeout=60))
+    await asyncio.sleep(0.2)
+    assert not closing.done()
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert c._writer.transport.is_closing()

@@ -786,14 +786,18 @@ class Client:
                 self._writer.write_eof()
                 ended = True
         self._ended = True
-        if ended and task is not None and not task.done():
-            with contextlib.suppress(Exception):  # TimeoutError among them: the router did not close in time
-                await asyncio.wait_for(asyncio.shield(task), timeout)
+        try:
+            if ended and task is not None and not task.done():
+                with contextlib.suppress(Exception):  # TimeoutError among them: the router did not close in time
+                    await asyncio.wait_for(asyncio.shield(task), timeout)
+        finally:  # (also when the caller is cancelled meanwhile: no transport is left open)
+            with contextlib.suppress(Exception):
+                self._writer.close()
+            if task is not None:
+                task.cancel()
         with contextlib.suppress(Exception):
-            self._writer.close()
             await self._writer.wait_closed()
         if task is not None:
-            task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
 
