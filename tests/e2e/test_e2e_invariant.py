@@ -108,20 +108,15 @@ class Sub:
                 self.got[m.id] += 1
 
     async def offline(self) -> None:
-        """End its side (end of input), read until the router ends the connection (bounded), then close."""
+        """Close: ``Client.close`` ends its side and reads until the router has ended the connection (bounded);
+        the reader takes what came, to the end."""
         c, task = self.client, self.reader
         self.client = self.reader = None
         if c is None or task is None:
             return
-        with contextlib.suppress(Exception):
-            c._writer.write_eof()  # type: ignore[attr-defined]  # end of input: the router closes its side
+        await c.close(timeout=5.0)
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(task), 5.0)
-        await c.close()
-        c._writer.close()  # type: ignore[attr-defined]  # (close() writes first, which fails after write_eof)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+            await asyncio.wait_for(task, 5.0)  # (it ends at the close, recv() reporting it)
 
     async def lost_router(self) -> None:
         """Its router was killed: the reader ends at the end of input (what the socket held is read)."""
