@@ -15,6 +15,7 @@ every message, in order within each part.
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 from conftest import DaemonFactory
@@ -101,3 +102,43 @@ async def test_a_close_the_router_is_not_seen_to_answer_ends_at_its_timeout_or_w
     with pytest.raises(asyncio.CancelledError):
         await closing
     assert c._writer.transport.is_closing()
+
+
+async def test_sending_while_closing_is_a_client_error_and_a_second_close_waits_for_the_first(
+    daemon: DaemonFactory,
+) -> None:
+    """Once ``close()`` began, a send raises :class:`ClientError` (the write side is shut: asyncio would raise a
+    bare RuntimeError); a second ``close()`` meanwhile returns once the first one has ended, neither of them
+    cancelled when the first gives up at its timeout."""
+    d = daemon()
+    c = await Client.connect(d.sock, Identity.generate())
+    c._writer.transport.pause_reading()  # type: ignore[attr-defined]  # (the router's close is not seen)
+    first = asyncio.ensure_future(c.close(timeout=0.3))
+    await asyncio.sleep(0.05)
+    with pytest.raises(ClientError):
+        await c.send(Identity.generate().public, b"too late")
+    second = asyncio.ensure_future(c.close(timeout=5))
+    assert await asyncio.gather(first, second) == [None, None]
+    assert c._writer.transport.is_closing()
+
+
+async def test_a_service_whose_send_meets_the_close_ends_quietly(daemon: DaemonFactory) -> None:
+    """A router service (the pub/sub and discovery services' base) that sends on a connection that is closing
+    - its stop() began the close while it was still handling what came - ends its connection as at any close,
+    instead of raising out of its run()."""
+    from upsycle_router.runtime.service import RouterService
+
+    d = daemon()
+
+    class Sender(RouterService):
+        name = "sender"
+        served = 0
+
+        async def _serve(self, client: Client) -> None:
+            self.served += 1
+            await self.stop()  # the close begins ...
+            await client.send(Identity.generate().public, b"an answer")  # ... and an answer still goes out
+
+    svc = Sender(Identity.generate(), d.sock, logging.getLogger("test"))
+    await asyncio.wait_for(svc.run(), 10)
+    assert svc.served == 1

@@ -44,7 +44,7 @@ Closing (docs/protocol.md, "An orderly close")
 Apps send no receipts, so a delivery whose bytes left the router counts as delivered. :meth:`Client.close`
 therefore ends this side first (a half-close; a WebSocket's close frame) and lets the reader read on until the
 router, which routes nothing more to the connection once it sees the end, has written what it holds and
-closed; what arrives meanwhile stays for ``recv()``. Over TLS (no half-close in asyncio) it closes at once.
+closed; what arrives meanwhile stays for ``recv()``. A TLS stream (no half-close in asyncio) closes at once.
 
 Sealed unicast (docs/protocol.md "Sealed unicast")
 -------------------------------------------------
@@ -290,6 +290,7 @@ class Client:
         self.closed_reason: str | None = None
         self.error: Error | None = None
         self._ended = False  # close() ended this side
+        self._close_ended = asyncio.Event()  # ... and has closed the transport
 
     # ------------------------------------------------------------ connecting
 
@@ -560,6 +561,8 @@ class Client:
         """Write one routed message (no waiting); the next :meth:`sync` reports whether the router took it."""
         if self.closed_reason is not None:
             raise ClientError(self.closed_reason)
+        if self._ended:
+            raise ClientError("connection closing")
         try:
             self._writer.write(self._link.encode(msg.encode()))
         except ConnectionError as e:
@@ -774,8 +777,18 @@ class Client:
         - and closes its side once it has written what it holds. Until then (at most ``timeout`` seconds) the
         reader goes on reading: what it reads stays for :meth:`recv`, which then reports the close. A message
         the router was still writing when the end came may also be queued, so it can come twice (at least
-        once). Over TLS asyncio cannot shut the write side alone, and the connection closes at once.
+        once). A router that does not read this connection at the time (its input paused) sees the end only
+        later: after ``timeout`` the connection closes regardless, and what was on its way is lost, as with an
+        abrupt close. A TLS stream (:meth:`connect_tls`) cannot shut its write side alone in asyncio: it closes
+        at once. Sending once the close began raises :class:`ClientError`; a second ``close()`` waits for the
+        first one's end (at most its own ``timeout``).
         """
+        if self._ended:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._close_ended.wait(), timeout)
+            self._abort()
+            return
+        self._ended = True
         task = self._task
         ended = False
         with contextlib.suppress(Exception):
@@ -785,21 +798,25 @@ class Client:
             elif self._writer.can_write_eof():
                 self._writer.write_eof()
                 ended = True
-        self._ended = True
         try:
             if ended and task is not None and not task.done():
                 with contextlib.suppress(Exception):  # TimeoutError among them: the router did not close in time
                     await asyncio.wait_for(asyncio.shield(task), timeout)
         finally:  # (also when the caller is cancelled meanwhile: no transport is left open)
-            with contextlib.suppress(Exception):
-                self._writer.close()
-            if task is not None:
-                task.cancel()
+            self._abort()
+            self._close_ended.set()
         with contextlib.suppress(Exception):
             await self._writer.wait_closed()
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+
+    def _abort(self) -> None:
+        """Close the transport and stop the reader (again: nothing)."""
+        with contextlib.suppress(Exception):
+            self._writer.close()
+        if self._task is not None:
+            self._task.cancel()
 
     async def __aenter__(self) -> Client:
         return self

@@ -47,6 +47,8 @@ class RouterService:
                 continue
             try:
                 await self._serve(self.client)
+            except ClientError as e:  # a send on a connection that is closing or gone: it has ended
+                self._log.debug("%s: %s", self.name, e)
             finally:
                 await self.client.close()
             if not self._stop.is_set():
