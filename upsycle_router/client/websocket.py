@@ -117,7 +117,8 @@ class WebSocketLink(StreamLink):
             elif isinstance(ev, TextMessage):
                 raise RemoteProtocolError("text WebSocket message from the router", field="frame")
             elif isinstance(ev, Ping):
-                out += self.ws.send(ev.response())
+                if self.ws.state is ConnectionState.OPEN:  # (not once our close frame went: wsproto forbids it)
+                    out += self.ws.send(ev.response())
             elif isinstance(ev, CloseConnection):
                 if self.ws.state is ConnectionState.REMOTE_CLOSING:
                     out += self.ws.send(ev.response())
