@@ -790,16 +790,16 @@ class Client:
             return
         self._ended = True
         task = self._task
-        ended = False
+        router_closes = False  # the end went out: the router will close its side
         with contextlib.suppress(Exception):
             if closing := self._link.closing():
                 self._writer.write(closing)
-                ended = True
+                router_closes = True
             elif self._writer.can_write_eof():
                 self._writer.write_eof()
-                ended = True
+                router_closes = True
         try:
-            if ended and task is not None and not task.done():
+            if router_closes and task is not None and not task.done():
                 with contextlib.suppress(Exception):  # TimeoutError among them: the router did not close in time
                     await asyncio.wait_for(asyncio.shield(task), timeout)
         finally:  # (also when the caller is cancelled meanwhile: no transport is left open)
