@@ -23,7 +23,7 @@ import contextlib
 import re
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +127,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _BRIEF_LINE = re.compile(r"^[\s|>E]*((?:Exception ignored in|\w*(?:Error|Warning|Exception)\b:).*)$")
-_BRIEF_MAX = 8  # lines per failure
+_BRIEF_MAX = 6  # lines per failure
+_BRIEF_WIDTH = 200  # characters per line
 
 
 def brief(longrepr: str) -> list[str]:
@@ -136,17 +137,20 @@ def brief(longrepr: str) -> list[str]:
     out: list[str] = []
     for line in longrepr.splitlines():
         m = _BRIEF_LINE.match(line)
-        if m is not None and (what := m.group(1)[:240]) not in out:
+        if m is not None and (what := m.group(1)[:_BRIEF_WIDTH]) not in out:
             out.append(what)
             if len(out) == _BRIEF_MAX:
                 break
     return out
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_terminal_summary(terminalreporter: Any) -> None:
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_terminal_summary(terminalreporter: Any) -> Generator[None]:
     """A last section, "failures in brief": per failed test, what was raised. A run's log may be kept only in
-    part (its beginning and end, as CI does), which can leave a failure's report out - but never this."""
+    part (its beginning and end, as CI does), which can leave a failure's report out - but never this. It comes
+    after the short test summary, which on CI prints each failure's whole message (a network's carries its
+    daemons' logs): only the line of totals follows it."""
+    yield
     failed = terminalreporter.stats.get("failed", []) + terminalreporter.stats.get("error", [])
     if not failed:
         return

@@ -42,6 +42,33 @@ def test_custody_lost_with_a_batch_that_did_not_commit_comes_with_the_next_adver
     assert [x for x in out if isinstance(x, Custody)] == [Custody(o)], "custody never reaches the driver"
 
 
+def test_a_router_that_dials_in_before_its_advert_came_is_under_custody_when_known_or_named(tmp_path: Path) -> None:
+    """(CI: an app sent through a router that had just dialled in - its advert still on the way - and its SYNC_ACK
+    did not wait for that router, whose REFUSED came after it.) A router this one knows from an advert (a
+    discovery's, or one relayed) is under custody from the moment it connects; a peer known from nothing is
+    once a local app's VIA names it: the Custody comes before the Send, so the app's SYNC_ACK waits for the
+    router's confirmation and any REFUSED it sends before that."""
+    h = CoreHarness(tmp_path / "x", X, CoreConfig())
+    known, relay, fresh, app = ident("known router"), ident("relay"), ident("fresh router"), ident("app")
+    r = h.open(relay, local=False)
+    h.receive(r, advert_message(relay, X, advert(relay, host="198.51.100.8", port=4433)))
+    h.receive(r, advert_message(known, X, advert(known, host="198.51.100.9", port=4433)))  # relayed
+    k = h.open(known, local=False)
+    assert [x for x in h.last if isinstance(x, Custody)] == [Custody(k)]
+    f = h.open(fresh, local=False)
+    assert not [x for x in h.last if isinstance(x, Custody)]
+    a = h.open(app)
+    out = h.receive(a, unicast(app, ident("nobody"), b"through the fresh router", via=fresh.public))
+    kinds = [(type(x).__name__, x.conn) for x in out if isinstance(x, Custody | Send)]
+    assert kinds == [("Custody", f), ("Send", f)]
+    assert [(e.conn, e.origin) for e in out if isinstance(e, Send)] == [(f, a)]
+    out = h.receive(a, unicast(app, ident("nobody"), b"again", via=fresh.public))
+    assert not [x for x in out if isinstance(x, Custody)]  # (once)
+    s = h.open(ident("remote app"), local=False)  # a peer nobody names as a router: no custody
+    out = h.receive(s, unicast(ident("remote app"), app, b"hello"))
+    assert not [x for x in h.last if isinstance(x, Custody)] and not [x for x in out if isinstance(x, Custody)]
+
+
 def test_what_goes_on_to_a_router_under_custody_names_the_connection_it_came_on(tmp_path: Path) -> None:
     """Whose SYNC_ACK waits for a router's confirmation (runtime/effects.py): a unicast forwarded, and a group
     message to a member router - by the per-message path and by a run - go to a router under custody as a

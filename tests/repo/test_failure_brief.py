@@ -25,6 +25,9 @@ def test_plain():
 
 def test_fine():
     pass
+
+def test_long_message():
+    raise AssertionError("a network's failure\\n" + "\\n".join(f"daemon log line {i}" for i in range(60)))
 """
 
 
@@ -44,18 +47,20 @@ tests/x.py:3: AssertionError
         "ResourceWarning: unclosed <socket.socket fd=13>",
     ]
     assert brief("line one\nline two\n") == []
-    assert len(brief("\n".join(f"E   ValueError: {i}" for i in range(20)))) == 8
+    assert len(brief("\n".join(f"E   ValueError: {i}" for i in range(20)))) == 6
+    assert len(brief("E   ValueError: " + "x" * 500)[0]) == 200
 
 
 def test_a_failed_run_ends_with_each_failure_in_brief(tmp_path: Path) -> None:
-    """A real pytest run with this conftest: the section lists the two failed tests and what each raised (the
-    two unclosed sockets), not the passing one, before the one-line summary."""
+    """A real pytest run with this conftest, as on CI (whose short summary prints each failure's whole message):
+    the section lists the failed tests and what each raised (the two unclosed sockets), not the passing one, and
+    it comes last - after the short summary, so that a long message there cannot push it out of a log's end."""
     (tmp_path / "test_brief_sample.py").write_text(LEAK)
     path = str(REPO / "tests") + os.pathsep + str(REPO)  # the suite's conftest, as a plugin: the sample is elsewhere
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "conftest", "-n", "0", "-q",
          "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path), str(tmp_path)],
-        capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=subprocess_env(PYTHONPATH=path),
+        capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=subprocess_env(PYTHONPATH=path, CI="1"),
     )  # fmt: skip
     out = r.stdout
     assert r.returncode == 1, out[-3000:]
@@ -66,3 +71,6 @@ def test_a_failed_run_ends_with_each_failure_in_brief(tmp_path: Path) -> None:
     assert any(line.endswith("test_brief_sample.py::test_leak (call)") for line in lines), section
     assert sum(line.startswith("    ResourceWarning: unclosed <socket.socket") for line in lines) == 2, section
     assert "test_fine" not in section
+    assert out.index("short test summary info") < out.index("failures in brief")
+    assert "daemon log line 59" in out[: out.index("failures in brief")]  # (the whole message: as on CI)
+    assert "3 failed" in lines[-1] and "daemon log" not in section  # (then only the line of totals)

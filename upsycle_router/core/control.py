@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from upsycle_router.core.delivery import Delivery
-from upsycle_router.core.events import Confirmed, Custody, Effect, PeerLearned, Send, Trace
+from upsycle_router.core.events import Confirmed, Effect, PeerLearned, Send, Trace
 from upsycle_router.core.held import Held
 from upsycle_router.core.state import Conn, RouterState
 from upsycle_router.core.trace import (
@@ -170,14 +170,6 @@ class ControlPlane:
             pass  # SUB_ACK / UNSUB_ACK from our pub/sub service, or a core node's answer to our JOIN / LEAVE
         else:
             drop(Why.UNKNOWN_CONTROL)
-
-    def custody(self, c: Conn, out: list[Effect]) -> None:
-        """``c`` is another router's connection: what is routed to it is ours until it confirms it (Custody)."""
-        if not c.local and not c.custody:
-            c.custody = True
-            self.s.epoch += 1  # (plans)
-            self.s.batch_custody.add(c.id)  # (undone if the batch does not commit: the driver never saw Custody)
-            out.append(Custody(c.id))
 
     def _may_join(self, c: Conn, requester: bytes, group: bytes) -> bool:
         if group == self.s.config.discovery_group and not c.local:
@@ -331,7 +323,7 @@ class ControlPlane:
             return
         if not c.local and c.peer == adv.id:
             self.s.peer_routers.add(adv.id)
-            self.custody(c, out)
+            self.delivery.custody(c, out)
         self._learn_advert(adv, c.peer if not c.local else adv.id, h.src, now, out, drop)
 
     def discovered(self, c: Conn, msg: Message, h: MulticastHeader, size: int, now: float, out: list[Effect]) -> None:

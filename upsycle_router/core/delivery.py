@@ -32,7 +32,7 @@ connection for a moment), and so is one whose messages are refused for want of r
 
 from __future__ import annotations
 
-from upsycle_router.core.events import ConnId, Dial, Effect, Fanout, Send, Throttle, Trace
+from upsycle_router.core.events import ConnId, Custody, Dial, Effect, Fanout, Send, Throttle, Trace
 from upsycle_router.core.queues import QueueDrain
 from upsycle_router.core.state import Conn, Forwarded, MemberPlan, RouterState
 from upsycle_router.core.trace import (
@@ -388,6 +388,10 @@ class Delivery:
         dst = msg.header.dst if isinstance(msg.header, UnicastHeader) else None
         if origin is not None:  # (an app's, here or behind the router it came from: see remember)
             self.remember(origin, router, msg.id, kind, group, size, src, dst)
+        if conn is not None and origin is not None and origin.local and not self.conns[conn].custody:
+            # A local service names as a router a peer that connected and has not shown itself one yet (its
+            # advert is on the way): it is treated as one now, so the app's SYNC_ACK waits for its confirmation.
+            self.custody(self.conns[conn], out)
         if conn is not None and taken and msg.header.ttl > 0:  # given back: through the store (as deliver)
             c = self.conns[conn]
             if c.custody:
@@ -405,6 +409,14 @@ class Delivery:
         if why is None:
             self.dial(router, out)
         return why
+
+    def custody(self, c: Conn, out: list[Effect]) -> None:
+        """``c`` is another router's connection: what is routed to it is ours until it confirms it (Custody)."""
+        if not c.local and not c.custody:
+            c.custody = True
+            self.s.epoch += 1  # (plans)
+            self.s.batch_custody.add(c.id)  # (undone if the batch does not commit: the driver never saw Custody)
+            out.append(Custody(c.id))
 
     def dial(self, router: bytes, out: list[Effect]) -> None:
         """Dial ``router``, which messages now wait for in its queue, unless a dial is under way already or it is

@@ -523,8 +523,9 @@ class Router:
             s.backoff.pop(ev.peer, None)
             cfg = self.state.config
             p = ev.peer
-            if p in cfg.upstream or p in cfg.edge_nodes or p in cfg.peers or p in s.peer_routers:
-                self.control.custody(c, out)  # (another router met later shows itself by its advert)
+            if (p in cfg.upstream or p in cfg.edge_nodes or p in cfg.peers or p in s.peer_routers
+                    or p in s.advert_revs):  # (a router known from an advert: discovery's, or one relayed)
+                self.delivery.custody(c, out)  # (another router met later shows itself by its advert)
             if p in cfg.edge_nodes:
                 self.held.edge_connected(now)
             advert = self._own_advert_message(ev.peer, now)
