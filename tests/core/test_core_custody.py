@@ -122,10 +122,12 @@ def test_a_group_message_sent_again_after_a_restart_goes_on_to_the_member_router
     PULL) in the commit that sends it on to a member edge; until that edge confirms (or the SYNC_ACK's hand-over
     backs it, a second later) that send is in the core's memory only. The core crashes, the edge too; the
     upstream edge's custody sends the message again. The restarted core held it, so it dropped the copy as a
-    duplicate for everyone - the member edge never got it. Now a copy held but not taken since the start goes on
-    to the member routers again (each drops what it holds); local subscribers, whose delivery was durable
-    (queued, or out of the process), get no second copy."""
+    duplicate for everyone - the member edge never got it. Now a copy held since before the start and not taken
+    since goes on to the member routers again (each drops what it holds), and to the local subscriber it was
+    written to (a crash between the commit and the bytes leaving lost that too: CI, the invariant test); a local
+    subscriber that has it in its queue gets no second entry."""
     e1, e2, sub, g = ident("edge 1"), ident("edge 2"), ident("subscriber"), ident("group")
+    away = ident("subscriber away")
     h = CoreHarness(tmp_path / "x", X, CoreConfig(edge_nodes=frozenset({e1.public, e2.public})))
 
     def connect() -> tuple[int, int, int]:
@@ -135,17 +137,40 @@ def test_a_group_message_sent_again_after_a_restart_goes_on_to_the_member_router
     k2, ks, k1 = connect()
     h.receive(k2, control(e2, X, Join(g.public, False)))
     h.receive(ks, control(sub, X, Join(g.public, True)))
+    kw = h.open(away)
+    h.receive(kw, control(away, X, Join(g.public, True)))
+    h.close(kw)
     msg = multicast(g, b"from an app of edge 1")
     data = msg.with_via(e1.public).encode()
     out = h.receive(k1, msg)
     assert sorted(w.conn for w in out.sends() if w.data == data) == sorted([k2, ks])
+    assert [e.id for e in h.store.queue(away.public)] == [msg.id]
     h.restart()  # the core crashed (and edge 2 with what the core had written into its socket)
     k2, ks, k1 = connect()
     out = h.receive(k1, msg)  # edge 1's custody: the core never confirmed it
-    assert [w.conn for w in out.sends() if w.data == data] == [k2], "not to the member edge again, or locally too"
+    assert sorted(w.conn for w in out.sends() if w.data == data) == sorted([k2, ks]), "not to the member edge again"
+    assert [e.id for e in h.store.queue(away.public)] == [msg.id], "queued twice for the subscriber away"
     assert out.traces("duplicate") == []
     out = h.receive(k1, msg)  # a third copy: taken since the start, a duplicate for everyone
     assert out.traces("duplicate") and [w for w in out.sends() if w.data == data] == []
+
+
+def test_a_group_message_stored_since_the_start_is_not_routed_again_when_the_seen_list_forgot_it(
+    tmp_path: Path,
+) -> None:
+    """Only what the store held before this start is routed again (Router._again): a message stored since, which
+    the recently-seen list forgot (seen_max 1), is a duplicate for everyone - its deliveries left this process or
+    were given back to be routed again when their connection closed."""
+    sub, app, g = ident("subscriber"), ident("app"), ident("group")
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(seen_max=1))
+    ks, ka = h.open(sub), h.open(app)
+    h.receive(ks, control(sub, X, Join(g.public, True)))
+    m1, m2 = multicast(g, b"1"), multicast(g, b"2")
+    h.receive(ka, m1)
+    h.receive(ka, m2)
+    assert m1.id not in h.router.seen
+    out = h.receive(ka, m1)
+    assert out.traces("duplicate") and [w for w in out.sends() if w.conn == ks] == []
 
 
 @pytest.mark.parametrize("runs", [True, False], ids=["run path", "per-message path"])
@@ -154,7 +179,7 @@ def test_a_local_apps_messages_sent_again_after_a_restart_go_on_to_the_member_ro
 ) -> None:
     """An app whose SYNC_ACK never came sends its burst again after the router restarted: the messages the router
     held go on to the member router again (its earlier sends were in memory only), by the run path (a burst of
-    one group's messages) as by the per-message path - and no second copy to the local subscriber."""
+    one group's messages) as by the per-message path - and to the local subscriber (so were its deliveries)."""
     r, app, sub, g = ident("member router"), ident("app"), ident("subscriber"), ident("group")
     h = CoreHarness(tmp_path / "x", X, CoreConfig(accept_join_from_any=True))
 
@@ -174,7 +199,7 @@ def test_a_local_apps_messages_sent_again_after_a_restart_go_on_to_the_member_ro
     out = h.handle(MessagesReceived(ka, burst, bytes([1] * len(burst))))
     datas = {m.encode() for m in burst}
     assert sorted(w.data for w in out.sends(kr) if w.data in datas) == sorted(datas), "not to the member router"
-    assert [w for w in out.sends(ks) if w.data in datas] == [], "a second copy to the local subscriber"
+    assert sorted(w.data for w in out.sends(ks) if w.data in datas) == sorted(datas), "not to the local subscriber"
 
 
 # From a review of the first version (fdb0ddd).

@@ -364,3 +364,32 @@ def test_last_connection_times_in_whole_milliseconds_in_both(tmp_path: Path) -> 
         got.append((s.locals_since(), s.cores_away()))
         s.close()
     assert got[0] == got[1] == ({A: T}, {B: T + 0.001})
+
+
+def test_stored_before_a_mark_is_what_was_first_stored_before_it(store: LmdbStore | MemoryStore) -> None:
+    """``mark()`` and ``stored_before()`` (Router._again: what the store held before this start): a message first
+    stored before the mark is, one stored after it is not (its expiry extended or not), an unknown one is not."""
+    with store.transaction():
+        assert store.put_message(mid(1), b"one", G, T + 60)
+    mark = store.mark()
+    with store.transaction():
+        assert store.put_message(mid(2), b"two", G, T + 60)
+        assert store.extend_message(mid(1), T + 120)
+    assert store.stored_before(mid(1), mark) and not store.stored_before(mid(2), mark)
+    assert not store.stored_before(mid(3), mark) and store.stored_before(mid(2), store.mark())
+
+
+def test_everything_held_is_stored_before_the_mark_of_the_next_open(tmp_path: Path) -> None:
+    s = LmdbStore(tmp_path / "s", Durability.NONE, map_size=1 << 24)
+    with s.transaction():
+        s.put_message(mid(1), b"one", G, T + 60)
+    mark = s.mark()
+    with s.transaction():
+        s.put_message(mid(2), b"two", None, T + 60)
+    s.close()
+    again = LmdbStore(tmp_path / "s", Durability.NONE, map_size=1 << 24)
+    try:
+        assert again.stored_before(mid(1), again.mark()) and again.stored_before(mid(2), again.mark())
+        assert not again.stored_before(mid(2), mark)
+    finally:
+        again.close()

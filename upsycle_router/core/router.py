@@ -119,6 +119,14 @@ PULL_REQUESTERS_MAX = 16  # apps waiting for one id at most (the oldest is forgo
 # this long after the start, and for this many messages at most (each once).
 AGAIN_WINDOW = 3600.0
 AGAIN_MAX = 100_000
+# Its local recipients get it again too, but those whose queue holds it: a queue is looked through once per
+# start (its ids kept until the window is over), if it has this many entries at most, and this many ids are
+# kept in all at most (a longer queue is not looked through: its recipient may get the message twice).
+AGAIN_SCAN = 10_000
+AGAIN_SCAN_TOTAL = 1_000_000
+
+
+_UNREAD: frozenset[bytes] = frozenset({b"(not read)"})  # _queued_again: a queue not read yet
 
 
 def _answer_in(msg: Message) -> RouterMessage | None:
@@ -162,7 +170,11 @@ class Router:
         # first connection's), and those of the current batch (for batch_lost)
         self._sent_again: set[bytes] = set()
         self._born: float | None = None
+        self._start_mark = store.mark()  # (what the store held before this start: Store.stored_before)
         self._again_batch: list[bytes] = []
+        # The ids in local recipients' queues, looked through for those (_queued_again); None: not looked through
+        self._queued_ids: dict[bytes, frozenset[bytes] | None] = {}
+        self._queued_total = 0
         # Bound once: these run for every message.
         d = self.delivery
         self._deliver = d.deliver
@@ -338,6 +350,7 @@ class Router:
         s.seen.forget_since(self._batch_mark)
         self._sent_again.difference_update(self._again_batch)
         self._again_batch = []
+        self._forget_queued_ids()  # (read in the transaction that did not commit)
         s.dialing.clear()
         s.dialing.update(self._batch_dialing)
         for live_d, kept_d in ((s.redial, self._batch_redial), (s.backoff, self._batch_backoff)):
@@ -416,6 +429,7 @@ class Router:
         out: list[Effect] = []
         if self._sent_again and self._born is not None and now - self._born > AGAIN_WINDOW:
             self._sent_again = set()  # (the window for held messages sent again is over: its memory too)
+            self._forget_queued_ids()
         self.queues.expire(now, out)
         self.held.check(now, out)
         for cid in sorted(c for c, t in s.waiting.items() if t <= now):  # (each flush puts it back if need be)
@@ -765,25 +779,54 @@ class Router:
                 out.append(Send(p.conn, data, True))
 
     def _again(self, c: Conn, mid: bytes, grp: bytes, recipients: list[bytes], now: float) -> list[bytes] | None:
-        """A group message held but not taken since this router started (the recently-seen list does not know it):
-        a copy sent again after a restart - by the custody of the router it came from, or by an app whose SYNC_ACK
-        never came. What it was routed to here before is durable (queued, or out of this process) but for what
-        went on to other routers: in memory until they confirmed it. So its member routers (and the core nodes,
-        for a local app's message that goes to them: :meth:`RouterState.to_cores`) get it again - they drop what
-        they hold: the recipients to route it to again, or None (a duplicate for everyone). Once per message, within
-        :data:`AGAIN_WINDOW` of the start and for :data:`AGAIN_MAX` messages at most: the list forgets, and
-        routers that are members of each other's groups would otherwise send a message round for ever."""
+        """A group message held since before this router started and not taken since (the recently-seen list does
+        not know it): a copy sent again after a restart - by the custody of the router it came from, or by an app
+        whose SYNC_ACK never came. Whoever sends it again does not know that this router took it, and this router
+        does not know either whether what it routed it to before the restart got it: a queue entry is durable
+        (its recipient gets it from the queue), but a delivery written to a subscriber connected then, or sent on
+        to a member router, was in that process's memory until its bytes left (until that router confirmed it) -
+        the store's commit comes first, and a crash between the two lost it. So it is routed again: to its member
+        routers (and the core nodes, for a local app's message that goes to them: :meth:`RouterState.to_cores`) -
+        they drop what they hold - and to its local recipients but those whose queue holds it
+        (:meth:`_queued_again`; at least once: a subscriber that did get it before the restart gets it twice, in
+        another session). The recipients to route it to again, or None (a duplicate for everyone). Once per
+        message, within :data:`AGAIN_WINDOW` of the start and for :data:`AGAIN_MAX` messages at most: the list
+        forgets, and routers that are members of each other's groups would otherwise send a message round for
+        ever."""
         s = self.state
-        routers = [m for m in recipients if m not in s.locals]
-        if not routers and not s.to_cores(c, grp):
-            return None
         sent = self._sent_again
         born = self._born
-        if born is None or now - born > AGAIN_WINDOW or mid in sent or len(sent) >= AGAIN_MAX:
+        if (born is None or now - born > AGAIN_WINDOW or mid in sent or len(sent) >= AGAIN_MAX
+                or not self.store.stored_before(mid, self._start_mark)):
             return None  # (the timer frees the window's memory once it is over: handle_timer)
+        local = s.locals
+        again = [m for m in recipients if m not in local or not self._queued_again(m, mid)]
+        if not again and not s.to_cores(c, grp):
+            return None
         sent.add(mid)
         self._again_batch.append(mid)
-        return routers
+        return again
+
+    def _queued_again(self, key: bytes, mid: bytes) -> bool:
+        """Whether the local recipient ``key``'s queue holds ``mid``: its ids are read once (:data:`AGAIN_SCAN`
+        entries at most, :data:`AGAIN_SCAN_TOTAL` in all) and kept - entries queued since are of messages taken
+        since, and one that left meanwhile reached ``key``. A queue not looked through holds nothing here."""
+        ids = self._queued_ids.get(key, _UNREAD)
+        if ids is _UNREAD:
+            n = self.store.queue_usage(key)[0]
+            if n == 0:
+                ids = frozenset()
+            elif n > AGAIN_SCAN or self._queued_total + n > AGAIN_SCAN_TOTAL:
+                ids = None
+            else:
+                ids = frozenset(e.id for e in self.store.queue(key, limit=AGAIN_SCAN))
+                self._queued_total += n
+            self._queued_ids[key] = ids
+        return ids is not None and mid in ids
+
+    def _forget_queued_ids(self) -> None:
+        self._queued_ids = {}
+        self._queued_total = 0
 
     def _contact(self, src: bytes, dst: bytes) -> None:
         """The local app ``src`` wrote to ``dst`` (not local): ``dst``'s messages to ``src`` are no stranger's."""

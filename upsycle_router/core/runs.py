@@ -76,11 +76,10 @@ def multicast_run(
     seen = s.seen.ids
     add = s.seen.add
     stored = store.stored_among([msgs[k].id for k in range(lo, hi)])  # (has_message of each, at once)
-    if member_routers and (
-        (stored and any(msgs[k].id in stored and msgs[k].id not in seen for k in range(lo, hi)))
-        or len({msgs[k].id for k in range(lo, hi)}) < hi - lo
-    ):  # held, not taken since the start (or the run's own copy, the list forgetting it before the second):
-        return False  # sent on to the member routers again - the per-message path
+    if (stored and any(msgs[k].id in stored and msgs[k].id not in seen for k in range(lo, hi))) or (
+        member_routers and len({msgs[k].id for k in range(lo, hi)}) < hi - lo
+    ):  # held, not taken since the start (or, to member routers, the run's own copy, the list forgetting it
+        return False  # before the second): routed again (Router._again) - the per-message path
     new: list[tuple[bytes, bytes, float]] = []
     pending: set[bytes] = set()
     outcome: list[bytes | Why] = []  # per message: the bytes to deliver, or why it is not delivered

@@ -737,6 +737,15 @@ class LmdbStore(LmdbTables):
         seqs = self._index.find(mid)
         return bool(seqs) and self._stored(mid, seqs) is not None  # (no LMDB read for a new message)
 
+    def mark(self) -> int:
+        """The sequence number the next message stored gets (:meth:`stored_before`)."""
+        return self._next_seq
+
+    def stored_before(self, mid: bytes, mark: int) -> bool:
+        """Whether ``mid`` is stored, and was first stored before the :meth:`mark` ``mark`` was taken."""
+        found = self._stored(mid)
+        return found is not None and U64.unpack(found[0])[0] < mark
+
     def stored_among(self, mids: Iterable[bytes]) -> set[bytes]:
         """Those of ``mids`` in the message store: :meth:`has_message` of each, in one call."""
         hits = self._index.among(mids)

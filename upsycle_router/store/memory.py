@@ -248,6 +248,13 @@ class MemoryStore:
     def has_message(self, mid: bytes) -> bool:
         return mid in self._t["ids"]
 
+    def mark(self) -> int:
+        return self._next_seq
+
+    def stored_before(self, mid: bytes, mark: int) -> bool:
+        seq = self._t["ids"].get(mid)
+        return seq is not None and seq < mark
+
     def stored_among(self, mids: Iterable[bytes]) -> set[bytes]:
         ids = self._t["ids"]
         return {m for m in mids if m in ids}
