@@ -25,6 +25,7 @@ from typing import Any
 
 import pytest
 from conftest import Daemon, DaemonFactory, async_wait_until, wait_until
+from netutil import free_port
 from raw_app import Key, auth, dec, frame, hello, unicast
 from wsutil import ws_url
 
@@ -37,13 +38,6 @@ HOST = "127.0.0.1"
 
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def start(daemon: DaemonFactory, *args: str, config: dict[str, Any]) -> Daemon:

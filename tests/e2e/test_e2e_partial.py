@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import struct
 import time
 from typing import Any
 
 import pytest
 from conftest import Daemon, DaemonFactory
+from netutil import free_port
 from raw_app import dec, is_error
 from wsutil import RawWebSocket, ws_url
 
@@ -30,13 +30,6 @@ FRAME = 250_000  # the length each stalled peer announces
 SENT = 200_000  # the bytes of it each one sends before it stalls
 LIMIT = 700_000  # three stalled frames fit, a fourth does not
 HELD = SENT + 4  # what a stream connection holds: the length prefix too (a web app's: the payload only)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def status(d: Daemon) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import shutil
 import signal
 import socket
@@ -54,6 +55,35 @@ async def wait_for(pred: Callable[[], Any], timeout: float, what: str, interval:
     return await async_wait_until(pred, timeout, what, interval)
 
 
+PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PORTS_BELOW = 12_000  # how many ports below the ephemeral range the tests' listeners take theirs from
+
+
+def listen_ports() -> range:
+    """The ports a test's listener takes: below the kernel's ephemeral range, which a connection's source port
+    comes from. A port from that range, left free while its daemon restarts, can be taken by any outgoing
+    connection on the machine meanwhile (or by a dial to it connecting to itself: TCP's simultaneous open), and
+    the restart fails "Address already in use" (seen on CI). Empty if the range is unknown."""
+    try:
+        low = int(PORT_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(max(1024, low - PORTS_BELOW), low)
+
+
+def bind_port(s: socket.socket, tries: int = 200) -> int:
+    """Bind ``s`` to a free loopback port of :func:`listen_ports` (picked at random), or any free one if none is."""
+    ports = listen_ports()
+    for _ in range(tries if ports else 0):
+        try:
+            s.bind((HOST, random.choice(ports)))
+        except OSError:
+            continue
+        return int(s.getsockname()[1])
+    s.bind((HOST, 0))
+    return int(s.getsockname()[1])
+
+
 class PortReservation:
     """``n`` free loopback TCP ports, held (bound, not listening) until :meth:`release`."""
 
@@ -62,9 +92,9 @@ class PortReservation:
 
     def take(self) -> int:
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.bind((HOST, 0))
+        port = bind_port(s)
         self._socks.append(s)
-        return int(s.getsockname()[1])
+        return port
 
     def release(self) -> None:
         for s in self._socks:
@@ -73,10 +103,9 @@ class PortReservation:
 
 
 def free_port() -> int:
-    """One port that was free a moment ago (bind to port 0, close)."""
+    """One port that was free a moment ago (bound and closed: :func:`bind_port`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+        return bind_port(s)
 
 
 # ------------------------------------------------------------------------------------------ one daemon
