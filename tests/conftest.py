@@ -20,6 +20,7 @@ below are re-exported for the tests that import them from here.
 from __future__ import annotations
 
 import contextlib
+import gc
 import re
 import shutil
 import sys
@@ -142,6 +143,21 @@ def brief(longrepr: str) -> list[str]:
             if len(out) == _BRIEF_MAX:
                 break
     return out
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
+    """A failed test's garbage is its own. pytest keeps the exception of a failed call (``sys.last_value``, for
+    post-mortem debugging) until the next test's call begins: the objects the failed test's frames held were
+    freed there, and one not closed (a socket, a transport) failed that innocent test with "unraisable exception
+    warnings" (CI, twice). So a failed test's teardown lets go of it and collects, and what is found unclosed is
+    reported in that test's teardown (and in "failures in brief")."""
+    if getattr(sys, "last_value", None) is not None and not item.config.getoption("usepdb", False):
+        for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+            with contextlib.suppress(AttributeError):
+                delattr(sys, name)
+        gc.collect()
+    return (yield)
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)

@@ -74,3 +74,33 @@ def test_a_failed_run_ends_with_each_failure_in_brief(tmp_path: Path) -> None:
     assert out.index("short test summary info") < out.index("failures in brief")
     assert "daemon log line 59" in out[: out.index("failures in brief")]  # (the whole message: as on CI)
     assert "3 failed" in lines[-1] and "daemon log" not in section  # (then only the line of totals)
+
+
+CASCADE = """
+import gc, socket
+
+def test_fails_holding_a_socket():
+    s = socket.socket()
+    assert s is None, "fails"
+
+def test_innocent():
+    gc.collect()
+"""
+
+
+def test_a_failed_tests_unclosed_objects_are_charged_to_it_not_to_the_next_test(tmp_path: Path) -> None:
+    """pytest keeps a failed test's exception (and so its frames) until the next test's call: an object the
+    failed test left unclosed was found there and failed the next, innocent test (CI). The failed test's
+    teardown now lets go and collects: the next test passes, and the failed one reports what it left open."""
+    (tmp_path / "test_cascade_sample.py").write_text(CASCADE)
+    path = str(REPO / "tests") + os.pathsep + str(REPO)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "conftest", "-n", "0", "-q", "-rA",
+         "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path), str(tmp_path)],
+        capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=subprocess_env(PYTHONPATH=path),
+    )  # fmt: skip
+    out = r.stdout
+    assert "PASSED test_cascade_sample.py::test_innocent" in out, out[-3000:]
+    section = out[out.index("failures in brief") :]
+    assert "test_cascade_sample.py::test_fails_holding_a_socket (teardown)" in section, section
+    assert "    ResourceWarning: unclosed <socket.socket" in section, section
