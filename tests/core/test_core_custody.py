@@ -64,9 +64,12 @@ def test_a_router_that_dials_in_before_its_advert_came_is_under_custody_when_kno
     assert [(e.conn, e.origin) for e in out if isinstance(e, Send)] == [(f, a)]
     out = h.receive(a, unicast(app, ident("nobody"), b"again", via=fresh.public))
     assert not [x for x in out if isinstance(x, Custody)]  # (once)
-    s = h.open(ident("remote app"), local=False)  # a peer nobody names as a router: no custody
-    out = h.receive(s, unicast(ident("remote app"), app, b"hello"))
+    remote = ident("remote app")
+    s = h.open(remote, local=False)  # a peer nobody names as a router: no custody
+    out = h.receive(s, unicast(remote, app, b"hello"))
     assert not [x for x in h.last if isinstance(x, Custody)] and not [x for x in out if isinstance(x, Custody)]
+    out = h.receive(a, unicast(app, remote, b"a reply"))  # (from a review: routed to it as its recipient)
+    assert out.sends(s) and not [x for x in out if isinstance(x, Custody)], "a remote app put under custody"
 
 
 def test_what_goes_on_to_a_router_under_custody_names_the_connection_it_came_on(tmp_path: Path) -> None:
@@ -145,7 +148,7 @@ def test_a_group_message_sent_again_after_a_restart_goes_on_to_the_member_router
     out = h.receive(k1, msg)
     assert sorted(w.conn for w in out.sends() if w.data == data) == sorted([k2, ks])
     assert [e.id for e in h.store.queue(away.public)] == [msg.id]
-    h.restart()  # the core crashed (and edge 2 with what the core had written into its socket)
+    h.restart(crash=True)  # the core crashed (and edge 2 with what the core had written into its socket)
     k2, ks, k1 = connect()
     out = h.receive(k1, msg)  # edge 1's custody: the core never confirmed it
     assert sorted(w.conn for w in out.sends() if w.data == data) == sorted([k2, ks]), "not to the member edge again"
@@ -153,6 +156,45 @@ def test_a_group_message_sent_again_after_a_restart_goes_on_to_the_member_router
     assert out.traces("duplicate") == []
     out = h.receive(k1, msg)  # a third copy: taken since the start, a duplicate for everyone
     assert out.traces("duplicate") and [w for w in out.sends() if w.data == data] == []
+
+
+def test_after_a_clean_stop_a_held_message_sent_again_goes_to_the_member_routers_only(tmp_path: Path) -> None:
+    """A clean stop wrote out or gave back every delivery: after it, a held group message sent again (a peer's
+    queue, gossip, a custody resend) goes on to the member routers again as before, and is no second copy for the
+    local subscriber - only after the process died are local deliveries routed again (Router._again)."""
+    e1, e2, sub, g = ident("edge 1"), ident("edge 2"), ident("subscriber"), ident("group")
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(edge_nodes=frozenset({e1.public, e2.public})))
+    k2, ks, k1 = h.open(e2, local=False), h.open(sub), h.open(e1, local=False)
+    h.receive(k2, control(e2, X, Join(g.public, False)))
+    h.receive(ks, control(sub, X, Join(g.public, True)))
+    msg = multicast(g, b"from an app of edge 1")
+    data = msg.with_via(e1.public).encode()
+    h.receive(k1, msg)
+    h.restart()  # a clean stop
+    assert h.store.closed_cleanly()
+    k2, ks, k1 = h.open(e2, local=False), h.open(sub), h.open(e1, local=False)
+    out = h.receive(k1, msg)
+    assert [w.conn for w in out.sends() if w.data == data] == [k2], "a second copy to the local subscriber"
+
+
+def test_a_local_subscriber_routed_again_after_a_crash_is_queued_past_its_quota_not_refused(tmp_path: Path) -> None:
+    """(From a review.) What is routed again to a local subscriber after a crash was taken for it before: its
+    queue full now (quota) does not make the copy a refusal - the sender (or the router whose custody sent it
+    again) was told it was taken, and a REFUSED now would be a late one for a message taken in full. It is
+    queued past the quota, as a delivery given back is."""
+    sub, app, g = ident("subscriber"), ident("app"), ident("group")
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(queue_max_count=2))
+    ks, ka = h.open(sub), h.open(app)
+    h.receive(ks, control(sub, X, Join(g.public, True)))
+    m = multicast(g, b"delivered at once")
+    h.receive(ka, m)  # written to the subscriber's connection (then the router died before its bytes left)
+    h.restart(crash=True)
+    ka = h.open(app)
+    for k in range(2):  # the subscriber is away: its queue fills
+        assert h.receive(ka, multicast(g, b"filler %d" % k)).refusals() == []
+    assert [r.reason for r in h.receive(ka, multicast(g, b"one too many")).refusals()] == [Reason.QUOTA]
+    out = h.receive(ka, m)  # the app's SYNC_ACK never came: it sends m again
+    assert out.refusals() == [] and m.id in [e.id for e in h.store.queue(sub.public)]
 
 
 def test_a_group_message_stored_since_the_start_is_not_routed_again_when_the_seen_list_forgot_it(
@@ -193,7 +235,7 @@ def test_a_local_apps_messages_sent_again_after_a_restart_go_on_to_the_member_ro
     h.receive(ks, control(sub, X, Join(g.public, True)))
     burst = [multicast(g, b"burst %d" % k) for k in range(3)]
     h.handle(MessagesReceived(ka, burst, bytes([1] * len(burst))))
-    h.restart()
+    h.restart(crash=True)
     h.router.runs = runs
     kr, ks, ka = connect()
     out = h.handle(MessagesReceived(ka, burst, bytes([1] * len(burst))))

@@ -24,6 +24,7 @@ from upsycle_router.store.api import (
     RouterStore,
     StoredMessage,
 )
+from upsycle_router.store.integrity import CLEAN
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.store.memory import MemoryStore
 
@@ -380,7 +381,11 @@ def test_stored_before_a_mark_is_what_was_first_stored_before_it(store: LmdbStor
 
 
 def test_everything_held_is_stored_before_the_mark_of_the_next_open(tmp_path: Path) -> None:
+    """... and whether the store was closed cleanly before an opening: not when new, after a clean close, not
+    after a crash (no clean-close record); the store in memory never (the simulator's restarts are crashes)."""
+    assert not MemoryStore().closed_cleanly()
     s = LmdbStore(tmp_path / "s", Durability.NONE, map_size=1 << 24)
+    assert not s.closed_cleanly()
     with s.transaction():
         s.put_message(mid(1), b"one", G, T + 60)
     mark = s.mark()
@@ -389,7 +394,14 @@ def test_everything_held_is_stored_before_the_mark_of_the_next_open(tmp_path: Pa
     s.close()
     again = LmdbStore(tmp_path / "s", Durability.NONE, map_size=1 << 24)
     try:
+        assert again.closed_cleanly()
         assert again.stored_before(mid(1), again.mark()) and again.stored_before(mid(2), again.mark())
         assert not again.stored_before(mid(2), mark)
     finally:
         again.close()
+    (tmp_path / "s" / CLEAN).unlink()  # as if the process had died
+    crashed = LmdbStore(tmp_path / "s", Durability.NONE, map_size=1 << 24)
+    try:
+        assert not crashed.closed_cleanly() and crashed.stored_before(mid(1), crashed.mark())
+    finally:
+        crashed.close()

@@ -44,6 +44,7 @@ from upsycle_router.crypto import Identity, message_signature_valid, sign_advert
 from upsycle_router.durability import Durability
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import EPOCH_2020, exp_in
+from upsycle_router.store.integrity import CLEAN
 from upsycle_router.store.lmdb_store import LmdbStore
 from upsycle_router.wire.control import Reason, Refused, RouterMessage, decode_control, encode_router
 from upsycle_router.wire.discovery import PeerAdvertisement, TransportAddr, encode_discovery
@@ -372,10 +373,14 @@ class CoreHarness:
         """Close the LMDB environment (the router must not be used afterwards)."""
         self.store.close()
 
-    def restart(self, config: CoreConfig | None = None) -> None:
-        """Simulate a daemon restart: close the store, reopen the same directory, build a fresh Router."""
+    def restart(self, config: CoreConfig | None = None, *, crash: bool = False) -> None:
+        """Simulate a daemon restart: close the store, reopen the same directory, build a fresh Router. With
+        ``crash``, as after the process died: the store has no record of a clean close (what it committed is all
+        there, as under fsync; what the process held in memory is gone)."""
         adv = self.router.advert
         self.store.close()
+        if crash:
+            (self.path / CLEAN).unlink()
         if config is not None:
             self.config = config
         self.store = LmdbStore(self.path, self.durability, map_size=self.map_size)

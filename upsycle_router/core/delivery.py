@@ -376,10 +376,12 @@ class Delivery:
         kind: Kind,
         origin: Conn | None = None,
         taken: bool = False,
+        named: bool = False,
     ) -> Reason | None:
         """Forward to a remote router: over its open connection, or queued while the pool dials it; the reason
         it was not taken, or None. A message a local app (``origin``) sent is remembered for a while, so that a
-        REFUSED from the next router reaches the app. ``taken``: as for :meth:`enqueue`."""
+        REFUSED from the next router reaches the app. ``taken``: as for :meth:`enqueue`. ``named``: the sender's
+        VIA names ``router`` as the next hop (it relays the message, it is not its recipient)."""
         s = self.s
         if origin is not None and origin.local and self.too_large_with_via(msg, size):
             return Reason.TOO_LARGE  # (refused by the caller: the next router would refuse it, after our SYNC_ACK)
@@ -388,9 +390,10 @@ class Delivery:
         dst = msg.header.dst if isinstance(msg.header, UnicastHeader) else None
         if origin is not None:  # (an app's, here or behind the router it came from: see remember)
             self.remember(origin, router, msg.id, kind, group, size, src, dst)
-        if conn is not None and origin is not None and origin.local and not self.conns[conn].custody:
-            # A local service names as a router a peer that connected and has not shown itself one yet (its
-            # advert is on the way): it is treated as one now, so the app's SYNC_ACK waits for its confirmation.
+        if conn is not None and named and not self.conns[conn].custody:
+            # A sender's VIA names as the next router a peer that connected and has not shown itself one yet (its
+            # advert is on the way): it is treated as one now, so the sender's SYNC_ACK waits for its confirmation.
+            # (A remote app the message is for is no router: it would never confirm - not named, not custody.)
             self.custody(self.conns[conn], out)
         if conn is not None and taken and msg.header.ttl > 0:  # given back: through the store (as deliver)
             c = self.conns[conn]

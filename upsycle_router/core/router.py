@@ -171,6 +171,7 @@ class Router:
         self._sent_again: set[bytes] = set()
         self._born: float | None = None
         self._start_mark = store.mark()  # (what the store held before this start: Store.stored_before)
+        self._after_crash = not store.closed_cleanly()  # (_again: deliveries may have died with the last process)
         self._again_batch: list[bytes] = []
         # The ids in local recipients' queues, looked through for those (_queued_again); None: not looked through
         self._queued_ids: dict[bytes, frozenset[bytes] | None] = {}
@@ -427,7 +428,7 @@ class Router:
         """Expire queued and stored messages and routes whose time has come."""
         s = self.state
         out: list[Effect] = []
-        if self._sent_again and self._born is not None and now - self._born > AGAIN_WINDOW:
+        if (self._sent_again or self._queued_ids) and self._born is not None and now - self._born > AGAIN_WINDOW:
             self._sent_again = set()  # (the window for held messages sent again is over: its memory too)
             self._forget_queued_ids()
         self.queues.expire(now, out)
@@ -739,7 +740,8 @@ class Router:
         if s.held and h.dst in s.held:  # what was held for it goes first (core/held.py)
             self.held.release(h.dst, router, now, out)
         self._contact(h.src, h.dst)
-        why = self._to_router(router, msg, None, size, now, out, kind=UNICAST, origin=c)
+        why = self._to_router(router, msg, None, size, now, out, kind=UNICAST, origin=c,
+                               named=router == via != h.dst)
         if why is not None:
             self._refuse(c, msg.id, why, 0, now, out, kind, None, size, h.src, h.dst)
         else:
@@ -789,7 +791,10 @@ class Router:
         routers (and the core nodes, for a local app's message that goes to them: :meth:`RouterState.to_cores`) -
         they drop what they hold - and to its local recipients but those whose queue holds it
         (:meth:`_queued_again`; at least once: a subscriber that did get it before the restart gets it twice, in
-        another session). The recipients to route it to again, or None (a duplicate for everyone). Once per
+        another session) - these only when the store was not closed cleanly (the last process died: a clean stop
+        wrote out or gave back every delivery; redundant copies after it, a peer's queue or gossip, are
+        duplicates). They were taken for before: routed again past the quota, never refused for (``taken``, in
+        :meth:`_multicast`). The recipients to route it to again, or None (a duplicate for everyone). Once per
         message, within :data:`AGAIN_WINDOW` of the start and for :data:`AGAIN_MAX` messages at most: the list
         forgets, and routers that are members of each other's groups would otherwise send a message round for
         ever."""
@@ -800,7 +805,8 @@ class Router:
                 or not self.store.stored_before(mid, self._start_mark)):
             return None  # (the timer frees the window's memory once it is over: handle_timer)
         local = s.locals
-        again = [m for m in recipients if m not in local or not self._queued_again(m, mid)]
+        after_crash = self._after_crash
+        again = [m for m in recipients if m not in local or (after_crash and not self._queued_again(m, mid))]
         if not again and not s.to_cores(c, grp):
             return None
         sent.add(mid)
@@ -870,7 +876,7 @@ class Router:
                 # for it then (the pub/sub service passing it on as a mesh peer would queue it twice).
                 out.append(Trace(DUPLICATE, msg.id, MULTICAST, h.grp, None, None, c.peer, size, Why.DUPLICATE))
                 return
-            why = self._to_router(msg.via, msg, h.grp, size, now, out, kind=MULTICAST, origin=c)
+            why = self._to_router(msg.via, msg, h.grp, size, now, out, kind=MULTICAST, origin=c, named=True)
             if why is not None:
                 self._refuse(c, ref, why, 0, now, out, MULTICAST, h.grp, size)
             return
@@ -910,6 +916,7 @@ class Router:
         elif msg.via is not None:
             msg = msg.with_via(None)
         data = msg.encode()
+        again_local: list[bytes] = []
         if expiry > now and owed is None:  # step 6
             held = False
             if not store.has_room(len(data)):
@@ -928,7 +935,9 @@ class Router:
                     if pull is not None:
                         self._answer_pull(pull, c, msg, out)
                     return
-                recipients = again
+                local = s.locals
+                again_local = [m for m in again if m in local]
+                recipients = [m for m in again if m not in local] if again_local else again
             if store.pressure >= self.state.config.backpressure_at:
                 self.delivery.throttle(c, out)
         cores: Iterable[bytes] = ()
@@ -947,8 +956,10 @@ class Router:
             recipients = [m for m in recipients if m in s.locals]
         failed, why = self._to_members(recipients, msg, grp, data, size, now, out, remote=not c.local, origin=c,
                                        plan=plan if plan is not None and recipients is plan.recipients else None)
+        for m in again_local:  # taken for before the restart (Router._again): never refused for now
+            self._deliver(m, msg, grp, size, now, out, kind=MULTICAST, data=data, remote=not c.local, taken=True)
         if pull is not None:
-            self._answer_pull(pull, c, msg, out, recipients)
+            self._answer_pull(pull, c, msg, out, [*recipients, *again_local] if again_local else recipients)
         if too_far:
             failed += too_far
             why = why or Reason.TOO_LARGE

@@ -695,11 +695,12 @@ def _closed_cleanly(store_dir: Path) -> bool:
         and lines[1] == state
 
 
-def check_before_open(store_dir: Path) -> None:
+def check_before_open(store_dir: Path) -> bool:
     """Raise :class:`StoreDamaged` (one line: the file, what, what to do) unless the store in ``store_dir`` is
     sound or new (:class:`StoreUnusable` if it cannot be read at all). Called by ``LmdbStore`` before
     ``lmdb.open``; a writer must not have the file open. The pages are walked unless the file is as the last
-    clean close left it (:func:`mark_clean`; the meta pages are read either way)."""
+    clean close left it (:func:`mark_clean`; the meta pages are read either way). Whether it was: the last
+    process stopped cleanly."""
     clean = _closed_cleanly(store_dir)
     t = time.monotonic()
     report = diagnose(store_dir, walk=not clean)
@@ -713,6 +714,7 @@ def check_before_open(store_dir: Path) -> None:
         raise StoreUnusable(report.path, report.summary(), "check the permissions of the file and the disk")
     if report is not None and not report.ok:
         raise damaged(store_dir, report.summary())
+    return clean
 
 
 def mark_initialised(store_dir: Path) -> None:

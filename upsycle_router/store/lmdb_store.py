@@ -166,7 +166,8 @@ class LmdbStore(LmdbTables):
             raise StoreUnusable(self.path, "not a directory (the store is a directory of LMDB files)",
                                 "move the file away or set data_dir to another directory")  # fmt: skip
         self.path.mkdir(parents=True, exist_ok=True)
-        check_before_open(self.path)  # a damaged data file raises StoreDamaged before LMDB maps it (integrity.py)
+        # A damaged data file raises StoreDamaged before LMDB maps it (integrity.py); whether it was closed cleanly
+        self._clean_start = check_before_open(self.path)
         self.durability = Durability(durability)
         self.env = lmdb.open(
             str(self.path),
@@ -736,6 +737,11 @@ class LmdbStore(LmdbTables):
         """Whether ``mid`` is in the message store."""
         seqs = self._index.find(mid)
         return bool(seqs) and self._stored(mid, seqs) is not None  # (no LMDB read for a new message)
+
+    def closed_cleanly(self) -> bool:
+        """Whether the store was closed cleanly before this opening (its clean-close record matched: integrity.py);
+        False for a new store and after a crash."""
+        return self._clean_start
 
     def mark(self) -> int:
         """The sequence number the next message stored gets (:meth:`stored_before`)."""

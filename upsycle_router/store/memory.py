@@ -251,6 +251,9 @@ class MemoryStore:
     def mark(self) -> int:
         return self._next_seq
 
+    def closed_cleanly(self) -> bool:
+        return False  # (kept in memory across the simulator's restarts only, which are crashes)
+
     def stored_before(self, mid: bytes, mark: int) -> bool:
         seq = self._t["ids"].get(mid)
         return seq is not None and seq < mark
