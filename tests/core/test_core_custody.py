@@ -197,6 +197,31 @@ def test_a_local_subscriber_routed_again_after_a_crash_is_queued_past_its_quota_
     assert out.refusals() == [] and m.id in [e.id for e in h.store.queue(sub.public)]
 
 
+def test_a_message_partly_refused_before_a_crash_goes_again_to_those_it_was_taken_for_too(tmp_path: Path) -> None:
+    """(From a review.) A group message refused for one subscriber (its queue full) and written to another, then
+    the router dies: sent again (its sender was told of the refusal), it goes to the one it is owed to - and, as
+    a held message not owed, to the other again (its delivery may have died with the process): taken for it
+    before, never refused for it now."""
+    full, online, app, g = ident("subscriber, queue full"), ident("subscriber online"), ident("app"), ident("group")
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(queue_max_count=1))
+    kf, ko, ka = h.open(full), h.open(online), h.open(app)
+    h.receive(kf, control(full, X, Join(g.public, True)))
+    h.receive(ko, control(online, X, Join(g.public, True)))
+    h.close(kf)
+    h.receive(ka, multicast(g, b"fills the away subscriber's queue"))
+    m = multicast(g, b"refused for one")
+    out = h.receive(ka, m)
+    assert [(r.reason, r.count) for r in out.refusals()] == [(Reason.QUOTA, 1)]
+    assert [w.conn for w in out.sends() if w.data == m.encode()] == [ko]
+    h.restart(crash=True)
+    ka = h.open(app)
+    with h.store.transaction():  # (it read its queue meanwhile)
+        h.store.dequeue_many(full.public, [e.seq for e in h.store.queue(full.public)])
+    out = h.receive(ka, m)
+    assert out.refusals() == []
+    assert sorted(e.id for k in (full, online) for e in h.store.queue(k.public)) == [m.id, m.id]
+
+
 def test_a_group_message_stored_since_the_start_is_not_routed_again_when_the_seen_list_forgot_it(
     tmp_path: Path,
 ) -> None:

@@ -943,7 +943,14 @@ class Router:
         cores: Iterable[bytes] = ()
         if owed is not None:  # those still among its recipients (one that LEFT the group meanwhile is not)
             now_recipients = set(recipients)
+            owed_to = set(owed.recipients)
+            # The others it was taken for before: after a restart, as for a message held and not owed (_again)
+            again = self._again(c, mid, grp, [m for m in recipients if m not in owed_to], now)
             recipients = [m for m in owed.recipients if m in now_recipients]
+            if again:
+                local = s.locals
+                again_local = [m for m in again if m in local]
+                recipients += [m for m in again if m not in local]
             cores = owed.cores if to_cores else ()
         elif to_cores:  # an edge app published: hand it to our core nodes too
             cores = sorted(self.state.config.upstream)
