@@ -23,6 +23,7 @@ replaced by the peer; test_e2e_local_tls: TLS peers remote, listed keys local ov
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import ssl
 import time
@@ -343,7 +344,10 @@ async def test_a_router_sends_its_advertisement_on_a_connection_it_dialled(
     me = Key(ident.seed)
     got: asyncio.Future[RawMessage] = asyncio.get_running_loop().create_future()
 
+    accepted: list[asyncio.StreamWriter] = []  # (closed at the end: Server.close leaves them open)
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
         conn = RawConn(reader, writer)
         try:
             nonce = os.urandom(32)
@@ -379,3 +383,7 @@ async def test_a_router_sends_its_advertisement_on_a_connection_it_dialled(
     finally:
         server.close()
         await server.wait_closed()
+        for w in accepted:  # (a redial the daemon made meanwhile is still being read)
+            w.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(w.wait_closed(), 5.0)
