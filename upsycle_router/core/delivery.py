@@ -390,14 +390,14 @@ class Delivery:
         dst = msg.header.dst if isinstance(msg.header, UnicastHeader) else None
         if origin is not None:  # (an app's, here or behind the router it came from: see remember)
             self.remember(origin, router, msg.id, kind, group, size, src, dst)
-        if conn is not None and named and not self.conns[conn].custody:
-            # A sender's VIA names as the next router a peer that connected and has not shown itself one yet (its
-            # advert is on the way): it is treated as one now, so the sender's SYNC_ACK waits for its confirmation.
-            # (A remote app the message is for is no router: it would never confirm - not named, not custody.)
-            self.custody(self.conns[conn], out)
-        if conn is not None and taken and msg.header.ttl > 0:  # given back: through the store (as deliver)
+        if conn is not None and (named or taken):
             c = self.conns[conn]
-            if c.custody:
+            if named and not c.custody:
+                # A sender's VIA names as the next router a peer that connected and has not shown itself one yet
+                # (its advert is on the way): it is treated as one now, so the sender's SYNC_ACK waits for its
+                # confirmation. (A remote app the message is for is no router: it would never confirm.)
+                self.custody(c, out)
+            if taken and msg.header.ttl > 0 and c.custody:  # given back: through the store (as deliver)
                 why = self.enqueue(router, msg, group, msg.encode(), size, now, out, kind=kind, taken=True,
                                    remote=False)  # fmt: skip
                 self.behind(c, why, now, out)

@@ -126,9 +126,6 @@ AGAIN_SCAN = 10_000
 AGAIN_SCAN_TOTAL = 1_000_000
 
 
-_UNREAD: frozenset[bytes] = frozenset({b"(not read)"})  # _queued_again: a queue not read yet
-
-
 def _answer_in(msg: Message) -> RouterMessage | None:
     """The answer a message to the router carries (REFUSED, an acknowledgement, a status reply), if it is one."""
     try:
@@ -780,7 +777,9 @@ class Router:
                 data = data or (msg if msg.via == c.peer else msg.with_via(c.peer)).encode()
                 out.append(Send(p.conn, data, True))
 
-    def _again(self, c: Conn, mid: bytes, grp: bytes, recipients: list[bytes], now: float) -> list[bytes] | None:
+    def _again(
+        self, c: Conn, mid: bytes, grp: bytes, recipients: list[bytes], now: float
+    ) -> tuple[list[bytes], list[bytes]] | None:
         """A group message held since before this router started and not taken since (the recently-seen list does
         not know it): a copy sent again after a restart - by the custody of the router it came from, or by an app
         whose SYNC_ACK never came. Whoever sends it again does not know that this router took it, and this router
@@ -794,10 +793,10 @@ class Router:
         another session) - these only when the store was not closed cleanly (the last process died: a clean stop
         wrote out or gave back every delivery; redundant copies after it, a peer's queue or gossip, are
         duplicates). They were taken for before: routed again past the quota, never refused for (``taken``, in
-        :meth:`_multicast`). The recipients to route it to again, or None (a duplicate for everyone). Once per
-        message, within :data:`AGAIN_WINDOW` of the start and for :data:`AGAIN_MAX` messages at most: the list
-        forgets, and routers that are members of each other's groups would otherwise send a message round for
-        ever."""
+        :meth:`_multicast`). The recipients to route it to again - the routers, and the local ones apart - or
+        None (a duplicate for everyone). Once per message, within :data:`AGAIN_WINDOW` of the start and for
+        :data:`AGAIN_MAX` messages at most: the list forgets, and routers that are members of each other's groups
+        would otherwise send a message round for ever."""
         s = self.state
         sent = self._sent_again
         born = self._born
@@ -805,29 +804,29 @@ class Router:
                 or not self.store.stored_before(mid, self._start_mark)):
             return None  # (the timer frees the window's memory once it is over: handle_timer)
         local = s.locals
-        after_crash = self._after_crash
-        again = [m for m in recipients if m not in local or (after_crash and not self._queued_again(m, mid))]
-        if not again and not s.to_cores(c, grp):
+        routers = [m for m in recipients if m not in local]
+        locals_ = ([m for m in recipients if m in local and not self._queued_again(m, mid)] if self._after_crash
+                   else [])  # fmt: skip
+        if not routers and not locals_ and not s.to_cores(c, grp):
             return None
         sent.add(mid)
         self._again_batch.append(mid)
-        return again
+        return routers, locals_
 
     def _queued_again(self, key: bytes, mid: bytes) -> bool:
         """Whether the local recipient ``key``'s queue holds ``mid``: its ids are read once (:data:`AGAIN_SCAN`
         entries at most, :data:`AGAIN_SCAN_TOTAL` in all) and kept - entries queued since are of messages taken
         since, and one that left meanwhile reached ``key``. A queue not looked through holds nothing here."""
-        ids = self._queued_ids.get(key, _UNREAD)
-        if ids is _UNREAD:
+        if key not in self._queued_ids:
             n = self.store.queue_usage(key)[0]
-            if n == 0:
-                ids = frozenset()
-            elif n > AGAIN_SCAN or self._queued_total + n > AGAIN_SCAN_TOTAL:
+            ids: frozenset[bytes] | None = frozenset()
+            if n > AGAIN_SCAN or self._queued_total + n > AGAIN_SCAN_TOTAL:
                 ids = None
-            else:
+            elif n:
                 ids = frozenset(e.id for e in self.store.queue(key, limit=AGAIN_SCAN))
                 self._queued_total += n
             self._queued_ids[key] = ids
+        ids = self._queued_ids[key]
         return ids is not None and mid in ids
 
     def _forget_queued_ids(self) -> None:
@@ -935,9 +934,7 @@ class Router:
                     if pull is not None:
                         self._answer_pull(pull, c, msg, out)
                     return
-                local = s.locals
-                again_local = [m for m in again if m in local]
-                recipients = [m for m in again if m not in local] if again_local else again
+                recipients, again_local = again
             if store.pressure >= self.state.config.backpressure_at:
                 self.delivery.throttle(c, out)
         cores: Iterable[bytes] = ()
@@ -947,10 +944,9 @@ class Router:
             # The others it was taken for before: after a restart, as for a message held and not owed (_again)
             again = self._again(c, mid, grp, [m for m in recipients if m not in owed_to], now)
             recipients = [m for m in owed.recipients if m in now_recipients]
-            if again:
-                local = s.locals
-                again_local = [m for m in again if m in local]
-                recipients += [m for m in again if m not in local]
+            if again is not None:
+                recipients += again[0]
+                again_local = again[1]
             cores = owed.cores if to_cores else ()
         elif to_cores:  # an edge app published: hand it to our core nodes too
             cores = sorted(self.state.config.upstream)
