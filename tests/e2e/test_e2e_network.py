@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from netutil import HOST, Network, collect, drain, wait_for
+from netutil import HOST, Network, close_accepted, collect, drain, wait_for
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity
@@ -233,9 +233,8 @@ class FakeRouter:
     """A TLS server whose certificate carries ``cert_key`` but whose session speaks as ``hello_key``: what a relay
     in the middle presents while it passes the real router's HELLO on. ``authed`` collects the keys that sent
     it a valid AUTH (a relay would pass that AUTH on to the real router). ``silent``: it sends its HELLO and
-    nothing more (no AUTH), reading what comes. :meth:`close` closes the connections it accepted too (the
-    server's close leaves them open: one left to the garbage collector failed a later test with an unclosed
-    transport, CI)."""
+    nothing more (no AUTH), reading what comes. :meth:`close` closes the connections it accepted too
+    (:func:`~netutil.close_accepted`)."""
 
     def __init__(self, cert_key: Identity, hello_key: Identity, directory: Path, authed: list[bytes] | None,
                  silent: bool) -> None:  # fmt: skip
@@ -271,10 +270,7 @@ class FakeRouter:
         if self.server is not None:
             self.server.close()
             await self.server.wait_closed()
-        for w in self.writers:
-            w.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(w.wait_closed(), 5.0)
+        await close_accepted(self.writers)
 
 
 async def fake_router(

@@ -23,7 +23,6 @@ replaced by the peer; test_e2e_local_tls: TLS peers remote, listed keys local ov
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import ssl
 import time
@@ -35,7 +34,7 @@ from conftest import DaemonFactory
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-from netutil import HOST, Network, free_port
+from netutil import HOST, Network, close_accepted, free_port
 from raw_app import (
     AUTH_CONTEXT,
     FAILURE,
@@ -344,7 +343,7 @@ async def test_a_router_sends_its_advertisement_on_a_connection_it_dialled(
     me = Key(ident.seed)
     got: asyncio.Future[RawMessage] = asyncio.get_running_loop().create_future()
 
-    accepted: list[asyncio.StreamWriter] = []  # (closed at the end: Server.close leaves them open)
+    accepted: list[asyncio.StreamWriter] = []  # (closed at the end: close_accepted)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         accepted.append(writer)
@@ -383,7 +382,4 @@ async def test_a_router_sends_its_advertisement_on_a_connection_it_dialled(
     finally:
         server.close()
         await server.wait_closed()
-        for w in accepted:  # (a redial the daemon made meanwhile is still being read)
-            w.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(w.wait_closed(), 5.0)
+        await close_accepted(accepted)  # (a redial the daemon made meanwhile is still being read)

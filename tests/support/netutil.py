@@ -108,6 +108,15 @@ def free_port() -> int:
         return bind_port(s)
 
 
+async def close_accepted(writers: Iterable[asyncio.StreamWriter], timeout: float = 5.0) -> None:
+    """Close the connections a test's own server accepted: asyncio's ``Server.close`` leaves them open, and one
+    still open when the test's loop closes is an unclosed transport that fails a later test (CI)."""
+    for w in writers:
+        w.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(w.wait_closed(), timeout)
+
+
 # ------------------------------------------------------------------------------------------ one daemon
 
 
