@@ -34,11 +34,23 @@ def enc(obj: Any) -> bytes:
     return cbor2.dumps(obj, canonical=True)
 
 
+def _no_tag(decoder: Any, *_: Any) -> Any:
+    raise cbor2.CBORDecodeError("not allowed (no schema here has a tag)")
+
+
+# Every tag cbor2 would turn into a value of its own (a bignum into an int of any size, a rational, a set, a
+# shared reference, ...), refused as it is read: no schema here has a tag, and the values some make would fail
+# the checks after decoding only by accident (an int of 5,000 digits cannot even be put in an error message).
+# Tags cbor2 does not know stay CBORTag values, which every check refuses as a wrong type.
+_SEMANTIC_TAGS = (0, 1, 2, 3, 4, 5, 25, 28, 29, 30, 35, 36, 37, 52, 54, 100, 256, 258, 260, 261, 1004, 43000, 55799)
+_NO_TAGS = dict.fromkeys(_SEMANTIC_TAGS, _no_tag)
+
+
 def decode_item(data: bytes | memoryview, what: str = "message") -> Any:
-    """Decode exactly one CBOR item from ``data``; malformed input or trailing bytes raise."""
+    """Decode exactly one CBOR item from ``data``; malformed input, a tag or trailing bytes raise."""
     buf = io.BytesIO(data)
     try:
-        obj = cbor2.CBORDecoder(buf, read_size=1).decode()
+        obj = cbor2.CBORDecoder(buf, read_size=1, semantic_decoders=_NO_TAGS).decode()
     except (cbor2.CBORDecodeError, ValueError, TypeError, OverflowError, RecursionError, EOFError) as e:
         raise RemoteProtocolError(f"malformed CBOR: {e}", field=what) from None
     if buf.tell() != len(data):
