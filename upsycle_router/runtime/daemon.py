@@ -356,11 +356,13 @@ class Daemon:
         if self.pubsub_identity is not None and cfg.unix is not None and cfg.pubsub.in_process:
             self.pubsub = pubsub_service(cfg.pubsub, self.pubsub_identity, cfg.unix, params)
             self.pubsub.counters = self.driver.stats  # (its counters in STATUS: pubsub_malformed_total)
-            for name in PUBSUB_COUNTERS:  # (there from the start, at 0: a rate over them misses no first one)
+            for name in (*PUBSUB_COUNTERS, "service_errors_total"):  # (there from the start, at 0: a rate misses none)
                 self.driver.stats.setdefault(name, 0)
             self._pubsub_task = loop.create_task(self.pubsub.run())
         if self.discovery_identity is not None and cfg.unix is not None and cfg.discovery.in_process:
             self.discovery = discovery_service(cfg, self.discovery_identity, cfg.unix)
+            self.discovery.counters = self.driver.stats  # (service_errors_total in STATUS)
+            self.driver.stats.setdefault("service_errors_total", 0)
             self._discovery_task = loop.create_task(self.discovery.run())
         self._readvertise_handle = loop.call_later(self._advert_refresh(), self._readvertise)
         if self.trimmer.available:

@@ -101,8 +101,7 @@ class PubsubService(RouterService):
         # or ignore, RPCs of unknown peers - is counted here (the daemon shares its counters: STATUS shows them)
         # and logged; so is a message published on this node that its rules reject (too large for gossip, a
         # signature policy), which leaves the node no further - local subscribers had it from the router. Each
-        # kind is a line per 10 s with the count (one each would let anyone flood the log).
-        self.counters: dict[str, int] = {}
+        # kind is a line per 10 s with the count (one each would let anyone flood the log). (In self.counters.)
         self._lines = RateLimitedLog(log)
 
     async def _serve(self, client: Client) -> None:

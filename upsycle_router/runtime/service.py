@@ -2,7 +2,10 @@
 
 A service holds its own key and reaches the router over the Unix socket with the client library. It
 connects (retrying while the router starts), serves until the connection ends, and reconnects, until
-:meth:`RouterService.stop`. Subclasses implement :meth:`RouterService._serve` for one connection.
+:meth:`RouterService.stop`. An error of the service's own while it serves (a bug: a message it could not
+handle) is logged with its traceback and counted (``service_errors_total``), and the service connects again
+after a short pause, keeping what it knew - it does not end in silence, leaving the router without it.
+Subclasses implement :meth:`RouterService._serve` for one connection.
 """
 
 from __future__ import annotations
@@ -30,6 +33,9 @@ class RouterService:
         self.client: Client | None = None
         self._log = log
         self._stop = asyncio.Event()
+        # Counters the daemon shows in STATUS (it may hand its own dict): ``service_errors_total``, the times a
+        # connection's serving ended in an error of the service's own (it connects again).
+        self.counters: dict[str, int] = {}
 
     async def _serve(self, client: Client) -> None:
         """Serve one connection to the router until it ends or :meth:`stop`."""
@@ -45,13 +51,21 @@ class RouterService:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), RETRY)
                 continue
+            failed = False
             try:
                 await self._serve(self.client)
             except ClientError as e:  # a send on a connection that is closing or gone: it has ended
                 self._log.debug("%s: %s", self.name, e)
+            except Exception:  # noqa: BLE001 - a bug the service met (a message it could not handle) must not end it
+                failed = True
+                self.counters["service_errors_total"] = self.counters.get("service_errors_total", 0) + 1
+                self._log.exception("%s: internal error; connecting to the router again", self.name)
             finally:
                 await self.client.close()
-            if not self._stop.is_set():
+            if failed:  # (not at once: what failed may fail again as soon as it is served again)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), RETRY)
+            elif not self._stop.is_set():
                 self._log.warning("%s: connection to the router lost (%s); reconnecting", self.name,
                                   self.client.closed_reason)
 
