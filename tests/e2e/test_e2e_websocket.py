@@ -167,6 +167,12 @@ async def test_origin_allow_list_path_and_bad_requests(daemon: DaemonFactory) ->
         ws = await RawWebSocket.open(url, request=bad.encode())
         assert ws.status == 400 and why in ws.body and await ws.eof(), (bad, ws.status, ws.body)
         await ws.close()
+    # A Host that is no name at all (bytes no IDNA decoding takes: wsproto raised UnicodeDecodeError, which
+    # closed the connection with no answer and a traceback in the log)
+    ws = await RawWebSocket.open(url, request=upgrade.replace("Host: x", "Host: \udcff\udcfe").encode(
+        "utf-8", "surrogateescape") + b"\r\n")
+    assert ws.status == 400 and b"unreadable request head" in ws.body and await ws.eof(), (ws.status, ws.body)
+    await ws.close()
     # Another method: one answer each, and the answer to HEAD without a body (it had the headers, then a second
     # whole response: h11 refused HEAD's body after the head had been written)
     host, port, _ = host_port(url)

@@ -43,7 +43,7 @@ from typing import Protocol, TypeVar, cast
 
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
-from upsycle_router.logtext import RateLimitedLog, untrusted
+from upsycle_router.logtext import RateLimitedLog, one_line, untrusted
 from upsycle_router.transport.partial import PartialFrames
 from upsycle_router.transport.session import (
     FrameReceived,
@@ -60,6 +60,8 @@ from upsycle_router.wire.messages import Message, MulticastHeader, decode_messag
 log = logging.getLogger("upsycle_router.transport")
 _PEER_ERRORS = RateLimitedLog(log)  # ERRORs peers sent: one line per 10 s (anyone may send one, with any text)
 _SHED = RateLimitedLog(log)  # connections shed for the budget of unfinished frames: one line per 10 s
+_INTERNAL = RateLimitedLog(log)  # errors of the router's own met by a peer's bytes: one line per 10 s
+_internal_traced = False  # whether the first one's traceback was logged
 _ids = itertools.count(1)
 CLOSE_LINGER = 0.5  # seconds input is drained after an ERROR, before the close
 # Outbound bytes buffered before the peer counts as not reading (blocked: its traffic goes to the store), and
@@ -360,14 +362,34 @@ class Connection(asyncio.Protocol):
         except RemoteProtocolError as e:
             self.protocol_error(e)
             return
+        except Exception as e:  # noqa: BLE001 - a bug met by the peer's bytes (see _internal_error)
+            self._internal_error(e)
+            return
         try:
             self._send_session_output()
             self._dispatch(events)
         except RemoteProtocolError as e:
             self.protocol_error(e)
             return
+        except Exception as e:  # noqa: BLE001
+            self._internal_error(e)
+            return
         if violation is not None and not self.closed:
             self.protocol_error(violation)
+
+    def _internal_error(self, e: Exception) -> None:
+        """What the peer sent met an error of the router's own (a bug): log it (its traceback the first time, then
+        one line a 10 s with the count: the peer may send it again and again), send ERROR and close - instead of
+        letting it escape to the event loop, which closes the connection without ERROR and writes a traceback
+        each time."""
+        global _internal_traced
+        text = f"conn {self.id}: internal error handling what the peer sent: {type(e).__name__}: {one_line(str(e))}"
+        if not _internal_traced:
+            _internal_traced = True
+            log.error("%s", text, exc_info=e)
+        else:
+            _INTERNAL.event("internal", text, logging.ERROR)
+        self.close_with_error(ErrorCode.PROTOCOL, "internal error")
 
     def protocol_error(self, e: RemoteProtocolError) -> None:
         """Report a violation by the peer, then send ERROR and close."""

@@ -260,6 +260,9 @@ class WebSocketConnection(Connection):
         except WsRemoteError as e:  # (wsproto parses the upgrade request's head as it comes)
             self._bad_request(e)
             return
+        except ValueError as e:  # (a header wsproto cannot read at all: a Host that is no IDNA name, say)
+            self._bad_request(WsRemoteError(f"unreadable request head ({type(e).__name__})"))
+            return
         if self._turn is None:  # (else a turn is due already: it handles these too)
             self._handle_events()
 
