@@ -36,8 +36,11 @@ async def test_a_service_that_raises_while_it_serves_connects_again(
     task = asyncio.create_task(svc.run())
     try:
         async with await Client.connect(d.sock, sender) as app:
-            await app.send(svc.identity.public, b"raise")
-            await app.sync()
+            for _ in range(200):  # (bounded: 10 s) until the router knows the service (no_route before)
+                await app.send(svc.identity.public, b"raise")
+                if (await app.sync()).ok:
+                    break
+                await asyncio.sleep(0.05)
             for _ in range(500):  # (bounded: 5 s) the service read it, raised, and is connecting again
                 if svc.counters.get("service_errors_total"):
                     break

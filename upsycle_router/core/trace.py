@@ -67,7 +67,6 @@ class Why(StrEnum):
     UNDELIVERED = "undelivered"  # ttl 0, written for a connection that closed before it left: it cannot wait
     STORE_DAMAGED = "store_damaged"  # a queue entry whose message the store does not hold, long before it expires
     REFUSED_BY_CORE = "refused_by_core"  # a core node refused this router's own message (its JOIN, its REGISTER)
-    INTERNAL_ERROR = "internal_error"  # handling it raised (a bug of the router's): not taken (runtime/commit.py)
 
 
 class Role(StrEnum):
@@ -93,7 +92,6 @@ REFUSAL: dict[str, Reason] = {
     Why.TOO_LARGE: Reason.TOO_LARGE,
     Why.MALFORMED: Reason.MALFORMED,
     Why.UNKNOWN_CONTROL: Reason.MALFORMED,
-    Why.INTERNAL_ERROR: Reason.MALFORMED,  # (the router could not process it)
 }
 
 # The members again as plain module names, for the message path: an enum member looked up on its class costs

@@ -38,16 +38,10 @@ each message of the batch is answered REFUSED ``store_full`` in the same transac
 taken, and the sender's next SYNC_ACK counts it). If that fails too, those connections, and the connections
 the batch's messages came on, are closed (their senders see no SYNC_ACK).
 
-An event whose handling raises anything else is a bug of the router's, met by that event (a message it could
-not handle, say). What the core did with it before it raised is not known, so it is treated like a failed
-transaction, for that event only: the transaction is dropped, the core forgets the batch, and the batch is
-routed again with that event answered instead of handled - each of its messages REFUSED (``malformed``,
-traced as ``internal_error``: the router could not process it; an event of several messages is first split
-into one per message, so that only the one that raises is refused), a connection event's connection closed,
-the timer run left for the next batch. The other events of the batch are routed as if nothing had happened; the
-error is logged with its traceback and counted (``internal_errors_total``). So a bug loses no message in
-silence, as one that took a message and dropped its effects would (the sender's SYNC_ACK would say it was
-safe). After ``FAILED_MAX`` such events in one batch it is given up: its connections are closed.
+An event whose handling raises anything else is a bug of the router's: it is logged with its traceback and
+counted (``internal_errors_total``), and the batch goes on. What the core had done with the event before it
+raised stands, its effects are lost; if the event was a read of messages, its connection is closed, so that no
+later SYNC_ACK on it calls them safe.
 """
 
 from __future__ import annotations
@@ -64,7 +58,6 @@ import lmdb
 from upsycle_router.core.events import (
     Buffered,
     CloseConnection,
-    ConnectionClosed,
     ConnectionOpened,
     Effect,
     Event,
@@ -89,17 +82,6 @@ Done = Callable[[list[Effect], float], None]  # carry out a committed batch's ef
 
 EARLY_MAX_MESSAGES = 8
 """Fan-outs go out during the commit for batches of at most this many messages (see the module docstring)."""
-
-FAILED_MAX = 8
-"""Events of one batch whose handling may raise (a bug) before the batch is given up (module docstring)."""
-
-
-class _EventFailed(Exception):
-    """Handling the batch's event ``index`` (its timer run: ``len(events)``) raised: route the batch again."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__(index)
-        self.index = index
 
 
 def _messages_in(events: list[Event]) -> int:
@@ -162,10 +144,9 @@ class Batches:
         """A batch's commit is in flight: the next batch waits for it."""
         return self.committing is not None
 
-    def run(self, events: list[Event], timer: bool, now: float, failed: frozenset[int] = frozenset()) -> None:
+    def run(self, events: list[Event], timer: bool, now: float) -> None:
         """Route one batch (and the core's timer, if ``timer``) in one write transaction; hand its effects to
-        ``done`` once the transaction has committed - right away, or when the commit thread reports back.
-        ``failed``: the events whose handling raised in an earlier try of this batch (answered instead)."""
+        ``done`` once the transaction has committed - right away, or when the commit thread reports back."""
         if self.store.damaged is not None:
             # LMDB reported damage: the daemon is stopping, and takes nothing more - no batch is routed (its
             # transaction could commit into a store the next start refuses), its connections are closed (their
@@ -178,28 +159,22 @@ class Batches:
         if committer is None:
             try:
                 with self._transaction():
-                    effects = self._route(events, timer, now, failed)
+                    effects = self._route(events, timer, now)
                 self._count_returns(events)
             except lmdb.Error as e:
                 effects = self._not_committed(events, e, now)
-            except _EventFailed as f:  # (the transaction was aborted)
-                self._again(events, timer, now, failed, f.index)
-                return
             self._finish(effects, now)
             return
         txn = self._take_txn(committer)
         store = self.store
         store.attach(txn)
         try:
-            effects = self._route(events, timer, now, failed)
+            effects = self._route(events, timer, now)
             store.detach()
-        except (lmdb.Error, _EventFailed) as e:
+        except lmdb.Error as e:
             store.detach(commit=False)
             committer.abort(txn)
-            if isinstance(e, _EventFailed):
-                self._again(events, timer, now, failed, e.index)
-            else:
-                self._finish(self._not_committed(events, e, now), now)
+            self._finish(self._not_committed(events, e, now), now)
             return
         if not store.wrote:
             # Nothing to commit (direct deliveries): carried out at once, and the transaction serves the next
@@ -217,59 +192,24 @@ class Batches:
         # future would be a reference cycle holding the whole batch until a full garbage collection.
         rec.future.add_done_callback(self._committed_threadsafe)
 
-    def _route(self, events: list[Event], timer: bool, now: float, failed: frozenset[int]) -> list[Effect]:
-        """The core's effects for a batch, inside the open transaction; the events in ``failed`` answered
-        instead of handled. Raises :class:`_EventFailed` for an event whose handling raised (not a store
-        error): the transaction must be dropped."""
+    def _route(self, events: list[Event], timer: bool, now: float) -> list[Effect]:
+        """The core's effects for a batch, inside the open transaction."""
         router = self.router
         effects: list[Effect] = []
-        for i, ev in enumerate([*events, None] if timer else events):  # (None: the timer run)
+        for ev in [*events, None] if timer else events:  # (None: the timer run)
             try:
-                if i in failed:
-                    effects.extend(self._instead(ev, now))
-                else:
-                    effects.extend(router.handle(ev, now) if ev is not None else router.handle_timer(now))
+                effects.extend(router.handle(ev, now) if ev is not None else router.handle_timer(now))
             except lmdb.Error:
                 raise  # the transaction is unusable: abort the batch
             except Exception:  # noqa: BLE001 - one bad event (or timer run) must not stop the router
                 log.exception("internal error handling %s", type(ev).__name__ if ev is not None else "the timer")
                 self.stats["internal_errors_total"] = self.stats.get("internal_errors_total", 0) + 1
-                if i in failed:  # (its answer raised too: its connection is closed, as a last resort)
-                    if (conn := getattr(ev, "conn", None)) is not None:
-                        effects.append(CloseConnection(conn, ErrorCode.OVERLOADED, "internal error"))
-                    continue
-                raise _EventFailed(i) from None
+                if type(ev) is MessagesReceived:
+                    # What the core did with this read's messages before it raised is not known, and its effects
+                    # are lost: no later SYNC_ACK on that connection may call them safe. Closed, the sender
+                    # knows nothing since its last SYNC_ACK is safe, and sends again.
+                    effects.append(CloseConnection(ev.conn, ErrorCode.OVERLOADED, "internal error"))
         return effects
-
-    def _instead(self, ev: Event | None, now: float) -> list[Effect]:
-        """What answers an event whose handling raised in this batch's earlier try (module docstring)."""
-        if ev is None:
-            return []  # the timer run: the next batch's
-        if type(ev) is MessagesReceived:
-            return self.router.not_taken(ev.conn, ev.messages, Why.INTERNAL_ERROR, now)
-        if (conn := getattr(ev, "conn", None)) is not None and type(ev) is not ConnectionClosed:
-            return [CloseConnection(conn, ErrorCode.OVERLOADED, "internal error")]  # (where it stands is unknown)
-        return []
-
-    def _again(self, events: list[Event], timer: bool, now: float, failed: frozenset[int], index: int) -> None:
-        """The batch's try raised in event ``index`` and its transaction was dropped: the core forgets it, and
-        the batch is routed again with that event answered instead - or, when it brought several messages, with
-        them as events of one message each (only the one that raises is refused) - or given up after
-        ``FAILED_MAX`` such events."""
-        self.router.batch_lost()
-        ev = events[index] if index < len(events) else None
-        if type(ev) is MessagesReceived and len(ev.messages) > 1:
-            one = [MessagesReceived(ev.conn, (m,), ev.verified[k : k + 1]) for k, m in enumerate(ev.messages)]
-            events = [*events[:index], *one, *events[index + 1 :]]
-            failed = frozenset(f if f < index else f + len(one) - 1 for f in failed)  # (the timer run's too)
-        else:
-            failed |= {index}
-        if len(failed) <= FAILED_MAX:
-            self.run(events, timer, now, failed)
-            return
-        log.error("%d events of a batch of %d raised: the batch is given up, its connections closed",
-                  len(failed), len(events))  # fmt: skip
-        self._finish(self._closing(events, "internal error"), now)
 
     def _finish(self, effects: list[Effect], now: float) -> None:
         """The batch is committed (or given up): schedule the sync its durability asks for, carry out effects."""
@@ -348,25 +288,20 @@ class Batches:
             self._count_returns(events)
         except lmdb.Error:
             # That transaction failed too: none of it is carried out, and the core no longer knows where the
-            # connections of these events stand (opened, queue windows), nor what it answered the senders.
+            # connections of these events stand (opened, queue windows), nor what it answered the senders. Close
+            # them: their peers connect again to a router whose state matches its store, and a sender whose
+            # connection closes before its SYNC_ACK knows nothing since its last one is safe.
             router.batch_lost()
-            effects = self._closing(events, "store error")
+            conns = {ev.conn for ev in events
+                     if isinstance(ev, (ConnectionOpened, WriteBlocked, MessagesReceived, NotAdmitted))}  # fmt: skip
+            for ev in events:  # deliveries given back are routed again with the next batch, not lost here
+                if isinstance(ev, (Undelivered, Buffered)) and self.retry is not None:
+                    self.retry(ev)
+            for ev in events:
+                if isinstance(ev, QueueSent):
+                    conns.update(c for c in (router.connected(r) for r, _ in ev.refs) if c is not None)
+            effects = [CloseConnection(c, ErrorCode.OVERLOADED, "store error") for c in sorted(conns)]
         return effects
-
-    def _closing(self, events: list[Event], text: str) -> list[Effect]:
-        """A batch the core forgot and nothing of which is carried out: close its connections. Their peers
-        connect again to a router whose state matches its store, and a sender whose connection closes before its
-        SYNC_ACK knows nothing since its last one is safe. Deliveries given back are routed again with the next
-        batch, not lost here."""
-        conns = {ev.conn for ev in events
-                 if isinstance(ev, (ConnectionOpened, WriteBlocked, MessagesReceived, NotAdmitted))}  # fmt: skip
-        for ev in events:
-            if isinstance(ev, (Undelivered, Buffered)) and self.retry is not None:
-                self.retry(ev)
-        for ev in events:
-            if isinstance(ev, QueueSent):
-                conns.update(c for c in (self.router.connected(r) for r, _ in ev.refs) if c is not None)
-        return [CloseConnection(c, ErrorCode.OVERLOADED, text) for c in sorted(conns)]
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:
