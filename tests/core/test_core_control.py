@@ -677,6 +677,34 @@ def test_an_advert_cannot_route_another_routers_key_or_service_to_its_sender(h: 
     assert R.public not in h.router.routes or h.router.routes[R.public].router != s_router.public
 
 
+def test_an_advert_cannot_draw_an_apps_traffic_from_the_router_it_is_behind_or_a_local_ones(h: CoreHarness) -> None:
+    """(From a black-box audit: a fresh key's validly signed advert listing a remote app's key as its service took
+    over the route this router had learned from that app's own messages, and the app's replies went to the
+    stranger.) An app behind router B (learned from its message through B) and a local app: a stranger's claims
+    on both are refused and counted; a key nobody routes may still be claimed. Once the learned route lapsed the
+    key may be claimed."""
+    b, s_router, remote_app, free = ident("B"), ident("S"), ident("an app behind B"), ident("nobody's")
+    a = h.open(ALICE)
+    bc = h.open(b, local=False)
+    h.receive(bc, unicast(remote_app, ALICE, b"hello from behind B"))
+    learned = h.router.routes[remote_app.public]
+    assert learned.router == b.public
+    sc = h.open(s_router, local=False)
+    claims = ((SERVICE_PUBSUB, remote_app.public), (SERVICE_DISCOVERY, ALICE.public))
+    h.receive(sc, advert_message(s_router, X, advert(s_router, svcs=claims, ttl=900)))
+    assert h.router.routes[remote_app.public] == learned and ALICE.public not in h.router.routes
+    assert h.router.status()["advert_claims_refused_total"] == 2
+    reply = unicast(ALICE, remote_app, b"for the app behind B only")
+    assert [w.data for w in h.receive(a, reply).sends(bc)] == [reply.encode()]  # to B, not to S
+    h.receive(sc, advert_message(s_router, X, advert(s_router, svcs=((SERVICE_PUBSUB, free.public),), rev=2)))
+    assert h.router.routes[free.public].router == s_router.public
+    assert learned.expires is not None
+    later = learned.expires + 1
+    h.receive(sc, advert_message(s_router, X, advert(s_router, svcs=claims, ttl=900, rev=3, now=later),
+                                 now=later), now=later)  # fmt: skip
+    assert h.router.routes[remote_app.public].router == s_router.public  # (the learned route had lapsed)
+
+
 def test_an_advertised_address_is_kept_so_that_a_restart_dials_the_router_messages_wait_for(h: CoreHarness) -> None:
     """(From a black-box audit: messages acknowledged for a router known only by its advert waited for ever after a
     restart - the address book was in memory only.) The advert's address is stored; at start the core hands it to

@@ -408,16 +408,18 @@ class RouterState:
         signature proves who sent it, not that the keys it lists are its own: a router's key is never a service
         of another (a router that advertised itself, a configured or connected one, this one), and a service key
         another router's advert routes (until that advert lapses) is not taken over - otherwise any node could
-        draw the traffic for other routers and their services to itself (found by an audit)."""
-        if svc == router or svc == self.id:
+        draw the traffic for other routers and their services to itself (found by an audit). Nor is a key this
+        router has a route to through another router from anything else (its own messages came through that
+        router, an edge node serves it, a peer registered it: until the route lapses), nor a local app's or
+        service's: a fresh key's advert drew an app's replies to itself (found by a later audit)."""
+        if svc == router or svc == self.id or svc in self.locals:
             return False
         cfg = self.config
         if (svc in self.advert_revs or svc in cfg.peers or svc in cfg.upstream or svc in cfg.edge_nodes
                 or svc in cfg.bootstrap or any(not self.conns[c].local for c in self.by_key.get(svc, ()))):
             return False  # a router's key
         old = self.routes.get(svc)
-        return not (old is not None and old.source == ROUTE_ADVERT and old.router != router
-                    and (old.expires is None or old.expires > now))
+        return not (old is not None and old.router != router and (old.expires is None or old.expires > now))
 
     def learn_route(self, dst: bytes, router: bytes, source: int, expires: float | None) -> None:
         """``dst`` is reachable through ``router`` until ``expires`` (kept in memory and in the store)."""
