@@ -269,6 +269,23 @@ def test_no_route(h: CoreHarness) -> None:
     assert out.dials() == []
 
 
+def test_a_via_naming_a_local_app_is_refused_no_route(h: CoreHarness) -> None:
+    """(From a black-box audit: a VIA naming a local app, connected or away, was obeyed - the group message or
+    unicast was written to that app, which is no router, and the sender's SYNC_ACK was clean.) VIA names the
+    next router; a local key is none."""
+    a, b = h.open(ALICE), h.open(BOB)
+    h.close(h.open(CAROL))
+    h.receive(a, unicast(ALICE, CAROL, b"queued for carol, away"))
+    assert h.store.queue_usage(CAROL.public)[0] == 1
+    group = ident("a group")
+    for via_key in (BOB.public, CAROL.public):  # connected; and away, with a queue here
+        for m in (unicast(ALICE, REMOTE_SVC, b"on", via=via_key), multicast(group, b"on", via=via_key)):
+            out = h.receive(a, m)
+            h.expect_refused(out, a, m.id, Reason.NO_ROUTE)
+            assert not out.sends(b) and out.dials() == []
+    assert h.store.queue_usage(CAROL.public)[0] == 1
+
+
 def test_quota(tmp_path: Path) -> None:
     h = harness(tmp_path, queue_max_count=2)
     a = h.open(ALICE)

@@ -284,9 +284,14 @@ class RouterState:
         can dial it (a configured peer, core node or bootstrap node, or one whose advertised TCP address it
         keeps), or it may dial in (an edge node; a router whose advert this router holds - peering is symmetric:
         one that lists this router dials it again), or messages wait for it already. Otherwise nothing would
-        ever take what is queued for it: the message is refused ``no_route``, as one for a key with no route."""
+        ever take what is queued for it: the message is refused ``no_route``, as one for a key with no route. A
+        local app or service is no router (the message would go to it, not on: found by an audit); a connection
+        counts only if it is a remote node's."""
+        if router in self.locals:
+            return False
         cfg = self.config
-        if router in self.by_key or router in cfg.peers or router in cfg.upstream or router in cfg.edge_nodes:
+        if router in cfg.peers or router in cfg.upstream or router in cfg.edge_nodes or any(
+                not self.conns[c].local for c in self.by_key.get(router, ())):
             return True
         a = self.addresses.get(router)
         return (router in cfg.bootstrap or (a is not None and a.proto == TCP) or router in self.advert_revs
