@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from upsycle_router.crypto import advert_valid
 from upsycle_router.errors import RemoteProtocolError
-from upsycle_router.services.discovery.cache import AdvertCache, Offer
+from upsycle_router.services.discovery.cache import AdvertCache, Offer, advert_size
 from upsycle_router.services.discovery.cyclon import CyclonView, shufflable
 from upsycle_router.services.discovery.params import DiscoveryParams
 from upsycle_router.services.discovery.ratelimit import SenderLimiter
@@ -252,6 +252,11 @@ class DiscoveryCore:
             if not self._valid(e.advert):
                 out.append(Rejected(source.hex(), f"bad signature on the advert of {e.advert.id.hex()} in a shuffle"))
                 continue
+            if not self.view.fits(e.advert):  # (too large to be shuffled on: SHUFFLE_BYTES)
+                self._count("refused_oversize")
+                out.append(Rejected(source.hex(), f"an advert of {advert_size(e.advert)} bytes in a shuffle, of "
+                                                  f"{e.advert.id.hex()}: too large to be shuffled on"))  # fmt: skip
+                continue
             if self._accept(e.advert, now - e.age, now, out, source.hex()):
                 ok.append(e)
                 continue
@@ -283,6 +288,9 @@ class DiscoveryCore:
 
     def _shuffle(self, now: float, out: list[Effect]) -> None:
         if self.own is None:
+            return
+        if not self.view.fits(self.own):  # (this node's own advert lists too many groups to go in a SHUFFLE)
+            self._count("own_advert_too_large")
             return
         started = self.view.start_shuffle(self.own, now)
         if started is None:

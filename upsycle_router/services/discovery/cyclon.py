@@ -23,6 +23,7 @@ import random
 from dataclasses import dataclass
 
 from upsycle_router.expiry import exp_to_unix
+from upsycle_router.services.discovery.cache import advert_size
 from upsycle_router.wire.discovery import SERVICE_DISCOVERY, PeerAdvertisement, ShuffleEntry
 
 
@@ -35,6 +36,13 @@ class ViewEntry:
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.born)
+
+
+SHUFFLE_BYTES = 960 << 10
+"""A SHUFFLE's adverts take at most this many encoded bytes in all, so that the message around them fits a frame of
+the default ``max_frame`` (1 MiB and 4 KiB): a view holds only adverts of at most ``SHUFFLE_BYTES //
+shuffle_length`` bytes (:meth:`CyclonView.fits`). A larger one - a stranger's, listing tens of thousands of
+groups - made this node's own SHUFFLEs too large for its router, which closed the service's connection at each."""
 
 
 def shufflable(adv: PeerAdvertisement) -> bool:
@@ -67,10 +75,14 @@ class CyclonView:
             return adv.rev > old.advert.rev
         return born > old.born
 
+    def fits(self, adv: PeerAdvertisement) -> bool:
+        """Whether ``adv`` is small enough to be shuffled (:data:`SHUFFLE_BYTES`)."""
+        return advert_size(adv) <= SHUFFLE_BYTES // self.shuffle_length
+
     def add(self, adv: PeerAdvertisement, age: float, now: float) -> bool:
         """Put one entry in (a seed, or a directly connected peer): an empty slot, a fresher copy of a held
         entry, or in place of the oldest entry when the view is full. True if the view changed."""
-        if adv.id == self.self_id or not shufflable(adv):
+        if adv.id == self.self_id or not shufflable(adv) or not self.fits(adv):
             return False
         born = now - age
         old = self.entries.get(adv.id)
@@ -121,7 +133,7 @@ class CyclonView:
         replaceable = [k for k in sent if k in self.entries]
         for e in received[: self.shuffle_length]:
             adv = e.advert
-            if adv.id == self.self_id or not shufflable(adv):
+            if adv.id == self.self_id or not shufflable(adv) or not self.fits(adv):
                 continue
             born = now - e.age
             old = self.entries.get(adv.id)
