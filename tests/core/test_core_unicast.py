@@ -397,6 +397,29 @@ def test_expired_learned_route_is_not_used(h: CoreHarness) -> None:
     assert [t.reason for t in out.traces("dropped")] == ["no_route"]
 
 
+@pytest.mark.parametrize("configured", [False, True])
+def test_routes_learned_behind_a_router_go_with_its_advert_unless_it_is_configured(
+    tmp_path: Path, configured: bool
+) -> None:
+    """A router whose advert lapsed while it is not connected is gone, and the routes learned from the messages
+    it relayed go with it - unless it is a configured peer (dialled whatever its adverts: found by an audit, the
+    next reply to an app behind it was refused no_route while the one before waited in its queue)."""
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(peers=frozenset({R.public}) if configured else frozenset()))
+    r = h.open(R, local=False)
+    h.receive(r, advert_message(R, X, advert(R, ttl=60)))
+    h.receive(r, unicast(REMOTE_SVC, BOB))
+    assert h.router.routes[REMOTE_SVC.public].router == R.public
+    h.close(r)
+    later = T0 + 61
+    h.timer(later)
+    a = h.open(ALICE)
+    out = h.receive(a, unicast(ALICE, REMOTE_SVC, b"a reply", now=later), now=later)
+    if configured:
+        assert out.refusals(a) == [] and h.store.queue_usage(R.public)[0] == 1  # queued for R, dialled
+    else:
+        assert [t.reason for t in out.traces("dropped")] == ["no_route"]
+
+
 # ---------------------------------------------------------------- step 4: no forwarding decision
 
 
