@@ -763,18 +763,20 @@ def test_advert_route_expires_at_min_of_ttl_and_exp(h: CoreHarness) -> None:
 
 @pytest.mark.parametrize("still_connected", [False, True])
 def test_a_router_that_stops_advertising_takes_its_message_routes_along(h: CoreHarness, still_connected: bool) -> None:
-    r = h.open(R, local=False)
-    h.receive(r, advert_message(R, X, advert(R, ttl=600, svcs=((2, R_PS.public),))))
-    far = ident("far-app")  # an app behind R: its route is learned from a message R relayed
+    """(A router that is no configured peer: a configured one's routes stay - test_core_unicast.py.)"""
+    rr = ident("a router met by its advert")
+    r = h.open(rr, local=False)
+    h.receive(r, advert_message(rr, X, advert(rr, ttl=600, svcs=((2, R_PS.public),))))
+    far = ident("far-app")  # an app behind the router: its route is learned from a message it relayed
     a = h.open(ALICE)
     h.receive(r, unicast(far, ALICE))
-    assert h.router.routes[far.public].router == R.public
+    assert h.router.routes[far.public].router == rr.public
     if not still_connected:
         h.close(r)
     h.timer(T0 + 600)
     assert R_PS.public not in h.router.routes  # the advertised service lapses with the advert either way
-    if still_connected:  # R is still there: what it relayed stays routable
-        assert h.router.routes[far.public].router == R.public
+    if still_connected:  # the router is still there: what it relayed stays routable
+        assert h.router.routes[far.public].router == rr.public
     else:
         assert far.public not in h.router.routes and far.public not in h.store.routes()
         m = unicast(ALICE, far)
