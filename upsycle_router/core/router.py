@@ -444,13 +444,12 @@ class Router:
         # A router whose advertisement lapsed while we are not connected to it stopped announcing itself:
         # it is gone, and so are the routes learned from messages it relayed (they would outlive it by
         # ``learned_route_ttl``). Its services' advertised routes lapse with the advertisement. Not a configured
-        # router (a peer, core or edge node: dialled, or dialling in, whatever its adverts), nor one messages are
-        # queued for (it is dialled for them): the routes behind it stand until their own expiry, as a message
-        # queued for it before the lapse does (found by an audit: the next reply was refused no_route).
+        # router (a peer, core or edge node: dialled, or dialling in, whatever its adverts): the routes behind it
+        # stand until their own expiry (found by an audit: the next reply to an app behind a stopped peer was
+        # refused no_route while the one before waited in the peer's queue).
         cfg = s.config
         gone = {d for d in expired if self.routes[d].source == ROUTE_ADVERT and self.connected(d) is None
-                and d not in cfg.peers and d not in cfg.upstream and d not in cfg.edge_nodes
-                and not self.store.queue_usage(d)[0]}
+                and d not in cfg.peers and d not in cfg.upstream and d not in cfg.edge_nodes}
         if gone:
             expired += [d for d, r in self.routes.items() if r.router in gone and r.source == ROUTE_MESSAGE
                         and d not in expired]
