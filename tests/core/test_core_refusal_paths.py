@@ -160,20 +160,6 @@ def test_a_refusal_for_a_forgotten_forward_is_traced(tmp_path: Path, monkeypatch
     assert [x.id for x in out.refusals(a)] == [msgs[4].id]
 
 
-def test_a_strangers_refusal_for_no_message_of_ours_is_traced_not_taken_in_silence(tmp_path: Path) -> None:
-    """(From a black-box audit: a REFUSED from a fresh key for an id this router never sent it left no trace at
-    all, while a forged SYNC_ACK was refused and counted.) It reaches no app, and is traced ``dropped``, reason
-    ``unmatched_refusal`` - never answered (no refusal loops)."""
-    stranger = ident("a stranger's router")
-    h = CoreHarness(tmp_path / "x", X, CoreConfig())
-    a = h.open(ALICE)
-    s = h.open(stranger, local=False)
-    never = b"\x33" * 32
-    out = h.receive(s, control(stranger, X, Refused(never, Reason.QUOTA, 0)))
-    assert out.refusals(a) == [] and out.refusals(s) == []
-    assert [(t.id, t.reason, t.peer) for t in out.traces("dropped")] == [(never, "unmatched_refusal", stranger.public)]
-
-
 # ---------------------------------------------------------------- bounded caches
 
 

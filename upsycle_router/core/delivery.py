@@ -511,8 +511,7 @@ class Delivery:
         and still waits in the driver, as it does for a router under custody until that router confirms, that
         one counts it: ``Send.span``). A configured router's REFUSED for a message not remembered (forgotten
         among :data:`FORWARDED_MAX` more recent ones, or never ours) reaches nobody and is traced ``dropped`` with
-        its reason; anyone else's reaches nobody either and is traced ``dropped``, reason ``unmatched_refusal``
-        (any remote key may send one)."""
+        its reason; anyone else's means nothing here (any remote key may send one)."""
         s = self.s
         fwd = s.forwarded.get(r.id)
         if fwd is None:
@@ -520,8 +519,6 @@ class Delivery:
                 out.append(Trace(DROPPED, r.id, CONTROL, None, s.id, router, router, 0, Why.REFUSED_BY_CORE))
             elif router in s.trusted:  # forgotten (the oldest of FORWARDED_MAX in flight): traced, not lost in silence
                 out.append(Trace(DROPPED, r.id, CONTROL, None, None, None, router, 0, reason_label(r.reason)))
-            else:  # never ours (anyone may send one): traced and counted, not taken in silence (an audit)
-                out.append(Trace(DROPPED, r.id, CONTROL, None, None, None, router, 0, Why.UNMATCHED_REFUSAL))
             return
         if fwd.router == ANY_MEMBER:  # a multicast: from any member router or core node it went to (each may refuse)
             if router not in fwd.routers or router in fwd.refusers:

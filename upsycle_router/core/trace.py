@@ -67,7 +67,6 @@ class Why(StrEnum):
     UNDELIVERED = "undelivered"  # ttl 0, written for a connection that closed before it left: it cannot wait
     STORE_DAMAGED = "store_damaged"  # a queue entry whose message the store does not hold, long before it expires
     REFUSED_BY_CORE = "refused_by_core"  # a core node refused this router's own message (its JOIN, its REGISTER)
-    UNMATCHED_REFUSAL = "unmatched_refusal"  # a remote node's REFUSED for no message this router sent it
 
 
 class Role(StrEnum):
