@@ -287,11 +287,10 @@ class RouterState:
         ever take what is queued for it: the message is refused ``no_route``, as one for a key with no route. A
         local app or service is no router (the message would go to it, not on: found by an audit); a connection
         counts only if it is a remote node's."""
-        if router in self.locals:
+        if router in self.locals:  # (every key connected over a local connection is among them)
             return False
         cfg = self.config
-        if router in cfg.peers or router in cfg.upstream or router in cfg.edge_nodes or any(
-                not self.conns[c].local for c in self.by_key.get(router, ())):
+        if router in self.by_key or router in cfg.peers or router in cfg.upstream or router in cfg.edge_nodes:
             return True
         a = self.addresses.get(router)
         return (router in cfg.bootstrap or (a is not None and a.proto == TCP) or router in self.advert_revs
@@ -413,10 +412,12 @@ class RouterState:
         signature proves who sent it, not that the keys it lists are its own: a router's key is never a service
         of another (a router that advertised itself, a configured or connected one, this one), and a service key
         another router's advert routes (until that advert lapses) is not taken over - otherwise any node could
-        draw the traffic for other routers and their services to itself (found by an audit). Nor is a key this
-        router has a route to through another router from anything else (its own messages came through that
-        router, an edge node serves it, a peer registered it: until the route lapses), nor a local app's or
-        service's: a fresh key's advert drew an app's replies to itself (found by a later audit)."""
+        draw the traffic for other routers and their services to itself (found by an audit). Nor is a local
+        app's or service's key, nor one this router routes through another router that is connected now (the
+        key's own messages came through it, or it registered the key): a fresh key's advert drew the replies to
+        an app behind a connected router to itself (found by a later audit). A route through a router that is
+        not connected may be taken over - the key's own router advertising it after the relay that showed it
+        first went away, say."""
         if svc == router or svc == self.id or svc in self.locals:
             return False
         cfg = self.config
@@ -424,7 +425,9 @@ class RouterState:
                 or svc in cfg.bootstrap or any(not self.conns[c].local for c in self.by_key.get(svc, ()))):
             return False  # a router's key
         old = self.routes.get(svc)
-        return not (old is not None and old.router != router and (old.expires is None or old.expires > now))
+        if old is None or old.router == router or (old.expires is not None and old.expires <= now):
+            return True
+        return old.source != ROUTE_ADVERT and old.source != ROUTE_SERVED and old.router not in self.by_key
 
     def learn_route(self, dst: bytes, router: bytes, source: int, expires: float | None) -> None:
         """``dst`` is reachable through ``router`` until ``expires`` (kept in memory and in the store)."""
