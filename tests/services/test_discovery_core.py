@@ -340,38 +340,56 @@ def test_an_older_revision_in_a_shuffle_never_enters_the_view() -> None:
     assert all(e.advert.rev == 5 for e in reply if e.advert.id == R2.public)
 
 
-def test_an_advert_too_large_to_shuffle_on_is_refused_and_the_nodes_own_shuffles_stay_within_a_frame() -> None:
+@pytest.mark.parametrize("shuffle_length", [8, 32])
+def test_an_advert_too_large_to_shuffle_on_is_refused_and_the_nodes_own_shuffles_stay_within_a_frame(
+    shuffle_length: int,
+) -> None:
     """(From a black-box audit: a stranger's SHUFFLE carrying an advert of ~0.9 MB - tens of thousands of groups
     - was taken into the view, and this node's own next SHUFFLEs grew past its router's max_frame, which closed the
-    service's connection at each one.) An advert larger than SHUFFLE_BYTES / shuffle_length is refused (counted,
-    reported as Rejected), from a shuffle or from the router; one that fits is taken; the node's SHUFFLE stays
-    within SHUFFLE_BYTES."""
-    from upsycle_router.services.discovery.cyclon import SHUFFLE_BYTES
+    service's connection at each one.) An advert over ADVERT_MAX is refused, whatever the node's shuffle_length
+    (counted, reported as Rejected), from a shuffle or from the router; one that fits is taken; the node's SHUFFLE
+    and SHUFFLE_REPLY stay within SHUFFLE_BYTES, however many large adverts its view holds; a node whose own
+    advert is too large says so once and does not shuffle."""
+    from upsycle_router.services.discovery.cyclon import ADVERT_MAX, SHUFFLE_BYTES
 
-    params = DiscoveryParams(sampling=True, shuffle_period=5.0)
+    params = DiscoveryParams(sampling=True, shuffle_period=5.0, view_size=40, shuffle_length=shuffle_length)
     core = DiscoveryCore(X.public, params, random.Random(3), T0)
     core.own_advert(advert(X, svcs=((SERVICE_DISCOVERY, DISC.public),)), T0)
-    core.router_advert(advert(R, svcs=((SERVICE_DISCOVERY, R_DISC.public),)), T0)
-    limit = SHUFFLE_BYTES // params.shuffle_length
 
     def grouped(router: Identity, n: int) -> PeerAdvertisement:
         base = advert(router, svcs=((SERVICE_DISCOVERY, ident(f"{router.hex}-disc").public),))
         groups = tuple(ident(f"g{i}").public for i in range(n))
         return sign_advert(replace(base, grps=groups, sig=b""), router)
 
-    big, small = grouped(R2, limit // 34 + 10), grouped(ident("r3"), limit // 34 - 100)  # (34 bytes a group)
-    assert advert_size(big) > limit >= advert_size(small)
-    out = core.rpc_received(R_DISC.public, R.public, Shuffle((ShuffleEntry(0, big), ShuffleEntry(0, small))), T0)
+    big = grouped(R2, ADVERT_MAX // 34 + 10)  # (34 bytes a group)
+    larges = [grouped(ident(f"r{i}"), ADVERT_MAX // 34 - 100) for i in range(12)]
+    assert advert_size(big) > ADVERT_MAX >= advert_size(larges[0])
+    core.router_advert(advert(R, svcs=((SERVICE_DISCOVERY, R_DISC.public),)), T0)
+    out = core.rpc_received(R_DISC.public, R.public, Shuffle((ShuffleEntry(0, big), ShuffleEntry(0, larges[0]))), T0)
     assert core.counters["refused_oversize"] == 1
     assert [e for e in out if isinstance(e, Rejected) and "too large" in e.reason]
-    assert R2.public not in core.view and ident("r3").public in core.view
+    assert R2.public not in core.view and larges[0].id in core.view
     core.router_advert(big, T0)  # (learned by the router: not taken into the view either)
     assert R2.public not in core.view
+    for a in larges[1:]:
+        core.router_advert(a, T0)
+    assert len(core.view) == 13
+    reply = core.view.answer(ident("z").public, (), T0)
+    assert 0 < sum(advert_size(e.advert) for e in reply) <= SHUFFLE_BYTES
     d = core.next_deadline()
     assert d is not None
-    for e in core.handle_timer(d):
-        if not isinstance(e, Publish):
-            assert len(e.body) <= SHUFFLE_BYTES + 1024  # type: ignore[union-attr]
+    [rpc] = [e for e in core.handle_timer(d) if not isinstance(e, Publish)]
+    assert len(rpc.body) <= SHUFFLE_BYTES + 1024  # type: ignore[union-attr]
+    # A node whose own advert is too large to shuffle.
+    core2 = DiscoveryCore(R2.public, params, random.Random(4), T0)
+    core2.own_advert(big, T0)
+    core2.router_advert(advert(R, svcs=((SERVICE_DISCOVERY, R_DISC.public),)), T0)
+    t = T0
+    said = []
+    for _ in range(3):
+        t = core2.next_deadline() or t + 5
+        said += [e for e in core2.handle_timer(t) if isinstance(e, Rejected)]
+    assert core2.counters["own_advert_too_large"] >= 2 and len(said) == 1 and said[0].source == "self"
 
 
 # ---------------------------------------------------------------- the router and the discovery group

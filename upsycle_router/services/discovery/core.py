@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from upsycle_router.crypto import advert_valid
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.services.discovery.cache import AdvertCache, Offer, advert_size
-from upsycle_router.services.discovery.cyclon import CyclonView, shufflable
+from upsycle_router.services.discovery.cyclon import ADVERT_MAX, CyclonView, shufflable
 from upsycle_router.services.discovery.params import DiscoveryParams
 from upsycle_router.services.discovery.ratelimit import SenderLimiter
 from upsycle_router.wire.discovery import (
@@ -249,13 +249,13 @@ class DiscoveryCore:
         for e in entries:
             if e.advert.id == self.router:
                 continue
+            if (n := advert_size(e.advert)) > ADVERT_MAX:  # (too large to be shuffled on; before its signature)
+                self._count("refused_oversize")
+                out.append(Rejected(source.hex(), f"an advert of {n} bytes in a shuffle, of {e.advert.id.hex()}: "
+                                                  f"over {ADVERT_MAX}, too large to be shuffled on"))  # fmt: skip
+                continue
             if not self._valid(e.advert):
                 out.append(Rejected(source.hex(), f"bad signature on the advert of {e.advert.id.hex()} in a shuffle"))
-                continue
-            if not self.view.fits(e.advert):  # (too large to be shuffled on: SHUFFLE_BYTES)
-                self._count("refused_oversize")
-                out.append(Rejected(source.hex(), f"an advert of {advert_size(e.advert)} bytes in a shuffle, of "
-                                                  f"{e.advert.id.hex()}: too large to be shuffled on"))  # fmt: skip
                 continue
             if self._accept(e.advert, now - e.age, now, out, source.hex()):
                 ok.append(e)
@@ -290,6 +290,9 @@ class DiscoveryCore:
         if self.own is None:
             return
         if not self.view.fits(self.own):  # (this node's own advert lists too many groups to go in a SHUFFLE)
+            if not self.counters.get("own_advert_too_large"):  # (said once: the log has it, as a refusal of ours)
+                why = f"own advert of {advert_size(self.own)} bytes, over {ADVERT_MAX}: peer sampling does not run"
+                out.append(Rejected("self", why))
             self._count("own_advert_too_large")
             return
         started = self.view.start_shuffle(self.own, now)

@@ -39,10 +39,15 @@ class ViewEntry:
 
 
 SHUFFLE_BYTES = 960 << 10
-"""A SHUFFLE's adverts take at most this many encoded bytes in all, so that the message around them fits a frame of
-the default ``max_frame`` (1 MiB and 4 KiB): a view holds only adverts of at most ``SHUFFLE_BYTES //
-shuffle_length`` bytes (:meth:`CyclonView.fits`). A larger one - a stranger's, listing tens of thousands of
-groups - made this node's own SHUFFLEs too large for its router, which closed the service's connection at each."""
+"""A SHUFFLE's (or SHUFFLE_REPLY's) adverts take at most this many encoded bytes in all, so that the message
+around them fits a frame of the default ``max_frame`` (1 MiB and 4 KiB): the entries of one are taken while they
+fit (:meth:`CyclonView._export`), and a view holds only adverts of at most :data:`ADVERT_MAX` bytes
+(:meth:`CyclonView.fits`). A larger one - a stranger's, listing tens of thousands of groups - made this node's
+own SHUFFLEs too large for its router, which closed the service's connection at each."""
+
+ADVERT_MAX = SHUFFLE_BYTES // 8
+"""The largest advert a view takes (120 KiB: some 3,500 groups), whatever its ``shuffle_length``: one of them with
+the node's own and six more fit any SHUFFLE; with a longer ``shuffle_length``, fewer entries may go in one."""
 
 
 def shufflable(adv: PeerAdvertisement) -> bool:
@@ -75,9 +80,10 @@ class CyclonView:
             return adv.rev > old.advert.rev
         return born > old.born
 
-    def fits(self, adv: PeerAdvertisement) -> bool:
-        """Whether ``adv`` is small enough to be shuffled (:data:`SHUFFLE_BYTES`)."""
-        return advert_size(adv) <= SHUFFLE_BYTES // self.shuffle_length
+    @staticmethod
+    def fits(adv: PeerAdvertisement) -> bool:
+        """Whether ``adv`` is small enough to be shuffled (:data:`ADVERT_MAX`)."""
+        return advert_size(adv) <= ADVERT_MAX
 
     def add(self, adv: PeerAdvertisement, age: float, now: float) -> bool:
         """Put one entry in (a seed, or a directly connected peer): an empty slot, a fresher copy of a held
@@ -103,10 +109,18 @@ class CyclonView:
         pool = sorted(k for k in self.entries if k != exclude)
         return self.rng.sample(pool, min(n, len(pool)))
 
-    def _export(self, ids: list[bytes], now: float) -> list[ShuffleEntry]:
+    def _export(self, ids: list[bytes], now: float, budget: int = SHUFFLE_BYTES) -> list[ShuffleEntry]:
+        """The entries of ``ids``, in order, while their adverts fit ``budget`` encoded bytes."""
         # Ages travel in whole seconds, rounded up: rounded down, every hop made an entry younger than it is,
         # and a dead node's advert passed on more often than once a second never aged out.
-        return [ShuffleEntry(math.ceil(self.entries[k].age(now)), self.entries[k].advert) for k in ids]
+        out = []
+        for k in ids:
+            e = self.entries[k]
+            budget -= advert_size(e.advert)
+            if budget < 0:
+                break
+            out.append(ShuffleEntry(math.ceil(e.age(now)), e.advert))
+        return out
 
     def start_shuffle(
         self, own: PeerAdvertisement, now: float
@@ -115,16 +129,16 @@ class CyclonView:
         if not self.entries:
             return None
         target = min(sorted(self.entries), key=lambda k: self.entries[k].born)  # the oldest
-        others = self._sample(self.shuffle_length - 1, exclude=target)
-        sent = [ShuffleEntry(0, own), *self._export(others, now)]
+        exported = self._export(self._sample(self.shuffle_length - 1, exclude=target), now,
+                                SHUFFLE_BYTES - advert_size(own))  # fmt: skip
+        sent = [ShuffleEntry(0, own), *exported]
         adv = self.entries.pop(target).advert
-        return adv, tuple(sent), tuple(others)
+        return adv, tuple(sent), tuple(e.advert.id for e in exported)
 
     def answer(self, sender: bytes, received: tuple[ShuffleEntry, ...], now: float) -> tuple[ShuffleEntry, ...]:
         """Respond to a shuffle from ``sender``: up to ``l`` random entries of ours, then merge theirs."""
-        ids = self._sample(self.shuffle_length, exclude=sender)
-        reply = tuple(self._export(ids, now))
-        self.merge(received, ids, now)
+        reply = tuple(self._export(self._sample(self.shuffle_length, exclude=sender), now))
+        self.merge(received, [e.advert.id for e in reply], now)
         return reply
 
     def merge(self, received: tuple[ShuffleEntry, ...], sent: list[bytes] | tuple[bytes, ...], now: float) -> None:
