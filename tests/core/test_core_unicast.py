@@ -397,14 +397,14 @@ def test_expired_learned_route_is_not_used(h: CoreHarness) -> None:
     assert [t.reason for t in out.traces("dropped")] == ["no_route"]
 
 
-@pytest.mark.parametrize("configured", [False, True])
+@pytest.mark.parametrize("configured", [None, "peers", "upstream", "edge_nodes"])
 def test_routes_learned_behind_a_router_go_with_its_advert_unless_it_is_configured(
-    tmp_path: Path, configured: bool
+    tmp_path: Path, configured: str | None
 ) -> None:
     """A router whose advert lapsed while it is not connected is gone, and the routes learned from the messages
     it relayed go with it - unless it is a configured peer (dialled whatever its adverts: found by an audit, the
     next reply to an app behind it was refused no_route while the one before waited in its queue)."""
-    h = CoreHarness(tmp_path / "x", X, CoreConfig(peers=frozenset({R.public}) if configured else frozenset()))
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(**({configured: frozenset({R.public})} if configured else {})))
     r = h.open(R, local=False)
     h.receive(r, advert_message(R, X, advert(R, ttl=60)))
     h.receive(r, unicast(REMOTE_SVC, BOB))
@@ -415,7 +415,7 @@ def test_routes_learned_behind_a_router_go_with_its_advert_unless_it_is_configur
     a = h.open(ALICE)
     out = h.receive(a, unicast(ALICE, REMOTE_SVC, b"a reply", now=later), now=later)
     if configured:
-        assert out.refusals(a) == [] and h.store.queue_usage(R.public)[0] == 1  # queued for R, dialled
+        assert out.refusals(a) == [] and h.store.queue_usage(R.public)[0] == 1  # queued for R
     else:
         assert [t.reason for t in out.traces("dropped")] == ["no_route"]
 
