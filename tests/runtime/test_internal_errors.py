@@ -9,13 +9,13 @@ as it would), then raises. Real LMDB files, the real driver, under ``fsync`` (co
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from daemons import async_wait_until
 
 from upsycle_router.core.events import (
     CloseConnection,
@@ -42,11 +42,7 @@ pytestmark = pytest.mark.parametrize("durability", [Durability.FSYNC, Durability
 
 
 async def _until(cond: Any) -> None:
-    for _ in range(int(WAIT / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
+    await async_wait_until(cond, WAIT, "the driver")
 
 
 class _Node:
