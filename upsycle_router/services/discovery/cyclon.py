@@ -33,6 +33,7 @@ class ViewEntry:
 
     advert: PeerAdvertisement
     born: float
+    size: int  # the advert's encoded bytes (advert_size), for a SHUFFLE's budget
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.born)
@@ -94,7 +95,7 @@ class CyclonView:
         old = self.entries.get(adv.id)
         if old is not None:
             if self._fresher(adv, born, old):
-                self.entries[adv.id] = ViewEntry(adv, born)
+                self.entries[adv.id] = ViewEntry(adv, born, advert_size(adv))
                 return True
             return False
         if len(self.entries) >= self.view_size:
@@ -102,7 +103,7 @@ class CyclonView:
             if self.entries[oldest].born >= born:
                 return False
             del self.entries[oldest]
-        self.entries[adv.id] = ViewEntry(adv, born)
+        self.entries[adv.id] = ViewEntry(adv, born, advert_size(adv))
         return True
 
     def _sample(self, n: int, exclude: bytes | None = None) -> list[bytes]:
@@ -116,7 +117,7 @@ class CyclonView:
         out = []
         for k in ids:
             e = self.entries[k]
-            budget -= advert_size(e.advert)
+            budget -= e.size
             if budget < 0:
                 break
             out.append(ShuffleEntry(math.ceil(e.age(now)), e.advert))
@@ -153,16 +154,16 @@ class CyclonView:
             old = self.entries.get(adv.id)
             if old is not None:
                 if self._fresher(adv, born, old):
-                    self.entries[adv.id] = ViewEntry(adv, born)
+                    self.entries[adv.id] = ViewEntry(adv, born, advert_size(adv))
                 continue
             if len(self.entries) < self.view_size:
-                self.entries[adv.id] = ViewEntry(adv, born)
+                self.entries[adv.id] = ViewEntry(adv, born, advert_size(adv))
                 continue
             while replaceable:
                 victim = replaceable.pop(0)
                 if victim in self.entries:
                     del self.entries[victim]
-                    self.entries[adv.id] = ViewEntry(adv, born)
+                    self.entries[adv.id] = ViewEntry(adv, born, advert_size(adv))
                     break
 
     def age_out(self, now: float, max_age: float | None) -> list[bytes]:
