@@ -705,6 +705,24 @@ def test_an_advert_cannot_draw_an_apps_traffic_from_the_router_it_is_behind_or_a
     assert ALICE.public not in h.router.routes  # (a local key never)
 
 
+def test_a_register_cannot_draw_another_routers_traffic(h: CoreHarness) -> None:
+    """(From a black-box audit: an edge node's REGISTER naming another edge's router id drew the messages for that
+    edge, while it was away, to itself.) An edge's REGISTER routes the app keys it names to it, never a router's
+    key - a configured peer's, another edge's, one that advertised itself; nor does a peer's REGISTER."""
+    adv_router, app, edge2 = ident("a router met by its advert"), ident("an app of the edge"), ident("edge 2")
+    h.restart(replace(h.config, edge_nodes=frozenset({EDGE.public, edge2.public})))
+    r = h.open(R, local=False)
+    h.receive(r, advert_message(adv_router, X, advert(adv_router, ttl=900)))  # (relayed by R)
+    e = h.open(EDGE, local=False)
+    keys = (R.public, edge2.public, adv_router.public, app.public)
+    h.receive(e, control(EDGE, X, Register(keys)))
+    routes = h.router.routes
+    assert routes[app.public].router == EDGE.public
+    assert all(k not in routes or routes[k].router != EDGE.public for k in keys[:3])
+    h.receive(r, control(R, X, Register((edge2.public, ident("an app behind R").public))))
+    assert edge2.public not in routes and routes[ident("an app behind R").public].router == R.public
+
+
 def test_an_advertised_address_is_kept_so_that_a_restart_dials_the_router_messages_wait_for(h: CoreHarness) -> None:
     """(From a black-box audit: messages acknowledged for a router known only by its advert waited for ever after a
     restart - the address book was in memory only.) The advert's address is stored; at start the core hands it to

@@ -247,12 +247,14 @@ class ControlPlane:
     ) -> None:
         """A router names keys it serves. From an edge node this core serves: route (and store and forward)
         unicast for them to it, and tell our peers they are reachable here. From a configured peer or a core
-        node of ours: route unicast for them to it, for ``learned_route_ttl`` (renewed on every connection)."""
+        node of ours: route unicast for them to it, for ``learned_route_ttl`` (renewed on every connection).
+        Never this router's own keys or local ones, nor another router's (:meth:`RouterState.is_router`)."""
         s = self.s
         cfg = s.config
         mine = s.locals | {s.id}
         if not c.local and (c.peer in cfg.edge_nodes or cfg.accept_join_from_any):
-            new = [k for k in reg.keys if k not in mine and k != c.peer and s.served_by(k) != c.peer]
+            new = [k for k in reg.keys if k not in mine and k != c.peer and s.served_by(k) != c.peer
+                   and not s.is_router(k)]  # (another router's key: its traffic is its own, found by an audit)
             for key in new:
                 s.routes.pop(key, None)  # whatever was known of it: its edge node says where it is
                 s.learn_route(key, c.peer, ROUTE_SERVED, None)
@@ -267,7 +269,7 @@ class ControlPlane:
         if not c.local and (c.peer in cfg.peers or c.peer in cfg.upstream):
             expires = now + cfg.learned_route_ttl
             for key in reg.keys:
-                if key not in mine and s.served_by(key) is None:
+                if key not in mine and s.served_by(key) is None and not s.is_router(key):
                     s.learn_route(key, c.peer, ROUTE_REGISTERED, expires)  # (what is held for it follows: held.py)
             return
         self.delivery.dropped(c, msg.id, Why.NOT_AUTHORIZED, 0, now, out, CONTROL, None, h.src, h.dst, size)

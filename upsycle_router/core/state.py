@@ -407,6 +407,14 @@ class RouterState:
         return sorted(k for k, r in self.routes.items()
                       if r.source == ROUTE_SERVED and (edge is None or r.router == edge))
 
+    def is_router(self, key: bytes) -> bool:
+        """Whether ``key`` is a router's as far as this router knows: one that advertised itself, a configured
+        peer, core, edge or bootstrap node, or a node connected now over a remote connection. Never a key
+        another router may claim to serve (an advert's services, a REGISTER)."""
+        cfg = self.config
+        return (key in self.advert_revs or key in cfg.peers or key in cfg.upstream or key in cfg.edge_nodes
+                or key in cfg.bootstrap or any(not self.conns[c].local for c in self.by_key.get(key, ())))
+
     def may_claim(self, router: bytes, svc: bytes, now: float) -> bool:
         """Whether ``router``'s advert may route ``svc`` (a key it lists among its services) to it. An advert's
         signature proves who sent it, not that the keys it lists are its own: a router's key is never a service
@@ -418,12 +426,8 @@ class RouterState:
         an app behind a connected router to itself (found by a later audit). A route through a router that is
         not connected may be taken over - the key's own router advertising it after the relay that showed it
         first went away, say."""
-        if svc == router or svc == self.id or svc in self.locals:
+        if svc == router or svc == self.id or svc in self.locals or self.is_router(svc):
             return False
-        cfg = self.config
-        if (svc in self.advert_revs or svc in cfg.peers or svc in cfg.upstream or svc in cfg.edge_nodes
-                or svc in cfg.bootstrap or any(not self.conns[c].local for c in self.by_key.get(svc, ()))):
-            return False  # a router's key
         old = self.routes.get(svc)
         if old is None or old.router == router or (old.expires is not None and old.expires <= now):
             return True
