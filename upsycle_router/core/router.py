@@ -447,9 +447,8 @@ class Router:
         # router (a peer, core or edge node: dialled, or dialling in, whatever its adverts): the routes behind it
         # stand until their own expiry (found by an audit: the next reply to an app behind a stopped peer was
         # refused no_route while the one before waited in the peer's queue).
-        cfg = s.config
         gone = {d for d in expired if self.routes[d].source == ROUTE_ADVERT and self.connected(d) is None
-                and d not in cfg.peers and d not in cfg.upstream and d not in cfg.edge_nodes}
+                and d not in s.trusted}  # (trusted: the configured peers, core and edge nodes)
         if gone:
             expired += [d for d, r in self.routes.items() if r.router in gone and r.source == ROUTE_MESSAGE
                         and d not in expired]

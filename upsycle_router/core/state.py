@@ -411,9 +411,8 @@ class RouterState:
         """Whether ``key`` is a router's as far as this router knows: one that advertised itself, a configured
         peer, core, edge or bootstrap node, or a node connected now over a remote connection. Never a key
         another router may claim to serve (an advert's services, a REGISTER)."""
-        cfg = self.config
-        return (key in self.advert_revs or key in cfg.peers or key in cfg.upstream or key in cfg.edge_nodes
-                or key in cfg.bootstrap or any(not self.conns[c].local for c in self.by_key.get(key, ())))
+        return (key in self.trusted or key in self.advert_revs or key in self.config.bootstrap
+                or any(not self.conns[c].local for c in self.by_key.get(key, ())))
 
     def may_claim(self, router: bytes, svc: bytes, now: float) -> bool:
         """Whether ``router``'s advert may route ``svc`` (a key it lists among its services) to it. An advert's

@@ -89,13 +89,13 @@ class CyclonView:
     def add(self, adv: PeerAdvertisement, age: float, now: float) -> bool:
         """Put one entry in (a seed, or a directly connected peer): an empty slot, a fresher copy of a held
         entry, or in place of the oldest entry when the view is full. True if the view changed."""
-        if adv.id == self.self_id or not shufflable(adv) or not self.fits(adv):
+        if adv.id == self.self_id or not shufflable(adv) or (size := advert_size(adv)) > ADVERT_MAX:
             return False
         born = now - age
         old = self.entries.get(adv.id)
         if old is not None:
             if self._fresher(adv, born, old):
-                self.entries[adv.id] = ViewEntry(adv, born, advert_size(adv))
+                self.entries[adv.id] = ViewEntry(adv, born, size)
                 return True
             return False
         if len(self.entries) >= self.view_size:
@@ -103,7 +103,7 @@ class CyclonView:
             if self.entries[oldest].born >= born:
                 return False
             del self.entries[oldest]
-        self.entries[adv.id] = ViewEntry(adv, born, advert_size(adv))
+        self.entries[adv.id] = ViewEntry(adv, born, size)
         return True
 
     def _sample(self, n: int, exclude: bytes | None = None) -> list[bytes]:
@@ -148,22 +148,22 @@ class CyclonView:
         replaceable = [k for k in sent if k in self.entries]
         for e in received[: self.shuffle_length]:
             adv = e.advert
-            if adv.id == self.self_id or not shufflable(adv) or not self.fits(adv):
+            if adv.id == self.self_id or not shufflable(adv) or (size := advert_size(adv)) > ADVERT_MAX:
                 continue
             born = now - e.age
             old = self.entries.get(adv.id)
             if old is not None:
                 if self._fresher(adv, born, old):
-                    self.entries[adv.id] = ViewEntry(adv, born, advert_size(adv))
+                    self.entries[adv.id] = ViewEntry(adv, born, size)
                 continue
             if len(self.entries) < self.view_size:
-                self.entries[adv.id] = ViewEntry(adv, born, advert_size(adv))
+                self.entries[adv.id] = ViewEntry(adv, born, size)
                 continue
             while replaceable:
                 victim = replaceable.pop(0)
                 if victim in self.entries:
                     del self.entries[victim]
-                    self.entries[adv.id] = ViewEntry(adv, born, advert_size(adv))
+                    self.entries[adv.id] = ViewEntry(adv, born, size)
                     break
 
     def age_out(self, now: float, max_age: float | None) -> list[bytes]:
