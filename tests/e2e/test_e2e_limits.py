@@ -14,6 +14,7 @@ from conftest import DaemonFactory, async_wait_until, cli, run_expecting_exit
 from upsycle_router.client import Client, ClientError, MessagesRefused
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in
+from upsycle_router.transport.connection import CLOSE_LINGER
 from upsycle_router.wire.control import Reason
 from upsycle_router.wire.messages import UnicastHeader
 
@@ -284,3 +285,19 @@ async def test_durability_batch_syncs_after_writes_only(daemon: DaemonFactory) -
     assert before >= 1
     assert quiet == before
     assert after >= quiet + 1
+
+
+async def test_a_sender_that_never_blocks_still_reads_the_routers_error(daemon: DaemonFactory) -> None:
+    """A client whose writes never block (the router reads and discards as fast as it writes, after its ERROR)
+    would never let its reader run: the ERROR stayed unread in the socket until, after the router's linger, a
+    write failed with a broken pipe and the socket was closed with the ERROR in it. ``drain()`` lets the reader
+    run at least every READ_TURN seconds, so the sender learns why it was closed (ERROR 6), not "broken pipe"."""
+    d = daemon(config={"limits": {"rate_per_connection": 200, "rate_burst": 50}})
+    victim, flooder = Identity.generate(), Identity.generate()
+    async with await Client.connect(d.sock, victim), await Client.connect(d.sock, flooder) as bad:
+        deadline = time.monotonic() + 3 + CLOSE_LINGER  # well past the ERROR and the linger after it
+        with pytest.raises(ClientError) as e:
+            while time.monotonic() < deadline:
+                await bad.send(victim.public, b"flood")
+        assert bad.error is not None and bad.error.code == 6, bad.closed_reason
+        assert "ERROR 6" in str(e.value)

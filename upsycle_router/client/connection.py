@@ -112,6 +112,7 @@ log = logging.getLogger(__name__)
 
 LATE_REFUSALS_KEPT = 1024  # Client.late_refusals keeps the newest ones
 TRACK_LIMIT = 1 << 16  # ids a sync span records (about 100 bytes each), and REFUSED of unknown ids it holds
+READ_TURN = 0.01  # seconds: drain() lets the loop run (the reader) at least this often, also when nothing blocks
 
 REASON_TEXT: dict[int, str] = {
     Reason.BAD_SIGNATURE: "its signature does not verify",
@@ -290,6 +291,7 @@ class Client:
         self.closed_reason: str | None = None
         self.error: Error | None = None
         self._ended = False  # close() ended this side
+        self._read_turn = time.monotonic()  # when drain() last let the reader run
         self._close_ended = asyncio.Event()  # ... and has closed the transport
 
     # ------------------------------------------------------------ connecting
@@ -574,7 +576,18 @@ class Client:
             ep.overflow = True
 
     async def drain(self) -> None:
-        """Wait until the socket buffer drained; ClientError if the connection is gone."""
+        """Wait until the socket buffer drained; ClientError if the connection is gone.
+
+        At least every :data:`READ_TURN` seconds this also lets the event loop run once. A writer that never
+        blocks (the router reads as fast as we write) would otherwise never let the reader run: the router's
+        ERROR (e.g. 6, overloaded) would stay unread in the socket until a later write failed with a broken
+        pipe, and that failure closes the socket with the ERROR still in it."""
+        now = time.monotonic()
+        if now - self._read_turn >= READ_TURN:
+            self._read_turn = now
+            await asyncio.sleep(0)
+            if self.closed_reason is not None:
+                raise ClientError(self.closed_reason)
         try:
             await self._writer.drain()
         except ConnectionError as e:
