@@ -2,8 +2,9 @@
 
 Every address is an Ed25519 public key. An :class:`Identity` holds the 32-byte seed and signs; verification
 is a free function over (public key, bytes, signature) that never raises for a bad signature or a key that is
-not a valid curve point. Key files hold the seed as 64 hex characters (a raw 32-byte file is read too) and
-must not be readable by group or others: loading such a file fails with a message saying how to fix it.
+not a valid curve point. Key files hold the 32-byte seed as it is (a file of 64 hex characters, as earlier
+versions wrote, is read too) and must not be readable by group or others: loading such a file fails with a
+message saying how to fix it.
 The X25519 forms of a key (libsodium's birational map) exist for end-to-end encryption in apps.
 """
 
@@ -152,7 +153,7 @@ def app_message_valid(msg: AppMessage) -> bool:
 
 
 def write_key_file(path: str | os.PathLike[str], key: Identity | None = None, *, overwrite: bool = False) -> Identity:
-    """Write a key file (mode 0600, seed as hex) and return its identity."""
+    """Write a key file (mode 0600, the 32-byte seed) and return its identity."""
     key = key or Identity.generate()
     p = Path(path)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
@@ -168,9 +169,9 @@ def write_key_file(path: str | os.PathLike[str], key: Identity | None = None, *,
         raise KeyFileError(f"{p}: key file exists; refusing to overwrite it") from None
     except OSError as e:
         raise KeyFileError(f"{p}: cannot create key file: {e.strerror}") from None
-    with os.fdopen(fd, "w") as f:
+    with os.fdopen(fd, "wb") as f:
         os.fchmod(f.fileno(), 0o600)
-        f.write(key.seed.hex() + "\n")
+        f.write(key.seed)
     return key
 
 
@@ -196,14 +197,14 @@ def load_key_file(path: str | os.PathLike[str]) -> Identity:
         raise KeyFileError(f"{p}: cannot read key file: {e.strerror}") from None
     text = raw.strip()
     try:
-        if len(text) == 2 * SEED_LEN:
-            seed = bytes.fromhex(text.decode("ascii"))
-        elif len(raw) == SEED_LEN:
+        if len(raw) == SEED_LEN:
             seed = raw
+        elif len(text) == 2 * SEED_LEN:
+            seed = bytes.fromhex(text.decode("ascii"))
         else:
             raise ValueError
     except (ValueError, UnicodeDecodeError):
-        raise KeyFileError(f"{p}: not a key file (expected 64 hex characters or 32 raw bytes)") from None
+        raise KeyFileError(f"{p}: not a key file (expected the 32-byte seed, or it as 64 hex characters)") from None
     return Identity.from_seed(seed)
 
 

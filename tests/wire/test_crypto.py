@@ -217,7 +217,17 @@ def test_key_file_written_0600_and_loaded(tmp_path: Path) -> None:
     p = tmp_path / "keys" / "router.key"
     key = write_key_file(p)
     assert _mode(p) == 0o600
-    assert p.read_text() == key.seed.hex() + "\n"
+    assert p.read_bytes() == key.seed  # the 32-byte seed as it is (wire contract: keys and addresses)
+    assert load_key_file(p) == key
+
+
+@pytest.mark.parametrize("text", ["{}", "{}\n", "{}\r\n", " {} \n"])
+def test_a_key_file_of_hex_text_is_read_too(tmp_path: Path, text: str) -> None:
+    """Earlier versions wrote the seed as 64 hex characters and a newline: those files keep working."""
+    key = Identity.from_seed(bytes(range(32)))
+    p = tmp_path / "k"
+    p.write_text(text.format(key.seed.hex()))
+    p.chmod(0o600)
     assert load_key_file(p) == key
 
 
