@@ -422,6 +422,27 @@ def test_remote_multicast_reaches_the_pubsub_service_only_if_it_joined(tmp_path:
     assert h.receive(r, multicast(G, b"2")).sends(p)
 
 
+def test_an_edge_nodes_group_message_reaches_the_pubsub_service_as_a_local_publish_does(tmp_path: Path) -> None:
+    """A core is to its edge nodes' apps what an edge is to its own: a group message an edge node handed over
+    goes to the core's pub/sub service by fanout when nobody here subscribes (black-box audit: it was dropped,
+    no_subscribers, and never left the core). Another router's message does not; nor does one of a group
+    joined here only with local = true."""
+    edge = ident("edge")
+    h = CoreHarness(tmp_path / "x", X, CoreConfig(pubsub_service=PS.public, edge_nodes=frozenset({edge.public})))
+    p = h.open(PS)
+    e = h.open(edge, local=False)
+    r = h.open(R, local=False)
+    m = multicast(G, b"from the edge")
+    out = h.receive(e, m)
+    assert [x.via for x in out.messages(p)] == [edge.public]
+    assert out.traces("delivered")[0].role == "service" and not out.traces("dropped")
+    assert h.receive(r, multicast(G, b"from a peer")).traces("dropped", reason="no_subscribers")
+    b = h.open(BOB)
+    join(h, b, BOB, local=True)
+    out = h.receive(e, multicast(G, b"joined here locally only"))
+    assert len(out.sends(b)) == 1 and out.sends(p) == []
+
+
 def test_edge_router_hands_local_publishes_of_upstream_groups_to_its_core(tmp_path: Path) -> None:
     h = CoreHarness(tmp_path / "x", X, CoreConfig(upstream=frozenset({CORE.public})))
     k = h.open(CORE, local=False)

@@ -458,3 +458,35 @@ async def test_gossip_works_both_ways_after_a_router_restart(tmp_path: Path) -> 
         c = await net.client(r2, c_key)  # the subscription was kept by r2
         await first_through(c, group, a, "r2 to r1 after the restart")
         await first_through(a, group, c, "r1 to r2 after the restart")
+
+
+async def test_an_edge_apps_publish_reaches_subscribers_beyond_a_core_where_nobody_joined(tmp_path: Path) -> None:
+    """(From a black-box audit: 0 of 3 delivered under a clean SYNC_ACK.) Edge E's app publishes to group g, which
+    nobody on E or on its core C subscribes to; g's subscriber is on B, a peer of C. E hands the publish to C
+    (custody), and C's pub/sub service must take it out by fanout, as it does a local app's publish: beyond the
+    core the message travels by gossip. Before, C had no member for g and handed it to nobody."""
+    async with Network(tmp_path) as net:
+        c, e, b = net.add_nodes(3)
+        c.config["edge_nodes"] = [e.id.hex()]
+        e.config["core_nodes"] = [c.peer_entry()]
+        b.config["peers"] = [c.peer_entry()]
+        await net.start_all()
+        await net.wait_dialled(e, c)
+        await net.wait_dialled(b, c)
+        g = Identity.generate()
+        y = await net.client(b)
+        assert await y.join(g.public, local=False)
+        x = await net.client(e)
+        reached = False
+        for attempt in range(80):  # until C's pub/sub service knows that B's subscribes to g (its announcement)
+            await x.publish(g, b"probe %d" % attempt)
+            assert (await x.sync()).ok
+            if await drain(y, 0.25):
+                reached = True
+                break
+        assert reached, "no publish of the edge's app reached the subscriber beyond its core"
+        await drain(y, 0.5)
+        sent = {await x.publish(g, b"message %d" % k) for k in range(10)}
+        assert (await x.sync()).ok
+        got = await collect(y, sent, timeout=15, settle=1.0)
+        assert sorted(m.id for m in got) == sorted(sent), "each message once"

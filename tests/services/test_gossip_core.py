@@ -23,7 +23,7 @@ from upsycle_router.services.pubsub.caches import MessageCache, SeenCache
 from upsycle_router.services.pubsub.outbox import Outbox
 from upsycle_router.tools.sim.gossip import make_message
 from upsycle_router.wire.gossip import GossipRpc, IHave, SubOpt
-from upsycle_router.wire.messages import UnicastHeader
+from upsycle_router.wire.messages import MulticastHeader, UnicastHeader
 
 GK = Identity.from_seed(b"\x07" * 32)
 GK2 = Identity.from_seed(b"\x08" * 32)
@@ -314,8 +314,26 @@ def test_unicast_and_unjoined_messages() -> None:
     uni = sign_message(UnicastHeader(src.public, src.public, 0, 0), b"", src)
     assert traces(core.message_received(uni, rid(1), 0.1), "ignored")
     assert traces(core.publish(uni, 0.1), "ignored")
-    other = make_message(GK2, b"other group")
-    assert core.message_received(other, rid(1), 0.2) == [] and core.has_seen(other.id)
+    other = make_message(GK2, b"other group")  # not joined, nobody known to subscribe: taken out to no one
+    out = core.message_received(other, rid(1), 0.2)
+    assert not forwards(out) and traces(out, "unsent") and core.has_seen(other.id)
+
+
+@pytest.mark.parametrize("flood", [True, False])
+def test_a_message_of_a_group_not_joined_is_taken_out_by_fanout_but_not_back(flood: bool) -> None:
+    """Our router hands us a message of a group we have not joined only for us to take it out (a core passing on
+    what its edge's app published, to a group nobody on either subscribes to): to the fanout, as a publish of
+    ours - never back to the router it came from, and asking nobody for the ids its ``sn`` names."""
+    core = make_core(n_peers=8, subscribed=4, params=GossipParams(flood_publish=flood))
+    subscribed = {rid(i) for i in range(1, 5)}
+    sn = (b"\x77" * 32,)
+    msg = sign_message(MulticastHeader(G, 60, 0, sn), b"from the edge", GK)
+    out = core.message_received(msg.with_via(rid(1)), rid(1), 0.1)  # (the edge, here a subscribed peer too)
+    assert {r for r, _ in forwards(out)} == subscribed - {rid(1)}
+    assert rid(1) not in core.fanout_peers(G)
+    again = core.message_received(msg.with_via(rid(2)), rid(2), 0.2)
+    assert not forwards(again) and traces(again, "duplicate")
+    assert not [e for e in core.handle_timer(5.0) if isinstance(e, Pull)]  # (joined: the sn id would be pulled)
 
 
 def test_ihave_answered_with_iwant_for_unseen_ids_once() -> None:

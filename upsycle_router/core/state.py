@@ -318,7 +318,9 @@ class RouterState:
 
     def recipients(self, c: Conn, grp: bytes, discovery: bool) -> tuple[dict[bytes, bool] | None, list[bytes]]:
         """The group's local members, and who of them (and of the services) gets a message of ``grp`` that
-        arrived on ``c``: every member but the sender, and the pub/sub service for a local publish."""
+        arrived on ``c``: every member but the sender, and the pub/sub service for a local publish - or one that
+        a configured edge node handed over (its app's: the edge's core takes it out, as the edge's app's router
+        would)."""
         members = self.subs.get(grp)
         if not members:
             recipients: list[bytes] = []
@@ -327,12 +329,14 @@ class RouterState:
         else:
             recipients = list(members)
         ps = self.config.pubsub_service
-        if (c.local and ps is not None and ps != c.peer and not discovery and ps not in recipients
-                and (not members or grp in self.pubsub_groups)):
+        if ((c.local or c.peer in self.config.edge_nodes) and ps is not None and ps != c.peer and not discovery
+                and ps not in recipients and (not members or grp in self.pubsub_groups)):
             # A local publish goes to the pub/sub service for the gossip overlay when an app here JOINed the group
             # with local = false (the service was SUBbed; it may not have JOINed yet), or by fanout when nobody
             # here subscribes (apps may publish to other nodes' groups). A group joined here only with
-            # local = true stays on this node (seed 003 §JOIN).
+            # local = true stays on this node (seed 003 §JOIN). So does a group message an edge node handed to
+            # us, its core: an edge's app publishing to a group nobody on the edge or here subscribes to reaches
+            # the rest of the network through this node's service.
             recipients.append(ps)
         return members, recipients
 

@@ -37,7 +37,9 @@ Dissemination (seed 004 §Message Processing)
     A message from a remote router is dropped if its id is in the seen cache; otherwise it is validated
     against its group's :class:`~upsycle_router.services.pubsub.validation.GroupPolicy` (invalid ones are
     traced and, since an id names exact bytes, remembered as seen), put in the seen cache and the mcache, and
-    forwarded (:class:`Forward`) to every mesh peer of its group except the router it came from. A local
+    forwarded (:class:`Forward`) to every mesh peer of its group except the router it came from - or, for a
+    group we have not joined (our router hands us such a message only to take it out: on a core, an edge
+    node's app's publish), as a local publish is, but never back to that router. A local
     publish goes to the mesh when we joined the group, else to ``fanout[group]``, filled with up to D peers
     known to be subscribed when empty, and stamps the group's last-publish time. With ``flood_publish`` (on
     by default, gossipsub v1.1's option, as go-libp2p and rust-libp2p do) it also goes to every other peer
@@ -538,6 +540,9 @@ class GossipCore:
         if via is not None:
             mesh = self._mesh.get(group)
             if mesh is None:
+                # Not joined: our router hands us such a message only for us to take it out by fanout - a core
+                # passing on what one of its edge nodes' apps published (docs/gossip.md "Data").
+                self._publish_targets(msg, group, now, ob, skip=via)
                 return
             for router in sorted(mesh):
                 if router != via:
@@ -547,11 +552,14 @@ class GossipCore:
             return
         self._publish_targets(msg, group, now, ob)
 
-    def _publish_targets(self, msg: Message, group: bytes, now: float, ob: Outbox) -> None:
+    def _publish_targets(self, msg: Message, group: bytes, now: float, ob: Outbox, skip: bytes | None = None) -> None:
         """Forward a message published here: to the mesh (topped up to D without flood publish) or the fanout
-        (built from up to D subscribed peers when empty), and with flood publish to every subscribed peer."""
+        (built from up to D subscribed peers when empty), and with flood publish to every subscribed peer;
+        never to ``skip`` (the router it came from)."""
         p = self._params
         subscribed = self._subscribed(group)
+        if skip is not None:
+            subscribed = subscribed - {skip}
         mesh = self._mesh.get(group)
         if mesh is not None:
             targets = set(mesh)
@@ -567,6 +575,8 @@ class GossipCore:
             targets = set(fanout)
         if p.flood_publish:
             targets |= subscribed
+        if skip is not None:
+            targets.discard(skip)  # (a peer in the fanout since before)
         if not targets:
             ob.trace("unsent", group=group, id=msg.id, reason="no_subscribed_peer")
         for router in sorted(targets):
