@@ -17,11 +17,13 @@ from pubsub_adapter import adapter
 
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import exp_in
-from upsycle_router.services.pubsub import GossipParams
+from upsycle_router.services.pubsub import GossipCore, GossipParams
+from upsycle_router.services.pubsub.validation import GroupPolicy, ServiceValidator, Verdict
 from upsycle_router.wire.cbor import enc
 from upsycle_router.wire.gossip import GossipRpc
-from upsycle_router.wire.messages import Message, UnicastHeader
+from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub
+from upsycle_router.wire.validation import VALIDATION_CODEC, VerdictReply
 
 
 def from_service(service: Identity, to: bytes, body: bytes, via: bytes | None) -> Message:
@@ -63,3 +65,44 @@ async def test_what_other_nodes_sent_and_was_not_taken_is_counted_and_logged(cap
         assert a.svc.counters["pubsub_unknown_peer_total"] == 3
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pubsub: unknown_peer from")]
         assert len(lines) == 1, lines
+
+
+async def test_validator_verdicts_on_other_nodes_messages_are_counted_and_logged_a_line_per_kind(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """(From a black-box audit: 20 remote messages a validator rejected or ignored left the counters at 0 and wrote
+    20 INFO lines, one each.) What a validator service does not take from other nodes counts as what the group's
+    rules do not take - ``pubsub_rejected_total`` / ``pubsub_ignored_total``, a line per kind every 10 s - and a
+    message published here that it ignores, or that times out, gets the WARNING a rejected one gets."""
+    v, group, peer_router = Identity.generate(), Identity.generate(), Identity.generate()
+    async with adapter() as a:
+        a.core = a.svc.core = GossipCore(a.router.public, now=0.0, rng=a.svc.rng, params=a.svc.params,
+                                         default_policy=GroupPolicy(service=ServiceValidator(v.public, 2.0,
+                                                                                             Verdict.IGNORE)))
+        a.svc.validator_keys = frozenset({v.public})
+
+        def verdict(mid: bytes, answer: Verdict) -> None:
+            body = VALIDATION_CODEC.encode(VerdictReply(mid, answer.value))
+            a.feed(sign_message(UnicastHeader(v.public, a.ps.public, 60, exp_in(time.time(), 3600)), body, v), 1.1)
+
+        def remote(k: int) -> bytes:
+            m = sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 3600)), b"remote %d" % k, group)
+            a.feed(m.with_via(peer_router.public), 1.0)
+            return m.id
+
+        with caplog.at_level(logging.INFO, logger="upsycle_router"):
+            for k in range(6):
+                verdict(remote(k), Verdict.REJECT if k % 2 else Verdict.IGNORE)
+            timed_out = [remote(k) for k in range(6, 8)]  # no answer: IGNORE at the deadline
+            a.svc._apply(a.client, a.core.handle_timer(4.0))
+            verdict(timed_out[0], Verdict.REJECT)  # too late: decides nothing, counted as nothing
+            local = sign_message(MulticastHeader(group.public, 60, exp_in(time.time(), 3600)), b"here", group)
+            a.feed(local, 5.0)
+            verdict(local.id, Verdict.IGNORE)
+        assert a.svc.counters.get("pubsub_rejected_total") == 3
+        assert a.svc.counters.get("pubsub_ignored_total") == 3 + 2
+        texts = [r.getMessage() for r in caplog.records]
+        remote_lines = [t for t in texts if " from router " in t and t.startswith(("pubsub: rejected", "pubsub: ign"))]
+        assert len(remote_lines) == 3, remote_lines  # validator REJECT, IGNORE, validator_timeout: one line each
+        here = [r for r in caplog.records if "published on this node" in r.getMessage()]
+        assert len(here) == 1 and here[0].levelno == logging.WARNING and "ignored (validator)" in here[0].getMessage()

@@ -260,18 +260,22 @@ class PubsubService(RouterService):
                                   f"{_short(e.group)}, went to no other node: no peer is known to subscribe to the "
                                   "group (a subscribed peer that appears while it is cached is offered it)",
                                   logging.INFO)  # fmt: skip
-            elif isinstance(e, Trace) and e.event == "rejected" and e.peer is None:
-                self._lines.event(f"here:{e.reason}", f"pubsub: a message published on this node, {_short(e.id)} "
-                                  f"of group {_short(e.group)}, goes to no other node: rejected ({e.reason})")
-            elif (isinstance(e, Trace) and e.event in _COUNTED and e.peer is not None
-                  and not (e.reason or "").startswith(("validator", "verdict"))):  # (validators: below, or late)
-                # what came from another node and was not taken: counted (STATUS), a line per kind every 10 s
+            elif isinstance(e, Trace) and e.event in _COUNTED and (e.reason or "").startswith("verdict"):
+                # a validator's answer that decided nothing (late, for no message held): its own kind of line
+                self._lines.event(f"verdict:{e.reason}", f"pubsub: {e.event} a verdict{_of(e)} ({e.reason})",
+                                  logging.INFO)
+            elif isinstance(e, Trace) and e.event in ("rejected", "ignored") and e.peer is None:
+                # a message published on this node that its rules or its validator did not take (local
+                # subscribers had it from the router): a WARNING, a line per reason every 10 s
+                self._lines.event(f"here:{e.event}:{e.reason}", f"pubsub: a message published on this node, "
+                                  f"{_short(e.id)} of group {_short(e.group)}, goes to no other node: {e.event} "
+                                  f"({e.reason})")  # fmt: skip
+            elif isinstance(e, Trace) and e.event in _COUNTED and e.peer is not None:
+                # what came from another node and was not taken - by the group's rules or its validator
+                # service: counted (STATUS), a line per kind every 10 s
                 self._count(f"pubsub_{e.event}_total")
                 self._lines.event(f"{e.event}:{e.reason}", f"pubsub: {e.event}{_of(e)} from router "
                                   f"{_short(e.peer)} ({e.reason})", logging.INFO)  # fmt: skip
-            elif isinstance(e, Trace) and e.reason is not None and e.reason.startswith("validator"):
-                log.info("pubsub: %s %s of group %s%s (%s)", e.event, _short(e.id), _short(e.group),
-                         "" if e.peer is None else f" from router {_short(e.peer)}", e.reason)  # fmt: skip
             else:
                 log.debug("pubsub: %s", e)
 
