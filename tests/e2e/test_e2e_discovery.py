@@ -203,6 +203,25 @@ async def test_lan_discovery_in_namespaces_then_a_link_then_peers_drop(tmp_path:
             await async_wait_until(lambda: f"refused input from {lan.addr(1)}: malformed advert" in a.log_text(), 5,
                                    "A to log the malformed datagram")  # fmt: skip
             assert a.running
+            # ... and counted where an operator reads them (STATUS, metrics), also those only counted: a flood
+            # over the sender's rate (a black-box audit found 193 of 200 junk datagrams in no counter or line)
+            before = await alice.status()
+            assert before["discovery_lan_rejected_total"] >= 1 and "discovery_lan_rate_limited_total" in before
+            flood = junk.replace("s.sendto(", "[s.sendto(").replace("7743))", "7743)) for _ in range(200)]")
+            subprocess.run(["ip", "netns", "exec", lan.nodes[1], sys.executable, "-c", flood], check=True, timeout=10)
+
+            async def flood_counted() -> bool:
+                st = await alice.status()
+                got = sum(st[f"discovery_lan_{k}_total"] - before[f"discovery_lan_{k}_total"]
+                          for k in ("rate_limited", "received"))
+                limited = "discovery_lan_rate_limited_total"
+                return got >= 200 and st[limited] > before[limited]
+
+            deadline = time.monotonic() + 10
+            while not await flood_counted():
+                assert time.monotonic() < deadline, "the flood's datagrams were not all counted"
+                await asyncio.sleep(0.2)
+            assert a.running
 
             # B stops advertising (it stops): A drops it within its advert ttl, routes included.
             assert discovery_id(b) is not None

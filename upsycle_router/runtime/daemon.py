@@ -63,7 +63,7 @@ from upsycle_router.errors import ConfigError, ErrorCode
 from upsycle_router.expiry import exp_in
 from upsycle_router.logtext import value
 from upsycle_router.runtime import early
-from upsycle_router.runtime.discovery_service import DiscoveryService, LanSocketConfig
+from upsycle_router.runtime.discovery_service import DISCOVERY_COUNTERS, DiscoveryService, LanSocketConfig
 from upsycle_router.runtime.driver import Driver
 from upsycle_router.runtime.logs import set_format, set_level
 from upsycle_router.runtime.memory import STORM_TRIM_DELAY, TRIM_INTERVAL, PeakWatch, Trimmer
@@ -361,8 +361,9 @@ class Daemon:
             self._pubsub_task = loop.create_task(self.pubsub.run())
         if self.discovery_identity is not None and cfg.unix is not None and cfg.discovery.in_process:
             self.discovery = discovery_service(cfg, self.discovery_identity, cfg.unix)
-            self.discovery.counters = self.driver.stats  # (service_errors_total in STATUS)
-            self.driver.stats.setdefault("service_errors_total", 0)
+            self.discovery.counters = self.driver.stats  # (its counters and service_errors_total in STATUS)
+            for name in (*DISCOVERY_COUNTERS, "service_errors_total"):
+                self.driver.stats.setdefault(name, 0)
             self._discovery_task = loop.create_task(self.discovery.run())
         self._readvertise_handle = loop.call_later(self._advert_refresh(), self._readvertise)
         if self.trimmer.available:

@@ -105,6 +105,13 @@ def open_lan_socket(cfg: LanSocketConfig) -> socket.socket:
     return s
 
 
+DISCOVERY_COUNTERS = tuple(f"discovery_{name}_total" for name in (
+    "lan_received", "lan_rejected", "lan_rate_limited", "refused_expired", "refused_older", "refused_oversize",
+    "malformed"))  # fmt: skip
+"""The service's counters there from the start (at 0: a rate misses none) in the router's STATUS when it runs in
+the router's process; the core's other counters join them as they first count (``discovery_NAME_total``)."""
+
+
 class DiscoveryService(RouterService):
     """Runs a :class:`DiscoveryCore` against a router's Unix socket (and the LAN, when configured)."""
 
@@ -150,7 +157,10 @@ class DiscoveryService(RouterService):
 
     async def _serve(self, client: Client) -> None:
         if self.core is None or self.core.router != client.router_id:
+            old = self.core
             self.core = DiscoveryCore(client.router_id, self.params, self.rng, time.time())
+            if old is not None:  # (counters never go back: a new core counts on from the old one's)
+                self.core.counters.update(old.counters)
         core = self.core
         log.info("discovery service %s serving router %s", self.identity.hex, client.router_id.hex())
         while not self._stop.is_set():
@@ -166,6 +176,7 @@ class DiscoveryService(RouterService):
                 try:
                     self._apply(self._on_message(client, core, msg, time.time()))
                 except RemoteProtocolError as e:
+                    self.counters["discovery_malformed_total"] = self.counters.get("discovery_malformed_total", 0) + 1
                     via = "" if msg.via is None else f" via router {msg.via.hex()[:16]}"
                     src = msg.header.src.hex()[:16] if isinstance(msg.header, UnicastHeader) else "a group"
                     self._malformed.event("malformed", f"discovery: ignored a malformed message from {src}{via}: {e}",
@@ -232,7 +243,17 @@ class DiscoveryService(RouterService):
         header = MulticastHeader(DISCOVERY_GROUP.public, ttl, min(adv.exp, exp_in(now, ttl)), ())
         client.send_message(sign_message(header, encode_discovery(adv), DISCOVERY_GROUP))
 
+    def _export_counters(self) -> None:
+        """The core's counters as ``discovery_NAME_total`` in :attr:`counters` (the router's STATUS and metrics
+        when the service runs in its process): what it refused, rate-limited or let lapse is counted where an
+        operator can read it, not only inside the core."""
+        if self.core is not None:
+            counters = self.counters
+            for name, n in self.core.counters.items():
+                counters[f"discovery_{name}_total"] = n
+
     def _apply(self, effects: list[Effect]) -> None:
+        self._export_counters()
         client = self.client
         for e in effects:
             if isinstance(e, Announce):
