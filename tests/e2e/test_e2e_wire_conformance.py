@@ -27,6 +27,7 @@ import cbor2
 import pytest
 from conftest import Daemon, DaemonFactory
 from raw_app import (
+    AUTH_CONTEXT,
     ERR_AUTH,
     ERR_PROTOCOL,
     FAILURE,
@@ -53,6 +54,7 @@ from raw_app import (
     is_error,
     multicast,
     unicast,
+    verify,
 )
 from test_e2e_raw import wait_offline
 from test_e2e_websocket import raw_session, ws_daemon
@@ -421,6 +423,25 @@ async def test_auth_with_a_short_signature_is_refused(daemon: DaemonFactory) -> 
         assert p is not None
         conn.send_frame(enc(["auth", b"\x00" * 63]))
         await conn.drain()
+        code, _ = await conn.expect_error_and_close(5)
+        assert code == ERR_AUTH
+    finally:
+        await conn.close()
+
+
+async def test_a_hello_and_a_bad_auth_in_one_write_get_the_routers_auth_then_error_2(daemon: DaemonFactory) -> None:
+    """§6 step 2: on the peer's HELLO each side sends AUTH. A HELLO and a bad AUTH that arrive in one read get the
+    router's AUTH (over our nonce, verifying) and then ERROR 2 - not the ERROR alone (a black-box audit)."""
+    d = daemon()
+    k, nonce = Key.generate(), os.urandom(32)
+    conn = await RawConn.open(d.sock)
+    try:
+        their_hello = dec(await conn.read_frame(5) or b"")
+        conn.write(frame(hello(k, nonce)) + frame(enc(["auth", b"\x00" * 64])))  # (one write)
+        await conn.drain()
+        answer = dec(await conn.read_frame(5) or b"")
+        assert isinstance(answer, list) and answer[0] == "auth", answer
+        assert verify(their_hello[2], AUTH_CONTEXT + their_hello[2] + k.public + nonce, answer[1])
         code, _ = await conn.expect_error_and_close(5)
         assert code == ERR_AUTH
     finally:

@@ -360,6 +360,9 @@ class Connection(asyncio.Protocol):
         except ViolationAfter as e:  # the frames before it first
             events, violation = e.events, e
         except RemoteProtocolError as e:
+            # What the session had answered before the violation goes first: the AUTH it owes a HELLO that came
+            # in the same read as a bad AUTH (wire §6: on the peer's HELLO each side sends AUTH), then the ERROR.
+            self._send_session_output()
             self.protocol_error(e)
             return
         except Exception as e:  # noqa: BLE001 - a bug met by the peer's bytes (see _internal_error)
