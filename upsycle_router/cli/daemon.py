@@ -44,7 +44,7 @@ from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
 from upsycle_router.runtime.daemon import ListenError, run_daemon, running_pid
 from upsycle_router.runtime.logs import setup_logging
-from upsycle_router.store.integrity import StoreUnusable
+from upsycle_router.store.integrity import MARKER, StoreUnusable
 
 PATH_ERRNOS = frozenset({errno.EEXIST, errno.EISDIR, errno.ENOTDIR, errno.ENOENT, errno.EACCES, errno.EPERM,
                          errno.ENAMETOOLONG, errno.ELOOP})  # fmt: skip
@@ -134,9 +134,13 @@ def cmd_id(args: argparse.Namespace) -> int:
             cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         except OSError as e:
             raise ConfigError(f"data_dir: cannot create {cfg.data_dir}: {e.strerror or e}") from None
-        created = not cfg.key_path.exists()
+        created = not os.path.lexists(cfg.key_path)
         print(load_or_create_key_file(cfg.key_path).hex)
-        if created:
+        if created and (cfg.data_dir / "store" / MARKER).exists():
+            print(f"warning: created a new router key {cfg.key_path} beside an existing store: the router that ran "
+                  "on this data directory had another key (the old id is gone unless you put its key back)",
+                  file=sys.stderr)  # fmt: skip
+        elif created:
             print(f"note: created a new router key {cfg.key_path} (no router has run on this data directory yet)",
                   file=sys.stderr)  # fmt: skip
     except (KeyFileError, ConfigError) as e:

@@ -39,7 +39,7 @@ from upsycle_router.cli.common import (
     service_address,
 )
 from upsycle_router.client import Client, ClientError
-from upsycle_router.client.names import GroupName, add_name, default_names_file, load_names, remove_name
+from upsycle_router.client.names import GroupName, add_name, default_names_file, load_names, lookup, remove_name
 from upsycle_router.crypto import advert_valid, sign_message
 from upsycle_router.errors import ConfigError, KeyFileError, RemoteProtocolError
 from upsycle_router.expiry import exp_in, exp_iso, expires_at
@@ -240,8 +240,7 @@ def cmd_groups(args: argparse.Namespace) -> int:
             return 0
         if args.remove:
             if not remove_name(args.remove):
-                print(f"error: no group named {args.remove!r} in {default_names_file()}", file=sys.stderr)
-                return 1
+                lookup(args.remove)  # (raises: the unknown name, the file and the names it has - exit 2)
             return 0
         names = load_names()
     except (ConfigError, KeyFileError) as e:
