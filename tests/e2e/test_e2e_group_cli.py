@@ -191,3 +191,32 @@ def test_a_message_sent_before_the_new_member_took_its_welcome_reaches_it(
     assert [(e["kind"], e["data"]) for e in got] == [("message", "second")], got
     got = entries(group("b", "listen", "--from-start", "--timeout", "2").stdout)
     assert [e["data"] for e in got if e["kind"] == "message"] == ["hello, group", "second"], got
+
+
+def test_a_member_removed_after_it_sent_cannot_send_any_more(daemon: DaemonFactory, tmp_path: Path) -> None:
+    """(From a black-box audit: exit 0, and the others took the message.) b sends, a reads it and removes b; b's
+    next ``send`` must take the removal in first. The removal names a message of a's that b has not had and waits
+    for it to be fetched; ``send`` acted before that, as if b were still a member."""
+    d = daemon()
+    sock = str(d.sock)
+    keys = {n: tmp_path / f"{n}.key" for n in "ab"}
+    pub = {n: keygen(k) for n, k in keys.items()}
+
+    def group(who: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return cli("group", args[0], "--socket", sock, "--key", str(keys[who]), "--data", str(tmp_path / who),
+                   *args[1:], timeout=60)  # fmt: skip
+
+    assert group("b", "listen", "--timeout", "1").returncode == 0  # the router knows b from now on
+    gid = group("a", "create").stdout.strip()
+    assert group("a", "add", gid, pub["b"]).returncode == 0
+    assert group("a", "send", gid, "hello, group").returncode == 0
+    assert [e["kind"] for e in entries(group("b", "listen", "--timeout", "2").stdout)] == ["welcome", "message"]
+    assert group("b", "send", gid, "hi a").returncode == 0
+    got = entries(group("a", "listen", "--timeout", "2").stdout)
+    assert ("message", "hi a") in [(e["kind"], e["data"]) for e in got]
+    r = group("a", "remove", gid, pub["b"])
+    assert r.returncode == 0, r.stderr
+    r = group("b", "send", gid, "sent by b after its removal")
+    assert r.returncode == 1 and "removed" in r.stderr, (r.stdout, r.stderr)
+    got = entries(group("a", "listen", "--from-start", "--timeout", "2").stdout)
+    assert "sent by b after its removal" not in [e.get("data") for e in got]

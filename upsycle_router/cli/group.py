@@ -60,16 +60,22 @@ def default_group_dir(identity: Identity) -> Path:
 
 
 async def settle(mgr: GroupManager, quiet: float = SETTLE_QUIET, limit: float = SETTLE_MAX) -> None:
-    """Process what the router had queued: wait until nothing new was delivered for ``quiet`` seconds."""
+    """Process what the router had queued: wait until nothing new was delivered for ``quiet`` seconds and no
+    message waits for a missing dependency being fetched (at most ``limit`` seconds in all). A removal held
+    back until a message it depends on is fetched must be taken in before the command acts: without that wait,
+    a removed member's ``send`` went out and succeeded (a black-box audit)."""
     deadline = time.monotonic() + limit
 
     def delivered() -> int:
         return sum(mgr.store.delivered_count(gid) for gid in mgr.cores)
 
+    def waiting() -> bool:
+        return any(len(core.causal) for core in mgr.cores.values())
+
     before = -1
     while time.monotonic() < deadline:
         now = delivered()
-        if now == before:
+        if now == before and not waiting():
             return
         before = now
         await asyncio.sleep(quiet)
