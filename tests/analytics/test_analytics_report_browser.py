@@ -465,3 +465,17 @@ def test_nothing_lost_reads_so() -> None:
     assert '<p class="empty">No expected delivery is missing.</p>' in page
     assert '<p class="empty">No drops recorded.</p>' in page
     assert page.count("<table") == 1  # the group table; every empty one is a sentence
+
+
+@pytest.mark.parametrize("far", [1e12, -1e12, 1e308])
+def test_a_time_no_calendar_holds_is_written_as_seconds(far: float) -> None:
+    """Plain Python: a finite ``ts`` is a good record however far off (docs/analytics.md), so the summary and the
+    page must be written for one past the year 9999 too (a black-box audit: a traceback after the tables were
+    written, and the run taken back). One node is "1 node"."""
+    totals = {"events": 1, "nodes": 1, "published": 1, "first_ts": T0, "last_ts": far, "queued": 0, "pending": 0}
+    r = Results(groups=[_group_row(group(0), 1, 0)], drops_by_node=[], expired_by_node=[], residency_by_node=[],
+                residency={}, bad_lines=0, bad_by_problem={}, totals=totals)  # fmt: skip
+    summary = build_summary(r)
+    text = text_summary(summary)
+    assert f"{far:.17g} s (Unix time)" in text and "from 1 node," in text
+    assert f"{far:.17g} s (Unix time)" in html_report(summary, r)

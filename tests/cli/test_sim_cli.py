@@ -47,6 +47,7 @@ def test_cli_refuses_options_that_do_not_go_together(capsys: pytest.CaptureFixtu
         (["--warmup", "inf"], "warmup must be a finite number"),
         (["--linger", "nan"], "linger must be a finite number"),
         (["--downtime", "nan"], "downtime must be a finite number"),
+        (["--downtime", "-1"], "must not be negative"),
         (["--latency", "nan"], "latency must be a finite number >= 0"),
         (["--latency", "inf"], "latency must be a finite number >= 0"),
         (["--jitter", "nan"], "jitter must be a finite number >= 0"),

@@ -173,16 +173,25 @@ def _fmt(v: float | None, digits: int = 3) -> str:
 
 
 def _iso(ts: float | None) -> str:
+    """A record's time as ISO 8601 UTC; one a calendar cannot hold (past the year 9999, before year 1: a finite
+    ``ts`` is a good record however far off, docs/analytics.md) as its number of seconds."""
     if ts is None:
         return "-"
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    try:
+        return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    except (OverflowError, ValueError, OSError):
+        return f"{ts:.17g} s (Unix time)"
+
+
+def _nodes(n: int) -> str:
+    return f"{n} node" if n == 1 else f"{n} nodes"
 
 
 def text_summary(summary: Mapping[str, Any], outputs: Sequence[str] = (), max_groups: int = 10) -> str:
     """The one-screen plain-text summary printed on stdout."""
     t = summary["totals"]
     lines = [
-        f"upsycle-router analyze: {t['events']:,} events from {t['nodes']} nodes, "
+        f"upsycle-router analyze: {t['events']:,} events from {_nodes(t['nodes'])}, "
         f"{t['published']:,} messages published, {summary['bad_lines']:,} bad lines",
         f"time span: {_iso(t['first_ts'])} .. {_iso(t['last_ts'])}",
         "",
@@ -528,7 +537,7 @@ def html_report(summary: Mapping[str, Any], r: Results) -> str:
         "<meta name='viewport' content='width=device-width, initial-scale=1'>",
         f"<title>upsycle-router fleet analytics</title><style>{_CSS}</style></head><body>",
         "<h1>upsycle-router fleet analytics</h1>",
-        f"<p>{t['events']:,} events from {t['nodes']} nodes between {_iso(t['first_ts'])} and "
+        f"<p>{t['events']:,} events from {_nodes(t['nodes'])} between {_iso(t['first_ts'])} and "
         f"{_iso(t['last_ts'])}; {t['published']:,} multicast messages published; "
         f"{summary['bad_lines']:,} bad journal lines. Definitions: docs/analytics.md.</p>",
         *_lost_section(summary, r),

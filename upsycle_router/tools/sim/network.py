@@ -1124,7 +1124,7 @@ class Workload:
     message_ttl: int = 600
     sn: int = 0  # a publish names this many of the publisher's previous ids in its group (``sn``)
     churn: float = 0.0  # share of the other nodes that go down once during the publishing
-    downtime: float = 5.0  # how long a node that went down stays down (<= 0: for good)
+    downtime: float = 5.0  # how long a node that went down stays down (0: for good)
     partition: tuple[float, float] | None = None  # (from, to): the network is cut into two halves
 
     def __post_init__(self) -> None:
@@ -1137,7 +1137,7 @@ class Workload:
         for name in ("interval", "warmup", "linger", "downtime"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"{name} must be a finite number of seconds, got {getattr(self, name)}")
-        if self.interval < 0 or self.warmup < 0 or self.linger < 0 or self.message_size < 0:
+        if self.interval < 0 or self.warmup < 0 or self.linger < 0 or self.downtime < 0 or self.message_size < 0:
             raise ValueError("times and sizes must not be negative")
         if not 0 <= self.sn <= MAX_SEEN:
             raise ValueError(f"sn must be from 0 to {MAX_SEEN} (ids a message may name)")
