@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from pyspark.sql import functions as F
 from upsycle_router.analytics import schema
 from upsycle_router.analytics.job import Progress, run_compact
 from upsycle_router.analytics.session import AnalyticsError
-from upsycle_router.analytics.sources import discover, is_table, no_glob
+from upsycle_router.analytics.sources import discover, is_table, no_glob, read_tables
 
 K = "ab" * 32
 
@@ -353,3 +354,43 @@ def test_discover(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(AnalyticsError, match=r"no trace-\*\.jsonl files"):
         discover([tmp_path / "empty"])
+
+
+def test_discover_follows_linked_directories_as_spark_does_and_refuses_one_reached_twice(tmp_path: Path) -> None:
+    """(A black-box audit: ``lk/m -> n`` read 284 events as a path and 568 as a file:// URI, and a fleet whose
+    only directory is a link was "no journals" as a path.) Spark's listing follows links to directories; the local
+    search does too, and a directory reached twice - which Spark would read twice - is refused for either form."""
+    real = tmp_path / "elsewhere" / "n"
+    real.mkdir(parents=True)
+    (real / "trace-000000.jsonl").write_text(line() + "\n")
+    only_link = tmp_path / "fleet1"
+    only_link.mkdir()
+    (only_link / "m").symlink_to(real)
+    assert discover([only_link]).journals == ((real / "trace-000000.jsonl").resolve(),)
+    twice = tmp_path / "fleet2"
+    (twice / "n").mkdir(parents=True)
+    (twice / "n" / "trace-000000.jsonl").write_text(line() + "\n")
+    (twice / "m").symlink_to(twice / "n")
+    for inp in (twice, "file://" + str(twice)):
+        with pytest.raises(AnalyticsError, match="the same directory as .*would be read twice"):
+            discover([inp])
+
+
+def test_a_path_that_is_not_utf8_is_refused_before_spark(tmp_path: Path) -> None:
+    bad = Path(os.fsdecode(bytes(tmp_path) + b"/n\xff"))
+    bad.mkdir()
+    (bad / "trace-000000.jsonl").write_text(line() + "\n")
+    for inp in (tmp_path, bad, bad / "trace-000000.jsonl"):
+        with pytest.raises(AnalyticsError, match=r"n\\xff.*not valid UTF-8"):
+            discover([inp])
+
+
+@pytest.mark.spark
+def test_a_table_name_that_holds_no_parquet_is_unusable_input(spark: SparkSession, tmp_path: Path) -> None:  # noqa: F811
+    """An input named ``*.parquet`` with no Parquet data (an empty directory, a text file) is unusable input
+    (AnalyticsError: exit 2) naming it, as a Parquet table without the trace columns is (it was exit 1)."""
+    (tmp_path / "empty.parquet").mkdir()
+    (tmp_path / "text.parquet").write_text("garbage\n")
+    for name in ("empty.parquet", "text.parquet"):
+        with pytest.raises(AnalyticsError, match=f"{name}: not a Parquet table"):
+            read_tables(spark, [tmp_path / name])

@@ -7,10 +7,12 @@ holds ``*.parquet`` parts directly) or journals: a ``trace-*.jsonl`` file, or a 
 recursively for them, so one can point the job at a directory holding the journal directories of a whole
 fleet. For local paths :func:`discover` sorts that out in Python before Spark starts, so an empty or mistyped
 path is a clear error and not an empty analysis; below the given directory it skips what Spark's listing of
-a URI skips (:func:`hidden`: names starting with ``_`` or ``.``, Hadoop's hidden files), so a directory gives
-the same journals as a path and as a ``file://`` URI. A URI (:mod:`~upsycle_router.analytics.location`) is passed
-to Spark as it is: a name ending in ``.parquet`` is a table, anything else is searched by Spark's reader
-for ``trace-*.jsonl`` files (``recursiveFileLookup`` with ``pathGlobFilter``).
+a URI skips (:func:`hidden`: names starting with ``_`` or ``.``, Hadoop's hidden files) and follows the
+directories it follows (symbolic links), so a directory gives the same journals as a path and as a ``file://``
+URI; a directory reached twice through a link is refused either way (Spark would read it twice). A URI
+(:mod:`~upsycle_router.analytics.location`) is passed to Spark as it is: a name ending in ``.parquet`` is a
+table, anything else is searched by Spark's reader for ``trace-*.jsonl`` files (``recursiveFileLookup`` with
+``pathGlobFilter``).
 
 :func:`read_journals` reads the journal files as text, **once**, and turns each line into one row of
 :data:`~upsycle_router.analytics.schema.COMPACT_SCHEMA`: the parsed fields (each line parsed once, see
@@ -142,19 +144,53 @@ def hidden(name: str) -> bool:
     return name.startswith(".") or (name.startswith("_") and "=" not in name) or name.endswith("._COPYING_")
 
 
-def _check_readable(top: Path) -> None:
-    """Refuse a journal directory with a directory below it that cannot be listed, or a journal name that is a
-    link to nothing (both would be left out without a word); hidden names are skipped, as Spark skips them."""
+def _walk_journals(top: Path) -> list[Path]:
+    """The journal files in the directory ``top`` and below it, as Spark's listing finds them: hidden names
+    skipped, directories reached through symbolic links followed (Hadoop's local file system follows them). A
+    directory below it that cannot be listed, a journal name that is a link to nothing (both would be left out
+    without a word) or a directory reached twice (through a link: Spark would read its journals twice, or go
+    round a loop) is refused."""
 
     def unreadable(e: OSError) -> None:
         raise AnalyticsError(f"{e.filename}: cannot be read ({e.strerror}): its journals would be left out")
 
-    for root, dirs, files in os.walk(top, onerror=unreadable):
-        dirs[:] = [d for d in dirs if not hidden(d)]
+    seen: dict[str, str] = {}
+    found: list[Path] = []
+    for root, dirs, files in os.walk(top, onerror=unreadable, followlinks=True):
+        real = os.path.realpath(root)
+        if real in seen:
+            raise AnalyticsError(f"{root}: the same directory as {seen[real]} (through a symbolic link): its "
+                                 "journals would be read twice")  # fmt: skip
+        seen[real] = root
+        dirs[:] = sorted(d for d in dirs if not hidden(d))
         for name in files:
+            if not fnmatch.fnmatchcase(name, JOURNAL_GLOB) or hidden(name):
+                continue
             full = Path(root) / name
-            if fnmatch.fnmatchcase(name, JOURNAL_GLOB) and not hidden(name) and full.is_symlink() and not full.exists():
+            if full.is_symlink() and not full.exists():
                 raise AnalyticsError(f"{full}: a symbolic link to nothing")
+            if full.is_file():
+                found.append(full)
+    return found
+
+
+def _local_dir(uri: str) -> Path | None:
+    """The local directory a ``file:`` URI names, if it is one (Spark lists it; we look for what it would read
+    twice)."""
+    if uri[:5].lower() != "file:":
+        return None
+    path = Path(place(uri))
+    return path if path.is_dir() else None
+
+
+def _utf8(path: Path) -> None:
+    """Refuse a path that is not valid UTF-8 (its name holds bytes Python keeps as surrogates): Spark and its
+    workers name files in UTF-8 and cannot read it."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        shown = os.fsencode(path).decode("utf-8", "backslashreplace")
+        raise AnalyticsError(f"{shown}: the path is not valid UTF-8, which Spark cannot read: rename it") from None
 
 
 def refuse_overwriting_inputs(inputs: Inputs, target: str | Path, what: str = "") -> None:
@@ -182,9 +218,13 @@ def discover(paths: Iterable[str | Path]) -> Inputs:
                                      "would be counted twice (give each input once)")  # fmt: skip
     for raw in paths:
         if is_uri(raw):
+            local = None if is_table(raw) else _local_dir(str(raw))
+            if local is not None:
+                _walk_journals(local)  # (refuses what Spark would read twice)
             (table_uris if is_table(raw) else journal_uris).append(str(raw))
             continue
         path = Path(raw)
+        _utf8(path)
         if not path.exists():
             raise AnalyticsError(f"{path}: no such file or directory")
         if is_table(path):
@@ -192,12 +232,9 @@ def discover(paths: Iterable[str | Path]) -> Inputs:
         elif path.is_file():
             journals.append(path)
         else:
-            _check_readable(path)
-            found = sorted(
-                p
-                for p in path.rglob(JOURNAL_GLOB)
-                if p.is_file() and not any(hidden(part) for part in p.relative_to(path).parts)
-            )
+            found = sorted(_walk_journals(path))
+            for p in found:
+                _utf8(p)
             if not found:
                 raise AnalyticsError(
                     f"{path}: no {JOURNAL_GLOB} files in it or below it (names starting with _ or . are skipped)"
@@ -275,11 +312,22 @@ def read_tables(spark: SparkSession, tables: Sequence[str | Path], *, trusted: b
     """
     if trusted:
         return spark.read.schema(COMPACT_SCHEMA).parquet(*[no_glob(p) for p in tables])
-    df = spark.read.parquet(*[no_glob(p) for p in tables])
+    try:
+        df = spark.read.parquet(*[no_glob(p) for p in tables])
+    except Exception as e:  # noqa: BLE001 - Spark's errors come as several classes; only these are the input's
+        text = str(e)
+        if not any(sign in text for sign in _NOT_PARQUET):
+            raise
+        cause = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
+        raise AnalyticsError(f"{', '.join(map(str, tables))}: not a Parquet table ({cause[:300]})") from None
     missing = [c for c in COMPACT_COLUMNS if c not in df.columns]
     if missing:
         raise AnalyticsError(f"{', '.join(map(str, tables))}: not a compacted trace table (no {', '.join(missing)})")
     return df.select(*COMPACT_COLUMNS)
+
+
+_NOT_PARQUET = ("UNABLE_TO_INFER_SCHEMA", "is not a Parquet file", "expected magic number")
+"""What Spark's error says when a table given (a ``*.parquet`` name) holds no Parquet data: unusable input."""
 
 
 def load_events(spark: SparkSession, inputs: Inputs) -> DataFrame:
