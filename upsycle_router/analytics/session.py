@@ -41,16 +41,22 @@ own stage lines on stderr are readable.
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from upsycle_router.errors import UpsycleError
@@ -65,6 +71,7 @@ LOCAL_JIT_OPTIONS = (
 """JVM options of a local master's driver: C2 compiles a method after four times HotSpot's default counts."""
 
 MIN_JAVA = 17
+INTERRUPT_WAIT = 60.0  # seconds after Ctrl-C the job's call into the JVM may take to end (then a 2nd Ctrl-C)
 """Spark 4 runs on Java 17 or newer."""
 
 _LOG4J2 = """\
@@ -270,12 +277,86 @@ def spark_session(options: SparkOptions | None = None) -> Iterator[SparkSession]
         builder: Any = SparkSession.builder.master(options.master).appName(options.app_name)
         for key, value in session_conf(options, scratch).items():
             builder = builder.config(key, value)
-        spark: SparkSession = builder.getOrCreate()
+        # Ctrl-C is held while the session starts (PySpark sets its own handler then, see _on_interrupt) and
+        # comes to ours once it is in place (the JVM ignores SIGINT anyway: PySpark starts it so).
+        hold = threading.current_thread() is threading.main_thread()
+        before = signal.getsignal(signal.SIGINT) if hold else None
+        if hold:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
+            spark: SparkSession = builder.getOrCreate()
+        except BaseException:
+            if hold:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+            raise
+        interrupted = threading.Event()
+        taken = _on_interrupt(spark, interrupted)
+        try:
+            if hold:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             if not options.verbose:
                 spark.sparkContext.setLogLevel("ERROR")
             yield spark
+        except Exception:
+            if interrupted.is_set():  # (the job we cancelled failed: it was the interrupt)
+                raise KeyboardInterrupt from None
+            raise
         finally:
+            if taken:
+                signal.signal(signal.SIGINT, before)
             spark.stop()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _in_py4j(frame: FrameType | None) -> bool:
+    """Whether the thread whose innermost frame is ``frame`` waits in a call to the JVM."""
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith("py4j"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _on_interrupt(spark: SparkSession, interrupted: threading.Event) -> bool:
+    """Take Ctrl-C (SIGINT) over from PySpark while the session runs (True: done; False: not the main thread).
+
+    PySpark's own handler calls into the JVM from inside the signal handler, which, when the main thread was
+    itself waiting in a call to the JVM, breaks that call's connection: Python tracebacks and Java stack
+    traces. Ours raises KeyboardInterrupt at once in Python code. In a call to the JVM it raises nothing there:
+    another thread (another connection) turns Spark's logging off, cancels the running jobs and, once the main
+    thread is out of the JVM (the cancelled job ended the call, or the call returned), interrupts it
+    (``interrupt_main``: this handler again, now in Python code). A second Ctrl-C meanwhile raises at once."""
+    main = threading.main_thread()
+    if threading.current_thread() is not main:
+        return False
+    poked = threading.Event()  # the next SIGINT is the helper's, not the user's
+
+    def cancel() -> None:
+        with contextlib.suppress(Exception):
+            spark.sparkContext.setLogLevel("OFF")
+            spark.sparkContext.cancelAllJobs()
+        deadline = time.monotonic() + INTERRUPT_WAIT
+        while time.monotonic() < deadline:
+            frame = sys._current_frames().get(main.ident or 0)
+            if frame is None:
+                return  # (the main thread has ended)
+            if not _in_py4j(frame):
+                poked.set()
+                _thread.interrupt_main()
+                return
+            time.sleep(0.005)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        from_helper = poked.is_set()
+        poked.clear()
+        if interrupted.is_set() and not from_helper:
+            raise KeyboardInterrupt  # a second Ctrl-C
+        interrupted.set()
+        if _in_py4j(frame):
+            threading.Thread(target=cancel, name="analytics-interrupt", daemon=True).start()
+            return
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    return True
