@@ -20,7 +20,7 @@ from pyspark.sql import functions as F
 from upsycle_router.analytics import schema
 from upsycle_router.analytics.job import Progress, run_compact
 from upsycle_router.analytics.session import AnalyticsError
-from upsycle_router.analytics.sources import discover, is_table, no_glob, read_tables
+from upsycle_router.analytics.sources import Compaction, discover, is_table, no_glob, read_tables
 
 K = "ab" * 32
 
@@ -394,3 +394,12 @@ def test_a_table_name_that_holds_no_parquet_is_unusable_input(spark: SparkSessio
     for name in ("empty.parquet", "text.parquet"):
         with pytest.raises(AnalyticsError, match=f"{name}: not a Parquet table"):
             read_tables(spark, [tmp_path / name])
+
+
+def test_the_stage_line_says_who_parsed_the_journals_of_uris() -> None:
+    """The stage line after compaction names the parser of every input: with a ``file://`` input it said
+    "0 journal files parsed by Arrow, 0 by Spark" though Spark had parsed them all (a black-box audit)."""
+    assert Compaction(spark_files=0, uris=1).describe() == (
+        "0 journal files parsed by Arrow, 0 by Spark; the journals of 1 URI by Spark")
+    assert Compaction(arrow_files=3, uris=2).describe().endswith("; the journals of 2 URIs by Spark")
+    assert Compaction(arrow_files=3).describe() == "3 journal files parsed by Arrow, 0 by Spark"

@@ -369,12 +369,18 @@ class Compaction:
     why_spark: str | None = None
     odd_lines: int = 0
     """Lines of the files Arrow took that Spark parsed (not single objects of at most 1,000 bytes)."""
+    uris: int = 0
+    """Journal URIs given: Spark lists and parses what they hold (not counted in the files here)."""
 
     def describe(self) -> str:
-        """``198 journal files parsed by Arrow (3 odd lines of them by Spark), 2 by Spark (first: ...)``."""
+        """``198 journal files parsed by Arrow (3 odd lines of them by Spark), 2 by Spark (first: ...)``, and
+        ``; the journals of 1 URI by Spark`` when URIs were given."""
         odd = f" ({self.odd_lines} odd lines of them by Spark)" if self.odd_lines else ""
         text = f"{self.arrow_files} journal files parsed by Arrow{odd}, {self.spark_files} by Spark"
-        return text + (f" (first: {self.why_spark})" if self.why_spark else "")
+        text += f" (first: {self.why_spark})" if self.why_spark else ""
+        if self.uris:
+            text += f"; the journals of {self.uris} URI{'s' if self.uris > 1 else ''} by Spark"
+        return text
 
 
 def arrow_parse_allowed(spark: SparkSession, inputs: Inputs, out: str | Path) -> str | None:
@@ -404,7 +410,8 @@ def compact(spark: SparkSession, inputs: Inputs, out: str | Path) -> Compaction:
     if why_not is not None:
         with whole_files(spark):
             load_events(spark, inputs).write.mode("overwrite").parquet(str(out))
-        return Compaction(spark_files=len(inputs.journals), why_spark=why_not if inputs.journals else None)
+        return Compaction(spark_files=len(inputs.journals), why_spark=why_not if inputs.journals else None,
+                          uris=len(inputs.journal_uris))
     from upsycle_router.analytics import arrowparse  # imports pyarrow: only when it is used
 
     target = Path(out)
@@ -426,4 +433,5 @@ def compact(spark: SparkSession, inputs: Inputs, out: str | Path) -> Compaction:
     else:
         arrowparse.finish_table(target)
     why = next((f"{Path(r.path).name}: {r.fallback}" for r in results if r.fallback), None)
-    return Compaction(arrow_files=len(results) - len(left), spark_files=len(left), why_spark=why, odd_lines=len(odd))
+    return Compaction(arrow_files=len(results) - len(left), spark_files=len(left), why_spark=why, odd_lines=len(odd),
+                      uris=len(inputs.journal_uris))
