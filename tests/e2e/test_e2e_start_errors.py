@@ -59,6 +59,18 @@ def test_a_unix_socket_path_naming_a_file_is_refused_and_the_file_kept(tmp_path:
     assert notes.read_text() == "listen: {}\n"
 
 
+def test_a_path_the_system_will_not_create_names_its_option(tmp_path: Path) -> None:
+    """A directory the kernel will not create (below /proc, for any user) is exit 2 naming the option whose path
+    it is, as other path errors are (a black-box audit: "cannot start: [Errno 2] ..." named no option)."""
+    rc, err = _run(tmp_path, "--trace", "/proc/upsycle-no-such-dir/trace")
+    assert rc == 2 and _one_line(err).startswith("error: cannot start: trace.path: "), err
+    rc, err = _run(tmp_path, "--unix", "/proc/upsycle-no-such-dir/s.sock")
+    assert rc == 2 and _one_line(err).startswith("error: cannot start: listen.unix: "), err
+    r = run_expecting_exit("run", "--data-dir", "/proc/upsycle-no-such-dir/d", "--unix", str(tmp_path / "s.sock"),
+                           timeout=30)  # fmt: skip
+    assert r.returncode == 2 and _one_line(r.stderr).startswith("error: cannot start: data_dir: "), r.stderr
+
+
 def test_a_store_path_that_is_a_file_is_a_config_error(tmp_path: Path) -> None:
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "store").write_text("not a directory")

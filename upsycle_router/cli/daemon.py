@@ -101,7 +101,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # a path that is not what the config says (a file where a directory must be ...)
-        print(f"error: cannot start: {e}", file=sys.stderr)
+        option = _option_of(cfg, e.filename)
+        print(f"error: cannot start: {f'{option}: ' if option else ''}{e}", file=sys.stderr)
         return 2 if e.errno in PATH_ERRNOS else 1
     except KeyboardInterrupt:
         return 0
@@ -124,6 +125,22 @@ def cmd_reload(args: argparse.Namespace) -> int:
         return 1
     print(f"reload requested (SIGHUP to process {pid}); the router logs what it changed")
     return 0
+
+
+def _option_of(cfg: DaemonConfig, filename: object) -> str | None:
+    """The option whose path ``filename`` (an OSError's) is, or lies on the way to or below, if any."""
+    if not isinstance(filename, str | bytes | os.PathLike):
+        return None
+    failed = Path(os.fsdecode(filename))
+    paths = (("key_file", cfg.key_path), ("listen.unix", cfg.unix), ("trace.path", cfg.trace_dir),
+             ("data_dir", cfg.data_dir))  # fmt: skip
+    for option, path in paths:
+        if path == failed:
+            return option
+    for option, path in (*paths[1:], paths[0]):  # (the key file is in the data directory unless it is set)
+        if path is not None and (failed in path.parents or path in failed.parents):
+            return option
+    return None
 
 
 def cmd_id(args: argparse.Namespace) -> int:

@@ -535,7 +535,9 @@ class Daemon:
                     ctx = server_context(ident, self.config.data_dir)
                     ctx.set_alpn_protocols(["http/1.1"])  # (as wss_context: docs/websocket.md)
             except (OSError, ssl.SSLError) as e:
-                raise ConfigError(f"websocket.cert_file / key_file: {e}") from None
+                files = (f" ({ws.cert_file}, {ws.key_file})" if ws.cert_file is not None and ws.key_file is not None
+                         else "")  # fmt: skip
+                raise ConfigError(f"websocket.cert_file / key_file{files}: {e}") from None
         local = ws.local if ws.local is not None else is_loopback(addr.host)
         self._ws_policy = WebSocketPolicy(ws.path, ws.origins, local)
         with _opening("listen.websocket", ws.listen):
