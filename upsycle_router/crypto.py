@@ -155,6 +155,8 @@ def app_message_valid(msg: AppMessage) -> bool:
 def write_key_file(path: str | os.PathLike[str], key: Identity | None = None, *, overwrite: bool = False) -> Identity:
     """Write a key file (mode 0600, the 32-byte seed) and return its identity."""
     key = key or Identity.generate()
+    if not os.fspath(path):
+        raise KeyFileError("key file: empty path")
     p = Path(path)
     flags = os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if overwrite else os.O_EXCL)
     try:

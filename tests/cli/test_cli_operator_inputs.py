@@ -61,6 +61,8 @@ def _one_error_line(stderr: str) -> str:
         (("run", "--print-config", "--trace", ""), "--trace"),
         (("run", "--ready-file", ""), "--ready-file"),
         (("advert", "--data-dir", ""), "--data-dir"),
+        (("keygen", "--out", ""), "--out"),
+        (("store", "backup", ""), "FILE"),
     ],
 )
 def test_an_empty_path_option_is_an_error_not_the_default(tmp_path: Path, args: tuple[str, ...], option: str) -> None:

@@ -572,6 +572,7 @@ def test_backup_is_one_checked_file_that_lmdb_opens(store: Path, tmp_path: Path)
         backup(store, out)
     backup(store, out, force=True)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # (no temporary file left)
+    assert done.report.path == out  # (checked under a temporary name; what it reports is the file written)
 
 
 def test_backup_of_a_damaged_store_is_refused(store: Path, tmp_path: Path) -> None:

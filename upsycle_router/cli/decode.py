@@ -73,6 +73,9 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 def cmd_keygen(args: argparse.Namespace) -> int:
     """Write a new key file and print its public key."""
+    if not args.out:
+        print("error: --out: empty path", file=sys.stderr)
+        return 2
     try:
         key = write_key_file(args.out, overwrite=args.force)
     except KeyFileError as e:

@@ -63,6 +63,9 @@ def cmd_backup(args: argparse.Namespace) -> int:
     dirs = _dirs(args)
     if dirs is None:
         return 2
+    if not args.file:
+        print("error: FILE: empty path", file=sys.stderr)
+        return 2
     try:
         done = backup(dirs[1], Path(args.file), force=args.force)
     except BackupError as e:

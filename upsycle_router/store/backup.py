@@ -28,6 +28,7 @@ resets LMDB's lock table from the new file.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import os
@@ -124,6 +125,7 @@ def backup(store_dir: Path, out: Path, *, force: bool = False) -> BackupResult:
         if report.damage:
             raise BackupError(f"{out}: the copy is damaged ({report.damage[0]}); not written", report=report)
         os.replace(tmp, out)
+        report = dataclasses.replace(report, path=out)  # (checked under its temporary name: it is out now)
         fsync_dir(out.parent.absolute())
         return BackupResult(out, out.stat().st_size, report)
     except lmdb.Error as e:
