@@ -328,3 +328,20 @@ async def test_the_validator_connects_again_when_its_router_restarts(daemon: Dae
         rc, rest, err = _stop(validator)  # (its exit status, if it exited by itself)
     assert rc == 0 and len(lines) == 2 and rest == "", (rc, lines, err)
     assert "the router closed the connection; connecting again" in err and "connected again to router" in err, err
+
+
+def test_the_pub_sub_service_as_its_own_process_says_once_that_its_router_is_not_there(tmp_path: Path) -> None:
+    """Run before its router (or with a wrong socket), it waits and says so at INFO once, with the path, then tries
+    again quietly (a black-box audit: it said nothing unless at DEBUG)."""
+    pubsub = subprocess.Popen(
+        [sys.executable, "-m", "upsycle_router", "pubsub", "--data-dir", str(tmp_path / "d"), "--unix",
+         str(tmp_path / "none.sock"), "--log-level", "info"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=str(REPO),
+    )  # fmt: skip
+    try:
+        time.sleep(3)  # (15 attempts, 0.2 s apart, once the process has started)
+    finally:
+        rc, _, err = _stop(pubsub)
+    assert rc == 0, err[-2000:]
+    lines = [x for x in err.splitlines() if "router not reachable at" in x]
+    assert len(lines) == 1 and str(tmp_path / "none.sock") in lines[0], err[-2000:]

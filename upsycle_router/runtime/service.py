@@ -43,14 +43,20 @@ class RouterService:
 
     async def serve_router(self) -> None:
         """Connect (retrying while the router starts) and serve until :meth:`stop`."""
+        unreachable = False  # said once per streak of failed connects (a service run as its own process
+        # before its router, or after it stopped, says why it waits; the rest of the streak is DEBUG)
         while not self._stop.is_set():
             try:
                 self.client = await Client.connect(self.socket_path, self.identity)
             except (OSError, TimeoutError, ClientError) as e:
-                self._log.debug("%s: router not reachable yet: %s", self.name, e)
+                self._log.log(logging.DEBUG if unreachable else logging.INFO,
+                              "%s: router not reachable at %s (%s); trying again every %g s", self.name,
+                              self.socket_path, e, RETRY)  # fmt: skip
+                unreachable = True
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), RETRY)
                 continue
+            unreachable = False
             failed = False
             try:
                 await self._serve(self.client)
