@@ -391,3 +391,14 @@ def test_a_group_name_that_is_not_in_the_names_file_is_exit_2_with_or_without_a_
     r = run_expecting_exit(*args, "--socket", str(tmp_path / "no-router.sock"), environ=env)
     line = _one_error_line(r.stderr)
     assert r.returncode == 2 and "no group named 'nosuchname'" in line and "names: known" in line, r.stderr
+
+
+def test_id_and_run_say_the_same_of_a_data_dir_that_is_a_file(tmp_path: Path) -> None:
+    """(A black-box audit: ``id`` said "File exists" where ``run`` says "is not a directory".)"""
+    (tmp_path / "notadir").write_text("x")
+    said = []
+    for args in (("id",), ("run", "--unix", str(tmp_path / "s.sock"))):
+        r = run_expecting_exit(*args, "--data-dir", str(tmp_path / "notadir"), environ=_environ(tmp_path))
+        assert r.returncode == 2, r.stderr
+        said.append(_one_error_line(r.stderr))
+    assert said[0] == said[1] and said[0].endswith(f"{tmp_path / 'notadir'} is not a directory"), said
