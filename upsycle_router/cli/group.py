@@ -48,6 +48,7 @@ from upsycle_router.errors import ConfigError, KeyFileError, UpsycleError
 from upsycle_router.logtext import reason
 from upsycle_router.wire.control import Reason, reason_label
 
+_STARTED = time.time()  # when this command started (the module is imported for it): see settle()
 SETTLE_QUIET = 0.3
 SETTLE_MAX = 3.0
 FLUSH_TIMEOUT = 15.0
@@ -61,16 +62,19 @@ def default_group_dir(identity: Identity) -> Path:
 
 async def settle(mgr: GroupManager, quiet: float = SETTLE_QUIET, limit: float = SETTLE_MAX) -> None:
     """Process what the router had queued: wait until nothing new was delivered for ``quiet`` seconds and no
-    message waits for a missing dependency being fetched (at most ``limit`` seconds in all). A removal held
-    back until a message it depends on is fetched must be taken in before the command acts: without that wait,
-    a removed member's ``send`` went out and succeeded (a black-box audit)."""
+    message that came during this wait waits for a missing dependency being fetched (at most ``limit`` seconds
+    in all). A removal held back until a message it depends on is fetched must be taken in before the command
+    acts: without that wait, a removed member's ``send`` went out and succeeded (a black-box audit). Messages
+    buffered before (a dependency no router holds any more, a group this member has left) are not waited for:
+    every command would wait the whole ``limit``."""
     deadline = time.monotonic() + limit
 
     def delivered() -> int:
         return sum(mgr.store.delivered_count(gid) for gid in mgr.cores)
 
-    def waiting() -> bool:
-        return any(len(core.causal) for core in mgr.cores.values())
+    def waiting() -> bool:  # (what this command's connection brought: received since the command started)
+        return any(p.received_at >= _STARTED for core in mgr.cores.values() if core.active
+                   for p in core.causal.buffered())  # fmt: skip
 
     before = -1
     while time.monotonic() < deadline:
