@@ -70,7 +70,14 @@ from upsycle_router.analytics.report import (
     html_report,
 )
 from upsycle_router.analytics.schema import PROBLEM_KINDS, problem_kind
-from upsycle_router.analytics.session import AUTO_PARTITIONS, KEY_CODES, VECTOR, AnalyticsError, is_local_master
+from upsycle_router.analytics.session import (
+    AUTO_PARTITIONS,
+    KEY_CODES,
+    VECTOR,
+    AnalyticsError,
+    is_local_master,
+    uninterrupted,
+)
 from upsycle_router.analytics.sources import (
     Inputs,
     check_target,
@@ -255,6 +262,7 @@ class Outputs:
         """Nothing is being written."""
         self.current = ()
 
+    @uninterrupted  # (a Ctrl-C's interrupt waits until it is done)
     def failed(self) -> None:
         """Take back what would mislead (see the class doc); a removal that fails is left as it is."""
         doomed: list[str | Path]

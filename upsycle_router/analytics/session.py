@@ -51,13 +51,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING, Any
+from types import CodeType, FrameType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from upsycle_router.errors import UpsycleError
 
@@ -71,7 +70,6 @@ LOCAL_JIT_OPTIONS = (
 """JVM options of a local master's driver: C2 compiles a method after four times HotSpot's default counts."""
 
 MIN_JAVA = 17
-INTERRUPT_WAIT = 60.0  # seconds after Ctrl-C the job's call into the JVM may take to end (then a 2nd Ctrl-C)
 """Spark 4 runs on Java 17 or newer."""
 
 _LOG4J2 = """\
@@ -279,8 +277,12 @@ def spark_session(options: SparkOptions | None = None) -> Iterator[SparkSession]
             builder = builder.config(key, value)
         # Ctrl-C is held while the session starts (PySpark sets its own handler then, see _on_interrupt) and
         # comes to ours once it is in place (the JVM ignores SIGINT anyway: PySpark starts it so).
-        hold = threading.current_thread() is threading.main_thread()
-        before = signal.getsignal(signal.SIGINT) if hold else None
+        # With a local master, Ctrl-C is held while the session starts (PySpark sets its own handler then, see
+        # _on_interrupt) and comes to ours once it is in place; the JVM ignores SIGINT anyway (PySpark starts it
+        # so). Not with a cluster's master: its start may wait long (a resource manager, packages to fetch).
+        main = threading.current_thread() is threading.main_thread()
+        hold = main and is_local_master(options.master)
+        before = signal.getsignal(signal.SIGINT) if main else None
         if hold:
             signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         try:
@@ -289,8 +291,8 @@ def spark_session(options: SparkOptions | None = None) -> Iterator[SparkSession]
             if hold:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
             raise
-        interrupted = threading.Event()
-        taken = _on_interrupt(spark, interrupted)
+        state = _Interrupt()
+        taken = _on_interrupt(spark, state)
         try:
             if hold:
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
@@ -298,12 +300,14 @@ def spark_session(options: SparkOptions | None = None) -> Iterator[SparkSession]
                 spark.sparkContext.setLogLevel("ERROR")
             yield spark
         except Exception:
-            if interrupted.is_set():  # (the job we cancelled failed: it was the interrupt)
+            state.over.set()
+            if state.pressed.is_set():  # (the job we cancelled failed: it was the interrupt)
                 raise KeyboardInterrupt from None
             raise
         finally:
+            state.over.set()
             if taken:
-                signal.signal(signal.SIGINT, before)
+                signal.signal(signal.SIGINT, before if before is not None else signal.default_int_handler)
             spark.stop()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -318,42 +322,75 @@ def _in_py4j(frame: FrameType | None) -> bool:
     return False
 
 
-def _on_interrupt(spark: SparkSession, interrupted: threading.Event) -> bool:
+_UNINTERRUPTED: set[CodeType] = set()
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def uninterrupted(fn: _F) -> _F:
+    """Mark ``fn`` as code the interrupt of a Ctrl-C (:func:`spark_session`) waits for rather than cuts short: the
+    removal of what a failed run would leave behind."""
+    _UNINTERRUPTED.add(fn.__code__)
+    return fn
+
+
+def _may_interrupt(frame: FrameType | None) -> bool:
+    """Whether the main thread, at ``frame``, may get a KeyboardInterrupt now: out of the JVM, and not in code
+    marked :func:`uninterrupted`."""
+    while frame is not None:
+        if frame.f_code in _UNINTERRUPTED or frame.f_globals.get("__name__", "").startswith("py4j"):
+            return False
+        frame = frame.f_back
+    return True
+
+
+@dataclass
+class _Interrupt:
+    """Ctrl-C while a session runs (see :func:`_on_interrupt`)."""
+
+    pressed: threading.Event = field(default_factory=threading.Event)
+    over: threading.Event = field(default_factory=threading.Event)  # the session is ending: no more pokes
+    poked: threading.Event = field(default_factory=threading.Event)  # the next SIGINT is the helper's
+
+
+def _on_interrupt(spark: SparkSession, state: _Interrupt) -> bool:
     """Take Ctrl-C (SIGINT) over from PySpark while the session runs (True: done; False: not the main thread).
 
     PySpark's own handler calls into the JVM from inside the signal handler, which, when the main thread was
     itself waiting in a call to the JVM, breaks that call's connection: Python tracebacks and Java stack
-    traces. Ours raises KeyboardInterrupt at once in Python code. In a call to the JVM it raises nothing there:
-    another thread (another connection) turns Spark's logging off, cancels the running jobs and, once the main
-    thread is out of the JVM (the cancelled job ended the call, or the call returned), interrupts it
-    (``interrupt_main``: this handler again, now in Python code). A second Ctrl-C meanwhile raises at once."""
+    traces. Ours raises KeyboardInterrupt at once where the main thread may take it (:func:`_may_interrupt`).
+    Elsewhere it raises nothing: another thread (another connection) turns Spark's logging off, cancels the
+    running jobs and, once the main thread may take it (the cancelled job ended the call, or the call
+    returned), interrupts it (``interrupt_main``: this handler again) - unless the session is ending by then
+    (the cancelled job's error ends the run: :func:`spark_session` reports it as the interrupt). A second
+    Ctrl-C raises at once wherever it comes."""
     main = threading.main_thread()
     if threading.current_thread() is not main:
         return False
-    poked = threading.Event()  # the next SIGINT is the helper's, not the user's
 
     def cancel() -> None:
         with contextlib.suppress(Exception):
             spark.sparkContext.setLogLevel("OFF")
             spark.sparkContext.cancelAllJobs()
-        deadline = time.monotonic() + INTERRUPT_WAIT
-        while time.monotonic() < deadline:
+        while not state.over.is_set():
             frame = sys._current_frames().get(main.ident or 0)
             if frame is None:
                 return  # (the main thread has ended)
-            if not _in_py4j(frame):
-                poked.set()
+            if _may_interrupt(frame):
+                state.poked.set()
                 _thread.interrupt_main()
                 return
-            time.sleep(0.005)
+            state.over.wait(0.005)
 
     def handler(signum: int, frame: FrameType | None) -> None:
-        from_helper = poked.is_set()
-        poked.clear()
-        if interrupted.is_set() and not from_helper:
+        from_helper = state.poked.is_set()
+        state.poked.clear()
+        if state.pressed.is_set() and not from_helper:
             raise KeyboardInterrupt  # a second Ctrl-C
-        interrupted.set()
-        if _in_py4j(frame):
+        state.pressed.set()
+        if state.over.is_set():
+            return  # (a poke that came late: the session is ending already)
+        if not _may_interrupt(frame):
             threading.Thread(target=cancel, name="analytics-interrupt", daemon=True).start()
             return
         raise KeyboardInterrupt
