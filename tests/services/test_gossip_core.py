@@ -20,6 +20,7 @@ from upsycle_router.services.pubsub import (
     Trace,
 )
 from upsycle_router.services.pubsub.caches import MessageCache, SeenCache
+from upsycle_router.services.pubsub.core import LEFT_QUIET
 from upsycle_router.services.pubsub.outbox import Outbox
 from upsycle_router.tools.sim.gossip import make_message
 from upsycle_router.wire.gossip import GossipRpc, IHave, SubOpt
@@ -622,3 +623,19 @@ def test_subscriptions_per_peer_are_bounded() -> None:
     assert core.peer_groups(rid(1)) == set(groups[:2])
     core.rpc_received(rid(1), GossipRpc(subs=(SubOpt(False, groups[0]), SubOpt(True, groups[2]))), 0.2)
     assert core.peer_groups(rid(1)) == set(groups[1:])
+
+
+def test_a_message_of_a_group_just_left_is_not_taken_out_by_fanout() -> None:
+    """(A review.) After LEAVE, messages still on their way to us as a member (delivered before our router saw the
+    LEAVE, a validator's late ACCEPT, a PULL's answer) go no further, as before: for LEFT_QUIET seconds they are
+    not sent to every subscribed peer as if an edge had handed them over."""
+    core = joined_core(n_peers=9, subscribed=9)
+    core.leave(G, 1.0)
+    late = make_message(GK, b"in flight at the leave")
+    assert not forwards(core.message_received(late.with_via(rid(1)), rid(1), 1.5)) and not core.has_fanout(G)
+    later = make_message(GK, b"an edge's, after the quiet")
+    assert forwards(core.message_received(later.with_via(rid(1)), rid(1), 1.0 + LEFT_QUIET + 0.1))
+    core.join(G, 20.0)
+    core.leave(G, 21.0)
+    core.join(G, 21.5)  # (joined again: its messages go to the mesh)
+    assert forwards(core.message_received(make_message(GK, b"x").with_via(rid(1)), rid(1), 22.0))

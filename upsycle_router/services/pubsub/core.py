@@ -126,6 +126,10 @@ from upsycle_router.services.pubsub.validation import GroupPolicy, ServiceValida
 from upsycle_router.wire.gossip import GossipRpc
 from upsycle_router.wire.messages import Message, MulticastHeader
 
+LEFT_QUIET = 10.0
+"""Seconds after we left a group during which its messages that still reach us (sent to us as a member before
+our router saw the LEAVE, a validator's late ACCEPT, a PULL's answer) are not taken out by fanout."""
+
 
 def _expire_front(d: OrderedDict[bytes, float], now: float) -> None:
     """Pop entries from the front of an id -> expiry dict kept in expiry order while they are due."""
@@ -174,6 +178,7 @@ class GossipCore:
         self._mesh: dict[bytes, set[bytes]] = {}
         self._fanout: dict[bytes, set[bytes]] = {}
         self._last_pub: dict[bytes, float] = {}
+        self._left: OrderedDict[bytes, float] = OrderedDict()  # group -> when we left it (LEFT_QUIET)
         self._seen = SeenCache(p.seen_ttl, p.seen_max)
         self._mcache = MessageCache(p.mcache_len, p.mcache_gossip)
         self._iwant_sent: OrderedDict[bytes, float] = OrderedDict()
@@ -293,6 +298,9 @@ class GossipCore:
 
     def _expire(self, now: float) -> None:
         self._seen.expire(now)
+        left = self._left
+        while left and next(iter(left.values())) <= now - LEFT_QUIET:
+            left.popitem(last=False)
         _expire_front(self._iwant_sent, now)
         _expire_front(self._pulls, now)
         learned = self._learned
@@ -444,6 +452,7 @@ class GossipCore:
         """JOIN(group) after a SUB: build the mesh from fanout then subscribed peers, GRAFT, announce."""
         ob = Outbox()
         self._expire(now)
+        self._left.pop(group, None)
         ob.add(JoinGroup(group))
         self._trace_deprecated(group, ob)
         if group in self._mesh:
@@ -469,6 +478,8 @@ class GossipCore:
         mesh = self._mesh.pop(group, None)
         if mesh is None:
             return ob.effects()
+        self._left[group] = now
+        self._left.move_to_end(group)
         for router in sorted(mesh):
             ob.prune(self._peers[router], group)
         for router in sorted(self._peers):
@@ -540,9 +551,12 @@ class GossipCore:
         if via is not None:
             mesh = self._mesh.get(group)
             if mesh is None:
-                # Not joined: our router hands us such a message only for us to take it out by fanout - a core
-                # passing on what one of its edge nodes' apps published (docs/gossip.md "Data").
-                self._publish_targets(msg, group, now, ob, skip=via)
+                # Not joined: our router hands us such a message for us to take it out by fanout - a core passing
+                # on what one of its edge nodes' apps published (docs/gossip.md "Data") - unless we left the
+                # group a moment ago: then it was on its way to us as a member (a delivery before the router saw
+                # our LEAVE, a validator's late ACCEPT, a PULL's answer), and goes no further, as before.
+                if group not in self._left:
+                    self._publish_targets(msg, group, now, ob, skip=via)
                 return
             for router in sorted(mesh):
                 if router != via:
