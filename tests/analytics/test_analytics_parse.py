@@ -359,7 +359,8 @@ def test_discover(tmp_path: Path) -> None:
 def test_discover_follows_linked_directories_as_spark_does_and_refuses_one_reached_twice(tmp_path: Path) -> None:
     """(A black-box audit: ``lk/m -> n`` read 284 events as a path and 568 as a file:// URI, and a fleet whose
     only directory is a link was "no journals" as a path.) Spark's listing follows links to directories; the local
-    search does too, and a directory reached twice - which Spark would read twice - is refused for either form."""
+    search does too. A directory reached twice (``latest -> 2024-05-01``) is read once as a path, and refused as a
+    ``file://`` URI, which Spark would read twice."""
     real = tmp_path / "elsewhere" / "n"
     real.mkdir(parents=True)
     (real / "trace-000000.jsonl").write_text(line() + "\n")
@@ -371,9 +372,9 @@ def test_discover_follows_linked_directories_as_spark_does_and_refuses_one_reach
     (twice / "n").mkdir(parents=True)
     (twice / "n" / "trace-000000.jsonl").write_text(line() + "\n")
     (twice / "m").symlink_to(twice / "n")
-    for inp in (twice, "file://" + str(twice)):
-        with pytest.raises(AnalyticsError, match="the same directory as .*would be read twice"):
-            discover([inp])
+    assert discover([twice]).journals == ((twice / "n" / "trace-000000.jsonl").resolve(),)
+    with pytest.raises(AnalyticsError, match="the same directory as .*Spark would read its journals twice"):
+        discover(["file://" + str(twice)])
 
 
 def test_a_path_that_is_not_utf8_is_refused_before_spark(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ fleet. For local paths :func:`discover` sorts that out in Python before Spark st
 path is a clear error and not an empty analysis; below the given directory it skips what Spark's listing of
 a URI skips (:func:`hidden`: names starting with ``_`` or ``.``, Hadoop's hidden files) and follows the
 directories it follows (symbolic links), so a directory gives the same journals as a path and as a ``file://``
-URI; a directory reached twice through a link is refused either way (Spark would read it twice). A URI
+URI; a directory reached twice through a link is read once as a path, and refused as a URI (Spark would read
+it twice). A URI
 (:mod:`~upsycle_router.analytics.location`) is passed to Spark as it is: a name ending in ``.parquet`` is a
 table, anything else is searched by Spark's reader for ``trace-*.jsonl`` files (``recursiveFileLookup`` with
 ``pathGlobFilter``).
@@ -144,12 +145,13 @@ def hidden(name: str) -> bool:
     return name.startswith(".") or (name.startswith("_") and "=" not in name) or name.endswith("._COPYING_")
 
 
-def _walk_journals(top: Path) -> list[Path]:
+def _walk_journals(top: Path, *, twice: bool = False) -> list[Path]:
     """The journal files in the directory ``top`` and below it, as Spark's listing finds them: hidden names
     skipped, directories reached through symbolic links followed (Hadoop's local file system follows them). A
-    directory below it that cannot be listed, a journal name that is a link to nothing (both would be left out
-    without a word) or a directory reached twice (through a link: Spark would read its journals twice, or go
-    round a loop) is refused."""
+    directory below it that cannot be listed or a journal name that is a link to nothing (both would be left
+    out without a word) is refused. A directory reached twice (through a link: ``latest -> 2024-05-01``) is
+    read once - or, with ``twice`` (``top`` is a ``file:`` URI's, which Spark lists: it would read its journals
+    twice, or go round a loop), refused."""
 
     def unreadable(e: OSError) -> None:
         raise AnalyticsError(f"{e.filename}: cannot be read ({e.strerror}): its journals would be left out")
@@ -159,8 +161,11 @@ def _walk_journals(top: Path) -> list[Path]:
     for root, dirs, files in os.walk(top, onerror=unreadable, followlinks=True):
         real = os.path.realpath(root)
         if real in seen:
-            raise AnalyticsError(f"{root}: the same directory as {seen[real]} (through a symbolic link): its "
-                                 "journals would be read twice")  # fmt: skip
+            if twice:
+                raise AnalyticsError(f"{root}: the same directory as {seen[real]} (through a symbolic link): "
+                                     "Spark would read its journals twice (give the directory as a path)")
+            dirs[:] = []
+            continue
         seen[real] = root
         dirs[:] = sorted(d for d in dirs if not hidden(d))
         for name in files:
@@ -220,7 +225,7 @@ def discover(paths: Iterable[str | Path]) -> Inputs:
         if is_uri(raw):
             local = None if is_table(raw) else _local_dir(str(raw))
             if local is not None:
-                _walk_journals(local)  # (refuses what Spark would read twice)
+                _walk_journals(local, twice=True)  # (refuses what Spark would read twice)
             (table_uris if is_table(raw) else journal_uris).append(str(raw))
             continue
         path = Path(raw)

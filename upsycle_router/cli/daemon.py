@@ -149,9 +149,10 @@ def cmd_id(args: argparse.Namespace) -> int:
         cfg = config_from_args(args)
         try:
             cfg.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        except FileExistsError:  # (a file, or a link to nothing, where the directory should be)
-            raise ConfigError(f"data_dir: cannot create {cfg.data_dir}: {cfg.data_dir.absolute()} is not a "
-                              "directory") from None
+        except FileExistsError as e:  # (a file, or a link to nothing, where the directory or one above it should be)
+            where = Path(os.fsdecode(e.filename)) if e.filename is not None else cfg.data_dir
+            raise ConfigError(f"data_dir: cannot create {cfg.data_dir}: {where.absolute()} is not a directory"
+                              ) from None
         except OSError as e:
             raise ConfigError(f"data_dir: cannot create {cfg.data_dir}: {e.strerror or e}") from None
         created = not os.path.lexists(cfg.key_path)
