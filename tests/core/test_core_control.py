@@ -723,6 +723,32 @@ def test_a_register_cannot_draw_another_routers_traffic(h: CoreHarness) -> None:
     assert edge2.public not in routes and routes[ident("an app behind R").public].router == R.public
 
 
+def test_an_edge_cannot_register_an_app_behind_a_connected_peer(h: CoreHarness) -> None:
+    """(From a black-box audit: an edge's REGISTER of an app of a peer core took that app's route for good; its
+    replies went to the edge, refused no_route.) A key this core reaches through a connected router that is not
+    one of its edges stays there; the claim is counted. Once that router is gone, an app that moved to the edge
+    is the edge's; and an app of another edge moves by the later REGISTER, as documented."""
+    hp, moved = ident("an app behind R"), ident("an app of edge 2")
+    edge2 = ident("edge 2")
+    h.restart(replace(h.config, edge_nodes=frozenset({EDGE.public, edge2.public})))
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    h.receive(r, unicast(hp, ALICE, b"hello from behind R"))  # (the route to hp: through R)
+    e = h.open(EDGE, local=False)
+    e2 = h.open(edge2, local=False)
+    h.receive(e2, control(edge2, X, Register((moved.public,))))
+    before = h.router.status().get("register_claims_refused_total", 0)
+    h.receive(e, control(EDGE, X, Register((hp.public, moved.public))))
+    routes = h.router.routes
+    assert routes[hp.public].router == R.public and routes[moved.public].router == EDGE.public
+    assert h.router.status()["register_claims_refused_total"] == before + 1
+    out = h.receive(a, unicast(ALICE, hp, b"reply"))
+    assert out.sends(r) and not out.sends(e)
+    h.close(r)
+    h.receive(e, control(EDGE, X, Register((hp.public,))))
+    assert routes[hp.public].router == EDGE.public
+
+
 def test_an_advertised_address_is_kept_so_that_a_restart_dials_the_router_messages_wait_for(h: CoreHarness) -> None:
     """(From a black-box audit: messages acknowledged for a router known only by its advert waited for ever after a
     restart - the address book was in memory only.) The advert's address is stored; at start the core hands it to

@@ -248,13 +248,19 @@ class ControlPlane:
         """A router names keys it serves. From an edge node this core serves: route (and store and forward)
         unicast for them to it, and tell our peers they are reachable here. From a configured peer or a core
         node of ours: route unicast for them to it, for ``learned_route_ttl`` (renewed on every connection).
-        Never this router's own keys or local ones, nor another router's (:meth:`RouterState.is_router`)."""
+        Never this router's own keys or local ones, nor another router's (:meth:`RouterState.is_router`); nor,
+        from an edge, a key this router reaches through a connected router that is not one of its edges (an app
+        behind a peer core: its own messages came that way - an edge's claim drew its traffic for good, found by
+        an audit; once that router is gone, an app that moved to the edge is the edge's). Keys not taken are
+        counted in ``register_claims_refused_total``."""
         s = self.s
         cfg = s.config
         mine = s.locals | {s.id}
         if not c.local and (c.peer in cfg.edge_nodes or cfg.accept_join_from_any):
             new = [k for k in reg.keys if k not in mine and k != c.peer and s.served_by(k) != c.peer
-                   and not s.is_router(k)]  # (another router's key: its traffic is its own, found by an audit)
+                   and not s.is_router(k)  # (another router's key: its traffic is its own, found by an audit)
+                   and not self._behind_another_router(k, c.peer)]  # fmt: skip
+            self._claims_refused(reg.keys, new, c.peer)
             for key in new:
                 s.routes.pop(key, None)  # whatever was known of it: its edge node says where it is
                 s.learn_route(key, c.peer, ROUTE_SERVED, None)
@@ -268,11 +274,26 @@ class ControlPlane:
         # sender's, so only configured peers and core nodes are believed.)
         if not c.local and (c.peer in cfg.peers or c.peer in cfg.upstream):
             expires = now + cfg.learned_route_ttl
-            for key in reg.keys:
-                if key not in mine and s.served_by(key) is None and not s.is_router(key):
-                    s.learn_route(key, c.peer, ROUTE_REGISTERED, expires)  # (what is held for it follows: held.py)
+            taken = [k for k in reg.keys if k not in mine and s.served_by(k) is None and not s.is_router(k)]
+            self._claims_refused(reg.keys, taken, c.peer)
+            for key in taken:
+                s.learn_route(key, c.peer, ROUTE_REGISTERED, expires)  # (what is held for it follows: held.py)
             return
         self.delivery.dropped(c, msg.id, Why.NOT_AUTHORIZED, 0, now, out, CONTROL, None, h.src, h.dst, size)
+
+    def _behind_another_router(self, key: bytes, edge: bytes) -> bool:
+        """Whether ``key`` is routed through a connected router that is neither ``edge`` nor another edge node of
+        ours (edges' apps move between edges: a later REGISTER moves them)."""
+        old = self.s.routes.get(key)
+        return (old is not None and old.router != edge and old.router not in self.s.config.edge_nodes
+                and old.router in self.s.by_key)  # fmt: skip
+
+    def _claims_refused(self, keys: tuple[bytes, ...], taken: list[bytes], sender: bytes) -> None:
+        """Count the keys of a REGISTER that were not taken (those the sender served already were)."""
+        n = sum(1 for k in keys if k not in taken and self.s.served_by(k) != sender and k != sender)
+        if n:
+            counters = self.s.counters
+            counters["register_claims_refused_total"] = counters.get("register_claims_refused_total", 0) + n
 
     def send_register(self, c: Conn, keys: list[bytes], now: float, out: list[Effect]) -> None:
         """REGISTER ``keys`` at the router on ``c`` (in as many messages as it takes)."""

@@ -105,6 +105,7 @@ class Driver:
                            "sync_acks_recounted_total": 0, "auth_failures_total": 0,
                            "deliveries_buffered_total": 0,
                            "deliveries_backed_total": 0, "advert_claims_refused_total": 0,
+                           "register_claims_refused_total": 0,
                            "hot_path_c": int(accel.IMPLEMENTATION == "c")})
         self.verifier = Verifier(verify_threads, nice=verify_nice)
         self.pipeline = VerifyPipeline(self.verifier, self.stats)
