@@ -375,6 +375,15 @@ def test_discover_follows_linked_directories_as_spark_does_and_refuses_one_reach
     assert discover([twice]).journals == ((twice / "n" / "trace-000000.jsonl").resolve(),)
     with pytest.raises(AnalyticsError, match="the same directory as .*Spark would read its journals twice"):
         discover(["file://" + str(twice)])
+    # a link to a journal file found elsewhere in the tree, too (a review)
+    file_link = tmp_path / "fleet3"
+    (file_link / "a").mkdir(parents=True)
+    (file_link / "a" / "trace-000000.jsonl").write_text(line() + "\n")
+    (file_link / "b").mkdir()
+    (file_link / "b" / "trace-000000.jsonl").symlink_to(file_link / "a" / "trace-000000.jsonl")
+    assert discover([file_link]).journals == ((file_link / "a" / "trace-000000.jsonl").resolve(),)
+    with pytest.raises(AnalyticsError, match="the same journal as .*Spark would read it twice"):
+        discover(["file://" + str(file_link)])
 
 
 def test_a_path_that_is_not_utf8_is_refused_before_spark(tmp_path: Path) -> None:

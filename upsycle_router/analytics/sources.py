@@ -149,14 +149,15 @@ def _walk_journals(top: Path, *, twice: bool = False) -> list[Path]:
     """The journal files in the directory ``top`` and below it, as Spark's listing finds them: hidden names
     skipped, directories reached through symbolic links followed (Hadoop's local file system follows them). A
     directory below it that cannot be listed or a journal name that is a link to nothing (both would be left
-    out without a word) is refused. A directory reached twice (through a link: ``latest -> 2024-05-01``) is
-    read once - or, with ``twice`` (``top`` is a ``file:`` URI's, which Spark lists: it would read its journals
-    twice, or go round a loop), refused."""
+    out without a word) is refused. A directory or journal reached twice (through a link: ``latest ->
+    2024-05-01``) is read once - or, with ``twice`` (``top`` is a ``file:`` URI's, which Spark lists: it would
+    read it twice, or go round a loop), refused."""
 
     def unreadable(e: OSError) -> None:
         raise AnalyticsError(f"{e.filename}: cannot be read ({e.strerror}): its journals would be left out")
 
     seen: dict[str, str] = {}
+    files_seen: dict[str, str] = {}
     found: list[Path] = []
     for root, dirs, files in os.walk(top, onerror=unreadable, followlinks=True):
         real = os.path.realpath(root)
@@ -175,6 +176,11 @@ def _walk_journals(top: Path, *, twice: bool = False) -> list[Path]:
             if full.is_symlink() and not full.exists():
                 raise AnalyticsError(f"{full}: a symbolic link to nothing")
             if full.is_file():
+                real_file = os.path.realpath(full)
+                if twice and real_file in files_seen:
+                    raise AnalyticsError(f"{full}: the same journal as {files_seen[real_file]} (through a symbolic "
+                                         "link): Spark would read it twice (give the directory as a path)")
+                files_seen.setdefault(real_file, str(full))
                 found.append(full)
     return found
 
