@@ -275,8 +275,6 @@ def spark_session(options: SparkOptions | None = None) -> Iterator[SparkSession]
         builder: Any = SparkSession.builder.master(options.master).appName(options.app_name)
         for key, value in session_conf(options, scratch).items():
             builder = builder.config(key, value)
-        # Ctrl-C is held while the session starts (PySpark sets its own handler then, see _on_interrupt) and
-        # comes to ours once it is in place (the JVM ignores SIGINT anyway: PySpark starts it so).
         # With a local master, Ctrl-C is held while the session starts (PySpark sets its own handler then, see
         # _on_interrupt) and comes to ours once it is in place; the JVM ignores SIGINT anyway (PySpark starts it
         # so). Not with a cluster's master: its start may wait long (a resource manager, packages to fetch).
@@ -311,15 +309,6 @@ def spark_session(options: SparkOptions | None = None) -> Iterator[SparkSession]
             spark.stop()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _in_py4j(frame: FrameType | None) -> bool:
-    """Whether the thread whose innermost frame is ``frame`` waits in a call to the JVM."""
-    while frame is not None:
-        if frame.f_globals.get("__name__", "").startswith("py4j"):
-            return True
-        frame = frame.f_back
-    return False
 
 
 _UNINTERRUPTED: set[CodeType] = set()

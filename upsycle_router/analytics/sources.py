@@ -229,10 +229,13 @@ def discover(paths: Iterable[str | Path]) -> Inputs:
                                      "would be counted twice (give each input once)")  # fmt: skip
     for raw in paths:
         if is_uri(raw):
-            local = None if is_table(raw) else _local_dir(str(raw))
+            if is_table(raw):
+                table_uris.append(str(raw))
+                continue
+            local = _local_dir(str(raw))
             if local is not None:
                 _walk_journals(local, twice=True)  # (refuses what Spark would read twice)
-            (table_uris if is_table(raw) else journal_uris).append(str(raw))
+            journal_uris.append(str(raw))
             continue
         path = Path(raw)
         _utf8(path)

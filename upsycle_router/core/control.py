@@ -292,8 +292,7 @@ class ControlPlane:
         """Count the keys of a REGISTER that were not taken (those the sender served already were)."""
         n = sum(1 for k in keys if k not in taken and self.s.served_by(k) != sender and k != sender)
         if n:
-            counters = self.s.counters
-            counters["register_claims_refused_total"] = counters.get("register_claims_refused_total", 0) + n
+            self.s.count("register_claims_refused_total", n)
 
     def send_register(self, c: Conn, keys: list[bytes], now: float, out: list[Effect]) -> None:
         """REGISTER ``keys`` at the router on ``c`` (in as many messages as it takes)."""
@@ -390,12 +389,11 @@ class ControlPlane:
             return False
         self.s.advert_revs[adv.id] = (adv.rev, expiry)
         self.s.learn_route(adv.id, via, ROUTE_ADVERT, expiry)
-        counters = self.s.counters
         for _, svc in adv.svcs:
             if self.s.may_claim(adv.id, svc, now):
                 self.s.learn_route(svc, adv.id, ROUTE_ADVERT, expiry)
             else:  # (another router's key, or another router's service)
-                counters["advert_claims_refused_total"] = counters.get("advert_claims_refused_total", 0) + 1
+                self.s.count("advert_claims_refused_total")
         out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port, adv.addr.proto))
         if adv.addr.port:  # (port 0: it cannot be dialled) kept, so that a restart can dial it (Router.start)
             self.s.remember_address(adv.id, PeerAddress(adv.addr.proto, adv.addr.ip, adv.addr.port, expiry), now)

@@ -411,6 +411,10 @@ class RouterState:
         return sorted(k for k, r in self.routes.items()
                       if r.source == ROUTE_SERVED and (edge is None or r.router == edge))
 
+    def count(self, name: str, n: int = 1) -> None:
+        """Add ``n`` to the counter ``name`` (STATUS, metrics)."""
+        self.counters[name] = self.counters.get(name, 0) + n
+
     def is_router(self, key: bytes) -> bool:
         """Whether ``key`` is a router's as far as this router knows: one that advertised itself, a configured
         peer, core, edge or bootstrap node, or a node connected now over a remote connection. Never a key

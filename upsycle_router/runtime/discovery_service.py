@@ -176,7 +176,7 @@ class DiscoveryService(RouterService):
                 try:
                     self._apply(self._on_message(client, core, msg, time.time()))
                 except RemoteProtocolError as e:
-                    self.counters["discovery_malformed_total"] = self.counters.get("discovery_malformed_total", 0) + 1
+                    self._count("discovery_malformed_total")
                     via = "" if msg.via is None else f" via router {msg.via.hex()[:16]}"
                     src = msg.header.src.hex()[:16] if isinstance(msg.header, UnicastHeader) else "a group"
                     self._malformed.event("malformed", f"discovery: ignored a malformed message from {src}{via}: {e}",

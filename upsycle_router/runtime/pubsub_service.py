@@ -224,9 +224,6 @@ class PubsubService(RouterService):
 
     # ------------------------------------------------------------ outbound
 
-    def _count(self, key: str) -> None:
-        self.counters[key] = self.counters.get(key, 0) + 1
-
     def _unicast(self, client: Client, dst: bytes, body: bytes, ttl: int, via: bytes | None) -> None:
         # Routers drop a unicast whose id they have seen (replay protection), and the same RPC, PULL or VALIDATE
         # sent again within the same minute (exp) would have the same id: a repetition gets the next ttl up.

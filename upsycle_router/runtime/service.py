@@ -37,6 +37,9 @@ class RouterService:
         # connection's serving ended in an error of the service's own (it connects again).
         self.counters: dict[str, int] = {}
 
+    def _count(self, key: str, n: int = 1) -> None:
+        self.counters[key] = self.counters.get(key, 0) + n
+
     async def _serve(self, client: Client) -> None:
         """Serve one connection to the router until it ends or :meth:`stop`."""
         raise NotImplementedError
@@ -64,7 +67,7 @@ class RouterService:
                 self._log.debug("%s: %s", self.name, e)
             except Exception:  # noqa: BLE001 - a bug the service met (a message it could not handle) must not end it
                 failed = True
-                self.counters["service_errors_total"] = self.counters.get("service_errors_total", 0) + 1
+                self._count("service_errors_total")
                 self._log.exception("%s: internal error; connecting to the router again", self.name)
             finally:
                 await self.client.close()

@@ -178,7 +178,7 @@ class GossipCore:
         self._mesh: dict[bytes, set[bytes]] = {}
         self._fanout: dict[bytes, set[bytes]] = {}
         self._last_pub: dict[bytes, float] = {}
-        self._left: OrderedDict[bytes, float] = OrderedDict()  # group -> when we left it (LEFT_QUIET)
+        self._left: OrderedDict[bytes, float] = OrderedDict()  # group left -> when its quiet ends (LEFT_QUIET)
         self._seen = SeenCache(p.seen_ttl, p.seen_max)
         self._mcache = MessageCache(p.mcache_len, p.mcache_gossip)
         self._iwant_sent: OrderedDict[bytes, float] = OrderedDict()
@@ -298,9 +298,7 @@ class GossipCore:
 
     def _expire(self, now: float) -> None:
         self._seen.expire(now)
-        left = self._left
-        while left and next(iter(left.values())) <= now - LEFT_QUIET:
-            left.popitem(last=False)
+        _expire_front(self._left, now)
         _expire_front(self._iwant_sent, now)
         _expire_front(self._pulls, now)
         learned = self._learned
@@ -478,7 +476,7 @@ class GossipCore:
         mesh = self._mesh.pop(group, None)
         if mesh is None:
             return ob.effects()
-        self._left[group] = now
+        self._left[group] = now + LEFT_QUIET
         self._left.move_to_end(group)
         for router in sorted(mesh):
             ob.prune(self._peers[router], group)
