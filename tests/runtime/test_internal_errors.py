@@ -31,7 +31,7 @@ from upsycle_router.durability import Durability
 from upsycle_router.expiry import exp_in
 from upsycle_router.runtime.driver import Driver
 from upsycle_router.store.lmdb_store import LmdbStore
-from upsycle_router.wire.control import Sync, encode_router
+from upsycle_router.wire.control import Sync, SyncAck, decode_control, encode_router
 from upsycle_router.wire.messages import Message, UnicastHeader, decode_message
 
 MAP = 1 << 24
@@ -120,4 +120,34 @@ async def test_a_read_that_raises_closes_its_connection_and_the_rest_of_the_batc
     assert b"other" in [m.body for m in n.sent(2)]  # the other connection's message, in the same batch
     assert n.raises == 1 and n.driver.stats["internal_errors_total"] == 1
     assert "internal error handling MessagesReceived" in caplog.text
+    await n.close()
+
+
+async def test_a_message_sent_again_after_an_internal_error_is_delivered(
+    tmp_path: Path, durability: Durability
+) -> None:
+    """(From a review: the failed read's ids stayed "seen", so the copy sent again was a duplicate, answered safe
+    by SYNC_ACK and never delivered - the first copy's Send had been lost with the read's effects.) The batch is
+    routed again without the read that raised: nothing of it stands, and the copy sent again is new."""
+    n = _Node(tmp_path, durability)
+    n.driver.push(ConnectionOpened(1, n.app.public, True))
+    n.driver.push(ConnectionOpened(2, n.peer.public, True))
+    await _until(lambda: n.router.connections() == 2)
+    await n.idle()
+    m1 = n.unicast(b"m1")
+    n.driver.push(MessagesReceived(1, (m1, n.unicast(POISON)), (True, True)))
+    await _until(lambda: any(isinstance(e, CloseConnection) for e in n.effects()))
+    await n.idle()
+    assert not n.sent(2)  # the read's effects are lost: m1 did not reach the peer
+    # The app saw its connection closed without a SYNC_ACK: it connects again and sends m1 again, then SYNC.
+    n.driver.push(ConnectionOpened(4, n.app.public, True))
+    ask = sign_message(UnicastHeader(n.app.public, n.router_id.public, 60, exp_in(time.time(), 60)),
+                       encode_router(Sync(7)), n.app)  # fmt: skip
+    n.driver.push(MessagesReceived(4, (m1, ask), (True, True)))
+    await _until(lambda: n.sent(4))
+    await n.idle()
+    answers = [decode_control(m.body) for m in n.sent(4)]
+    assert answers == [SyncAck(7, 0, 0)]
+    assert [m.body for m in n.sent(2)] == [b"m1"]  # ... and what it calls safe was delivered
+    assert n.raises == 1
     await n.close()

@@ -28,7 +28,8 @@ How the commit happens depends on ``durability``:
            acknowledgement and sends again; if the commit fails, it gets REFUSED (below) and sends again:
            either way that subscriber may see the message twice (at-least-once, as after any crash);
 ``batch``  the commit is not synced; a sync of everything committed runs every ``sync_interval`` on a
-           thread of its own (the wait for the disk stopped the event loop for milliseconds);
+           thread of its own (the wait for the disk stopped the event loop for milliseconds); a sync that fails
+           is logged (a line per 10 s) and counted in ``store_errors_total``, not in ``syncs_total``;
 ``none``   the commit is not synced (the OS writes it back; the store is closed cleanly on exit).
 
 A transaction that fails (a disk error) is dropped whole: nothing of the batch is acknowledged or delivered,
@@ -39,9 +40,16 @@ taken, and the sender's next SYNC_ACK counts it). If that fails too, those conne
 the batch's messages came on, are closed (their senders see no SYNC_ACK).
 
 An event whose handling raises anything else is a bug of the router's: it is logged with its traceback and
-counted (``internal_errors_total``), and the batch goes on. What the core had done with the event before it
-raised stands, its effects are lost; if the event was a read of messages, its connection is closed, so that no
-later SYNC_ACK on it calls them safe.
+counted (``internal_errors_total``), and the batch is routed again without it: its transaction is aborted, the
+core forgets what the batch changed (as for a disk error), and the rest of the batch is routed in a new one. So
+nothing the event half did stands - in particular the ids of its messages are not taken for seen, and a sender
+who sends them again is not answered "duplicate" for a message nobody got. If the event was a read of
+messages, its connection is closed, so that no later SYNC_ACK on it calls them safe.
+
+LMDB may also fail in a way that leaves the environment unusable (``MDB_PANIC``: every later transaction fails,
+read-only ones too - what a failed sync of the meta page gives). Wherever a transaction is begun or the store's
+memory is read back after an abort, such an error is taken as damage (:meth:`LmdbStore.note_error`): the daemon
+stops, and the batch's connections are closed.
 """
 
 from __future__ import annotations
@@ -71,6 +79,7 @@ from upsycle_router.core.router import Router
 from upsycle_router.core.trace import Why
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ErrorCode
+from upsycle_router.logtext import RateLimitedLog
 from upsycle_router.runtime.verify import name_thread
 from upsycle_router.store.commit_thread import CommitThread
 from upsycle_router.store.lmdb_store import LmdbStore
@@ -82,6 +91,15 @@ Done = Callable[[list[Effect], float], None]  # carry out a committed batch's ef
 
 EARLY_MAX_MESSAGES = 8
 """Fan-outs go out during the commit for batches of at most this many messages (see the module docstring)."""
+
+
+class _EventFailed(Exception):
+    """The handling of one event of a batch (or the timer run, ``None``) raised: the batch is routed again
+    without it."""
+
+    def __init__(self, event: Event | None) -> None:
+        super().__init__()
+        self.event = event
 
 
 def _messages_in(events: list[Event]) -> int:
@@ -133,6 +151,7 @@ class Batches:
         self._sync_handle: asyncio.TimerHandle | None = None
         self._syncing: concurrent.futures.Future[None] | None = None  # durability batch: a sync in flight
         self._sync_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._sync_errors = RateLimitedLog(log)
         self._closed = False
         # Undelivered and Buffered events (deliveries given back and routed again, or backed by queue entries) in
         # batches that committed so far: whoever waits for those deliveries to be safe again (the driver's held
@@ -163,18 +182,27 @@ class Batches:
                 self._count_returns(events)
             except lmdb.Error as e:
                 effects = self._not_committed(events, e, now)
+            except _EventFailed as failed:
+                self._again_without(failed.event, events, timer, now)
+                return
             self._finish(effects, now)
             return
-        txn = self._take_txn(committer)
+        try:
+            txn = self._take_txn(committer)
+        except lmdb.Error as e:  # (MDB_PANIC: the environment is unusable)
+            self._finish(self._not_committed(events, e, now), now)
+            return
         store = self.store
         store.attach(txn)
         try:
             effects = self._route(events, timer, now)
             store.detach()
-        except lmdb.Error as e:
-            store.detach(commit=False)
-            committer.abort(txn)
-            self._finish(self._not_committed(events, e, now), now)
+        except (lmdb.Error, _EventFailed) as e:
+            self._abort(txn)
+            if isinstance(e, _EventFailed):
+                self._again_without(e.event, events, timer, now)
+            else:
+                self._finish(self._not_committed(events, e, now), now)
             return
         if not store.wrote:
             # Nothing to commit (direct deliveries): carried out at once, and the transaction serves the next
@@ -201,15 +229,42 @@ class Batches:
                 effects.extend(router.handle(ev, now) if ev is not None else router.handle_timer(now))
             except lmdb.Error:
                 raise  # the transaction is unusable: abort the batch
-            except Exception:  # noqa: BLE001 - one bad event (or timer run) must not stop the router
+            except Exception as e:  # noqa: BLE001 - one bad event (or timer run) must not stop the router
                 log.exception("internal error handling %s", type(ev).__name__ if ev is not None else "the timer")
                 self.stats["internal_errors_total"] = self.stats.get("internal_errors_total", 0) + 1
-                if type(ev) is MessagesReceived:
-                    # What the core did with this read's messages before it raised is not known, and its effects
-                    # are lost: no later SYNC_ACK on that connection may call them safe. Closed, the sender
-                    # knows nothing since its last SYNC_ACK is safe, and sends again.
-                    effects.append(CloseConnection(ev.conn, ErrorCode.OVERLOADED, "internal error"))
+                raise _EventFailed(ev) from e  # the batch is routed again without it
         return effects
+
+    def _again_without(self, failed: Event | None, events: list[Event], timer: bool, now: float) -> None:
+        """The handling of ``failed`` raised and the batch's transaction was aborted: the core forgets what the
+        batch changed, and the batch is routed again without ``failed`` (each retry drops one event or the
+        timer run, so this ends). A read of messages that failed closes its connection: what became of them
+        is not known, so no later SYNC_ACK on it may call them safe; the sender sends them again, and they
+        are new to the router (their ids were forgotten with the batch)."""
+        self.router.batch_lost()
+        if type(failed) is MessagesReceived:
+            self.done([CloseConnection(failed.conn, ErrorCode.OVERLOADED, "internal error")], now)
+        rest = [ev for ev in events if ev is not failed]
+        self.run(rest, timer and failed is not None, now)
+
+    def _abort(self, txn: Any) -> None:
+        """Abort the attached ``txn`` (the commit thread's): the store reads back what is committed."""
+        store = self.store
+        try:
+            store.detach(commit=False)
+        except lmdb.Error as e:  # (reading back after the abort failed: the environment is unusable)
+            store.note_error(e)
+        finally:
+            assert self.committer is not None
+            self.committer.abort(txn)
+
+    def _store_aborted(self) -> None:
+        """A transaction did not commit: the store reads back what is committed, or, if even that fails (the
+        environment is unusable), it is damaged."""
+        try:
+            self.store.aborted()
+        except lmdb.Error as e:
+            self.store.note_error(e)
 
     def _finish(self, effects: list[Effect], now: float) -> None:
         """The batch is committed (or given up): schedule the sync its durability asks for, carry out effects."""
@@ -246,10 +301,10 @@ class Batches:
         try:
             rec.future.result()
         except lmdb.Error as e:
-            store.aborted()
+            self._store_aborted()
             effects = self._not_committed(rec.events, e, rec.now)
         except BaseException:
-            store.aborted()
+            self._store_aborted()
             self.router.batch_lost()
             raise
         else:
@@ -274,10 +329,10 @@ class Batches:
         self.stats["store_errors_total"] = self.stats.get("store_errors_total", 0) + 1
         self.store.note_error(e)  # (damage: the daemon stops, and the next start walks the store)
         router = self.router
-        router.batch_lost()
         effects: list[Effect] = []
-        router.batch_begun()
         try:
+            router.batch_lost()  # (it reads the mirrored state back from the store)
+            router.batch_begun()
             with self._transaction():
                 for ev in events:
                     if not isinstance(ev, MessagesReceived):
@@ -286,12 +341,16 @@ class Batches:
                     if isinstance(ev, MessagesReceived):
                         effects.extend(router.not_taken(ev.conn, ev.messages, Why.STORE_FULL, now))
             self._count_returns(events)
-        except lmdb.Error:
+        except lmdb.Error as e2:
+            self.store.note_error(e2)  # (MDB_PANIC here, where the first error was a failed sync: damage)
             # That transaction failed too: none of it is carried out, and the core no longer knows where the
             # connections of these events stand (opened, queue windows), nor what it answered the senders. Close
             # them: their peers connect again to a router whose state matches its store, and a sender whose
             # connection closes before its SYNC_ACK knows nothing since its last one is safe.
-            router.batch_lost()
+            try:
+                router.batch_lost()
+            except lmdb.Error as e3:  # (the store cannot be read: damaged, the daemon stops)
+                self.store.note_error(e3)
             conns = {ev.conn for ev in events
                      if isinstance(ev, (ConnectionOpened, WriteBlocked, MessagesReceived, NotAdmitted))}  # fmt: skip
             for ev in events:  # deliveries given back are routed again with the next batch, not lost here
@@ -318,13 +377,12 @@ class Batches:
             yield
             store.detach()
         except BaseException:
-            store.detach(commit=False)
-            committer.abort(txn)
+            self._abort(txn)
             raise
         try:
             committer.commit(txn).result()
         except BaseException:
-            store.aborted()
+            self._store_aborted()
             raise
         store.committed()
 
@@ -344,7 +402,24 @@ class Batches:
         if self._sync_pool is None:
             self._sync_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="store_sync")
         self._syncing = self._sync_pool.submit(self.store.sync)
-        self.stats["syncs_total"] += 1
+        self._syncing.add_done_callback(self._synced_threadsafe)
+
+    def _synced_threadsafe(self, fut: concurrent.futures.Future[None]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the store's close syncs once more
+            self.loop.call_soon_threadsafe(self._synced, fut)
+
+    def _synced(self, fut: concurrent.futures.Future[None]) -> None:
+        """A sync returned: counted, or, if it failed (the disk's error: what was committed since the last sync
+        may not be on it), logged - a line per 10 s with the count - and counted as a store error."""
+        e = fut.exception()
+        if e is None:
+            self.stats["syncs_total"] += 1
+            return
+        self.stats["store_errors_total"] = self.stats.get("store_errors_total", 0) + 1
+        self._sync_errors.event("sync", f"store sync failed (what was committed since the last sync may not be "
+                                        f"on the disk): {e}", logging.ERROR)  # fmt: skip
+        if isinstance(e, lmdb.Error):
+            self.store.note_error(e)
 
     # ------------------------------------------------------------ shutdown
 

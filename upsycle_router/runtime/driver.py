@@ -24,6 +24,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import lmdb
+
 from upsycle_router import accel
 from upsycle_router.core.events import (
     ConnectionClosed,
@@ -408,8 +410,16 @@ class Driver:
     def _arm_timer(self) -> None:
         """Arm the one timer at the core's next deadline, but at most one timer run per ``TIMER_INTERVAL``:
         each run is a store transaction (an fsync under ``durability: fsync``), and with thousands of
-        messages expiring per second a timer per deadline would be thousands of them."""
-        deadline = self.router.next_deadline()
+        messages expiring per second a timer per deadline would be thousands of them. None once the store is
+        damaged (the daemon is stopping; an unusable environment fails every read)."""
+        if self.store.damaged is not None:
+            return
+        try:
+            deadline = self.router.next_deadline()
+        except lmdb.Error as e:
+            log.error("store error reading the next deadline: %s", e)
+            self.store.note_error(e)
+            return
         if deadline is None:
             if self._timer is not None:
                 self._timer.cancel()

@@ -354,7 +354,11 @@ class LmdbStore(LmdbTables):
             except lmdb.Error as e:  # they are indexed when the store is opened next
                 log.warning("%s: message index entries not written on close: %s", self.path, e)
                 self.note_error(e)  # (damage: not marked clean below)
-        self.env.sync(True)
+        try:
+            self.env.sync(True)
+        except lmdb.Error as e:  # (an unusable environment, MDB_PANIC: what it holds was synced or is lost)
+            log.error("%s: the store's last sync failed: %s", self.path, e)
+            self.note_error(e)
         self.env.close()
         if self._ahead is not None:
             self._ahead.close()
