@@ -187,8 +187,9 @@ def test_neither_ttl_0_nor_a_routers_key_is_held(tmp_path: Path) -> None:
     e1 = edge1_with_a(h)
     m = unicast(A, Y, b"now or never", ttl=0, now=h.now)
     h.expect_refused(h.receive(e1, m), e1, m.id, Reason.NO_ROUTE)
-    m = unicast(A, R, b"to the peer router R, away", now=h.now)  # (its queue would be R's own)
-    h.expect_refused(h.receive(e1, m), e1, m.id, Reason.NO_ROUTE)
+    m = unicast(A, R, b"to the peer router R, away", now=h.now)  # (not held: queued for R itself, seed:
+    out = h.receive(e1, m)  # "if the connection is closed, the message router queues messages")
+    assert out.refusals(e1) == [] and h.store.queue_usage(R.public)[0] == 1
     assert h.router.status()["held_recipients"] == 0
 
 

@@ -381,6 +381,31 @@ def test_directly_connected_router_is_a_destination(h: CoreHarness) -> None:
     assert h.receive(a, unicast(ALICE, R, b"to the router R")).sends(r)
 
 
+def test_a_router_that_is_away_is_a_destination_its_messages_wait_for(h: CoreHarness) -> None:
+    """Seed 003: "if the connection is closed, the message router queues messages for a limited amount of time,
+    and delivers them when the connection is back up" - also those for the router itself (a PULL, say), not only
+    those for keys behind it. (An audit: a message for a service behind R was queued, one for R refused.)"""
+    r = h.open(R, local=False)
+    h.close(r)
+    a = h.open(ALICE)
+    m = unicast(ALICE, R, b"to the router R, away")
+    out = h.receive(a, m)
+    assert out.refusals(a) == [] and out.dials() == [R.public]
+    assert out.traces("queued")[0].dst == R.public
+    r = h.open(R, local=False)
+    assert [s.data for s in h.last.sends(r)] == [m.encode()]
+
+
+def test_a_router_that_is_away_and_that_nothing_leads_to_is_no_destination(h: CoreHarness) -> None:
+    """A router this one cannot dial and that cannot dial in (no configuration, no advert, no address): what
+    would be queued for it would wait for nobody - refused ``no_route``, as before it connected."""
+    s = h.open(STRANGER, local=False)
+    h.close(s)
+    a = h.open(ALICE)
+    m = unicast(ALICE, STRANGER, b"to a stranger's router, gone")
+    h.expect_refused(h.receive(a, m), a, m.id, Reason.NO_ROUTE)
+
+
 def test_via_naming_this_router_falls_back_to_the_routing_table(h: CoreHarness) -> None:
     r = h.open(R, local=False)
     h.receive(r, unicast(REMOTE_SVC, BOB))

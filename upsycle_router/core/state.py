@@ -384,6 +384,12 @@ class RouterState:
         if r is not None and (r.expires is None or r.expires > now):
             return r.router
         upstream = self.config.upstream
+        if not upstream:
+            # A router that is away, but that this router can dial or that may dial in (seed: "if the connection
+            # is closed, the message router queues messages for a limited amount of time"): queued for it.
+            return dst if self.is_router(dst) and self.reachable(dst) else None
+        if dst in self.config.peers or dst in upstream:  # (an edge: other routers only through its core)
+            return dst
         if upstream:
             for core in sorted(upstream):  # a connected one first
                 if self.connected(core) is not None:
