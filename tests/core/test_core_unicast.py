@@ -334,8 +334,29 @@ def test_second_message_while_dialling_does_not_dial_again(h: CoreHarness) -> No
     assert h.receive(a, unicast(ALICE, REMOTE_SVC, b"1", via=R.public)).dials() == [R.public]
     assert h.receive(a, unicast(ALICE, REMOTE_SVC, b"2", via=R.public)).dials() == []
     h.dial_failed(R)
-    assert h.receive(a, unicast(ALICE, REMOTE_SVC, b"3", via=R.public)).dials() == [R.public]
+    assert h.receive(a, unicast(ALICE, REMOTE_SVC, b"3", via=R.public)).dials() == []  # (the backoff's: below)
     assert len(h.store.queue(R.public)) == 3
+
+
+def test_messages_for_a_router_that_is_down_wait_for_the_backoff_to_dial_again(h: CoreHarness) -> None:
+    """(An audit: each message queued for a router that is down dialled it again - 576 dials in 30 s at 20 msg/s,
+    the backoff only held while no message came.) After a failed dial the next one is the timer's, 2 s later,
+    then 4, 8 ... 60 s; messages meanwhile are queued without dialling."""
+    a = h.open(ALICE)
+    t = T0
+    m = unicast(ALICE, REMOTE_SVC, b"0", via=R.public, ttl=3600, now=t)
+    assert h.receive(a, m, now=t).dials() == [R.public]
+    for delay in (2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0):
+        h.dial_failed(R, now=t)
+        for i in range(5):  # messages before the backoff is over: queued, no dial
+            now = t + delay * i / 5
+            m = unicast(ALICE, REMOTE_SVC, b"%d-%d" % (delay, i), via=R.public, ttl=3600, now=now)
+            assert h.receive(a, m, now=now).dials() == [], delay
+        assert h.router.next_deadline() == pytest.approx(t + delay)
+        t += delay
+        assert h.timer(t).dials() == [R.public]
+    r = h.open(R, local=False, now=t)  # it is back: everything queued goes out, and the backoff starts again
+    assert len(h.last.sends(r)) == 1 + 7 * 5
 
 
 def test_messages_queued_for_a_router_are_forwarded_when_it_connects(h: CoreHarness) -> None:

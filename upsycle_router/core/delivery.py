@@ -422,10 +422,12 @@ class Delivery:
             out.append(Custody(c.id))
 
     def dial(self, router: bytes, out: list[Effect]) -> None:
-        """Dial ``router``, which messages now wait for in its queue, unless a dial is under way already or it is
-        an edge node (an edge node dials us)."""
+        """Dial ``router``, which messages now wait for in its queue, unless a dial is under way already, a dial
+        failed and the next one waits for its backoff (the timer dials again then: one dial per message to a
+        router that is down was hundreds of dials a second - found by an audit), or it is an edge node (an edge
+        node dials us)."""
         s = self.s
-        if router not in s.dialing and router not in s.config.edge_nodes:
+        if router not in s.dialing and router not in s.redial and router not in s.config.edge_nodes:
             s.dialing.add(router)
             out.append(Dial(router))
 
