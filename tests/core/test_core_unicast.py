@@ -357,6 +357,13 @@ def test_messages_for_a_router_that_is_down_wait_for_the_backoff_to_dial_again(h
         assert h.timer(t).dials() == [R.public]
     r = h.open(R, local=False, now=t)  # it is back: everything queued goes out, and the backoff starts again
     assert len(h.last.sends(r)) == 1 + 7 * 5
+    h.queue_sent(h.last)
+    h.close(r, now=t + 1)
+    assert h.receive(a, unicast(ALICE, REMOTE_SVC, b"later", via=R.public, ttl=3600, now=t + 2), now=t + 2).dials() == [
+        R.public
+    ]
+    h.dial_failed(R, now=t + 2)
+    assert h.router.next_deadline() == pytest.approx(t + 2 + 2.0)  # (from 2 s again)
 
 
 def test_messages_queued_for_a_router_are_forwarded_when_it_connects(h: CoreHarness) -> None:
@@ -425,6 +432,62 @@ def test_a_router_that_is_away_and_that_nothing_leads_to_is_no_destination(h: Co
     a = h.open(ALICE)
     m = unicast(ALICE, STRANGER, b"to a stranger's router, gone")
     h.expect_refused(h.receive(a, m), a, m.id, Reason.NO_ROUTE)
+
+
+def test_a_router_whose_advert_lapsed_is_a_destination_while_its_address_is_kept(tmp_path: Path) -> None:
+    """(A review: the first message waited for R and R was redialled, but once R's advert lapsed the second was
+    refused no_route - while R's address is kept for what waits.)"""
+    h = CoreHarness(tmp_path / "x", X)
+    r = h.open(R, local=False)
+    h.receive(r, advert_message(R, X, advert(R, ttl=60)))
+    h.close(r)
+    a = h.open(ALICE)
+    m1 = unicast(ALICE, R, b"1", ttl=3600)
+    assert h.receive(a, m1).refusals(a) == []
+    later = T0 + 600
+    h.timer(later)  # (R's advert lapsed; its address stays while m1 waits)
+    m2 = unicast(ALICE, R, b"2", ttl=3600, now=later)
+    assert h.receive(a, m2, now=later).refusals(a) == []
+    assert [e.id for e in h.store.queue(R.public)] == [m1.id, m2.id]
+
+
+def test_a_new_address_of_a_router_that_is_down_is_dialled_at_once(tmp_path: Path) -> None:
+    """(A review: after a failed dial the next waited for the backoff - up to 60 s - even when the router's advert
+    came with a new address meanwhile.)"""
+    h = CoreHarness(tmp_path / "x", X)
+    r = h.open(R, local=False)
+    h.receive(r, advert_message(R, X, advert(R, host="192.0.2.1")))
+    h.close(r)
+    a = h.open(ALICE)
+    assert h.receive(a, unicast(ALICE, R, b"1", ttl=3600)).dials() == [R.public]
+    h.dial_failed(R)
+    assert h.receive(a, unicast(ALICE, R, b"2", ttl=3600)).dials() == []  # (the backoff's)
+    p = h.open(R2, local=False)  # R's advert with the same address, relayed: no dial before the backoff's
+    assert h.receive(p, advert_message(R, X, advert(R, host="192.0.2.1", rev=2))).dials() == []
+    out = h.receive(p, advert_message(R, X, advert(R, host="198.51.100.9", rev=3)))  # moved: dialled now
+    assert out.dials() == [R.public]
+
+
+@pytest.mark.parametrize("who", ["core", "peer", "bootstrap"])
+def test_on_an_edge_only_its_cores_and_peers_are_destinations_when_away(tmp_path: Path, who: str) -> None:
+    """An edge node reaches other routers through its core: a unicast for a core or a configured peer that is
+    away is queued for it; for any other router (a bootstrap node here) it goes to the core."""
+    core, peer, boot = ident("core"), ident("peer"), ident("boot")
+    cfg = CoreConfig(upstream=frozenset({core.public}), peers=frozenset({peer.public}),
+                     bootstrap=frozenset({boot.public}))  # fmt: skip
+    h = CoreHarness(tmp_path / "e", X, cfg)
+    c = h.open(core, local=False)
+    a = h.open(ALICE)
+    dst = {"core": core, "peer": peer, "bootstrap": boot}[who]
+    if who == "core":
+        h.close(c)
+    m = unicast(ALICE, dst, b"to a router that is away", ttl=3600)
+    out = h.receive(a, m)
+    assert out.refusals(a) == []
+    if who == "bootstrap":
+        assert [s.data for s in out.sends(c)] == [m.encode()]  # through the core
+    else:
+        assert [e.id for e in h.store.queue(dst.public)] == [m.id]
 
 
 def test_via_naming_this_router_falls_back_to_the_routing_table(h: CoreHarness) -> None:

@@ -298,6 +298,7 @@ class _Lines:
     def __init__(self, p: subprocess.Popen[str]) -> None:
         assert p.stdout is not None
         self.p, self.lines = p, list[str]()
+        self.stopped: tuple[int, str] | None = None
         self.thread = threading.Thread(target=self._read, args=(p.stdout,), daemon=True)
         self.thread.start()
 
@@ -306,7 +307,10 @@ class _Lines:
             self.lines.append(line)
 
     def stop(self) -> tuple[int, str]:
-        """Stop the process (if it still runs): its exit status and stderr; every stdout line is then read."""
+        """Stop the process (if it still runs): its exit status and stderr; every stdout line is then read. (Once:
+        a second call gives the first one's answer.)"""
+        if self.stopped is not None:
+            return self.stopped
         self.p.terminate()
         try:
             self.p.wait(10)
@@ -318,7 +322,8 @@ class _Lines:
         err = self.p.stderr.read()
         self.p.stdout.close()
         self.p.stderr.close()
-        return self.p.returncode, err
+        self.stopped = (self.p.returncode, err)
+        return self.stopped
 
 
 async def _asked(d: Daemon, out: _Lines, answers: int) -> None:

@@ -185,3 +185,23 @@ async def test_a_failed_sync_under_durability_batch_is_logged_and_counted(
     await drv.aclose()
     env.fail_sync = False
     store.close()
+
+
+def test_a_store_whose_last_sync_failed_is_not_marked_clean(tmp_path: Path) -> None:
+    """(A review: the failed sync at close was logged but the store was still marked clean, so the next start
+    took it for cleanly closed - and skipped what it does after a crash.)"""
+    store = LmdbStore(tmp_path / "store", Durability.FSYNC, 1 << 26)
+    env = _FatalEnv(store.env)
+    store.env = env  # type: ignore[assignment]
+    env.fail_sync = True
+    store.close()
+    again = LmdbStore(tmp_path / "store", Durability.FSYNC, 1 << 26)
+    try:
+        assert not again.closed_cleanly()
+    finally:
+        again.close()
+    last = LmdbStore(tmp_path / "store", Durability.FSYNC, 1 << 26)
+    try:
+        assert last.closed_cleanly()  # (the control: closed with its sync, it is marked clean)
+    finally:
+        last.close()

@@ -396,7 +396,12 @@ class ControlPlane:
                 self.s.count("advert_claims_refused_total")
         out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port, adv.addr.proto))
         if adv.addr.port:  # (port 0: it cannot be dialled) kept, so that a restart can dial it (Router.start)
-            self.s.remember_address(adv.id, PeerAddress(adv.addr.proto, adv.addr.ip, adv.addr.port, expiry), now)
+            where = PeerAddress(adv.addr.proto, adv.addr.ip, adv.addr.port, expiry)
+            moved = self.s.remember_address(adv.id, where, now)
+            if moved and self.s.redial.pop(adv.id, None) is not None:
+                # a dial failed and the next waits for its backoff: the new address is worth a try now
+                self.s.backoff.pop(adv.id, None)
+                self.delivery.dial(adv.id, out)
         for service in (self.s.config.pubsub_service, self.s.config.discovery_service):
             if service is not None and service != sender:
                 self._send_to_service(service, encode_discovery(adv), now, out)

@@ -248,18 +248,19 @@ class RouterState:
         self.router_members.clear()
         self.epoch += 1
 
-    def remember_address(self, router: bytes, addr: PeerAddress, now: float) -> None:
+    def remember_address(self, router: bytes, addr: PeerAddress, now: float) -> bool:
         """``router`` listens at ``addr`` (its advert, valid until ``addr.expires``): kept in the store when it is
         new or moved, its advert's lifetime grew by a minute or more, or the one kept lapses within a minute (an
         advert refreshed every few minutes costs no write each time; one with a short lifetime, each time - the
-        kept one must not lapse while the router is there)."""
+        kept one must not lapse while the router is there). True when the address is new or moved."""
         old = self.addresses.get(router)
-        if old is not None and (old.proto, old.ip, old.port) == (addr.proto, addr.ip, addr.port) and (
-            addr.expires < old.expires + ADDRESS_REFRESH and old.expires - now > ADDRESS_REFRESH
-        ):
-            return
+        same = old is not None and (old.proto, old.ip, old.port) == (addr.proto, addr.ip, addr.port)
+        if (old is not None and same
+                and addr.expires < old.expires + ADDRESS_REFRESH and old.expires - now > ADDRESS_REFRESH):  # fmt: skip
+            return False
         self.addresses[router] = addr
         self.store.put_address(router, addr)
+        return not same
 
     def has_router_member(self, grp: bytes) -> bool:
         """Whether a remote router (an edge node, say) is a member of ``grp``: a local app's message of ``grp``
@@ -387,15 +388,14 @@ class RouterState:
         if not upstream:
             # A router that is away, but that this router can dial or that may dial in (seed: "if the connection
             # is closed, the message router queues messages for a limited amount of time"): queued for it.
-            return dst if self.is_router(dst) and self.reachable(dst) else None
+            known = self.is_router(dst) or dst in self.addresses  # (an address outlives its router's advert)
+            return dst if known and self.reachable(dst) else None
         if dst in self.config.peers or dst in upstream:  # (an edge: other routers only through its core)
             return dst
-        if upstream:
-            for core in sorted(upstream):  # a connected one first
-                if self.connected(core) is not None:
-                    return core
-            return min(upstream)
-        return None
+        for core in sorted(upstream):  # a connected one first
+            if self.connected(core) is not None:
+                return core
+        return min(upstream)
 
     def stranger(self, src: bytes, dst: bytes, via: bytes | None = None) -> bool:
         """Whether a message ``src`` sent from a remote node to ``dst`` (arriving from the router ``via``) is a

@@ -43,8 +43,9 @@ An event whose handling raises anything else is a bug of the router's: it is log
 counted (``internal_errors_total``), and the batch is routed again without it: its transaction is aborted, the
 core forgets what the batch changed (as for a disk error), and the rest of the batch is routed in a new one. So
 nothing the event half did stands - in particular the ids of its messages are not taken for seen, and a sender
-who sends them again is not answered "duplicate" for a message nobody got. If the event was a read of
-messages, its connection is closed, so that no later SYNC_ACK on it calls them safe.
+who sends them again is not answered "duplicate" for a message nobody got. If the event was one of a
+connection's (its opening, a read of messages), that connection is closed, with its other reads in the batch,
+so that no later SYNC_ACK on it calls them safe.
 
 LMDB may also fail in a way that leaves the environment unusable (``MDB_PANIC``: every later transaction fails,
 read-only ones too - what a failed sync of the meta page gives). Wherever a transaction is begun or the store's
@@ -66,6 +67,7 @@ import lmdb
 from upsycle_router.core.events import (
     Buffered,
     CloseConnection,
+    ConnectionClosed,
     ConnectionOpened,
     Effect,
     Event,
@@ -165,14 +167,27 @@ class Batches:
 
     def run(self, events: list[Event], timer: bool, now: float) -> None:
         """Route one batch (and the core's timer, if ``timer``) in one write transaction; hand its effects to
-        ``done`` once the transaction has committed - right away, or when the commit thread reports back."""
+        ``done`` once the transaction has committed - right away, or when the commit thread reports back. If
+        the handling of an event raised, the batch is routed again without it (:meth:`_without`): each such
+        round drops an event or the timer run, so this ends."""
+        extra: list[Effect] = []  # (closes of the connections whose events failed: carried out with the batch)
+        while True:
+            failed = self._run_once(events, timer, now, extra)
+            if failed is None:
+                return
+            events, timer = self._without(failed.event, events, timer, extra)
+
+    def _run_once(self, events: list[Event], timer: bool, now: float, extra: list[Effect]) -> _EventFailed | None:
+        """One try at :meth:`run`: None once the batch's effects are handed on (or will be, after its commit);
+        the failure if the handling of one of its events raised (its transaction aborted, nothing carried out)."""
         if self.store.damaged is not None:
             # LMDB reported damage: the daemon is stopping, and takes nothing more - no batch is routed (its
             # transaction could commit into a store the next start refuses), its connections are closed (their
             # senders see no SYNC_ACK: what they sent since the last one is not safe, and they know it).
             conns = sorted({c for ev in events if (c := getattr(ev, "conn", None)) is not None})
-            self.done([CloseConnection(c, ErrorCode.OVERLOADED, "the router's store is damaged") for c in conns], now)
-            return
+            closes = [CloseConnection(c, ErrorCode.OVERLOADED, "the router's store is damaged") for c in conns]
+            self.done([*extra, *closes], now)
+            return None
         committer = self.committer
         self.router.batch_begun()
         if committer is None:
@@ -183,15 +198,14 @@ class Batches:
             except lmdb.Error as e:
                 effects = self._not_committed(events, e, now)
             except _EventFailed as failed:
-                self._again_without(failed.event, events, timer, now)
-                return
-            self._finish(effects, now)
-            return
+                return failed
+            self._finish([*extra, *effects], now)
+            return None
         try:
             txn = self._take_txn(committer)
         except lmdb.Error as e:  # (MDB_PANIC: the environment is unusable)
-            self._finish(self._not_committed(events, e, now), now)
-            return
+            self._finish([*extra, *self._not_committed(events, e, now)], now)
+            return None
         store = self.store
         store.attach(txn)
         try:
@@ -200,17 +214,17 @@ class Batches:
         except (lmdb.Error, _EventFailed) as e:
             self._abort(txn)
             if isinstance(e, _EventFailed):
-                self._again_without(e.event, events, timer, now)
-            else:
-                self._finish(self._not_committed(events, e, now), now)
-            return
+                return e
+            self._finish([*extra, *self._not_committed(events, e, now)], now)
+            return None
+        effects = [*extra, *effects]
         if not store.wrote:
             # Nothing to commit (direct deliveries): carried out at once, and the transaction serves the next
             # batch - no hand-over, no wait.
             self._idle_txn = txn
             self._count_returns(events)
             self._finish(effects, now)
-            return
+            return None
         future = committer.commit(txn)
         if self.early is not None and _messages_in(events) <= EARLY_MAX_MESSAGES:
             effects = self.early(effects, now)  # while the disk syncs: deliveries to subscribers here now
@@ -219,6 +233,7 @@ class Batches:
         # The callback must not hold ``rec``: the future keeps its callbacks, and future -> callback -> rec ->
         # future would be a reference cycle holding the whole batch until a full garbage collection.
         rec.future.add_done_callback(self._committed_threadsafe)
+        return None
 
     def _route(self, events: list[Event], timer: bool, now: float) -> list[Effect]:
         """The core's effects for a batch, inside the open transaction."""
@@ -235,17 +250,33 @@ class Batches:
                 raise _EventFailed(ev) from e  # the batch is routed again without it
         return effects
 
-    def _again_without(self, failed: Event | None, events: list[Event], timer: bool, now: float) -> None:
-        """The handling of ``failed`` raised and the batch's transaction was aborted: the core forgets what the
-        batch changed, and the batch is routed again without ``failed`` (each retry drops one event or the
-        timer run, so this ends). A read of messages that failed closes its connection: what became of them
-        is not known, so no later SYNC_ACK on it may call them safe; the sender sends them again, and they
-        are new to the router (their ids were forgotten with the batch)."""
-        self.router.batch_lost()
-        if type(failed) is MessagesReceived:
-            self.done([CloseConnection(failed.conn, ErrorCode.OVERLOADED, "internal error")], now)
-        rest = [ev for ev in events if ev is not failed]
-        self.run(rest, timer and failed is not None, now)
+    def _without(
+        self, failed: Event | None, events: list[Event], timer: bool, extra: list[Effect]
+    ) -> tuple[list[Event], bool]:
+        """The handling of ``failed`` (None: the timer run) raised and the batch's transaction was aborted: the
+        core forgets what the batch changed, and the batch is to be routed again without ``failed``. What
+        became of an event of a connection is not known, so the connection is closed (``extra``): no later
+        SYNC_ACK on it may call what it sent safe, and the sender sends it again - as new messages, their ids
+        forgotten with the batch. The connection's other reads in the batch go with it (routed without the
+        failed one, they would arrive before it). Deliveries given back by a failed event are lost (the bug's
+        cost, logged); they are counted as returned, so that no SYNC_ACK waits for them."""
+        try:
+            self.router.batch_lost()  # (it reads the mirrored state back from the store)
+        except lmdb.Error as e:  # (the store cannot be read: damaged, the daemon stops - the next try sees it)
+            self.store.note_error(e)
+        if failed is None:
+            return events, False
+        if type(failed) is Undelivered or type(failed) is Buffered:
+            self.returns_committed += 1
+            log.error("%d deliveries to %s given back and not routed again (the internal error above)",
+                      len(failed.datas), failed.peer.hex()[:16])  # fmt: skip
+        conn = getattr(failed, "conn", None)
+        if conn is None or type(failed) is ConnectionClosed:
+            return [ev for ev in events if ev is not failed], timer
+        extra.append(CloseConnection(conn, ErrorCode.OVERLOADED, "internal error"))
+        rest = [ev for ev in events
+                if ev is not failed and not (isinstance(ev, (MessagesReceived, NotAdmitted)) and ev.conn == conn)]
+        return rest, timer
 
     def _abort(self, txn: Any) -> None:
         """Abort the attached ``txn`` (the commit thread's): the store reads back what is committed."""

@@ -354,15 +354,17 @@ class LmdbStore(LmdbTables):
             except lmdb.Error as e:  # they are indexed when the store is opened next
                 log.warning("%s: message index entries not written on close: %s", self.path, e)
                 self.note_error(e)  # (damage: not marked clean below)
+        synced = True
         try:
             self.env.sync(True)
         except lmdb.Error as e:  # (an unusable environment, MDB_PANIC: what it holds was synced or is lost)
             log.error("%s: the store's last sync failed: %s", self.path, e)
             self.note_error(e)
+            synced = False  # (not marked clean: the next start takes it for a crash's)
         self.env.close()
         if self._ahead is not None:
             self._ahead.close()
-        if self._opened and self.damaged is None:
+        if self._opened and self.damaged is None and synced:
             mark_clean(self.path)  # the next open need not walk the file (integrity.py)
 
     def note_error(self, e: lmdb.Error) -> bool:
