@@ -59,7 +59,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import lmdb
@@ -102,6 +104,21 @@ class _EventFailed(Exception):
     def __init__(self, event: Event | None) -> None:
         super().__init__()
         self.event = event
+
+
+DISK_FULL_BELOW = 1 << 20
+"""Bytes: with less free space than this where the store is, a store error is reported as the disk being full
+(LMDB reports a write that found no room as an I/O error, or as ENOSPC, never as a full disk)."""
+
+
+def _disk_full_hint(path: Path) -> str:
+    """What to add to a store error's line when the file system holding the store is (nearly) full."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    return f" (the file system holding the store is full: {free} bytes free)" if free < DISK_FULL_BELOW else ""
 
 
 def _messages_in(events: list[Event]) -> int:
@@ -154,6 +171,7 @@ class Batches:
         self._syncing: concurrent.futures.Future[None] | None = None  # durability batch: a sync in flight
         self._sync_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._sync_errors = RateLimitedLog(log)
+        self._store_errors = RateLimitedLog(log)  # (a full disk fails every batch: a line per 10 s, with the count)
         self._closed = False
         # Undelivered and Buffered events (deliveries given back and routed again, or backed by queue entries) in
         # batches that committed so far: whoever waits for those deliveries to be safe again (the driver's held
@@ -356,7 +374,8 @@ class Batches:
         """A batch's transaction failed: nothing of it was committed, so nothing of it is acknowledged or
         delivered. The store itself is intact; later batches may succeed. Connection bookkeeping must not be
         lost with the messages: it is replayed on its own."""
-        log.error("store error, batch of %d events not committed: %s", len(events), e)
+        self._store_errors.event("commit", f"store error, batch of {len(events)} events not committed: {e}"
+                                           f"{_disk_full_hint(self.store.path)}", logging.ERROR)  # fmt: skip
         self.stats["store_errors_total"] = self.stats.get("store_errors_total", 0) + 1
         self.store.note_error(e)  # (damage: the daemon stops, and the next start walks the store)
         router = self.router
@@ -447,8 +466,8 @@ class Batches:
             self.stats["syncs_total"] += 1
             return
         self.stats["store_errors_total"] = self.stats.get("store_errors_total", 0) + 1
-        self._sync_errors.event("sync", f"store sync failed (what was committed since the last sync may not be "
-                                        f"on the disk): {e}", logging.ERROR)  # fmt: skip
+        text = f"store sync failed (what was committed since the last sync may not be on the disk): {e}"
+        self._sync_errors.event("sync", text + _disk_full_hint(self.store.path), logging.ERROR)
         if isinstance(e, lmdb.Error):
             self.store.note_error(e)
 
