@@ -13,6 +13,9 @@ from pathlib import Path
 from conftest import DaemonFactory
 from daemons import cli, run_expecting_exit
 
+from upsycle_router.client import Client
+from upsycle_router.crypto import Identity
+
 
 def _one_line(stderr: str) -> str:
     assert "Traceback" not in stderr, stderr
@@ -104,3 +107,24 @@ def test_bodies_and_keys_that_do_not_parse_are_one_line(tmp_path: Path) -> None:
         r = cli(*args)
         assert r.returncode == 2, (args, r.stderr)
         _one_line(r.stderr)
+
+
+async def test_a_second_router_on_the_same_data_dir_is_refused_even_with_the_lock_file_gone(
+    tmp_path: Path, daemon: DaemonFactory
+) -> None:
+    """(An audit: with DATA_DIR/lock deleted under a running router, a second `run` on the same directory got
+    past the lock and hung opening the store, and the first stopped answering.) The directory is locked too:
+    one line, exit 1, and the first router goes on."""
+    d = daemon()
+    for gone in (False, True):
+        if gone:
+            (d.dir / "lock").unlink()
+        r = run_expecting_exit("run", "--data-dir", str(d.dir), "--unix", str(tmp_path / f"second-{gone}.sock"),
+                               timeout=30)  # fmt: skip
+        assert r.returncode == 1 and "data directory in use by another router" in _one_line(r.stderr), r.stderr
+    async with await Client.connect(d.sock, Identity.generate()) as app:
+        await app.sync()  # (answered: the first router is unaffected)
+    backup = tmp_path / "b.mdb"
+    assert cli("store", "backup", str(backup), "--data-dir", str(d.dir)).returncode == 0
+    r = cli("store", "restore", str(backup), "--data-dir", str(d.dir))  # (nor is a restore under it taken)
+    assert r.returncode == 1 and "a router is running on this data directory" in r.stderr, r.stderr

@@ -215,6 +215,7 @@ class Daemon:
         self.pool: ConnectionPool | None = None
         self.metrics: MetricsServer | None = None
         self._lock_fd: int | None = None
+        self._dir_fd: int | None = None  # (the data directory, locked as well as its lock file)
         self._unix_bound = False  # this process bound listen.unix (only then does stop() remove it)
         self.store_damage: str | None = None  # LMDB reported damage while running: the daemon stops, exit 2
         self._readvertise_handle: asyncio.TimerHandle | None = None
@@ -254,9 +255,15 @@ class Daemon:
         self._lock_fd = os.open(cfg.data_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # The directory itself is locked too: a lock file deleted under a running router (by hand, or a
+            # clean-up) let a second one start on the same store - both then hung (found by an audit).
+            self._dir_fd = os.open(cfg.data_dir, os.O_RDONLY | os.O_DIRECTORY)
+            fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+            for fd in (self._lock_fd, self._dir_fd):
+                if fd is not None:
+                    os.close(fd)
+            self._lock_fd = self._dir_fd = None
             raise RuntimeError(f"{cfg.data_dir}: data directory in use by another router") from None
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)  # for upsycle-router reload
@@ -851,6 +858,9 @@ class Daemon:
                 os.ftruncate(self._lock_fd, 0)  # no PID of a process that is gone
             os.close(self._lock_fd)
             self._lock_fd = None
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
         log.info("stopped")
 
 

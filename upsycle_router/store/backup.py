@@ -146,8 +146,11 @@ def exclusive(data_dir: Path, store_dir: Path) -> Iterator[None]:
         data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(data_dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
         stack.callback(os.close, fd)
+        dfd = os.open(data_dir, os.O_RDONLY | os.O_DIRECTORY)  # (a router locks the directory too)
+        stack.callback(os.close, dfd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise BackupError(f"{data_dir}: a router is running on this data directory (it holds {data_dir / 'lock'});"
                               " stop it first", code=1) from None
