@@ -291,3 +291,33 @@ async def test_a_store_of_a_newer_schema_is_refused_with_one_line_and_exit_2(dae
     check = cli("store", "check", "--data-dir", str(d.dir))
     assert check.returncode == 2, check.stdout + check.stderr
     assert "NOT SUPPORTED: the store's schema is '6'" in check.stdout and "INCONSISTENT" not in check.stdout
+
+
+async def test_a_store_file_cut_short_under_the_running_router_leaves_a_line_in_its_log(daemon: DaemonFactory) -> None:
+    """data.mdb truncated while the router runs: its memory map then ends before the pages it reads, and the
+    process gets SIGBUS - nothing Python can turn into an exception. (An audit: it ended with signal 7 and
+    nothing in the log.) The fault handler writes a line and the stacks first; the next start refuses the
+    store, exit 2 (as before)."""
+    d = daemon()
+    sub_id = Identity.generate()
+    pub = await Client.connect(d.sock, Identity.generate(), timeout=5)
+    await (await Client.connect(d.sock, sub_id, timeout=5)).close()  # (connected once: a local app, queued for)
+    await wait_offline(d, pub, sub_id.public)
+    await pub.sync()
+    for k in range(40):
+        await pub.send(sub_id.public, b"%d " % k + os.urandom(8000), ttl=3600)
+    assert (await pub.sync()).ok
+    await pub.close()
+    os.truncate(d.dir / "store" / "data.mdb", 0)
+    assert d.proc is not None
+    with contextlib.suppress(Exception):  # (the subscriber's queue is read from the map: the fault)
+        sub = await Client.connect(d.sock, sub_id, timeout=5)
+        with contextlib.suppress(Exception):
+            await sub.recv(timeout=5)
+        await sub.close()
+    rc = await asyncio.wait_for(asyncio.to_thread(d.proc.wait, 20), 25)
+    log = d.log_text()
+    d.kill()  # (reaps it)
+    assert rc == -7, f"exit {rc}\n{log}"
+    assert "Fatal Python error: Bus error" in log, log
+    assert_refused(start_expecting_refusal(d), "")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import faulthandler
 import logging
 import os
 import signal
@@ -47,8 +48,11 @@ from upsycle_router.runtime.logs import setup_logging
 from upsycle_router.store.integrity import MARKER, StoreUnusable
 
 PATH_ERRNOS = frozenset({errno.EEXIST, errno.EISDIR, errno.ENOTDIR, errno.ENOENT, errno.EACCES, errno.EPERM,
-                         errno.ENAMETOOLONG, errno.ELOOP})  # fmt: skip
-"""A start-up OSError with one of these is the config's (exit 2): the path is not what it names."""
+                         errno.ENAMETOOLONG, errno.ELOOP, errno.EROFS})  # fmt: skip
+"""A start-up OSError with one of these is the config's or the system's, and waiting will not mend it (exit 2):
+the path is not what it names, or cannot be written (a file system gone read-only after a disk error, which the
+start's own check of the directory does not always see - found by an audit: exit 1 let systemd restart it in
+a loop)."""
 
 
 def check_dir(path: Path, option: str) -> None:
@@ -90,6 +94,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     setup_logging(cfg.log_level, cfg.log_format)
     for w in warnings:
         logging.getLogger("upsycle_router.config").warning("%s", w)
+    # A fault Python cannot turn into an exception - SIGBUS when the store's file is cut short under its memory
+    # map (truncated by hand, a disk gone) - still leaves a line and the stacks on stderr (the journal) before
+    # the process ends (an audit: it ended with signal 7 and nothing in the log).
+    faulthandler.enable(all_threads=True)
     try:
         run_async(run_daemon(cfg, lambda: config_from_args(args, reload=True), ready_file=ready_file))
     except (KeyFileError, ConfigError, StoreUnusable) as e:  # (a damaged store too: one line, exit 2)
