@@ -27,6 +27,11 @@ the reason; the daemon goes on with the one it has. The PID is written into the 
 Status and health: :meth:`Daemon.status_detail` is the ``/status`` view of the metrics listener (version,
 start time, peers, every connection's traffic and its rate over the last :data:`RATE_INTERVAL` seconds,
 refusals by reason); :meth:`Daemon.health` is ``/healthz`` (the store open, every listener accepting).
+
+Every :data:`WATCH_INTERVAL` the daemon looks at the two files others may remove under it: the store's data
+file (removed or replaced, what it commits would go into a file no start opens again: taken as damage - the
+daemon stops, exit 2) and the Unix socket (removed: bound again, and said so; replaced by another's: said, and
+``/healthz`` fails).
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ STOP_TIMEOUT = 10.0
 ADVERT_TTL = 3600
 ADVERT_REFRESH = ADVERT_TTL / 3
 RATE_INTERVAL = 10.0  # seconds: the connections' message rates in the status view are over this interval
+WATCH_INTERVAL = 1.0  # seconds between looks at the store's data file and the Unix socket (module docstring)
 STOP_ANSWER_WAIT = 1.0  # seconds a stop waits for WebSocket upgrade requests still coming in (answered 503)
 
 
@@ -203,6 +209,10 @@ class Daemon:
         self._reload_pending = False  # SIGHUP came during start(): reload once it is done
         self._stopping = False
         self._rate_handle: asyncio.TimerHandle | None = None
+        self._watch_handle: asyncio.TimerHandle | None = None
+        self._unix_file: tuple[int, int] | None = None  # (device, inode) of the socket this process bound
+        self._unix_lost: str | None = None  # why listen.unix no longer reaches this router (for /healthz)
+        self._rebinding: asyncio.Task[None] | None = None
         # Each connection's (messages_in, messages_out) at the last rate tick, and its rates since the one before.
         self._traffic: dict[int, tuple[int, int]] = {}
         self._rates: dict[int, tuple[float, float]] = {}
@@ -376,6 +386,7 @@ class Daemon:
         if self.trimmer.available:
             self._trim_handle = loop.call_later(TRIM_INTERVAL, self._trim)
         self._rate_handle = loop.call_later(RATE_INTERVAL, self._rate_tick)
+        self._watch_handle = loop.call_later(WATCH_INTERVAL, self._watch)
         log.info(
             "started id=%s data_dir=%s unix=%s durability=%s hot_path=%s%s", ident.hex, value(cfg.data_dir),
             value(cfg.unix),
@@ -573,6 +584,7 @@ class Daemon:
         finally:
             os.umask(old)
         self._unix_bound = True
+        self._unix_file = _file_id(path)
         os.chmod(path, self.config.unix_mode)
         if self.config.unix_group is not None:
             os.chown(path, -1, socket_gid(self.config.unix_group))
@@ -713,7 +725,40 @@ class Daemon:
         for listener in self._listeners:
             if listener.sock.fileno() == -1:
                 return f"listener {listener.kind} closed"
-        return None
+        return self._unix_lost
+
+    def _watch(self) -> None:
+        """Every WATCH_INTERVAL: the store's data file and the Unix socket still the ones opened (module
+        docstring)."""
+        self._watch_handle = asyncio.get_running_loop().call_later(WATCH_INTERVAL, self._watch)
+        if self._stopping:
+            return
+        if self.store is not None:
+            self.store.file_gone()  # (gone: damage - the daemon stops)
+        path = self.config.unix
+        if path is None or not self._unix_bound or self._unix_file is None or self._rebinding is not None:
+            return
+        now = _file_id(path)
+        if now == self._unix_file:
+            return
+        if now is None:  # removed: bound again (nothing else is there)
+            log.error("listen.unix: %s was removed while the router ran: local apps could not connect; binding it "
+                      "again", path)  # fmt: skip
+            self._unix_file = None
+            self._rebinding = asyncio.get_running_loop().create_task(self._rebind_unix(path))
+        elif self._unix_lost is None:
+            self._unix_lost = f"listen.unix: {path} is no longer this router's socket (replaced)"
+            log.error("%s: local apps connecting there do not reach this router; restart it", self._unix_lost)
+
+    async def _rebind_unix(self, path: Path) -> None:
+        try:
+            await self._listen_unix(path)
+            self._unix_lost = None
+        except (OSError, ConfigError, RuntimeError) as e:
+            self._unix_lost = f"listen.unix: {path} cannot be bound again: {e}"
+            log.error("%s", self._unix_lost)
+        finally:
+            self._rebinding = None
 
     def _rate_tick(self) -> None:
         """Every RATE_INTERVAL seconds: each connection's message rates over the interval that ended."""
@@ -800,7 +845,8 @@ class Daemon:
         sd_notify("STOPPING=1")
         log.info("stopping")
         self._stopping = True
-        for h in (self._readvertise_handle, self._trim_handle, self._storm_trim_handle, self._rate_handle):
+        for h in (self._readvertise_handle, self._trim_handle, self._storm_trim_handle, self._rate_handle,
+                  self._watch_handle):  # fmt: skip
             if h is not None:
                 h.cancel()
         for listener in self._listeners:
@@ -862,6 +908,15 @@ class Daemon:
             os.close(self._dir_fd)
             self._dir_fd = None
         log.info("stopped")
+
+
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """The device and inode of what is at ``path`` (None: nothing)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def running_pid(data_dir: Path) -> int:

@@ -85,6 +85,7 @@ from upsycle_router.store.api import (
     StoredMessage,
 )
 from upsycle_router.store.integrity import (
+    DATA,
     RUNTIME_DAMAGE_ERRORS,
     StoreUnusable,
     check_before_open,
@@ -149,6 +150,15 @@ def _sec(ms: int) -> float | None:
     return None if ms == NEVER_MS else ms / 1000.0
 
 
+def _file_id(path: Path) -> tuple[int, int] | None:
+    """The device and inode of the file at ``path`` (None: there is none)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
 class LmdbStore(LmdbTables):
     """The router's persistent state in one LMDB environment."""
 
@@ -178,6 +188,7 @@ class LmdbStore(LmdbTables):
             readahead=False,
         )
         self._txn: Any = None
+        self._file = _file_id(self.path / DATA)  # (which file LMDB mapped: file_gone())
         # Queue usage (qstats) changed by the open write transaction: recipient -> (count, bytes), written in one
         # go before it commits (count 0: the record is deleted). A drain changes one recipient's usage 512 times
         # a batch; read-modify-writing its record each time cost more than the rest of the dequeue.
@@ -366,6 +377,18 @@ class LmdbStore(LmdbTables):
             self._ahead.close()
         if self._opened and self.damaged is None and synced:
             mark_clean(self.path)  # the next open need not walk the file (integrity.py)
+
+    def file_gone(self) -> bool:
+        """Whether the data file LMDB has open is no longer the one at its path (removed, or another put there):
+        what the store commits from now on goes into a file nobody will open again (an audit: a router went on
+        acknowledging messages into a deleted data.mdb, and the next start found no store). The store is then
+        :attr:`damaged` (``on_damage`` is told), as when LMDB reports damage."""
+        if self.damaged is not None or self._file is None or _file_id(self.path / DATA) == self._file:
+            return self.damaged is not None
+        self.damaged = f"{self.path / DATA} was removed or replaced while the router ran"
+        if self.on_damage is not None:
+            self.on_damage(self.damaged)
+        return True
 
     def note_error(self, e: lmdb.Error) -> bool:
         """A transaction failed with ``e``: True when LMDB says the file is damaged (a page that is not what it
