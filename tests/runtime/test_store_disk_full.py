@@ -49,6 +49,7 @@ async def test_a_full_disk_is_said_once_per_interval_and_every_failed_batch_coun
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     with small_fs(tmp_path / "fs") as fs:
+        (fs / "filler").write_bytes(b"\0" * (1 << 20))  # (removed below: room again)
         rid, a, c = (Identity.from_seed(bytes([n]) * 32) for n in (1, 2, 3))
         store = LmdbStore(fs / "store", durability, 64 << 20)  # (the map is larger than the file system)
         router = Router(rid, store, CoreConfig())
@@ -76,6 +77,17 @@ async def test_a_full_disk_is_said_once_per_interval_and_every_failed_batch_coun
                     break
         failed = drv.stats.get("store_errors_total", 0)
         lines = [r.getMessage() for r in caplog.records if "not committed" in r.getMessage()]
+        failing = drv.batches.failing_since  # (what /healthz reports after STORE_FAILING_FOR)
+        (fs / "filler").unlink()
+        now = time.time()
+        drv.push(MessagesReceived.one(1, sign_message(UnicastHeader(a.public, c.public, 3600, exp_in(now, 3600)),
+                                                      b"room again", a), True))  # fmt: skip
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if drv.batches.failing_since is None and not drv.batches.busy:
+                break
+        assert failing is not None and drv.batches.failing_since is None
+        assert drv.stats["store_errors_total"] == failed  # it committed
         await drv.aclose()
         store.close()
     assert failed >= 30, (failed, n)

@@ -177,6 +177,8 @@ class Batches:
         # batches that committed so far: whoever waits for those deliveries to be safe again (the driver's held
         # SYNC_ACKs) compares with it.
         self.returns_committed = 0
+        # When batches began to fail to commit (a full or failing disk), until one commits again: /healthz says so.
+        self.failing_since: float | None = None
 
     @property
     def busy(self) -> bool:
@@ -213,6 +215,7 @@ class Batches:
                 with self._transaction():
                     effects = self._route(events, timer, now)
                 self._count_returns(events)
+                self.failing_since = None
             except lmdb.Error as e:
                 effects = self._not_committed(events, e, now)
             except _EventFailed as failed:
@@ -359,6 +362,7 @@ class Batches:
         else:
             store.committed()
             self._count_returns(rec.events)
+            self.failing_since = None
             effects = rec.effects
         self._finish(effects, rec.now)
 
@@ -377,6 +381,8 @@ class Batches:
         self._store_errors.event("commit", f"store error, batch of {len(events)} events not committed: {e}"
                                            f"{_disk_full_hint(self.store.path)}", logging.ERROR)  # fmt: skip
         self.stats["store_errors_total"] = self.stats.get("store_errors_total", 0) + 1
+        if self.failing_since is None:
+            self.failing_since = now
         self.store.note_error(e)  # (damage: the daemon stops, and the next start walks the store)
         router = self.router
         effects: list[Effect] = []

@@ -94,6 +94,7 @@ STOP_TIMEOUT = 10.0
 ADVERT_TTL = 3600
 ADVERT_REFRESH = ADVERT_TTL / 3
 RATE_INTERVAL = 10.0  # seconds: the connections' message rates in the status view are over this interval
+STORE_FAILING_FOR = 5.0  # seconds of batches that do not commit (a full or failing disk) before /healthz fails
 WATCH_INTERVAL = 1.0  # seconds between looks at the store's data file and the Unix socket (module docstring)
 STOP_ANSWER_WAIT = 1.0  # seconds a stop waits for WebSocket upgrade requests still coming in (answered 503)
 
@@ -722,6 +723,9 @@ class Daemon:
             return "store closed"
         if self.store_damage is not None:
             return "store damaged"
+        failing = self.driver.batches.failing_since if self.driver is not None else None
+        if failing is not None and time.time() - failing >= STORE_FAILING_FOR:
+            return f"store writes failing for {time.time() - failing:.0f} s (store_errors_total)"
         for listener in self._listeners:
             if listener.sock.fileno() == -1:
                 return f"listener {listener.kind} closed"
