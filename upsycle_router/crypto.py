@@ -11,6 +11,7 @@ The X25519 forms of a key (libsodium's birational map) exist for end-to-end encr
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
@@ -184,8 +185,14 @@ def write_key_file(path: str | os.PathLike[str], key: Identity | None = None, *,
         if overwrite:
             os.replace(tmp, p)
         else:
-            os.link(tmp, p)  # (fails if the key file appeared meanwhile: never overwritten)
-            os.unlink(tmp)
+            try:
+                os.link(tmp, p)  # (fails if the key file appeared meanwhile: never overwritten)
+            except OSError as e:
+                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+                    raise
+                os.replace(tmp, p)  # (a file system without hard links: checked above that there is none)
+            else:
+                os.unlink(tmp)
         _sync_dir(p.parent)
         if made:
             _sync_dir(p.parent.parent)
@@ -200,10 +207,14 @@ def write_key_file(path: str | os.PathLike[str], key: Identity | None = None, *,
 
 
 def _sync_dir(path: Path) -> None:
-    """Make a directory's entries durable (a file created, renamed or linked in it)."""
+    """Make a directory's entries durable (a file created, renamed or linked in it) - where the file system can
+    sync a directory at all (some cannot: EINVAL)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise
     finally:
         os.close(fd)
 

@@ -7,7 +7,11 @@ silently: the next start refuses the missing store. Real daemon processes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import socket
+import stat
+from pathlib import Path
 
 from conftest import DaemonFactory
 
@@ -31,6 +35,58 @@ async def test_a_removed_unix_socket_is_bound_again_and_said(daemon: DaemonFacto
     assert "was removed while the router ran" in d.log_text() and d.running
     d.stop()
     assert not d.sock.exists()
+
+
+def _listening_unix_sockets(pid: int) -> int:
+    """How many listening Unix sockets the process ``pid`` holds (/proc/net/unix: flag __SO_ACCEPTCON)."""
+    listening = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        f = line.split()
+        if int(f[3], 16) & 0x10000:
+            listening.add(f[6])
+    held = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                held.add(link[8:-1])
+    return len(listening & held)
+
+
+async def test_the_socket_is_bound_again_each_time_with_one_listener(daemon: DaemonFactory) -> None:
+    """(A review: each rebind left the old listener open, bound to a name that is gone.)"""
+    d = daemon()
+    assert d.proc is not None
+    before = _listening_unix_sockets(d.proc.pid)
+    for _ in range(3):
+        os.unlink(d.sock)
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            if d.sock.exists():
+                break
+        async with await Client.connect(d.sock, Identity.generate(), timeout=5) as app:
+            await app.sync()
+    assert _listening_unix_sockets(d.proc.pid) == before
+
+
+async def test_a_socket_put_in_its_place_by_another_is_not_removed_at_the_stop(daemon: DaemonFactory) -> None:
+    """The router's socket removed and another process's bound at once in its place: the router says so (an
+    ERROR line, /healthz fails) and leaves it - at its stop too (a review: the stop removed the other's)."""
+    d = daemon()
+    os.unlink(d.sock)
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        other.bind(str(d.sock))
+        other.listen()
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            if "is no longer this router's socket" in d.log_text():
+                break
+        assert "is no longer this router's socket" in d.log_text()
+        d.stop()
+        assert d.sock.exists() and stat.S_ISSOCK(d.sock.lstat().st_mode)
+    finally:
+        other.close()
 
 
 async def test_a_removed_data_file_stops_the_router_as_damage(daemon: DaemonFactory) -> None:

@@ -24,6 +24,7 @@ from upsycle_router.durability import Durability
 from upsycle_router.expiry import exp_in
 from upsycle_router.runtime.driver import Driver
 from upsycle_router.store.lmdb_store import LmdbStore
+from upsycle_router.wire.control import Sync, encode_router
 from upsycle_router.wire.messages import UnicastHeader
 
 SIZE = 4 << 20  # the file system's size
@@ -78,6 +79,13 @@ async def test_a_full_disk_is_said_once_per_interval_and_every_failed_batch_coun
         failed = drv.stats.get("store_errors_total", 0)
         lines = [r.getMessage() for r in caplog.records if "not committed" in r.getMessage()]
         failing = drv.batches.failing_since  # (what /healthz reports after STORE_FAILING_FOR)
+        ask = sign_message(UnicastHeader(a.public, rid.public, 60, exp_in(time.time(), 60)), encode_router(Sync(1)), a)
+        drv.push(MessagesReceived.one(1, ask, True))  # a batch that writes nothing proves nothing (a review)
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not drv.batches.busy:
+                break
+        assert drv.batches.failing_since == failing
         (fs / "filler").unlink()
         now = time.time()
         drv.push(MessagesReceived.one(1, sign_message(UnicastHeader(a.public, c.public, 3600, exp_in(now, 3600)),

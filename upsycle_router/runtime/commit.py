@@ -215,7 +215,8 @@ class Batches:
                 with self._transaction():
                     effects = self._route(events, timer, now)
                 self._count_returns(events)
-                self.failing_since = None
+                if self.store.wrote:  # (a transaction that wrote nothing proves nothing about the disk)
+                    self.failing_since = None
             except lmdb.Error as e:
                 effects = self._not_committed(events, e, now)
             except _EventFailed as failed:

@@ -269,7 +269,15 @@ class Daemon:
             # The directory itself is locked too: a lock file deleted under a running router (by hand, or a
             # clean-up) let a second one start on the same store - both then hung (found by an audit).
             self._dir_fd = os.open(cfg.data_dir, os.O_RDONLY | os.O_DIRECTORY)
-            fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(self._dir_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if isinstance(e, BlockingIOError):
+                    raise
+                # (a file system that cannot lock a directory - NFS emulates flock with fcntl locks, which need
+                # a descriptor open for writing: the lock file's lock alone guards it, as before)
+                log.warning("%s: the data directory itself cannot be locked (%s); its lock file is", cfg.data_dir,
+                            e.strerror or e)  # fmt: skip
         except BlockingIOError:
             for fd in (self._lock_fd, self._dir_fd):
                 if fd is not None:
@@ -716,7 +724,8 @@ class Daemon:
     # ------------------------------------------------------------ health and status
 
     def health(self) -> str | None:
-        """None while the daemon serves (store open, every listener accepting); else what is wrong."""
+        """None while the daemon serves (store open and committing, every listener accepting, the Unix socket
+        still this router's); else what is wrong."""
         if self._stopping:
             return "stopping"
         if self.store is None:
@@ -755,6 +764,12 @@ class Daemon:
             log.error("%s: local apps connecting there do not reach this router; restart it", self._unix_lost)
 
     async def _rebind_unix(self, path: Path) -> None:
+        if self._stopping:
+            self._rebinding = None
+            return
+        for old in [x for x in self._listeners if x.kind == "unix"]:  # (bound to a name that is gone)
+            old.close()
+            self._listeners.remove(old)
         try:
             await self._listen_unix(path)
             self._unix_lost = None
@@ -835,7 +850,7 @@ class Daemon:
         may not keep, and what it holds may not be readable. Stop (the store is not marked clean, so the next
         start walks it and refuses it, naming what to do), and exit 2."""
         self.store_damage = what
-        log.critical("store damaged: LMDB reports %s; stopping (run `upsycle-router store check`, then "
+        log.critical("store damaged: %s; stopping (run `upsycle-router store check`, then "
                      "`store restore BACKUP` or move the store away)", what)  # fmt: skip
         self.request_stop()
 
@@ -898,7 +913,12 @@ class Daemon:
         if self.store is not None:
             self.store.close()
             self.store = None
-        if self.config.unix is not None and self._unix_bound:
+        if self._rebinding is not None:
+            self._rebinding.cancel()
+            with contextlib.suppress(BaseException):
+                await self._rebinding
+        if self.config.unix is not None and self._unix_bound and _file_id(self.config.unix) == self._unix_file:
+            # (only the socket this process bound: one put there by another after ours was removed is not ours)
             with contextlib.suppress(OSError):
                 self.config.unix.unlink()
         if self.admission is not None:

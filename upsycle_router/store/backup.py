@@ -138,6 +138,10 @@ def backup(store_dir: Path, out: Path, *, force: bool = False) -> BackupResult:
             tmp.unlink()
 
 
+class _Held(Exception):
+    """The data directory's lock is held (by a running router)."""
+
+
 @contextlib.contextmanager
 def exclusive(data_dir: Path, store_dir: Path) -> Iterator[None]:
     """Hold the daemon's lock of ``data_dir`` and LMDB's exclusive lock of the store: nobody runs a router on
@@ -150,8 +154,12 @@ def exclusive(data_dir: Path, store_dir: Path) -> Iterator[None]:
         stack.callback(os.close, dfd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            with contextlib.suppress(OSError):  # (only where directories can be locked: not NFS, say)
+                try:
+                    fcntl.flock(dfd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError as e:
+                    raise _Held from e
+        except (BlockingIOError, _Held):
             raise BackupError(f"{data_dir}: a router is running on this data directory (it holds {data_dir / 'lock'});"
                               " stop it first", code=1) from None
         lock_mdb = store_dir / LOCK

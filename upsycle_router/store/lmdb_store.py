@@ -150,12 +150,18 @@ def _sec(ms: int) -> float | None:
     return None if ms == NEVER_MS else ms / 1000.0
 
 
+_UNKNOWN = (-1, -1)
+
+
 def _file_id(path: Path) -> tuple[int, int] | None:
-    """The device and inode of the file at ``path`` (None: there is none)."""
+    """The device and inode of the file at ``path`` (None: there is none; ``_UNKNOWN``: it cannot be looked at
+    now - EACCES, EIO, ESTALE ...: not taken for gone)."""
     try:
         st = os.stat(path)
-    except OSError:
+    except FileNotFoundError:
         return None
+    except OSError:
+        return _UNKNOWN
     return st.st_dev, st.st_ino
 
 
@@ -383,8 +389,11 @@ class LmdbStore(LmdbTables):
         what the store commits from now on goes into a file nobody will open again (an audit: a router went on
         acknowledging messages into a deleted data.mdb, and the next start found no store). The store is then
         :attr:`damaged` (``on_damage`` is told), as when LMDB reports damage."""
-        if self.damaged is not None or self._file is None or _file_id(self.path / DATA) == self._file:
+        if self.damaged is not None or self._file in (None, _UNKNOWN):
             return self.damaged is not None
+        now = _file_id(self.path / DATA)
+        if now == self._file or now == _UNKNOWN:
+            return False
         self.damaged = f"{self.path / DATA} was removed or replaced while the router ran"
         if self.on_damage is not None:
             self.on_damage(self.damaged)
