@@ -489,7 +489,9 @@ async def test_held_unknown_refusals_are_bounded_too(router: FakeRouter) -> None
         await c.close()
 
 
-async def test_a_sync_that_timed_out_hands_its_refusals_over_as_late(router: FakeRouter) -> None:
+async def test_a_sync_that_timed_out_hands_its_refusals_to_the_next_one(router: FakeRouter) -> None:
+    """(An audit: they went to late_refusals, and the next sync() said all was taken - "on ClientError, sync
+    again" called a refused message safe.)"""
     router.refuse[b"slow"] = (Reason.QUOTA, 0)
     router.hold_acks = True
     c = await _connect(router)
@@ -499,8 +501,10 @@ async def test_a_sync_that_timed_out_hands_its_refusals_over_as_late(router: Fak
             await c.sync(timeout=0.2)
         router.hold_acks = False
         await c.send(Identity.generate().public, b"nudge")  # releases the held SYNC_ACK
-        assert (await c.sync()).ok
-        assert [r.id for r in c.late_refusals] == [mid]
+        res = await c.sync()
+        assert [r.id for r in res.refused] == [mid] and not c.late_refusals
+        refusal = c.refusal(mid)
+        assert refusal is not None and refusal.reason == Reason.QUOTA
     finally:
         await c.close()
 

@@ -111,6 +111,7 @@ CLOSE_TIMEOUT = 2.0  # seconds close() reads on after ending this side, until th
 log = logging.getLogger(__name__)
 
 LATE_REFUSALS_KEPT = 1024  # Client.late_refusals keeps the newest ones
+REFUSALS_KEPT = 16384  # Client.refusal() answers for the newest ones
 TRACK_LIMIT = 1 << 16  # ids a sync span records (about 100 bytes each), and REFUSED of unknown ids it holds
 READ_TURN = 0.01  # seconds: drain() lets the loop run (the reader) at least this often, also when nothing blocks
 
@@ -196,7 +197,9 @@ class SyncResult:
         return frozenset(r.id for r in self.refused)
 
     def refusal(self, mid: bytes) -> Refusal | None:
-        """The refusal of message ``mid``, or None when it was taken."""
+        """The refusal of message ``mid``, or None when it was not refused in this span (sent after the previous
+        SYNC and before this one: it was taken). For a message another task's ``sync()`` may have reported,
+        ask :meth:`Client.refusal`."""
         for r in self.refused:
             if r.id == mid:
                 return r
@@ -286,6 +289,9 @@ class Client:
         self.track_limit = TRACK_LIMIT
         self.late_refusals: deque[Refusal] = deque(maxlen=LATE_REFUSALS_KEPT)
         self.on_refused: Callable[[Refusal], object] | None = None
+        self._refusals: dict[bytes, Refusal] = {}  # the newest REFUSALS_KEPT refusals by id: refusal()
+        self._carried: list[Refusal] = []  # reported by a SYNC_ACK nobody waited for: in the next sync()'s result
+        self._asking: dict[tuple[str, bytes | int], tuple[asyncio.Lock, int]] = {}  # one request per key at a time
         self._task: asyncio.Task[None] | None = None
         self._opened: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.closed_reason: str | None = None
@@ -480,6 +486,21 @@ class Client:
     # ------------------------------------------------------------ refusals
 
     def _on_refused(self, r: Refusal) -> None:
+        self._refusals.pop(r.id, None)
+        self._refusals[r.id] = r
+        if len(self._refusals) > REFUSALS_KEPT:
+            del self._refusals[next(iter(self._refusals))]
+        self._file(r)
+
+    def refusal(self, mid: bytes) -> Refusal | None:
+        """The refusal of message ``mid`` sent on this connection - whichever :meth:`sync` reported it, or a late
+        one -, or None when it was not refused (as far as the router has answered: ask after a :meth:`sync`
+        that returned once ``mid`` was sent). With several tasks sending on one client, one task's ``sync()``
+        reports every refusal since the previous ``sync()`` of any task: a task asks here about its own
+        messages. The newest :data:`REFUSALS_KEPT` refusals are kept."""
+        return self._refusals.get(mid)
+
+    def _file(self, r: Refusal) -> None:
         key = self._request_ids.pop(r.id, None)
         if key is not None:  # a request of ours: answer it now rather than let it time out
             w = self._waiters.pop(key, None)
@@ -549,13 +570,18 @@ class Client:
         w = self._waiters.pop(("sync", ack.n), None)
         if w is not None and not w.fut.done():
             if isinstance(outcome, SyncResult):
+                if self._carried:  # (a SYNC before this one that nobody waited for: its span is this one's too)
+                    outcome = SyncResult(ack.n, (*self._carried, *outcome.refused))
+                    self._carried = []
                 w.fut.set_result(outcome)
             else:
                 w.fut.set_exception(outcome)
                 w.fut.exception()
             return
-        for r in refused:  # nobody waits for this SYNC any more (it timed out): nothing is lost in silence
-            self._late(r)
+        # Nobody waits for this SYNC any more (it timed out, or its task was cancelled): its refusals go into the
+        # next sync()'s result - "on ClientError, sync again" must not call them taken (an audit) - and stay
+        # in refusal().
+        self._carried += refused
 
     # ------------------------------------------------------------ sending
 
@@ -570,6 +596,8 @@ class Client:
         except ConnectionError as e:
             raise ClientError(self.closed_reason or f"connection lost: {e}") from None
         ep = self._epoch
+        if self._refusals:
+            self._refusals.pop(msg.id, None)  # (sent again: what the router answers this time counts)
         if len(ep.ids) < self.track_limit:
             ep.ids.add(msg.id)
         else:
@@ -652,6 +680,24 @@ class Client:
     async def _request(
         self, key: tuple[str, bytes | int], body: RouterMessage, timeout: float, *, router: bytes | None = None
     ) -> _Reply:
+        """One request and its reply. Requests with the same key (two STATUS, two JOINs of one group from
+        different tasks) go one after the other: their replies cannot be told apart (an audit: the later one
+        took the earlier one's place, which then waited out its timeout)."""
+        lock, users = self._asking.get(key) or (asyncio.Lock(), 0)
+        self._asking[key] = (lock, users + 1)
+        try:
+            async with lock:
+                return await self._request_now(key, body, timeout, router=router)
+        finally:
+            lock, users = self._asking[key]
+            if users == 1:
+                del self._asking[key]
+            else:
+                self._asking[key] = (lock, users - 1)
+
+    async def _request_now(
+        self, key: tuple[str, bytes | int], body: RouterMessage, timeout: float, *, router: bytes | None = None
+    ) -> _Reply:
         fut: asyncio.Future[_Reply] = asyncio.get_running_loop().create_future()
         dest = self.router_id if router is None else router
         remote = dest != self.router_id
@@ -720,7 +766,9 @@ class Client:
         every recipient it was routed to. With ``raise_on_refused`` a refusal raises :class:`MessagesRefused`
         (which carries the result) instead. A SYNC_ACK that counts more refusals than arrived, or a failed
         SYNC, raises :class:`ClientError`. Refusals that arrive after the SYNC_ACK (the next router's, passed
-        on) are late: see :attr:`late_refusals` and :attr:`on_refused`.
+        on) are late: see :attr:`late_refusals` and :attr:`on_refused`. A ``sync()`` that timed out or was
+        cancelled reports nothing; what its SYNC_ACK brings is in the next ``sync()``'s result. The span is the
+        connection's: with several tasks on one client, ask :meth:`refusal` about a task's own messages.
         """
         n = next(self._sync_n)
         self._unanswered[n] = self._epoch
