@@ -84,6 +84,7 @@ export class MessagesRefused extends RouterError {
 }
 
 const LATE_REFUSALS_KEPT = 1024;
+const REFUSALS_KEPT = 16384; // refusal() answers for the newest ones
 const newEpoch = () => ({ ids: new Set(), refused: [], refusedIds: new Set(), overflow: false });
 
 const textEncoder = new TextEncoder();
@@ -120,6 +121,17 @@ export class RouterClient {
     this._unanswered = new Map(); // SYNC n -> the epoch it closed, in the order sent
     this._unfiled = []; // REFUSED of unknown ids while an epoch overflowed (at most trackLimit)
     this._spilled = false; // _unfiled overflowed too: some of them went to lateRefusals
+    this._refusals = new Map(); // hex id -> the newest REFUSALS_KEPT refusals: refusal()
+    this._carried = []; // reported by a SYNC_ACK nobody waited for: in the next sync()'s result
+    this._asking = new Map(); // waiter key -> the last request with it (requests with one key go in turn)
+  }
+
+  /** The Refusal of message `id` (Uint8Array or hex) sent on this connection, whichever sync() reported it (or
+   * a late one), or null when it was not refused as far as the router has answered. With several callers
+   * sharing one client, one caller's sync() reports every refusal since the previous sync() of any: each asks
+   * here about its own messages. The newest REFUSALS_KEPT are kept. */
+  refusal(id) {
+    return this._refusals.get(typeof id === 'string' ? id.toLowerCase() : toHex(id)) || null;
   }
 
   _open(url, routerId, timeout, WebSocketImpl) {
@@ -279,6 +291,9 @@ export class RouterClient {
   }
 
   _onRefused(r) {
+    this._refusals.delete(r.idHex);
+    this._refusals.set(r.idHex, r);
+    if (this._refusals.size > REFUSALS_KEPT) this._refusals.delete(this._refusals.keys().next().value);
     const key = this._requestIds.get(r.idHex);
     if (key !== undefined) { // a request of ours: answer it now rather than let it time out
       this._requestIds.delete(r.idHex);
@@ -354,11 +369,18 @@ export class RouterClient {
     const w = this._waiters.get(`sync:${n}`);
     this._waiters.delete(`sync:${n}`);
     if (w) {
-      if (outcome instanceof SyncResult) w.resolve(outcome);
-      else w.reject(outcome);
+      if (outcome instanceof SyncResult) {
+        // a SYNC before this one that nobody waited for: its span is this one's too
+        if (this._carried.length) outcome = new SyncResult(n, [...this._carried.splice(0), ...refused]);
+        w.resolve(outcome);
+      } else {
+        w.reject(outcome);
+      }
       return;
     }
-    for (const r of refused) this._late(r); // nobody waits for this SYNC any more: nothing is lost in silence
+    // Nobody waits for this SYNC any more (it timed out): its refusals go into the next sync()'s result - "on
+    // an error, sync again" must not call them taken - and stay in refusal().
+    this._carried.push(...refused);
   }
 
   _check() {
@@ -371,6 +393,7 @@ export class RouterClient {
     this._ws.send(msg.encode());
     const id = msg.id;
     const ep = this._epoch;
+    if (this._refusals.size) this._refusals.delete(toHex(id)); // (sent again: this time's answer counts)
     if (ep.ids.size < this.trackLimit) ep.ids.add(toHex(id));
     else ep.overflow = true;
     return id;
@@ -386,7 +409,19 @@ export class RouterClient {
     return this.sendMessage(multicast(group, asBytes(body), opts));
   }
 
+  /** One request and its reply; requests with the same key (two STATUS, two JOINs of one group) go one after
+   * the other: their replies cannot be told apart. */
   _request(key, type, fields, timeout) {
+    const before = this._asking.get(key); // (none: sent at once - a SYNC goes out when sync() is called)
+    const run = before ? before.then(() => this._requestNow(key, type, fields, timeout))
+      : this._requestNow(key, type, fields, timeout);
+    const done = run.then(() => {}, () => {});
+    this._asking.set(key, done);
+    done.then(() => { if (this._asking.get(key) === done) this._asking.delete(key); });
+    return run;
+  }
+
+  _requestNow(key, type, fields, timeout) {
     return new Promise((resolve, reject) => {
       let idHex = null;
       let timer = null;

@@ -356,3 +356,40 @@ test('a REFUSED of the wrong shape from the router is a protocol error, never a 
   assert.deepEqual(router.errors, [['error', 1, 'malformed REFUSED from the router']]);
   c.close();
 });
+
+test('a sync() that timed out hands its refusals to the next one, and refusal() answers for them', async () => {
+  const router = new FakeRouter();
+  router.refuse.set('slow', [Reason.QUOTA, 0]);
+  router.holdAcks = true;
+  const c = await connect(router);
+  const id = c.send(other(), 'slow');
+  await assert.rejects(c.sync({ timeout: 100 }), (e) => e instanceof RouterError && /no answer/.test(e.message));
+  router.holdAcks = false;
+  c.send(other(), 'nudge'); // releases the held SYNC_ACK
+  await tick();
+  const res = await c.sync();
+  assert.deepEqual(res.refused.map((r) => r.idHex), [toHex(id)]);
+  assert.deepEqual(c.lateRefusals, []);
+  assert.equal(c.refusal(id).reason, Reason.QUOTA);
+  c.close();
+});
+
+test('with several callers on one client, refusal() answers whichever sync() reported it', async () => {
+  const router = new FakeRouter();
+  router.refuse.set('mine', [Reason.NO_ROUTE, 0]);
+  const c = await connect(router);
+  const mine = c.send(other(), 'mine');
+  assert.equal((await c.sync()).refusal(mine).reason, Reason.NO_ROUTE); // another caller's sync()
+  const own = await c.sync();
+  assert.ok(own.ok && own.refusal(mine) === null);
+  assert.equal(c.refusal(mine).reason, Reason.NO_ROUTE);
+  c.close();
+});
+
+test('the same request from several callers at once is answered for each', async () => {
+  const router = new FakeRouter();
+  const c = await connect(router);
+  const g = other();
+  assert.deepEqual(await Promise.all([c.join(g, { timeout: 1000 }), c.join(g, { timeout: 1000 })]), [true, true]);
+  c.close();
+});
