@@ -221,7 +221,7 @@ class Batches:
                 effects = self._not_committed(events, e, now)
             except _EventFailed as failed:
                 return failed
-            self._finish([*extra, *effects], now)
+            self._finish([*extra, *effects] if extra else effects, now)
             return None
         try:
             txn = self._take_txn(committer)
@@ -239,7 +239,8 @@ class Batches:
                 return e
             self._finish([*extra, *self._not_committed(events, e, now)], now)
             return None
-        effects = [*extra, *effects]
+        if extra:  # (closes of failed events' connections first; no copy in the common case)
+            effects = [*extra, *effects]
         if not store.wrote:
             # Nothing to commit (direct deliveries): carried out at once, and the transaction serves the next
             # batch - no hand-over, no wait.
