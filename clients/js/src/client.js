@@ -84,6 +84,9 @@ export class MessagesRefused extends RouterError {
 }
 
 const LATE_REFUSALS_KEPT = 1024;
+// A sealed body (docs/protocol.md "Sealed unicast"): a CBOR array of 2..23 elements whose first is "sealed".
+const SEALED_TAG = [0x66, 0x73, 0x65, 0x61, 0x6c, 0x65, 0x64];
+const looksSealed = (b) => b.length >= 8 && b[0] >= 0x82 && b[0] <= 0x97 && SEALED_TAG.every((x, i) => b[i + 1] === x);
 const REFUSALS_KEPT = 16384; // refusal() answers for the newest ones
 const newEpoch = () => ({ ids: new Set(), refused: [], refusedIds: new Set(), overflow: false });
 
@@ -104,12 +107,13 @@ export class RouterClient {
     this.identity = identity;
     this.routerId = null;
     this.closedReason = null;
-    this.onmessage = null; // (Message) => void
+    this._onmessage = null; // (Message) => void: see the onmessage setter
     this.onclose = null; // (reason) => void
     this.onrefused = null; // (Refusal) => void: a late refusal (after the SYNC_ACK that covered the message)
     this.lateRefusals = []; // the newest late refusals (at most 1024)
     this.trackLimit = 1 << 16; // ids a sync span records; past that, unknown REFUSED ids are filed by count
     this._isClosed = false;
+    this._closing = false; // close() was called: nothing more is sent
     this._ws = null;
     this._nonce = randomBytes(32);
     this._waiters = new Map(); // "join:<hex>" | "leave:<hex>" | "sync:<n>" | "pull:<hex>" -> {resolve, reject}
@@ -124,6 +128,27 @@ export class RouterClient {
     this._refusals = new Map(); // hex id -> the newest REFUSALS_KEPT refusals: refusal()
     this._carried = []; // reported by a SYNC_ACK nobody waited for: in the next sync()'s result
     this._asking = new Map(); // waiter key -> the last request with it (requests with one key go in turn)
+  }
+
+  /** The handler of incoming messages (Message) => void. Messages that arrived before it was set - a queue the
+   * router held for this app comes right after the handshake - are handed to it first, in order. */
+  get onmessage() { return this._onmessage; }
+
+  set onmessage(handler) {
+    this._onmessage = handler;
+    if (handler) {
+      queueMicrotask(() => {
+        while (this._onmessage === handler && this._queue.length) this._deliver(handler, this._queue.shift());
+      });
+    }
+  }
+
+  _deliver(handler, msg) {
+    try {
+      handler(msg);
+    } catch (e) {
+      console.error('onmessage failed', e); // eslint-disable-line no-console
+    }
   }
 
   /** The Refusal of message `id` (Uint8Array or hex) sent on this connection, whichever sync() reported it (or
@@ -141,12 +166,11 @@ export class RouterClient {
       const timer = setTimeout(() => fail(new RouterError(`handshake not complete after ${timeout} ms`)), timeout);
       const fail = (err) => {
         clearTimeout(timer);
-        if (state !== 'closed') {
-          state = 'closed';
-          this._closed(err.message);
-          try { ws.close(); } catch { /* already closing */ }
-        }
+        if (state === 'closed') return; // (the first reason stands: closing fires error and close events)
+        state = 'closed';
         reject(err);
+        this._closed(err.message);
+        try { ws.close(); } catch { /* already closing */ }
       };
       const ws = new WebSocketImpl(url);
       this._ws = ws;
@@ -285,7 +309,8 @@ export class RouterClient {
       pulled.resolve(msg);
       return;
     }
-    if (this.onmessage) this.onmessage(msg);
+    if (this._onmessage && !this._queue.length) this._deliver(this._onmessage, msg);
+    else if (this._onmessage) this._queue.push(msg); // (behind those the setter is handing over)
     else if (this._readers.length) this._readers.shift().resolve(msg);
     else this._queue.push(msg);
   }
@@ -385,6 +410,7 @@ export class RouterClient {
 
   _check() {
     if (this._isClosed) throw new RouterError(this.closedReason);
+    if (this._closing) throw new RouterError('connection closing');
   }
 
   /** Send a routed Message as it is; the next sync() reports whether the router took it. */
@@ -399,9 +425,12 @@ export class RouterClient {
     return id;
   }
 
-  /** A signed unicast to `dst`; returns its id. */
+  /** A signed unicast to `dst`; returns its id. A plain body that begins like a sealed one (an array whose
+   * first element is "sealed") is refused (TypeError): its recipient could not tell them apart. */
   send(dst, body, opts = {}) {
-    return this.sendMessage(unicast(this.identity, dst, asBytes(body), opts));
+    const bytes = asBytes(body);
+    if (looksSealed(bytes)) throw new TypeError('a plain body may not begin like a sealed body (an array starting with "sealed")');
+    return this.sendMessage(unicast(this.identity, dst, bytes, opts));
   }
 
   /** Publish `body` to a group; `group` is an Identity holding the group's private key. Returns the id. */
@@ -491,7 +520,10 @@ export class RouterClient {
     return new Promise((resolve, reject) => this._readers.push({ resolve, reject }));
   }
 
+  /** Close the connection. Nothing may be sent from now on (send() throws): the WebSocket drops what is sent
+   * while it closes. */
   close() {
+    this._closing = true;
     if (this._ws) this._ws.close(1000);
   }
 }

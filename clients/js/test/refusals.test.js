@@ -136,6 +136,7 @@ class FakeRouter {
 
   _receive(bytes) {
     if (this._state === 'hello') {
+      if (this.silent) return; // (a router that never answers the handshake)
       const item = dec(bytes);
       this.peer = item[2];
       this._deliver(hello(this.identity, this.nonce));
@@ -391,5 +392,46 @@ test('the same request from several callers at once is answered for each', async
   const c = await connect(router);
   const g = other();
   assert.deepEqual(await Promise.all([c.join(g, { timeout: 1000 }), c.join(g, { timeout: 1000 })]), [true, true]);
+  c.close();
+});
+
+test('messages that came before onmessage was set are handed to it first, in order', async () => {
+  const router = new FakeRouter();
+  const c = await connect(router);
+  const me = c.identity.publicKey;
+  const sender = Identity.generate();
+  const text = (t) => new TextEncoder().encode(t);
+  for (const k of [0, 1, 2]) router.push(unicast(sender, me, text(`queued ${k}`), { ttl: 60 }));
+  await tick();
+  const got = [];
+  c.onmessage = (m) => got.push(utf8.decode(m.body));
+  router.push(unicast(sender, me, text('live'), { ttl: 60 }));
+  await tick();
+  assert.deepEqual(got, ['queued 0', 'queued 1', 'queued 2', 'live']);
+  c.close();
+});
+
+test('nothing is sent once close() was called: send() throws', async () => {
+  const router = new FakeRouter();
+  const c = await connect(router);
+  c.close();
+  assert.throws(() => c.send(other(), 'after close'), (e) => e instanceof RouterError);
+});
+
+test('a handshake that does not complete in time says so', async () => {
+  const router = new FakeRouter();
+  router.silent = true;
+  await assert.rejects(
+    RouterClient.connect('ws://fake/', Identity.generate(), { WebSocket: router.WebSocket, timeout: 100 }),
+    (e) => e instanceof RouterError && /handshake not complete after 100 ms/.test(e.message),
+  );
+});
+
+test('a plain body that begins like a sealed one is refused', async () => {
+  const router = new FakeRouter();
+  const c = await connect(router);
+  const looksSealed = new Uint8Array([0x83, 0x66, ...new TextEncoder().encode('sealed'), 0x01, 0x40]);
+  assert.throws(() => c.send(other(), looksSealed), TypeError);
+  c.send(other(), new Uint8Array([0x83, 0x66, ...new TextEncoder().encode('sealeD'), 0x01, 0x40])); // (plain)
   c.close();
 });
