@@ -114,6 +114,7 @@ export class RouterClient {
     this.trackLimit = 1 << 16; // ids a sync span records; past that, unknown REFUSED ids are filed by count
     this._isClosed = false;
     this._closing = false; // close() was called: nothing more is sent
+    this.closedCode = null; // the code of the router's ERROR that ended the connection, if one did
     this._ws = null;
     this._nonce = randomBytes(32);
     this._waiters = new Map(); // "join:<hex>" | "leave:<hex>" | "sync:<n>" | "pull:<hex>" -> {resolve, reject}
@@ -179,7 +180,7 @@ export class RouterClient {
       ws.onerror = () => { if (state !== 'open') fail(new RouterError(`cannot connect to ${url}`)); };
       ws.onclose = (ev) => {
         if (state !== 'open') fail(new RouterError(this.closedReason || `connection closed (${ev.code})`));
-        else this._closed(this.closedReason || `connection closed (${ev.code} ${ev.reason || ''})`.trim());
+        else this._closed(this.closedReason || `connection closed (${[ev.code, ev.reason].filter((x) => x).join(' ')})`);
       };
       ws.onmessage = (ev) => {
         if (!(ev.data instanceof ArrayBuffer)) {
@@ -248,9 +249,10 @@ export class RouterClient {
     if (this._isClosed) return;
     this._isClosed = true;
     this.closedReason = this.closedReason || reason;
-    for (const w of this._waiters.values()) w.reject(new RouterError(this.closedReason));
+    const code = this.closedCode;
+    for (const w of this._waiters.values()) w.reject(new RouterError(this.closedReason, code));
     this._waiters.clear();
-    for (const r of this._readers.splice(0)) r.reject(new RouterError(this.closedReason));
+    for (const r of this._readers.splice(0)) r.reject(new RouterError(this.closedReason, code));
     if (this.onclose) this.onclose(this.closedReason);
   }
 
@@ -265,6 +267,7 @@ export class RouterClient {
     const err = asError(item);
     if (err) {
       this.closedReason = `router sent ERROR ${err.code}: ${err.reason}`;
+      this.closedCode = err.code; // (the RouterErrors of what was pending carry it)
       return; // the router closes next
     }
     let msg;
@@ -409,7 +412,7 @@ export class RouterClient {
   }
 
   _check() {
-    if (this._isClosed) throw new RouterError(this.closedReason);
+    if (this._isClosed) throw new RouterError(this.closedReason, this.closedCode);
     if (this._closing) throw new RouterError('connection closing');
   }
 

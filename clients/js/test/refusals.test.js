@@ -8,6 +8,7 @@ import {
   dec, decodeControl, decodeMessage, decodeRefused, describeReason, equalBytes, fromHex, hello, randomBytes,
   reasonLabel, refusedBody, toHex, unicast,
 } from '../src/index.js';
+import { errorItem } from '../src/codec.js';
 
 const vectors = JSON.parse(readFileSync(new URL('../../../tests/vectors/wire-v1.1.json', import.meta.url)));
 const v1 = JSON.parse(readFileSync(new URL('../../../tests/vectors/wire-v1.json', import.meta.url)));
@@ -434,4 +435,18 @@ test('a plain body that begins like a sealed one is refused', async () => {
   assert.throws(() => c.send(other(), looksSealed), TypeError);
   c.send(other(), new Uint8Array([0x83, 0x66, ...new TextEncoder().encode('sealeD'), 0x01, 0x40])); // (plain)
   c.close();
+});
+
+test("the router's ERROR after the handshake: its code on what was pending", async () => {
+  const router = new FakeRouter();
+  router.holdAcks = true; // (a SYNC left waiting)
+  const c = await connect(router);
+  const pending = c.sync({ timeout: 2000 }).catch((e) => e);
+  router.push({ encode: () => errorItem(6, 'overloaded') });
+  await tick();
+  router.ws.close(1000);
+  const e = await pending;
+  assert.ok(e instanceof RouterError && e.code === 6, String(e));
+  assert.equal(c.closedCode, 6);
+  assert.throws(() => c.send(other(), 'x'), (x) => x instanceof RouterError && x.code === 6);
 });
