@@ -105,6 +105,14 @@ async def test_sighup_adds_and_removes_a_static_peer(daemon: DaemonFactory) -> N
 
     st = wait_until(no_tls, WAIT, "the connection to the removed peer closed")
     assert st["peers"] == []
+    # No longer kept connected - but what waits for it is still sent: b holds a's advert, dials a for it (an
+    # audit: acknowledged, queued, and never sent - the pool had forgotten a's address with the peer).
+    async with await Client.connect(a.sock, Identity.generate()) as on_a, \
+            await Client.connect(b.sock, Identity.generate()) as on_b:  # fmt: skip
+        await on_b.send(on_a.identity.public, b"for an app on the removed peer", via=a_id)
+        assert (await on_b.sync()).ok
+        got = await on_a.recv(timeout=WAIT)
+        assert got.body == b"for an app on the removed peer"
 
 
 async def test_a_config_that_does_not_load_on_reload_keeps_the_daemon_serving(daemon: DaemonFactory) -> None:

@@ -474,6 +474,11 @@ class Router:
         """The newest open connection of ``key``, if any."""
         return self.state.connected(key)
 
+    def advertised_address(self, router: bytes) -> PeerLearned | None:
+        """Where ``router``'s advert (or the one kept for what waits for it) says it listens, if anywhere."""
+        a = self.state.addresses.get(router)
+        return None if a is None else PeerLearned(router, TransportAddr(a.proto, a.ip, a.port).host, a.port, a.proto)
+
     def connections(self) -> int:
         """Number of open connections."""
         return len(self._conns)

@@ -700,6 +700,12 @@ class Daemon:
             if p.id not in core_nodes:
                 pool.static.discard(p.id)
                 pool.addrs.pop(p.id, None)
+                # No longer kept connected; but a router whose advert gave an address is dialled when messages
+                # wait for it, as any advertised router is (an audit: messages queued for a removed peer were
+                # acknowledged and never sent - the core dialled, the pool had forgotten where).
+                known = self.driver.router.advertised_address(p.id)
+                if known is not None:
+                    pool.learn(known.router, known.host, known.port, known.transport)
         gone = {p.id for p in removed if p.id not in core_nodes} | {p.id for p in moved}
         for c in list(self.driver.conns.values()):
             if c.dialled and c.peer in gone:
