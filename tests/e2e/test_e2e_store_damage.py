@@ -222,6 +222,21 @@ def overflow_pages(data: Path, table: str) -> tuple[int, list[int]]:
     return psize, firsts
 
 
+async def _drain_until_it_exits(d: Daemon, sub_id: Identity, read_for: float) -> tuple[int, str]:
+    """The subscriber ``sub_id`` connects (its queue is read from the store) and the daemon exits by itself: its
+    exit status and log (the process reaped)."""
+    assert d.proc is not None
+    with contextlib.suppress(Exception):  # (the connection may end as the daemon stops)
+        sub = await Client.connect(d.sock, sub_id, timeout=5)
+        with contextlib.suppress(Exception):
+            await sub.recv(timeout=read_for)
+        await sub.close()
+    rc = await asyncio.wait_for(asyncio.to_thread(d.proc.wait, 20), 25)
+    log = d.log_text()
+    d.kill()  # (reaps it)
+    return rc, log
+
+
 async def test_damage_found_while_running_stops_the_daemon_and_the_next_start_refuses(daemon: DaemonFactory) -> None:
     """Silent damage after a clean stop: the pages of the queued messages made pages of no kind (what a disk's
     bit rot can do), with the file's size, inode and modification time kept - so the start
@@ -253,15 +268,7 @@ async def test_damage_found_while_running_stops_the_daemon_and_the_next_start_re
     assert (data.stat().st_size, data.stat().st_mtime_ns, data.stat().st_ino) == (st.st_size, st.st_mtime_ns,
                                                                                  st.st_ino)  # fmt: skip
     await d.start_async()
-    assert d.proc is not None
-    with contextlib.suppress(Exception):  # the connection may end as the daemon stops
-        sub = await Client.connect(d.sock, sub_id, timeout=5)
-        with contextlib.suppress(Exception):
-            await sub.recv(timeout=2)
-        await sub.close()
-    rc = await asyncio.wait_for(asyncio.to_thread(d.proc.wait, 20), 25)
-    log = d.log_text()
-    d.kill()  # (reaps it)
+    rc, log = await _drain_until_it_exits(d, sub_id, 2)  # (the connection may end as the daemon stops)
     assert rc == 2, f"exit {rc}\n{log}"
     assert "CRITICAL" in log and "store damaged" in log, log
     errors = [line for line in log.splitlines() if line.startswith("error: ")]
@@ -309,15 +316,7 @@ async def test_a_store_file_cut_short_under_the_running_router_leaves_a_line_in_
     assert (await pub.sync()).ok
     await pub.close()
     os.truncate(d.dir / "store" / "data.mdb", 0)
-    assert d.proc is not None
-    with contextlib.suppress(Exception):  # (the subscriber's queue is read from the map: the fault)
-        sub = await Client.connect(d.sock, sub_id, timeout=5)
-        with contextlib.suppress(Exception):
-            await sub.recv(timeout=5)
-        await sub.close()
-    rc = await asyncio.wait_for(asyncio.to_thread(d.proc.wait, 20), 25)
-    log = d.log_text()
-    d.kill()  # (reaps it)
+    rc, log = await _drain_until_it_exits(d, sub_id, 5)  # (the subscriber's queue is read from the map: the fault)
     assert rc == -7, f"exit {rc}\n{log}"
     assert "Fatal Python error: Bus error" in log, log
     assert_refused(start_expecting_refusal(d), "")
