@@ -24,6 +24,7 @@ import nacl.exceptions
 import nacl.signing
 
 from upsycle_router.errors import KeyFileError
+from upsycle_router.files import sync_dir
 from upsycle_router.wire.app import AppHeader, AppMessage
 from upsycle_router.wire.discovery import PeerAdvertisement
 from upsycle_router.wire.messages import Header, Message, signed_bytes
@@ -193,9 +194,9 @@ def write_key_file(path: str | os.PathLike[str], key: Identity | None = None, *,
                 os.replace(tmp, p)  # (a file system without hard links: checked above that there is none)
             else:
                 os.unlink(tmp)
-        _sync_dir(p.parent)
+        sync_dir(p.parent)
         if made:
-            _sync_dir(p.parent.parent)
+            sync_dir(p.parent.parent)
     except FileExistsError:
         raise KeyFileError(f"{p}: key file exists; refusing to overwrite it") from None
     except OSError as e:
@@ -204,19 +205,6 @@ def write_key_file(path: str | os.PathLike[str], key: Identity | None = None, *,
         with contextlib.suppress(OSError):
             tmp.unlink()
     return key
-
-
-def _sync_dir(path: Path) -> None:
-    """Make a directory's entries durable (a file created, renamed or linked in it) - where the file system can
-    sync a directory at all (some cannot: EINVAL)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
 
 
 def load_key_file(path: str | os.PathLike[str]) -> Identity:

@@ -66,6 +66,7 @@ from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, load_or_create_key_file, sign_advert
 from upsycle_router.errors import ConfigError, ErrorCode
 from upsycle_router.expiry import exp_in
+from upsycle_router.files import UNKNOWN, FileId, file_id
 from upsycle_router.logtext import value
 from upsycle_router.runtime import early
 from upsycle_router.runtime.discovery_service import DISCOVERY_COUNTERS, DiscoveryService, LanSocketConfig
@@ -211,7 +212,7 @@ class Daemon:
         self._stopping = False
         self._rate_handle: asyncio.TimerHandle | None = None
         self._watch_handle: asyncio.TimerHandle | None = None
-        self._unix_file: tuple[int, int] | None = None  # (device, inode) of the socket this process bound
+        self._unix_file: FileId | None = None  # (device, inode) of the socket this process bound
         self._unix_lost: str | None = None  # why listen.unix no longer reaches this router (for /healthz)
         self._rebinding: asyncio.Task[None] | None = None
         # Each connection's (messages_in, messages_out) at the last rate tick, and its rates since the one before.
@@ -593,7 +594,9 @@ class Daemon:
         finally:
             os.umask(old)
         self._unix_bound = True
-        self._unix_file = _file_id(path)
+        self._unix_file = file_id(path, follow=False)
+        if self._unix_file == UNKNOWN:
+            self._unix_file = None  # (not watched: nothing known to compare with)
         os.chmod(path, self.config.unix_mode)
         if self.config.unix_group is not None:
             os.chown(path, -1, socket_gid(self.config.unix_group))
@@ -757,8 +760,8 @@ class Daemon:
         path = self.config.unix
         if path is None or not self._unix_bound or self._unix_file is None or self._rebinding is not None:
             return
-        now = _file_id(path)
-        if now == self._unix_file:
+        now = file_id(path, follow=False)
+        if now == self._unix_file or now == UNKNOWN:  # (EACCES, EIO ...: cannot look now, not taken for gone)
             return
         if now is None:  # removed: bound again (nothing else is there)
             log.error("listen.unix: %s was removed while the router ran: local apps could not connect; binding it "
@@ -923,10 +926,11 @@ class Daemon:
             self._rebinding.cancel()
             with contextlib.suppress(BaseException):
                 await self._rebinding
-        if self.config.unix is not None and self._unix_bound and _file_id(self.config.unix) == self._unix_file:
+        unix = self.config.unix
+        if unix is not None and self._unix_bound and file_id(unix, follow=False) == self._unix_file:
             # (only the socket this process bound: one put there by another after ours was removed is not ours)
             with contextlib.suppress(OSError):
-                self.config.unix.unlink()
+                unix.unlink()
         if self.admission is not None:
             self.admission.close()
         if self._lock_fd is not None:
@@ -938,15 +942,6 @@ class Daemon:
             os.close(self._dir_fd)
             self._dir_fd = None
         log.info("stopped")
-
-
-def _file_id(path: Path) -> tuple[int, int] | None:
-    """The device and inode of what is at ``path`` (None: nothing)."""
-    try:
-        st = os.lstat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
 
 
 def running_pid(data_dir: Path) -> int:

@@ -42,9 +42,10 @@ from typing import Any
 import lmdb
 
 from upsycle_router.errors import UpsycleError
+from upsycle_router.files import sync_dir
 from upsycle_router.store import integrity
 from upsycle_router.store.check import CheckReport, check_file
-from upsycle_router.store.integrity import DATA, LOCK, fsync_dir, marker_id, write_marker
+from upsycle_router.store.integrity import DATA, LOCK, marker_id, write_marker
 
 
 class BackupError(UpsycleError):
@@ -126,7 +127,7 @@ def backup(store_dir: Path, out: Path, *, force: bool = False) -> BackupResult:
             raise BackupError(f"{out}: the copy is damaged ({report.damage[0]}); not written", report=report)
         os.replace(tmp, out)
         report = dataclasses.replace(report, path=out)  # (checked under its temporary name: it is out now)
-        fsync_dir(out.parent.absolute())
+        sync_dir(out.parent.absolute())
         return BackupResult(out, out.stat().st_size, report)
     except lmdb.Error as e:
         raise BackupError(f"{store_dir / DATA}: LMDB failed while copying: {e}") from None
@@ -219,7 +220,7 @@ def restore(data_dir: Path, store_dir: Path, backup_file: Path, *, force: bool =
                 old = _aside(data, "replaced" if sound else "damaged")
                 os.replace(data, old)
             os.replace(new, data)
-            fsync_dir(store_dir)
+            sync_dir(store_dir)
             write_marker(store_dir, marker_id(store_dir))
     except OSError as e:
         raise BackupError(f"{e.filename or data}: {e.strerror or e}") from None

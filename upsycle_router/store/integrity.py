@@ -81,6 +81,7 @@ from pathlib import Path
 import lmdb
 
 from upsycle_router.errors import UpsycleError
+from upsycle_router.files import sync_dir
 
 log = logging.getLogger("upsycle_router.store")
 
@@ -667,7 +668,7 @@ def mark_clean(store_dir: Path) -> None:
         finally:
             os.close(fd)
         os.replace(tmp, store_dir / CLEAN)
-        fsync_dir(store_dir)
+        sync_dir(store_dir)
     except OSError as e:
         log.warning("%s: cannot record the clean close: %s", store_dir / CLEAN, e)
 
@@ -685,7 +686,7 @@ def _closed_cleanly(store_dir: Path) -> bool:
         text = ""
     try:
         clean.unlink()
-        fsync_dir(store_dir)
+        sync_dir(store_dir)
     except OSError as e:  # a record that cannot go would skip the walk after a crash: walk every time
         log.warning("%s: cannot remove the clean-close record: %s", clean, e)
         return False
@@ -743,7 +744,7 @@ def write_marker(store_dir: Path, store_id: str | None = None) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, marker)
-    fsync_dir(store_dir)
+    sync_dir(store_dir)
 
 
 def marker_id(store_dir: Path) -> str | None:
@@ -756,15 +757,6 @@ def marker_id(store_dir: Path) -> str | None:
         if line.startswith("id "):
             return line[3:].strip() or None
     return None
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the directory entries of ``path`` durable (a rename, a new file)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # LMDB's errors that mean the file's contents are wrong; the others (map full, no reader slot, I/O errors...)

@@ -73,6 +73,7 @@ from typing import Any
 import lmdb
 
 from upsycle_router.durability import Durability
+from upsycle_router.files import UNKNOWN, file_id
 from upsycle_router.store import accel, layout
 from upsycle_router.store.accel import IdIndexLike, msgs_records, sorted_items
 from upsycle_router.store.api import (
@@ -150,21 +151,6 @@ def _sec(ms: int) -> float | None:
     return None if ms == NEVER_MS else ms / 1000.0
 
 
-_UNKNOWN = (-1, -1)
-
-
-def _file_id(path: Path) -> tuple[int, int] | None:
-    """The device and inode of the file at ``path`` (None: there is none; ``_UNKNOWN``: it cannot be looked at
-    now - EACCES, EIO, ESTALE ...: not taken for gone)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return None
-    except OSError:
-        return _UNKNOWN
-    return st.st_dev, st.st_ino
-
-
 class LmdbStore(LmdbTables):
     """The router's persistent state in one LMDB environment."""
 
@@ -194,7 +180,7 @@ class LmdbStore(LmdbTables):
             readahead=False,
         )
         self._txn: Any = None
-        self._file = _file_id(self.path / DATA)  # (which file LMDB mapped: file_gone())
+        self._file = file_id(self.path / DATA)  # (which file LMDB mapped: file_gone())
         # Queue usage (qstats) changed by the open write transaction: recipient -> (count, bytes), written in one
         # go before it commits (count 0: the record is deleted). A drain changes one recipient's usage 512 times
         # a batch; read-modify-writing its record each time cost more than the rest of the dequeue.
@@ -389,10 +375,10 @@ class LmdbStore(LmdbTables):
         what the store commits from now on goes into a file nobody will open again (an audit: a router went on
         acknowledging messages into a deleted data.mdb, and the next start found no store). The store is then
         :attr:`damaged` (``on_damage`` is told), as when LMDB reports damage."""
-        if self.damaged is not None or self._file in (None, _UNKNOWN):
+        if self.damaged is not None or self._file in (None, UNKNOWN):
             return self.damaged is not None
-        now = _file_id(self.path / DATA)
-        if now == self._file or now == _UNKNOWN:
+        now = file_id(self.path / DATA)
+        if now == self._file or now == UNKNOWN:
             return False
         self.damaged = f"{self.path / DATA} was removed or replaced while the router ran"
         if self.on_damage is not None:
