@@ -420,23 +420,9 @@ def check_dir(store_dir: Path) -> CheckReport:
     if first is None:
         report.damage.append(f"there is no store: {DATA} does not exist")
         return report
-    report.file = first
-    if not first.ok:
-        report.damage.extend(first.problems)
-        report.unreadable = first.unreadable
-        return report
-    if not (store_dir / MARKER).exists():
+    if first.ok and not (store_dir / MARKER).exists():
         report.notes.append(f"no {MARKER} marker beside {DATA} (the router writes it when it opens the store)")
-    try:
-        env = lmdb.open(str(store_dir), readonly=True, lock=True, max_dbs=64, subdir=True)
-    except lmdb.Error as e:
-        report.damage.append(f"LMDB cannot open it: {' '.join(str(e).split())}")
-        return report
-    try:
-        _check_env(report, env, data)
-    finally:
-        env.close()
-    return report
+    return _check_inspected(report, first, store_dir, lock=True, subdir=True, data=data)
 
 
 def check_file(path: Path) -> CheckReport:
@@ -448,18 +434,26 @@ def check_file(path: Path) -> CheckReport:
     except OSError as e:
         report.damage.append(f"cannot be read: {e.strerror or e}")
         return report
+    return _check_inspected(report, first, path, lock=False, subdir=False, data=None)
+
+
+def _check_inspected(
+    report: CheckReport, first: integrity.FileReport, path: Path, *, lock: bool, subdir: bool, data: Path | None
+) -> CheckReport:
+    """The rest of a check once the file's pages were inspected (``first``): LMDB opens it read-only and every
+    table is read (:func:`_check_env`)."""
     report.file = first
     if not first.ok:
         report.damage.extend(first.problems)
         report.unreadable = first.unreadable
         return report
     try:
-        env = lmdb.open(str(path), readonly=True, lock=False, max_dbs=64, subdir=False)
+        env = lmdb.open(str(path), readonly=True, lock=lock, max_dbs=64, subdir=subdir)
     except lmdb.Error as e:
         report.damage.append(f"LMDB cannot open it: {' '.join(str(e).split())}")
         return report
     try:
-        _check_env(report, env, None)
+        _check_env(report, env, data)
     finally:
         env.close()
     return report
