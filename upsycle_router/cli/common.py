@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import errno
 import hashlib
 import math
 import os
@@ -330,11 +331,12 @@ async def _with_client(
 def connect_error(e: BaseException) -> str:
     """Why a connection to the router's socket failed, with a hint of what to do."""
     hint = ""
-    if isinstance(e, FileNotFoundError):
+    no = getattr(e, "errno", None)  # (the client's ConnectError keeps the socket's errno)
+    if no == errno.ENOENT:
         hint = " (is the router running? 'upsycle-router wait' waits until it answers)"
-    elif isinstance(e, ConnectionRefusedError):
+    elif no == errno.ECONNREFUSED:
         hint = " (nothing listens there: a router that was killed?)"
-    elif isinstance(e, PermissionError):
+    elif no in (errno.EACCES, errno.EPERM):
         hint = " (listen.unix_mode and listen.unix_group decide who may connect)"
     return f"{reason(e)}{hint}"
 

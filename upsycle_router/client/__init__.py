@@ -11,6 +11,8 @@ from __future__ import annotations
 from upsycle_router.client.connection import (
     Client,
     ClientError,
+    ConnectError,
+    ConnectTimeout,
     MessagesRefused,
     Refusal,
     SyncResult,
@@ -22,6 +24,8 @@ from upsycle_router.wire.control import Reason
 __all__ = [
     "Client",
     "ClientError",
+    "ConnectError",
+    "ConnectTimeout",
     "MessagesRefused",
     "Opened",
     "Reason",

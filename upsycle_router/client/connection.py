@@ -65,7 +65,7 @@ import os
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -137,6 +137,46 @@ def describe_reason(code: int) -> str:
 
 class ClientError(UpsycleError):
     """The router refused a request, the connection ended, or a reply did not come in time."""
+
+
+class ConnectError(ClientError, OSError):
+    """The router could not be reached, or its handshake failed: a :class:`ClientError` that is also the
+    :class:`OSError` the socket raised (``errno`` kept), so ``except OSError`` and ``except ClientError`` both
+    catch it."""
+
+
+class ConnectTimeout(ConnectError, TimeoutError):
+    """The connection or its handshake did not complete within ``timeout`` (a :class:`TimeoutError` too)."""
+
+
+_Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def _open(what: str, opening: Awaitable[_Streams], timeout: float) -> _Streams:
+    """The streams of a new connection to ``what``, or :class:`ConnectError` / :class:`ConnectTimeout` saying why
+    there are none."""
+    try:
+        return await asyncio.wait_for(opening, timeout)
+    except TimeoutError:
+        raise ConnectTimeout(f"no connection to {what} within {timeout:g} s") from None
+    except OSError as e:  # (its errno and text as the socket gave them: ENOENT, ECONNREFUSED, EACCES ...)
+        cls = _connect_error(type(e))
+        raise (cls(e.errno, e.strerror) if e.errno is not None else cls(str(e))) from e
+
+
+_CONNECT_ERRORS: dict[type[OSError], type[ConnectError]] = {}
+
+
+def _connect_error(kind: type[OSError]) -> type[ConnectError]:
+    """A :class:`ConnectError` that is also ``kind`` (``FileNotFoundError``, ``ConnectionRefusedError``,
+    ``ssl.SSLError`` ...), so that what caught the socket's own error before still catches it."""
+    if issubclass(kind, ConnectError) or kind is OSError:
+        return ConnectError
+    cls = _CONNECT_ERRORS.get(kind)
+    if cls is None:
+        name = f"ConnectError[{kind.__name__}]"
+        cls = _CONNECT_ERRORS[kind] = type(name, (ConnectError, kind), {"__module__": __name__})
+    return cls
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,7 +347,7 @@ class Client:
         cls, path: str | os.PathLike[str], identity: Identity, *, timeout: float = 10.0, limit: int = 2**22
     ) -> Client:
         """Connect over a Unix socket and complete the handshake."""
-        reader, writer = await asyncio.wait_for(asyncio.open_unix_connection(str(Path(path)), limit=limit), timeout)
+        reader, writer = await _open(str(path), asyncio.open_unix_connection(str(Path(path)), limit=limit), timeout)
         return await cls._start(identity, reader, writer, timeout)
 
     @classmethod
@@ -318,7 +358,8 @@ class Client:
         from upsycle_router.transport.tls import client_context, peer_cert_key
 
         ctx: ssl.SSLContext = client_context()
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ctx, limit=2**22), timeout)
+        opening = asyncio.open_connection(host, port, ssl=ctx, limit=2**22)
+        reader, writer = await _open(f"{host}:{port} (TLS)", opening, timeout)
         # The router's HELLO must name its certificate's key before our AUTH goes out (Session.certified).
         certified = peer_cert_key(writer.get_extra_info("ssl_object")) or b""
         return await cls._start(identity, reader, writer, timeout, expected=router_id, certified=certified)
@@ -353,9 +394,7 @@ class Client:
         host_header = u.netloc.rsplit("@", 1)[-1]
         target = (u.path or "/") + (f"?{u.query}" if u.query else "")
         ctx = (ssl_context or client_context()) if secure else None
-        reader, writer = await asyncio.wait_for(
-            asyncio.open_connection(u.hostname, port, ssl=ctx, limit=2**22), timeout
-        )
+        reader, writer = await _open(url, asyncio.open_connection(u.hostname, port, ssl=ctx, limit=2**22), timeout)
         certified = None  # with ssl_context (a web PKI certificate) that context verified the certificate
         if secure and ssl_context is None:  # the router's own certificate: as connect_tls
             certified = peer_cert_key(writer.get_extra_info("ssl_object")) or b""
@@ -380,9 +419,12 @@ class Client:
         self._task = asyncio.get_running_loop().create_task(self._read_loop())
         try:
             self.router_id = await asyncio.wait_for(asyncio.shield(self._opened), timeout)
-        except (TimeoutError, ClientError):
-            await self.close()
-            raise
+        except TimeoutError:  # (no session: nothing of the router's to read on for - closed at once)
+            await self.close(timeout=0)
+            raise ConnectTimeout(f"no handshake with the router within {timeout:g} s") from None
+        except ClientError as e:
+            await self.close(timeout=0)
+            raise ConnectError(f"handshake failed: {e}") from None
         return self
 
     async def _read_loop(self) -> None:

@@ -1,0 +1,93 @@
+"""Why ``Client.connect`` failed, in types an app can catch: :class:`ConnectError` is a :class:`ClientError`
+and the socket's own error (``FileNotFoundError``, ``ConnectionRefusedError`` ...) at once, and
+:class:`ConnectTimeout` is a ``TimeoutError`` too - so ``except ClientError`` catches every failure to connect,
+and code written against the socket's errors keeps working. Real Unix sockets, and a "router" written in the
+test from the wire contract where the handshake itself must fail."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from upsycle_router.client import Client, ClientError, ConnectError, ConnectTimeout
+from upsycle_router.crypto import Identity, load_or_create_key_file
+from upsycle_router.wire.cbor import enc
+
+
+async def test_no_socket_at_the_path(tmp_path: Path) -> None:
+    with pytest.raises(ClientError) as caught:
+        await Client.connect(tmp_path / "none.sock", Identity.generate(), timeout=2)
+    e = caught.value
+    assert isinstance(e, ConnectError) and isinstance(e, FileNotFoundError) and isinstance(e, OSError)
+    assert e.errno == errno.ENOENT and "No such file" in str(e)
+
+
+async def test_a_socket_nobody_listens_on(tmp_path: Path) -> None:
+    path = tmp_path / "dead.sock"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(path))  # (bound, never listening: what a killed router leaves)
+        with pytest.raises(ConnectionRefusedError) as caught:
+            await Client.connect(path, Identity.generate(), timeout=2)
+    assert isinstance(caught.value, ConnectError) and caught.value.errno == errno.ECONNREFUSED
+
+
+async def test_a_router_that_never_answers_the_handshake(tmp_path: Path) -> None:
+    path = tmp_path / "mute.sock"
+    held: list[asyncio.StreamWriter] = []
+
+    async def accept(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        held.append(w)  # (reads nothing, says nothing)
+
+    server = await asyncio.start_unix_server(accept, str(path))
+    try:
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        with pytest.raises(TimeoutError) as caught:
+            await Client.connect(path, Identity.generate(), timeout=0.3)
+        assert loop.time() - began < 2.0  # (no close that waits on for a router that never spoke)
+        assert isinstance(caught.value, ConnectTimeout) and isinstance(caught.value, ClientError)
+        assert "no handshake" in str(caught.value) and "0.3 s" in str(caught.value)
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+        await server.wait_closed()
+
+
+async def test_a_router_that_refuses_the_handshake(tmp_path: Path) -> None:
+    path = tmp_path / "refusing.sock"
+
+    async def accept(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        payload = enc(["error", 3, "not authorized here"])
+        w.write(struct.pack(">I", len(payload)) + payload)
+        await w.drain()
+        w.close()
+
+    server = await asyncio.start_unix_server(accept, str(path))
+    try:
+        with pytest.raises(ConnectError) as caught:
+            await Client.connect(path, Identity.generate(), timeout=5)
+        assert not isinstance(caught.value, TimeoutError)
+        assert "handshake failed" in str(caught.value) and "ERROR 3" in str(caught.value)
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def test_the_cli_still_says_what_to_do(tmp_path: Path) -> None:
+    """The command line's hints come from the errno the ConnectError keeps."""
+    key = tmp_path / "app.key"
+    load_or_create_key_file(key)
+    cmd = [sys.executable, "-m", "upsycle_router", "send", "--socket", str(tmp_path / "none.sock"), "--key",
+           str(key), Identity.generate().public.hex(), "hello"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stderr
+    assert "cannot connect to the router at" in r.stderr and "is the router running?" in r.stderr, r.stderr
+    assert r.stderr.count("No such file") == 1, r.stderr
