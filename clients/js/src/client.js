@@ -298,6 +298,7 @@ export class RouterClient {
         [Control.JOIN_ACK]: () => `join:${toHex(c.fields.addr)}`,
         [Control.LEAVE_ACK]: () => `leave:${toHex(c.fields.addr)}`,
         [Control.PULL_NACK]: () => `pull:${toHex(c.fields.id)}`,
+        [Control.STATUS_REPLY]: () => 'status',
       }[c.type]?.();
       if (key) {
         const w = this._waiters.get(key);
@@ -497,6 +498,21 @@ export class RouterClient {
   async pull(group, id, { timeout = 10000 } = {}) {
     const r = await this._request(`pull:${toHex(id)}`, Control.PULL, { addr: group, id }, timeout);
     return r instanceof Refusal || r.type === Control.PULL_NACK ? null : r;
+  }
+
+  /** The router's current sizes and counters, as an object of name -> non-negative integer (STATUS; local
+   * services only). Rejects with MessagesRefused when the router refused it, RouterError on a timeout, a
+   * closed connection or a reply that is not a map of counters. */
+  async status({ timeout = 10000 } = {}) {
+    const r = await this._request('status', Control.STATUS, {}, timeout);
+    if (r instanceof Refusal) throw new MessagesRefused([r], null, 'STATUS');
+    const stats = r.fields.stats;
+    const counter = (v) => (Number.isSafeInteger(v) && v >= 0) || (typeof v === 'bigint' && v >= 0n);
+    if (!stats || typeof stats !== 'object' || Array.isArray(stats) || stats instanceof Uint8Array
+      || !Object.values(stats).every(counter)) {
+      throw new RouterError('malformed STATUS_REPLY from the router');
+    }
+    return { ...stats };
   }
 
   /**

@@ -177,6 +177,9 @@ class FakeRouter {
         }
         return;
       }
+      if (!rule && c.type === Control.STATUS) {
+        this.push(this.signed(controlBody(Control.STATUS_REPLY, { stats: this.stats ?? { connections: 1 } })));
+      }
       if (!rule && c.type === Control.JOIN) {
         this.push(this.signed(controlBody(Control.JOIN_ACK, { addr: c.fields.addr, result: 0 })));
       }
@@ -449,4 +452,23 @@ test("the router's ERROR after the handshake: its code on what was pending", asy
   assert.ok(e instanceof RouterError && e.code === 6, String(e));
   assert.equal(c.closedCode, 6);
   assert.throws(() => c.send(other(), 'x'), (x) => x instanceof RouterError && x.code === 6);
+});
+
+test('status() resolves to the router\'s counters; a refused or malformed one rejects', async () => {
+  const router = new FakeRouter();
+  router.stats = { connections: 3, refused_quota_total: 0, queued: 12 };
+  const c = await connect(router);
+  assert.deepEqual(await c.status(), { connections: 3, refused_quota_total: 0, queued: 12 });
+  // two at once cannot be told apart: they go in turn, each answered
+  const both = await Promise.all([c.status({ timeout: 1000 }), c.status({ timeout: 1000 })]);
+  assert.equal(both[0].connections, 3);
+  assert.equal(both[1].queued, 12);
+  router.stats = { connections: -1 };
+  await assert.rejects(c.status({ timeout: 1000 }), (e) => e instanceof RouterError && /malformed STATUS_REPLY/.test(e.message));
+  router.refuseControl.set(Control.STATUS, [Reason.NOT_AUTHORIZED, 0]);
+  const t0 = Date.now();
+  await assert.rejects(c.status({ timeout: 2000 }), (e) => e instanceof MessagesRefused
+    && /STATUS refused: not_authorized/.test(e.message));
+  assert.ok(Date.now() - t0 < 1000);
+  c.close();
 });
