@@ -1239,6 +1239,25 @@ def test_a_small_map_fills_up_without_failing_a_commit_and_is_usable_again(
     assert check_store(path) == []
 
 
+@pytest.mark.parametrize("map_size", [1 << 20, 2 << 20])
+def test_the_smallest_maps_the_config_allows_take_messages_and_fill_without_failing_a_commit(
+    path: Path, map_size: int
+) -> None:
+    """store.map_size may be as small as 1 MiB: such a store takes messages (an audit: with a margin of at least
+    1 MiB kept free, a 1 MiB store refused every message as store_full while it was empty), and fills up without
+    a transaction failing for want of room."""
+    s = LmdbStore(path, Durability.NONE, map_size=map_size)
+    try:
+        assert s.has_room(1000)
+        n = _fill(s, 400, 0, T + 100, recipients=2)
+        assert n > map_size // (16 * 400)  # (each charged 4x its size, the margin kept free: well over this)
+        _sweep_all(s, T + 200)
+        assert _fill(s, 400, n, T + 300, recipients=2) > n // 2
+    finally:
+        s.close()
+    assert check_store(path) == []
+
+
 def test_a_failing_open_reports_its_own_error(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     s = LmdbStore(path, Durability.NONE, map_size=MAP)
     with s.transaction():

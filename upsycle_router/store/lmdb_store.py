@@ -1195,8 +1195,8 @@ class LmdbStore(LmdbTables):
         deliveries a closing connection gave back).
 
         LMDB fails a whole transaction when its map is full, so the router refuses new messages (trace
-        reason ``quota``) before that point: it keeps 1/16 of the map (at least 1 MiB, and at least what a bulk
-        index write may need) free, and charges a write four times its size for the B-tree pages it touches
+        reason ``quota``) before that point: it keeps 1/16 of the map (at least 1 MiB - a quarter of a map under 4
+        MiB, which would else have no room at all - and at least what a bulk index write may need) free, and charges a write four times its size for the B-tree pages it touches
         plus two pages for its index entries (what a transaction admits is added up; the sum starts afresh
         from the pages in use with each transaction).
         """
@@ -1204,7 +1204,7 @@ class LmdbStore(LmdbTables):
         if self._txn is None or self._room is None:
             used, size = self._live_bytes() + self._last_charge, int(self.env.info()["map_size"])
             index = 2 * self._psize * self.index_batch  # (a bulk index write's pages: never lent)
-            margin = max(size // 16, 1 << 20, index)
+            margin = max(size // 16, min(1 << 20, size // 4), index)
             lend = max(0, margin - index) // 2
             if self._txn is None:
                 return used + need + margin - (lend if reserve else 0) <= size
