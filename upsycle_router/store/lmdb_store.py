@@ -1196,7 +1196,8 @@ class LmdbStore(LmdbTables):
 
         LMDB fails a whole transaction when its map is full, so the router refuses new messages (trace
         reason ``quota``) before that point: it keeps 1/16 of the map (at least 1 MiB - a quarter of a map under 4
-        MiB, which would else have no room at all - and at least what a bulk index write may need) free, and charges a write four times its size for the B-tree pages it touches
+        MiB, which would else have no room at all - and at least what a bulk index write may need) free, and
+        charges a write four times its size for the B-tree pages it touches
         plus two pages for its index entries (what a transaction admits is added up; the sum starts afresh
         from the pages in use with each transaction).
         """
