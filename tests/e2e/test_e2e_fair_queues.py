@@ -70,6 +70,29 @@ async def test_many_fresh_stranger_keys_together_fill_only_the_strangers_share(d
     await _friend_still_queues(d, friend, rcpt, taken)
 
 
+async def test_a_queue_friends_filled_still_takes_the_strangers_share(daemon: DaemonFactory) -> None:
+    """The other way round (bounded separately, PROTOCOL §8): a local friend fills an offline recipient's quota
+    (100 of 100, the 101st refused), and a stranger may still queue its own share (10) - neither side crowds out
+    the other. The recipient then receives both."""
+    port = free_port()
+    d = daemon("--listen", f"127.0.0.1:{port}", config={"queue": QUEUE})
+    rcpt, friend = Identity.generate(), Identity.generate()
+    await _register(d, rcpt)
+    async with await Client.connect(d.sock, friend) as f:
+        mine = [await f.send(rcpt.public, f"f{i}".encode()) for i in range(101)]
+        fres = await f.sync()
+    assert fres.refused_ids == {mine[-1]} and fres.refused[0].reason == Reason.QUOTA
+    s = await _tls(port, Identity.generate())
+    try:
+        ids = [await s.send(rcpt.public, f"s{i}".encode(), ttl=3600) for i in range(12)]
+        res = await s.sync(timeout=30)
+    finally:
+        await s.close()
+    assert res.refused_ids == set(ids[10:]), [str(r) for r in res.refused]
+    got = [m.id for m in await _drain(d, rcpt, 110)]
+    assert sorted(got) == sorted(mine[:100] + ids[:10])
+
+
 async def test_a_key_the_recipient_wrote_to_is_a_friend_also_after_a_restart(daemon: DaemonFactory) -> None:
     """A local service writes to a key connected over TLS; after a restart of the router, that key may still
     queue more than the strangers' share for the (offline) service, while another fresh key may not."""

@@ -343,15 +343,16 @@ class Delivery:
             scount, sbytes = store.stranger_usage(key)
             count, nbytes = count - scount, nbytes - sbytes
         if not taken:
-            if count + 1 > cfg.queue_max_count or nbytes + n > cfg.queue_max_bytes:
-                return drop(Why.QUOTA)
-            if stranger:
+            if stranger:  # bounded by their share alone, as everyone else by the quota less the strangers' entries
+                # (a queue that friends filled still takes a stranger's share: neither side crowds out the other)
                 share = cfg.stranger_share
                 scount, sbytes = store.stranger_usage(key)
                 in_store = store.stranger_bytes() + (store.stranger_entries() + 1) * STRANGER_ENTRY_BYTES
                 if (scount + 1 > share * cfg.queue_max_count or sbytes + n > share * cfg.queue_max_bytes
                         or in_store + n > share * self.s.map_size):
                     return drop(Why.STRANGER_QUOTA)
+            elif count + 1 > cfg.queue_max_count or nbytes + n > cfg.queue_max_bytes:
+                return drop(Why.QUOTA)
         stored = store.has_message(msg.id)
         if not self._room(stored, n, reserve=taken):
             return drop(Why.STORE_FULL)  # the store (disk quota) is full: refuse new messages, keep the stored ones
