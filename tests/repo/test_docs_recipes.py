@@ -221,3 +221,20 @@ def test_no_run_blocks_say_why() -> None:
     skipped = [(s.name, b.line, b.no_run) for s in ALL for b in s.blocks if b.no_run is not None]
     assert all(reason and reason != "(no reason given)" for _, _, reason in skipped), skipped
     assert len(skipped) <= 10, skipped
+
+
+KEYGEN_OUT = re.compile(r"\bkeygen\b[^\n#]*?--out\s+([^\s)'\"]+)")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_sections_followed_in_order_do_not_make_the_same_key_file_twice(path: Path) -> None:
+    """Each section runs in a directory of its own here, but a reader follows a page's sections in order in one
+    directory: a key file one section made with ``keygen --out`` must not be made again by a later one (keygen
+    refuses to overwrite it; an audit's run of the README got an empty group id and a listen that waited in
+    vain)."""
+    made: dict[str, str] = {}
+    for s in sections(path):
+        for b in s.runnable:
+            for f in KEYGEN_OUT.findall(b.text):
+                first = made.setdefault(f, s.name)
+                assert first == s.name, f"{f}: made by keygen in {first} and again in {s.name}"
