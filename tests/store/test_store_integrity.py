@@ -603,6 +603,23 @@ def test_restore_into_an_empty_data_directory(store: Path, tmp_path: Path) -> No
     assert opens(new / "store")["messages"] == 60
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving files to another user needs root")
+def test_restore_as_root_leaves_the_store_to_the_data_directorys_owner(store: Path, tmp_path: Path) -> None:
+    """root restores a service's store (docs/cli.md's recipe): every file the restore wrote belongs to the
+    service's user afterwards, or its router could not open them."""
+    out = tmp_path / "b.mdb"
+    backup(store, out)
+    owner = (65534, 65534)  # (nobody: any user but root)
+    data_dir = store.parent
+    for p in [data_dir, *data_dir.rglob("*")]:
+        os.chown(p, *owner)
+    (store / MARKER).unlink()  # (written anew by the restore)
+    done = restore(data_dir, store, out, force=True)
+    written = [store, done.data, store / MARKER, data_dir / "lock"]
+    assert {p.name: (p.stat().st_uid, p.stat().st_gid) for p in written} == {p.name: owner for p in written}
+    assert done.old is not None and done.old.stat().st_uid == owner[0]  # (the file moved aside keeps its owner)
+
+
 def test_restore_over_a_sound_store_needs_force(store: Path, tmp_path: Path) -> None:
     out = tmp_path / "b.mdb"
     backup(store, out)

@@ -22,7 +22,8 @@ open - a ``store check``, a backup - holds shared). It checks the backup first, 
 and syncs it, moves the old ``data.mdb`` aside (``data.mdb.damaged-TIMESTAMP``, or ``.replaced-`` when the
 old file was sound and ``--force`` replaced it), renames the copy to ``data.mdb`` and writes the store
 marker (``store.id``, the old id kept). The next router to open the environment is its first user again and
-resets LMDB's lock table from the new file.
+resets LMDB's lock table from the new file. Run as root (a service's store), what the restore wrote is given
+to the owner of the data directory, so that the service's router can open it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from upsycle_router.errors import UpsycleError
 from upsycle_router.files import sync_dir
 from upsycle_router.store import integrity
 from upsycle_router.store.check import CheckReport, check_file
-from upsycle_router.store.integrity import DATA, LOCK, marker_id, write_marker
+from upsycle_router.store.integrity import DATA, LOCK, MARKER, marker_id, write_marker
 
 
 class BackupError(UpsycleError):
@@ -188,6 +189,20 @@ def _aside(data: Path, why: str) -> Path:
     return name
 
 
+def _owned_like(data_dir: Path, paths: list[Path]) -> None:
+    """Give ``paths`` (what a restore wrote) to the owner of ``data_dir``: root restoring a service's store must
+    not leave it files its router cannot open (an audit: the service then stopped with 'Permission denied' and
+    its unit's RestartPreventExitStatus=2 kept it down)."""
+    if os.geteuid() != 0:
+        return  # (a user's own files are theirs already)
+    st = os.stat(data_dir)
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            here = os.lstat(path)
+            if (here.st_uid, here.st_gid) != (st.st_uid, st.st_gid):
+                os.chown(path, st.st_uid, st.st_gid, follow_symlinks=False)
+
+
 def restore(data_dir: Path, store_dir: Path, backup_file: Path, *, force: bool = False) -> RestoreResult:
     """Put ``backup_file`` in place of the store in ``store_dir`` (see the module's docstring). A backup with
     inconsistent tables, or a sound store to replace, needs ``force``; a damaged backup is never restored."""
@@ -222,6 +237,7 @@ def restore(data_dir: Path, store_dir: Path, backup_file: Path, *, force: bool =
             os.replace(new, data)
             sync_dir(store_dir)
             write_marker(store_dir, marker_id(store_dir))
+            _owned_like(data_dir, [store_dir, data, store_dir / MARKER, data_dir / "lock"])
     except OSError as e:
         raise BackupError(f"{e.filename or data}: {e.strerror or e}") from None
     return RestoreResult(data, old, report)
