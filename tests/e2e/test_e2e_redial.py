@@ -8,11 +8,14 @@ core node that crashed again within a few seconds of each reconnect (a crash loo
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
 import pytest
 from netutil import Network
+
+from upsycle_router.crypto import Identity
 
 pytestmark = pytest.mark.slow
 
@@ -39,3 +42,37 @@ async def test_an_edge_redials_a_crashing_core_without_waiting_longer_each_time(
         # (with the backoff reset by each successful dial a pass comes every 1-2 s; before, the sixth gap
         # could be 30 s)
         assert max(gaps) < 8, f"seconds from the core's restart to the edge's re-dial, round by round: {gaps}"
+
+
+async def test_a_peer_whose_dials_hang_until_their_timeout_is_redialled_with_a_growing_backoff(
+    tmp_path: Path,
+) -> None:
+    """A configured peer's address where something accepts TCP and never answers TLS: each dial takes the whole
+    handshake timeout. The pool's passes while it hung found nothing "missing" (it was being dialled) and put the
+    backoff back to 1 s, so such a peer was dialled every timeout for good (an operations audit: every 10-11 s).
+    Now the backoff grows: with a 2 s timeout the dials come ~1, ~7, ~15 s after the start - three in 14 s,
+    where it was one every 2-3 s."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def mute(_r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        held.append(w)  # accepts, never speaks
+
+    server = await asyncio.start_server(mute, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with Network(tmp_path) as net:
+            n = net.add_node("n")
+            n.config["pubsub"] = {"enabled": False}
+            n.config["handshake_timeout"] = 2
+            n.config["peers"] = [{"id": Identity.generate().public.hex(), "addr": f"127.0.0.1:{port}"}]
+            await net.start_all()
+            began = time.monotonic()
+            await asyncio.sleep(14)
+            lines = [x for x in n.log_text().splitlines() if "dial failed" in x]
+            took = time.monotonic() - began
+            assert 1 <= len(lines) <= 3, f"{len(lines)} failed dials in {took:.0f} s:\n" + "\n".join(lines)
+    finally:
+        for w in held:
+            w.close()
+        server.close()
+        await server.wait_closed()

@@ -172,7 +172,10 @@ class ConnectionPool:
                 missing += [r for r in self.bootstrap if r not in self._dialing and r not in missing]
             for r in missing:
                 self.dial(r)
-            self._backoff = min(self._backoff * 2, 30.0) if missing else 1.0
+            # (one still being dialled is not reached either: a dial that hangs until its timeout - a port that
+            # never answers TLS - must not reset the backoff, or such a peer is dialled every timeout for good)
+            unreached = missing or any(not self.connected(r) for r in self.static)
+            self._backoff = min(self._backoff * 2, 30.0) if unreached else 1.0
 
     async def close(self) -> None:
         """Stop dialling."""
