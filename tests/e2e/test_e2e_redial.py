@@ -76,3 +76,28 @@ async def test_a_peer_whose_dials_hang_until_their_timeout_is_redialled_with_a_g
             w.close()
         server.close()
         await server.wait_closed()
+
+
+async def test_a_peer_configured_with_the_wrong_id_is_logged_with_the_reason(tmp_path: Path) -> None:
+    """A configured peer whose address answers with another router's key: the dial's log line says why it failed
+    (the id it expected and the one it got), where it said only "connection closed before the handshake
+    completed" (operations audit)."""
+    async with Network(tmp_path) as net:
+        real, dialler = net.add_nodes(2, heartbeat=None)
+        for n in (real, dialler):
+            n.config["pubsub"] = {"enabled": False}
+        wrong = Identity.generate().public.hex()
+        dialler.config["peers"] = [{"id": wrong, "addr": real.addr}]
+        await net.start_all([real])  # (listening before the first dial)
+        await net.start_all([dialler])
+
+        def failed() -> list[str]:
+            return [x for x in dialler.log_text().splitlines() if f"dial failed router={wrong}" in x]
+
+        deadline = time.monotonic() + 20
+        while not failed() and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        line = failed()[0]
+        assert f"addr={real.addr}" in line and "handshake failed" in line, line
+        assert f"expected router {wrong}" in line and real.id.hex() in line, line
+        assert "(a router this one dialled)" in dialler.log_text()

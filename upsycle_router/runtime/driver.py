@@ -309,7 +309,8 @@ class Driver:
     def on_protocol_error(self, conn: Connection, error: RemoteProtocolError) -> None:
         """Log, count and trace a session-level violation (the connection closes itself)."""
         peer = (conn.peer or b"").hex() or "-"
-        self._violation(conn, error.code.name.lower(), f"protocol error conn={conn.id} peer={peer}: {error}")
+        dialled = " (a router this one dialled)" if conn.dialled else ""
+        self._violation(conn, error.code.name.lower(), f"protocol error conn={conn.id} peer={peer}{dialled}: {error}")
         code = error.code
         reason = Why.MALFORMED
         if code in (ErrorCode.PROTOCOL, ErrorCode.FRAME_TOO_LARGE):  # a bad frame (timeouts: admission's)

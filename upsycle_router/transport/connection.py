@@ -44,6 +44,7 @@ from typing import Protocol, TypeVar, cast
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.logtext import RateLimitedLog, one_line, untrusted
+from upsycle_router.logtext import reason as exc_text
 from upsycle_router.transport.partial import PartialFrames
 from upsycle_router.transport.session import (
     FrameReceived,
@@ -190,6 +191,7 @@ class Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._close_timer: asyncio.TimerHandle | None = None  # drops a close the peer does not let finish
         self.lost = False  # connection_lost has run: the transport is gone
+        self.failure: str | None = None  # why it ended, when an ERROR ended it (either side's): for a dial's log
         self.written = 0  # bytes handed to the transport so far (or, for a fan-out, written to its socket: fd)
         # The socket a fan-out may write to directly, bypassing the transport, or -1: only a Unix-socket connection
         # whose transport buffers nothing has one (transport/stream.py keeps it; transport/accel.py writes to it).
@@ -313,7 +315,9 @@ class Connection(asyncio.Protocol):
         self.lost = True
         self._release_partial()
         if not self.opened.done():
-            self.opened.set_exception(ConnectionError("connection closed before the handshake completed"))
+            why = self.failure or (exc_text(exc) if exc is not None else None)
+            self.opened.set_exception(ConnectionError(f"handshake failed: {why}" if why else
+                                                      "connection closed before the handshake completed"))
             self.opened.exception()  # mark retrieved
         self.handler.on_close(self)
         if self.on_lost is not None:
@@ -419,8 +423,10 @@ class Connection(asyncio.Protocol):
                     self.opened.set_result(ev.peer)
             elif isinstance(ev, PeerError):
                 # (anyone may send ERROR at once, with any text: quoted and cut, one line per 10 s)
-                _PEER_ERRORS.event("peer_error", f"conn {self.id}: peer sent ERROR {ev.code}: {untrusted(ev.reason)}",
-                                   logging.INFO)  # fmt: skip
+                said = f"peer sent ERROR {ev.code}: {untrusted(ev.reason)}"
+                _PEER_ERRORS.event("peer_error", f"conn {self.id}: {said}", logging.INFO)
+                if self.failure is None:
+                    self.failure = said
                 self.abort()
                 return
             if self.closed:
@@ -727,6 +733,8 @@ class Connection(asyncio.Protocol):
         """
         if self.closed:
             return
+        if self.failure is None:
+            self.failure = reason
         t = self.transport
         if t is None:
             self._refusal = (code, reason)
