@@ -19,11 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import yaml
 from cryptography import x509
 from daemons import HOST, Daemon, cli, daemon_dir, run_expecting_exit, wait_until
 from netutil import free_port
 
-from upsycle_router.crypto import Identity, load_key_file
+from upsycle_router.crypto import Identity, load_key_file, write_key_file
 from upsycle_router.transport.tls import cert_public_key, client_context, peer_cert_key, write_certificate
 
 
@@ -402,3 +403,49 @@ def test_id_and_run_say_the_same_of_a_data_dir_that_is_a_file(tmp_path: Path) ->
         assert r.returncode == 2, r.stderr
         said.append(_one_error_line(r.stderr))
     assert said[0] == said[1] and said[0].endswith(f"{tmp_path / 'notadir'} is not a directory"), said
+
+
+# ------------------------------------------------------------- config: what run would refuse, said before a restart
+
+
+@pytest.mark.parametrize("how", ["key-readable-by-others", "missing-cert-file", "no-such-group", "data-dir-in-a-file"])
+def test_config_and_print_config_refuse_what_run_would_refuse(tmp_path: Path, how: str) -> None:
+    """``config`` and ``run --print-config`` exit 2 with the reason for each config an audit found they passed and
+    ``run`` then refused (exit 2; under systemd the next restart stayed down); ``run`` refuses each the same way."""
+    data = tmp_path / "data"
+    data.mkdir()
+    env = _environ(tmp_path)
+    cfg: dict[str, object] = {}
+    args = ["--data-dir", str(data), "--unix", str(tmp_path / "r.sock")]
+    if how == "key-readable-by-others":
+        write_key_file(data / "router.key")
+        os.chmod(data / "router.key", 0o644)
+        expect = "accessible by group or others"
+    elif how == "missing-cert-file":
+        cfg["listen"] = {"websocket": f"127.0.0.1:{free_port()}"}
+        cfg["websocket"] = {"cert_file": str(tmp_path / "none.pem"), "key_file": str(tmp_path / "none.key")}
+        expect = "websocket.cert_file / key_file"
+    elif how == "no-such-group":
+        env["UPSYCLE_SOCKET_GROUP"] = "no-such-group-here"
+        expect = "no group named 'no-such-group-here'"
+    else:
+        (tmp_path / "afile").write_text("x")
+        args = ["--data-dir", str(tmp_path / "afile" / "data"), "--unix", str(tmp_path / "r.sock")]
+        expect = "is not a directory"
+    conf = tmp_path / "router.yaml"
+    conf.write_text(yaml.safe_dump(cfg))
+    for argv in (["config", "--config", str(conf), *args[:2]], ["run", "--config", str(conf), *args, "--print-config"],
+                 ["run", "--config", str(conf), *args]):
+        r = run_expecting_exit(*argv, environ=env)
+        assert r.returncode == 2, (argv, r.returncode, r.stderr)
+        errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+        assert len(errors) == 1 and expect in errors[0], (argv, r.stderr)
+        assert "Traceback" not in r.stderr
+
+
+def test_config_prints_the_start_warnings_and_passes_a_sound_config(tmp_path: Path) -> None:
+    env = _environ(tmp_path)
+    r = run_expecting_exit("config", "--data-dir", str(tmp_path / "d"), environ={**env, "UPSYCLE_SOCKET_MODE": "0666"})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("# upsycle-router config:")
+    assert [ln for ln in r.stderr.splitlines() if ln.startswith("warning: listen.unix_mode 0666")], r.stderr

@@ -33,6 +33,7 @@ from upsycle_router.cli.common import (
     socket_path,
 )
 from upsycle_router.client import Client
+from upsycle_router.config import check_dirs, config_warnings
 from upsycle_router.config.dump import config_yaml
 from upsycle_router.config.sources import describe, find_config
 from upsycle_router.errors import ConfigError, KeyFileError, UpsycleError
@@ -70,6 +71,14 @@ def cmd_config(args: argparse.Namespace) -> int:
         return config_error(e)
     print(f"# upsycle-router config: {describe(args.config)}")
     sys.stdout.write(config_yaml(cfg))
+    sys.stdout.flush()
+    try:  # what run checks against this machine before it starts: what it would refuse is exit 2 here too
+        check_dirs(cfg)
+        warnings = config_warnings(cfg)
+    except (ConfigError, KeyFileError) as e:
+        return config_error(e)
+    for w in warnings:
+        print(f"warning: {w}", file=sys.stderr)
     return 0
 
 

@@ -37,7 +37,7 @@ from upsycle_router.cli.common import (
     run_async,
     serve_from_args,
 )
-from upsycle_router.config import DaemonConfig, config_warnings
+from upsycle_router.config import DaemonConfig, check_dir, check_dirs, config_warnings
 from upsycle_router.config.dump import config_yaml
 from upsycle_router.config.sources import describe
 from upsycle_router.crypto import Identity, load_or_create_key_file
@@ -55,41 +55,24 @@ start's own check of the directory does not always see - found by an audit: exit
 a loop)."""
 
 
-def check_dir(path: Path, option: str) -> None:
-    """Refuse a directory the daemon could not create or write in: its nearest existing part must be a
-    directory this user may write (checked before start-up, so that it is a config error, not a traceback)."""
-    p = path.absolute()
-    while not p.exists() and p.parent != p:
-        p = p.parent
-    if not p.is_dir():
-        raise ConfigError(f"{option}: cannot create {path}: {p} is not a directory")
-    if not os.access(p, os.W_OK | os.X_OK):
-        raise ConfigError(f"{option}: cannot use {path}: {p} is not writable by this user")
-
-
-def check_dirs(cfg: DaemonConfig) -> None:
-    """The directories ``run`` creates or writes: data directory, socket directory, trace directory."""
-    check_dir(cfg.data_dir, "data_dir")
-    if cfg.unix is not None:
-        check_dir(cfg.unix.parent, "listen.unix")
-    if cfg.trace_dir is not None:
-        check_dir(cfg.trace_dir, "trace.path")
-
-
 def cmd_run(args: argparse.Namespace) -> int:
     """Run the daemon until SIGTERM/SIGINT."""
     try:
         cfg = config_from_args(args)
-        if args.print_config:
+        if args.print_config:  # (and what the start would check: a config it would refuse is exit 2 here too)
             print(f"# upsycle-router config: {describe(args.config)}, then the command line")
             sys.stdout.write(config_yaml(cfg))
+            sys.stdout.flush()
+            check_dirs(cfg)
+            for w in config_warnings(cfg):
+                print(f"warning: {w}", file=sys.stderr)
             return 0
         check_dirs(cfg)
         ready_file = path_option(args, "ready_file", "--ready-file")
         if ready_file is not None:
             check_dir(ready_file.parent, "--ready-file")
         warnings = config_warnings(cfg)
-    except ConfigError as e:
+    except (ConfigError, KeyFileError) as e:
         return config_error(e)
     setup_logging(cfg.log_level, cfg.log_format)
     for w in warnings:

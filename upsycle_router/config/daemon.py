@@ -628,6 +628,27 @@ def _allocated(p: Path) -> int:
         return 0
 
 
+def check_dir(path: Path, option: str) -> None:
+    """Refuse a directory the daemon could not create or write in: its nearest existing part must be a
+    directory this user may write (checked before start-up, so that it is a config error, not a traceback)."""
+    p = path.absolute()
+    while not p.exists() and p.parent != p:
+        p = p.parent
+    if not p.is_dir():
+        raise ConfigError(f"{option}: cannot create {path}: {p} is not a directory")
+    if not os.access(p, os.W_OK | os.X_OK):
+        raise ConfigError(f"{option}: cannot use {path}: {p} is not writable by this user")
+
+
+def check_dirs(cfg: DaemonConfig) -> None:
+    """The directories ``run`` creates or writes: data directory, socket directory, trace directory."""
+    check_dir(cfg.data_dir, "data_dir")
+    if cfg.unix is not None:
+        check_dir(cfg.unix.parent, "listen.unix")
+    if cfg.trace_dir is not None:
+        check_dir(cfg.trace_dir, "trace.path")
+
+
 def config_warnings(cfg: DaemonConfig) -> list[str]:
     """Checks against the machine the daemon starts on, once the command line has been applied: the messages
     to log as WARNING at start (allowed, but probably not meant). A value the machine can never satisfy is a
@@ -642,8 +663,27 @@ def config_warnings(cfg: DaemonConfig) -> list[str]:
       it is the default, which is only warned about.
     - ``listen.unix: null`` while ``pubsub.enabled`` or ``discovery.enabled``: a service reaches its router by
       the Unix socket only, so it is not run (nor advertised).
+    - The router's key file, where it exists and this user may read it: one the router would refuse (group or
+      others may read it, not a key) is an error (:class:`~upsycle_router.errors.KeyFileError`) here already.
+    - ``websocket.cert_file`` / ``key_file`` of a ``wss://`` listener: they must load as a certificate and its
+      key, or it is an error.
+
+    ``config`` runs these checks too (with :func:`check_dirs`), so that a config ``run`` would refuse is not
+    passed as sound before a restart.
     """
     out: list[str] = []
+    if os.access(cfg.key_path, os.R_OK):  # (one this user cannot read - another user's router - is not looked at)
+        from upsycle_router.crypto import load_key_file
+
+        load_key_file(cfg.key_path)
+    ws = cfg.websocket
+    if ws.listen is not None and ws.tls and ws.cert_file is not None and ws.key_file is not None:
+        import ssl
+
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(ws.cert_file, ws.key_file)
+        except (OSError, ssl.SSLError) as e:
+            raise ConfigError(f"websocket.cert_file / key_file ({ws.cert_file}, {ws.key_file}): {e}") from None
     if cfg.unix is None:
         for name, on in (("pubsub", cfg.pubsub.enabled), ("discovery", cfg.discovery.enabled)):
             if on:
