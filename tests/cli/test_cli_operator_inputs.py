@@ -427,7 +427,7 @@ def test_config_and_print_config_refuse_what_run_would_refuse(tmp_path: Path, ho
         expect = "websocket.cert_file / key_file"
     elif how == "no-such-group":
         env["UPSYCLE_SOCKET_GROUP"] = "no-such-group-here"
-        expect = "no group named 'no-such-group-here'"
+        expect = "$UPSYCLE_SOCKET_GROUP: listen.unix_group: no group named 'no-such-group-here'"
     else:
         (tmp_path / "afile").write_text("x")
         args = ["--data-dir", str(tmp_path / "afile" / "data"), "--unix", str(tmp_path / "r.sock")]

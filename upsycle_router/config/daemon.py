@@ -692,7 +692,12 @@ def config_warnings(cfg: DaemonConfig) -> list[str]:
                     f"not run and not advertised ({name}.enabled: false says so and silences this line)"
                 )
     if cfg.unix is not None and cfg.unix_group is not None:
-        socket_gid(cfg.unix_group)
+        try:
+            socket_gid(cfg.unix_group)
+        except ConfigError as e:  # (named as a bad value from the environment is: config.md)
+            if os.environ.get("UPSYCLE_SOCKET_GROUP"):  # (the environment overrides the file; no flag sets it)
+                raise ConfigError(f"$UPSYCLE_SOCKET_GROUP: {e}") from None
+            raise
     if cfg.unix is not None and cfg.unix_mode & 0o077:
         classes = ((0o070, "the members of the socket's group"), (0o007, "every other local user"))
         who = " and ".join(w for bit, w in classes if cfg.unix_mode & bit)
