@@ -449,3 +449,22 @@ def test_config_prints_the_start_warnings_and_passes_a_sound_config(tmp_path: Pa
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("# upsycle-router config:")
     assert [ln for ln in r.stderr.splitlines() if ln.startswith("warning: listen.unix_mode 0666")], r.stderr
+
+
+def test_id_that_creates_a_key_names_the_system_routers_data_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """root on a systemd host runs ``id`` without ``--data-dir``: a new key is made in root's own data directory
+    (an audit took its id for the service's); the note now says where the system router's key is."""
+    from upsycle_router.cli import daemon as cli_daemon
+    from upsycle_router.cli import main
+
+    system = tmp_path / "var-lib-upsycle-router"
+    system.mkdir()
+    write_key_file(system / "router.key")
+    monkeypatch.setattr(cli_daemon, "SYSTEM_DATA_DIR", system)  # (the real one is /var/lib/upsycle-router)
+    assert main(["id", "--data-dir", str(tmp_path / "mine")]) == 0
+    err = capsys.readouterr().err
+    assert "created a new router key" in err and f"'upsycle-router id --data-dir {system}'" in err, err
+    assert main(["id", "--data-dir", str(tmp_path / "mine")]) == 0  # (the key exists now: nothing to say)
+    assert capsys.readouterr().err == ""

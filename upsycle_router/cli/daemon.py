@@ -39,7 +39,7 @@ from upsycle_router.cli.common import (
 )
 from upsycle_router.config import DaemonConfig, check_dir, check_dirs, config_warnings
 from upsycle_router.config.dump import config_yaml
-from upsycle_router.config.sources import describe
+from upsycle_router.config.sources import SYSTEM_DATA_DIR, describe
 from upsycle_router.crypto import Identity, load_or_create_key_file
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
@@ -155,6 +155,9 @@ def cmd_id(args: argparse.Namespace) -> int:
         elif created:
             print(f"note: created a new router key {cfg.key_path} (no router has run on this data directory yet)",
                   file=sys.stderr)  # fmt: skip
+            if cfg.data_dir != SYSTEM_DATA_DIR and (SYSTEM_DATA_DIR / "router.key").exists():
+                print(f"note: the system router (systemd) keeps its key in {SYSTEM_DATA_DIR}: 'upsycle-router id "
+                      f"--data-dir {SYSTEM_DATA_DIR}' prints its id", file=sys.stderr)  # fmt: skip
     except (KeyFileError, ConfigError) as e:
         return config_error(e)
     return 0

@@ -38,6 +38,7 @@ from upsycle_router.errors import ConfigError
 CONFIG_ENV = "UPSYCLE_CONFIG"
 SYSTEM_CONFIG = Path("/etc/upsycle-router/router.yaml")
 SYSTEM_SOCKET = Path("/run/upsycle-router/router.sock")  # the systemd unit's (systemd/upsycle-router.service)
+SYSTEM_DATA_DIR = Path("/var/lib/upsycle-router")  # ... and its data directory
 
 # Environment variable -> the option it sets, as written in the file.
 ENVIRONMENT: dict[str, str] = {
