@@ -942,6 +942,65 @@ def test_a_member_routers_late_refusal_of_a_group_message_counts_that_router_alo
         h.expect_refused(out, a, m.id, Reason.QUOTA, 1)
 
 
+def test_a_group_message_sent_again_after_a_member_routers_late_refusal_goes_to_that_router(tmp_path: Path) -> None:
+    """The app's answer to a late REFUSED is to send the same bytes again. They were taken here (stored, seen), so
+    they were a duplicate: acknowledged (SYNC_ACK, nothing refused) and sent nowhere - a message lost in silence
+    (a fault-injection audit: a core's drain into an edge whose store was full). Now the refusing router is owed
+    the message, as one refused at once would be: the copy sent again goes to it, and to nobody who had it."""
+    r2 = ident("R2")
+    h = harness(tmp_path, edge_nodes=frozenset({R.public, r2.public}))
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    h.receive(b, control(BOB, X, Join(G.public, True)))
+    routers = {}
+    for who in (R, r2):
+        routers[who.public] = h.open(who, local=False)
+        h.receive(routers[who.public], control(who, X, Join(G.public, True), now=h.now))
+    m = multicast(G)
+    assert h.receive(a, m).refusals() == []
+    assert sync(h, a, ALICE, 1) == SyncAck(1, 0, 0)
+    out = h.receive(routers[R.public], control(R, X, Refused(m.id, Reason.STORE_FULL, 0), now=h.now))
+    h.expect_refused(out, a, m.id, Reason.STORE_FULL, 1)
+    out = h.receive(a, m)  # the app sends it again
+    assert out.refusals() == [] and "duplicate" not in out.events()
+    assert [x.id for x in out.messages(routers[R.public])] == [m.id]
+    assert out.messages(routers[r2.public]) == [] and out.messages(b) == []
+    assert sync(h, a, ALICE, 2) == SyncAck(2, 0, 0)
+    out = h.receive(a, m)  # taken in full now: a third copy is a duplicate again
+    assert "duplicate" in out.events() and out.sends() == []
+
+
+def test_an_edge_apps_group_message_sent_again_after_its_cores_late_refusal_goes_to_the_core(tmp_path: Path) -> None:
+    """The edge side of the same: an edge app's publish to a group an app here joined non-locally goes to the
+    subscriber here and to the edge's core node; the core's late REFUSED reaches the app, and the copy sent again
+    goes to the core again (not to the subscriber, who had it)."""
+    h = harness(tmp_path, upstream=frozenset({R.public}))
+    a = h.open(ALICE)
+    b = h.open(BOB)
+    core = h.open(R, local=False)
+    h.receive(b, control(BOB, X, Join(G.public, False)))
+    m = multicast(G)
+    out = h.receive(a, m)
+    assert [x.id for x in out.messages(core)] == [m.id] and [x.id for x in out.messages(b)] == [m.id]
+    out = h.receive(core, control(R, X, Refused(m.id, Reason.STORE_FULL, 0), now=h.now))
+    h.expect_refused(out, a, m.id, Reason.STORE_FULL, 1)
+    out = h.receive(a, m)
+    assert out.refusals() == [] and "duplicate" not in out.events()
+    assert [x.id for x in out.messages(core)] == [m.id] and out.messages(b) == []
+
+
+def test_a_unicast_sent_again_after_a_late_refusal_is_forwarded_again(tmp_path: Path) -> None:
+    h = harness(tmp_path, peers=frozenset({R.public}))
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    m = unicast(ALICE, REMOTE_SVC, via=R.public)
+    assert [x.id for x in h.receive(a, m).messages(r)] == [m.id]
+    h.expect_refused(h.receive(r, control(R, X, Refused(m.id, Reason.QUOTA, 0))), a, m.id, Reason.QUOTA)
+    out = h.receive(a, m, now=h.now + 1)
+    assert out.refusals() == [] and "duplicate" not in out.events()
+    assert [x.id for x in out.messages(r)] == [m.id]
+
+
 def test_a_strangers_group_messages_fill_only_its_share_of_a_members_queue(tmp_path: Path) -> None:
     """Fair queues hold for group messages too: a remote node the router was never told to trust (any fresh key
     can connect) that holds a group's key queues for an away member only the stranger's share, so a friend's

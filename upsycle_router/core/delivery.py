@@ -48,6 +48,7 @@ from upsycle_router.core.trace import (
     Why,
 )
 from upsycle_router.expiry import expires_at
+from upsycle_router.store.api import Owed
 from upsycle_router.wire.control import Reason, Refused, encode_router, reason_label
 from upsycle_router.wire.messages import Message, UnicastHeader
 
@@ -533,6 +534,7 @@ class Delivery:
         else:
             s.batch_forwarded.setdefault(r.id, fwd)
             s.forwarded[r.id] = fwd._replace(refusers=frozenset({router}))
+        self._owe_again(r.id, router, fwd)
         c = self.conns.get(fwd.conn)
         if c is None:  # the app is gone: the refusal reaches nobody - traced (and counted) here, not lost in silence
             out.append(Trace(DROPPED, r.id, fwd.kind, fwd.group, fwd.src, fwd.dst, router, fwd.size,
@@ -555,6 +557,24 @@ class Delivery:
         out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode(), True, span=span))
         out.append(Trace(REFUSED, r.id, fwd.kind, fwd.group, fwd.src, fwd.dst, c.peer, fwd.size,
                          reason_label(r.reason)))
+
+    def _owe_again(self, mid: bytes, router: bytes, fwd: Forwarded) -> None:
+        """The next router ``router`` refused ``mid`` after this router had taken it: the same bytes sent again (the
+        app's answer to the late REFUSED) must go to that router again, not be dropped here as a duplicate of a
+        message taken (an audit: a retry after a late ``store_full`` was acknowledged and never delivered). A
+        stored group message becomes owed to it (as one refused at once: :class:`~upsycle_router.store.api.Owed`,
+        to a core node among ``cores``, a member router among ``recipients``); anything else is forgotten as
+        seen, so that it is routed anew."""
+        store = self.store
+        if fwd.kind == MULTICAST and fwd.router == ANY_MEMBER and store.has_message(mid):
+            owed = store.get_owed(mid) or Owed((), ())
+            if router in self.s.config.upstream:
+                if router not in owed.cores:
+                    store.put_owed(mid, owed._replace(cores=(*owed.cores, router)))
+            elif router not in owed.recipients:
+                store.put_owed(mid, owed._replace(recipients=(*owed.recipients, router)))
+            return
+        self.s.seen.discard(mid)
 
     def throttle(self, c: Conn, out: list[Effect]) -> None:
         """Slow ``c`` (once per batch): what it sends fills a queue or the store past the backpressure mark, or

@@ -39,6 +39,12 @@ class SeenIds:
         if len(order) > self.capacity:
             ids.discard(order.popleft())
 
+    def discard(self, mid: bytes) -> None:
+        """Forget ``mid`` (a message taken and then refused by the next router: sent again, it is routed anew). Its
+        place in the order stays until it comes round, when it is discarded again - harmless: ``mid`` is then at
+        most forgotten sooner than the capacity says, which makes a duplicate routed, never a message lost."""
+        self.ids.discard(mid)
+
     def forget_since(self, mark: int) -> None:
         """Forget the ids added since ``added`` was ``mark`` (those still remembered: the newest)."""
         order = self._order
