@@ -400,12 +400,16 @@ class RouterState:
     def stranger(self, src: bytes, dst: bytes, via: bytes | None = None) -> bool:
         """Whether a message ``src`` sent from a remote node to ``dst`` (arriving from the router ``via``) is a
         stranger's: ``src`` is no key the router was told to trust (local service, configured peer, edge or core
-        node), ``dst`` never wrote to it, and it is no app of the edge node it came through (a key that edge node
-        registered here, which vouches for it as this router does for its own local apps) - fair queues:
-        strangers fill only their share."""
+        node), ``dst`` never wrote to it, it is no app of the edge node it came through (a key that edge node
+        registered here, which vouches for it as this router does for its own local apps), and it did not come
+        through a configured peer or core node (such a router relays unicasts only for its own local services and
+        its edge nodes' apps - it vouches for them, as for the group messages it forwards; and it acknowledged the
+        message to its sender already: a refusal here would come late) - fair queues: strangers fill only their
+        share. (An edge node vouches for the apps it registered only.)"""
         if src in self.locals or src in self.trusted or (dst, src) in self.contacts:
             return False
-        return via is None or self.served_by(src) != via
+        cfg = self.config
+        return via is None or (via not in cfg.peers and via not in cfg.upstream and self.served_by(src) != via)
 
     def served_by(self, key: bytes) -> bytes | None:
         """The edge router serving ``key`` (it REGISTERed it here), if any."""
