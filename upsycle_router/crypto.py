@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import secrets
 import stat
@@ -238,6 +239,15 @@ def load_key_file(path: str | os.PathLike[str]) -> Identity:
     except (ValueError, UnicodeDecodeError):
         raise KeyFileError(f"{p}: not a key file (expected the 32-byte seed, or it as 64 hex characters)") from None
     return Identity.from_seed(seed)
+
+
+def probe_key(uid: int) -> Identity:
+    """The key the command line's ``status`` and ``wait`` use without a key file: derived from the user id, so
+    the same on every run (the router keeps every key that connects on its socket, so a fresh key per run would
+    add one for every ``status`` a monitoring loop runs). Anyone can derive it: nothing is ever sent to it, and it
+    has no rights a fresh key would not have. The router logs the connections of the probe key of the Unix
+    socket peer's own user at DEBUG (a health check every 30 s would else write two lines each time)."""
+    return Identity.from_seed(hashlib.sha256(b"upsycle-router probe key, uid %d" % uid).digest())
 
 
 def load_or_create_key_file(path: str | os.PathLike[str]) -> Identity:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, DaemonFactory, cli, run_expecting_exit, subprocess_env
 
-from upsycle_router.crypto import Identity
+from upsycle_router.crypto import Identity, probe_key, write_key_file
 
 pytestmark = pytest.mark.slow
 
@@ -167,3 +167,28 @@ def test_app_commands_exit_2_for_an_unusable_key_or_config_and_1_for_an_unreacha
     r = cli("send", "--socket", sock, "--key", str(good_key), dst, "hi")
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert r.stderr.startswith("error:"), r.stderr
+
+
+def test_status_and_wait_probes_are_logged_at_debug_and_apps_at_info(daemon: DaemonFactory, tmp_path: Path) -> None:
+    """A health check runs ``wait`` (Dockerfile) or ``status`` every 30 s: with the probe key of its own user
+    (no key file) its connection's open and close are DEBUG lines, not two INFO lines each time (operations
+    audit: ~5,760 lines a day). An app's connection is still logged at INFO, and so is a probe key of another
+    user's uid (it is not the probe of the user at the socket's other end)."""
+    d = daemon()
+    before = d.log_size()
+    for args in (("status",), ("wait", "--timeout", "10")):
+        r = cli(*args, "--socket", str(d.sock))
+        assert r.returncode == 0, r.stderr
+    key = tmp_path / "app.key"
+    assert cli("keygen", "--out", str(key)).returncode == 0
+    assert cli("status", "--socket", str(d.sock), "--key", str(key)).returncode == 0
+    other = probe_key(os.getuid() + 1)
+    other_key = tmp_path / "other.key"
+    write_key_file(other_key, other)
+    assert cli("status", "--socket", str(d.sock), "--key", str(other_key)).returncode == 0
+    text = d.log_text()[before:]
+    opened = [ln for ln in text.splitlines() if "connection open" in ln and "kind=unix" in ln]
+    mine = probe_key(os.getuid()).public.hex()
+    assert not [ln for ln in opened if mine in ln], text  # (at DEBUG: the test daemon logs INFO and above)
+    assert len([ln for ln in opened if other.public.hex() in ln]) == 1, text
+    assert len(opened) >= 2, text  # the app's and the other uid's probe key, at INFO

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import dataclasses
 import errno
-import hashlib
 import math
 import os
 import sys
@@ -46,7 +45,7 @@ from upsycle_router.client.names import HEX_KEY_RE, NAME_RE, lookup
 from upsycle_router.config import DaemonConfig, check_websocket, parse_key
 from upsycle_router.config.sources import effective_config, router_socket
 from upsycle_router.config.values import all_hex
-from upsycle_router.crypto import Identity, load_key_file, load_or_create_key_file
+from upsycle_router.crypto import Identity, load_key_file, load_or_create_key_file, probe_key
 from upsycle_router.durability import Durability
 from upsycle_router.errors import ConfigError, KeyFileError
 from upsycle_router.logtext import reason
@@ -230,12 +229,10 @@ def socket_path(args: argparse.Namespace) -> Path:
 
 
 def probe_identity() -> Identity:
-    """The key ``status`` and ``wait`` use without a key file: derived from the user id, so the same on every
-    run. The router keeps every key that connects on its socket for good (messages to it are queued while it is
-    away), so a fresh key per run would add one for every ``status`` a monitoring loop runs; this adds one per
-    user. Their answers come back on their own connection, so runs at the same time do not mix. It can be
-    derived by anyone: nothing is ever sent to it, and it has no rights a fresh key would not have."""
-    return Identity.from_seed(hashlib.sha256(b"upsycle-router probe key, uid %d" % os.getuid()).digest())
+    """The key ``status`` and ``wait`` use without a key file (:func:`~upsycle_router.crypto.probe_key` of this
+    user): one per user, not one per run. Their answers come back on their own connection, so runs at the same
+    time do not mix."""
+    return probe_key(os.getuid())
 
 
 def app_identity(

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import struct
 import time
 from collections.abc import Callable
 
@@ -39,6 +41,7 @@ from upsycle_router.core.events import (
 )
 from upsycle_router.core.router import Router
 from upsycle_router.core.trace import Ev, Kind, Why
+from upsycle_router.crypto import probe_key
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
 from upsycle_router.logtext import RateLimitedLog
 from upsycle_router.runtime.commit import Batches
@@ -156,7 +159,9 @@ class Driver:
         self.conns[conn.id] = conn
         if self._reading_paused:
             self._hold(conn)
-        log.info("connection open conn=%d peer=%s kind=%s local=%s", conn.id, peer.hex(), conn.kind, conn.local)
+        conn.probe = conn.kind == "unix" and _is_probe(conn, peer)  # (status, wait: at DEBUG, see probe_key)
+        log.log(logging.DEBUG if conn.probe else logging.INFO, "connection open conn=%d peer=%s kind=%s local=%s",
+                conn.id, peer.hex(), conn.kind, conn.local)  # fmt: skip
         self._push(ConnectionOpened(conn.id, peer, conn.local))
         if conn.local and self.on_local_open is not None:
             self.on_local_open(peer)
@@ -294,7 +299,8 @@ class Driver:
         self.effects.forget(conn.id, conn.peer)
         if self.conns.pop(conn.id, None) is not None:
             forget_kept_run()  # (the C fan-out keeps the last run's connections: not a closed one)
-            log.info("connection closed conn=%d peer=%s", conn.id, (conn.peer or b"").hex())
+            log.log(logging.DEBUG if conn.probe else logging.INFO, "connection closed conn=%d peer=%s", conn.id,
+                    (conn.peer or b"").hex())  # fmt: skip
             self._push(ConnectionClosed(conn.id))
         if conn.peer is not None:
             datas = conn.take_direct()
@@ -479,3 +485,25 @@ class Driver:
         self.effects.close()
         self.verifier.close()
         self._closed = True
+
+
+_PROBE_KEYS: dict[int, bytes] = {}  # uid -> that user's probe key (a few users)
+
+
+def _is_probe(conn: Connection, peer: bytes) -> bool:
+    """Whether ``peer`` on the Unix-socket connection ``conn`` is the probe key (:func:`~upsycle_router.crypto.
+    probe_key`) of the user at the socket's other end (``SO_PEERCRED``): ``status`` and ``wait`` without a key
+    file, a health check's."""
+    sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+    if sock is None:
+        return False
+    try:
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    except (OSError, struct.error):
+        return False
+    key = _PROBE_KEYS.get(uid)
+    if key is None:
+        if len(_PROBE_KEYS) >= 64:
+            _PROBE_KEYS.clear()
+        key = _PROBE_KEYS[uid] = probe_key(uid).public
+    return peer == key
