@@ -680,6 +680,26 @@ def test_a_late_refusal_for_an_app_that_is_gone_is_traced_as_a_drop(tmp_path: Pa
     assert (t.id, t.reason, t.peer, t.src, t.dst) == (m.id, "no_route", R.public, ALICE.public, REMOTE_SVC.public)
 
 
+def test_a_late_refusal_for_an_app_that_connected_again_reaches_its_new_connection_uncounted(
+    tmp_path: Path,
+) -> None:
+    """The app's connection that sent the message closed, and the app connected again (a client's restart): the
+    next router's REFUSED goes to the new connection, so the app hears of it (a fault-injection audit: most late
+    refusals it found reached nobody, the sender having reconnected). None of the new connection's SYNC_ACKs
+    counts it: none of its spans sent the message."""
+    h = harness(tmp_path, peers=frozenset({R.public}))
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    m = unicast(ALICE, REMOTE_SVC, via=R.public)
+    h.receive(a, m)
+    h.close(a)
+    a2 = h.open(ALICE)
+    out = h.receive(r, control(R, X, Refused(m.id, Reason.QUOTA, 0)))
+    h.expect_refused(out, a2, m.id, Reason.QUOTA)
+    assert [s.conn for s in out.sends()] == [a2] and out.traces("dropped") == []
+    assert sync(h, a2, ALICE, 1) == SyncAck(1, 0, 0)
+
+
 def test_a_refused_from_anyone_is_never_answered(tmp_path: Path) -> None:
     h = harness(tmp_path, peers=frozenset({R.public}))
     a = h.open(ALICE)

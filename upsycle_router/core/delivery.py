@@ -454,7 +454,8 @@ class Delivery:
             return  # a group message: it also went to member routers or core nodes, each of which may refuse it
         if len(fwd) >= FORWARDED_MAX:
             del fwd[next(iter(fwd))]
-        fwd[mid] = Forwarded(origin.id, router, kind, group, size, origin.syncs, src, dst, routers=routers)
+        fwd[mid] = Forwarded(origin.id, router, kind, group, size, origin.syncs, src, dst, routers=routers,
+                             peer=origin.peer)
 
     # ------------------------------------------------------------------ refusals (wire v1.1)
 
@@ -513,7 +514,9 @@ class Delivery:
         come back already; if it has not - no SYNC_ACK on that connection since the message - the app's next
         SYNC_ACK counts it, as any REFUSED sent for a message since the previous SYNC; if the SYNC_ACK was made
         and still waits in the driver, as it does for a router under custody until that router confirms, that
-        one counts it: ``Send.span``). A configured router's REFUSED for a message not remembered (forgotten
+        one counts it: ``Send.span``). When that connection closed and the same key has connected again, the
+        newest of its connections is told instead, counted by none of its SYNC_ACKs (none of its spans sent the
+        message: the client files it as late). A configured router's REFUSED for a message not remembered (forgotten
         among :data:`FORWARDED_MAX` more recent ones, or never ours) reaches nobody and is traced ``dropped`` with
         its reason; anyone else's means nothing here (any remote key may send one)."""
         s = self.s
@@ -536,16 +539,20 @@ class Delivery:
             s.forwarded[r.id] = fwd._replace(refusers=frozenset({router}))
         self._owe_again(r.id, router, fwd)
         c = self.conns.get(fwd.conn)
+        again = None if c is not None or fwd.peer is None else self.by_key.get(fwd.peer)
+        if again:  # that connection closed, the same key connected again: told there (never counted: none of
+            c = self.conns[again[-1]]  # that connection's SYNC spans sent it)
         if c is None:  # the app is gone: the refusal reaches nobody - traced (and counted) here, not lost in silence
             out.append(Trace(DROPPED, r.id, fwd.kind, fwd.group, fwd.src, fwd.dst, router, fwd.size,
                              reason_label(r.reason)))
             return
         span = -1
-        if c.syncs == fwd.span:  # no SYNC_ACK since the message: this REFUSED is counted by the next one
-            self._counting(c)
-            c.refused += 1
-        else:  # that span's SYNC_ACK was made: if it still waits (for this router's confirmation), it counts it
-            span = fwd.span
+        if not again:
+            if c.syncs == fwd.span:  # no SYNC_ACK since the message: this REFUSED is counted by the next one
+                self._counting(c)
+                c.refused += 1
+            else:  # that span's SYNC_ACK was made: if it still waits (for this router's confirmation), it counts it
+                span = fwd.span
         # A group message went to local subscribers and member routers here: of this router's recipients, it was
         # not taken for one - that router - whatever the count of its own recipients it reports (0 there, "as a
         # whole", would tell the app nothing went anywhere). A message sent on to one router (a unicast, or a

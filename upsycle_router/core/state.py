@@ -66,6 +66,7 @@ class Forwarded(NamedTuple):
     # A group message (``router`` = ANY_MEMBER): the routers it was sent or queued to - member routers, core
     # nodes. Only theirs is a next router's REFUSED; a router that became a member afterwards never had it.
     routers: frozenset[bytes] = frozenset()
+    peer: bytes | None = None  # the key of the app's connection (its REFUSED goes to a newer one when that closed)
 
 
 class PendingPull(NamedTuple):
