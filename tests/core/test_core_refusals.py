@@ -937,10 +937,9 @@ def test_one_refused_per_message_on_the_discovery_group(tmp_path: Path) -> None:
     assert refusals[0].count > 0 or (out.sends(al) == [] and not h.store.has_message(m.id))
 
 
-def test_a_member_routers_late_refusal_of_a_group_message_counts_that_router_alone(tmp_path: Path) -> None:
-    """A group message taken here for local subscribers and member routers: a member router's REFUSED, whatever
-    count of its own recipients it names (0, "as a whole", among them), reaches the app with count 1 - the one
-    recipient here it was not taken for; the subscriber here got it. Each member router's refusal is its own."""
+def _two_member_routers(tmp_path: Path) -> tuple[CoreHarness, int, int, dict[bytes, int]]:
+    """ALICE and BOB (a subscriber of G) here, and two edge nodes R and R2 that JOINed G: the harness, ALICE's
+    and BOB's connections, and the routers' connections by key."""
     r2 = ident("R2")
     h = harness(tmp_path, edge_nodes=frozenset({R.public, r2.public}))
     a = h.open(ALICE)
@@ -951,6 +950,15 @@ def test_a_member_routers_late_refusal_of_a_group_message_counts_that_router_alo
         routers[who.public] = h.open(who, local=False)
         out = h.receive(routers[who.public], control(who, X, Join(G.public, True), now=h.now))
         assert out.refusals() == []
+    return h, a, b, routers
+
+
+def test_a_member_routers_late_refusal_of_a_group_message_counts_that_router_alone(tmp_path: Path) -> None:
+    """A group message taken here for local subscribers and member routers: a member router's REFUSED, whatever
+    count of its own recipients it names (0, "as a whole", among them), reaches the app with count 1 - the one
+    recipient here it was not taken for; the subscriber here got it. Each member router's refusal is its own."""
+    h, a, b, routers = _two_member_routers(tmp_path)
+    r2 = ident("R2")
     m = multicast(G)
     out = h.receive(a, m)
     assert out.refusals() == []
@@ -967,15 +975,8 @@ def test_a_group_message_sent_again_after_a_member_routers_late_refusal_goes_to_
     they were a duplicate: acknowledged (SYNC_ACK, nothing refused) and sent nowhere - a message lost in silence
     (a fault-injection audit: a core's drain into an edge whose store was full). Now the refusing router is owed
     the message, as one refused at once would be: the copy sent again goes to it, and to nobody who had it."""
+    h, a, b, routers = _two_member_routers(tmp_path)
     r2 = ident("R2")
-    h = harness(tmp_path, edge_nodes=frozenset({R.public, r2.public}))
-    a = h.open(ALICE)
-    b = h.open(BOB)
-    h.receive(b, control(BOB, X, Join(G.public, True)))
-    routers = {}
-    for who in (R, r2):
-        routers[who.public] = h.open(who, local=False)
-        h.receive(routers[who.public], control(who, X, Join(G.public, True), now=h.now))
     m = multicast(G)
     assert h.receive(a, m).refusals() == []
     assert sync(h, a, ALICE, 1) == SyncAck(1, 0, 0)
