@@ -403,14 +403,15 @@ class RouterState:
         stranger's: ``src`` is no key the router was told to trust (local service, configured peer, edge or core
         node), ``dst`` never wrote to it, it is no app of the edge node it came through (a key that edge node
         registered here, which vouches for it as this router does for its own local apps), and it did not come
-        through a configured peer or core node (such a router relays unicasts only for its own local services and
+        through a configured peer (a router relays unicasts to another router only for its own local services and
         its edge nodes' apps - it vouches for them, as for the group messages it forwards; and it acknowledged the
         message to its sender already: a refusal here would come late) - fair queues: strangers fill only their
-        share. (An edge node vouches for the apps it registered only.)"""
+        share. An edge node vouches for the apps it registered only; and what comes from a core node is judged by
+        its sender's key alone: a core passes anyone's unicast on to an app its edge registered (seed 003's step
+        3.2 for an edge's services), a fresh key's included."""
         if src in self.locals or src in self.trusted or (dst, src) in self.contacts:
             return False
-        cfg = self.config
-        return via is None or (via not in cfg.peers and via not in cfg.upstream and self.served_by(src) != via)
+        return via is None or (via not in self.config.peers and self.served_by(src) != via)
 
     def served_by(self, key: bytes) -> bytes | None:
         """The edge router serving ``key`` (it REGISTERed it here), if any."""
