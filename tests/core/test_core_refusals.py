@@ -991,6 +991,30 @@ def test_a_group_message_sent_again_after_a_member_routers_late_refusal_goes_to_
     assert "duplicate" in out.events() and out.sends() == []
 
 
+def test_a_late_refusal_answered_without_the_store_writes_nothing_and_the_copy_sent_again_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A batch that did not commit (a disk error) is answered in a transaction that writes nothing, so that it
+    commits even on a full store; a member router's REFUSED in it is passed on all the same. Making the message
+    owed there wrote to the store (a review: on a still-full store that answer failed too, and the refusal was
+    lost). Now nothing is written: the message is owed to that router in memory, and the copy the app sends
+    again goes to it alone, as after a refusal in a batch that commits."""
+    h, a, b, routers = _two_member_routers(tmp_path)
+    m = multicast(G)
+    assert h.receive(a, m).refusals() == []
+    r = routers[R.public]
+    refusal = control(R, X, Refused(m.id, Reason.STORE_FULL, 0), now=h.now)
+    h.router.batch_begun()
+    with h.store.transaction():
+        out = Effects(h.router.not_taken(r, [refusal], Why.STORE_FULL, h.now))
+        assert not h.store.wrote
+    h.expect_refused(out, a, m.id, Reason.STORE_FULL, 1)
+    out = h.receive(a, m)
+    assert out.refusals() == [] and "duplicate" not in out.events()
+    assert [x.id for x in out.messages(r)] == [m.id] and out.messages(b) == []
+    assert out.messages(routers[ident("R2").public]) == []
+
+
 def test_an_edge_apps_group_message_sent_again_after_its_cores_late_refusal_goes_to_the_core(tmp_path: Path) -> None:
     """The edge side of the same: an edge app's publish to a group an app here joined non-locally goes to the
     subscriber here and to the edge's core node; the core's late REFUSED reaches the app, and the copy sent again

@@ -69,6 +69,7 @@ THROTTLE_SECONDS = 0.05
 # Messages forwarded (for local apps, or relayed for other routers) whose next router may still refuse them,
 # remembered at most.
 FORWARDED_MAX = 65_536
+OWED_LATE_MAX = 4_096  # group messages owed in memory to a router that refused them late (RouterState.owed_late)
 VIA_BYTES = 2 + 32  # what VIA adds to an encoded message: a byte string head and the key (the array head stays)
 ANY_MEMBER = b""
 """The ``router`` of a :class:`~upsycle_router.core.state.Forwarded` multicast: any router member of its group, or
@@ -508,7 +509,7 @@ class Delivery:
         c.syncs += 1
         return k
 
-    def late_refusal(self, router: bytes, r: Refused, now: float, out: list[Effect]) -> None:
+    def late_refusal(self, router: bytes, r: Refused, now: float, out: list[Effect], *, write: bool = True) -> None:
         """Router ``router`` refused ``r.id``: if that is a message forwarded to it for a local app (or relayed for the
         router it came from), tell that connection, if it is still open (a late refusal: its SYNC_ACK may have
         come back already; if it has not - no SYNC_ACK on that connection since the message - the app's next
@@ -518,7 +519,8 @@ class Delivery:
         newest of its connections is told instead, counted by none of its SYNC_ACKs (none of its spans sent the
         message: the client files it as late). A configured router's REFUSED for a message not remembered (forgotten
         among :data:`FORWARDED_MAX` more recent ones, or never ours) reaches nobody and is traced ``dropped`` with
-        its reason; anyone else's means nothing here (any remote key may send one)."""
+        its reason; anyone else's means nothing here (any remote key may send one). ``write=False``: in a batch
+        answered without the store (it did not commit: nothing may be written), see :meth:`_owe_again`."""
         s = self.s
         fwd = s.forwarded.get(r.id)
         if fwd is None:
@@ -537,7 +539,7 @@ class Delivery:
         else:
             s.batch_forwarded.setdefault(r.id, fwd)
             s.forwarded[r.id] = fwd._replace(refusers=frozenset({router}))
-        self._owe_again(r.id, router, fwd)
+        self._owe_again(r.id, router, fwd, write)
         c = self.conns.get(fwd.conn)
         again = None if c is not None or fwd.peer is None else self.by_key.get(fwd.peer)
         if again:  # that connection closed, the same key connected again: told there (never counted: none of
@@ -565,21 +567,27 @@ class Delivery:
         out.append(Trace(REFUSED, r.id, fwd.kind, fwd.group, fwd.src, fwd.dst, c.peer, fwd.size,
                          reason_label(r.reason)))
 
-    def _owe_again(self, mid: bytes, router: bytes, fwd: Forwarded) -> None:
+    def _owe_again(self, mid: bytes, router: bytes, fwd: Forwarded, write: bool = True) -> None:
         """The next router ``router`` refused ``mid`` after this router had taken it: the same bytes sent again (the
         app's answer to the late REFUSED) must go to that router again, not be dropped here as a duplicate of a
         message taken (an audit: a retry after a late ``store_full`` was acknowledged and never delivered). A
         stored group message becomes owed to it (as one refused at once: :class:`~upsycle_router.store.api.Owed`,
         to a core node among ``cores``, a member router among ``recipients``); anything else is forgotten as
-        seen, so that it is routed anew."""
-        store = self.store
+        seen, so that it is routed anew. Without ``write`` (a batch answered without the store: it did not commit,
+        nothing may be written there) the group message is owed in memory (``RouterState.owed_late``)."""
+        store, late = self.store, self.s.owed_late
         if fwd.kind == MULTICAST and fwd.router == ANY_MEMBER and store.has_message(mid):
-            owed = store.get_owed(mid) or Owed((), ())
+            owed = store.get_owed(mid) or late.get(mid) or Owed((), ())
             if router in self.s.config.upstream:
-                if router not in owed.cores:
-                    store.put_owed(mid, owed._replace(cores=(*owed.cores, router)))
+                owed = owed if router in owed.cores else owed._replace(cores=(*owed.cores, router))
             elif router not in owed.recipients:
-                store.put_owed(mid, owed._replace(recipients=(*owed.recipients, router)))
+                owed = owed._replace(recipients=(*owed.recipients, router))
+            if write:
+                store.put_owed(mid, owed)
+            else:
+                if mid not in late and len(late) >= OWED_LATE_MAX:
+                    del late[next(iter(late))]
+                late[mid] = owed
             return
         self.s.seen.discard(mid)
 

@@ -330,7 +330,7 @@ class Router:
                 if isinstance(answer, Refused) and not c.local and h.src == c.peer and message_signature_valid(msg):
                     # A next router's REFUSED is passed on all the same (it writes nothing to the store, and
                     # that router does not send it again): the app must not take that message for a safe one.
-                    self.delivery.late_refusal(c.peer, answer, now, out)
+                    self.delivery.late_refusal(c.peer, answer, now, out, write=False)
             else:
                 kind = CONTROL if h.dst == self.id else UNICAST
                 self._dropped(c, msg.id, why, 0, now, out, kind, None, h.src, h.dst, size)
@@ -914,6 +914,8 @@ class Router:
         # Owed: sent again after it was taken for some recipients only (so it is held): a duplicate for the
         # others, but those it was refused for get it now (or it is refused for them again).
         owed = store.get_owed(mid)
+        if owed is None and s.owed_late:  # (refused late in a batch answered without the store: Delivery._owe_again)
+            owed = s.owed_late.get(mid)
         if owed is None and (mid in s.seen.ids or (expiry <= now and store.has_message(mid))):
             out.append(Trace(DUPLICATE, mid, MULTICAST, grp, None, None, c.peer, size, Why.DUPLICATE))
             if pull is not None:

@@ -53,7 +53,8 @@ def multicast_run(
         if any(too_large(msgs[k], msgs[k].size) for k in range(lo, hi)):
             return False  # refused for its member routers (the per-message path)
     store = s.store
-    if store.any_owed(msgs[k].id for k in range(lo, hi)):
+    late = s.owed_late
+    if store.any_owed(msgs[k].id for k in range(lo, hi)) or (late and any(msgs[k].id in late for k in range(lo, hi))):
         return False  # sent again after a partial refusal: owed to some recipients (the per-message path)
     peer = c.peer
     recipients = s.recipients(c, grp, False)[1]

@@ -46,7 +46,7 @@ from upsycle_router.core.seen import SeenIds
 from upsycle_router.core.trace import APP, ROUTER, SERVICE, Kind, Role
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.expiry import DistinctTtls, exp_in
-from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_SERVED, PeerAddress, RouteEntry, RouterStore
+from upsycle_router.store.api import ROUTE_ADVERT, ROUTE_SERVED, Owed, PeerAddress, RouteEntry, RouterStore
 from upsycle_router.wire.discovery import TCP
 from upsycle_router.wire.messages import Message, UnicastHeader
 
@@ -192,6 +192,10 @@ class RouterState:
         self.map_size = int(store.stats()["map_size"])  # strangers' share of the store is a share of this
         # Messages forwarded for local apps (their next router may refuse them late): id -> where from.
         self.forwarded: dict[bytes, Forwarded] = {}
+        # Stored group messages a next router refused late in a batch answered without the store (it did not
+        # commit: nothing may be written there): owed to it as the store's owed entries are, in memory (the
+        # newest OWED_LATE_MAX; a copy sent again is routed as owed - at least once).
+        self.owed_late: dict[bytes, Owed] = {}
         self.throttled: set[ConnId] = set()  # connections slowed in this batch
         self.dialing: set[bytes] = set()
         self.redial: dict[bytes, float] = {}  # router -> when to dial again (messages are waiting)
