@@ -460,7 +460,7 @@ def test_id_that_creates_a_key_names_the_system_routers_data_directory(
     from upsycle_router.cli import main
 
     system = tmp_path / "var-lib-upsycle-router"
-    system.mkdir()
+    system.mkdir(mode=0o700)  # (for the service's user alone: another user cannot look inside - a review)
     write_key_file(system / "router.key")
     monkeypatch.setattr(cli_daemon, "SYSTEM_DATA_DIR", system)  # (the real one is /var/lib/upsycle-router)
     assert main(["id", "--data-dir", str(tmp_path / "mine")]) == 0

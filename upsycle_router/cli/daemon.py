@@ -155,12 +155,21 @@ def cmd_id(args: argparse.Namespace) -> int:
         elif created:
             print(f"note: created a new router key {cfg.key_path} (no router has run on this data directory yet)",
                   file=sys.stderr)  # fmt: skip
-            if cfg.data_dir != SYSTEM_DATA_DIR and (SYSTEM_DATA_DIR / "router.key").exists():
+            if cfg.data_dir != SYSTEM_DATA_DIR and _system_router_here():
                 print(f"note: the system router (systemd) keeps its key in {SYSTEM_DATA_DIR}: 'upsycle-router id "
                       f"--data-dir {SYSTEM_DATA_DIR}' prints its id", file=sys.stderr)  # fmt: skip
     except (KeyFileError, ConfigError) as e:
         return config_error(e)
     return 0
+
+
+def _system_router_here() -> bool:
+    """Whether the systemd unit's router has its data directory on this machine. Its directory is for its user
+    alone (``StateDirectoryMode=0700``): another user may see it but not look inside."""
+    try:
+        return SYSTEM_DATA_DIR.is_dir()
+    except OSError:
+        return False
 
 
 def cmd_pubsub(args: argparse.Namespace) -> int:
