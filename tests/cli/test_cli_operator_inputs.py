@@ -468,3 +468,36 @@ def test_id_that_creates_a_key_names_the_system_routers_data_directory(
     assert "created a new router key" in err and f"'upsycle-router id --data-dir {system}'" in err, err
     assert main(["id", "--data-dir", str(tmp_path / "mine")]) == 0  # (the key exists now: nothing to say)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="runs config as another user")
+def test_config_run_by_another_user_than_the_routers_warns_of_what_only_that_user_may_not(tmp_path: Path) -> None:
+    """An operator runs ``config`` as someone else than the service's user (a review: it said exit 2, "not
+    writable by this user", for the service's own data directory): what fails for the user who runs it alone
+    is a warning; what would fail for anyone (a data directory under a file) is still exit 2."""
+    svc = Path(tempfile.mkdtemp(prefix="urcfg-", dir="/tmp"))  # (tmp_path's parents are root's alone)
+    try:
+        _config_as_nobody(svc, tmp_path)
+    finally:
+        shutil.rmtree(svc, ignore_errors=True)
+
+
+def _config_as_nobody(svc: Path, tmp_path: Path) -> None:
+    (svc / "data").mkdir(parents=True)
+    os.chmod(svc, 0o755)
+    os.chmod(svc / "data", 0o700)  # the service's user's (here root's) alone
+    conf = svc / "router.yaml"
+    conf.write_text(yaml.safe_dump({"data_dir": str(svc / "data"), "listen": {"unix": str(svc / "data" / "r.sock")}}))
+    os.chmod(conf, 0o644)
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    env = {**_environ(tmp_path), "HOME": str(tmp_path)}
+    r = run_expecting_exit(argv=[*nobody, sys.executable, "-m", "upsycle_router", "config", "--config", str(conf)],
+                           environ=env)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "warning: data_dir: cannot use" in r.stderr and "the router's own user may be allowed" in r.stderr
+    (svc / "file").write_text("x")
+    os.chmod(svc / "file", 0o644)
+    conf.write_text(yaml.safe_dump({"data_dir": str(svc / "file" / "data")}))
+    r = run_expecting_exit(argv=[*nobody, sys.executable, "-m", "upsycle_router", "config", "--config", str(conf)],
+                           environ=env)  # fmt: skip
+    assert r.returncode == 2 and "is not a directory" in r.stderr, r.stderr

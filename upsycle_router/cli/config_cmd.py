@@ -73,8 +73,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     sys.stdout.write(config_yaml(cfg))
     sys.stdout.flush()
     try:  # what run checks against this machine before it starts: what it would refuse is exit 2 here too
-        check_dirs(cfg)
-        warnings = config_warnings(cfg)
+        warnings = [*check_dirs(cfg, lenient=True), *config_warnings(cfg, lenient=True)]  # (lenient: UserError)
     except (ConfigError, KeyFileError) as e:
         return config_error(e)
     for w in warnings:

@@ -63,8 +63,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"# upsycle-router config: {describe(args.config)}, then the command line")
             sys.stdout.write(config_yaml(cfg))
             sys.stdout.flush()
-            check_dirs(cfg)
-            for w in config_warnings(cfg):
+            for w in [*check_dirs(cfg, lenient=True), *config_warnings(cfg, lenient=True)]:
                 print(f"warning: {w}", file=sys.stderr)
             return 0
         check_dirs(cfg)

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -608,15 +610,28 @@ def socket_gid(group: str) -> int:
     except KeyError:
         raise ConfigError(f"listen.unix_group: no group named {group!r} on this machine") from None
     if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
-        raise ConfigError(
+        raise UserError(
             f"listen.unix_group: this user is not a member of group {group}, so it cannot give the socket to it"
         )
     return gid
 
 
+class UserError(ConfigError):
+    """A start-time check failed for the user who ran it (a directory it may not write, a group it is no member
+    of, a file it may not read): ``run`` as another user - the service's - may pass it. ``run`` refuses to start
+    on it like on any :class:`ConfigError`; ``config``, which an operator may run as someone else, warns."""
+
+
 def _nearest_existing(p: Path) -> Path:
+    """``p`` or the nearest of its parents that exists - or that this user cannot look into (it exists, then)."""
     p = p.absolute()
-    while not p.exists() and p.parent != p:
+    while p.parent != p:
+        try:
+            if p.exists():
+                break
+        except PermissionError:  # (inside a directory this user may not look into: that directory exists)
+            p = p.parent
+            break
         p = p.parent
     return p
 
@@ -628,28 +643,62 @@ def _allocated(p: Path) -> int:
         return 0
 
 
+def _load_certificate(cert_file: Path, key_file: Path) -> None:
+    """The ``wss://`` listener's certificate and key load (:class:`UserError`: this user may not read them)."""
+    import ssl
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(cert_file, key_file)
+    except PermissionError as e:
+        raise UserError(f"websocket.cert_file / key_file ({cert_file}, {key_file}): {e}") from None
+    except (OSError, ssl.SSLError) as e:
+        raise ConfigError(f"websocket.cert_file / key_file ({cert_file}, {key_file}): {e}") from None
+
+
+def _socket_group(group: str) -> None:
+    """``listen.unix_group`` exists and this user may give the socket to it; named as a bad value from the
+    environment is (config.md) when ``$UPSYCLE_SOCKET_GROUP`` set it (it overrides the file; no flag sets it)."""
+    try:
+        socket_gid(group)
+    except ConfigError as e:
+        if os.environ.get("UPSYCLE_SOCKET_GROUP"):
+            raise type(e)(f"$UPSYCLE_SOCKET_GROUP: {e}") from None
+        raise
+
+
 def check_dir(path: Path, option: str) -> None:
     """Refuse a directory the daemon could not create or write in: its nearest existing part must be a
     directory this user may write (checked before start-up, so that it is a config error, not a traceback)."""
-    p = path.absolute()
-    while not p.exists() and p.parent != p:
-        p = p.parent
+    p = _nearest_existing(path)
     if not p.is_dir():
         raise ConfigError(f"{option}: cannot create {path}: {p} is not a directory")
     if not os.access(p, os.W_OK | os.X_OK):
-        raise ConfigError(f"{option}: cannot use {path}: {p} is not writable by this user")
+        raise UserError(f"{option}: cannot use {path}: {p} is not writable by this user")
 
 
-def check_dirs(cfg: DaemonConfig) -> None:
-    """The directories ``run`` creates or writes: data directory, socket directory, trace directory."""
-    check_dir(cfg.data_dir, "data_dir")
+def check_dirs(cfg: DaemonConfig, *, lenient: bool = False) -> list[str]:
+    """The directories ``run`` creates or writes: data directory, socket directory, trace directory. With
+    ``lenient`` a :class:`UserError` is a warning (returned) instead (:func:`config_warnings`)."""
+    out: list[str] = []
+    _check(partial(check_dir, cfg.data_dir, "data_dir"), out, lenient)
     if cfg.unix is not None:
-        check_dir(cfg.unix.parent, "listen.unix")
+        _check(partial(check_dir, cfg.unix.parent, "listen.unix"), out, lenient)
     if cfg.trace_dir is not None:
-        check_dir(cfg.trace_dir, "trace.path")
+        _check(partial(check_dir, cfg.trace_dir, "trace.path"), out, lenient)
+    return out
 
 
-def config_warnings(cfg: DaemonConfig) -> list[str]:
+def _check(step: Callable[[], object], out: list[str], lenient: bool) -> None:
+    """Run one start-time check; with ``lenient``, one that failed for this user alone is a warning in ``out``."""
+    try:
+        step()
+    except UserError as e:
+        if not lenient:
+            raise
+        out.append(f"{e} (checked as this user: the router's own user may be allowed)")
+
+
+def config_warnings(cfg: DaemonConfig, *, lenient: bool = False) -> list[str]:
     """Checks against the machine the daemon starts on, once the command line has been applied: the messages
     to log as WARNING at start (allowed, but probably not meant). A value the machine can never satisfy is a
     :class:`ConfigError` instead.
@@ -669,7 +718,9 @@ def config_warnings(cfg: DaemonConfig) -> list[str]:
       key, or it is an error.
 
     ``config`` runs these checks too (with :func:`check_dirs`), so that a config ``run`` would refuse is not
-    passed as sound before a restart.
+    passed as sound before a restart - ``lenient``: an operator may run it as another user than the router's, so
+    what fails for that user alone (:class:`UserError`: a directory it may not write, a group it is no member
+    of, a certificate it may not read) is a warning there.
     """
     out: list[str] = []
     if os.access(cfg.key_path, os.R_OK):  # (one this user cannot read - another user's router - is not looked at)
@@ -678,12 +729,7 @@ def config_warnings(cfg: DaemonConfig) -> list[str]:
         load_key_file(cfg.key_path)
     ws = cfg.websocket
     if ws.listen is not None and ws.tls and ws.cert_file is not None and ws.key_file is not None:
-        import ssl
-
-        try:
-            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(ws.cert_file, ws.key_file)
-        except (OSError, ssl.SSLError) as e:
-            raise ConfigError(f"websocket.cert_file / key_file ({ws.cert_file}, {ws.key_file}): {e}") from None
+        _check(partial(_load_certificate, ws.cert_file, ws.key_file), out, lenient)
     if cfg.unix is None:
         for name, on in (("pubsub", cfg.pubsub.enabled), ("discovery", cfg.discovery.enabled)):
             if on:
@@ -692,12 +738,7 @@ def config_warnings(cfg: DaemonConfig) -> list[str]:
                     f"not run and not advertised ({name}.enabled: false says so and silences this line)"
                 )
     if cfg.unix is not None and cfg.unix_group is not None:
-        try:
-            socket_gid(cfg.unix_group)
-        except ConfigError as e:  # (named as a bad value from the environment is: config.md)
-            if os.environ.get("UPSYCLE_SOCKET_GROUP"):  # (the environment overrides the file; no flag sets it)
-                raise ConfigError(f"$UPSYCLE_SOCKET_GROUP: {e}") from None
-            raise
+        _check(partial(_socket_group, cfg.unix_group), out, lenient)
     if cfg.unix is not None and cfg.unix_mode & 0o077:
         classes = ((0o070, "the members of the socket's group"), (0o007, "every other local user"))
         who = " and ".join(w for bit, w in classes if cfg.unix_mode & bit)
