@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import pickle
 import socket
 import struct
 import subprocess
@@ -27,6 +28,18 @@ async def test_no_socket_at_the_path(tmp_path: Path) -> None:
     e = caught.value
     assert isinstance(e, ConnectError) and isinstance(e, FileNotFoundError) and isinstance(e, OSError)
     assert e.errno == errno.ENOENT and "No such file" in str(e)
+
+
+async def test_a_connect_error_pickles_as_itself(tmp_path: Path) -> None:
+    """A connect failure in a worker process (multiprocessing, ProcessPoolExecutor) reaches the parent pickled:
+    the class made for one socket error type rebuilds as that class (a review: it did not pickle)."""
+    with pytest.raises(ConnectError) as caught:
+        await Client.connect(tmp_path / "none.sock", Identity.generate(), timeout=2)
+    again = pickle.loads(pickle.dumps(caught.value))
+    assert type(again) is type(caught.value) and isinstance(again, FileNotFoundError)
+    assert (again.errno, str(again)) == (caught.value.errno, str(caught.value))
+    t = pickle.loads(pickle.dumps(ConnectTimeout("no handshake with the router within 1 s")))
+    assert isinstance(t, ConnectTimeout) and str(t) == "no handshake with the router within 1 s"
 
 
 async def test_a_socket_nobody_listens_on(tmp_path: Path) -> None:

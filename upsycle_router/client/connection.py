@@ -68,6 +68,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from upsycle_router.client.sealed import Opened, open_message
 from upsycle_router.client.sealed import seal as seal_body
@@ -144,6 +145,15 @@ class ConnectError(ClientError, OSError):
     :class:`OSError` the socket raised (``errno`` kept), so ``except OSError`` and ``except ClientError`` both
     catch it."""
 
+    _kind: type[OSError] | None = None  # the socket's own error type this one is also (its class: _connect_error)
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        # (a class made for one socket error type has no name to pickle by: rebuilt from that type - so a
+        # connect failure in a worker process reaches the parent as itself)
+        if self._kind is None:
+            return super().__reduce__()
+        return (_rebuild_connect_error, (self._kind, self.args))
+
 
 class ConnectTimeout(ConnectError, TimeoutError):
     """The connection or its handshake did not complete within ``timeout`` (a :class:`TimeoutError` too)."""
@@ -175,8 +185,13 @@ def _connect_error(kind: type[OSError]) -> type[ConnectError]:
     cls = _CONNECT_ERRORS.get(kind)
     if cls is None:
         name = f"ConnectError[{kind.__name__}]"
-        cls = _CONNECT_ERRORS[kind] = type(name, (ConnectError, kind), {"__module__": __name__})
+        cls = _CONNECT_ERRORS[kind] = type(name, (ConnectError, kind), {"__module__": __name__, "_kind": kind})
     return cls
+
+
+def _rebuild_connect_error(kind: type[OSError], args: tuple[object, ...]) -> ConnectError:
+    """Unpickle a :class:`ConnectError` of the socket error type ``kind``."""
+    return _connect_error(kind)(*args)
 
 
 @dataclass(frozen=True, slots=True)
