@@ -415,7 +415,8 @@ class RouterState:
         3.2 for an edge's services), a fresh key's included."""
         if src in self.locals or src in self.trusted or (dst, src) in self.contacts:
             return False
-        return via is None or (via not in self.config.peers and self.served_by(src) != via)
+        cfg = self.config  # (the daemon lists its core nodes among its peers too: config.peers is not enough)
+        return via is None or ((via not in cfg.peers or via in cfg.upstream) and self.served_by(src) != via)
 
     def served_by(self, key: bytes) -> bytes | None:
         """The edge router serving ``key`` (it REGISTERed it here), if any."""
