@@ -664,16 +664,23 @@ def test_a_late_refusal_of_a_forwarded_multicast_reaches_the_app(tmp_path: Path)
     assert [s.conn for s in out.sends()] == [a]
 
 
-def test_a_late_refusal_for_an_app_that_is_gone_is_traced_as_a_drop(tmp_path: Path) -> None:
-    """The app that sent it is gone: the next router's refusal reaches nobody - so it is traced here as a drop of
-    the message with that reason (counted: dropped_no_route_total; the analytics see why it was lost), not lost
-    in silence as before (a crash audit found such a loss with nothing in the journal). Nothing is sent."""
+def _forwarded_then_gone(tmp_path: Path) -> tuple[CoreHarness, int, Message]:
+    """ALICE sends a unicast on through the configured router R, then her connection closes: the harness, R's
+    connection and the message."""
     h = harness(tmp_path, peers=frozenset({R.public}))
     a = h.open(ALICE)
     r = h.open(R, local=False)
     m = unicast(ALICE, REMOTE_SVC, via=R.public)
     h.receive(a, m)
     h.close(a)
+    return h, r, m
+
+
+def test_a_late_refusal_for_an_app_that_is_gone_is_traced_as_a_drop(tmp_path: Path) -> None:
+    """The app that sent it is gone: the next router's refusal reaches nobody - so it is traced here as a drop of
+    the message with that reason (counted: dropped_no_route_total; the analytics see why it was lost), not lost
+    in silence as before (a crash audit found such a loss with nothing in the journal). Nothing is sent."""
+    h, r, m = _forwarded_then_gone(tmp_path)
     out = h.receive(r, control(R, X, Refused(m.id, Reason.NO_ROUTE, 0)))
     assert out.sends() == [] and out.events() == ["received", "dropped"]
     [t] = out.traces("dropped")
@@ -687,12 +694,7 @@ def test_a_late_refusal_for_an_app_that_connected_again_reaches_its_new_connecti
     next router's REFUSED goes to the new connection, so the app hears of it (a fault-injection audit: most late
     refusals it found reached nobody, the sender having reconnected). None of the new connection's SYNC_ACKs
     counts it: none of its spans sent the message."""
-    h = harness(tmp_path, peers=frozenset({R.public}))
-    a = h.open(ALICE)
-    r = h.open(R, local=False)
-    m = unicast(ALICE, REMOTE_SVC, via=R.public)
-    h.receive(a, m)
-    h.close(a)
+    h, r, m = _forwarded_then_gone(tmp_path)
     a2 = h.open(ALICE)
     out = h.receive(r, control(R, X, Refused(m.id, Reason.QUOTA, 0)))
     h.expect_refused(out, a2, m.id, Reason.QUOTA)
