@@ -422,7 +422,7 @@ def check_dir(store_dir: Path) -> CheckReport:
         return report
     if first.ok and not (store_dir / MARKER).exists():
         report.notes.append(f"no {MARKER} marker beside {DATA} (the router writes it when it opens the store)")
-    return _check_inspected(report, first, store_dir, lock=True, subdir=True, data=data)
+    return _check_inspected(report, first, store_dir, directory=True)
 
 
 def check_file(path: Path) -> CheckReport:
@@ -434,26 +434,25 @@ def check_file(path: Path) -> CheckReport:
     except OSError as e:
         report.damage.append(f"cannot be read: {e.strerror or e}")
         return report
-    return _check_inspected(report, first, path, lock=False, subdir=False, data=None)
+    return _check_inspected(report, first, path, directory=False)
 
 
-def _check_inspected(
-    report: CheckReport, first: integrity.FileReport, path: Path, *, lock: bool, subdir: bool, data: Path | None
-) -> CheckReport:
+def _check_inspected(report: CheckReport, first: integrity.FileReport, path: Path, *, directory: bool) -> CheckReport:
     """The rest of a check once the file's pages were inspected (``first``): LMDB opens it read-only and every
-    table is read (:func:`_check_env`)."""
+    table is read (:func:`_check_env`). ``directory``: ``path`` is a store's directory (a router may have it
+    open: LMDB's lock file is used), else a single data file nobody writes (a backup)."""
     report.file = first
     if not first.ok:
         report.damage.extend(first.problems)
         report.unreadable = first.unreadable
         return report
     try:
-        env = lmdb.open(str(path), readonly=True, lock=lock, max_dbs=64, subdir=subdir)
+        env = lmdb.open(str(path), readonly=True, lock=directory, max_dbs=64, subdir=directory)
     except lmdb.Error as e:
         report.damage.append(f"LMDB cannot open it: {' '.join(str(e).split())}")
         return report
     try:
-        _check_env(report, env, data)
+        _check_env(report, env, path / DATA if directory else None)
     finally:
         env.close()
     return report
