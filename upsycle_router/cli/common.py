@@ -42,7 +42,7 @@ from typing import Any
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.client.names import HEX_KEY_RE, NAME_RE, lookup
-from upsycle_router.config import DaemonConfig, check_websocket, parse_key
+from upsycle_router.config import DaemonConfig, check_dirs, check_websocket, config_warnings, parse_key
 from upsycle_router.config.sources import effective_config, router_socket
 from upsycle_router.config.values import all_hex
 from upsycle_router.crypto import Identity, load_key_file, load_or_create_key_file, probe_key
@@ -226,6 +226,14 @@ def socket_path(args: argparse.Namespace) -> Path:
     if sock is not None:
         return sock
     return router_socket(args.config)
+
+
+def start_checks(cfg: DaemonConfig) -> None:
+    """What ``run`` checks against this machine before it starts, for ``config`` and ``run --print-config``:
+    what it would refuse raises (:class:`ConfigError`, :class:`KeyFileError`: exit 2 there too), its warnings - and
+    what fails for this user alone (``lenient``: the router's own user may be allowed) - go to stderr."""
+    for w in [*check_dirs(cfg, lenient=True), *config_warnings(cfg, lenient=True)]:
+        print(f"warning: {w}", file=sys.stderr)
 
 
 def probe_identity() -> Identity:

@@ -31,9 +31,9 @@ from upsycle_router.cli.common import (
     probe_identity,
     run_async,
     socket_path,
+    start_checks,
 )
 from upsycle_router.client import Client
-from upsycle_router.config import check_dirs, config_warnings
 from upsycle_router.config.dump import config_yaml
 from upsycle_router.config.sources import describe, find_config
 from upsycle_router.errors import ConfigError, KeyFileError, UpsycleError
@@ -73,11 +73,9 @@ def cmd_config(args: argparse.Namespace) -> int:
     sys.stdout.write(config_yaml(cfg))
     sys.stdout.flush()
     try:  # what run checks against this machine before it starts: what it would refuse is exit 2 here too
-        warnings = [*check_dirs(cfg, lenient=True), *config_warnings(cfg, lenient=True)]  # (lenient: UserError)
+        start_checks(cfg)
     except (ConfigError, KeyFileError) as e:
         return config_error(e)
-    for w in warnings:
-        print(f"warning: {w}", file=sys.stderr)
     return 0
 
 

@@ -36,6 +36,7 @@ from upsycle_router.cli.common import (
     path_option,
     run_async,
     serve_from_args,
+    start_checks,
 )
 from upsycle_router.config import DaemonConfig, check_dir, check_dirs, config_warnings
 from upsycle_router.config.dump import config_yaml
@@ -63,8 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"# upsycle-router config: {describe(args.config)}, then the command line")
             sys.stdout.write(config_yaml(cfg))
             sys.stdout.flush()
-            for w in [*check_dirs(cfg, lenient=True), *config_warnings(cfg, lenient=True)]:
-                print(f"warning: {w}", file=sys.stderr)
+            start_checks(cfg)
             return 0
         check_dirs(cfg)
         ready_file = path_option(args, "ready_file", "--ready-file")
