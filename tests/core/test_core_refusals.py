@@ -1048,6 +1048,62 @@ def test_a_unicast_sent_again_after_a_late_refusal_is_forwarded_again(tmp_path: 
     assert [x.id for x in out.messages(r)] == [m.id]
 
 
+def test_a_late_refusal_after_a_restart_reaches_the_sender_named_in_the_stored_message(tmp_path: Path) -> None:
+    """The router restarted between queuing a local app's unicast for the next router and that router's REFUSED:
+    nothing in memory says who sent it, but the message is still in the store (drained to that router, ours until
+    it confirms it), and its header names the sender - so the refusal reaches the app's connection (uncounted: the
+    client files it as late), not a ``dropped`` trace alone (the fault-injection audit's restarts), once; and
+    the same bytes sent again go to that router again."""
+    h = harness(tmp_path, peers=frozenset({R.public}))
+    a = h.open(ALICE)
+    m = unicast(ALICE, REMOTE_SVC, via=R.public, ttl=600)
+    assert h.receive(a, m).refusals() == []
+    assert [e.id for e in h.store.queue(R.public)] == [m.id]  # R is away: queued for it
+    h.close(a)
+    h.restart(crash=True)
+    a = h.open(ALICE)
+    r = h.open(R, local=False)
+    refs = h.last.queue_refs()
+    assert [x.id for x in h.last.messages(r)] == [m.id] and len(refs) == 1  # drained to R
+    out = h.receive(r, control(R, X, Refused(m.id, Reason.QUOTA, 0)))
+    h.expect_refused(out, a, m.id, Reason.QUOTA)
+    assert [s.conn for s in out.sends()] == [a] and out.traces("dropped") == []
+    assert sync(h, a, ALICE, 1) == SyncAck(1, 0, 0)
+    out = h.receive(r, control(R, X, Refused(m.id, Reason.QUOTA, 0), now=h.now + 1), now=h.now + 1)
+    assert out.sends() == [] and out.traces("dropped") == []  # passed on once
+    h.queue_sent(refs)  # R confirmed what it was sent (its SYNC_ACK): the entry and the message are gone
+    out = h.receive(a, m, now=h.now + 1)
+    assert out.refusals() == [] and "duplicate" not in out.events()
+    assert [x.id for x in out.messages(r)] == [m.id]
+
+
+def test_a_late_refusal_after_a_restart_goes_back_to_the_edge_node_that_registered_the_sender(
+    tmp_path: Path,
+) -> None:
+    """As above for a core that relayed an edge node's app's unicast: the refusal goes to the edge node that
+    registered the sender here (it remembers what it forwarded for its app, and passes it on); a local app that
+    has not connected again leaves the ``dropped`` trace, with the message's keys."""
+    app = ident("edge-app")
+    h = harness(tmp_path, peers=frozenset({R.public}), edge_nodes=frozenset({EDGE.public}))
+    e = h.open(EDGE, local=False)
+    h.receive(e, control(EDGE, X, Register((app.public,)), now=h.now))
+    m = unicast(app, REMOTE_SVC, via=R.public, ttl=600)
+    assert h.receive(e, m).refusals() == []
+    a = h.open(ALICE)
+    lone = unicast(ALICE, REMOTE_SVC, b"from an app that does not come back", via=R.public, ttl=600)
+    assert h.receive(a, lone).refusals() == []
+    h.restart(crash=True)
+    e = h.open(EDGE, local=False)
+    r = h.open(R, local=False)
+    out = h.receive(r, control(R, X, Refused(m.id, Reason.STORE_FULL, 0)))
+    h.expect_refused(out, e, m.id, Reason.STORE_FULL)
+    out = h.receive(r, control(R, X, Refused(lone.id, Reason.STORE_FULL, 0)))
+    [t] = out.traces("dropped")
+    assert out.sends() == [] and (t.id, t.src, t.dst, t.peer) == (lone.id, ALICE.public, REMOTE_SVC.public, R.public)
+    out = h.receive(r, control(R, X, Refused(ident("never").public, Reason.STORE_FULL, 0)))
+    assert out.sends() == [] and len(out.traces("dropped")) == 1  # never ours: traced as before
+
+
 def test_a_strangers_group_messages_fill_only_its_share_of_a_members_queue(tmp_path: Path) -> None:
     """Fair queues hold for group messages too: a remote node the router was never told to trust (any fresh key
     can connect) that holds a group's key queues for an away member only the stranger's share, so a friend's

@@ -44,13 +44,15 @@ from upsycle_router.core.trace import (
     QUEUED,
     REFUSAL,
     REFUSED,
+    UNICAST,
     Kind,
     Why,
 )
+from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import expires_at
 from upsycle_router.store.api import Owed
 from upsycle_router.wire.control import Reason, Refused, encode_router, reason_label
-from upsycle_router.wire.messages import Message, UnicastHeader
+from upsycle_router.wire.messages import Message, UnicastHeader, decode_message
 
 # What one queue entry writes across the queue tables (entry, expiry index, reference count, usage), as
 # charged against the store's room: a stored message queued for many recipients costs more than its bytes.
@@ -517,18 +519,23 @@ class Delivery:
         and still waits in the driver, as it does for a router under custody until that router confirms, that
         one counts it: ``Send.span``). When that connection closed and the same key has connected again, the
         newest of its connections is told instead, counted by none of its SYNC_ACKs (none of its spans sent the
-        message: the client files it as late). A configured router's REFUSED for a message not remembered (forgotten
-        among :data:`FORWARDED_MAX` more recent ones, or never ours) reaches nobody and is traced ``dropped`` with
-        its reason; anyone else's means nothing here (any remote key may send one). ``write=False``: in a batch
+        message: the client files it as late). A configured router's REFUSED for a message not remembered (this router
+        restarted since, or forgot it among :data:`FORWARDED_MAX` more recent ones) goes to the sender a stored
+        unicast names (:meth:`_sender_of`); else (never ours, or gone) it reaches nobody and is traced ``dropped``
+        with its reason; anyone else's means nothing here (any remote key may send one). ``write=False``: in a batch
         answered without the store (it did not commit: nothing may be written), see :meth:`_owe_again`."""
         s = self.s
         fwd = s.forwarded.get(r.id)
         if fwd is None:
             if router in s.config.upstream and r.reason == Reason.NOT_AUTHORIZED:  # our own JOIN or REGISTER
                 out.append(Trace(DROPPED, r.id, CONTROL, None, s.id, router, router, 0, Why.REFUSED_BY_CORE))
-            elif router in s.trusted:  # forgotten (the oldest of FORWARDED_MAX in flight): traced, not lost in silence
+                return
+            if router not in s.trusted:
+                return
+            fwd = self._sender_of(r.id, router)
+            if fwd is None:  # not ours, or forgotten with the message gone: traced, not lost in silence
                 out.append(Trace(DROPPED, r.id, CONTROL, None, None, None, router, 0, reason_label(r.reason)))
-            return
+                return
         if fwd.router == ANY_MEMBER:  # a multicast: from any member router or core node it went to (each may refuse)
             if router not in fwd.routers or router in fwd.refusers:
                 return  # (each router's refusal is passed on once; one it never went to refused nothing of ours)
@@ -566,6 +573,30 @@ class Delivery:
         out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode(), True, span=span))
         out.append(Trace(REFUSED, r.id, fwd.kind, fwd.group, fwd.src, fwd.dst, c.peer, fwd.size,
                          reason_label(r.reason)))
+
+    def _sender_of(self, mid: bytes, router: bytes) -> Forwarded | None:
+        """Where a REFUSED from ``router`` for ``mid`` goes when the message is not remembered as forwarded (this
+        router restarted since, or forgot it among :data:`FORWARDED_MAX` newer ones) but is still in the store - a
+        queued unicast drained to that router, ours until it confirms it: back the way its sender reaches, found
+        from its header's ``src`` - the sender's newest local connection, or that of the edge node that registered
+        it here (which remembers what it forwarded, and passes it on). Counted by none of that connection's
+        SYNC_ACKs (``span`` -1: the client files it as late). None: no stored unicast of a sender but ``router``."""
+        s = self.s
+        stored = self.store.get_message(mid)
+        if stored is None or stored.group is not None:
+            return None
+        try:
+            msg = decode_message(stored.data)
+        except RemoteProtocolError:
+            return None
+        h = msg.header
+        if not isinstance(h, UnicastHeader) or h.src == router:
+            return None
+        cid = s.connected(h.src)
+        if cid is None or not s.conns[cid].local:
+            edge = s.served_by(h.src)
+            cid = s.connected(edge) if edge is not None and edge != router else None
+        return Forwarded(-1 if cid is None else cid, router, UNICAST, None, len(stored.data), -1, h.src, h.dst)
 
     def _owe_again(self, mid: bytes, router: bytes, fwd: Forwarded, write: bool = True) -> None:
         """The next router ``router`` refused ``mid`` after this router had taken it: the same bytes sent again (the
