@@ -20,10 +20,23 @@ import logging
 import pytest
 from conftest import DaemonFactory
 from netutil import collect
+from raw_app import (
+    R_BAD_SIGNATURE,
+    REFUSED,
+    SYNC_ACK,
+    Key,
+    RawApp,
+    decode_control,
+    decode_message,
+    frame,
+    sync_body,
+    unicast,
+)
 from wsutil import ws_config, ws_url
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity
+from upsycle_router.wire.control import Reason
 
 pytestmark = pytest.mark.slow
 
@@ -142,3 +155,44 @@ async def test_a_service_whose_send_meets_the_close_ends_quietly(daemon: DaemonF
     svc = Sender(Identity.generate(), d.sock, logging.getLogger("test"))
     await asyncio.wait_for(svc.run(), 10)
     assert svc.served == 1
+
+
+async def test_what_came_just_before_the_end_is_answered_before_the_router_closes(daemon: DaemonFactory) -> None:
+    """On the wire (a raw app, no client library): a message the router refuses and a SYNC, then at once the end
+    of the app's side (a half-close), all in one write - the router writes the REFUSED and the SYNC_ACK that counts
+    it, then closes (PROTOCOL §8: every message not taken is answered; an audit: they were counted and never
+    written, the close routed before them)."""
+    d = daemon()
+    for _ in range(3):  # (the end in the same read as the messages, or just after: either way)
+        a = await RawApp.connect(d.sock)
+        bad = unicast(a.key, Key.generate().public, b"refused: bad signature").with_sig(bytes(64))
+        a.conn.write(frame(bad.encode()) + frame(unicast(a.key, a.router_id, sync_body(1)).encode()))
+        a.conn.writer.write_eof()
+        got = []
+        for _ in range(10):
+            payload = await a.conn.read_frame(10)
+            if payload is None:
+                break
+            answer = decode_control(decode_message(payload).body)
+            assert answer is not None
+            got.append(answer)
+        await a.close()
+        assert [t for t, _ in got] == [REFUSED, SYNC_ACK]
+        assert got[0][1]["id"] == bad.id and got[0][1]["reason"] == R_BAD_SIGNATURE
+        assert got[1][1] == {"n": 1, "result": 1, "refused": 1}
+
+
+@pytest.mark.parametrize("transport", ["unix", "websocket"])
+async def test_a_client_that_closes_right_after_sending_learns_every_refusal(
+    daemon: DaemonFactory, transport: str
+) -> None:
+    """``Client.close()`` without a ``sync()`` before it: every refusal of what it sent is known when it returns
+    (``refusal()``). On a Unix socket the router answers what came before the end; over WebSocket, where nothing
+    may follow the router's close frame, the client syncs first (an audit: 0 of 200 known)."""
+    d = daemon(config=ws_config(origins=["*"]) if transport == "websocket" else None)
+    me = Identity.generate()
+    c = await (Client.connect_websocket(ws_url(d), me, router_id=d.id) if transport == "websocket"
+               else Client.connect(d.sock, me))  # fmt: skip
+    ids = [await c.send(Identity.generate().public, b"to a key the router never saw") for _ in range(50)]
+    await c.close()
+    assert [i for i in ids if (r := c.refusal(i)) is None or r.reason != Reason.NO_ROUTE] == []

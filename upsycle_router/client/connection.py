@@ -898,14 +898,21 @@ class Client:
         once). A router that does not read this connection at the time (its input paused) sees the end only
         later: after ``timeout`` the connection closes regardless, and what was on its way is lost, as with an
         abrupt close. A TLS stream (:meth:`connect_tls`) cannot shut its write side alone in asyncio: it closes
-        at once. Sending once the close began raises :class:`ClientError`; a second ``close()`` waits for the
-        first one's end (at most its own ``timeout``).
+        at once. Over TLS and WebSocket (where nothing may follow a close frame) the router cannot answer what
+        comes just before the end, so there, if messages were sent since the last :meth:`sync`, ``close()`` first
+        syncs (within ``timeout``): their refusals are then known (:meth:`refusal`). Sending once the close began
+        raises :class:`ClientError`; a second ``close()`` waits for the first one's end (at most its own
+        ``timeout``).
         """
         if self._ended:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._close_ended.wait(), timeout)
             self._abort()
             return
+        epoch = self._epoch
+        if (epoch.ids or epoch.overflow) and (self._link.closing() is not None or not self._writer.can_write_eof()):
+            with contextlib.suppress(Exception):  # (a router that does not answer: the close goes on regardless)
+                await self.sync(timeout=timeout)
         self._ended = True
         task = self._task
         router_closes = False  # the end went out: the router will close its side

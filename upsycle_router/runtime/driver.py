@@ -66,6 +66,7 @@ MAX_BATCH = 512
 CLOSE_ROUNDS_MAX = 100_000  # batches routed at shutdown at most (each routes what is left, up to MAX_BATCH)
 RATE_PAUSE_MAX = 1.0  # seconds a connection over its rate limit is not read, at most
 RATE_REFUSED_MIN = 64  # messages over the rate limit refused before a close, at least (see Driver._overloaded)
+END_POLL = 0.05  # seconds between looks at half-closed connections whose SYNC_ACKs still wait (Driver.on_end)
 
 __all__ = ["Dialer", "Driver", "MAX_BATCH", "TIMER_INTERVAL"]
 
@@ -132,6 +133,13 @@ class Driver:
         self._reading_paused = False  # the pipeline is full: a connection that delivers is paused
         self._held: set[int] = set()  # connections paused for that (resumed when the pipeline has room again)
         self.on_local_open: Callable[[bytes], None] | None = None  # told the key of each local peer that opens
+        # Connections whose peer ended its side (a half-close): the core was told of the close in order after what
+        # they sent; they stay open for writing until the batch that routed it is carried out and their SYNC_ACKs
+        # that wait are written (on_end). ``_batch_ends``: those the batch in flight closes.
+        self._ending: dict[int, Connection] = {}
+        self._batch_ends: list[int] = []
+        self._ends_waiting: set[int] = set()  # ended, routed, but a SYNC_ACK of theirs still waits (effects.py)
+        self._ends_handle: asyncio.TimerHandle | None = None
 
     @property
     def dialer(self) -> Dialer | None:
@@ -301,11 +309,43 @@ class Driver:
             forget_kept_run()  # (the C fan-out keeps the last run's connections: not a closed one)
             log.log(logging.DEBUG if conn.probe else logging.INFO, "connection closed conn=%d peer=%s", conn.id,
                     (conn.peer or b"").hex())  # fmt: skip
-            self._push(ConnectionClosed(conn.id))
+            if self._ending.pop(conn.id, None) is None:  # (a half-closed one's close was routed already: on_end)
+                self._push(ConnectionClosed(conn.id))
         if conn.peer is not None:
             datas = conn.take_direct()
             if datas:
                 self.effects.give_back(conn.peer, datas)
+
+    def on_end(self, conn: Connection) -> bool:
+        """The peer ended its side after the handshake (protocol.md, "An orderly close"): the core hears of the
+        close now, in order after the messages the connection sent (so nothing more is routed to it), but the
+        connection stays open for writing until that batch's effects - the REFUSED answers and SYNC_ACKs for
+        those messages - are written, and until its SYNC_ACKs that wait for next routers are (bounded by the
+        connection's close deadline); then it closes (:meth:`_end`)."""
+        if self._closed or self.conns.get(conn.id) is not conn or conn.id in self._ending:
+            return False
+        self._ending[conn.id] = conn
+        self._push(ConnectionClosed(conn.id))
+        return True
+
+    def _ends_routed(self) -> None:
+        """The batch that routed the close of half-closed connections was carried out: close those whose
+        answers are all written."""
+        ends, self._batch_ends = self._batch_ends, []
+        self._ends_waiting.update(ends)
+        for cid in list(self._ends_waiting):
+            conn = self._ending.get(cid)
+            if conn is None:
+                self._ends_waiting.discard(cid)
+            elif not self.effects.holds_for(cid):
+                self._ends_waiting.discard(cid)
+                conn.close()  # (on_close: the core was told already)
+        if self._ends_waiting and self._ends_handle is None and not self._closed:
+            self._ends_handle = self.loop.call_later(END_POLL, self._ends_poll)
+
+    def _ends_poll(self) -> None:
+        self._ends_handle = None
+        self._ends_routed()
 
     def on_write_blocked(self, conn: Connection, blocked: bool) -> None:
         """Tell the core to queue for (or resume writing to) a connection that does not keep up."""
@@ -400,12 +440,17 @@ class Driver:
                     c.resume_reading()
         if events or self.timer_due:
             timer, self.timer_due = self.timer_due, False
+            if self._ending:  # (which half-closed connections' close this batch routes: closed once it is done)
+                ending = self._ending
+                self._batch_ends = [ev.conn for ev in events if type(ev) is ConnectionClosed and ev.conn in ending]
             self.batches.run(events, timer, self.clock())
 
     def _done(self, effects: list[Effect], now: float) -> None:
         """A batch committed (commit.py calls this only then): carry out its effects, re-arm the timer."""
         self.stats["batches_total"] += 1
         self.effects.apply(effects, now)
+        if self._batch_ends or self._ends_waiting:
+            self._ends_routed()
         self._arm_timer()
 
     def apply_now(self, effects: list[Effect]) -> None:
@@ -481,6 +526,8 @@ class Driver:
             self._flush_handle = None
         if self._timer is not None:
             self._timer.cancel()
+        if self._ends_handle is not None:
+            self._ends_handle.cancel()
         self.batches.shutdown()
         self.effects.close()
         self.verifier.close()

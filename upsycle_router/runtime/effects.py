@@ -749,6 +749,11 @@ class EffectRunner:
         if conn is not None and not self._closed and not self.held(conn):
             conn.resume_reading()
 
+    def holds_for(self, cid: int) -> bool:
+        """Whether a SYNC_ACK to connection ``cid`` still waits (:class:`_Hold`): a half-closed connection stays
+        open for it (Driver.on_end)."""
+        return bool(self._holds.get(cid))
+
     def forget(self, cid: int, peer: bytes | None) -> None:
         """Connection ``cid`` (of ``peer``, if its handshake completed) closed."""
         handle = self.throttled.pop(cid, None)

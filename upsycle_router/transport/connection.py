@@ -136,6 +136,11 @@ class ConnectionHandler(Protocol):
     def on_close(self, conn: Connection) -> None:
         """The connection is gone."""
 
+    def on_end(self, conn: Connection) -> bool:
+        """The peer ended its side (a half-close) after the handshake: True if the handler closes the connection
+        itself once it has answered what came before the end (the transport stays open for writing until then);
+        False to close it now, as when this side begins a close."""
+
     def on_protocol_error(self, conn: Connection, error: RemoteProtocolError) -> None:
         """The peer violated the protocol; the connection is being closed."""
 
@@ -325,10 +330,19 @@ class Connection(asyncio.Protocol):
             self.on_lost(self)
 
     def eof_received(self) -> bool | None:
-        """The peer ended its side: the transport closes once it has written what it holds. The driver hears of
-        the close now (as when this side begins one), not only when the transport is gone."""
-        self._closing()
+        """The peer ended its side. After the handshake, on a transport that can write on after the peer's end
+        (not TLS: asyncio's TLS transport closes at its peer's end), the driver first answers what came before
+        it - the REFUSED answers and SYNC_ACKs of an app that sent, synced and half-closed (protocol.md, "An orderly
+        close"; an audit: they were counted, never written) - and then closes it (:meth:`ConnectionHandler.
+        on_end`). Otherwise the transport closes once it has written what it holds, and the driver hears of the
+        close now (as when this side begins one), not only when the transport is gone. Either way the close is
+        bounded (:meth:`close_deadline`)."""
         self.close_deadline()
+        t = self.transport
+        if (self.peer is not None and not self.closed and t is not None and not t.is_closing()
+                and t.get_extra_info("sslcontext") is None and self.handler.on_end(self)):
+            return True
+        self._closing()
         return None
 
     def pause_writing(self) -> None:
