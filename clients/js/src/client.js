@@ -114,6 +114,8 @@ export class RouterClient {
     this.trackLimit = 1 << 16; // ids a sync span records; past that, unknown REFUSED ids are filed by count
     this._isClosed = false;
     this._closing = false; // close() was called: nothing more is sent
+    this._closePromise = null; // close(): once its SYNC (if any) was answered, the close frame goes out
+    this._closingSync = false; // close() is writing its SYNC
     this.closedCode = null; // the code of the router's ERROR that ended the connection, if one did
     this._ws = null;
     this._nonce = randomBytes(32);
@@ -414,7 +416,7 @@ export class RouterClient {
 
   _check() {
     if (this._isClosed) throw new RouterError(this.closedReason, this.closedCode);
-    if (this._closing) throw new RouterError('connection closing');
+    if (this._closing && !this._closingSync) throw new RouterError('connection closing');
   }
 
   /** Send a routed Message as it is; the next sync() reports whether the router took it. */
@@ -539,11 +541,26 @@ export class RouterClient {
     return new Promise((resolve, reject) => this._readers.push({ resolve, reject }));
   }
 
-  /** Close the connection. Nothing may be sent from now on (send() throws): the WebSocket drops what is sent
-   * while it closes. */
-  close() {
+  /** Close the connection; the promise resolves once the close began. Nothing may be sent from then on (send()
+   * throws): the WebSocket drops what is sent while it closes. The router answers nothing after the close frame,
+   * so if messages were sent since the last sync(), a SYNC goes first (within `timeout` ms): their refusals are
+   * then known (refusal()). A second close() meanwhile waits for the first. */
+  close({ timeout = 2000 } = {}) {
+    if (this._closePromise) return this._closePromise;
+    const ep = this._epoch;
+    const unsynced = (ep.ids.size > 0 || ep.overflow) && this._ws && !this._isClosed;
     this._closing = true;
-    if (this._ws) this._ws.close(1000);
+    let first = Promise.resolve();
+    if (unsynced) {
+      this._closingSync = true; // (sync() writes its SYNC before its first await: the one message let through)
+      try {
+        first = this.sync({ timeout }).then(() => {}, () => {});
+      } finally {
+        this._closingSync = false;
+      }
+    }
+    this._closePromise = first.then(() => { if (this._ws) this._ws.close(1000); });
+    return this._closePromise;
   }
 }
 

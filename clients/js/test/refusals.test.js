@@ -472,3 +472,21 @@ test('status() resolves to the router\'s counters; a refused or malformed one re
   assert.ok(Date.now() - t0 < 1000);
   c.close();
 });
+
+test('close() right after sending syncs first: every refusal is known once it resolves', async () => {
+  const router = new FakeRouter();
+  router.refuse.set('too many', [Reason.QUOTA, 0]);
+  const c = await connect(router);
+  const ok = c.send(other(), 'fine');
+  const refused = c.send(other(), 'too many');
+  const closing = c.close();
+  assert.equal(c.close(), closing); // a second close() waits for the first
+  await closing;
+  assert.equal(c.refusal(refused).reason, Reason.QUOTA);
+  assert.equal(c.refusal(ok), null);
+  assert.equal(router.ws.readyState, 3);
+  assert.throws(() => c.send(other(), 'after the close'), RouterError);
+  const quiet = await connect(new FakeRouter());
+  await quiet.close(); // nothing sent since the last sync: no SYNC, the close frame at once
+  assert.equal(quiet._ws.readyState, 3);
+});
