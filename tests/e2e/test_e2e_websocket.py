@@ -197,8 +197,40 @@ async def test_origin_allow_list_path_and_bad_requests(daemon: DaemonFactory) ->
         await ws.close()
     with pytest.raises(ClientError, match="HTTP 403"):
         await Client.connect_websocket(url, Identity.generate(), origin="https://elsewhere.example", timeout=5)
-    assert "not in the allow-list" in d.log_text()
+    assert "WebSocket upgrade request refused (403, conn " in d.log_text()
     await still_serving(d)
+
+
+async def test_refused_upgrades_are_counted_logged_once_per_status_and_hosts_that_are_no_names_refused(
+    daemon: DaemonFactory,
+) -> None:
+    """Each refused upgrade request counts in ``ws_upgrades_refused_total``; the log has one line per status per
+    10 s with the count since (an audit: a flood of bad requests was 265 WARNING lines a second, none counted). A
+    ``Host`` that is no host name or address (docs/websocket.md) and a second ``Sec-WebSocket-Key`` are 400."""
+    d = ws_daemon(daemon)
+    url = ws_url(d)
+    before = (await _counters(d)).get("ws_upgrades_refused_total", 0)
+    for _ in range(30):
+        ws = await RawWebSocket.open(url, path="/nowhere", origin=ORIGIN)
+        assert ws.status == 404
+        await ws.close()
+    head = "GET /upsycle HTTP/1.1\r\nHost: {}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+    head += f"Sec-WebSocket-Key: {'A' * 22}==\r\nSec-WebSocket-Version: 13\r\n"
+    for host in ("a b", "!!!", "[::1", "http://x/", "127.0.0.1:notaport", "x:99999", ""):
+        ws = await RawWebSocket.open(url, request=(head.format(host) + "\r\n").encode())
+        assert ws.status == 400 and b"Host" in ws.body, (host, ws.status, ws.body)
+        await ws.close()
+    for host in ("localhost", "127.0.0.1:80", "[::1]:8080", "router.example."):
+        ws = await RawWebSocket.open(url, request=(head.format(host) + "\r\n").encode())
+        assert ws.status == 101, (host, ws.status, ws.body)
+        await ws.close()
+    twice = head.format("x") + f"Sec-WebSocket-Key: {'B' * 22}==\r\n\r\n"
+    ws = await RawWebSocket.open(url, request=twice.encode())
+    assert ws.status == 400 and b"more than one Sec-WebSocket-Key" in ws.body, ws.body
+    await ws.close()
+    assert (await _counters(d))["ws_upgrades_refused_total"] == before + 30 + 7 + 1
+    lines = [line for line in d.log_text().splitlines() if "WebSocket upgrade request refused (404" in line]
+    assert 1 <= len(lines) <= 2, lines  # (the first at once; the rest counted, reported by the next line)
 
 
 async def test_frames_sent_with_the_upgrade_request_are_read(daemon: DaemonFactory) -> None:

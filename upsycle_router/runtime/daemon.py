@@ -567,7 +567,10 @@ class Daemon:
                          else "")  # fmt: skip
                 raise ConfigError(f"websocket.cert_file / key_file{files}: {e}") from None
         local = ws.local if ws.local is not None else is_loopback(addr.host)
-        self._ws_policy = WebSocketPolicy(ws.path, ws.origins, local)
+        assert self.driver is not None
+        stats = self.driver.stats
+        stats.setdefault("ws_upgrades_refused_total", 0)
+        self._ws_policy = WebSocketPolicy(ws.path, ws.origins, local, stats=stats)
         with _opening("listen.websocket", ws.listen):
             sock = listen_tcp(addr.host, addr.port)
         listener = self._listen(sock, "websocket", ssl_context=ctx)

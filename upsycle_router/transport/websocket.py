@@ -38,8 +38,9 @@ import asyncio
 import base64
 import binascii
 import logging
+import re
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import h11
@@ -62,13 +63,14 @@ from wsproto.utilities import RemoteProtocolError as WsRemoteError
 
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ErrorCode, RemoteProtocolError
-from upsycle_router.logtext import untrusted, value
+from upsycle_router.logtext import RateLimitedLog, untrusted, value
 from upsycle_router.transport.connection import WRITE_HIGH_WATER, Connection, ConnectionHandler
 from upsycle_router.transport.partial import PartialFrames
 from upsycle_router.transport.session import Session
 from upsycle_router.wire.framing import DEFAULT_MAX_FRAME, check_length
 
 log = logging.getLogger("upsycle_router.transport")
+_REFUSED = RateLimitedLog(log)  # refused upgrade requests: one line per status every 10 s
 DEFAULT_PATH = "/upsycle"
 MAX_REQUEST_HEAD = 16 * 1024  # bytes of the upgrade request's head (request line and headers): more is a 400
 EVENTS_PER_TURN = 64  # WebSocket events handled per turn of the event loop (more wait for the next turn)
@@ -100,6 +102,8 @@ class WebSocketPolicy:
     path: str = DEFAULT_PATH
     origins: frozenset[str] = frozenset()  # allowed Origin values; "*" allows any
     local: bool = False  # peers may be local services (the Unix socket's rule), else they are remote
+    # the router's counters (``status``): refused upgrade requests are counted there (``ws_upgrades_refused_total``)
+    stats: dict[str, int] = field(default_factory=dict, compare=False)
 
     def origin_allowed(self, origin: str | None) -> bool:
         """No Origin (not a browser) or one in the allow-list."""
@@ -121,13 +125,24 @@ def server_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
     return ctx
 
 
-def _bad_upgrade(version: bytes | None, key: bytes | None) -> str | None:
-    """What RFC 6455 4.2.1 asks of an opening handshake that wsproto does not check: HTTP/1.1 or later, and a
-    ``Sec-WebSocket-Key`` that is 16 bytes in base64. None when both hold."""
+# A Host header's value (RFC 9110 7.2): a DNS name, an IPv4 address or a bracketed IPv6 address, and a port.
+_HOST = re.compile(rb"(?:[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}))*\.?"
+                   rb"|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+
+
+def _bad_upgrade(version: bytes | None, keys: list[bytes], hosts: list[bytes]) -> str | None:
+    """What RFC 6455 4.2.1 asks of an opening handshake that wsproto does not check: HTTP/1.1 or later, one
+    ``Sec-WebSocket-Key`` that is 16 bytes in base64, and one ``Host`` that names a host (and maybe a port).
+    None when all hold."""
     if version is not None and version < b"1.1":
         return f"HTTP/{version.decode('ascii', 'replace')}: the opening handshake needs HTTP/1.1"
+    if len(hosts) != 1 or _HOST.fullmatch(hosts[0]) is None or (
+            b"]:" not in hosts[0] and hosts[0].count(b":") == 1 and int(hosts[0].rpartition(b":")[2]) > 65535):
+        return "Host is not one host name or address (with a port)" if hosts else "no Host header"
+    if len(keys) != 1:
+        return "more than one Sec-WebSocket-Key" if keys else "no Sec-WebSocket-Key"
     try:
-        nonce = base64.b64decode(key or b"", validate=True)
+        nonce = base64.b64decode(keys[0], validate=True)
     except (binascii.Error, ValueError):
         nonce = b""
     if len(nonce) != 16:
@@ -270,7 +285,6 @@ class WebSocketConnection(Connection):
         hint = e.event_hint if isinstance(e.event_hint, RejectConnection) else RejectConnection()
         # (wsproto says "Missing header" for a version it does not speak, too)
         why = "Sec-WebSocket-Version is not 13" if hint.status_code == 426 else str(e)
-        log.warning("conn %d: bad WebSocket upgrade request: %s", self.id, why)
         self._reject(hint.status_code, f"bad WebSocket upgrade request: {why}", list(hint.headers))
 
     def _handle_events(self) -> None:
@@ -368,7 +382,6 @@ class WebSocketConnection(Connection):
 
     def _upgrade(self, req: Request) -> None:
         if self._http_refusal is not None:
-            log.warning("conn %d: WebSocket request refused: %s", self.id, self._http_refusal[1])
             self._reject(*self._http_refusal)
             return
         # What came in the same reads as the request, after it: frames sent before the 101 (RFC 6455 says to
@@ -376,32 +389,26 @@ class WebSocketConnection(Connection):
         h11c = getattr(self.ws.handshake, "_h11_connection", None)
         trailing = bytes(h11c.trailing_data[0]) if isinstance(h11c, h11.Connection) else b""
         if self.bytes_in - len(trailing) > MAX_REQUEST_HEAD:  # (h11 bounds only a head that is still incomplete)
-            log.warning("conn %d: WebSocket upgrade request over %d bytes refused", self.id, MAX_REQUEST_HEAD)
             self._reject(400, f"request head over {MAX_REQUEST_HEAD} bytes")
             return
         headers = {k.lower(): v for k, v in req.extra_headers}
         version = h11c.their_http_version if isinstance(h11c, h11.Connection) else None
-        bad = _bad_upgrade(version, headers.get(b"sec-websocket-key"))
+        bad = _bad_upgrade(version, [v for k, v in req.extra_headers if k.lower() == b"sec-websocket-key"],  # fmt: skip
+                           [req.host.encode("utf-8", "replace")])  # (wsproto keeps Host apart: the last one)
         if bad is not None:  # (wsproto checks neither: RFC 6455 4.2.1 asks HTTP/1.1 and a 16-byte nonce)
-            log.warning("conn %d: bad WebSocket upgrade request: %s", self.id, bad)
             self._reject(400, f"bad WebSocket upgrade request: {bad}")
             return
         if sum(1 for k, _ in req.extra_headers if k.lower() == b"origin") > 1:  # (which one would a browser mean?)
-            log.warning("conn %d: WebSocket upgrade request with more than one Origin header refused", self.id)
             self._reject(400, "more than one Origin header")
             return
         raw_origin = headers.get(b"origin")
         self.origin = raw_origin.decode("latin-1") if raw_origin is not None else None
         path = req.target.split("?", 1)[0]
         if path != self.policy.path:
-            log.warning("conn %d: WebSocket request for %s refused (path is %r)", self.id, untrusted(path),
-                        self.policy.path)  # fmt: skip
-            self._reject(404, f"no WebSocket endpoint at {path}")
+            self._reject(404, f"no WebSocket endpoint at {untrusted(path)}")
             return
         if not self.policy.origin_allowed(self.origin):
-            log.warning("conn %d: WebSocket origin %s not in the allow-list: refused", self.id,
-                        untrusted(self.origin or ""))  # fmt: skip
-            self._reject(403, f"origin {self.origin} not allowed")
+            self._reject(403, f"origin {untrusted(self.origin or '')} not allowed")
             return
         self._write(self.ws.send(AcceptConnection()))
         self.upgraded = True
@@ -413,8 +420,13 @@ class WebSocketConnection(Connection):
 
     def _reject(self, status: int, reason: str, extra: list[tuple[bytes, bytes]] | None = None) -> None:
         """Answer the upgrade request with an HTTP error and close (after a linger: the rest of a request we
-        refused before reading all of it would otherwise make our close a reset, lost with it the answer)."""
+        refused before reading all of it would otherwise make our close a reset, lost with it the answer).
+        Counted (``ws_upgrades_refused_total``) and logged at most once per status per 10 s, with the count since
+        the last line (a flood of bad requests was hundreds of lines a second)."""
         self.closed = True
+        stats = self.policy.stats
+        stats["ws_upgrades_refused_total"] = stats.get("ws_upgrades_refused_total", 0) + 1
+        _REFUSED.event(f"upgrade {status}", f"WebSocket upgrade request refused ({status}, conn {self.id}): {reason}")
         t = self.transport
         if t is None or t.is_closing():
             return
