@@ -333,3 +333,25 @@ async def test_the_routers_own_answers_to_a_closed_connection_are_not_counted_un
             await app.close()
         await asyncio.sleep(1.0)
         assert (await watcher.status())["undelivered_total"] == before
+
+
+async def test_what_expires_after_a_restart_is_swept_on_time_with_no_traffic(daemon: DaemonFactory) -> None:
+    """Messages queued for an away recipient expire on time after a restart although nothing else happens (pub/sub
+    off: no batch arms the timer) - an audit: the expiry timer was armed only after a first batch, so expired
+    entries stayed, counted against the recipient's quota (a friend's next message was refused ``quota``). Read
+    over HTTP, which routes nothing."""
+    port = free_port()
+    d = daemon(config={"pubsub": {"enabled": False}, "metrics": {"listen": f"127.0.0.1:{port}"}})
+    away = Identity.generate()
+    async with await Client.connect(d.sock, away):
+        pass  # (a key the router knows: queued for while away)
+    async with await Client.connect(d.sock, Identity.generate()) as c:
+        for i in range(20):
+            await c.send(away.public, f"m{i}".encode(), ttl=2)
+        assert (await c.sync()).ok
+    d.restart()
+    await asyncio.sleep(3.5)
+    _, _, body = _get(f"http://127.0.0.1:{port}/status")
+    status = json.loads(body)
+    counters = status.get("counters", status)
+    assert counters["expired_total"] == 20 and counters["queued_messages"] == 0, counters

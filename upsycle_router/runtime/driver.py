@@ -454,8 +454,11 @@ class Driver:
         self._arm_timer()
 
     def apply_now(self, effects: list[Effect]) -> None:
-        """Carry out effects produced outside a batch (they must not depend on uncommitted state)."""
+        """Carry out effects produced outside a batch (they must not depend on uncommitted state), and arm the
+        timer at the core's next deadline: at the start, what the store holds expires on time although no batch
+        has run yet (an audit: with nothing else happening, expired entries stayed, counted against quotas)."""
         self.effects.apply(effects, self.clock())
+        self._arm_timer()
 
     # ------------------------------------------------------------ timer
 
