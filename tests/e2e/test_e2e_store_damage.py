@@ -320,3 +320,34 @@ async def test_a_store_file_cut_short_under_the_running_router_leaves_a_line_in_
     assert rc == -7, f"exit {rc}\n{log}"
     assert "Fatal Python error: Bus error" in log, log
     assert_refused(start_expecting_refusal(d), "")
+
+
+async def test_a_reader_killed_while_it_read_the_store_is_freed_by_the_running_router(daemon: DaemonFactory) -> None:
+    """A process that dies inside a read transaction of the store (a ``store backup`` killed by a cron timeout or
+    the OOM killer) leaves its slot in LMDB's reader table, and LMDB reuses no page that reader could see: a
+    store holding nothing filled up, refused ``store_full`` and failed drains with MDB_MAP_FULL (an audit). The
+    running router frees such slots within seconds, logs it and counts it."""
+    import signal
+    import sys
+
+    d = daemon()
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import lmdb, sys, time\n"
+         f"env = lmdb.open({str(d.dir / 'store')!r}, readonly=True, max_dbs=32)\n"
+         "txn = env.begin()\nprint('reading', flush=True)\ntime.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "reading"
+        os.kill(reader.pid, signal.SIGKILL)
+    finally:
+        reader.wait(10)
+        assert reader.stdout is not None
+        reader.stdout.close()
+    for _ in range(100):
+        if "freed 1 reader slot(s) of a process that died" in d.log_text():
+            break
+        await asyncio.sleep(0.1)
+    assert "freed 1 reader slot(s) of a process that died" in d.log_text()
+    async with await Client.connect(d.sock, Identity.generate()) as c:
+        assert (await c.status())["store_stale_readers_cleared_total"] == 1

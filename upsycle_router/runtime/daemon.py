@@ -759,7 +759,8 @@ class Daemon:
         if self._stopping:
             return
         if self.store is not None:
-            self.store.file_gone()  # (gone: damage - the daemon stops)
+            if not self.store.file_gone():  # (gone: damage - the daemon stops)
+                self.store.clear_stale_readers()
         path = self.config.unix
         if path is None or not self._unix_bound or self._unix_file is None or self._rebinding is not None:
             return

@@ -181,6 +181,7 @@ class LmdbStore(LmdbTables):
         )
         self._txn: Any = None
         self._file = file_id(self.path / DATA)  # (which file LMDB mapped: file_gone())
+        self.stale_readers_cleared = 0  # reader slots of dead processes freed (clear_stale_readers)
         # Queue usage (qstats) changed by the open write transaction: recipient -> (count, bytes), written in one
         # go before it commits (count 0: the record is deleted). A drain changes one recipient's usage 512 times
         # a batch; read-modify-writing its record each time cost more than the rest of the dequeue.
@@ -369,6 +370,23 @@ class LmdbStore(LmdbTables):
             self._ahead.close()
         if self._opened and self.damaged is None and synced:
             mark_clean(self.path)  # the next open need not walk the file (integrity.py)
+
+    def clear_stale_readers(self) -> int:
+        """Free the reader slots of processes that died while reading the store - a ``store backup`` or ``store
+        check`` killed mid-read (a cron timeout, the OOM killer): LMDB keeps every page such a reader could see
+        from being reused until its slot is freed, so the store would fill up although it holds nothing (an audit:
+        ``store_full`` refusals and MDB_MAP_FULL with an empty queue). The daemon asks every second; returns how
+        many slots it freed (logged)."""
+        try:
+            n = int(self.env.reader_check())
+        except lmdb.Error as e:
+            log.error("store: looking for readers that died failed: %s", e)
+            return 0
+        if n:
+            self.stale_readers_cleared += n
+            log.warning("store: freed %d reader slot(s) of a process that died reading the store (a killed 'store "
+                        "backup' or 'store check'?): the pages it held can be used again", n)  # fmt: skip
+        return n
 
     def file_gone(self) -> bool:
         """Whether the data file LMDB has open is no longer the one at its path (removed, or another put there):
@@ -1234,4 +1252,5 @@ class LmdbStore(LmdbTables):
         out["id_index_bytes"] = int(self._index.nbytes)
         out["stranger_queued_bytes"] = self._stranger_bytes
         out["owed_entries"] = len(self._owed)
+        out["stale_readers_cleared_total"] = self.stale_readers_cleared
         return out

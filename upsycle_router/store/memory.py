@@ -473,4 +473,5 @@ class MemoryStore:
             "live_bytes": self._used,
             "id_index_bytes": 0,
             "stranger_queued_bytes": self._stranger_bytes,
+            "stale_readers_cleared_total": 0,  # (no reader table: LmdbStore.clear_stale_readers)
         }
