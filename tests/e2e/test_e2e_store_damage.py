@@ -351,3 +351,38 @@ async def test_a_reader_killed_while_it_read_the_store_is_freed_by_the_running_r
     assert "freed 1 reader slot(s) of a process that died" in d.log_text()
     async with await Client.connect(d.sock, Identity.generate()) as c:
         assert (await c.status())["store_stale_readers_cleared_total"] == 1
+
+
+async def test_a_map_size_below_the_stores_file_is_refused_by_run_and_config(daemon: DaemonFactory) -> None:
+    """``store.map_size`` lowered below the size the store's file has grown to: LMDB opens the file at its own size,
+    full - an audit: the router started in silence, then every drain failed with MDB_MAP_FULL (the same messages
+    sent again without end) and nothing expired. ``run`` and ``config`` refuse it with one line naming both sizes
+    and what to do; the store is left as it was, and the router starts again with a size that fits."""
+    d = daemon()
+    pub = await Client.connect(d.sock, Identity.generate(), timeout=5)
+    away = Identity.generate()
+    async with await Client.connect(d.sock, away):
+        pass
+    for i in range(300):
+        await pub.send(away.public, b"%04d" % i + b"x" * 3000, ttl=3600)
+    assert (await pub.sync()).ok
+    await pub.close()
+    d.stop()
+    data = d.dir / "store" / "data.mdb"
+    size, before = data.stat().st_size, data.read_bytes()
+    assert size > 1 << 20
+    d.write_config({"store": {"map_size": 1 << 20}})
+    r = start_expecting_refusal(d)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    [line] = [x for x in r.stderr.splitlines() if x.startswith("error: ")]
+    assert "store.map_size" in line and f"at least {size}" in line and "store backup" in line, line
+    c = cli("config", "--config", str(d.config_path), "--data-dir", str(d.dir))
+    assert c.returncode == 2 and f"at least {size}" in c.stderr, c.stdout + c.stderr
+    assert data.read_bytes() == before
+    d.write_config({"store": {"map_size": size}})
+    d.start()
+    async with await Client.connect(d.sock, away) as again:
+        got = 0
+        while got < 300:
+            await again.recv(timeout=10)
+            got += 1

@@ -706,6 +706,8 @@ def config_warnings(cfg: DaemonConfig, *, lenient: bool = False) -> list[str]:
     - ``listen.unix_group`` that does not exist or that this user cannot give the socket to: an error.
     - ``listen.unix_mode`` with group or other bits: other local users can connect to the socket (and, unless
       ``local_services`` lists the allowed keys, act as local services).
+    - ``store.map_size`` below the size of the store's existing file: an error (LMDB opens a larger file at its
+      own size, full: nothing could be removed, queues would stop draining).
     - ``store.map_size`` against the filesystem of ``data_dir`` (its nearest existing parent): the LMDB map is a
       sparse file that grows up to ``map_size``, so a size over the free space is a warning (the disk may fill
       before the store's quota does); one over the whole filesystem can never be used and is refused, unless
@@ -753,6 +755,18 @@ def config_warnings(cfg: DaemonConfig, *, lenient: bool = False) -> list[str]:
             f"directory) {role}"
         )
     store = cfg.data_dir / "store"
+    try:
+        grown = (store / "data.mdb").stat().st_size
+    except OSError:
+        grown = 0
+    if grown > cfg.map_size:
+        raise ConfigError(
+            f"store.map_size: {cfg.map_size} ({size_text(cfg.map_size)}) is below the size of the store's file "
+            f"{store / 'data.mdb'} ({size_text(grown)}): LMDB would open it at the file's size, with no room left to "
+            f"remove anything (queues would stop draining, nothing would expire); raise store.map_size to at least "
+            f"{grown}, or shrink the file first ('upsycle-router store backup' writes a compacted copy; 'store "
+            "restore --force' puts it in place)"
+        )
     base = _nearest_existing(store)
     try:
         du = shutil.disk_usage(base)
