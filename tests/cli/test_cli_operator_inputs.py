@@ -275,11 +275,12 @@ def sound_data_dir() -> Iterator[Path]:
         shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.mark.parametrize("closed", ["data file", "store dir", "data dir"])
+@pytest.mark.parametrize("closed", ["data file", "store dir", "data dir", "lock file"])
 def test_store_check_and_backup_of_a_store_this_user_may_not_read_say_so(closed: str, sound_data_dir: Path) -> None:
     """(An operations audit: a sound store whose data.mdb another user may not read was called empty and lost,
     "DAMAGED", which sends an operator to the recovery steps that throw a sound store away; a data or store
-    directory it may not enter gave a Python traceback, exit 1.) Now: one verdict, UNREADABLE, exit 2."""
+    directory it may not enter gave a Python traceback, exit 1; a durability audit: LMDB's lock file this user
+    may not write, "DAMAGED" again.) Now: one verdict, UNREADABLE, exit 2."""
     base = Path(tempfile.mkdtemp(prefix="upsycle-perm-", dir="/tmp"))  # (not under pytest's 0700 tmp dir)
     try:
         base.chmod(0o755)
@@ -289,8 +290,11 @@ def test_store_check_and_backup_of_a_store_this_user_may_not_read_say_so(closed:
             p.chmod(0o755)
         for p in (data / "store").iterdir():
             p.chmod(0o644)
-        target = {"data file": data / "store" / "data.mdb", "store dir": data / "store", "data dir": data}[closed]
-        target.chmod(0o700 if target.is_dir() else 0o600)
+        target = {"data file": data / "store" / "data.mdb", "store dir": data / "store", "data dir": data,
+                  "lock file": data / "store" / "lock.mdb"}[closed]  # fmt: skip
+        if closed == "lock file":
+            target.touch()
+        target.chmod(0o700 if target.is_dir() else 0o644 if closed == "lock file" else 0o600)
         if os.geteuid() != 0:
             target.chmod(0o000)
         check = _as_another_user([sys.executable, "-m", "upsycle_router", "store", "check", "--data-dir", str(data)])
@@ -304,7 +308,8 @@ def test_store_check_and_backup_of_a_store_this_user_may_not_read_say_so(closed:
         argv = [*argv[:-4], "store", "backup", str(base / "copy.mdb"), "--data-dir", str(data)]
         r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
-        assert "cannot be read" in _one_error_line(r.stderr) and not (base / "copy.mdb").exists()
+        said = _one_error_line(r.stderr)
+        assert ("cannot be read" in said or "Permission denied" in said) and not (base / "copy.mdb").exists(), said
     finally:
         for p in (base, *base.rglob("*")):
             with contextlib.suppress(OSError):

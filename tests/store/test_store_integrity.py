@@ -715,3 +715,33 @@ def test_backup_and_restore_name_what_is_wrong_with_the_path_given(store: Path, 
     with pytest.raises(BackupError) as e:
         restore(tmp_path / "d", tmp_path / "d" / "store", tmp_path)
     assert str(e.value) == f"{tmp_path}: is a directory, not a backup file"
+
+
+def test_check_agrees_with_the_start_on_a_deleted_schema_record(store: Path) -> None:
+    """(A durability audit: ``store check`` said INCONSISTENT, exit 1 - "the router runs" - where the router
+    refuses to start, exit 2.) The schema record deleted from a store the router had opened: damage for both."""
+    env = lmdb.open(str(store), max_dbs=32)
+    with env.begin(write=True) as txn:
+        assert txn.delete(b"schema", db=env.open_db(b"meta", txn=txn, create=False))
+    env.close()
+    with pytest.raises(StoreDamaged, match="no schema record"):
+        check_before_open(store)
+    report = check_dir(store)
+    assert report.exit_code == 2 and report.verdict().startswith("DAMAGED") and "no schema record" in report.damage[0]
+
+
+def test_check_names_an_empty_data_file_and_a_schema_record_that_is_no_version(store: Path, tmp_path: Path) -> None:
+    """(The same audit: an empty data.mdb was "does not exist"; a schema record of garbage was "a newer version
+    wrote it".)"""
+    env = lmdb.open(str(store), max_dbs=32)
+    with env.begin(write=True) as txn:
+        txn.put(b"schema", b"\xff\x00", db=env.open_db(b"meta", txn=txn, create=False))
+    env.close()
+    report = check_dir(store)
+    assert report.exit_code == 2 and report.unsupported is not None and "not a version number" in report.unsupported
+    assert "newer version" not in report.unsupported
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "data.mdb").touch()
+    assert check_dir(empty).damage == ["there is no store: data.mdb is empty (0 bytes: a store that never got its "
+                                       "first page; the router starts it)"]  # fmt: skip

@@ -105,6 +105,7 @@ class CheckReport:
     more_problems: int = 0
     unsupported: str | None = None  # a store this version cannot read (a newer schema): why
     unreadable: bool = False  # this process may not read it (permissions): ``damage`` says why, no damage found
+    initialised: bool = False  # the store's directory has its marker: the router opened it (a schema record is due)
 
     @property
     def exit_code(self) -> int:
@@ -165,7 +166,11 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
     schema = meta.get(b"schema")
     report.schema = schema.decode("ascii", "replace") if schema is not None else None
     if schema is None:
-        p("the table 'meta' has no schema record")
+        if report.initialised:  # (the router refuses such a store: integrity.py, as damage - exit 2 here too)
+            report.damage.append(f"the table 'meta' has no schema record, but {MARKER} says the store was "
+                                 "initialised (the file was replaced, or the record deleted)")  # fmt: skip
+        else:
+            p("the table 'meta' has no schema record")
         return
     if schema not in SCHEMAS:
         report.unsupported = unsupported_schema(schema)
@@ -418,9 +423,15 @@ def check_dir(store_dir: Path) -> CheckReport:
         return report
     first = integrity.diagnose(store_dir, walk=False)
     if first is None:
-        report.damage.append(f"there is no store: {DATA} does not exist")
+        there = data.exists() or data.is_symlink()
+        report.damage.append(f"there is no store: {DATA} " + ("is empty (0 bytes: a store that never got its first "
+                             "page; the router starts it)" if there else "does not exist"))  # fmt: skip
         return report
-    if first.ok and not (store_dir / MARKER).exists():
+    try:
+        report.initialised = (store_dir / MARKER).exists()
+    except OSError:  # (a directory this user may not search: the check says UNREADABLE below)
+        report.initialised = False
+    if first.ok and not report.initialised:
         report.notes.append(f"no {MARKER} marker beside {DATA} (the router writes it when it opens the store)")
     return _check_inspected(report, first, store_dir, directory=True)
 
@@ -449,6 +460,9 @@ def _check_inspected(report: CheckReport, first: integrity.FileReport, path: Pat
     try:
         env = lmdb.open(str(path), readonly=True, lock=directory, max_dbs=64, subdir=directory)
     except lmdb.Error as e:
+        if isinstance(e, lmdb.ReadonlyError) or "Permission denied" in str(e) or "EACCES" in str(e):
+            # (the lock file or the directory this user may not open: nothing was found wrong, nothing checked)
+            report.unreadable = True
         report.damage.append(f"LMDB cannot open it: {' '.join(str(e).split())}")
         return report
     try:

@@ -66,8 +66,12 @@ AWAY_PREFIX = b"away"  # meta: since when a core node is away (older versions ig
 def unsupported_schema(schema: bytes) -> str:
     """Why a store whose ``meta`` schema record is ``schema`` (not one of :data:`SCHEMAS`) is not opened."""
     shown = schema.decode("ascii", "replace")
+    if not schema.isdigit() or len(schema) > 9:  # (no version number at all: no newer version wrote that)
+        return (f"the store's schema record is {schema[:32]!r}, not a version number: not a store of upsycle-router's "
+                "(or its meta table was overwritten)")  # fmt: skip
+    newer = int(schema) > int(SCHEMA_VERSION)
     return (f"the store's schema is {shown!r}, which this version of upsycle-router does not read (it reads schemas "
-            f"1 to {SCHEMA_VERSION.decode()}; a newer version wrote it)")
+            f"1 to {SCHEMA_VERSION.decode()}" + ("; a newer version wrote it)" if newer else ")"))
 
 # The tables, in the order the store opens them.
 TABLES = ("meta", "locals", "subs", "psubs", "usubs", "routes", "msgs", "msg_exp", "queues", "refs", "qstats",
