@@ -419,3 +419,31 @@ async def test_group_messages_for_a_subscriber_that_ended_its_side_are_queued_fo
     got = {m.id for m in await _drain(d, sub_key, len(ids) - in_socket)}
     missing = [i for i, mid in enumerate(ids) if mid not in got]
     assert missing == list(range(len(missing))) and len(missing) <= in_socket, missing
+
+
+async def test_what_remote_strangers_have_in_the_pipeline_is_bounded(daemon: DaemonFactory) -> None:
+    """A fresh key over TLS writes thousands of messages at once (each refused: a key the router never saw): it is
+    not read while strangers have ``STRANGER_PENDING_MAX`` messages in the verification pipeline, so that its
+    flood does not sit before a local app's messages (an audit: a bad-signature flood over TLS made a local app's
+    SYNC take 0.6-1.5 s; figures in docs/performance.md). Every one of its messages is still answered; a local
+    app's burst is not bounded so."""
+    from upsycle_router.runtime.driver import STRANGER_PENDING_MAX
+
+    port = free_port()
+    d = daemon("--listen", f"127.0.0.1:{port}")
+    n = 8 * STRANGER_PENDING_MAX
+    s = await Client.connect_tls("127.0.0.1", port, Identity.generate())
+    try:
+        for i in range(n):
+            await s.send(Identity.generate().public, b"to nobody %d" % i)
+        res = await s.sync(timeout=120)
+    finally:
+        await s.close()
+    assert len(res.refused) == n and {r.reason for r in res.refused} == {Reason.NO_ROUTE}
+    async with await Client.connect(d.sock, Identity.generate()) as local:
+        paused = (await local.status())["stranger_read_pauses_total"]
+        assert paused > 0
+        for i in range(n):
+            await local.send(Identity.generate().public, b"local %d" % i)
+        assert len((await local.sync(timeout=120)).refused) == n
+        assert (await local.status())["stranger_read_pauses_total"] == paused

@@ -66,6 +66,10 @@ MAX_BATCH = 512
 CLOSE_ROUNDS_MAX = 100_000  # batches routed at shutdown at most (each routes what is left, up to MAX_BATCH)
 RATE_PAUSE_MAX = 1.0  # seconds a connection over its rate limit is not read, at most
 RATE_REFUSED_MIN = 64  # messages over the rate limit refused before a close, at least (see Driver._overloaded)
+# Messages remote strangers' connections may have in the verification pipeline, all together: past it, those that
+# deliver are not read until the core has routed most of them (a flood of bad signatures over TLS sat before a local
+# app's SYNC for 0.6-1.5 s, 2.4 s with four strangers).
+STRANGER_PENDING_MAX = 512
 END_POLL = 0.05  # seconds between looks at half-closed connections whose SYNC_ACKs still wait (Driver.on_end)
 
 __all__ = ["Dialer", "Driver", "MAX_BATCH", "TIMER_INTERVAL"]
@@ -111,7 +115,7 @@ class Driver:
                            "sync_acks_recounted_total": 0, "auth_failures_total": 0,
                            "deliveries_buffered_total": 0,
                            "deliveries_backed_total": 0, "advert_claims_refused_total": 0,
-                           "register_claims_refused_total": 0,
+                           "register_claims_refused_total": 0, "stranger_read_pauses_total": 0,
                            "hot_path_c": int(accel.IMPLEMENTATION == "c")})
         self.verifier = Verifier(verify_threads, nice=verify_nice)
         self.pipeline = VerifyPipeline(self.verifier, self.stats)
@@ -132,6 +136,7 @@ class Driver:
         self._closed = False
         self._reading_paused = False  # the pipeline is full: a connection that delivers is paused
         self._held: set[int] = set()  # connections paused for that (resumed when the pipeline has room again)
+        self._bounded: set[int] = set()  # remote strangers paused for what they have in the pipeline (_received)
         self.on_local_open: Callable[[bytes], None] | None = None  # told the key of each local peer that opens
         # Connections whose peer ended its side (a half-close): the core was told of the close in order after what
         # they sent; they stay open for writing until the batch that routed it is carried out and their SYNC_ACKs
@@ -167,6 +172,9 @@ class Driver:
         self.conns[conn.id] = conn
         if self._reading_paused:
             self._hold(conn)
+        # A remote peer the router was never told to trust (any fresh key can connect): what such peers have in the
+        # pipeline is bounded (STRANGER_PENDING_MAX), so that their flood does not sit before everyone else's.
+        conn.bounded = not conn.local and peer not in self.router.state.trusted
         conn.probe = conn.kind == "unix" and _is_probe(conn, peer)  # (status, wait: at DEBUG, see probe_key)
         log.log(logging.DEBUG if conn.probe else logging.INFO, "connection open conn=%d peer=%s kind=%s local=%s",
                 conn.id, peer.hex(), conn.kind, conn.local)  # fmt: skip
@@ -228,7 +236,7 @@ class Driver:
         k = self._admit(conn, n)
         if k:
             self.stats["received_total"] += k
-            self.pipeline.add_messages(conn.id, messages if k == n else messages[:k])
+            self.pipeline.add_messages(conn.id, messages if k == n else messages[:k], bounded=conn.bounded)
             self._received(conn)
         if k < n:
             self._overloaded(conn, messages[k:])
@@ -255,7 +263,7 @@ class Driver:
             self._overloaded(conn, [item])
             return
         self.stats["received_total"] += 1
-        self.pipeline.add_messages(conn.id, [item])
+        self.pipeline.add_messages(conn.id, [item], bounded=conn.bounded)
         self._received(conn)
 
     def _received(self, conn: Connection) -> None:
@@ -276,6 +284,10 @@ class Driver:
                 self.stats["read_pauses_total"] += 1
         if self._reading_paused:
             self._hold(conn)
+        if conn.bounded and pipeline.bounded_total >= STRANGER_PENDING_MAX and conn.id not in self._bounded:
+            self._bounded.add(conn.id)  # (read again once the core has routed most of it: _drain)
+            self.stats["stranger_read_pauses_total"] += 1
+            conn.pause_reading()
         self._schedule()
 
     def _hold(self, conn: Connection) -> None:
@@ -284,11 +296,24 @@ class Driver:
             self._held.add(conn.id)
             conn.pause_reading()
 
+    def _resume_bounded(self) -> None:
+        """Read again the remote strangers' connections paused for what they had in the pipeline, once the core has
+        routed all but a quarter of it (unless something else keeps them paused)."""
+        if self.pipeline.bounded_total > STRANGER_PENDING_MAX // 4:
+            return
+        throttled = self.effects.throttled
+        paused, self._bounded = self._bounded, set()
+        for cid in paused:
+            c = self.conns.get(cid)
+            if (c is not None and cid not in throttled and cid not in self._paused_for_rate
+                    and not (self._reading_paused and cid in self._held)):
+                c.resume_reading()
+
     def _held_back(self, conn: Connection) -> bool:
         """Whether ``conn`` must stay paused because the pipeline is full (its reading resumes with the others').
         Asked by the effect runner when a throttle ends; also while it is over its rate limit."""
-        if conn.id in self._paused_for_rate:
-            return True  # (read again when its bucket has refilled)
+        if conn.id in self._paused_for_rate or conn.id in self._bounded:
+            return True  # (read again when its bucket has refilled, or when its messages were routed)
         if not self._reading_paused:
             return False
         self._held.add(conn.id)
@@ -299,6 +324,7 @@ class Driver:
         of it once, and then of the deliveries it was written that had not left the router (``Undelivered``:
         routed to the peer again, so queued while it is away)."""
         self._buckets.pop(conn.id, None)
+        self._bounded.discard(conn.id)
         self._held.discard(conn.id)
         paused = self._paused_for_rate.pop(conn.id, None)
         if paused is not None:
@@ -436,8 +462,11 @@ class Driver:
             conns = self.conns
             for cid in held:
                 c = conns.get(cid)
-                if c is not None and cid not in throttled and cid not in self._paused_for_rate:
+                if (c is not None and cid not in throttled and cid not in self._paused_for_rate
+                        and cid not in self._bounded):
                     c.resume_reading()
+        if self._bounded:
+            self._resume_bounded()
         if events or self.timer_due:
             timer, self.timer_due = self.timer_due, False
             if self._ending:  # (which half-closed connections' close this batch routes: closed once it is done)

@@ -64,6 +64,10 @@ class VerifyPipeline:
         self.pending: list[Event | Run] = []
         self.pending_msgs = 0  # messages in ``pending``
         self.segments: collections.deque[Segment] = collections.deque()
+        # Messages in the pipeline of the connections the driver bounds (remote strangers: Driver._received), by
+        # connection - counted for those alone (the common case pays one test of an empty dict per run).
+        self.bounded: dict[int, int] = {}
+        self.bounded_total = 0  # their sum
 
     @property
     def full(self) -> bool:
@@ -74,8 +78,12 @@ class VerifyPipeline:
         """An event (not a message) in arrival order."""
         self.pending.append(ev)
 
-    def add_messages(self, conn: int, msgs: list[Message]) -> None:
-        """Messages that arrived on ``conn``, in order (joined to the run before them from the same connection)."""
+    def add_messages(self, conn: int, msgs: list[Message], *, bounded: bool = False) -> None:
+        """Messages that arrived on ``conn``, in order (joined to the run before them from the same connection);
+        ``bounded``: counted in :attr:`bounded` until routed."""
+        if bounded:
+            self.bounded[conn] = self.bounded.get(conn, 0) + len(msgs)
+            self.bounded_total += len(msgs)
         pending = self.pending
         last = pending[-1] if pending else None
         if type(last) is Run and last.conn == conn:
@@ -130,11 +138,19 @@ class VerifyPipeline:
             self.stats["bad_signature_total"] += bad
         out: list[Event] = []
         i = 0
+        bounded = self.bounded
         for x in items:
             if type(x) is Run:
                 j = i + len(x.msgs)
                 out.append(MessagesReceived(x.conn, x.msgs, results[i:j]))
                 i = j
+                if bounded and (left := bounded.get(x.conn)) is not None:
+                    self.bounded_total -= len(x.msgs)
+                    left -= len(x.msgs)
+                    if left > 0:
+                        bounded[x.conn] = left
+                    else:
+                        del bounded[x.conn]
             else:
                 assert not isinstance(x, Run)
                 out.append(x)

@@ -198,6 +198,7 @@ class Connection(asyncio.Protocol):
         self.lost = False  # connection_lost has run: the transport is gone
         self.failure: str | None = None  # why it ended, when an ERROR ended it (either side's): for a dial's log
         self.probe = False  # a command line's probe (status, wait): its open and close are logged at DEBUG
+        self.bounded = False  # a remote stranger: what it has in the pipeline is bounded (Driver._received)
         self.written = 0  # bytes handed to the transport so far (or, for a fan-out, written to its socket: fd)
         # The socket a fan-out may write to directly, bypassing the transport, or -1: only a Unix-socket connection
         # whose transport buffers nothing has one (transport/stream.py keeps it; transport/accel.py writes to it).
