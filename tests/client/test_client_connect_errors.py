@@ -7,6 +7,7 @@ test from the wire contract where the handshake itself must fail."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import pickle
 import socket
@@ -104,3 +105,45 @@ def test_the_cli_still_says_what_to_do(tmp_path: Path) -> None:
     assert r.returncode == 1, r.stderr
     assert "cannot connect to the router at" in r.stderr and "is the router running?" in r.stderr, r.stderr
     assert r.stderr.count("No such file") == 1, r.stderr
+
+
+async def test_a_full_listen_backlog_is_waited_out_not_an_error(tmp_path: Path) -> None:
+    """A Unix socket's connect does not wait for room in a full listen backlog: it fails at once with EAGAIN (an
+    audit: a flood of connections elsewhere made ``status`` fail 5 of 5 times). ``connect()`` tries again until its
+    timeout, and gets in once there is room."""
+    path = tmp_path / "s.sock"
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(path))
+    srv.listen(0)
+    srv.setblocking(False)
+    fillers: list[socket.socket] = []
+    try:
+        for _ in range(64):
+            c = socket.socket(socket.AF_UNIX)
+            c.setblocking(False)
+            try:
+                c.connect(str(path))
+            except BlockingIOError:
+                c.close()
+                break
+            fillers.append(c)
+        else:
+            pytest.skip("the listen backlog never filled")
+        task = asyncio.ensure_future(Client.connect(path, Identity.generate(), timeout=5))
+        await asyncio.sleep(0.3)
+        assert not task.done(), task.exception()  # waiting for room, not failed with EAGAIN
+        accepted: list[socket.socket] = []
+        for _ in range(200):  # make room, until the client's own connection is among those accepted
+            with contextlib.suppress(BlockingIOError):
+                accepted.append(srv.accept()[0])
+            if len(accepted) > len(fillers):
+                break
+            await asyncio.sleep(0.01)
+        assert len(accepted) > len(fillers)
+        for a in accepted:
+            a.close()  # (no router behind it: the handshake fails, as a ClientError)
+        with pytest.raises(ClientError):
+            await task
+    finally:
+        for s in (srv, *fillers):
+            s.close()

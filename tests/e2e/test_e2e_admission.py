@@ -204,6 +204,33 @@ async def test_many_silent_peers_are_logged_once_per_10_s_not_once_each(daemon: 
     assert len(lines) == 1 and " WARNING " in lines[0] and "further ones are counted" in lines[0], lines
 
 
+async def test_connections_that_end_before_their_handshake_are_counted_and_logged_once(daemon: DaemonFactory) -> None:
+    """A peer that writes a bad frame and closes at once is gone before the router reads it (the router's HELLO
+    meets a closed socket): nothing counted or logged it (an audit: 84,000 such connections changed no counter).
+    Now each is counted - as malformed when the router read its frame first, else in
+    ``handshakes_unfinished_total`` - and the log has one INFO line per 10 s for them."""
+    d = start(daemon, config={})
+    before = await status(d)
+    for _ in range(20):
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect(str(d.sock))
+            s.sendall(b"\x00\x00\x00\x05\xff\xff\xff\xff\xff")
+        finally:
+            s.close()
+
+    keys = ("handshakes_unfinished_total", "malformed_total")
+    for _ in range(100):
+        st = await status(d)
+        if sum(st[k] - before.get(k, 0) for k in keys) >= 20:
+            break
+        await asyncio.sleep(0.1)
+    assert sum(st[k] - before.get(k, 0) for k in keys) == 20, st
+    if st["handshakes_unfinished_total"]:
+        lines = [x for x in d.log_text().splitlines() if "ended before its handshake completed" in x]
+        assert len(lines) == 1 and " INFO " in lines[0], lines
+
+
 async def test_a_silent_peer_is_closed_after_handshake_timeout_on_every_transport(daemon: DaemonFactory) -> None:
     """TLS without a ClientHello, TLS done but no HELLO/AUTH, a silent Unix socket connection, a WebSocket
     connection without an upgrade request: each is closed within handshake_timeout and a margin."""

@@ -59,9 +59,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import logging
 import os
+import socket
 import ssl
 import time
 from collections import deque
@@ -172,6 +174,33 @@ async def _open(what: str, opening: Awaitable[_Streams], timeout: float) -> _Str
     except OSError as e:  # (its errno and text as the socket gave them: ENOENT, ECONNREFUSED, EACCES ...)
         cls = _connect_error(type(e))
         raise (cls(e.errno, e.strerror) if e.errno is not None else cls(str(e))) from e
+
+
+async def _unix_connection(path: str, limit: int) -> _Streams:
+    """A connected Unix socket's streams. The connect is this function's own, tried again while the router's listen
+    backlog is full (EAGAIN: asyncio's took it for a connect in progress, and the socket failed later with EINVAL;
+    uvloop's raised it); bounded by the caller's timeout (:func:`_open`)."""
+    pause = 0.005
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            sock.connect(path)  # (a Unix socket connects at once, or fails: there is no connect in progress)
+        except BlockingIOError as e:
+            sock.close()
+            if e.errno != errno.EAGAIN:
+                raise
+        except BaseException:
+            sock.close()
+            raise
+        else:
+            try:
+                return await asyncio.open_unix_connection(sock=sock, limit=limit)
+            except BaseException:
+                sock.close()
+                raise
+        await asyncio.sleep(pause)
+        pause = min(pause * 2, 0.2)
 
 
 _CONNECT_ERRORS: dict[type[OSError], type[ConnectError]] = {}
@@ -361,8 +390,10 @@ class Client:
     async def connect(
         cls, path: str | os.PathLike[str], identity: Identity, *, timeout: float = 10.0, limit: int = 2**22
     ) -> Client:
-        """Connect over a Unix socket and complete the handshake."""
-        reader, writer = await _open(str(path), asyncio.open_unix_connection(str(Path(path)), limit=limit), timeout)
+        """Connect over a Unix socket and complete the handshake. A listen backlog that is full (EAGAIN: unlike TCP's,
+        a Unix socket's connect does not wait for room - a flood of connections elsewhere) is tried again, with a
+        growing pause, until ``timeout``."""
+        reader, writer = await _open(str(path), _unix_connection(str(Path(path)), limit), timeout)
         return await cls._start(identity, reader, writer, timeout)
 
     @classmethod

@@ -97,6 +97,7 @@ COUNTERS = (
     "accept_emfile_total",
     "accept_errors_total",
     "handshake_timeouts_total",
+    "handshakes_unfinished_total",
     "close_timeouts_total",
     "tls_handshake_failures_total",
 )
@@ -367,6 +368,14 @@ class Admission:
             self.warnings.event("tls_failed", f"TLS handshake failed ({kind}; last: {type(exc).__name__}: {exc})",
                                 logging.INFO)  # fmt: skip
 
+    def unfinished(self, kind: str) -> None:
+        """A connection ended before its session handshake completed, neither timed out nor refused: its peer
+        closed it or reset it (a port scanner, a client that gave up - or a flood of connections that close at
+        once, which fills the listen backlog while it lasts)."""
+        self.stats["handshakes_unfinished_total"] += 1
+        self.warnings.event("unfinished", f"a connection ({kind}) ended before its handshake completed: the peer "
+                            "closed or reset it", logging.INFO)  # fmt: skip
+
     def session_timed_out(self) -> None:
         """A connection's session handshake (HELLO/AUTH, or the WebSocket upgrade) timed out."""
         self.stats["handshake_timeouts_total"] += 1
@@ -583,6 +592,8 @@ class Listener:
     def _lost(self, ticket: Ticket, conn: Connection) -> None:
         if conn.handshake_timed_out:
             self.admission.session_timed_out()
+        elif conn.peer is None and conn.failure is None:  # (no timeout, no error of either side's: the peer left)
+            self.admission.unfinished(self.kind)
         if conn.close_timed_out:
             self.admission.close_timed_out()
         self.admission.closed(ticket)
