@@ -36,8 +36,10 @@ def test_cli_refuses_options_that_do_not_go_together(capsys: pytest.CaptureFixtu
     assert "--stack pubsub has no journals" in capsys.readouterr().err
     assert main(["simulate", "--loss", "1.5"]) == 2
     assert "loss must be in [0, 1)" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["simulate", "--partition", "5:2"])
+    for cut in ("5:2", "1:inf", "1:1e400", "nan:3"):  # (inf: a cut that never heals - an audit: exit 0, ratio 0.4)
+        with pytest.raises(SystemExit):
+            main(["simulate", "--partition", cut])
+        assert "finite, with 0 <= FROM < TO" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -48,10 +50,11 @@ def test_cli_refuses_options_that_do_not_go_together(capsys: pytest.CaptureFixtu
         (["--linger", "nan"], "linger must be a finite number"),
         (["--downtime", "nan"], "downtime must be a finite number"),
         (["--downtime", "-1"], "must not be negative"),
-        (["--latency", "nan"], "latency must be a finite number >= 0"),
-        (["--latency", "inf"], "latency must be a finite number >= 0"),
-        (["--jitter", "nan"], "jitter must be a finite number >= 0"),
-        (["--latency-spread", "inf"], "spread must be a finite number >= 0"),
+        (["--latency", "nan"], "--latency must be a finite number of milliseconds >= 0, got nan"),
+        (["--latency", "inf"], "--latency must be a finite number of milliseconds >= 0, got inf"),
+        (["--jitter", "nan"], "--jitter must be a finite number of milliseconds >= 0, got nan"),
+        (["--jitter", "-1"], "--jitter must be a finite number of milliseconds >= 0, got -1"),  # (not -0.001 s)
+        (["--latency-spread", "inf"], "--latency-spread must be a finite number of milliseconds >= 0"),
         (["--bandwidth", "nan"], "bandwidth must be a finite number >= 0"),
         (["--sn", "-1"], "sn must be from 0 to 16"),
         (["--sn", "17"], "sn must be from 0 to 16"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -29,8 +30,8 @@ def _partition(text: str) -> tuple[float, float]:
         start, end = float(a), float(b)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected FROM:TO in seconds, got {text!r}") from None
-    if not sep or not 0 <= start < end:
-        raise argparse.ArgumentTypeError(f"expected FROM:TO with 0 <= FROM < TO, got {text!r}")
+    if not sep or not 0 <= start < end or not math.isfinite(end):  # (inf: a cut that never heals; nan fails <)
+        raise argparse.ArgumentTypeError(f"expected FROM:TO in seconds, finite, with 0 <= FROM < TO, got {text!r}")
     return start, end
 
 
@@ -71,6 +72,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from upsycle_router.tools.sim.network import LinkModel, NetConfig, PubsubScenario, Scenario, Workload
 
     try:
+        for flag, ms in (("--latency", args.latency), ("--jitter", args.jitter),
+                         ("--latency-spread", args.latency_spread)):
+            if not math.isfinite(ms) or ms < 0:  # (checked here: the link model would name it in seconds)
+                raise ValueError(f"{flag} must be a finite number of milliseconds >= 0, got {ms:g}")
         gossip = GossipParams(D=args.D, D_low=args.D_low, D_high=args.D_high,
                               D_lazy=args.D if args.D_lazy is None else args.D_lazy,
                               flood_publish=args.flood_publish)
