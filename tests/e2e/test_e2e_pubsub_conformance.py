@@ -362,3 +362,38 @@ async def test_a_pubsub_service_restarted_alone_is_subscribed_again(tmp_path: Pa
             assert {m.id for m in got} == {naming, missed.id}, [m.body for m in got]
         finally:
             _stop(service)
+
+
+async def test_a_group_message_that_via_would_make_too_large_is_not_forwarded_by_the_service(tmp_path: Path) -> None:
+    """With ``max_frame`` below a group's ``max_size``, a group message that fits a frame but would not once VIA is
+    added: the router hands it to its local subscribers (member routers would refuse it: ``too_large``) - the
+    pub/sub service among them, which sent it on with VIA, and the router closed the service's connection for a
+    frame over ``max_frame`` (an audit: ERROR 4 for each such message, counted as malformed). The service drops
+    it instead, counted in ``pubsub_too_large_total``; its connection stays up."""
+    async with Network(tmp_path) as net:
+        a, b = net.add_nodes(2)
+        for n in (a, b):
+            n.config["max_frame"] = 70_000
+        b.config["peers"] = [a.peer_entry()]
+        await net.start_all()
+        await net.wait_dialled(b, a)
+        group = Identity.generate()
+        sub_a, sub_b, pub_a = [await net.client(n) for n in (a, b, a)]
+        for s in (sub_a, sub_b):
+            assert await s.join(group.public, local=False)
+        await _through(pub_a, group, sub_b, b"a to b")
+        await drain(sub_a)
+        big = _sized(group, 70_000 - 10, b"v")
+        pub_a.send_message(big)
+        await pub_a.drain()
+        assert (await pub_a.sync()).ok  # (no member router here: b has it by gossip alone)
+        assert [m.id for m in await collect(sub_a, {big.id}, timeout=10, settle=0.0)] == [big.id]
+        status = await pub_a.status()
+        for _ in range(50):
+            if status.get("pubsub_too_large_total"):
+                break
+            await asyncio.sleep(0.1)
+            status = await pub_a.status()
+        assert status["pubsub_too_large_total"] == 1 and status["malformed_total"] == 0, status
+        assert "connection to the router lost" not in a.log_text()
+        assert "is not forwarded: with VIA it would be a frame over the router's max_frame (70000)" in a.log_text()

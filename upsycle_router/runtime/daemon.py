@@ -381,7 +381,7 @@ class Daemon:
                 await self.metrics.start(maddr.host, maddr.port)
             log.info("metrics on http://%s/metrics (and /healthz, /status)", cfg.metrics_listen)
         if self.pubsub_identity is not None and cfg.unix is not None and cfg.pubsub.in_process:
-            self.pubsub = pubsub_service(cfg.pubsub, self.pubsub_identity, cfg.unix, params)
+            self.pubsub = pubsub_service(cfg.pubsub, self.pubsub_identity, cfg.unix, params, cfg.max_frame)
             self.pubsub.counters = self.driver.stats  # (its counters in STATUS: pubsub_malformed_total)
             for name in (*PUBSUB_COUNTERS, "service_errors_total"):  # (there from the start, at 0: a rate misses none)
                 self.driver.stats.setdefault(name, 0)
@@ -688,6 +688,8 @@ class Daemon:
             self.pool.handshake_timeout = cfg.handshake_timeout
             self.pool.max_frame = cfg.max_frame
             self.pool.write_high_water = cfg.effective_write_high_water
+        if self.pubsub is not None:
+            self.pubsub.max_frame = cfg.max_frame
         self._check_fd_budget()
 
     def _apply_peers(self, before: tuple[PeerConfig, ...], cfg: DaemonConfig) -> None:

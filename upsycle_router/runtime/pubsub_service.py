@@ -38,6 +38,7 @@ import time
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.config import GroupPolicyConfig, PubsubConfig
+from upsycle_router.core.delivery import VIA_BYTES
 from upsycle_router.crypto import Identity, advert_valid, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import DistinctTtls, exp_in, exp_to_unix
@@ -60,6 +61,7 @@ from upsycle_router.services.pubsub.validation import GroupPolicy, ServiceValida
 from upsycle_router.wire.control import Join, Leave, PullNack, decode_control, encode_router
 from upsycle_router.wire.control import Pull as PullMsg
 from upsycle_router.wire.discovery import SERVICE_PUBSUB, PeerAdvertisement
+from upsycle_router.wire.framing import DEFAULT_MAX_FRAME
 from upsycle_router.wire.gossip import GossipRpc, decode_service_body
 from upsycle_router.wire.messages import Message, MulticastHeader, UnicastHeader, decode_message
 from upsycle_router.wire.pubsub import PUBSUB_CODEC, Sub, SubAck, Unsub, UnsubAck
@@ -83,9 +85,11 @@ class PubsubService(RouterService):
         policies: dict[bytes, GroupPolicy] | None = None,
         default_policy: GroupPolicy | None = None,
         rng: random.Random | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
     ) -> None:
         super().__init__(identity, socket_path, log)
         self.params = params or GossipParams()
+        self.max_frame = max_frame  # the router's: a forward that VIA would make larger is not sent (_apply)
         self.policies = policies or {}
         self.default_policy = default_policy or GroupPolicy()
         # who may answer VALIDATE (the core also checks the answer comes from the key it asked)
@@ -237,7 +241,17 @@ class PubsubService(RouterService):
     def _apply(self, client: Client, effects: list[Effect]) -> None:
         for e in effects:
             if isinstance(e, Forward):
-                client.send_message(e.message.with_via(e.router))
+                m = e.message
+                size = len(m.wire) if m.wire else len(m.encode())
+                if size + (0 if m.via is not None else VIA_BYTES) > self.max_frame:
+                    # (the router would take the frame for a protocol error and close the connection: an audit,
+                    # with max_frame below a group's max_size; past the first hop gossip is best effort)
+                    self._count("pubsub_too_large_total")
+                    self._lines.event("too_large", f"pubsub: a group message of {size} bytes{_of_message(m)} is "
+                                      f"not forwarded: with VIA it would be a frame over the router's max_frame "
+                                      f"({self.max_frame})", logging.INFO)  # fmt: skip
+                    continue
+                client.send_message(m.with_via(e.router))
             elif isinstance(e, SendRpc):
                 self._unicast(client, e.peer.service, e.rpc.encode(), RPC_TTL, e.peer.router)
             elif isinstance(e, JoinGroup):
@@ -278,7 +292,7 @@ class PubsubService(RouterService):
 
 
 _COUNTED = frozenset({"rejected", "ignored", "unknown_peer"})  # the core's traces of what others sent, counted
-PUBSUB_COUNTERS = ("pubsub_malformed_total", *sorted(f"pubsub_{e}_total" for e in _COUNTED))
+PUBSUB_COUNTERS = ("pubsub_malformed_total", "pubsub_too_large_total", *sorted(f"pubsub_{e}_total" for e in _COUNTED))
 """The service's counters (in the router's STATUS when it runs in the router's process)."""
 
 
@@ -286,18 +300,24 @@ def _short(b: bytes | None) -> str:
     return "-" if b is None else b.hex()[:16]
 
 
+def _of_message(m: Message) -> str:
+    return f" of group {_short(m.header.grp)}" if isinstance(m.header, MulticastHeader) else ""
+
+
 def _of(e: Trace) -> str:
     return (f" {_short(e.id)}" if e.id is not None else "") + (f" of group {_short(e.group)}" if e.group else "")
 
 
 def pubsub_service(
-    cfg: PubsubConfig, identity: Identity, socket_path: str | os.PathLike[str], params: GossipParams
+    cfg: PubsubConfig, identity: Identity, socket_path: str | os.PathLike[str], params: GossipParams,
+    max_frame: int = DEFAULT_MAX_FRAME,
 ) -> PubsubService:
     """The pub/sub service the daemon's ``pubsub`` section describes (``params``: its gossip parameters, with
     ``validator_max_pending`` applied here). Raise ValueError for a policy the core refuses."""
     default, policies = pubsub_policies(cfg)
     params = dataclasses.replace(params, max_pending_validations=cfg.validator_max_pending)
-    return PubsubService(identity, socket_path, params=params, policies=policies, default_policy=default)
+    return PubsubService(identity, socket_path, params=params, policies=policies, default_policy=default,
+                         max_frame=max_frame)
 
 
 def pubsub_policies(cfg: PubsubConfig) -> tuple[GroupPolicy, dict[bytes, GroupPolicy]]:
