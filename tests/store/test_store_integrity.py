@@ -745,3 +745,18 @@ def test_check_names_an_empty_data_file_and_a_schema_record_that_is_no_version(s
     (empty / "data.mdb").touch()
     assert check_dir(empty).damage == ["there is no store: data.mdb is empty (0 bytes: a store that never got its "
                                        "first page; the router starts it)"]  # fmt: skip
+
+
+def test_an_lmdb_file_another_program_wrote_is_not_adopted(tmp_path: Path) -> None:
+    """(A durability audit: an LMDB environment of another program's, no meta table, was opened as a store - the
+    router's tables written beside the other program's data.) Refused with one line; the file is left as it was."""
+    other = tmp_path / "other"
+    env = lmdb.open(str(other), max_dbs=4)
+    with env.begin(write=True) as txn:
+        txn.put(b"k", b"v", db=env.open_db(b"their-table", txn=txn))
+    env.close()
+    before = (other / "data.mdb").read_bytes()
+    with pytest.raises(StoreUnusable, match="not a store of upsycle-router.*'their-table'") as e:
+        LmdbStore(other, Durability.NONE, map_size=1 << 24)
+    assert "\n" not in str(e.value)
+    assert (other / "data.mdb").read_bytes() == before

@@ -101,6 +101,7 @@ from upsycle_router.store.layout import (
     KEY_LEN,
     MSG_EXP_SEQ_AT,
     NEVER_MS,
+    OLD_TABLES,
     QUEUE_EXP_KEY_LEN,
     QUEUE_EXP_RECIPIENT_AT,
     QUEUE_EXP_SEQ_AT,
@@ -211,6 +212,7 @@ class LmdbStore(LmdbTables):
         # The ids in ``owed`` (refilled in place from the store after a transaction that did not commit).
         self._owed: set[bytes] = set()
         self._db: dict[str, Any] = {}
+        self._refuse_foreign()
         self._db["meta"] = self.env.open_db(b"meta")
         self._psize = int(self.env.stat()["psize"])
         # A bulk index write needs new pages - at most two per entry (the leaf it copies, one split) - and must
@@ -370,6 +372,21 @@ class LmdbStore(LmdbTables):
             self._ahead.close()
         if self._opened and self.damaged is None and synced:
             mark_clean(self.path)  # the next open need not walk the file (integrity.py)
+
+    def _refuse_foreign(self) -> None:
+        """Refuse an LMDB file another program wrote (no ``meta`` table, and names of its own in LMDB's main table):
+        opening it would add the router's tables beside the other program's data and call it a store (a durability
+        audit: it was adopted in silence)."""
+        with self.env.begin() as txn:
+            names = [bytes(k) for k, _ in txn.cursor()]
+        ours = {n.encode() for n in (*TABLES, *OLD_TABLES)}
+        foreign = [n for n in names if n not in ours]
+        if foreign and b"meta" not in names:
+            shown = ", ".join(repr(n.decode("utf-8", "replace")[:32]) for n in foreign[:5])
+            more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+            raise StoreUnusable(self.path / "data.mdb", f"not a store of upsycle-router: an LMDB file with other "
+                                f"names in it ({shown}{more}) and no schema",
+                                "move it away, or point data_dir elsewhere")  # fmt: skip
 
     def clear_stale_readers(self) -> int:
         """Free the reader slots of processes that died while reading the store - a ``store backup`` or ``store
