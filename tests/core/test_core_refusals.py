@@ -1104,6 +1104,28 @@ def test_a_late_refusal_after_a_restart_goes_back_to_the_edge_node_that_register
     assert out.sends() == [] and len(out.traces("dropped")) == 1  # never ours: traced as before
 
 
+def test_a_late_refusal_recovered_from_the_store_keeps_the_forwards_within_their_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(A review.) An entry made from a stored message (the forward forgotten among newer ones) takes the place of
+    the oldest, as remember() does - the map grew past FORWARDED_MAX for good; and a batch that does not commit
+    removes it again (there was none before it)."""
+    monkeypatch.setattr("upsycle_router.core.delivery.FORWARDED_MAX", 4)
+    h = harness(tmp_path, peers=frozenset({R.public}))
+    a = h.open(ALICE)
+    ms = [unicast(ALICE, REMOTE_SVC, b"m%d" % i, via=R.public, ttl=600) for i in range(6)]
+    for m in ms:
+        assert h.receive(a, m).refusals() == []
+    fwd = h.router.state.forwarded
+    assert list(fwd) == [m.id for m in ms[2:]]  # the first two forgotten (still queued for R)
+    r = h.open(R, local=False)
+    refused = MessagesReceived.one(r, control(R, X, Refused(ms[0].id, Reason.QUOTA, 0), now=h.now), True)
+    h.lost([refused])
+    assert set(fwd) == {m.id for m in ms[2:]}  # (the one it pushed out is back, the one it made gone)
+    h.expect_refused(h.handle(refused), a, ms[0].id, Reason.QUOTA)
+    assert len(fwd) == 4 and ms[0].id in fwd
+
+
 def test_a_strangers_group_messages_fill_only_its_share_of_a_members_queue(tmp_path: Path) -> None:
     """Fair queues hold for group messages too: a remote node the router was never told to trust (any fresh key
     can connect) that holds a group's key queues for an away member only the stranger's share, so a friend's

@@ -194,5 +194,9 @@ async def test_a_client_that_closes_right_after_sending_learns_every_refusal(
     c = await (Client.connect_websocket(ws_url(d), me, router_id=d.id) if transport == "websocket"
                else Client.connect(d.sock, me))  # fmt: skip
     ids = [await c.send(Identity.generate().public, b"to a key the router never saw") for _ in range(50)]
-    await c.close()
+    first = asyncio.ensure_future(c.close())
+    await asyncio.sleep(0)  # (close() began: over WebSocket it is syncing now)
+    with pytest.raises(ClientError):  # (a review: a send meanwhile went out, its refusal never to be known)
+        await c.send(Identity.generate().public, b"too late")
+    await asyncio.gather(first, c.close())  # a second close() waits for the first (it skipped the sync before)
     assert [i for i in ids if (r := c.refusal(i)) is None or r.reason != Reason.NO_ROUTE] == []

@@ -431,6 +431,10 @@ async def test_what_remote_strangers_have_in_the_pipeline_is_bounded(daemon: Dae
 
     port = free_port()
     d = daemon("--listen", f"127.0.0.1:{port}")
+    for _ in range(200):  # (ready means the Unix socket accepts: the TLS listener opens just after it)
+        if "listening tls=" in d.log_text():
+            break
+        await asyncio.sleep(0.05)
     n = 8 * STRANGER_PENDING_MAX
     s = await Client.connect_tls("127.0.0.1", port, Identity.generate())
     try:

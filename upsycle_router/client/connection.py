@@ -381,6 +381,7 @@ class Client:
         self.closed_reason: str | None = None
         self.error: Error | None = None
         self._ended = False  # close() ended this side
+        self._closing = False  # close() began (it may sync first): nothing more may be sent but its SYNC
         self._read_turn = time.monotonic()  # when drain() last let the reader run
         self._close_ended = asyncio.Event()  # ... and has closed the transport
 
@@ -675,6 +676,11 @@ class Client:
 
     def send_message(self, msg: Message) -> None:
         """Write one routed message (no waiting); the next :meth:`sync` reports whether the router took it."""
+        if self._closing:
+            raise ClientError("connection closing")
+        self._write_message(msg)
+
+    def _write_message(self, msg: Message) -> None:
         if self.closed_reason is not None:
             raise ClientError(self.closed_reason)
         if self._ended:
@@ -803,7 +809,7 @@ class Client:
             msg = self._unicast(w.router, request, self._remote_ttls.ttl(w.router, request, 60, exp), exp, w.router)
         self._request_ids[msg.id] = key  # a REFUSED for it fails the request (possibly while we drain)
         try:
-            self.send_message(msg)
+            self._write_message(msg)  # (also the SYNC of a close() under way)
             await self.drain()
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
@@ -931,19 +937,23 @@ class Client:
         abrupt close. A TLS stream (:meth:`connect_tls`) cannot shut its write side alone in asyncio: it closes
         at once. Over TLS and WebSocket (where nothing may follow a close frame) the router cannot answer what
         comes just before the end, so there, if messages were sent since the last :meth:`sync`, ``close()`` first
-        syncs (within ``timeout``): their refusals are then known (:meth:`refusal`). Sending once the close began
-        raises :class:`ClientError`; a second ``close()`` waits for the first one's end (at most its own
-        ``timeout``).
+        syncs: their refusals are then known (:meth:`refusal`). The sync and the wait for the router's close share
+        the ``timeout``. Sending once the close began raises :class:`ClientError`; a second ``close()`` waits for
+        the first one's end (at most its own ``timeout``).
         """
-        if self._ended:
+        if self._closing:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._close_ended.wait(), timeout)
             self._abort()
             return
+        self._closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         epoch = self._epoch
         if (epoch.ids or epoch.overflow) and (self._link.closing() is not None or not self._writer.can_write_eof()):
             with contextlib.suppress(Exception):  # (a router that does not answer: the close goes on regardless)
                 await self.sync(timeout=timeout)
+        timeout = max(0.0, deadline - loop.time())
         self._ended = True
         task = self._task
         router_closes = False  # the end went out: the router will close its side

@@ -536,6 +536,10 @@ class Delivery:
             if fwd is None:  # not ours, or forgotten with the message gone: traced, not lost in silence
                 out.append(Trace(DROPPED, r.id, CONTROL, None, None, None, router, 0, reason_label(r.reason)))
                 return
+            s.batch_forwarded.setdefault(r.id, None)  # (none before: a batch that does not commit removes it)
+            if len(s.forwarded) >= FORWARDED_MAX:  # (kept, as remember() keeps one, within the bound)
+                oldest = next(iter(s.forwarded))
+                s.batch_forwarded.setdefault(oldest, s.forwarded.pop(oldest))
         if fwd.router == ANY_MEMBER:  # a multicast: from any member router or core node it went to (each may refuse)
             if router not in fwd.routers or router in fwd.refusers:
                 return  # (each router's refusal is passed on once; one it never went to refused nothing of ours)

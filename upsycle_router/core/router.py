@@ -373,7 +373,11 @@ class Router:
             if c is not None:
                 c.refused, c.syncs = refused, syncs
         s.batch_refused = {}
-        s.forwarded.update(s.batch_forwarded)  # (a late REFUSED the batch passed on was never written)
+        for mid, was in s.batch_forwarded.items():  # (a late REFUSED the batch passed on was never written)
+            if was is None:
+                s.forwarded.pop(mid, None)  # (an entry the batch made from a stored message: Delivery._sender_of)
+            else:
+                s.forwarded[mid] = was
         s.batch_forwarded = {}
         s.load_mirrored()
         self.held.reload()

@@ -213,7 +213,8 @@ class RouterState:
         self.batch_conns: dict[ConnId, tuple[int, WindowUndo, int, bool]] = {}
         self.batch_opened: set[ConnId] = set()
         self.batch_refused: dict[ConnId, tuple[int, int]] = {}
-        self.batch_forwarded: dict[bytes, Forwarded] = {}  # forwarded entries a late REFUSED changed: as before
+        # forwarded entries a late REFUSED changed: as before (None: there was none)
+        self.batch_forwarded: dict[bytes, Forwarded | None] = {}
         self.batch_custody: set[ConnId] = set()  # connections the batch put under custody (Custody)
         # Connections that did not drain their key's queue because another connection of the key had entries
         # in flight (core/queues.py), and when to look again (the handle_timer after it flushes them).

@@ -225,7 +225,8 @@ class Driver:
         self._paused_for_rate.pop(cid, None)
         self._rate_refused.pop(cid, None)
         conn = self.conns.get(cid)
-        if conn is not None and not self._closed and cid not in self._held and cid not in self.effects.throttled:
+        if (conn is not None and not self._closed and cid not in self._held and cid not in self.effects.throttled
+                and cid not in self._bounded):  # (a stranger over the pipeline's bound: read again by _drain)
             conn.resume_reading()
 
     def on_messages(self, conn: Connection, messages: list[Message]) -> None:

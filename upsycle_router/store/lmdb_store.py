@@ -382,6 +382,7 @@ class LmdbStore(LmdbTables):
         ours = {n.encode() for n in (*TABLES, *OLD_TABLES)}
         foreign = [n for n in names if n not in ours]
         if foreign and b"meta" not in names:
+            self.env.close()  # (a process that goes on - a test, a tool - keeps no descriptor or reader lock)
             shown = ", ".join(repr(n.decode("utf-8", "replace")[:32]) for n in foreign[:5])
             more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
             raise StoreUnusable(self.path / "data.mdb", f"not a store of upsycle-router: an LMDB file with other "

@@ -125,9 +125,33 @@ def server_context(cert_file: Path, key_file: Path) -> ssl.SSLContext:
     return ctx
 
 
-# A Host header's value (RFC 9110 7.2): a DNS name, an IPv4 address or a bracketed IPv6 address, and a port.
-_HOST = re.compile(rb"(?:[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}))*\.?"
-                   rb"|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+# A Host header's value (RFC 9110 7.2, RFC 3986 3.2.2): a DNS name (its IDNA form), an IPv4 address, or a bracketed
+# IPv6 address (with a zone: RFC 6874's %25, or a bare %), and an optional port (it may be empty).
+_NAME = re.compile(rb"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62})(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,62}))*\.?")
+_IP6 = re.compile(rb"\[[0-9A-Fa-f:.]+(?:%(?:25)?[A-Za-z0-9._~-]+)?\]")
+
+
+def _host_ok(host: bytes) -> bool:
+    """Whether ``host`` (a Host header's value) names one host, and a port in range if any."""
+    if host.startswith(b"["):
+        end = host.find(b"]") + 1
+        name, rest = host[:end], host[end:]
+        if not end or _IP6.fullmatch(name) is None or (rest and not rest.startswith(b":")):
+            return False
+        port = rest[1:]
+    else:
+        name, _, port = host.partition(b":")
+        if _NAME.fullmatch(name) is None:
+            return False
+    return not port or (port.isdigit() and len(port) <= 5 and int(port) <= 65535)
+
+
+def _host_bytes(host: str) -> bytes:
+    """A Host value as it came: wsproto decoded it as IDNA (``xn--bcher-kva`` is ``bücher`` there)."""
+    try:
+        return host.encode("idna")
+    except UnicodeError:  # (no IDNA form: checked as UTF-8, and refused)
+        return host.encode("utf-8", "replace")
 
 
 def _bad_upgrade(version: bytes | None, keys: list[bytes], hosts: list[bytes]) -> str | None:
@@ -136,8 +160,7 @@ def _bad_upgrade(version: bytes | None, keys: list[bytes], hosts: list[bytes]) -
     None when all hold."""
     if version is not None and version < b"1.1":
         return f"HTTP/{version.decode('ascii', 'replace')}: the opening handshake needs HTTP/1.1"
-    if len(hosts) != 1 or _HOST.fullmatch(hosts[0]) is None or (
-            b"]:" not in hosts[0] and hosts[0].count(b":") == 1 and int(hosts[0].rpartition(b":")[2]) > 65535):
+    if len(hosts) != 1 or not _host_ok(hosts[0]):
         return "Host is not one host name or address (with a port)" if hosts else "no Host header"
     if len(keys) != 1:
         return "more than one Sec-WebSocket-Key" if keys else "no Sec-WebSocket-Key"
@@ -394,7 +417,7 @@ class WebSocketConnection(Connection):
         headers = {k.lower(): v for k, v in req.extra_headers}
         version = h11c.their_http_version if isinstance(h11c, h11.Connection) else None
         bad = _bad_upgrade(version, [v for k, v in req.extra_headers if k.lower() == b"sec-websocket-key"],  # fmt: skip
-                           [req.host.encode("utf-8", "replace")])  # (wsproto keeps Host apart: the last one)
+                           [_host_bytes(req.host)])  # (wsproto keeps Host apart: the last one, IDNA-decoded)
         if bad is not None:  # (wsproto checks neither: RFC 6455 4.2.1 asks HTTP/1.1 and a 16-byte nonce)
             self._reject(400, f"bad WebSocket upgrade request: {bad}")
             return
@@ -424,6 +447,8 @@ class WebSocketConnection(Connection):
         Counted (``ws_upgrades_refused_total``) and logged at most once per status per 10 s, with the count since
         the last line (a flood of bad requests was hundreds of lines a second)."""
         self.closed = True
+        if self.failure is None:
+            self.failure = reason  # (refused: not a peer that left before its handshake - admission.py)
         stats = self.policy.stats
         stats["ws_upgrades_refused_total"] = stats.get("ws_upgrades_refused_total", 0) + 1
         _REFUSED.event(f"upgrade {status}", f"WebSocket upgrade request refused ({status}, conn {self.id}): {reason}")
