@@ -735,8 +735,9 @@ def test_a_member_welcomed_while_a_demoted_admin_rotated_converges_with_the_othe
     """The two-tier audit's scenario: b demotes a while a adds eve (void) and removes bob (it stands: a rotation,
     made without knowing of dave), and b welcomes dave, who is offline - he takes his welcome only after a's
     rotation went to the old epoch's address, so his router kept nothing of it. Here he converges with the others
-    (key shares, heads and PULL). On real daemons driven by the group CLI the audit saw him stay in the old epoch
-    with bob listed (not reproduced here: see the session's note)."""
+    (key shares, heads and PULL), and b, which welcomed him, passes a's rotation on to him: on real daemons driven
+    by the group CLI the audit saw him stay in the old epoch with bob listed - nobody sent him a's rotation (a, that
+    never heard of him, copies only to members it knows; b copied only its own messages)."""
     net = JoiningNet(tmp_path, seed=5)
     try:
         (a, b), (bob, m) = group_of_admins(net, 2, "bob", "m")
@@ -746,13 +747,17 @@ def test_a_member_welcomed_while_a_demoted_admin_rotated_converges_with_the_othe
         net.buffering = True  # a and b act without seeing each other's operations
         net.do(b, lambda c: c.remove_admins([a.key], net.now))
         net.do(a, lambda c: c.add([eve.key], net.now))  # (void: a was demoted concurrently)
-        net.do(a, lambda c: c.remove([bob.key], net.now))  # (stands)
+        start = len(net.published)
+        net.do(a, lambda c: c.remove([bob.key], net.now))  # (stands: a rotation, not sealed to dave)
+        a_rotation = {x.id for x in net.published[start:]}
         net.do(b, lambda c: c.add([dave.key], net.now))
         net.buffering = False
         net.release()
         net.run(30)
         net.go_online(dave)
         net.run(120)
+        # b, which welcomed dave, passed a's rotation on to him (his router had kept nothing of it)
+        assert any(s is b and r is dave and x.id in a_rotation for s, r, x in net.copies)
         assert core(dave).active and not core(dave).waiting_for_keys
         assert state_of(dave) == state_of(a) == state_of(b) == state_of(m)
         assert bob.key not in core(dave).members

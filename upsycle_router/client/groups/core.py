@@ -59,6 +59,7 @@ partition: each side would go on in its own epoch and never hear the other's rot
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, replace
 
@@ -628,6 +629,13 @@ class GroupCore:
                     out.append(ev.Note(self.gid, "ignored", p.id, unote))
             if keys is not None:
                 self.membership.add_epoch(Epoch(op.number, Identity.from_seed(keys.gseed), keys.ckey, 0, (op.key,)))
+            if op.author != self.me and self._welcomed and isinstance(body, GroupOp):
+                # Another admin's rotation, made without knowing of a member this one welcomed (a two-tier audit:
+                # it went to an address that member joins only once it takes its welcome, so its router kept
+                # nothing of it, and the other admin never heard of it to copy it there): passed on to it.
+                with contextlib.suppress(RemoteProtocolError):  # (its keys were checked: _group_op)
+                    sealed = frozenset(decode_sealed_unicast(body.keys or b"").recipients)
+                    self._copy_to_joining(p.data, now, out, skip=sealed)
         kind = _LOG_KIND.get(op.kind)
         if kind is not None:
             self._entry(p, kind, out, mem=op.mem)
@@ -785,14 +793,20 @@ class GroupCore:
         self._unicast_to(member, data, now, out, self.store.member_via(self.gid, member))
         self.store.set_copied(self.gid, member, mid, copies + 1, now + min(COPY_BACKOFF * 2**copies, COPY_BACKOFF_MAX))
 
-    def _copy_to_joining(self, msg: Message, now: float, out: list[Effect]) -> None:
-        """Send the routed group message ``msg`` also in a unicast to each member this member welcomed that has
-        not shown the add yet: until it takes its welcome it has not joined the group's address, so its router
-        keeps nothing of the group for it, while a unicast to it is queued. (Once it has joined, it ACKs at
-        once; from then on what it missed is named by heads and fetched, as for any member.)"""
+    def _copy_to_joining(self, msg: Message | bytes, now: float, out: list[Effect],
+                         skip: frozenset[bytes] = frozenset()) -> None:  # fmt: skip
+        """Send the routed group message ``msg`` (or its encoding) also in a unicast to each member this member
+        welcomed that has not shown the add yet: until it takes its welcome it has not joined the group's address,
+        so its router keeps nothing of the group for it, while a unicast to it is queued. (Once it has joined, it
+        ACKs at once; from then on what it missed is named by heads and fetched, as for any member.) This member's
+        own messages, and another admin's rotations it takes meanwhile that were not sealed to them (``skip``: the
+        members a rotation's keys went to - its author saw the add, and copies it itself: :meth:`_copy_rotation`)
+        (:meth:`_apply`)."""
         members = self.members
-        data = msg.encode()
+        data = msg if isinstance(msg, bytes) else msg.encode()
         for m, seq in sorted(self._welcomed.items()):
+            if m in skip:
+                continue
             if m not in members or self._acked.get(m, 0) >= seq:
                 del self._welcomed[m]
                 self.store.forget_welcomed(self.gid, m)
