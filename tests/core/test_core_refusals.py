@@ -222,6 +222,32 @@ def test_bad_signature(h: CoreHarness) -> None:
     assert h.store.queue(BOB.public) == []
 
 
+def test_a_remote_stranger_refused_past_its_budget_is_read_more_slowly(tmp_path: Path) -> None:
+    """Each REFUSED costs the router a signature: a remote stranger sent more of them than its burst in one batch
+    is slowed once (a Throttle for as long as its budget needs to refill, at most 1 s), and again once its refill
+    is spent; every message is still answered. A configured peer and a local app get no such Throttle (four
+    strangers flooding bad signatures took a local app's SYNC to 0.4 s: docs/performance.md)."""
+    from upsycle_router.core.state import STRANGER_REFUSAL_BURST, STRANGER_REFUSALS_PER_SECOND
+
+    h = harness(tmp_path, peers=frozenset({R.public}))
+    n = STRANGER_REFUSAL_BURST + 10
+    for who, local in ((STRANGER, False), (R, False), (ALICE, True)):
+        c = h.open(who, local=local)
+        msgs = [forged(unicast(who, BOB, b"%d" % i)) for i in range(n)]
+        out = h.handle_all([MessagesReceived(c, tuple(msgs), (False,) * n)])
+        assert len(out.refusals()) == n
+        throttles = out.throttles()
+        if who is STRANGER:
+            [t] = throttles
+            assert t.conn == c and 0.01 < t.seconds <= 11 / STRANGER_REFUSALS_PER_SECOND + 0.011
+            later = h.handle_all([MessagesReceived(c, tuple(msgs[:5]), (False,) * 5)], now=h.now + 0.002)
+            assert len(later.refusals()) == 5 and len(later.throttles()) == 1  # (2 refilled, 5 spent)
+            again = h.handle_all([MessagesReceived(c, tuple(msgs[:5]), (False,) * 5)], now=h.now + 10)
+            assert again.throttles() == []  # (refilled)
+        else:
+            assert throttles == [], who
+
+
 def test_expired(h: CoreHarness) -> None:
     a = h.open(ALICE)
     away(h, BOB)

@@ -34,7 +34,14 @@ from __future__ import annotations
 
 from upsycle_router.core.events import ConnId, Custody, Dial, Effect, Fanout, Send, Throttle, Trace
 from upsycle_router.core.queues import QueueDrain
-from upsycle_router.core.state import Conn, Forwarded, MemberPlan, RouterState
+from upsycle_router.core.state import (
+    STRANGER_REFUSAL_BURST,
+    STRANGER_REFUSALS_PER_SECOND,
+    Conn,
+    Forwarded,
+    MemberPlan,
+    RouterState,
+)
 from upsycle_router.core.trace import (
     CONTROL,
     DELIVERED,
@@ -496,6 +503,21 @@ class Delivery:
         body = encode_router(Refused(mid, int(why), count))
         out.append(Send(c.id, self.s.signed_to(c.peer, body, now).encode()))
         out.append(Trace(REFUSED, mid, kind, group, src, dst, c.peer, size, why.label))
+        if not c.local and c.peer not in self.s.trusted:
+            self._refusal_budget(c, now, out)
+
+    def _refusal_budget(self, c: Conn, now: float, out: list[Effect]) -> None:
+        """A remote stranger was answered REFUSED: past :data:`STRANGER_REFUSALS_PER_SECOND` (a burst of
+        :data:`STRANGER_REFUSAL_BURST`) it is not read for as long as its budget needs to refill (at most a second,
+        once per batch) - a flood of messages the router refuses costs a signature each, and four at once took the
+        CPU from local apps. What it did not send yet waits in its socket; nothing it sent is lost."""
+        refill = (now - c.refusal_at) * STRANGER_REFUSALS_PER_SECOND
+        tokens = min(float(STRANGER_REFUSAL_BURST), c.refusal_tokens + refill)
+        c.refusal_tokens, c.refusal_at = tokens - 1.0, now
+        throttled = self.s.throttled
+        if c.refusal_tokens < 0 and c.id not in throttled:
+            throttled.add(c.id)
+            out.append(Throttle(c.id, min(1.0, -c.refusal_tokens / STRANGER_REFUSALS_PER_SECOND + 0.01)))
 
     def _counting(self, c: Conn) -> None:
         """``c``'s refusal count and SYNC_ACK count change in this batch: keep what they were before it, for

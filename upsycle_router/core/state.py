@@ -85,7 +85,7 @@ class Conn:
     """One open connection, as the core sees it."""
 
     __slots__ = ("id", "peer", "local", "inflight", "inflight_bytes", "sent", "blocked", "backlog", "refused",
-                 "syncs", "custody", "progress", "handed", "opened")
+                 "syncs", "custody", "progress", "handed", "opened", "refusal_tokens", "refusal_at")
 
     def __init__(self, conn: ConnId, peer: bytes, local: bool, opened: float = 0.0) -> None:
         self.id = conn
@@ -106,7 +106,16 @@ class Conn:
         self.progress = 0.0  # when its queue drain last wrote or had entries acknowledged
         self.handed = False  # (under custody) a hand-over backed some of what its router had not confirmed
         self.opened = opened  # when it opened
+        # (a remote stranger's) REFUSED answers it may still be sent before it is slowed, as of ``refusal_at``:
+        # each costs the router a signature (Delivery.refuse)
+        self.refusal_tokens = float(STRANGER_REFUSAL_BURST)
+        self.refusal_at = opened
 
+
+# REFUSED answers a remote stranger's connection is sent per second, and at once, before it is read more slowly
+# (each costs the router a signature: four strangers flooding bad signatures took a local app's SYNC to 0.4 s)
+STRANGER_REFUSALS_PER_SECOND = 1000
+STRANGER_REFUSAL_BURST = 2000
 
 # Recipients held in all plans, and plans, at most (then all are dropped and made again as messages come): a
 # sender publishing to ever new groups (or to groups nobody here joined) must not grow the table for good.
