@@ -85,6 +85,12 @@ ANY_MEMBER = b""
 any core node (``upstream``) it was handed to."""
 
 
+def too_large_with_via(msg: Message, size: int, max_frame: int) -> bool:
+    """Whether ``msg`` (``size`` bytes encoded) is a frame over ``max_frame`` once VIA is set (it adds
+    :data:`VIA_BYTES` to a message that has none, and replaces one that has)."""
+    return size + (0 if msg.via is not None else VIA_BYTES) > max_frame
+
+
 class Delivery:
     """Delivers, queues, forwards and refuses (see the module docstring)."""
 
@@ -447,7 +453,7 @@ class Delivery:
         """Whether ``msg`` (``size`` bytes) would be a frame larger than ``max_frame`` once the next router adds
         VIA (unicast step 2, multicast step 7): that router would refuse it, so it is refused here, where the
         sender's SYNC_ACK can still count it."""
-        return size + (0 if msg.via is not None else VIA_BYTES) > self.s.config.max_frame
+        return too_large_with_via(msg, size, self.s.config.max_frame)
 
     def remember(
         self, origin: Conn, router: bytes, mid: bytes, kind: Kind, group: bytes | None, size: int,
@@ -658,4 +664,4 @@ class Delivery:
             out.append(Throttle(c.id, THROTTLE_SECONDS))
 
 
-__all__ = ["FORWARDED_MAX", "QUEUE_ENTRY_BYTES", "THROTTLE_SECONDS", "Delivery"]
+__all__ = ["FORWARDED_MAX", "QUEUE_ENTRY_BYTES", "THROTTLE_SECONDS", "Delivery", "too_large_with_via"]

@@ -348,7 +348,7 @@ class Driver:
         close now, in order after the messages the connection sent (so nothing more is routed to it), but the
         connection stays open for writing until that batch's effects - the REFUSED answers and SYNC_ACKs for
         those messages - are written, and until its SYNC_ACKs that wait for next routers are (bounded by the
-        connection's close deadline); then it closes (:meth:`_end`)."""
+        connection's close deadline); then it closes (:meth:`_ends_routed`)."""
         if self._closed or self.conns.get(conn.id) is not conn or conn.id in self._ending:
             return False
         self._ending[conn.id] = conn

@@ -35,11 +35,12 @@ SEGMENT_SIZE = 256  # messages that arrived are sealed into a segment at once fr
 class Run:
     """Messages that arrived on one connection in a row, awaiting signature verification with their segment."""
 
-    __slots__ = ("conn", "msgs")
+    __slots__ = ("bounded", "conn", "msgs")
 
-    def __init__(self, conn: int, msgs: list[Message]) -> None:
+    def __init__(self, conn: int, msgs: list[Message], bounded: bool = False) -> None:
         self.conn = conn
         self.msgs = msgs
+        self.bounded = bounded  # a remote stranger's: counted in VerifyPipeline.bounded_total until routed
 
 
 class Segment:
@@ -64,10 +65,9 @@ class VerifyPipeline:
         self.pending: list[Event | Run] = []
         self.pending_msgs = 0  # messages in ``pending``
         self.segments: collections.deque[Segment] = collections.deque()
-        # Messages in the pipeline of the connections the driver bounds (remote strangers: Driver._received), by
-        # connection - counted for those alone (the common case pays one test of an empty dict per run).
-        self.bounded: dict[int, int] = {}
-        self.bounded_total = 0  # their sum
+        # Messages in the pipeline of the connections the driver bounds (remote strangers: Driver._received), all
+        # together (their runs say so: Run.bounded).
+        self.bounded_total = 0
 
     @property
     def full(self) -> bool:
@@ -80,16 +80,15 @@ class VerifyPipeline:
 
     def add_messages(self, conn: int, msgs: list[Message], *, bounded: bool = False) -> None:
         """Messages that arrived on ``conn``, in order (joined to the run before them from the same connection);
-        ``bounded``: counted in :attr:`bounded` until routed."""
+        ``bounded``: counted in :attr:`bounded_total` until routed."""
         if bounded:
-            self.bounded[conn] = self.bounded.get(conn, 0) + len(msgs)
             self.bounded_total += len(msgs)
         pending = self.pending
         last = pending[-1] if pending else None
         if type(last) is Run and last.conn == conn:
             last.msgs.extend(msgs)
         else:
-            pending.append(Run(conn, msgs))
+            pending.append(Run(conn, msgs, bounded))
         self.pending_msgs += len(msgs)
 
     def seal(self, extra: Event | None, on_verified: Callable[[asyncio.Future[list[bytes]]], None], *,
@@ -138,19 +137,13 @@ class VerifyPipeline:
             self.stats["bad_signature_total"] += bad
         out: list[Event] = []
         i = 0
-        bounded = self.bounded
         for x in items:
             if type(x) is Run:
                 j = i + len(x.msgs)
                 out.append(MessagesReceived(x.conn, x.msgs, results[i:j]))
                 i = j
-                if bounded and (left := bounded.get(x.conn)) is not None:
+                if x.bounded:
                     self.bounded_total -= len(x.msgs)
-                    left -= len(x.msgs)
-                    if left > 0:
-                        bounded[x.conn] = left
-                    else:
-                        del bounded[x.conn]
             else:
                 assert not isinstance(x, Run)
                 out.append(x)

@@ -38,7 +38,7 @@ import time
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.config import GroupPolicyConfig, PubsubConfig
-from upsycle_router.core.delivery import VIA_BYTES
+from upsycle_router.core.delivery import too_large_with_via
 from upsycle_router.crypto import Identity, advert_valid, message_signature_valid, sign_message
 from upsycle_router.errors import RemoteProtocolError
 from upsycle_router.expiry import DistinctTtls, exp_in, exp_to_unix
@@ -243,7 +243,7 @@ class PubsubService(RouterService):
             if isinstance(e, Forward):
                 m = e.message
                 size = len(m.wire) if m.wire else len(m.encode())
-                if size + (0 if m.via is not None else VIA_BYTES) > self.max_frame:
+                if too_large_with_via(m, size, self.max_frame):
                     # (the router would take the frame for a protocol error and close the connection: an audit,
                     # with max_frame below a group's max_size; past the first hop gossip is best effort)
                     self._count("pubsub_too_large_total")
