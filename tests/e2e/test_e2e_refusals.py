@@ -451,3 +451,37 @@ async def test_what_remote_strangers_have_in_the_pipeline_is_bounded(daemon: Dae
             await local.send(Identity.generate().public, b"local %d" % i)
         assert len((await local.sync(timeout=120)).refused) == n
         assert (await local.status())["stranger_read_pauses_total"] == paused
+
+
+async def test_a_stranger_trusted_by_a_reload_is_no_longer_bounded_on_its_open_connection(
+        daemon: DaemonFactory) -> None:
+    """Whether a connection's messages count against the strangers' pipeline bound is decided when it opens,
+    and again when a reload changes whom the router trusts: a key added to ``edge_nodes`` by SIGHUP, already
+    connected, floods as a trusted router may - its reading is no longer paused for the strangers' bound."""
+    from upsycle_router.runtime.driver import STRANGER_PENDING_MAX
+
+    port = free_port()
+    d = daemon("--listen", f"127.0.0.1:{port}", config={"log": {"level": "info"}})
+    for _ in range(200):
+        if "listening tls=" in d.log_text():
+            break
+        await asyncio.sleep(0.05)
+    n = 8 * STRANGER_PENDING_MAX
+    key = Identity.generate()
+    s = await Client.connect_tls("127.0.0.1", port, key)
+    try:
+        async with await Client.connect(d.sock, Identity.generate()) as local:
+            for i in range(n):
+                await s.send(Identity.generate().public, b"to nobody %d" % i)
+            assert len((await s.sync(timeout=120)).refused) == n
+            paused = (await local.status())["stranger_read_pauses_total"]
+            assert paused > 0
+            d.write_config({"log": {"level": "info"}, "edge_nodes": [key.public.hex()]})
+            d.signal(signal.SIGHUP)
+            await async_wait_until(lambda: "reload: edge_nodes" in d.log_text(), 10.0, "the reload's line")
+            for i in range(n):
+                await s.send(Identity.generate().public, b"to nobody, trusted now %d" % i)
+            assert len((await s.sync(timeout=120)).refused) == n
+            assert (await local.status())["stranger_read_pauses_total"] == paused
+    finally:
+        await s.close()

@@ -733,7 +733,10 @@ class Daemon:
         fresh = core_config(cfg, running.pubsub_service, running.local_services, running.discovery_service)
         new = dataclasses.replace(running, **{f: getattr(fresh, f) for f in CORE_RELOADABLE})
         if new != running:
+            trusted = router.state.trusted
             router.config = new
+            if router.state.trusted != trusted:
+                self.driver.retrust()
 
     # ------------------------------------------------------------ health and status
 

@@ -291,6 +291,19 @@ class Driver:
             conn.pause_reading()
         self._schedule()
 
+    def retrust(self) -> None:
+        """The router's trusted set changed (a reload): which open connections are remote strangers', for the
+        pipeline's bound, is decided again; one trusted now and paused for that bound is read again at once.
+        (What a connection already has in the pipeline stays counted as it was until it is routed.)"""
+        trusted = self.router.state.trusted
+        for conn in self.conns.values():
+            conn.bounded = not conn.local and conn.peer not in trusted
+            if not conn.bounded and conn.id in self._bounded:
+                self._bounded.discard(conn.id)
+                if (conn.id not in self.effects.throttled and conn.id not in self._paused_for_rate
+                        and not (self._reading_paused and conn.id in self._held)):
+                    conn.resume_reading()
+
     def _hold(self, conn: Connection) -> None:
         """Stop reading ``conn`` until the pipeline has room again."""
         if conn.id not in self._held:
