@@ -24,7 +24,8 @@ from core_harness import (
 )
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import Confirmed, ConnectionOpened, Custody, Dial, PeerLearned
+from upsycle_router.core.events import Confirmed, ConnectionOpened, Custody, Dial, PeerLearned, Trace
+from upsycle_router.core.trace import DROPPED, Why
 from upsycle_router.crypto import Identity, message_signature_valid, sign_advert
 from upsycle_router.expiry import exp_in, unix_to_exp
 from upsycle_router.store.api import ROUTE_ADVERT, PeerAddress, RouteEntry
@@ -757,14 +758,14 @@ def test_an_advertised_address_is_kept_so_that_a_restart_dials_the_router_messag
     r = h.open(R, local=False)
     h.receive(r, advert_message(R, X, advert(R, host="198.51.100.7", port=4433, ttl=900)))
     ip = bytes([198, 51, 100, 7])
-    assert h.store.addresses() == {R.public: PeerAddress(TCP, ip, 4433, T0 + 900)}
+    assert h.store.addresses() == {R.public: PeerAddress(TCP, ip, 4433, T0 + 900, 1)}
     later = T0 + 30
     h.receive(r, advert_message(R, X, advert(R, host="198.51.100.7", port=4433, ttl=900, rev=2, now=later),
                                 now=later), now=later)  # fmt: skip
     assert h.store.addresses()[R.public].expires == T0 + 900, "written again for 30 s more"
     moved = advert(R, host="198.51.100.8", port=4434, ttl=900, rev=3, now=later)
     h.receive(r, advert_message(R, X, moved, now=later), now=later)
-    assert h.store.addresses() == {R.public: PeerAddress(TCP, bytes([198, 51, 100, 8]), 4434, later + 900)}
+    assert h.store.addresses() == {R.public: PeerAddress(TCP, bytes([198, 51, 100, 8]), 4434, later + 900, 3)}
     h.close(r)
     a = h.open(ALICE)
     h.receive(a, unicast(ALICE, R, b"waits for R", ttl=3600, now=later), now=later)  # queued for R (its route)
@@ -780,6 +781,32 @@ def test_an_advertised_address_is_kept_so_that_a_restart_dials_the_router_messag
     h.timer(later + 3601)  # the message expired too: forgotten
     assert h.store.queue_usage(R.public)[0] == 0
     assert h.store.addresses() == {} and h.router.state.addresses == {}
+
+
+def test_an_older_advert_replayed_after_a_restart_is_refused_and_does_not_move_the_address(h: CoreHarness) -> None:
+    """(From an operator audit: the newest revision accepted was kept in memory only, so after a restart a
+    replayed older advert - valid until its exp - was accepted again, and moved the address the router dials back
+    to the old one.) The revision is kept with the address; an advert that refreshes it without a move is not
+    written, and a replay of a revision at least the one kept names the same address."""
+    r = h.open(R, local=False)
+    old = advert(R, host="198.51.100.7", port=4433, ttl=7200, rev=19)
+    new = advert(R, host="198.51.100.8", port=4434, ttl=7200, rev=20)
+    newer = advert(R, host="198.51.100.8", port=4434, ttl=7200, rev=21, now=T0 + 10)
+    for adv in (old, new):
+        h.receive(r, advert_message(R, X, adv))
+    h.receive(r, advert_message(R, X, newer, now=T0 + 10), now=T0 + 10)
+    kept = h.store.addresses()[R.public]
+    assert (kept.port, kept.rev) == (4434, 20), "a refresh without a move is not written"
+    h.close(r)
+    h.restart()
+    h.router.start(T0 + 20)
+    r = h.open(R, local=False, now=T0 + 20)
+    out = h.receive(r, advert_message(R, X, old, now=T0 + 20), now=T0 + 20)
+    assert not [e for e in out if isinstance(e, PeerLearned)]
+    assert [e.reason for e in out if isinstance(e, Trace) and e.event == DROPPED] == [Why.STALE_REVISION]
+    assert h.store.addresses()[R.public].port == 4434 and h.router.state.addresses[R.public].port == 4434
+    h.receive(r, advert_message(R, X, new, now=T0 + 20), now=T0 + 20)  # (the revision kept: the same address)
+    assert h.store.addresses()[R.public].port == 4434
 
 
 def test_an_address_with_a_short_lived_advert_is_kept_while_its_adverts_keep_coming(h: CoreHarness) -> None:

@@ -19,6 +19,7 @@ from upsycle_router.store import accel
 from upsycle_router.store.api import PeerAddress
 from upsycle_router.store.check import check_store
 from upsycle_router.store.integrity import StoreUnusable
+from upsycle_router.store.layout import ADDR
 from upsycle_router.store.lmdb_store import (
     SCHEMA_VERSION,
     Durability,
@@ -465,6 +466,32 @@ def test_addresses_of_advertised_routers_survive_a_reopen_and_the_check(store: L
         with env.begin(write=True) as txn:
             txn.put(C, b"\x00" * 5, db=env.open_db(b"addrs", txn=txn))
     assert any("address of" in p for p in check_store(path))
+
+
+def test_an_address_keeps_its_advert_revision_and_one_written_before_reads_as_revision_0(store: LmdbStore) -> None:
+    """The revision kept with an address refuses an older advert replayed after a restart (core/control.py); a
+    record of an older release (the IP address last, no revision) still reads, as revision 0."""
+    v4 = PeerAddress(1, bytes([10, 0, 0, 7]), 7000, T + 60, 1_764_000_000_123)
+    v6 = PeerAddress(1, bytes(15) + b"\x01", 65535, T, 2**64 - 1)
+    with store.transaction():
+        store.put_address(A, v4)
+        store.put_address(B, v6)
+    s = reopen(store)
+    assert s.addresses() == {A: v4, B: v6}
+    path = s.path
+    s.close()
+    with lmdb.open(str(path), max_dbs=64, subdir=True) as env:
+        with env.begin(write=True) as txn:
+            txn.put(C, ADDR.pack(int(T * 1000), 1, 7001) + bytes([10, 0, 0, 8]), db=env.open_db(b"addrs", txn=txn))
+            txn.put(G1, ADDR.pack(int(T * 1000), 1, 7002) + bytes(16), db=env.open_db(b"addrs", txn=txn))
+    assert check_store(path) == []
+    s = open_store(path)
+    try:
+        got = s.addresses()
+        assert got[C] == PeerAddress(1, bytes([10, 0, 0, 8]), 7001, T, 0)
+        assert got[G1] == PeerAddress(1, bytes(16), 7002, T, 0)
+    finally:
+        s.close()
 
 
 def test_routes_with_and_without_expiry(store: LmdbStore) -> None:

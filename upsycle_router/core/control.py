@@ -384,7 +384,8 @@ class ControlPlane:
             drop(Why.EXPIRED)
             return False
         known = self.s.advert_revs.get(adv.id)
-        if known is not None and adv.rev < known[0]:
+        kept = self.s.addresses.get(adv.id)  # (from the store: its revision outlives a restart)
+        if (known is not None and adv.rev < known[0]) or (kept is not None and adv.rev < kept.rev):
             drop(Why.STALE_REVISION)  # a newer revision of this router's advert was accepted before
             return False
         self.s.advert_revs[adv.id] = (adv.rev, expiry)
@@ -396,7 +397,7 @@ class ControlPlane:
                 self.s.count("advert_claims_refused_total")
         out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port, adv.addr.proto))
         if adv.addr.port:  # (port 0: it cannot be dialled) kept, so that a restart can dial it (Router.start)
-            where = PeerAddress(adv.addr.proto, adv.addr.ip, adv.addr.port, expiry)
+            where = PeerAddress(adv.addr.proto, adv.addr.ip, adv.addr.port, expiry, adv.rev)
             moved = self.s.remember_address(adv.id, where, now)
             if moved and self.s.redial.pop(adv.id, None) is not None:
                 # a dial failed and the next waits for its backoff: the new address is worth a try now

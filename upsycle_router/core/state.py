@@ -267,7 +267,11 @@ class RouterState:
         """``router`` listens at ``addr`` (its advert, valid until ``addr.expires``): kept in the store when it is
         new or moved, its advert's lifetime grew by a minute or more, or the one kept lapses within a minute (an
         advert refreshed every few minutes costs no write each time; one with a short lifetime, each time - the
-        kept one must not lapse while the router is there). True when the address is new or moved."""
+        kept one must not lapse while the router is there). True when the address is new or moved.
+
+        The advert's revision is kept with it: after a restart an older advert, replayed, is refused
+        (control.py). Every advert of a revision between the one kept and the newest names the address kept
+        (a move is always written), so the one kept is enough to refuse every replay that would move it back."""
         old = self.addresses.get(router)
         same = old is not None and (old.proto, old.ip, old.port) == (addr.proto, addr.ip, addr.port)
         if (old is not None and same

@@ -53,12 +53,13 @@ class RouteEntry:
 @dataclass(frozen=True, slots=True)
 class PeerAddress:
     """Where an advertised router listens (its advert's ``addr``: ``proto``, 4- or 16-byte ``ip``, ``port``),
-    as of an advert valid until ``expires``."""
+    as of an advert valid until ``expires``, of revision ``rev`` (0: not known - kept before revisions were)."""
 
     proto: int
     ip: bytes
     port: int
     expires: float
+    rev: int = 0
 
 
 @dataclass(frozen=True, slots=True)

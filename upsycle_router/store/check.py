@@ -46,8 +46,6 @@ import lmdb
 from upsycle_router.store import integrity
 from upsycle_router.store.integrity import DATA, MARKER, FileReport
 from upsycle_router.store.layout import (
-    ADDR,
-    ADDR_IP_LENS,
     CONTACT_KEY_LEN,
     COUNTS,
     KEY_LEN,
@@ -74,6 +72,7 @@ from upsycle_router.store.layout import (
     SUB_REMOTE,
     TABLES,
     U64,
+    address_fields,
     owed_fields,
     record_decodes,
     record_fields,
@@ -345,7 +344,12 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
             p(f"route to {_short(k)} does not decode")
     report.counts["routes"] = routes
     for k, v in items("addrs"):
-        if len(k) != KEY_LEN or len(v) - ADDR.size not in ADDR_IP_LENS:
+        try:
+            address_fields(v)
+        except ValueError:
+            p(f"address of {_short(k)} does not decode")
+            continue
+        if len(k) != KEY_LEN:
             p(f"address of {_short(k)} does not decode")
     for table, klen in (("locals", KEY_LEN), ("psubs", KEY_LEN), ("usubs", KEY_LEN), ("contacts", CONTACT_KEY_LEN)):
         count = 0

@@ -38,9 +38,11 @@ in number order; times are whole milliseconds since the Unix epoch (``expires_ms
 ``owed``       message id -> :data:`OWED_HEAD` (the number of recipients) ``|| recipients || cores``, 32 bytes
                each: a stored group message and whom it is still owed to (:func:`owed_record`); it goes with
                its ``msgs`` record
-``addrs``      router -> :data:`ADDR` ``|| ip``: where an advertised router listens (its advert's ``addr``:
+``addrs``      router -> :data:`ADDR` ``|| ip || rev``: where an advertised router listens (its advert's ``addr``:
                ``expires_ms || proto || port``, then the 4- or 16-byte IP address), so that after a restart the
-               router can dial those that messages wait for
+               router can dial those that messages wait for, and the advert's revision (U64), so that after a
+               restart an older advert replayed is still refused (:func:`address_record`; records written
+               before the revision was kept end with the IP address and read as revision 0)
 
 The C accelerators need some of these numbers at compile time: ``store/_layout.h`` repeats them, and each of
 the two extension modules exports its copy as the dict ``LAYOUT`` (name -> value, under the names used here).
@@ -122,7 +124,8 @@ COUNTS = struct.Struct(">QQ")
 ROUTE = struct.Struct(">32sQB")
 ROUTE_SOURCES = (ROUTE_CONNECTION, ROUTE_MESSAGE, ROUTE_ADVERT, ROUTE_SERVED, ROUTE_REGISTERED)
 
-# addrs: router -> expires_ms || proto || port || ip (4 or 16 bytes)
+# addrs: router -> expires_ms || proto || port || ip (4 or 16 bytes) || rev (U64: the advert's revision; a record
+# written before revisions were kept ends with the ip: revision 0)
 ADDR = struct.Struct(">QBH")
 ADDR_IP_LENS = (4, 16)
 
@@ -175,6 +178,24 @@ def owed_fields(v: bytes) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
     if n > len(keys):
         raise ValueError(f"an owed record of {len(keys)} keys names {n} recipients")
     return tuple(keys[:n]), tuple(keys[n:])
+
+
+def address_record(expires_ms: int, proto: int, port: int, ip: bytes, rev: int) -> bytes:
+    """An ``addrs`` record."""
+    return ADDR.pack(expires_ms, proto, port) + ip + U64.pack(rev)
+
+
+def address_fields(v: bytes) -> tuple[int, int, int, bytes, int]:
+    """An ``addrs`` record's ``(expires_ms, proto, port, ip, rev)``; ValueError if it does not decode."""
+    rest = len(v) - ADDR.size
+    if rest in ADDR_IP_LENS:
+        ip_len, rev = rest, 0
+    elif rest - U64.size in ADDR_IP_LENS:
+        ip_len, rev = rest - U64.size, U64.unpack_from(v, ADDR.size + rest - U64.size)[0]
+    else:
+        raise ValueError(f"an address record of {len(v)} bytes")
+    ms, proto, port = ADDR.unpack_from(v)
+    return ms, proto, port, bytes(v[ADDR.size : ADDR.size + ip_len]), rev
 
 
 def c_layout() -> dict[str, int]:

@@ -193,7 +193,7 @@ class MemoryStore:
         return dict(sorted(self._t["routes"].items()))
 
     def put_address(self, router: bytes, addr: PeerAddress) -> None:
-        self._set("addrs", router, PeerAddress(addr.proto, addr.ip, addr.port, self._ms(addr.expires)))
+        self._set("addrs", router, PeerAddress(addr.proto, addr.ip, addr.port, self._ms(addr.expires), addr.rev))
 
     def delete_address(self, router: bytes) -> bool:
         return self._del("addrs", router)
