@@ -6,6 +6,8 @@
 # A config file, if any, goes to /etc/upsycle-router/router.yaml (-v ./router.yaml:/etc/upsycle-router/
 # router.yaml:ro); none is needed. The environment overrides its data_dir, listen.unix and listen.tls
 # (docs/config.md, "Where the config comes from"); -e UPSYCLE_LOG_LEVEL=debug and the like work too.
+# Other routers dial the address in this router's advert: set it with -e UPSYCLE_ADVERTISE=IP:7733 (0.0.0.0,
+# which it listens on, is none they can dial; the router warns at start while it is not set).
 #
 # The build stage has a C compiler, so the wheel carries the C accelerators (upsycle_router/wire/_codec.c: frame
 # decoding, message ids with the vendored BLAKE3 C code in vendor/; runtime/_verify.c: batch signature

@@ -9,6 +9,7 @@ import random
 import re
 import subprocess
 from collections import namedtuple
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +22,15 @@ from upsycle_router.config import (
     DEFAULT_MAP_SIZE,
     MAX_MAP_SIZE,
     DaemonConfig,
+    PeerConfig,
+    check_own_key,
     config_warnings,
     load_config,
     parse_config,
 )
 from upsycle_router.config import daemon as config_mod
+from upsycle_router.config.discovery import DiscoveryConfig
+from upsycle_router.crypto import Identity
 from upsycle_router.errors import ConfigError
 from upsycle_router.runtime.daemon import gossip_params
 from upsycle_router.services.pubsub.params import GossipParams
@@ -404,6 +409,36 @@ def test_socket_mode_warning(tmp_path: Path) -> None:
     (w,) = [w for w in config_warnings(restricted) if "unix_mode" in w]
     assert "remote peers" in w
     assert not [w for w in config_warnings(_cfg(tmp_path, unix_mode=0o660, unix=None)) if "unix_mode" in w]
+
+
+def test_a_wildcard_listen_address_without_advertise_is_warned_about(tmp_path: Path) -> None:
+    """(An operator audit: the Docker image listens on 0.0.0.0:7733, and other routers recorded that as where to
+    dial it - their own machine.)"""
+    for listen in ("0.0.0.0:7733", "[::]:7733"):
+        (w,) = [w for w in config_warnings(_cfg(tmp_path, tls=listen)) if "listen.tls" in w]
+        assert listen in w and "discovery.advertise" in w and "UPSYCLE_ADVERTISE" in w
+        told = replace(_cfg(tmp_path, tls=listen), discovery=DiscoveryConfig(advertise="203.0.113.7:7733"))
+        assert not [w for w in config_warnings(told) if "listen.tls" in w]
+    assert not [w for w in config_warnings(_cfg(tmp_path, tls="127.0.0.1:7733")) if "listen.tls" in w]
+    assert not [w for w in config_warnings(_cfg(tmp_path)) if "listen.tls" in w]
+
+
+def test_the_routers_own_key_as_a_peer_is_a_config_error(tmp_path: Path) -> None:
+    """(An operator audit: a fleet's shared ``peers`` list with each router's own key in it started, and the
+    router dialled itself for ever, logging each answer as a protocol error.)"""
+    own = Identity.generate()
+    (tmp_path / "data").mkdir(mode=0o700)
+    (tmp_path / "data" / "router.key").write_bytes(own.seed)
+    (tmp_path / "data" / "router.key").chmod(0o600)
+    other = PeerConfig(Identity.generate().public, "127.0.0.1:7001")
+    config_warnings(_cfg(tmp_path, peers=(other,)))  # (another key: fine)
+    for field, value in (("peers", (other, PeerConfig(own.public, "127.0.0.1:7002"))),
+                         ("core_nodes", (PeerConfig(own.public, "127.0.0.1:7002"),)),
+                         ("edge_nodes", frozenset({own.public}))):  # fmt: skip
+        with pytest.raises(ConfigError, match=f"{field}: {own.public.hex()}.* this router's own key"):
+            config_warnings(_cfg(tmp_path, **{field: value}))
+        with pytest.raises(ConfigError, match="own key"):
+            check_own_key(_cfg(tmp_path, **{field: value}), own.public)
 
 
 def test_map_size_against_the_filesystem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -809,6 +809,16 @@ def test_an_older_advert_replayed_after_a_restart_is_refused_and_does_not_move_t
     assert h.store.addresses()[R.public].port == 4434
 
 
+def test_a_wildcard_address_in_an_advert_is_not_kept(h: CoreHarness) -> None:
+    """0.0.0.0 or :: (a router that listens on every interface and did not set ``discovery.advertise``) is no
+    address to dial after a restart; the routes the advert gives are learnt all the same."""
+    r = h.open(R, local=False)
+    for rev, host in enumerate(("0.0.0.0", "::"), 1):
+        h.receive(r, advert_message(R, X, advert(R, host=host, port=7733, rev=rev)))
+        assert h.store.addresses() == {} and R.public not in h.router.state.addresses
+    assert R.public in h.router.routes
+
+
 def test_an_address_with_a_short_lived_advert_is_kept_while_its_adverts_keep_coming(h: CoreHarness) -> None:
     """(From a review.) Adverts that live 30 s, sent every 10 s: the stored address never lapses while they
     come (it lapsed every 30 s, and a crash then stranded what was queued for that router)."""

@@ -143,6 +143,22 @@ async def test_a_config_that_does_not_load_on_reload_keeps_the_daemon_serving(da
     assert " WARNING " in warn and "reload: durability, store.map_size changed but need a restart" in warn
 
 
+async def test_a_reload_that_names_the_routers_own_key_as_a_peer_is_refused(daemon: DaemonFactory) -> None:
+    """(An operator audit: it was taken, and the router dialled itself for ever, each answer logged as a
+    protocol error and counted as an authentication failure.) The start refuses it too (exit 2)."""
+    d = daemon(config={"log": {"level": "info"}})
+    own = _router_id(d)
+    _hup(d, {"log": {"level": "info"}, "peers": [{"id": own.hex(), "addr": "127.0.0.1:9"}]})
+    (line,) = _wait_line(d, "this router's own key")
+    assert " ERROR " in line and "running on with the config loaded before" in line
+    async with await Client.connect(d.sock, Identity.generate()) as c:
+        assert (await c.status())["auth_failures_total"] == 0
+    d.stop()
+    d.write_config({"peers": [{"id": own.hex(), "addr": "127.0.0.1:9"}]})
+    r = d.run_expecting_exit()
+    assert r.returncode == 2 and "this router's own key" in r.stderr, r.stderr
+
+
 def test_the_reload_command(daemon: DaemonFactory, tmp_path: Path) -> None:
     d = daemon(config={"log": {"level": "info"}})
     assert d.config_path is not None

@@ -59,6 +59,18 @@ async def test_an_address_on_a_transport_not_implemented_is_skipped_and_counted(
     assert pool.addrs[OTHER.public] == ("192.0.2.9", 7733)
 
 
+async def test_a_wildcard_address_is_skipped_and_counted(pool: ConnectionPool) -> None:
+    """(An operator audit: a router listening on 0.0.0.0 without ``discovery.advertise`` advertised that, and its
+    peers recorded it as where to dial it - dialled, it reaches their own machine.)"""
+    for n, host in enumerate(("0.0.0.0", "::"), 1):
+        pool.learn(PEER.public, host, 7733, TCP)
+        assert PEER.public not in pool.addrs
+        assert pool.driver.stats["adverts_unspecified_skipped_total"] == n
+    pool.learn(PEER.public, "192.0.2.7", 7733, TCP)
+    pool.learn(PEER.public, "0.0.0.0", 7744, TCP)  # (a later one leaves the address known alone)
+    assert pool.addrs[PEER.public] == ("192.0.2.7", 7733)
+
+
 async def test_the_core_reports_the_advert_transport_and_the_pool_skips_udp(pool: ConnectionPool) -> None:
     """The way an advert's address takes: the core's PeerLearned (with the advert's proto) through the effect
     runner to the pool."""

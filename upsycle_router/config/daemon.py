@@ -17,6 +17,7 @@ parsed by :mod:`upsycle_router.config.discovery`. Imports go one way: values <- 
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 from collections.abc import Callable
@@ -698,6 +699,33 @@ def _check(step: Callable[[], object], out: list[str], lenient: bool) -> None:
         out.append(f"{e} (checked as this user: the router's own user may be allowed)")
 
 
+def check_own_key(cfg: DaemonConfig, own: bytes) -> None:
+    """ConfigError if ``peers`` or ``core_nodes`` name this router's own key (``own``): it would dial itself for
+    ever, and each answer would look like an attack (a peer using our key). Checked at start, by ``config`` and
+    at each reload."""
+    for name, entries in (("peers", cfg.peers), ("core_nodes", cfg.core_nodes)):
+        for p in entries:
+            if p.id == own:
+                raise ConfigError(
+                    f"{name}: {own.hex()} at {p.addr} is this router's own key ({cfg.key_path}): a router does not "
+                    "peer with itself; remove that entry (a list shared by a fleet must leave out each router's own)"
+                )
+    if own in cfg.edge_nodes:
+        raise ConfigError(f"edge_nodes: {own.hex()} is this router's own key ({cfg.key_path}); remove it")
+
+
+def _unspecified_listen(cfg: DaemonConfig) -> str | None:
+    """``listen.tls`` when it is a wildcard address (0.0.0.0, ::) and no ``discovery.advertise`` names another."""
+    if cfg.tls is None or cfg.discovery.advertise is not None:
+        return None
+    host = cfg.tls.rsplit(":", 1)[0].strip("[]")
+    try:
+        unspecified = ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return None
+    return cfg.tls if unspecified else None
+
+
 def config_warnings(cfg: DaemonConfig, *, lenient: bool = False) -> list[str]:
     """Checks against the machine the daemon starts on, once the command line has been applied: the messages
     to log as WARNING at start (allowed, but probably not meant). A value the machine can never satisfy is a
@@ -728,7 +756,15 @@ def config_warnings(cfg: DaemonConfig, *, lenient: bool = False) -> list[str]:
     if os.access(cfg.key_path, os.R_OK):  # (one this user cannot read - another user's router - is not looked at)
         from upsycle_router.crypto import load_key_file
 
-        load_key_file(cfg.key_path)
+        check_own_key(cfg, load_key_file(cfg.key_path).public)
+    wildcard = _unspecified_listen(cfg)
+    if wildcard is not None:
+        out.append(
+            f"listen.tls {wildcard} names no address another machine can dial, and discovery.advertise is not set: "
+            "this router's advert says so, and routers that learn it from the advert cannot dial it (they reach it "
+            "only while it keeps a connection to them open); set discovery.advertise (UPSYCLE_ADVERTISE) to the "
+            "host:port other routers reach this one at"
+        )
     ws = cfg.websocket
     if ws.listen is not None and ws.tls and ws.cert_file is not None and ws.key_file is not None:
         _check(partial(_load_certificate, ws.cert_file, ws.key_file), out, lenient)

@@ -8,8 +8,8 @@ A command that needs the daemon's config builds it in layers, each overriding th
 2. one config file, the first of: ``--config FILE``; ``$UPSYCLE_CONFIG``; ``/etc/upsycle-router/router.yaml``
    when it exists (:func:`find_config`). None of them: no file, the defaults alone;
 3. the environment (:data:`ENVIRONMENT`): ``UPSYCLE_DATA_DIR``, ``UPSYCLE_SOCKET``, ``UPSYCLE_SOCKET_MODE``,
-   ``UPSYCLE_SOCKET_GROUP``, ``UPSYCLE_LISTEN``, ``UPSYCLE_LOG_LEVEL`` - each the same as one option of the
-   file, checked the same way (an empty variable counts as unset);
+   ``UPSYCLE_SOCKET_GROUP``, ``UPSYCLE_LISTEN``, ``UPSYCLE_ADVERTISE``, ``UPSYCLE_LOG_LEVEL`` - each the same as one
+   option of the file, checked the same way (an empty variable counts as unset);
 4. the command line (``--data-dir``, ``--unix``, ...: :mod:`upsycle_router.cli.common`).
 
 The daemon (``run``) and the app commands (``send``, ``listen``, ``status`` ...) read the same layers, so an app
@@ -47,6 +47,7 @@ ENVIRONMENT: dict[str, str] = {
     "UPSYCLE_SOCKET_MODE": "listen.unix_mode",
     "UPSYCLE_SOCKET_GROUP": "listen.unix_group",
     "UPSYCLE_LISTEN": "listen.tls",
+    "UPSYCLE_ADVERTISE": "discovery.advertise",
     "UPSYCLE_LOG_LEVEL": "log.level",
 }
 

@@ -396,7 +396,8 @@ class ControlPlane:
             else:  # (another router's key, or another router's service)
                 self.s.count("advert_claims_refused_total")
         out.append(PeerLearned(adv.id, adv.addr.host, adv.addr.port, adv.addr.proto))
-        if adv.addr.port:  # (port 0: it cannot be dialled) kept, so that a restart can dial it (Router.start)
+        if adv.addr.port and any(adv.addr.ip):  # (port 0 or 0.0.0.0 / ::: it cannot be dialled) kept, so that a
+            # restart can dial it (Router.start)
             where = PeerAddress(adv.addr.proto, adv.addr.ip, adv.addr.port, expiry, adv.rev)
             moved = self.s.remember_address(adv.id, where, now)
             if moved and self.s.redial.pop(adv.id, None) is not None:

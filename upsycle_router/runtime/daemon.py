@@ -57,7 +57,7 @@ from typing import Any
 
 from upsycle_router import __version__, accel
 from upsycle_router.config import DaemonConfig, PeerConfig
-from upsycle_router.config.daemon import socket_gid
+from upsycle_router.config.daemon import check_own_key, socket_gid
 from upsycle_router.config.discovery import BootstrapNode
 from upsycle_router.config.reload import Applies, ReloadPlan, peer_changes, plan_reload
 from upsycle_router.config.values import is_loopback
@@ -632,6 +632,8 @@ class Daemon:
             plan = plan_reload(self.config, loaded)
             for p in plan.config.peers:
                 TransportAddr.parse(p.addr)
+            if self.identity is not None:
+                check_own_key(plan.config, self.identity.public)
         except ConfigError as e:
             log.error("reload: %s; running on with the config loaded before", " ".join(str(e).split()))
             return

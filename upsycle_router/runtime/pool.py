@@ -30,6 +30,8 @@ from upsycle_router.transport.partial import PartialFrames
 from upsycle_router.transport.stream import StreamConnection
 from upsycle_router.wire.discovery import TCP
 
+UNSPECIFIED = frozenset({"0.0.0.0", "::"})  # (an advert's host as TransportAddr.host writes it)
+
 log = logging.getLogger("upsycle_router.pool")
 
 
@@ -67,6 +69,7 @@ class ConnectionPool:
         # succeeds (a peer that crashes again soon after each reconnect is not left for 30 s).
         self._backoff = 1.0
         driver.stats.setdefault("adverts_transport_skipped_total", 0)
+        driver.stats.setdefault("adverts_unspecified_skipped_total", 0)
 
     def add_static(self, router: bytes, host: str, port: int) -> None:
         """A configured peer: remember it and keep it connected."""
@@ -87,9 +90,16 @@ class ConnectionPool:
 
     def learn(self, router: bytes, host: str, port: int, transport: int = TCP) -> None:
         """Record an advertised address (port 0: not dialable). Only TLS over TCP is implemented: an address
-        on another ``transport`` (the advert's ``proto``, e.g. UDP) is skipped and counted."""
+        on another ``transport`` (the advert's ``proto``, e.g. UDP) is skipped and counted. So is a wildcard
+        address (0.0.0.0, ::: a router that listens on every interface and did not set ``discovery.advertise``):
+        dialled, it would reach this machine, not that router."""
         if not port or router == self.identity.public or router in self.static or router in self.bootstrap:
             return  # (a configured address wins over an advertised one: it may name a host the advert cannot)
+        if host in UNSPECIFIED:
+            self.driver.stats["adverts_unspecified_skipped_total"] += 1
+            log.debug("not dialling router=%s at %s:%d: a wildcard address (it did not set discovery.advertise)",
+                      router.hex(), host, port)
+            return
         if transport != TCP:
             self.driver.stats["adverts_transport_skipped_total"] += 1
             log.debug("not dialling router=%s at %s:%d: transport %d is not implemented (TLS over TCP only)",
