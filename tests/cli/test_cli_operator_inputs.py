@@ -506,3 +506,26 @@ def _config_as_nobody(svc: Path, tmp_path: Path) -> None:
     r = run_expecting_exit(argv=[*nobody, sys.executable, "-m", "upsycle_router", "config", "--config", str(conf)],
                            environ=env)  # fmt: skip
     assert r.returncode == 2 and "is not a directory" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "config", "says"),
+    [
+        ("pubsub", {}, "pubsub.in_process is true"),
+        ("pubsub", {"pubsub": {"enabled": False, "in_process": False}}, "pubsub.enabled is false"),
+        ("discovery", {}, "discovery.enabled is false"),
+        ("discovery", {"discovery": {"enabled": True}}, "discovery.in_process is true"),
+    ],
+)
+def test_a_service_the_router_runs_itself_or_not_at_all_is_not_started_as_its_own_process(
+        tmp_path: Path, command: str, config: dict[str, object], says: str) -> None:
+    """(An operator audit: ``pubsub`` and ``discovery`` started whatever the config said - a second instance with
+    the service's key beside the router's own, or a discovery service of a router that runs none, which announced
+    it on the LAN and left a key behind.) Exit 2, one line, no key file made."""
+    data = tmp_path / "data"
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump({"data_dir": str(data), **config}), encoding="utf-8")
+    r = cli(command, "--config", str(path), env=_environ(tmp_path))
+    assert r.returncode == 2, r.stderr
+    assert _one_error_line(r.stderr).startswith("error: config: ") and says in r.stderr
+    assert not (data / f"{command}.key").exists()

@@ -65,7 +65,8 @@ async def test_pubsub_and_discovery_as_separate_processes(daemon: DaemonFactory)
 
 def test_a_service_without_a_socket_is_an_error(tmp_path: Path) -> None:
     cfg = tmp_path / "r.yaml"
-    cfg.write_text("listen: {unix: null, tls: '127.0.0.1:1'}\n")
+    cfg.write_text("listen: {unix: null, tls: '127.0.0.1:1'}\npubsub: {in_process: false}\n"
+                   "discovery: {enabled: true, in_process: false}\n")  # fmt: skip
     for command in ("pubsub", "discovery"):
         r = cli(command, "--data-dir", str(tmp_path / command), "--config", str(cfg))
         assert r.returncode == 2

@@ -367,9 +367,11 @@ async def test_the_validator_connects_again_when_its_router_restarts(daemon: Dae
 def test_the_pub_sub_service_as_its_own_process_says_once_that_its_router_is_not_there(tmp_path: Path) -> None:
     """Run before its router (or with a wrong socket), it waits and says so at INFO once, with the path, then tries
     again quietly (a black-box audit: it said nothing unless at DEBUG)."""
+    cfg = tmp_path / "r.yaml"
+    cfg.write_text("pubsub: {in_process: false}\n")
     pubsub = subprocess.Popen(
-        [sys.executable, "-m", "upsycle_router", "pubsub", "--data-dir", str(tmp_path / "d"), "--unix",
-         str(tmp_path / "none.sock"), "--log-level", "info"],
+        [sys.executable, "-m", "upsycle_router", "pubsub", "--config", str(cfg), "--data-dir", str(tmp_path / "d"),
+         "--unix", str(tmp_path / "none.sock"), "--log-level", "info"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=subprocess_env(), cwd=str(REPO),
     )  # fmt: skip
     try:

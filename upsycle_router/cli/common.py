@@ -43,7 +43,7 @@ from typing import Any
 from upsycle_router.client import Client, ClientError
 from upsycle_router.client.names import HEX_KEY_RE, NAME_RE, lookup
 from upsycle_router.config import DaemonConfig, check_dirs, check_websocket, config_warnings, parse_key
-from upsycle_router.config.sources import effective_config, router_socket
+from upsycle_router.config.sources import describe, effective_config, router_socket
 from upsycle_router.config.values import all_hex
 from upsycle_router.crypto import Identity, load_key_file, load_or_create_key_file, probe_key
 from upsycle_router.durability import Durability
@@ -165,12 +165,27 @@ def add_service_options(p: argparse.ArgumentParser) -> None:
 
 
 def serve_from_args(
-    args: argparse.Namespace, key_file: str, make: Callable[[DaemonConfig, Identity, Path], RouterService]
+    args: argparse.Namespace,
+    section: str,
+    key_file: str,
+    make: Callable[[DaemonConfig, Identity, Path], RouterService],
 ) -> int:
     """Run a router service as its own process: its key is ``key_file`` in the router's data directory, it
-    talks to the router's Unix socket; a bad config or key is an error message and exit 2."""
+    talks to the router's Unix socket; a bad config or key is an error message and exit 2. So is a config whose
+    ``section`` (``pubsub``, ``discovery``) says the router runs the service itself (``in_process``), or no such
+    service at all (``enabled: false``): a second instance with the same key would be taken as another local
+    connection of it, and one the router does not expect would announce a node that says it has none."""
     try:
         cfg = config_from_args(args)
+        svc, where = getattr(cfg, section), describe(getattr(args, "config", None))
+        if not svc.enabled:
+            raise ConfigError(f"{section}.enabled is false in the router's config ({where}): "
+                              f"it runs no {section} service; set {section}.enabled: true and "
+                              f"{section}.in_process: false, and restart the router")  # fmt: skip
+        if svc.in_process:
+            raise ConfigError(f"{section}.in_process is true in the router's config ({where}): "
+                              f"the router runs the {section} service itself; set {section}.in_process: false "
+                              "and restart the router, or give the config it runs with (--config)")  # fmt: skip
         ident = load_or_create_key_file(cfg.data_dir / key_file)
         if cfg.unix is None:
             raise ConfigError("the router has no Unix socket (listen.unix)")

@@ -181,7 +181,7 @@ def cmd_pubsub(args: argparse.Namespace) -> int:
         group_policies(cfg)  # a policy the pub/sub core refuses is a config error (exit 2)
         return pubsub_service(cfg.pubsub, ident, sock, gossip_params(cfg))
 
-    return serve_from_args(args, "pubsub.key", make)
+    return serve_from_args(args, "pubsub", "pubsub.key", make)
 
 
 def cmd_testnet(args: argparse.Namespace) -> int:

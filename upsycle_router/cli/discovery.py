@@ -285,7 +285,7 @@ def cmd_discovery(args: argparse.Namespace) -> int:
     """Run the discovery service as a separate process against a router's socket."""
     from upsycle_router.runtime.daemon import discovery_service
 
-    return serve_from_args(args, "discovery.key", discovery_service)
+    return serve_from_args(args, "discovery", "discovery.key", discovery_service)
 
 
 def _app(p: argparse.ArgumentParser) -> None:
