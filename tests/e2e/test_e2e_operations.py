@@ -143,6 +143,17 @@ async def test_a_config_that_does_not_load_on_reload_keeps_the_daemon_serving(da
     assert " WARNING " in warn and "reload: durability, store.map_size changed but need a restart" in warn
 
 
+async def test_a_reload_names_what_the_environment_and_command_line_still_set_over_the_file(
+        daemon: DaemonFactory) -> None:
+    """(An operator audit: with ``UPSYCLE_LOG_LEVEL`` or ``--log-level`` set, a reload of a file whose
+    ``log.level`` changed logged only "nothing changed".)"""
+    d = daemon("--log-level", "info", config={"log": {"level": "info"}})
+    _hup(d, {"log": {"level": "debug"}})
+    (line,) = _wait_line(d, "still set what they set at start, over the file")
+    assert "--log-level" in line and "--data-dir" in line and "--listen" not in line, line
+    assert _lines(d, "reload: nothing changed")
+
+
 async def test_a_reload_that_names_the_routers_own_key_as_a_peer_is_refused(daemon: DaemonFactory) -> None:
     """(An operator audit: it was taken, and the router dialled itself for ever, each answer logged as a
     protocol error and counted as an authentication failure.) The start refuses it too (exit 2)."""

@@ -43,7 +43,7 @@ from typing import Any
 from upsycle_router.client import Client, ClientError
 from upsycle_router.client.names import HEX_KEY_RE, NAME_RE, lookup
 from upsycle_router.config import DaemonConfig, check_dirs, check_websocket, config_warnings, parse_key
-from upsycle_router.config.sources import describe, effective_config, router_socket
+from upsycle_router.config.sources import ENVIRONMENT, describe, effective_config, environment_in_use, router_socket
 from upsycle_router.config.values import all_hex
 from upsycle_router.crypto import Identity, load_key_file, load_or_create_key_file, probe_key
 from upsycle_router.durability import Durability
@@ -105,6 +105,17 @@ def config_from_args(args: argparse.Namespace, *, reload: bool = False) -> Daemo
     if getattr(args, "log_level", None):
         over["log_level"] = args.log_level
     return dataclasses.replace(cfg, **over) if over else cfg
+
+
+OPTION_FLAGS = {"data_dir": "--data-dir", "unix": "--unix", "listen": "--listen", "websocket": "--websocket",
+                "durability": "--durability", "trace": "--trace", "log_level": "--log-level"}  # fmt: skip
+
+
+def overrides_in_use(args: argparse.Namespace) -> list[str]:
+    """What :func:`config_from_args` applies over the config file: ``$UPSYCLE_X`` (the environment) and the
+    command-line options given, each with the option it sets."""
+    out = [f"${var} ({ENVIRONMENT[var]})" for var in environment_in_use()]
+    return out + [flag for attr, flag in OPTION_FLAGS.items() if getattr(args, attr, None)]
 
 
 def path_option(args: argparse.Namespace, attr: str, option: str) -> Path | None:

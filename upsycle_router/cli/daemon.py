@@ -33,6 +33,7 @@ from upsycle_router.cli.common import (
     add_service_options,
     config_error,
     config_from_args,
+    overrides_in_use,
     path_option,
     run_async,
     serve_from_args,
@@ -81,7 +82,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # the process ends (an audit: it ended with signal 7 and nothing in the log).
     faulthandler.enable(all_threads=True)
     try:
-        run_async(run_daemon(cfg, lambda: config_from_args(args, reload=True), ready_file=ready_file))
+        run_async(run_daemon(cfg, lambda: config_from_args(args, reload=True), ready_file=ready_file,
+                             overrides=overrides_in_use(args)))  # fmt: skip
     except (KeyFileError, ConfigError, StoreUnusable) as e:  # (a damaged store too: one line, exit 2)
         return config_error(e)
     except ListenError as e:  # an address in use may free itself (1); one not on this host will not (2)

@@ -51,7 +51,7 @@ import struct
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -203,9 +203,12 @@ def discovery_service(cfg: DaemonConfig, identity: Identity, socket_path: Path) 
 class Daemon:
     """One running router."""
 
-    def __init__(self, config: DaemonConfig, loader: Callable[[], DaemonConfig] | None = None) -> None:
+    def __init__(
+        self, config: DaemonConfig, loader: Callable[[], DaemonConfig] | None = None, overrides: Sequence[str] = ()
+    ) -> None:
         self.config = config
         self.loader = loader  # reads the config again on SIGHUP (None: nothing to reload)
+        self.overrides = tuple(overrides)  # the environment and command line that the loader applies over the file
         self.started_at = 0.0
         self._started = False
         self._reload_pending = False  # SIGHUP came during start(): reload once it is done
@@ -661,6 +664,8 @@ class Daemon:
                         extra={"fields": {"restart": plan.restart}})  # fmt: skip
         elif not lines:
             log.info("reload: nothing changed")
+        if self.overrides:  # (a change in the file to what they set is not taken: say so, it looks like a no-op)
+            log.info("reload: %s still set what they set at start, over the file", ", ".join(self.overrides))
         if not louder:
             self._apply_logging(cfg)
         if plan.applies(Applies.LIMITS):
@@ -1041,12 +1046,17 @@ def _opening(option: str, value: object) -> Iterator[None]:
 
 
 async def run_daemon(
-    config: DaemonConfig, loader: Callable[[], DaemonConfig] | None = None, *, ready_file: Path | None = None
+    config: DaemonConfig,
+    loader: Callable[[], DaemonConfig] | None = None,
+    *,
+    ready_file: Path | None = None,
+    overrides: Sequence[str] = (),
 ) -> None:
-    """Start a daemon and serve until SIGTERM/SIGINT; on SIGHUP ``loader`` reads the config again.
+    """Start a daemon and serve until SIGTERM/SIGINT; on SIGHUP ``loader`` reads the config again (``overrides``:
+    the environment variables and options it applies over the file, named in the reload's log).
     ``ready_file`` is written (the router's id) once it listens, and removed when it stops."""
     sys.setswitchinterval(SWITCH_INTERVAL)
-    d = Daemon(config, loader)
+    d = Daemon(config, loader, overrides)
     if ready_file is not None:
         ready_file.unlink(missing_ok=True)  # a stale one (a router killed) would say ready too early
     try:
