@@ -529,3 +529,14 @@ def test_a_service_the_router_runs_itself_or_not_at_all_is_not_started_as_its_ow
     assert r.returncode == 2, r.stderr
     assert _one_error_line(r.stderr).startswith("error: config: ") and says in r.stderr
     assert not (data / f"{command}.key").exists()
+
+
+def test_a_socket_option_naming_a_directory_or_a_file_says_so(tmp_path: Path) -> None:
+    """(An operator audit: both said "nothing listens there: a router that was killed?".)"""
+    regular = tmp_path / "file"
+    regular.write_text("")
+    for path, what in ((tmp_path, "a directory"), (regular, "a regular file")):
+        r = cli("status", "--socket", str(path), env=_environ(tmp_path))
+        assert r.returncode == 1
+        line = _one_error_line(r.stderr)
+        assert f"({what}, not a socket" in line and "killed" not in line, line

@@ -278,6 +278,8 @@ def test_import_out_of_band_advert() -> None:
     assert core.import_advert(core.own, T0)[0] == "this is our own advert"  # type: ignore[arg-type]
     assert core.import_advert(advert(R, rev=0), T0)[0] == "a newer revision of this node's advert is known"
     assert core.import_advert(advert(R2, ttl=0), T0)[0] == "the advert has expired"
+    # counted as LAN and shuffle input is (an operator audit: docs/discovery.md says so, they were not)
+    assert core.counters["refused_older"] == 1 and core.counters["refused_expired"] == 1
 
 
 def test_router_adverts_are_cached_but_not_published_back() -> None:

@@ -35,6 +35,7 @@ import dataclasses
 import errno
 import math
 import os
+import stat
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
@@ -350,7 +351,7 @@ async def _with_client(
     try:
         client = await Client.connect(path, ident, timeout=args.timeout_connect)
     except (OSError, TimeoutError) as e:
-        print(f"error: cannot connect to the router at {path}: {connect_error(e)}", file=sys.stderr)
+        print(f"error: cannot connect to the router at {path}: {connect_error(e, path)}", file=sys.stderr)
         return 1
     try:
         rc: int = await fn(client)
@@ -359,17 +360,31 @@ async def _with_client(
         await client.close()
 
 
-def connect_error(e: BaseException) -> str:
+def connect_error(e: BaseException, path: Path | None = None) -> str:
     """Why a connection to the router's socket failed, with a hint of what to do."""
     hint = ""
     no = getattr(e, "errno", None)  # (the client's ConnectError keeps the socket's errno)
-    if no == errno.ENOENT:
+    kind = _not_a_socket(path) if path is not None and no == errno.ECONNREFUSED else None
+    if kind is not None:
+        hint = f" ({kind}, not a socket: --socket names the router's socket, listen.unix)"
+    elif no == errno.ENOENT:
         hint = " (is the router running? 'upsycle-router wait' waits until it answers)"
     elif no == errno.ECONNREFUSED:
         hint = " (nothing listens there: a router that was killed?)"
     elif no in (errno.EACCES, errno.EPERM):
         hint = " (listen.unix_mode and listen.unix_group decide who may connect)"
     return f"{reason(e)}{hint}"
+
+
+def _not_a_socket(path: Path) -> str | None:
+    """What ``path`` is when it exists and is no socket (a directory, a regular file ...), else None."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else "a special file"
 
 
 def run_app(

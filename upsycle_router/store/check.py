@@ -129,7 +129,8 @@ class CheckReport:
             parts.append(f"{c['subscriptions']} subscriptions, {c['routes']} routes")
         f = self.file
         if f is not None and f.meta is not None:
-            parts.append(f"file {f.size} bytes ({f.pages_in_use} pages of {f.meta.psize} bytes in use, "
+            pages = "page" if f.pages_in_use == 1 else "pages"
+            parts.append(f"file {f.size} bytes ({f.pages_in_use} {pages} of {f.meta.psize} bytes in use, "
                          f"{f.pages_free} free, transaction {f.meta.txnid})")
         return f"{self.path}: " + ", ".join(parts)
 

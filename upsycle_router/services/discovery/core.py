@@ -163,6 +163,8 @@ class DiscoveryCore:
             return "this is our own advert", []
         out: list[Effect] = []
         r = self.cache.offer(adv, now, now)
+        if r is Offer.OLDER or r is Offer.EXPIRED or r is Offer.FULL:
+            self._count(f"refused_{r.value}")  # (counted as the same refusals of LAN and shuffle input are)
         if r is Offer.OLDER:
             return "a newer revision of this node's advert is known", []
         if r is Offer.EXPIRED:
