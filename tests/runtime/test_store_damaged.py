@@ -14,15 +14,15 @@ import lmdb
 import pytest
 
 from upsycle_router.core.config import CoreConfig
-from upsycle_router.core.events import CloseConnection, ConnectionClosed, ConnectionOpened, MessagesReceived
+from upsycle_router.core.events import CloseConnection, ConnectionClosed, ConnectionOpened, MessagesReceived, Send
 from upsycle_router.core.router import Router
 from upsycle_router.crypto import Identity, sign_message
 from upsycle_router.durability import Durability
 from upsycle_router.expiry import exp_in
 from upsycle_router.runtime.driver import Driver
 from upsycle_router.store.lmdb_store import LmdbStore
-from upsycle_router.wire.control import Sync, encode_router
-from upsycle_router.wire.messages import UnicastHeader
+from upsycle_router.wire.control import Reason, Refused, Sync, decode_control, encode_router
+from upsycle_router.wire.messages import UnicastHeader, decode_message
 
 
 @pytest.mark.parametrize("damaged", [False, True])
@@ -70,6 +70,7 @@ class _FatalEnv:
 
     def __init__(self, env: object) -> None:
         self.env, self.fail_next_commit, self.fatal, self.fail_sync = env, False, False, False
+        self.full_once = False  # the next commit fails as on a full disk (ENOSPC), and the store goes on
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.env, name)
@@ -96,6 +97,10 @@ class _FatalTxn:
         return getattr(self.txn, name)
 
     def commit(self) -> None:
+        if self.fatal_env.full_once:
+            self.fatal_env.full_once = False
+            self.txn.abort()  # type: ignore[attr-defined]
+            raise lmdb.Error("mdb_txn_commit: No space left on device")
         if self.fatal_env.fail_next_commit:
             self.txn.abort()  # type: ignore[attr-defined]
             self.fatal_env.fatal = True
@@ -205,3 +210,42 @@ def test_a_store_whose_last_sync_failed_is_not_marked_clean(tmp_path: Path) -> N
         assert last.closed_cleanly()  # (the control: closed with its sync, it is marked clean)
     finally:
         last.close()
+
+
+async def test_a_half_closed_app_is_answered_what_it_sent_in_a_batch_that_did_not_commit(tmp_path: Path) -> None:
+    """(A runtime audit: an app that sent a message and a SYNC and half-closed, all routed in one batch whose
+    commit failed, got nothing - the replay closed it before its messages were refused, and the core then no
+    longer knew the connection.) Each of them is answered REFUSED ``store_full``, before the close."""
+    rid, a, c = (Identity.from_seed(bytes([n]) * 32) for n in (1, 2, 3))
+    store = LmdbStore(tmp_path / "store", Durability.NONE, 1 << 26)
+    env = _FatalEnv(store.env)
+    store.env = env  # type: ignore[assignment]
+    router = Router(rid, store, CoreConfig())
+    drv = Driver(router, store, verify_threads=1)
+    got: list[object] = []
+    real_done = drv.batches.done
+    drv.batches.done = lambda effects, now: (got.extend(effects), real_done(effects, now))  # type: ignore[method-assign]
+    for cid, k in ((1, a), (2, c)):
+        drv.push(ConnectionOpened(cid, k.public, True))
+    drv.push(ConnectionClosed(2))  # c is away: what is sent to it is queued (a write)
+    for _ in range(500):
+        await asyncio.sleep(0.01)
+        if router.connections() == 1 and not drv.batches.busy:
+            break
+    got.clear()
+    env.full_once = True
+    now = time.time()
+    m = sign_message(UnicastHeader(a.public, c.public, 3600, exp_in(now, 3600)), b"for c", a)
+    s = sign_message(UnicastHeader(a.public, rid.public, 60, exp_in(now, 60)), encode_router(Sync(7)), a)
+    drv.push(MessagesReceived(1, (m, s), (True, True)))
+    drv.push(ConnectionClosed(1))  # (what Driver.on_end pushes for a half-close, in the same turn)
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if not drv.batches.busy and drv.stats.get("store_errors_total", 0):
+            break
+    await drv.aclose()
+    store.close()
+    assert drv.stats.get("store_errors_total", 0) == 1
+    answers = [decode_control(decode_message(e.data).body) for e in got if isinstance(e, Send) and e.conn == 1]
+    assert [(type(x), x.id, x.reason) for x in answers] == [(Refused, m.id, Reason.STORE_FULL),  # type: ignore[attr-defined]
+                                                            (Refused, s.id, Reason.STORE_FULL)]  # fmt: skip

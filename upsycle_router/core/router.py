@@ -56,6 +56,7 @@ recipient, queueing, forwarding and refusing is :mod:`~upsycle_router.core.deliv
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Sequence
 
@@ -302,6 +303,8 @@ class Router:
             s.batch_conns = {}
         if s.batch_opened:
             s.batch_opened = set()
+        if s.batch_closed:
+            s.batch_closed = {}
         if s.batch_custody:
             s.batch_custody = set()
         if s.batch_refused:
@@ -336,13 +339,16 @@ class Router:
                 self._dropped(c, msg.id, why, 0, now, out, kind, None, h.src, h.dst, size)
         return out
 
-    def batch_lost(self) -> None:
+    def batch_lost(self, *, reopen: bool = False) -> None:
         """The batch begun last did not commit: nothing of it is in the store, and none of its effects were
         carried out. Forget what it changed here too: the ids it saw (a sender that got no acknowledgement
         sends again, and that copy must not be dropped as a duplicate), the SUBs, dials and redials it would
         have sent (they are due again), and read the state mirrored from the store (subscriptions, routes, local
         services) back from it; connections the batch opened are closed here and each connection's queue window
-        is as it was. (The driver then replays the batch's connection events.)"""
+        is as it was. (The driver then replays the batch's connection events.) ``reopen``: the connections the batch
+        closed are open again as far as the core knows, so that the replay can answer what they sent before it
+        closes them again (the driver replays the closes last); without it they stay closed - a replay that
+        fails too closes nothing."""
         s = self.state
         s.epoch += 1  # (plans: connections' state and the mirrored state are put back below)
         s.seen.forget_since(self._batch_mark)
@@ -359,9 +365,13 @@ class Router:
             if c is not None:
                 c.custody = False
         s.batch_custody = set()
+        for conn, c in sorted(s.batch_closed.items()) if reopen else ():  # (replaying the batch closes them again,
+            self._conns[conn] = c  # after it answered what they sent: Batches._not_committed)
+            bisect.insort(self._by_key.setdefault(c.peer, []), conn)  # (ids grow as connections open)
         for conn in s.batch_opened:  # not open as far as the core knows: replaying the batch opens them
             self._on_close(ConnectionClosed(conn))
         s.batch_opened = set()
+        s.batch_closed = {}
         for conn, (sent, window, inflight_bytes, backlog) in s.batch_conns.items():
             c = self._conns.get(conn)
             if c is not None:  # its queue window as it was: the batch's Sends never went out
@@ -579,6 +589,7 @@ class Router:
         c = self._conns.pop(ev.conn, None)
         if c is None:
             return
+        self.state.batch_closed[ev.conn] = c  # (Router.batch_lost)
         self.state.epoch += 1  # (plans)
         lst = self._by_key.get(c.peer)
         if lst is not None:

@@ -218,9 +218,11 @@ class RouterState:
         self.counters: dict[str, int] = {}  # driver-side counters, reported by status()
         # What the current batch changed, as it was before (for Router.batch_lost): each connection's queue-drain
         # state (sent, its window's undo log, inflight_bytes, backlog), the connections it opened, its refusal
-        # and SYNC_ACK counts.
+        # and SYNC_ACK counts, the connections it closed (so that a batch that did not commit can still answer
+        # what a half-closed app sent before its end: the batch's close is replayed after that).
         self.batch_conns: dict[ConnId, tuple[int, WindowUndo, int, bool]] = {}
         self.batch_opened: set[ConnId] = set()
+        self.batch_closed: dict[ConnId, Conn] = {}
         self.batch_refused: dict[ConnId, tuple[int, int]] = {}
         # forwarded entries a late REFUSED changed: as before (None: there was none)
         self.batch_forwarded: dict[bytes, Forwarded | None] = {}

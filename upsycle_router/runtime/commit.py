@@ -389,15 +389,18 @@ class Batches:
         router = self.router
         effects: list[Effect] = []
         try:
-            router.batch_lost()  # (it reads the mirrored state back from the store)
+            router.batch_lost(reopen=True)  # (it reads the mirrored state back from the store)
             router.batch_begun()
             with self._transaction():
                 for ev in events:
-                    if not isinstance(ev, MessagesReceived):
+                    if not isinstance(ev, MessagesReceived | ConnectionClosed):
                         effects.extend(router.handle(ev, now))
                 for ev in events:  # after the connections' events: one the batch opened can be answered
                     if isinstance(ev, MessagesReceived):
                         effects.extend(router.not_taken(ev.conn, ev.messages, Why.STORE_FULL, now))
+                for ev in events:  # and the closes last: a half-closed app is answered what it sent before its end
+                    if isinstance(ev, ConnectionClosed):
+                        effects.extend(router.handle(ev, now))
             self._count_returns(events)
         except lmdb.Error as e2:
             self.store.note_error(e2)  # (MDB_PANIC here, where the first error was a failed sync: damage)

@@ -64,6 +64,8 @@ TIMER_INTERVAL = 0.1  # seconds between timer runs at the most (expiry sweeps ar
 # construction, and their traffic went through the store (mc 1->10: 4 of 5 runs at a quarter of the rate).
 MAX_BATCH = 512
 CLOSE_ROUNDS_MAX = 100_000  # batches routed at shutdown at most (each routes what is left, up to MAX_BATCH)
+CLOSE_FAILED_ROUNDS = 20  # consecutive shutdown batches whose store write failed, after which the rest is let go
+RETRY_DELAY = 0.2  # seconds before deliveries given back in a batch the store refused twice are routed again
 RATE_PAUSE_MAX = 1.0  # seconds a connection over its rate limit is not read, at most
 RATE_REFUSED_MIN = 64  # messages over the rate limit refused before a close, at least (see Driver._overloaded)
 # Messages remote strangers' connections may have in the verification pipeline, all together: past it, those that
@@ -127,7 +129,7 @@ class Driver:
             own=router.id,
         )
         self.batches = Batches(router, store, self.stats, done=self._done, resume=self._resume,
-                               early=self.effects.apply_early, sync_interval=sync_interval, retry=self._push)
+                               early=self.effects.apply_early, sync_interval=sync_interval, retry=self._retry)
         self.effects.returns_committed = lambda: self.batches.returns_committed
         self._flush_handle: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -145,6 +147,11 @@ class Driver:
         self._batch_ends: list[int] = []
         self._ends_waiting: set[int] = set()  # ended, routed, but a SYNC_ACK of theirs still waits (effects.py)
         self._ends_handle: asyncio.TimerHandle | None = None
+        # Deliveries given back in a batch whose store write failed twice (the disk full, say): routed again after
+        # RETRY_DELAY, not with the very next batch - which would fail the same way, hundreds of times a second.
+        self._retries: list[Event] = []
+        self._retry_handle: asyncio.TimerHandle | None = None
+        self._closing = False
 
     @property
     def dialer(self) -> Dialer | None:
@@ -431,6 +438,20 @@ class Driver:
         self.pipeline.add(ev)
         self._schedule()
 
+    def _retry(self, ev: Event) -> None:
+        if self._closing:  # (close() routes them in its next round)
+            self._push(ev)
+            return
+        self._retries.append(ev)
+        if self._retry_handle is None:
+            self._retry_handle = self.loop.call_later(RETRY_DELAY, self._retry_now)
+
+    def _retry_now(self) -> None:
+        self._retry_handle = None
+        retries, self._retries = self._retries, []
+        for ev in retries:
+            self._push(ev)
+
     def _schedule(self) -> None:
         if self._flush_handle is None:
             self._flush_handle = self.loop.call_soon(self.flush)
@@ -553,13 +574,30 @@ class Driver:
             self._flush_handle.cancel()
             self._flush_handle = None
         self.pipeline.verify_rest_inline()
+        self._closing = True
+        if self._retry_handle is not None:
+            self._retry_handle.cancel()
+            self._retry_handle = None
+        self._retry_now()
         self.batches.close()  # the commit in flight finishes; what remains commits on this thread
         # Route every segment, then what arrived after them (the deliveries closing connections gave back,
         # which must be queued: their senders were told they were taken), then the queue acknowledgements
         # those batches produced - until nothing is left. No input arrives any more, so this ends; the bound
-        # only guards against a bug that would keep producing work.
+        # only guards against a bug that would keep producing work. A store that refuses every write (a full
+        # disk) would make the deliveries given back come round again and again: after CLOSE_FAILED_ROUNDS
+        # such batches in a row they are let go (no SYNC_ACK covered them while they could not be queued:
+        # EffectRunner's holds).
+        errors, failed = self.stats.get("store_errors_total", 0), 0
         for _ in range(CLOSE_ROUNDS_MAX):
             self._drain()
+            now_errors = self.stats.get("store_errors_total", 0)
+            failed, errors = (failed + 1 if now_errors > errors else 0), now_errors
+            if failed >= CLOSE_FAILED_ROUNDS:
+                left = len(self.pipeline.pending)
+                log.error("shutdown: the store refused the last %d batches' writes (store_errors_total): %d items "
+                          "left are not routed (deliveries given back are not queued; no SYNC_ACK covered them)",
+                          failed, left)  # fmt: skip
+                break
             if self.pipeline.segments:
                 continue
             if not (self.pipeline.pending or self.effects.queue_sent):

@@ -51,7 +51,10 @@ only then) and carries them out in order:
   takes them in a millisecond or two); then they are handed to the core (``Buffered``), which backs each with
   a queue entry already in flight on that connection (``Backed``: released like a drained entry once its
   bytes left), and the SYNC_ACK waits until that committed (counted with the deliveries given back): a crash
-  then finds them queued for the app. Deliveries that leave the buffer in time cost nothing;
+  then finds them queued for the app. Deliveries that leave the buffer in time cost nothing. A SYNC_ACK whose
+  waits are still not committed after ``3 * HOLD_MAX`` (the store refuses writes: a full disk) is not
+  written at all: its connection is closed (``sync_acks_withheld_total``), so that its peer takes nothing
+  since its last SYNC_ACK for safe;
 * custody (``Custody``, docs/protocol.md): on another router's connection, what was routed there is that
   router's only once it confirmed it. After each batch (and every ``SYNC_RETRY`` while one is unanswered)
   the runner writes a SYNC signed by the core behind what the batch routed there; ``Confirmed`` (the router's
@@ -574,8 +577,16 @@ class EffectRunner:
                         late = late or waited >= HOLD_MAX
                         break
                     else:
-                        log.error("conn=%d: a SYNC_ACK waited %.0f s for deliveries given back to be routed again: "
-                                  "written anyway", cid, waited)  # fmt: skip
+                        # What it waits for is still not committed (the store refuses writes: a full disk): a
+                        # SYNC_ACK now would acknowledge messages held in memory only. None is written; the
+                        # connection is closed, so its peer knows nothing since its last SYNC_ACK is safe.
+                        self.stats["sync_acks_withheld_total"] = self.stats.get("sync_acks_withheld_total", 0) + 1
+                        log.error("conn=%d: a SYNC_ACK waited %.0f s for deliveries given back to be committed "
+                                  "(store_errors_total): not written; connection closed", cid, waited)  # fmt: skip
+                        to.close_with_error(ErrorCode.OVERLOADED, "store error: what this SYNC covers is not "
+                                            "committed (no SYNC_ACK)")  # fmt: skip
+                        queue.clear()
+                        break
                 ready.append((cid, queue.popleft()))
             if not queue:
                 del self._holds[cid]
