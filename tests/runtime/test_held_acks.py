@@ -736,3 +736,23 @@ async def _confirm_between(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_confirmation_between_hand_over_and_backed_releases_the_entry(monkeypatch: pytest.MonkeyPatch) -> None:
     uvloop.run(_confirm_between(monkeypatch))
+
+
+async def _store_failing_withholds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(A runtime audit, for an app's SYNC_ACK: written after 30 s though what it waited for was never
+    committed.) The store refuses writes, so the hand-over of what D did not confirm never commits: no
+    SYNC_ACK goes to U - that would confirm what is in this process only -, U's connection is closed instead,
+    and U (custody) sends it all again. A store that works but is slow keeps the bounded wait (the test above)."""
+    monkeypatch.setattr(effects_module, "ROUTER_HOLD_MAX", 0.3)
+    async with _Links(b"U" * 32, b"D" * 32) as s:
+        (up, up_end), _ = s.pairs
+        s.fx.store_failing = lambda: True
+        await _handed_over(s, b"m" * 200)  # (its commit never comes: s.committed stays)
+        assert await _until(lambda: up.closed, 3.0)
+        got = _read(up_end)
+        assert ACK not in got and b"not committed" in got, got
+        assert s.stats["sync_acks_withheld_total"] == 1 and s.stats["router_acks_unconfirmed_total"] == 0
+
+
+def test_no_sync_ack_to_a_router_while_the_store_refuses_the_hand_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    uvloop.run(_store_failing_withholds(monkeypatch))

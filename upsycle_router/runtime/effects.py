@@ -45,7 +45,8 @@ only then) and carries them out in order:
   flight on their connections (released by their confirmation), and the SYNC_ACK follows that commit
   (``router_hand_overs_total``); written without it when what it waits for is still neither confirmed nor
   backed at twice ``ROUTER_HOLD_MAX`` from its arrival (``router_acks_unconfirmed_total``: the core declined
-  some - ttl 0, no room -, or the commit was that slow). Not waited for (docs/protocol.md): a
+  some - ttl 0, no room -, or the commit was that slow) - unless the store refuses writes (a full disk): then
+  none is written and the router's connection is closed (``sync_acks_withheld_total``; it sends it all again). Not waited for (docs/protocol.md): a
   delivery still in an app's outbound buffer for long - one app that does not read would hold up every
   sender. A SYNC_ACK waits for deliveries in apps' buffers to leave them for ``BACK_AFTER`` (a healthy reader
   takes them in a millisecond or two); then they are handed to the core (``Buffered``), which backs each with
@@ -213,6 +214,7 @@ class EffectRunner:
         self._caused: dict[int, dict[int, int]] = {}
         self._returns_pushed = 0
         self.returns_committed: Callable[[], int] = lambda: self._returns_pushed
+        self.store_failing: Callable[[], bool] = lambda: False  # (the driver's: Batches.failing_since is set)
         self._hold_handle: asyncio.TimerHandle | None = None
         self._releasing = False  # _release_holds is writing what holds kept
         self._unheld = -1  # the connection whose released hold is being written
@@ -572,6 +574,10 @@ class EffectRunner:
                         if not self._hold_over(hold):  # (it follows the hand-over's commit, if any)
                             if waited < 2 * ROUTER_HOLD_MAX:
                                 break
+                            if self.store_failing():  # (the hand-over cannot commit: a confirmation now would be
+                                self._withhold(to, waited)  # a false one - the router sends it all again)
+                                queue.clear()
+                                break
                             self.stats["router_acks_unconfirmed_total"] += 1  # (nothing backed, or not in time)
                     elif waited < 3 * HOLD_MAX:
                         late = late or waited >= HOLD_MAX
@@ -580,17 +586,21 @@ class EffectRunner:
                         # What it waits for is still not committed (the store refuses writes: a full disk): a
                         # SYNC_ACK now would acknowledge messages held in memory only. None is written; the
                         # connection is closed, so its peer knows nothing since its last SYNC_ACK is safe.
-                        self.stats["sync_acks_withheld_total"] = self.stats.get("sync_acks_withheld_total", 0) + 1
-                        log.error("conn=%d: a SYNC_ACK waited %.0f s for deliveries given back to be committed "
-                                  "(store_errors_total): not written; connection closed", cid, waited)  # fmt: skip
-                        to.close_with_error(ErrorCode.OVERLOADED, "store error: what this SYNC covers is not "
-                                            "committed (no SYNC_ACK)")  # fmt: skip
+                        self._withhold(to, waited)
                         queue.clear()
                         break
                 ready.append((cid, queue.popleft()))
             if not queue:
                 del self._holds[cid]
         return ready, late
+
+    def _withhold(self, to: Connection, waited: float) -> None:
+        """A SYNC_ACK to ``to`` cannot be written without acknowledging what is in memory only (what it waits for
+        could not be committed): close ``to`` instead; its holds go with it (the caller drops them)."""
+        self.stats["sync_acks_withheld_total"] = self.stats.get("sync_acks_withheld_total", 0) + 1
+        log.error("conn=%d: a SYNC_ACK waited %.1f s for deliveries given back to be committed (store_errors_total): "
+                  "not written; connection closed", to.id, waited)  # fmt: skip
+        to.close_with_error(ErrorCode.OVERLOADED, "store error: what this SYNC covers is not committed (no SYNC_ACK)")
 
     def _back_late(self, now: float) -> None:
         """Apps' connections a SYNC_ACK has waited ``BACK_AFTER`` for: their buffered deliveries are backed by queue
