@@ -145,7 +145,7 @@ def service_address(args: argparse.Namespace, key_file: str, off: str) -> bytes:
     data_dir = given if given is not None else effective_config(args.config, app=True).data_dir
     path = data_dir / key_file
     if not path.exists():
-        raise ServiceOff(off.format(path=path))
+        raise ServiceOff(off.format(path=path, dir=data_dir))
     return load_key_file(path).public
 
 

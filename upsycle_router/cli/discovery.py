@@ -65,8 +65,9 @@ ANSWER_TIMEOUT = 10.0
 
 
 DISCOVERY_OFF = (
-    "the router's discovery service is off: there is no {path} (turn it on with discovery: "
-    "{{enabled: true}} in the router's config, see docs/discovery.md; or pass --service HEX)"
+    "the router's discovery service is off, or {dir} is not that router's data directory: there is no {path} "
+    "(give the router's --config or --data-dir; turn the service on with discovery: {{enabled: true}} in the "
+    "router's config, see docs/discovery.md; or pass --service HEX)"
 )
 
 
@@ -272,9 +273,8 @@ def cmd_groups(args: argparse.Namespace) -> int:
     if not args.service:
         try:
             service_address(args, "discovery.key", DISCOVERY_OFF)
-        except ServiceOff:
-            print("note: no public groups listed: the router's discovery service is off (docs/discovery.md)",
-                  file=sys.stderr)  # fmt: skip
+        except ServiceOff as e:
+            print(f"note: no public groups listed: {e}", file=sys.stderr)
             return 0
         except (ConfigError, KeyFileError):
             pass  # _listing says it

@@ -27,35 +27,33 @@ only then) and carries them out in order:
 * dials go to the connection pool (a failed one comes back as ``DialFailed``), learned addresses to its
   address book, ``Throttle`` stops reading a connection for a moment (backpressure), ``CloseConnection``
   sends ERROR and closes;
-* a SYNC_ACK (a ``Send`` with ``barrier``) promises that what the router took before it is safe. A message
-  sent on at once to a router under custody is in this process's memory only until that router confirms it:
-  so the SYNC_ACK to a connection is written only once every router's connection confirmed what was sent on
-  to it for messages that came on that connection (``Send.origin``; ``_caused`` keeps, per origin, how far
-  each router's connection was written for it), and once deliveries given back meanwhile (a connection
-  closed) were routed again and committed (``Batches.returns_committed``). Until then the SYNC_ACK, and the
-  router's own answers after it to the same connection (a REFUSED, a later SYNC_ACK, a PULL's answer), wait
-  in order (:class:`_Hold`); deliveries to it do not (a SYNC_ACK is about what the connection sent), nor does
-  what was written to it before (a stream delivers in order). Every SYNC_ACK is written after the rest of its
-  batch's writes. A router that holds an app's SYNC_ACK up for ``HOLD_MAX`` seconds (it confirms nothing) is
-  closed: what it held is routed again (queued), and the SYNC_ACK follows once that committed. A SYNC_ACK to
-  a router (custody's confirmation, which that router's own SYNC_ACKs may wait for) waits at most
-  ``ROUTER_HOLD_MAX``: routers that send each other's messages on around a circle could otherwise wait on
-  each other for ever. Then what those routers have not confirmed is handed to the core as an app's buffered
-  deliveries are (below: ``Buffered`` on the custody connection), backed by entries of their own queues in
+* a SYNC_ACK (a ``Send`` with ``barrier``) promises that what the router took before it is safe. A message sent on at
+  once to a router under custody is in this process's memory only until that router confirms it: so the SYNC_ACK to a
+  connection is written only once every router's connection confirmed what was sent on to it for messages that came on
+  that connection (``Send.origin``; ``_caused`` keeps, per origin, how far each router's connection was written for
+  it), and once deliveries given back meanwhile (a connection closed) were routed again and committed
+  (``Batches.returns_committed``). Until then the SYNC_ACK, and the router's own answers after it to the same
+  connection (a REFUSED, a later SYNC_ACK, a PULL's answer), wait in order (:class:`_Hold`); deliveries to it do not
+  (a SYNC_ACK is about what the connection sent), nor does what was written to it before (a stream delivers in order).
+  Every SYNC_ACK is written after the rest of its batch's writes. A router that holds an app's SYNC_ACK up for
+  ``HOLD_MAX`` seconds (it confirms nothing) is closed: what it held is routed again (queued), and the SYNC_ACK
+  follows once that committed. A SYNC_ACK to a router (custody's confirmation, which that router's own SYNC_ACKs may
+  wait for) waits at most ``ROUTER_HOLD_MAX``: routers that send each other's messages on around a circle could
+  otherwise wait on each other for ever. Then what those routers have not confirmed is handed to the core as an app's
+  buffered deliveries are (below: ``Buffered`` on the custody connection), backed by entries of their own queues in
   flight on their connections (released by their confirmation), and the SYNC_ACK follows that commit
-  (``router_hand_overs_total``); written without it when what it waits for is still neither confirmed nor
-  backed at twice ``ROUTER_HOLD_MAX`` from its arrival (``router_acks_unconfirmed_total``: the core declined
-  some - ttl 0, no room -, or the commit was that slow) - unless the store refuses writes (a full disk): then
-  none is written and the router's connection is closed (``sync_acks_withheld_total``; it sends it all again). Not waited for (docs/protocol.md): a
-  delivery still in an app's outbound buffer for long - one app that does not read would hold up every
-  sender. A SYNC_ACK waits for deliveries in apps' buffers to leave them for ``BACK_AFTER`` (a healthy reader
-  takes them in a millisecond or two); then they are handed to the core (``Buffered``), which backs each with
-  a queue entry already in flight on that connection (``Backed``: released like a drained entry once its
-  bytes left), and the SYNC_ACK waits until that committed (counted with the deliveries given back): a crash
-  then finds them queued for the app. Deliveries that leave the buffer in time cost nothing. A SYNC_ACK whose
-  waits are still not committed after ``3 * HOLD_MAX`` (the store refuses writes: a full disk) is not
-  written at all: its connection is closed (``sync_acks_withheld_total``), so that its peer takes nothing
-  since its last SYNC_ACK for safe;
+  (``router_hand_overs_total``); written without it when what it waits for is still neither confirmed nor backed at
+  twice ``ROUTER_HOLD_MAX`` from its arrival (``router_acks_unconfirmed_total``: the core declined some - ttl 0, no
+  room -, or the commit was that slow) - unless the store refuses writes (a full disk): then none is written and the
+  router's connection is closed (``sync_acks_withheld_total``; it sends it all again). Not waited for
+  (docs/protocol.md): a delivery still in an app's outbound buffer for long - one app that does not read would hold up
+  every sender. A SYNC_ACK waits for deliveries in apps' buffers to leave them for ``BACK_AFTER`` (a healthy reader
+  takes them in a millisecond or two); then they are handed to the core (``Buffered``), which backs each with a queue
+  entry already in flight on that connection (``Backed``: released like a drained entry once its bytes left), and the
+  SYNC_ACK waits until that committed (counted with the deliveries given back): a crash then finds them queued for the
+  app. Deliveries that leave the buffer in time cost nothing. A SYNC_ACK whose waits are still not committed after ``3
+  * HOLD_MAX`` (the store refuses writes: a full disk) is not written at all: its connection is closed
+  (``sync_acks_withheld_total``), so that its peer takes nothing since its last SYNC_ACK for safe;
 * custody (``Custody``, docs/protocol.md): on another router's connection, what was routed there is that
   router's only once it confirmed it. After each batch (and every ``SYNC_RETRY`` while one is unanswered)
   the runner writes a SYNC signed by the core behind what the batch routed there; ``Confirmed`` (the router's
