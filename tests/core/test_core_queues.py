@@ -570,3 +570,32 @@ def test_a_lost_batch_that_closed_the_draining_connection_flushes_the_other_at_t
     h.lost([ConnectionClosed(b1)])
     out = h.timer()
     assert [s.data for s in out.sends(b2)] == [m.encode() for m in ms[:2]]
+
+
+def test_a_lost_batch_reopens_what_it_closed_for_the_replay_and_a_failed_replay_leaves_no_ghost(
+        tmp_path: Path) -> None:
+    """(A runtime audit: an app half-closed in a batch that did not commit got no answer - the replay found the
+    connection closed.) ``batch_lost(reopen=True)``: the connections the batch closed are open again for the
+    replay, which answers what they sent and closes them again; when that replay fails before the closes,
+    the next ``batch_lost()`` closes them - no connection stays open in the core without its transport."""
+    h = make(tmp_path)
+    b1, b2 = h.open(BOB), h.open(BOB)
+    a = h.open(ALICE)
+    r = h.router
+    for close_again in (True, False):
+        r.batch_begun()
+        r.handle(ConnectionClosed(b1), h.now)
+        assert r.connections() == 2 and r.connected(BOB.public) == b2
+        r.batch_lost(reopen=True)
+        assert r.connections() == 3 and r.connected(BOB.public) == b2, "reopened behind the newer one"
+        r.batch_begun()  # the replay
+        if close_again:
+            r.handle(ConnectionClosed(b1), h.now)
+            r.batch_begun()  # (it committed: the next batch)
+            assert r.connections() == 2
+            b1 = h.open(BOB)  # (for the second round: the newest of bob's now)
+            b1, b2 = b2, b1
+        else:
+            r.batch_lost()  # the replay failed before its close: no ghost
+            assert r.connections() == 2 and r.connected(BOB.public) == b2
+    assert r.connected(ALICE.public) == a

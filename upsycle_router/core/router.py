@@ -365,9 +365,14 @@ class Router:
             if c is not None:
                 c.custody = False
         s.batch_custody = set()
-        for conn, c in sorted(s.batch_closed.items()) if reopen else ():  # (replaying the batch closes them again,
+        closed = sorted(s.batch_closed.items()) if reopen else []
+        for conn in sorted(s.reopened):  # reopened for a replay that did not get as far as closing them again
+            self._on_close(ConnectionClosed(conn))
+        s.reopened = set()
+        for conn, c in closed:  # (replaying the batch closes them again,
             self._conns[conn] = c  # after it answered what they sent: Batches._not_committed)
             bisect.insort(self._by_key.setdefault(c.peer, []), conn)  # (ids grow as connections open)
+            s.reopened.add(conn)
         for conn in s.batch_opened:  # not open as far as the core knows: replaying the batch opens them
             self._on_close(ConnectionClosed(conn))
         s.batch_opened = set()
@@ -590,6 +595,7 @@ class Router:
         if c is None:
             return
         self.state.batch_closed[ev.conn] = c  # (Router.batch_lost)
+        self.state.reopened.discard(ev.conn)
         self.state.epoch += 1  # (plans)
         lst = self._by_key.get(c.peer)
         if lst is not None:

@@ -223,6 +223,7 @@ class RouterState:
         self.batch_conns: dict[ConnId, tuple[int, WindowUndo, int, bool]] = {}
         self.batch_opened: set[ConnId] = set()
         self.batch_closed: dict[ConnId, Conn] = {}
+        self.reopened: set[ConnId] = set()  # reopened by Router.batch_lost(reopen=True), not yet closed again
         self.batch_refused: dict[ConnId, tuple[int, int]] = {}
         # forwarded entries a late REFUSED changed: as before (None: there was none)
         self.batch_forwarded: dict[bytes, Forwarded | None] = {}
