@@ -29,7 +29,7 @@ from upsycle_router.config import (
     parse_config,
 )
 from upsycle_router.config import daemon as config_mod
-from upsycle_router.config.discovery import DiscoveryConfig
+from upsycle_router.config.discovery import BootstrapNode, DiscoveryConfig
 from upsycle_router.crypto import Identity
 from upsycle_router.errors import ConfigError
 from upsycle_router.runtime.daemon import gossip_params
@@ -418,7 +418,10 @@ def test_a_wildcard_listen_address_without_advertise_is_warned_about(tmp_path: P
         (w,) = [w for w in config_warnings(_cfg(tmp_path, tls=listen)) if "listen.tls" in w]
         assert listen in w and "discovery.advertise" in w and "UPSYCLE_ADVERTISE" in w
         told = replace(_cfg(tmp_path, tls=listen), discovery=DiscoveryConfig(advertise="203.0.113.7:7733"))
-        assert not [w for w in config_warnings(told) if "listen.tls" in w]
+        assert not [w for w in config_warnings(told) if "dial" in w]
+        wrong = replace(_cfg(tmp_path, tls="127.0.0.1:7733"), discovery=DiscoveryConfig(advertise=listen))
+        (w,) = [w for w in config_warnings(wrong) if "dial" in w]
+        assert w.startswith(f"discovery.advertise {listen} ")
     assert not [w for w in config_warnings(_cfg(tmp_path, tls="127.0.0.1:7733")) if "listen.tls" in w]
     assert not [w for w in config_warnings(_cfg(tmp_path)) if "listen.tls" in w]
 
@@ -432,10 +435,13 @@ def test_the_routers_own_key_as_a_peer_is_a_config_error(tmp_path: Path) -> None
     (tmp_path / "data" / "router.key").chmod(0o600)
     other = PeerConfig(Identity.generate().public, "127.0.0.1:7001")
     config_warnings(_cfg(tmp_path, peers=(other,)))  # (another key: fine)
+    boot = DiscoveryConfig(bootstrap=(BootstrapNode(own.public, "127.0.0.1:7002"),))
     for field, value in (("peers", (other, PeerConfig(own.public, "127.0.0.1:7002"))),
                          ("core_nodes", (PeerConfig(own.public, "127.0.0.1:7002"),)),
-                         ("edge_nodes", frozenset({own.public}))):  # fmt: skip
-        with pytest.raises(ConfigError, match=f"{field}: {own.public.hex()}.* this router's own key"):
+                         ("edge_nodes", frozenset({own.public})),
+                         ("discovery", boot)):  # fmt: skip
+        name = "discovery.sampling.bootstrap" if field == "discovery" else field
+        with pytest.raises(ConfigError, match=f"{name}: {own.public.hex()}.* this router's own key"):
             config_warnings(_cfg(tmp_path, **{field: value}))
         with pytest.raises(ConfigError, match="own key"):
             check_own_key(_cfg(tmp_path, **{field: value}), own.public)

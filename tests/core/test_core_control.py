@@ -807,6 +807,19 @@ def test_an_older_advert_replayed_after_a_restart_is_refused_and_does_not_move_t
     assert h.store.addresses()[R.public].port == 4434 and h.router.state.addresses[R.public].port == 4434
     h.receive(r, advert_message(R, X, new, now=T0 + 20), now=T0 + 20)  # (the revision kept: the same address)
     assert h.store.addresses()[R.public].port == 4434
+    # (A review.) Once the kept address's advert lapsed (kept on for what waits for R), its revision no longer
+    # refuses: a router whose clock ran fast when it signed must be able to move.
+    h.close(r, now=T0 + 20)
+    a = h.open(ALICE, now=T0 + 20)
+    h.receive(a, unicast(ALICE, R, b"waits for R", ttl=20_000, exp=exp_in(T0, 20_000), now=T0 + 20), now=T0 + 20)
+    assert h.store.queue_usage(R.public)[0] == 1
+    late = T0 + 10 + 7200 + 60
+    h.timer(late)
+    assert h.store.addresses()[R.public].rev == 20, "kept for what waits for R"
+    r = h.open(R, local=False, now=late)
+    moved = advert(R, host="198.51.100.9", port=5555, ttl=7200, rev=5, now=late)
+    h.receive(r, advert_message(R, X, moved, now=late), now=late)
+    assert h.store.addresses()[R.public].port == 5555
 
 
 def test_a_wildcard_address_in_an_advert_is_not_kept(h: CoreHarness) -> None:

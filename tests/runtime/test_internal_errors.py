@@ -19,6 +19,7 @@ from daemons import async_wait_until
 
 from upsycle_router.core.events import (
     CloseConnection,
+    ConnectionClosed,
     ConnectionOpened,
     Effect,
     Event,
@@ -221,4 +222,32 @@ async def test_deliveries_given_back_that_raise_are_counted_as_returned_and_logg
     assert n.driver.batches.returns_committed == 1
     assert "1 deliveries to" in caplog.text and "given back and not routed again" in caplog.text
     assert n.router.connections() == 1 and not [e for e in n.effects() if isinstance(e, CloseConnection)]
+    await n.close()
+
+
+async def test_a_half_closed_app_in_a_batch_with_an_event_that_raises_is_answered(
+    tmp_path: Path, durability: Durability
+) -> None:
+    """(A review: the batch was routed again without the failed event, but the app's close in it stood - the core
+    no longer knew the connection, so its message went nowhere and its SYNC got no answer.) The connections the
+    batch closed are reopened for the batch routed again, which answers them and closes them in order."""
+    n = _Node(tmp_path, durability)
+    third = Identity.from_seed(bytes([44]) * 32)
+    n.driver.push(ConnectionOpened(1, n.app.public, True))
+    n.driver.push(ConnectionOpened(2, n.peer.public, True))
+    n.driver.push(ConnectionOpened(3, third.public, True))
+    await _until(lambda: n.router.connections() == 3)
+    await n.idle()
+    m = n.unicast(b"before the end")
+    ask = sign_message(UnicastHeader(n.app.public, n.router_id.public, 60, exp_in(time.time(), 60)),
+                       encode_router(Sync(5)), n.app)  # fmt: skip
+    poison = sign_message(UnicastHeader(third.public, n.peer.public, 60, exp_in(time.time(), 60)), POISON, third)
+    n.driver.push(MessagesReceived(1, (m, ask), (True, True)))
+    n.driver.push(ConnectionClosed(1))  # (what Driver.on_end pushes for a half-close)
+    n.driver.push(MessagesReceived.one(3, poison, True))  # (the same batch: its handling raises)
+    await _until(lambda: n.raises == 1 and any(isinstance(e, CloseConnection) for e in n.effects()))
+    await n.idle()
+    assert [decode_control(x.body) for x in n.sent(1)] == [SyncAck(5, 0, 0)]
+    assert b"before the end" in [x.body for x in n.sent(2)]
+    assert n.router.connected(n.app.public) is None  # (closed in order, after the answers)
     await n.close()

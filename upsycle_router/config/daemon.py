@@ -703,7 +703,8 @@ def check_own_key(cfg: DaemonConfig, own: bytes) -> None:
     """ConfigError if ``peers`` or ``core_nodes`` name this router's own key (``own``): it would dial itself for
     ever, and each answer would look like an attack (a peer using our key). Checked at start, by ``config`` and
     at each reload."""
-    for name, entries in (("peers", cfg.peers), ("core_nodes", cfg.core_nodes)):
+    sampling = (("discovery.sampling.bootstrap", cfg.discovery.bootstrap),)
+    for name, entries in (("peers", cfg.peers), ("core_nodes", cfg.core_nodes), *sampling):
         for p in entries:
             if p.id == own:
                 raise ConfigError(
@@ -715,15 +716,17 @@ def check_own_key(cfg: DaemonConfig, own: bytes) -> None:
 
 
 def _unspecified_listen(cfg: DaemonConfig) -> str | None:
-    """``listen.tls`` when it is a wildcard address (0.0.0.0, ::) and no ``discovery.advertise`` names another."""
-    if cfg.tls is None or cfg.discovery.advertise is not None:
+    """The address this router advertises (``discovery.advertise``, else ``listen.tls``) when it is a wildcard
+    address (0.0.0.0, ::)."""
+    advertised = cfg.discovery.advertise if cfg.discovery.advertise is not None else cfg.tls
+    if advertised is None:
         return None
-    host = cfg.tls.rsplit(":", 1)[0].strip("[]")
+    host = advertised.rsplit(":", 1)[0].strip("[]")
     try:
         unspecified = ipaddress.ip_address(host).is_unspecified
     except ValueError:
         return None
-    return cfg.tls if unspecified else None
+    return advertised if unspecified else None
 
 
 def config_warnings(cfg: DaemonConfig, *, lenient: bool = False) -> list[str]:
@@ -759,11 +762,12 @@ def config_warnings(cfg: DaemonConfig, *, lenient: bool = False) -> list[str]:
         check_own_key(cfg, load_key_file(cfg.key_path).public)
     wildcard = _unspecified_listen(cfg)
     if wildcard is not None:
+        which = "discovery.advertise" if cfg.discovery.advertise is not None else "listen.tls"
         out.append(
-            f"listen.tls {wildcard} names no address another machine can dial, and discovery.advertise is not set: "
-            "this router's advert says so, and routers that learn it from the advert cannot dial it (they reach it "
-            "only while it keeps a connection to them open); set discovery.advertise (UPSYCLE_ADVERTISE) to the "
-            "host:port other routers reach this one at"
+            f"{which} {wildcard} names no address another machine can dial, and this router's advert says it: "
+            "routers that learn it from the advert cannot dial it (they reach it only while it keeps a connection "
+            "to them open); set discovery.advertise (UPSYCLE_ADVERTISE) to the host:port other routers reach this "
+            "one at"
         )
     ws = cfg.websocket
     if ws.listen is not None and ws.tls and ws.cert_file is not None and ws.key_file is not None:

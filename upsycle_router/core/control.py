@@ -384,8 +384,10 @@ class ControlPlane:
             drop(Why.EXPIRED)
             return False
         known = self.s.advert_revs.get(adv.id)
-        kept = self.s.addresses.get(adv.id)  # (from the store: its revision outlives a restart)
-        if (known is not None and adv.rev < known[0]) or (kept is not None and adv.rev < kept.rev):
+        kept = self.s.addresses.get(adv.id)  # (from the store: its revision outlives a restart - while its advert
+        # lives: an address kept past it for what waits for that router must not refuse its next one)
+        if (known is not None and adv.rev < known[0]) or (kept is not None and kept.expires > now
+                                                           and adv.rev < kept.rev):  # fmt: skip
             drop(Why.STALE_REVISION)  # a newer revision of this router's advert was accepted before
             return False
         self.s.advert_revs[adv.id] = (adv.rev, expiry)

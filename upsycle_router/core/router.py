@@ -365,14 +365,15 @@ class Router:
             if c is not None:
                 c.custody = False
         s.batch_custody = set()
-        closed = sorted(s.batch_closed.items()) if reopen else []
-        for conn in sorted(s.reopened):  # reopened for a replay that did not get as far as closing them again
-            self._on_close(ConnectionClosed(conn))
-        s.reopened = set()
-        for conn, c in closed:  # (replaying the batch closes them again,
-            self._conns[conn] = c  # after it answered what they sent: Batches._not_committed)
-            bisect.insort(self._by_key.setdefault(c.peer, []), conn)  # (ids grow as connections open)
-            s.reopened.add(conn)
+        if reopen:  # (replaying the batch closes them again, after it answered what they sent; those reopened for
+            for conn, c in sorted(s.batch_closed.items()):  # an earlier replay that failed before it closed them
+                self._conns[conn] = c  # stay open for this one)
+                bisect.insort(self._by_key.setdefault(c.peer, []), conn)  # (ids grow as connections open)
+                s.reopened.add(conn)
+        else:
+            for conn in sorted(s.reopened):  # reopened for a replay that did not get as far as closing them again
+                self._on_close(ConnectionClosed(conn))
+            s.reopened = set()
         for conn in s.batch_opened:  # not open as far as the core knows: replaying the batch opens them
             self._on_close(ConnectionClosed(conn))
         s.batch_opened = set()

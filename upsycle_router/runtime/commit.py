@@ -283,8 +283,9 @@ class Batches:
         forgotten with the batch. The connection's other reads in the batch go with it (routed without the
         failed one, they would arrive before it). Deliveries given back by a failed event are lost (the bug's
         cost, logged); they are counted as returned, so that no SYNC_ACK waits for them."""
-        try:
-            self.router.batch_lost()  # (it reads the mirrored state back from the store)
+        try:  # (the connections the batch closed are reopened: routed again in order, a half-closed app's reads are
+            # answered before its close is routed again - unless the close itself failed: then they stay closed)
+            self.router.batch_lost(reopen=type(failed) is not ConnectionClosed)
         except lmdb.Error as e:  # (the store cannot be read: damaged, the daemon stops - the next try sees it)
             self.store.note_error(e)
         if failed is None:

@@ -131,7 +131,6 @@ class Driver:
         self.batches = Batches(router, store, self.stats, done=self._done, resume=self._resume,
                                early=self.effects.apply_early, sync_interval=sync_interval, retry=self._retry)
         self.effects.returns_committed = lambda: self.batches.returns_committed
-        self.effects.store_failing = lambda: self.batches.failing_since is not None
         self._flush_handle: asyncio.Handle | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._last_timer = -TIMER_INTERVAL  # loop time of the last timer run

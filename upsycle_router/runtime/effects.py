@@ -44,16 +44,17 @@ only then) and carries them out in order:
   flight on their connections (released by their confirmation), and the SYNC_ACK follows that commit
   (``router_hand_overs_total``); written without it when what it waits for is still neither confirmed nor backed at
   twice ``ROUTER_HOLD_MAX`` from its arrival (``router_acks_unconfirmed_total``: the core declined some - ttl 0, no
-  room -, or the commit was that slow) - unless the store refuses writes (a full disk): then none is written and the
-  router's connection is closed (``sync_acks_withheld_total``; it sends it all again). Not waited for
-  (docs/protocol.md): a delivery still in an app's outbound buffer for long - one app that does not read would hold up
-  every sender. A SYNC_ACK waits for deliveries in apps' buffers to leave them for ``BACK_AFTER`` (a healthy reader
-  takes them in a millisecond or two); then they are handed to the core (``Buffered``), which backs each with a queue
-  entry already in flight on that connection (``Backed``: released like a drained entry once its bytes left), and the
-  SYNC_ACK waits until that committed (counted with the deliveries given back): a crash then finds them queued for the
-  app. Deliveries that leave the buffer in time cost nothing. A SYNC_ACK whose waits are still not committed after ``3
-  * HOLD_MAX`` (the store refuses writes: a full disk) is not written at all: its connection is closed
-  (``sync_acks_withheld_total``), so that its peer takes nothing since its last SYNC_ACK for safe;
+  room -, or the commit was that slow) - unless the hand-over has not committed and a batch failed since it was made
+  (the store refuses writes): then none is written and the router's connection is closed
+  (``sync_acks_withheld_total``; it sends it all again). Not waited for (docs/protocol.md): a delivery still in an
+  app's outbound buffer for long - one app that does not read would hold up every sender. A SYNC_ACK waits for
+  deliveries in apps' buffers to leave them for ``BACK_AFTER`` (a healthy reader takes them in a millisecond or two);
+  then they are handed to the core (``Buffered``), which backs each with a queue entry already in flight on that
+  connection (``Backed``: released like a drained entry once its bytes left), and the SYNC_ACK waits until that
+  committed (counted with the deliveries given back): a crash then finds them queued for the app. Deliveries that
+  leave the buffer in time cost nothing. A SYNC_ACK whose waits are still not committed after ``3 * HOLD_MAX`` (the
+  store refuses writes: a full disk) is not written at all: its connection is closed (``sync_acks_withheld_total``),
+  so that its peer takes nothing since its last SYNC_ACK for safe;
 * custody (``Custody``, docs/protocol.md): on another router's connection, what was routed there is that
   router's only once it confirmed it. After each batch (and every ``SYNC_RETRY`` while one is unanswered)
   the runner writes a SYNC signed by the core behind what the batch routed there; ``Confirmed`` (the router's
@@ -126,7 +127,7 @@ class _Hold:
     (``Send.span``), and ``late``, the next routers' REFUSED answers for messages of that span written to the
     connection while it waited (its ``refused`` must count them: it is written with them added)."""
 
-    __slots__ = ("effects", "handed", "late", "returns", "since", "span", "waits")
+    __slots__ = ("effects", "errors", "handed", "late", "returns", "since", "span", "waits")
 
     def __init__(self, since: float, span: int = -1) -> None:
         self.effects: list[Effect] = []
@@ -134,6 +135,7 @@ class _Hold:
         self.returns = 0
         self.since = since
         self.handed = False
+        self.errors = 0  # store_errors_total when the hand-over was made (``handed``)
         self.span = span
         self.late = 0
 
@@ -212,7 +214,6 @@ class EffectRunner:
         self._caused: dict[int, dict[int, int]] = {}
         self._returns_pushed = 0
         self.returns_committed: Callable[[], int] = lambda: self._returns_pushed
-        self.store_failing: Callable[[], bool] = lambda: False  # (the driver's: Batches.failing_since is set)
         self._hold_handle: asyncio.TimerHandle | None = None
         self._releasing = False  # _release_holds is writing what holds kept
         self._unheld = -1  # the connection whose released hold is being written
@@ -568,12 +569,17 @@ class EffectRunner:
                     if to.custody and waited >= ROUTER_HOLD_MAX:  # (the module docstring: no circle of waits)
                         if not hold.handed:  # back what the routers it waits for did not confirm (or wait for
                             hold.handed = True  # a hand-over another hold began: its returns were raised)
+                            hold.errors = self.stats.get("store_errors_total", 0)
                             self._back_waited([hold], custody=True)
                         if not self._hold_over(hold):  # (it follows the hand-over's commit, if any)
                             if waited < 2 * ROUTER_HOLD_MAX:
                                 break
-                            if self.store_failing():  # (the hand-over cannot commit: a confirmation now would be
-                                self._withhold(to, waited)  # a false one - the router sends it all again)
+                            if (self.returns_committed() < hold.returns
+                                    and self.stats.get("store_errors_total", 0) > hold.errors):
+                                # The hand-over has not committed, and a batch failed since it was made (the store
+                                # refuses writes): a confirmation now would be a false one. The router is closed
+                                # and sends it all again. (A commit only slow keeps the bounded wait.)
+                                self._withhold(to, waited)
                                 queue.clear()
                                 break
                             self.stats["router_acks_unconfirmed_total"] += 1  # (nothing backed, or not in time)
@@ -596,8 +602,8 @@ class EffectRunner:
         """A SYNC_ACK to ``to`` cannot be written without acknowledging what is in memory only (what it waits for
         could not be committed): close ``to`` instead; its holds go with it (the caller drops them)."""
         self.stats["sync_acks_withheld_total"] = self.stats.get("sync_acks_withheld_total", 0) + 1
-        log.error("conn=%d: a SYNC_ACK waited %.1f s for deliveries given back to be committed (store_errors_total): "
-                  "not written; connection closed", to.id, waited)  # fmt: skip
+        log.error("conn=%d: a SYNC_ACK waited %.1f s for deliveries given back or handed over to be committed "
+                  "(store_errors_total): not written; connection closed", to.id, waited)  # fmt: skip
         to.close_with_error(ErrorCode.OVERLOADED, "store error: what this SYNC covers is not committed (no SYNC_ACK)")
 
     def _back_late(self, now: float) -> None:
