@@ -9,30 +9,16 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import DaemonFactory
+from smallfs import small_fs
 
 from upsycle_router.client import Client, ClientError
 from upsycle_router.crypto import Identity
 
 pytestmark = pytest.mark.slow
-
-
-@contextlib.contextmanager
-def small_fs(where: Path, size: int) -> Iterator[Path]:
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-                       capture_output=True, text=True, timeout=30)  # fmt: skip
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()[:200]}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
 
 
 def fill(fs: Path) -> None:

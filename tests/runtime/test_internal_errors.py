@@ -99,9 +99,8 @@ class _Node:
         self.store.close()
 
 
-async def test_a_read_that_raises_closes_its_connection_and_the_rest_of_the_batch_is_routed(
-    tmp_path: Path, durability: Durability, caplog: pytest.LogCaptureFixture
-) -> None:
+async def _three(tmp_path: Path, durability: Durability) -> tuple[_Node, Identity]:
+    """A node with the app (1), the peer app (2) and a third app (3) connected, and the third's key."""
     n = _Node(tmp_path, durability)
     third = Identity.from_seed(bytes([44]) * 32)
     n.driver.push(ConnectionOpened(1, n.app.public, True))
@@ -109,6 +108,13 @@ async def test_a_read_that_raises_closes_its_connection_and_the_rest_of_the_batc
     n.driver.push(ConnectionOpened(3, third.public, True))
     await _until(lambda: n.router.connections() == 3)
     await n.idle()
+    return n, third
+
+
+async def test_a_read_that_raises_closes_its_connection_and_the_rest_of_the_batch_is_routed(
+    tmp_path: Path, durability: Durability, caplog: pytest.LogCaptureFixture
+) -> None:
+    n, third = await _three(tmp_path, durability)
     msgs = [n.unicast(b"m1"), n.unicast(POISON)]
     ask = sign_message(UnicastHeader(n.app.public, n.router_id.public, 60, exp_in(time.time(), 60)),
                        encode_router(Sync(1)), n.app)  # fmt: skip
@@ -231,13 +237,7 @@ async def test_a_half_closed_app_in_a_batch_with_an_event_that_raises_is_answere
     """(A review: the batch was routed again without the failed event, but the app's close in it stood - the core
     no longer knew the connection, so its message went nowhere and its SYNC got no answer.) The connections the
     batch closed are reopened for the batch routed again, which answers them and closes them in order."""
-    n = _Node(tmp_path, durability)
-    third = Identity.from_seed(bytes([44]) * 32)
-    n.driver.push(ConnectionOpened(1, n.app.public, True))
-    n.driver.push(ConnectionOpened(2, n.peer.public, True))
-    n.driver.push(ConnectionOpened(3, third.public, True))
-    await _until(lambda: n.router.connections() == 3)
-    await n.idle()
+    n, third = await _three(tmp_path, durability)
     m = n.unicast(b"before the end")
     ask = sign_message(UnicastHeader(n.app.public, n.router_id.public, 60, exp_in(time.time(), 60)),
                        encode_router(Sync(5)), n.app)  # fmt: skip

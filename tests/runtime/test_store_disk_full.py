@@ -6,15 +6,13 @@ per 10 s - with the count - that the disk is full, instead of one line per batch
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from smallfs import small_fs
 
 from upsycle_router.core.config import CoreConfig
 from upsycle_router.core.events import ConnectionClosed, ConnectionOpened, MessagesReceived
@@ -30,26 +28,13 @@ from upsycle_router.wire.messages import UnicastHeader
 SIZE = 4 << 20  # the file system's size
 
 
-@contextlib.contextmanager
-def small_fs(where: Path) -> Iterator[Path]:
-    where.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={SIZE}", "tmpfs", str(where)],
-                       capture_output=True, text=True, timeout=30)  # fmt: skip
-    if r.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()[:200]}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True, timeout=30)
-
-
 @pytest.mark.parametrize("durability", [Durability.FSYNC, Durability.NONE])
 async def test_a_full_disk_is_said_once_per_interval_and_every_failed_batch_counted(
     tmp_path: Path, durability: Durability, caplog: pytest.LogCaptureFixture
 ) -> None:
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
-    with small_fs(tmp_path / "fs") as fs:
+    with small_fs(tmp_path / "fs", SIZE) as fs:
         (fs / "filler").write_bytes(b"\0" * (1 << 20))  # (removed below: room again)
         rid, a, c = (Identity.from_seed(bytes([n]) * 32) for n in (1, 2, 3))
         store = LmdbStore(fs / "store", durability, 64 << 20)  # (the map is larger than the file system)
