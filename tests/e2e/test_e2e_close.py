@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 
 import pytest
 from conftest import DaemonFactory
@@ -131,7 +132,7 @@ async def test_sending_while_closing_is_a_client_error_and_a_second_close_waits_
     with pytest.raises(ClientError):
         await c.send(Identity.generate().public, b"too late")
     second = asyncio.ensure_future(c.close(timeout=5))
-    assert await asyncio.gather(first, second) == [None, None]
+    assert await asyncio.gather(first, second) == [True, True]  # (nothing was sent: nothing left unknown)
     assert c._writer.transport.is_closing()
 
 
@@ -198,5 +199,37 @@ async def test_a_client_that_closes_right_after_sending_learns_every_refusal(
     await asyncio.sleep(0)  # (close() began: over WebSocket it is syncing now)
     with pytest.raises(ClientError):  # (a review: a send meanwhile went out, its refusal never to be known)
         await c.send(Identity.generate().public, b"too late")
-    await asyncio.gather(first, c.close())  # a second close() waits for the first (it skipped the sync before)
+    known = await asyncio.gather(first, c.close())  # a second close() waits for the first (it skipped the sync)
+    assert known == [True, True]  # (every answer read)
     assert [i for i in ids if (r := c.refusal(i)) is None or r.reason != Reason.NO_ROUTE] == []
+
+
+@pytest.mark.parametrize("transport", ["unix", "websocket"])
+async def test_a_close_that_cannot_learn_the_answers_says_so(daemon: DaemonFactory, transport: str) -> None:
+    """(An audit: ``close()`` returned as usual when the router did not answer its closing sync in time - the
+    refusal of what was sent stayed unknown, and ``refusal()`` said "not refused".) It returns False then; True
+    when everything sent was answered - also with nothing to sync (after a ``sync()``, whose own SYNC is not
+    something to sync for: the closing sync waited for a router that did not answer)."""
+    d = daemon(config=ws_config(origins=["*"]) if transport == "websocket" else None)
+    me = Identity.generate()
+
+    async def connect() -> Client:
+        return await (Client.connect_websocket(ws_url(d), me, router_id=d.id) if transport == "websocket"
+                      else Client.connect(d.sock, me))  # fmt: skip
+
+    c = await connect()
+    await c.send(Identity.generate().public, b"answered")
+    await c.sync()
+    assert d.proc is not None
+    d.proc.send_signal(signal.SIGSTOP)  # (a router that answers nothing for a while)
+    try:
+        assert await c.close(timeout=1) is True  # (nothing unanswered: the sync's own SYNC needs no other)
+    finally:
+        d.proc.send_signal(signal.SIGCONT)
+    c = await connect()
+    await c.send(Identity.generate().public, b"never answered in time")
+    d.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert await c.close(timeout=1) is False
+    finally:
+        d.proc.send_signal(signal.SIGCONT)

@@ -343,6 +343,11 @@ class _Epoch:
     refused: list[Refusal] = field(default_factory=list)
     refused_ids: set[bytes] = field(default_factory=set)
     overflow: bool = False  # more ids were sent than Client.track_limit: ``ids`` is not complete
+    syncs: int = 0  # of ``ids``, the SYNCs themselves (sync() sends its SYNC in the epoch it opens)
+
+    def unsynced(self) -> bool:
+        """Whether something but SYNCs was sent in this epoch."""
+        return self.overflow or len(self.ids) > self.syncs
 
 
 class Client:
@@ -384,6 +389,7 @@ class Client:
         self._closing = False  # close() began (it may sync first): nothing more may be sent but its SYNC
         self._read_turn = time.monotonic()  # when drain() last let the reader run
         self._close_ended = asyncio.Event()  # ... and has closed the transport
+        self._close_known = True  # what close() returns (a second close() too)
 
     # ------------------------------------------------------------ connecting
 
@@ -810,6 +816,8 @@ class Client:
         self._request_ids[msg.id] = key  # a REFUSED for it fails the request (possibly while we drain)
         try:
             self._write_message(msg)  # (also the SYNC of a close() under way)
+            if isinstance(body, Sync):
+                self._epoch.syncs += 1  # (not something close() must sync for)
             await self.drain()
             return await asyncio.wait_for(fut, timeout)
         except TimeoutError:
@@ -924,7 +932,7 @@ class Client:
 
     # ------------------------------------------------------------ closing
 
-    async def close(self, timeout: float = CLOSE_TIMEOUT) -> None:
+    async def close(self, timeout: float = CLOSE_TIMEOUT) -> bool:
         """Close the connection without losing what the router has already sent.
 
         This side ends first (a byte stream's write side is shut, a WebSocket sends its close frame); the router
@@ -940,19 +948,27 @@ class Client:
         syncs: their refusals are then known (:meth:`refusal`). The sync and the wait for the router's close share
         the ``timeout``. Sending once the close began raises :class:`ClientError`; a second ``close()`` waits for
         the first one's end (at most its own ``timeout``).
+
+        Returns True when the router answered everything sent on this connection (each message's refusal, if any,
+        is known); False when it could not be waited for within ``timeout`` (the router did not answer the
+        closing sync, or did not close its side in time): what was sent since the last :meth:`sync` is then not
+        known to be safe - send it again on the next connection if it matters.
         """
         if self._closing:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._close_ended.wait(), timeout)
             self._abort()
-            return
+            return self._close_known
         self._closing = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         epoch = self._epoch
-        if (epoch.ids or epoch.overflow) and (self._link.closing() is not None or not self._writer.can_write_eof()):
+        unsynced = any(ep.unsynced() for ep in (*self._unanswered.values(), epoch))
+        self._close_known = not unsynced
+        if unsynced and (self._link.framed_close or not self._writer.can_write_eof()):
             with contextlib.suppress(Exception):  # (a router that does not answer: the close goes on regardless)
                 await self.sync(timeout=timeout)
+                self._close_known = True
         timeout = max(0.0, deadline - loop.time())
         self._ended = True
         task = self._task
@@ -968,6 +984,9 @@ class Client:
             if router_closes and task is not None and not task.done():
                 with contextlib.suppress(Exception):  # TimeoutError among them: the router did not close in time
                     await asyncio.wait_for(asyncio.shield(task), timeout)
+            if (router_closes and task is not None and task.done() and not self._link.framed_close
+                    and self.closed_reason == "connection closed"):
+                self._close_known = True  # (a half-closed stream: the router answered all before it closed)
         finally:  # (also when the caller is cancelled meanwhile: no transport is left open)
             self._abort()
             self._close_ended.set()
@@ -976,6 +995,7 @@ class Client:
         if task is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        return self._close_known
 
     def _abort(self) -> None:
         """Close the transport and stop the reader (again: nothing)."""

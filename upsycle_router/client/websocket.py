@@ -33,6 +33,8 @@ class UpgradeRefused(UpsycleError):
 class StreamLink:
     """Length-prefixed frames on a byte stream."""
 
+    framed_close = False  # a close frame ends it, and nothing may follow one (WebSocket); else a half-close
+
     def __init__(self, session: Session) -> None:
         self.session = session
 
@@ -60,6 +62,8 @@ class StreamLink:
 
 class WebSocketLink(StreamLink):
     """The session over one WebSocket: one binary message per CBOR item."""
+
+    framed_close = True
 
     def __init__(
         self, session: Session, host: str, target: str, *, origin: str | None = None, max_frame: int = DEFAULT_MAX_FRAME

@@ -88,7 +88,10 @@ const LATE_REFUSALS_KEPT = 1024;
 const SEALED_TAG = [0x66, 0x73, 0x65, 0x61, 0x6c, 0x65, 0x64];
 const looksSealed = (b) => b.length >= 8 && b[0] >= 0x82 && b[0] <= 0x97 && SEALED_TAG.every((x, i) => b[i + 1] === x);
 const REFUSALS_KEPT = 16384; // refusal() answers for the newest ones
-const newEpoch = () => ({ ids: new Set(), refused: [], refusedIds: new Set(), overflow: false });
+// (syncs: how many of `ids` are the SYNCs themselves - sync() sends its SYNC in the epoch it opens; not
+// something close() must sync for)
+const newEpoch = () => ({ ids: new Set(), refused: [], refusedIds: new Set(), overflow: false, syncs: 0 });
+const unsynced = (ep) => ep.overflow || ep.ids.size > ep.syncs;
 
 const textEncoder = new TextEncoder();
 const asBytes = (body) => (typeof body === 'string' ? textEncoder.encode(body) : new Uint8Array(body));
@@ -528,7 +531,10 @@ export class RouterClient {
     const n = this._syncN++;
     this._unanswered.set(n, this._epoch);
     this._epoch = newEpoch();
-    const result = await this._request(`sync:${n}`, Control.SYNC, { n }, timeout);
+    const ep = this._epoch;
+    const asked = this._request(`sync:${n}`, Control.SYNC, { n }, timeout); // (its SYNC is sent by now)
+    if (ep.ids.size) ep.syncs += 1;
+    const result = await asked;
     if (result instanceof Refusal) throw new MessagesRefused([result], null, 'SYNC'); // the SYNC itself
     if (rejectOnRefused && !result.ok) throw new MessagesRefused(result.refused, result);
     return result;
@@ -544,22 +550,27 @@ export class RouterClient {
   /** Close the connection; the promise resolves once the close began. Nothing may be sent from then on (send()
    * throws): the WebSocket drops what is sent while it closes. The router answers nothing after the close frame,
    * so if messages were sent since the last sync(), a SYNC goes first (within `timeout` ms): their refusals are
-   * then known (refusal()). A second close() meanwhile waits for the first. */
+   * then known (refusal()). It resolves to true when every message sent was answered, false when that sync
+   * failed (the router did not answer in time, or the connection was gone): what was sent since the last
+   * sync() is then not known to be safe. A second close() meanwhile waits for the first. */
   close({ timeout = 2000 } = {}) {
     if (this._closePromise) return this._closePromise;
-    const ep = this._epoch;
-    const unsynced = (ep.ids.size > 0 || ep.overflow) && this._ws && !this._isClosed;
+    const open = this._ws && !this._isClosed;
+    const pending = [...this._unanswered.values(), this._epoch].some(unsynced);
     this._closing = true;
-    let first = Promise.resolve();
-    if (unsynced) {
+    let first = Promise.resolve(!pending);
+    if (pending && open) {
       this._closingSync = true; // (sync() writes its SYNC before its first await: the one message let through)
       try {
-        first = this.sync({ timeout }).then(() => {}, () => {});
+        first = this.sync({ timeout }).then(() => true, () => false);
       } finally {
         this._closingSync = false;
       }
     }
-    this._closePromise = first.then(() => { if (this._ws) this._ws.close(1000); });
+    this._closePromise = first.then((known) => {
+      if (this._ws) this._ws.close(1000);
+      return known;
+    });
     return this._closePromise;
   }
 }

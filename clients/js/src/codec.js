@@ -59,7 +59,26 @@ function compareKeys(a, b) {
   return 0;
 }
 
+const U32 = 2 ** 32;
+
+function integer(v) {
+  // RFC 8949 §4.2.1: an integer in its shortest head. cbor-x writes a Number of 2^32 or more as a float64 and
+  // any BigInt in 8 bytes: those outside -2^32..2^32-1 go as BigInt (8 bytes is their shortest head), those
+  // inside as Number. A fraction, or an integer past 64 bits or past what a Number holds exactly, is refused:
+  // the wire has no floats (a router refuses them), and a silently rounded number is another message.
+  if (typeof v === 'number') {
+    if (!Number.isInteger(v)) throw new TypeError(`not deterministic CBOR: ${v} is no integer (no floats)`);
+    if (v >= -U32 && v < U32) return v;
+    if (!Number.isSafeInteger(v)) throw new TypeError(`not deterministic CBOR: ${v} is past 2^53 (use a BigInt)`);
+    return BigInt(v);
+  }
+  // (-2^64 itself fits CBOR's head too, but cbor-x writes it as a bignum: refused with what is past 64 bits)
+  if (v > -(2n ** 64n) && v < 2n ** 64n) return v >= -BigInt(U32) && v < BigInt(U32) ? Number(v) : v;
+  throw new TypeError(`not deterministic CBOR: ${v} does not fit in 64 bits`);
+}
+
 function canonical(v) {
+  if (typeof v === 'number' || typeof v === 'bigint') return integer(v);
   if (v instanceof Uint8Array || v === null || typeof v !== 'object') return v;
   if (Array.isArray(v)) return v.map(canonical);
   const out = {};
@@ -183,13 +202,27 @@ function signed(type, header, body, key) {
   return new Message(type, h, body, key.sign(concat(enc(type), enc(h), enc(body))));
 }
 
+function checkHeader(ttl, exp, body) {
+  // what decodeMessage (and the router) require: refused here, before anything is sent, as the Python client does
+  // (sent, the router would close the connection with ERROR 1 and every pending call would fail with it)
+  if (!isUint32(ttl)) throw new RangeError(`ttl: ${ttl} is no integer in 0..4294967295 (seconds)`);
+  if (!isUint32(exp)) throw new RangeError(`exp: ${exp} is no integer in 0..4294967295 (minutes since 2020)`);
+  if (!isBytes(body)) throw new TypeError('body: a Uint8Array');
+}
+
 /** A unicast message from `key` to `dst`, signed by `key`. */
 export function unicast(key, dst, body, { ttl = 3600, exp = expIn(Math.max(ttl, 7 * 86400)) } = {}) {
+  if (!isBytes(dst, 32)) throw new TypeError('dst: a public key of 32 bytes');
+  checkHeader(ttl, exp, body);
   return signed(UNICAST, { src: key.publicKey, dst, ttl, exp }, body, key);
 }
 
 /** A multicast message to `group` (an Identity holding the group's private key). */
 export function multicast(group, body, { ttl = 3600, exp = expIn(Math.max(ttl, 7 * 86400)), sn = [] } = {}) {
+  if (!Array.isArray(sn) || sn.length > MAX_SN || !sn.every((i) => isBytes(i, 32))) {
+    throw new TypeError(`sn: at most ${MAX_SN} ids of 32 bytes`);
+  }
+  checkHeader(ttl, exp, body);
   return signed(MULTICAST, { grp: group.publicKey, ttl, exp, sn }, body, group);
 }
 

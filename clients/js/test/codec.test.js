@@ -2,6 +2,7 @@
 import { test } from 'node:test';
 import assert from 'node:assert/strict';
 import { readFileSync } from 'node:fs';
+import { Encoder } from 'cbor-x';
 import {
   Identity, decodeMessage, enc, dec, toHex, fromHex, hello, auth, unicast, multicast, expIn, EPOCH_2020,
 } from '../src/codec.js';
@@ -72,7 +73,10 @@ test('decoding refuses what the router would: field types and sizes, and any non
   const bytes = good.encode();
   assert.equal(toHex(decodeMessage(bytes).id), toHex(good.id)); // the good one still decodes
   const h = { ...good.header };
-  const withHeader = (header) => enc([0, header, good.body, good.sig]);
+  // (with cbor-x as it is, sorted keys: the codec's own enc refuses a float, and writes 2^32 in 8 bytes)
+  const raw = new Encoder({ useRecords: false, mapsAsObjects: true, variableMapSize: true, tagUint8Array: false });
+  const sorted = (o) => Object.fromEntries(Object.keys(o).sort().map((k) => [k, o[k]]));
+  const withHeader = (header) => new Uint8Array(raw.encode([0, sorted(header), good.body, good.sig]));
   for (const [what, header] of [
     ['ttl as text', { ...h, ttl: '3600' }],
     ['ttl as a float', { ...h, ttl: 1.5 }],
@@ -104,4 +108,34 @@ test('decoding refuses what the router would: field types and sizes, and any non
   // a duplicate key: the header map says 5 entries, the last repeating ttl
   const dup = hex.replace(/a4/, 'a5').replace(`${ttlKey}190e10`, `${ttlKey}190e10${ttlKey}190e10`);
   assert.throws(() => decodeMessage(fromHex(dup)), /deterministic|header/, 'a duplicate key');
+});
+
+test('enc writes integers in their shortest head and refuses what has no deterministic form', () => {
+  // (An audit: 2^32 went out as a float64, 10n in 8 bytes, 0.5 as a float - bytes the router refuses.)
+  const cases = [[2 ** 32, '1b0000000100000000'], [2n ** 32n, '1b0000000100000000'], [10n, '0a'], [-1, '20'],
+    [-(2 ** 32), '3affffffff'], [-(2 ** 32) - 1, '3b0000000100000000'], [2n ** 64n - 1n, '1bffffffffffffffff'],
+    [Number.MAX_SAFE_INTEGER, '1b001fffffffffffff'], [{ n: 2 ** 40 }, 'a1616e1b0000010000000000']];
+  for (const [v, want] of cases) assert.equal(toHex(enc(v)), want, String(v));
+  for (const bad of [0.5, 1.5, 2 ** 60, 2n ** 64n, -(2n ** 64n), NaN, Infinity]) {
+    assert.throws(() => enc(bad), /not deterministic CBOR/, String(bad));
+  }
+  assert.equal(toHex(enc(-(2n ** 64n) + 1n)), '3bfffffffffffffffe');
+});
+
+test('a message the router would refuse is refused before it is sent', () => {
+  // (An audit: a fractional or too large ttl, a negative exp, a short dst or 17 sn ids went out, and the router
+  // closed the connection with ERROR 1 - every pending call failed with it.) As the Python client does.
+  const a = Identity.fromHex('11'.repeat(32));
+  const g = Identity.fromHex('22'.repeat(32));
+  const body = new Uint8Array([1]);
+  for (const opts of [{ ttl: 1.5 }, { ttl: 2 ** 32 }, { ttl: -1 }, { exp: -1 }, { exp: 2 ** 32 }, { exp: 0.5 }]) {
+    assert.throws(() => unicast(a, g.publicKey, body, opts), /ttl|exp/, JSON.stringify(opts));
+    assert.throws(() => multicast(g, body, opts), /ttl|exp/, JSON.stringify(opts));
+  }
+  assert.throws(() => unicast(a, new Uint8Array(31), body), /dst/);
+  assert.throws(() => unicast(a, g.publicKey, 'text'), /body/);
+  assert.throws(() => multicast(g, body, { sn: Array.from({ length: 17 }, () => new Uint8Array(32)) }), /sn/);
+  assert.throws(() => multicast(g, body, { sn: [new Uint8Array(31)] }), /sn/);
+  unicast(a, g.publicKey, body, { ttl: 0, exp: 2 ** 32 - 1 }); // the bounds themselves are fine
+  multicast(g, body, { sn: Array.from({ length: 16 }, () => new Uint8Array(32)) });
 });

@@ -95,6 +95,8 @@ class FakeRouter {
     this.ackExtra = 0; // a lying router
     this.v10 = false; // SYNC_ACK without `refused`
     this.holdAcks = false; // a SYNC_ACK waits until the next message has been handled
+    this.mute = false; // SYNCs are not answered (a router that does not answer in time)
+    this.syncs = 0; // SYNCs received
     this.received = [];
     this._held = [];
     this._pending = 0;
@@ -164,6 +166,8 @@ class FakeRouter {
     if (msg.type === 0 && equalBytes(msg.header.dst, this.identity.publicKey)) {
       const c = decodeControl(msg.body);
       rule = this.refuseControl.get(c.type);
+      if (c.type === Control.SYNC) this.syncs += 1;
+      if (c.type === Control.SYNC && this.mute) return;
       if (c.type === Control.SYNC && !rule) {
         const k = this._pending + this.ackExtra;
         this._pending = 0;
@@ -489,4 +493,26 @@ test('close() right after sending syncs first: every refusal is known once it re
   const quiet = await connect(new FakeRouter());
   await quiet.close(); // nothing sent since the last sync: no SYNC, the close frame at once
   assert.equal(quiet._ws.readyState, 3);
+});
+
+test('close() resolves true when every answer is known, false when its sync is not answered in time', async () => {
+  // (An audit: close() resolved as usual when its sync failed, and refusal(id) then said "not refused"; after an
+  // awaited sync() it synced again, counting that sync's own SYNC as something sent.)
+  let router = new FakeRouter();
+  let c = await connect(router);
+  c.send(other(), 'answered');
+  await c.sync();
+  const before = router.syncs;
+  assert.equal(await c.close(), true);
+  assert.equal(router.syncs, before, 'a close after sync() synced again');
+  router = new FakeRouter();
+  c = await connect(router);
+  c.send(other(), 'synced by the close');
+  assert.equal(await c.close(), true);
+  assert.equal(router.syncs, 1);
+  router = new FakeRouter();
+  c = await connect(router);
+  router.mute = true;
+  c.send(other(), 'never answered');
+  assert.equal(await c.close({ timeout: 100 }), false);
 });
