@@ -307,8 +307,7 @@ class Driver:
             conn.bounded = not conn.local and conn.peer not in trusted
             if not conn.bounded and conn.id in self._bounded:
                 self._bounded.discard(conn.id)
-                if (conn.id not in self.effects.throttled and conn.id not in self._paused_for_rate
-                        and not (self._reading_paused and conn.id in self._held)):
+                if self._unpaused_but_bounded(conn.id):
                     conn.resume_reading()
 
     def _hold(self, conn: Connection) -> None:
@@ -322,13 +321,17 @@ class Driver:
         routed all but a quarter of it (unless something else keeps them paused)."""
         if self.pipeline.bounded_total > STRANGER_PENDING_MAX // 4:
             return
-        throttled = self.effects.throttled
         paused, self._bounded = self._bounded, set()
         for cid in paused:
             c = self.conns.get(cid)
-            if (c is not None and cid not in throttled and cid not in self._paused_for_rate
-                    and not (self._reading_paused and cid in self._held)):
+            if c is not None and self._unpaused_but_bounded(cid):
                 c.resume_reading()
+
+    def _unpaused_but_bounded(self, cid: int) -> bool:
+        """Whether nothing but the strangers' pipeline bound keeps connection ``cid`` from being read (no throttle,
+        no rate pause, no full pipeline)."""
+        return (cid not in self.effects.throttled and cid not in self._paused_for_rate
+                and not (self._reading_paused and cid in self._held))
 
     def _held_back(self, conn: Connection) -> bool:
         """Whether ``conn`` must stay paused because the pipeline is full (its reading resumes with the others').

@@ -85,7 +85,7 @@ class VerifyPipeline:
             self.bounded_total += len(msgs)
         pending = self.pending
         last = pending[-1] if pending else None
-        if type(last) is Run and last.conn == conn:
+        if type(last) is Run and last.conn == conn and last.bounded == bounded:  # (a reload may change ``bounded``)
             last.msgs.extend(msgs)
         else:
             pending.append(Run(conn, msgs, bounded))
