@@ -21,7 +21,7 @@ import pytest
 from upsycle_router.cli import main
 from upsycle_router.durability import Durability
 from upsycle_router.store.backup import BackupError, backup, restore
-from upsycle_router.store.check import check_dir, check_file, check_store
+from upsycle_router.store.check import begin_read, check_dir, check_file, check_store, open_reader
 from upsycle_router.store.integrity import (
     CLEAN,
     MARKER,
@@ -552,6 +552,60 @@ def test_check_while_another_process_writes_sees_one_consistent_snapshot(tmp_pat
             writer.wait(30)
     assert writer.returncode == 0
     assert check_store(path) == []
+
+
+_GROWER = """
+import os, sys, time
+from upsycle_router.durability import Durability
+from upsycle_router.store.lmdb_store import LmdbStore
+s = LmdbStore(sys.argv[1], Durability.NONE, map_size=1 << 30)
+print("ready", flush=True)
+sys.stdin.readline()
+A = b"\\xa1" * 32
+with s.transaction():
+    for _ in range(12_000):  # (about 14 MiB: past LMDB's default map of 10 MiB)
+        m = os.urandom(32)
+        s.put_message(m, b"r" + os.urandom(999), None, 1.9e9)
+        s.enqueue(A, m, 1.9e9, 1000)
+print("grown", flush=True)
+sys.stdin.readline()
+s.close()
+"""
+
+
+def test_a_reader_follows_a_writer_that_grew_the_file_past_its_map(tmp_path: Path) -> None:
+    """The CI failure of dda2534: ``store check`` opened with LMDB's default map (10 MiB) and, once the
+    router beside it had filled more than that, began its transaction into ``MDB_MAP_RESIZED``. A reader now
+    maps what the file records, and one opened before the growth adopts the new size and begins again."""
+    path = tmp_path / "store"
+    with subprocess.Popen([sys.executable, "-c", _GROWER, str(path)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO))) as writer:
+        assert writer.stdin is not None and writer.stdout is not None
+        try:
+            assert writer.stdout.readline() == "ready\n"
+            ours = open_reader(path, directory=True)
+            assert ours.info()["map_size"] == 1 << 30 > 10 << 20
+            ours.close()
+            before = lmdb.open(str(path), readonly=True, lock=True, max_dbs=64)  # (the old way: 10 MiB)
+            assert before.info()["map_size"] < 1 << 30
+            writer.stdin.write("\n")
+            writer.stdin.flush()
+            assert writer.stdout.readline() == "grown\n"
+            assert (path / "data.mdb").stat().st_size > before.info()["map_size"]
+            with pytest.raises(lmdb.MapResizedError):
+                before.begin()
+            txn = begin_read(before)
+            assert txn.stat(before.open_db(b"queues", txn=txn, create=False))["entries"] == 12_000
+            txn.abort()
+            before.close()
+            report = check_dir(path)
+            assert report.exit_code == 0, report.all_problems()
+            assert report.counts["queue_entries"] == 12_000
+        finally:
+            writer.stdin.write("\n")
+            writer.stdin.close()
+            writer.wait(30)
+    assert writer.returncode == 0
 
 
 # ---------------------------------------------------------------- backup and restore

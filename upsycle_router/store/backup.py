@@ -45,7 +45,7 @@ import lmdb
 from upsycle_router.errors import UpsycleError
 from upsycle_router.files import sync_dir
 from upsycle_router.store import integrity
-from upsycle_router.store.check import CheckReport, check_file
+from upsycle_router.store.check import CheckReport, begin_read, check_file, open_reader
 from upsycle_router.store.integrity import DATA, LOCK, MARKER, marker_id, write_marker
 
 
@@ -103,13 +103,13 @@ def backup(store_dir: Path, out: Path, *, force: bool = False) -> BackupResult:
     if not first.ok:
         raise BackupError(f"{store_dir / DATA}: {first.summary()}; not backed up")
     try:
-        env = lmdb.open(str(store_dir), readonly=True, lock=True, max_dbs=64, subdir=True)
+        env = open_reader(store_dir, directory=True)
     except lmdb.Error as e:
         raise BackupError(f"{store_dir / DATA}: LMDB cannot open it: {e}") from None
     tmp = out.parent / f".{out.name}.{os.getpid()}.tmp"
     try:
         with contextlib.ExitStack() as stack:
-            txn = env.begin()
+            txn = begin_read(env)
             stack.callback(txn.abort)
             try:
                 walked = integrity.inspect(store_dir / DATA, txnid=txn.id(), keep=())

@@ -365,13 +365,30 @@ def check_tables(report: CheckReport, names: set[str], items: Callable[[str], It
         report.notes.append(f"tables not checked: {', '.join(other)}")
 
 
+def open_reader(path: Path, *, directory: bool) -> Any:
+    """``path`` opened read-only by LMDB for a reader beside a possible writer: the map is as large as the one
+    the file records (``map_size=0``; LMDB's default of 10 MiB would make every transaction begun once the
+    writer has filled more than that fail with ``MDB_MAP_RESIZED``)."""
+    return lmdb.open(str(path), readonly=True, lock=directory, max_dbs=64, subdir=directory, map_size=0)
+
+
+def begin_read(env: Any) -> Any:
+    """A read transaction of ``env``; when a writer has grown the file past this reader's map since it opened
+    (``MDB_MAP_RESIZED``), the map adopts the size the file now records and the transaction begins again."""
+    try:
+        return env.begin()
+    except lmdb.MapResizedError:
+        env.set_mapsize(0)
+        return env.begin()
+
+
 def _check_env(report: CheckReport, env: Any, data: Path | None) -> None:
     """Check the tables in one read transaction; with ``data`` walk that file first, from the meta page of the
     transaction's snapshot (a router may be writing it)."""
     txn = None
     try:
         for _ in range(20):
-            txn = env.begin()
+            txn = begin_read(env)
             if data is None:
                 break
             try:
@@ -463,7 +480,7 @@ def _check_inspected(report: CheckReport, first: integrity.FileReport, path: Pat
         report.unreadable = first.unreadable
         return report
     try:
-        env = lmdb.open(str(path), readonly=True, lock=directory, max_dbs=64, subdir=directory)
+        env = open_reader(path, directory=directory)
     except lmdb.Error as e:
         if isinstance(e, lmdb.ReadonlyError) or "Permission denied" in str(e) or "EACCES" in str(e):
             # (the lock file or the directory this user may not open: nothing was found wrong, nothing checked)
