@@ -376,6 +376,12 @@ def test_group_names(home: Home) -> None:
     assert r.returncode == 2 and "is no group name" in r.stderr
     r = home.cli("groups", "--add", "x", "missing.key")
     assert r.returncode == 2 and "no such key file" in r.stderr
+    # a name whose key file went away: still listed, said on stderr, and the listing exits 1
+    (home.cwd / "keys" / "group.key").rename(home.cwd / "keys" / "moved.key")
+    r = home.cli("groups")
+    assert r.returncode == 1 and f"team-chat        {'?' * 64}  key file" in r.stdout, (r.stdout, r.stderr)
+    assert "error: group name 'team-chat': " in r.stderr and f"news             {news}" in r.stdout
+    (home.cwd / "keys" / "moved.key").rename(home.cwd / "keys" / "group.key")
     ok(home.cli("groups", "--remove", "news"))
     r = home.cli("groups", "--remove", "news")  # gone: an unknown name, like any other (exit 2, the names)
     assert r.returncode == 2 and "no group named 'news'" in r.stderr and "(names: team-chat)" in r.stderr, r.stderr

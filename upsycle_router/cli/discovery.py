@@ -248,12 +248,14 @@ def cmd_groups(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     by_key: dict[str, str] = {}
+    broken = 0
     for entry in names.values():
         print(_name_line(entry, args.json))
         try:
             by_key[entry.public_key().hex()] = entry.name
-        except KeyFileError:
-            pass
+        except KeyFileError as e:
+            print(f"error: group name {entry.name!r}: {e}", file=sys.stderr)
+            broken += 1
 
     def show(reply: PeersReply) -> None:
         ads = ([reply.own] if reply.own is not None else []) + list(reply.ads)
@@ -275,10 +277,11 @@ def cmd_groups(args: argparse.Namespace) -> int:
             service_address(args, "discovery.key", DISCOVERY_OFF)
         except ServiceOff as e:
             print(f"note: no public groups listed: {e}", file=sys.stderr)
-            return 0
+            return 1 if broken else 0
         except (ConfigError, KeyFileError):
             pass  # _listing says it
-    return _listing(args, show)
+    rc = _listing(args, show)
+    return rc or (1 if broken else 0)  # (a name whose key cannot be read: listed, said, and no success)
 
 
 def cmd_discovery(args: argparse.Namespace) -> int:
