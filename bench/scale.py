@@ -545,6 +545,23 @@ class Ctx:
         self.publisher = _key("publisher")
         self.n = 0
 
+    @contextlib.contextmanager
+    def cpu_latency(self) -> Any:
+        """``--cpu-latency-qos``: the same request the daemons make, held by the bench (for the systems that do not
+        make it themselves: the floor, Mosquitto); nothing without the option."""
+        if self.args.cpu_latency_qos is None:
+            yield
+            return
+        from upsycle_router.runtime import cpu_latency
+
+        req = cpu_latency.request(self.args.cpu_latency_qos)
+        if not req.held:
+            raise SystemExit(f"--cpu-latency-qos: {req.error}")
+        try:
+            yield
+        finally:
+            req.close()
+
     def run_root(self, name: str) -> Path:
         self.n += 1
         d = self.root / f"{self.n:03d}-{name}"
@@ -556,6 +573,8 @@ class Ctx:
         ex: dict[str, Any] = {}
         if self.args.max_connections:
             ex["limits"] = {"max_connections": self.args.max_connections}
+        if self.args.cpu_latency_qos is not None:
+            ex["cpu_latency_qos"] = self.args.cpu_latency_qos
         for k, v in (extra or {}).items():
             ex[k] = {**ex.get(k, {}), **v}
         return start_daemon(run_root, "a", self.router, self.args.durability, cpu=server_cpu(), extra=ex, tree=tree,
@@ -696,9 +715,12 @@ def part_fanout(ctx: Ctx) -> list[dict[str, Any]]:
     out = []
     for rep in range(a.repeat):
         for subs in a.subscribers:
+            with ctx.cpu_latency():
+                measured = fanout_floor(subs, frame, a.paced_seconds)
             floor: dict[str, Any] = {"part": "fanout", "tree": "floor", "system": "floor", "rep": rep,
-                                     "subscribers": subs, "frame_bytes": frame,
-                                     **fanout_floor(subs, frame, a.paced_seconds)}
+                                     "subscribers": subs, "frame_bytes": frame, **measured,
+                                     **({"cpu_latency_qos": a.cpu_latency_qos} if a.cpu_latency_qos is not None
+                                        else {})}
             _log(_fanout_line("floor (no router: bench/fanfloor.c)", "floor", subs, floor))
             out.append(floor)
             systems: list[tuple[str, Path | None]] = [(label, tree) for label, tree in ctx.trees]
@@ -707,13 +729,19 @@ def part_fanout(ctx: Ctx) -> list[dict[str, Any]]:
             for label, tree in systems:
                 rr = ctx.run_root(f"fanout-{subs}-{label}")
                 rec: dict[str, Any] = {"part": "fanout", "tree": label, "rep": rep, "subscribers": subs}
+                if a.cpu_latency_qos is not None:
+                    rec["cpu_latency_qos"] = a.cpu_latency_qos
                 child = None
+                stack = contextlib.ExitStack()
                 try:
                     if tree is None:
                         if peers.mosquitto_bin() is None:
                             rec["error"] = "mosquitto is not installed (bench/setup_peers.sh)"
                             out.append(rec)
                             continue
+                        held = ctx.cpu_latency()  # (the router's runs make the request themselves)
+                        held.__enter__()
+                        stack.callback(held.__exit__, None, None, None)
                         child, port = peers._start_mosquitto(rr, 1)
                         rec["system"] = "mosquitto-qos1"
                         pub = {"proto": "mqtt", "host": LOOPBACK, "port": port, "client_id": "pub", "qos": 1,
@@ -749,6 +777,7 @@ def part_fanout(ctx: Ctx) -> list[dict[str, Any]]:
                 finally:
                     if child is not None:
                         child.stop()
+                    stack.close()
                     discard_data(rr)
                 _log(_fanout_line(rec.get("system", ""), label, subs, rec))
                 out.append(rec)
@@ -1030,9 +1059,12 @@ def summary(res: dict[str, Any]) -> list[str]:
 
             dps = _median([(r.get("max") or {}).get("deliveries_per_s") for r in rs])
             d200 = _median([(r.get("paced200") or {}).get("deliveries_per_s") for r in rs])
+            each = " / ".join(str(((r.get("paced20") or {}).get("latency") or {}).get("p99_ms")) for r in rs)
+            qos = {r.get("cpu_latency_qos") for r in rs} - {None}
             lines.append(f"[{label}] fanout 1->{subs}: 20 msg/s p50 {med('paced20', 'p50_ms')} p99 "
-                         f"{med('paced20', 'p99_ms')} ms; 200 msg/s p50 {med('paced200', 'p50_ms')} p99 "
-                         f"{med('paced200', 'p99_ms')} ms ({d200} deliveries/s); max {dps} deliveries/s")
+                         f"{med('paced20', 'p99_ms')} ms (each run: {each}); 200 msg/s p50 "
+                         f"{med('paced200', 'p50_ms')} p99 {med('paced200', 'p99_ms')} ms ({d200} deliveries/s); max "
+                         f"{dps} deliveries/s{f'; cpu_latency_qos {min(qos)} us' if qos else ''}")
     for label in labels:
         rs = _by(res.get("backlog") or [], tree=label)
         if rs:
@@ -1096,6 +1128,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pin-server", action="store_true",
                    help="pin the daemon and Mosquitto to the first CPU, away from the load generator's (default: "
                         "they may use every CPU)")
+    p.add_argument("--cpu-latency-qos", type=int, default=None, metavar="US",
+                   help="the daemons run with cpu_latency_qos: US (they keep the CPUs' wake-up latency at or under "
+                        "US microseconds; 0: idle CPUs poll); the floor and Mosquitto are measured with the same "
+                        "request made by the bench itself, so every system meets the same machine (root, or write "
+                        "access to /dev/cpu_dma_latency)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     p.add_argument("--out", type=Path, default=None, help="JSON output (default bench/results/scale-latest.json)")
     args = p.parse_args(argv)

@@ -24,3 +24,13 @@ def test_write_high_water_in_the_config() -> None:
     assert parse_config({"limits": {"write_high_water": 1 << 20}}).effective_write_high_water == 1 << 20
     with pytest.raises(ConfigError, match="write_high_water"):
         parse_config({"limits": {"write_high_water": 100}})
+
+
+def test_cpu_latency_qos_in_the_config() -> None:
+    assert parse_config({}).cpu_latency_qos is None
+    assert parse_config({"cpu_latency_qos": None}).cpu_latency_qos is None
+    assert parse_config({"cpu_latency_qos": 0}).cpu_latency_qos == 0
+    assert parse_config({"cpu_latency_qos": 2_000_000_000}).cpu_latency_qos == 2_000_000_000
+    for bad in (-1, 2_000_000_001, "0", 0.5, True):
+        with pytest.raises(ConfigError, match="cpu_latency_qos.*microseconds"):
+            parse_config({"cpu_latency_qos": bad})

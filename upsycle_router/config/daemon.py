@@ -199,6 +199,9 @@ class DaemonConfig:
     max_partial_bytes: int = 256 * 1024 * 1024
     verify_threads: int | None = None
     verify_nice: int = 10
+    # A bound (microseconds) on the CPUs' wake-up latency the daemon asks the kernel for while it runs
+    # (runtime/cpu_latency.py); None: no request.
+    cpu_latency_qos: int | None = None
     rate_per_connection: float = 0.0
     rate_burst: int = 10_000
     metrics_listen: str | None = None
@@ -228,10 +231,11 @@ _TOP = {
     "local_services", "edge_nodes", "accept_join_from_any", "accept_pull_from_any", "peers", "core_nodes",
     "idle_timeout",
     "seen_max", "queue", "store", "limits", "trace", "log", "pubsub", "metrics", "verify_threads",
-    "verify_nice",
+    "verify_nice", "cpu_latency_qos",
     "discovery",
     "websocket",
 }  # fmt: skip
+MAX_CPU_LATENCY_QOS = 2_000_000_000  # microseconds: the kernel's 'no bound'
 MAX_GOSSIP_BOUND = 1_000_000  # max_pending_pulls, max_missing, max_peer_groups, max_learned_peers
 MAX_GOSSIP_SEEN = 100_000_000  # the pub/sub service's seen cache (seen_max)
 MAX_GOSSIP_WAIT = 3600.0  # iwant_timeout, pull_delay, pull_timeout
@@ -296,6 +300,10 @@ def parse_config(raw: Any, base: DaemonConfig | None = None) -> DaemonConfig:
         kw["verify_threads"] = None if vt is None else parse_int(vt, "verify_threads", 0, MAX_VERIFY_THREADS)
     if "verify_nice" in top:
         kw["verify_nice"] = parse_int(top["verify_nice"], "verify_nice", 0, 19)
+    if "cpu_latency_qos" in top:
+        q = top["cpu_latency_qos"]
+        kw["cpu_latency_qos"] = None if q is None else parse_int(q, "cpu_latency_qos", 0, MAX_CPU_LATENCY_QOS,
+                                                                 unit="microseconds")
     if "max_frame" in top:
         kw["max_frame"] = parse_int(top["max_frame"], "max_frame", MIN_FRAME, MAX_FRAME_LIMIT, unit="bytes")
     if "seen_max" in top:

@@ -60,6 +60,7 @@ TOP: dict[str, str] = {
     "max_partial_bytes": "limits.max_partial_bytes",
     "verify_threads": "verify_threads",
     "verify_nice": "verify_nice",
+    "cpu_latency_qos": "cpu_latency_qos",
     "rate_per_connection": "limits.rate_per_connection",
     "rate_burst": "limits.rate_burst",
     "metrics_listen": "metrics.listen",

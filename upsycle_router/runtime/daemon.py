@@ -68,7 +68,7 @@ from upsycle_router.errors import ConfigError, ErrorCode
 from upsycle_router.expiry import exp_in
 from upsycle_router.files import UNKNOWN, FileId, file_id
 from upsycle_router.logtext import value
-from upsycle_router.runtime import early
+from upsycle_router.runtime import cpu_latency, early
 from upsycle_router.runtime.discovery_service import DISCOVERY_COUNTERS, DiscoveryService, LanSocketConfig
 from upsycle_router.runtime.driver import Driver
 from upsycle_router.runtime.logs import set_format, set_level
@@ -231,6 +231,7 @@ class Daemon:
         self.metrics: MetricsServer | None = None
         self._lock_fd: int | None = None
         self._dir_fd: int | None = None  # (the data directory, locked as well as its lock file)
+        self.cpu_latency: cpu_latency.CpuLatencyRequest | None = None  # cpu_latency_qos, held while it runs
         self._unix_bound = False  # this process bound listen.unix (only then does stop() remove it)
         self.store_damage: str | None = None  # LMDB reported damage while running: the daemon stops, exit 2
         self._readvertise_handle: asyncio.TimerHandle | None = None
@@ -296,6 +297,8 @@ class Daemon:
             log.info("open files limit (RLIMIT_NOFILE) raised from %d to %d", old_limit, fd_limit)
         else:
             log.info("open files limit (RLIMIT_NOFILE) is %d", fd_limit)
+        if cfg.cpu_latency_qos is not None:
+            self.cpu_latency = cpu_latency.request(cfg.cpu_latency_qos)
         had_key = os.path.lexists(cfg.key_path)
         self.identity = ident = load_or_create_key_file(cfg.key_path)
         if not had_key and (cfg.data_dir / "store" / MARKER).exists():
@@ -852,6 +855,7 @@ class Daemon:
             "dropped": by_reason("dropped_"),
             "connections_refused": by_reason("conn_refused_"),
             "services": self.service_keys(),
+            **({"cpu_latency_qos": self.cpu_latency.status()} if self.cpu_latency is not None else {}),
             "peers": peers,
             "connections": conns,
         }
@@ -957,6 +961,8 @@ class Daemon:
         if self._dir_fd is not None:
             os.close(self._dir_fd)
             self._dir_fd = None
+        if self.cpu_latency is not None:
+            self.cpu_latency.close()
         log.info("stopped")
 
 
@@ -1068,6 +1074,8 @@ async def run_daemon(
         if d.store is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(d.stop(), STOP_TIMEOUT)
+        if d.cpu_latency is not None:
+            d.cpu_latency.close()
         raise
     tune_gc()
     try:
