@@ -401,7 +401,8 @@ class Daemon:
         self._readvertise_handle = loop.call_later(self._advert_refresh(), self._readvertise)
         if self.trimmer.available:
             self._trim_handle = loop.call_later(TRIM_INTERVAL, self._trim)
-        self._rate_handle = loop.call_later(RATE_INTERVAL, self._rate_tick)
+        if self.metrics is not None:  # (the rates are for its /status only: no tick over every connection else)
+            self._rate_handle = loop.call_later(RATE_INTERVAL, self._rate_tick)
         self._watch_handle = loop.call_later(WATCH_INTERVAL, self._watch)
         log.info(
             "started id=%s data_dir=%s unix=%s durability=%s hot_path=%s%s", ident.hex, value(cfg.data_dir),

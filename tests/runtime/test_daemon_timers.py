@@ -1,0 +1,49 @@
+"""The daemon's own periodic work on its event loop, in process (a real daemon: store, socket, listeners).
+
+Each connection's message rate (for the metrics listener's ``/status``) is a walk over every connection every
+``RATE_INTERVAL`` seconds - ~1 ms at 1,000 connections, on the loop a message waits for. Without a metrics
+listener nothing can read the rates, so the walk is not scheduled at all."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from pathlib import Path
+
+from netutil import free_port
+
+from upsycle_router.config import parse_config
+from upsycle_router.runtime.daemon import Daemon
+
+
+async def _started(tmp_path: Path, **extra: object) -> Daemon:
+    cfg = parse_config({"data_dir": str(tmp_path / "data"), "listen": {"unix": str(tmp_path / "s.sock")},
+                        "durability": "none", "pubsub": {"enabled": False}, **extra})  # fmt: skip
+    d = Daemon(cfg)
+    await d.start()
+    return d
+
+
+async def _stop(d: Daemon) -> None:
+    try:
+        await d.stop()
+    finally:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # (start() took them over in this process)
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(sig)
+
+
+async def test_the_rates_are_taken_only_for_a_metrics_listener(tmp_path: Path) -> None:
+    d = await _started(tmp_path / "a")
+    try:
+        assert d.metrics is None and d._rate_handle is None
+        assert d._watch_handle is not None  # (the other periodic work goes on)
+    finally:
+        await _stop(d)
+    d = await _started(tmp_path / "b", metrics={"listen": f"127.0.0.1:{free_port()}"})
+    try:
+        assert d.metrics is not None and d._rate_handle is not None
+    finally:
+        await _stop(d)
