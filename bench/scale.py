@@ -1128,16 +1128,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pin-server", action="store_true",
                    help="pin the daemon and Mosquitto to the first CPU, away from the load generator's (default: "
                         "they may use every CPU)")
-    p.add_argument("--cpu-latency-qos", type=int, default=None, metavar="US",
+    p.add_argument("--cpu-latency-qos", type=_latency_us, default=None, metavar="US",
                    help="the daemons run with cpu_latency_qos: US (they keep the CPUs' wake-up latency at or under "
                         "US microseconds; 0: idle CPUs poll); the floor and Mosquitto are measured with the same "
                         "request made by the bench itself, so every system meets the same machine (root, or write "
-                        "access to /dev/cpu_dma_latency)")
+                        "access to /dev/cpu_dma_latency; a --baseline-tree from before the option refuses it)")
     p.add_argument("--keep", action="store_true", help="keep the temporary directory (logs)")
     p.add_argument("--out", type=Path, default=None, help="JSON output (default bench/results/scale-latest.json)")
     args = p.parse_args(argv)
     args.subscribers = [int(x) for x in str(args.subscribers).split(",") if x.strip()]
     return args
+
+
+def _latency_us(text: str) -> int:
+    """``--cpu-latency-qos``: 0 to 2,000,000,000 microseconds, as the config option."""
+    try:
+        v = int(text)
+    except ValueError:
+        v = -1
+    if not 0 <= v <= 2_000_000_000:
+        raise argparse.ArgumentTypeError(f"expected 0 to 2000000000 microseconds, got {text!r}")
+    return v
 
 
 def pin_server(args: argparse.Namespace) -> None:

@@ -70,6 +70,8 @@ FILE_GROUPS = {
     # critical path, and that test's start-up and run overlap it on another worker (with a Spark session of its
     # own there, for the local summary it compares with) instead of adding to it.
     "spark-cluster": ("tests/analytics/test_analytics_cluster.py",),
+    # the kernel's CPU latency bound is one for the whole machine: its tests one after the other
+    "cpu-latency": ("tests/e2e/test_e2e_cpu_latency.py",),
     "spark": SPARK_FILES,
     # the docs' recipes listen on fixed ports (README's "Two routers" and docs/discovery.md: 7733, 7734)
     "docs-recipes": ("tests/repo/test_docs_recipes.py",),

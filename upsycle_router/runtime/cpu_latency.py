@@ -14,7 +14,10 @@ Linux lets a process ask for a bound on that latency: it opens ``/dev/cpu_dma_la
 in microseconds as a 32-bit integer (the kernel's "CPU latency QoS", what ``tuned``'s ``latency-performance``
 profile and ``cyclictest`` use). While the file stays open, no CPU enters an idle state whose exit latency is
 above the bound - with 0, idle CPUs poll instead of halting. The request ends when the descriptor is closed:
-when the daemon stops, and also when it is killed, so nothing is left behind.
+when the daemon stops, and also when it is killed, so nothing is left behind. The request is honoured by the
+kernel's cpuidle driver; a machine without one (``/sys/devices/system/cpu/cpuidle/current_driver`` says
+``none``, as on some virtual machines) idles its CPUs without asking, and the daemon says that the request,
+though held, changes nothing there.
 
 The price is power: a CPU that polls is busy to the machine (a VM's host sees it at 100 %). So the request
 is off by default (``cpu_latency_qos: null``) and meant for core nodes whose latency matters more than their
@@ -39,7 +42,10 @@ from typing import Any
 log = logging.getLogger("upsycle_router.daemon")
 
 DEVICE = Path("/dev/cpu_dma_latency")
-MAX_US = 2_000_000_000  # the kernel's own "no bound" (PM_QOS_DEFAULT_VALUE); requests above it are refused
+# The cpuidle driver in use: without one ("none", or no such file) the kernel idles its CPUs its own way and
+# never consults the request.
+IDLE_DRIVER = Path("/sys/devices/system/cpu/cpuidle/current_driver")
+MAX_US = 2_000_000_000  # the kernel's own "no bound" (PM_QOS_DEFAULT_VALUE); this module refuses more
 
 
 @dataclass
@@ -50,6 +56,7 @@ class CpuLatencyRequest:
     device: Path
     fd: int | None = None
     error: str | None = None
+    idle_driver: str | None = None  # the cpuidle driver that honours it ("none" or None: nothing does)
 
     @property
     def held(self) -> bool:
@@ -62,20 +69,32 @@ class CpuLatencyRequest:
             os.close(fd)
 
     def status(self) -> dict[str, Any]:
-        """For ``status``: the bound asked for, whether it is held, and why not."""
+        """For ``status``: the bound asked for, whether it is held (and why not), the cpuidle driver."""
         return {"microseconds": self.microseconds, "held": self.held, "device": str(self.device),
-                **({"error": self.error} if self.error else {})}  # fmt: skip
+                "idle_driver": self.idle_driver, **({"error": self.error} if self.error else {})}  # fmt: skip
 
 
-def request(microseconds: int, device: Path = DEVICE) -> CpuLatencyRequest:
+def idle_driver(path: Path = IDLE_DRIVER) -> str | None:
+    """The name of the cpuidle driver in use (``none`` when there is none), or None when it cannot be read."""
+    try:
+        return path.read_text(encoding="ascii", errors="replace").strip() or None
+    except OSError:
+        return None
+
+
+def request(microseconds: int, device: Path = DEVICE, driver_file: Path = IDLE_DRIVER) -> CpuLatencyRequest:
     """Ask the kernel to keep every CPU's wake-up latency at or under ``microseconds`` until the request is
     closed. Never raises for the device: a request that cannot be made is returned with its ``error``, logged
-    as a WARNING."""
+    as a WARNING; one held where no cpuidle driver would honour it (``driver_file``) is logged as a WARNING
+    too."""
     if not 0 <= microseconds <= MAX_US:
         raise ValueError(f"cpu_latency_qos: {microseconds} is not 0 to {MAX_US} microseconds")
-    req = CpuLatencyRequest(microseconds, device)
+    req = CpuLatencyRequest(microseconds, device, idle_driver=idle_driver(driver_file))
     try:
         fd = os.open(device, os.O_WRONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        req.error = (f"cannot open {device}: no such device here (a container, or a systemd unit with "
+                     "PrivateDevices=yes, has none)")  # fmt: skip
     except OSError as e:
         req.error = f"cannot open {device}: {e.strerror or e}"
     else:
@@ -87,9 +106,13 @@ def request(microseconds: int, device: Path = DEVICE) -> CpuLatencyRequest:
             req.error = f"{device} refused the bound: {e.strerror or e}"
         else:
             req.fd = fd
-    if req.held:
-        log.info("cpu_latency_qos: CPUs kept at or under %d us of wake-up latency while the router runs (%s%s)",
-                 microseconds, device, "; idle CPUs poll instead of halting" if microseconds == 0 else "")
+    if req.held and req.idle_driver in (None, "none"):
+        log.warning("cpu_latency_qos: the request is held (%s), but this machine has no cpuidle driver to honour it "
+                    "(%s: %s): its CPUs idle as before", device, driver_file, req.idle_driver or "unreadable")
+    elif req.held:
+        log.info("cpu_latency_qos: CPUs kept at or under %d us of wake-up latency while the router runs (%s, "
+                 "cpuidle driver %s%s)", microseconds, device, req.idle_driver,
+                 "; idle CPUs poll instead of halting" if microseconds == 0 else "")  # fmt: skip
     else:
         log.warning("cpu_latency_qos: %s; the router runs without the request (it needs root or write access to "
                     "%s; see the docs' config.md, 'CPU latency')", req.error, device)  # fmt: skip

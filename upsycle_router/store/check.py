@@ -374,7 +374,8 @@ def open_reader(path: Path, *, directory: bool) -> Any:
 
 def begin_read(env: Any) -> Any:
     """A read transaction of ``env``; when a writer has grown the file past this reader's map since it opened
-    (``MDB_MAP_RESIZED``), the map adopts the size the file now records and the transaction begins again."""
+    (``MDB_MAP_RESIZED``), the map adopts the size the file now records and the transaction begins again.
+    No other transaction of ``env`` may be open (LMDB remaps the file: it would invalidate them)."""
     try:
         return env.begin()
     except lmdb.MapResizedError:

@@ -1,8 +1,13 @@
-"""The daemon's own periodic work on its event loop, in process (a real daemon: store, socket, listeners).
+"""The daemon in process (a real daemon: store, socket, listeners), where what it keeps is looked at directly.
 
-Each connection's message rate (for the metrics listener's ``/status``) is a walk over every connection every
-``RATE_INTERVAL`` seconds - ~1 ms at 1,000 connections, on the loop a message waits for. Without a metrics
-listener nothing can read the rates, so the walk is not scheduled at all."""
+Its own periodic work on the event loop: each connection's message rate (for the metrics listener's
+``/status``) is a walk over every connection every ``RATE_INTERVAL`` seconds - ~1 ms at 1,000 connections, on
+the loop a message waits for. Without a metrics listener nothing can read the rates, so the walk is not
+scheduled at all.
+
+``cpu_latency_qos``: the request is made at the start whether or not it can be held (root or not: held, or
+not with its reason), shows in the status view, and ends at the stop (the device's own behaviour:
+tests/e2e/test_e2e_cpu_latency.py)."""
 
 from __future__ import annotations
 
@@ -45,5 +50,22 @@ async def test_the_rates_are_taken_only_for_a_metrics_listener(tmp_path: Path) -
     d = await _started(tmp_path / "b", metrics={"listen": f"127.0.0.1:{free_port()}"})
     try:
         assert d.metrics is not None and d._rate_handle is not None
+    finally:
+        await _stop(d)
+
+
+async def test_the_cpu_latency_request_is_made_at_the_start_and_ended_at_the_stop(tmp_path: Path) -> None:
+    d = await _started(tmp_path, cpu_latency_qos=7)  # (7 us: no CPU need poll for it)
+    try:
+        req = d.cpu_latency
+        assert req is not None and req.microseconds == 7
+        st = d.status_detail()["cpu_latency_qos"]
+        assert st["microseconds"] == 7 and st["held"] == req.held and (req.held or "cannot open" in st["error"])
+    finally:
+        await _stop(d)
+    assert req.fd is None and not req.held
+    d = await _started(tmp_path / "none")
+    try:
+        assert d.cpu_latency is None and "cpu_latency_qos" not in d.status_detail()
     finally:
         await _stop(d)
