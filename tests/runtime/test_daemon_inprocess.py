@@ -61,11 +61,13 @@ async def test_the_cpu_latency_request_is_made_at_the_start_and_ended_at_the_sto
         assert req is not None and req.microseconds == 7
         st = d.status_detail()["cpu_latency_qos"]
         assert st["microseconds"] == 7 and st["held"] == req.held and (req.held or "cannot open" in st["error"])
+        assert d.driver is not None and d.driver.router.status()["cpu_latency_qos_held"] == int(req.held)
     finally:
         await _stop(d)
     assert req.fd is None and not req.held
     d = await _started(tmp_path / "none")
     try:
         assert d.cpu_latency is None and "cpu_latency_qos" not in d.status_detail()
+        assert d.driver is not None and "cpu_latency_qos_held" not in d.driver.router.status()
     finally:
         await _stop(d)

@@ -340,6 +340,8 @@ class Daemon:
             verify_nice=cfg.verify_nice,
             burst=cfg.rate_burst,
         )
+        if self.cpu_latency is not None:  # (a gauge in status and /metrics: 1 held, 0 not)
+            self.driver.stats["cpu_latency_qos_held"] = int(self.cpu_latency.held)
         self.driver.on_local_open = self._local_opened
         self.admission = Admission(
             self.driver.stats,
