@@ -16,9 +16,13 @@ import contextlib
 import signal
 from pathlib import Path
 
+import pytest
 from netutil import free_port
 
+from upsycle_router.client import Client
 from upsycle_router.config import parse_config
+from upsycle_router.crypto import Identity
+from upsycle_router.runtime import daemon as daemon_module
 from upsycle_router.runtime.daemon import Daemon
 
 
@@ -69,5 +73,32 @@ async def test_the_cpu_latency_request_is_made_at_the_start_and_ended_at_the_sto
     try:
         assert d.cpu_latency is None and "cpu_latency_qos" not in d.status_detail()
         assert d.driver is not None and "cpu_latency_qos_held" not in d.driver.router.status()
+    finally:
+        await _stop(d)
+
+
+async def test_the_status_views_rates_come_from_the_connections_counters(tmp_path: Path) -> None:
+    """The sampler's wiring (its own logic: tests/runtime/test_rates.py): two rounds of ticks over the real
+    connections, ten messages between them, give the sender's rate in the status view."""
+    d = await _started(tmp_path, metrics={"listen": f"127.0.0.1:{free_port()}"})
+    try:
+        a, b = Identity.generate(), Identity.generate()
+        async with await Client.connect(d.config.unix, a) as ca, \
+                await Client.connect(d.config.unix, b) as cb:  # fmt: skip
+            assert d.driver is not None
+            rates = d._rates
+            for k in range(rates.slices):  # a round: every connection sampled once
+                rates.tick(d.driver.conns, daemon_module._traffic, 100.0 + k * rates.period)
+            for i in range(10):
+                await ca.send(b.public, f"m{i}".encode())
+            await ca.sync()
+            for _ in range(10):
+                await cb.recv(timeout=5)
+            for k in range(rates.slices):  # the next round, 10 s later
+                rates.tick(d.driver.conns, daemon_module._traffic, 110.0 + k * rates.period)
+            conns = {c["peer"]: c for c in d.status_detail()["connections"]}
+            sender, receiver = conns[a.public.hex()], conns[b.public.hex()]
+            assert sender["rate_in"] == pytest.approx(1.1)  # (10 messages and the SYNC over 10 s)
+            assert receiver["rate_out"] == pytest.approx(1.0) and receiver["rate_in"] == 0.0
     finally:
         await _stop(d)

@@ -76,6 +76,7 @@ from upsycle_router.runtime.memory import STORM_TRIM_DELAY, TRIM_INTERVAL, PeakW
 from upsycle_router.runtime.metrics import MetricsServer
 from upsycle_router.runtime.pool import ConnectionPool
 from upsycle_router.runtime.pubsub_service import PUBSUB_COUNTERS, PubsubService, pubsub_policies, pubsub_service
+from upsycle_router.runtime.rates import RateSampler
 from upsycle_router.services.discovery import DISCOVERY_GROUP
 from upsycle_router.services.pubsub.params import GossipParams
 from upsycle_router.services.pubsub.validation import GroupPolicy
@@ -95,6 +96,7 @@ STOP_TIMEOUT = 10.0
 ADVERT_TTL = 3600
 ADVERT_REFRESH = ADVERT_TTL / 3
 RATE_INTERVAL = 10.0  # seconds: the connections' message rates in the status view are over this interval
+RATE_SLICES = 20  # ... sampled a twentieth of the connections at a time (runtime/rates.py)
 STORE_FAILING_FOR = 5.0  # seconds of batches that do not commit (a full or failing disk) before /healthz fails
 WATCH_INTERVAL = 1.0  # seconds between looks at the store's data file and the Unix socket (module docstring)
 STOP_ANSWER_WAIT = 1.0  # seconds a stop waits for WebSocket upgrade requests still coming in (answered 503)
@@ -218,9 +220,8 @@ class Daemon:
         self._unix_file: FileId | None = None  # (device, inode) of the socket this process bound
         self._unix_lost: str | None = None  # why listen.unix no longer reaches this router (for /healthz)
         self._rebinding: asyncio.Task[None] | None = None
-        # Each connection's (messages_in, messages_out) at the last rate tick, and its rates since the one before.
-        self._traffic: dict[int, tuple[int, int]] = {}
-        self._rates: dict[int, tuple[float, float]] = {}
+        # Each connection's message rates for the status view, sampled a slice of the connections at a time.
+        self._rates = RateSampler(RATE_INTERVAL, RATE_SLICES)
         self.identity: Identity | None = None
         self.store: LmdbStore | None = None
         self.driver: Driver | None = None
@@ -404,7 +405,7 @@ class Daemon:
         if self.trimmer.available:
             self._trim_handle = loop.call_later(TRIM_INTERVAL, self._trim)
         if self.metrics is not None:  # (the rates are for its /status only: no tick over every connection else)
-            self._rate_handle = loop.call_later(RATE_INTERVAL, self._rate_tick)
+            self._rate_handle = loop.call_later(self._rates.period, self._rate_tick)
         self._watch_handle = loop.call_later(WATCH_INTERVAL, self._watch)
         log.info(
             "started id=%s data_dir=%s unix=%s durability=%s hot_path=%s%s", ident.hex, value(cfg.data_dir),
@@ -811,17 +812,12 @@ class Daemon:
             self._rebinding = None
 
     def _rate_tick(self) -> None:
-        """Every RATE_INTERVAL seconds: each connection's message rates over the interval that ended."""
+        """Every RATE_INTERVAL / RATE_SLICES seconds: the next slice of the connections' message rates
+        (runtime/rates.py: each connection sampled about once per RATE_INTERVAL, a share of them per tick)."""
         loop = asyncio.get_running_loop()
         if self.driver is not None:
-            traffic, rates = {}, {}
-            for c in self.driver.conns.values():
-                now_in, now_out = c.messages_in, c.messages_out
-                was_in, was_out = self._traffic.get(c.id, (0, 0))
-                traffic[c.id] = (now_in, now_out)
-                rates[c.id] = ((now_in - was_in) / RATE_INTERVAL, (now_out - was_out) / RATE_INTERVAL)
-            self._traffic, self._rates = traffic, rates
-        self._rate_handle = loop.call_later(RATE_INTERVAL, self._rate_tick)
+            self._rates.tick(self.driver.conns, _traffic, time.monotonic())
+        self._rate_handle = loop.call_later(self._rates.period, self._rate_tick)
 
     def status_detail(self) -> dict[str, Any]:
         """The ``/status`` view: version, start, counters, refusals by reason, services, peers, connections."""
@@ -835,7 +831,7 @@ class Daemon:
 
         conns = []
         for c in sorted(self.driver.conns.values(), key=lambda c: c.id):
-            rate_in, rate_out = self._rates.get(c.id, (0.0, 0.0))
+            rate_in, rate_out = self._rates.rates.get(c.id, (0.0, 0.0))
             remote = c.transport.get_extra_info("peername") if c.transport is not None else None
             conns.append({
                 "conn": c.id, "peer": c.peer.hex() if c.peer else None, "kind": c.kind, "local": c.local,
@@ -1017,6 +1013,11 @@ async def _socket_alive(path: Path) -> bool:
 # 25-52 ms here, every ~2.5 s at 2,000 msg/s of multicast (the pub/sub service's message cache keeps thousands
 # of messages alive for seconds, so they reach the oldest generation and trigger the next full collection).
 GC_THRESHOLDS = (700, 10, 100)  # CPython's are (700, 10, 10): a full collection every 100th instead of 10th
+
+
+def _traffic(c: Connection) -> tuple[int, int]:
+    """A connection's (messages_in, messages_out), for the rates of the status view."""
+    return c.messages_in, c.messages_out
 
 
 def tune_gc() -> None:
