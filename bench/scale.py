@@ -739,9 +739,7 @@ def part_fanout(ctx: Ctx) -> list[dict[str, Any]]:
                             rec["error"] = "mosquitto is not installed (bench/setup_peers.sh)"
                             out.append(rec)
                             continue
-                        held = ctx.cpu_latency()  # (the router's runs make the request themselves)
-                        held.__enter__()
-                        stack.callback(held.__exit__, None, None, None)
+                        stack.enter_context(ctx.cpu_latency())  # (the router's runs make the request themselves)
                         child, port = peers._start_mosquitto(rr, 1)
                         rec["system"] = "mosquitto-qos1"
                         pub = {"proto": "mqtt", "host": LOOPBACK, "port": port, "client_id": "pub", "qos": 1,
@@ -1141,13 +1139,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _latency_us(text: str) -> int:
-    """``--cpu-latency-qos``: 0 to 2,000,000,000 microseconds, as the config option."""
+    """``--cpu-latency-qos``: 0 to the config option's bound, in microseconds."""
+    from upsycle_router.config.daemon import MAX_CPU_LATENCY_QOS
+
     try:
         v = int(text)
     except ValueError:
         v = -1
-    if not 0 <= v <= 2_000_000_000:
-        raise argparse.ArgumentTypeError(f"expected 0 to 2000000000 microseconds, got {text!r}")
+    if not 0 <= v <= MAX_CPU_LATENCY_QOS:
+        raise argparse.ArgumentTypeError(f"expected 0 to {MAX_CPU_LATENCY_QOS} microseconds, got {text!r}")
     return v
 
 

@@ -39,13 +39,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from upsycle_router.config.daemon import MAX_CPU_LATENCY_QOS
+
 log = logging.getLogger("upsycle_router.daemon")
 
 DEVICE = Path("/dev/cpu_dma_latency")
 # The cpuidle driver in use: without one ("none", or no such file) the kernel idles its CPUs its own way and
 # never consults the request.
 IDLE_DRIVER = Path("/sys/devices/system/cpu/cpuidle/current_driver")
-MAX_US = 2_000_000_000  # the kernel's own "no bound" (PM_QOS_DEFAULT_VALUE); this module refuses more
+MAX_US = MAX_CPU_LATENCY_QOS  # the kernel's own "no bound" (PM_QOS_DEFAULT_VALUE); the config's bound too
 
 
 @dataclass
